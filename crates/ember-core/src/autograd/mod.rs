@@ -1,0 +1,131 @@
+//! Reverse-mode automatic differentiation over a dynamic graph, as `torch.autograd`.
+//!
+//! An op whose inputs need gradients calls [`record`] with a backward closure that sits next to
+//! its forward code; the closure receives the gradient of the op's output and returns one
+//! gradient per input. A node is recorded only when grad mode is on and some input requires a
+//! gradient, so inference pays nothing.
+//!
+//! Note [Single-output nodes]: every node has exactly one output tensor. Ops with several
+//! outputs (split, max with indices) make one node per differentiable output. The gradient
+//! that reaches a node is therefore the gradient of that one tensor, which is where its hooks
+//! and `retain_grad` apply.
+//!
+//! Note [Saved tensors]: a backward closure keeps what it needs as [`SavedTensor`], which
+//! remembers the storage version at record time; if an in-place op changed the storage since,
+//! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
+
+mod engine;
+mod grad_mode;
+
+pub use engine::grad;
+pub(crate) use engine::{roots_with_grads as engine_roots, run_backward};
+pub use grad_mode::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
+
+use crate::tensor::TensorImpl;
+use crate::{Error, Result, Tensor};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// Computes input gradients from the output gradient; `needs[i]` says whether input `i` needs
+/// one (an entry may be `None` when it does not).
+pub(crate) type BackwardFn = Box<dyn Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+
+/// A gradient hook: sees the gradient of a tensor and may replace it.
+pub type Hook = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+
+/// One recorded operation.
+pub(crate) struct Node {
+    pub(crate) name: &'static str,
+    /// Where each input's gradient goes; `None` for inputs that need no gradient.
+    pub(crate) edges: Vec<Option<Edge>>,
+    /// Taken after a backward pass unless the graph is retained.
+    backward: Mutex<Option<BackwardFn>>,
+    /// The node's output tensor, for its hooks and `retain_grad` (see Note [Single-output nodes]).
+    output: OnceLock<Weak<TensorImpl>>,
+}
+
+/// Where a gradient flows: into a leaf's `.grad`, or into another node.
+#[derive(Clone)]
+pub(crate) enum Edge {
+    Leaf(Arc<TensorImpl>),
+    Node(Arc<Node>),
+}
+
+impl Edge {
+    /// The edge that reaches `t`'s gradient, if `t` takes part in autograd.
+    pub(crate) fn of(t: &Tensor) -> Option<Edge> {
+        match &t.0.grad_fn {
+            Some(node) => Some(Edge::Node(node.clone())),
+            None if t.requires_grad() => Some(Edge::Leaf(t.0.clone())),
+            None => None,
+        }
+    }
+
+    pub(crate) fn key(&self) -> usize {
+        match self {
+            Edge::Leaf(t) => Arc::as_ptr(t) as *const () as usize,
+            Edge::Node(n) => Arc::as_ptr(n) as *const () as usize,
+        }
+    }
+}
+
+impl Node {
+    pub(crate) fn output(&self) -> Option<Tensor> {
+        self.output.get().and_then(Weak::upgrade).map(Tensor)
+    }
+}
+
+/// True when an op over `inputs` must record a node: grad mode is on and an input requires grad.
+#[inline]
+pub(crate) fn needs_grad(inputs: &[&Tensor]) -> bool {
+    is_grad_enabled() && inputs.iter().any(|t| t.requires_grad())
+}
+
+/// Attaches a node computed by `backward` to `out`, whose inputs were `inputs`.
+///
+/// Callers check [`needs_grad`] first so that they build the closure only when it is used.
+pub(crate) fn record<F>(name: &'static str, inputs: &[&Tensor], out: Tensor, backward: F) -> Tensor
+where
+    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+{
+    let node = Arc::new(Node {
+        name,
+        edges: inputs.iter().map(|t| Edge::of(t)).collect(),
+        backward: Mutex::new(Some(Box::new(backward))),
+        output: OnceLock::new(),
+    });
+    let out = out.with_grad_fn(node.clone());
+    let _ = node.output.set(Arc::downgrade(&out.0));
+    out
+}
+
+/// A tensor kept for backward, with the storage version it had when saved.
+#[derive(Clone)]
+pub(crate) struct SavedTensor {
+    tensor: Tensor,
+    version: u64,
+    op: &'static str,
+}
+
+impl SavedTensor {
+    pub(crate) fn new(op: &'static str, t: &Tensor) -> SavedTensor {
+        // Detached, so that saving an op's own output makes no reference cycle through the node.
+        SavedTensor {
+            tensor: t.detach(),
+            version: t.0.storage.version(),
+            op,
+        }
+    }
+
+    /// The saved tensor, or an error if it was modified in place since it was saved.
+    pub(crate) fn get(&self) -> Result<&Tensor> {
+        let found = self.tensor.0.storage.version();
+        if found != self.version {
+            return Err(Error::InplaceModified {
+                op: self.op,
+                expected: self.version,
+                found,
+            });
+        }
+        Ok(&self.tensor)
+    }
+}

@@ -1,0 +1,223 @@
+//! The CPU backend: [`CpuStorage`] holds a `Vec` of the tensor's dtype; kernels are
+//! multi-threaded with rayon above [`PAR_THRESHOLD`] elements, with contiguous fast paths and a
+//! general strided path. f16 and bf16 compute through f32.
+
+use crate::dtype::Element;
+use crate::layout::Layout;
+use crate::DType;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+mod binary;
+
+/// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
+pub const PAR_THRESHOLD: usize = 1 << 15;
+
+/// Elements of one CPU tensor storage.
+#[derive(Debug, Clone)]
+pub enum CpuStorage {
+    Bool(Vec<bool>),
+    U8(Vec<u8>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+/// Applies `$body` with `$v` bound to the typed `Vec` (or slice) inside a [`CpuStorage`];
+/// every arm must produce the same type.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_cpu_storage {
+    ($s:expr, $v:ident => $body:expr) => {
+        match $s {
+            $crate::cpu::CpuStorage::Bool($v) => $body,
+            $crate::cpu::CpuStorage::U8($v) => $body,
+            $crate::cpu::CpuStorage::I32($v) => $body,
+            $crate::cpu::CpuStorage::I64($v) => $body,
+            $crate::cpu::CpuStorage::F16($v) => $body,
+            $crate::cpu::CpuStorage::BF16($v) => $body,
+            $crate::cpu::CpuStorage::F32($v) => $body,
+            $crate::cpu::CpuStorage::F64($v) => $body,
+        }
+    };
+}
+pub use with_cpu_storage;
+
+/// A Rust element type that a [`CpuStorage`] variant holds.
+pub trait CpuElement: Element {
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+}
+
+macro_rules! cpu_element {
+    ($t:ty, $variant:ident) => {
+        impl CpuElement for $t {
+            #[inline]
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            #[inline]
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            #[inline]
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+cpu_element!(bool, Bool);
+cpu_element!(u8, U8);
+cpu_element!(i32, I32);
+cpu_element!(i64, I64);
+cpu_element!(f16, F16);
+cpu_element!(bf16, BF16);
+cpu_element!(f32, F32);
+cpu_element!(f64, F64);
+
+impl CpuStorage {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::Bool(_) => DType::Bool,
+            CpuStorage::U8(_) => DType::U8,
+            CpuStorage::I32(_) => DType::I32,
+            CpuStorage::I64(_) => DType::I64,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        with_cpu_storage!(self, v => v.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `n` copies of `value` converted to `dtype`.
+    pub fn full(dtype: DType, n: usize, value: f64) -> CpuStorage {
+        fn fill<T: CpuElement>(n: usize, value: f64) -> CpuStorage {
+            T::wrap(vec![T::from_f64(value); n])
+        }
+        match dtype {
+            DType::Bool => fill::<bool>(n, value),
+            DType::U8 => fill::<u8>(n, value),
+            DType::I32 => fill::<i32>(n, value),
+            DType::I64 => fill::<i64>(n, value),
+            DType::F16 => fill::<f16>(n, value),
+            DType::BF16 => fill::<bf16>(n, value),
+            DType::F32 => fill::<f32>(n, value),
+            DType::F64 => fill::<f64>(n, value),
+        }
+    }
+
+    /// The elements of `layout` copied into a new row-major storage.
+    pub fn contiguous(&self, layout: &Layout) -> CpuStorage {
+        with_cpu_storage!(self, v => CpuElement::wrap(gather_strided(v, layout)))
+    }
+
+    /// The elements of `layout`, converted to `dtype`, in a new row-major storage.
+    pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> CpuStorage {
+        fn cast<S: CpuElement, D: CpuElement>(src: &[S], layout: &Layout) -> CpuStorage {
+            D::wrap(map_strided(src, layout, convert::<S, D>))
+        }
+        fn to<D: CpuElement>(s: &CpuStorage, layout: &Layout) -> CpuStorage {
+            with_cpu_storage!(s, v => cast::<_, D>(v, layout))
+        }
+        if self.dtype() == dtype {
+            return self.contiguous(layout);
+        }
+        match dtype {
+            DType::Bool => to::<bool>(self, layout),
+            DType::U8 => to::<u8>(self, layout),
+            DType::I32 => to::<i32>(self, layout),
+            DType::I64 => to::<i64>(self, layout),
+            DType::F16 => to::<f16>(self, layout),
+            DType::BF16 => to::<bf16>(self, layout),
+            DType::F32 => to::<f32>(self, layout),
+            DType::F64 => to::<f64>(self, layout),
+        }
+    }
+
+    /// Writes the elements of `src` (viewed through `src_layout`) into `self` at `dst_layout`,
+    /// converting dtype; the shapes of the two layouts must be equal.
+    pub fn copy_strided_from(&mut self, dst_layout: &Layout, src: &CpuStorage, src_layout: &Layout) {
+        fn copy<S: CpuElement, D: CpuElement>(dst: &mut [D], dl: &Layout, src: &[S], sl: &Layout) {
+            if let (Some(d), Some(s)) = (dl.contiguous_range(), sl.contiguous_range()) {
+                for (o, &i) in dst[d].iter_mut().zip(&src[s]) {
+                    *o = convert::<S, D>(i);
+                }
+                return;
+            }
+            for (o, i) in dl.offsets().zip(sl.offsets()) {
+                dst[o] = convert::<S, D>(src[i]);
+            }
+        }
+        fn into<D: CpuElement>(dst: &mut [D], dl: &Layout, src: &CpuStorage, sl: &Layout) {
+            with_cpu_storage!(src, s => copy(dst, dl, s, sl))
+        }
+        with_cpu_storage!(self, d => into(d, dst_layout, src, src_layout))
+    }
+}
+
+/// Converts one element between dtypes with PyTorch's cast semantics (float → int truncates
+/// toward zero, anything → bool is `!= 0`).
+#[inline]
+pub fn convert<S: Element, D: Element>(x: S) -> D {
+    if S::DTYPE.is_floating_point() || D::DTYPE.is_floating_point() {
+        D::from_f64(x.to_f64())
+    } else {
+        D::from_i64(x.to_i64())
+    }
+}
+
+/// The elements of `layout` in row-major order, copied out of `data`.
+pub fn gather_strided<T: Copy + Send + Sync>(data: &[T], layout: &Layout) -> Vec<T> {
+    map_strided(data, layout, |x| x)
+}
+
+/// `f` applied to each element of `layout`, in row-major order. Parallel above
+/// [`PAR_THRESHOLD`]; contiguous layouts read the slice directly.
+pub fn map_strided<T, U, F>(data: &[T], layout: &Layout, f: F) -> Vec<U>
+where
+    T: Copy + Send + Sync,
+    U: Send,
+    F: Fn(T) -> U + Send + Sync,
+{
+    let n = layout.numel();
+    if let Some(r) = layout.contiguous_range() {
+        let src = &data[r];
+        return if n >= PAR_THRESHOLD {
+            src.par_iter().map(|&x| f(x)).collect()
+        } else {
+            src.iter().map(|&x| f(x)).collect()
+        };
+    }
+    if n >= PAR_THRESHOLD && layout.shape().rank() > 1 {
+        // Split along the outermost dimension; each part walks its own sub-layout.
+        let outer = layout.dims()[0];
+        let parts: Vec<Vec<U>> = (0..outer)
+            .into_par_iter()
+            .map(|i| {
+                let sub = layout.select(0, i).expect("index below the dimension size");
+                sub.offsets().map(|o| f(data[o])).collect()
+            })
+            .collect();
+        return parts.into_iter().flatten().collect();
+    }
+    layout.offsets().map(|o| f(data[o])).collect()
+}

@@ -1,0 +1,83 @@
+//! Where a tensor lives: [`Device::Cpu`] or [`Device::Cuda`] with an ordinal (as `torch.device`).
+
+use crate::{Error, Result};
+use std::fmt;
+use std::str::FromStr;
+
+/// A compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    /// Host memory, computed by the multi-threaded CPU backend.
+    #[default]
+    Cpu,
+    /// The NVIDIA GPU with this ordinal.
+    Cuda(usize),
+}
+
+impl Device {
+    /// Parses `"cpu"`, `"cuda"` (ordinal 0) or `"cuda:N"`.
+    pub fn parse(s: &str) -> Result<Device> {
+        s.parse()
+    }
+
+    pub fn is_cpu(self) -> bool {
+        matches!(self, Device::Cpu)
+    }
+
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+
+    /// `"cpu"` or `"cuda"`, as `torch.device.type`.
+    pub fn type_name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda(_) => "cuda",
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Device> {
+        let bad = || Error::InvalidDevice(s.to_string());
+        match s.trim() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            t => {
+                let ordinal = t.strip_prefix("cuda:").ok_or_else(bad)?;
+                if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                ordinal.parse().map(Device::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_pytorch_device_strings() {
+        assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
+        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
+        assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
+        for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "CPU", "cuda:1:2"] {
+            let err = Device::parse(bad).unwrap_err();
+            assert!(err.to_string().contains(bad), "{err}");
+        }
+        assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+    }
+}

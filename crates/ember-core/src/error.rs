@@ -1,0 +1,121 @@
+//! The one error type of ember-core: every fallible public operation returns [`Result`].
+//!
+//! Variants carry structured fields (the op, both shapes, both devices, ...) so a caller can
+//! match on them, and their messages say what went wrong and what to do about it.
+
+use crate::{DType, Device, Shape};
+
+/// Result alias used throughout ember.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong in a tensor operation.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Two operands live on different devices.
+    #[error("expected all tensors on the same device, found {lhs} and {rhs} in {op}; move them with .to(device) first")]
+    DeviceMismatch {
+        op: &'static str,
+        lhs: Device,
+        rhs: Device,
+    },
+
+    /// Two shapes that must agree (or broadcast) do not.
+    #[error("shape mismatch in {op}: {lhs} and {rhs}{hint}", hint = hint_suffix(.hint))]
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+        hint: &'static str,
+    },
+
+    /// Two dtypes that must be equal are not.
+    #[error("dtype mismatch in {op}: expected {expected}, found {found}; convert with .to_dtype()")]
+    DTypeMismatch {
+        op: &'static str,
+        expected: DType,
+        found: DType,
+    },
+
+    /// An op does not support this dtype.
+    #[error("{op} does not support dtype {dtype}{hint}", hint = hint_suffix(.hint))]
+    UnsupportedDType {
+        op: &'static str,
+        dtype: DType,
+        hint: &'static str,
+    },
+
+    /// A dimension argument is outside `[-ndim, ndim)`.
+    #[error("dimension out of range in {op}: expected to be in range of [{min}, {max}], but got {dim}")]
+    DimOutOfRange {
+        op: &'static str,
+        dim: isize,
+        min: isize,
+        max: isize,
+    },
+
+    /// An index into a dimension is out of range.
+    #[error("index {index} is out of bounds for dimension {dim} with size {size} in {op}")]
+    IndexOutOfRange {
+        op: &'static str,
+        index: i64,
+        dim: usize,
+        size: usize,
+    },
+
+    /// An argument has a value the op cannot take.
+    #[error("invalid argument to {op}: {msg}")]
+    InvalidArgument { op: &'static str, msg: String },
+
+    /// A device string could not be parsed.
+    #[error("invalid device string {0:?}: expected \"cpu\", \"cuda\" or \"cuda:N\"")]
+    InvalidDevice(String),
+
+    /// The CUDA backend cannot be used on this machine or in this build.
+    #[error(
+        "CUDA is not available: {reason}; use Device::Cpu, or run on a machine with an NVIDIA GPU and driver"
+    )]
+    CudaUnavailable { reason: String },
+
+    /// The autograd engine was asked for something it cannot do.
+    #[error("autograd: {0}")]
+    Autograd(String),
+
+    /// A tensor saved for backward was modified in place after it was saved.
+    #[error("one of the tensors needed for gradient computation has been modified by an in-place operation: it is at version {found}, expected version {expected} (saved by {op}); clone it before modifying it, or modify it outside the graph")]
+    InplaceModified {
+        op: &'static str,
+        expected: u64,
+        found: u64,
+    },
+}
+
+fn hint_suffix(hint: &str) -> String {
+    if hint.is_empty() {
+        String::new()
+    } else {
+        format!("; {hint}")
+    }
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::InvalidArgument { op, msg: msg.into() }
+    }
+
+    /// Shorthand for [`Error::ShapeMismatch`] without a hint.
+    pub fn shape(op: &'static str, lhs: &Shape, rhs: &Shape) -> Self {
+        Error::ShapeMismatch {
+            op,
+            lhs: lhs.clone(),
+            rhs: rhs.clone(),
+            hint: "",
+        }
+    }
+
+    /// Shorthand for [`Error::UnsupportedDType`] without a hint.
+    pub fn dtype(op: &'static str, dtype: DType) -> Self {
+        Error::UnsupportedDType { op, dtype, hint: "" }
+    }
+}

@@ -1,0 +1,32 @@
+//! ember-core: tensors with a runtime dtype and device, autograd, and the compute backends.
+//!
+//! ```
+//! use ember_core::{DType, Device, Tensor};
+//! # fn main() -> ember_core::Result<()> {
+//! let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], Device::Cpu)?.requires_grad_(true)?;
+//! let y = x.mul(&x)?.sum_all()?; // y = Σ x²
+//! y.backward()?;
+//! assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod autograd;
+pub mod cpu;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod layout;
+pub mod ops;
+pub mod random;
+pub mod shape;
+pub mod storage;
+pub mod tensor;
+
+pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
+pub use device::Device;
+pub use dtype::{DType, Element, Scalar, ScalarKind};
+pub use error::{Error, Result};
+pub use random::{manual_seed, Generator};
+pub use shape::Shape;
+pub use tensor::{HookHandle, Tensor};

@@ -1,0 +1,479 @@
+//! Elementwise ops over two tensors with broadcasting and type promotion: arithmetic,
+//! comparisons, logical ops, `where`, `masked_fill`, `clamp`, and their scalar forms.
+//!
+//! Each op goes through one dispatch path ([`binary`]): device check, dtype promotion,
+//! broadcast, backend kernel, autograd record. Backward rules sit beside the forward and reduce
+//! gradients back to each input's shape with `sum_to_shape` (broadcasting in reverse).
+
+use crate::autograd::{self, SavedTensor};
+use crate::dtype::Scalar;
+use crate::layout::Layout;
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result, Shape, Tensor};
+
+/// Arithmetic on two operands of one dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+}
+
+impl BinaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+        }
+    }
+}
+
+/// Comparisons producing bool tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl CmpOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "eq",
+            CmpOp::Ne => "ne",
+            CmpOp::Lt => "lt",
+            CmpOp::Le => "le",
+            CmpOp::Gt => "gt",
+            CmpOp::Ge => "ge",
+        }
+    }
+}
+
+/// Logical ops on bool tensors (other dtypes are converted with `!= 0` first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogicalOp {
+    And,
+    Or,
+    Xor,
+}
+
+impl LogicalOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            LogicalOp::And => "logical_and",
+            LogicalOp::Or => "logical_or",
+            LogicalOp::Xor => "logical_xor",
+        }
+    }
+}
+
+impl Storage {
+    pub(crate) fn binary(&self, op: BinaryOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        match (self, rhs) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.binary(op, al, b, bl)?)),
+        }
+    }
+
+    pub(crate) fn compare(&self, op: CmpOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        match (self, rhs) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.compare(op, al, b, bl)?)),
+        }
+    }
+
+    pub(crate) fn logical(&self, op: LogicalOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        match (self, rhs) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.logical(op, al, b, bl)?)),
+        }
+    }
+
+    pub(crate) fn where_cond(
+        &self,
+        cl: &Layout,
+        a: &Storage,
+        al: &Layout,
+        b: &Storage,
+        bl: &Layout,
+    ) -> Result<Storage> {
+        match (self, a, b) {
+            (Storage::Cpu(c), Storage::Cpu(a), Storage::Cpu(b)) => {
+                Ok(Storage::Cpu(c.where_cond(cl, a, al, b, bl)?))
+            }
+        }
+    }
+}
+
+/// The device all operands share, or the mismatch error naming the first two that differ.
+pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
+    let first = tensors[0].device();
+    for t in &tensors[1..] {
+        if t.device() != first {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: first,
+                rhs: t.device(),
+            });
+        }
+    }
+    Ok(first)
+}
+
+/// Runs `f` on the storages of `a` and `b` with their layouts broadcast to a common shape.
+fn with_broadcast<R>(
+    op: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce(&Storage, &Layout, &Storage, &Layout) -> Result<R>,
+) -> Result<(Shape, R)> {
+    same_device(op, &[a, b])?;
+    let shape = a.shape().broadcast(b.shape(), op)?;
+    let al = a.layout().broadcast_as(&shape, op)?;
+    let bl = b.layout().broadcast_as(&shape, op)?;
+    // Reading the same storage twice is fine: both are shared read locks.
+    let (sa, sb) = (a.storage().read(), b.storage().read());
+    let r = f(&sa, &al, &sb, &bl)?;
+    Ok((shape, r))
+}
+
+/// The dtype `op` computes in for operands of dtypes `a` and `b`.
+fn result_dtype(op: BinaryOp, a: DType, b: DType) -> DType {
+    let d = a.promote(b);
+    match op {
+        // True division: integers divide as floats (the default float dtype).
+        BinaryOp::Div if !d.is_floating_point() => DType::F32,
+        _ => d,
+    }
+}
+
+/// Reduces `g` to `shape` by summing the dims that broadcasting expanded.
+pub(crate) fn sum_to_shape(g: &Tensor, shape: &Shape) -> Result<Tensor> {
+    if g.shape() == shape {
+        return Ok(g.clone());
+    }
+    let lead = g.rank() - shape.rank();
+    let mut dims: Vec<isize> = (0..lead as isize).collect();
+    for (i, &d) in shape.dims().iter().enumerate() {
+        if d == 1 && g.dims()[lead + i] != 1 {
+            dims.push((lead + i) as isize);
+        }
+    }
+    let summed = if dims.is_empty() {
+        g.clone()
+    } else {
+        g.sum_dims(&dims, true)?
+    };
+    let dims: Vec<isize> = shape.dims().iter().map(|&d| d as isize).collect();
+    summed.reshape(&dims)
+}
+
+/// `a op b` with broadcasting, promotion and autograd: the one path every binary op takes.
+pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dtype = result_dtype(op, a.dtype(), b.dtype());
+    let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+    let (shape, storage) = with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.binary(op, al, sb, bl))?;
+    let out = Tensor::from_storage(storage, shape);
+    if !dtype.is_floating_point() || !autograd::needs_grad(&[&a, &b]) {
+        return Ok(out);
+    }
+    let (sa, sb) = (a.shape().clone(), b.shape().clone());
+    let out = match op {
+        BinaryOp::Add => autograd::record("add", &[&a, &b], out, move |g, _| {
+            Ok(vec![Some(sum_to_shape(g, &sa)?), Some(sum_to_shape(g, &sb)?)])
+        }),
+        BinaryOp::Sub => autograd::record("sub", &[&a, &b], out, move |g, needs| {
+            let gb = if needs[1] {
+                Some(sum_to_shape(&g.neg()?, &sb)?)
+            } else {
+                None
+            };
+            Ok(vec![Some(sum_to_shape(g, &sa)?), gb])
+        }),
+        BinaryOp::Mul => {
+            let (xa, xb) = (SavedTensor::new("mul", &a), SavedTensor::new("mul", &b));
+            autograd::record("mul", &[&a, &b], out, move |g, needs| {
+                let ga = if needs[0] {
+                    Some(sum_to_shape(&g.mul(xb.get()?)?, &sa)?)
+                } else {
+                    None
+                };
+                let gb = if needs[1] {
+                    Some(sum_to_shape(&g.mul(xa.get()?)?, &sb)?)
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
+            })
+        }
+        BinaryOp::Div => {
+            let (xa, xb) = (SavedTensor::new("div", &a), SavedTensor::new("div", &b));
+            autograd::record("div", &[&a, &b], out, move |g, needs| {
+                let b = xb.get()?;
+                let ga = if needs[0] {
+                    Some(sum_to_shape(&g.div(b)?, &sa)?)
+                } else {
+                    None
+                };
+                let gb = if needs[1] {
+                    // d(a/b)/db = -a / b²
+                    let t = g.mul(xa.get()?)?.div(&b.mul(b)?)?.neg()?;
+                    Some(sum_to_shape(&t, &sb)?)
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
+            })
+        }
+        BinaryOp::Pow => {
+            let (xa, xb) = (SavedTensor::new("pow", &a), SavedTensor::new("pow", &b));
+            let xo = SavedTensor::new("pow", &out);
+            autograd::record("pow", &[&a, &b], out, move |g, needs| {
+                let (a, b) = (xa.get()?, xb.get()?);
+                let ga = if needs[0] {
+                    // b · a^(b-1), with 0 where b == 0 (PyTorch's convention for 0^0).
+                    let d = b.mul(&a.pow(&b.sub_scalar(1)?)?)?;
+                    let d = d.masked_fill(&b.eq_scalar(0)?, 0.0)?;
+                    Some(sum_to_shape(&g.mul(&d)?, &sa)?)
+                } else {
+                    None
+                };
+                let gb = if needs[1] {
+                    // a^b · ln a, with 0 where a == 0 and b >= 0.
+                    let d = xo.get()?.mul(&a.log()?)?;
+                    let zero = a.eq_scalar(0)?.logical_and(&b.ge_scalar(0)?)?;
+                    let d = d.masked_fill(&zero, 0.0)?;
+                    Some(sum_to_shape(&g.mul(&d)?, &sb)?)
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
+            })
+        }
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            let (xa, xb) = (SavedTensor::new(op.name(), &a), SavedTensor::new(op.name(), &b));
+            autograd::record(op.name(), &[&a, &b], out, move |g, _| {
+                // The gradient goes to the selected operand, split in half on ties.
+                let (a, b) = (xa.get()?, xb.get()?);
+                let (a_wins, b_wins) = match op {
+                    BinaryOp::Maximum => (a.gt(b)?, a.lt(b)?),
+                    _ => (a.lt(b)?, a.gt(b)?),
+                };
+                let tie = a.eq(b)?;
+                let half = g.mul_scalar(0.5)?;
+                let zero = g.zeros_like()?;
+                let ga = Tensor::where_cond(&a_wins, g, &Tensor::where_cond(&tie, &half, &zero)?)?;
+                let gb = Tensor::where_cond(&b_wins, g, &Tensor::where_cond(&tie, &half, &zero)?)?;
+                Ok(vec![Some(sum_to_shape(&ga, &sa)?), Some(sum_to_shape(&gb, &sb)?)])
+            })
+        }
+    };
+    Ok(out)
+}
+
+/// A 0-d tensor of `value` in the dtype `t op value` computes in, on `t`'s device.
+fn scalar_operand(t: &Tensor, value: Scalar) -> Result<Tensor> {
+    let dtype = t.dtype().promote_with_scalar(value.kind());
+    Tensor::scalar(value.to_f64(), dtype, t.device())
+}
+
+fn compare(op: CmpOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dtype = a.dtype().promote(b.dtype());
+    let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+    let (shape, storage) = with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.compare(op, al, sb, bl))?;
+    Ok(Tensor::from_storage(storage, shape))
+}
+
+fn logical(op: LogicalOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (a, b) = (a.to_dtype(DType::Bool)?, b.to_dtype(DType::Bool)?);
+    let (shape, storage) = with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.logical(op, al, sb, bl))?;
+    Ok(Tensor::from_storage(storage, shape))
+}
+
+macro_rules! binary_methods {
+    ($($name:ident, $scalar_name:ident => $op:expr, $doc:literal;)*) => {
+        impl Tensor {$(
+            #[doc = $doc]
+            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                binary($op, self, other)
+            }
+
+            #[doc = $doc]
+            #[doc = " With a scalar operand, which does not widen the tensor's dtype."]
+            pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                binary($op, self, &scalar_operand(self, other.into())?)
+            }
+        )*}
+    };
+}
+
+binary_methods! {
+    add, add_scalar => BinaryOp::Add, "Elementwise `self + other` with broadcasting.";
+    sub, sub_scalar => BinaryOp::Sub, "Elementwise `self - other` with broadcasting.";
+    mul, mul_scalar => BinaryOp::Mul, "Elementwise `self * other` with broadcasting.";
+    div, div_scalar => BinaryOp::Div, "Elementwise true division `self / other` (integers divide as floats).";
+    pow, pow_scalar => BinaryOp::Pow, "Elementwise `self ** other`.";
+    maximum, maximum_scalar => BinaryOp::Maximum, "Elementwise maximum (NaN propagates).";
+    minimum, minimum_scalar => BinaryOp::Minimum, "Elementwise minimum (NaN propagates).";
+}
+
+macro_rules! compare_methods {
+    ($($name:ident, $scalar_name:ident => $op:expr;)*) => {
+        impl Tensor {$(
+            #[doc = concat!("Elementwise `", stringify!($name), "` comparison, giving a bool tensor.")]
+            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                compare($op, self, other)
+            }
+
+            #[doc = concat!("Elementwise `", stringify!($name), "` comparison with a scalar, giving a bool tensor.")]
+            pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                compare($op, self, &scalar_operand(self, other.into())?)
+            }
+        )*}
+    };
+}
+
+compare_methods! {
+    eq, eq_scalar => CmpOp::Eq;
+    ne, ne_scalar => CmpOp::Ne;
+    lt, lt_scalar => CmpOp::Lt;
+    le, le_scalar => CmpOp::Le;
+    gt, gt_scalar => CmpOp::Gt;
+    ge, ge_scalar => CmpOp::Ge;
+}
+
+impl Tensor {
+    pub fn logical_and(&self, other: &Tensor) -> Result<Tensor> {
+        logical(LogicalOp::And, self, other)
+    }
+
+    pub fn logical_or(&self, other: &Tensor) -> Result<Tensor> {
+        logical(LogicalOp::Or, self, other)
+    }
+
+    pub fn logical_xor(&self, other: &Tensor) -> Result<Tensor> {
+        logical(LogicalOp::Xor, self, other)
+    }
+
+    /// Elementwise `!self` (nonzero is true).
+    pub fn logical_not(&self) -> Result<Tensor> {
+        self.to_dtype(DType::Bool)?.eq_scalar(false)
+    }
+
+    /// `cond ? a : b` elementwise with broadcasting (`torch.where(cond, a, b)`).
+    pub fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        same_device("where", &[cond, a, b])?;
+        if cond.dtype() != DType::Bool {
+            return Err(Error::UnsupportedDType {
+                op: "where",
+                dtype: cond.dtype(),
+                hint: "the condition must be a bool tensor; compare first, e.g. x.gt_scalar(0)",
+            });
+        }
+        let dtype = a.dtype().promote(b.dtype());
+        let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+        let shape = cond
+            .shape()
+            .broadcast(a.shape(), "where")?
+            .broadcast(b.shape(), "where")?;
+        let cl = cond.layout().broadcast_as(&shape, "where")?;
+        let al = a.layout().broadcast_as(&shape, "where")?;
+        let bl = b.layout().broadcast_as(&shape, "where")?;
+        let storage = {
+            let (sc, sa, sb) = (cond.storage().read(), a.storage().read(), b.storage().read());
+            sc.where_cond(&cl, &sa, &al, &sb, &bl)?
+        };
+        let out = Tensor::from_storage(storage, shape);
+        if !autograd::needs_grad(&[&a, &b]) {
+            return Ok(out);
+        }
+        let (sa, sb) = (a.shape().clone(), b.shape().clone());
+        let c = SavedTensor::new("where", cond);
+        Ok(autograd::record("where", &[&a, &b], out, move |g, needs| {
+            let c = c.get()?;
+            let zero = g.zeros_like()?;
+            let ga = if needs[0] {
+                Some(sum_to_shape(&Tensor::where_cond(c, g, &zero)?, &sa)?)
+            } else {
+                None
+            };
+            let gb = if needs[1] {
+                Some(sum_to_shape(&Tensor::where_cond(c, &zero, g)?, &sb)?)
+            } else {
+                None
+            };
+            Ok(vec![ga, gb])
+        }))
+    }
+
+    /// `value` where `mask` is true, `self` elsewhere (`masked_fill`).
+    pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
+        let v = Tensor::scalar(value.into().to_f64(), self.dtype(), self.device())?;
+        let out = Tensor::where_cond(mask, &v, self)?;
+        if out.shape() != self.shape() {
+            return Err(Error::ShapeMismatch {
+                op: "masked_fill",
+                lhs: self.shape().clone(),
+                rhs: mask.shape().clone(),
+                hint: "the mask must broadcast to the tensor's shape",
+            });
+        }
+        Ok(out)
+    }
+
+    /// Values limited to `[min, max]`; either bound may be `None` (`clamp`). The gradient
+    /// passes where `min <= x <= max`.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        if min.is_none() && max.is_none() {
+            return Err(Error::invalid(
+                "clamp",
+                "at least one of min and max must be given",
+            ));
+        }
+        let out = {
+            let _g = autograd::no_grad();
+            let mut out = self.clone();
+            if let Some(lo) = min {
+                out = out.maximum_scalar(lo)?;
+            }
+            if let Some(hi) = max {
+                out = out.minimum_scalar(hi)?;
+            }
+            out
+        };
+        if !autograd::needs_grad(&[self]) {
+            return Ok(out);
+        }
+        let x = SavedTensor::new("clamp", self);
+        Ok(autograd::record("clamp", &[self], out, move |g, _| {
+            let x = x.get()?;
+            let mut pass = x.eq(x)?; // all true (NaN aside)
+            if let Some(lo) = min {
+                pass = pass.logical_and(&x.ge_scalar(lo)?)?;
+            }
+            if let Some(hi) = max {
+                pass = pass.logical_and(&x.le_scalar(hi)?)?;
+            }
+            Ok(vec![Some(Tensor::where_cond(&pass, g, &g.zeros_like()?)?)])
+        }))
+    }
+
+    /// `clamp(min=value)`.
+    pub fn clamp_min(&self, min: f64) -> Result<Tensor> {
+        self.clamp(Some(min), None)
+    }
+
+    /// `clamp(max=value)`.
+    pub fn clamp_max(&self, max: f64) -> Result<Tensor> {
+        self.clamp(None, Some(max))
+    }
+}

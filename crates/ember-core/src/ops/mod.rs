@@ -1,0 +1,18 @@
+//! Tensor operations, one file per family. Each file holds the `Tensor` methods of its family,
+//! their backward rules next to the forward code, and the `impl Storage` block that dispatches
+//! to each backend's kernels (`cpu/<family>.rs`).
+
+pub mod binary;
+pub mod index;
+pub mod inplace;
+pub mod matmul;
+pub mod reduce;
+pub mod unary;
+pub mod view;
+
+use crate::Error;
+
+/// Placeholder error for an op whose kernel is not built yet (removed as families land).
+pub(crate) fn not_built(op: &'static str) -> Error {
+    Error::invalid(op, "not built yet")
+}

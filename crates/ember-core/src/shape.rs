@@ -1,0 +1,160 @@
+//! [`Shape`]: the sizes of a tensor's dimensions, broadcasting, and dimension normalization.
+
+use crate::{Error, Result};
+use std::fmt;
+
+/// The size of each dimension; `[]` is a scalar (0-d tensor) with one element.
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
+pub struct Shape(Vec<usize>);
+
+impl Shape {
+    pub fn new(dims: impl Into<Vec<usize>>) -> Shape {
+        Shape(dims.into())
+    }
+
+    /// The 0-d shape.
+    pub fn scalar() -> Shape {
+        Shape(Vec::new())
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Number of elements (1 for a scalar).
+    pub fn numel(&self) -> usize {
+        self.0.iter().product()
+    }
+
+    /// Row-major (C-contiguous) strides, in elements.
+    pub fn contiguous_strides(&self) -> Vec<usize> {
+        let mut strides = vec![0; self.0.len()];
+        let mut acc = 1;
+        for (s, &d) in strides.iter_mut().zip(&self.0).rev() {
+            *s = acc;
+            acc *= d;
+        }
+        strides
+    }
+
+    /// Maps a PyTorch-style dim (negative counts from the end) into `0..rank`.
+    pub fn dim(&self, op: &'static str, dim: isize) -> Result<usize> {
+        normalize_dim(op, dim, self.rank())
+    }
+
+    /// The shape both operands broadcast to (NumPy/PyTorch rules, aligned at the right).
+    pub fn broadcast(&self, other: &Shape, op: &'static str) -> Result<Shape> {
+        let (a, b) = (&self.0, &other.0);
+        let n = a.len().max(b.len());
+        let mut out = vec![0; n];
+        for (i, o) in out.iter_mut().enumerate() {
+            let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+            let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+            *o = match (da, db) {
+                (x, y) if x == y => x,
+                (1, y) => y,
+                (x, 1) => x,
+                _ => {
+                    return Err(Error::ShapeMismatch {
+                        op,
+                        lhs: self.clone(),
+                        rhs: other.clone(),
+                        hint: "the shapes cannot be broadcast together",
+                    })
+                }
+            };
+        }
+        Ok(Shape(out))
+    }
+}
+
+/// Maps `dim` in `[-rank, rank)` into `0..rank`; a scalar accepts -1 and 0 as PyTorch does.
+pub fn normalize_dim(op: &'static str, dim: isize, rank: usize) -> Result<usize> {
+    let r = rank.max(1) as isize;
+    if dim < -r || dim >= r {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            min: -r,
+            max: r - 1,
+        });
+    }
+    Ok(if dim < 0 { (dim + r) as usize } else { dim as usize })
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl From<Vec<usize>> for Shape {
+    fn from(v: Vec<usize>) -> Shape {
+        Shape(v)
+    }
+}
+
+impl From<&[usize]> for Shape {
+    fn from(v: &[usize]) -> Shape {
+        Shape(v.to_vec())
+    }
+}
+
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(v: [usize; N]) -> Shape {
+        Shape(v.to_vec())
+    }
+}
+
+impl From<&Shape> for Shape {
+    fn from(v: &Shape) -> Shape {
+        v.clone()
+    }
+}
+
+impl From<()> for Shape {
+    fn from(_: ()) -> Shape {
+        Shape::scalar()
+    }
+}
+
+impl From<usize> for Shape {
+    fn from(v: usize) -> Shape {
+        Shape(vec![v])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcasting_aligns_right() {
+        let s = |v: &[usize]| Shape::from(v);
+        assert_eq!(s(&[3, 1, 5]).broadcast(&s(&[2, 1]), "t").unwrap(), s(&[3, 2, 5]));
+        assert_eq!(s(&[]).broadcast(&s(&[4]), "t").unwrap(), s(&[4]));
+        let err = s(&[3]).broadcast(&s(&[4]), "add").unwrap_err();
+        assert!(err.to_string().contains("[3] and [4]"), "{err}");
+    }
+
+    #[test]
+    fn dims_normalize_like_pytorch() {
+        assert_eq!(normalize_dim("t", -1, 3).unwrap(), 2);
+        assert_eq!(normalize_dim("t", 0, 0).unwrap(), 0);
+        let err = normalize_dim("sum", 3, 3).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "dimension out of range in sum: expected to be in range of [-3, 2], but got 3"
+        );
+    }
+}

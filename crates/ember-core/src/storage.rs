@@ -1,0 +1,144 @@
+//! [`Storage`]: the backend boundary. A tensor's elements live in one `Storage`, which is an
+//! enum over backends; every op family adds an `impl Storage` block (in `ops/`) that matches
+//! on the backend and calls its kernel, so adding the CUDA backend means adding one arm per
+//! family, not changing any caller.
+//!
+//! Storage is shared between views through [`StorageRef`], which also carries the version
+//! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).
+
+use crate::cpu::CpuStorage;
+use crate::layout::Layout;
+use crate::{DType, Device, Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// Elements of one tensor storage on one backend.
+#[derive(Debug, Clone)]
+pub enum Storage {
+    Cpu(CpuStorage),
+}
+
+impl Storage {
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => s.dtype(),
+        }
+    }
+
+    /// Number of elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Shared handle to a storage and its version counter: all views of a tensor hold the same one.
+#[derive(Debug, Clone)]
+pub struct StorageRef(Arc<StorageCell>);
+
+#[derive(Debug)]
+struct StorageCell {
+    data: RwLock<Storage>,
+    /// Bumped by every in-place write; autograd compares it with the version saved at record time.
+    version: AtomicU64,
+}
+
+impl StorageRef {
+    pub fn new(storage: Storage) -> StorageRef {
+        StorageRef(Arc::new(StorageCell {
+            data: RwLock::new(storage),
+            version: AtomicU64::new(0),
+        }))
+    }
+
+    /// Read access. Poisoning cannot leave a storage half-written in a way readers could
+    /// observe differently from a completed write, so a poisoned lock is still read.
+    pub fn read(&self) -> RwLockReadGuard<'_, Storage> {
+        self.0.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Write access for in-place ops; bumps the version counter.
+    pub fn write(&self) -> RwLockWriteGuard<'_, Storage> {
+        self.0.version.fetch_add(1, Ordering::Relaxed);
+        self.0.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn version(&self) -> u64 {
+        self.0.version.load(Ordering::Relaxed)
+    }
+
+    /// Bumps the version counter without writing (for `mark_dirty`-like uses).
+    pub fn bump_version(&self) {
+        self.0.version.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn same_storage(&self, other: &StorageRef) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Storage {
+    /// Moves host elements onto `device`.
+    pub fn from_cpu(cpu: CpuStorage, device: Device) -> Result<Storage> {
+        match device {
+            Device::Cpu => Ok(Storage::Cpu(cpu)),
+            Device::Cuda(_) => Err(cuda_unavailable()),
+        }
+    }
+
+    /// `n` elements of `dtype`, all `value`, on `device`.
+    pub fn full(device: Device, dtype: DType, n: usize, value: f64) -> Result<Storage> {
+        match device {
+            Device::Cpu => Ok(Storage::Cpu(CpuStorage::full(dtype, n, value))),
+            Device::Cuda(_) => Err(cuda_unavailable()),
+        }
+    }
+
+    /// The elements of `layout` in a new row-major storage of `dtype` on the same device.
+    pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
+        match self {
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.to_dtype(layout, dtype))),
+        }
+    }
+
+    /// The elements of `layout` copied to host memory, row-major.
+    pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s.contiguous(layout)),
+        }
+    }
+
+    /// Writes `src` viewed through `src_layout` into `self` at `dst_layout` (same shapes),
+    /// converting dtype; copies across devices when they differ.
+    pub fn copy_strided_from(
+        &mut self,
+        dst_layout: &Layout,
+        src: &Storage,
+        src_layout: &Layout,
+    ) -> Result<()> {
+        match (self, src) {
+            (Storage::Cpu(d), Storage::Cpu(s)) => {
+                d.copy_strided_from(dst_layout, s, src_layout);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The error for a CUDA device in a build or on a machine without the CUDA backend.
+pub(crate) fn cuda_unavailable() -> Error {
+    Error::CudaUnavailable {
+        reason: "this build of ember has no CUDA backend".into(),
+    }
+}

@@ -1,0 +1,288 @@
+//! [`Tensor`]: a cheap-to-clone handle to a strided view of a storage, with a runtime dtype and
+//! device, and autograd state.
+//!
+//! Ops live in `crate::ops` (one file per family), creation in `create.rs`, conversions in
+//! `convert.rs`, printing in `display.rs`. A `Tensor` is immutable as a view: ops return new
+//! tensors; in-place ops (`add_`, `copy_`, ...) write through to the shared storage and bump
+//! its version counter.
+
+mod convert;
+mod create;
+mod display;
+
+use crate::autograd::{self, Hook, Node};
+use crate::layout::Layout;
+use crate::storage::{Storage, StorageRef};
+use crate::{DType, Device, Error, Result, Shape};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// An n-dimensional array on a device, as `torch.Tensor`. Cloning shares the data.
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<TensorImpl>);
+
+pub(crate) struct TensorImpl {
+    pub(crate) storage: StorageRef,
+    pub(crate) layout: Layout,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    /// The node that made this tensor; `None` for leaves.
+    pub(crate) grad_fn: Option<Arc<Node>>,
+    meta: Mutex<AutogradMeta>,
+}
+
+#[derive(Default)]
+pub(crate) struct AutogradMeta {
+    pub(crate) requires_grad: bool,
+    pub(crate) grad: Option<Tensor>,
+    pub(crate) retains_grad: bool,
+    pub(crate) hooks: Vec<(u64, Hook)>,
+}
+
+impl TensorImpl {
+    pub(crate) fn meta(&self) -> MutexGuard<'_, AutogradMeta> {
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Removes a hook registered with [`Tensor::register_hook`] when `remove` is called.
+pub struct HookHandle {
+    tensor: std::sync::Weak<TensorImpl>,
+    id: u64,
+}
+
+impl HookHandle {
+    pub fn remove(self) {
+        if let Some(t) = self.tensor.upgrade() {
+            t.meta().hooks.retain(|(id, _)| *id != self.id);
+        }
+    }
+}
+
+static NEXT_HOOK_ID: AtomicU64 = AtomicU64::new(0);
+
+impl Tensor {
+    /// A tensor over all of `storage`, row-major with `shape`.
+    pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
+        let layout = Layout::contiguous(shape);
+        debug_assert_eq!(layout.numel(), storage.len());
+        Tensor::from_parts(StorageRef::new(storage), layout)
+    }
+
+    pub(crate) fn from_parts(storage: StorageRef, layout: Layout) -> Tensor {
+        let (dtype, device) = {
+            let s = storage.read();
+            (s.dtype(), s.device())
+        };
+        Tensor(Arc::new(TensorImpl {
+            storage,
+            layout,
+            dtype,
+            device,
+            grad_fn: None,
+            meta: Mutex::new(AutogradMeta::default()),
+        }))
+    }
+
+    /// A new tensor over the same storage with another layout, outside autograd.
+    pub(crate) fn view_with(&self, layout: Layout) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage: self.0.storage.clone(),
+            layout,
+            dtype: self.0.dtype,
+            device: self.0.device,
+            grad_fn: None,
+            meta: Mutex::new(AutogradMeta::default()),
+        }))
+    }
+
+    /// The same data, made the output of `node` (see `autograd::record`).
+    pub(crate) fn with_grad_fn(self, node: Arc<Node>) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage: self.0.storage.clone(),
+            layout: self.0.layout.clone(),
+            dtype: self.0.dtype,
+            device: self.0.device,
+            grad_fn: Some(node),
+            meta: Mutex::new(AutogradMeta::default()),
+        }))
+    }
+
+    pub(crate) fn storage(&self) -> &StorageRef {
+        &self.0.storage
+    }
+
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+
+    pub fn shape(&self) -> &Shape {
+        self.0.layout.shape()
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        self.0.layout.dims()
+    }
+
+    /// Number of dimensions (`Tensor.dim()` / `ndim`).
+    pub fn rank(&self) -> usize {
+        self.dims().len()
+    }
+
+    /// Size of dimension `dim` (negative counts from the end).
+    pub fn size(&self, dim: isize) -> Result<usize> {
+        Ok(self.dims()[self.shape().dim("size", dim)?])
+    }
+
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+
+    /// Strides in elements.
+    pub fn stride(&self) -> &[usize] {
+        self.0.layout.strides()
+    }
+
+    pub fn storage_offset(&self) -> usize {
+        self.0.layout.offset()
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+
+    /// True when both tensors view the same storage (views alias each other).
+    pub fn shares_storage_with(&self, other: &Tensor) -> bool {
+        self.0.storage.same_storage(&other.0.storage)
+    }
+
+    /// The storage's version counter: bumped by each in-place write to it.
+    pub fn version(&self) -> u64 {
+        self.0.storage.version()
+    }
+
+    // ---- autograd ----------------------------------------------------------------------
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.grad_fn.is_some() || self.0.meta().requires_grad
+    }
+
+    /// Sets whether autograd records ops on this leaf; returns the tensor for chaining.
+    pub fn requires_grad_(&self, requires_grad: bool) -> Result<Tensor> {
+        if self.0.grad_fn.is_some() {
+            if requires_grad {
+                return Ok(self.clone());
+            }
+            return Err(Error::Autograd(
+                "you can only change requires_grad flags of leaf tensors; use detach() to get a tensor without grad".into(),
+            ));
+        }
+        if requires_grad && !self.dtype().is_floating_point() {
+            return Err(Error::UnsupportedDType {
+                op: "requires_grad_",
+                dtype: self.dtype(),
+                hint: "only floating point tensors can require gradients",
+            });
+        }
+        self.0.meta().requires_grad = requires_grad;
+        Ok(self.clone())
+    }
+
+    /// True for tensors not produced by a recorded op (user-created, or not requiring grad).
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+
+    /// The accumulated gradient, if backward has reached this tensor.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.meta().grad.clone()
+    }
+
+    /// Replaces the gradient (`x.grad = g`); `None` releases it (`x.grad = None`).
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        if let Some(g) = &grad {
+            if g.shape() != self.shape() {
+                return Err(Error::ShapeMismatch {
+                    op: "set_grad",
+                    lhs: self.shape().clone(),
+                    rhs: g.shape().clone(),
+                    hint: "a gradient must have its tensor's shape",
+                });
+            }
+            if g.device() != self.device() {
+                return Err(Error::DeviceMismatch {
+                    op: "set_grad",
+                    lhs: self.device(),
+                    rhs: g.device(),
+                });
+            }
+        }
+        self.0.meta().grad = grad;
+        Ok(())
+    }
+
+    /// Makes backward store this non-leaf tensor's gradient in `.grad`.
+    pub fn retain_grad(&self) -> Result<()> {
+        if !self.requires_grad() {
+            return Err(Error::Autograd(
+                "can't retain_grad on a tensor that has requires_grad=false".into(),
+            ));
+        }
+        self.0.meta().retains_grad = true;
+        Ok(())
+    }
+
+    pub fn retains_grad(&self) -> bool {
+        self.0.meta().retains_grad
+    }
+
+    /// The name of the op that produced this tensor (`grad_fn` in PyTorch), if any.
+    pub fn grad_fn_name(&self) -> Option<&'static str> {
+        self.0.grad_fn.as_ref().map(|n| n.name)
+    }
+
+    /// Registers `hook`, called with this tensor's gradient each time backward computes it;
+    /// a hook may return a replacement gradient.
+    pub fn register_hook<F>(&self, hook: F) -> Result<HookHandle>
+    where
+        F: Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
+    {
+        if !self.requires_grad() {
+            return Err(Error::Autograd(
+                "cannot register a hook on a tensor that doesn't require gradient".into(),
+            ));
+        }
+        let id = NEXT_HOOK_ID.fetch_add(1, Ordering::Relaxed);
+        self.0.meta().hooks.push((id, Arc::new(hook)));
+        Ok(HookHandle {
+            tensor: Arc::downgrade(&self.0),
+            id,
+        })
+    }
+
+    /// A tensor sharing this one's data, cut from the graph (requires_grad false).
+    pub fn detach(&self) -> Tensor {
+        self.view_with(self.0.layout.clone())
+    }
+
+    /// Backpropagates from this scalar tensor into every leaf that requires grad.
+    pub fn backward(&self) -> Result<()> {
+        self.backward_with(None, false)
+    }
+
+    /// Backpropagates with an explicit upstream `gradient` (needed for non-scalar outputs);
+    /// `retain_graph` keeps the graph for another backward.
+    pub fn backward_with(&self, gradient: Option<&Tensor>, retain_graph: bool) -> Result<()> {
+        let grads = gradient.map(|g| vec![g.clone()]);
+        let roots = autograd::engine_roots(std::slice::from_ref(self), grads.as_deref())?;
+        autograd::run_backward(roots, retain_graph, None).map(drop)
+    }
+}

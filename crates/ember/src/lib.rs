@@ -1,0 +1,27 @@
+//! ember: a deep-learning framework in Rust with first-class NVIDIA GPU support.
+//!
+//! This facade re-exports the layers below it so that a program needs one dependency:
+//! tensors and autograd from `ember-core`, layers and optimizers from `ember-nn`, data loading
+//! from `ember-data`, multi-GPU training from `ember-distributed`.
+//!
+//! ```
+//! use ember::{DType, Device, Tensor};
+//! # fn main() -> ember::Result<()> {
+//! let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2], Device::Cpu)?;
+//! let b = a.add_scalar(1.0)?.mul(&a)?;
+//! assert_eq!(b.to_vec::<f32>()?, vec![2.0, 6.0, 12.0, 20.0]);
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+
+pub use ember_core::{
+    autograd, enable_grad, is_grad_enabled, manual_seed, no_grad, set_grad_enabled, DType, Device, Element,
+    Error, Generator, Result, Scalar, Shape, Tensor,
+};
+pub use ember_data as data;
+pub use ember_distributed as distributed;
+pub use ember_nn as nn;
+
+/// ember's version, from Cargo.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
