@@ -9,6 +9,10 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 mod binary;
+mod index;
+mod matmul;
+mod reduce;
+mod unary;
 
 /// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
 pub const PAR_THRESHOLD: usize = 1 << 15;

@@ -1,0 +1,1 @@
+//! Tests of binary (filled in with the family).

@@ -1,0 +1,84 @@
+//! Helpers shared by the test modules: the devices to run on, closeness checks, and a
+//! finite-difference gradient check.
+
+#![allow(dead_code)]
+
+use ember_core::{DType, Device, Result, Tensor};
+
+/// Every device this machine can run tests on (the CPU, plus GPUs once the CUDA backend exists).
+pub fn devices() -> Vec<Device> {
+    vec![Device::Cpu]
+}
+
+/// f64 tensor on `device` from values and a shape.
+pub fn t64(values: &[f64], shape: &[usize], device: Device) -> Tensor {
+    Tensor::from_slice(values, shape, device).unwrap()
+}
+
+/// Asserts `|a - b| <= atol + rtol * |b|` elementwise, with a message naming the first miss.
+pub fn assert_close(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) {
+    assert_eq!(actual.shape(), expected.shape(), "shapes differ");
+    let (a, e) = (actual.to_vec_f64().unwrap(), expected.to_vec_f64().unwrap());
+    assert_close_slice(&a, &e, rtol, atol);
+}
+
+pub fn assert_close_slice(actual: &[f64], expected: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(actual.len(), expected.len(), "lengths differ");
+    for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
+        let ok = (a - e).abs() <= atol + rtol * e.abs() || (a.is_nan() && e.is_nan()) || a == e;
+        assert!(ok, "element {i}: got {a}, expected {e} (rtol {rtol}, atol {atol})");
+    }
+}
+
+/// Deterministic pseudo-random values in [-1, 1) (a small LCG: tests need no RNG crate).
+pub fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Checks the gradients of `f` at `inputs` (f64 tensors) against central finite differences.
+///
+/// The output is weighted by fixed pseudo-random values `w`, so the check covers
+/// d(Σ w·f)/dx for every input element; each input must be f64 and is made to require grad.
+pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
+    let eps = 1e-6;
+    let inputs: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| {
+            assert_eq!(t.dtype(), DType::F64, "gradcheck needs f64 inputs");
+            t.detach().requires_grad_(true).unwrap()
+        })
+        .collect();
+    let out = f(&inputs).expect("forward failed");
+    let w = values(out.numel(), 99);
+    let w_t = Tensor::from_slice(&w, out.shape().dims(), out.device()).unwrap().to_dtype(out.dtype()).unwrap();
+    out.backward_with(Some(&w_t), false).expect("backward failed");
+    for (k, x) in inputs.iter().enumerate() {
+        let analytic = x.grad().map(|g| g.to_vec_f64().unwrap()).unwrap_or_else(|| vec![0.0; x.numel()]);
+        let base = x.to_vec_f64().unwrap();
+        let mut numeric = vec![0.0; base.len()];
+        for i in 0..base.len() {
+            let eval = |delta: f64| -> f64 {
+                let mut v = base.clone();
+                v[i] += delta;
+                let xi = Tensor::from_slice(&v, x.shape().dims(), x.device()).unwrap();
+                let args: Vec<Tensor> =
+                    inputs.iter().enumerate().map(|(j, t)| if j == k { xi.clone() } else { t.detach() }).collect();
+                let y = f(&args).unwrap().to_vec_f64().unwrap();
+                y.iter().zip(&w).map(|(a, b)| a * b).sum()
+            };
+            numeric[i] = (eval(eps) - eval(-eps)) / (2.0 * eps);
+        }
+        for (i, (a, n)) in analytic.iter().zip(&numeric).enumerate() {
+            assert!(
+                (a - n).abs() <= 1e-5 + 1e-4 * n.abs(),
+                "input {k} element {i}: analytic gradient {a}, numeric {n}"
+            );
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Tests of conformance (filled in with the family).

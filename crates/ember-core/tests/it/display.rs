@@ -1,0 +1,1 @@
+//! Tests of display (filled in with the family).

@@ -1,0 +1,1 @@
+//! Tests of index (filled in with the family).

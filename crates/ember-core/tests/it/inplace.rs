@@ -1,0 +1,1 @@
+//! Tests of inplace (filled in with the family).

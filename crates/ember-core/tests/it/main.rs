@@ -1,0 +1,15 @@
+//! ember-core's integration tests: one binary, one module per feature (see DESIGN.md, Testing).
+
+mod common;
+
+mod autograd;
+mod binary;
+mod conformance;
+mod display;
+mod index;
+mod inplace;
+mod matmul;
+mod random;
+mod reduce;
+mod unary;
+mod view;

@@ -1,0 +1,1 @@
+//! Tests of matmul (filled in with the family).

@@ -1,0 +1,1 @@
+//! Tests of random (filled in with the family).

@@ -1,0 +1,1 @@
+//! Tests of reduce (filled in with the family).

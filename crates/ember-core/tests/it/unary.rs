@@ -1,0 +1,1 @@
+//! Tests of unary (filled in with the family).

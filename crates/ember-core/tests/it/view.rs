@@ -1,0 +1,1 @@
+//! Tests of view (filled in with the family).
