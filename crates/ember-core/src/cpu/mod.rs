@@ -12,6 +12,7 @@ mod binary;
 mod index;
 mod matmul;
 mod reduce;
+mod softmax;
 mod unary;
 
 /// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
