@@ -45,7 +45,13 @@ fn check_range(op: &'static str, idx: &[i64], dim: usize, size: usize) -> Result
 }
 
 /// The index values at `il` in row-major order, each checked to lie in `0..size`.
-fn index_values(op: &'static str, index: &CpuStorage, il: &Layout, dim: usize, size: usize) -> Result<Vec<i64>> {
+fn index_values(
+    op: &'static str,
+    index: &CpuStorage,
+    il: &Layout,
+    dim: usize,
+    size: usize,
+) -> Result<Vec<i64>> {
     let idx = read_indices(op, index, il)?;
     check_range(op, &idx, dim, size)?;
     Ok(idx)
@@ -77,7 +83,10 @@ where
         let parts: Vec<Vec<U>> = (0..a.dims()[0])
             .into_par_iter()
             .map(|i| {
-                let (sa, sb) = (a.select(0, i).expect("in range"), b.select(0, i).expect("in range"));
+                let (sa, sb) = (
+                    a.select(0, i).expect("in range"),
+                    b.select(0, i).expect("in range"),
+                );
                 sa.offsets().zip(sb.offsets()).map(|(x, y)| f(x, y)).collect()
             })
             .collect();
@@ -103,7 +112,9 @@ fn select_contiguous<T: CpuElement>(src: &[T], layout: &Layout, dim: usize, idx:
         dst.copy_from_slice(&src[start..start + inner]);
     };
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(inner).enumerate().for_each(|(c, d)| copy(c, d));
+        out.par_chunks_mut(inner)
+            .enumerate()
+            .for_each(|(c, d)| copy(c, d));
     } else {
         out.chunks_mut(inner).enumerate().for_each(|(c, d)| copy(c, d));
     }
@@ -204,7 +215,10 @@ fn write<T: AddElement>(
         }
     };
     let base = base_layout(&w, &cs, 0, dim);
-    let targets = base.offsets().zip(kl.offsets()).map(|(b, k)| b + idx[k] as usize * stride);
+    let targets = base
+        .offsets()
+        .zip(kl.offsets())
+        .map(|(b, k)| b + idx[k] as usize * stride);
     match op {
         ScatterOp::Scatter => {
             for (t, s) in targets.zip(sl.offsets()) {
@@ -222,7 +236,14 @@ fn write<T: AddElement>(
 
 /// `index_add` with a row-major source of shape `w`: rows of the dims after `dim` are added as
 /// slices (the embedding-gradient case).
-fn index_add_contiguous<T: AddElement>(out: &mut [T], src: &[T], w: &Shape, dim: usize, size: usize, idx: &[i64]) {
+fn index_add_contiguous<T: AddElement>(
+    out: &mut [T],
+    src: &[T],
+    w: &Shape,
+    dim: usize,
+    size: usize,
+    idx: &[i64],
+) {
     let inner: usize = w.dims()[dim + 1..].iter().product();
     let outer: usize = w.dims()[..dim].iter().product();
     let n = idx.len();
@@ -277,7 +298,10 @@ impl CpuStorage {
         let idx = read_indices(OP, self, layout)?;
         let n = match num_classes {
             Some(n) => n,
-            None => idx.iter().max().map_or(0, |&m| if m < 0 { 0 } else { m as usize + 1 }),
+            None => idx
+                .iter()
+                .max()
+                .map_or(0, |&m| if m < 0 { 0 } else { m as usize + 1 }),
         };
         check_range(OP, &idx, layout.shape().rank(), n)?;
         let mut out = vec![0i64; idx.len() * n];

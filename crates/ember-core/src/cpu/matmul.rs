@@ -37,7 +37,10 @@ struct Problem {
 impl Problem {
     fn new(al: &Layout, bl: &Layout) -> Problem {
         let r = al.shape().rank();
-        assert!(r >= 2 && bl.shape().rank() == r, "matmul layouts must share rank >= 2");
+        assert!(
+            r >= 2 && bl.shape().rank() == r,
+            "matmul layouts must share rank >= 2"
+        );
         let (m, k, n) = (al.dims()[r - 2], al.dims()[r - 1], bl.dims()[r - 1]);
         assert_eq!(bl.dims()[r - 2], k, "inner dims checked by the caller");
         let batch_offsets = |l: &Layout| -> Vec<usize> {
@@ -48,7 +51,11 @@ impl Problem {
         };
         let a_offsets = batch_offsets(al);
         let b_offsets = batch_offsets(bl);
-        assert_eq!(a_offsets.len(), b_offsets.len(), "batch dims broadcast by the caller");
+        assert_eq!(
+            a_offsets.len(),
+            b_offsets.len(),
+            "batch dims broadcast by the caller"
+        );
         Problem {
             batch: a_offsets.len(),
             m,
@@ -73,14 +80,28 @@ impl GemmElement for f64 {}
 impl GemmElement for f16 {}
 
 /// `dst = a[a_off..] @ b[b_off..]` for one matrix of `p`, `dst` row-major `m × n`.
-fn gemm_one<T: GemmElement>(p: &Problem, dst: &mut [T], a: &[T], a_off: usize, b: &[T], b_off: usize, par: Parallelism) {
+fn gemm_one<T: GemmElement>(
+    p: &Problem,
+    dst: &mut [T],
+    a: &[T],
+    a_off: usize,
+    b: &[T],
+    b_off: usize,
+    par: Parallelism,
+) {
     let (m, k, n) = (p.m, p.k, p.n);
     assert!(m > 0 && k > 0 && n > 0 && dst.len() == m * n);
     let (ars, acs) = p.a_strides;
     let (brs, bcs) = p.b_strides;
     // The last element each operand's matrix reaches must lie inside its slice.
-    assert!(a_off + (m - 1) * ars + (k - 1) * acs < a.len(), "lhs matrix exceeds its storage");
-    assert!(b_off + (k - 1) * brs + (n - 1) * bcs < b.len(), "rhs matrix exceeds its storage");
+    assert!(
+        a_off + (m - 1) * ars + (k - 1) * acs < a.len(),
+        "lhs matrix exceeds its storage"
+    );
+    assert!(
+        b_off + (k - 1) * brs + (n - 1) * bcs < b.len(),
+        "rhs matrix exceeds its storage"
+    );
     // SAFETY: `gemm` reads lhs at `a_off + i*ars + p*acs` for i < m, p < k, and rhs at
     // `b_off + p*brs + j*bcs` for p < k, j < n; the asserts above bound the largest of these by
     // the slices' lengths, so every read is in bounds (and `a_off`, `b_off` themselves are, as
@@ -147,7 +168,10 @@ fn bf16_matmul(a: &[bf16], al: &Layout, b: &[bf16], bl: &Layout) -> Vec<bf16> {
         if x.len() <= 2 * l.numel().max(1) {
             (x.iter().map(|v| v.to_f32()).collect(), l.clone())
         } else {
-            (super::map_strided(x, l, bf16::to_f32), Layout::contiguous(l.shape().clone()))
+            (
+                super::map_strided(x, l, bf16::to_f32),
+                Layout::contiguous(l.shape().clone()),
+            )
         }
     }
     let (a32, al32) = widen(a, al);
@@ -199,7 +223,9 @@ fn int_matmul<T: IntElement>(a: &[T], al: &Layout, b: &[T], bl: &Layout) -> Vec<
         }
     };
     if p.batch * p.m * p.n * p.k >= PAR_THRESHOLD {
-        out.par_chunks_mut(p.n).enumerate().for_each(|(r, dst)| row(r, dst));
+        out.par_chunks_mut(p.n)
+            .enumerate()
+            .for_each(|(r, dst)| row(r, dst));
     } else {
         out.chunks_mut(p.n).enumerate().for_each(|(r, dst)| row(r, dst));
     }

@@ -66,7 +66,9 @@ impl Storage {
         il: &Layout,
     ) -> Result<Storage> {
         match (self, index) {
-            (Storage::Cpu(s), Storage::Cpu(i)) => Ok(Storage::Cpu(s.index_read(op, name, layout, dim, i, il)?)),
+            (Storage::Cpu(s), Storage::Cpu(i)) => {
+                Ok(Storage::Cpu(s.index_read(op, name, layout, dim, i, il)?))
+            }
         }
     }
 
@@ -164,7 +166,10 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
     if index.rank() > 1 {
         return Err(Error::invalid(
             op,
-            format!("the index must be a vector (0-D or 1-D), got shape {}", index.shape()),
+            format!(
+                "the index must be a vector (0-D or 1-D), got shape {}",
+                index.shape()
+            ),
         ));
     }
     let d = x.shape().dim(op, dim)?;
@@ -172,7 +177,10 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
         if index.numel() != 1 {
             return Err(Error::invalid(
                 op,
-                format!("an index into a 0-D tensor must have 1 value, got {}", index.numel()),
+                format!(
+                    "an index into a 0-D tensor must have 1 value, got {}",
+                    index.numel()
+                ),
             ));
         }
         return index_select_as(op, &lift(x)?, 0, index)?.reshape(&[]);
@@ -202,7 +210,13 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
 
 /// Rank and size checks shared by gather and the scatters: `index` has `x`'s rank, fits in
 /// `x` outside `dim`, and fits in `src` (if any) everywhere.
-fn check_gather_shapes(op: &'static str, x: &Tensor, d: usize, index: &Tensor, src: Option<&Tensor>) -> Result<()> {
+fn check_gather_shapes(
+    op: &'static str,
+    x: &Tensor,
+    d: usize,
+    index: &Tensor,
+    src: Option<&Tensor>,
+) -> Result<()> {
     if index.rank() != x.rank() {
         return Err(Error::invalid(
             op,
@@ -236,7 +250,14 @@ fn check_gather_shapes(op: &'static str, x: &Tensor, d: usize, index: &Tensor, s
 }
 
 /// The kernel call of every scatter: a copy of `x` with `src` (at `sl`) written at `index`.
-fn scatter_kernel(op: ScatterOp, x: &Tensor, d: usize, index: &Tensor, src: &Tensor, sl: &Layout) -> Result<Tensor> {
+fn scatter_kernel(
+    op: ScatterOp,
+    x: &Tensor,
+    d: usize,
+    index: &Tensor,
+    src: &Tensor,
+    sl: &Layout,
+) -> Result<Tensor> {
     let storage = {
         let (s, i, v) = (x.storage().read(), index.storage().read(), src.storage().read());
         s.index_write(op, x.layout(), d, &i, index.layout(), &v, sl)?
@@ -357,7 +378,10 @@ impl Tensor {
         if index.rank() > 1 {
             return Err(Error::invalid(
                 OP,
-                format!("the index must be a vector (0-D or 1-D), got shape {}", index.shape()),
+                format!(
+                    "the index must be a vector (0-D or 1-D), got shape {}",
+                    index.shape()
+                ),
             ));
         }
         if self.rank() == 0 || source.rank() == 0 {

@@ -117,7 +117,11 @@ impl Tensor {
                 format!("both arguments to matmul need to be at least 1D, but they are {ra}D and {rb}D"),
             ));
         }
-        let k_b = if rb == 1 { other.dims()[0] } else { other.dims()[rb - 2] };
+        let k_b = if rb == 1 {
+            other.dims()[0]
+        } else {
+            other.dims()[rb - 2]
+        };
         if self.dims()[ra - 1] != k_b {
             return Err(inner_mismatch(OP, self, other));
         }
@@ -140,7 +144,11 @@ impl Tensor {
             }
             _ => {
                 let a = if ra == 1 { self.unsqueeze(0)? } else { self.clone() };
-                let b = if rb == 1 { other.unsqueeze(1)? } else { other.clone() };
+                let b = if rb == 1 {
+                    other.unsqueeze(1)?
+                } else {
+                    other.clone()
+                };
                 let out = product(OP, &a, &b, user)?;
                 match (ra, rb) {
                     (1, _) => out.squeeze_dim(-2),
@@ -158,7 +166,11 @@ impl Tensor {
             if t.rank() != 2 {
                 return Err(Error::invalid(
                     "mm",
-                    format!("{name} must be a matrix, got a {}D tensor of shape {}", t.rank(), t.shape()),
+                    format!(
+                        "{name} must be a matrix, got a {}D tensor of shape {}",
+                        t.rank(),
+                        t.shape()
+                    ),
                 ));
             }
         }
@@ -172,7 +184,11 @@ impl Tensor {
             if t.rank() != 3 {
                 return Err(Error::invalid(
                     "bmm",
-                    format!("{name} must be a 3D tensor, got a {}D tensor of shape {}", t.rank(), t.shape()),
+                    format!(
+                        "{name} must be a 3D tensor, got a {}D tensor of shape {}",
+                        t.rank(),
+                        t.shape()
+                    ),
                 ));
             }
         }

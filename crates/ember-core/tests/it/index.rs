@@ -25,7 +25,10 @@ fn index_select_picks_entries_in_index_order() {
         let x = iota(&[3, 4], dev);
         let rows = x.index_select(0, &idx(&[2, 0, 2], &[3], dev)).unwrap();
         assert_eq!(rows.dims(), &[3, 4]);
-        assert_eq!(f64s(&rows), vec![8., 9., 10., 11., 0., 1., 2., 3., 8., 9., 10., 11.]);
+        assert_eq!(
+            f64s(&rows),
+            vec![8., 9., 10., 11., 0., 1., 2., 3., 8., 9., 10., 11.]
+        );
         let cols = x.index_select(-1, &idx(&[3, 1], &[2], dev)).unwrap();
         assert_eq!(f64s(&cols), vec![3., 1., 7., 5., 11., 9.]);
         // Non-contiguous input, int32 index, integer dtype kept.
@@ -35,7 +38,9 @@ fn index_select_picks_entries_in_index_order() {
         assert_eq!(picked.dtype(), DType::I64);
         assert_eq!(picked.to_vec::<i64>().unwrap(), vec![1, 5, 9, 3, 7, 11]);
         // A 0-d index selects one entry and keeps the dim; an empty index gives size 0.
-        let one = x.index_select(1, &Tensor::from_slice(&[2i64], [], dev).unwrap()).unwrap();
+        let one = x
+            .index_select(1, &Tensor::from_slice(&[2i64], [], dev).unwrap())
+            .unwrap();
         assert_eq!(one.dims(), &[3, 1]);
         assert_eq!(f64s(&one), vec![2., 6., 10.]);
         let none = x.index_select(0, &idx(&[], &[0], dev)).unwrap();
@@ -56,7 +61,10 @@ fn large_selects_and_gathers_match_their_definition() {
         let xv = f64s(&x);
         let picks: Vec<i64> = (0..400).map(|i| (i * 7 % r) as i64).collect();
         let out = x.index_select(0, &idx(&picks, &[400], dev)).unwrap();
-        let want: Vec<f64> = picks.iter().flat_map(|&p| xv[p as usize * c..(p as usize + 1) * c].to_vec()).collect();
+        let want: Vec<f64> = picks
+            .iter()
+            .flat_map(|&p| xv[p as usize * c..(p as usize + 1) * c].to_vec())
+            .collect();
         assert_eq!(f64s(&out), want);
         // The same through the strided path (transposed input, dim 1).
         let out_t = x.t().unwrap().index_select(1, &idx(&picks, &[400], dev)).unwrap();
@@ -75,7 +83,9 @@ fn gather_follows_torch_examples() {
         let t = t64(&[1., 2., 3., 4.], &[2, 2], dev);
         let g = t.gather(1, &idx(&[0, 0, 1, 0], &[2, 2], dev)).unwrap();
         assert_eq!(f64s(&g), vec![1., 1., 4., 3.]);
-        let g0 = t.gather(0, &idx(&[1, 0, 1], &[1, 3], dev).narrow(1, 0, 2).unwrap()).unwrap();
+        let g0 = t
+            .gather(0, &idx(&[1, 0, 1], &[1, 3], dev).narrow(1, 0, 2).unwrap())
+            .unwrap();
         assert_eq!(g0.dims(), &[1, 2]);
         assert_eq!(f64s(&g0), vec![3., 2.]);
         // The index may be larger than the input along `dim` only.
@@ -101,7 +111,9 @@ fn scatter_family_follows_torch_examples() {
         assert_eq!(f64s(&v), vec![0., 0., 1.23, 0., 0., 0., 0., 1.23]);
 
         let ones = Tensor::ones([2, 5], DType::F64, dev).unwrap();
-        let a1 = zeros.scatter_add(0, &idx(&[0, 1, 2, 0, 0], &[1, 5], dev), &ones).unwrap();
+        let a1 = zeros
+            .scatter_add(0, &idx(&[0, 1, 2, 0, 0], &[1, 5], dev), &ones)
+            .unwrap();
         #[rustfmt::skip]
         assert_eq!(f64s(&a1), vec![1., 0., 0., 1., 1., 0., 1., 0., 0., 0., 0., 0., 1., 0., 0.]);
         let a2 = zeros
@@ -112,9 +124,14 @@ fn scatter_family_follows_torch_examples() {
         // Integer dtypes and a non-contiguous self.
         let xi = Tensor::zeros([5, 3], DType::I32, dev).unwrap().t().unwrap(); // [3, 5]
         let si = Tensor::ones([2, 5], DType::I32, dev).unwrap();
-        let ai = xi.scatter_add(0, &idx(&[0, 1, 2, 0, 0], &[1, 5], dev), &si).unwrap();
+        let ai = xi
+            .scatter_add(0, &idx(&[0, 1, 2, 0, 0], &[1, 5], dev), &si)
+            .unwrap();
         assert_eq!(ai.dtype(), DType::I32);
-        assert_eq!(ai.to_vec::<i32>().unwrap(), vec![1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0]);
+        assert_eq!(
+            ai.to_vec::<i32>().unwrap(),
+            vec![1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0]
+        );
     }
 }
 
@@ -129,7 +146,13 @@ fn index_add_accumulates_rows() {
         // Repeated indices add up; dim 1 with a transposed source takes the strided path.
         let dup = x.index_add(0, &idx(&[1, 1, 1], &[3], dev), &t).unwrap();
         assert_eq!(f64s(&dup)[3..6], [13., 16., 19.]);
-        let cols = x.index_add(1, &idx(&[2, 0], &[2], dev), &t64(&values(10, 1), &[2, 5], dev).t().unwrap()).unwrap();
+        let cols = x
+            .index_add(
+                1,
+                &idx(&[2, 0], &[2], dev),
+                &t64(&values(10, 1), &[2, 5], dev).t().unwrap(),
+            )
+            .unwrap();
         let v = values(10, 1); // source[r][j] = v[j * 5 + r]
         let got = f64s(&cols);
         for r in 0..5 {
@@ -151,11 +174,34 @@ fn embedding_looks_up_rows() {
         assert_eq!(e0.dims(), &[3]);
         assert_eq!(f64s(&e0), vec![3., 4., 5.]);
         let err = Tensor::embedding(&idx(&[4], &[1], dev), &w).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "embedding", index: 4, size: 4, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    op: "embedding",
+                    index: 4,
+                    size: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = Tensor::embedding(&idx(&[0], &[1], dev), &iota(&[4], dev)).unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument { op: "embedding", .. }), "{err}");
+        assert!(
+            matches!(err, Error::InvalidArgument { op: "embedding", .. }),
+            "{err}"
+        );
         let err = Tensor::embedding(&t64(&[0.], &[1], dev), &w).unwrap_err();
-        assert!(matches!(err, Error::UnsupportedDType { dtype: DType::F64, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::UnsupportedDType {
+                    dtype: DType::F64,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }
 
@@ -173,12 +219,32 @@ fn one_hot_matches_f_one_hot() {
         let empty = idx(&[], &[0], dev).one_hot(4).unwrap();
         assert_eq!(empty.dims(), &[0, 4]);
         let err = x.one_hot(2).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "one_hot", index: 2, size: 2, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    op: "one_hot",
+                    index: 2,
+                    size: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = idx(&[1, -1], &[2], dev).one_hot(3).unwrap_err();
         assert!(matches!(err, Error::IndexOutOfRange { index: -1, .. }), "{err}");
-        assert!(matches!(idx(&[], &[0], dev).one_hot(-1).unwrap_err(), Error::InvalidArgument { .. }));
-        assert!(matches!(x.one_hot(-2).unwrap_err(), Error::InvalidArgument { .. }));
-        assert!(matches!(t64(&[1.], &[1], dev).one_hot(2).unwrap_err(), Error::UnsupportedDType { .. }));
+        assert!(matches!(
+            idx(&[], &[0], dev).one_hot(-1).unwrap_err(),
+            Error::InvalidArgument { .. }
+        ));
+        assert!(matches!(
+            x.one_hot(-2).unwrap_err(),
+            Error::InvalidArgument { .. }
+        ));
+        assert!(matches!(
+            t64(&[1.], &[1], dev).one_hot(2).unwrap_err(),
+            Error::UnsupportedDType { .. }
+        ));
     }
 }
 
@@ -187,32 +253,116 @@ fn bad_indices_are_errors_not_panics() {
     for dev in devices() {
         let x = iota(&[3, 4], dev);
         let err = x.index_select(0, &idx(&[0, 3], &[2], dev)).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "index_select", index: 3, dim: 0, size: 3 }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    op: "index_select",
+                    index: 3,
+                    dim: 0,
+                    size: 3
+                }
+            ),
+            "{err}"
+        );
         // Negative indices do not wrap (as in PyTorch for these ops).
         let err = x.index_select(1, &idx(&[-1], &[1], dev)).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { index: -1, dim: 1, size: 4, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    index: -1,
+                    dim: 1,
+                    size: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = x.gather(1, &idx(&[0, 4], &[1, 2], dev)).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "gather", index: 4, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    op: "gather",
+                    index: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let err = x.scatter_value(0, &idx(&[-1], &[1, 1], dev), 1.0).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "scatter", .. }), "{err}");
+        assert!(
+            matches!(err, Error::IndexOutOfRange { op: "scatter", .. }),
+            "{err}"
+        );
         let err = x.scatter_add(0, &idx(&[3], &[1, 1], dev), &x).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "scatter_add", .. }), "{err}");
-        let err = x.index_add(0, &idx(&[5], &[1], dev), &iota(&[1, 4], dev)).unwrap_err();
-        assert!(matches!(err, Error::IndexOutOfRange { op: "index_add", index: 5, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    op: "scatter_add",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = x
+            .index_add(0, &idx(&[5], &[1], dev), &iota(&[1, 4], dev))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::IndexOutOfRange {
+                    op: "index_add",
+                    index: 5,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         // Index dtype, rank and shape checks.
         let err = x.index_select(0, &t64(&[0.], &[1], dev)).unwrap_err();
-        assert!(matches!(err, Error::UnsupportedDType { op: "index_select", dtype: DType::F64, .. }), "{err}");
-        assert!(matches!(x.index_select(0, &idx(&[0, 1], &[1, 2], dev)).unwrap_err(), Error::InvalidArgument { .. }));
-        assert!(matches!(x.index_select(2, &idx(&[0], &[1], dev)).unwrap_err(), Error::DimOutOfRange { .. }));
-        assert!(matches!(x.gather(0, &idx(&[0], &[1], dev)).unwrap_err(), Error::InvalidArgument { op: "gather", .. }));
+        assert!(
+            matches!(
+                err,
+                Error::UnsupportedDType {
+                    op: "index_select",
+                    dtype: DType::F64,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(matches!(
+            x.index_select(0, &idx(&[0, 1], &[1, 2], dev)).unwrap_err(),
+            Error::InvalidArgument { .. }
+        ));
+        assert!(matches!(
+            x.index_select(2, &idx(&[0], &[1], dev)).unwrap_err(),
+            Error::DimOutOfRange { .. }
+        ));
+        assert!(matches!(
+            x.gather(0, &idx(&[0], &[1], dev)).unwrap_err(),
+            Error::InvalidArgument { op: "gather", .. }
+        ));
         let err = x.gather(0, &idx(&[0; 5], &[1, 5], dev)).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { op: "gather", .. }), "{err}");
-        let err = x.scatter(0, &idx(&[0; 3], &[1, 3], dev), &iota(&[1, 2], dev)).unwrap_err();
+        let err = x
+            .scatter(0, &idx(&[0; 3], &[1, 3], dev), &iota(&[1, 2], dev))
+            .unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { op: "scatter", .. }), "{err}");
-        let err = x.scatter(0, &idx(&[0], &[1, 1], dev), &x.to_dtype(DType::F32).unwrap()).unwrap_err();
+        let err = x
+            .scatter(0, &idx(&[0], &[1, 1], dev), &x.to_dtype(DType::F32).unwrap())
+            .unwrap_err();
         assert!(matches!(err, Error::DTypeMismatch { op: "scatter", .. }), "{err}");
-        let err = x.index_add(0, &idx(&[0, 1], &[2], dev), &iota(&[1, 4], dev)).unwrap_err();
-        assert!(matches!(err, Error::ShapeMismatch { op: "index_add", .. }), "{err}");
+        let err = x
+            .index_add(0, &idx(&[0, 1], &[2], dev), &iota(&[1, 4], dev))
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::ShapeMismatch { op: "index_add", .. }),
+            "{err}"
+        );
     }
 }
 
@@ -248,6 +398,9 @@ fn gradcheck_writes() {
         let ii = idx(&[2, 0, 2, 1], &[4], dev);
         gradcheck(|t| t[0].index_add(0, &ii, &t[1]), &[x.clone(), source]);
         let source1 = t64(&values(6, 4), &[3, 2], dev);
-        gradcheck(|t| t[0].index_add(1, &idx(&[4, 4], &[2], dev), &t[1]), &[x, source1]);
+        gradcheck(
+            |t| t[0].index_add(1, &idx(&[4, 4], &[2], dev), &t[1]),
+            &[x, source1],
+        );
     }
 }

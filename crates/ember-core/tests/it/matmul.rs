@@ -29,7 +29,14 @@ fn mm_matches_hand_computed_values() {
         let want = t64(&[58., 64., 139., 154.], &[2, 2], dev);
         assert_close(&a.mm(&b).unwrap(), &want, 0.0, 0.0);
         assert_close(&a.matmul(&b).unwrap(), &want, 0.0, 0.0);
-        for dt in [DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32, DType::U8] {
+        for dt in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::I64,
+            DType::I32,
+            DType::U8,
+        ] {
             let (a, b) = (a.to_dtype(dt).unwrap(), b.to_dtype(dt).unwrap());
             let out = a.matmul(&b).unwrap();
             assert_eq!(out.dtype(), dt);
@@ -89,17 +96,32 @@ fn batch_dims_broadcast() {
         let b2 = t64(&bv[..8], &[4, 2], dev);
         let out = a3.matmul(&b2).unwrap();
         assert_eq!(out.dims(), &[2, 3, 2]);
-        assert_close_slice(&out.to_vec_f64().unwrap(), &naive(&av, &bv[..8], 1, 6, 4, 2), 1e-12, 1e-12);
+        assert_close_slice(
+            &out.to_vec_f64().unwrap(),
+            &naive(&av, &bv[..8], 1, 6, 4, 2),
+            1e-12,
+            1e-12,
+        );
     }
 }
 
 /// Random shapes, including transposed (non-contiguous) operands, against the naive loop.
 #[test]
 fn random_and_transposed_operands_match_naive_loop() {
-    let shapes = [(1, 1, 1, 1), (1, 7, 5, 3), (3, 4, 9, 6), (64, 8, 8, 8), (1, 130, 70, 90), (2, 65, 33, 17)];
+    let shapes = [
+        (1, 1, 1, 1),
+        (1, 7, 5, 3),
+        (3, 4, 9, 6),
+        (64, 8, 8, 8),
+        (1, 130, 70, 90),
+        (2, 65, 33, 17),
+    ];
     for dev in devices() {
         for (seed, &(batch, m, k, n)) in shapes.iter().enumerate() {
-            let (av, bv) = (values(batch * m * k, seed as u64), values(batch * k * n, seed as u64 + 50));
+            let (av, bv) = (
+                values(batch * m * k, seed as u64),
+                values(batch * k * n, seed as u64 + 50),
+            );
             // Stored transposed, viewed back: same values, non-contiguous strides.
             let at: Vec<f64> = (0..batch * k * m)
                 .map(|x| {
@@ -120,7 +142,12 @@ fn random_and_transposed_operands_match_naive_loop() {
             let b_t = t64(&bt, &[batch, n, k], dev).transpose(1, 2).unwrap();
             let (a, b) = (t64(&av, &[batch, m, k], dev), t64(&bv, &[batch, k, n], dev));
             for (x, y) in [(&a, &b), (&a_t, &b), (&a, &b_t), (&a_t, &b_t)] {
-                for (dt, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5), (DType::F16, 2e-2), (DType::BF16, 8e-2)] {
+                for (dt, tol) in [
+                    (DType::F64, 1e-12),
+                    (DType::F32, 1e-5),
+                    (DType::F16, 2e-2),
+                    (DType::BF16, 8e-2),
+                ] {
                     let (x, y) = (x.to_dtype(dt).unwrap(), y.to_dtype(dt).unwrap());
                     let got = x.bmm(&y).unwrap();
                     assert_eq!(got.dtype(), dt);
@@ -135,7 +162,14 @@ fn random_and_transposed_operands_match_naive_loop() {
                     x.mul_scalar(10.0).unwrap().to_dtype(DType::I64).unwrap(),
                     y.mul_scalar(10.0).unwrap().to_dtype(DType::I64).unwrap(),
                 );
-                let want = naive(&xi.to_vec_f64().unwrap(), &yi.to_vec_f64().unwrap(), batch, m, k, n);
+                let want = naive(
+                    &xi.to_vec_f64().unwrap(),
+                    &yi.to_vec_f64().unwrap(),
+                    batch,
+                    m,
+                    k,
+                    n,
+                );
                 assert_eq!(xi.bmm(&yi).unwrap().to_vec_f64().unwrap(), want);
             }
         }
@@ -152,12 +186,21 @@ fn expanded_and_empty_operands() {
         let first = row.contiguous().unwrap().mm(&b).unwrap();
         assert_close(&out, &first, 1e-12, 0.0);
         // k == 0 gives zeros; m == 0 gives an empty result.
-        let z = Tensor::zeros([2, 0], DType::F32, dev).unwrap().mm(&Tensor::zeros([0, 3], DType::F32, dev).unwrap()).unwrap();
+        let z = Tensor::zeros([2, 0], DType::F32, dev)
+            .unwrap()
+            .mm(&Tensor::zeros([0, 3], DType::F32, dev).unwrap())
+            .unwrap();
         assert_eq!(z.dims(), &[2, 3]);
         assert_eq!(z.to_vec::<f32>().unwrap(), vec![0.0; 6]);
-        let e = Tensor::zeros([0, 4], DType::F64, dev).unwrap().matmul(&t64(&values(8, 1), &[4, 2], dev)).unwrap();
+        let e = Tensor::zeros([0, 4], DType::F64, dev)
+            .unwrap()
+            .matmul(&t64(&values(8, 1), &[4, 2], dev))
+            .unwrap();
         assert_eq!(e.dims(), &[0, 2]);
-        let ei = Tensor::zeros([2, 0], DType::I64, dev).unwrap().mm(&Tensor::zeros([0, 2], DType::I64, dev).unwrap()).unwrap();
+        let ei = Tensor::zeros([2, 0], DType::I64, dev)
+            .unwrap()
+            .mm(&Tensor::zeros([0, 2], DType::I64, dev).unwrap())
+            .unwrap();
         assert_eq!(ei.to_vec::<i64>().unwrap(), vec![0; 4]);
     }
 }
@@ -176,23 +219,50 @@ fn shape_and_dtype_errors_name_both_operands() {
         let x = t64(&values(24, 1), &[2, 3, 4], dev);
         let y = t64(&values(24, 1), &[3, 4, 2], dev);
         let err = x.matmul(&y).unwrap_err();
-        assert!(matches!(err, Error::ShapeMismatch { .. }) && err.to_string().contains("[2, 3, 4] and [3, 4, 2]"), "{err}");
+        assert!(
+            matches!(err, Error::ShapeMismatch { .. }) && err.to_string().contains("[2, 3, 4] and [3, 4, 2]"),
+            "{err}"
+        );
         // bmm does not broadcast and needs 3-D operands; mm needs matrices.
-        assert!(matches!(x.bmm(&y).unwrap_err(), Error::ShapeMismatch { op: "bmm", .. }));
-        assert!(matches!(a.bmm(&b).unwrap_err(), Error::InvalidArgument { op: "bmm", .. }));
+        assert!(matches!(
+            x.bmm(&y).unwrap_err(),
+            Error::ShapeMismatch { op: "bmm", .. }
+        ));
+        assert!(matches!(
+            a.bmm(&b).unwrap_err(),
+            Error::InvalidArgument { op: "bmm", .. }
+        ));
         let v = t64(&[1., 2., 3.], &[3], dev);
-        assert!(matches!(a.mm(&v).unwrap_err(), Error::InvalidArgument { op: "mm", .. }));
+        assert!(matches!(
+            a.mm(&v).unwrap_err(),
+            Error::InvalidArgument { op: "mm", .. }
+        ));
         let s = Tensor::scalar(2.0, DType::F64, dev).unwrap();
         let err = s.matmul(&v).unwrap_err();
         assert!(err.to_string().contains("at least 1D"), "{err}");
         // Dtypes must match exactly (no promotion), as in PyTorch.
-        let err = a.matmul(&a.t().unwrap().to_dtype(DType::F32).unwrap()).unwrap_err();
+        let err = a
+            .matmul(&a.t().unwrap().to_dtype(DType::F32).unwrap())
+            .unwrap_err();
         assert!(
-            matches!(err, Error::DTypeMismatch { expected: DType::F64, found: DType::F32, .. }),
+            matches!(
+                err,
+                Error::DTypeMismatch {
+                    expected: DType::F64,
+                    found: DType::F32,
+                    ..
+                }
+            ),
             "{err}"
         );
         let bools = Tensor::ones([2, 2], DType::Bool, dev).unwrap();
-        assert!(matches!(bools.mm(&bools).unwrap_err(), Error::UnsupportedDType { dtype: DType::Bool, .. }));
+        assert!(matches!(
+            bools.mm(&bools).unwrap_err(),
+            Error::UnsupportedDType {
+                dtype: DType::Bool,
+                ..
+            }
+        ));
     }
 }
 
@@ -204,17 +274,27 @@ fn linear_applies_weight_transposed_and_bias() {
         let b = t64(&[10., 20.], &[2], dev);
         let out = x.linear(&w, Some(&b)).unwrap();
         assert_eq!(out.to_vec::<f64>().unwrap(), vec![11., 25., 14., 31.]);
-        assert_eq!(x.linear(&w, None).unwrap().to_vec::<f64>().unwrap(), vec![1., 5., 4., 11.]);
+        assert_eq!(
+            x.linear(&w, None).unwrap().to_vec::<f64>().unwrap(),
+            vec![1., 5., 4., 11.]
+        );
         // Any leading dims.
         let x3 = x.reshape(&[1, 2, 3]).unwrap().expand(&[2, 2, 3]).unwrap();
         let out3 = x3.linear(&w, Some(&b)).unwrap();
         assert_eq!(out3.dims(), &[2, 2, 2]);
-        assert_eq!(out3.to_vec::<f64>().unwrap(), vec![11., 25., 14., 31., 11., 25., 14., 31.]);
+        assert_eq!(
+            out3.to_vec::<f64>().unwrap(),
+            vec![11., 25., 14., 31., 11., 25., 14., 31.]
+        );
         // A 1-D input gives a 1-D output.
         let o1 = t64(&[1., 2., 3.], &[3], dev).linear(&w, Some(&b)).unwrap();
         assert_eq!(o1.to_vec::<f64>().unwrap(), vec![11., 25.]);
         let err = x.linear(&w.t().unwrap(), None).unwrap_err();
-        assert!(matches!(err, Error::ShapeMismatch { op: "linear", .. }) && err.to_string().contains("[2, 3] and [3, 2]"), "{err}");
+        assert!(
+            matches!(err, Error::ShapeMismatch { op: "linear", .. })
+                && err.to_string().contains("[2, 3] and [3, 2]"),
+            "{err}"
+        );
         let err = x.linear(&w, Some(&t64(&[1., 2., 3.], &[3], dev))).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { op: "linear", .. }), "{err}");
     }
@@ -239,7 +319,10 @@ fn gradcheck_mm_and_matmul_without_batch_broadcast() {
         let p = t64(&values(24, 6), &[2, 3, 4], dev);
         let q = t64(&values(16, 7), &[2, 4, 2], dev);
         gradcheck(|x| x[0].bmm(&x[1]), &[p.clone(), q.clone()]);
-        gradcheck(|x| x[0].matmul(&x[1].transpose(1, 2)?.transpose(1, 2)?), &[p.clone(), q]);
+        gradcheck(
+            |x| x[0].matmul(&x[1].transpose(1, 2)?.transpose(1, 2)?),
+            &[p.clone(), q],
+        );
         // N-D by 2-D folds into one product: no reduction over a broadcast batch.
         gradcheck(|x| x[0].matmul(&x[1]), &[p, b]);
     }
@@ -283,8 +366,18 @@ fn gradcheck_broadcast_batch_and_bias() {
 #[ignore = "measurement, not a test"]
 fn matmul_gflops_1024_f32() {
     let n = 1024;
-    let a = Tensor::from_vec(values(n * n, 1).iter().map(|&v| v as f32).collect(), [n, n], Device::Cpu).unwrap();
-    let b = Tensor::from_vec(values(n * n, 2).iter().map(|&v| v as f32).collect(), [n, n], Device::Cpu).unwrap();
+    let a = Tensor::from_vec(
+        values(n * n, 1).iter().map(|&v| v as f32).collect(),
+        [n, n],
+        Device::Cpu,
+    )
+    .unwrap();
+    let b = Tensor::from_vec(
+        values(n * n, 2).iter().map(|&v| v as f32).collect(),
+        [n, n],
+        Device::Cpu,
+    )
+    .unwrap();
     a.matmul(&b).unwrap(); // warm-up
     let reps = 10;
     let start = std::time::Instant::now();
