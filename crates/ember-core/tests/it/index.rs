@@ -371,11 +371,11 @@ fn gradcheck_reads() {
     for dev in devices() {
         let x = t64(&values(12, 1), &[3, 4], dev);
         let rows = idx(&[2, 0, 2], &[3], dev);
-        gradcheck(|t| t[0].index_select(0, &rows), &[x.clone()]);
+        gradcheck(|t| t[0].index_select(0, &rows), std::slice::from_ref(&x));
         let cols = idx(&[2, 2, 0], &[3], dev);
-        gradcheck(|t| t[0].t()?.index_select(1, &cols), &[x.clone()]);
+        gradcheck(|t| t[0].t()?.index_select(1, &cols), std::slice::from_ref(&x));
         let gi = idx(&[0, 0, 3, 1, 2, 2], &[3, 2], dev);
-        gradcheck(|t| t[0].gather(1, &gi), &[x.clone()]);
+        gradcheck(|t| t[0].gather(1, &gi), std::slice::from_ref(&x));
         let w = t64(&values(15, 2), &[5, 3], dev);
         let tokens = idx(&[4, 0, 4, 2], &[2, 2], dev);
         gradcheck(|t| Tensor::embedding(&tokens, &t[0]), &[w]);
@@ -391,7 +391,7 @@ fn gradcheck_writes() {
         let si = idx(&[0, 1, 2, 0, 2, 0, 1, 1], &[2, 4], dev);
         let src = t64(&values(12, 2), &[2, 6], dev);
         gradcheck(|t| t[0].scatter(0, &si, &t[1]), &[x.clone(), src.clone()]);
-        gradcheck(|t| t[0].scatter_value(0, &si, 2.5), &[x.clone()]);
+        gradcheck(|t| t[0].scatter_value(0, &si, 2.5), std::slice::from_ref(&x));
         let ai = idx(&[0, 0, 2, 0, 2, 2, 0, 1], &[2, 4], dev);
         gradcheck(|t| t[0].scatter_add(0, &ai, &t[1]), &[x.clone(), src]);
         let source = t64(&values(20, 3), &[4, 5], dev);
