@@ -27,6 +27,8 @@ pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
 pub use device::Device;
 pub use dtype::{DType, Element, Scalar, ScalarKind};
 pub use error::{Error, Result};
-pub use random::{manual_seed, Generator};
+pub use random::{
+    default_generator, get_rng_state, initial_seed, manual_seed, seed, set_rng_state, Generator, RngState,
+};
 pub use shape::Shape;
 pub use tensor::{HookHandle, Tensor};
