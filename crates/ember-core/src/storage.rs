@@ -83,6 +83,11 @@ impl StorageRef {
         self.0.version.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// True when no other tensor or view holds this storage.
+    pub fn is_unique(&self) -> bool {
+        Arc::strong_count(&self.0) == 1
+    }
+
     pub fn same_storage(&self, other: &StorageRef) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }

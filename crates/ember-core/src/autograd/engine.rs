@@ -230,8 +230,17 @@ fn accumulate_leaf(leaf: &Arc<TensorImpl>, grad: Tensor) -> Result<()> {
     let mut meta = leaf.meta();
     let grad = match meta.grad.take() {
         Some(old) => old.add(&grad)?,
-        None if grad.dtype() != leaf.dtype => grad.to_dtype(leaf.dtype)?,
-        None => grad,
+        // A stored gradient owns dense memory that nothing else sees: a broadcast view (from
+        // sum's backward) or a tensor the caller still holds (the gradient given to
+        // backward) is copied, as PyTorch's AccumulateGrad does; a fresh one is kept as is.
+        None => {
+            let grad = grad.to_dtype(leaf.dtype)?;
+            if grad.is_contiguous() && Arc::strong_count(&grad.0) == 1 && grad.storage().is_unique() {
+                grad
+            } else {
+                grad.deep_clone()?
+            }
+        }
     };
     meta.grad = Some(grad);
     Ok(())

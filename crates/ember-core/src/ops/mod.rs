@@ -10,10 +10,3 @@ pub mod reduce;
 pub mod softmax;
 pub mod unary;
 pub mod view;
-
-use crate::Error;
-
-/// Placeholder error for an op whose kernel is not built yet (removed as families land).
-pub(crate) fn not_built(op: &'static str) -> Error {
-    Error::invalid(op, "not built yet")
-}

@@ -1,5 +1,5 @@
 //! Tensor creation: from host data, constant fills, ranges and `*_like` forms
-//! (random creation is in `ops/random.rs`).
+//! (random creation is in `random/tensor.rs`).
 
 use crate::cpu::{CpuElement, CpuStorage};
 use crate::storage::Storage;

@@ -85,6 +85,25 @@ fn no_grad_and_enable_grad_scopes() {
 }
 
 #[test]
+fn stored_gradients_own_dense_memory() {
+    // sum's backward hands back a broadcast view; the leaf must not keep it.
+    let x = t64(&[1.0, 2.0, 3.0, 4.0], &[2, 2], Device::Cpu)
+        .requires_grad_(true)
+        .unwrap();
+    x.sum_all().unwrap().backward().unwrap();
+    let g = x.grad().unwrap();
+    assert!(g.is_contiguous());
+    g.add_scalar_(1.0).unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![2.0; 4]);
+    // The gradient given to backward is not aliased by `.grad`.
+    let y = leaf(&[1.0, 2.0]);
+    let w = ones(2);
+    y.add_scalar(0.0).unwrap().backward_with(Some(&w), false).unwrap();
+    y.grad().unwrap().mul_scalar_(5.0).unwrap();
+    assert_eq!(w.to_vec::<f64>().unwrap(), vec![1.0, 1.0]);
+}
+
+#[test]
 fn leaves_detach_and_retain_grad() {
     let x = leaf(&[2.0]);
     assert!(x.is_leaf());
