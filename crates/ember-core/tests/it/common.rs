@@ -26,16 +26,23 @@ pub fn assert_close_slice(actual: &[f64], expected: &[f64], rtol: f64, atol: f64
     assert_eq!(actual.len(), expected.len(), "lengths differ");
     for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
         let ok = (a - e).abs() <= atol + rtol * e.abs() || (a.is_nan() && e.is_nan()) || a == e;
-        assert!(ok, "element {i}: got {a}, expected {e} (rtol {rtol}, atol {atol})");
+        assert!(
+            ok,
+            "element {i}: got {a}, expected {e} (rtol {rtol}, atol {atol})"
+        );
     }
 }
 
 /// Deterministic pseudo-random values in [-1, 1) (a small LCG: tests need no RNG crate).
 pub fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
         })
         .collect()
@@ -56,10 +63,16 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
         .collect();
     let out = f(&inputs).expect("forward failed");
     let w = values(out.numel(), 99);
-    let w_t = Tensor::from_slice(&w, out.shape().dims(), out.device()).unwrap().to_dtype(out.dtype()).unwrap();
+    let w_t = Tensor::from_slice(&w, out.shape().dims(), out.device())
+        .unwrap()
+        .to_dtype(out.dtype())
+        .unwrap();
     out.backward_with(Some(&w_t), false).expect("backward failed");
     for (k, x) in inputs.iter().enumerate() {
-        let analytic = x.grad().map(|g| g.to_vec_f64().unwrap()).unwrap_or_else(|| vec![0.0; x.numel()]);
+        let analytic = x
+            .grad()
+            .map(|g| g.to_vec_f64().unwrap())
+            .unwrap_or_else(|| vec![0.0; x.numel()]);
         let base = x.to_vec_f64().unwrap();
         let mut numeric = vec![0.0; base.len()];
         for i in 0..base.len() {
@@ -67,8 +80,11 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
                 let mut v = base.clone();
                 v[i] += delta;
                 let xi = Tensor::from_slice(&v, x.shape().dims(), x.device()).unwrap();
-                let args: Vec<Tensor> =
-                    inputs.iter().enumerate().map(|(j, t)| if j == k { xi.clone() } else { t.detach() }).collect();
+                let args: Vec<Tensor> = inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(j, t)| if j == k { xi.clone() } else { t.detach() })
+                    .collect();
                 let y = f(&args).unwrap().to_vec_f64().unwrap();
                 y.iter().zip(&w).map(|(a, b)| a * b).sum()
             };
