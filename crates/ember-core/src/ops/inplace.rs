@@ -1,3 +1,187 @@
 //! In-place ops (`add_`, `mul_`, `copy_`, `zero_`, `fill_`, ...): they write through to the
-//! shared storage and bump its version counter, so autograd can detect a saved tensor that was
-//! modified (see Note [Saved tensors] in `autograd`).
+//! shared storage, so every view of it sees the change, and bump its version counter, so
+//! autograd detects a saved tensor that was modified (see Note [Saved tensors] in `autograd`).
+//!
+//! Note [In-place and autograd]: as in PyTorch, an in-place op on a leaf that requires grad is
+//! an error while grad mode is on (optimizers update parameters under `no_grad`). PyTorch also
+//! rebases the graph of a non-leaf modified in place; ember does not yet, and says so with an
+//! error instead of computing a wrong gradient.
+
+use crate::autograd;
+use crate::dtype::Scalar;
+use crate::{Error, Result, Tensor};
+
+impl Tensor {
+    /// Checks that `self` may be written in place by `op` and that no graph is being recorded
+    /// through the write.
+    fn check_inplace(&self, op: &'static str, others: &[&Tensor]) -> Result<()> {
+        if autograd::is_grad_enabled() {
+            if self.requires_grad() && self.is_leaf() {
+                return Err(Error::Autograd(format!(
+                    "a leaf tensor that requires grad is being used in an in-place operation ({op}); wrap the update in no_grad()"
+                )));
+            }
+            if self.requires_grad() || others.iter().any(|t| t.requires_grad()) {
+                return Err(Error::Autograd(format!(
+                    "in-place {op} on tensors that take part in autograd is not supported; use the out-of-place op, or no_grad()"
+                )));
+            }
+        }
+        let overlapping = self
+            .dims()
+            .iter()
+            .zip(self.stride())
+            .any(|(&d, &s)| d > 1 && s == 0);
+        if overlapping {
+            return Err(Error::invalid(
+                op,
+                "more than one element of the written-to tensor refers to a single memory location; call contiguous() first",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes `src` (broadcast to `self`'s shape, converted to `self`'s dtype and device) into
+    /// `self`'s elements.
+    fn write_from(&self, op: &'static str, src: &Tensor) -> Result<()> {
+        let shape = self.shape().broadcast(src.shape(), op)?;
+        if &shape != self.shape() {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: self.shape().clone(),
+                rhs: src.shape().clone(),
+                hint: "the source must broadcast to the destination's shape",
+            });
+        }
+        // A source over the same storage is materialized first: the write lock excludes reads.
+        let src = if src.shares_storage_with(self) {
+            let _g = autograd::no_grad();
+            src.deep_clone()?
+        } else {
+            src.clone()
+        };
+        let src_layout = src.layout().broadcast_as(self.shape(), op)?;
+        let src_storage = src.storage().read();
+        self.storage()
+            .write()
+            .copy_strided_from(self.layout(), &src_storage, &src_layout)
+    }
+
+    /// Writes the result of an out-of-place op into `self`, refusing a dtype that would narrow
+    /// (float result into an integer tensor), as PyTorch does.
+    fn assign_result(&self, op: &'static str, result: &Tensor) -> Result<Tensor> {
+        if result.dtype().is_floating_point() && !self.dtype().is_floating_point() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "result type {} can't be cast to the desired output type {}",
+                    result.dtype(),
+                    self.dtype()
+                ),
+            ));
+        }
+        self.write_from(op, result)?;
+        Ok(self.clone())
+    }
+
+    /// Copies `src` into `self` (broadcasting, converting dtype and device); returns `self`.
+    pub fn copy_(&self, src: &Tensor) -> Result<Tensor> {
+        self.check_inplace("copy_", &[src])?;
+        if src.device() != self.device() {
+            let moved = src.to(self.device())?;
+            self.write_from("copy_", &moved)?;
+        } else {
+            self.write_from("copy_", src)?;
+        }
+        Ok(self.clone())
+    }
+
+    /// Sets every element to `value`; returns `self`.
+    pub fn fill_(&self, value: impl Into<Scalar>) -> Result<Tensor> {
+        self.check_inplace("fill_", &[])?;
+        let v = Tensor::scalar(value.into().to_f64(), self.dtype(), self.device())?;
+        self.write_from("fill_", &v)?;
+        Ok(self.clone())
+    }
+
+    /// Sets every element to zero; returns `self`.
+    pub fn zero_(&self) -> Result<Tensor> {
+        self.fill_(0.0)
+    }
+
+    /// `self += alpha * other`, the optimizer form of `add_(other, alpha=...)`.
+    pub fn add_scaled_(&self, other: &Tensor, alpha: f64) -> Result<Tensor> {
+        self.check_inplace("add_", &[other])?;
+        let _g = autograd::no_grad();
+        let r = if alpha == 1.0 {
+            self.add(other)?
+        } else {
+            self.add(&other.mul_scalar(alpha)?)?
+        };
+        self.assign_result("add_", &r)
+    }
+
+    /// `self += value * t1 * t2` (`addcmul_`).
+    pub fn addcmul_(&self, t1: &Tensor, t2: &Tensor, value: f64) -> Result<Tensor> {
+        self.check_inplace("addcmul_", &[t1, t2])?;
+        let _g = autograd::no_grad();
+        let r = self.add(&t1.mul(t2)?.mul_scalar(value)?)?;
+        self.assign_result("addcmul_", &r)
+    }
+
+    /// `self += value * t1 / t2` (`addcdiv_`).
+    pub fn addcdiv_(&self, t1: &Tensor, t2: &Tensor, value: f64) -> Result<Tensor> {
+        self.check_inplace("addcdiv_", &[t1, t2])?;
+        let _g = autograd::no_grad();
+        let r = self.add(&t1.div(t2)?.mul_scalar(value)?)?;
+        self.assign_result("addcdiv_", &r)
+    }
+
+    /// Linear interpolation in place: `self += weight * (end - self)` (`lerp_`).
+    pub fn lerp_(&self, end: &Tensor, weight: f64) -> Result<Tensor> {
+        self.check_inplace("lerp_", &[end])?;
+        let _g = autograd::no_grad();
+        let r = self.add(&end.sub(self)?.mul_scalar(weight)?)?;
+        self.assign_result("lerp_", &r)
+    }
+
+    /// Clamps in place (`clamp_`).
+    pub fn clamp_(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        self.check_inplace("clamp_", &[])?;
+        let _g = autograd::no_grad();
+        let r = self.clamp(min, max)?;
+        self.assign_result("clamp_", &r)
+    }
+}
+
+macro_rules! inplace_binary {
+    ($($name:ident, $scalar_name:ident => $op:ident, $scalar_op:ident;)*) => {
+        impl Tensor {$(
+            #[doc = concat!("In-place `", stringify!($op), "` with broadcasting of `other`; returns `self`.")]
+            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                self.check_inplace(stringify!($name), &[other])?;
+                let _g = autograd::no_grad();
+                let r = self.$op(other)?;
+                self.assign_result(stringify!($name), &r)
+            }
+
+            #[doc = concat!("In-place `", stringify!($op), "` with a scalar; returns `self`.")]
+            pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                self.check_inplace(stringify!($scalar_name), &[])?;
+                let _g = autograd::no_grad();
+                let r = self.$scalar_op(other)?;
+                self.assign_result(stringify!($scalar_name), &r)
+            }
+        )*}
+    };
+}
+
+inplace_binary! {
+    add_, add_scalar_ => add, add_scalar;
+    sub_, sub_scalar_ => sub, sub_scalar;
+    mul_, mul_scalar_ => mul, mul_scalar;
+    div_, div_scalar_ => div, div_scalar;
+    pow_, pow_scalar_ => pow, pow_scalar;
+    maximum_, maximum_scalar_ => maximum, maximum_scalar;
+    minimum_, minimum_scalar_ => minimum, minimum_scalar;
+}

@@ -1,1 +1,143 @@
-//! Tests of view (filled in with the family).
+//! View ops: aliasing, strides, copies, cat/stack/split, and gradients through views.
+
+use crate::common::{devices, gradcheck, t64, values};
+use ember_core::{DType, Device, Error, Tensor};
+
+fn arange(n: usize, shape: &[usize]) -> Tensor {
+    Tensor::from_vec((0..n).map(|x| x as f64).collect(), shape, Device::Cpu).unwrap()
+}
+
+#[test]
+fn views_alias_their_storage() {
+    for dev in devices() {
+        let x = Tensor::zeros([2, 3], DType::F32, dev).unwrap();
+        let v = x.narrow(1, 1, 2).unwrap();
+        assert!(v.shares_storage_with(&x));
+        assert_eq!(v.storage_offset(), 1);
+        v.fill_(5.0).unwrap();
+        assert_eq!(x.to_vec::<f32>().unwrap(), vec![0.0, 5.0, 5.0, 0.0, 5.0, 5.0]);
+        let t = x.t().unwrap();
+        assert!(t.shares_storage_with(&x));
+        assert_eq!(t.stride(), &[1, 3]);
+        t.select(0, 0).unwrap().fill_(-1.0).unwrap();
+        assert_eq!(x.to_vec::<f32>().unwrap(), vec![-1.0, 5.0, 5.0, -1.0, 5.0, 5.0]);
+    }
+}
+
+#[test]
+fn reshape_views_when_it_can_and_copies_when_it_must() {
+    let x = arange(24, &[2, 3, 4]);
+    let r = x.reshape(&[6, -1]).unwrap();
+    assert!(r.shares_storage_with(&x));
+    assert_eq!(r.dims(), &[6, 4]);
+    let p = x.permute(&[2, 0, 1]).unwrap();
+    assert_eq!(p.dims(), &[4, 2, 3]);
+    assert!(!p.is_contiguous());
+    let flat = p.reshape(&[-1]).unwrap();
+    assert!(
+        !flat.shares_storage_with(&x),
+        "a permuted tensor cannot be flattened in place"
+    );
+    assert_eq!(&flat.to_vec::<f64>().unwrap()[..4], &[0.0, 4.0, 8.0, 12.0]);
+    let err = p.view(&[-1]).unwrap_err();
+    assert!(err.to_string().contains("use reshape() instead"), "{err}");
+    assert!(matches!(
+        x.reshape(&[5, -1]).unwrap_err(),
+        Error::InvalidArgument { op: "reshape", .. }
+    ));
+    assert_eq!(x.flatten(1, 2).unwrap().dims(), &[2, 12]);
+}
+
+#[test]
+fn squeeze_unsqueeze_expand_and_slices() {
+    let x = arange(6, &[2, 1, 3]);
+    assert_eq!(x.squeeze().unwrap().dims(), &[2, 3]);
+    assert_eq!(x.squeeze_dim(1).unwrap().dims(), &[2, 3]);
+    assert_eq!(x.squeeze_dim(0).unwrap().dims(), &[2, 1, 3]);
+    assert_eq!(x.unsqueeze(-1).unwrap().dims(), &[2, 1, 3, 1]);
+    let e = x.expand(&[2, 4, 3]).unwrap();
+    assert_eq!(e.stride(), &[3, 0, 1]);
+    assert_eq!(
+        e.select(1, 3).unwrap().to_vec::<f64>().unwrap(),
+        vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    );
+    let y = arange(10, &[10]);
+    assert_eq!(
+        y.slice(0, 1, -1, 3).unwrap().to_vec::<f64>().unwrap(),
+        vec![1.0, 4.0, 7.0]
+    );
+    assert_eq!(
+        y.slice(0, -3, 100, 1).unwrap().to_vec::<f64>().unwrap(),
+        vec![7.0, 8.0, 9.0]
+    );
+    assert_eq!(y.select(0, -1).unwrap().item::<f64>().unwrap(), 9.0);
+    let err = y.select(0, 10).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "index 10 is out of bounds for dimension 0 with size 10 in select"
+    );
+    let err = x.transpose(0, 3).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::DimOutOfRange {
+            dim: 3,
+            min: -3,
+            max: 2,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn cat_stack_split_chunk() {
+    let a = arange(6, &[2, 3]);
+    let b = arange(4, &[2, 2]).add_scalar(100.0).unwrap();
+    let c = Tensor::cat(&[a.clone(), b.clone()], 1).unwrap();
+    assert_eq!(c.dims(), &[2, 5]);
+    assert_eq!(
+        c.to_vec::<f64>().unwrap(),
+        vec![0.0, 1.0, 2.0, 100.0, 101.0, 3.0, 4.0, 5.0, 102.0, 103.0]
+    );
+    let err = Tensor::cat(&[a.clone(), b.clone()], 0).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { op: "cat", .. }));
+    let s = Tensor::stack(&[a.clone(), a.clone()], 1).unwrap();
+    assert_eq!(s.dims(), &[2, 2, 3]);
+    let parts = c.split(2, 1).unwrap();
+    assert_eq!(
+        parts.iter().map(|p| p.dims()[1]).collect::<Vec<_>>(),
+        vec![2, 2, 1]
+    );
+    let chunks = arange(7, &[7]).chunk(3, 0).unwrap();
+    assert_eq!(
+        chunks.iter().map(|p| p.numel()).collect::<Vec<_>>(),
+        vec![3, 3, 1]
+    );
+    let mixed = Tensor::cat(
+        &[a.clone(), Tensor::ones([2, 1], DType::I64, Device::Cpu).unwrap()],
+        1,
+    )
+    .unwrap();
+    assert_eq!(mixed.dtype(), DType::F64);
+}
+
+#[test]
+fn gradients_through_views() {
+    let x = t64(&values(24, 7), &[2, 3, 4], Device::Cpu);
+    gradcheck(|t| t[0].permute(&[2, 0, 1])?.contiguous(), &[x.clone()]);
+    gradcheck(|t| t[0].transpose(0, 2)?.reshape(&[4, -1]), &[x.clone()]);
+    gradcheck(|t| t[0].narrow(2, 1, 2), &[x.clone()]);
+    gradcheck(|t| t[0].slice(2, 0, 4, 2), &[x.clone()]);
+    gradcheck(|t| t[0].select(1, -1), &[x.clone()]);
+    gradcheck(|t| t[0].unsqueeze(1)?.squeeze_dim(1), &[x.clone()]);
+    gradcheck(|t| t[0].narrow(1, 0, 1)?.expand(&[2, 5, 4]), &[x.clone()]);
+    let y = t64(&values(8, 8), &[2, 4], Device::Cpu);
+    gradcheck(
+        |t| Tensor::cat(&[t[0].clone(), t[1].clone()], 1),
+        &[y.clone(), y.clone()],
+    );
+    gradcheck(
+        |t| Tensor::stack(&[t[0].clone(), t[1].mul(&t[1])?], 0),
+        &[y.clone(), y.clone()],
+    );
+    gradcheck(|t| Ok(t[0].chunk(2, 1)?[1].clone()), &[y.clone()]);
+}
