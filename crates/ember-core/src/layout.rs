@@ -246,7 +246,13 @@ impl Layout {
 
     /// Storage offsets of every element in row-major order.
     pub fn offsets(&self) -> StridedOffsets<'_> {
-        StridedOffsets::new(self)
+        StridedOffsets::new(self, 0)
+    }
+
+    /// Storage offsets of the elements from row-major position `start` on (so that parallel
+    /// kernels can give each thread its own range: `offsets_from(start).take(len)`).
+    pub fn offsets_from(&self, start: usize) -> StridedOffsets<'_> {
+        StridedOffsets::new(self, start)
     }
 }
 
@@ -258,11 +264,20 @@ pub struct StridedOffsets<'a> {
 }
 
 impl<'a> StridedOffsets<'a> {
-    fn new(layout: &'a Layout) -> Self {
+    fn new(layout: &'a Layout, start: usize) -> Self {
+        let dims = layout.dims();
+        let mut index = vec![0; dims.len()];
+        let mut offset = layout.offset;
+        let mut rest = start;
+        for d in (0..dims.len()).rev() {
+            index[d] = rest % dims[d].max(1);
+            rest /= dims[d].max(1);
+            offset += index[d] * layout.strides[d];
+        }
         StridedOffsets {
             layout,
-            index: vec![0; layout.shape.rank()],
-            next: (layout.numel() > 0).then_some(layout.offset),
+            index,
+            next: (start < layout.numel()).then_some(offset),
         }
     }
 }
@@ -305,6 +320,16 @@ mod tests {
         let l = Layout::contiguous([2, 3]).transpose(0, 1);
         assert_eq!(l.offsets().collect::<Vec<_>>(), vec![0, 3, 1, 4, 2, 5]);
         assert!(!l.is_contiguous());
+    }
+
+    #[test]
+    fn offsets_from_resume_mid_tensor() {
+        let l = Layout::contiguous([3, 4, 5]).permute(&[2, 0, 1]).unwrap();
+        let all: Vec<usize> = l.offsets().collect();
+        for start in [0, 1, 7, 19, 59, 60] {
+            let tail: Vec<usize> = l.offsets_from(start).collect();
+            assert_eq!(tail, all[start.min(60)..].to_vec(), "start {start}");
+        }
     }
 
     #[test]

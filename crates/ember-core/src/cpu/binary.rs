@@ -1,7 +1,7 @@
 //! CPU kernels for elementwise ops over two or three operands whose layouts were already
 //! broadcast to one shape: arithmetic, comparisons, logical ops and `where`.
 
-use super::{map_strided, CpuStorage, PAR_THRESHOLD};
+use super::{map_strided, CpuStorage, PAR_CHUNK, PAR_THRESHOLD};
 use crate::layout::Layout;
 use crate::ops::binary::{BinaryOp, CmpOp, LogicalOp};
 use crate::{DType, Error, Result};
@@ -32,21 +32,19 @@ where
         let x = a[al.offset()];
         return map_strided(b, bl, |y| f(x, y));
     }
-    if n >= PAR_THRESHOLD && al.shape().rank() > 1 && al.dims()[0] > 1 {
-        let parts: Vec<Vec<U>> = (0..al.dims()[0])
+    if n >= PAR_THRESHOLD {
+        let parts: Vec<Vec<U>> = (0..n.div_ceil(PAR_CHUNK))
             .into_par_iter()
-            .map(|i| {
-                let (sa, sb) = (
-                    al.select(0, i).expect("in range"),
-                    bl.select(0, i).expect("in range"),
-                );
-                sa.offsets()
-                    .zip(sb.offsets())
-                    .map(|(i, j)| f(a[i], b[j]))
-                    .collect()
+            .map(|c| {
+                let (ia, ib) = (al.offsets_from(c * PAR_CHUNK), bl.offsets_from(c * PAR_CHUNK));
+                ia.zip(ib).take(PAR_CHUNK).map(|(i, j)| f(a[i], b[j])).collect()
             })
             .collect();
-        return parts.into_iter().flatten().collect();
+        let mut out = Vec::with_capacity(n);
+        for p in parts {
+            out.extend(p);
+        }
+        return out;
     }
     al.offsets()
         .zip(bl.offsets())

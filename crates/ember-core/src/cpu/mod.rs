@@ -17,6 +17,9 @@ mod unary;
 /// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
 pub const PAR_THRESHOLD: usize = 1 << 15;
 
+/// Elements per task when a strided kernel splits its output across threads.
+pub const PAR_CHUNK: usize = 1 << 14;
+
 /// Elements of one CPU tensor storage.
 #[derive(Debug, Clone)]
 pub enum CpuStorage {
@@ -211,17 +214,22 @@ where
             src.iter().map(|&x| f(x)).collect()
         };
     }
-    if n >= PAR_THRESHOLD && layout.shape().rank() > 1 {
-        // Split along the outermost dimension; each part walks its own sub-layout.
-        let outer = layout.dims()[0];
-        let parts: Vec<Vec<U>> = (0..outer)
+    if n >= PAR_THRESHOLD {
+        let mut out = Vec::with_capacity(n);
+        let parts: Vec<Vec<U>> = (0..n.div_ceil(PAR_CHUNK))
             .into_par_iter()
-            .map(|i| {
-                let sub = layout.select(0, i).expect("index below the dimension size");
-                sub.offsets().map(|o| f(data[o])).collect()
+            .map(|c| {
+                layout
+                    .offsets_from(c * PAR_CHUNK)
+                    .take(PAR_CHUNK)
+                    .map(|o| f(data[o]))
+                    .collect()
             })
             .collect();
-        return parts.into_iter().flatten().collect();
+        for p in parts {
+            out.extend(p);
+        }
+        return out;
     }
     layout.offsets().map(|o| f(data[o])).collect()
 }

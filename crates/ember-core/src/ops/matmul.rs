@@ -1,28 +1,248 @@
 //! Matrix products with PyTorch's semantics: `matmul` (1-D, 2-D, batched with broadcasting),
 //! `mm`, `bmm`, `linear`, with backward rules.
+//!
+//! Every product reaches the backend as one batched GEMM ([`Storage::matmul`]): operands of
+//! shapes `[B.., m, k]` and `[B.., k, n]` whose batch dims were already broadcast by strides
+//! (stride 0, no copy), and whose matrix dims may have any strides (a transposed view is read
+//! in place). 1-D operands are handled here by views (unsqueeze, then squeeze) whose own
+//! backward rules compose with the product's, as in PyTorch.
 
-use super::not_built;
-use crate::{Result, Tensor};
+use super::binary::{same_device, sum_to_shape};
+use crate::autograd::{self, SavedTensor};
+use crate::layout::Layout;
+use crate::storage::Storage;
+use crate::{Error, Result, Shape, Tensor};
+
+impl Storage {
+    /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with
+    /// the same batch dims, as a new row-major storage of shape `[B.., m, n]`.
+    pub(crate) fn matmul(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        match (self, rhs) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.matmul(al, b, bl)?)),
+        }
+    }
+}
+
+/// Device and dtype checks shared by every product (matmul requires equal dtypes, as PyTorch).
+fn check_operands(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    same_device(op, &[a, b])?;
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: a.dtype(),
+            found: b.dtype(),
+        });
+    }
+    Ok(())
+}
+
+fn inner_mismatch(op: &'static str, a: &Tensor, b: &Tensor) -> Error {
+    Error::ShapeMismatch {
+        op,
+        lhs: a.shape().clone(),
+        rhs: b.shape().clone(),
+        hint: "the last dim of the first operand must equal the second-to-last dim of the second (the inner dimension)",
+    }
+}
+
+/// `a @ b` for `a: [.., m, k]`, `b: [.., k, n]` (ranks >= 2) with batch dims broadcast;
+/// `user` are the operands as the caller gave them, named in errors.
+fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -> Result<Tensor> {
+    let (ra, rb) = (a.rank(), b.rank());
+    debug_assert!(ra >= 2 && rb >= 2);
+    let (m, k, n) = (a.dims()[ra - 2], a.dims()[ra - 1], b.dims()[rb - 1]);
+    if b.dims()[rb - 2] != k {
+        return Err(inner_mismatch(op, user.0, user.1));
+    }
+    let batch = Shape::from(&a.dims()[..ra - 2])
+        .broadcast(&Shape::from(&b.dims()[..rb - 2]), op)
+        .map_err(|_| Error::ShapeMismatch {
+            op,
+            lhs: user.0.shape().clone(),
+            rhs: user.1.shape().clone(),
+            hint: "the batch dimensions (all but the last two) cannot be broadcast together",
+        })?;
+    let with = |x: usize, y: usize| {
+        let mut d = batch.dims().to_vec();
+        d.extend([x, y]);
+        Shape::new(d)
+    };
+    let al = a.layout().broadcast_as(&with(m, k), op)?;
+    let bl = b.layout().broadcast_as(&with(k, n), op)?;
+    let storage = {
+        let (sa, sb) = (a.storage().read(), b.storage().read());
+        sa.matmul(&al, &sb, &bl)?
+    };
+    let out = Tensor::from_storage(storage, with(m, n));
+    if !autograd::needs_grad(&[a, b]) {
+        return Ok(out);
+    }
+    let (xa, xb) = (SavedTensor::new(op, a), SavedTensor::new(op, b));
+    let (sa, sb) = (a.shape().clone(), b.shape().clone());
+    Ok(autograd::record(op, &[a, b], out, move |g, needs| {
+        // d(a@b)/da = g @ bᵀ, d(a@b)/db = aᵀ @ g; broadcast batch dims are summed back.
+        let ga = if needs[0] {
+            let b = xb.get()?;
+            let bt = b.transpose(-1, -2)?;
+            Some(sum_to_shape(&product(op, g, &bt, (g, &bt))?, &sa)?)
+        } else {
+            None
+        };
+        let gb = if needs[1] {
+            let a = xa.get()?;
+            let at = a.transpose(-1, -2)?;
+            Some(sum_to_shape(&product(op, &at, g, (&at, g))?, &sb)?)
+        } else {
+            None
+        };
+        Ok(vec![ga, gb])
+    }))
+}
+
+fn isize_dims(dims: &[usize]) -> Vec<isize> {
+    dims.iter().map(|&d| d as isize).collect()
+}
 
 impl Tensor {
+    /// Matrix product with `torch.matmul`'s rules: 1-D·1-D is a dot product (0-d), a 1-D
+    /// operand gets a dim prepended (left) or appended (right) that is removed afterwards, and
+    /// batch dims (all but the last two) broadcast.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        let _ = other;
-        Err(not_built("matmul"))
+        const OP: &str = "matmul";
+        check_operands(OP, self, other)?;
+        let (ra, rb) = (self.rank(), other.rank());
+        if ra == 0 || rb == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!("both arguments to matmul need to be at least 1D, but they are {ra}D and {rb}D"),
+            ));
+        }
+        let k_b = if rb == 1 {
+            other.dims()[0]
+        } else {
+            other.dims()[rb - 2]
+        };
+        if self.dims()[ra - 1] != k_b {
+            return Err(inner_mismatch(OP, self, other));
+        }
+        let user = (self, other);
+        match (ra, rb) {
+            (1, 1) => product(OP, &self.unsqueeze(0)?, &other.unsqueeze(1)?, user)?.reshape(&[]),
+            (2, 1) => product(OP, self, &other.unsqueeze(1)?, user)?.squeeze_dim(-1),
+            (1, 2) => product(OP, &self.unsqueeze(0)?, other, user)?.squeeze_dim(0),
+            (2, 2) => product(OP, self, other, user),
+            (_, 2) => {
+                // Fold the batch dims of `self` into its rows: one GEMM, and a weight gradient
+                // that needs no reduction over a broadcast batch.
+                let lead = &self.dims()[..ra - 1];
+                let rows = lead.iter().product::<usize>() as isize;
+                let a2 = self.reshape(&[rows, self.dims()[ra - 1] as isize])?;
+                let out = product(OP, &a2, other, user)?;
+                let mut dims = isize_dims(lead);
+                dims.push(other.dims()[1] as isize);
+                out.reshape(&dims)
+            }
+            _ => {
+                let a = if ra == 1 { self.unsqueeze(0)? } else { self.clone() };
+                let b = if rb == 1 {
+                    other.unsqueeze(1)?
+                } else {
+                    other.clone()
+                };
+                let out = product(OP, &a, &b, user)?;
+                match (ra, rb) {
+                    (1, _) => out.squeeze_dim(-2),
+                    (_, 1) => out.squeeze_dim(-1),
+                    _ => Ok(out),
+                }
+            }
+        }
     }
 
+    /// Product of two matrices (`torch.mm`); no broadcasting.
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
-        let _ = other;
-        Err(not_built("mm"))
+        check_operands("mm", self, other)?;
+        for (name, t) in [("self", self), ("mat2", other)] {
+            if t.rank() != 2 {
+                return Err(Error::invalid(
+                    "mm",
+                    format!(
+                        "{name} must be a matrix, got a {}D tensor of shape {}",
+                        t.rank(),
+                        t.shape()
+                    ),
+                ));
+            }
+        }
+        product("mm", self, other, (self, other))
     }
 
+    /// Batched product of `[b, n, m]` and `[b, m, p]` (`torch.bmm`); batch sizes must be equal.
     pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
-        let _ = other;
-        Err(not_built("bmm"))
+        check_operands("bmm", self, other)?;
+        for (name, t) in [("batch1", self), ("batch2", other)] {
+            if t.rank() != 3 {
+                return Err(Error::invalid(
+                    "bmm",
+                    format!(
+                        "{name} must be a 3D tensor, got a {}D tensor of shape {}",
+                        t.rank(),
+                        t.shape()
+                    ),
+                ));
+            }
+        }
+        if self.dims()[0] != other.dims()[0] {
+            return Err(Error::ShapeMismatch {
+                op: "bmm",
+                lhs: self.shape().clone(),
+                rhs: other.shape().clone(),
+                hint: "the batch sizes must be equal (bmm does not broadcast; use matmul)",
+            });
+        }
+        product("bmm", self, other, (self, other))
     }
 
     /// `self @ weight.T + bias` (`F.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let _ = (weight, bias);
-        Err(not_built("linear"))
+        const OP: &str = "linear";
+        check_operands(OP, self, weight)?;
+        if let Some(b) = bias {
+            check_operands(OP, self, b)?;
+        }
+        if weight.rank() == 0 || weight.rank() > 2 || self.rank() == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "expected an input of at least 1 dim and a 1-D or 2-D weight, got input {} and weight {}",
+                    self.shape(),
+                    weight.shape()
+                ),
+            ));
+        }
+        let in_features = weight.dims()[weight.rank() - 1];
+        if self.dims()[self.rank() - 1] != in_features {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().clone(),
+                rhs: weight.shape().clone(),
+                hint: "the input's last dim must equal weight's in_features (weight is [out_features, in_features])",
+            });
+        }
+        let out = self.matmul(&weight.t()?)?;
+        match bias {
+            Some(b) => {
+                if !matches!(out.shape().broadcast(b.shape(), OP), Ok(s) if &s == out.shape()) {
+                    return Err(Error::ShapeMismatch {
+                        op: OP,
+                        lhs: out.shape().clone(),
+                        rhs: b.shape().clone(),
+                        hint: "the bias must broadcast to the output's shape [.., out_features]",
+                    });
+                }
+                out.add(b)
+            }
+            None => Ok(out),
+        }
     }
 }

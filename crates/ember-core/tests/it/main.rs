@@ -6,6 +6,7 @@ mod autograd;
 mod binary;
 mod conformance;
 mod display;
+mod errors;
 mod index;
 mod inplace;
 mod matmul;

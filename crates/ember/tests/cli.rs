@@ -1,0 +1,29 @@
+//! The `ember` program as a user runs it.
+
+use std::process::Command;
+
+fn ember(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(args)
+        .output()
+        .expect("the ember binary runs")
+}
+
+#[test]
+fn info_reports_version_and_devices() {
+    let out = ember(&["info"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.starts_with(&format!("ember {}", env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    assert!(text.contains("devices:\n  cpu"), "{text}");
+}
+
+#[test]
+fn unknown_subcommand_fails_with_usage() {
+    let out = ember(&["frobnicate"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
+}
