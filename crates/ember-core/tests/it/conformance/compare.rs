@@ -24,7 +24,10 @@ pub fn close(ours: f64, expected: f64, rtol: f64, atol: f64, exact: bool) -> boo
         return true;
     }
     // Past equality, an infinity or NaN on either side is a miss (the bound would be infinite).
-    !exact && ours.is_finite() && expected.is_finite() && (ours - expected).abs() <= atol + rtol * expected.abs()
+    !exact
+        && ours.is_finite()
+        && expected.is_finite()
+        && (ours - expected).abs() <= atol + rtol * expected.abs()
 }
 
 /// Checks values already on the host; `Err` holds the one-line description of the first miss.

@@ -185,6 +185,16 @@ pub fn forward(op: &str, id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Tens
             kw.only(&["dim"])?;
             one(x[0].scatter_add(kw.dim("dim")?, &x[1], &x[2]))
         }
+        "embedding" => {
+            arity(2)?;
+            kw.only(&[])?;
+            one(Tensor::embedding(&x[0], &x[1]))
+        }
+        "one_hot" => {
+            arity(1)?;
+            kw.only(&["num_classes"])?;
+            one(x[0].one_hot(kw.i64("num_classes")?))
+        }
 
         // ---- views and joins (the generator makes each view contiguous) ---------------------
         "cat" => {
