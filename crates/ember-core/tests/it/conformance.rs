@@ -1,1 +1,0 @@
-//! Tests of conformance (filled in with the family).
