@@ -25,3 +25,8 @@ pub use ember_nn as nn;
 
 /// ember's version, from Cargo.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The README's example compiles and runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;
