@@ -135,16 +135,66 @@ pub fn forward(op: &str, id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Tens
                 Some(d) => one(t.mean_dims(&d, kw.bool_or("keepdim", false)?)),
             }
         }
-        "max" => {
+        "prod" => {
             arity(1)?;
             kw.only(&["dim", "keepdim"])?;
             match kw.opt_dim("dim")? {
-                Some(d) => {
-                    let (values, indices) = x[0].max_dim(d, kw.bool_or("keepdim", false)?)?;
-                    Ok(vec![values, indices])
-                }
-                None => Err(Fail::unmapped("max without dim".into())),
+                Some(d) => one(x[0].prod_dim(d, kw.bool_or("keepdim", false)?)),
+                None => one(x[0].prod_all()),
             }
+        }
+        "amax" | "amin" | "logsumexp" => {
+            arity(1)?;
+            kw.only(&["dim", "keepdim"])?;
+            let (t, dims, keep) = (&x[0], kw.dims("dim")?, kw.bool_or("keepdim", false)?);
+            one(match op {
+                "amax" => t.amax(&dims, keep),
+                "amin" => t.amin(&dims, keep),
+                _ => t.logsumexp(&dims, keep),
+            })
+        }
+        "var" | "std" => {
+            arity(1)?;
+            kw.only(&["dim", "correction", "keepdim"])?;
+            let dims = kw.opt_dims("dim")?.unwrap_or_default();
+            let correction = kw.opt_f64("correction")?.unwrap_or(1.0);
+            let keep = kw.bool_or("keepdim", false)?;
+            one(if op == "var" {
+                x[0].var(&dims, correction, keep)
+            } else {
+                x[0].std(&dims, correction, keep)
+            })
+        }
+        "norm" => {
+            // torch.linalg.vector_norm(x, p, dim, keepdim=False)
+            arity(1)?;
+            kw.only(&["p", "dim", "keepdim"])?;
+            let dims = kw.opt_dims("dim")?.unwrap_or_default();
+            one(x[0].norm(kw.f64("p")?, &dims, kw.bool_or("keepdim", false)?))
+        }
+        "max" | "min" => {
+            arity(1)?;
+            kw.only(&["dim", "keepdim"])?;
+            let Some(d) = kw.opt_dim("dim")? else {
+                return Err(Fail::unmapped(format!("{op} without dim")));
+            };
+            let keep = kw.bool_or("keepdim", false)?;
+            let (values, indices) = if op == "max" {
+                x[0].max_dim(d, keep)?
+            } else {
+                x[0].min_dim(d, keep)?
+            };
+            Ok(vec![values, indices])
+        }
+        "argmax" | "argmin" => {
+            arity(1)?;
+            kw.only(&["dim", "keepdim"])?;
+            let (d, keep) = (kw.opt_dim("dim")?, kw.bool_or("keepdim", false)?);
+            one(if op == "argmax" {
+                x[0].argmax(d, keep)
+            } else {
+                x[0].argmin(d, keep)
+            })
         }
         "softmax" => {
             arity(1)?;

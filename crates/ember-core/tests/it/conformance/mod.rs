@@ -336,6 +336,27 @@ fn not_built_placeholder_counts_as_skipped_and_other_errors_as_failed() {
 }
 
 #[test]
+fn a_wrong_gradient_fails_its_case() {
+    // Right values, but `a` cut from the graph: its gradient comes back as zeros and must miss.
+    let fx = Fixture::load();
+    let case = fx
+        .cases
+        .iter()
+        .find(|c| c.id == "mul_bcast0")
+        .expect("mul_bcast0 in the manifest");
+    fn detached(_: &str, _: &str, _: &Kwargs, x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
+        Ok(vec![x[0].detach().mul(&x[1])?])
+    }
+    for device in common::devices() {
+        match run_case(&fx, case, device, detached) {
+            Outcome::Failed(m) => assert!(m.contains("grad of a") && !m.contains("grad of b"), "{m}"),
+            Outcome::Passed => panic!("a wrong gradient passed"),
+            Outcome::Skipped(m) => panic!("a wrong gradient was skipped: {m}"),
+        }
+    }
+}
+
+#[test]
 fn a_wrong_result_fails_its_case() {
     // Run a real case with a mapping that computes the wrong thing: it must be reported FAILED.
     let fx = Fixture::load();
