@@ -13,6 +13,7 @@
 
 pub mod autograd;
 pub mod cpu;
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;

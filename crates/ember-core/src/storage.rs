@@ -144,6 +144,10 @@ impl Storage {
 /// The error for a CUDA device in a build or on a machine without the CUDA backend.
 pub(crate) fn cuda_unavailable() -> Error {
     Error::CudaUnavailable {
-        reason: "this build of ember has no CUDA backend".into(),
+        reason: if crate::cuda::is_available() {
+            "this version of ember finds the GPU but cannot place tensors on it yet".into()
+        } else {
+            "no usable CUDA driver or device was found".into()
+        },
     }
 }

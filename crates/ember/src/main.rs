@@ -28,24 +28,56 @@ fn main() {
 }
 
 fn ember_info() -> String {
+    use ember::cuda;
     let mut s = String::new();
     s += &format!("ember {}\n", ember::VERSION);
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
     s += &format!(
-        "build: {} {}, profile {}\n",
+        "build: {} {}, profile {profile}, CUDA 13 bindings (loaded at run time)\n",
         std::env::consts::OS,
-        std::env::consts::ARCH,
-        if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        }
+        std::env::consts::ARCH
     );
-    s += &format!("cpu threads (rayon): {}\n", rayon_threads());
+    s += &format!(
+        "cpu threads: {}\n",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
     s += "devices:\n  cpu\n";
-    s += "cuda: not available (this build has no CUDA backend yet)\n";
+    for i in 0..cuda::device_count() {
+        match cuda::get_device_properties(i) {
+            Ok(p) => {
+                s += &format!(
+                    "  cuda:{i}  {}  sm_{}{}  {:.1} GiB  {} SMs\n",
+                    p.name,
+                    p.major,
+                    p.minor,
+                    p.total_memory as f64 / (1u64 << 30) as f64,
+                    p.multi_processor_count
+                )
+            }
+            Err(e) => s += &format!("  cuda:{i}  error: {e}\n"),
+        }
+    }
+    match cuda::driver_version() {
+        Some(v) => {
+            s += &format!(
+                "cuda: available, driver supports CUDA {}.{}\n",
+                v / 1000,
+                (v % 1000) / 10
+            )
+        }
+        None => s += "cuda: not available (no NVIDIA driver or device found); ember runs on the CPU\n",
+    }
+    s += "cuda libraries:\n";
+    for lib in cuda::library_report() {
+        s += &format!(
+            "  {:<18} {}\n",
+            lib.name,
+            lib.found.as_deref().unwrap_or("missing")
+        );
+    }
     s
-}
-
-fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

@@ -27,3 +27,14 @@ fn unknown_subcommand_fails_with_usage() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
 }
+
+#[test]
+fn info_lists_cuda_libraries_and_devices_it_finds() {
+    let text = String::from_utf8(ember(&["info"]).stdout).unwrap();
+    assert!(text.contains("cuda libraries:\n  driver (libcuda)"), "{text}");
+    let gpus = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("cuda:") && l.contains("SMs"))
+        .count();
+    assert_eq!(gpus, ember::cuda::device_count(), "{text}");
+}

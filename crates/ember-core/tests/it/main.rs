@@ -5,6 +5,7 @@ mod common;
 mod autograd;
 mod binary;
 mod conformance;
+mod cuda;
 mod display;
 mod errors;
 mod index;

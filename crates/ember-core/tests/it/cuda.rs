@@ -1,0 +1,70 @@
+//! The CUDA device runtime: discovery and properties. GPU tests are ignored where no GPU is;
+//! on a GPU machine they run with `--include-ignored` and `CUDA_TESTS_REQUIRED=1`.
+
+use ember_core::{cuda, DType, Device, Error, Tensor};
+
+/// Fails (instead of passing silently) when a GPU test runs where a GPU is required but absent.
+fn require_gpu() {
+    if std::env::var_os("CUDA_TESTS_REQUIRED").is_some() || cuda::device_count() > 0 {
+        assert!(
+            cuda::is_available(),
+            "CUDA_TESTS_REQUIRED is set but no CUDA device was found"
+        );
+    } else {
+        panic!("this test needs a CUDA device; run it on a GPU machine with CUDA_TESTS_REQUIRED=1");
+    }
+}
+
+#[test]
+fn without_a_gpu_cuda_is_reported_unavailable_not_panicking() {
+    if cuda::is_available() {
+        return;
+    }
+    assert_eq!(cuda::device_count(), 0);
+    assert!(cuda::driver_version().is_none() || cuda::device_count() == 0);
+    assert!(matches!(
+        cuda::get_device_properties(0),
+        Err(Error::CudaUnavailable { .. })
+    ));
+    let err = Tensor::zeros([2], DType::F32, Device::Cuda(0)).unwrap_err();
+    assert!(
+        err.to_string().contains("no usable CUDA driver or device"),
+        "{err}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn devices_and_properties() {
+    require_gpu();
+    let n = cuda::device_count();
+    assert!(n >= 1);
+    for i in 0..n {
+        let p = cuda::get_device_properties(i).unwrap();
+        assert!(!p.name.is_empty());
+        assert_eq!(cuda::get_device_name(i).unwrap(), p.name);
+        assert_eq!(cuda::get_device_capability(i).unwrap(), (p.major, p.minor));
+        assert!(p.major >= 7, "{p:?}");
+        assert!(p.total_memory > 1 << 30, "{p:?}");
+        assert!(p.multi_processor_count > 0 && p.warp_size == 32, "{p:?}");
+        println!("cuda:{i} {p:?}");
+    }
+    assert!(matches!(
+        cuda::get_device_properties(n),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let archs = cuda::get_arch_list();
+    assert!(
+        !archs.is_empty() && archs.iter().all(|a| a.starts_with("sm_")),
+        "{archs:?}"
+    );
+    let v = cuda::driver_version().unwrap();
+    assert!(v >= 12000, "driver CUDA version {v}");
+    let libs = cuda::library_report();
+    assert!(
+        libs.iter()
+            .any(|l| l.name.starts_with("driver") && l.found.is_some()),
+        "{libs:?}"
+    );
+    println!("driver {v}, archs {archs:?}, libraries {libs:?}");
+}
