@@ -1,5 +1,6 @@
 //! The `ember` program as a user runs it.
 
+use std::path::PathBuf;
 use std::process::Command;
 
 fn ember(args: &[&str]) -> std::process::Output {
