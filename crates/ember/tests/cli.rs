@@ -3,8 +3,21 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// The `ember` binary: where cargo built it, or beside this test binary (the GPU bundle puts
+/// every binary in one folder, away from the build tree).
+fn ember_binary() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
+    if built.exists() {
+        return built;
+    }
+    let here = std::env::current_exe().expect("the test binary has a path");
+    here.parent()
+        .expect("the test binary sits in a folder")
+        .join("ember")
+}
+
 fn ember(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ember"))
+    Command::new(ember_binary())
         .args(args)
         .output()
         .expect("the ember binary runs")
