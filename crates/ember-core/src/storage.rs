@@ -105,7 +105,15 @@ impl Storage {
     /// `n` elements of `dtype`, all `value`, on `device`.
     pub fn full(device: Device, dtype: DType, n: usize, value: f64) -> Result<Storage> {
         match device {
-            Device::Cpu => Ok(Storage::Cpu(CpuStorage::full(dtype, n, value))),
+            Device::Cpu => CpuStorage::full(dtype, n, value).map(Storage::Cpu).ok_or_else(|| {
+                Error::invalid(
+                    "allocate",
+                    format!(
+                        "cannot allocate {n} elements of {dtype} ({} bytes) in host memory; use a smaller shape",
+                        n.saturating_mul(dtype.size_in_bytes())
+                    ),
+                )
+            }),
             Device::Cuda(_) => Err(cuda_unavailable()),
         }
     }

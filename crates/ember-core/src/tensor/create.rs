@@ -37,7 +37,18 @@ impl Tensor {
 
     pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: Device) -> Result<Tensor> {
         let shape = shape.into();
-        let storage = Storage::full(device, dtype, shape.numel(), value)?;
+        let numel = shape.dims().iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        let numel = numel.filter(|n| {
+            n.checked_mul(dtype.size_in_bytes())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        });
+        let numel = numel.ok_or_else(|| {
+            Error::invalid(
+                "full",
+                format!("shape {shape} has more elements than memory can address"),
+            )
+        })?;
+        let storage = Storage::full(device, dtype, numel, value)?;
         Ok(Tensor::from_storage(storage, shape))
     }
 

@@ -117,3 +117,14 @@ fn autograd_errors() {
         "autograd: can't retain_grad on a tensor that has requires_grad=false"
     );
 }
+
+#[test]
+fn oversized_allocations_are_errors_not_aborts() {
+    let err = Tensor::zeros([1 << 40, 1 << 40], DType::F32, Device::Cpu).unwrap_err();
+    assert!(
+        err.to_string().contains("more elements than memory can address"),
+        "{err}"
+    );
+    let err = Tensor::zeros([1 << 60], DType::U8, Device::Cpu).unwrap_err();
+    assert!(err.to_string().contains("cannot allocate"), "{err}");
+}
