@@ -80,6 +80,15 @@ where
 }
 
 /// Softmax or log_softmax of one contiguous row.
+/// Calls `f(r, chunk)` for each `len`-element chunk `r` of `out`, on rayon's pool if `par`.
+fn each_chunk<U: Send, F: Fn(usize, &mut [U]) + Send + Sync>(out: &mut [U], len: usize, par: bool, f: F) {
+    if par {
+        out.par_chunks_mut(len).enumerate().for_each(|(r, o)| f(r, o));
+    } else {
+        out.chunks_mut(len).enumerate().for_each(|(r, o)| f(r, o));
+    }
+}
+
 fn forward_row<T: FloatElem>(x: &[T], out: &mut [T], buf: &mut Vec<T::A>, log: bool) {
     let m = fold(x, T::A::NEG_INF, &|v: T| v.to_acc(), &max_nan);
     if log {
@@ -142,13 +151,7 @@ fn forward<T: FloatElem>(data: &[T], l: &Layout, dim: usize, log: bool) -> Vec<T
             *o = T::from_acc(if log { d - t } else { d.exp().mul(t) });
         }
     };
-    if par {
-        out.par_chunks_mut(inner)
-            .enumerate()
-            .for_each(|(r, o)| rows(r, o));
-    } else {
-        out.chunks_mut(inner).enumerate().for_each(|(r, o)| rows(r, o));
-    }
+    each_chunk(&mut out, inner, par, rows);
     out
 }
 
@@ -202,13 +205,7 @@ fn backward<T: FloatElem>(y: &[T], yl: &Layout, g: &[T], gl: &Layout, dim: usize
             *o = T::from_acc(grad(a.to_acc(), b.to_acc(), s));
         }
     };
-    if par {
-        out.par_chunks_mut(inner)
-            .enumerate()
-            .for_each(|(r, o)| rows(r, o));
-    } else {
-        out.chunks_mut(inner).enumerate().for_each(|(r, o)| rows(r, o));
-    }
+    each_chunk(&mut out, inner, par, rows);
     out
 }
 

@@ -456,13 +456,13 @@ impl Tensor {
         let x = SavedTensor::new("clamp", self);
         Ok(autograd::record("clamp", &[self], out, move |g, _| {
             let x = x.get()?;
-            let mut pass = x.eq(x)?; // all true (NaN aside)
-            if let Some(lo) = min {
-                pass = pass.logical_and(&x.ge_scalar(lo)?)?;
-            }
-            if let Some(hi) = max {
-                pass = pass.logical_and(&x.le_scalar(hi)?)?;
-            }
+            // The gradient passes where every given bound holds (NaN inputs get none).
+            let pass = match (min, max) {
+                (Some(lo), Some(hi)) => x.ge_scalar(lo)?.logical_and(&x.le_scalar(hi)?)?,
+                (Some(lo), None) => x.ge_scalar(lo)?,
+                (None, Some(hi)) => x.le_scalar(hi)?,
+                (None, None) => unreachable!("clamp checks that a bound is given"),
+            };
             Ok(vec![Some(Tensor::where_cond(&pass, g, &g.zeros_like()?)?)])
         }))
     }
