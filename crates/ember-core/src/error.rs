@@ -77,6 +77,24 @@ pub enum Error {
     )]
     CudaUnavailable { reason: String },
 
+    /// The device allocator could not satisfy a request even after releasing its cache.
+    #[error(
+        "CUDA out of memory on cuda:{device}: tried to allocate {} ({requested} bytes); the GPU has {} in total, of which {} is free; ember holds {} in tensors and {} reserved by the caching allocator; free tensors you no longer need, call ember::cuda::empty_cache(), or use a smaller batch",
+        fmt_bytes(*.requested), fmt_bytes(*.total), fmt_bytes(*.free), fmt_bytes(*.allocated), fmt_bytes(*.reserved)
+    )]
+    OutOfMemory {
+        device: usize,
+        requested: usize,
+        total: usize,
+        free: usize,
+        allocated: usize,
+        reserved: usize,
+    },
+
+    /// A CUDA driver or library call failed (a kernel fault, a launch error, a compile error).
+    #[error("CUDA error in {op}: {msg}")]
+    Cuda { op: &'static str, msg: String },
+
     /// The autograd engine was asked for something it cannot do.
     #[error("autograd: {0}")]
     Autograd(String),
@@ -95,6 +113,22 @@ fn hint_suffix(hint: &str) -> String {
         String::new()
     } else {
         format!("; {hint}")
+    }
+}
+
+/// `bytes` as a short human-readable size ("1.50 GiB").
+pub(crate) fn fmt_bytes(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
     }
 }
 

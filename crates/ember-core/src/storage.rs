@@ -7,6 +7,7 @@
 //! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).
 
 use crate::cpu::CpuStorage;
+use crate::cuda::CudaStorage;
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,18 +17,21 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 #[derive(Debug, Clone)]
 pub enum Storage {
     Cpu(CpuStorage),
+    Cuda(CudaStorage),
 }
 
 impl Storage {
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            Storage::Cuda(s) => s.device(),
         }
     }
 
     pub fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => s.dtype(),
+            Storage::Cuda(s) => s.dtype(),
         }
     }
 
@@ -35,6 +39,7 @@ impl Storage {
     pub fn len(&self) -> usize {
         match self {
             Storage::Cpu(s) => s.len(),
+            Storage::Cuda(s) => s.len(),
         }
     }
 
@@ -98,7 +103,7 @@ impl Storage {
     pub fn from_cpu(cpu: CpuStorage, device: Device) -> Result<Storage> {
         match device {
             Device::Cpu => Ok(Storage::Cpu(cpu)),
-            Device::Cuda(_) => Err(cuda_unavailable()),
+            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::from_cpu(&cpu, i)?)),
         }
     }
 
@@ -114,7 +119,7 @@ impl Storage {
                     ),
                 )
             }),
-            Device::Cuda(_) => Err(cuda_unavailable()),
+            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::full(i, dtype, n, value)?)),
         }
     }
 
@@ -122,6 +127,7 @@ impl Storage {
     pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.to_dtype(layout, dtype))),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.to_dtype(layout, dtype)?)),
         }
     }
 
@@ -129,6 +135,7 @@ impl Storage {
     pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
         match self {
             Storage::Cpu(s) => Ok(s.contiguous(layout)),
+            Storage::Cuda(s) => s.to_cpu(layout),
         }
     }
 
@@ -145,17 +152,20 @@ impl Storage {
                 d.copy_strided_from(dst_layout, s, src_layout);
                 Ok(())
             }
+            (Storage::Cuda(d), src) => d.copy_strided_from(dst_layout, src, src_layout),
+            (Storage::Cpu(d), Storage::Cuda(s)) => {
+                let host = s.to_cpu(src_layout)?;
+                d.copy_strided_from(dst_layout, &host, &Layout::contiguous(src_layout.shape().clone()));
+                Ok(())
+            }
         }
     }
-}
 
-/// The error for a CUDA device in a build or on a machine without the CUDA backend.
-pub(crate) fn cuda_unavailable() -> Error {
-    Error::CudaUnavailable {
-        reason: if crate::cuda::is_available() {
-            "this version of ember finds the GPU but cannot place tensors on it yet".into()
-        } else {
-            "no usable CUDA driver or device was found".into()
-        },
+    /// The elements of `layout` as a row-major storage on `device` (any pair of devices).
+    pub fn to_device(&self, layout: &Layout, device: Device) -> Result<Storage> {
+        match (self, device) {
+            (Storage::Cuda(s), Device::Cuda(i)) => Ok(Storage::Cuda(s.to_device(layout, i)?)),
+            (s, device) => Storage::from_cpu(s.to_cpu(layout)?, device),
+        }
     }
 }

@@ -3,14 +3,48 @@
 //! device, [`is_available`] is false and every call that needs a GPU returns
 //! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), never a panic.
 //!
-//! This module holds the device runtime (discovery, properties, the libraries found); the
-//! allocator, streams, kernels and BLAS come next, one file each.
+//! One file per concept: `device` (discovery, properties), `runtime` (per-device context and
+//! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
+//! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
+//! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
+//! and one file per op family beside the CPU backend's.
 
+mod allocator;
 mod device;
+mod elementwise;
+mod kernels;
 mod libraries;
+mod memory;
+mod nvrtc;
+mod pending;
+mod runtime;
+mod storage;
+mod stream;
 
 pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
     get_device_properties, is_available, DeviceProperties,
 };
+pub use kernels::Module;
 pub use libraries::{library_report, LibraryStatus};
+pub use memory::{
+    caching_allocator_alloc, caching_allocator_delete, empty_cache, max_memory_allocated,
+    max_memory_reserved, mem_get_info, memory_allocated, memory_reserved, memory_snapshot, memory_stats,
+    memory_stats_struct, memory_summary, record_memory_history, reset_accumulated_memory_stats,
+    reset_peak_memory_stats, MemoryStats, Stat, StatArray,
+};
+pub use nvrtc::{compile as nvrtc_compile, nvrtc_version};
+pub use storage::CudaStorage;
+pub use stream::{
+    current_device, current_stream, default_stream, set_device, set_stream, stream, synchronize, DeviceGuard,
+    Event, Stream, StreamGuard,
+};
+
+/// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), without a GPU: what CI
+/// runs so that a kernel that does not compile fails the build, not a user.
+pub fn compile_all_kernels(arch: &str) -> crate::Result<Vec<(&'static str, usize)>> {
+    Module::ALL
+        .iter()
+        .map(|m| nvrtc::compile(m.name(), m.source(), arch).map(|cubin| (m.name(), cubin.len())))
+        .collect()
+}

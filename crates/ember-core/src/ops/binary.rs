@@ -83,18 +83,24 @@ impl Storage {
     pub(crate) fn binary(&self, op: BinaryOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         match (self, rhs) {
             (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.binary(op, al, b, bl)?)),
+            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.binary(op, al, b, bl)?)),
+            (a, b) => Err(mixed(op.name(), a, b)),
         }
     }
 
     pub(crate) fn compare(&self, op: CmpOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         match (self, rhs) {
             (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.compare(op, al, b, bl)?)),
+            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.compare(op, al, b, bl)?)),
+            (a, b) => Err(mixed(op.name(), a, b)),
         }
     }
 
     pub(crate) fn logical(&self, op: LogicalOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         match (self, rhs) {
             (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.logical(op, al, b, bl)?)),
+            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.logical(op, al, b, bl)?)),
+            (a, b) => Err(mixed(op.name(), a, b)),
         }
     }
 
@@ -110,7 +116,21 @@ impl Storage {
             (Storage::Cpu(c), Storage::Cpu(a), Storage::Cpu(b)) => {
                 Ok(Storage::Cpu(c.where_cond(cl, a, al, b, bl)?))
             }
+            (Storage::Cuda(c), Storage::Cuda(a), Storage::Cuda(b)) => {
+                Ok(Storage::Cuda(c.where_cond(cl, a, al, b, bl)?))
+            }
+            (c, a, b) => Err(mixed("where", c, if a.device() != c.device() { a } else { b })),
         }
+    }
+}
+
+/// The error for storages of one op on different devices (the op layer checks devices first,
+/// so this is reached only by internal callers that pass mixed storages).
+pub(crate) fn mixed(op: &'static str, a: &Storage, b: &Storage) -> Error {
+    Error::DeviceMismatch {
+        op,
+        lhs: a.device(),
+        rhs: b.device(),
     }
 }
 

@@ -69,6 +69,10 @@ impl Storage {
             (Storage::Cpu(s), Storage::Cpu(i)) => {
                 Ok(Storage::Cpu(s.index_read(op, name, layout, dim, i, il)?))
             }
+            (Storage::Cuda(s), Storage::Cuda(i)) => {
+                Ok(Storage::Cuda(s.index_read(op, name, layout, dim, i, il)?))
+            }
+            (s, i) => Err(crate::ops::binary::mixed(name, s, i)),
         }
     }
 
@@ -89,6 +93,14 @@ impl Storage {
             (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => {
                 Ok(Storage::Cpu(s.index_write(op, layout, dim, i, il, x, sl)?))
             }
+            (Storage::Cuda(s), Storage::Cuda(i), Storage::Cuda(x)) => {
+                Ok(Storage::Cuda(s.index_write(op, layout, dim, i, il, x, sl)?))
+            }
+            (s, i, x) => Err(crate::ops::binary::mixed(
+                op.name(),
+                s,
+                if i.device() != s.device() { i } else { x },
+            )),
         }
     }
 
@@ -99,6 +111,10 @@ impl Storage {
             Storage::Cpu(s) => {
                 let (out, n) = s.one_hot(layout, num_classes)?;
                 Ok((Storage::Cpu(out), n))
+            }
+            Storage::Cuda(s) => {
+                let (out, n) = s.one_hot(layout, num_classes)?;
+                Ok((Storage::Cuda(out), n))
             }
         }
     }

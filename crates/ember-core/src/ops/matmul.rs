@@ -19,6 +19,8 @@ impl Storage {
     pub(crate) fn matmul(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         match (self, rhs) {
             (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.matmul(al, b, bl)?)),
+            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.matmul(al, b, bl)?)),
+            (a, b) => Err(crate::ops::binary::mixed("matmul", a, b)),
         }
     }
 }

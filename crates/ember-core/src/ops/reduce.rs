@@ -62,6 +62,7 @@ impl Storage {
     pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.reduce(layout, op, dims)?)),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.reduce(layout, op, dims)?)),
         }
     }
 
@@ -76,6 +77,10 @@ impl Storage {
             Storage::Cpu(s) => {
                 let (v, i) = s.reduce_with_indices(layout, op, dims)?;
                 Ok((Storage::Cpu(v), Storage::Cpu(i)))
+            }
+            Storage::Cuda(s) => {
+                let (v, i) = s.reduce_with_indices(layout, op, dims)?;
+                Ok((Storage::Cuda(v), Storage::Cuda(i)))
             }
         }
     }

@@ -29,6 +29,7 @@ impl Storage {
     pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.softmax(layout, op, dim)?)),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.softmax(layout, op, dim)?)),
         }
     }
 
@@ -43,6 +44,10 @@ impl Storage {
     ) -> Result<Storage> {
         match (self, grad) {
             (Storage::Cpu(y), Storage::Cpu(g)) => Ok(Storage::Cpu(y.softmax_backward(yl, g, gl, op, dim)?)),
+            (Storage::Cuda(y), Storage::Cuda(g)) => {
+                Ok(Storage::Cuda(y.softmax_backward(yl, g, gl, op, dim)?))
+            }
+            (y, g) => Err(crate::ops::binary::mixed(op.name(), y, g)),
         }
     }
 }

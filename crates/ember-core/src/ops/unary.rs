@@ -200,6 +200,7 @@ impl Storage {
     pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.unary(op, layout)?)),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.unary(op, layout)?)),
         }
     }
 }

@@ -5,8 +5,9 @@
 
 use super::cpu;
 use super::RngState;
+use crate::cuda::CudaStorage;
 use crate::layout::Layout;
-use crate::storage::{cuda_unavailable, Storage};
+use crate::storage::Storage;
 use crate::{DType, Device, Result};
 
 /// What to draw, backend-independent (the op enum of the random family).
@@ -74,7 +75,7 @@ impl Storage {
     ) -> Result<Storage> {
         match device {
             Device::Cpu => Ok(Storage::Cpu(cpu::random(dtype, n, dist, state)?)),
-            Device::Cuda(_) => Err(cuda_unavailable()),
+            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::random(i, dtype, n, dist, state)?)),
         }
     }
 
@@ -82,7 +83,7 @@ impl Storage {
     pub(crate) fn randperm(device: Device, n: usize, state: RngState) -> Result<Storage> {
         match device {
             Device::Cpu => Ok(Storage::Cpu(cpu::randperm(n, state))),
-            Device::Cuda(_) => Err(cuda_unavailable()),
+            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::randperm(i, n, state)?)),
         }
     }
 
@@ -91,6 +92,7 @@ impl Storage {
     pub(crate) fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(cpu::bernoulli(s, layout, state)?)),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.bernoulli(layout, state)?)),
         }
     }
 }

@@ -50,7 +50,7 @@
 //! [`DEFAULT_SEED`] (PyTorch's default) until [`manual_seed`] reseeds all of them.
 
 mod cpu;
-mod dist;
+pub(crate) mod dist;
 pub mod philox;
 mod tensor;
 

@@ -3,7 +3,6 @@
 use crate::autograd;
 use crate::cpu::{CpuElement, CpuStorage};
 use crate::layout::Layout;
-use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 
 impl Tensor {
@@ -28,8 +27,8 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
-        let cpu = self.storage().read().to_cpu(self.layout())?;
-        let out = Tensor::from_storage(Storage::from_cpu(cpu, device)?, self.shape());
+        let storage = self.storage().read().to_device(self.layout(), device)?;
+        let out = Tensor::from_storage(storage, self.shape());
         if !autograd::needs_grad(&[self]) {
             return Ok(out);
         }

@@ -1,0 +1,176 @@
+// Elementwise ops over two or three operands already broadcast to one shape: arithmetic,
+// comparisons, logical ops and `where`. The output is always row-major.
+//
+// Each kernel switches once on the op (a runtime argument, the same for all threads) into a
+// loop specialized for it, so one kernel per dtype covers every op without a per-element branch.
+// The `mode` argument picks the loop shape the host found:
+//   0: every operand row-major (vectorized 16-byte loads and stores when aligned)
+//   1: `a` row-major, `b` one broadcast element      2: `a` one broadcast element, `b` row-major
+//   3: any strides (Strided: stride[0] = a, stride[1] = b, stride[2] = cond for `where`)
+//
+// Launch contract:
+//   binary_T(const T* a, const T* b, T* out, Strided s, i64 n, i32 op, i32 mode)
+//       op: 0 add 1 sub 2 mul 3 div 4 pow 5 maximum 6 minimum (ops::binary::BinaryOp order);
+//       integers: div is not launched (true division promotes to float on the host), pow takes
+//       non-negative exponents; bool: only add/maximum (or) and mul/minimum (and)
+//   compare_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
+//       op: 0 eq 1 ne 2 lt 3 le 4 gt 5 ge
+//   logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
+//       op: 0 and 1 or 2 xor
+//   where_T(const bool* cond, const T* a, const T* b, T* out, Strided s, i64 n)
+
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+// Runs out[i] = f(a[i], b[i]) over the shape in the loop `mode` asks for. `f` takes and returns
+// storage types (it converts to the arithmetic type itself).
+template <typename In, typename Out, typename F>
+__device__ __forceinline__ void for_each2(const In* __restrict__ a, const In* __restrict__ b, Out* __restrict__ out,
+                                          const Strided& s, i64 n, int mode, F f) {
+    constexpr int V = 16 / sizeof(In) < 16 ? 16 / sizeof(In) : 16;
+    if (mode == 3) {
+        EMBER_KERNEL_LOOP(i, n) { out[i] = f(a[strided_offset(s, 0, i)], b[strided_offset(s, 1, i)]); }
+        return;
+    }
+    const In* vec_src = mode == 2 ? b : a;
+    bool aligned = ((u64)vec_src % (sizeof(In) * V) == 0) && ((u64)out % (sizeof(Out) * V) == 0) &&
+                   (mode != 0 || (u64)b % (sizeof(In) * V) == 0);
+    i64 done = 0;
+    if (aligned) {
+        i64 nv = n / V;
+        const Pack<In, V>* pa = (const Pack<In, V>*)a;
+        const Pack<In, V>* pb = (const Pack<In, V>*)b;
+        Pack<Out, V>* po = (Pack<Out, V>*)out;
+        In sa = a[0], sb = b[0];
+        EMBER_KERNEL_LOOP(i, nv) {
+            Pack<Out, V> r;
+            if (mode == 0) {
+                Pack<In, V> x = pa[i], y = pb[i];
+#pragma unroll
+                for (int k = 0; k < V; ++k) r.v[k] = f(x.v[k], y.v[k]);
+            } else if (mode == 1) {
+                Pack<In, V> x = pa[i];
+#pragma unroll
+                for (int k = 0; k < V; ++k) r.v[k] = f(x.v[k], sb);
+            } else {
+                Pack<In, V> y = pb[i];
+#pragma unroll
+                for (int k = 0; k < V; ++k) r.v[k] = f(sa, y.v[k]);
+            }
+            po[i] = r;
+        }
+        done = nv * V;
+    }
+    EMBER_KERNEL_LOOP(j, n - done) {
+        i64 i = done + j;
+        out[i] = f(mode == 2 ? a[0] : a[i], mode == 1 ? b[0] : b[i]);
+    }
+}
+
+// Arithmetic in Acc<T>, stored back as T.
+#define EMBER_ARITH(name, expr)                                                                  \
+    template <typename T> struct name {                                                          \
+        __device__ __forceinline__ T operator()(T xs, T ys) const {                              \
+            typedef typename Acc<T>::type A;                                                     \
+            A x = load(xs), y = load(ys);                                                        \
+            return cast<T>((A)(expr));                                                           \
+        }                                                                                        \
+    };
+EMBER_ARITH(AddOp, x + y)
+EMBER_ARITH(SubOp, x - y)
+EMBER_ARITH(MulOp, x * y)
+EMBER_ARITH(DivOp, x / y)
+EMBER_ARITH(MaxOp, (x != x || x > y) ? x : y)
+EMBER_ARITH(MinOp, (x != x || x < y) ? x : y)
+
+template <typename A> __device__ __forceinline__ A power(A x, A y) {
+    // Integers: exponentiation by squaring with wrapping, exponent >= 0 (checked on the host).
+    A r = 1;
+    unsigned long long e = (unsigned long long)y;
+    while (e) {
+        if (e & 1) r = (A)(r * x);
+        x = (A)(x * x);
+        e >>= 1;
+    }
+    return r;
+}
+template <> __device__ __forceinline__ float power<float>(float x, float y) { return powf(x, y); }
+template <> __device__ __forceinline__ double power<double>(double x, double y) { return pow(x, y); }
+EMBER_ARITH(PowOp, power<A>(x, y))
+
+template <typename T>
+__device__ __forceinline__ void binary(const T* a, const T* b, T* out, const Strided& s, i64 n, int op, int mode) {
+    switch (op) {
+        case 0: for_each2(a, b, out, s, n, mode, AddOp<T>()); break;
+        case 1: for_each2(a, b, out, s, n, mode, SubOp<T>()); break;
+        case 2: for_each2(a, b, out, s, n, mode, MulOp<T>()); break;
+        case 3: for_each2(a, b, out, s, n, mode, DivOp<T>()); break;
+        case 4: for_each2(a, b, out, s, n, mode, PowOp<T>()); break;
+        case 5: for_each2(a, b, out, s, n, mode, MaxOp<T>()); break;
+        case 6: for_each2(a, b, out, s, n, mode, MinOp<T>()); break;
+    }
+}
+
+struct OrOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x | y; } };
+struct AndOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x & y; } };
+struct XorOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x ^ y; } };
+
+#define EMBER_BINARY(T, name)                                                                                \
+    extern "C" __global__ void binary_##name(const T* a, const T* b, T* out, Strided s, i64 n, i32 op, i32 mode) { \
+        binary<T>(a, b, out, s, n, op, mode);                                                                \
+    }
+EMBER_BINARY(float, f32)
+EMBER_BINARY(double, f64)
+EMBER_BINARY(f16, f16)
+EMBER_BINARY(bf16, bf16)
+EMBER_BINARY(i64, i64)
+EMBER_BINARY(i32, i32)
+EMBER_BINARY(u8, u8)
+
+extern "C" __global__ void binary_bool(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode) {
+    if (op == 0 || op == 5) for_each2(a, b, out, s, n, mode, OrOp());
+    else for_each2(a, b, out, s, n, mode, AndOp());
+}
+
+extern "C" __global__ void logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode) {
+    switch (op) {
+        case 0: for_each2(a, b, out, s, n, mode, AndOp()); break;
+        case 1: for_each2(a, b, out, s, n, mode, OrOp()); break;
+        case 2: for_each2(a, b, out, s, n, mode, XorOp()); break;
+    }
+}
+
+#define EMBER_CMP(name, expr)                                                                     \
+    template <typename T> struct name {                                                           \
+        __device__ __forceinline__ bool operator()(T xs, T ys) const {                            \
+            auto x = load(xs);                                                                    \
+            auto y = load(ys);                                                                    \
+            return expr;                                                                          \
+        }                                                                                         \
+    };
+EMBER_CMP(EqOp, x == y)
+EMBER_CMP(NeOp, x != y)
+EMBER_CMP(LtOp, x < y)
+EMBER_CMP(LeOp, x <= y)
+EMBER_CMP(GtOp, x > y)
+EMBER_CMP(GeOp, x >= y)
+
+#define EMBER_COMPARE(T, name)                                                                                \
+    extern "C" __global__ void compare_##name(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode) { \
+        switch (op) {                                                                                         \
+            case 0: for_each2(a, b, out, s, n, mode, EqOp<T>()); break;                                      \
+            case 1: for_each2(a, b, out, s, n, mode, NeOp<T>()); break;                                      \
+            case 2: for_each2(a, b, out, s, n, mode, LtOp<T>()); break;                                      \
+            case 3: for_each2(a, b, out, s, n, mode, LeOp<T>()); break;                                      \
+            case 4: for_each2(a, b, out, s, n, mode, GtOp<T>()); break;                                      \
+            case 5: for_each2(a, b, out, s, n, mode, GeOp<T>()); break;                                      \
+        }                                                                                                     \
+    }
+EMBER_FOR_ALL_DTYPES(EMBER_COMPARE)
+
+#define EMBER_WHERE(T, name)                                                                                  \
+    extern "C" __global__ void where_##name(const bool* c, const T* a, const T* b, T* out, Strided s, i64 n) { \
+        EMBER_KERNEL_LOOP(i, n) {                                                                             \
+            out[i] = c[strided_offset(s, 2, i)] ? a[strided_offset(s, 0, i)] : b[strided_offset(s, 1, i)];    \
+        }                                                                                                     \
+    }
+EMBER_FOR_ALL_DTYPES(EMBER_WHERE)

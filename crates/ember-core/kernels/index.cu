@@ -1,0 +1,1 @@
+// ember index kernels: written next.

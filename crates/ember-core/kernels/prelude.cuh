@@ -1,0 +1,125 @@
+// ember kernel prelude: prepended by `cuda/nvrtc.rs` to every kernel source before NVRTC
+// compiles it (and by the CI compile check), so each `.cu` file can use these names.
+//
+// Kernel sources are self-contained: NVRTC ships without the CUDA toolkit headers, so there is
+// no `#include <cuda_fp16.h>`. f16 and bf16 travel as 16-bit structs and are converted with
+// the helpers below (inline PTX for f16, bit arithmetic with round-to-nearest-even for bf16,
+// matching the `half` crate the CPU backend uses). Arithmetic on them is done in f32 and rounded
+// once on store, as on the CPU.
+//
+// Conventions every kernel file follows:
+// - kernel names are `<op>_<dtype>` (dtype as in Rust: f32 f64 f16 bf16 i64 i32 u8 bool), all
+//   `extern "C"`; variants are template parameters instantiated with `EMBER_FOR_ALL_DTYPES`;
+// - pointers arrive already offset to the first element of the view; strides are in elements;
+// - sizes and indices are 64-bit (`i64`); loops are grid-stride (`EMBER_KERNEL_LOOP`);
+// - operands of any layout arrive with a `Strided` descriptor (see below), outputs are row-major
+//   unless the kernel says otherwise.
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef int i32;
+typedef unsigned int u32;
+typedef unsigned char u8;
+
+struct __align__(2) f16 { unsigned short bits; };
+struct __align__(2) bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float f16_to_f32(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ f16 f32_to_f16(float f) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float bf16_to_f32(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x40u);  // quiet NaN, sign kept
+    } else {
+        r.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+    }
+    return r;
+}
+
+// `Acc<T>::type`: the type arithmetic on T is done in (f32 for the 16-bit floats).
+template <typename T> struct Acc { typedef T type; };
+template <> struct Acc<f16> { typedef float type; };
+template <> struct Acc<bf16> { typedef float type; };
+
+// load/store between storage type T and its arithmetic type.
+template <typename T> __device__ __forceinline__ typename Acc<T>::type load(T x) { return x; }
+template <> __device__ __forceinline__ float load<f16>(f16 x) { return f16_to_f32(x); }
+template <> __device__ __forceinline__ float load<bf16>(bf16 x) { return bf16_to_f32(x); }
+
+// cast<T>(x): converts any arithmetic value to storage type T with the CPU backend's rules
+// (float -> int truncates toward zero, anything -> bool is x != 0).
+template <typename T> struct CastTo {
+    template <typename U> __device__ __forceinline__ static T from(U x) { return (T)x; }
+};
+template <> struct CastTo<f16> {
+    template <typename U> __device__ __forceinline__ static f16 from(U x) { return f32_to_f16((float)x); }
+    __device__ __forceinline__ static f16 from(double x) {  // one rounding, as the CPU's f64 -> f16
+        f16 r;
+        asm("cvt.rn.f16.f64 %0, %1;" : "=h"(r.bits) : "d"(x));
+        return r;
+    }
+};
+template <> struct CastTo<bf16> {
+    template <typename U> __device__ __forceinline__ static bf16 from(U x) { return f32_to_bf16((float)x); }
+};
+template <> struct CastTo<bool> {
+    template <typename U> __device__ __forceinline__ static bool from(U x) { return x != (U)0; }
+};
+template <typename T, typename U> __device__ __forceinline__ T cast(U x) { return CastTo<T>::from(x); }
+template <typename T> __device__ __forceinline__ T cast(f16 x) { return CastTo<T>::from(f16_to_f32(x)); }
+template <typename T> __device__ __forceinline__ T cast(bf16 x) { return CastTo<T>::from(bf16_to_f32(x)); }
+
+// Up to 8 dims per operand after the host merged dims that are contiguous in every operand.
+#define EMBER_MAX_DIMS 8
+
+// The shape shared by up to 3 operands of a kernel and each operand's strides (in elements;
+// 0 for broadcast dims). Built by `KernelShape` in `cuda/kernels.rs`; same layout, 264 bytes.
+struct Strided {
+    i32 ndim;
+    i32 pad;
+    i64 size[EMBER_MAX_DIMS];
+    i64 stride[3][EMBER_MAX_DIMS];
+};
+
+// Element offset of operand `which` for row-major linear index `i` of the shape.
+__device__ __forceinline__ i64 strided_offset(const Strided& s, int which, i64 i) {
+    i64 off = 0;
+    for (int d = s.ndim - 1; d >= 0; --d) {
+        i64 n = s.size[d];
+        i64 q = i / n;
+        off += (i - q * n) * s.stride[which][d];
+        i = q;
+    }
+    return off;
+}
+
+#define EMBER_KERNEL_LOOP(i, n)                                                              \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
+// M(type, name) for every dtype ember has.
+#define EMBER_FOR_ALL_DTYPES(M) \
+    M(float, f32) M(double, f64) M(f16, f16) M(bf16, bf16) M(i64, i64) M(i32, i32) M(u8, u8) M(bool, bool)
+#define EMBER_FOR_FLOAT_DTYPES(M) M(float, f32) M(double, f64) M(f16, f16) M(bf16, bf16)
+
+// Warp and block reductions for kernels that reduce (blockDim.x a multiple of 32, <= 1024).
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename T> __device__ __forceinline__ T warp_max(T v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        T w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = (w > v || w != w) ? w : v;  // NaN propagates
+    }
+    return v;
+}

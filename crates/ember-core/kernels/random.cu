@@ -1,0 +1,1 @@
+// ember random kernels: written next.

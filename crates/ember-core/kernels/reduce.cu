@@ -1,0 +1,1 @@
+// ember reduce kernels: written next.

@@ -1,0 +1,1 @@
+// ember softmax kernels: written next.

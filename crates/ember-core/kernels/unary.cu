@@ -1,0 +1,1 @@
+// ember unary kernels: written next.

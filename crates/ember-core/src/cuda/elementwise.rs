@@ -1,0 +1,214 @@
+//! CUDA launchers for `kernels/elementwise.cu`: arithmetic, comparisons, logical ops and
+//! `where` on operands whose layouts were already broadcast to one shape.
+
+use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::storage::CudaStorage;
+use super::stream::current_raw;
+use crate::layout::Layout;
+use crate::ops::binary::{BinaryOp, CmpOp, LogicalOp};
+use crate::{DType, Error, Result};
+
+/// The loop shape `elementwise.cu` runs (its `mode` argument).
+fn mode(shape: &KernelShape) -> i32 {
+    match (shape.is_contiguous(0), shape.is_contiguous(1)) {
+        (true, true) => 0,
+        (true, false) if shape.is_scalar(1) => 1,
+        (false, true) if shape.is_scalar(0) => 2,
+        _ => 3,
+    }
+}
+
+fn same_dtype(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: a.dtype(),
+            found: b.dtype(),
+        });
+    }
+    if a.ordinal() != b.ordinal() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
+    }
+    Ok(())
+}
+
+impl CudaStorage {
+    /// Launches the two-operand kernel `key` (`binary`, `compare` or `logical` form) writing a
+    /// new row-major storage of `out_dtype`.
+    fn two_operand(
+        &self,
+        name: &'static str,
+        key: KernelKey,
+        op: i32,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        out_dtype: DType,
+    ) -> Result<CudaStorage> {
+        let rt = self.runtime()?;
+        let n = al.numel();
+        let out = CudaStorage::alloc_on(rt, out_dtype, n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let shape = KernelShape::new(name, al.dims(), &[al.strides(), bl.strides()])?;
+        let f = rt.function(key)?;
+        let (a, b, o) = (self.ptr(al), rhs.ptr(bl), out.ptr_at(0));
+        let (n64, m) = (n as i64, mode(&shape));
+        // SAFETY: signature `(const T* a, const T* b, Out* out, Strided s, i64 n, i32 op, i32 mode)`;
+        // `a` and `b` reach only elements inside their storages through `shape`'s strides
+        // (valid layouts), `out` holds `n` elements.
+        unsafe {
+            launch(
+                f,
+                Grid::linear(rt, n, 256),
+                current_raw(rt.ordinal),
+                &[&a, &b, &o, &shape, &n64, &op, &m],
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
+    pub(crate) fn binary(
+        &self,
+        op: BinaryOp,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<CudaStorage> {
+        same_dtype(op.name(), self, rhs)?;
+        let dtype = self.dtype();
+        match (dtype, op) {
+            (DType::Bool, BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow) => {
+                return Err(Error::UnsupportedDType {
+                    op: op.name(),
+                    dtype,
+                    hint: "use logical_xor / logical_not for booleans, or convert with to_dtype",
+                })
+            }
+            (d, BinaryOp::Div) if !d.is_floating_point() => return Err(Error::dtype("div", d)),
+            (d, BinaryOp::Pow) if !d.is_floating_point() && d != DType::U8 => {
+                let exponents = rhs.to_cpu(bl)?;
+                let negative = match exponents {
+                    crate::cpu::CpuStorage::I64(v) => v.iter().any(|&e| e < 0),
+                    crate::cpu::CpuStorage::I32(v) => v.iter().any(|&e| e < 0),
+                    _ => false,
+                };
+                if negative {
+                    return Err(Error::invalid(
+                        "pow",
+                        "integers to negative integer powers are not allowed",
+                    ));
+                }
+            }
+            _ => {}
+        }
+        let code = match op {
+            BinaryOp::Add => 0,
+            BinaryOp::Sub => 1,
+            BinaryOp::Mul => 2,
+            BinaryOp::Div => 3,
+            BinaryOp::Pow => 4,
+            BinaryOp::Maximum => 5,
+            BinaryOp::Minimum => 6,
+        };
+        let key = KernelKey::new(Module::Elementwise, "binary", dtype);
+        self.two_operand(op.name(), key, code, al, rhs, bl, dtype)
+    }
+
+    /// Elementwise comparison producing booleans.
+    pub(crate) fn compare(
+        &self,
+        op: CmpOp,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<CudaStorage> {
+        same_dtype(op.name(), self, rhs)?;
+        let code = match op {
+            CmpOp::Eq => 0,
+            CmpOp::Ne => 1,
+            CmpOp::Lt => 2,
+            CmpOp::Le => 3,
+            CmpOp::Gt => 4,
+            CmpOp::Ge => 5,
+        };
+        let key = KernelKey::new(Module::Elementwise, "compare", self.dtype());
+        self.two_operand(op.name(), key, code, al, rhs, bl, DType::Bool)
+    }
+
+    /// Logical op on two boolean storages.
+    pub(crate) fn logical(
+        &self,
+        op: LogicalOp,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<CudaStorage> {
+        for s in [self, rhs] {
+            if s.dtype() != DType::Bool {
+                return Err(Error::dtype(op.name(), s.dtype()));
+            }
+        }
+        same_dtype(op.name(), self, rhs)?;
+        let code = match op {
+            LogicalOp::And => 0,
+            LogicalOp::Or => 1,
+            LogicalOp::Xor => 2,
+        };
+        let key = KernelKey::plain(Module::Elementwise, "logical");
+        self.two_operand(op.name(), key, code, al, rhs, bl, DType::Bool)
+    }
+
+    /// `cond ? a : b` elementwise; `self` is the boolean condition; all layouts share a shape.
+    pub(crate) fn where_cond(
+        &self,
+        cl: &Layout,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<CudaStorage> {
+        if self.dtype() != DType::Bool {
+            return Err(Error::UnsupportedDType {
+                op: "where",
+                dtype: self.dtype(),
+                hint: "the condition must be a bool tensor",
+            });
+        }
+        same_dtype("where", a, b)?;
+        same_dtype("where", self, &CudaStorage::clone(self))?;
+        if self.ordinal() != a.ordinal() {
+            return Err(Error::DeviceMismatch {
+                op: "where",
+                lhs: self.device(),
+                rhs: a.device(),
+            });
+        }
+        let rt = self.runtime()?;
+        let n = al.numel();
+        let out = CudaStorage::alloc_on(rt, a.dtype(), n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let shape = KernelShape::new("where", al.dims(), &[al.strides(), bl.strides(), cl.strides()])?;
+        let f = rt.function(KernelKey::new(Module::Elementwise, "where", a.dtype()))?;
+        let (c, ap, bp, o, n64) = (self.ptr(cl), a.ptr(al), b.ptr(bl), out.ptr_at(0), n as i64);
+        // SAFETY: `where_T(const bool* c, const T* a, const T* b, T* out, Strided s, i64 n)`;
+        // strides come from valid layouts of each storage, `out` holds `n` elements.
+        unsafe {
+            launch(
+                f,
+                Grid::linear(rt, n, 256),
+                current_raw(rt.ordinal),
+                &[&c, &ap, &bp, &o, &shape, &n64],
+            )?;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,136 @@
+//! The caching allocator's public face, as `torch.cuda.memory`: statistics, summaries,
+//! snapshots, `empty_cache`, `mem_get_info`, and raw allocations.
+//!
+//! Statistics of a device that was never used (or of a machine without CUDA) are zero, as in
+//! PyTorch before the first allocation.
+
+use super::allocator::{memory_stats_map, memory_summary as summary_table, snapshot_json};
+use super::runtime::runtime;
+use super::stream::current_raw;
+use crate::{Error, Result};
+use std::collections::BTreeMap;
+
+pub use super::allocator::{MemoryStats, Stat, StatArray};
+
+fn with_stats<R: Default>(device: usize, f: impl FnOnce(&MemoryStats) -> R) -> R {
+    match runtime(device) {
+        Ok(rt) => f(&rt.allocator.stats()),
+        Err(_) => R::default(),
+    }
+}
+
+/// Bytes currently held by tensors on `device` (`torch.cuda.memory_allocated`).
+pub fn memory_allocated(device: usize) -> usize {
+    with_stats(device, |s| s.allocated_bytes.all.current as usize)
+}
+
+/// Peak of [`memory_allocated`] since the last reset (`torch.cuda.max_memory_allocated`).
+pub fn max_memory_allocated(device: usize) -> usize {
+    with_stats(device, |s| s.allocated_bytes.all.peak as usize)
+}
+
+/// Bytes of device memory the caching allocator holds, in use or cached (`torch.cuda.memory_reserved`).
+pub fn memory_reserved(device: usize) -> usize {
+    with_stats(device, |s| s.reserved_bytes.all.current as usize)
+}
+
+/// Peak of [`memory_reserved`] since the last reset (`torch.cuda.max_memory_reserved`).
+pub fn max_memory_reserved(device: usize) -> usize {
+    with_stats(device, |s| s.reserved_bytes.all.peak as usize)
+}
+
+/// Every statistic under PyTorch's key names, e.g. `"allocated_bytes.all.peak"`
+/// (`torch.cuda.memory_stats`).
+pub fn memory_stats(device: usize) -> BTreeMap<String, i64> {
+    match runtime(device) {
+        Ok(rt) => memory_stats_map(&rt.allocator.stats()),
+        Err(_) => memory_stats_map(&MemoryStats::default()),
+    }
+}
+
+/// The statistics as a struct (`memory_stats` without string keys).
+pub fn memory_stats_struct(device: usize) -> MemoryStats {
+    with_stats(device, |s| s.clone())
+}
+
+/// A readable table of the statistics (`torch.cuda.memory_summary`).
+pub fn memory_summary(device: usize) -> String {
+    summary_table(&memory_stats_struct(device), device)
+}
+
+/// Sets every peak statistic to its current value (`torch.cuda.reset_peak_memory_stats`).
+pub fn reset_peak_memory_stats(device: usize) {
+    if let Ok(rt) = runtime(device) {
+        rt.allocator.reset_peak_stats();
+    }
+}
+
+/// Zeroes the cumulative counters (`torch.cuda.reset_accumulated_memory_stats`).
+pub fn reset_accumulated_memory_stats(device: usize) {
+    if let Ok(rt) = runtime(device) {
+        rt.allocator.reset_accumulated_stats();
+    }
+}
+
+/// Returns cached, unused memory of every initialized device to the driver
+/// (`torch.cuda.empty_cache`); memory held by tensors stays.
+pub fn empty_cache() {
+    for device in 0..super::device_count() {
+        if let Ok(rt) = runtime(device) {
+            rt.allocator.empty_cache();
+        }
+    }
+}
+
+/// `(free, total)` bytes of `device` as the driver sees them (`torch.cuda.mem_get_info`).
+pub fn mem_get_info(device: usize) -> Result<(usize, usize)> {
+    runtime(device)?;
+    cudarc::driver::result::mem_get_info().map_err(|e| Error::Cuda {
+        op: "cuMemGetInfo",
+        msg: format!("{e:?}"),
+    })
+}
+
+/// Starts (or stops) recording allocation events on `device`, keeping the newest
+/// `max_entries` (`torch.cuda.memory._record_memory_history`).
+pub fn record_memory_history(device: usize, enabled: bool, max_entries: usize) -> Result<()> {
+    runtime(device)?.allocator.record_history(enabled, max_entries);
+    Ok(())
+}
+
+/// The allocator's segments and the recorded events as JSON, shaped like PyTorch's
+/// `torch.cuda.memory._snapshot()` (`_dump_snapshot` writes this to a file).
+pub fn memory_snapshot(device: usize) -> Result<String> {
+    let rt = runtime(device)?;
+    Ok(snapshot_json(&rt.allocator.snapshot(), &rt.allocator.history()))
+}
+
+/// `bytes` of raw device memory from the caching allocator on the current stream
+/// (`torch.cuda.caching_allocator_alloc`); release it with [`caching_allocator_delete`].
+pub fn caching_allocator_alloc(device: usize, bytes: usize) -> Result<u64> {
+    let rt = runtime(device)?;
+    rt.allocator
+        .malloc(bytes, current_raw(device))
+        .map(|a| a.ptr)
+        .map_err(|oom| Error::OutOfMemory {
+            device,
+            requested: oom.requested,
+            total: oom.total,
+            free: oom.free,
+            allocated: oom.allocated,
+            reserved: oom.reserved,
+        })
+}
+
+/// Returns memory from [`caching_allocator_alloc`] (`torch.cuda.caching_allocator_delete`);
+/// an error for an address the allocator did not hand out.
+pub fn caching_allocator_delete(device: usize, ptr: u64) -> Result<()> {
+    if runtime(device)?.allocator.free(ptr) {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "caching_allocator_delete",
+            format!("{ptr:#x} is not an allocation of cuda:{device}'s caching allocator"),
+        ))
+    }
+}

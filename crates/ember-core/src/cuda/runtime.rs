@@ -1,0 +1,247 @@
+//! One [`DeviceRuntime`] per GPU, created on first use and kept for the process: the device's
+//! primary context, its caching allocator, and the kernels loaded on it.
+//!
+//! Note [Context binding]: the driver needs the device's context current on the calling
+//! thread. Every entry point calls [`DeviceRuntime::bind`], which remembers per thread which
+//! context it made current, so the common case (one device, one thread) costs a thread-local
+//! read, not a driver call.
+
+use super::allocator::{CachingAllocator, Driver, EventId, StreamId};
+use super::kernels::{Function, KernelKey, Module};
+use super::nvrtc;
+use crate::{Error, Result};
+use cudarc::driver::{result, sys};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// The per-device state of the CUDA backend.
+pub(crate) struct DeviceRuntime {
+    pub ordinal: usize,
+    ctx: Context,
+    /// `sm_XY` of the device, what kernels are compiled for.
+    pub arch: String,
+    pub sm_count: u32,
+    pub allocator: CachingAllocator<DeviceMemory>,
+    functions: Mutex<HashMap<KernelKey, Function>>,
+    modules: Mutex<HashMap<Module, Module_>>,
+}
+
+#[derive(Clone, Copy)]
+struct Context(sys::CUcontext);
+// SAFETY: a primary context handle may be made current on any thread; it is retained for the
+// life of the process and never destroyed.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+#[derive(Clone, Copy)]
+#[allow(non_camel_case_types)]
+struct Module_(sys::CUmodule);
+// SAFETY: a loaded module is immutable and never unloaded; functions are looked up under the lock.
+unsafe impl Send for Module_ {}
+
+thread_local! {
+    static BOUND: Cell<usize> = const { Cell::new(0) };
+}
+
+fn driver_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+/// The runtime of device `ordinal`, created on first use; a typed error without CUDA or when
+/// the ordinal is out of range.
+pub(crate) fn runtime(ordinal: usize) -> Result<&'static DeviceRuntime> {
+    static RUNTIMES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceRuntime, Error>>>> =
+        OnceLock::new();
+    let count = super::device_count();
+    if count == 0 {
+        // Goes through the same probe as `is_available` for the reason.
+        super::get_device_name(ordinal)?;
+    }
+    let slots = RUNTIMES.get_or_init(|| (0..count).map(|_| OnceLock::new()).collect());
+    let slot = slots.get(ordinal).ok_or_else(|| {
+        Error::invalid(
+            "cuda device",
+            format!("device ordinal {ordinal} is out of range: {count} CUDA device(s) present"),
+        )
+    })?;
+    let rt = slot.get_or_init(|| DeviceRuntime::create(ordinal).map(|rt| &*Box::leak(Box::new(rt))));
+    let rt = rt.as_ref().map_err(Clone::clone)?;
+    rt.bind()?;
+    Ok(rt)
+}
+
+impl DeviceRuntime {
+    fn create(ordinal: usize) -> Result<DeviceRuntime> {
+        let (major, minor) = super::get_device_capability(ordinal)?;
+        let sm_count = super::get_device_properties(ordinal)?.multi_processor_count;
+        let dev = result::device::get(ordinal as i32).map_err(driver_error("cuDeviceGet"))?;
+        // SAFETY: `dev` is a valid device after cuInit; the retained context is never released.
+        let ctx =
+            unsafe { result::primary_ctx::retain(dev) }.map_err(driver_error("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: `ctx` was just retained.
+        unsafe { result::ctx::set_current(ctx) }.map_err(driver_error("cuCtxSetCurrent"))?;
+        BOUND.with(|b| b.set(ctx as usize));
+        Ok(DeviceRuntime {
+            ordinal,
+            ctx: Context(ctx),
+            arch: format!("sm_{major}{minor}"),
+            sm_count,
+            allocator: CachingAllocator::new(DeviceMemory { ctx: Context(ctx) }),
+            functions: Mutex::new(HashMap::new()),
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Makes this device's context current on the calling thread (Note [Context binding]).
+    #[inline]
+    pub fn bind(&self) -> Result<()> {
+        bind_context(self.ctx)
+    }
+
+    /// The raw primary context of the device.
+    pub fn context(&self) -> sys::CUcontext {
+        self.ctx.0
+    }
+
+    /// The kernel `key`, compiling (or reading from the disk cache) and loading its module on
+    /// first use.
+    pub fn function(&self, key: KernelKey) -> Result<Function> {
+        if let Some(f) = self.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(*f);
+        }
+        let module = self.module(key.module)?;
+        let symbol = key.symbol();
+        let name = std::ffi::CString::new(symbol.clone()).expect("kernel names have no NUL");
+        // SAFETY: `module` is a loaded module of this context, which `module()` made current.
+        let f = unsafe { result::module::get_function(module.0, name) }.map_err(|e| Error::Cuda {
+            op: "kernel lookup",
+            msg: format!("kernel {symbol} not found in {}.cu: {e:?}", key.module.name()),
+        })?;
+        let f = Function(f);
+        self.functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, f);
+        Ok(f)
+    }
+
+    fn module(&self, m: Module) -> Result<Module_> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&loaded) = modules.get(&m) {
+            return Ok(loaded);
+        }
+        let cubin = nvrtc::compile_cached(m.name(), m.source(), &self.arch)?;
+        self.bind()?;
+        // SAFETY: `cubin` is a complete cubin image for this device's architecture, alive for the call.
+        let module =
+            unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
+                op: "cuModuleLoadData",
+                msg: format!("loading {}.cu for {}: {e:?}", m.name(), self.arch),
+            })?;
+        modules.insert(m, Module_(module));
+        Ok(Module_(module))
+    }
+
+    /// Loads every kernel module (used by tests and `ember info` to surface compile errors early).
+    pub fn load_all_modules(&self) -> Result<()> {
+        for m in Module::ALL {
+            self.module(m)?;
+        }
+        Ok(())
+    }
+}
+
+#[inline]
+fn bind_context(ctx: Context) -> Result<()> {
+    if BOUND.with(|b| b.get()) == ctx.0 as usize {
+        return Ok(());
+    }
+    // SAFETY: `ctx` is a retained primary context, valid for the life of the process.
+    unsafe { result::ctx::set_current(ctx.0) }.map_err(driver_error("cuCtxSetCurrent"))?;
+    BOUND.with(|b| b.set(ctx.0 as usize));
+    Ok(())
+}
+
+/// The caching allocator's view of the device: raw segments and events.
+pub(crate) struct DeviceMemory {
+    ctx: Context,
+}
+
+impl DeviceMemory {
+    fn bind(&self) {
+        // The context was made current on this thread before, or this fails the call below
+        // with a driver error the allocator reports as out of memory; never a panic.
+        let _ = bind_context(self.ctx);
+    }
+}
+
+impl Driver for DeviceMemory {
+    fn malloc(&mut self, bytes: usize) -> Option<u64> {
+        self.bind();
+        // SAFETY: plain allocation in the current context; the result is checked.
+        unsafe { result::malloc_sync(bytes) }.ok()
+    }
+
+    fn free(&mut self, ptr: u64) {
+        self.bind();
+        // SAFETY: `ptr` is a segment base from `malloc` that the allocator no longer hands out;
+        // cuMemFree synchronizes with work still using it.
+        let _ = unsafe { result::free_sync(ptr) };
+    }
+
+    fn mem_get_info(&mut self) -> (usize, usize) {
+        self.bind();
+        result::mem_get_info().unwrap_or((0, 0))
+    }
+
+    fn record_event(&mut self, stream: StreamId) -> EventId {
+        self.bind();
+        let Ok(event) = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) else {
+            // Without an event the block cannot be tracked: synchronize instead, so it is safe
+            // to reuse at once (0 marks "already complete").
+            // SAFETY: `stream` is a live stream of this context.
+            let _ = unsafe { result::stream::synchronize(stream as sys::CUstream) };
+            return 0;
+        };
+        // SAFETY: `event` was just created; `stream` is a live stream of this context.
+        if unsafe { result::event::record(event, stream as sys::CUstream) }.is_err() {
+            // SAFETY: as above.
+            let _ = unsafe { result::stream::synchronize(stream as sys::CUstream) };
+        }
+        event as u64
+    }
+
+    fn event_done(&mut self, event: EventId) -> bool {
+        if event == 0 {
+            return true;
+        }
+        self.bind();
+        // SAFETY: `event` came from `record_event` and was not destroyed.
+        !matches!(
+            unsafe { result::event::query(event as sys::CUevent) },
+            Err(cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY))
+        )
+    }
+
+    fn synchronize_event(&mut self, event: EventId) {
+        if event == 0 {
+            return;
+        }
+        self.bind();
+        // SAFETY: `event` came from `record_event` and was not destroyed.
+        let _ = unsafe { result::event::synchronize(event as sys::CUevent) };
+    }
+
+    fn destroy_event(&mut self, event: EventId) {
+        if event == 0 {
+            return;
+        }
+        self.bind();
+        // SAFETY: `event` came from `record_event`; the allocator destroys each event once.
+        let _ = unsafe { result::event::destroy(event as sys::CUevent) };
+    }
+}

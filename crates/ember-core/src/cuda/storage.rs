@@ -1,0 +1,357 @@
+//! [`CudaStorage`]: a tensor's elements in device memory from the caching allocator, and the
+//! copies and casts every other CUDA op builds on (host ↔ device, device ↔ device, strided
+//! copies, fills).
+//!
+//! Ops enqueue on the current stream of the storage's device and return at once; only reads
+//! into host memory wait, and only for that stream.
+
+use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::runtime::{runtime, DeviceRuntime};
+use super::stream::current_raw;
+use crate::cpu::{with_cpu_storage, CpuElement, CpuStorage};
+use crate::layout::Layout;
+use crate::{DType, Device, Error, Result};
+use cudarc::driver::{result, sys};
+use std::sync::Arc;
+
+/// Elements of one tensor storage in the memory of one GPU.
+#[derive(Debug, Clone)]
+pub struct CudaStorage {
+    buf: Arc<DeviceBuffer>,
+    dtype: DType,
+    len: usize,
+}
+
+/// A block from the caching allocator, returned to it on drop (to the pool of the stream it
+/// was allocated on; see `allocator.rs`).
+#[derive(Debug)]
+struct DeviceBuffer {
+    ptr: u64,
+    device: usize,
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            if let Ok(rt) = runtime(self.device) {
+                rt.allocator.free(self.ptr);
+            }
+        }
+    }
+}
+
+impl CudaStorage {
+    /// Uninitialized room for `len` elements of `dtype` on `device`, allocated on the current
+    /// stream; an [`Error::OutOfMemory`] when the device cannot hold it.
+    pub fn alloc(device: usize, dtype: DType, len: usize) -> Result<CudaStorage> {
+        let rt = runtime(device)?;
+        CudaStorage::alloc_on(rt, dtype, len)
+    }
+
+    pub(crate) fn alloc_on(rt: &DeviceRuntime, dtype: DType, len: usize) -> Result<CudaStorage> {
+        let bytes = len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+            Error::invalid(
+                "allocate",
+                format!("{len} elements of {dtype} overflow the address space"),
+            )
+        })?;
+        let a = rt
+            .allocator
+            .malloc(bytes, current_raw(rt.ordinal))
+            .map_err(|oom| Error::OutOfMemory {
+                device: rt.ordinal,
+                requested: oom.requested,
+                total: oom.total,
+                free: oom.free,
+                allocated: oom.allocated,
+                reserved: oom.reserved,
+            })?;
+        Ok(CudaStorage {
+            buf: Arc::new(DeviceBuffer {
+                ptr: a.ptr,
+                device: rt.ordinal,
+            }),
+            dtype,
+            len,
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.buf.device)
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.buf.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Device address of element `offset`.
+    #[inline]
+    pub(crate) fn ptr_at(&self, offset: usize) -> u64 {
+        self.buf.ptr + (offset * self.dtype.size_in_bytes()) as u64
+    }
+
+    /// Device address of the first element of `layout`.
+    #[inline]
+    pub(crate) fn ptr(&self, layout: &Layout) -> u64 {
+        self.ptr_at(layout.offset())
+    }
+
+    /// The runtime of this storage's device, bound to the calling thread.
+    #[inline]
+    pub(crate) fn runtime(&self) -> Result<&'static DeviceRuntime> {
+        runtime(self.buf.device)
+    }
+
+    /// Marks the memory as used on `stream` (`Tensor.record_stream`): the allocator will not
+    /// reuse it until the work queued there at free time has finished.
+    pub fn record_stream(&self, stream: &super::Stream) -> Result<()> {
+        if stream.device_index() != self.buf.device {
+            return Err(Error::invalid(
+                "record_stream",
+                format!(
+                    "the tensor is on cuda:{} and the stream on cuda:{}",
+                    self.buf.device,
+                    stream.device_index()
+                ),
+            ));
+        }
+        self.runtime()?
+            .allocator
+            .record_stream(self.buf.ptr, stream.as_raw());
+        Ok(())
+    }
+
+    /// Copies a host storage to `device` (asynchronously with respect to the device; the host
+    /// buffer is staged by the driver before this returns).
+    pub fn from_cpu(cpu: &CpuStorage, device: usize) -> Result<CudaStorage> {
+        let rt = runtime(device)?;
+        let out = CudaStorage::alloc_on(rt, cpu.dtype(), cpu.len())?;
+        let bytes = host_bytes(cpu);
+        if !bytes.is_empty() {
+            // SAFETY: `out` holds exactly `bytes.len()` bytes; pageable host memory is copied to
+            // a staging buffer before cuMemcpyHtoDAsync returns, so `cpu` may go away after.
+            unsafe { result::memcpy_htod_async(out.buf.ptr, bytes, current_raw(device) as sys::CUstream) }
+                .map_err(cuda_error("copy to device"))?;
+        }
+        Ok(out)
+    }
+
+    /// The elements of `layout` copied into host memory, row-major; waits for the current stream.
+    pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        let src = if layout.is_contiguous() && layout.offset() == 0 && layout.numel() == self.len {
+            None
+        } else {
+            Some(self.to_dtype(layout, self.dtype)?)
+        };
+        let src = src.as_ref().unwrap_or(self);
+        fn read<T: CpuElement + Default + Clone>(src: &CudaStorage, n: usize) -> Result<CpuStorage> {
+            let mut host = vec![T::default(); n];
+            if n > 0 {
+                let stream = current_raw(src.buf.device) as sys::CUstream;
+                // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
+                // stream is synchronized before `host` is read.
+                unsafe {
+                    result::memcpy_dtoh_async(&mut host[..], src.buf.ptr, stream)
+                        .and_then(|_| result::stream::synchronize(stream))
+                }
+                .map_err(cuda_error("copy to host"))?;
+            }
+            Ok(T::wrap(host))
+        }
+        let n = layout.numel();
+        src.runtime()?;
+        match self.dtype {
+            DType::Bool => read::<bool>(src, n),
+            DType::U8 => read::<u8>(src, n),
+            DType::I32 => read::<i32>(src, n),
+            DType::I64 => read::<i64>(src, n),
+            DType::F16 => read::<half::f16>(src, n),
+            DType::BF16 => read::<half::bf16>(src, n),
+            DType::F32 => read::<f32>(src, n),
+            DType::F64 => read::<f64>(src, n),
+        }
+    }
+
+    /// `n` elements of `dtype`, all `value` (converted as a cast would), on `device`.
+    pub fn full(device: usize, dtype: DType, n: usize, value: f64) -> Result<CudaStorage> {
+        let rt = runtime(device)?;
+        let out = CudaStorage::alloc_on(rt, dtype, n)?;
+        out.fill(rt, 0, n, value)?;
+        Ok(out)
+    }
+
+    /// Sets elements `start..start + n` to `value`.
+    fn fill(&self, rt: &DeviceRuntime, start: usize, n: usize, value: f64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let stream = current_raw(rt.ordinal);
+        let one = CpuStorage::F64(vec![value]).to_dtype(&Layout::contiguous([1]), self.dtype);
+        let mut pattern = [0u8; 8];
+        let bytes = host_bytes(&one);
+        pattern[..bytes.len()].copy_from_slice(bytes);
+        let dst = self.ptr_at(start);
+        let s = stream as sys::CUstream;
+        // SAFETY: `dst` points at `n` elements of this storage, which the stream may write.
+        let r = unsafe {
+            match bytes.len() {
+                1 => sys::cuMemsetD8Async(dst, pattern[0], n, s),
+                2 => sys::cuMemsetD16Async(dst, u16::from_ne_bytes([pattern[0], pattern[1]]), n, s),
+                4 => sys::cuMemsetD32Async(dst, u32::from_ne_bytes(pattern[..4].try_into().unwrap()), n, s),
+                _ => {
+                    let f = rt.function(KernelKey::plain(Module::Copy, "fill_u64"))?;
+                    let (n64, word) = (n as i64, u64::from_ne_bytes(pattern));
+                    return launch(f, Grid::linear(rt, n, 256), stream, &[&dst, &word, &n64]);
+                }
+            }
+        };
+        r.result().map_err(cuda_error("fill"))
+    }
+
+    /// The elements of `layout` in a new row-major storage of `dtype` on the same device.
+    pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
+        let rt = self.runtime()?;
+        let out = CudaStorage::alloc_on(rt, dtype, layout.numel())?;
+        out.copy_from_device(&Layout::contiguous(layout.shape().clone()), self, layout)?;
+        Ok(out)
+    }
+
+    /// Writes `src` at `src_layout` into `self` at `dst_layout` (same shapes, any dtypes), both
+    /// on this device, in stream order.
+    fn copy_from_device(&self, dst_layout: &Layout, src: &CudaStorage, src_layout: &Layout) -> Result<()> {
+        let n = dst_layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let rt = self.runtime()?;
+        let stream = current_raw(rt.ordinal);
+        let (dst, srcp) = (self.ptr(dst_layout), src.ptr(src_layout));
+        if src.dtype == self.dtype && dst_layout.is_contiguous() && src_layout.is_contiguous() {
+            // SAFETY: both ranges hold `n` elements of one dtype inside their storages.
+            return unsafe {
+                result::memcpy_dtod_async(dst, srcp, n * self.dtype.size_in_bytes(), stream as sys::CUstream)
+            }
+            .map_err(cuda_error("device copy"));
+        }
+        let shape = KernelShape::new(
+            "copy",
+            dst_layout.dims(),
+            &[src_layout.strides(), dst_layout.strides()],
+        )?;
+        let n64 = n as i64;
+        if shape.is_contiguous(0) && shape.is_contiguous(1) {
+            let f = rt.function(KernelKey::with2(
+                Module::Copy,
+                "cast_contig",
+                src.dtype,
+                self.dtype,
+            ))?;
+            // SAFETY: `cast_contig_S_D(const S* src, D* dst, i64 n)`; both hold `n` elements.
+            return unsafe { launch(f, Grid::linear(rt, n, 256), stream, &[&srcp, &dst, &n64]) };
+        }
+        let f = rt.function(KernelKey::with2(
+            Module::Copy,
+            "cast_strided",
+            src.dtype,
+            self.dtype,
+        ))?;
+        // SAFETY: `cast_strided_S_D(const S* src, D* dst, Strided s, i64 n)`; the strides of
+        // both operands stay inside their storages (they come from valid layouts).
+        unsafe { launch(f, Grid::linear(rt, n, 256), stream, &[&srcp, &dst, &shape, &n64]) }
+    }
+
+    /// Writes `src` at `src_layout` (on any device) into `self` at `dst_layout`.
+    pub fn copy_strided_from(
+        &mut self,
+        dst_layout: &Layout,
+        src: &crate::storage::Storage,
+        src_layout: &Layout,
+    ) -> Result<()> {
+        use crate::storage::Storage;
+        match src {
+            Storage::Cuda(s) if s.buf.device == self.buf.device => {
+                self.copy_from_device(dst_layout, s, src_layout)
+            }
+            Storage::Cuda(s) => {
+                let staged = s.to_device(src_layout, self.buf.device)?;
+                self.copy_from_device(
+                    dst_layout,
+                    &staged,
+                    &Layout::contiguous(src_layout.shape().clone()),
+                )
+            }
+            Storage::Cpu(c) => {
+                let staged = CudaStorage::from_cpu(&c.contiguous(src_layout), self.buf.device)?;
+                self.copy_from_device(
+                    dst_layout,
+                    &staged,
+                    &Layout::contiguous(src_layout.shape().clone()),
+                )
+            }
+        }
+    }
+
+    /// The elements of `layout` as a row-major storage on GPU `device` (a peer copy when it is
+    /// another GPU: the source's stream is synchronized first, the copy runs on the target's
+    /// current stream).
+    pub fn to_device(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
+        let src = self.to_dtype(layout, self.dtype)?;
+        if device == self.buf.device {
+            return Ok(src);
+        }
+        let src_rt = self.runtime()?;
+        // SAFETY: the null/current stream of the source device is live.
+        unsafe { result::stream::synchronize(current_raw(src_rt.ordinal) as sys::CUstream) }
+            .map_err(cuda_error("peer copy"))?;
+        let rt = runtime(device)?;
+        let out = CudaStorage::alloc_on(rt, self.dtype, src.len)?;
+        let bytes = src.len * self.dtype.size_in_bytes();
+        if bytes > 0 {
+            // SAFETY: both buffers hold `bytes`; the source's writes completed (synchronized
+            // above) and it stays alive until the copy is done because we wait on it below for
+            // lifetime safety of `src`, which is dropped at the end of this function.
+            unsafe {
+                result::memcpy_peer_async(
+                    rt.context(),
+                    out.buf.ptr,
+                    src_rt.context(),
+                    src.buf.ptr,
+                    bytes,
+                    current_raw(device) as sys::CUstream,
+                )
+                .and_then(|_| result::stream::synchronize(current_raw(device) as sys::CUstream))
+            }
+            .map_err(cuda_error("peer copy"))?;
+        }
+        Ok(out)
+    }
+}
+
+/// The bytes of a host storage (every dtype is plain data: bool is one byte, 0 or 1).
+pub(crate) fn host_bytes(cpu: &CpuStorage) -> &[u8] {
+    fn bytes<T>(v: &[T]) -> &[u8] {
+        // SAFETY: T is one of ember's element types: plain data without padding or invalid
+        // byte patterns when read as u8; the slice covers exactly the vector's elements.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    }
+    with_cpu_storage!(cpu, v => bytes(v))
+}
+
+pub(crate) fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}

@@ -1,0 +1,400 @@
+//! Streams and events, as `torch.cuda.Stream` and `torch.cuda.Event`, and the current device
+//! and current stream of each thread.
+//!
+//! Every CUDA op enqueues its work on the current stream of its device and returns; the
+//! current stream is the device's default (legacy) stream until a [`StreamGuard`] or
+//! [`set_stream`] changes it for the calling thread.
+//!
+//! Note [Stream pool]: like PyTorch, streams handed out by [`Stream::new`] come from a pool of
+//! 32 per device and priority level, created on first use and never destroyed: the caching
+//! allocator tags blocks with the stream that allocated them, and a destroyed stream's handle
+//! could be reused by the driver for an unrelated stream. Pool streams do not synchronize
+//! implicitly with the default stream; order work between streams with [`Stream::wait_stream`]
+//! or events.
+
+use super::runtime::runtime;
+use crate::{Device, Error, Result};
+use cudarc::driver::{result, sys};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+const POOL_SIZE: usize = 32;
+
+fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+/// A queue of GPU work on one device (`torch.cuda.Stream`). Cheap to clone; clones are the
+/// same stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stream {
+    raw: u64,
+    device: usize,
+    priority: i32,
+}
+
+struct Pool {
+    next: [AtomicUsize; 2],
+    streams: Mutex<[[u64; POOL_SIZE]; 2]>,
+}
+
+fn pool(device: usize) -> &'static Pool {
+    static POOLS: OnceLock<Vec<Pool>> = OnceLock::new();
+    let pools = POOLS.get_or_init(|| {
+        (0..super::device_count().max(1))
+            .map(|_| Pool {
+                next: [AtomicUsize::new(0), AtomicUsize::new(0)],
+                streams: Mutex::new([[0; POOL_SIZE]; 2]),
+            })
+            .collect()
+    });
+    &pools[device.min(pools.len() - 1)]
+}
+
+impl Stream {
+    /// A stream on `device` from the pool (Note [Stream pool]), with the default priority.
+    pub fn new(device: usize) -> Result<Stream> {
+        Stream::with_priority(device, 0)
+    }
+
+    /// A stream on `device` with `priority`: 0 is the default, negative values are higher
+    /// priority (as in CUDA and PyTorch); any negative value gives the device's greatest.
+    pub fn with_priority(device: usize, priority: i32) -> Result<Stream> {
+        runtime(device)?;
+        let (_least, greatest) =
+            result::stream::get_priority_range().map_err(cuda_error("stream priority"))?;
+        let level = usize::from(priority < 0);
+        let prio = if level == 1 { greatest } else { 0 };
+        let pool = pool(device);
+        let i = pool.next[level].fetch_add(1, Ordering::Relaxed) % POOL_SIZE;
+        let mut streams = pool.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if streams[level][i] == 0 {
+            let raw = result::stream::create_with_priority(result::stream::StreamKind::NonBlocking, prio)
+                .map_err(cuda_error("cuStreamCreateWithPriority"))?;
+            streams[level][i] = raw as u64;
+        }
+        Ok(Stream {
+            raw: streams[level][i],
+            device,
+            priority: prio,
+        })
+    }
+
+    /// The default (legacy) stream of `device`, where work goes unless a stream is chosen.
+    pub fn default_stream(device: usize) -> Result<Stream> {
+        runtime(device)?;
+        Ok(Stream {
+            raw: 0,
+            device,
+            priority: 0,
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.device)
+    }
+
+    pub fn device_index(&self) -> usize {
+        self.device
+    }
+
+    pub fn priority(&self) -> i32 {
+        self.priority
+    }
+
+    /// The raw `CUstream` handle as an integer (0 for the default stream).
+    pub fn as_raw(&self) -> u64 {
+        self.raw
+    }
+
+    /// Blocks until all work queued on this stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        runtime(self.device)?;
+        // SAFETY: the stream is the null stream or a pool stream, which is never destroyed.
+        unsafe { result::stream::synchronize(self.raw as sys::CUstream) }
+            .map_err(cuda_error("cuStreamSynchronize"))
+    }
+
+    /// True when all work queued on this stream has finished.
+    pub fn query(&self) -> Result<bool> {
+        runtime(self.device)?;
+        // SAFETY: the stream is the null stream or a live pool stream.
+        match unsafe { sys::cuStreamQuery(self.raw as sys::CUstream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(Error::Cuda {
+                op: "cuStreamQuery",
+                msg: format!("{e:?}"),
+            }),
+        }
+    }
+
+    /// Makes future work on this stream wait for the work queued on `other` so far.
+    pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        if other == self {
+            return Ok(());
+        }
+        let event = Event::new(false);
+        event.record_on(other)?;
+        self.wait_event(&event)
+    }
+
+    /// Makes future work on this stream wait for `event`.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        runtime(self.device)?;
+        let Some(raw) = event.raw() else {
+            return Ok(()); // never recorded: nothing to wait for, as in PyTorch
+        };
+        // SAFETY: both handles are live; the event is destroyed only when the last Event drops.
+        unsafe {
+            result::stream::wait_event(
+                self.raw as sys::CUstream,
+                raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(cuda_error("cuStreamWaitEvent"))
+    }
+
+    /// Records a new event on this stream.
+    pub fn record_event(&self) -> Result<Event> {
+        let event = Event::new(false);
+        event.record_on(self)?;
+        Ok(event)
+    }
+}
+
+thread_local! {
+    static CURRENT_STREAMS: RefCell<Vec<Option<Stream>>> = const { RefCell::new(Vec::new()) };
+    static CURRENT_DEVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The raw handle of the calling thread's current stream on `device` (0 = default stream).
+#[inline]
+pub(crate) fn current_raw(device: usize) -> u64 {
+    CURRENT_STREAMS.with(|s| {
+        s.borrow()
+            .get(device)
+            .and_then(|s| s.as_ref())
+            .map_or(0, |s| s.raw)
+    })
+}
+
+/// The calling thread's current stream on `device` (`torch.cuda.current_stream`).
+pub fn current_stream(device: usize) -> Result<Stream> {
+    let current = CURRENT_STREAMS.with(|s| s.borrow().get(device).cloned().flatten());
+    match current {
+        Some(s) => Ok(s),
+        None => Stream::default_stream(device),
+    }
+}
+
+/// The default stream of `device` (`torch.cuda.default_stream`).
+pub fn default_stream(device: usize) -> Result<Stream> {
+    Stream::default_stream(device)
+}
+
+/// Makes `stream` the calling thread's current stream on its device (`torch.cuda.set_stream`).
+pub fn set_stream(stream: &Stream) {
+    swap_current(stream.device, Some(stream.clone()));
+}
+
+fn swap_current(device: usize, stream: Option<Stream>) -> Option<Stream> {
+    CURRENT_STREAMS.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() <= device {
+            s.resize(device + 1, None);
+        }
+        std::mem::replace(&mut s[device], stream)
+    })
+}
+
+/// Makes a stream current for its device until dropped (`with torch.cuda.stream(s):`).
+#[must_use = "the stream is current only while the guard lives"]
+pub struct StreamGuard {
+    device: usize,
+    previous: Option<Stream>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        swap_current(self.device, self.previous.take());
+    }
+}
+
+/// Makes `s` the current stream of its device until the guard drops (`torch.cuda.stream(s)`).
+pub fn stream(s: &Stream) -> StreamGuard {
+    StreamGuard {
+        device: s.device,
+        previous: swap_current(s.device, Some(s.clone())),
+    }
+}
+
+/// The calling thread's current CUDA device index (`torch.cuda.current_device`).
+pub fn current_device() -> usize {
+    CURRENT_DEVICE.with(|d| d.get())
+}
+
+/// Sets the calling thread's current CUDA device (`torch.cuda.set_device`).
+pub fn set_device(device: usize) -> Result<()> {
+    runtime(device)?;
+    CURRENT_DEVICE.with(|d| d.set(device));
+    Ok(())
+}
+
+/// Makes a device current until dropped (`with torch.cuda.device(i):`).
+#[must_use = "the device is current only while the guard lives"]
+pub struct DeviceGuard {
+    previous: usize,
+}
+
+impl DeviceGuard {
+    pub fn new(device: usize) -> Result<DeviceGuard> {
+        let previous = current_device();
+        set_device(device)?;
+        Ok(DeviceGuard { previous })
+    }
+}
+
+impl Drop for DeviceGuard {
+    fn drop(&mut self) {
+        CURRENT_DEVICE.with(|d| d.set(self.previous));
+    }
+}
+
+/// Blocks until all work on `device` has finished, on every stream (`torch.cuda.synchronize`).
+pub fn synchronize(device: usize) -> Result<()> {
+    runtime(device)?;
+    result::ctx::synchronize().map_err(cuda_error("cuCtxSynchronize"))
+}
+
+/// A marker in a stream's work, for ordering and timing (`torch.cuda.Event`). Created on the
+/// device of the first stream it is recorded on.
+#[derive(Debug)]
+pub struct Event {
+    timing: bool,
+    raw: OnceLock<(u64, usize)>,
+}
+
+// SAFETY: a CUevent may be recorded, queried and waited on from any thread.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// A new event; `enable_timing` allows [`Event::elapsed_time`] (at a small recording cost).
+    pub fn new(enable_timing: bool) -> Event {
+        Event {
+            timing: enable_timing,
+            raw: OnceLock::new(),
+        }
+    }
+
+    fn raw(&self) -> Option<sys::CUevent> {
+        self.raw.get().map(|&(e, _)| e as sys::CUevent)
+    }
+
+    /// Records the event on the current stream of the current device.
+    pub fn record(&self) -> Result<()> {
+        self.record_on(&current_stream(current_device())?)
+    }
+
+    /// Records the event on `stream`.
+    pub fn record_on(&self, stream: &Stream) -> Result<()> {
+        runtime(stream.device)?;
+        if self.raw.get().is_none() {
+            let flags = if self.timing {
+                sys::CUevent_flags::CU_EVENT_DEFAULT
+            } else {
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+            };
+            let raw = result::event::create(flags).map_err(cuda_error("cuEventCreate"))?;
+            if self.raw.set((raw as u64, stream.device)).is_err() {
+                // Another thread created it first.
+                // SAFETY: `raw` was just created and is not shared.
+                let _ = unsafe { result::event::destroy(raw) };
+            }
+        }
+        let &(raw, device) = self.raw.get().expect("set above");
+        if device != stream.device {
+            return Err(Error::invalid(
+                "Event::record",
+                format!(
+                    "the event belongs to cuda:{device} and cannot be recorded on a stream of cuda:{}",
+                    stream.device
+                ),
+            ));
+        }
+        // SAFETY: `raw` is a live event of this device; the stream is live.
+        unsafe { result::event::record(raw as sys::CUevent, stream.raw as sys::CUstream) }
+            .map_err(cuda_error("cuEventRecord"))
+    }
+
+    /// Makes future work on `stream` wait for this event.
+    pub fn wait(&self, stream: &Stream) -> Result<()> {
+        stream.wait_event(self)
+    }
+
+    /// True when the work before the event has finished (or it was never recorded).
+    pub fn query(&self) -> Result<bool> {
+        let Some(&(raw, device)) = self.raw.get() else {
+            return Ok(true);
+        };
+        runtime(device)?;
+        // SAFETY: `raw` is a live event.
+        match unsafe { sys::cuEventQuery(raw as sys::CUevent) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(Error::Cuda {
+                op: "cuEventQuery",
+                msg: format!("{e:?}"),
+            }),
+        }
+    }
+
+    /// Blocks until the work before the event has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        let Some(&(raw, device)) = self.raw.get() else {
+            return Ok(());
+        };
+        runtime(device)?;
+        // SAFETY: `raw` is a live event.
+        unsafe { result::event::synchronize(raw as sys::CUevent) }.map_err(cuda_error("cuEventSynchronize"))
+    }
+
+    /// Milliseconds between this event and `end`, both recorded and completed, both created
+    /// with timing enabled.
+    pub fn elapsed_time(&self, end: &Event) -> Result<f32> {
+        if !self.timing || !end.timing {
+            return Err(Error::invalid(
+                "Event::elapsed_time",
+                "both events must be created with Event::new(true) (enable_timing)",
+            ));
+        }
+        let (Some(&(start, device)), Some(&(stop, _))) = (self.raw.get(), end.raw.get()) else {
+            return Err(Error::invalid(
+                "Event::elapsed_time",
+                "both events must be recorded before elapsed_time",
+            ));
+        };
+        runtime(device)?;
+        // SAFETY: both are live events with timing enabled.
+        unsafe { result::event::elapsed(start as sys::CUevent, stop as sys::CUevent) }
+            .map_err(cuda_error("cuEventElapsedTime"))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Some(&(raw, device)) = self.raw.get() {
+            if runtime(device).is_ok() {
+                // SAFETY: the event is owned by this value and used by no one after drop;
+                // the driver defers destruction until recorded work completes.
+                let _ = unsafe { result::event::destroy(raw as sys::CUevent) };
+            }
+        }
+    }
+}
