@@ -5,9 +5,51 @@
 
 use ember_core::{DType, Device, Result, Tensor};
 
-/// Every device this machine can run tests on (the CPU, plus GPUs once the CUDA backend exists).
+/// Every device this machine can run tests on: the CPU, plus the first GPU when there is one.
 pub fn devices() -> Vec<Device> {
-    vec![Device::Cpu]
+    let mut devices = vec![Device::Cpu];
+    if ember_core::cuda::is_available() {
+        devices.push(Device::Cuda(0));
+    }
+    devices
+}
+
+/// The GPU for a test marked `#[ignore = "needs a CUDA device"]`: fails (never passes
+/// silently) when no CUDA device is present, e.g. when `CUDA_TESTS_REQUIRED=1` is set on a GPU
+/// machine whose driver is broken.
+pub fn gpu() -> Device {
+    assert!(
+        ember_core::cuda::is_available(),
+        "this test needs a CUDA device; run it on a GPU machine (CUDA_TESTS_REQUIRED=1 makes its absence a failure)"
+    );
+    Device::Cuda(0)
+}
+
+/// Runs `f` on the CPU and on the GPU and asserts the results agree (same shape and dtype,
+/// values within `rtol`/`atol`, NaNs in the same places).
+pub fn cpu_vs_cuda(what: &str, rtol: f64, atol: f64, f: impl Fn(Device) -> Result<Tensor>) {
+    let gpu = gpu();
+    let expected = f(Device::Cpu).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+    let actual = f(gpu).unwrap_or_else(|e| panic!("{what} on {gpu}: {e}"));
+    assert_eq!(actual.device(), gpu, "{what}: result left the GPU");
+    assert_eq!(actual.dtype(), expected.dtype(), "{what}: dtype");
+    assert_eq!(actual.shape(), expected.shape(), "{what}: shape");
+    let (a, e) = (actual.to_vec_f64().unwrap(), expected.to_vec_f64().unwrap());
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        let ok = (x - y).abs() <= atol + rtol * y.abs() || (x.is_nan() && y.is_nan()) || x == y;
+        assert!(ok, "{what}: element {i}: cuda {x}, cpu {y} (rtol {rtol}, atol {atol})");
+    }
+}
+
+/// Tolerance for comparing CPU and GPU results of `dtype` (relative, absolute).
+pub fn tolerance(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F16 => (2e-3, 1e-3),
+        DType::BF16 => (1.6e-2, 1e-2),
+        DType::F32 => (1e-5, 1e-6),
+        DType::F64 => (1e-12, 1e-12),
+        _ => (0.0, 0.0),
+    }
 }
 
 /// f64 tensor on `device` from values and a shape.
