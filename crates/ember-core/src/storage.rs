@@ -54,6 +54,9 @@ pub struct StorageRef(Arc<StorageCell>);
 
 #[derive(Debug)]
 struct StorageCell {
+    /// The page-lock registration of a pinned host buffer; declared before `data` so it is
+    /// undone before the buffer is freed (Note [Pinned host memory] in `cuda/pinned.rs`).
+    pin: Option<crate::cuda::HostPin>,
     data: RwLock<Storage>,
     /// Bumped by every in-place write; autograd compares it with the version saved at record time.
     version: AtomicU64,
@@ -62,9 +65,24 @@ struct StorageCell {
 impl StorageRef {
     pub fn new(storage: Storage) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
+            pin: None,
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
         }))
+    }
+
+    /// A host storage whose buffer `pin` has page-locked.
+    pub(crate) fn new_pinned(storage: Storage, pin: crate::cuda::HostPin) -> StorageRef {
+        StorageRef(Arc::new(StorageCell {
+            pin: Some(pin),
+            data: RwLock::new(storage),
+            version: AtomicU64::new(0),
+        }))
+    }
+
+    /// True for page-locked host storage.
+    pub fn is_pinned(&self) -> bool {
+        self.0.pin.is_some()
     }
 
     /// Read access. Poisoning cannot leave a storage half-written in a way readers could

@@ -1,5 +1,8 @@
-//! The `ember` program: `ember info` reports the build and the devices found.
+//! The `ember` program: `ember info` reports the build and the devices found; `ember bench`
+//! runs the shared benchmark workloads.
 #![forbid(unsafe_code)]
+
+mod bench;
 
 use clap::{Parser, Subcommand};
 
@@ -18,12 +21,33 @@ struct Cli {
 enum Command {
     /// Print the version, build features and the devices found (like `torch.utils.collect_env`).
     Info,
+    /// Run the shared benchmark workloads and print one JSON line each (shared/bench/WORKLOADS.md).
+    Bench {
+        /// cpu, cuda or cuda:N (default: cuda when a GPU is present).
+        #[arg(long)]
+        device: Option<String>,
+        /// Comma-separated workload names (default: all).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     match cli.command {
         Command::Info => print!("{}", ember_info()),
+        Command::Bench { device, only } => {
+            let device = match device.as_deref().map(ember::Device::parse) {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => {
+                    eprintln!("ember bench: {e}");
+                    std::process::exit(2);
+                }
+                None if ember::cuda::is_available() => ember::Device::Cuda(0),
+                None => ember::Device::Cpu,
+            };
+            bench::bench(device, &only);
+        }
     }
 }
 

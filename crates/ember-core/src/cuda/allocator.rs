@@ -936,6 +936,7 @@ impl<D: Driver> CachingAllocator<D> {
 
     /// Driver access for the owner (e.g. to create events); runs `f` under the allocator lock,
     /// so `f` must not call this allocator.
+    #[allow(dead_code)]
     pub fn with_driver<R>(&self, f: impl FnOnce(&mut D) -> R) -> R {
         f(&mut self.lock().driver)
     }

@@ -39,6 +39,7 @@ fn same_dtype(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> 
 impl CudaStorage {
     /// Launches the two-operand kernel `key` (`binary`, `compare` or `logical` form) writing a
     /// new row-major storage of `out_dtype`.
+    #[allow(clippy::too_many_arguments)]
     fn two_operand(
         &self,
         name: &'static str,
@@ -50,14 +51,32 @@ impl CudaStorage {
         out_dtype: DType,
     ) -> Result<CudaStorage> {
         let rt = self.runtime()?;
+        let out = CudaStorage::alloc_on(rt, out_dtype, al.numel())?;
+        self.two_operand_into(name, key, op, al, rhs, bl, out.ptr_at(0))?;
+        Ok(out)
+    }
+
+    /// As `two_operand`, writing row-major into device memory at `o` (room for `al.numel()`
+    /// elements of the output dtype, not overlapping either operand).
+    #[allow(clippy::too_many_arguments)]
+    fn two_operand_into(
+        &self,
+        name: &'static str,
+        key: KernelKey,
+        op: i32,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        o: u64,
+    ) -> Result<()> {
+        let rt = self.runtime()?;
         let n = al.numel();
-        let out = CudaStorage::alloc_on(rt, out_dtype, n)?;
         if n == 0 {
-            return Ok(out);
+            return Ok(());
         }
         let shape = KernelShape::new(name, al.dims(), &[al.strides(), bl.strides()])?;
         let f = rt.function(key)?;
-        let (a, b, o) = (self.ptr(al), rhs.ptr(bl), out.ptr_at(0));
+        let (a, b) = (self.ptr(al), rhs.ptr(bl));
         let (n64, m) = (n as i64, mode(&shape));
         // SAFETY: signature `(const T* a, const T* b, Out* out, Strided s, i64 n, i32 op, i32 mode)`;
         // `a` and `b` reach only elements inside their storages through `shape`'s strides
@@ -68,9 +87,8 @@ impl CudaStorage {
                 Grid::linear(rt, n, 256),
                 current_raw(rt.ordinal),
                 &[&a, &b, &o, &shape, &n64, &op, &m],
-            )?;
+            )
         }
-        Ok(out)
     }
 
     /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
@@ -81,6 +99,28 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
     ) -> Result<CudaStorage> {
+        let (key, code) = self.binary_kernel(op, rhs, bl)?;
+        self.two_operand(op.name(), key, code, al, rhs, bl, self.dtype())
+    }
+
+    /// `lhs op rhs` written into the contiguous `out` at `ol` (same dtype, shape `al`'s).
+    pub(crate) fn binary_into(
+        &self,
+        op: BinaryOp,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        out: &mut CudaStorage,
+        ol: &Layout,
+    ) -> Result<()> {
+        let (key, code) = self.binary_kernel(op, rhs, bl)?;
+        same_dtype(op.name(), self, out)?;
+        debug_assert!(ol.is_contiguous() && ol.numel() == al.numel());
+        self.two_operand_into(op.name(), key, code, al, rhs, bl, out.ptr(ol))
+    }
+
+    /// The kernel and op code of `op` on this dtype, or the CPU backend's error for it.
+    fn binary_kernel(&self, op: BinaryOp, rhs: &CudaStorage, bl: &Layout) -> Result<(KernelKey, i32)> {
         same_dtype(op.name(), self, rhs)?;
         let dtype = self.dtype();
         match (dtype, op) {
@@ -117,8 +157,7 @@ impl CudaStorage {
             BinaryOp::Maximum => 5,
             BinaryOp::Minimum => 6,
         };
-        let key = KernelKey::new(Module::Elementwise, "binary", dtype);
-        self.two_operand(op.name(), key, code, al, rhs, bl, dtype)
+        Ok((KernelKey::new(Module::Elementwise, "binary", dtype), code))
     }
 
     /// Elementwise comparison producing booleans.
@@ -182,7 +221,6 @@ impl CudaStorage {
             });
         }
         same_dtype("where", a, b)?;
-        same_dtype("where", self, &CudaStorage::clone(self))?;
         if self.ordinal() != a.ordinal() {
             return Err(Error::DeviceMismatch {
                 op: "where",

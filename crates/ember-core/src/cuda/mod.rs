@@ -17,6 +17,7 @@ mod libraries;
 mod memory;
 mod nvrtc;
 mod pending;
+mod pinned;
 mod runtime;
 mod storage;
 mod stream;
@@ -34,6 +35,9 @@ pub use memory::{
     reset_peak_memory_stats, MemoryStats, Stat, StatArray,
 };
 pub use nvrtc::{compile as nvrtc_compile, nvrtc_version};
+pub(crate) use pinned::keep_alive_until_done;
+pub use pinned::HostPin;
+pub(crate) use storage::host_bytes;
 pub use storage::CudaStorage;
 pub use stream::{
     current_device, current_stream, default_stream, set_device, set_stream, stream, synchronize, DeviceGuard,

@@ -145,14 +145,6 @@ impl DeviceRuntime {
         modules.insert(m, Module_(module));
         Ok(Module_(module))
     }
-
-    /// Loads every kernel module (used by tests and `ember info` to surface compile errors early).
-    pub fn load_all_modules(&self) -> Result<()> {
-        for m in Module::ALL {
-            self.module(m)?;
-        }
-        Ok(())
-    }
 }
 
 #[inline]

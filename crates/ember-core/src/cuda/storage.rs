@@ -148,6 +148,32 @@ impl CudaStorage {
         Ok(out)
     }
 
+    /// Enqueues a copy of `bytes` from host memory into this storage from element `offset` on,
+    /// on the current stream, without waiting. The caller keeps `bytes` alive and unchanged
+    /// until the copy has finished (see `cuda/pinned.rs`).
+    pub(crate) fn copy_from_host_async(&self, offset: usize, bytes: &[u8]) -> Result<()> {
+        let rt = self.runtime()?;
+        if bytes.len() > (self.len - offset.min(self.len)) * self.dtype.size_in_bytes() {
+            return Err(Error::invalid(
+                "copy",
+                "the source is larger than the destination",
+            ));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the destination range holds `bytes.len()` bytes (checked above); the caller
+        // keeps the host buffer alive until the stream has run the copy.
+        unsafe {
+            result::memcpy_htod_async(
+                self.ptr_at(offset),
+                bytes,
+                current_raw(rt.ordinal) as sys::CUstream,
+            )
+        }
+        .map_err(cuda_error("copy to device"))
+    }
+
     /// The elements of `layout` copied into host memory, row-major; waits for the current stream.
     pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
         let src = if layout.is_contiguous() && layout.offset() == 0 && layout.numel() == self.len {

@@ -269,7 +269,9 @@ impl Drop for DeviceGuard {
 /// Blocks until all work on `device` has finished, on every stream (`torch.cuda.synchronize`).
 pub fn synchronize(device: usize) -> Result<()> {
     runtime(device)?;
-    result::ctx::synchronize().map_err(cuda_error("cuCtxSynchronize"))
+    result::ctx::synchronize().map_err(cuda_error("cuCtxSynchronize"))?;
+    super::pinned::release_finished();
+    Ok(())
 }
 
 /// A marker in a stream's work, for ordering and timing (`torch.cuda.Event`). Created on the

@@ -346,6 +346,70 @@ binary_methods! {
     minimum, minimum_scalar => BinaryOp::Minimum, "Elementwise minimum (NaN propagates).";
 }
 
+impl Tensor {
+    /// `self op other` written into `out` (`torch.add(a, b, out=out)`): `out` must be
+    /// contiguous with the broadcast shape and the result dtype; no new memory is allocated on
+    /// the GPU. Not differentiable, as in PyTorch.
+    pub fn binary_out(&self, op: BinaryOp, other: &Tensor, out: &Tensor) -> Result<Tensor> {
+        let name = op.name();
+        let dtype = result_dtype(op, self.dtype(), other.dtype());
+        if autograd::needs_grad(&[self, other, out]) {
+            return Err(Error::invalid(
+                name,
+                "out= forms don't support automatic differentiation; call it under no_grad or use the plain op",
+            ));
+        }
+        same_device(name, &[self, other, out])?;
+        if out.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                op: name,
+                expected: dtype,
+                found: out.dtype(),
+            });
+        }
+        let shape = self.shape().broadcast(other.shape(), name)?;
+        if out.shape() != &shape || !out.is_contiguous() {
+            return Err(Error::ShapeMismatch {
+                op: name,
+                lhs: shape,
+                rhs: out.shape().clone(),
+                hint: "out must be contiguous with the broadcast shape of the operands",
+            });
+        }
+        let (a, b) = (self.to_dtype(dtype)?, other.to_dtype(dtype)?);
+        if out.shares_storage_with(&a) || out.shares_storage_with(&b) || out.device() == Device::Cpu {
+            // Aliased operands (or the CPU, whose kernels return new buffers) go through a
+            // temporary: a storage cannot be locked for reading and writing at once.
+            let r = binary(op, &a, &b)?;
+            out.storage()
+                .write()
+                .copy_strided_from(out.layout(), &r.storage().read(), r.layout())?;
+            return Ok(out.clone());
+        }
+        let al = a.layout().broadcast_as(&shape, name)?;
+        let bl = b.layout().broadcast_as(&shape, name)?;
+        let (sa, sb) = (a.storage().read(), b.storage().read());
+        let mut so = out.storage().write();
+        match (&*sa, &*sb, &mut *so) {
+            (Storage::Cuda(x), Storage::Cuda(y), Storage::Cuda(o)) => {
+                x.binary_into(op, &al, y, &bl, o, out.layout())?
+            }
+            (x, y, _) => return Err(mixed(name, x, y)),
+        }
+        Ok(out.clone())
+    }
+
+    /// `self + other` written into `out` (`torch.add(a, b, out=out)`); see [`Tensor::binary_out`].
+    pub fn add_out(&self, other: &Tensor, out: &Tensor) -> Result<Tensor> {
+        self.binary_out(BinaryOp::Add, other, out)
+    }
+
+    /// `self * other` written into `out`; see [`Tensor::binary_out`].
+    pub fn mul_out(&self, other: &Tensor, out: &Tensor) -> Result<Tensor> {
+        self.binary_out(BinaryOp::Mul, other, out)
+    }
+}
+
 macro_rules! compare_methods {
     ($($name:ident, $scalar_name:ident => $op:expr;)*) => {
         impl Tensor {$(

@@ -3,6 +3,7 @@
 use crate::autograd;
 use crate::cpu::{CpuElement, CpuStorage};
 use crate::layout::Layout;
+use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 
 impl Tensor {
@@ -36,6 +37,87 @@ impl Tensor {
         Ok(autograd::record("to_device", &[self], out, move |g, _| {
             Ok(vec![Some(g.to(src)?)])
         }))
+    }
+
+    /// A copy in page-locked host memory (`Tensor.pin_memory()`), from which copies to a GPU
+    /// are faster and can be asynchronous; `self` when already pinned. Needs a CUDA driver.
+    pub fn pin_memory(&self) -> Result<Tensor> {
+        if self.device() != Device::Cpu {
+            return Err(Error::invalid(
+                "pin_memory",
+                format!("only CPU tensors can be pinned, this one is on {}", self.device()),
+            ));
+        }
+        if self.is_pinned() && self.is_contiguous() && self.storage_offset() == 0 {
+            return Ok(self.clone());
+        }
+        let cpu = self.to_cpu_storage()?;
+        let pin = crate::cuda::HostPin::new(crate::cuda::host_bytes(&cpu))?;
+        // The Vec moves into the storage without reallocating, so the pinned range stays its own.
+        let storage = crate::storage::StorageRef::new_pinned(Storage::Cpu(cpu), pin);
+        Ok(Tensor::from_parts(
+            storage,
+            crate::layout::Layout::contiguous(self.shape().clone()),
+        ))
+    }
+
+    /// True when the tensor's memory is page-locked host memory (`Tensor.is_pinned()`).
+    pub fn is_pinned(&self) -> bool {
+        self.storage().is_pinned()
+    }
+
+    /// As [`Tensor::to`], but a copy from pinned host memory to a GPU returns at once and runs
+    /// on the current stream (`tensor.to(device, non_blocking=True)`); the source is kept alive
+    /// until the copy is done. Other copies behave as `to`.
+    pub fn to_non_blocking(&self, device: Device) -> Result<Tensor> {
+        let Device::Cuda(ordinal) = device else {
+            return self.to(device);
+        };
+        if !(self.is_pinned() && self.is_contiguous()) || autograd::needs_grad(&[self]) {
+            return self.to(device);
+        }
+        let out = crate::cuda::CudaStorage::alloc(ordinal, self.dtype(), self.numel())?;
+        self.enqueue_host_copy(&out, 0)?;
+        Ok(Tensor::from_storage(Storage::Cuda(out), self.shape().clone()))
+    }
+
+    /// Copies `src` into `self` as [`Tensor::copy_`] does, asynchronously when `src` is pinned
+    /// host memory and `self` a contiguous GPU tensor of the same dtype and shape
+    /// (`dst.copy_(src, non_blocking=True)`).
+    pub fn copy_non_blocking_(&self, src: &Tensor) -> Result<Tensor> {
+        let direct = src.is_pinned()
+            && src.is_contiguous()
+            && self.is_contiguous()
+            && self.dtype() == src.dtype()
+            && self.shape() == src.shape()
+            && matches!(self.device(), Device::Cuda(_))
+            && !autograd::needs_grad(&[self, src]);
+        if !direct {
+            return self.copy_(src);
+        }
+        let dst = self.storage().write();
+        let Storage::Cuda(d) = &*dst else {
+            unreachable!("checked to be a CUDA tensor above")
+        };
+        src.enqueue_host_copy(d, self.storage_offset())?;
+        Ok(self.clone())
+    }
+
+    /// Enqueues the copy of this pinned, contiguous host tensor into `dst` at `offset` and keeps
+    /// the source alive until it has finished.
+    fn enqueue_host_copy(&self, dst: &crate::cuda::CudaStorage, offset: usize) -> Result<()> {
+        {
+            let guard = self.storage().read();
+            let Storage::Cpu(cpu) = &*guard else {
+                unreachable!("pinned tensors live on the CPU")
+            };
+            let size = self.dtype().size_in_bytes();
+            let start = self.storage_offset() * size;
+            let bytes = &crate::cuda::host_bytes(cpu)[start..start + self.numel() * size];
+            dst.copy_from_host_async(offset, bytes)?;
+        }
+        let stream = crate::cuda::current_stream(dst.ordinal())?;
+        crate::cuda::keep_alive_until_done(&stream, self.storage().clone())
     }
 
     /// A row-major copy, or `self` when already contiguous.

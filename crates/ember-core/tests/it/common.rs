@@ -37,7 +37,10 @@ pub fn cpu_vs_cuda(what: &str, rtol: f64, atol: f64, f: impl Fn(Device) -> Resul
     let (a, e) = (actual.to_vec_f64().unwrap(), expected.to_vec_f64().unwrap());
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         let ok = (x - y).abs() <= atol + rtol * y.abs() || (x.is_nan() && y.is_nan()) || x == y;
-        assert!(ok, "{what}: element {i}: cuda {x}, cpu {y} (rtol {rtol}, atol {atol})");
+        assert!(
+            ok,
+            "{what}: element {i}: cuda {x}, cpu {y} (rtol {rtol}, atol {atol})"
+        );
     }
 }
 

@@ -66,3 +66,30 @@ fn devices_and_properties() {
     );
     println!("driver {v}, archs {archs:?}, libraries {libs:?}");
 }
+
+/// Every kernel source compiles with NVRTC for the architectures ember targets. Needs only
+/// libnvrtc (no GPU): CI installs it (`pip install nvidia-cuda-nvrtc`) and runs this test.
+#[test]
+#[ignore = "needs libnvrtc.so.13 (CI and GPU machines have it)"]
+fn every_kernel_source_compiles_with_nvrtc() {
+    let (major, minor) = cuda::nvrtc_version().expect("libnvrtc.so.13 must be loadable for this test");
+    for arch in ["sm_80", "sm_90"] {
+        let compiled = cuda::compile_all_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(compiled.len(), cuda::Module::ALL.len());
+        for (name, bytes) in compiled {
+            assert!(bytes > 1000, "{name}.cu for {arch}: cubin of {bytes} bytes");
+            println!("nvrtc {major}.{minor} {arch}: {name}.cu -> {bytes} bytes");
+        }
+    }
+    // A syntax error is reported with NVRTC's log, not a panic.
+    let err = cuda::nvrtc_compile(
+        "broken",
+        "extern \"C\" __global__ void k() { int x = ; }",
+        "sm_90",
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::Cuda { .. }) && err.to_string().contains("broken.cu"),
+        "{err}"
+    );
+}

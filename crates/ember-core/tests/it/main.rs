@@ -6,6 +6,8 @@ mod autograd;
 mod binary;
 mod conformance;
 mod cuda;
+mod cuda_elementwise;
+mod cuda_memory;
 mod display;
 mod errors;
 mod index;

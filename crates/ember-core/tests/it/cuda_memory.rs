@@ -1,0 +1,230 @@
+//! The caching allocator, pinned memory, streams and events on a real GPU.
+//!
+//! Exact memory statistics need a process of their own (other tests allocate concurrently),
+//! so `allocator_statistics_in_a_fresh_process` runs its body in a child process: the test
+//! binary re-runs itself filtered to this one test with `EMBER_MEMORY_CHILD=1`.
+
+use crate::common::gpu;
+use ember_core::cuda::{self, Event, Stream};
+use ember_core::{DType, Device, Error, Tensor};
+
+const MIB: usize = 1 << 20;
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn allocator_statistics_in_a_fresh_process() {
+    gpu();
+    if std::env::var_os("EMBER_MEMORY_CHILD").is_some() {
+        allocator_statistics_body();
+        println!("EMBER_MEMORY_CHILD_PASSED");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "cuda_memory::allocator_statistics_in_a_fresh_process",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("EMBER_MEMORY_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("EMBER_MEMORY_CHILD_PASSED"),
+        "child failed:\n{stdout}\n{stderr}"
+    );
+}
+
+fn allocator_statistics_body() {
+    let dev = 0;
+    assert_eq!(cuda::memory_allocated(dev), 0);
+    // 256 f32 = 1 KiB: one block of a 2 MiB small-pool segment.
+    let a = Tensor::zeros([256], DType::F32, Device::Cuda(dev)).unwrap();
+    assert_eq!(cuda::memory_allocated(dev), 1024);
+    assert_eq!(cuda::memory_reserved(dev), 2 * MIB);
+    // 4 MiB: a large-pool request below 10 MiB gets a 20 MiB segment.
+    let b = Tensor::zeros([MIB], DType::F32, Device::Cuda(dev)).unwrap();
+    assert_eq!(cuda::memory_allocated(dev), 1024 + 4 * MIB);
+    assert_eq!(cuda::memory_reserved(dev), 22 * MIB);
+    drop(b);
+    assert_eq!(cuda::memory_allocated(dev), 1024);
+    assert_eq!(cuda::memory_reserved(dev), 22 * MIB, "freed blocks stay cached");
+    assert_eq!(cuda::max_memory_allocated(dev), 1024 + 4 * MIB);
+    // Reuse: the same request gets the cached block, no new segment.
+    let before = cuda::memory_stats(dev)["num_device_alloc"];
+    let b2 = Tensor::zeros([MIB], DType::F32, Device::Cuda(dev)).unwrap();
+    assert_eq!(cuda::memory_stats(dev)["num_device_alloc"], before);
+    drop(b2);
+    cuda::empty_cache();
+    assert_eq!(
+        cuda::memory_reserved(dev),
+        2 * MIB,
+        "empty_cache releases the free large segment"
+    );
+    cuda::reset_peak_memory_stats(dev);
+    assert_eq!(cuda::max_memory_allocated(dev), 1024);
+    let stats = cuda::memory_stats(dev);
+    assert_eq!(stats["allocated_bytes.all.current"], 1024);
+    assert_eq!(stats["allocation.small_pool.current"], 1);
+    assert_eq!(stats["segment.large_pool.current"], 0);
+    assert!(stats.len() >= 113, "{} keys", stats.len());
+    let summary = cuda::memory_summary(dev);
+    assert!(
+        summary.contains("Allocated memory") && summary.contains("GPU reserved memory"),
+        "{summary}"
+    );
+
+    // Out of memory is an error, and the process goes on.
+    let (free, total) = cuda::mem_get_info(dev).unwrap();
+    assert!(free <= total && total > 0);
+    let too_big = total / 4 * 2; // twice the device's memory in f32 elements
+    let err = Tensor::zeros([too_big], DType::F32, Device::Cuda(dev)).unwrap_err();
+    match &err {
+        Error::OutOfMemory {
+            requested, total: t, ..
+        } => {
+            assert!(*requested >= too_big * 4);
+            assert_eq!(*t, total);
+        }
+        other => panic!("expected OutOfMemory, got {other}"),
+    }
+    assert!(
+        err.to_string().contains("out of memory") && err.to_string().contains("empty_cache"),
+        "{err}"
+    );
+    assert_eq!(cuda::memory_stats(dev)["num_ooms"], 1);
+    // The PyTorch pattern: hold a big cached block, then a request that only fits once the
+    // cache is released succeeds through the allocator's retry.
+    let (free, _) = cuda::mem_get_info(dev).unwrap();
+    let big = (free as f64 * 0.45) as usize / 4;
+    drop(Tensor::zeros([big], DType::F32, Device::Cuda(dev)).unwrap());
+    let bigger = (free as f64 * 0.7) as usize / 4;
+    let t = Tensor::zeros([bigger], DType::F32, Device::Cuda(dev)).unwrap();
+    assert!(cuda::memory_stats(dev)["num_alloc_retries"] >= 1);
+    drop(t);
+    cuda::empty_cache();
+    assert_eq!(cuda::memory_reserved(dev), 2 * MIB);
+
+    // Raw allocations.
+    let p = cuda::caching_allocator_alloc(dev, 3000).unwrap();
+    assert_eq!(cuda::memory_allocated(dev), 1024 + 3072);
+    cuda::caching_allocator_delete(dev, p).unwrap();
+    assert!(cuda::caching_allocator_delete(dev, p).is_err());
+    assert_eq!(cuda::memory_allocated(dev), 1024);
+
+    // History and snapshot.
+    cuda::record_memory_history(dev, true, 100).unwrap();
+    let c = Tensor::ones([1000], DType::F32, Device::Cuda(dev)).unwrap();
+    drop(c);
+    let snap = cuda::memory_snapshot(dev).unwrap();
+    assert!(
+        snap.contains("\"segments\"") && snap.contains("\"alloc\""),
+        "{snap}"
+    );
+    drop(a);
+    assert_eq!(cuda::memory_allocated(dev), 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pinned_memory_and_non_blocking_copies() {
+    let gpu = gpu();
+    let host = Tensor::arange(0.0, 1_000_003.0, 1.0, DType::F32, Device::Cpu).unwrap();
+    assert!(!host.is_pinned());
+    let pinned = host.pin_memory().unwrap();
+    assert!(pinned.is_pinned());
+    assert_eq!(pinned.to_vec::<f32>().unwrap(), host.to_vec::<f32>().unwrap());
+    let d = pinned.to_non_blocking(gpu).unwrap();
+    drop(pinned); // the copy keeps its source alive
+    assert_eq!(d.to_vec::<f32>().unwrap(), host.to_vec::<f32>().unwrap());
+    let dst = Tensor::zeros([1_000_003], DType::F32, gpu).unwrap();
+    dst.copy_non_blocking_(&host.mul_scalar(2.0).unwrap().pin_memory().unwrap())
+        .unwrap();
+    cuda::synchronize(0).unwrap();
+    assert_eq!(
+        dst.to_vec::<f32>().unwrap(),
+        host.mul_scalar(2.0).unwrap().to_vec::<f32>().unwrap()
+    );
+    assert!(Tensor::ones([2], DType::F32, gpu).unwrap().pin_memory().is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn streams_guards_and_wait_stream() {
+    let gpu = gpu();
+    let s = Stream::new(0).unwrap();
+    assert_ne!(s.as_raw(), 0);
+    assert_eq!(cuda::current_stream(0).unwrap(), cuda::default_stream(0).unwrap());
+    let x = Tensor::ones([1 << 22], DType::F32, gpu).unwrap();
+    cuda::synchronize(0).unwrap();
+    let y = {
+        let _guard = cuda::stream(&s);
+        assert_eq!(cuda::current_stream(0).unwrap(), s);
+        let mut y = x.clone();
+        for _ in 0..20 {
+            y = y.add(&x).unwrap();
+        }
+        y
+    };
+    assert_eq!(cuda::current_stream(0).unwrap(), cuda::default_stream(0).unwrap());
+    let main = cuda::current_stream(0).unwrap();
+    main.wait_stream(&s).unwrap();
+    let z = y.mul_scalar(0.5).unwrap();
+    assert!(z.to_vec::<f32>().unwrap().iter().all(|&v| v == 10.5));
+    s.synchronize().unwrap();
+    assert!(s.query().unwrap());
+    let high = Stream::with_priority(0, -1).unwrap();
+    assert!(high.priority() <= 0);
+    assert!(Stream::new(cuda::device_count()).is_err());
+    // A guard restores the previous stream even if nested.
+    {
+        let _a = cuda::stream(&s);
+        {
+            let _b = cuda::stream(&high);
+            assert_eq!(cuda::current_stream(0).unwrap(), high);
+        }
+        assert_eq!(cuda::current_stream(0).unwrap(), s);
+    }
+    // Cross-stream use with record_stream keeps results right.
+    let t = Tensor::ones([1 << 20], DType::F32, gpu).unwrap();
+    {
+        let _g = cuda::stream(&s);
+        s.wait_stream(&main).unwrap();
+        let u = t.add_scalar(1.0).unwrap();
+        assert_eq!(u.to_vec::<f32>().unwrap()[0], 2.0);
+    }
+    let dev = cuda::current_device();
+    assert_eq!(dev, 0);
+    let _g = cuda::DeviceGuard::new(0).unwrap();
+    assert!(cuda::DeviceGuard::new(cuda::device_count()).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn events_record_query_and_time() {
+    let gpu = gpu();
+    let start = Event::new(true);
+    let end = Event::new(true);
+    assert!(end.query().unwrap(), "an event never recorded counts as done");
+    assert!(start.elapsed_time(&end).is_err());
+    start.record().unwrap();
+    let x = Tensor::ones([1 << 24], DType::F32, gpu).unwrap();
+    let mut y = x.clone();
+    for _ in 0..10 {
+        y = y.add(&x).unwrap();
+    }
+    end.record().unwrap();
+    end.synchronize().unwrap();
+    assert!(end.query().unwrap());
+    let ms = start.elapsed_time(&end).unwrap();
+    assert!(ms > 0.0 && ms < 10_000.0, "{ms} ms");
+    let untimed = Event::new(false);
+    untimed.record().unwrap();
+    assert!(untimed.elapsed_time(&end).is_err());
+    let s = Stream::new(0).unwrap();
+    s.wait_event(&end).unwrap();
+    s.synchronize().unwrap();
+}

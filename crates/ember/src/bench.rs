@@ -1,0 +1,196 @@
+//! `ember bench`: the shared benchmark workloads (`shared/bench/WORKLOADS.md`) as JSON lines,
+//! timed by the same rule as PyTorch's reference script so the two compare line by line.
+
+use ember::{cuda, DType, Device, Result, Tensor};
+use serde_json::{json, Map, Value};
+use std::time::Instant;
+
+/// Every workload, in the reference script's order; those not built yet report an error line.
+pub const WORKLOADS: [&str; 14] = [
+    "mlp_small",
+    "mlp_large",
+    "cnn",
+    "lstm",
+    "mlp_large_amp_bf16",
+    "mlp_large_amp_fp16",
+    "mlp_small_graph",
+    "gpt2_124m_bf16",
+    "matmul_bf16_8192",
+    "add_f32_256M",
+    "h2d_pinned_1GiB",
+    "op_overhead_add",
+    "mlp_large_tf32",
+    "gpt2_124m_bf16_compiled",
+];
+
+/// Workloads run only when named (reference points, not workloads to match).
+const REFERENCE_ONLY: [&str; 2] = ["mlp_large_tf32", "gpt2_124m_bf16_compiled"];
+
+/// Timing figures of one workload: median, min and max ms per step, and peak MiB on a GPU.
+struct Timing {
+    median: f64,
+    min: f64,
+    max: f64,
+    peak_mb: Option<f64>,
+}
+
+fn sync(device: Device) -> Result<()> {
+    if let Device::Cuda(i) = device {
+        cuda::synchronize(i)?;
+    }
+    Ok(())
+}
+
+/// The reference's `time_steps`: warm up, synchronize, reset the peak, then the median over
+/// `repeats` of the mean time of `steps` consecutive calls.
+fn time_steps(
+    device: Device,
+    warmup: usize,
+    steps: usize,
+    repeats: usize,
+    mut step: impl FnMut() -> Result<()>,
+) -> Result<Timing> {
+    for _ in 0..warmup {
+        step()?;
+    }
+    sync(device)?;
+    if let Device::Cuda(i) = device {
+        cuda::reset_peak_memory_stats(i);
+    }
+    let mut samples = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        sync(device)?;
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            step()?;
+        }
+        sync(device)?;
+        samples.push(t0.elapsed().as_secs_f64() * 1000.0 / steps as f64);
+    }
+    let mut sorted = samples.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = if sorted.len() % 2 == 1 {
+        sorted[sorted.len() / 2]
+    } else {
+        (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
+    };
+    let peak_mb = match device {
+        Device::Cuda(i) => Some(cuda::max_memory_allocated(i) as f64 / (1u64 << 20) as f64),
+        Device::Cpu => None,
+    };
+    Ok(Timing {
+        median,
+        min: sorted[0],
+        max: sorted[sorted.len() - 1],
+        peak_mb,
+    })
+}
+
+fn row(name: &str, t: &Timing, per: f64, extra: Value) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("workload".into(), json!(name));
+    m.insert("ms_per_step".into(), json!(t.median / per));
+    m.insert("ms_min".into(), json!(t.min / per));
+    m.insert("ms_max".into(), json!(t.max / per));
+    m.insert("peak_mem_mb".into(), json!(t.peak_mb));
+    if let Value::Object(extra) = extra {
+        m.extend(extra);
+    }
+    m
+}
+
+fn matmul_bf16(device: Device) -> Result<Map<String, Value>> {
+    let n = 8192usize;
+    let a = Tensor::randn([n, n], DType::BF16, device)?;
+    let b = Tensor::randn([n, n], DType::BF16, device)?;
+    let t = time_steps(device, 5, 20, 5, || a.matmul(&b).map(drop))?;
+    let tflops = 2.0 * (n as f64).powi(3) / (t.median * 1e-3) / 1e12;
+    Ok(row("matmul_bf16_8192", &t, 1.0, json!({ "tflops": tflops })))
+}
+
+fn add_f32(device: Device) -> Result<Map<String, Value>> {
+    let n = 1usize << 28;
+    let a = Tensor::randn([n], DType::F32, device)?;
+    let b = Tensor::randn([n], DType::F32, device)?;
+    let out = Tensor::empty([n], DType::F32, device)?;
+    let t = time_steps(device, 5, 20, 5, || a.add_out(&b, &out).map(drop))?;
+    let gbs = 12.0 * n as f64 / (t.median * 1e-3) / 1e9;
+    Ok(row("add_f32_256M", &t, 1.0, json!({ "gb_per_s": gbs })))
+}
+
+fn small_adds(device: Device) -> Result<Map<String, Value>> {
+    let (n, ops) = (1000usize, 10_000usize);
+    let a = Tensor::randn([n], DType::F32, device)?;
+    let b = Tensor::randn([n], DType::F32, device)?;
+    let t = time_steps(device, 2, 1, 5, || {
+        for _ in 0..ops {
+            a.add(&b)?;
+        }
+        Ok(())
+    })?;
+    let us = t.median * 1000.0 / ops as f64;
+    Ok(row("op_overhead_add", &t, ops as f64, json!({ "us_per_op": us })))
+}
+
+fn h2d_pinned(device: Device) -> Result<Map<String, Value>> {
+    let n = 1usize << 28;
+    let host = Tensor::randn([n], DType::F32, Device::Cpu)?.pin_memory()?;
+    let dev = Tensor::empty([n], DType::F32, device)?;
+    let t = time_steps(device, 3, 10, 5, || dev.copy_non_blocking_(&host).map(drop))?;
+    let gbs = 4.0 * n as f64 / (t.median * 1e-3) / 1e9;
+    Ok(row("h2d_pinned_1GiB", &t, 1.0, json!({ "gb_per_s": gbs })))
+}
+
+fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
+    let gpu = matches!(device, Device::Cuda(_));
+    let outcome =
+        match name {
+            "matmul_bf16_8192" if gpu => matmul_bf16(device),
+            "add_f32_256M" if gpu => add_f32(device),
+            "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
+            "op_overhead_add" if gpu => small_adds(device),
+            "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
+                return Err("kernel workloads run on CUDA devices only".into())
+            }
+            _ if WORKLOADS.contains(&name) => return Err(
+                "not implemented yet: needs ember's nn/optim (issue 4) or mixed precision and CUDA graphs"
+                    .into(),
+            ),
+            _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
+        };
+    outcome.map_err(|e| e.to_string())
+}
+
+/// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each.
+pub fn bench(device: Device, only: &[String]) {
+    let names: Vec<&str> = if only.is_empty() {
+        WORKLOADS
+            .iter()
+            .copied()
+            .filter(|n| !REFERENCE_ONLY.contains(n))
+            .collect()
+    } else {
+        only.iter().map(String::as_str).collect()
+    };
+    let device_name = match device {
+        Device::Cuda(i) => cuda::get_device_name(i).unwrap_or_else(|_| "unknown".into()),
+        Device::Cpu => "cpu".into(),
+    };
+    for name in names {
+        eprintln!("ember bench: {name} on {device}");
+        let mut line = run(name, device).unwrap_or_else(|e| {
+            let mut m = Map::new();
+            m.insert("workload".into(), json!(name));
+            m.insert("error".into(), json!(e));
+            m
+        });
+        line.insert("framework".into(), json!("ember"));
+        line.insert("version".into(), json!(ember::VERSION));
+        line.insert(
+            "device".into(),
+            json!(if device == Device::Cpu { "cpu" } else { "cuda" }),
+        );
+        line.insert("device_name".into(), json!(device_name));
+        println!("{}", Value::Object(line));
+    }
+}
