@@ -17,7 +17,9 @@ mod libraries;
 mod memory;
 mod nvrtc;
 mod pending;
+mod reduce;
 mod runtime;
+mod softmax;
 mod storage;
 mod stream;
 

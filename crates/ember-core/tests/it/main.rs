@@ -6,6 +6,7 @@ mod autograd;
 mod binary;
 mod conformance;
 mod cuda;
+mod cuda_reduce;
 mod display;
 mod errors;
 mod index;
