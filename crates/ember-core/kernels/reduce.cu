@@ -1,1 +1,420 @@
-// ember reduce kernels: written next.
+// Reductions over a set of dims of any strided input: sum, prod, mean, max/min (and the
+// ±inf norms), argmax/argmin (with values for torch.max(x, dim)), logsumexp, var/std and
+// vector norms. Semantics are the CPU backend's (`cpu/reduce.rs`): f16/bf16 compute in f32,
+// f32 in f32, f64 in f64; integer and bool sums/products in wrapping i64; NaN propagates
+// through max/min; argmax/argmin take the first occurrence, a NaN counting as the extreme.
+//
+// Geometry: the host splits the input's dims into kept dims (`outer`, M outputs, row-major
+// over the kept dims) and reduced dims (`inner`, K elements per output, row-major over the
+// reduced dims in their order; that linear index is what argmax returns). Each is a merged
+// `Strided` whose stride[0] are the input's strides. The block is (bx, by) threads:
+//   row mode (`row` = 1): by outputs per block, bx lanes (x) share one output (reduced dims
+//       contiguous, K large: lanes read consecutive elements);
+//   col mode (`row` = 0): bx outputs per block, by lanes (y) share one output (outputs
+//       adjacent in memory, e.g. a sum over dim 0: neighbouring threads read neighbouring
+//       outputs; by = 1 is a thread per output).
+// The lane count is a power of two. blockIdx.x strides over groups of outputs, blockIdx.y
+// picks a chunk of `chunk` elements of K: with gridDim.y > 1 each block writes its partial
+// state to `partial[o * gridDim.y + blockIdx.y]` and a second launch (`*_final_*`) combines
+// the partials of each output in a fixed order (deterministic, no atomics).
+// Dynamic shared memory: bx * by * sizeof(State) bytes (State <= 32 bytes).
+//
+// Launch contract (T is the input dtype; Out is T, or i64 for integer sums/products; State
+// is the op's accumulator; variant/param as below):
+//   reduce_<op>_T(const T* x, Strided outer, Strided inner, i64 m, i64 k, i64 chunk, i32 row,
+//                 i32 variant, double param, Out* out, i64* idx, State* partial)
+//       partial == 0: writes the final result (out[o], and idx[o] for arg ops); else only
+//       partials. out / idx may be 0 for arg ops (values or indices not wanted).
+//   reduce_<op>_final_T(const State* partial, i64 m, i64 splits, i32 variant, double param,
+//                       Out* out, i64* idx)   row mode, by = 1, grid.y = 1.
+// Ops and dtypes:
+//   sum  (all dtypes)  float variant: 0 sum, 1 mean (param = K), 2 L2 norm, 3 L1 norm,
+//                      4 L0 norm (count of nonzeros), 5 Lp norm (param = p); ints: sum
+//   prod (all dtypes)
+//   minmax (all)       variant: 0 max, 1 min, 2 max |x| (inf norm), 3 min |x| (-inf norm)
+//   arg  (all)         variant: 0 max, 1 min; Out = T values and i64 indices
+//   lse  (floats)      log Σ exp(x), shifted by the running max
+//   var  (floats)      Welford/Chan; variant 0 var, 1 std; param = correction
+
+template <typename T> struct IsFloat { static const bool value = false; };
+template <> struct IsFloat<float> { static const bool value = true; };
+template <> struct IsFloat<double> { static const bool value = true; };
+template <> struct IsFloat<f16> { static const bool value = true; };
+template <> struct IsFloat<bf16> { static const bool value = true; };
+
+__device__ __forceinline__ float inf_of(float) { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ double inf_of(double) { return __longlong_as_double(0x7ff0000000000000ll); }
+
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double m_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+template <typename A> __device__ __forceinline__ A m_abs(A x) { return x; }  // never used on ints
+
+// Identities of max and min in the arithmetic type of T.
+template <typename T> struct Limits;
+template <> struct Limits<float> {
+    __device__ static float lowest() { return -inf_of(0.0f); }
+    __device__ static float highest() { return inf_of(0.0f); }
+};
+template <> struct Limits<double> {
+    __device__ static double lowest() { return -inf_of(0.0); }
+    __device__ static double highest() { return inf_of(0.0); }
+};
+template <> struct Limits<f16> : Limits<float> {};
+template <> struct Limits<bf16> : Limits<float> {};
+template <> struct Limits<i64> {
+    __device__ static i64 lowest() { return (i64)0x8000000000000000ull; }
+    __device__ static i64 highest() { return (i64)0x7fffffffffffffffull; }
+};
+template <> struct Limits<i32> {
+    __device__ static i32 lowest() { return (i32)0x80000000u; }
+    __device__ static i32 highest() { return 0x7fffffff; }
+};
+template <> struct Limits<u8> {
+    __device__ static u8 lowest() { return 0; }
+    __device__ static u8 highest() { return 255; }
+};
+template <> struct Limits<bool> {
+    __device__ static bool lowest() { return false; }
+    __device__ static bool highest() { return true; }
+};
+
+// `b` replaces `a` as the running max (min): strictly larger (smaller), or a NaN over a number.
+template <typename A> __device__ __forceinline__ bool better(A b, A a, bool max) {
+    return (max ? b > a : b < a) || (b != b && a == a);
+}
+
+// Wrapping i64 arithmetic (signed overflow is undefined in C++, unsigned wraps).
+__device__ __forceinline__ i64 wrap_add(i64 a, i64 b) { return (i64)((u64)a + (u64)b); }
+__device__ __forceinline__ i64 wrap_mul(i64 a, i64 b) { return (i64)((u64)a * (u64)b); }
+
+// ---- ops: init(), add(state, element, index), merge(state, state), store(state, out, idx, o)
+
+template <typename T> struct FloatSumOp {
+    typedef typename Acc<T>::type A;
+    typedef A State;
+    typedef T Out;
+    int variant;
+    double param;
+    __device__ State init() const { return (A)0; }
+    __device__ __forceinline__ void add(State& s, T xs, i64) const {
+        A x = load(xs);
+        switch (variant) {
+            case 2: s += x * x; break;
+            case 3: s += m_abs(x); break;
+            case 4: s += x != (A)0 ? (A)1 : (A)0; break;
+            case 5: s += m_pow(m_abs(x), (A)param); break;
+            default: s += x;
+        }
+    }
+    __device__ __forceinline__ void merge(State& s, State o) const { s += o; }
+    __device__ void store(State s, Out* out, i64*, i64 o) const {
+        A r = s;
+        if (variant == 1) r = s / (A)param;
+        else if (variant == 2) r = m_sqrt(s);
+        else if (variant == 5) r = m_pow(s, (A)(1.0 / param));
+        out[o] = cast<T>(r);
+    }
+};
+
+template <typename T> struct FloatProdOp {
+    typedef typename Acc<T>::type A;
+    typedef A State;
+    typedef T Out;
+    int variant;
+    double param;
+    __device__ State init() const { return (A)1; }
+    __device__ __forceinline__ void add(State& s, T x, i64) const { s *= load(x); }
+    __device__ __forceinline__ void merge(State& s, State o) const { s *= o; }
+    __device__ void store(State s, Out* out, i64*, i64 o) const { out[o] = cast<T>(s); }
+};
+
+// Integer and bool sum (PROD = false) or product in wrapping i64.
+template <typename T, bool PROD> struct IntFoldOp {
+    typedef i64 State;
+    typedef i64 Out;
+    int variant;
+    double param;
+    __device__ State init() const { return PROD ? 1 : 0; }
+    __device__ __forceinline__ void add(State& s, T x, i64) const { merge(s, (i64)x); }
+    __device__ __forceinline__ void merge(State& s, State o) const { s = PROD ? wrap_mul(s, o) : wrap_add(s, o); }
+    __device__ void store(State s, Out* out, i64*, i64 o) const { out[o] = s; }
+};
+
+template <typename T> struct MinMaxOp {
+    typedef typename Acc<T>::type A;
+    typedef A State;
+    typedef T Out;
+    int variant;  // 0 max, 1 min, 2 max |x|, 3 min |x|
+    double param;
+    __device__ State init() const { return (variant & 1) ? Limits<T>::highest() : Limits<T>::lowest(); }
+    __device__ __forceinline__ void add(State& s, T xs, i64) const {
+        A x = load(xs);
+        if (variant >= 2) x = m_abs(x);
+        merge(s, x);
+    }
+    __device__ __forceinline__ void merge(State& s, State o) const {
+        if (better(o, s, (variant & 1) == 0)) s = o;
+    }
+    __device__ void store(State s, Out* out, i64*, i64 o) const { out[o] = cast<T>(s); }
+};
+
+template <typename A> struct ArgState {
+    A v;
+    i64 i;
+};
+
+template <typename T> struct ArgOp {
+    typedef typename Acc<T>::type A;
+    typedef ArgState<A> State;
+    typedef T Out;
+    int variant;  // 0 max, 1 min
+    double param;
+    __device__ State init() const {
+        State s;
+        s.v = variant ? Limits<T>::highest() : Limits<T>::lowest();
+        s.i = Limits<i64>::highest();  // "no element yet": loses every tie
+        return s;
+    }
+    __device__ __forceinline__ void add(State& s, T x, i64 j) const {
+        State e;
+        e.v = load(x);
+        e.i = j;
+        merge(s, e);
+    }
+    // Better value wins; equal values (or two NaNs) keep the lower index.
+    __device__ __forceinline__ void merge(State& s, State o) const {
+        bool max = variant == 0;
+        if (better(o.v, s.v, max) || (!better(s.v, o.v, max) && o.i < s.i)) s = o;
+    }
+    __device__ void store(State s, Out* out, i64* idx, i64 o) const {
+        if (out) out[o] = cast<T>(s.v);
+        if (idx) idx[o] = s.i;
+    }
+};
+
+template <typename A> struct LseState {
+    A m;  // running max (NaN once a NaN was seen)
+    A s;  // Σ exp(x - m)
+};
+
+template <typename T> struct LseOp {
+    typedef typename Acc<T>::type A;
+    typedef LseState<A> State;
+    typedef T Out;
+    int variant;
+    double param;
+    __device__ State init() const {
+        State s;
+        s.m = -inf_of((A)0);
+        s.s = (A)0;
+        return s;
+    }
+    __device__ __forceinline__ void add(State& s, T xs, i64) const {
+        State e;
+        e.m = load(xs);
+        e.s = (A)1;
+        merge(s, e);
+    }
+    __device__ __forceinline__ void merge(State& a, State b) const {
+        if (b.m != b.m) {  // NaN propagates
+            a.m = b.m;
+            return;
+        }
+        if (a.m != a.m || b.m == -inf_of((A)0)) return;  // nothing to add
+        if (a.m == -inf_of((A)0)) {
+            a = b;
+            return;
+        }
+        if (b.m > a.m) {
+            a.s = a.s * m_exp(a.m - b.m) + b.s;
+            a.m = b.m;
+        } else {
+            a.s += b.s * m_exp(b.m - a.m);  // NaN when both are +inf; the result is m then
+        }
+    }
+    __device__ void store(State s, Out* out, i64*, i64 o) const {
+        A m = s.m;
+        bool special = m != m || m == inf_of((A)0) || m == -inf_of((A)0);
+        out[o] = cast<T>(special ? m : m + m_log(s.s));
+    }
+};
+
+template <typename A> struct VarState {
+    A mean;
+    A m2;  // Σ (x - mean)^2
+    i64 n;
+};
+
+template <typename T> struct VarOp {
+    typedef typename Acc<T>::type A;
+    typedef VarState<A> State;
+    typedef T Out;
+    int variant;  // 0 var, 1 std
+    double param;  // correction
+    __device__ State init() const {
+        State s;
+        s.mean = (A)0;
+        s.m2 = (A)0;
+        s.n = 0;
+        return s;
+    }
+    __device__ __forceinline__ void add(State& s, T xs, i64) const {
+        A x = load(xs);
+        s.n += 1;
+        A d = x - s.mean;
+        s.mean += d / (A)s.n;
+        s.m2 += d * (x - s.mean);
+    }
+    __device__ __forceinline__ void merge(State& a, State b) const {
+        if (b.n == 0) return;
+        if (a.n == 0) {
+            a = b;
+            return;
+        }
+        i64 n = a.n + b.n;
+        A d = b.mean - a.mean;
+        A fb = (A)b.n / (A)n;
+        a.mean += d * fb;
+        a.m2 += b.m2 + d * d * ((A)a.n * fb);
+        a.n = n;
+    }
+    __device__ void store(State s, Out* out, i64*, i64 o) const {
+        double denom = (double)s.n - param;
+        A v = s.m2 / (A)(denom > 0.0 ? denom : 0.0);
+        out[o] = cast<T>(variant ? m_sqrt(v) : v);
+    }
+};
+
+// ---- the generic kernel body
+
+// Element offset of linear index `i` of `s` (operand 0), with the common 0/1-dim cases cheap.
+__device__ __forceinline__ i64 offset_of(const Strided& s, i64 i) {
+    if (s.ndim == 0) return 0;
+    if (s.ndim == 1) return i * s.stride[0][0];
+    return strided_offset(s, 0, i);
+}
+
+// Reads input elements (first pass).
+template <typename T> struct InputSrc {
+    const T* x;
+    template <typename Op>
+    __device__ __forceinline__ void apply(const Op& op, typename Op::State& s, i64 off, i64 j) const {
+        op.add(s, x[off], j);
+    }
+};
+
+// Reads partial states (second pass).
+template <typename S> struct PartialSrc {
+    const S* p;
+    template <typename Op>
+    __device__ __forceinline__ void apply(const Op& op, typename Op::State& s, i64 off, i64) const {
+        op.merge(s, p[off]);
+    }
+};
+
+extern __shared__ __align__(16) unsigned char reduce_smem[];
+
+template <typename Op, typename Src>
+__device__ __forceinline__ void reduce_body(const Op& op, const Src& src, const Strided& outer, const Strided& inner,
+                                            i64 m, i64 k, i64 chunk, int row, typename Op::Out* out, i64* idx,
+                                            typename Op::State* partial) {
+    typedef typename Op::State State;
+    static_assert(sizeof(State) <= 32, "the host sizes partial buffers for 32-byte states");
+    State* sm = (State*)reduce_smem;
+    const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x;
+    const int lane = row ? tx : ty, lanes = row ? blockDim.x : blockDim.y;
+    const int slot = row ? ty : tx, slots = row ? blockDim.y : blockDim.x;
+    const int me = ty * bx + tx;
+    const int step = row ? 1 : bx;  // distance in `sm` between neighbouring lanes
+    const i64 j0 = (i64)blockIdx.y * chunk;
+    const i64 j1 = j0 + chunk < k ? j0 + chunk : k;
+    const i64 groups = (m + slots - 1) / slots;
+    for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+        const i64 o = g * slots + slot;
+        State s = op.init();
+        if (o < m) {
+            const i64 base = offset_of(outer, o);
+            if (inner.ndim <= 1) {
+                const i64 st = inner.ndim == 1 ? inner.stride[0][0] : 0;
+#pragma unroll 4
+                for (i64 j = j0 + lane; j < j1; j += lanes) src.apply(op, s, base + j * st, j);
+            } else {
+                for (i64 j = j0 + lane; j < j1; j += lanes) src.apply(op, s, base + strided_offset(inner, 0, j), j);
+            }
+        }
+        // Tree over the lanes of each output; lower lanes (lower indices) stay on the left.
+        sm[me] = s;
+        __syncthreads();
+        for (int h = lanes >> 1; h > 0; h >>= 1) {
+            if (lane < h) {
+                op.merge(s, sm[me + h * step]);
+                sm[me] = s;
+            }
+            __syncthreads();
+        }
+        if (lane == 0 && o < m) {
+            if (partial) partial[o * gridDim.y + blockIdx.y] = s;
+            else op.store(s, out, idx, o);
+        }
+    }
+}
+
+#define EMBER_REDUCE(opname, OP, T, name)                                                                        \
+    extern "C" __global__ void reduce_##opname##_##name(const T* x, Strided outer, Strided inner, i64 m, i64 k,     \
+                                                        i64 chunk, i32 row, i32 variant, double param,                \
+                                                        OP::Out* out, i64* idx, OP::State* partial) {              \
+        OP op;                                                                                                     \
+        op.variant = variant;                                                                                      \
+        op.param = param;                                                                                          \
+        InputSrc<T> src;                                                                                           \
+        src.x = x;                                                                                                 \
+        reduce_body(op, src, outer, inner, m, k, chunk, row, out, idx, partial);                                   \
+    }                                                                                                              \
+    extern "C" __global__ void reduce_##opname##_final_##name(const OP::State* partial, i64 m, i64 splits,         \
+                                                              i32 variant, double param, OP::Out* out, i64* idx) {    \
+        OP op;                                                                                                     \
+        op.variant = variant;                                                                                      \
+        op.param = param;                                                                                          \
+        PartialSrc<OP::State> src;                                                                                 \
+        src.p = partial;                                                                                           \
+        Strided outer, inner;                                                                                      \
+        outer.ndim = 1;                                                                                            \
+        outer.size[0] = m;                                                                                         \
+        outer.stride[0][0] = splits;                                                                               \
+        inner.ndim = 1;                                                                                            \
+        inner.size[0] = splits;                                                                                    \
+        inner.stride[0][0] = 1;                                                                                    \
+        reduce_body(op, src, outer, inner, m, splits, splits, 1, out, idx, (OP::State*)0);                         \
+    }
+
+#define EMBER_REDUCE_FLOAT(T, name)                         \
+    EMBER_REDUCE(sum, FloatSumOp<T>, T, name)               \
+    EMBER_REDUCE(prod, FloatProdOp<T>, T, name)             \
+    EMBER_REDUCE(lse, LseOp<T>, T, name)                    \
+    EMBER_REDUCE(var, VarOp<T>, T, name)
+#define EMBER_REDUCE_ANY(T, name)                           \
+    EMBER_REDUCE(minmax, MinMaxOp<T>, T, name)              \
+    EMBER_REDUCE(arg, ArgOp<T>, T, name)
+
+// Template arguments with a comma cannot pass through a macro parameter: name them first.
+template <typename T> struct IntSum : IntFoldOp<T, false> {};
+template <typename T> struct IntProd : IntFoldOp<T, true> {};
+
+EMBER_FOR_FLOAT_DTYPES(EMBER_REDUCE_FLOAT)
+EMBER_FOR_ALL_DTYPES(EMBER_REDUCE_ANY)
+EMBER_REDUCE(sum, IntSum<i64>, i64, i64)
+EMBER_REDUCE(prod, IntProd<i64>, i64, i64)
+EMBER_REDUCE(sum, IntSum<i32>, i32, i32)
+EMBER_REDUCE(prod, IntProd<i32>, i32, i32)
+EMBER_REDUCE(sum, IntSum<u8>, u8, u8)
+EMBER_REDUCE(prod, IntProd<u8>, u8, u8)
+EMBER_REDUCE(sum, IntSum<bool>, bool, bool)
+EMBER_REDUCE(prod, IntProd<bool>, bool, bool)

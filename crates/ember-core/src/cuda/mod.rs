@@ -18,7 +18,9 @@ mod memory;
 mod nvrtc;
 mod pending;
 mod pinned;
+mod reduce;
 mod runtime;
+mod softmax;
 mod storage;
 mod stream;
 

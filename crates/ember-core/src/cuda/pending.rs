@@ -1,12 +1,10 @@
 //! TEMPORARY: CUDA arms of op families whose kernels are being written; each returns a typed
-//! error. Removed as each family lands (reduce/softmax, index/random, unary, matmul).
+//! error. Removed as each family lands (index/random, unary, matmul).
 #![allow(unused_variables)]
 
 use super::storage::CudaStorage;
 use crate::layout::Layout;
 use crate::ops::index::{IndexOp, ScatterOp};
-use crate::ops::reduce::ReduceOp;
-use crate::ops::softmax::SoftmaxOp;
 use crate::ops::unary::UnaryOp;
 use crate::random::dist::Distribution;
 use crate::random::RngState;
@@ -20,30 +18,6 @@ fn pending(op: &'static str) -> Error {
 }
 
 impl CudaStorage {
-    pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
-        Err(pending("reduce"))
-    }
-    pub(crate) fn reduce_with_indices(
-        &self,
-        layout: &Layout,
-        op: ReduceOp,
-        dims: &[usize],
-    ) -> Result<(CudaStorage, CudaStorage)> {
-        Err(pending("reduce"))
-    }
-    pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
-        Err(pending("softmax"))
-    }
-    pub(crate) fn softmax_backward(
-        &self,
-        yl: &Layout,
-        grad: &CudaStorage,
-        gl: &Layout,
-        op: SoftmaxOp,
-        dim: usize,
-    ) -> Result<CudaStorage> {
-        Err(pending("softmax"))
-    }
     pub(crate) fn index_read(
         &self,
         op: IndexOp,

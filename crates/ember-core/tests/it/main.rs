@@ -8,6 +8,7 @@ mod conformance;
 mod cuda;
 mod cuda_elementwise;
 mod cuda_memory;
+mod cuda_reduce;
 mod display;
 mod errors;
 mod index;

@@ -1,0 +1,316 @@
+//! CUDA launchers for `kernels/reduce.cu`: every [`ReduceOp`] over any set of dims of any
+//! strided layout, and max/min with the indices of their first occurrence. Semantics (dtypes,
+//! errors, NaN handling, ties, empty inputs) are the CPU backend's, `cpu/reduce.rs`.
+//!
+//! Note [CUDA reduction plans]: the input is seen as M outputs (the kept dims) each reducing K
+//! elements (the reduced dims), two merged `Strided` descriptors giving the offsets. When the
+//! reduced dims are contiguous and K is large, lanes along x share an output ("row" mode);
+//! otherwise, e.g. a sum over dim 0 where neighbouring outputs are neighbours in memory, each
+//! output is reduced by lanes along y and neighbouring threads take neighbouring outputs
+//! ("col" mode; with K <= 8 a thread per output). When there are too few output groups to
+//! fill the device (a full reduction), K is cut into chunks over `gridDim.y`, each block
+//! writes a partial state, and a second launch combines each output's partials in a fixed
+//! order: results are deterministic and no atomics are used.
+
+use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::runtime::DeviceRuntime;
+use super::storage::CudaStorage;
+use super::stream::current_raw;
+use crate::layout::Layout;
+use crate::ops::reduce::ReduceOp;
+use crate::{DType, Error, Result};
+
+/// Bytes of partial-state buffer per (output, chunk): every kernel's State fits (the kernels
+/// `static_assert` it).
+const STATE_BYTES: usize = 32;
+/// Threads per block of the first pass.
+const BLOCK: usize = 256;
+/// Elements each lane should reduce per chunk before K is split further (bounds the split).
+const MIN_PER_LANE: usize = 32;
+
+/// The kernel family, its `variant` and `param` arguments and the output dtype of `op` on `dtype`.
+struct Kernel {
+    base: &'static str,
+    final_base: &'static str,
+    variant: i32,
+    param: f64,
+    out_dtype: DType,
+}
+
+fn kernel_for(op: ReduceOp, dtype: DType, k: usize) -> Result<Kernel> {
+    let float = dtype.is_floating_point();
+    let sum_dtype = if float { dtype } else { DType::I64 };
+    let kernel = |base, final_base, variant, param, out_dtype| Kernel {
+        base,
+        final_base,
+        variant,
+        param,
+        out_dtype,
+    };
+    let sum = |variant, param| kernel("reduce_sum", "reduce_sum_final", variant, param, dtype);
+    let minmax = |variant| kernel("reduce_minmax", "reduce_minmax_final", variant, 0.0, dtype);
+    Ok(match op {
+        ReduceOp::Sum => kernel("reduce_sum", "reduce_sum_final", 0, 0.0, sum_dtype),
+        ReduceOp::Prod => kernel("reduce_prod", "reduce_prod_final", 0, 0.0, sum_dtype),
+        ReduceOp::Max => minmax(0),
+        ReduceOp::Min => minmax(1),
+        ReduceOp::ArgMax => kernel("reduce_arg", "reduce_arg_final", 0, 0.0, DType::I64),
+        ReduceOp::ArgMin => kernel("reduce_arg", "reduce_arg_final", 1, 0.0, DType::I64),
+        _ if !float => return Err(Error::dtype(op.name(), dtype)),
+        ReduceOp::Mean => sum(1, k as f64),
+        ReduceOp::LogSumExp => kernel("reduce_lse", "reduce_lse_final", 0, 0.0, dtype),
+        ReduceOp::Var { correction } => kernel("reduce_var", "reduce_var_final", 0, correction, dtype),
+        ReduceOp::Std { correction } => kernel("reduce_var", "reduce_var_final", 1, correction, dtype),
+        ReduceOp::Norm { p } if p == 2.0 => sum(2, 0.0),
+        ReduceOp::Norm { p } if p == 1.0 => sum(3, 0.0),
+        ReduceOp::Norm { p } if p == f64::INFINITY => minmax(2),
+        ReduceOp::Norm { p } if p == f64::NEG_INFINITY => minmax(3),
+        ReduceOp::Norm { p } if p == 0.0 => sum(4, 0.0),
+        ReduceOp::Norm { p } => sum(5, p),
+    })
+}
+
+/// The result of `op` over zero elements (the CPU's `finish(identity)`); `None` for the ops
+/// without an identity (max, min, argmax, argmin).
+fn empty_value(op: ReduceOp) -> Option<f64> {
+    Some(match op {
+        ReduceOp::Sum => 0.0,
+        ReduceOp::Prod => 1.0,
+        ReduceOp::Mean => f64::NAN,
+        // 0 / max(0, 0 - correction): NaN unless the correction is negative, as on the CPU.
+        ReduceOp::Var { correction } => 0.0 / (-correction).max(0.0),
+        ReduceOp::Std { correction } => (0.0 / (-correction).max(0.0)).sqrt(),
+        ReduceOp::LogSumExp => f64::NEG_INFINITY,
+        ReduceOp::Norm { p } if p == f64::INFINITY => 0.0,
+        ReduceOp::Norm { p } if p == f64::NEG_INFINITY => f64::INFINITY,
+        ReduceOp::Norm { p } if p == 0.0 || p == 1.0 || p == 2.0 => 0.0,
+        ReduceOp::Norm { p } => 0f64.powf(1.0 / p),
+        ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin => return None,
+    })
+}
+
+/// The error for max/min/argmax over zero elements, as the CPU backend words it.
+fn empty_reduction(op: &'static str) -> Error {
+    Error::invalid(
+        op,
+        "expected the reduced dims to have a non-zero size: the operation has no identity",
+    )
+}
+
+/// M outputs (kept dims, `outer`) each reducing K elements (reduced dims, `inner`); both
+/// describe offsets into the input (see Note [CUDA reduction plans]).
+struct Geometry {
+    outer: KernelShape,
+    inner: KernelShape,
+    m: usize,
+    k: usize,
+}
+
+impl Geometry {
+    fn new(op: &'static str, layout: &Layout, dims: &[usize]) -> Result<Geometry> {
+        let rank = layout.dims().len();
+        let kept: Vec<usize> = (0..rank).filter(|d| !dims.contains(d)).collect();
+        let pick = |ds: &[usize]| -> (Vec<usize>, Vec<usize>) {
+            (
+                ds.iter().map(|&d| layout.dims()[d]).collect(),
+                ds.iter().map(|&d| layout.strides()[d]).collect(),
+            )
+        };
+        let (kd, ks) = pick(&kept);
+        let (rd, rs) = pick(dims);
+        Ok(Geometry {
+            outer: KernelShape::new(op, &kd, &[&ks])?,
+            inner: KernelShape::new(op, &rd, &[&rs])?,
+            m: kd.iter().product(),
+            k: rd.iter().product(),
+        })
+    }
+}
+
+/// True when the innermost merged dim of operand 0 has stride 1.
+fn unit_last(s: &KernelShape) -> bool {
+    s.ndim > 0 && s.stride[0][s.ndim as usize - 1] == 1
+}
+
+/// Block shape, grid and K split of the first pass.
+struct Plan {
+    row: bool,
+    bx: usize,
+    by: usize,
+    grid_x: usize,
+    splits: usize,
+    chunk: usize,
+}
+
+fn plan(rt: &DeviceRuntime, g: &Geometry) -> Plan {
+    let (m, k) = (g.m, g.k);
+    let row = k >= 32 && (unit_last(&g.inner) || !unit_last(&g.outer));
+    let (bx, by) = if row {
+        let lanes = k.next_power_of_two().clamp(32, BLOCK);
+        (lanes, BLOCK / lanes)
+    } else if k <= 8 {
+        (BLOCK, 1)
+    } else {
+        let bx = m.next_power_of_two().min(32);
+        (bx, BLOCK / bx)
+    };
+    let (lanes, slots) = if row { (bx, by) } else { (by, bx) };
+    let groups = m.div_ceil(slots);
+    let target = rt.sm_count as usize * 4;
+    let splits = if groups < target {
+        let want = target.div_ceil(groups);
+        let work = k.div_ceil(lanes * MIN_PER_LANE);
+        want.min(work).clamp(1, 65535)
+    } else {
+        1
+    };
+    let chunk = k.div_ceil(splits);
+    Plan {
+        row,
+        bx,
+        by,
+        grid_x: groups.min(rt.sm_count as usize * 32).max(1),
+        splits: k.div_ceil(chunk),
+        chunk,
+    }
+}
+
+impl CudaStorage {
+    /// Runs the reduction kernel `kernel` over `g`, writing `out` (values, may be 0 for
+    /// argmax/argmin) and `idx` (i64 indices, 0 unless an arg kernel); needs M, K > 0.
+    fn run_reduce(&self, layout: &Layout, kernel: &Kernel, g: &Geometry, out: u64, idx: u64) -> Result<()> {
+        let rt = self.runtime()?;
+        let p = plan(rt, g);
+        let dtype = self.dtype();
+        let stream = current_raw(rt.ordinal);
+        let partials = if p.splits > 1 {
+            Some(CudaStorage::alloc_on(
+                rt,
+                DType::U8,
+                g.m * p.splits * STATE_BYTES,
+            )?)
+        } else {
+            None
+        };
+        let part = partials.as_ref().map_or(0, |s| s.ptr_at(0));
+        let f = rt.function(KernelKey::new(Module::Reduce, kernel.base, dtype))?;
+        let (x, m, k, chunk) = (self.ptr(layout), g.m as i64, g.k as i64, p.chunk as i64);
+        let (row, variant, param) = (p.row as i32, kernel.variant, kernel.param);
+        let grid = Grid {
+            grid: (p.grid_x as u32, p.splits as u32, 1),
+            block: (p.bx as u32, p.by as u32, 1),
+            shared_bytes: (p.bx * p.by * STATE_BYTES) as u32,
+        };
+        // SAFETY: `reduce_<op>_T(const T* x, Strided outer, Strided inner, i64 m, i64 k,
+        // i64 chunk, i32 row, i32 variant, double param, Out* out, i64* idx, State* partial)`.
+        // `outer`/`inner` come from the valid `layout` of this storage, so every offset the
+        // kernel forms (outputs < m, elements < k) is inside it; `out`/`idx` hold m elements
+        // of the kernel's Out / i64 (or are 0 where the kernel skips them); `partial` holds
+        // m * gridDim.y states of at most STATE_BYTES each; shared memory is bx * by states.
+        unsafe {
+            launch(
+                f,
+                grid,
+                stream,
+                &[
+                    &x,
+                    &g.outer,
+                    &g.inner,
+                    &m,
+                    &k,
+                    &chunk,
+                    &row,
+                    &variant,
+                    &param,
+                    &(if p.splits > 1 { 0u64 } else { out }),
+                    &(if p.splits > 1 { 0u64 } else { idx }),
+                    &part,
+                ],
+            )?;
+        }
+        if p.splits == 1 {
+            return Ok(());
+        }
+        let f = rt.function(KernelKey::new(Module::Reduce, kernel.final_base, dtype))?;
+        let lanes = p.splits.next_power_of_two().clamp(32, BLOCK);
+        let splits = p.splits as i64;
+        let grid = Grid {
+            grid: (g.m.min(rt.sm_count as usize * 32) as u32, 1, 1),
+            block: (lanes as u32, 1, 1),
+            shared_bytes: (lanes * STATE_BYTES) as u32,
+        };
+        // SAFETY: `reduce_<op>_final_T(const State* partial, i64 m, i64 splits, i32 variant,
+        // double param, Out* out, i64* idx)`; `partial` holds m * splits states written by the
+        // first pass earlier on this stream; `out`/`idx` as above.
+        unsafe {
+            launch(
+                f,
+                grid,
+                stream,
+                &[&part, &m, &splits, &variant, &param, &out, &idx],
+            )?;
+        }
+        // `partials` returns to the allocator's pool of this stream, where no later work can
+        // reuse it before the kernels above have run.
+        drop(partials);
+        Ok(())
+    }
+
+    /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
+    pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
+        let g = Geometry::new(op.name(), layout, dims)?;
+        let empty = empty_value(op);
+        if g.k == 0 && empty.is_none() {
+            return Err(empty_reduction(op.name()));
+        }
+        let kernel = kernel_for(op, self.dtype(), g.k)?;
+        let rt = self.runtime()?;
+        if g.k == 0 {
+            return CudaStorage::full(rt.ordinal, kernel.out_dtype, g.m, empty.unwrap_or(0.0));
+        }
+        let out = CudaStorage::alloc_on(rt, kernel.out_dtype, g.m)?;
+        if g.m == 0 {
+            return Ok(out);
+        }
+        let (o, idx) = match op {
+            ReduceOp::ArgMax | ReduceOp::ArgMin => (0, out.ptr_at(0)),
+            _ => (out.ptr_at(0), 0),
+        };
+        self.run_reduce(layout, &kernel, &g, o, idx)?;
+        Ok(out)
+    }
+
+    /// Max or min over `dims` with the i64 index of its first occurrence (indices into the
+    /// flattened reduced dims; NaN counts as the extreme).
+    pub(crate) fn reduce_with_indices(
+        &self,
+        layout: &Layout,
+        op: ReduceOp,
+        dims: &[usize],
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        let variant = match op {
+            ReduceOp::Max => 0,
+            ReduceOp::Min => 1,
+            _ => return Err(Error::invalid(op.name(), "only max and min return indices")),
+        };
+        let g = Geometry::new(op.name(), layout, dims)?;
+        if g.k == 0 {
+            return Err(empty_reduction(op.name()));
+        }
+        let rt = self.runtime()?;
+        let values = CudaStorage::alloc_on(rt, self.dtype(), g.m)?;
+        let indices = CudaStorage::alloc_on(rt, DType::I64, g.m)?;
+        if g.m == 0 {
+            return Ok((values, indices));
+        }
+        let kernel = Kernel {
+            base: "reduce_arg",
+            final_base: "reduce_arg_final",
+            variant,
+            param: 0.0,
+            out_dtype: self.dtype(),
+        };
+        self.run_reduce(layout, &kernel, &g, values.ptr_at(0), indices.ptr_at(0))?;
+        Ok((values, indices))
+    }
+}
