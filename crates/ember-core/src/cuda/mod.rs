@@ -12,11 +12,13 @@
 mod allocator;
 mod device;
 mod elementwise;
+mod index;
 mod kernels;
 mod libraries;
 mod memory;
 mod nvrtc;
 mod pending;
+mod random;
 mod runtime;
 mod storage;
 mod stream;

@@ -6,6 +6,8 @@ mod autograd;
 mod binary;
 mod conformance;
 mod cuda;
+mod cuda_index;
+mod cuda_random;
 mod display;
 mod errors;
 mod index;
