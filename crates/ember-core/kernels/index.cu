@@ -1,1 +1,240 @@
-// ember index kernels: written next.
+// Indexing by index tensors (`ops/index.rs`, CPU reference `cpu/index.rs`): index_select and
+// gather (reads), scatter / scatter_value / scatter_add / index_add (out-of-place writes into a
+// row-major copy of self), one_hot, and the index range check they all share.
+//
+// Every kernel walks a "position" shape W with a Strided descriptor of up to three operands, as
+// the CPU kernels do: operand 0 is the indexed tensor with the indexed dim's stride set to 0 (the
+// base offset of each position), operand 1 gives the position of the index value of each
+// position, operand 2 (writes) the source element. The target is `base + index * dim_stride`.
+//
+// Index range: the host launches `check_index_I` over the index tensor, which sets `*flag = 1`
+// when some index is outside [0, size), and reads the flag back after enqueueing the op (the one
+// host synchronization of these ops: the CPU returns Error::IndexOutOfRange, so must we). The
+// op kernels themselves skip out-of-range indices, so they never touch memory out of bounds even
+// though they run before the flag is read; their output is discarded when the flag is set.
+//
+// Scatter (last write wins, as on the CPU): two passes. `scatter_mark_I` stores, for every target
+// element, the largest row-major position p (as p + 1, in a u32 buffer zeroed by the host) that
+// writes it (atomicMax); `scatter_wB_I` then lets only that position write. The result is
+// deterministic and equal to the CPU's sequential loop. When W has 2^32 - 1 positions or more
+// the host passes a null `winner` and duplicate indices race (documented departure).
+// scatter_add / index_add accumulate with atomics, so with repeated indices the float sums are
+// in an unspecified order (equal to the CPU up to rounding; exact for integers).
+//
+// Launch contract (grid-stride loops, any grid; I is the index type, i64 or i32; B the element
+// width in bytes for dtype-agnostic copies, 1 2 4 8 (16 for select_rows)):
+//   check_index_I(const I* idx, Strided s, i64 n, i64 size, i32* flag)
+//       s.stride[0] = the index's strides over its own shape, n its numel
+//   gather_wB_I(const E* x, const I* idx, E* out, Strided s, i64 n, i64 dim_stride, i64 size)
+//       W = the output shape (row-major out); s.stride[0] = x base, s.stride[1] = index position
+//   select_rows_wB_I(const E* x, const I* idx, E* out, i64 outer, i64 nidx, i64 size,
+//                    i64 inner, i64 istride)
+//       index_select of a row-major x viewed as [outer, size, inner] (inner in B-byte units)
+//       into out [outer, nidx, inner]; the index is 1-D with stride istride
+//   scatter_mark_I(const I* idx, u32* winner, Strided s, i64 n, i64 dim_stride, i64 size)
+//   scatter_wB_I(E* out, const I* idx, const E* src, const u32* winner, Strided s, i64 n,
+//                i64 dim_stride, i64 size)
+//   scatter_add_T_I(T* out, const I* idx, const T* src, Strided s, i64 n, i64 dim_stride, i64 size)
+//       W = the index shape (scatter, scatter_add) or the source shape (index_add);
+//       s.stride[0] = out base (row-major strides, dim's set to 0), [1] index, [2] source
+//   one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag)
+//       out: n * classes int64 zeros (set by the host); sets flag on an index outside
+//       [0, classes)
+
+// An opaque element of B bytes, for kernels that only move elements.
+struct __align__(16) U128 { u64 lo, hi; };
+template <int B> struct Bytes;
+template <> struct Bytes<1> { typedef u8 type; };
+template <> struct Bytes<2> { typedef unsigned short type; };
+template <> struct Bytes<4> { typedef u32 type; };
+template <> struct Bytes<8> { typedef u64 type; };
+template <> struct Bytes<16> { typedef U128 type; };
+
+template <typename I> __device__ __forceinline__ bool in_range(I v, i64 size) {
+    return (i64)v >= 0 && (i64)v < size;
+}
+
+template <typename I>
+__device__ __forceinline__ void check_index(const I* idx, const Strided& s, i64 n, i64 size, i32* flag) {
+    bool bad = false;
+    EMBER_KERNEL_LOOP(i, n) { bad |= !in_range(idx[strided_offset(s, 0, i)], size); }
+    if (bad) *flag = 1;
+}
+
+template <typename E, typename I>
+__device__ __forceinline__ void gather(const E* __restrict__ x, const I* __restrict__ idx, E* __restrict__ out,
+                                       const Strided& s, i64 n, i64 dim_stride, i64 size) {
+    EMBER_KERNEL_LOOP(i, n) {
+        i64 v = (i64)idx[strided_offset(s, 1, i)];
+        if (v >= 0 && v < size) out[i] = x[strided_offset(s, 0, i) + v * dim_stride];
+    }
+}
+
+template <typename E, typename I>
+__device__ __forceinline__ void select_rows(const E* __restrict__ x, const I* __restrict__ idx, E* __restrict__ out,
+                                            i64 outer, i64 nidx, i64 size, i64 inner, i64 istride) {
+    i64 n = outer * nidx * inner;
+    EMBER_KERNEL_LOOP(u, n) {
+        i64 col = u % inner;
+        i64 r = u / inner;
+        i64 c = r % nidx;
+        i64 o = r / nidx;
+        i64 v = (i64)idx[c * istride];
+        if (v >= 0 && v < size) out[u] = x[(o * size + v) * inner + col];
+    }
+}
+
+template <typename I>
+__device__ __forceinline__ void scatter_mark(const I* __restrict__ idx, u32* winner, const Strided& s, i64 n,
+                                             i64 dim_stride, i64 size) {
+    EMBER_KERNEL_LOOP(i, n) {
+        i64 v = (i64)idx[strided_offset(s, 1, i)];
+        if (v >= 0 && v < size) atomicMax(winner + strided_offset(s, 0, i) + v * dim_stride, (u32)(i + 1));
+    }
+}
+
+template <typename E, typename I>
+__device__ __forceinline__ void scatter(E* out, const I* __restrict__ idx, const E* __restrict__ src,
+                                        const u32* __restrict__ winner, const Strided& s, i64 n, i64 dim_stride,
+                                        i64 size) {
+    EMBER_KERNEL_LOOP(i, n) {
+        i64 v = (i64)idx[strided_offset(s, 1, i)];
+        if (v < 0 || v >= size) continue;
+        i64 t = strided_offset(s, 0, i) + v * dim_stride;
+        if (winner == nullptr || winner[t] == (u32)(i + 1)) out[t] = src[strided_offset(s, 2, i)];
+    }
+}
+
+// Atomic `*p += v` with the CPU's per-element semantics: floats add (f16/bf16 in f32, rounded
+// once per add), integers wrap, booleans or.
+template <typename T> struct AtomicAdd;
+template <> struct AtomicAdd<float> {
+    __device__ __forceinline__ static void add(float* p, float v) { atomicAdd(p, v); }
+};
+template <> struct AtomicAdd<double> {
+    __device__ __forceinline__ static void add(double* p, double v) { atomicAdd(p, v); }
+};
+template <> struct AtomicAdd<i32> {
+    __device__ __forceinline__ static void add(i32* p, i32 v) { atomicAdd(p, v); }
+};
+template <> struct AtomicAdd<i64> {
+    __device__ __forceinline__ static void add(i64* p, i64 v) {
+        atomicAdd((unsigned long long*)p, (unsigned long long)v);  // two's complement: wraps
+    }
+};
+template <> struct AtomicAdd<bool> {
+    __device__ __forceinline__ static void add(bool* p, bool v) {
+        if (v) *p = true;  // `or`: every racing writer stores the same byte
+    }
+};
+// Sub-word types: compare-and-swap on the aligned 32-bit word holding the element (device
+// buffers are 512-byte aligned and sized in multiples of 512 bytes, so the word is in bounds).
+template <typename T, typename F> __device__ __forceinline__ void cas_add(T* p, F combine) {
+    u32* word = (u32*)((u64)p & ~(u64)3);
+    u32 shift = (u32)((u64)p & 3) * 8;
+    u32 mask = (sizeof(T) == 1 ? 0xffu : 0xffffu) << shift;
+    u32 old = *word, assumed;
+    do {
+        assumed = old;
+        u32 cur = (assumed & mask) >> shift;
+        u32 next = combine(cur);
+        old = atomicCAS(word, assumed, (assumed & ~mask) | ((next << shift) & mask));
+    } while (old != assumed);
+}
+template <> struct AtomicAdd<u8> {
+    __device__ __forceinline__ static void add(u8* p, u8 v) {
+        cas_add(p, [v](u32 cur) { return (cur + (u32)v) & 0xffu; });
+    }
+};
+template <> struct AtomicAdd<f16> {
+    __device__ __forceinline__ static void add(f16* p, f16 v) {
+        float fv = f16_to_f32(v);
+        cas_add(p, [fv](u32 cur) {
+            f16 c;
+            c.bits = (unsigned short)cur;
+            return (u32)f32_to_f16(f16_to_f32(c) + fv).bits;
+        });
+    }
+};
+template <> struct AtomicAdd<bf16> {
+    __device__ __forceinline__ static void add(bf16* p, bf16 v) {
+        float fv = bf16_to_f32(v);
+        cas_add(p, [fv](u32 cur) {
+            bf16 c;
+            c.bits = (unsigned short)cur;
+            return (u32)f32_to_bf16(bf16_to_f32(c) + fv).bits;
+        });
+    }
+};
+
+template <typename T, typename I>
+__device__ __forceinline__ void scatter_add(T* out, const I* __restrict__ idx, const T* __restrict__ src,
+                                            const Strided& s, i64 n, i64 dim_stride, i64 size) {
+    EMBER_KERNEL_LOOP(i, n) {
+        i64 v = (i64)idx[strided_offset(s, 1, i)];
+        if (v < 0 || v >= size) continue;
+        AtomicAdd<T>::add(out + strided_offset(s, 0, i) + v * dim_stride, src[strided_offset(s, 2, i)]);
+    }
+}
+
+template <typename I>
+__device__ __forceinline__ void one_hot(const I* __restrict__ idx, const Strided& s, i64 n, i64 classes, i64* out,
+                                        i32* flag) {
+    bool bad = false;
+    EMBER_KERNEL_LOOP(i, n) {
+        i64 v = (i64)idx[strided_offset(s, 0, i)];
+        if (v >= 0 && v < classes) out[i * classes + v] = 1;
+        else bad = true;
+    }
+    if (bad) *flag = 1;
+}
+
+#define EMBER_INDEX_KERNELS(I, iname)                                                                         \
+    extern "C" __global__ void check_index_##iname(const I* idx, Strided s, i64 n, i64 size, i32* flag) {       \
+        check_index<I>(idx, s, n, size, flag);                                                                  \
+    }                                                                                                           \
+    extern "C" __global__ void scatter_mark_##iname(const I* idx, u32* winner, Strided s, i64 n, i64 dim_stride, \
+                                                    i64 size) {                                                 \
+        scatter_mark<I>(idx, winner, s, n, dim_stride, size);                                                   \
+    }                                                                                                           \
+    extern "C" __global__ void one_hot_##iname(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag) { \
+        one_hot<I>(idx, s, n, classes, out, flag);                                                              \
+    }
+
+#define EMBER_MOVE_KERNELS(B, I, iname)                                                                         \
+    extern "C" __global__ void gather_w##B##_##iname(const Bytes<B>::type* x, const I* idx, Bytes<B>::type* out, \
+                                                     Strided s, i64 n, i64 dim_stride, i64 size) {              \
+        gather<Bytes<B>::type, I>(x, idx, out, s, n, dim_stride, size);                                         \
+    }                                                                                                           \
+    extern "C" __global__ void scatter_w##B##_##iname(Bytes<B>::type* out, const I* idx,                        \
+                                                      const Bytes<B>::type* src, const u32* winner, Strided s,  \
+                                                      i64 n, i64 dim_stride, i64 size) {                        \
+        scatter<Bytes<B>::type, I>(out, idx, src, winner, s, n, dim_stride, size);                              \
+    }
+
+#define EMBER_SELECT_ROWS(B, I, iname)                                                                          \
+    extern "C" __global__ void select_rows_w##B##_##iname(const Bytes<B>::type* x, const I* idx,                \
+                                                          Bytes<B>::type* out, i64 outer, i64 nidx, i64 size,   \
+                                                          i64 inner, i64 istride) {                             \
+        select_rows<Bytes<B>::type, I>(x, idx, out, outer, nidx, size, inner, istride);                         \
+    }
+
+#define EMBER_SCATTER_ADD(T, name, I, iname)                                                                    \
+    extern "C" __global__ void scatter_add_##name##_##iname(T* out, const I* idx, const T* src, Strided s,      \
+                                                            i64 n, i64 dim_stride, i64 size) {                  \
+        scatter_add<T, I>(out, idx, src, s, n, dim_stride, size);                                               \
+    }
+#define EMBER_SCATTER_ADD_I64(T, name) EMBER_SCATTER_ADD(T, name, i64, i64)
+#define EMBER_SCATTER_ADD_I32(T, name) EMBER_SCATTER_ADD(T, name, i32, i32)
+
+#define EMBER_FOR_INDEX_TYPE(I, iname)                                                                          \
+    EMBER_INDEX_KERNELS(I, iname)                                                                               \
+    EMBER_MOVE_KERNELS(1, I, iname) EMBER_MOVE_KERNELS(2, I, iname) EMBER_MOVE_KERNELS(4, I, iname)             \
+    EMBER_MOVE_KERNELS(8, I, iname)                                                                             \
+    EMBER_SELECT_ROWS(1, I, iname) EMBER_SELECT_ROWS(2, I, iname) EMBER_SELECT_ROWS(4, I, iname)                \
+    EMBER_SELECT_ROWS(8, I, iname) EMBER_SELECT_ROWS(16, I, iname)
+
+EMBER_FOR_INDEX_TYPE(i64, i64)
+EMBER_FOR_INDEX_TYPE(i32, i32)
+EMBER_FOR_ALL_DTYPES(EMBER_SCATTER_ADD_I64)
+EMBER_FOR_ALL_DTYPES(EMBER_SCATTER_ADD_I32)

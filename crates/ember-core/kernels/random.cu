@@ -1,1 +1,339 @@
-// ember random kernels: written next.
+// Random numbers: Philox4x32-10 draws that reproduce the CPU backend bit for bit. The mapping
+// from (seed, offset, element i) to a value is Note [Philox stream] in `random/mod.rs`; this file
+// transcribes `random/philox.rs` and `random/cpu.rs` expression by expression:
+// - block b of seed s is philox4x32_10([b lo, b hi, 0, 0], [s lo, s hi]); element i of a draw
+//   with E elements per block reads block offset + i / E (wrapping u64) at slot i % E;
+// - each thread computes whole blocks (one Philox call per E elements) in a grid-stride loop;
+// - every `a + b * c` is two separately rounded operations (`__fmul_rn`/`__fadd_rn`,
+//   `__dmul_rn`/`__dadd_rn`): NVRTC contracts to FMA by default, the CPU never does;
+// - Box-Muller is computed in f64 with CUDA's double `log`, `sqrt` (correctly rounded), `sin`
+//   and `cos`; glibc's `ln`/`sin`/`cos` are not correctly rounded either, so f64 normals may
+//   differ from the CPU in the last ulp, and f32/f16/bf16 normals only in the rare case where
+//   that ulp crosses a rounding boundary of the narrower type;
+// - conversions from f64 to f16/bf16 copy what the `half` crate does on the CPU, which is not
+//   always a correctly rounded conversion (see `half_f64_to_f16` / `half_f64_to_bf16` below).
+//
+// Launch contract (grid-stride over counter blocks, any grid; outputs row-major, n elements):
+//   uniform_T(T* out, i64 n, u64 seed, u64 offset, f64 low, f64 high, i32 f16_mode)   T float
+//   normal_T(T* out, i64 n, u64 seed, u64 offset, f64 mean, f64 std, i32 f16_mode)    T float
+//       E = 2 for f64, 4 otherwise; f16_mode says how the CPU's half::f16::from_f64 rounds:
+//       0 correctly (one rounding), 1 through f32 (x86 F16C), 2 half's software routine
+//   bernoulli_p_T(T* out, i64 n, u64 seed, u64 offset, f64 p)                          any T, E = 4
+//   bernoulli_T(const T* prob, Strided s, T* out, i64 n, u64 seed, u64 offset, i32* flag)
+//       probabilities at s.stride[0]; sets *flag = 1 when one is outside [0, 1] (or NaN)
+//   randint_i64(i64* out, i64 n, u64 seed, u64 offset, i64 low, u64 range)
+//       E = 4 when range <= 2^32, else 2
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+
+struct Words { u32 x[4]; };
+
+// `philox::block(seed, block)`.
+__device__ __forceinline__ Words philox_block(u64 seed, u64 block) {
+    u32 c0 = (u32)block, c1 = (u32)(block >> 32), c2 = 0, c3 = 0;
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) {
+            k0 += PHILOX_W0;
+            k1 += PHILOX_W1;
+        }
+        u32 hi0 = __umulhi(PHILOX_M0, c0), lo0 = PHILOX_M0 * c0;
+        u32 hi1 = __umulhi(PHILOX_M1, c2), lo1 = PHILOX_M1 * c2;
+        u32 n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
+        c0 = n0;
+        c1 = n1;
+        c2 = n2;
+        c3 = n3;
+    }
+    Words w;
+    w.x[0] = c0;
+    w.x[1] = c1;
+    w.x[2] = c2;
+    w.x[3] = c3;
+    return w;
+}
+
+// The conversions of `philox.rs` (all exact: small integers times powers of two).
+__device__ __forceinline__ float ubits(u32 x, u32 bits) {
+    return __fmul_rn((float)(x >> (32 - bits)), 1.0f / (float)(1u << bits));
+}
+__device__ __forceinline__ float u24(u32 x) { return __fmul_rn((float)(x >> 8), 0x1.0p-24f); }
+__device__ __forceinline__ float u24_open0(u32 x) { return __fmul_rn((float)((x >> 8) + 1), 0x1.0p-24f); }
+__device__ __forceinline__ u64 join_u64(u32 lo, u32 hi) { return ((u64)hi << 32) | (u64)lo; }
+__device__ __forceinline__ double u53(u32 lo, u32 hi) {
+    return __dmul_rn((double)(join_u64(lo, hi) >> 11), 0x1.0p-53);
+}
+__device__ __forceinline__ double u53_open0(u32 lo, u32 hi) {
+    return __dmul_rn((double)((join_u64(lo, hi) >> 11) + 1), 0x1.0p-53);
+}
+
+// `philox::box_muller`: r = sqrt(-2 ln u1), θ = (2π) u2, (r cos θ, r sin θ).
+__device__ __forceinline__ void box_muller(double u1, double u2, double& z0, double& z1) {
+    const double two_pi = 2.0 * 3.141592653589793;  // 2.0 * std::f64::consts::PI, exact
+    double r = sqrt(__dmul_rn(-2.0, log(u1)));
+    double theta = __dmul_rn(two_pi, u2);
+    z0 = __dmul_rn(r, cos(theta));
+    z1 = __dmul_rn(r, sin(theta));
+}
+
+// half::bf16::from_f64 (half 2.x `bfloat/convert.rs::f64_to_bf16`), bit for bit: it keeps only
+// the high 32 bits of the f64 and rounds to nearest even from those, so a tie in them rounds to
+// even even when the dropped low bits are not zero.
+__device__ __forceinline__ bf16 half_f64_to_bf16(double value) {
+    u64 val = (u64)__double_as_longlong(value);
+    u32 x = (u32)(val >> 32);
+    u32 sign = x & 0x80000000u, exp = x & 0x7FF00000u, man = x & 0x000FFFFFu;
+    bf16 r;
+    if (exp == 0x7FF00000u) {
+        u32 nan_bit = (man == 0 && (u32)val == 0) ? 0u : 0x0040u;
+        r.bits = (unsigned short)((sign >> 16) | 0x7F80u | nan_bit | (man >> 13));
+        return r;
+    }
+    u32 half_sign = sign >> 16;
+    i64 half_exp = ((i64)(exp >> 20) - 1023) + 127;
+    if (half_exp >= 0xFF) {
+        r.bits = (unsigned short)(half_sign | 0x7F80u);
+        return r;
+    }
+    if (half_exp <= 0) {
+        if (7 - half_exp > 21) {
+            r.bits = (unsigned short)half_sign;
+            return r;
+        }
+        u32 m = man | 0x00100000u;
+        u32 half_man = m >> (u32)(14 - half_exp);
+        u32 round_bit = 1u << (u32)(13 - half_exp);
+        if ((m & round_bit) != 0 && (m & (3 * round_bit - 1)) != 0) half_man += 1;
+        r.bits = (unsigned short)(half_sign | half_man);
+        return r;
+    }
+    u32 bits = half_sign | ((u32)half_exp << 7) | (man >> 13);
+    u32 round_bit = 0x00001000u;
+    if ((man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0) bits += 1;
+    r.bits = (unsigned short)bits;
+    return r;
+}
+
+// half::f16::from_f64 without F16C (half 2.x `binary16/arch.rs::f64_to_f16_fallback`), bit for
+// bit; same truncation of the low 32 bits as above.
+__device__ __forceinline__ f16 half_f64_to_f16_software(double value) {
+    u64 val = (u64)__double_as_longlong(value);
+    u32 x = (u32)(val >> 32);
+    u32 sign = x & 0x80000000u, exp = x & 0x7FF00000u, man = x & 0x000FFFFFu;
+    f16 r;
+    if (exp == 0x7FF00000u) {
+        u32 nan_bit = (man == 0 && (u32)val == 0) ? 0u : 0x0200u;
+        r.bits = (unsigned short)((sign >> 16) | 0x7C00u | nan_bit | (man >> 10));
+        return r;
+    }
+    u32 half_sign = sign >> 16;
+    i64 half_exp = ((i64)(exp >> 20) - 1023) + 15;
+    if (half_exp >= 0x1F) {
+        r.bits = (unsigned short)(half_sign | 0x7C00u);
+        return r;
+    }
+    if (half_exp <= 0) {
+        if (10 - half_exp > 21) {
+            r.bits = (unsigned short)half_sign;
+            return r;
+        }
+        u32 m = man | 0x00100000u;
+        u32 half_man = m >> (u32)(11 - half_exp);
+        u32 round_bit = 1u << (u32)(10 - half_exp);
+        if ((m & round_bit) != 0 && (m & (3 * round_bit - 1)) != 0) half_man += 1;
+        r.bits = (unsigned short)(half_sign | half_man);
+        return r;
+    }
+    u32 bits = half_sign | ((u32)half_exp << 10) | (man >> 10);
+    u32 round_bit = 0x00000200u;
+    if ((man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0) bits += 1;
+    r.bits = (unsigned short)bits;
+    return r;
+}
+
+// half::f16::from_f64 as the host computes it (`f16_mode`, probed by `cuda/random.rs`).
+__device__ __forceinline__ f16 half_f64_to_f16(double value, int mode) {
+    if (mode == 1) return f32_to_f16(__double2float_rn(value));  // F16C: f64 -> f32 -> f16
+    if (mode == 2) return half_f64_to_f16_software(value);
+    f16 r;
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(r.bits) : "d"(value));
+    return r;
+}
+
+// `T::from_f64` of the CPU's `Element` impls for the float types, and uniform bits per dtype.
+template <typename T> struct FromF64;
+template <> struct FromF64<float> {
+    static constexpr u32 bits = 24;
+    __device__ __forceinline__ static float from(double v, int) { return __double2float_rn(v); }
+};
+template <> struct FromF64<f16> {
+    static constexpr u32 bits = 11;
+    __device__ __forceinline__ static f16 from(double v, int mode) { return half_f64_to_f16(v, mode); }
+};
+template <> struct FromF64<bf16> {
+    static constexpr u32 bits = 8;
+    __device__ __forceinline__ static bf16 from(double v, int) { return half_f64_to_bf16(v); }
+};
+
+#define EMBER_BLOCKS(n, per) (((n) + (per) - 1) / (per))
+
+// `cpu.rs::uniform_narrow`: computed in f32, converted with T::from_f64, `high` maps to `low`.
+template <typename T>
+__device__ __forceinline__ void uniform_narrow(T* out, i64 n, u64 seed, u64 offset, double low, double high,
+                                               int mode) {
+    typedef FromF64<T> C;
+    float lo = __double2float_rn(low), hi = __double2float_rn(high);
+    float range = __fsub_rn(hi, lo);
+    T lo_t = C::from((double)lo, mode), hi_t = C::from((double)hi, mode);
+    float hi_v = load(hi_t);
+    EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
+        Words w = philox_block(seed, offset + (u64)j);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            i64 i = j * 4 + s;
+            if (i < n) {
+                float v = __fadd_rn(lo, __fmul_rn(ubits(w.x[s], C::bits), range));
+                T t = C::from((double)v, mode);
+                out[i] = load(t) == hi_v ? lo_t : t;
+            }
+        }
+    }
+}
+
+// `cpu.rs::uniform_wide`.
+__device__ __forceinline__ void uniform_wide(double* out, i64 n, u64 seed, u64 offset, double low, double high) {
+    double range = __dsub_rn(high, low);
+    EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 2)) {
+        Words w = philox_block(seed, offset + (u64)j);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            i64 i = j * 2 + s;
+            if (i < n) {
+                double v = __dadd_rn(low, __dmul_rn(u53(w.x[2 * s], w.x[2 * s + 1]), range));
+                out[i] = v == high ? low : v;
+            }
+        }
+    }
+}
+
+// `cpu.rs::normal_narrow`: two Box-Muller pairs per block, mean + std * z in f64, T::from_f64.
+template <typename T>
+__device__ __forceinline__ void normal_narrow(T* out, i64 n, u64 seed, u64 offset, double mean, double stdev,
+                                              int mode) {
+    EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
+        Words w = philox_block(seed, offset + (u64)j);
+        double z[4];
+        box_muller((double)u24_open0(w.x[0]), (double)u24(w.x[1]), z[0], z[1]);
+        box_muller((double)u24_open0(w.x[2]), (double)u24(w.x[3]), z[2], z[3]);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            i64 i = j * 4 + s;
+            if (i < n) out[i] = FromF64<T>::from(__dadd_rn(mean, __dmul_rn(stdev, z[s])), mode);
+        }
+    }
+}
+
+// `cpu.rs::normal_wide`: one pair per block from two 53-bit uniforms.
+__device__ __forceinline__ void normal_wide(double* out, i64 n, u64 seed, u64 offset, double mean, double stdev) {
+    EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 2)) {
+        Words w = philox_block(seed, offset + (u64)j);
+        double z[2];
+        box_muller(u53_open0(w.x[0], w.x[1]), u53(w.x[2], w.x[3]), z[0], z[1]);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            i64 i = j * 2 + s;
+            if (i < n) out[i] = __dadd_rn(mean, __dmul_rn(stdev, z[s]));
+        }
+    }
+}
+
+#define EMBER_FLOAT_DRAWS(T, name)                                                                            \
+    extern "C" __global__ void uniform_##name(T* out, i64 n, u64 seed, u64 offset, double low, double high,   \
+                                              i32 f16_mode) {                                                 \
+        uniform_narrow<T>(out, n, seed, offset, low, high, f16_mode);                                         \
+    }                                                                                                         \
+    extern "C" __global__ void normal_##name(T* out, i64 n, u64 seed, u64 offset, double mean, double stdev,    \
+                                             i32 f16_mode) {                                                  \
+        normal_narrow<T>(out, n, seed, offset, mean, stdev, f16_mode);                                          \
+    }
+EMBER_FLOAT_DRAWS(float, f32)
+EMBER_FLOAT_DRAWS(f16, f16)
+EMBER_FLOAT_DRAWS(bf16, bf16)
+
+extern "C" __global__ void uniform_f64(double* out, i64 n, u64 seed, u64 offset, double low, double high, i32) {
+    uniform_wide(out, n, seed, offset, low, high);
+}
+extern "C" __global__ void normal_f64(double* out, i64 n, u64 seed, u64 offset, double mean, double stdev, i32) {
+    normal_wide(out, n, seed, offset, mean, stdev);
+}
+
+// `cpu.rs::bernoulli_in_place`: 1 when (u24(x_s) as f64) < p, then converted to T like the CPU's
+// f64 -> T cast of 1.0 / 0.0.
+template <typename T>
+__device__ __forceinline__ void bernoulli_p(T* out, i64 n, u64 seed, u64 offset, double p) {
+    EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
+        Words w = philox_block(seed, offset + (u64)j);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            i64 i = j * 4 + s;
+            if (i < n) out[i] = cast<T>((double)u24(w.x[s]) < p ? 1.0 : 0.0);
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void bernoulli(const T* __restrict__ prob, const Strided& st, T* __restrict__ out,
+                                          i64 n, u64 seed, u64 offset, i32* flag) {
+    bool bad = false;
+    EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
+        Words w = philox_block(seed, offset + (u64)j);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            i64 i = j * 4 + s;
+            if (i < n) {
+                double p = (double)load(prob[strided_offset(st, 0, i)]);
+                bad |= !(p >= 0.0 && p <= 1.0);
+                out[i] = cast<T>((double)u24(w.x[s]) < p ? 1.0 : 0.0);
+            }
+        }
+    }
+    if (bad) *flag = 1;
+}
+
+#define EMBER_BERNOULLI(T, name)                                                                              \
+    extern "C" __global__ void bernoulli_p_##name(T* out, i64 n, u64 seed, u64 offset, double p) {           \
+        bernoulli_p<T>(out, n, seed, offset, p);                                                              \
+    }                                                                                                         \
+    extern "C" __global__ void bernoulli_##name(const T* prob, Strided s, T* out, i64 n, u64 seed, u64 offset, \
+                                                i32* flag) {                                                  \
+        bernoulli<T>(prob, s, out, n, seed, offset, flag);                                                    \
+    }
+EMBER_FOR_ALL_DTYPES(EMBER_BERNOULLI)
+
+// `cpu.rs::randint`: low + (x mod range) with wrapping, one word per element when the range fits
+// in 32 bits, else one 64-bit pair.
+extern "C" __global__ void randint_i64(i64* out, i64 n, u64 seed, u64 offset, i64 low, u64 range) {
+    if (range <= (1ull << 32)) {
+        EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
+            Words w = philox_block(seed, offset + (u64)j);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                i64 i = j * 4 + s;
+                if (i < n) out[i] = (i64)((u64)low + (u64)w.x[s] % range);
+            }
+        }
+    } else {
+        EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 2)) {
+            Words w = philox_block(seed, offset + (u64)j);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                i64 i = j * 2 + s;
+                if (i < n) out[i] = (i64)((u64)low + join_u64(w.x[2 * s], w.x[2 * s + 1]) % range);
+            }
+        }
+    }
+}

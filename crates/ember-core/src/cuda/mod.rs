@@ -12,6 +12,7 @@
 mod allocator;
 mod device;
 mod elementwise;
+mod index;
 mod kernels;
 mod libraries;
 mod memory;
@@ -19,6 +20,7 @@ mod nvrtc;
 mod pending;
 mod pinned;
 mod reduce;
+mod random;
 mod runtime;
 mod softmax;
 mod storage;

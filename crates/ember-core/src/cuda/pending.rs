@@ -1,14 +1,15 @@
 //! TEMPORARY: CUDA arms of op families whose kernels are being written; each returns a typed
 //! error. Removed as each family lands (index/random, unary, matmul).
+//! error. Removed as each family lands (reduce/softmax, unary, matmul).
 #![allow(unused_variables)]
 
 use super::storage::CudaStorage;
 use crate::layout::Layout;
 use crate::ops::index::{IndexOp, ScatterOp};
+use crate::ops::reduce::ReduceOp;
+use crate::ops::softmax::SoftmaxOp;
 use crate::ops::unary::UnaryOp;
-use crate::random::dist::Distribution;
-use crate::random::RngState;
-use crate::{DType, Error, Result};
+use crate::{Error, Result};
 
 fn pending(op: &'static str) -> Error {
     Error::Cuda {
@@ -63,6 +64,19 @@ impl CudaStorage {
     }
     pub(crate) fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CudaStorage> {
         Err(pending("bernoulli"))
+    pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
+        Err(pending("reduce"))
+    pub(crate) fn reduce_with_indices(
+        op: ReduceOp,
+        dims: &[usize],
+    ) -> Result<(CudaStorage, CudaStorage)> {
+    pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
+        Err(pending("softmax"))
+    pub(crate) fn softmax_backward(
+        yl: &Layout,
+        grad: &CudaStorage,
+        gl: &Layout,
+        op: SoftmaxOp,
     }
     pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
         Err(pending("unary"))

@@ -9,6 +9,8 @@ mod cuda;
 mod cuda_elementwise;
 mod cuda_memory;
 mod cuda_reduce;
+mod cuda_index;
+mod cuda_random;
 mod display;
 mod errors;
 mod index;

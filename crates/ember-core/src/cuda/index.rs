@@ -1,0 +1,433 @@
+//! CUDA launchers for `kernels/index.cu`: index_select and gather (reads), scatter /
+//! scatter_value / scatter_add / index_add (out-of-place writes) and one_hot, with the CPU
+//! backend's semantics (`cpu/index.rs`).
+//!
+//! Note [Index range check on CUDA]: the CPU returns [`Error::IndexOutOfRange`] naming the first
+//! bad index. Here `check_index_I` runs over the index tensor and sets a device flag; the op's
+//! kernels are enqueued right after it (they skip bad indices, so they stay in bounds), and then
+//! the flag is read back: one small host synchronization per op with a non-empty index, which
+//! the error semantics force. Only when the flag is set are the indices copied to the host to
+//! name the same index the CPU would. `one_hot` with `num_classes = None` needs the maximum on
+//! the host anyway, so it copies the indices there and checks them on the host instead.
+//!
+//! Scatter keeps the last write of repeated indices, as on the CPU, with a two-pass
+//! deterministic scheme (see the top of `index.cu`); scatter_add and index_add use atomics.
+
+use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::runtime::DeviceRuntime;
+use super::storage::CudaStorage;
+use super::stream::current_raw;
+use crate::cpu::CpuStorage;
+use crate::layout::Layout;
+use crate::ops::index::{IndexOp, ScatterOp};
+use crate::{DType, Error, Result};
+
+/// The index dtype (int64 or int32), or the CPU's error for any other.
+fn index_dtype(op: &'static str, index: &CudaStorage) -> Result<DType> {
+    match index.dtype() {
+        d @ (DType::I64 | DType::I32) => Ok(d),
+        dtype => Err(Error::UnsupportedDType {
+            op,
+            dtype,
+            hint: "index tensors must be int64 (or int32)",
+        }),
+    }
+}
+
+fn same_device(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> {
+    if a.ordinal() != b.ordinal() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
+    }
+    Ok(())
+}
+
+/// The name of the dtype-agnostic kernel moving elements of `dtype` (`gather_w4`, ...).
+fn by_width(base: &'static str, dtype: DType) -> &'static str {
+    match (base, dtype.size_in_bytes()) {
+        ("gather", 1) => "gather_w1",
+        ("gather", 2) => "gather_w2",
+        ("gather", 4) => "gather_w4",
+        ("gather", _) => "gather_w8",
+        ("scatter", 1) => "scatter_w1",
+        ("scatter", 2) => "scatter_w2",
+        ("scatter", 4) => "scatter_w4",
+        _ => "scatter_w8",
+    }
+}
+
+/// The index values at `il` on the host, in row-major order.
+fn host_indices(index: &CudaStorage, il: &Layout) -> Result<Vec<i64>> {
+    Ok(match index.to_cpu(il)? {
+        CpuStorage::I64(v) => v,
+        CpuStorage::I32(v) => v.into_iter().map(i64::from).collect(),
+        other => {
+            return Err(Error::UnsupportedDType {
+                op: "index",
+                dtype: other.dtype(),
+                hint: "index tensors must be int64 (or int32)",
+            })
+        }
+    })
+}
+
+/// The CPU's error for the first index outside `0..size`, if any.
+fn first_out_of_range(op: &'static str, idx: &[i64], dim: usize, size: usize) -> Result<()> {
+    match idx.iter().find(|&&i| i < 0 || i as usize >= size) {
+        Some(&bad) => Err(Error::IndexOutOfRange {
+            op,
+            index: bad,
+            dim,
+            size,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The device flag of Note [Index range check on CUDA].
+struct RangeFlag {
+    flag: CudaStorage,
+}
+
+impl RangeFlag {
+    /// A zeroed flag on `rt`'s device.
+    fn new(rt: &DeviceRuntime) -> Result<RangeFlag> {
+        Ok(RangeFlag {
+            flag: CudaStorage::full(rt.ordinal, DType::I32, 1, 0.0)?,
+        })
+    }
+
+    fn ptr(&self) -> u64 {
+        self.flag.ptr_at(0)
+    }
+
+    /// Enqueues `check_index_I` over the index at `il` (non-empty) against `0..size`.
+    fn check(
+        &self,
+        rt: &DeviceRuntime,
+        op: &'static str,
+        index: &CudaStorage,
+        il: &Layout,
+        size: usize,
+    ) -> Result<()> {
+        let n = il.numel();
+        let shape = KernelShape::new(op, il.dims(), &[il.strides()])?;
+        let f = rt.function(KernelKey::new(Module::Index, "check_index", index.dtype()))?;
+        let (p, n64, size64, flag) = (index.ptr(il), n as i64, size as i64, self.ptr());
+        // SAFETY: `check_index_I(const I* idx, Strided s, i64 n, i64 size, i32* flag)`; `idx`
+        // reaches the `n` elements of a valid layout of `index`, `flag` is one i32.
+        unsafe {
+            launch(
+                f,
+                Grid::linear(rt, n, 256),
+                current_raw(rt.ordinal),
+                &[&p, &shape, &n64, &size64, &flag],
+            )
+        }
+    }
+
+    /// Waits for the stream and reports whether a kernel set the flag.
+    fn is_set(&self) -> Result<bool> {
+        match self.flag.to_cpu(&Layout::contiguous([1]))? {
+            CpuStorage::I32(v) => Ok(v[0] != 0),
+            _ => unreachable!("the flag is an i32"),
+        }
+    }
+
+    /// Reads the flag; when set, the CPU's error for the indices at `il`.
+    fn finish(
+        &self,
+        op: &'static str,
+        index: &CudaStorage,
+        il: &Layout,
+        dim: usize,
+        size: usize,
+    ) -> Result<()> {
+        if !self.is_set()? {
+            return Ok(());
+        }
+        first_out_of_range(op, &host_indices(index, il)?, dim, size)?;
+        Err(Error::Cuda {
+            op,
+            msg: "the index check flagged an index the host finds in range".into(),
+        })
+    }
+}
+
+/// Runs `body` between the range check of the (possibly empty) index and the flag read.
+fn validated<T>(
+    rt: &DeviceRuntime,
+    op: &'static str,
+    index: &CudaStorage,
+    il: &Layout,
+    dim: usize,
+    size: usize,
+    body: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    if il.numel() == 0 {
+        return body();
+    }
+    let flag = RangeFlag::new(rt)?;
+    flag.check(rt, op, index, il, size)?;
+    let out = body()?;
+    flag.finish(op, index, il, dim, size)?;
+    Ok(out)
+}
+
+impl CudaStorage {
+    /// `self` (at `layout`) read at `index` along `dim` (see [`IndexOp`]), row-major.
+    pub(crate) fn index_read(
+        &self,
+        op: IndexOp,
+        name: &'static str,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        il: &Layout,
+    ) -> Result<CudaStorage> {
+        let idt = index_dtype(name, index)?;
+        same_device(name, self, index)?;
+        let rt = self.runtime()?;
+        let rank = layout.dims().len();
+        let size = layout.dims()[dim];
+        // The position shape W (the output's) and the index position of each of its elements.
+        let (w, istrides) = match op {
+            IndexOp::Select => {
+                let mut w = layout.dims().to_vec();
+                w[dim] = il.numel();
+                let mut s = vec![0; rank];
+                s[dim] = il.strides()[0];
+                (w, s)
+            }
+            IndexOp::Gather => (il.dims().to_vec(), il.strides().to_vec()),
+        };
+        let n: usize = w.iter().product();
+        let out = CudaStorage::alloc_on(rt, self.dtype(), n)?;
+        validated(rt, name, index, il, dim, size, || {
+            if n == 0 {
+                return Ok(());
+            }
+            if op == IndexOp::Select && layout.is_contiguous() {
+                return self.select_rows(rt, layout, dim, index, il, &out);
+            }
+            let mut xs = layout.strides().to_vec();
+            xs[dim] = 0;
+            let shape = KernelShape::new(name, &w, &[&xs, &istrides])?;
+            let f = rt.function(KernelKey::new(
+                Module::Index,
+                by_width("gather", self.dtype()),
+                idt,
+            ))?;
+            let (x, i, o) = (self.ptr(layout), index.ptr(il), out.ptr_at(0));
+            let (n64, ds, size64) = (n as i64, layout.strides()[dim] as i64, size as i64);
+            // SAFETY: `gather_wB_I(const E* x, const I* idx, E* out, Strided s, i64 n,
+            // i64 dim_stride, i64 size)` with B the dtype's size; `x` reaches its layout's
+            // elements (indices outside 0..size are skipped), `idx` its layout's, `out` holds n.
+            unsafe {
+                launch(
+                    f,
+                    Grid::linear(rt, n, 256),
+                    current_raw(rt.ordinal),
+                    &[&x, &i, &o, &shape, &n64, &ds, &size64],
+                )
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// index_select of a row-major `self`: whole rows of the dims after `dim` move in the
+    /// widest unit (up to 16 bytes) that divides a row and fits the pointers' alignment.
+    fn select_rows(
+        &self,
+        rt: &DeviceRuntime,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        il: &Layout,
+        out: &CudaStorage,
+    ) -> Result<()> {
+        let dims = layout.dims();
+        let outer: usize = dims[..dim].iter().product();
+        let row_bytes = dims[dim + 1..].iter().product::<usize>() * self.dtype().size_in_bytes();
+        let (x, i, o) = (self.ptr(layout), index.ptr(il), out.ptr_at(0));
+        let unit = [16usize, 8, 4, 2, 1]
+            .into_iter()
+            .find(|&b| row_bytes % b == 0 && x % b as u64 == 0 && o % b as u64 == 0)
+            .unwrap_or(1);
+        let base = match unit {
+            16 => "select_rows_w16",
+            8 => "select_rows_w8",
+            4 => "select_rows_w4",
+            2 => "select_rows_w2",
+            _ => "select_rows_w1",
+        };
+        let f = rt.function(KernelKey::new(Module::Index, base, index.dtype()))?;
+        let nidx = il.numel();
+        let inner = row_bytes / unit;
+        let units = outer * nidx * inner;
+        let (outer64, nidx64, size64, inner64, istride) = (
+            outer as i64,
+            nidx as i64,
+            dims[dim] as i64,
+            inner as i64,
+            il.strides()[0] as i64,
+        );
+        // SAFETY: `select_rows_wB_I(const E* x, const I* idx, E* out, i64 outer, i64 nidx,
+        // i64 size, i64 inner, i64 istride)`; `x` is row-major [outer, size, inner units] from
+        // its offset (indices outside 0..size are skipped), `idx` holds nidx elements at
+        // stride istride, `out` holds outer * nidx * inner units; all B-aligned (checked above).
+        unsafe {
+            launch(
+                f,
+                Grid::linear(rt, units, 256),
+                current_raw(rt.ordinal),
+                &[&x, &i, &o, &outer64, &nidx64, &size64, &inner64, &istride],
+            )
+        }
+    }
+
+    /// A row-major copy of `self` at `layout` with `src` at `sl` written at `index` along `dim`
+    /// (see [`ScatterOp`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn index_write(
+        &self,
+        op: ScatterOp,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        il: &Layout,
+        src: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<CudaStorage> {
+        let name = op.name();
+        if src.dtype() != self.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: name,
+                expected: self.dtype(),
+                found: src.dtype(),
+            });
+        }
+        let idt = index_dtype(name, index)?;
+        same_device(name, self, index)?;
+        same_device(name, self, src)?;
+        let rt = self.runtime()?;
+        let size = layout.dims()[dim];
+        let out = self.to_dtype(layout, self.dtype())?;
+        let cs = layout.shape().contiguous_strides();
+        let mut base = cs.clone();
+        base[dim] = 0;
+        // The position shape W and, over it, the index position and source element.
+        let (w, istrides) = match op {
+            ScatterOp::Scatter | ScatterOp::ScatterAdd => (il.dims().to_vec(), il.strides().to_vec()),
+            ScatterOp::IndexAdd => {
+                let mut s = vec![0; sl.dims().len()];
+                s[dim] = il.strides()[0];
+                (sl.dims().to_vec(), s)
+            }
+        };
+        let n: usize = w.iter().product();
+        validated(rt, name, index, il, dim, size, || {
+            if n == 0 {
+                return Ok(());
+            }
+            let shape = KernelShape::new(name, &w, &[&base, &istrides, sl.strides()])?;
+            let (o, i, s) = (out.ptr_at(0), index.ptr(il), src.ptr(sl));
+            let (n64, ds, size64) = (n as i64, cs[dim] as i64, size as i64);
+            let grid = Grid::linear(rt, n, 256);
+            let stream = current_raw(rt.ordinal);
+            if op != ScatterOp::Scatter {
+                let f = rt.function(KernelKey::with2(Module::Index, "scatter_add", self.dtype(), idt))?;
+                // SAFETY: `scatter_add_T_I(T* out, const I* idx, const T* src, Strided s, i64 n,
+                // i64 dim_stride, i64 size)`; `out` is row-major with `layout`'s shape and the
+                // base strides are its own with dim's zeroed, so base + v * dim_stride is inside
+                // it for v in 0..size (others are skipped); idx and src reach their layouts.
+                return unsafe { launch(f, grid, stream, &[&o, &i, &s, &shape, &n64, &ds, &size64]) };
+            }
+            // Last write wins: mark the winning position of each target, then let it write.
+            let winner = if n < u32::MAX as usize {
+                Some(CudaStorage::full(rt.ordinal, DType::I32, out.len(), 0.0)?)
+            } else {
+                None
+            };
+            let wp = winner.as_ref().map_or(0, |w| w.ptr_at(0));
+            if let Some(winner) = &winner {
+                let f = rt.function(KernelKey::new(Module::Index, "scatter_mark", idt))?;
+                let wp = winner.ptr_at(0);
+                // SAFETY: `scatter_mark_I(const I* idx, u32* winner, Strided s, i64 n,
+                // i64 dim_stride, i64 size)`; `winner` has one u32 per element of `out`, so it
+                // is reached exactly where `out` would be (see scatter_add above).
+                unsafe { launch(f, grid, stream, &[&i, &wp, &shape, &n64, &ds, &size64])? };
+            }
+            let f = rt.function(KernelKey::new(
+                Module::Index,
+                by_width("scatter", self.dtype()),
+                idt,
+            ))?;
+            // SAFETY: `scatter_wB_I(E* out, const I* idx, const E* src, const u32* winner,
+            // Strided s, i64 n, i64 dim_stride, i64 size)`; as above, `winner` null or one u32
+            // per element of `out`, written by the previous launch on the same stream.
+            unsafe { launch(f, grid, stream, &[&o, &i, &s, &wp, &shape, &n64, &ds, &size64]) }
+        })?;
+        Ok(out)
+    }
+
+    /// int64 one-hot rows of the class indices at `layout`, and the number of classes.
+    pub(crate) fn one_hot(
+        &self,
+        layout: &Layout,
+        num_classes: Option<usize>,
+    ) -> Result<(CudaStorage, usize)> {
+        const OP: &str = "one_hot";
+        let idt = index_dtype(OP, self)?;
+        let rt = self.runtime()?;
+        let rows = layout.numel();
+        let dim = layout.shape().rank();
+        let classes = match num_classes {
+            Some(n) => n,
+            None => {
+                // The maximum is needed on the host (it sizes the output): copy the indices
+                // there and check them there too.
+                let idx = host_indices(self, layout)?;
+                let n = idx
+                    .iter()
+                    .max()
+                    .map_or(0, |&m| if m < 0 { 0 } else { m as usize + 1 });
+                first_out_of_range(OP, &idx, dim, n)?;
+                n
+            }
+        };
+        let len = rows.checked_mul(classes).ok_or_else(|| {
+            Error::invalid(
+                OP,
+                format!("{rows} rows of {classes} classes overflow the address space"),
+            )
+        })?;
+        let out = CudaStorage::full(rt.ordinal, DType::I64, len, 0.0)?;
+        if rows == 0 {
+            return Ok((out, classes));
+        }
+        let flag = RangeFlag::new(rt)?;
+        let shape = KernelShape::new(OP, layout.dims(), &[layout.strides()])?;
+        let f = rt.function(KernelKey::new(Module::Index, "one_hot", idt))?;
+        let (i, o, fl) = (self.ptr(layout), out.ptr_at(0), flag.ptr());
+        let (n64, c64) = (rows as i64, classes as i64);
+        // SAFETY: `one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag)`;
+        // `idx` reaches the `rows` elements of its layout, `out` holds rows * classes i64 and is
+        // written only at in-range classes, `flag` is one i32.
+        unsafe {
+            launch(
+                f,
+                Grid::linear(rt, rows, 256),
+                current_raw(rt.ordinal),
+                &[&i, &shape, &n64, &c64, &o, &fl],
+            )?;
+        }
+        if num_classes.is_some() {
+            flag.finish(OP, self, layout, dim, classes)?;
+        }
+        Ok((out, classes))
+    }
+}

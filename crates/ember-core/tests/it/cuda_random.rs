@@ -1,0 +1,243 @@
+//! CUDA random generation against the CPU: for one generator state both devices must give the
+//! same bits (Note [Philox stream]): rand / uniform_ / randn / normal / randint / bernoulli /
+//! randperm in every dtype, several seeds, offsets (two draws in a row, offsets that wrap) and
+//! odd sizes. Normals allow the documented exception: f64 `ln`/`sin`/`cos` may differ in the
+//! last ulp between glibc and CUDA, so f64 normals are compared to a few ulps, and narrower
+//! normals bitwise except for at most a handful of one-ulp misses.
+
+use crate::common::{self, values};
+use ember_core::{DType, Device, Error, Generator, RngState, Tensor};
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+const ALL: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+    DType::Bool,
+];
+const SEEDS: [u64; 3] = [0, 42, 0x0123_4567_89ab_cdef];
+const SIZES: [usize; 7] = [0, 1, 3, 5, 7, 1001, (1 << 20) + 3];
+
+/// The bit pattern of every element (as u64), so that comparisons are exact.
+fn bits(t: &Tensor) -> Vec<u64> {
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits() as u64)
+            .collect(),
+        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|x| x.to_bits()).collect(),
+        DType::F16 => t
+            .to_vec::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits() as u64)
+            .collect(),
+        DType::BF16 => t
+            .to_vec::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits() as u64)
+            .collect(),
+        DType::I64 => t.to_vec::<i64>().unwrap().iter().map(|&x| x as u64).collect(),
+        _ => t.to_vec_f64().unwrap().iter().map(|x| x.to_bits()).collect(),
+    }
+}
+
+/// Asserts bitwise equality of `cuda` and `cpu` (same dtype and shape), allowing `misses`
+/// elements whose bit patterns differ by at most `ulps` (same sign).
+fn assert_bits(what: &str, cuda: &Tensor, cpu: &Tensor, misses: usize, ulps: u64) {
+    assert!(cuda.device().is_cuda(), "{what}: result left the GPU");
+    assert_eq!(cuda.dtype(), cpu.dtype(), "{what}: dtype");
+    assert_eq!(cuda.shape(), cpu.shape(), "{what}: shape");
+    let (a, e) = (bits(cuda), bits(cpu));
+    let mut missed = 0;
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        if x != y {
+            missed += 1;
+            assert!(
+                x.abs_diff(*y) <= ulps && missed <= misses,
+                "{what}: element {i}: cuda bits {x:#x}, cpu bits {y:#x} ({missed} misses so far)"
+            );
+        }
+    }
+    if missed > 0 {
+        println!("{what}: {missed} elements within {ulps} ulp of the CPU");
+    }
+}
+
+/// Draws with `f` twice (the second draw starts at the advanced offset) on the CPU and on the
+/// GPU from two generators in the same state, and compares.
+fn twice(what: &str, state: RngState, misses: usize, ulps: u64, f: impl Fn(Device, &Generator) -> Tensor) {
+    let gpu = common::gpu();
+    let (gc, gg) = (Generator::new(0), Generator::new(0));
+    gc.set_state(state);
+    gg.set_state(state);
+    for round in 0..2 {
+        let (e, a) = (f(Device::Cpu, &gc), f(gpu, &gg));
+        assert_bits(&format!("{what} (draw {round})"), &a, &e, misses, ulps);
+        assert_eq!(gc.get_state(), gg.get_state(), "{what}: generator offsets");
+    }
+}
+
+fn states() -> Vec<RngState> {
+    let mut s: Vec<RngState> = SEEDS.iter().map(|&seed| RngState { seed, offset: 0 }).collect();
+    s.push(RngState {
+        seed: 7,
+        offset: 12_345,
+    });
+    // The block counter wraps around 2^64 within the draw.
+    s.push(RngState {
+        seed: 9,
+        offset: u64::MAX - 2,
+    });
+    s
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn rand_and_uniform_are_bitwise_equal() {
+    for dtype in FLOATS {
+        for state in states() {
+            for n in SIZES {
+                let what = format!("rand {dtype} {state:?} n={n}");
+                twice(&what, state, 0, 0, |d, g| {
+                    Tensor::rand_with([n], dtype, d, g).unwrap()
+                });
+            }
+            for (lo, hi) in [(-3.3, 7.1), (1.0, 1.0 + 1e-3), (-1e6, 5e5), (2.0, 2.0)] {
+                let what = format!("uniform_({lo}, {hi}) {dtype} {state:?}");
+                twice(&what, state, 0, 0, |d, g| {
+                    let t = Tensor::zeros([37, 29], dtype, d).unwrap();
+                    t.uniform_with_(lo, hi, g).unwrap()
+                });
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn randn_and_normal_match() {
+    for dtype in FLOATS {
+        // f64: last-ulp differences of ln/sin/cos show directly; narrower types only when such
+        // a difference crosses a rounding boundary (rare: allow one per 100k elements).
+        let (misses, ulps) = if dtype == DType::F64 {
+            (usize::MAX, 16)
+        } else {
+            (11, 1)
+        };
+        for state in states() {
+            for n in SIZES {
+                let what = format!("randn {dtype} {state:?} n={n}");
+                twice(&what, state, misses, ulps, |d, g| {
+                    Tensor::randn_with([n], dtype, d, g).unwrap()
+                });
+            }
+            let what = format!("normal(2.5, 0.75) {dtype} {state:?}");
+            twice(&what, state, misses, ulps, |d, g| {
+                Tensor::normal_with(2.5, 0.75, [101, 7], dtype, d, g).unwrap()
+            });
+            let what = format!("normal_(-1e3, 3) {dtype} {state:?}");
+            twice(&what, state, misses, ulps, |d, g| {
+                let t = Tensor::zeros([9, 13], dtype, d).unwrap();
+                t.normal_with_(-1e3, 3.0, g).unwrap()
+            });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn randint_is_bitwise_equal() {
+    let ranges = [
+        (0, 10),
+        (-5, 5),
+        (0, 1 << 32),
+        (-(1 << 40), 1 << 40),
+        (i64::MIN, i64::MAX),
+        (3, 4),
+    ];
+    for state in states() {
+        for (lo, hi) in ranges {
+            for n in SIZES {
+                let what = format!("randint({lo}, {hi}) {state:?} n={n}");
+                twice(&what, state, 0, 0, |d, g| {
+                    Tensor::randint_with(lo, hi, [n], d, g).unwrap()
+                });
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bernoulli_is_bitwise_equal() {
+    for state in states() {
+        // A scalar probability, every dtype (in-place fill).
+        for dtype in ALL {
+            for p in [0.0, 0.3, 1.0] {
+                for n in [1usize, 5, 1001, (1 << 20) + 3] {
+                    let what = format!("bernoulli_({p}) {dtype} {state:?} n={n}");
+                    twice(&what, state, 0, 0, |d, g| {
+                        Tensor::zeros([n], dtype, d)
+                            .unwrap()
+                            .bernoulli_with_(p, g)
+                            .unwrap()
+                    });
+                }
+            }
+        }
+        // A probability tensor: contiguous, transposed and sliced.
+        for dtype in FLOATS {
+            let probs: Vec<f64> = values(64 * 33, 5).iter().map(|v| (v + 1.0) / 2.0).collect();
+            let what = format!("bernoulli(tensor) {dtype} {state:?}");
+            twice(&what, state, 0, 0, |d, g| {
+                let p = Tensor::from_slice(&probs, [64, 33], d)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let strided = p.t().unwrap().narrow(0, 1, 30).unwrap();
+                let a = p.bernoulli_with(g).unwrap();
+                let b = strided.bernoulli_with(g).unwrap();
+                Tensor::cat(&[&a.reshape(&[-1]).unwrap(), &b.reshape(&[-1]).unwrap()], 0).unwrap()
+            });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bernoulli_rejects_bad_probabilities_like_the_cpu() {
+    let gpu = common::gpu();
+    for bad in [1.5, -0.25, f64::NAN] {
+        let mut p = values(1000, 3).iter().map(|v| v.abs()).collect::<Vec<_>>();
+        p[617] = bad;
+        p[900] = 2.0;
+        let errs: Vec<Error> = [Device::Cpu, gpu]
+            .into_iter()
+            .map(|d| {
+                let t = Tensor::from_slice(&p, [1000], d).unwrap();
+                t.bernoulli_with(&Generator::new(1)).unwrap_err()
+            })
+            .collect();
+        assert!(matches!(errs[1], Error::InvalidArgument { .. }), "{}", errs[1]);
+        assert_eq!(errs[0].to_string(), errs[1].to_string());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn randperm_is_equal() {
+    for state in states() {
+        for n in SIZES {
+            let what = format!("randperm({n}) {state:?}");
+            twice(&what, state, 0, 0, |d, g| Tensor::randperm_with(n, d, g).unwrap());
+        }
+    }
+}
