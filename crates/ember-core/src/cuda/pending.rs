@@ -7,7 +7,6 @@ use crate::layout::Layout;
 use crate::ops::index::{IndexOp, ScatterOp};
 use crate::ops::reduce::ReduceOp;
 use crate::ops::softmax::SoftmaxOp;
-use crate::ops::unary::UnaryOp;
 use crate::random::dist::Distribution;
 use crate::random::RngState;
 use crate::{DType, Error, Result};
@@ -89,11 +88,5 @@ impl CudaStorage {
     }
     pub(crate) fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CudaStorage> {
         Err(pending("bernoulli"))
-    }
-    pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
-        Err(pending("unary"))
-    }
-    pub(crate) fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
-        Err(pending("matmul"))
     }
 }

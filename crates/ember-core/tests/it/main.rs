@@ -6,6 +6,8 @@ mod autograd;
 mod binary;
 mod conformance;
 mod cuda;
+mod cuda_matmul;
+mod cuda_unary;
 mod display;
 mod errors;
 mod index;
