@@ -248,12 +248,8 @@ fn integer_ops_wrap_at_the_extremes() {
         Device::Cpu,
     )
     .unwrap();
-    let i32s = Tensor::from_slice(
-        &[i32::MIN, -46_341, -1, 0, 1, 46_341, i32::MAX],
-        [7],
-        Device::Cpu,
-    )
-    .unwrap();
+    let i32s =
+        Tensor::from_slice(&[i32::MIN, -46_341, -1, 0, 1, 46_341, i32::MAX], [7], Device::Cpu).unwrap();
     let u8s = Tensor::from_slice(&[0u8, 1, 2, 15, 16, 128, 200, 255], [8], Device::Cpu).unwrap();
     for x in [&i64s, &i32s, &u8s] {
         for op in int_ops {
