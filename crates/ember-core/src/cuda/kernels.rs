@@ -16,10 +16,11 @@ pub enum Module {
     Softmax,
     Index,
     Random,
+    Matmul,
 }
 
 impl Module {
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 8] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -27,6 +28,7 @@ impl Module {
         Module::Softmax,
         Module::Index,
         Module::Random,
+        Module::Matmul,
     ];
 
     /// The file name without `.cu`.
@@ -39,6 +41,7 @@ impl Module {
             Module::Softmax => "softmax",
             Module::Index => "index",
             Module::Random => "random",
+            Module::Matmul => "matmul",
         }
     }
 
@@ -52,6 +55,7 @@ impl Module {
             Module::Softmax => include_str!("../../kernels/softmax.cu"),
             Module::Index => include_str!("../../kernels/index.cu"),
             Module::Random => include_str!("../../kernels/random.cu"),
+            Module::Matmul => include_str!("../../kernels/matmul.cu"),
         }
     }
 }

@@ -7,9 +7,11 @@
 //! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
 //! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
 //! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
-//! and one file per op family beside the CPU backend's.
+//! `blas` (matrix products through cuBLASLt, the TF32 switch), and one file per op family
+//! beside the CPU backend's.
 
 mod allocator;
+mod blas;
 mod device;
 mod elementwise;
 mod index;
@@ -25,7 +27,9 @@ mod runtime;
 mod softmax;
 mod storage;
 mod stream;
+mod unary;
 
+pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
 pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
     get_device_properties, is_available, DeviceProperties,

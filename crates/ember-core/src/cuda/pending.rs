@@ -10,6 +10,9 @@ use crate::ops::reduce::ReduceOp;
 use crate::ops::softmax::SoftmaxOp;
 use crate::ops::unary::UnaryOp;
 use crate::{Error, Result};
+use crate::random::dist::Distribution;
+use crate::random::RngState;
+use crate::{DType, Error, Result};
 
 fn pending(op: &'static str) -> Error {
     Error::Cuda {
@@ -77,11 +80,5 @@ impl CudaStorage {
         grad: &CudaStorage,
         gl: &Layout,
         op: SoftmaxOp,
-    }
-    pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
-        Err(pending("unary"))
-    }
-    pub(crate) fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
-        Err(pending("matmul"))
     }
 }

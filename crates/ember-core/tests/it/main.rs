@@ -11,6 +11,8 @@ mod cuda_memory;
 mod cuda_reduce;
 mod cuda_index;
 mod cuda_random;
+mod cuda_matmul;
+mod cuda_unary;
 mod display;
 mod errors;
 mod index;

@@ -1,0 +1,642 @@
+//! Matrix products on CUDA: f32, f64, f16 and bf16 through cuBLASLt, integers through the tiled
+//! kernel of `kernels/matmul.cu`; and the float32 precision switch PyTorch users know as
+//! `torch.backends.cuda.matmul.allow_tf32` and `torch.set_float32_matmul_precision`.
+//!
+//! Note [Row-major GEMM through cuBLASLt]: cuBLASLt is column-major. A row-major `C = A B`
+//! (`[m, k] x [k, n]`) is the column-major `Cᵀ = Bᵀ Aᵀ`, so cuBLASLt's (A, B, D) are our (B, A,
+//! C) with its (m, n, k) = our (n, m, k). A row-major matrix `X[r, c]` with strides `(rs, cs)`
+//! is, read column-major, either `Xᵀ` with leading dimension `rs` (when `cs == 1`: op N) or `X`
+//! with leading dimension `cs` (when `rs == 1`: op T, so cuBLASLt transposes it back). Views of
+//! either kind (contiguous or transposed) are read in place; any other matrix strides, and batch
+//! dims that do not collapse to one stride, are copied to row-major first. Batches are strided
+//! batches (stride 0 for broadcast batch dims).
+//!
+//! Note [cuBLASLt state]: per device, one handle (created on first use, kept for the process),
+//! one 32 MiB workspace per stream (from the caching allocator, kept; a workspace is used by
+//! one stream only, so products queued on two streams never share one), and a cache of plans
+//! (matmul descriptor, matrix layouts and the algorithm the heuristic chose) keyed by
+//! everything the choice depends on, so a repeated shape makes no heuristic query.
+
+use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::runtime::DeviceRuntime;
+use super::storage::CudaStorage;
+use super::stream::current_raw;
+use crate::layout::Layout;
+use crate::{DType, Error, Result};
+use cudarc::cublaslt::result::{self as lt, CublasError};
+use cudarc::cublaslt::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Workspace handed to cuBLASLt per (device, stream), in bytes (what PyTorch uses on Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Plans kept per device before the cache is cleared (each holds four small descriptors).
+const MAX_PLANS: usize = 4096;
+
+// ---------------------------------------------------------------------------------------------
+// Float32 precision switch.
+
+/// 0 "highest" (true f32), 1 "high" (TF32 allowed), 2 "medium" (bf16 allowed).
+static PRECISION: AtomicU8 = AtomicU8::new(0);
+
+/// Sets how float32 matrix products may compute, as `torch.set_float32_matmul_precision`:
+/// `"highest"` (the default: full f32), `"high"` (TensorFloat-32 tensor cores allowed) or
+/// `"medium"` (bf16-based reduced precision allowed where cuBLASLt offers it).
+pub fn set_float32_matmul_precision(precision: &str) -> Result<()> {
+    let p = match precision {
+        "highest" => 0,
+        "high" => 1,
+        "medium" => 2,
+        other => {
+            return Err(Error::invalid(
+                "set_float32_matmul_precision",
+                format!("expected \"highest\", \"high\" or \"medium\", got {other:?}"),
+            ))
+        }
+    };
+    PRECISION.store(p, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The current float32 matmul precision: `"highest"`, `"high"` or `"medium"`.
+pub fn get_float32_matmul_precision() -> &'static str {
+    match PRECISION.load(Ordering::Relaxed) {
+        0 => "highest",
+        1 => "high",
+        _ => "medium",
+    }
+}
+
+/// Allows (or forbids) TensorFloat-32 in float32 matrix products, as
+/// `torch.backends.cuda.matmul.allow_tf32 = ...`: `true` sets the precision to `"high"`,
+/// `false` to `"highest"`.
+pub fn set_allow_tf32(allow: bool) {
+    PRECISION.store(u8::from(allow), Ordering::Relaxed);
+}
+
+/// Whether float32 matrix products may use reduced precision (TF32 or lower).
+pub fn allow_tf32() -> bool {
+    PRECISION.load(Ordering::Relaxed) != 0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-device cuBLASLt state (Note [cuBLASLt state]).
+
+struct Handle(sys::cublasLtHandle_t);
+// SAFETY: a cuBLASLt handle may be used from any thread (calls take the stream explicitly); it
+// is created once per device and never destroyed.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+struct DeviceBlas {
+    handle: Handle,
+    state: Mutex<BlasState>,
+}
+
+#[derive(Default)]
+struct BlasState {
+    /// Workspace per stream (raw stream handle), or None where allocating it failed.
+    workspaces: HashMap<u64, Option<CudaStorage>>,
+    plans: HashMap<PlanKey, Arc<Plan>>,
+}
+
+fn blas_error(what: &'static str) -> impl Fn(CublasError) -> Error {
+    move |e| Error::Cuda {
+        op: "matmul",
+        msg: format!("cuBLASLt {what}: {e:?}"),
+    }
+}
+
+/// The cuBLASLt state of `rt`'s device, created on first use; `CudaUnavailable` when the
+/// library is missing.
+fn device_blas(rt: &DeviceRuntime) -> Result<&'static DeviceBlas> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    static DEVICES: OnceLock<Vec<OnceLock<std::result::Result<DeviceBlas, Error>>>> = OnceLock::new();
+    // SAFETY: only tries to open the library file (see `is_culib_present`).
+    if !*PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
+        return Err(Error::CudaUnavailable {
+            reason: "cuBLASLt (libcublasLt.so.13) could not be loaded, and float matrix products on \
+                     CUDA need it; install the CUDA 13 cuBLAS libraries (e.g. the nvidia-cublas pip \
+                     package) and put them on LD_LIBRARY_PATH"
+                .into(),
+        });
+    }
+    let slots = DEVICES.get_or_init(|| (0..super::device_count()).map(|_| OnceLock::new()).collect());
+    let slot = slots
+        .get(rt.ordinal)
+        .ok_or_else(|| Error::invalid("matmul", format!("device ordinal {} is out of range", rt.ordinal)))?;
+    slot.get_or_init(|| {
+        // The device's context is current (runtime() bound it).
+        let handle = lt::create_handle().map_err(blas_error("cublasLtCreate"))?;
+        Ok(DeviceBlas {
+            handle: Handle(handle),
+            state: Mutex::new(BlasState::default()),
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Everything the algorithm choice depends on (cuBLASLt's view: column-major, A/B swapped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    dtype: DType,
+    precision: u8,
+    trans_a: bool,
+    trans_b: bool,
+    /// cuBLASLt's m, n, k.
+    m: u64,
+    n: u64,
+    k: u64,
+    lda: i64,
+    ldb: i64,
+    ldd: i64,
+    batch: i32,
+    stride_a: i64,
+    stride_b: i64,
+    stride_d: i64,
+    /// Alignment in bytes (a power of two, at most 256) of the A, B and D pointers.
+    align: [u32; 3],
+    workspace: usize,
+}
+
+/// A matmul descriptor, the layouts of A, B and D (C = D, beta = 0) and the chosen algorithm.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+// SAFETY: the descriptors are never modified after `Plan::new`; cublasLtMatmul only reads them,
+// so concurrent use from several threads is sound. They are destroyed once, on drop.
+unsafe impl Send for Plan {}
+unsafe impl Sync for Plan {}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created by `Plan::new` and is destroyed only here.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+fn data_type(dtype: DType) -> sys::cudaDataType {
+    match dtype {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::F64 => sys::cudaDataType::CUDA_R_64F,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        _ => unreachable!("integer products use matmul.cu"),
+    }
+}
+
+/// Sets one attribute of a descriptor from a plain value.
+fn attr<T>(value: &T) -> (*const c_void, usize) {
+    ((value as *const T).cast(), std::mem::size_of::<T>())
+}
+
+impl Plan {
+    fn new(handle: sys::cublasLtHandle_t, key: &PlanKey) -> Result<Plan> {
+        use sys::cublasComputeType_t as C;
+        let (compute, scale) = match (key.dtype, key.precision) {
+            (DType::F64, _) => (C::CUBLAS_COMPUTE_64F, sys::cudaDataType::CUDA_R_64F),
+            (DType::F32, 1) => (C::CUBLAS_COMPUTE_32F_FAST_TF32, sys::cudaDataType::CUDA_R_32F),
+            (DType::F32, 2) => (C::CUBLAS_COMPUTE_32F_FAST_16BF, sys::cudaDataType::CUDA_R_32F),
+            _ => (C::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F),
+        };
+        let ty = data_type(key.dtype);
+        // Build the plan step by step so that `Drop` frees whatever was created if a step fails.
+        let mut plan = Plan {
+            desc: lt::create_matmul_desc(compute, scale).map_err(blas_error("cublasLtMatmulDescCreate"))?,
+            layouts: [std::ptr::null_mut(); 3],
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let op = |t: bool| {
+            if t {
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        for (which, trans) in [
+            (D::CUBLASLT_MATMUL_DESC_TRANSA, op(key.trans_a)),
+            (D::CUBLASLT_MATMUL_DESC_TRANSB, op(key.trans_b)),
+        ] {
+            let value = trans as i32;
+            let (ptr, size) = attr(&value);
+            // SAFETY: `plan.desc` is live; TRANSA/TRANSB take an int32 (cublasOperation_t).
+            unsafe { lt::set_matmul_desc_attribute(plan.desc, which, ptr, size) }
+                .map_err(blas_error("cublasLtMatmulDescSetAttribute"))?;
+        }
+        // Stored (column-major) shapes: op(A) is m x k, op(B) is k x n, D is m x n.
+        let (a_rows, a_cols) = if key.trans_a {
+            (key.k, key.m)
+        } else {
+            (key.m, key.k)
+        };
+        let (b_rows, b_cols) = if key.trans_b {
+            (key.n, key.k)
+        } else {
+            (key.k, key.n)
+        };
+        let shapes = [
+            (a_rows, a_cols, key.lda, key.stride_a),
+            (b_rows, b_cols, key.ldb, key.stride_b),
+            (key.m, key.n, key.ldd, key.stride_d),
+        ];
+        for (slot, (rows, cols, ld, stride)) in shapes.into_iter().enumerate() {
+            plan.layouts[slot] = lt::create_matrix_layout(ty, rows, cols, ld)
+                .map_err(blas_error("cublasLtMatrixLayoutCreate"))?;
+            if key.batch > 1 {
+                use sys::cublasLtMatrixLayoutAttribute_t as L;
+                let (count, offset) = (key.batch, stride);
+                for (which, (ptr, size)) in [
+                    (L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, attr(&count)),
+                    (L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, attr(&offset)),
+                ] {
+                    // SAFETY: the layout is live; BATCH_COUNT takes an int32, STRIDED_BATCH_OFFSET
+                    // an int64, the types of `count` and `offset`.
+                    unsafe { lt::set_matrix_layout_attribute(plan.layouts[slot], which, ptr, size) }
+                        .map_err(blas_error("cublasLtMatrixLayoutSetAttribute"))?;
+                }
+            }
+        }
+        let pref = lt::create_matmul_pref().map_err(blas_error("cublasLtMatmulPreferenceCreate"))?;
+        let chosen = (|| {
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let workspace = key.workspace as u64;
+            let mut prefs = vec![(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, attr(&workspace))];
+            // The heuristic assumes 256-byte aligned pointers unless told otherwise; views at an
+            // offset may be less aligned.
+            for (which, align) in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ]
+            .into_iter()
+            .zip([&key.align[0], &key.align[1], &key.align[2], &key.align[2]])
+            {
+                prefs.push((which, attr(align)));
+            }
+            for (which, (ptr, size)) in prefs {
+                // SAFETY: `pref` is live; MAX_WORKSPACE_BYTES takes a uint64, the alignments uint32.
+                unsafe { lt::set_matmul_pref_attribute(pref, which, ptr, size) }
+                    .map_err(blas_error("cublasLtMatmulPreferenceSetAttribute"))?;
+            }
+            let [a, b, d] = plan.layouts;
+            // SAFETY: all descriptors are live and describe this problem; C uses D's layout.
+            unsafe { lt::get_matmul_algo_heuristic(handle, plan.desc, a, b, d, d, pref) }.map_err(blas_error(
+                "no algorithm for this product (cublasLtMatmulAlgoGetHeuristic)",
+            ))
+        })();
+        // SAFETY: `pref` was created above and is not used after this.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let chosen = chosen?;
+        if chosen.workspaceSize > key.workspace {
+            return Err(Error::Cuda {
+                op: "matmul",
+                msg: format!(
+                    "cuBLASLt chose an algorithm needing {} bytes of workspace, more than the {} offered",
+                    chosen.workspaceSize, key.workspace
+                ),
+            });
+        }
+        plan.algo = chosen.algo;
+        Ok(plan)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operands.
+
+/// One operand as cuBLASLt reads it: device address, transpose flag, leading dimension and
+/// batch stride (Note [Row-major GEMM through cuBLASLt]). Owns the row-major copy if one was made.
+struct Operand {
+    ptr: u64,
+    trans: bool,
+    ld: i64,
+    batch_stride: i64,
+    _copy: Option<CudaStorage>,
+}
+
+/// The one stride that walks the (flattened, row-major) batch dims, if there is one: size-1
+/// dims are ignored, each other dim's stride must be the next inner one's stride times its size
+/// (all 0 for a broadcast batch).
+fn batch_stride(dims: &[usize], strides: &[usize]) -> Option<i64> {
+    let mut stride = None;
+    let mut expected = None;
+    for (&d, &s) in dims.iter().zip(strides).rev() {
+        if d == 1 {
+            continue;
+        }
+        if expected.is_some_and(|e| e != s) {
+            return None;
+        }
+        stride.get_or_insert(s);
+        expected = Some(s * d);
+    }
+    Some(stride.unwrap_or(0) as i64)
+}
+
+/// How cuBLASLt reads the row-major `X[r, c]` with strides `(rs, cs)` as `Xᵀ` in column-major:
+/// `(transpose, leading dimension)`, or None when neither form fits. The stride of a size-1 dim
+/// is free, so it is chosen to satisfy cuBLASLt's `ld >= max(1, rows)`.
+fn matrix_form(r: usize, c: usize, rs: usize, cs: usize) -> Option<(bool, i64)> {
+    // N: stored column-major c x r (= Xᵀ), element (j, i) at i*rs + j.
+    if cs == 1 || c == 1 {
+        let ld = if r == 1 { c.max(1) } else { rs };
+        if ld >= c.max(1) {
+            return Some((false, ld as i64));
+        }
+    }
+    // T: stored column-major r x c (= X), element (i, j) at i + j*cs.
+    if rs == 1 || r == 1 {
+        let ld = if c == 1 { r.max(1) } else { cs };
+        if ld >= r.max(1) {
+            return Some((true, ld as i64));
+        }
+    }
+    None
+}
+
+impl Operand {
+    /// The matrix operand `x` at `l` (`[B.., r, c]`), copied to row-major when cuBLASLt cannot
+    /// read it in place.
+    fn new(x: &CudaStorage, l: &Layout) -> Result<Operand> {
+        let rank = l.dims().len();
+        let (r, c) = (l.dims()[rank - 2], l.dims()[rank - 1]);
+        let (rs, cs) = (l.strides()[rank - 2], l.strides()[rank - 1]);
+        let batch = batch_stride(&l.dims()[..rank - 2], &l.strides()[..rank - 2]);
+        if let (Some(batch_stride), Some((trans, ld))) = (batch, matrix_form(r, c, rs, cs)) {
+            return Ok(Operand {
+                ptr: x.ptr(l),
+                trans,
+                ld,
+                batch_stride,
+                _copy: None,
+            });
+        }
+        let copy = x.to_dtype(l, x.dtype())?;
+        Ok(Operand {
+            ptr: copy.ptr_at(0),
+            trans: false,
+            ld: c.max(1) as i64,
+            batch_stride: (r * c) as i64,
+            _copy: Some(copy),
+        })
+    }
+}
+
+/// The largest power of two (at most 256) dividing `ptr`: the alignment cuBLASLt may assume.
+fn alignment(ptr: u64) -> u32 {
+    (1u32 << ptr.trailing_zeros().min(8)).min(256)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The product.
+
+impl CudaStorage {
+    /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with the
+    /// same batch dims (broadcast ones have stride 0), as a new row-major `[B.., m, n]` storage.
+    pub(crate) fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+        let dtype = self.dtype();
+        if dtype != rhs.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "matmul",
+                expected: dtype,
+                found: rhs.dtype(),
+            });
+        }
+        if dtype == DType::Bool {
+            return Err(Error::UnsupportedDType {
+                op: "matmul",
+                dtype,
+                hint: "convert to an integer or float dtype first",
+            });
+        }
+        if self.ordinal() != rhs.ordinal() {
+            return Err(Error::DeviceMismatch {
+                op: "matmul",
+                lhs: self.device(),
+                rhs: rhs.device(),
+            });
+        }
+        let rank = al.dims().len();
+        assert!(
+            rank >= 2 && bl.dims().len() == rank,
+            "matmul layouts must share rank >= 2"
+        );
+        let (m, k, n) = (al.dims()[rank - 2], al.dims()[rank - 1], bl.dims()[rank - 1]);
+        assert_eq!(bl.dims()[rank - 2], k, "inner dims checked by the caller");
+        assert_eq!(
+            al.dims()[..rank - 2],
+            bl.dims()[..rank - 2],
+            "batch dims broadcast by the caller"
+        );
+        let batch: usize = al.dims()[..rank - 2].iter().product();
+        let rt = self.runtime()?;
+        let out_len = batch * m * n;
+        if !dtype.is_floating_point() {
+            return self.int_matmul(rt, al, rhs, bl, (batch, m, k, n));
+        }
+        // Checked before the empty cases so that a missing library shows up on any product.
+        let blas = device_blas(rt)?;
+        if out_len == 0 {
+            return CudaStorage::alloc_on(rt, dtype, 0);
+        }
+        if k == 0 {
+            return CudaStorage::full(rt.ordinal, dtype, out_len, 0.0); // an empty sum is 0
+        }
+        let batch = i32::try_from(batch).map_err(|_| {
+            Error::invalid(
+                "matmul",
+                format!("{batch} matrices in one batched product exceed cuBLASLt's limit of 2^31 - 1"),
+            )
+        })?;
+        let out = CudaStorage::alloc_on(rt, dtype, out_len)?;
+        // cuBLASLt's A is our rhs, its B our lhs (Note [Row-major GEMM through cuBLASLt]).
+        let a = Operand::new(rhs, bl)?;
+        let b = Operand::new(self, al)?;
+        let d = out.ptr_at(0);
+        let stream = current_raw(rt.ordinal);
+        let (workspace_ptr, workspace) = {
+            let mut state = blas.state.lock().unwrap_or_else(|e| e.into_inner());
+            let ws = state
+                .workspaces
+                .entry(stream)
+                .or_insert_with(|| CudaStorage::alloc_on(rt, DType::U8, WORKSPACE_BYTES).ok());
+            ws.as_ref().map_or((0, 0), |w| (w.ptr_at(0), w.len()))
+        };
+        let key = PlanKey {
+            dtype,
+            precision: if dtype == DType::F32 {
+                PRECISION.load(Ordering::Relaxed)
+            } else {
+                0
+            },
+            trans_a: a.trans,
+            trans_b: b.trans,
+            m: n as u64,
+            n: m as u64,
+            k: k as u64,
+            lda: a.ld,
+            ldb: b.ld,
+            ldd: n as i64,
+            batch,
+            stride_a: a.batch_stride,
+            stride_b: b.batch_stride,
+            stride_d: (m * n) as i64,
+            align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
+            workspace,
+        };
+        let plan = {
+            let mut state = blas.state.lock().unwrap_or_else(|e| e.into_inner());
+            match state.plans.get(&key) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = Arc::new(Plan::new(blas.handle.0, &key)?);
+                    if state.plans.len() >= MAX_PLANS {
+                        state.plans.clear();
+                    }
+                    state.plans.insert(key, p.clone());
+                    p
+                }
+            }
+        };
+        let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+        let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+            ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
+        } else {
+            ((&alpha32 as *const f32).cast(), (&beta32 as *const f32).cast())
+        };
+        let [la, lb, ld] = plan.layouts;
+        // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
+        // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
+        // alive in `a` until the call is queued and then released to the allocator on this
+        // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
+        // `batch * m * n` elements of `out`; beta = 0 so C is not read. alpha/beta point to host
+        // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
+        // call (host pointer mode reads them before it returns). The workspace holds `workspace`
+        // bytes and is used only on `stream`, the stream of every other op here.
+        unsafe {
+            lt::matmul(
+                blas.handle.0,
+                plan.desc,
+                alpha,
+                beta,
+                a.ptr as *const c_void,
+                la,
+                b.ptr as *const c_void,
+                lb,
+                d as *const c_void,
+                ld,
+                d as *mut c_void,
+                ld,
+                &plan.algo,
+                workspace_ptr as *mut c_void,
+                workspace,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(blas_error("cublasLtMatmul"))?;
+        Ok(out)
+    }
+
+    /// Integer products with `matmul.cu`'s tiled kernel (wrapping, as the CPU).
+    fn int_matmul(
+        &self,
+        rt: &DeviceRuntime,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        (batch, m, k, n): (usize, usize, usize, usize),
+    ) -> Result<CudaStorage> {
+        let out = CudaStorage::alloc_on(rt, self.dtype(), batch * m * n)?;
+        if out.is_empty() {
+            return Ok(out);
+        }
+        let rank = al.dims().len();
+        let shape = KernelShape::new(
+            "matmul",
+            &al.dims()[..rank - 2],
+            &[&al.strides()[..rank - 2], &bl.strides()[..rank - 2]],
+        )?;
+        let f = rt.function(KernelKey::new(Module::Matmul, "matmul", self.dtype()))?;
+        const TILE: usize = 16;
+        const MAX_GRID_YZ: usize = 65535;
+        let grid = Grid {
+            grid: (
+                n.div_ceil(TILE).min(i32::MAX as usize) as u32,
+                m.div_ceil(TILE).min(MAX_GRID_YZ) as u32,
+                batch.min(MAX_GRID_YZ) as u32,
+            ),
+            block: (TILE as u32, TILE as u32, 1),
+            shared_bytes: 0,
+        };
+        let (a, b, o) = (self.ptr(al), rhs.ptr(bl), out.ptr_at(0));
+        let (batch, m, k, n) = (batch as i64, m as i64, k as i64, n as i64);
+        let s = |l: &Layout, d: usize| l.strides()[d] as i64;
+        let (ars, acs, brs, bcs) = (s(al, rank - 2), s(al, rank - 1), s(bl, rank - 2), s(bl, rank - 1));
+        // SAFETY: `matmul_T(const T* a, const T* b, T* out, Strided s, i64 batch, i64 m, i64 k,
+        // i64 n, i64 a_rs, i64 a_cs, i64 b_rs, i64 b_cs)`, arguments in that order and of those
+        // types; `a` and `b` are read only at offsets their valid layouts reach (batch offsets
+        // through `shape`, matrix elements through their strides, indices bounded by m, k, n),
+        // `out` holds `batch * m * n` elements. Block (16, 16, 1) as the kernel requires.
+        unsafe {
+            launch(
+                f,
+                grid,
+                current_raw(rt.ordinal),
+                &[&a, &b, &o, &shape, &batch, &m, &k, &n, &ars, &acs, &brs, &bcs],
+            )?;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_strides_collapse_only_when_linear() {
+        assert_eq!(batch_stride(&[], &[]), Some(0));
+        assert_eq!(batch_stride(&[2, 3], &[60, 20]), Some(20));
+        assert_eq!(batch_stride(&[2, 3], &[0, 0]), Some(0));
+        assert_eq!(batch_stride(&[2, 1, 3], &[60, 7, 20]), Some(20));
+        assert_eq!(batch_stride(&[2, 3], &[0, 20]), None);
+        assert_eq!(batch_stride(&[2, 3], &[20, 60]), None);
+        assert_eq!(batch_stride(&[4], &[0]), Some(0));
+    }
+
+    #[test]
+    fn matrix_forms() {
+        // Contiguous [3, 5]: op N, ld 5. Its transpose view [5, 3] strides (1, 5): op T, ld 5.
+        assert_eq!(matrix_form(3, 5, 5, 1), Some((false, 5)));
+        assert_eq!(matrix_form(5, 3, 1, 5), Some((true, 5)));
+        // A row of a wider matrix (narrowed columns): ld is the parent's row length.
+        assert_eq!(matrix_form(3, 4, 10, 1), Some((false, 10)));
+        // Size-1 dims with arbitrary strides.
+        assert_eq!(matrix_form(1, 7, 1, 1), Some((false, 7)));
+        assert_eq!(matrix_form(7, 1, 1, 1), Some((false, 1)));
+        assert_eq!(matrix_form(7, 1, 3, 9), Some((false, 3)));
+        // Broadcast rows (stride 0) or both strides > 1: copied.
+        assert_eq!(matrix_form(4, 6, 0, 1), None);
+        assert_eq!(matrix_form(4, 6, 12, 2), None);
+    }
+
+    #[test]
+    fn alignments() {
+        assert_eq!(alignment(0x1000), 256);
+        assert_eq!(alignment(0x1004), 4);
+        assert_eq!(alignment(0x1002), 2);
+        assert_eq!(alignment(0x1080), 128);
+    }
+}
