@@ -80,44 +80,6 @@ __device__ __forceinline__ void box_muller(double u1, double u2, double& z0, dou
     z1 = __dmul_rn(r, sin(theta));
 }
 
-// half::bf16::from_f64 (half 2.x `bfloat/convert.rs::f64_to_bf16`), bit for bit: it keeps only
-// the high 32 bits of the f64 and rounds to nearest even from those, so a tie in them rounds to
-// even even when the dropped low bits are not zero.
-__device__ __forceinline__ bf16 half_f64_to_bf16(double value) {
-    u64 val = (u64)__double_as_longlong(value);
-    u32 x = (u32)(val >> 32);
-    u32 sign = x & 0x80000000u, exp = x & 0x7FF00000u, man = x & 0x000FFFFFu;
-    bf16 r;
-    if (exp == 0x7FF00000u) {
-        u32 nan_bit = (man == 0 && (u32)val == 0) ? 0u : 0x0040u;
-        r.bits = (unsigned short)((sign >> 16) | 0x7F80u | nan_bit | (man >> 13));
-        return r;
-    }
-    u32 half_sign = sign >> 16;
-    i64 half_exp = ((i64)(exp >> 20) - 1023) + 127;
-    if (half_exp >= 0xFF) {
-        r.bits = (unsigned short)(half_sign | 0x7F80u);
-        return r;
-    }
-    if (half_exp <= 0) {
-        if (7 - half_exp > 21) {
-            r.bits = (unsigned short)half_sign;
-            return r;
-        }
-        u32 m = man | 0x00100000u;
-        u32 half_man = m >> (u32)(14 - half_exp);
-        u32 round_bit = 1u << (u32)(13 - half_exp);
-        if ((m & round_bit) != 0 && (m & (3 * round_bit - 1)) != 0) half_man += 1;
-        r.bits = (unsigned short)(half_sign | half_man);
-        return r;
-    }
-    u32 bits = half_sign | ((u32)half_exp << 7) | (man >> 13);
-    u32 round_bit = 0x00001000u;
-    if ((man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0) bits += 1;
-    r.bits = (unsigned short)bits;
-    return r;
-}
-
 // half::f16::from_f64 without F16C (half 2.x `binary16/arch.rs::f64_to_f16_fallback`), bit for
 // bit; same truncation of the low 32 bits as above.
 __device__ __forceinline__ f16 half_f64_to_f16_software(double value) {

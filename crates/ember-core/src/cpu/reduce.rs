@@ -407,7 +407,10 @@ where
     F: Fn(&[T]) -> O + Sync + Send,
 {
     let (m, k) = reduce_sizes(l, dims);
-    if m == 0 || k == 0 {
+    if m == 0 {
+        return Vec::new(); // no rows: `f` (argmax of nothing) must not run
+    }
+    if k == 0 {
         return vec![f(&[]); m];
     }
     match plan(data, l, dims, false) {
