@@ -41,7 +41,8 @@ fn main() -> ember::Result<()> {
         stats["num_device_alloc"], stats["num_device_free"], stats["allocation.all.current"]
     );
     let (free, total) = cuda::mem_get_info(0)?;
-    println!("device: {:.1} GiB free of {:.1} GiB", free as f64 / 1e9 * 1e9 / (1u64 << 30) as f64, total as f64 / (1u64 << 30) as f64);
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    println!("device: {:.1} GiB free of {:.1} GiB", gib(free), gib(total));
     println!("{}", cuda::memory_summary(0));
     drop(a);
     Ok(())

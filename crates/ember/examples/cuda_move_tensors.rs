@@ -36,13 +36,19 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.linear(&self.w1, Some(&self.b1))?.relu()?.linear(&self.w2, Some(&self.b2))
+        x.linear(&self.w1, Some(&self.b1))?
+            .relu()?
+            .linear(&self.w2, Some(&self.b2))
     }
 }
 
 fn main() -> Result<()> {
     ember::manual_seed(0)?;
-    let device = if cuda::is_available() { Device::Cuda(0) } else { Device::Cpu };
+    let device = if cuda::is_available() {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    };
     let model_cpu = Mlp::new(784, 256, 10)?;
     let x_cpu = Tensor::randn([64, 784], DType::F32, Device::Cpu)?;
 

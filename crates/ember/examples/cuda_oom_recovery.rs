@@ -28,7 +28,14 @@ fn main() -> ember::Result<()> {
             Err(e) => return Err(e),
         }
     };
-    println!("batch {batch} fits: {:?}, {:.1} GiB allocated", x.dims(), cuda::memory_allocated(0) as f64 / (1u64 << 30) as f64);
-    println!("out-of-memory errors so far: {}", cuda::memory_stats(0)["num_ooms"]);
+    println!(
+        "batch {batch} fits: {:?}, {:.1} GiB allocated",
+        x.dims(),
+        cuda::memory_allocated(0) as f64 / (1u64 << 30) as f64
+    );
+    println!(
+        "out-of-memory errors so far: {}",
+        cuda::memory_stats(0)["num_ooms"]
+    );
     Ok(())
 }

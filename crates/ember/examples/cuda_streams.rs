@@ -23,7 +23,7 @@ fn main() -> ember::Result<()> {
         a.matmul(&b)?
     };
     let d = a.add(&b)?; // runs on the default stream at the same time
-    // Before the default stream uses `c`, it waits for the side stream's work.
+                        // Before the default stream uses `c`, it waits for the side stream's work.
     main.wait_stream(&side)?;
     let e = c.add(&d)?;
     println!("side stream {:#x}, priority {}", side.as_raw(), side.priority());

@@ -228,3 +228,41 @@ fn events_record_query_and_time() {
     s.wait_event(&end).unwrap();
     s.synchronize().unwrap();
 }
+
+/// Copies between two GPUs (peer copies), ops on the second GPU, and per-device statistics.
+/// Runs on a two-GPU machine: `bash .gpu/run-tests.sh` there includes it; single-GPU runs
+/// pass `--skip two_gpus`.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn copies_between_two_gpus() {
+    gpu();
+    assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
+    let (d0, d1) = (Device::Cuda(0), Device::Cuda(1));
+    let host = Tensor::arange(0.0, 60_000.0, 1.0, DType::F32, Device::Cpu)
+        .unwrap()
+        .reshape(&[300, 200])
+        .unwrap();
+    let a = host.to(d0).unwrap();
+    let b = a.to(d1).unwrap();
+    assert_eq!(b.device(), d1);
+    assert_eq!(b.to_vec::<f32>().unwrap(), host.to_vec::<f32>().unwrap());
+    // A strided view crosses as its own row-major copy.
+    let t = a.t().unwrap().narrow(0, 5, 100).unwrap().to(d1).unwrap();
+    let expected = host.t().unwrap().narrow(0, 5, 100).unwrap();
+    assert_eq!(
+        t.to_vec::<f32>().unwrap(),
+        expected.contiguous().unwrap().to_vec::<f32>().unwrap()
+    );
+    // copy_ from one GPU into a view on the other, and compute there.
+    let dst = Tensor::zeros([300, 400], DType::F32, d1).unwrap();
+    dst.narrow(1, 100, 200).unwrap().copy_(&a).unwrap();
+    let sum = dst.sum_all().unwrap().item_f64().unwrap();
+    assert_eq!(sum, host.sum_all().unwrap().item_f64().unwrap());
+    assert!(matches!(a.add(&b), Err(Error::DeviceMismatch { .. })));
+    assert!(cuda::memory_allocated(1) > 0);
+    // Streams and events belong to their device.
+    let s1 = Stream::new(1).unwrap();
+    assert_eq!(s1.device(), d1);
+    let c = b.mul_scalar(2.0).unwrap().to(d0).unwrap();
+    assert_eq!(c.to_vec::<f32>().unwrap()[299 * 200 + 199], 2.0 * 59_999.0);
+}
