@@ -251,6 +251,19 @@ impl Grid {
     }
 }
 
+impl Grid {
+    /// A 1-D launch of exactly enough `block`-thread blocks for `n` threads (for kernels whose
+    /// threads each take a fixed share of the work, e.g. the vectorized elementwise loops).
+    pub fn exact(n: usize, block: u32) -> Grid {
+        let blocks = n.div_ceil(block as usize).clamp(1, i32::MAX as usize);
+        Grid {
+            grid: (blocks as u32, 1, 1),
+            block: (block, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+}
+
 /// Launches `f` on `stream` with `params`, each a reference to one kernel parameter in the
 /// order the kernel declares them.
 ///

@@ -24,7 +24,9 @@ pub(crate) struct DeviceRuntime {
     pub sm_count: u32,
     pub allocator: CachingAllocator<DeviceMemory>,
     functions: Mutex<HashMap<KernelKey, Function>>,
-    modules: Mutex<HashMap<Module, Module_>>,
+    /// One slot per `Module::ALL` entry: modules compile on first use, different modules on
+    /// different threads at once.
+    modules: Vec<OnceLock<std::result::Result<Module_, Error>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -34,11 +36,13 @@ struct Context(sys::CUcontext);
 unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[allow(non_camel_case_types)]
 struct Module_(sys::CUmodule);
-// SAFETY: a loaded module is immutable and never unloaded; functions are looked up under the lock.
+// SAFETY: a loaded module is immutable and never unloaded; looking up its functions is
+// thread-safe in the driver.
 unsafe impl Send for Module_ {}
+unsafe impl Sync for Module_ {}
 
 thread_local! {
     static BOUND: Cell<usize> = const { Cell::new(0) };
@@ -92,7 +96,7 @@ impl DeviceRuntime {
             sm_count,
             allocator: CachingAllocator::new(DeviceMemory { ctx: Context(ctx) }),
             functions: Mutex::new(HashMap::new()),
-            modules: Mutex::new(HashMap::new()),
+            modules: Module::ALL.iter().map(|_| OnceLock::new()).collect(),
         })
     }
 
@@ -130,20 +134,20 @@ impl DeviceRuntime {
     }
 
     fn module(&self, m: Module) -> Result<Module_> {
-        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&loaded) = modules.get(&m) {
-            return Ok(loaded);
-        }
-        let cubin = nvrtc::compile_cached(m.name(), m.source(), &self.arch)?;
-        self.bind()?;
-        // SAFETY: `cubin` is a complete cubin image for this device's architecture, alive for the call.
-        let module =
-            unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
-                op: "cuModuleLoadData",
-                msg: format!("loading {}.cu for {}: {e:?}", m.name(), self.arch),
-            })?;
-        modules.insert(m, Module_(module));
-        Ok(Module_(module))
+        let slot = Module::ALL.iter().position(|&x| x == m).expect("every module is in Module::ALL");
+        self.modules[slot]
+            .get_or_init(|| {
+                let cubin = nvrtc::compile_cached(m.name(), m.source(), &self.arch)?;
+                self.bind()?;
+                // SAFETY: `cubin` is a complete cubin image for this device's architecture,
+                // alive for the call.
+                let module = unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
+                    op: "cuModuleLoadData",
+                    msg: format!("loading {}.cu for {}: {e:?}", m.name(), self.arch),
+                })?;
+                Ok(Module_(module))
+            })
+            .clone()
     }
 }
 

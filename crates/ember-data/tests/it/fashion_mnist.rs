@@ -99,17 +99,3 @@ fn missing_files_are_named() {
         Err(e) => panic!("unexpected {e}"),
     }
 }
-
-/// The 60,000-image train split, where `EMBER_FASHION_MNIST_DIR` names a folder holding it.
-#[test]
-#[ignore = "needs the train split: set EMBER_FASHION_MNIST_DIR"]
-fn train_split() {
-    let dir = std::env::var("EMBER_FASHION_MNIST_DIR").expect("EMBER_FASHION_MNIST_DIR is set");
-    let ds = FashionMnist::from_dir(dir, true).unwrap();
-    assert_eq!(ds.len(), 60_000);
-    let mut counts = [0usize; 10];
-    for l in ds.labels().to_vec::<i64>().unwrap() {
-        counts[l as usize] += 1;
-    }
-    assert_eq!(counts, [6000; 10]);
-}
