@@ -2,7 +2,7 @@
 //! ill-typed argument is a runner failure; an argument the runner does not know is reported as
 //! "not mapped", so a new generator option cannot be silently ignored.
 
-use super::Fail;
+use super::runner::Fail;
 use ember_core::Scalar;
 use serde_json::{Map, Value};
 

@@ -8,239 +8,33 @@
 //! input gradient. A case is SKIPPED when ember answers "not built yet" or the runner has no
 //! mapping for its op; anything else that goes wrong (error, panic, mismatch) is FAILED.
 //!
-//! Extending: a new group needs an arm in [`group_forward`]; a device is picked up from
-//! `common::devices()`, and needs an arm in [`tolerances`] only if it must compare looser.
+//! The run loop, fixture loading, comparison and kwargs live in `runner.rs`, `fixture.rs`,
+//! `compare.rs` and `kwargs.rs`, which ember-nn's tests include too (groups `nn`, `optim`);
+//! this file keeps group `core`: its op table (`core_ops.rs`) and tests. A device is picked up
+//! from `common::devices()`, and needs an arm in `runner::tolerances` only if it must compare
+//! looser.
 
 mod compare;
 mod core_ops;
 mod fixture;
 mod kwargs;
+mod runner;
 
 use crate::common;
-use compare::compare;
-use ember_core::{Device, Error, Tensor};
-use fixture::{Case, Fixture};
+use ember_core::{Error, Tensor};
+use fixture::Fixture;
 use kwargs::Kwargs;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use runner::{groups, run_case, run_group, Fail, Forward, Outcome};
 
 /// Groups whose cases must all run and pass (no skips): the conformance issues they cover are done.
 const REQUIRED_GROUPS: &[&str] = &["core"];
 
-/// Why a case did not pass.
-#[derive(Debug)]
-pub enum Fail {
-    Failed(String),
-    Skipped(String),
-}
-
-impl Fail {
-    /// The runner does not map this op or argument yet.
-    pub fn unmapped(what: String) -> Fail {
-        Fail::Skipped(format!("not mapped by the runner: {what}"))
-    }
-
-    fn context(self, stage: &str) -> Fail {
-        match self {
-            Fail::Failed(m) => Fail::Failed(format!("{stage}: {m}")),
-            Fail::Skipped(m) => Fail::Skipped(format!("{stage}: {m}")),
-        }
-    }
-}
-
-/// True for the placeholder error of an op whose kernel is not built yet (`ops::not_built`).
-fn is_not_built(e: &Error) -> bool {
-    matches!(e, Error::InvalidArgument { msg, .. } if msg == "not built yet")
-}
-
-impl From<Error> for Fail {
-    fn from(e: Error) -> Fail {
-        if is_not_built(&e) {
-            Fail::Skipped(e.to_string())
-        } else {
-            Fail::Failed(format!("error: {e}"))
-        }
-    }
-}
-
-/// A group's mapping: (op, case id, kwargs, inputs in manifest order) to PyTorch's outputs.
-type Forward = fn(&str, &str, &Kwargs, &[Tensor]) -> Result<Vec<Tensor>, Fail>;
-
-/// The forward mapping of `group`, or `None` while the runner does not cover it.
+/// The forward mapping of `group` in this crate's test, or `None` for groups run elsewhere.
 fn group_forward(group: &str) -> Option<Forward> {
     match group {
         "core" => Some(core_ops::forward),
         _ => None,
     }
-}
-
-/// (rtol, atol) for `case` on `device`: the manifest's, unless a backend needs its own.
-fn tolerances(case: &Case, device: Device) -> (f64, f64) {
-    match device {
-        Device::Cpu | Device::Cuda(_) => (case.rtol, case.atol),
-    }
-}
-
-enum Outcome {
-    Passed,
-    Failed(String),
-    Skipped(String),
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
-}
-
-fn run_case(fx: &Fixture, case: &Case, device: Device, forward: Forward) -> Outcome {
-    match catch_unwind(AssertUnwindSafe(|| try_case(fx, case, device, forward))) {
-        Ok(Ok(())) => Outcome::Passed,
-        Ok(Err(Fail::Failed(m))) => Outcome::Failed(m),
-        Ok(Err(Fail::Skipped(m))) => Outcome::Skipped(m),
-        Err(p) => Outcome::Failed(format!("panicked: {}", panic_message(p.as_ref()))),
-    }
-}
-
-fn try_case(fx: &Fixture, case: &Case, device: Device, forward: Forward) -> Result<(), Fail> {
-    let (rtol, atol) = tolerances(case, device);
-    let load = |name: &String| fx.tensor(case, name, device).map_err(Fail::Failed);
-    let reference = |name: &str| fx.reference(case, name).map_err(Fail::Failed);
-    let mut inputs = Vec::with_capacity(case.inputs.len());
-    for name in &case.inputs {
-        let t = load(name)?;
-        let wants_grad = case.grad_of(name).is_some();
-        inputs.push(if wants_grad {
-            t.requires_grad_(true)
-                .map_err(|e| Fail::from(e).context("requires_grad"))?
-        } else {
-            t
-        });
-    }
-
-    let outputs =
-        forward(&case.op, &case.id, &Kwargs(&case.kwargs), &inputs).map_err(|f| f.context("forward"))?;
-    if outputs.len() != case.outputs.len() {
-        return Err(Fail::Failed(format!(
-            "forward: {} outputs, PyTorch has {}",
-            outputs.len(),
-            case.outputs.len()
-        )));
-    }
-    let mut misses = Vec::new();
-    let mut float_outputs = Vec::new();
-    for (out, name) in outputs.iter().zip(&case.outputs) {
-        let r = reference(name)?;
-        if let Err(m) = compare(out, &r, rtol, atol) {
-            misses.push(format!("output {name}: {m}"));
-        }
-        if r.dtype.is_floating_point() {
-            float_outputs.push(out.clone());
-        }
-    }
-
-    if !case.grad_out.is_empty() {
-        if float_outputs.len() != case.grad_out.len() {
-            return Err(Fail::Failed(format!(
-                "runner: {} floating outputs but {} grad_out",
-                float_outputs.len(),
-                case.grad_out.len()
-            )));
-        }
-        let grad_out = case.grad_out.iter().map(load).collect::<Result<Vec<_>, _>>()?;
-        let wrt: Vec<(&String, &Tensor)> = case
-            .inputs
-            .iter()
-            .zip(&inputs)
-            .filter(|(n, _)| case.grad_of(n).is_some())
-            .collect();
-        let targets: Vec<Tensor> = wrt.iter().map(|(_, t)| (*t).clone()).collect();
-        match ember_core::autograd::grad(&float_outputs, &targets, Some(&grad_out), false) {
-            Ok(grads) => {
-                for ((name, x), g) in wrt.iter().zip(grads) {
-                    let r = reference(case.grad_of(name).expect("filtered above"))?;
-                    // PyTorch reports an unused input's gradient as zeros.
-                    let g = match g {
-                        Some(g) => g,
-                        None => x.zeros_like().map_err(|e| Fail::from(e).context("backward"))?,
-                    };
-                    if let Err(m) = compare(&g, &r, rtol, atol) {
-                        misses.push(format!("grad of {name}: {m}"));
-                    }
-                }
-            }
-            Err(e) if misses.is_empty() => return Err(Fail::from(e).context("backward")),
-            Err(e) => misses.push(format!("backward: {e}")),
-        }
-    }
-    if misses.is_empty() {
-        Ok(())
-    } else {
-        Err(Fail::Failed(misses.join("; ")))
-    }
-}
-
-/// The outcome counts of one group on one device, with a line per failed or skipped case.
-struct Report {
-    group: String,
-    device: Device,
-    passed: usize,
-    failed: Vec<String>,
-    skipped: Vec<String>,
-}
-
-impl Report {
-    fn ran(&self) -> usize {
-        self.passed + self.failed.len() + self.skipped.len()
-    }
-
-    fn print(&self) {
-        println!(
-            "conformance {} on {}: {} ran, {} passed, {} failed, {} skipped",
-            self.group,
-            self.device,
-            self.ran(),
-            self.passed,
-            self.failed.len(),
-            self.skipped.len()
-        );
-        for line in &self.failed {
-            println!("  FAILED  {line}");
-        }
-        for line in &self.skipped {
-            println!("  SKIPPED {line}");
-        }
-    }
-}
-
-/// The distinct groups of the manifest, in order of first appearance.
-fn groups(fx: &Fixture) -> Vec<&str> {
-    let mut gs: Vec<&str> = Vec::new();
-    for c in &fx.cases {
-        if !gs.contains(&c.group.as_str()) {
-            gs.push(&c.group);
-        }
-    }
-    gs
-}
-
-fn run_group(fx: &Fixture, group: &str, device: Device, forward: Forward) -> Report {
-    let mut report = Report {
-        group: group.to_owned(),
-        device,
-        passed: 0,
-        failed: Vec::new(),
-        skipped: Vec::new(),
-    };
-    for case in fx.cases.iter().filter(|c| c.group == group) {
-        let label = format!("{} ({}):", case.id, case.op);
-        match run_case(fx, case, device, forward) {
-            Outcome::Passed => report.passed += 1,
-            Outcome::Failed(m) => report.failed.push(format!("{label} {m}")),
-            Outcome::Skipped(m) => report.skipped.push(format!("{label} {m}")),
-        }
-    }
-    report
 }
 
 #[test]
@@ -255,11 +49,11 @@ fn pytorch_reference_cases() {
     for group in groups(&fx) {
         let n = fx.cases.iter().filter(|c| c.group == group).count();
         let Some(forward) = group_forward(group) else {
-            println!("conformance {group}: {n} cases not run (the runner does not cover this group yet)");
+            println!("conformance {group}: {n} cases not run here (they run in ember-nn's tests)");
             continue;
         };
         for device in common::devices() {
-            let report = run_group(&fx, group, device, forward);
+            let report = run_group(&fx, group, device, forward, &[]);
             report.print();
             assert_eq!(report.ran(), n);
             if REQUIRED_GROUPS.contains(&group) {

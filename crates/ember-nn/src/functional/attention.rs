@@ -1,0 +1,92 @@
+//! `scaled_dot_product_attention`: `softmax(q kᵀ · scale + mask) v`, as PyTorch's math
+//! backend computes it, with an optional boolean or additive mask, a causal mask, and dropout
+//! on the attention weights.
+//!
+//! It materializes the `[.., L, S]` score matrix (two batched GEMMs, a softmax and the
+//! masking ops); a fused (flash) attention kernel would keep the scores on chip and save that
+//! memory traffic and the extra kernels, forward and backward.
+
+use super::dropout::dropout;
+use ember_core::{DType, Error, Result, Tensor};
+
+/// Attention of `query` `[.., L, E]` over `key` `[.., S, E]` and `value` `[.., S, Ev]`, giving
+/// `[.., L, Ev]` (`F.scaled_dot_product_attention`). `attn_mask` broadcasts to `[.., L, S]`:
+/// a bool mask keeps the positions where it is true, a float mask is added to the scores.
+/// `is_causal` keeps position `j <= i` only (and excludes `attn_mask`); `scale` defaults to
+/// `1 / √E`; `dropout_p > 0` applies dropout to the attention weights.
+pub fn scaled_dot_product_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    attn_mask: Option<&Tensor>,
+    dropout_p: f64,
+    is_causal: bool,
+    scale: Option<f64>,
+) -> Result<Tensor> {
+    const OP: &str = "scaled_dot_product_attention";
+    for (name, t) in [("query", query), ("key", key), ("value", value)] {
+        if t.rank() < 2 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{name} must have at least 2 dims [.., seq, features], got shape {}",
+                    t.shape()
+                ),
+            ));
+        }
+    }
+    let (l, e) = (query.dims()[query.rank() - 2], query.dims()[query.rank() - 1]);
+    let s = key.dims()[key.rank() - 2];
+    if key.dims()[key.rank() - 1] != e {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: query.shape().clone(),
+            rhs: key.shape().clone(),
+            hint: "query and key must have the same feature size (last dim)",
+        });
+    }
+    if value.dims()[value.rank() - 2] != s {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: key.shape().clone(),
+            rhs: value.shape().clone(),
+            hint: "key and value must have the same sequence length (second-to-last dim)",
+        });
+    }
+    if is_causal && attn_mask.is_some() {
+        return Err(Error::invalid(
+            OP,
+            "explicit attn_mask should not be set when is_causal=True",
+        ));
+    }
+    let scale = scale.unwrap_or(1.0 / (e as f64).sqrt());
+    let scores = query.mul_scalar(scale)?.matmul(&key.transpose(-2, -1)?)?;
+    let scores = if is_causal {
+        // Keep j <= i: the upper triangle above the diagonal is masked.
+        let i = Tensor::arange(0.0, l as f64, 1.0, DType::I64, query.device())?.unsqueeze(1)?;
+        let j = Tensor::arange(0.0, s as f64, 1.0, DType::I64, query.device())?.unsqueeze(0)?;
+        scores.masked_fill(&j.gt(&i)?, f64::NEG_INFINITY)?
+    } else {
+        match attn_mask {
+            Some(m) if m.dtype() == DType::Bool => {
+                scores.masked_fill(&m.logical_not()?, f64::NEG_INFINITY)?
+            }
+            Some(m) if m.dtype().is_floating_point() => scores.add(m)?,
+            Some(m) => {
+                return Err(Error::UnsupportedDType {
+                    op: OP,
+                    dtype: m.dtype(),
+                    hint: "attn_mask must be a bool mask or a float mask of the query's dtype",
+                })
+            }
+            None => scores,
+        }
+    };
+    let weights = scores.softmax(-1)?;
+    let weights = if dropout_p > 0.0 {
+        dropout(&weights, dropout_p, true)?
+    } else {
+        weights
+    };
+    weights.matmul(value)
+}

@@ -1,0 +1,53 @@
+//! `torch.nn.functional`: stateless layer and loss functions built as compositions of
+//! ember-core tensor ops, so each runs on every device and differentiates through autograd
+//! with no kernel of its own.
+//!
+//! One file per family: [`conv`] (linear, convolution, unfold), [`pooling`], [`normalization`]
+//! (batch and layer norm), [`dropout`], [`attention`] and [`loss`]. The functions are
+//! re-exported here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
+//!
+//! Note [Composite ops]: the functions choose compositions with few kernels and no host
+//! round trips where they can; where a fused kernel would do better (im2col, pooling windows,
+//! norm statistics, attention, cross-entropy) the file's `//!` says what it would save.
+
+pub mod attention;
+pub mod conv;
+pub mod dropout;
+pub mod loss;
+pub mod normalization;
+pub mod pooling;
+
+pub use attention::scaled_dot_product_attention;
+pub use conv::{conv1d, conv2d, linear, unfold};
+pub use dropout::{dropout, dropout_with};
+pub use loss::{binary_cross_entropy_with_logits, cross_entropy, l1_loss, mse_loss, nll_loss, Reduction};
+pub use normalization::{batch_norm, layer_norm};
+pub use pooling::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
+
+/// A size or step per spatial dim of a 2-D op (`kernel_size=3` or `kernel_size=(3, 2)`):
+/// built from a `usize` (both dims), a `[usize; 2]` or a `(usize, usize)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Pair(pub [usize; 2]);
+
+impl From<usize> for Pair {
+    fn from(n: usize) -> Pair {
+        Pair([n, n])
+    }
+}
+
+impl From<[usize; 2]> for Pair {
+    fn from(p: [usize; 2]) -> Pair {
+        Pair(p)
+    }
+}
+
+impl From<(usize, usize)> for Pair {
+    fn from((h, w): (usize, usize)) -> Pair {
+        Pair([h, w])
+    }
+}
+
+/// `dims` as the `isize` list that `reshape` and friends take.
+pub(crate) fn idims(dims: &[usize]) -> Vec<isize> {
+    dims.iter().map(|&d| d as isize).collect()
+}

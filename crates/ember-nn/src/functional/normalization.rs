@@ -1,0 +1,157 @@
+//! Normalization: `batch_norm` (training statistics with in-place running-stat updates, or
+//! evaluation with the running stats) and `layer_norm`.
+//!
+//! Both normalize as `(x - mean) · rsqrt(var + eps) · weight + bias` with the biased variance,
+//! through ember-core's `mean_dims`/`var` and elementwise ops, so autograd derives the
+//! backward. A fused kernel (one pass for the statistics, one for the normalization, and a
+//! two-reduction backward) would replace about ten elementwise and reduction kernels each way.
+
+use super::idims;
+use ember_core::{no_grad, Error, Result, Tensor};
+
+/// `t` (1-D with `c` elements) shaped to broadcast over dim 1 of a rank-`rank` input.
+fn per_channel(op: &'static str, name: &str, t: &Tensor, c: usize, rank: usize) -> Result<Tensor> {
+    if t.dims() != [c] {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{name} must be 1-D with {c} elements (one per channel), got shape {}",
+                t.shape()
+            ),
+        ));
+    }
+    let mut dims = vec![1usize; rank];
+    dims[1] = c;
+    t.reshape(&idims(&dims))
+}
+
+/// Batch normalization over dim 1 of `[N, C, *]` (`F.batch_norm`).
+///
+/// Training (`training = true`) normalizes with the batch's mean and biased variance and, when
+/// given, updates `running_mean` and `running_var` in place (under `no_grad`) as
+/// `(1 - momentum)·running + momentum·batch`, with the unbiased variance for `running_var`.
+/// Evaluation normalizes with the running stats, which must then be given.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm(
+    input: &Tensor,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<Tensor> {
+    const OP: &str = "batch_norm";
+    if input.rank() < 2 {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "expected an input of at least 2 dims [N, C, *], got shape {}",
+                input.shape()
+            ),
+        ));
+    }
+    if !input.dtype().is_floating_point() {
+        return Err(Error::dtype(OP, input.dtype()));
+    }
+    let (rank, c) = (input.rank(), input.dims()[1]);
+    let stat = |name: &str, t: Option<&Tensor>| t.map(|t| per_channel(OP, name, t, c, rank)).transpose();
+    let (rm, rv) = (
+        stat("running_mean", running_mean)?,
+        stat("running_var", running_var)?,
+    );
+    let (w, b) = (stat("weight", weight)?, stat("bias", bias)?);
+    let (mean, var) = if training {
+        let n = input.numel() / c.max(1);
+        if n <= 1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "expected more than 1 value per channel when training, got input of shape {}",
+                    input.shape()
+                ),
+            ));
+        }
+        let dims: Vec<isize> = (0..rank as isize).filter(|&d| d != 1).collect();
+        let mean = input.mean_dims(&dims, true)?;
+        let var = input.var(&dims, 0.0, true)?;
+        {
+            let _g = no_grad();
+            let unbiased = n as f64 / (n - 1) as f64;
+            if let Some(rm) = &rm {
+                rm.mul_scalar_(1.0 - momentum)?
+                    .add_(&mean.mul_scalar(momentum)?.to_dtype(rm.dtype())?)?;
+            }
+            if let Some(rv) = &rv {
+                rv.mul_scalar_(1.0 - momentum)?
+                    .add_(&var.mul_scalar(momentum * unbiased)?.to_dtype(rv.dtype())?)?;
+            }
+        }
+        (mean, var)
+    } else {
+        match (rm, rv) {
+            (Some(rm), Some(rv)) => (rm, rv),
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    "running_mean and running_var must be given when training is false",
+                ))
+            }
+        }
+    };
+    affine(input.sub(&mean)?.mul(&var.add_scalar(eps)?.rsqrt()?)?, w, b)
+}
+
+/// `y · weight + bias`, each optional.
+fn affine(y: Tensor, weight: Option<Tensor>, bias: Option<Tensor>) -> Result<Tensor> {
+    let y = match weight {
+        Some(w) => y.mul(&w)?,
+        None => y,
+    };
+    match bias {
+        Some(b) => y.add(&b),
+        None => Ok(y),
+    }
+}
+
+/// Layer normalization over the last `normalized_shape.len()` dims, which must equal
+/// `normalized_shape`, with optional elementwise `weight` and `bias` of that shape
+/// (`F.layer_norm`).
+pub fn layer_norm(
+    input: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    const OP: &str = "layer_norm";
+    let k = normalized_shape.len();
+    if k == 0 || input.rank() < k || &input.dims()[input.rank() - k..] != normalized_shape {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "normalized_shape {normalized_shape:?} must be non-empty and equal the last dims of the input, got input shape {}",
+                input.shape()
+            ),
+        ));
+    }
+    if !input.dtype().is_floating_point() {
+        return Err(Error::dtype(OP, input.dtype()));
+    }
+    for (name, t) in [("weight", weight), ("bias", bias)] {
+        if let Some(t) = t {
+            if t.dims() != normalized_shape {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{name} must have shape {normalized_shape:?}, got {}", t.shape()),
+                ));
+            }
+        }
+    }
+    let dims: Vec<isize> = (1..=k as isize).map(|i| -i).collect();
+    let mean = input.mean_dims(&dims, true)?;
+    let var = input.var(&dims, 0.0, true)?;
+    let y = input.sub(&mean)?.mul(&var.add_scalar(eps)?.rsqrt()?)?;
+    affine(y, weight.cloned(), bias.cloned())
+}

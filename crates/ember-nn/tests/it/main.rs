@@ -1,0 +1,9 @@
+//! ember-nn's integration tests: one binary, one module per feature (see DESIGN.md, Testing).
+
+// ember-core's test helpers (devices(), gradcheck, closeness checks), shared by path.
+#[path = "../../../ember-core/tests/it/common.rs"]
+mod common;
+
+mod conformance;
+mod functional;
+mod functional_loss;
