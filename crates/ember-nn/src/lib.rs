@@ -2,3 +2,5 @@
 //! `torch.optim`). The layers arrive with the training work; this crate already fixes where
 //! they live in the dependency order: it builds on `ember-core` only.
 #![forbid(unsafe_code)]
+
+pub mod optim;
