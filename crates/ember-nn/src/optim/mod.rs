@@ -1,0 +1,191 @@
+//! Optimizers (`torch.optim`): the [`Optimizer`] trait, [`SGD`], [`Adam`] and [`AdamW`],
+//! gradient clipping, and learning-rate schedulers.
+//!
+//! Every optimizer holds one parameter group (its parameters in the order given to `new`) and
+//! updates the parameters in place under `no_grad` with ember-core's in-place ops, so the same
+//! code runs on the CPU and on CUDA. Parameters whose `.grad` is `None` are skipped, as in
+//! PyTorch, and get no state until they first have a gradient.
+//!
+//! Note [Foreach step functions]: each algorithm is one free function ([`sgd::sgd`],
+//! [`adam::adam`]) taking slices of parameters, gradients and state tensors, called once per
+//! `step()` for all the parameters that have a gradient (PyTorch's `foreach` shape). A fused
+//! multi-tensor CUDA kernel can replace the body of that function later without touching the
+//! optimizer structs. Inside, the arithmetic follows PyTorch's `_single_tensor_*` functions op
+//! for op, so f64 results agree with PyTorch to rounding (~1e-15 relative per step).
+//!
+//! Note [State dict format]: [`Optimizer::state_dict`] returns a flat list of named tensors,
+//! the names following the nesting of PyTorch's `optimizer.state_dict()`:
+//! - `state.{i}.{name}` for parameter `i` (its position in the list given to `new`, PyTorch's
+//!   index): `step` (Adam/AdamW; a 0-d f32 tensor on the CPU, as PyTorch's default),
+//!   `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (with `amsgrad`), `momentum_buffer` (SGD with
+//!   `momentum != 0`). A parameter that never had a gradient has no entries.
+//! - `param_groups.0.lr` (0-d f64), and `param_groups.0.initial_lr` (0-d f64) once an LR
+//!   scheduler has recorded it. The other hyperparameters stay with the optimizer's config.
+//!
+//! The state tensors are returned as shared handles, as PyTorch's `state_dict()` does;
+//! [`Optimizer::load_state_dict`] copies what it loads (casting to each parameter's dtype and
+//! device, except `step`) and replaces the whole state, so later steps never write into the
+//! caller's tensors.
+
+pub mod adam;
+pub mod clip;
+pub mod lr_scheduler;
+pub mod sgd;
+
+pub use adam::{Adam, AdamConfig, AdamW};
+pub use clip::{clip_grad_norm_, clip_grad_value_};
+pub use lr_scheduler::{
+    ChainedScheduler, CosineAnnealingLR, EpochScheduler, LRScheduler, LinearLR, SequentialLR, StepLR,
+};
+pub use sgd::{SgdConfig, SGD};
+
+use ember_core::{DType, Device, Error, Result, Tensor};
+
+/// An optimizer over one group of parameters (`torch.optim.Optimizer`).
+pub trait Optimizer {
+    /// Performs one update of every parameter that has a gradient.
+    fn step(&mut self) -> Result<()>;
+
+    /// Releases the gradient of every parameter (`zero_grad(set_to_none=True)`, PyTorch 2's
+    /// default).
+    fn zero_grad(&mut self) -> Result<()>;
+
+    /// The current learning rate.
+    fn lr(&self) -> f64;
+
+    /// Sets the learning rate used by the next steps (LR schedulers call this).
+    fn set_lr(&mut self, lr: f64);
+
+    /// The `initial_lr` of PyTorch's param group: the lr recorded by the first LR scheduler
+    /// built on this optimizer, `None` before.
+    fn initial_lr(&self) -> Option<f64>;
+
+    /// Records `initial_lr` (LR schedulers call this; see [`Optimizer::initial_lr`]).
+    fn set_initial_lr(&mut self, lr: f64);
+
+    /// The optimizer state as named tensors; see Note [State dict format] in this module.
+    fn state_dict(&self) -> Vec<(String, Tensor)>;
+
+    /// Replaces the state with `state` (the format of [`Optimizer::state_dict`]), copying it.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+}
+
+/// The learning rate and `initial_lr` of an optimizer's one param group.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GroupLr {
+    pub(crate) lr: f64,
+    pub(crate) initial_lr: Option<f64>,
+}
+
+impl GroupLr {
+    /// Appends `param_groups.0.lr` (and `initial_lr` when set) to `out`.
+    pub(crate) fn push_state(&self, out: &mut Vec<(String, Tensor)>) {
+        let mut push = |name: &str, v: f64| {
+            if let Ok(t) = Tensor::scalar(v, DType::F64, Device::Cpu) {
+                out.push((format!("param_groups.0.{name}"), t));
+            }
+        };
+        push("lr", self.lr);
+        if let Some(v) = self.initial_lr {
+            push("initial_lr", v);
+        }
+    }
+}
+
+/// One parsed key of a state dict.
+pub(crate) enum StateKey<'a> {
+    /// `state.{index}.{name}`.
+    Param { index: usize, name: &'a str },
+    /// `param_groups.0.{name}`.
+    Group { name: &'a str },
+}
+
+/// Parses `key` (see Note [State dict format]); `num_params` bounds the parameter index.
+pub(crate) fn parse_state_key<'a>(op: &'static str, key: &'a str, num_params: usize) -> Result<StateKey<'a>> {
+    let bad = || {
+        Error::invalid(
+            op,
+            format!("unexpected key {key:?} in state dict: expected \"state.<param index>.<name>\" or \"param_groups.0.<name>\""),
+        )
+    };
+    if let Some(rest) = key.strip_prefix("state.") {
+        let (index, name) = rest.split_once('.').ok_or_else(bad)?;
+        let index: usize = index.parse().map_err(|_| bad())?;
+        if index >= num_params {
+            return Err(Error::invalid(
+                op,
+                format!("state dict key {key:?} names parameter {index}, but the optimizer has {num_params} parameters"),
+            ));
+        }
+        return Ok(StateKey::Param { index, name });
+    }
+    if let Some(name) = key.strip_prefix("param_groups.0.") {
+        return Ok(StateKey::Group { name });
+    }
+    Err(bad())
+}
+
+/// Loads a `param_groups.0.{name}` entry into `group`.
+pub(crate) fn load_group_entry(
+    op: &'static str,
+    group: &mut GroupLr,
+    name: &str,
+    value: &Tensor,
+) -> Result<()> {
+    let v = value.item_f64()?;
+    match name {
+        "lr" => group.lr = v,
+        "initial_lr" => group.initial_lr = Some(v),
+        _ => {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "unexpected param group entry {name:?} in state dict: expected \"lr\" or \"initial_lr\""
+                ),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// A copy of a loaded state tensor in the dtype, device and shape of `param`.
+pub(crate) fn load_like_param(op: &'static str, value: &Tensor, param: &Tensor) -> Result<Tensor> {
+    if value.shape() != param.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: param.shape().clone(),
+            rhs: value.shape().clone(),
+            hint: "a state tensor must have its parameter's shape",
+        });
+    }
+    let _g = ember_core::no_grad();
+    value.to_dtype(param.dtype())?.to(param.device())?.deep_clone()
+}
+
+/// Checks the parameter list given to an optimizer: non-empty, and leaves only.
+pub(crate) fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
+    if params.is_empty() {
+        return Err(Error::invalid(op, "optimizer got an empty parameter list"));
+    }
+    if let Some(i) = params.iter().position(|p| !p.is_leaf()) {
+        return Err(Error::invalid(
+            op,
+            format!("can't optimize a non-leaf Tensor (parameter {i}); pass x.detach().requires_grad_(true) instead"),
+        ));
+    }
+    Ok(())
+}
+
+/// Errors unless `value >= 0` (NaN fails), with PyTorch's message.
+pub(crate) fn check_non_negative(op: &'static str, what: &str, value: f64) -> Result<()> {
+    if value >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(op, format!("Invalid {what}: {value}")))
+    }
+}
+
+/// Sets the gradient of every parameter to `None`.
+pub(crate) fn zero_grads(params: &[Tensor]) -> Result<()> {
+    params.iter().try_for_each(|p| p.set_grad(None))
+}

@@ -1,0 +1,532 @@
+//! Stochastic gradient descent with momentum, dampening, Nesterov momentum, weight decay and
+//! `maximize` (`torch.optim.SGD`).
+//!
+//! The update of one parameter, as PyTorch's `_single_tensor_sgd` (op for op):
+//! ```text
+//! g = maximize ? -grad : grad
+//! if weight_decay != 0:  g = g + weight_decay * p
+//! if momentum != 0:
+//!     buf = first step ? clone(g) : buf * momentum + (1 - dampening) * g   (in place)
+//!     g = nesterov ? g + momentum * buf : buf
+//! p += -lr * g                                                               (in place)
+//! ```
+
+use super::{check_non_negative, check_params, parse_state_key, zero_grads, GroupLr, Optimizer, StateKey};
+use ember_core::{Error, Result, Tensor};
+
+/// Hyperparameters of [`SGD`]; `Default` is PyTorch's (`lr = 1e-3`, everything else off).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0 disables the momentum buffer).
+    pub momentum: f64,
+    /// Dampening of the gradient's contribution to the momentum buffer.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (`grad + weight_decay * param`).
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
+    pub nesterov: bool,
+    /// Maximize the objective instead of minimizing it.
+    pub maximize: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            maximize: false,
+        }
+    }
+}
+
+impl SgdConfig {
+    /// Checks the hyperparameters as `torch.optim.SGD.__init__` does.
+    pub fn validate(&self) -> Result<()> {
+        check_non_negative("SGD", "learning rate", self.lr)?;
+        check_non_negative("SGD", "momentum value", self.momentum)?;
+        check_non_negative("SGD", "weight_decay value", self.weight_decay)?;
+        if !self.dampening.is_finite() {
+            return Err(Error::invalid(
+                "SGD",
+                format!("Invalid dampening value: {}", self.dampening),
+            ));
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::invalid(
+                "SGD",
+                "Nesterov momentum requires a momentum and zero dampening",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One SGD update of every `params[i]` from `grads[i]` (PyTorch's functional `sgd`); see the
+/// module docs for the formula and Note [Foreach step functions] in `optim`.
+/// `momentum_buffers[i]` is `None` before the first step with momentum and is filled here.
+pub fn sgd(
+    params: &[Tensor],
+    grads: &[Tensor],
+    momentum_buffers: &mut [Option<Tensor>],
+    config: &SgdConfig,
+) -> Result<()> {
+    if grads.len() != params.len() || momentum_buffers.len() != params.len() {
+        return Err(Error::invalid(
+            "sgd",
+            format!(
+                "expected as many gradients and momentum buffers as parameters ({}), got {} and {}",
+                params.len(),
+                grads.len(),
+                momentum_buffers.len()
+            ),
+        ));
+    }
+    let _g = ember_core::no_grad();
+    for ((param, grad), slot) in params.iter().zip(grads).zip(momentum_buffers.iter_mut()) {
+        let mut grad = if config.maximize {
+            grad.neg()?
+        } else {
+            grad.clone()
+        };
+        if config.weight_decay != 0.0 {
+            grad = grad.add(&param.mul_scalar(config.weight_decay)?)?;
+        }
+        if config.momentum != 0.0 {
+            let buf = match slot {
+                None => {
+                    let buf = grad.deep_clone()?;
+                    *slot = Some(buf.clone());
+                    buf
+                }
+                Some(buf) => {
+                    buf.mul_scalar_(config.momentum)?;
+                    buf.add_scaled_(&grad, 1.0 - config.dampening)?
+                }
+            };
+            grad = if config.nesterov {
+                grad.add(&buf.mul_scalar(config.momentum)?)?
+            } else {
+                buf
+            };
+        }
+        param.add_scaled_(&grad, -config.lr)?;
+    }
+    Ok(())
+}
+
+/// Stochastic gradient descent (`torch.optim.SGD`) over one group of parameters.
+#[allow(clippy::upper_case_acronyms)]
+pub struct SGD {
+    params: Vec<Tensor>,
+    config: SgdConfig,
+    group: GroupLr,
+    momentum_buffers: Vec<Option<Tensor>>,
+}
+
+impl SGD {
+    /// An SGD optimizer over `params` (leaf tensors, usually with `requires_grad`).
+    pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Result<SGD> {
+        config.validate()?;
+        check_params("SGD", &params)?;
+        let n = params.len();
+        Ok(SGD {
+            params,
+            config,
+            group: GroupLr {
+                lr: config.lr,
+                initial_lr: None,
+            },
+            momentum_buffers: vec![None; n],
+        })
+    }
+
+    /// The hyperparameters (`lr` as currently set).
+    pub fn config(&self) -> SgdConfig {
+        SgdConfig {
+            lr: self.group.lr,
+            ..self.config
+        }
+    }
+
+    /// The parameters, in the order given to [`SGD::new`].
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+}
+
+impl Optimizer for SGD {
+    fn step(&mut self) -> Result<()> {
+        let mut params = Vec::new();
+        let mut grads = Vec::new();
+        let mut bufs = Vec::new();
+        let mut index = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some(g) = p.grad() {
+                params.push(p.clone());
+                grads.push(g);
+                bufs.push(self.momentum_buffers[i].clone());
+                index.push(i);
+            }
+        }
+        sgd(&params, &grads, &mut bufs, &self.config())?;
+        if self.config.momentum != 0.0 {
+            for (i, buf) in index.into_iter().zip(bufs) {
+                self.momentum_buffers[i] = buf;
+            }
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        zero_grads(&self.params)
+    }
+
+    fn lr(&self) -> f64 {
+        self.group.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.group.lr = lr;
+    }
+
+    fn initial_lr(&self) -> Option<f64> {
+        self.group.initial_lr
+    }
+
+    fn set_initial_lr(&mut self, lr: f64) {
+        self.group.initial_lr = Some(lr);
+    }
+
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        let mut out: Vec<(String, Tensor)> = self
+            .momentum_buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| {
+                b.as_ref()
+                    .map(|b| (format!("state.{i}.momentum_buffer"), b.clone()))
+            })
+            .collect();
+        self.group.push_state(&mut out);
+        out
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        const OP: &str = "SGD.load_state_dict";
+        let mut bufs = vec![None; self.params.len()];
+        let mut group = self.group;
+        for (key, value) in state {
+            match parse_state_key(OP, key, self.params.len())? {
+                StateKey::Param {
+                    index,
+                    name: "momentum_buffer",
+                } => {
+                    bufs[index] = Some(super::load_like_param(OP, value, &self.params[index])?);
+                }
+                StateKey::Param { name, .. } => {
+                    return Err(Error::invalid(
+                        OP,
+                        format!("unexpected state {name:?} in {key:?}: SGD keeps only \"momentum_buffer\""),
+                    ))
+                }
+                StateKey::Group { name } => super::load_group_entry(OP, &mut group, name, value)?,
+            }
+        }
+        self.momentum_buffers = bufs;
+        self.group = group;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_core::{DType, Device};
+
+    fn param(values: &[f64]) -> Tensor {
+        Tensor::from_slice(values, [values.len()], Device::Cpu)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap()
+    }
+
+    fn set_grad(p: &Tensor, values: &[f64]) {
+        p.set_grad(Some(
+            Tensor::from_slice(values, [values.len()], Device::Cpu).unwrap(),
+        ))
+        .unwrap();
+    }
+
+    fn assert_close(t: &Tensor, expected: &[f64]) {
+        let got = t.to_vec_f64().unwrap();
+        assert_eq!(got.len(), expected.len());
+        for (g, e) in got.iter().zip(expected) {
+            assert!(
+                (g - e).abs() <= 1e-12 * (1.0 + e.abs()),
+                "got {got:?}, expected {expected:?}"
+            );
+        }
+    }
+
+    /// Runs SGD on one parameter `p0` with the gradients `grads`, one step each.
+    fn run(config: SgdConfig, p0: &[f64], grads: &[&[f64]]) -> Tensor {
+        let p = param(p0);
+        let mut opt = SGD::new(vec![p.clone()], config).unwrap();
+        for g in grads {
+            set_grad(&p, g);
+            opt.step().unwrap();
+        }
+        p
+    }
+
+    #[test]
+    fn plain_step() {
+        // p = [1, 2] - 0.1 * [0.5, -1] = [0.95, 2.1]
+        let cfg = SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[1.0, 2.0], &[&[0.5, -1.0]]), &[0.95, 2.1]);
+    }
+
+    #[test]
+    fn weight_decay_step() {
+        // g = [0.5, -1] + 0.1 * [1, 2] = [0.6, -0.8]; p = [1 - 0.06, 2 + 0.08]
+        let cfg = SgdConfig {
+            lr: 0.1,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[1.0, 2.0], &[&[0.5, -1.0]]), &[0.94, 2.08]);
+    }
+
+    #[test]
+    fn momentum_steps() {
+        // step 1: buf = 1, p = 1 - 0.1 = 0.9; step 2: buf = 0.9 * 1 + 2 = 2.9, p = 0.9 - 0.29
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[1.0], &[&[1.0], &[2.0]]), &[0.61]);
+    }
+
+    #[test]
+    fn dampening_steps() {
+        // step 1: buf = g = 1 (no dampening on the first step), p = 0.9;
+        // step 2: buf = 0.9 * 1 + (1 - 0.5) * 2 = 1.9, p = 0.9 - 0.19 = 0.71
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.5,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[1.0], &[&[1.0], &[2.0]]), &[0.71]);
+    }
+
+    #[test]
+    fn nesterov_steps() {
+        // step 1: buf = 1, g = 1 + 0.9 * 1 = 1.9, p = 1 - 0.19 = 0.81;
+        // step 2: buf = 0.9 + 2 = 2.9, g = 2 + 0.9 * 2.9 = 4.61, p = 0.81 - 0.461 = 0.349
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[1.0], &[&[1.0], &[2.0]]), &[0.349]);
+    }
+
+    #[test]
+    fn nesterov_weight_decay_step() {
+        // g = 1 + 0.01 * 2 = 1.02; buf = 1.02; g = 1.02 + 0.9 * 1.02 = 1.938; p = 2 - 0.05 * 1.938
+        let cfg = SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[2.0], &[&[1.0]]), &[2.0 - 0.0969]);
+    }
+
+    #[test]
+    fn maximize_step() {
+        // p = 1 + 0.1 * 1 = 1.1; with weight decay 0.5: g = -1 + 0.5 * 1 = -0.5, p = 1.05
+        let cfg = SgdConfig {
+            lr: 0.1,
+            maximize: true,
+            ..Default::default()
+        };
+        assert_close(&run(cfg, &[1.0], &[&[1.0]]), &[1.1]);
+        let cfg = SgdConfig {
+            weight_decay: 0.5,
+            ..cfg
+        };
+        assert_close(&run(cfg, &[1.0], &[&[1.0]]), &[1.05]);
+    }
+
+    #[test]
+    fn momentum_buffer_does_not_alias_grad() {
+        // The first buffer is a copy of the gradient: changing the grad later leaves it alone.
+        let p = param(&[1.0]);
+        let mut opt = SGD::new(
+            vec![p.clone()],
+            SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        set_grad(&p, &[1.0]);
+        opt.step().unwrap();
+        {
+            let _g = ember_core::no_grad();
+            p.grad().unwrap().fill_(5.0).unwrap();
+        }
+        let state = opt.state_dict();
+        assert_eq!(state[0].0, "state.0.momentum_buffer");
+        assert_close(&state[0].1, &[1.0]);
+    }
+
+    #[test]
+    fn skips_params_without_grad_and_zero_grad() {
+        let (a, b) = (param(&[1.0]), param(&[2.0]));
+        let mut opt = SGD::new(
+            vec![a.clone(), b.clone()],
+            SgdConfig {
+                lr: 0.1,
+                momentum: 0.5,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        set_grad(&b, &[1.0]);
+        opt.step().unwrap();
+        assert_close(&a, &[1.0]);
+        assert_close(&b, &[1.9]);
+        let keys: Vec<String> = opt.state_dict().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, ["state.1.momentum_buffer", "param_groups.0.lr"]);
+        opt.zero_grad().unwrap();
+        assert!(a.grad().is_none() && b.grad().is_none());
+        // No gradients at all: a step changes nothing.
+        opt.step().unwrap();
+        assert_close(&b, &[1.9]);
+    }
+
+    #[test]
+    fn state_dict_round_trip() {
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let (p, q) = (param(&[1.0, -1.0]), param(&[1.0, -1.0]));
+        let mut a = SGD::new(vec![p.clone()], cfg).unwrap();
+        set_grad(&p, &[1.0, 2.0]);
+        a.step().unwrap();
+        a.set_lr(0.05);
+        // q takes p's values, b takes a's state (lr included).
+        {
+            let _g = ember_core::no_grad();
+            q.copy_(&p).unwrap();
+        }
+        let mut b = SGD::new(vec![q.clone()], cfg).unwrap();
+        b.load_state_dict(&a.state_dict()).unwrap();
+        assert_eq!(b.lr(), 0.05);
+        set_grad(&p, &[0.5, 0.5]);
+        set_grad(&q, &[0.5, 0.5]);
+        a.step().unwrap();
+        b.step().unwrap();
+        assert_eq!(p.to_vec_f64().unwrap(), q.to_vec_f64().unwrap());
+    }
+
+    #[test]
+    fn load_state_dict_errors() {
+        let p = param(&[1.0, 2.0]);
+        let mut opt = SGD::new(vec![p], SgdConfig::default()).unwrap();
+        let t = |v: &[f64]| Tensor::from_slice(v, [v.len()], Device::Cpu).unwrap();
+        let bad = [
+            vec![("state.1.momentum_buffer".to_string(), t(&[1.0, 2.0]))],
+            vec![("state.0.momentum_buffer".to_string(), t(&[1.0]))],
+            vec![("state.0.exp_avg".to_string(), t(&[1.0, 2.0]))],
+            vec![("momentum_buffer".to_string(), t(&[1.0, 2.0]))],
+            vec![("param_groups.0.betas".to_string(), t(&[1.0]))],
+        ];
+        for state in bad {
+            assert!(opt.load_state_dict(&state).is_err(), "{:?} loaded", state[0].0);
+        }
+        // A failed load leaves the state as it was.
+        assert_eq!(opt.lr(), 1e-3);
+    }
+
+    #[test]
+    fn config_errors() {
+        let p = || vec![param(&[1.0])];
+        let bad = [
+            SgdConfig {
+                lr: -0.1,
+                ..Default::default()
+            },
+            SgdConfig {
+                lr: f64::NAN,
+                ..Default::default()
+            },
+            SgdConfig {
+                momentum: -0.5,
+                ..Default::default()
+            },
+            SgdConfig {
+                weight_decay: -1.0,
+                ..Default::default()
+            },
+            SgdConfig {
+                nesterov: true,
+                ..Default::default()
+            },
+            SgdConfig {
+                nesterov: true,
+                momentum: 0.9,
+                dampening: 0.1,
+                ..Default::default()
+            },
+        ];
+        for cfg in bad {
+            assert!(SGD::new(p(), cfg).is_err(), "{cfg:?} accepted");
+        }
+        assert!(SGD::new(vec![], SgdConfig::default()).is_err());
+        let non_leaf = param(&[1.0]).mul_scalar(2.0).unwrap();
+        assert!(SGD::new(vec![non_leaf], SgdConfig::default()).is_err());
+        assert!(sgd(&p(), &[], &mut [], &SgdConfig::default()).is_err());
+    }
+
+    #[test]
+    fn f32_params() {
+        let p = Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        p.set_grad(Some(
+            Tensor::from_slice(&[0.5f32, -1.0], [2], Device::Cpu).unwrap(),
+        ))
+        .unwrap();
+        let mut opt = SGD::new(
+            vec![p.clone()],
+            SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        opt.step().unwrap();
+        assert_eq!(p.dtype(), DType::F32);
+        assert_eq!(p.to_vec::<f32>().unwrap(), vec![0.95, 2.1]);
+    }
+}
