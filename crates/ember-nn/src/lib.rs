@@ -1,6 +1,6 @@
-//! ember-nn: `Module`, layers, losses, initialization and optimizers (`torch.nn`,
-//! `torch.optim`). The layers arrive with the training work; this crate already fixes where
-//! they live in the dependency order: it builds on `ember-core` only.
+//! ember-nn: `torch.nn` and `torch.optim` for ember. `functional` holds the stateless layer
+//! ops and losses (`torch.nn.functional`), `optim` the optimizers, gradient clipping and LR
+//! schedulers. Module types (`Linear`, `Conv2d`, ...) come next. Builds on `ember-core` only.
 #![forbid(unsafe_code)]
 
 pub mod functional;

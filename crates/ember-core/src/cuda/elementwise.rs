@@ -90,7 +90,12 @@ impl CudaStorage {
         // `a` and `b` reach only elements inside their storages through `shape`'s strides
         // (valid layouts), `out` holds `n` elements.
         unsafe {
-            launch(f, grid, current_raw(rt.ordinal), &[&a, &b, &o, &shape, &n64, &op, &m])
+            launch(
+                f,
+                grid,
+                current_raw(rt.ordinal),
+                &[&a, &b, &o, &shape, &n64, &op, &m],
+            )
         }
     }
 

@@ -134,17 +134,21 @@ impl DeviceRuntime {
     }
 
     fn module(&self, m: Module) -> Result<Module_> {
-        let slot = Module::ALL.iter().position(|&x| x == m).expect("every module is in Module::ALL");
+        let slot = Module::ALL
+            .iter()
+            .position(|&x| x == m)
+            .expect("every module is in Module::ALL");
         self.modules[slot]
             .get_or_init(|| {
                 let cubin = nvrtc::compile_cached(m.name(), m.source(), &self.arch)?;
                 self.bind()?;
                 // SAFETY: `cubin` is a complete cubin image for this device's architecture,
                 // alive for the call.
-                let module = unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
-                    op: "cuModuleLoadData",
-                    msg: format!("loading {}.cu for {}: {e:?}", m.name(), self.arch),
-                })?;
+                let module =
+                    unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
+                        op: "cuModuleLoadData",
+                        msg: format!("loading {}.cu for {}: {e:?}", m.name(), self.arch),
+                    })?;
                 Ok(Module_(module))
             })
             .clone()

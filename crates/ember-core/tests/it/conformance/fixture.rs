@@ -29,6 +29,8 @@ pub struct Case {
     pub grads: Vec<(String, String)>,
     pub rtol: f64,
     pub atol: f64,
+    /// The whole manifest entry, for fields only some groups have (optimizer `params`/`steps`).
+    pub raw: Value,
 }
 
 /// The manifest's cases plus the reference tensors.
@@ -78,6 +80,7 @@ impl Case {
                 .unwrap_or_default(),
             rtol: v["rtol"].as_f64().unwrap_or(0.0),
             atol: v["atol"].as_f64().unwrap_or(0.0),
+            raw: v.clone(),
         }
     }
 

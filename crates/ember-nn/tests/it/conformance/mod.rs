@@ -20,6 +20,7 @@ mod kwargs;
 mod runner;
 
 mod nn_ops;
+mod optim_cases;
 
 use crate::common;
 use fixture::Fixture;
