@@ -103,6 +103,17 @@ impl Tensor {
         Ok(self.clone())
     }
 
+    /// Marks the tensor's GPU memory as used by work queued on `stream`
+    /// (`Tensor.record_stream`): when the tensor is freed, the caching allocator does not reuse
+    /// the memory until that work has finished. Needed when a tensor allocated on one stream is
+    /// used on another; a no-op for CPU tensors, as PyTorch ignores it there.
+    pub fn record_stream(&self, stream: &crate::cuda::Stream) -> Result<()> {
+        match &*self.storage().read() {
+            Storage::Cuda(s) => s.record_stream(stream),
+            Storage::Cpu(_) => Ok(()),
+        }
+    }
+
     /// Enqueues the copy of this pinned, contiguous host tensor into `dst` at `offset` and keeps
     /// the source alive until it has finished.
     fn enqueue_host_copy(&self, dst: &crate::cuda::CudaStorage, offset: usize) -> Result<()> {

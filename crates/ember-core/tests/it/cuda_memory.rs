@@ -194,8 +194,17 @@ fn streams_guards_and_wait_stream() {
         let _g = cuda::stream(&s);
         s.wait_stream(&main).unwrap();
         let u = t.add_scalar(1.0).unwrap();
+        t.record_stream(&s).unwrap();
         assert_eq!(u.to_vec::<f32>().unwrap()[0], 2.0);
     }
+    drop(t);
+    let reused = Tensor::zeros([1 << 20], DType::F32, gpu).unwrap();
+    assert_eq!(reused.sum_all().unwrap().item_f64().unwrap(), 0.0);
+    let other = Stream::new(0).unwrap();
+    assert!(Tensor::ones([4], DType::F32, Device::Cpu)
+        .unwrap()
+        .record_stream(&other)
+        .is_ok());
     let dev = cuda::current_device();
     assert_eq!(dev, 0);
     let _g = cuda::DeviceGuard::new(0).unwrap();
