@@ -62,6 +62,24 @@ struct StorageCell {
     version: AtomicU64,
 }
 
+impl Drop for StorageCell {
+    fn drop(&mut self) {
+        // A pinned buffer goes back to the pinned host cache, registration and all
+        // (Note [Pinned host cache] in `cuda/pinned.rs`).
+        if let Some(pin) = self.pin.take() {
+            let empty = Storage::Cpu(CpuStorage::Bool(Vec::new()));
+            let data = std::mem::replace(self.data.get_mut().unwrap_or_else(|e| e.into_inner()), empty);
+            match data {
+                Storage::Cpu(cpu) => crate::cuda::recycle_pinned(cpu, pin),
+                other => {
+                    drop(pin);
+                    drop(other);
+                }
+            }
+        }
+    }
+}
+
 impl StorageRef {
     pub fn new(storage: Storage) -> StorageRef {
         StorageRef(Arc::new(StorageCell {

@@ -73,8 +73,10 @@ pub fn reset_accumulated_memory_stats(device: usize) {
 }
 
 /// Returns cached, unused memory of every initialized device to the driver
-/// (`torch.cuda.empty_cache`); memory held by tensors stays.
+/// (`torch.cuda.empty_cache`), and unpins the cached pinned host buffers; memory held by
+/// tensors stays.
 pub fn empty_cache() {
+    super::pinned::empty_host_cache();
     for device in 0..super::device_count() {
         if let Ok(rt) = runtime(device) {
             rt.allocator.empty_cache();

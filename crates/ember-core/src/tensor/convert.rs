@@ -52,9 +52,9 @@ impl Tensor {
             return Ok(self.clone());
         }
         let cpu = self.to_cpu_storage()?;
-        let pin = crate::cuda::HostPin::new(crate::cuda::host_bytes(&cpu))?;
+        let (pinned, pin) = crate::cuda::pinned_copy(&cpu)?;
         // The Vec moves into the storage without reallocating, so the pinned range stays its own.
-        let storage = crate::storage::StorageRef::new_pinned(Storage::Cpu(cpu), pin);
+        let storage = crate::storage::StorageRef::new_pinned(Storage::Cpu(pinned), pin);
         Ok(Tensor::from_parts(
             storage,
             crate::layout::Layout::contiguous(self.shape().clone()),

@@ -5,6 +5,18 @@
 
 use ember_core::{DType, Device, Result, Tensor};
 
+/// Every dtype ember has, floats first.
+pub const ALL_DTYPES: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+    DType::Bool,
+];
+
 /// Every device this machine can run tests on: the CPU, plus the first GPU when there is one.
 pub fn devices() -> Vec<Device> {
     let mut devices = vec![Device::Cpu];

@@ -5,16 +5,8 @@ use crate::common::{cpu_vs_cuda, gpu, tolerance, values};
 use ember_core::ops::binary::BinaryOp;
 use ember_core::{DType, Device, Error, Result, Tensor};
 
-const ALL: [DType; 8] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::U8,
-    DType::Bool,
-];
+/// Every dtype ember has.
+const ALL: [DType; 8] = crate::common::ALL_DTYPES;
 
 /// Values of `dtype` on `device`: small integers for integer dtypes (u8 non-negative), signed
 /// fractions for floats, a mix for bool.

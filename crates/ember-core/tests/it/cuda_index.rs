@@ -6,16 +6,8 @@
 use crate::common::{self, cpu_vs_cuda, values};
 use ember_core::{DType, Device, Error, Tensor};
 
-const ALL: [DType; 8] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::U8,
-    DType::Bool,
-];
+/// Every dtype ember has.
+const ALL: [DType; 8] = crate::common::ALL_DTYPES;
 
 /// `n` deterministic values that every dtype holds exactly (small integers, or 0/1 for bool).
 fn data(n: usize, seed: u64, dtype: DType) -> Vec<f64> {

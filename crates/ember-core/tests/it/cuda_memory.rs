@@ -153,6 +153,27 @@ fn pinned_memory_and_non_blocking_copies() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn freed_pinned_buffers_are_reused() {
+    gpu();
+    // A size no other test pins (the pinned cache is process-wide): 3 * 2^17 + 5 f64 elements,
+    // size class 2^19.
+    let n = 3 * (1 << 17) + 5;
+    let host = Tensor::arange(0.0, n as f64, 1.0, DType::F64, Device::Cpu).unwrap();
+    let first = host.pin_memory().unwrap();
+    let registered = cuda::host_memory_stats().num_host_alloc;
+    drop(first);
+    let again = host.mul_scalar(3.0).unwrap().pin_memory().unwrap();
+    assert_eq!(
+        cuda::host_memory_stats().num_host_alloc,
+        registered,
+        "the second pin of the same size class reuses the cached buffer"
+    );
+    assert_eq!(again.to_vec::<f64>().unwrap(), host.mul_scalar(3.0).unwrap().to_vec::<f64>().unwrap());
+    assert_eq!(again.to(Device::Cuda(0)).unwrap().to_vec::<f64>().unwrap()[n - 1], 3.0 * (n - 1) as f64);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn streams_guards_and_wait_stream() {
     let gpu = gpu();
     let s = Stream::new(0).unwrap();

@@ -9,16 +9,8 @@ use crate::common::{self, values};
 use ember_core::{DType, Device, Error, Generator, RngState, Tensor};
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
-const ALL: [DType; 8] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::U8,
-    DType::Bool,
-];
+/// Every dtype ember has.
+const ALL: [DType; 8] = crate::common::ALL_DTYPES;
 const SEEDS: [u64; 3] = [0, 42, 0x0123_4567_89ab_cdef];
 const SIZES: [usize; 7] = [0, 1, 3, 5, 7, 1001, (1 << 20) + 3];
 

@@ -5,16 +5,8 @@
 use crate::common::{self, cpu_vs_cuda, tolerance};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
-const ALL: [DType; 8] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::U8,
-    DType::Bool,
-];
+/// Every dtype ember has.
+const ALL: [DType; 8] = crate::common::ALL_DTYPES;
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
 /// How the input of a check is laid out on the device.

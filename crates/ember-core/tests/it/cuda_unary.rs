@@ -7,16 +7,8 @@ use crate::common::{cpu_vs_cuda, gpu, tolerance, values};
 use ember_core::ops::unary::{UnaryOp, SELU_ALPHA, SELU_SCALE};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
-const DTYPES: [DType; 8] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::U8,
-    DType::Bool,
-];
+/// Every dtype ember has.
+const DTYPES: [DType; 8] = crate::common::ALL_DTYPES;
 
 /// Every op, parametrized ones with PyTorch's defaults and with other parameters.
 fn all_ops() -> Vec<UnaryOp> {
