@@ -42,8 +42,8 @@ pub use memory::{
     reset_peak_memory_stats, MemoryStats, Stat, StatArray,
 };
 pub use nvrtc::{compile as nvrtc_compile, nvrtc_version};
-pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
 pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
+pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
 pub(crate) use storage::host_bytes;
 pub use storage::CudaStorage;
 pub use stream::{

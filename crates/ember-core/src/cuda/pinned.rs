@@ -42,12 +42,18 @@ impl HostPin {
         }
         // SAFETY: `ptr..ptr + bytes` is one live host allocation (a Vec's whole capacity); the
         // caller keeps it in place until this pin is dropped (Note [Pinned host memory]).
-        unsafe { sys::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-            .result()
-            .map_err(|e| Error::Cuda {
-                op: "pin_memory",
-                msg: format!("cuMemHostRegister of {bytes} bytes failed: {e:?}"),
-            })?;
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr as *mut std::ffi::c_void,
+                bytes,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(|e| Error::Cuda {
+            op: "pin_memory",
+            msg: format!("cuMemHostRegister of {bytes} bytes failed: {e:?}"),
+        })?;
         REGISTERED.fetch_add(1, Ordering::Relaxed);
         Ok(HostPin { ptr: ptr as usize })
     }
@@ -78,7 +84,9 @@ pub(crate) fn pinned_copy(src: &CpuStorage) -> Result<(CpuStorage, HostPin)> {
     let class = n.next_power_of_two();
     let cached = {
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        let hit = cache.iter().position(|(c, _)| c.dtype() == dtype && capacity(c) == class);
+        let hit = cache
+            .iter()
+            .position(|(c, _)| c.dtype() == dtype && capacity(c) == class);
         hit.map(|i| cache.swap_remove(i))
     };
     if let Some((mut buf, pin)) = cached {
@@ -142,7 +150,10 @@ pub fn host_memory_stats() -> HostMemoryStats {
         num_host_alloc: REGISTERED.load(Ordering::Relaxed),
         num_host_free: UNREGISTERED.load(Ordering::Relaxed),
         cached_buffers: cache.len(),
-        cached_bytes: cache.iter().map(|(c, _)| capacity(c) * c.dtype().size_in_bytes()).sum(),
+        cached_bytes: cache
+            .iter()
+            .map(|(c, _)| capacity(c) * c.dtype().size_in_bytes())
+            .sum(),
     }
 }
 

@@ -159,6 +159,16 @@ impl Tensor {
         self.0.layout.is_contiguous()
     }
 
+    /// Address of the first element (`Tensor.data_ptr()`): a host address for CPU tensors, a
+    /// device address for GPU tensors. For identity checks and interop, not for dereferencing.
+    pub fn data_ptr(&self) -> usize {
+        let offset = self.storage_offset() * self.dtype().size_in_bytes();
+        match &*self.storage().read() {
+            Storage::Cpu(c) => crate::cpu::with_cpu_storage!(c, v => v.as_ptr() as usize) + offset,
+            Storage::Cuda(c) => c.ptr_at(0) as usize + offset,
+        }
+    }
+
     /// True when both tensors view the same storage (views alias each other).
     pub fn shares_storage_with(&self, other: &Tensor) -> bool {
         self.0.storage.same_storage(&other.0.storage)

@@ -73,14 +73,22 @@ fn devices_and_properties() {
 #[ignore = "needs libnvrtc.so.13 (CI and GPU machines have it)"]
 fn every_kernel_source_compiles_with_nvrtc() {
     let (major, minor) = cuda::nvrtc_version().expect("libnvrtc.so.13 must be loadable for this test");
-    for arch in ["sm_80", "sm_90"] {
-        let compiled = cuda::compile_all_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-        assert_eq!(compiled.len(), cuda::Module::ALL.len());
-        for (name, bytes) in compiled {
-            assert!(bytes > 1000, "{name}.cu for {arch}: cubin of {bytes} bytes");
-            println!("nvrtc {major}.{minor} {arch}: {name}.cu -> {bytes} bytes");
+    // One thread per architecture: NVRTC is thread-safe, and CI has two cores.
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = ["sm_80", "sm_90"]
+            .into_iter()
+            .map(|arch| scope.spawn(move || (arch, cuda::compile_all_kernels(arch))))
+            .collect();
+        for job in jobs {
+            let (arch, compiled) = job.join().unwrap();
+            let compiled = compiled.unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert_eq!(compiled.len(), cuda::Module::ALL.len());
+            for (name, bytes) in compiled {
+                assert!(bytes > 1000, "{name}.cu for {arch}: cubin of {bytes} bytes");
+                println!("nvrtc {major}.{minor} {arch}: {name}.cu -> {bytes} bytes");
+            }
         }
-    }
+    });
     // A syntax error is reported with NVRTC's log, not a panic.
     let err = cuda::nvrtc_compile(
         "broken",

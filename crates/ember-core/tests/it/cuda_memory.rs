@@ -160,16 +160,23 @@ fn freed_pinned_buffers_are_reused() {
     let n = 3 * (1 << 17) + 5;
     let host = Tensor::arange(0.0, n as f64, 1.0, DType::F64, Device::Cpu).unwrap();
     let first = host.pin_memory().unwrap();
-    let registered = cuda::host_memory_stats().num_host_alloc;
+    let address = first.data_ptr();
     drop(first);
     let again = host.mul_scalar(3.0).unwrap().pin_memory().unwrap();
     assert_eq!(
-        cuda::host_memory_stats().num_host_alloc,
-        registered,
+        again.data_ptr(),
+        address,
         "the second pin of the same size class reuses the cached buffer"
     );
-    assert_eq!(again.to_vec::<f64>().unwrap(), host.mul_scalar(3.0).unwrap().to_vec::<f64>().unwrap());
-    assert_eq!(again.to(Device::Cuda(0)).unwrap().to_vec::<f64>().unwrap()[n - 1], 3.0 * (n - 1) as f64);
+    assert!(cuda::host_memory_stats().num_host_alloc >= 1);
+    assert_eq!(
+        again.to_vec::<f64>().unwrap(),
+        host.mul_scalar(3.0).unwrap().to_vec::<f64>().unwrap()
+    );
+    assert_eq!(
+        again.to(Device::Cuda(0)).unwrap().to_vec::<f64>().unwrap()[n - 1],
+        3.0 * (n - 1) as f64
+    );
 }
 
 #[test]
