@@ -7,3 +7,4 @@ mod common;
 mod conformance;
 mod functional;
 mod functional_loss;
+mod modules;

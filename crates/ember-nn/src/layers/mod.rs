@@ -1,0 +1,114 @@
+//! The layer types of `torch.nn`, one file per family: [`linear`], [`conv`], [`pooling`],
+//! [`norm`], [`activation`], [`dropout`], [`embedding`] and the containers in [`container`].
+//!
+//! One constructor style for all: `Layer::new(required args.., device)` builds the layer with
+//! PyTorch's defaults, and layers with keyword options also have
+//! `Layer::with_config(required args.., LayerConfig { .., ..Default::default() }, device)`,
+//! the config struct holding PyTorch's keyword arguments with PyTorch's defaults. Parameters
+//! are created as f32 on `device` and initialized as PyTorch's `reset_parameters` does (see
+//! `crate::init`); use `ModuleExt::to_dtype` for another dtype. Layers without tensors take
+//! no device.
+//!
+//! Every layer is a plain struct with public fields (`linear.weight`, `conv.stride`), as the
+//! attributes of PyTorch's modules.
+
+pub mod activation;
+pub mod container;
+pub mod conv;
+pub mod dropout;
+pub mod embedding;
+pub mod linear;
+pub mod norm;
+pub mod pooling;
+
+pub use activation::{GeluApproximate, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU};
+pub use container::{Flatten, ModuleList, Sequential};
+pub use conv::{Conv1d, Conv1dConfig, Conv2d, Conv2dConfig};
+pub use dropout::Dropout;
+pub use embedding::{Embedding, EmbeddingConfig};
+pub use linear::{Linear, LinearConfig};
+pub use norm::{BatchNorm1d, BatchNorm2d, BatchNormConfig, LayerNorm, LayerNormConfig};
+pub use pooling::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, PoolConfig};
+
+use crate::module::{join_name, TensorKind};
+use ember_core::{DType, Device, Result, Tensor};
+
+/// A new f32 parameter of `dims` on `device`, filled by `init` and then marked as requiring
+/// grad (in that order, so the fill is not recorded).
+pub(crate) fn new_param(
+    dims: &[usize],
+    device: Device,
+    init: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let t = Tensor::empty(dims, DType::F32, device)?;
+    init(&t)?;
+    t.requires_grad_(true)
+}
+
+/// Calls `f` with `t` under `prefix.name` when present.
+pub(crate) fn visit_opt(
+    prefix: &str,
+    name: &str,
+    t: &Option<Tensor>,
+    kind: TensorKind,
+    f: &mut dyn FnMut(&str, &Tensor, TensorKind),
+) {
+    if let Some(t) = t {
+        f(&join_name(prefix, name), t, kind);
+    }
+}
+
+/// Mutable twin of [`visit_opt`].
+pub(crate) fn visit_opt_mut(
+    prefix: &str,
+    name: &str,
+    t: &mut Option<Tensor>,
+    kind: TensorKind,
+    f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
+) -> Result<()> {
+    match t {
+        Some(t) => f(&join_name(prefix, name), t, kind),
+        None => Ok(()),
+    }
+}
+
+/// Implements [`crate::Module`] for a layer without tensors whose struct has a
+/// `training: bool` field; `forward` is the given closure-like body.
+macro_rules! stateless_module {
+    ($ty:ty, |$s:ident, $x:ident| $body:expr) => {
+        impl $crate::module::Module for $ty {
+            fn forward(&self, $x: &ember_core::Tensor) -> ember_core::Result<ember_core::Tensor> {
+                let $s = self;
+                $body
+            }
+
+            fn visit(
+                &self,
+                _prefix: &str,
+                _f: &mut dyn FnMut(&str, &ember_core::Tensor, $crate::module::TensorKind),
+            ) {
+            }
+
+            fn visit_mut(
+                &mut self,
+                _prefix: &str,
+                _f: &mut dyn FnMut(
+                    &str,
+                    &mut ember_core::Tensor,
+                    $crate::module::TensorKind,
+                ) -> ember_core::Result<()>,
+            ) -> ember_core::Result<()> {
+                Ok(())
+            }
+
+            fn set_training(&mut self, training: bool) {
+                self.training = training;
+            }
+
+            fn is_training(&self) -> bool {
+                self.training
+            }
+        }
+    };
+}
+pub(crate) use stateless_module;

@@ -1,0 +1,221 @@
+//! [`Module`]: the `torch.nn.Module` of ember, and [`ModuleExt`], the methods every module
+//! gets from it (`parameters`, `named_parameters`, `train`/`eval`, `to_device`, `to_dtype`,
+//! `zero_grad`, `state_dict`, `load_state_dict`, ...).
+//!
+//! A module owns its tensors as plain fields and says what they are through two visitors:
+//! `visit` hands each tensor to a callback with its dotted name (PyTorch's `fc1.weight`,
+//! `0.bias`) and its [`TensorKind`]; `visit_mut` does the same with `&mut Tensor` so that
+//! `to_device`/`to_dtype` can replace them. Everything else is built on these two.
+//!
+//! Note [Visit order]: a module visits its own parameters, then its own buffers, then its
+//! children in registration order, each child under `prefix.child_name`. That is the order of
+//! PyTorch's `named_parameters()` and `state_dict()` for the same model, so names and order
+//! agree with a PyTorch checkpoint of the same architecture.
+//!
+//! Invariants: parameters are leaf tensors (they require grad unless the user froze them);
+//! buffers (running statistics, counters) never require grad. `forward` takes `&self`: the
+//! only state a forward pass changes is written in place into buffers (BatchNorm's running
+//! statistics), which every clone of the tensor handle sees.
+
+use crate::state_dict::{self, IncompatibleKeys, StateDictResult};
+use ember_core::{no_grad, DType, Device, Result, Tensor};
+
+/// What a module's tensor is: a trainable parameter or a buffer (`register_buffer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorKind {
+    /// A learnable tensor, listed by `parameters()` and updated by optimizers.
+    Parameter,
+    /// State that is saved with the module but not trained (running statistics, counters).
+    Buffer,
+}
+
+/// A layer or a model (`torch.nn.Module`).
+pub trait Module: Send + Sync {
+    /// Computes the module's output for `x`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Calls `f` with each parameter and buffer, its dotted name under `prefix` and its kind,
+    /// in the order of Note [Visit order].
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind));
+
+    /// As [`Module::visit`], with mutable access so that tensors can be replaced.
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
+    ) -> Result<()>;
+
+    /// Sets training mode on this module and all its children.
+    fn set_training(&mut self, training: bool);
+
+    /// True in training mode (`module.training`).
+    fn is_training(&self) -> bool;
+}
+
+/// `prefix.name`, or `name` when `prefix` is empty.
+pub fn join_name(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+impl<M: Module + ?Sized> Module for Box<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        (**self).forward(x)
+    }
+
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        (**self).visit(prefix, f)
+    }
+
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
+    ) -> Result<()> {
+        (**self).visit_mut(prefix, f)
+    }
+
+    fn set_training(&mut self, training: bool) {
+        (**self).set_training(training)
+    }
+
+    fn is_training(&self) -> bool {
+        (**self).is_training()
+    }
+}
+
+/// The methods PyTorch's `nn.Module` provides, for every [`Module`] (also `dyn Module`).
+pub trait ModuleExt: Module {
+    /// The parameters in the order of Note [Visit order] (`module.parameters()`).
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// The parameters with their dotted names (`module.named_parameters()`).
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        named_of_kind(self, TensorKind::Parameter)
+    }
+
+    /// The buffers (`module.buffers()`).
+    fn buffers(&self) -> Vec<Tensor> {
+        self.named_buffers().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// The buffers with their dotted names (`module.named_buffers()`).
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        named_of_kind(self, TensorKind::Buffer)
+    }
+
+    /// Total number of elements over all parameters.
+    fn num_parameters(&self) -> usize {
+        let mut n = 0;
+        self.visit("", &mut |_, t, kind| {
+            if kind == TensorKind::Parameter {
+                n += t.numel();
+            }
+        });
+        n
+    }
+
+    /// Switches to training mode (`module.train()`).
+    fn train(&mut self) {
+        self.set_training(true)
+    }
+
+    /// Switches to evaluation mode (`module.eval()`): dropout off, BatchNorm uses running stats.
+    fn eval(&mut self) {
+        self.set_training(false)
+    }
+
+    /// Moves every parameter, buffer and gradient to `device` (`module.to(device)`).
+    /// Parameters stay leaves with their `requires_grad` flag.
+    fn to_device(&mut self, device: Device) -> Result<()> {
+        self.visit_mut("", &mut |_, t, _| {
+            if t.device() != device {
+                *t = convert(t, |x| x.to(device))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Casts every floating-point parameter, buffer and gradient to the floating-point `dtype`
+    /// (`module.to(dtype)`); integer buffers (`num_batches_tracked`) keep their dtype.
+    fn to_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !dtype.is_floating_point() {
+            return Err(ember_core::Error::UnsupportedDType {
+                op: "Module::to_dtype",
+                dtype,
+                hint: "modules can only be cast to floating point dtypes",
+            });
+        }
+        self.visit_mut("", &mut |_, t, _| {
+            if t.dtype().is_floating_point() && t.dtype() != dtype {
+                *t = convert(t, |x| x.to_dtype(dtype))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Releases every parameter's gradient (`zero_grad(set_to_none=True)`, PyTorch 2's default).
+    fn zero_grad(&self) -> Result<()> {
+        let mut result = Ok(());
+        self.visit("", &mut |_, t, kind| {
+            if kind == TensorKind::Parameter && result.is_ok() {
+                result = t.set_grad(None);
+            }
+        });
+        result
+    }
+
+    /// Parameters and buffers by dotted name, detached and sharing storage with the module
+    /// (`module.state_dict()`).
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        self.visit("", &mut |name, t, _| out.push((name.to_owned(), t.detach())));
+        out
+    }
+
+    /// Copies `state` into the module's tensors (`module.load_state_dict(state, strict)`); see
+    /// [`crate::state_dict`] for the checks. Nothing is copied when a check fails.
+    fn load_state_dict(
+        &mut self,
+        state: &[(String, Tensor)],
+        strict: bool,
+    ) -> StateDictResult<IncompatibleKeys> {
+        state_dict::load_into(self, state, strict)
+    }
+}
+
+impl<M: Module + ?Sized> ModuleExt for M {}
+
+/// The tensors of `kind` with their names.
+fn named_of_kind<M: Module + ?Sized>(m: &M, kind: TensorKind) -> Vec<(String, Tensor)> {
+    let mut out = Vec::new();
+    m.visit("", &mut |name, t, k| {
+        if k == kind {
+            out.push((name.to_owned(), t.clone()));
+        }
+    });
+    out
+}
+
+/// `f(t)` as a new leaf with `t`'s `requires_grad`, and `f(t.grad)` as its gradient.
+fn convert(t: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let _g = no_grad();
+    let new = f(&t.detach())?;
+    let new = if new.shares_storage_with(t) {
+        new.deep_clone()?
+    } else {
+        new
+    };
+    if t.requires_grad() {
+        new.requires_grad_(true)?;
+    }
+    if let Some(g) = t.grad() {
+        new.set_grad(Some(f(&g)?))?;
+    }
+    Ok(new)
+}
