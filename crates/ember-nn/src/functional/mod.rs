@@ -3,7 +3,8 @@
 //! with no kernel of its own.
 //!
 //! One file per family: [`conv`] (linear, convolution, unfold), [`pooling`], [`normalization`]
-//! (batch and layer norm), [`dropout`], [`attention`] and [`loss`]. The functions are
+//! (batch and layer norm), [`dropout`], [`attention`], [`attention_mha`] (multi-head
+//! attention), [`recurrent`] (RNN, LSTM, GRU and their cells) and [`loss`]. The functions are
 //! re-exported here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
 //!
 //! Note [Composite ops]: the functions choose compositions with few kernels and no host
@@ -11,18 +12,22 @@
 //! norm statistics, attention, cross-entropy) the file's `//!` says what it would save.
 
 pub mod attention;
+pub mod attention_mha;
 pub mod conv;
 pub mod dropout;
 pub mod loss;
 pub mod normalization;
 pub mod pooling;
+pub mod recurrent;
 
 pub use attention::scaled_dot_product_attention;
+pub use attention_mha::multi_head_attention_forward;
 pub use conv::{conv1d, conv2d, linear, unfold};
 pub use dropout::{dropout, dropout_with};
 pub use loss::{binary_cross_entropy_with_logits, cross_entropy, l1_loss, mse_loss, nll_loss, Reduction};
 pub use normalization::{batch_norm, layer_norm};
 pub use pooling::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
+pub use recurrent::{gru, gru_cell, lstm, lstm_cell, rnn, rnn_relu_cell, rnn_tanh_cell, RnnNonlinearity};
 
 /// A size or step per spatial dim of a 2-D op (`kernel_size=3` or `kernel_size=(3, 2)`):
 /// built from a `usize` (both dims), a `[usize; 2]` or a `(usize, usize)`.

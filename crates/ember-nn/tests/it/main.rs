@@ -4,7 +4,9 @@
 #[path = "../../../ember-core/tests/it/common.rs"]
 mod common;
 
+mod attention_mha;
 mod conformance;
 mod functional;
 mod functional_loss;
 mod modules;
+mod recurrent;

@@ -26,7 +26,7 @@ use crate::common;
 use fixture::Fixture;
 
 /// Ops of group `nn` whose layers are not built yet: their cases are reported as not run.
-const NOT_RUN_YET: &[&str] = &["lstm", "gru", "rnn", "multihead_attention"];
+const NOT_RUN_YET: &[&str] = &[];
 
 #[test]
 fn pytorch_reference_cases_nn() {

@@ -6,7 +6,7 @@
 
 use super::kwargs::Kwargs;
 use super::runner::Fail;
-use ember_core::{Result as EResult, Tensor};
+use ember_core::{DType, Result as EResult, Tensor};
 use ember_nn::functional as F;
 use ember_nn::functional::{Pair, Reduction};
 
@@ -26,6 +26,10 @@ pub const MAPPED: &[&str] = &[
     "mse_loss",
     "l1_loss",
     "binary_cross_entropy_with_logits",
+    "lstm",
+    "gru",
+    "rnn",
+    "multihead_attention",
 ];
 
 /// A kwarg that is an int or a pair of ints.
@@ -52,6 +56,20 @@ fn usize_or(kw: &Kwargs, name: &str, default: usize) -> Result<usize, Fail> {
 
 fn reduction(kw: &Kwargs) -> Result<Reduction, Fail> {
     Ok(Reduction::parse(kw.opt_str("reduction")?.unwrap_or("mean"))?)
+}
+
+/// The per-layer weight lists `[w_ih, w_hh, b_ih, b_hh]` of a recurrent case (inputs after the
+/// states are the state dict's `weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0, ...`).
+fn layer_weights<'a>(kw: &Kwargs, params: &'a [Tensor]) -> Result<(Vec<&'a [Tensor]>, usize), Fail> {
+    let layers = usize_or(kw, "num_layers", 1)?;
+    if params.len() != 4 * layers {
+        return Err(Fail::Failed(format!(
+            "runner: {layers} layer(s) need {} weights, the case has {}",
+            4 * layers,
+            params.len()
+        )));
+    }
+    Ok((params.chunks(4).collect(), layers))
 }
 
 /// PyTorch's outputs of `case`, computed with ember from `x` (the inputs in manifest order).
@@ -200,6 +218,90 @@ pub fn forward(op: &str, _id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Ten
                 None,
                 reduction(kw)?,
             ))
+        }
+        "lstm" | "gru" | "rnn" => {
+            // (x, h0[, c0], weights...) -> (output, h_n[, c_n])
+            kw.only(&["input_size", "hidden_size", "num_layers", "batch_first"])?;
+            let states = if op == "lstm" { 2 } else { 1 };
+            if x.len() < 1 + states {
+                return Err(Fail::Failed(format!("runner: {op} has only {} inputs", x.len())));
+            }
+            let (weights, layers) = layer_weights(kw, &x[1 + states..])?;
+            let batch_first = kw.bool_or("batch_first", false)?;
+            let (input_size, hidden) = (kw.usize("input_size")?, kw.usize("hidden_size")?);
+            if x[0].dims().last() != Some(&input_size) || x[1].dims().last() != Some(&hidden) {
+                return Err(Fail::Failed(format!(
+                    "runner: input_size {input_size} / hidden_size {hidden} disagree with x {} / h0 {}",
+                    x[0].shape(),
+                    x[1].shape()
+                )));
+            }
+            Ok(match op {
+                "lstm" => {
+                    let (out, (h, c)) = F::lstm(
+                        &x[0],
+                        Some((&x[1], &x[2])),
+                        &weights,
+                        layers,
+                        batch_first,
+                        0.0,
+                        false,
+                    )?;
+                    vec![out, h, c]
+                }
+                "gru" => {
+                    let (out, h) = F::gru(&x[0], Some(&x[1]), &weights, layers, batch_first, 0.0, false)?;
+                    vec![out, h]
+                }
+                _ => {
+                    let (out, h) = F::rnn(
+                        &x[0],
+                        Some(&x[1]),
+                        &weights,
+                        F::RnnNonlinearity::Tanh,
+                        layers,
+                        batch_first,
+                        0.0,
+                        false,
+                    )?;
+                    vec![out, h]
+                }
+            })
+        }
+        "multihead_attention" => {
+            // (query, key, value, in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias);
+            // attn_mask="causal" is the bool mask triu(ones(L, S), 1) (true = may not attend).
+            arity(7)?;
+            kw.only(&["embed_dim", "num_heads", "batch_first", "attn_mask"])?;
+            let batch_first = kw.bool_or("batch_first", false)?;
+            let mask = match kw.opt_str("attn_mask")? {
+                None => None,
+                Some("causal") => {
+                    let t = if batch_first { 1 } else { 0 };
+                    let (l, s) = (x[0].dims()[t], x[1].dims()[t]);
+                    let dev = x[0].device();
+                    let i = Tensor::arange(0.0, l as f64, 1.0, DType::I64, dev)?.unsqueeze(1)?;
+                    let j = Tensor::arange(0.0, s as f64, 1.0, DType::I64, dev)?.unsqueeze(0)?;
+                    Some(j.gt(&i)?)
+                }
+                Some(m) => return Err(Fail::unmapped(format!("attn_mask={m:?}"))),
+            };
+            let (out, _) = F::multi_head_attention_forward(
+                &x[0],
+                &x[1],
+                &x[2],
+                kw.usize("embed_dim")?,
+                kw.usize("num_heads")?,
+                &x[3],
+                Some(&x[4]),
+                &x[5],
+                Some(&x[6]),
+                mask.as_ref(),
+                false,
+                batch_first,
+                false,
+            )?;
+            Ok(vec![out])
         }
         _ => Err(Fail::unmapped(format!(
             "op {op:?} has no ember call in the runner yet"
