@@ -1,8 +1,11 @@
-//! ember-nn: `torch.nn` and `torch.optim` for ember. `functional` holds the stateless layer
-//! ops and losses (`torch.nn.functional`), `optim` the optimizers, gradient clipping and LR
-//! schedulers. `module` holds the `Module`
-//! trait, `layers` the layer types (`Linear`, `Conv2d`, ...), `init` `torch.nn.init`, and
-//! `state_dict` loading checks and safetensors checkpoints. Builds on `ember-core` only.
+//! ember-nn: `torch.nn` and `torch.optim` for ember. Builds on `ember-core` only.
+//!
+//! - `functional`: stateless layer ops and losses (`torch.nn.functional`), recurrent and
+//!   attention forms included;
+//! - `module`: the `Module` trait and `ModuleExt` (parameters, train/eval, device moves, state dicts);
+//! - `layers`: the layer types (`Linear`, `Conv2d`, `BatchNorm2d`, `Sequential`, ...);
+//! - `init`: `torch.nn.init`; `state_dict`: load checks and safetensors checkpoints;
+//! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`).
 #![forbid(unsafe_code)]
 
 pub mod functional;
