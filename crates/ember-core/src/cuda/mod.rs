@@ -5,6 +5,7 @@
 //!
 //! One file per concept: `device` (discovery, properties), `runtime` (per-device context and
 //! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
+//! `pinned` (page-locked host memory and its cache),
 //! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
 //! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), and one file per op family

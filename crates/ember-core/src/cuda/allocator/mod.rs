@@ -1,0 +1,715 @@
+//! The caching allocator of one CUDA device: PyTorch's policy (`c10/cuda/CUDACachingAllocator.cpp`)
+//! over a small [`Driver`] trait, so that the whole policy is std-only and tested with a fake
+//! driver. It owns block bookkeeping, statistics, snapshots and the alloc/free trace; the real
+//! driver and the public `cuda::memory_*` functions live elsewhere.
+//!
+//! The rules, as PyTorch states them:
+//! - Requests round up to multiples of 512 B; a 0-byte request gets a null allocation and
+//!   touches nothing.
+//! - Requests up to 1 MiB come from the small pool, carved out of 2 MiB segments. Larger ones
+//!   come from the large pool: below 10 MiB out of 20 MiB segments, from 10 MiB on out of a
+//!   segment of the request rounded up to 2 MiB.
+//! - Best fit: the smallest free block of the same stream and pool that is large enough.
+//!   Once freed, a block is reused on the stream that allocated it, never on another stream.
+//! - A block used on other streams (`record_stream`) returns to its pool only after an event
+//!   recorded on each of those streams at free time has completed.
+//! - A found block splits when the remainder is >= 512 B (small pool) or > 1 MiB (large pool);
+//!   a freed block merges with the free neighbours of its segment.
+//! - When the driver is out of memory: synchronize pending frees, release the fully free
+//!   segments of the request's pool, retry; then release those of both pools, retry; only then
+//!   fail with [`OutOfMemory`]. The allocator stays usable after a failure.
+//!
+//! Locking: all state sits behind one `Mutex`; every public method takes it once. The driver is
+//! called under the lock (it is the allocator's own collaborator); no other user code is, except
+//! the closure given to [`CachingAllocator::with_driver`], which must not call the allocator.
+
+mod stats;
+#[cfg(test)]
+mod tests;
+
+use stats::format_bytes;
+pub use stats::{
+    memory_stats_map, memory_summary, snapshot_json, BlockInfo, BlockState, MemoryStats, SegmentInfo, Stat,
+    StatArray, TraceAction, TraceEntry,
+};
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Every block size is a multiple of this (bytes; PyTorch's `kMinBlockSize`).
+const MIN_BLOCK_SIZE: usize = 512;
+/// Largest rounded request served by the small pool (1 MiB; `kSmallSize`).
+const SMALL_SIZE: usize = 1 << 20;
+/// Segment size of the small pool (2 MiB; `kSmallBuffer`).
+const SMALL_BUFFER: usize = 2 << 20;
+/// Segment size for large requests below `MIN_LARGE_ALLOC` (20 MiB; `kLargeBuffer`).
+const LARGE_BUFFER: usize = 20 << 20;
+/// From this request size on, a segment is sized to the request (10 MiB; `kMinLargeAlloc`).
+const MIN_LARGE_ALLOC: usize = 10 << 20;
+/// Rounding of request-sized segments (2 MiB; `kRoundLarge`).
+const ROUND_LARGE: usize = 2 << 20;
+
+/// A raw CUstream as an integer (0 = the legacy default stream).
+pub type StreamId = u64;
+/// An opaque event handle from the driver.
+pub type EventId = u64;
+
+/// What the allocator needs from the device; the real one wraps cuMemAlloc/cuMemFree/cuEvent*.
+pub trait Driver: Send {
+    /// A new device segment of exactly `bytes`, or None when the device is out of memory.
+    fn malloc(&mut self, bytes: usize) -> Option<u64>;
+    /// Returns a segment obtained from `malloc` (whole segment, its base address).
+    fn free(&mut self, ptr: u64);
+    /// (free, total) bytes of the device, as cuMemGetInfo.
+    fn mem_get_info(&mut self) -> (usize, usize);
+    /// Creates an event and records it on `stream`.
+    fn record_event(&mut self, stream: StreamId) -> EventId;
+    /// True when the work before `event` has completed (cuEventQuery).
+    fn event_done(&mut self, event: EventId) -> bool;
+    /// Blocks until `event` completed.
+    fn synchronize_event(&mut self, event: EventId);
+    /// Destroys an event created by `record_event`.
+    fn destroy_event(&mut self, event: EventId);
+}
+
+/// The two block pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pool {
+    /// Rounded requests up to 1 MiB, carved out of 2 MiB segments.
+    Small,
+    /// Rounded requests above 1 MiB.
+    Large,
+}
+
+impl Pool {
+    /// The pool serving a rounded size.
+    fn for_size(size: usize) -> Pool {
+        if size <= SMALL_SIZE {
+            Pool::Small
+        } else {
+            Pool::Large
+        }
+    }
+
+    /// Index into the per-pool free sets.
+    fn index(self) -> usize {
+        match self {
+            Pool::Small => 0,
+            Pool::Large => 1,
+        }
+    }
+
+    /// PyTorch's `segment_type` name: "small" or "large".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pool::Small => "small",
+            Pool::Large => "large",
+        }
+    }
+}
+
+/// One allocation handed out: device address, rounded size, requested size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address (0 for a 0-byte request).
+    pub ptr: u64,
+    /// Size of the block, the request rounded up to 512 B.
+    pub size: usize,
+    /// Size asked for.
+    pub requested: usize,
+    /// Stream that owns the block.
+    pub stream: StreamId,
+}
+
+/// Why an allocation failed after freeing cache and retrying (all bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// The rounded request.
+    pub requested: usize,
+    /// Device capacity.
+    pub total: usize,
+    /// Free device memory reported by the driver.
+    pub free: usize,
+    /// Bytes in blocks handed out by this allocator.
+    pub allocated: usize,
+    /// Bytes in segments held by this allocator.
+    pub reserved: usize,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = |v: usize| format_bytes(v as i64);
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}. GPU has a total capacity of {} of which {} is \
+             free. Of the allocated memory {} is allocated by ember, and {} is reserved by ember but \
+             unallocated. If reserved but unallocated memory is large, call empty_cache() or reuse \
+             tensor sizes to avoid fragmentation; otherwise reduce the batch size.",
+            s(self.requested),
+            s(self.total),
+            s(self.free),
+            s(self.allocated),
+            s(self.reserved.saturating_sub(self.allocated)),
+        )
+    }
+}
+
+impl std::error::Error for OutOfMemory {}
+
+/// Where a block is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    Allocated,
+    PendingFree,
+    Free,
+}
+
+/// A block of a segment; blocks are keyed by address in `State::blocks`.
+#[derive(Debug)]
+struct Block {
+    size: usize,
+    requested: usize,
+    stream: StreamId,
+    pool: Pool,
+    state: Use,
+    /// Neighbouring blocks of the same segment, by address.
+    prev: Option<u64>,
+    next: Option<u64>,
+    /// Streams other than `stream` that used the block (`record_stream`).
+    stream_uses: BTreeSet<StreamId>,
+}
+
+impl Block {
+    fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+/// A driver segment; its first block starts at its base address.
+#[derive(Debug)]
+struct Segment {
+    size: usize,
+    stream: StreamId,
+    pool: Pool,
+}
+
+/// Everything behind the allocator's lock.
+struct State<D> {
+    driver: D,
+    /// Every block of every segment, by start address.
+    blocks: HashMap<u64, Block>,
+    /// Free blocks per pool (`Pool::index`), ordered for best fit: (stream, size, address).
+    free_blocks: [BTreeSet<(StreamId, usize, u64)>; 2],
+    /// Segments by base address.
+    segments: BTreeMap<u64, Segment>,
+    /// Freed blocks waiting on events: (block address, events not yet seen complete).
+    pending: Vec<(u64, Vec<EventId>)>,
+    stats: MemoryStats,
+    recording: bool,
+    max_entries: usize,
+    trace: VecDeque<TraceEntry>,
+}
+
+/// A PyTorch-style caching allocator for one device (all methods take `&self`).
+pub struct CachingAllocator<D: Driver> {
+    state: Mutex<State<D>>,
+}
+
+/// Rounded block size and segment size for a request, None on arithmetic overflow.
+fn sizes(bytes: usize) -> Option<(usize, usize)> {
+    let size = bytes.checked_next_multiple_of(MIN_BLOCK_SIZE)?;
+    let segment = if size <= SMALL_SIZE {
+        SMALL_BUFFER
+    } else if size < MIN_LARGE_ALLOC {
+        LARGE_BUFFER
+    } else {
+        size.checked_next_multiple_of(ROUND_LARGE)?
+    };
+    Some((size, segment))
+}
+
+/// Whether a found block keeps `remaining` bytes as a new free block.
+fn should_split(pool: Pool, remaining: usize) -> bool {
+    match pool {
+        Pool::Small => remaining >= MIN_BLOCK_SIZE,
+        Pool::Large => remaining > SMALL_SIZE,
+    }
+}
+
+impl<D: Driver> State<D> {
+    fn record(&mut self, action: TraceAction, addr: u64, size: usize, stream: StreamId) {
+        if !self.recording {
+            return;
+        }
+        let time_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        self.trace.push_back(TraceEntry {
+            action,
+            addr,
+            size,
+            stream,
+            time_us,
+        });
+        while self.trace.len() > self.max_entries {
+            self.trace.pop_front();
+        }
+    }
+
+    fn block(&self, addr: u64) -> &Block {
+        self.blocks
+            .get(&addr)
+            .expect("allocator invariant: linked block exists")
+    }
+
+    fn block_mut(&mut self, addr: u64) -> &mut Block {
+        self.blocks
+            .get_mut(&addr)
+            .expect("allocator invariant: linked block exists")
+    }
+
+    /// Removes the best-fitting free block of `pool` for `stream` from its free set.
+    fn take_best_fit(&mut self, pool: Pool, stream: StreamId, size: usize) -> Option<u64> {
+        let set = &mut self.free_blocks[pool.index()];
+        let key = *set.range((stream, size, 0)..).next().filter(|k| k.0 == stream)?;
+        set.remove(&key);
+        Some(key.2)
+    }
+
+    fn malloc(&mut self, bytes: usize, stream: StreamId) -> Result<Allocation, OutOfMemory> {
+        if bytes == 0 {
+            return Ok(Allocation {
+                ptr: 0,
+                size: 0,
+                requested: 0,
+                stream,
+            });
+        }
+        self.process_events();
+        let Some((size, segment_size)) = sizes(bytes) else {
+            return Err(self.out_of_memory(bytes));
+        };
+        let pool = Pool::for_size(size);
+        let addr = match self.take_best_fit(pool, stream, size) {
+            Some(addr) => addr,
+            None => self.new_block(size, segment_size, stream, pool)?,
+        };
+        Ok(self.hand_out(addr, size, bytes))
+    }
+
+    /// A free block (not in any free set) for a request no cached block fits: a new segment,
+    /// or, when the driver is out of memory, whatever flushing the cache makes available.
+    fn new_block(
+        &mut self,
+        size: usize,
+        segment_size: usize,
+        stream: StreamId,
+        pool: Pool,
+    ) -> Result<u64, OutOfMemory> {
+        if let Some(addr) = self.new_segment(segment_size, stream, pool) {
+            return Ok(addr);
+        }
+        self.stats.num_alloc_retries += 1;
+        // (1) Blocks waiting on events may fit once synchronized; else drop this pool's cache.
+        self.synchronize_and_free_events();
+        if let Some(addr) = self.take_best_fit(pool, stream, size) {
+            return Ok(addr);
+        }
+        if self.release_cached(Some(pool)) > 0 {
+            if let Some(addr) = self.new_segment(segment_size, stream, pool) {
+                return Ok(addr);
+            }
+        }
+        // (2) Drop every fully free segment of both pools.
+        self.release_cached(None);
+        if let Some(addr) = self.new_segment(segment_size, stream, pool) {
+            return Ok(addr);
+        }
+        Err(self.out_of_memory(size))
+    }
+
+    fn out_of_memory(&mut self, requested: usize) -> OutOfMemory {
+        self.stats.num_ooms += 1;
+        let (free, total) = self.driver.mem_get_info();
+        OutOfMemory {
+            requested,
+            total,
+            free,
+            allocated: self.stats.allocated_bytes.all.current.max(0) as usize,
+            reserved: self.stats.reserved_bytes.all.current.max(0) as usize,
+        }
+    }
+
+    /// A new driver segment as one free, unsplit block (not in a free set).
+    fn new_segment(&mut self, size: usize, stream: StreamId, pool: Pool) -> Option<u64> {
+        let addr = self.driver.malloc(size)?;
+        self.stats.num_device_alloc += 1;
+        self.stats.segment.update(pool, 1);
+        self.stats.reserved_bytes.update(pool, size as i64);
+        self.segments.insert(addr, Segment { size, stream, pool });
+        let block = Block {
+            size,
+            requested: 0,
+            stream,
+            pool,
+            state: Use::Free,
+            prev: None,
+            next: None,
+            stream_uses: BTreeSet::new(),
+        };
+        self.blocks.insert(addr, block);
+        self.record(TraceAction::SegmentAlloc, addr, size, stream);
+        Some(addr)
+    }
+
+    /// Hands out the free block at `addr` (taken out of its free set), splitting off the rest.
+    fn hand_out(&mut self, addr: u64, size: usize, requested: usize) -> Allocation {
+        let (pool, stream, block_size, next, already_split) = {
+            let b = self.block(addr);
+            (b.pool, b.stream, b.size, b.next, b.is_split())
+        };
+        let remaining = block_size - size;
+        let size = if should_split(pool, remaining) {
+            // The block keeps the low `size` bytes; the rest becomes a free block after it.
+            let rest = addr + size as u64;
+            if let Some(n) = next {
+                self.block_mut(n).prev = Some(rest);
+            }
+            let b = self.block_mut(addr);
+            b.size = size;
+            b.next = Some(rest);
+            let block = Block {
+                size: remaining,
+                requested: 0,
+                stream,
+                pool,
+                state: Use::Free,
+                prev: Some(addr),
+                next,
+                stream_uses: BTreeSet::new(),
+            };
+            self.blocks.insert(rest, block);
+            self.free_blocks[pool.index()].insert((stream, remaining, rest));
+            let stats = &mut self.stats;
+            if already_split {
+                // An inactive split block shrinks by `size`.
+                stats.inactive_split_bytes.update(pool, -(size as i64));
+            } else {
+                // A new inactive split block appears out of an unsplit one.
+                stats.inactive_split_bytes.update(pool, remaining as i64);
+                stats.inactive_split.update(pool, 1);
+            }
+            size
+        } else {
+            if already_split {
+                // An inactive split block becomes active whole.
+                let stats = &mut self.stats;
+                stats.inactive_split_bytes.update(pool, -(block_size as i64));
+                stats.inactive_split.update(pool, -1);
+            }
+            block_size
+        };
+        let b = self.block_mut(addr);
+        b.state = Use::Allocated;
+        b.requested = requested;
+        let s = &mut self.stats;
+        s.allocation.update(pool, 1);
+        s.allocated_bytes.update(pool, size as i64);
+        s.active.update(pool, 1);
+        s.active_bytes.update(pool, size as i64);
+        s.requested_bytes.update(pool, requested as i64);
+        self.record(TraceAction::Alloc, addr, size, stream);
+        Allocation {
+            ptr: addr,
+            size,
+            requested,
+            stream,
+        }
+    }
+
+    fn free(&mut self, ptr: u64) -> bool {
+        if ptr == 0 {
+            return true;
+        }
+        let Some(b) = self.blocks.get_mut(&ptr).filter(|b| b.state == Use::Allocated) else {
+            return false;
+        };
+        let uses = std::mem::take(&mut b.stream_uses);
+        b.state = if uses.is_empty() {
+            Use::Free
+        } else {
+            Use::PendingFree
+        };
+        let (pool, size, stream) = (b.pool, b.size, b.stream);
+        self.stats.allocation.update(pool, -1);
+        self.stats.allocated_bytes.update(pool, -(size as i64));
+        self.record(TraceAction::FreeRequested, ptr, size, stream);
+        if uses.is_empty() {
+            self.free_block(ptr);
+        } else {
+            let events = uses.into_iter().map(|s| self.driver.record_event(s)).collect();
+            self.pending.push((ptr, events));
+        }
+        true
+    }
+
+    /// Returns the block at `addr` to its pool, merging it with free neighbours.
+    fn free_block(&mut self, addr: u64) {
+        let mut b = self
+            .blocks
+            .remove(&addr)
+            .expect("allocator invariant: freed block exists");
+        let (orig_size, requested, pool) = (b.size, b.requested, b.pool);
+        self.record(TraceAction::FreeCompleted, addr, orig_size, b.stream);
+        let (mut split_blocks, mut split_bytes) = (0i64, 0i64);
+        let mut start = addr;
+        for neighbour in [b.prev, b.next].into_iter().flatten() {
+            if self.block(neighbour).state != Use::Free {
+                continue;
+            }
+            let n = self
+                .blocks
+                .remove(&neighbour)
+                .expect("allocator invariant: checked above");
+            self.free_blocks[pool.index()].remove(&(n.stream, n.size, neighbour));
+            if neighbour < start {
+                start = neighbour;
+                b.prev = n.prev;
+            } else {
+                b.next = n.next;
+            }
+            b.size += n.size;
+            split_blocks -= 1;
+            split_bytes -= n.size as i64;
+        }
+        if let Some(p) = b.prev {
+            self.block_mut(p).next = Some(start);
+        }
+        if let Some(n) = b.next {
+            self.block_mut(n).prev = Some(start);
+        }
+        if b.is_split() {
+            split_blocks += 1;
+            split_bytes += b.size as i64;
+        }
+        b.state = Use::Free;
+        b.requested = 0;
+        self.free_blocks[pool.index()].insert((b.stream, b.size, start));
+        self.blocks.insert(start, b);
+        let s = &mut self.stats;
+        s.inactive_split.update(pool, split_blocks);
+        s.inactive_split_bytes.update(pool, split_bytes);
+        s.active.update(pool, -1);
+        s.active_bytes.update(pool, -(orig_size as i64));
+        s.requested_bytes.update(pool, -(requested as i64));
+    }
+
+    /// Completes the pending frees whose events have all completed (queries, never blocks).
+    fn process_events(&mut self) {
+        for (addr, mut events) in std::mem::take(&mut self.pending) {
+            let driver = &mut self.driver;
+            events.retain(|&e| {
+                let done = driver.event_done(e);
+                if done {
+                    driver.destroy_event(e);
+                }
+                !done
+            });
+            if events.is_empty() {
+                self.free_block(addr);
+            } else {
+                self.pending.push((addr, events));
+            }
+        }
+    }
+
+    /// Waits for every pending event and completes every pending free.
+    fn synchronize_and_free_events(&mut self) {
+        self.stats.num_sync_all_streams += 1;
+        for (addr, events) in std::mem::take(&mut self.pending) {
+            for e in events {
+                self.driver.synchronize_event(e);
+                self.driver.destroy_event(e);
+            }
+            self.free_block(addr);
+        }
+    }
+
+    /// Returns every fully free segment (of `pool`, or of both) to the driver; bytes released.
+    fn release_cached(&mut self, pool: Option<Pool>) -> usize {
+        let bases: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(base, seg)| {
+                let b = self.block(**base);
+                pool.is_none_or(|p| p == seg.pool) && b.state == Use::Free && !b.is_split()
+            })
+            .map(|(base, _)| *base)
+            .collect();
+        let mut released = 0;
+        for base in bases {
+            let seg = self
+                .segments
+                .remove(&base)
+                .expect("allocator invariant: listed above");
+            self.blocks.remove(&base);
+            self.free_blocks[seg.pool.index()].remove(&(seg.stream, seg.size, base));
+            self.driver.free(base);
+            self.stats.num_device_free += 1;
+            self.stats.segment.update(seg.pool, -1);
+            self.stats.reserved_bytes.update(seg.pool, -(seg.size as i64));
+            self.record(TraceAction::SegmentFree, base, seg.size, seg.stream);
+            released += seg.size;
+        }
+        released
+    }
+
+    fn snapshot(&self) -> Vec<SegmentInfo> {
+        let mut out = Vec::with_capacity(self.segments.len());
+        for (&base, seg) in &self.segments {
+            let mut blocks = Vec::new();
+            let mut at = Some(base);
+            while let Some(addr) = at {
+                let b = self.block(addr);
+                let state = match b.state {
+                    Use::Allocated => BlockState::ActiveAllocated,
+                    Use::PendingFree => BlockState::ActivePendingFree,
+                    Use::Free => BlockState::Inactive,
+                };
+                blocks.push(BlockInfo {
+                    address: addr,
+                    size: b.size,
+                    requested_size: b.requested,
+                    state,
+                });
+                at = b.next;
+            }
+            out.push(SegmentInfo {
+                address: base,
+                total_size: seg.size,
+                stream: seg.stream,
+                pool: seg.pool,
+                blocks,
+            });
+        }
+        out
+    }
+}
+
+impl<D: Driver> CachingAllocator<D> {
+    /// An allocator with an empty cache over `driver`.
+    pub fn new(driver: D) -> Self {
+        let state = State {
+            driver,
+            blocks: HashMap::new(),
+            free_blocks: [BTreeSet::new(), BTreeSet::new()],
+            segments: BTreeMap::new(),
+            pending: Vec::new(),
+            stats: MemoryStats::default(),
+            recording: false,
+            max_entries: 0,
+            trace: VecDeque::new(),
+        };
+        CachingAllocator {
+            state: Mutex::new(state),
+        }
+    }
+
+    /// The state; a poisoned lock (a panicking driver) is taken over as it is.
+    fn lock(&self) -> MutexGuard<'_, State<D>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Best-fit from the stream's pool for the size class, else a new segment.
+    pub fn malloc(&self, bytes: usize, stream: StreamId) -> Result<Allocation, OutOfMemory> {
+        self.lock().malloc(bytes, stream)
+    }
+
+    /// Returns the block at `ptr` to its pool (after events of streams recorded with
+    /// `record_stream` have completed); merges with free neighbours. False when `ptr` is not an
+    /// allocated block (unknown or already freed); freeing 0 is a no-op returning true.
+    pub fn free(&self, ptr: u64) -> bool {
+        self.lock().free(ptr)
+    }
+
+    /// Marks the block at `ptr` as used on `stream` (cross-stream use); ignored for the
+    /// block's own stream and for addresses that are not allocated blocks.
+    pub fn record_stream(&self, ptr: u64, stream: StreamId) {
+        let mut state = self.lock();
+        if let Some(b) = state.blocks.get_mut(&ptr) {
+            if b.state == Use::Allocated && b.stream != stream {
+                b.stream_uses.insert(stream);
+            }
+        }
+    }
+
+    /// Releases every fully free cached segment to the driver (after completing pending
+    /// cross-stream frees).
+    pub fn empty_cache(&self) {
+        let mut state = self.lock();
+        state.synchronize_and_free_events();
+        state.release_cached(None);
+    }
+
+    /// A copy of the statistics.
+    pub fn stats(&self) -> MemoryStats {
+        self.lock().stats
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        let mut state = self.lock();
+        for array in state.stats.each_mut() {
+            for stat in array.each_mut() {
+                stat.peak = stat.current;
+            }
+        }
+    }
+
+    /// Zeroes every `allocated`/`freed` total and the `num_*` counters.
+    pub fn reset_accumulated_stats(&self) {
+        let mut state = self.lock();
+        for array in state.stats.each_mut() {
+            for stat in array.each_mut() {
+                stat.allocated = 0;
+                stat.freed = 0;
+            }
+        }
+        let s = &mut state.stats;
+        s.num_alloc_retries = 0;
+        s.num_ooms = 0;
+        s.num_sync_all_streams = 0;
+        s.num_device_alloc = 0;
+        s.num_device_free = 0;
+    }
+
+    /// Every segment with its blocks, in address order.
+    pub fn snapshot(&self) -> Vec<SegmentInfo> {
+        self.lock().snapshot()
+    }
+
+    /// Start/stop recording alloc/free events (keeping at most `max_entries`, oldest dropped).
+    /// Starting clears the previous trace; stopping keeps it for [`history`](Self::history).
+    pub fn record_history(&self, enabled: bool, max_entries: usize) {
+        let mut state = self.lock();
+        if enabled {
+            state.trace.clear();
+            state.max_entries = max_entries;
+        }
+        state.recording = enabled;
+    }
+
+    /// The recorded trace, oldest first.
+    pub fn history(&self) -> Vec<TraceEntry> {
+        self.lock().trace.iter().copied().collect()
+    }
+
+    /// Driver access for the owner (e.g. to create events); runs `f` under the allocator lock,
+    /// so `f` must not call this allocator.
+    #[allow(dead_code)]
+    pub fn with_driver<R>(&self, f: impl FnOnce(&mut D) -> R) -> R {
+        f(&mut self.lock().driver)
+    }
+}

@@ -1,0 +1,739 @@
+//! The allocator's bookkeeping, exercised against a fake driver (no GPU needed).
+
+use super::*;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const BASE: u64 = 0x1000_0000;
+
+/// Segments are handed out back to back from `BASE` (adjacent, so merging across segments
+/// would show); events complete only when the test says so.
+struct FakeDriver {
+    capacity: usize,
+    used: usize,
+    next_addr: u64,
+    live: HashMap<u64, usize>,
+    events: HashMap<EventId, (StreamId, bool)>,
+    next_event: EventId,
+    destroyed: Vec<EventId>,
+    synchronized: usize,
+}
+
+impl FakeDriver {
+    fn new(capacity: usize) -> Self {
+        FakeDriver {
+            capacity,
+            used: 0,
+            next_addr: BASE,
+            live: HashMap::new(),
+            events: HashMap::new(),
+            next_event: 1,
+            destroyed: Vec::new(),
+            synchronized: 0,
+        }
+    }
+
+    fn complete_all(&mut self) {
+        for e in self.events.values_mut() {
+            e.1 = true;
+        }
+    }
+}
+
+impl Driver for FakeDriver {
+    fn malloc(&mut self, bytes: usize) -> Option<u64> {
+        if self.used + bytes > self.capacity {
+            return None;
+        }
+        let addr = self.next_addr;
+        self.next_addr += bytes as u64;
+        self.used += bytes;
+        self.live.insert(addr, bytes);
+        Some(addr)
+    }
+    fn free(&mut self, ptr: u64) {
+        let bytes = self.live.remove(&ptr).expect("driver free of an unknown segment");
+        self.used -= bytes;
+    }
+    fn mem_get_info(&mut self) -> (usize, usize) {
+        (self.capacity - self.used, self.capacity)
+    }
+    fn record_event(&mut self, stream: StreamId) -> EventId {
+        let e = self.next_event;
+        self.next_event += 1;
+        self.events.insert(e, (stream, false));
+        e
+    }
+    fn event_done(&mut self, event: EventId) -> bool {
+        self.events[&event].1
+    }
+    fn synchronize_event(&mut self, event: EventId) {
+        self.synchronized += 1;
+        self.events.get_mut(&event).expect("unknown event").1 = true;
+    }
+    fn destroy_event(&mut self, event: EventId) {
+        self.events.remove(&event).expect("destroying an unknown event");
+        self.destroyed.push(event);
+    }
+}
+
+fn allocator(capacity: usize) -> CachingAllocator<FakeDriver> {
+    CachingAllocator::new(FakeDriver::new(capacity))
+}
+
+fn segment_sizes(a: &CachingAllocator<FakeDriver>) -> Vec<usize> {
+    a.snapshot().iter().map(|s| s.total_size).collect()
+}
+
+#[test]
+fn rounding_and_size_classes() {
+    let a = allocator(1 << 40);
+    let x = a.malloc(1, 0).unwrap();
+    assert_eq!((x.size, x.requested, x.ptr), (512, 1, BASE));
+    let y = a.malloc(MIB + 1, 0).unwrap();
+    assert_eq!(y.size, MIB + 512);
+    let z = a.malloc(10 * MIB + 1, 1).unwrap(); // stream 0 would carve it out of y's segment
+    assert_eq!(z.size, 10 * MIB + 512);
+    let w = a.malloc(MIB, 0).unwrap(); // exactly 1 MiB: still small, shares x's segment
+    assert_eq!(w.ptr, x.ptr + 512);
+    assert_eq!(segment_sizes(&a), vec![2 * MIB, 20 * MIB, 12 * MIB]);
+    let s = a.stats();
+    assert_eq!(s.reserved_bytes.small_pool.current, (2 * MIB) as i64);
+    assert_eq!(s.reserved_bytes.large_pool.current, (32 * MIB) as i64);
+    assert_eq!(s.allocation.small_pool.current, 2);
+    assert_eq!(s.allocation.large_pool.current, 2);
+    let pools: Vec<Pool> = a.snapshot().iter().map(|s| s.pool).collect();
+    assert_eq!(pools, vec![Pool::Small, Pool::Large, Pool::Large]);
+}
+
+#[test]
+fn zero_bytes_and_overflow() {
+    let a = allocator(1 << 30);
+    let z = a.malloc(0, 7).unwrap();
+    assert_eq!(
+        z,
+        Allocation {
+            ptr: 0,
+            size: 0,
+            requested: 0,
+            stream: 7
+        }
+    );
+    assert!(a.free(0));
+    assert_eq!(a.stats(), MemoryStats::default());
+    let err = a.malloc(usize::MAX, 0).unwrap_err();
+    assert_eq!(err.requested, usize::MAX);
+    assert_eq!(a.stats().num_ooms, 1);
+    assert!(a.snapshot().is_empty());
+}
+
+#[test]
+fn small_requests_share_one_segment() {
+    let a = allocator(1 << 30);
+    let ptrs: Vec<u64> = (0..3).map(|_| a.malloc(1000, 0).unwrap().ptr).collect();
+    assert_eq!(ptrs, vec![BASE, BASE + 1024, BASE + 2048]);
+    assert_eq!(a.stats().num_device_alloc, 1);
+    assert_eq!(segment_sizes(&a), vec![2 * MIB]);
+}
+
+#[test]
+fn reuse_after_free_and_double_free() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(4096, 0).unwrap();
+    assert!(a.free(x.ptr));
+    assert!(!a.free(x.ptr), "double free must be refused");
+    assert!(!a.free(x.ptr + 512), "an address inside a block is not a block");
+    assert!(!a.free(12345));
+    let y = a.malloc(4096, 0).unwrap();
+    assert_eq!(y.ptr, x.ptr);
+    let s = a.stats();
+    assert_eq!(
+        (s.num_device_alloc, s.allocation.all.current, s.active.all.current),
+        (1, 1, 1)
+    );
+    assert_eq!(s.allocated_bytes.all.current, 4096);
+}
+
+#[test]
+fn best_fit_picks_the_smallest_fitting_block() {
+    let a = allocator(1 << 30);
+    let big = a.malloc(8 * KIB, 0).unwrap();
+    let _sep1 = a.malloc(512, 0).unwrap();
+    let small = a.malloc(4 * KIB, 0).unwrap();
+    let _sep2 = a.malloc(512, 0).unwrap();
+    assert!(a.free(big.ptr));
+    assert!(a.free(small.ptr));
+    assert_eq!(a.malloc(4 * KIB, 0).unwrap().ptr, small.ptr);
+    let mid = a.malloc(5000, 0).unwrap(); // 5120 B: the 8 KiB block, not the segment's tail
+    assert_eq!(mid.ptr, big.ptr);
+    assert_eq!(
+        a.malloc(3000, 0).unwrap().ptr,
+        big.ptr + 5120,
+        "the 3 KiB rest of the 8 KiB block"
+    );
+}
+
+#[test]
+fn split_and_merge() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(4096, 0).unwrap();
+    let y = a.malloc(4096, 0).unwrap();
+    let z = a.malloc(4096, 0).unwrap();
+    let tail = (2 * MIB - 3 * 4096) as i64;
+    let split = |a: &CachingAllocator<FakeDriver>| {
+        let s = a.stats();
+        (
+            s.inactive_split.small_pool.current,
+            s.inactive_split_bytes.small_pool.current,
+        )
+    };
+    assert_eq!(split(&a), (1, tail));
+    assert!(a.free(y.ptr));
+    assert_eq!(split(&a), (2, tail + 4096));
+    assert!(a.free(x.ptr)); // merges with y
+    assert_eq!(split(&a), (2, tail + 8192));
+    let blocks: Vec<(u64, usize)> = a.snapshot()[0]
+        .blocks
+        .iter()
+        .map(|b| (b.address, b.size))
+        .collect();
+    assert_eq!(
+        blocks,
+        vec![(x.ptr, 8192), (z.ptr, 4096), (z.ptr + 4096, tail as usize)]
+    );
+    assert!(a.free(z.ptr)); // merges with both sides: one unsplit block
+    assert_eq!(split(&a), (0, 0));
+    let seg = &a.snapshot()[0];
+    assert_eq!(
+        seg.blocks,
+        vec![BlockInfo {
+            address: BASE,
+            size: 2 * MIB,
+            requested_size: 0,
+            state: BlockState::Inactive
+        }]
+    );
+}
+
+#[test]
+fn merging_stays_inside_a_segment() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(2 * MIB, 0).unwrap(); // 20 MiB segment at BASE, split
+    let y = a.malloc(19 * MIB, 1).unwrap(); // another stream: a new, adjacent segment
+    assert_eq!(y.ptr, BASE + (20 * MIB) as u64);
+    assert!(a.free(x.ptr));
+    assert!(a.free(y.ptr));
+    assert_eq!(segment_sizes(&a), vec![20 * MIB, 20 * MIB]);
+    assert!(a.snapshot().iter().all(|s| s.blocks.len() == 1));
+}
+
+#[test]
+fn blocks_stay_on_their_stream() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(4096, 1).unwrap();
+    assert!(a.free(x.ptr));
+    let y = a.malloc(4096, 2).unwrap();
+    assert_ne!(y.ptr, x.ptr);
+    assert_eq!(a.stats().num_device_alloc, 2);
+    let seg_streams: Vec<StreamId> = a.snapshot().iter().map(|s| s.stream).collect();
+    assert_eq!(seg_streams, vec![1, 2]);
+    assert_eq!(a.malloc(4096, 1).unwrap().ptr, x.ptr);
+    assert!(a.free(y.ptr));
+    let z = a.malloc(4096, 0).unwrap(); // stream 2's free block sorts after stream 0's range
+    assert_ne!(z.ptr, y.ptr);
+    assert_eq!(a.stats().num_device_alloc, 3);
+}
+
+#[test]
+fn large_blocks_split_only_above_one_mib() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(23 * MIB / 2, 0).unwrap(); // 12 MiB segment, 0.5 MiB left: not split
+    assert_eq!((x.size, x.requested), (12 * MIB, 23 * MIB / 2));
+    let y = a.malloc(21 * MIB / 2, 1).unwrap(); // 12 MiB segment, 1.5 MiB left: split
+    assert_eq!(y.size, 21 * MIB / 2);
+    let s = a.stats();
+    assert_eq!(
+        s.allocated_bytes.large_pool.current,
+        (12 * MIB + 21 * MIB / 2) as i64
+    );
+    assert_eq!(
+        s.requested_bytes.large_pool.current,
+        (23 * MIB / 2 + 21 * MIB / 2) as i64
+    );
+    assert_eq!(
+        (s.inactive_split.all.current, s.inactive_split_bytes.all.current),
+        (1, 3 * MIB as i64 / 2)
+    );
+    let blocks: Vec<usize> = a.snapshot().iter().map(|s| s.blocks.len()).collect();
+    assert_eq!(blocks, vec![1, 2]);
+}
+
+#[test]
+fn record_stream_delays_reuse_until_the_event_completes() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(4096, 1).unwrap();
+    a.record_stream(x.ptr, 2);
+    a.record_stream(x.ptr, 1); // own stream: ignored
+    assert!(a.free(x.ptr));
+    assert!(!a.free(x.ptr));
+    let events: Vec<(StreamId, bool)> = a.with_driver(|d| d.events.values().copied().collect());
+    assert_eq!(events, vec![(2, false)]);
+    let s = a.stats();
+    assert_eq!((s.allocation.all.current, s.allocated_bytes.all.current), (0, 0));
+    assert_eq!((s.active.all.current, s.active_bytes.all.current), (1, 4096));
+    assert_eq!(s.requested_bytes.all.current, 4096);
+    assert_eq!(a.snapshot()[0].blocks[0].state, BlockState::ActivePendingFree);
+    let y = a.malloc(4096, 1).unwrap();
+    assert_ne!(
+        y.ptr, x.ptr,
+        "a block waiting on another stream must not be reused"
+    );
+    a.with_driver(|d| d.complete_all());
+    let z = a.malloc(4096, 1).unwrap(); // processes the completed event first
+    assert_eq!(z.ptr, x.ptr);
+    assert_eq!(
+        a.with_driver(|d| (d.destroyed.clone(), d.synchronized)),
+        (vec![1], 0)
+    );
+    let s = a.stats();
+    assert_eq!(
+        (s.active.all.current, s.active.all.freed, s.num_sync_all_streams),
+        (2, 1, 0)
+    );
+}
+
+#[test]
+fn empty_cache_synchronizes_pending_frees() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(3 * MIB, 0).unwrap();
+    a.record_stream(x.ptr, 5);
+    a.record_stream(x.ptr, 6);
+    assert!(a.free(x.ptr));
+    a.empty_cache();
+    assert_eq!(
+        a.with_driver(|d| (d.synchronized, d.destroyed.len(), d.live.len())),
+        (2, 2, 0)
+    );
+    let s = a.stats();
+    assert_eq!((s.num_sync_all_streams, s.num_device_free), (1, 1));
+    assert_eq!((s.active.all.current, s.reserved_bytes.all.current), (0, 0));
+    assert!(a.snapshot().is_empty());
+}
+
+#[test]
+fn out_of_memory_reports_exact_figures_and_recovers() {
+    let a = allocator(64 * MIB);
+    let x = a.malloc(30 * MIB, 0).unwrap();
+    let _y = a.malloc(30 * MIB, 0).unwrap();
+    let err = a.malloc(30 * MIB - 100, 0).unwrap_err();
+    let want = OutOfMemory {
+        requested: 30 * MIB,
+        total: 64 * MIB,
+        free: 4 * MIB,
+        allocated: 60 * MIB,
+        reserved: 60 * MIB,
+    };
+    assert_eq!(err, want);
+    let msg = err.to_string();
+    assert!(msg.contains("Tried to allocate 30.00 MiB"), "{msg}");
+    assert!(
+        msg.contains("total capacity of 64.00 MiB of which 4.00 MiB is free"),
+        "{msg}"
+    );
+    let s = a.stats();
+    assert_eq!(
+        (
+            s.num_ooms,
+            s.num_alloc_retries,
+            s.num_sync_all_streams,
+            s.num_device_free
+        ),
+        (1, 1, 1, 0)
+    );
+    assert!(a.free(x.ptr));
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes.all.current, (30 * MIB) as i64);
+    let z = a.malloc(20 * MIB, 0).unwrap();
+    assert_eq!(z.size, 20 * MIB);
+    let s = a.stats();
+    assert_eq!(
+        (
+            s.num_ooms,
+            s.num_alloc_retries,
+            s.num_device_alloc,
+            s.num_device_free
+        ),
+        (1, 1, 3, 1)
+    );
+    assert_eq!(s.allocated_bytes.all.current, (50 * MIB) as i64);
+}
+
+#[test]
+fn oom_path_releases_cached_segments_of_the_same_pool() {
+    let a = allocator(42 * MIB);
+    let x = a.malloc(30 * MIB, 0).unwrap();
+    assert!(a.free(x.ptr)); // cached, 30 MiB reserved
+    let small = a.malloc(1000, 0).unwrap();
+    assert!(a.free(small.ptr)); // a cached small segment, which step (1) leaves alone
+    let y = a.malloc(20 * MIB, 1).unwrap(); // other stream: needs a segment, only after release
+    assert_eq!(y.size, 20 * MIB);
+    let s = a.stats();
+    assert_eq!((s.num_alloc_retries, s.num_ooms, s.num_device_free), (1, 0, 1));
+    assert_eq!(s.reserved_bytes.all.current, (22 * MIB) as i64);
+    assert_eq!(segment_sizes(&a), vec![2 * MIB, 20 * MIB]); // address order
+}
+
+#[test]
+fn oom_path_releases_cached_segments_of_the_other_pool() {
+    let a = allocator(21 * MIB);
+    let x = a.malloc(1000, 0).unwrap();
+    assert!(a.free(x.ptr)); // a cached 2 MiB small segment
+    let y = a.malloc(20 * MIB, 0).unwrap();
+    assert_eq!(y.size, 20 * MIB);
+    let s = a.stats();
+    assert_eq!((s.num_alloc_retries, s.num_ooms, s.num_device_free), (1, 0, 1));
+    assert_eq!(s.reserved_bytes.small_pool.current, 0);
+    assert_eq!(s.segment.all.current, 1);
+}
+
+#[test]
+fn oom_path_uses_blocks_freed_by_synchronizing() {
+    let a = allocator(20 * MIB);
+    let x = a.malloc(20 * MIB, 0).unwrap();
+    a.record_stream(x.ptr, 3);
+    assert!(a.free(x.ptr));
+    let y = a.malloc(20 * MIB, 0).unwrap();
+    assert_eq!(y.ptr, x.ptr);
+    let s = a.stats();
+    assert_eq!(
+        (s.num_alloc_retries, s.num_sync_all_streams, s.num_device_alloc),
+        (1, 1, 1)
+    );
+}
+
+#[test]
+fn empty_cache_drops_reserved_to_allocated() {
+    let a = allocator(1 << 30);
+    let keep = a.malloc(12 * MIB, 0).unwrap(); // a 12 MiB segment, used whole
+    let small: Vec<u64> = (0..4).map(|_| a.malloc(10_000, 0).unwrap().ptr).collect();
+    let big = a.malloc(3 * MIB, 0).unwrap();
+    let other = a.malloc(1000, 9).unwrap();
+    for p in small.into_iter().chain([big.ptr, other.ptr]) {
+        assert!(a.free(p));
+    }
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        (12 * MIB + 20 * MIB + 4 * MIB) as i64
+    );
+    a.empty_cache();
+    let s = a.stats();
+    assert_eq!(s.reserved_bytes.all.current, s.allocated_bytes.all.current);
+    assert_eq!(s.allocated_bytes.all.current, keep.size as i64);
+    assert_eq!((s.num_device_free, s.segment.all.current), (3, 1));
+    assert_eq!(a.with_driver(|d| d.used), 12 * MIB);
+}
+
+/// The scripted sequence of `exact_stats`, on stream 0 (a, b, c, d are allocations).
+fn script(a: &CachingAllocator<FakeDriver>) {
+    let x = a.malloc(1000, 0).unwrap(); // a: 1024 B of a new 2 MiB small segment
+    let y = a.malloc(3 * MIB, 0).unwrap(); // b: 3 MiB of a new 20 MiB large segment
+    let _c = a.malloc(2000, 0).unwrap(); // c: 2048 B after a
+    assert!(a.free(x.ptr));
+    assert!(a.free(y.ptr)); // merges with the 17 MiB rest: large segment unsplit again
+    let d = a.malloc(512, 0).unwrap(); // d: best fit is a's 1024 B block, split 512 + 512
+    assert_eq!(d.ptr, x.ptr);
+}
+
+#[test]
+fn exact_stats() {
+    // By hand, per step (a, b, c, free a, free b, d):
+    // allocation.all: 1 2 3 2 1 2 -> current 2, peak 3, allocated 4, freed 2
+    // allocation.small: 1 1 2 1 1 2 -> 2, 2, 3, 1; allocation.large: 0 1 1 1 0 0 -> 0, 1, 1, 1
+    // allocated_bytes.all: 1024, 3146752, 3148800, 3147776, 2048, 2560
+    //   -> current 2560, peak 3148800, allocated 3149312, freed 3146752
+    // allocated_bytes.small: 1024 1024 3072 2048 2048 2560 -> 2560, 3072, 3584, 1024
+    // requested_bytes.all: 1000, 3146728, 3148728, 3147728, 2000, 2512
+    //   -> 2512, 3148728, 3149240, 3146728
+    // reserved_bytes.all: 2 MiB + 20 MiB = 23068672 throughout the last five steps
+    // inactive_split.all: 1 2 2 3 2 2 -> 2, 3, 3, 1; .large: 0 1 1 1 0 0 -> 0, 1, 1, 1
+    // inactive_split_bytes.small: 2096128 (tail), =, 2094080 (-2048), 2095104 (+1024 a), =,
+    //   2094592 (-512) -> current 2094592, peak 2096128, allocated 2097152, freed 2560
+    // inactive_split_bytes.large: 0, 17825792, =, =, 0, 0 -> 0, 17825792, 17825792, 17825792
+    let a = allocator(1 << 30);
+    script(&a);
+    let s = a.stats();
+    let st = |current, peak, allocated, freed| Stat {
+        current,
+        peak,
+        allocated,
+        freed,
+    };
+    assert_eq!(s.allocation.all, st(2, 3, 4, 2));
+    assert_eq!(s.allocation.small_pool, st(2, 2, 3, 1));
+    assert_eq!(s.allocation.large_pool, st(0, 1, 1, 1));
+    assert_eq!(s.active, s.allocation);
+    assert_eq!(s.allocated_bytes.all, st(2560, 3148800, 3149312, 3146752));
+    assert_eq!(s.allocated_bytes.small_pool, st(2560, 3072, 3584, 1024));
+    assert_eq!(s.active_bytes, s.allocated_bytes);
+    assert_eq!(s.requested_bytes.all, st(2512, 3148728, 3149240, 3146728));
+    assert_eq!(s.reserved_bytes.all, st(23068672, 23068672, 23068672, 0));
+    assert_eq!(s.segment.all, st(2, 2, 2, 0));
+    assert_eq!(s.inactive_split.all, st(2, 3, 3, 1));
+    assert_eq!(s.inactive_split.large_pool, st(0, 1, 1, 1));
+    assert_eq!(
+        s.inactive_split_bytes.small_pool,
+        st(2094592, 2096128, 2097152, 2560)
+    );
+    assert_eq!(
+        s.inactive_split_bytes.large_pool,
+        st(0, 17825792, 17825792, 17825792)
+    );
+    assert_eq!(
+        (
+            s.num_device_alloc,
+            s.num_device_free,
+            s.num_alloc_retries,
+            s.num_ooms
+        ),
+        (2, 0, 0, 0)
+    );
+    let small: Vec<(usize, BlockState)> = a.snapshot()[0].blocks.iter().map(|b| (b.size, b.state)).collect();
+    use BlockState::{ActiveAllocated as A, Inactive as I};
+    assert_eq!(small, vec![(512, A), (512, I), (2048, A), (2094080, I)]);
+}
+
+#[test]
+fn reset_peak_and_accumulated() {
+    let a = allocator(1 << 30);
+    script(&a);
+    assert!(a.malloc(usize::MAX, 0).is_err());
+    a.empty_cache(); // releases the large segment, synchronizes (nothing pending)
+    a.reset_peak_stats();
+    let s = a.stats();
+    assert_eq!((s.num_ooms, s.num_sync_all_streams, s.num_device_free), (1, 1, 1));
+    assert_eq!(
+        s.allocation.all,
+        Stat {
+            current: 2,
+            peak: 2,
+            allocated: 4,
+            freed: 2
+        }
+    );
+    assert_eq!(s.allocated_bytes.all.peak, 2560);
+    assert_eq!(s.inactive_split_bytes.large_pool.peak, 0);
+    a.reset_accumulated_stats();
+    let s = a.stats();
+    assert_eq!(
+        s.allocation.all,
+        Stat {
+            current: 2,
+            peak: 2,
+            allocated: 0,
+            freed: 0
+        }
+    );
+    assert_eq!(
+        s.reserved_bytes.all,
+        Stat {
+            current: 2 * MIB as i64,
+            peak: 2 * MIB as i64,
+            allocated: 0,
+            freed: 0
+        }
+    );
+    let counters = (
+        s.num_alloc_retries,
+        s.num_ooms,
+        s.num_sync_all_streams,
+        s.num_device_alloc,
+        s.num_device_free,
+    );
+    assert_eq!(counters, (0, 0, 0, 0, 0));
+    let _ = a.malloc(100 * MIB, 0).unwrap();
+    let s = a.stats();
+    assert_eq!(
+        s.allocated_bytes.all,
+        Stat {
+            current: 2560 + 100 * MIB as i64,
+            peak: 2560 + 100 * MIB as i64,
+            allocated: 100 * MIB as i64,
+            freed: 0
+        }
+    );
+    assert_eq!(s.num_device_alloc, 1);
+}
+
+#[test]
+fn stats_map_has_every_key() {
+    let a = allocator(1 << 30);
+    script(&a);
+    let map = memory_stats_map(&a.stats());
+    assert_eq!(map.len(), 9 * 3 * 4 + 5);
+    for name in [
+        "allocation",
+        "segment",
+        "active",
+        "inactive_split",
+        "allocated_bytes",
+        "reserved_bytes",
+    ] {
+        for pool in ["all", "large_pool", "small_pool"] {
+            for field in ["current", "peak", "allocated", "freed"] {
+                assert!(
+                    map.contains_key(&format!("{name}.{pool}.{field}")),
+                    "{name}.{pool}.{field}"
+                );
+            }
+        }
+    }
+    assert_eq!(map["allocated_bytes.all.peak"], 3148800);
+    assert_eq!(map["inactive_split_bytes.small_pool.freed"], 2560);
+    assert_eq!(map["requested_bytes.large_pool.current"], 0);
+    assert_eq!(map["num_device_alloc"], 2);
+    for k in [
+        "num_alloc_retries",
+        "num_ooms",
+        "num_sync_all_streams",
+        "num_device_free",
+    ] {
+        assert_eq!(map[k], 0, "{k}");
+    }
+}
+
+#[test]
+fn summary_has_the_rows() {
+    let a = allocator(1 << 30);
+    let _x = a.malloc(3 * MIB / 2, 0).unwrap();
+    let text = memory_summary(&a.stats(), 3);
+    for row in [
+        "device ID 3",
+        "CUDA OOMs: 0",
+        "Cur Usage",
+        "Peak Usage",
+        "Tot Alloc",
+        "Tot Freed",
+        "| Allocated memory      |   1.50 MiB |   1.50 MiB |   1.50 MiB |        0 B |",
+        "|       from large pool |   1.50 MiB |",
+        "|       from small pool |        0 B |",
+        "Active memory",
+        "Requested memory",
+        "| GPU reserved memory   |  20.00 MiB |",
+        "| Non-releasable memory |  18.50 MiB |",
+        "| Allocations           |          1 |          1 |          1 |          0 |",
+        "Active allocs",
+        "GPU reserved segments",
+        "Non-releasable allocs",
+    ] {
+        assert!(text.contains(row), "missing {row:?} in\n{text}");
+    }
+    assert!(text.lines().all(|l| l.chars().count() == 77), "{text}");
+    assert_eq!(format_bytes(512), "512 B");
+    assert_eq!(format_bytes(1536), "1.50 KiB");
+    assert_eq!(format_bytes(3 << 30), "3.00 GiB");
+}
+
+#[test]
+fn snapshot_and_history_json() {
+    let a = allocator(1 << 30);
+    let _before = a.malloc(1000, 0).unwrap(); // not recorded
+    a.record_history(true, 100);
+    let x = a.malloc(3 * MIB, 4).unwrap();
+    assert!(a.free(x.ptr));
+    a.empty_cache();
+    a.record_history(false, 0);
+    let _after = a.malloc(3 * MIB, 4).unwrap(); // not recorded; trace kept after stopping
+    let trace = a.history();
+    let actions: Vec<TraceAction> = trace.iter().map(|t| t.action).collect();
+    use TraceAction::*;
+    assert_eq!(
+        actions,
+        vec![SegmentAlloc, Alloc, FreeRequested, FreeCompleted, SegmentFree]
+    );
+    let seg_base = BASE + (2 * MIB) as u64;
+    assert_eq!(
+        (trace[0].addr, trace[0].size, trace[0].stream),
+        (seg_base, 20 * MIB, 4)
+    );
+    assert_eq!((trace[1].addr, trace[1].size), (x.ptr, 3 * MIB));
+    assert!(trace.windows(2).all(|w| w[0].time_us <= w[1].time_us) && trace[0].time_us > 0);
+    let json = snapshot_json(&a.snapshot(), &trace);
+    let first = concat!(
+        r#"{"segments":[{"address":268435456,"total_size":2097152,"stream":0,"segment_type":"small","#,
+        r#""allocated_size":1024,"active_size":1024,"blocks":["#,
+        r#"{"address":268435456,"size":1024,"requested_size":1000,"state":"active_allocated"},"#,
+        r#"{"address":268436480,"size":2096128,"requested_size":0,"state":"inactive"}]}"#
+    );
+    assert!(json.starts_with(first), "{json}");
+    assert!(
+        json.contains(r#""segment_type":"large","allocated_size":3145728,"active_size":3145728"#),
+        "{json}"
+    );
+    let trace0 = format!(
+        r#"],"device_traces":[[{{"action":"segment_alloc","addr":{seg_base},"size":20971520,"stream":4,"#
+    );
+    assert!(json.contains(&format!("{trace0}\"time_us\":")), "{json}");
+    for action in [
+        "\"alloc\"",
+        "\"free_requested\"",
+        "\"free_completed\"",
+        "\"segment_free\"",
+    ] {
+        assert!(json.contains(action), "{action} in {json}");
+    }
+    assert!(json.ends_with("}]]}"), "{json}");
+    assert_eq!(snapshot_json(&[], &[]), r#"{"segments":[],"device_traces":[[]]}"#);
+}
+
+#[test]
+fn history_keeps_the_newest_entries() {
+    let a = allocator(1 << 30);
+    a.record_history(true, 3);
+    let ptrs: Vec<u64> = (0..4).map(|_| a.malloc(512, 0).unwrap().ptr).collect();
+    let kept: Vec<(TraceAction, u64)> = a.history().iter().map(|t| (t.action, t.addr)).collect();
+    assert_eq!(
+        kept,
+        vec![
+            (TraceAction::Alloc, ptrs[1]),
+            (TraceAction::Alloc, ptrs[2]),
+            (TraceAction::Alloc, ptrs[3])
+        ]
+    );
+    a.record_history(true, 10); // restarting clears
+    assert!(a.history().is_empty());
+}
+
+#[test]
+fn concurrent_use_keeps_stats_consistent() {
+    let a = std::sync::Arc::new(allocator(1 << 34));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for i in 0..200usize {
+                    let x = a.malloc(512 * (i % 7 + 1) + (t as usize) * MIB, t).unwrap();
+                    let y = a.malloc(100 + i, t).unwrap();
+                    assert!(a.free(x.ptr));
+                    assert!(a.free(y.ptr));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = a.stats();
+    assert_eq!(
+        (
+            s.allocation.all.current,
+            s.active_bytes.all.current,
+            s.requested_bytes.all.current
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(s.allocation.all.allocated, 1600);
+    assert_eq!(s.inactive_split.all.current, 0, "every segment merged back whole");
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes.all.current, 0);
+    assert!(a.with_driver(|d| d.live.is_empty()));
+}
