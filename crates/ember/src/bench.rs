@@ -1,6 +1,10 @@
 //! `ember bench`: the shared benchmark workloads (`shared/bench/WORKLOADS.md`) as JSON lines,
 //! timed by the same rule as PyTorch's reference script so the two compare line by line.
 
+use crate::models;
+use ember::nn::functional::{cross_entropy, Reduction};
+use ember::nn::optim::{Adam, AdamConfig, Optimizer};
+use ember::nn::{Module, ModuleExt};
 use ember::{cuda, DType, Device, Result, Tensor};
 use serde_json::{json, Map, Value};
 use std::time::Instant;
@@ -99,6 +103,70 @@ fn row(name: &str, t: &Timing, per: f64, extra: Value) -> Map<String, Value> {
     m
 }
 
+/// The reference's `run_classifier` (fp32, no autocast, no graph): seed 0, the model, then
+/// `x = randn(shape)` and `y = randint(0, classes)` once; each step is `zero_grad` (set to
+/// none), forward, mean cross-entropy, backward, Adam step (lr 1e-3). 50 steps per repeat on
+/// a GPU, 20 on the CPU.
+fn classifier(
+    name: &str,
+    device: Device,
+    build: impl FnOnce(Device) -> Result<Box<dyn Module>>,
+    shape: &[usize],
+    classes: i64,
+) -> Result<Map<String, Value>> {
+    ember::manual_seed(0)?;
+    let model = build(device)?;
+    let x = Tensor::randn(shape, DType::F32, device)?;
+    let y = Tensor::randint(0, classes, [shape[0]], device)?;
+    let mut opt = Adam::new(model.parameters(), AdamConfig::default())?;
+    let steps = if device == Device::Cpu { 20 } else { 50 };
+    let t = time_steps(device, 10, steps, 5, || {
+        opt.zero_grad()?;
+        let loss = cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?;
+        loss.backward()?;
+        opt.step()
+    })?;
+    let samples = shape[0] as f64 * 1000.0 / t.median;
+    Ok(row(name, &t, 1.0, json!({ "samples_per_s": samples })))
+}
+
+/// `mlp_small`, `mlp_large`, `cnn` or `lstm` (WORKLOADS.md's training table).
+fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
+    fn boxed<M: Module + 'static>(m: Result<M>) -> Result<Box<dyn Module>> {
+        Ok(Box::new(m?))
+    }
+    match name {
+        "mlp_small" => classifier(
+            name,
+            device,
+            |d| boxed(models::mlp(&[2000, 1000, 100], false, d)),
+            &[128, 2000],
+            100,
+        ),
+        "mlp_large" => classifier(
+            name,
+            device,
+            |d| boxed(models::mlp(&[10000, 5000, 2000, 10], false, d)),
+            &[256, 10000],
+            10,
+        ),
+        "cnn" => classifier(
+            name,
+            device,
+            |d| boxed(models::cnn(3, 16, 32, d)),
+            &[256, 3, 28, 28],
+            10,
+        ),
+        _ => classifier(
+            name,
+            device,
+            |d| boxed(models::LstmClassifier::new(256, 512, 2, 10, d)),
+            &[64, 128, 256],
+            10,
+        ),
+    }
+}
+
 fn matmul_bf16(device: Device) -> Result<Map<String, Value>> {
     let n = 8192usize;
     let a = Tensor::randn([n, n], DType::BF16, device)?;
@@ -145,6 +213,7 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
     let gpu = matches!(device, Device::Cuda(_));
     let outcome =
         match name {
+            "mlp_small" | "mlp_large" | "cnn" | "lstm" => training(name, device),
             "matmul_bf16_8192" if gpu => matmul_bf16(device),
             "add_f32_256M" if gpu => add_f32(device),
             "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
@@ -153,7 +222,7 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
                 return Err("kernel workloads run on CUDA devices only".into())
             }
             _ if WORKLOADS.contains(&name) => return Err(
-                "not implemented yet: needs ember's nn/optim (issue 4) or mixed precision and CUDA graphs"
+                "not implemented yet: needs mixed precision (autocast, GradScaler), CUDA graphs or the GPT-2 model"
                     .into(),
             ),
             _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),

@@ -1,8 +1,10 @@
-//! The `ember` program: `ember info` reports the build and the devices found; `ember bench`
-//! runs the shared benchmark workloads.
+//! The `ember` program: `ember train` trains a classifier on Fashion-MNIST, `ember info`
+//! reports the build and the devices found, `ember bench` runs the shared benchmark workloads.
 #![forbid(unsafe_code)]
 
 mod bench;
+mod models;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +21,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train an MLP or a CNN on Fashion-MNIST (embedded t10k split by default) and report the
+    /// test accuracy.
+    Train(train::TrainArgs),
     /// Print the version, build features and the devices found (like `torch.utils.collect_env`).
     Info,
     /// Run the shared benchmark workloads and print one JSON line each (shared/bench/WORKLOADS.md).
@@ -35,6 +40,7 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     match cli.command {
+        Command::Train(args) => train::main(args),
         Command::Info => print!("{}", ember_info()),
         Command::Bench { device, only } => {
             let device = match device.as_deref().map(ember::Device::parse) {

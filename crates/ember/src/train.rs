@@ -1,0 +1,395 @@
+//! `ember train`: trains a small classifier on Fashion-MNIST end to end (data loading, model,
+//! Adam, evaluation, checkpoints), the "hello world" of the framework.
+//!
+//! Data: by default the t10k split embedded in the binary (`data/fashion-mnist/`), its first
+//! 9,000 images for training and the last 1,000 for testing; `--data DIR` reads the full
+//! dataset (60,000 train, 10,000 test) from its four IDX files.
+//!
+//! Checkpoint format: one safetensors file, written atomically after every epoch, holding the
+//! model's state dict under `model.*`, the optimizer's (Note [State dict format] of
+//! `ember_nn::optim`) under `optimizer.*`, and `epoch`, a 0-d i64 tensor counting the
+//! completed epochs. `--resume` loads it and continues with the next epoch; the shuffling
+//! generator is advanced past the completed epochs so a resumed run sees the batches an
+//! uninterrupted one would.
+
+use crate::models;
+use clap::{Args, ValueEnum};
+use ember::data::datasets::FashionMnist;
+use ember::data::{DataLoader, TensorDataset};
+use ember::nn::functional::{cross_entropy, Reduction};
+use ember::nn::optim::{Adam, AdamConfig, Optimizer};
+use ember::nn::state_dict::{load_tensors, save_tensors};
+use ember::nn::{Module, ModuleExt, Sequential};
+use ember::{cuda, DType, Device, Generator, Tensor};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The embedded t10k split (gzipped IDX files, 4.4 MB).
+const T10K_IMAGES: &[u8] = include_bytes!("../data/fashion-mnist/t10k-images-idx3-ubyte.gz");
+const T10K_LABELS: &[u8] = include_bytes!("../data/fashion-mnist/t10k-labels-idx1-ubyte.gz");
+/// Images of the embedded split used for training; the rest are the test set.
+const EMBEDDED_TRAIN: usize = 9000;
+/// Batch size of the evaluation pass.
+const EVAL_BATCH: usize = 1000;
+/// Steps between two reads of the loss for the progress bar (each read synchronizes).
+const PROGRESS_EVERY: usize = 10;
+
+type CliResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// The models `ember train` can build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModelKind {
+    /// Flatten, Linear(784, 256), ReLU, Linear(256, 128), ReLU, Linear(128, 10).
+    Mlp,
+    /// The PyTorch tutorial CNN: two 3x3 convs (32, 64 channels) with ReLU and 2x2 max
+    /// pooling, then Linear(3136, 128), ReLU, Linear(128, 10).
+    Cnn,
+}
+
+impl ModelKind {
+    fn name(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+        }
+    }
+
+    fn build(self, device: Device) -> ember::Result<Sequential> {
+        match self {
+            ModelKind::Mlp => models::mlp(&[784, 256, 128, 10], true, device),
+            ModelKind::Cnn => models::cnn(1, 32, 64, device),
+        }
+    }
+}
+
+/// Options of `ember train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Model to train (default: cnn on a GPU, mlp on the CPU).
+    #[arg(long, value_enum)]
+    model: Option<ModelKind>,
+    /// cpu, cuda or cuda:N (default: cuda:0 when a GPU is present, else cpu).
+    #[arg(long)]
+    device: Option<String>,
+    /// Directory with the full Fashion-MNIST (train-* and t10k-* IDX files, plain or .gz);
+    /// default: the t10k split embedded in the binary, split 9,000 train / 1,000 test.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Total number of epochs (a resumed run continues up to this number).
+    #[arg(long, default_value_t = 2)]
+    epochs: usize,
+    /// Samples per training batch.
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Seed of the model initialization and of the shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Train on the first N training samples only (quick runs and tests).
+    #[arg(long)]
+    limit_train: Option<usize>,
+    /// Save model and optimizer state here after every epoch (safetensors, written atomically).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Load --checkpoint and continue after its last completed epoch.
+    #[arg(long, requires = "checkpoint")]
+    resume: bool,
+    /// Print one JSON object at the end instead of text (per-epoch lines go to stderr).
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `ember train`; any error is reported on stderr with exit code 1.
+pub fn main(args: TrainArgs) {
+    if let Err(e) = run(&args) {
+        eprintln!("ember train: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The device `--device` names, checked to exist.
+fn pick_device(arg: Option<&str>) -> CliResult<Device> {
+    let device = match arg {
+        Some(s) => Device::parse(s).map_err(|e| format!("--device {s:?}: {e}"))?,
+        None if cuda::is_available() => Device::Cuda(0),
+        None => Device::Cpu,
+    };
+    if let Device::Cuda(i) = device {
+        let n = cuda::device_count();
+        if i >= n {
+            return Err(format!(
+                "--device {device}: not available ({n} CUDA device(s) found); use --device cpu"
+            )
+            .into());
+        }
+    }
+    Ok(device)
+}
+
+/// Samples `start..start + n` of `images` and `labels` as a dataset.
+fn first(images: &Tensor, labels: &Tensor, start: usize, n: usize) -> ember::Result<TensorDataset> {
+    TensorDataset::new(vec![images.narrow(0, start, n)?, labels.narrow(0, start, n)?])
+}
+
+/// (train, test) datasets and a description of where they came from.
+fn load_data(dir: Option<&Path>, limit: Option<usize>) -> CliResult<(TensorDataset, TensorDataset, String)> {
+    let (train, test, what) = match dir {
+        None => {
+            let all = FashionMnist::from_idx_bytes(T10K_IMAGES, T10K_LABELS)?;
+            let n = all.labels().dims()[0];
+            let train = first(all.images(), all.labels(), 0, EMBEDDED_TRAIN)?;
+            let test = first(all.images(), all.labels(), EMBEDDED_TRAIN, n - EMBEDDED_TRAIN)?;
+            (train, test, "embedded t10k split".to_owned())
+        }
+        Some(dir) => {
+            if !dir.is_dir() {
+                return Err(format!("--data {}: not a directory", dir.display()).into());
+            }
+            let ctx = |e: ember::Error| format!("--data {}: {e}", dir.display());
+            let train = FashionMnist::from_dir(dir, true).map_err(ctx)?;
+            let test = FashionMnist::from_dir(dir, false).map_err(ctx)?;
+            (train.into(), test.into(), dir.display().to_string())
+        }
+    };
+    let train = match limit {
+        Some(n) if n < train.tensors()[1].dims()[0] => {
+            if n == 0 {
+                return Err("--limit-train must be at least 1".into());
+            }
+            first(&train.tensors()[0], &train.tensors()[1], 0, n)?
+        }
+        _ => train,
+    };
+    Ok((train, test, what))
+}
+
+/// Fraction of `ds` that `model` classifies correctly.
+fn evaluate(model: &mut Sequential, ds: &TensorDataset, device: Device) -> CliResult<f64> {
+    let _g = ember::no_grad();
+    model.eval();
+    let loader = DataLoader::builder(ds.clone())
+        .batch_size(EVAL_BATCH)
+        .pin_memory(device.is_cuda())
+        .build()?;
+    let mut correct = Tensor::zeros([], DType::I64, device)?;
+    for batch in &loader {
+        let batch = batch?;
+        let x = batch[0].to_non_blocking(device)?;
+        let y = batch[1].to_non_blocking(device)?;
+        let hits = model
+            .forward(&x)?
+            .argmax(Some(1), false)?
+            .eq(&y)?
+            .to_dtype(DType::I64)?;
+        correct = correct.add(&hits.sum_all()?)?;
+    }
+    model.train();
+    Ok(correct.item_f64()? / ds.tensors()[1].dims()[0] as f64)
+}
+
+/// Writes model, optimizer and `epoch` into one safetensors file (atomically).
+fn save_checkpoint(path: &Path, model: &Sequential, opt: &Adam, epoch: usize) -> CliResult<()> {
+    let mut state: Vec<(String, Tensor)> = model
+        .state_dict()
+        .into_iter()
+        .map(|(k, t)| (format!("model.{k}"), t))
+        .collect();
+    state.extend(
+        opt.state_dict()
+            .into_iter()
+            .map(|(k, t)| (format!("optimizer.{k}"), t)),
+    );
+    state.push((
+        "epoch".into(),
+        Tensor::scalar(epoch as f64, DType::I64, Device::Cpu)?,
+    ));
+    save_tensors(&state, path).map_err(|e| format!("saving checkpoint: {e}"))?;
+    Ok(())
+}
+
+/// Loads a checkpoint of [`save_checkpoint`] into `model` and `opt`; returns its epoch.
+fn load_checkpoint(path: &Path, kind: ModelKind, model: &mut Sequential, opt: &mut Adam) -> CliResult<usize> {
+    let bad = |what: String| format!("--resume: checkpoint {}: {what}", path.display());
+    if !path.is_file() {
+        return Err(bad("no such file (run once without --resume to create it)".into()).into());
+    }
+    let state = load_tensors(path, Device::Cpu).map_err(|e| bad(e.to_string()))?;
+    let (mut model_state, mut opt_state, mut epoch) = (Vec::new(), Vec::new(), None);
+    for (k, t) in state {
+        if let Some(k) = k.strip_prefix("model.") {
+            model_state.push((k.to_owned(), t));
+        } else if let Some(k) = k.strip_prefix("optimizer.") {
+            opt_state.push((k.to_owned(), t));
+        } else if k == "epoch" {
+            epoch = Some(t.item_f64().map_err(|e| bad(e.to_string()))?);
+        } else {
+            return Err(bad(format!("unexpected entry {k:?}: not an `ember train` checkpoint")).into());
+        }
+    }
+    let epoch = epoch.ok_or_else(|| bad("no `epoch` entry: not an `ember train` checkpoint".into()))?;
+    model.load_state_dict(&model_state, true).map_err(|e| {
+        bad(format!(
+            "does not hold a --model {} of this shape (trained with another --model?): {e}",
+            kind.name()
+        ))
+    })?;
+    opt.load_state_dict(&opt_state)
+        .map_err(|e| bad(format!("optimizer state: {e}")))?;
+    if !(epoch >= 0.0 && epoch.fract() == 0.0) {
+        return Err(bad(format!("bad epoch {epoch}")).into());
+    }
+    Ok(epoch as usize)
+}
+
+/// A progress bar on stderr, hidden when `hidden`.
+fn progress_bar(len: usize, hidden: bool) -> ProgressBar {
+    if hidden {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} batches {elapsed_precise} {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+fn run(args: &TrainArgs) -> CliResult<()> {
+    let device = pick_device(args.device.as_deref())?;
+    let kind = args.model.unwrap_or(match device {
+        Device::Cuda(_) => ModelKind::Cnn,
+        Device::Cpu => ModelKind::Mlp,
+    });
+    if args.batch_size == 0 {
+        return Err("--batch-size must be at least 1".into());
+    }
+    let (train, test, data_name) = load_data(args.data.as_deref(), args.limit_train)?;
+    let n_train = train.tensors()[1].dims()[0];
+
+    ember::manual_seed(args.seed)?;
+    // Built on the CPU and then moved, so a seed gives the same weights on every device.
+    let mut model = kind.build(Device::Cpu)?;
+    model.to_device(device)?;
+    let config = AdamConfig {
+        lr: args.lr,
+        ..Default::default()
+    };
+    let mut opt = Adam::new(model.parameters(), config)?;
+    let mut done = 0;
+    if args.resume {
+        let path = args
+            .checkpoint
+            .as_deref()
+            .expect("clap requires --checkpoint with --resume");
+        done = load_checkpoint(path, kind, &mut model, &mut opt)?;
+    }
+
+    let loader = DataLoader::builder(train)
+        .batch_size(args.batch_size)
+        .shuffle(true)
+        .generator(Generator::new(args.seed))
+        .pin_memory(device.is_cuda())
+        .build()?;
+    for _ in 0..done.min(args.epochs) {
+        drop(loader.iter()); // draws that epoch's permutation, so the order matches a full run
+    }
+    let say = |line: String| {
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    let hidden = args.json || !std::io::stderr().is_terminal();
+    if done >= args.epochs {
+        say(format!(
+            "checkpoint already has {done} epoch(s), --epochs is {}: nothing to train",
+            args.epochs
+        ));
+    } else {
+        say(format!(
+            "training {} ({} parameters) on {device}: {} ({n_train} train, {} test samples), epochs {}..={}",
+            kind.name(),
+            model.num_parameters(),
+            data_name,
+            test.tensors()[1].dims()[0],
+            done + 1,
+            args.epochs
+        ));
+    }
+
+    let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
+    let mut test_acc = None;
+    for epoch in done + 1..=args.epochs {
+        let bar = progress_bar(loader.len(), hidden);
+        bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
+        let t0 = Instant::now();
+        let mut loss_sum = Tensor::zeros([], DType::F32, device)?;
+        let mut seen = 0usize;
+        for (step, batch) in loader.iter().enumerate() {
+            let batch = batch?;
+            let x = batch[0].to_non_blocking(device)?;
+            let y = batch[1].to_non_blocking(device)?;
+            opt.zero_grad()?;
+            let loss = cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?;
+            loss.backward()?;
+            opt.step()?;
+            let n = y.dims()[0];
+            seen += n;
+            loss_sum = loss_sum.add(&loss.detach().mul_scalar(n as f64)?)?;
+            bar.inc(1);
+            if !hidden && (step % PROGRESS_EVERY == 0 || step + 1 == loader.len()) {
+                let rate = seen as f64 / t0.elapsed().as_secs_f64();
+                let mut msg = format!("loss {:.4}  {rate:.0} samples/s", loss.item_f64()?);
+                if let Device::Cuda(i) = device {
+                    msg += &format!("  mem {:.0} MiB", cuda::memory_allocated(i) as f64 / 1048576.0);
+                }
+                bar.set_message(msg);
+            }
+        }
+        let loss = loss_sum.item_f64()? / seen.max(1) as f64;
+        let secs = t0.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        train_s += secs;
+        samples += seen;
+        final_loss = Some(loss);
+        let acc = evaluate(&mut model, &test, device)?;
+        test_acc = Some(acc);
+        say(format!(
+            "epoch {epoch}/{}: train loss {loss:.4}, test accuracy {acc:.4} ({secs:.1} s, {:.0} samples/s)",
+            args.epochs,
+            seen as f64 / secs
+        ));
+        if let Some(path) = &args.checkpoint {
+            save_checkpoint(path, &model, &opt, epoch)?;
+        }
+    }
+    let test_acc = match test_acc {
+        Some(a) => a,
+        None => evaluate(&mut model, &test, device)?,
+    };
+    if args.json {
+        let out = json!({
+            "model": kind.name(),
+            "device": device.to_string(),
+            "data": data_name,
+            "epochs": args.epochs,
+            "start_epoch": done + 1,
+            "samples": samples,
+            "train_s": train_s,
+            "samples_per_s": if train_s > 0.0 { samples as f64 / train_s } else { 0.0 },
+            "test_acc": test_acc,
+            "final_loss": final_loss,
+        });
+        println!("{out}");
+    } else {
+        println!("test accuracy {test_acc:.4}");
+    }
+    Ok(())
+}
