@@ -72,7 +72,13 @@ pub(crate) fn runtime(ordinal: usize) -> Result<&'static DeviceRuntime> {
             format!("device ordinal {ordinal} is out of range: {count} CUDA device(s) present"),
         )
     })?;
-    let rt = slot.get_or_init(|| DeviceRuntime::create(ordinal).map(|rt| &*Box::leak(Box::new(rt))));
+    let rt = slot.get_or_init(|| {
+        DeviceRuntime::create(ordinal).map(|rt| {
+            let rt: &'static DeviceRuntime = Box::leak(Box::new(rt));
+            rt.warm_up();
+            rt
+        })
+    });
     let rt = rt.as_ref().map_err(Clone::clone)?;
     rt.bind()?;
     Ok(rt)
@@ -98,6 +104,21 @@ impl DeviceRuntime {
             functions: Mutex::new(HashMap::new()),
             modules: Module::ALL.iter().map(|_| OnceLock::new()).collect(),
         })
+    }
+
+    /// Starts compiling (or reading from the disk cache) every kernel module, one background
+    /// thread each, so that a program's first ops wait for the slowest module rather than for
+    /// all of them in turn. A failed compile is kept and reported by the op that needs it.
+    fn warm_up(&'static self) {
+        for m in Module::ALL {
+            let spawned = std::thread::Builder::new()
+                .name(format!("ember-nvrtc-{}", m.name()))
+                .spawn(move || {
+                    let _ = self.module(m);
+                });
+            // Without a thread the module compiles on first use instead.
+            drop(spawned);
+        }
     }
 
     /// Makes this device's context current on the calling thread (Note [Context binding]).
