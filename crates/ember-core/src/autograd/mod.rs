@@ -98,6 +98,50 @@ where
     out
 }
 
+/// Makes `output` the result of a differentiable op over `inputs` whose input gradients
+/// `backward` computes, as a `torch.autograd.Function` does: a fused kernel, or a function
+/// that recomputes instead of storing, joins the graph like a built-in op.
+///
+/// `output` is computed by the caller (under [`no_grad`] or from detached inputs: it is
+/// detached here either way). `backward` receives the gradient of `output` and, per input,
+/// whether that input needs a gradient; it returns one entry per input, `None` where none is
+/// needed or the gradient is zero, each of the input's shape. When grad mode is off or no input
+/// requires a gradient, `output` is returned as it is and `backward` is dropped.
+///
+/// ```
+/// use ember_core::{autograd, Device, Tensor};
+/// // y = 3x with a hand-written backward.
+/// let x = Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)?.requires_grad_(true)?;
+/// let y = autograd::custom_op("triple", &[&x], x.detach().mul_scalar(3.0)?, |g, _| {
+///     Ok(vec![Some(g.mul_scalar(3.0)?)])
+/// });
+/// y.sum_all()?.backward()?;
+/// assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![3.0, 3.0]);
+/// # Ok::<(), ember_core::Error>(())
+/// ```
+pub fn custom_op<F>(name: &'static str, inputs: &[&Tensor], output: Tensor, backward: F) -> Tensor
+where
+    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+{
+    let output = output.detach();
+    if !needs_grad(inputs) {
+        return output;
+    }
+    let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.dims().to_vec()).collect();
+    record(name, inputs, output, move |grad, needs| {
+        let grads = backward(grad, needs)?;
+        for (i, (g, shape)) in grads.iter().zip(&shapes).enumerate() {
+            if let Some(g) = g.as_ref().filter(|g| g.dims() != shape.as_slice()) {
+                return Err(Error::Autograd(format!(
+                    "{name}: the gradient of input {i} has shape {:?}, but the input has shape {shape:?}",
+                    g.dims()
+                )));
+            }
+        }
+        Ok(grads)
+    })
+}
+
 /// A tensor kept for backward, with the storage version it had when saved.
 #[derive(Clone)]
 pub(crate) struct SavedTensor {

@@ -11,11 +11,17 @@
 //! dims that do not collapse to one stride, are copied to row-major first. Batches are strided
 //! batches (stride 0 for broadcast batch dims).
 //!
-//! Note [cuBLASLt state]: per device, one handle (created on first use, kept for the process),
-//! one 32 MiB workspace per stream (from the caching allocator, kept; a workspace is used by
-//! one stream only, so products queued on two streams never share one), and a cache of plans
-//! (matmul descriptor, matrix layouts and the algorithm the heuristic chose) keyed by
-//! everything the choice depends on, so a repeated shape makes no heuristic query.
+//! Note [cuBLASLt state]: each thread has its own cuBLASLt handle per device (taken from a
+//! per-device pool, and returned to it when the thread exits), its own cache of plans (matmul
+//! descriptor, matrix layouts and the algorithm the heuristic chose, keyed by everything the
+//! choice depends on, so a repeated shape makes no heuristic query) and its own 32 MiB
+//! workspace per stream (from the caching allocator, kept until the thread exits), as PyTorch
+//! keeps one workspace per (handle, stream). One workspace per stream shared by all threads is
+//! not enough: on an H100, 12 threads multiplying small bf16 matrices on the default stream
+//! got hundreds of wrong products in 3,600 (each another thread's result; the inputs on the
+//! device were right and redoing the product alone was right), even when every thread
+//! synchronized after each product, so cuBLASLt's use of a workspace is not ordered by the
+//! stream it is given alone. With a workspace per thread, or none, no product was wrong.
 
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
@@ -25,14 +31,16 @@ use crate::layout::Layout;
 use crate::{DType, Error, Result};
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
+use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 /// Workspace handed to cuBLASLt per (device, stream), in bytes (what PyTorch uses on Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
-/// Plans kept per device before the cache is cleared (each holds four small descriptors).
+/// Plans kept per thread before its cache is cleared (each holds four small descriptors).
 const MAX_PLANS: usize = 4096;
 
 // ---------------------------------------------------------------------------------------------
@@ -85,22 +93,48 @@ pub fn allow_tf32() -> bool {
 // Per-device cuBLASLt state (Note [cuBLASLt state]).
 
 struct Handle(sys::cublasLtHandle_t);
-// SAFETY: a cuBLASLt handle may be used from any thread (calls take the stream explicitly); it
-// is created once per device and never destroyed.
+// SAFETY: a handle moves between threads only through the pool, so one thread uses it at a
+// time (Note [cuBLASLt state]); it is never destroyed.
 unsafe impl Send for Handle {}
-unsafe impl Sync for Handle {}
 
-struct DeviceBlas {
-    handle: Handle,
-    state: Mutex<BlasState>,
-}
-
+/// The handles of a device that no thread holds.
 #[derive(Default)]
-struct BlasState {
-    /// Workspace per stream (raw stream handle), or None where allocating it failed.
-    workspaces: HashMap<u64, Option<CudaStorage>>,
-    plans: HashMap<PlanKey, Arc<Plan>>,
+struct DeviceBlas {
+    idle_handles: Mutex<Vec<Handle>>,
 }
+
+/// What one thread holds (Note [cuBLASLt state]).
+#[derive(Default)]
+struct ThreadBlas {
+    /// Handle per device ordinal.
+    handles: HashMap<usize, Handle>,
+    plans: HashMap<(usize, PlanKey), Plan>,
+    /// Workspace per (device ordinal, raw stream), or None where allocating it failed.
+    workspaces: HashMap<(usize, u64), Option<CudaStorage>>,
+}
+
+impl Drop for ThreadBlas {
+    fn drop(&mut self) {
+        // Plans drop (destroying their descriptors) and workspaces go back to the caching
+        // allocator on their streams, which orders their reuse after the products queued there;
+        // handles go back to their device's pool.
+        for (ordinal, handle) in self.handles.drain() {
+            if let Some(Ok(device)) = DEVICES.get().and_then(|d| d.get(ordinal)).and_then(OnceLock::get) {
+                device
+                    .idle_handles
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(handle);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static THREAD_BLAS: RefCell<ThreadBlas> = RefCell::default();
+}
+
+static DEVICES: OnceLock<Vec<OnceLock<std::result::Result<DeviceBlas, Error>>>> = OnceLock::new();
 
 fn blas_error(what: &'static str) -> impl Fn(CublasError) -> Error {
     move |e| Error::Cuda {
@@ -109,11 +143,9 @@ fn blas_error(what: &'static str) -> impl Fn(CublasError) -> Error {
     }
 }
 
-/// The cuBLASLt state of `rt`'s device, created on first use; `CudaUnavailable` when the
-/// library is missing.
+/// The cuBLASLt state of `rt`'s device; `CudaUnavailable` when the library is missing.
 fn device_blas(rt: &DeviceRuntime) -> Result<&'static DeviceBlas> {
     static PRESENT: OnceLock<bool> = OnceLock::new();
-    static DEVICES: OnceLock<Vec<OnceLock<std::result::Result<DeviceBlas, Error>>>> = OnceLock::new();
     // SAFETY: only tries to open the library file (see `is_culib_present`).
     if !*PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
         return Err(Error::CudaUnavailable {
@@ -127,16 +159,31 @@ fn device_blas(rt: &DeviceRuntime) -> Result<&'static DeviceBlas> {
     let slot = slots
         .get(rt.ordinal)
         .ok_or_else(|| Error::invalid("matmul", format!("device ordinal {} is out of range", rt.ordinal)))?;
-    slot.get_or_init(|| {
-        // The device's context is current (runtime() bound it).
-        let handle = lt::create_handle().map_err(blas_error("cublasLtCreate"))?;
-        Ok(DeviceBlas {
-            handle: Handle(handle),
-            state: Mutex::new(BlasState::default()),
-        })
-    })
-    .as_ref()
-    .map_err(Clone::clone)
+    slot.get_or_init(|| Ok(DeviceBlas::default()))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+impl ThreadBlas {
+    /// This thread's handle for `rt`'s device: its own, a pooled one, or a new one.
+    fn handle(&mut self, rt: &DeviceRuntime, device: &DeviceBlas) -> Result<sys::cublasLtHandle_t> {
+        if let Some(h) = self.handles.get(&rt.ordinal) {
+            return Ok(h.0);
+        }
+        let pooled = device
+            .idle_handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let handle = match pooled {
+            Some(h) => h,
+            // The device's context is current (runtime() bound it).
+            None => Handle(lt::create_handle().map_err(blas_error("cublasLtCreate"))?),
+        };
+        let raw = handle.0;
+        self.handles.insert(rt.ordinal, handle);
+        Ok(raw)
+    }
 }
 
 /// Everything the algorithm choice depends on (cuBLASLt's view: column-major, A/B swapped).
@@ -168,11 +215,6 @@ struct Plan {
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
 }
-// SAFETY: the descriptors are never modified after `Plan::new`; cublasLtMatmul only reads them,
-// so concurrent use from several threads is sound. They are destroyed once, on drop.
-unsafe impl Send for Plan {}
-unsafe impl Sync for Plan {}
-
 impl Drop for Plan {
     fn drop(&mut self) {
         // SAFETY: each descriptor was created by `Plan::new` and is destroyed only here.
@@ -466,86 +508,88 @@ impl CudaStorage {
         let b = Operand::new(self, al)?;
         let d = out.ptr_at(0);
         let stream = current_raw(rt.ordinal);
-        let (workspace_ptr, workspace) = {
-            let mut state = blas.state.lock().unwrap_or_else(|e| e.into_inner());
-            let ws = state
+        let product = |thread: &mut ThreadBlas| -> Result<()> {
+            let handle = thread.handle(rt, blas)?;
+            let (workspace_ptr, workspace) = thread
                 .workspaces
-                .entry(stream)
-                .or_insert_with(|| CudaStorage::alloc_on(rt, DType::U8, WORKSPACE_BYTES).ok());
-            ws.as_ref().map_or((0, 0), |w| (w.ptr_at(0), w.len()))
-        };
-        let key = PlanKey {
-            dtype,
-            precision: if dtype == DType::F32 {
-                PRECISION.load(Ordering::Relaxed)
-            } else {
-                0
-            },
-            trans_a: a.trans,
-            trans_b: b.trans,
-            m: n as u64,
-            n: m as u64,
-            k: k as u64,
-            lda: a.ld,
-            ldb: b.ld,
-            ldd: n as i64,
-            batch,
-            stride_a: a.batch_stride,
-            stride_b: b.batch_stride,
-            stride_d: (m * n) as i64,
-            align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
-            workspace,
-        };
-        let plan = {
-            let mut state = blas.state.lock().unwrap_or_else(|e| e.into_inner());
-            match state.plans.get(&key) {
-                Some(p) => p.clone(),
-                None => {
-                    let p = Arc::new(Plan::new(blas.handle.0, &key)?);
-                    if state.plans.len() >= MAX_PLANS {
-                        state.plans.clear();
-                    }
-                    state.plans.insert(key, p.clone());
-                    p
-                }
-            }
-        };
-        let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-        let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
-            ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
-        } else {
-            ((&alpha32 as *const f32).cast(), (&beta32 as *const f32).cast())
-        };
-        let [la, lb, ld] = plan.layouts;
-        // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
-        // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
-        // alive in `a` until the call is queued and then released to the allocator on this
-        // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
-        // `batch * m * n` elements of `out`; beta = 0 so C is not read. alpha/beta point to host
-        // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
-        // call (host pointer mode reads them before it returns). The workspace holds `workspace`
-        // bytes and is used only on `stream`, the stream of every other op here.
-        unsafe {
-            lt::matmul(
-                blas.handle.0,
-                plan.desc,
-                alpha,
-                beta,
-                a.ptr as *const c_void,
-                la,
-                b.ptr as *const c_void,
-                lb,
-                d as *const c_void,
-                ld,
-                d as *mut c_void,
-                ld,
-                &plan.algo,
-                workspace_ptr as *mut c_void,
+                .entry((rt.ordinal, stream))
+                .or_insert_with(|| CudaStorage::alloc_on(rt, DType::U8, WORKSPACE_BYTES).ok())
+                .as_ref()
+                .map_or((0, 0), |w| (w.ptr_at(0), w.len()));
+            let key = PlanKey {
+                dtype,
+                precision: if dtype == DType::F32 {
+                    PRECISION.load(Ordering::Relaxed)
+                } else {
+                    0
+                },
+                trans_a: a.trans,
+                trans_b: b.trans,
+                m: n as u64,
+                n: m as u64,
+                k: k as u64,
+                lda: a.ld,
+                ldb: b.ld,
+                ldd: n as i64,
+                batch,
+                stride_a: a.batch_stride,
+                stride_b: b.batch_stride,
+                stride_d: (m * n) as i64,
+                align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
                 workspace,
-                stream as sys::cudaStream_t,
-            )
-        }
-        .map_err(blas_error("cublasLtMatmul"))?;
+            };
+            let plans = &mut thread.plans;
+            if plans.len() >= MAX_PLANS && !plans.contains_key(&(rt.ordinal, key)) {
+                plans.clear();
+            }
+            let plan = match plans.entry((rt.ordinal, key)) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => e.insert(Plan::new(handle, &key)?),
+            };
+            let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+            let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+                ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
+            } else {
+                ((&alpha32 as *const f32).cast(), (&beta32 as *const f32).cast())
+            };
+            let [la, lb, ld] = plan.layouts;
+            // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
+            // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
+            // alive in `a` until the call is queued and then released to the allocator on this
+            // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
+            // `batch * m * n` elements of `out`; beta = 0 so C is not read. alpha/beta point to host
+            // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
+            // call (host pointer mode reads them before it returns). The workspace holds `workspace`
+            // bytes and is used only on `stream`, the stream of every other op here. The handle and
+            // the plan are this thread's alone (Note [cuBLASLt state]).
+            unsafe {
+                lt::matmul(
+                    handle,
+                    plan.desc,
+                    alpha,
+                    beta,
+                    a.ptr as *const c_void,
+                    la,
+                    b.ptr as *const c_void,
+                    lb,
+                    d as *const c_void,
+                    ld,
+                    d as *mut c_void,
+                    ld,
+                    &plan.algo,
+                    workspace_ptr as *mut c_void,
+                    workspace,
+                    stream as sys::cudaStream_t,
+                )
+            }
+            .map_err(blas_error("cublasLtMatmul"))
+        };
+        THREAD_BLAS
+            .try_with(|thread| product(&mut thread.borrow_mut()))
+            .map_err(|_| Error::Cuda {
+                op: "matmul",
+                msg: "called while the thread is exiting (its cuBLASLt state is gone)".into(),
+            })??;
         Ok(out)
     }
 

@@ -292,6 +292,55 @@ fn matmul_repeated_calls_reuse_plans_and_stay_correct() {
     }
 }
 
+/// Products from many threads at once, on the default stream and on pool streams: each must
+/// be its own (a workspace shared between threads once gave threads each other's results; Note
+/// [cuBLASLt state]).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn matmul_from_many_threads_at_once() {
+    let _l = lock();
+    let dev = gpu();
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let dtype = if t % 2 == 0 { DType::BF16 } else { DType::F16 };
+                let stream = (t % 4 >= 2).then(|| cuda::Stream::new(0).unwrap());
+                let _guard = stream.as_ref().map(cuda::stream);
+                let mut wrong = Vec::new();
+                for i in 0..150 {
+                    let seed = 1000 * t + i;
+                    let a = input(&[8, 16], seed, dtype);
+                    let b = input(&[16, 4], seed + 500, dtype);
+                    let want = a.matmul(&b).unwrap().to_vec_f64().unwrap();
+                    let got = a
+                        .to(dev)
+                        .unwrap()
+                        .matmul(&b.to(dev).unwrap())
+                        .unwrap()
+                        .to_vec_f64()
+                        .unwrap();
+                    let (rtol, atol) = mm_tolerance(dtype, 16);
+                    if got
+                        .iter()
+                        .zip(&want)
+                        .any(|(g, w)| (g - w).abs() > atol + rtol * w.abs())
+                    {
+                        wrong.push(i);
+                    }
+                }
+                wrong
+            })
+        })
+        .collect();
+    for (t, h) in threads.into_iter().enumerate() {
+        let wrong = h.join().unwrap();
+        assert!(
+            wrong.is_empty(),
+            "thread {t}: wrong products at iterations {wrong:?}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn matmul_errors_match_the_cpu() {
