@@ -14,8 +14,11 @@
 //! remembers the storage version at record time; if an in-place op changed the storage since,
 //! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
 
+mod checkpoint;
 mod engine;
 mod grad_mode;
+
+pub use checkpoint::checkpoint;
 
 pub use engine::grad;
 pub(crate) use engine::{roots_with_grads as engine_roots, run_backward};

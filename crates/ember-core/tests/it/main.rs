@@ -4,6 +4,7 @@ mod common;
 
 mod autograd;
 mod binary;
+mod checkpoint;
 mod conformance;
 mod cuda;
 mod cuda_elementwise;
