@@ -16,8 +16,8 @@
 #![forbid(unsafe_code)]
 
 pub use ember_core::{
-    autograd, cuda, enable_grad, is_grad_enabled, manual_seed, no_grad, set_grad_enabled, DType, Device,
-    Element, Error, Generator, Result, Scalar, Shape, Tensor,
+    autograd, backends, cuda, enable_grad, is_grad_enabled, manual_seed, no_grad, set_grad_enabled, DType,
+    Device, Element, Error, Generator, Result, Scalar, Shape, Tensor,
 };
 pub use ember_data as data;
 pub use ember_distributed as distributed;

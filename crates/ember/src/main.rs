@@ -109,5 +109,25 @@ fn ember_info() -> String {
             lib.found.as_deref().unwrap_or("missing")
         );
     }
+    let dnn = ember::backends::cudnn::version();
+    s += &match dnn {
+        Some(v) => {
+            // cudnnGetVersion: major*10000 + minor*100 + patch from cuDNN 9, major*1000 + ... before.
+            let (major, minor, patch) = if v >= 90000 {
+                (v / 10000, (v % 10000) / 100, v % 100)
+            } else {
+                (v / 1000, (v % 1000) / 100, v % 100)
+            };
+            let on = |b: bool| if b { "on" } else { "off" };
+            format!(
+                "cudnn: {major}.{minor}.{patch} (enabled {}, benchmark {}, deterministic {}, allow_tf32 {})\n",
+                on(ember::backends::cudnn::enabled()),
+                on(ember::backends::cudnn::benchmark()),
+                on(ember::backends::cudnn::deterministic()),
+                on(ember::backends::cudnn::allow_tf32()),
+            )
+        }
+        None => "cudnn: not available; convolutions on CUDA use im2col + GEMM\n".into(),
+    };
     s
 }

@@ -13,6 +13,7 @@
 
 mod allocator;
 mod blas;
+pub(crate) mod cudnn;
 mod device;
 mod elementwise;
 mod index;

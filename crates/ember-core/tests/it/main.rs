@@ -14,6 +14,7 @@ mod cuda_memory;
 mod cuda_random;
 mod cuda_reduce;
 mod cuda_unary;
+mod cudnn;
 mod display;
 mod errors;
 mod index;

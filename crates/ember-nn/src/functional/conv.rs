@@ -12,7 +12,8 @@
 //! i.e. NCHW with no permute. Backward is the GEMM's and `index_add` into the flat input.
 //! A fused im2col kernel would save the index tensor and the range check that ember-core's
 //! CUDA `index_select` does (one small host synchronization per call, see
-//! `cuda/index.rs`), and cuDNN would save the column buffer altogether.
+//! `cuda/index.rs`). On CUDA, `ember_core::ops::conv::convolution` (cuDNN) runs first and this
+//! path is the fallback where cuDNN is missing, switched off, or cannot take the problem.
 
 use super::{idims, Pair};
 use ember_core::{Device, Error, Result, Tensor};
@@ -269,6 +270,19 @@ fn convolution(
             expected: x.dtype(),
             found: w.dtype(),
         });
+    }
+    // cuDNN first on CUDA (it answers None where it cannot run the problem).
+    let d = 2 - spatial;
+    if let Some(y) = ember_core::ops::conv::convolution(
+        input,
+        weight,
+        bias,
+        &win.stride[d..],
+        &win.padding[d..],
+        &win.dilation[d..],
+        groups,
+    )? {
+        return Ok(y);
     }
     win.kernel = [w.dims()[2], w.dims()[3]];
     let (cols, out) = windows(op, &x, &win, 0.0)?;
