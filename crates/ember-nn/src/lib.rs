@@ -3,7 +3,8 @@
 //! - `functional`: stateless layer ops and losses (`torch.nn.functional`), recurrent and
 //!   attention forms included;
 //! - `module`: the `Module` trait and `ModuleExt` (parameters, train/eval, device moves, state dicts);
-//! - `layers`: the layer types (`Linear`, `Conv2d`, `BatchNorm2d`, `Sequential`, ...);
+//! - `layers`: the layer types (`Linear`, `Conv2d`, `BatchNorm2d`, `LSTM`, `MultiheadAttention`,
+//!   `Transformer`, `Sequential`, ...);
 //! - `init`: `torch.nn.init`; `state_dict`: load checks and safetensors checkpoints;
 //! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`).
 #![forbid(unsafe_code)]
@@ -17,8 +18,9 @@ pub mod state_dict;
 
 pub use layers::{
     AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, Dropout, Embedding, Flatten,
-    LayerNorm, Linear, LogSoftmax, MaxPool2d, ModuleList, ReLU, Sequential, SiLU, Sigmoid, Softmax, Tanh,
-    GELU,
+    GRUCell, LSTMCell, LayerNorm, Linear, LogSoftmax, MaxPool2d, ModuleList, MultiheadAttention, RNNCell,
+    ReLU, Sequential, SiLU, Sigmoid, Softmax, Tanh, Transformer, TransformerDecoder, TransformerDecoderLayer,
+    TransformerEncoder, TransformerEncoderLayer, GELU, GRU, LSTM, RNN,
 };
 pub use module::{Module, ModuleExt, TensorKind};
 pub use state_dict::{load_safetensors, save_safetensors, IncompatibleKeys, StateDictError};

@@ -1,15 +1,14 @@
-//! The models `ember train` and `ember bench` build: the Fashion-MNIST MLP and CNN, the
-//! benchmark classifiers of `shared/bench/WORKLOADS.md`, and a small [`Lstm`] module (a
-//! stand-in until ember-nn has its own `nn.LSTM` type) over `ember_nn::functional::lstm`.
+//! The models `ember train` and `ember bench` build: the Fashion-MNIST MLP and CNN and the
+//! benchmark classifiers of `shared/bench/WORKLOADS.md`.
 //!
 //! Layer sizes and parameter names follow the PyTorch models of `torch_reference.py` and the
 //! PyTorch tutorial CNN, so state dicts line up with theirs.
 
-use ember::nn::functional::{self, Pair};
-use ember::nn::layers::Conv2dConfig;
+use ember::nn::functional::Pair;
+use ember::nn::layers::{Conv2dConfig, RecurrentConfig};
 use ember::nn::module::join_name;
-use ember::nn::{Conv2d, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential, TensorKind};
-use ember::{DType, Device, Error, Result, Tensor};
+use ember::nn::{Conv2d, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential, TensorKind, LSTM};
+use ember::{Device, Result, Tensor};
 
 /// `Conv2d(cin, cout, 3, stride 1, padding 1)`.
 fn conv3x3(cin: usize, cout: usize, device: Device) -> Result<Conv2d> {
@@ -52,127 +51,11 @@ pub fn cnn(cin: usize, c1: usize, c2: usize, device: Device) -> Result<Sequentia
         .with(Linear::new(128, 10, device)?))
 }
 
-/// A multi-layer, unidirectional LSTM (`nn.LSTM(input_size, hidden_size, num_layers,
-/// batch_first=..)` with biases, no dropout, no projection). `forward` returns the output
-/// sequence (the last layer's `h` at every step); parameters are named as PyTorch's
-/// (`weight_ih_l0`, `weight_hh_l0`, `bias_ih_l0`, `bias_hh_l0`, ...).
-pub struct Lstm {
-    /// Per layer `[weight_ih, weight_hh, bias_ih, bias_hh]`, gates stacked `i, f, g, o`.
-    pub weights: Vec<[Tensor; 4]>,
-    /// Features of each input step.
-    pub input_size: usize,
-    /// Inputs and outputs are `[N, T, F]` when true, `[T, N, F]` otherwise.
-    pub batch_first: bool,
-    training: bool,
-}
-
-const LSTM_NAMES: [&str; 4] = ["weight_ih", "weight_hh", "bias_ih", "bias_hh"];
-
-impl Lstm {
-    /// Builds the parameters on `device`, each uniform on `±1/√hidden_size` as PyTorch's
-    /// `reset_parameters`.
-    pub fn new(
-        input_size: usize,
-        hidden_size: usize,
-        num_layers: usize,
-        batch_first: bool,
-        device: Device,
-    ) -> Result<Lstm> {
-        let bound = 1.0 / (hidden_size as f64).sqrt();
-        let gates = 4 * hidden_size;
-        let param = |dims: &[usize]| -> Result<Tensor> {
-            let t = Tensor::empty(dims, DType::F32, device)?;
-            t.uniform_(-bound, bound)?;
-            t.requires_grad_(true)
-        };
-        let weights = (0..num_layers)
-            .map(|l| {
-                let input = if l == 0 { input_size } else { hidden_size };
-                Ok([
-                    param(&[gates, input])?,
-                    param(&[gates, hidden_size])?,
-                    param(&[gates])?,
-                    param(&[gates])?,
-                ])
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Lstm {
-            weights,
-            input_size,
-            batch_first,
-            training: true,
-        })
-    }
-}
-
-impl Module for Lstm {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if x.dims().last() != Some(&self.input_size) {
-            return Err(Error::invalid(
-                "Lstm",
-                format!(
-                    "expected input of {} features, got shape {}",
-                    self.input_size,
-                    x.shape()
-                ),
-            ));
-        }
-        let layers: Vec<&[Tensor]> = self.weights.iter().map(|w| &w[..]).collect();
-        let (out, _) = functional::lstm(
-            x,
-            None,
-            &layers,
-            self.weights.len(),
-            self.batch_first,
-            0.0,
-            self.training,
-        )?;
-        Ok(out)
-    }
-
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        for (l, w) in self.weights.iter().enumerate() {
-            for (t, name) in w.iter().zip(LSTM_NAMES) {
-                f(
-                    &join_name(prefix, &format!("{name}_l{l}")),
-                    t,
-                    TensorKind::Parameter,
-                );
-            }
-        }
-    }
-
-    fn visit_mut(
-        &mut self,
-        prefix: &str,
-        f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
-    ) -> Result<()> {
-        for (l, w) in self.weights.iter_mut().enumerate() {
-            for (t, name) in w.iter_mut().zip(LSTM_NAMES) {
-                f(
-                    &join_name(prefix, &format!("{name}_l{l}")),
-                    t,
-                    TensorKind::Parameter,
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
-    }
-
-    fn is_training(&self) -> bool {
-        self.training
-    }
-}
-
-/// The benchmark's `LSTMClassifier`: an [`Lstm`] (batch first) and a `Linear` head on the
+/// The benchmark's `LSTMClassifier`: an `nn::LSTM` (batch first) and a `Linear` head on the
 /// output of the last time step.
 pub struct LstmClassifier {
-    /// The recurrent body (`lstm.*` in the state dict).
-    pub lstm: Lstm,
+    /// The recurrent body (`lstm.weight_ih_l0`, ... in the state dict).
+    pub lstm: LSTM,
     /// The classifier on the last step's `h` (`head.*`).
     pub head: Linear,
 }
@@ -181,7 +64,16 @@ impl LstmClassifier {
     /// `LSTM(input, hidden, layers, batch_first=True)` then `Linear(hidden, classes)`.
     pub fn new(input: usize, hidden: usize, layers: usize, classes: usize, device: Device) -> Result<Self> {
         Ok(LstmClassifier {
-            lstm: Lstm::new(input, hidden, layers, true, device)?,
+            lstm: LSTM::with_config(
+                input,
+                hidden,
+                RecurrentConfig {
+                    num_layers: layers,
+                    batch_first: true,
+                    ..Default::default()
+                },
+                device,
+            )?,
             head: Linear::new(hidden, classes, device)?,
         })
     }
@@ -221,6 +113,7 @@ impl Module for LstmClassifier {
 mod tests {
     use super::*;
     use ember::nn::ModuleExt;
+    use ember::DType;
 
     #[test]
     fn lstm_classifier_names_and_shapes_match_pytorch() -> Result<()> {

@@ -7,8 +7,11 @@
 //! `[N, heads, L, head_dim]`, a merge of the heads and the output GEMM. With `need_weights`
 //! the attention weights are computed explicitly (sdpa does not return them) and averaged over
 //! the heads, as PyTorch's default `average_attn_weights=True`.
+//! [`multi_head_attention_forward_with`] adds the key padding mask and the dropout on the
+//! attention weights ([`MhaOptions`]), which `nn.MultiheadAttention` uses.
 
 use super::attention::scaled_dot_product_attention;
+use super::dropout::dropout;
 use super::idims;
 use ember_core::{DType, Error, Result, Tensor};
 
@@ -64,6 +67,70 @@ fn sdpa_mask(
     }
 }
 
+/// `true` where key position `j` is after query position `i` (masked out by a causal mask),
+/// `[L, S]`.
+fn causal_mask(l: usize, s: usize, like: &Tensor) -> Result<Tensor> {
+    let i = Tensor::arange(0.0, l as f64, 1.0, DType::I64, like.device())?.unsqueeze(1)?;
+    let j = Tensor::arange(0.0, s as f64, 1.0, DType::I64, like.device())?.unsqueeze(0)?;
+    j.gt(&i)
+}
+
+/// A bool mask (`true` = masked out) as a float mask of `like`'s dtype: `-inf` where masked.
+fn bool_to_float(masked: &Tensor, like: &Tensor) -> Result<Tensor> {
+    Tensor::zeros(masked.shape(), like.dtype(), like.device())?.masked_fill(masked, f64::NEG_INFINITY)
+}
+
+/// The key padding mask (`[N, S]`, or `[S]` unbatched; bool `true` = ignore, or float) as a
+/// float mask `[N, 1, 1, S]` that broadcasts over heads and queries.
+fn padding_mask(
+    op: &'static str,
+    kpm: &Tensor,
+    like: &Tensor,
+    batched: bool,
+    n: usize,
+    s: usize,
+) -> Result<Tensor> {
+    let expected: &[usize] = if batched { &[n, s] } else { &[s] };
+    if kpm.dims() != expected {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "key_padding_mask must be {expected:?} ([batch, source length]{}), got shape {}",
+                if batched {
+                    ""
+                } else {
+                    " without the batch dim for unbatched input"
+                },
+                kpm.shape()
+            ),
+        ));
+    }
+    let m = match kpm.dtype() {
+        DType::Bool => bool_to_float(kpm, like)?,
+        d if d == like.dtype() => kpm.clone(),
+        d => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: d,
+                hint: "key_padding_mask must be bool (true = ignored) or of the query's float dtype",
+            })
+        }
+    };
+    m.reshape(&idims(&[n, 1, 1, s]))
+}
+
+/// The arguments of `F.multi_head_attention_forward` that [`multi_head_attention_forward`]
+/// leaves at their defaults (no padding mask, no dropout).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MhaOptions<'a> {
+    /// `[N, S]` (`[S]` unbatched): bool `true` marks a key position to ignore, a float mask
+    /// (of the query's dtype) is added to the scores of every query and head.
+    pub key_padding_mask: Option<&'a Tensor>,
+    /// Probability of zeroing an attention weight (PyTorch's `dropout_p` with
+    /// `training=True`); pass 0 in evaluation mode.
+    pub dropout_p: f64,
+}
+
 /// `nn.MultiheadAttention`'s forward (`F.multi_head_attention_forward`) with packed
 /// projections, no dropout and no key padding mask; returns `(attn_output, attn_weights)`.
 ///
@@ -92,6 +159,46 @@ pub fn multi_head_attention_forward(
     is_causal: bool,
     batch_first: bool,
     need_weights: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    multi_head_attention_forward_with(
+        query,
+        key,
+        value,
+        embed_dim,
+        num_heads,
+        in_proj_weight,
+        in_proj_bias,
+        out_proj_weight,
+        out_proj_bias,
+        attn_mask,
+        is_causal,
+        batch_first,
+        need_weights,
+        MhaOptions::default(),
+    )
+}
+
+/// [`multi_head_attention_forward`] with a key padding mask and attention dropout
+/// ([`MhaOptions`]). With a key padding mask the masks are merged into one float mask, as
+/// PyTorch does: `is_causal` then stands for the causal mask (built when `attn_mask` is absent)
+/// plus the padding mask. With `need_weights` the returned weights are those after dropout,
+/// averaged over heads, as PyTorch's.
+#[allow(clippy::too_many_arguments)]
+pub fn multi_head_attention_forward_with(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    embed_dim: usize,
+    num_heads: usize,
+    in_proj_weight: &Tensor,
+    in_proj_bias: Option<&Tensor>,
+    out_proj_weight: &Tensor,
+    out_proj_bias: Option<&Tensor>,
+    attn_mask: Option<&Tensor>,
+    is_causal: bool,
+    batch_first: bool,
+    need_weights: bool,
+    options: MhaOptions<'_>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     const OP: &str = "multi_head_attention_forward";
     let e = embed_dim;
@@ -184,9 +291,31 @@ pub fn multi_head_attention_forward(
             hint: "query and key must have the same batch size",
         });
     }
-    let mask = attn_mask
+    let mut mask = attn_mask
         .map(|m| sdpa_mask(OP, m, query, n, num_heads, l, s))
         .transpose()?;
+    let mut is_causal = is_causal;
+    if let Some(kpm) = options.key_padding_mask {
+        let padding = padding_mask(OP, kpm, query, batched, n, s)?;
+        let base = match mask {
+            Some(m) if m.dtype() == DType::Bool => Some(bool_to_float(&m.logical_not()?, query)?),
+            Some(m) => Some(m),
+            None if is_causal => Some(bool_to_float(&causal_mask(l, s, query)?, query)?),
+            None => None,
+        };
+        mask = Some(match base {
+            Some(b) => b.add(&padding)?,
+            None => padding,
+        });
+        is_causal = false;
+    }
+    let dropout_p = options.dropout_p;
+    if !(0.0..=1.0).contains(&dropout_p) {
+        return Err(Error::invalid(
+            OP,
+            format!("dropout_p should be a number in range [0, 1], got {dropout_p}"),
+        ));
+    }
     let (q, k, v) = (
         split_heads(&q, num_heads)?,
         split_heads(&k, num_heads)?,
@@ -201,25 +330,24 @@ pub fn multi_head_attention_forward(
                 scores.masked_fill(&m.logical_not()?, f64::NEG_INFINITY)?
             }
             Some(m) => scores.add(m)?,
-            None if is_causal => {
-                let i = Tensor::arange(0.0, l as f64, 1.0, DType::I64, q.device())?.unsqueeze(1)?;
-                let j = Tensor::arange(0.0, s as f64, 1.0, DType::I64, q.device())?.unsqueeze(0)?;
-                scores.masked_fill(&j.gt(&i)?, f64::NEG_INFINITY)?
-            }
+            None if is_causal => scores.masked_fill(&causal_mask(l, s, query)?, f64::NEG_INFINITY)?,
             None => scores,
         };
-        let w = scores.softmax(-1)?;
+        let mut w = scores.softmax(-1)?;
+        if dropout_p > 0.0 {
+            w = dropout(&w, dropout_p, true)?;
+        }
         let out = w.matmul(&v)?;
         (out, Some(w.mean_dims(&[1], false)?))
     } else if is_causal {
         // PyTorch's hint: attn_mask is the causal mask, so sdpa applies it itself.
         (
-            scaled_dot_product_attention(&q, &k, &v, None, 0.0, true, None)?,
+            scaled_dot_product_attention(&q, &k, &v, None, dropout_p, true, None)?,
             None,
         )
     } else {
         (
-            scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, None)?,
+            scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), dropout_p, false, None)?,
             None,
         )
     };

@@ -21,7 +21,7 @@ pub mod pooling;
 pub mod recurrent;
 
 pub use attention::scaled_dot_product_attention;
-pub use attention_mha::multi_head_attention_forward;
+pub use attention_mha::{multi_head_attention_forward, multi_head_attention_forward_with, MhaOptions};
 pub use conv::{conv1d, conv2d, linear, unfold};
 pub use dropout::{dropout, dropout_with};
 pub use loss::{binary_cross_entropy_with_logits, cross_entropy, l1_loss, mse_loss, nll_loss, Reduction};

@@ -1,5 +1,7 @@
 //! The layer types of `torch.nn`, one file per family: [`linear`], [`conv`], [`pooling`],
-//! [`norm`], [`activation`], [`dropout`], [`embedding`] and the containers in [`container`].
+//! [`norm`], [`activation`], [`dropout`], [`embedding`], [`recurrent`] (RNN, LSTM, GRU and
+//! their cells), [`attention`] (multi-head attention), [`transformer`] and the containers in
+//! [`container`].
 //!
 //! One constructor style for all: `Layer::new(required args.., device)` builds the layer with
 //! PyTorch's defaults, and layers with keyword options also have
@@ -13,6 +15,7 @@
 //! attributes of PyTorch's modules.
 
 pub mod activation;
+pub mod attention;
 pub mod container;
 pub mod conv;
 pub mod dropout;
@@ -20,8 +23,11 @@ pub mod embedding;
 pub mod linear;
 pub mod norm;
 pub mod pooling;
+pub mod recurrent;
+pub mod transformer;
 
 pub use activation::{GeluApproximate, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU};
+pub use attention::{MultiheadAttention, MultiheadAttentionConfig};
 pub use container::{Flatten, ModuleList, Sequential};
 pub use conv::{Conv1d, Conv1dConfig, Conv2d, Conv2dConfig};
 pub use dropout::Dropout;
@@ -29,9 +35,37 @@ pub use embedding::{Embedding, EmbeddingConfig};
 pub use linear::{Linear, LinearConfig};
 pub use norm::{BatchNorm1d, BatchNorm2d, BatchNormConfig, LayerNorm, LayerNormConfig};
 pub use pooling::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, PoolConfig};
+pub use recurrent::{
+    CellConfig, GRUCell, LSTMCell, RNNCell, RNNCellConfig, RNNConfig, RecurrentConfig, RecurrentWeights, GRU,
+    LSTM, RNN,
+};
+pub use transformer::{
+    DecoderMasks, EncoderMasks, Transformer, TransformerActivation, TransformerConfig, TransformerDecoder,
+    TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, TransformerLayerConfig,
+    TransformerMasks,
+};
 
-use crate::module::{join_name, TensorKind};
-use ember_core::{DType, Device, Result, Tensor};
+use crate::module::{join_name, Module, TensorKind};
+use ember_core::{no_grad, DType, Device, Result, Tensor};
+
+/// A copy of `m` whose tensors are new leaves with equal values (`copy.deepcopy(module)`):
+/// parameters keep their `requires_grad`, gradients are not copied.
+pub(crate) fn deep_copy<M: Module + Clone>(m: &M) -> Result<M> {
+    let mut copy = m.clone();
+    copy.visit_mut("", &mut |_, t, _| {
+        let new = {
+            let _g = no_grad();
+            t.detach().deep_clone()?
+        };
+        *t = if t.requires_grad() {
+            new.requires_grad_(true)?
+        } else {
+            new
+        };
+        Ok(())
+    })?;
+    Ok(copy)
+}
 
 /// A new f32 parameter of `dims` on `device`, filled by `init` and then marked as requiring
 /// grad (in that order, so the fill is not recorded).

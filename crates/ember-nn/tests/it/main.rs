@@ -5,8 +5,11 @@
 mod common;
 
 mod attention_mha;
+mod attention_modules;
 mod conformance;
 mod functional;
 mod functional_loss;
 mod modules;
 mod recurrent;
+mod recurrent_modules;
+mod transformer_modules;
