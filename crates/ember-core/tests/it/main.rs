@@ -20,5 +20,6 @@ mod inplace;
 mod matmul;
 mod random;
 mod reduce;
+mod rnn;
 mod unary;
 mod view;
