@@ -12,6 +12,7 @@ mod binary;
 mod index;
 mod matmul;
 mod reduce;
+mod rnn;
 mod softmax;
 mod unary;
 

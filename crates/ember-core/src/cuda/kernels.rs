@@ -17,10 +17,11 @@ pub enum Module {
     Index,
     Random,
     Matmul,
+    Rnn,
 }
 
 impl Module {
-    pub const ALL: [Module; 8] = [
+    pub const ALL: [Module; 9] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -29,6 +30,7 @@ impl Module {
         Module::Index,
         Module::Random,
         Module::Matmul,
+        Module::Rnn,
     ];
 
     /// The file name without `.cu`.
@@ -42,6 +44,7 @@ impl Module {
             Module::Index => "index",
             Module::Random => "random",
             Module::Matmul => "matmul",
+            Module::Rnn => "rnn",
         }
     }
 
@@ -56,6 +59,7 @@ impl Module {
             Module::Index => include_str!("../../kernels/index.cu"),
             Module::Random => include_str!("../../kernels/random.cu"),
             Module::Matmul => include_str!("../../kernels/matmul.cu"),
+            Module::Rnn => include_str!("../../kernels/rnn.cu"),
         }
     }
 }

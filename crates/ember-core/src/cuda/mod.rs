@@ -24,6 +24,7 @@ mod nvrtc;
 mod pinned;
 mod random;
 mod reduce;
+mod rnn;
 mod runtime;
 mod softmax;
 mod storage;

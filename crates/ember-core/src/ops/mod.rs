@@ -8,6 +8,7 @@ pub mod index;
 pub mod inplace;
 pub mod matmul;
 pub mod reduce;
+pub mod rnn;
 pub mod softmax;
 pub mod unary;
 pub mod view;

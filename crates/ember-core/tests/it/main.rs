@@ -22,5 +22,6 @@ mod inplace;
 mod matmul;
 mod random;
 mod reduce;
+mod rnn;
 mod unary;
 mod view;

@@ -11,11 +11,18 @@
 //! step does only the recurrent `h @ W_hh^T` plus elementwise gate math; `W_hh^T` is a view
 //! taken once per layer. For the LSTM and the plain RNN `b_hh` is folded into that bias (the
 //! two biases are only ever added together); the GRU keeps `b_hn` inside `r * (W_hn h + b_hn)`.
-//! Step outputs are stacked along the time dim once per layer, in the caller's layout, so
-//! `batch_first` costs no transpose. A fused cuDNN-style kernel would also batch the
-//! elementwise gate math of a step (about eight kernels for the LSTM) into one.
+//!
+//! The LSTM then runs each layer's whole recurrence as one fused op with its own backward
+//! (`ember_core::ops::rnn::lstm_recurrence`, Note [Fused LSTM recurrence] there): per step one
+//! GEMM and one pointwise kernel, instead of about nine ops and autograd nodes. It works
+//! time-major, so a `batch_first` input is transposed once before the first layer and the
+//! output transposed back (a view) after the last. `lstm_cell` is the same op over one step.
+//! The plain RNN and the GRU still compose their steps from tensor ops: their step outputs are
+//! stacked along the time dim once per layer, in the caller's layout, so `batch_first` costs
+//! no transpose.
 
 use super::dropout::dropout;
+use ember_core::ops::rnn::lstm_recurrence;
 use ember_core::{Error, Result, Tensor};
 
 /// The activation of a plain (Elman) RNN: `nn.RNN(nonlinearity='tanh' | 'relu')`.
@@ -84,28 +91,6 @@ fn rnn_step(
         pre = pre.add(b)?;
     }
     nl.apply(&pre)
-}
-
-/// `i, f, g, o` gates: `c' = f c + i g`, `h' = o tanh(c')`.
-fn lstm_step(
-    gi: &Tensor,
-    h: &Tensor,
-    c: &Tensor,
-    w_hh_t: &Tensor,
-    b_hh: Option<&Tensor>,
-) -> Result<(Tensor, Tensor)> {
-    let mut gates = gi.add(&h.matmul(w_hh_t)?)?;
-    if let Some(b) = b_hh {
-        gates = gates.add(b)?;
-    }
-    let hidden = h.dims()[h.rank() - 1];
-    // One sigmoid over all four gates (the g quarter is unused) instead of three launches.
-    let sig = gates.sigmoid()?.chunk(4, -1)?;
-    let (i, f, o) = (&sig[0], &sig[1], &sig[3]);
-    let g = gates.narrow(-1, 2 * hidden, hidden)?.tanh()?;
-    let c_next = f.mul(c)?.add(&i.mul(&g)?)?;
-    let h_next = o.mul(&c_next.tanh()?)?;
-    Ok((h_next, c_next))
 }
 
 /// `r, z, n` gates: `n = tanh(W_in x + b_in + r (W_hn h + b_hn))`, `h' = (1 - z) n + z h`.
@@ -386,9 +371,13 @@ pub fn lstm_cell(
     let h = cell_state(OP, "hx", hx.map(|s| s.0), input, hidden)?;
     let c = cell_state(OP, "cx", hx.map(|s| s.1), input, hidden)?;
     let (x, unbatch) = batch_cell_input(input)?;
-    let gi = x.linear(w_ih, b_ih)?;
-    let (h, c) = lstm_step(&gi, &h, &c, &w_hh.t()?, b_hh)?;
-    Ok((unbatch(h)?, unbatch(c)?))
+    let mut gi = x.linear(w_ih, b_ih)?;
+    if let Some(b) = b_hh {
+        gi = gi.add(b)?;
+    }
+    // The fused recurrence over one step: rows [h', c'].
+    let out = lstm_recurrence(&gi.unsqueeze(0)?, w_hh, &h, &c)?;
+    Ok((unbatch(out.select(0, 0)?)?, unbatch(out.select(0, 1)?)?))
 }
 
 /// One GRU step (`torch.gru_cell`, `nn.GRUCell`). The weights stack the gates `r, z, n`
@@ -557,7 +546,13 @@ fn run_sequence(
         .collect::<Result<_>>()?;
 
     let mut finals: Vec<Vec<Tensor>> = vec![Vec::with_capacity(num_layers); init.len()];
-    let mut layer_input = x;
+    // The fused LSTM works time-major: one transpose of the input, and back at the end.
+    let swap = kind == Kind::Lstm && time == 1;
+    let (mut layer_input, time) = if swap {
+        (x.transpose(0, 1)?.contiguous()?, 0)
+    } else {
+        (x, time)
+    };
     for (l, w) in layers.iter().enumerate() {
         // Note [Input projection]: one GEMM for every step of this layer.
         let (in_bias, step_b_hh) = match (kind, w.b_ih, w.b_hh) {
@@ -566,37 +561,38 @@ fn run_sequence(
             (_, b_ih, b_hh) => (b_ih.or(b_hh).cloned(), None),
         };
         let projected = layer_input.linear(w.w_ih, in_bias.as_ref())?;
-        let w_hh_t = w.w_hh.t()?;
-        let mut h = init[0].select(0, l as isize)?;
-        let mut c = match kind {
-            Kind::Lstm => Some(init[1].select(0, l as isize)?),
-            _ => None,
+        let h0 = init[0].select(0, l as isize)?;
+        let out = if kind == Kind::Lstm {
+            // Rows h_1 .. h_T, then c_T, of one fused op.
+            let c0 = init[1].select(0, l as isize)?;
+            let hc = lstm_recurrence(&projected, w.w_hh, &h0, &c0)?;
+            finals[0].push(hc.select(0, steps as isize - 1)?);
+            finals[1].push(hc.select(0, steps as isize)?);
+            hc.narrow(0, 0, steps)?
+        } else {
+            let w_hh_t = w.w_hh.t()?;
+            let mut h = h0;
+            let mut outs = Vec::with_capacity(steps);
+            for gi in projected.unbind(time as isize)? {
+                h = match kind {
+                    Kind::Rnn(nl) => rnn_step(nl, &gi, &h, &w_hh_t, step_b_hh)?,
+                    Kind::Gru => gru_step(&gi, &h, &w_hh_t, step_b_hh)?,
+                    Kind::Lstm => unreachable!("the LSTM runs fused above"),
+                };
+                outs.push(h.clone());
+            }
+            finals[0].push(h);
+            Tensor::stack(&outs, time as isize)?
         };
-        let mut outs = Vec::with_capacity(steps);
-        for gi in projected.unbind(time as isize)? {
-            h = match (kind, c.as_ref()) {
-                (Kind::Rnn(nl), _) => rnn_step(nl, &gi, &h, &w_hh_t, step_b_hh)?,
-                (Kind::Gru, _) => gru_step(&gi, &h, &w_hh_t, step_b_hh)?,
-                (Kind::Lstm, Some(cc)) => {
-                    let (hn, cn) = lstm_step(&gi, &h, cc, &w_hh_t, step_b_hh)?;
-                    c = Some(cn);
-                    hn
-                }
-                (Kind::Lstm, None) => unreachable!("the LSTM always has a cell state"),
-            };
-            outs.push(h.clone());
-        }
-        let out = Tensor::stack(&outs, time as isize)?;
-        finals[0].push(h);
-        if let Some(c) = c {
-            finals[1].push(c);
-        }
         // Dropout on every layer's output but the last, while training (as nn.LSTM).
         layer_input = if l + 1 < num_layers && training && dropout_p > 0.0 {
             dropout(&out, dropout_p, true)?
         } else {
             out
         };
+    }
+    if swap {
+        layer_input = layer_input.transpose(0, 1)?;
     }
     let unbatch = |t: Tensor, dim: isize| if batched { Ok(t) } else { t.squeeze_dim(dim) };
     let output = unbatch(layer_input, 1)?;

@@ -1,0 +1,421 @@
+//! Fused recurrences: [`lstm_recurrence`] runs a whole LSTM layer over a sequence as one
+//! autograd node with a hand-written backward, the way cuDNN's RNN API does, instead of about
+//! nine tensor ops (and nodes) per time step.
+//!
+//! Note [Fused LSTM recurrence]: the caller projects the input sequence once (`gi = x W_ihᵀ +
+//! b_ih + b_hh`, `[T, N, 4H]`, gates `i, f, g, o`). Each forward step is then ONE GEMM
+//! (`hh = h_{t-1} W_hhᵀ`, `W_hhᵀ` a view) and ONE pointwise kernel that adds `gi_t`, activates
+//! the gates, and writes `c_t`, `h_t` and the activated gates straight into buffers allocated
+//! once per sequence; the GEMM's output is the only per-step allocation. The buffers:
+//! - `hbuf` `[T+2, N, H]`: `h0, h_1 .. h_T, c_T`. Rows `1..T+2` are the op's output (so one
+//!   node covers the layer output, `h_n = out[T-1]` and `c_n = out[T]`), and rows `0..T` are
+//!   the `h_{t-1}` of every step, contiguous, for the weight gradient;
+//! - `cbuf` `[T+1, N, H]`: `c0, c_1 .. c_T`;
+//! - `gates` `[T, N, 4H]`: the activated gates (what cuDNN and PyTorch save).
+//!
+//! Backward walks the steps in reverse with ONE pointwise kernel per step (pre-activation gate
+//! gradients `dG_t` and `dc_{t-1}` from `dh_t` = the output's gradient plus the recurrent one,
+//! and `dc_t`, kept in one in-place `[N, H]` buffer) and ONE GEMM (`dh_{t-1} = dG_t W_hh`). The
+//! weight gradient is ONE GEMM after the loop: `dW_hh = dGᵀ H_prev` with `dG` `[T·N, 4H]` and
+//! `H_prev` = `hbuf` rows `0..T`. `gi`'s gradient is `dG` itself.
+//!
+//! Both backends share this loop; only the pointwise steps are backend kernels (`cpu/rnn.rs`,
+//! `cuda/rnn.rs` + `kernels/rnn.cu`).
+
+use super::binary::same_device;
+use crate::autograd::{self, SavedTensor};
+use crate::cuda::CudaStorage;
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result, Tensor};
+
+const OP: &str = "lstm_recurrence";
+
+/// Element offsets of one forward step's rows in its operands (see Note [Fused LSTM
+/// recurrence]): `gi` and `hh` `[N, 4H]` rows are read, `c_prev` (a row of the `c` buffer
+/// before `c`) is read, `h` and `c` are written, `c_copy` (a row of the `h` buffer, on the last
+/// step) receives `c` again, `gates` `[N, 4H]` the activated gates.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LstmForwardStep {
+    pub n: usize,
+    pub hidden: usize,
+    pub gi: usize,
+    pub hh: usize,
+    pub c_prev: usize,
+    pub c: usize,
+    pub h: usize,
+    pub c_copy: Option<usize>,
+    pub gates: usize,
+}
+
+/// Element offsets of one backward step's rows: `dh_out` (the output gradient's row `t`) and
+/// `dh_rec` (the recurrent gradient, absent on the last step) `[N, H]`, the saved `gates`
+/// `[N, 4H]`, `c` (`c_t`) and `c_prev` in the `c` buffer; `dc` `[N, H]` is updated in place
+/// from `dc_t` to `dc_{t-1}`, `dgates` `[N, 4H]` receives the pre-activation gradients.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LstmBackwardStep {
+    pub n: usize,
+    pub hidden: usize,
+    pub dh_out: usize,
+    pub dh_rec: Option<usize>,
+    pub gates: usize,
+    pub c: usize,
+    pub c_prev: usize,
+    pub dc: usize,
+    pub dgates: usize,
+}
+
+/// An error unless `[off, off + len)` lies in a storage of `have` elements.
+fn fits(what: &str, off: usize, len: usize, have: usize) -> Result<()> {
+    if off.checked_add(len).is_none_or(|end| end > have) {
+        return Err(Error::invalid(
+            OP,
+            format!("internal: {what} rows [{off}, +{len}) exceed a buffer of {have} elements"),
+        ));
+    }
+    Ok(())
+}
+
+impl LstmForwardStep {
+    /// Checks every row against its storage's length, and that `c_prev` precedes `c` and
+    /// `h` and `c_copy` do not overlap (the kernels rely on both).
+    fn check(&self, gi: usize, hh: usize, h: usize, c: usize, gates: usize) -> Result<()> {
+        let (nh, n4h) = (self.n * self.hidden, self.n * self.hidden * 4);
+        fits("gi", self.gi, n4h, gi)?;
+        fits("hh", self.hh, n4h, hh)?;
+        fits("c_prev", self.c_prev, nh, c)?;
+        fits("c", self.c, nh, c)?;
+        fits("h", self.h, nh, h)?;
+        fits("gates", self.gates, n4h, gates)?;
+        if self.c_prev + nh > self.c {
+            return Err(Error::invalid(OP, "internal: c_prev must precede c"));
+        }
+        if let Some(cc) = self.c_copy {
+            fits("c_copy", cc, nh, h)?;
+            if cc < self.h + nh && self.h < cc + nh {
+                return Err(Error::invalid(OP, "internal: h and its c copy overlap"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LstmBackwardStep {
+    fn check(
+        &self,
+        dh_out: usize,
+        dh_rec: Option<usize>,
+        gates: usize,
+        c: usize,
+        dc: usize,
+        dgates: usize,
+    ) -> Result<()> {
+        let (nh, n4h) = (self.n * self.hidden, self.n * self.hidden * 4);
+        fits("dh_out", self.dh_out, nh, dh_out)?;
+        match (self.dh_rec, dh_rec) {
+            (Some(off), Some(len)) => fits("dh_rec", off, nh, len)?,
+            (None, None) => {}
+            _ => return Err(Error::invalid(OP, "internal: dh_rec offset without storage")),
+        }
+        fits("gates", self.gates, n4h, gates)?;
+        fits("c", self.c, nh, c)?;
+        fits("c_prev", self.c_prev, nh, c)?;
+        fits("dc", self.dc, nh, dc)?;
+        fits("dgates", self.dgates, n4h, dgates)
+    }
+}
+
+impl Storage {
+    /// One forward step of [`lstm_recurrence`] (see [`LstmForwardStep`]).
+    pub(crate) fn lstm_forward_step(
+        s: &LstmForwardStep,
+        gi: &Storage,
+        hh: &Storage,
+        h: &mut Storage,
+        c: &mut Storage,
+        gates: &mut Storage,
+    ) -> Result<()> {
+        s.check(gi.len(), hh.len(), h.len(), c.len(), gates.len())?;
+        use Storage::{Cpu, Cuda};
+        match (gi, hh, h, c, gates) {
+            (Cpu(a), Cpu(b), Cpu(h), Cpu(c), Cpu(g)) => {
+                crate::cpu::CpuStorage::lstm_forward_step(s, a, b, h, c, g)
+            }
+            (Cuda(a), Cuda(b), Cuda(h), Cuda(c), Cuda(g)) => CudaStorage::lstm_forward_step(s, a, b, h, c, g),
+            (a, b, h, ..) => Err(super::binary::mixed(
+                OP,
+                a,
+                if a.device() != b.device() { b } else { h },
+            )),
+        }
+    }
+
+    /// One backward step of [`lstm_recurrence`] (see [`LstmBackwardStep`]).
+    pub(crate) fn lstm_backward_step(
+        s: &LstmBackwardStep,
+        dh_out: &Storage,
+        dh_rec: Option<&Storage>,
+        gates: &Storage,
+        c: &Storage,
+        dc: &mut Storage,
+        dgates: &mut Storage,
+    ) -> Result<()> {
+        s.check(
+            dh_out.len(),
+            dh_rec.map(Storage::len),
+            gates.len(),
+            c.len(),
+            dc.len(),
+            dgates.len(),
+        )?;
+        use Storage::{Cpu, Cuda};
+        let rec_cpu = match dh_rec {
+            Some(Cpu(r)) => Some(Some(r)),
+            None => Some(None),
+            _ => None,
+        };
+        let rec_cuda = match dh_rec {
+            Some(Cuda(r)) => Some(Some(r)),
+            None => Some(None),
+            _ => None,
+        };
+        match (dh_out, gates, c, dc, dgates, rec_cpu, rec_cuda) {
+            (Cpu(d), Cpu(g), Cpu(c), Cpu(dc), Cpu(dg), Some(r), _) => {
+                crate::cpu::CpuStorage::lstm_backward_step(s, d, r, g, c, dc, dg)
+            }
+            (Cuda(d), Cuda(g), Cuda(c), Cuda(dc), Cuda(dg), _, Some(r)) => {
+                CudaStorage::lstm_backward_step(s, d, r, g, c, dc, dg)
+            }
+            (d, g, ..) => Err(super::binary::mixed("lstm_recurrence_backward", d, g)),
+        }
+    }
+}
+
+/// Checks the operands of [`lstm_recurrence`]; returns `(T, N, H)`.
+fn check(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<(usize, usize, usize)> {
+    same_device(OP, &[gi, w_hh, h0, c0])?;
+    if !gi.dtype().is_floating_point() {
+        return Err(Error::UnsupportedDType {
+            op: OP,
+            dtype: gi.dtype(),
+            hint: "the LSTM recurrence takes floating-point tensors; convert with .to_dtype(DType::F32)",
+        });
+    }
+    for t in [w_hh, h0, c0] {
+        if t.dtype() != gi.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: gi.dtype(),
+                found: t.dtype(),
+            });
+        }
+    }
+    if w_hh.rank() != 2 || w_hh.dims()[0] != 4 * w_hh.dims()[1] {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "w_hh must be [4·hidden_size, hidden_size] (gates i, f, g, o stacked), got shape {}",
+                w_hh.shape()
+            ),
+        ));
+    }
+    let hidden = w_hh.dims()[1];
+    if gi.rank() != 3 || gi.dims()[2] != 4 * hidden {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "gi must be [seq_len, batch, {}] (the projected input, 4·hidden_size gates, time-major), got shape {}",
+                4 * hidden,
+                gi.shape()
+            ),
+        ));
+    }
+    let (steps, n) = (gi.dims()[0], gi.dims()[1]);
+    if steps == 0 {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "expected a sequence of at least one step, got gi of shape {}",
+                gi.shape()
+            ),
+        ));
+    }
+    for (name, t) in [("h0", h0), ("c0", c0)] {
+        if t.dims() != [n, hidden] {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{name} must be [batch, hidden_size] = [{n}, {hidden}], got shape {}",
+                    t.shape()
+                ),
+            ));
+        }
+    }
+    Ok((steps, n, hidden))
+}
+
+/// A new row-major tensor whose elements the caller writes in full before reading them
+/// (uninitialized on a GPU, zeros on the CPU).
+fn scratch(dims: [usize; 3], dtype: DType, device: Device) -> Result<Tensor> {
+    let len = dims.iter().product();
+    let storage = match device {
+        Device::Cuda(i) => Storage::Cuda(CudaStorage::alloc(i, dtype, len)?),
+        Device::Cpu => Storage::full(Device::Cpu, dtype, len, 0.0)?,
+    };
+    Ok(Tensor::from_storage(storage, dims))
+}
+
+/// The buffers a forward pass fills (see Note [Fused LSTM recurrence]).
+struct Forward {
+    hbuf: Tensor,
+    cbuf: Tensor,
+    gates: Tensor,
+}
+
+/// The forward loop (grad mode off).
+fn forward(
+    gi: &Tensor,
+    w_hh: &Tensor,
+    h0: &Tensor,
+    c0: &Tensor,
+    (steps, n, hidden): (usize, usize, usize),
+) -> Result<Forward> {
+    let (dtype, device) = (gi.dtype(), gi.device());
+    let gi = gi.contiguous()?;
+    let hbuf = scratch([steps + 2, n, hidden], dtype, device)?;
+    let cbuf = scratch([steps + 1, n, hidden], dtype, device)?;
+    let gates = scratch([steps, n, 4 * hidden], dtype, device)?;
+    hbuf.select(0, 0)?.copy_(h0)?;
+    cbuf.select(0, 0)?.copy_(c0)?;
+    let w_t = w_hh.t()?;
+    let (nh, n4h) = (n * hidden, n * 4 * hidden);
+    for t in 0..steps {
+        let hh = hbuf.select(0, t as isize)?.matmul(&w_t)?;
+        let step = LstmForwardStep {
+            n,
+            hidden,
+            gi: gi.layout().offset() + t * n4h,
+            hh: hh.layout().offset(),
+            c_prev: t * nh,
+            c: (t + 1) * nh,
+            h: (t + 1) * nh,
+            c_copy: (t + 1 == steps).then_some((steps + 1) * nh),
+            gates: t * n4h,
+        };
+        let (gs, hs) = (gi.storage().read(), hh.storage().read());
+        let (mut hb, mut cb, mut gb) = (
+            hbuf.storage().write(),
+            cbuf.storage().write(),
+            gates.storage().write(),
+        );
+        Storage::lstm_forward_step(&step, &gs, &hs, &mut hb, &mut cb, &mut gb)?;
+    }
+    Ok(Forward { hbuf, cbuf, gates })
+}
+
+/// The saved buffers' backward: gradients of `gi`, `w_hh`, `h0`, `c0` (each only if `needs`).
+fn backward(
+    g: &Tensor,
+    needs: &[bool],
+    hbuf: &Tensor,
+    cbuf: &Tensor,
+    gates: &Tensor,
+    w_hh: &Tensor,
+) -> Result<Vec<Option<Tensor>>> {
+    let (steps, n, hidden) = (gates.dims()[0], gates.dims()[1], w_hh.dims()[1]);
+    let (nh, n4h) = (n * hidden, n * 4 * hidden);
+    same_device(OP, &[g, gates])?;
+    let g = if g.dtype() == gates.dtype() {
+        g.contiguous()?
+    } else {
+        g.to_dtype(gates.dtype())?.contiguous()?
+    };
+    let dgates = scratch([steps, n, 4 * hidden], gates.dtype(), gates.device())?;
+    // dc_T is the gradient of the output's last row; copied, since it is updated in place.
+    let dc = g.select(0, steps as isize)?.deep_clone()?;
+    let mut dh_rec: Option<Tensor> = None;
+    for t in (0..steps).rev() {
+        let step = LstmBackwardStep {
+            n,
+            hidden,
+            dh_out: g.layout().offset() + t * nh,
+            dh_rec: dh_rec.as_ref().map(|d| d.layout().offset()),
+            gates: t * n4h,
+            c: (t + 1) * nh,
+            c_prev: t * nh,
+            dc: dc.layout().offset(),
+            dgates: t * n4h,
+        };
+        {
+            let (gs, ga, cb) = (g.storage().read(), gates.storage().read(), cbuf.storage().read());
+            let rec = dh_rec.as_ref().map(|d| d.storage().read());
+            let (mut dcs, mut dgs) = (dc.storage().write(), dgates.storage().write());
+            Storage::lstm_backward_step(&step, &gs, rec.as_deref(), &ga, &cb, &mut dcs, &mut dgs)?;
+        }
+        // dh_{t-1} = dG_t W_hh: the recurrent gradient of the step before, or h0's.
+        dh_rec = if t > 0 || needs[2] {
+            Some(dgates.select(0, t as isize)?.matmul(w_hh)?)
+        } else {
+            None
+        };
+    }
+    let d_w = if needs[1] {
+        let dg = dgates.reshape(&[(steps * n) as isize, (4 * hidden) as isize])?;
+        let h_prev = hbuf
+            .narrow(0, 0, steps)?
+            .reshape(&[(steps * n) as isize, hidden as isize])?;
+        Some(dg.t()?.matmul(&h_prev)?)
+    } else {
+        None
+    };
+    Ok(vec![
+        needs[0].then_some(dgates),
+        d_w,
+        if needs[2] { dh_rec } else { None },
+        needs[3].then_some(dc),
+    ])
+}
+
+/// A whole LSTM layer's recurrence over a sequence, fused (see Note [Fused LSTM recurrence]).
+///
+/// `gi` `[T, N, 4H]` is the projected input `x W_ihᵀ + b_ih + b_hh` with the gates `i, f, g, o`
+/// stacked as in PyTorch's weights, time-major; `w_hh` `[4H, H]`; `h0` and `c0` `[N, H]`. Per
+/// step: `a = gi_t + h_{t-1} W_hhᵀ`, `c_t = σ(a_f) c_{t-1} + σ(a_i) tanh(a_g)`,
+/// `h_t = σ(a_o) tanh(c_t)`. Returns ONE tensor `[T+1, N, H]`: rows `0..T` are `h_1 .. h_T` (the
+/// layer's output) and row `T` is `c_T`, so `h_n = out[T-1]` and `c_n = out[T]`. Differentiable
+/// with respect to all four inputs. All four share one float dtype and one device; `T >= 1`.
+///
+/// ```
+/// use ember_core::{ops::rnn::lstm_recurrence, DType, Device, Tensor};
+/// let (t, n, h) = (3, 2, 4);
+/// let gi = Tensor::zeros([t, n, 4 * h], DType::F32, Device::Cpu)?;
+/// let w = Tensor::zeros([4 * h, h], DType::F32, Device::Cpu)?;
+/// let h0 = Tensor::zeros([n, h], DType::F32, Device::Cpu)?;
+/// let c0 = Tensor::ones([n, h], DType::F32, Device::Cpu)?;
+/// let out = lstm_recurrence(&gi, &w, &h0, &c0)?;
+/// assert_eq!(out.dims(), &[t + 1, n, h]);
+/// // All gates σ(0) = 0.5, tanh(0) = 0: c halves every step.
+/// assert_eq!(out.select(0, t as isize)?.to_vec::<f32>()?, vec![0.125; n * h]);
+/// # Ok::<(), ember_core::Error>(())
+/// ```
+pub fn lstm_recurrence(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<Tensor> {
+    let dims = check(gi, w_hh, h0, c0)?;
+    let steps = dims.0;
+    let fwd = {
+        let _g = autograd::no_grad();
+        forward(gi, w_hh, h0, c0, dims)?
+    };
+    let out = fwd.hbuf.narrow(0, 1, steps + 1)?;
+    if !autograd::needs_grad(&[gi, w_hh, h0, c0]) {
+        return Ok(out);
+    }
+    let saved = [
+        SavedTensor::new(OP, &fwd.hbuf),
+        SavedTensor::new(OP, &fwd.cbuf),
+        SavedTensor::new(OP, &fwd.gates),
+        SavedTensor::new(OP, w_hh),
+    ];
+    Ok(autograd::record(OP, &[gi, w_hh, h0, c0], out, move |g, needs| {
+        let [hbuf, cbuf, gates, w] = [&saved[0], &saved[1], &saved[2], &saved[3]];
+        backward(g, needs, hbuf.get()?, cbuf.get()?, gates.get()?, w.get()?)
+    }))
+}
