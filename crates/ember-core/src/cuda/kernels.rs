@@ -17,10 +17,11 @@ pub enum Module {
     Index,
     Random,
     Matmul,
+    Optim,
 }
 
 impl Module {
-    pub const ALL: [Module; 8] = [
+    pub const ALL: [Module; 9] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -29,6 +30,7 @@ impl Module {
         Module::Index,
         Module::Random,
         Module::Matmul,
+        Module::Optim,
     ];
 
     /// The file name without `.cu`.
@@ -42,6 +44,7 @@ impl Module {
             Module::Index => "index",
             Module::Random => "random",
             Module::Matmul => "matmul",
+            Module::Optim => "optim",
         }
     }
 
@@ -56,6 +59,7 @@ impl Module {
             Module::Index => include_str!("../../kernels/index.cu"),
             Module::Random => include_str!("../../kernels/random.cu"),
             Module::Matmul => include_str!("../../kernels/matmul.cu"),
+            Module::Optim => include_str!("../../kernels/optim.cu"),
         }
     }
 }
@@ -228,6 +232,7 @@ unsafe impl KernelParam for u8 {}
 unsafe impl KernelParam for f32 {}
 unsafe impl KernelParam for f64 {}
 unsafe impl KernelParam for KernelShape {}
+// `cuda/optim.rs` implements it for its repr(C) `TensorList` (the fused optimizer steps).
 
 /// Grid and block sizes and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy)]

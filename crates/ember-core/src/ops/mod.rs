@@ -3,6 +3,7 @@
 //! to each backend's kernels (`cpu/<family>.rs`).
 
 pub mod binary;
+pub mod fused_optim;
 pub mod index;
 pub mod inplace;
 pub mod matmul;

@@ -15,6 +15,7 @@ mod cuda_reduce;
 mod cuda_unary;
 mod display;
 mod errors;
+mod fused_optim;
 mod index;
 mod inplace;
 mod matmul;
