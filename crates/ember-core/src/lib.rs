@@ -29,6 +29,8 @@ pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
 pub use device::Device;
 pub use dtype::{DType, Element, Scalar, ScalarKind};
 pub use error::{Error, Result};
+/// Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`).
+pub use ops::fused_optim as fused;
 pub use random::{
     default_generator, get_rng_state, initial_seed, manual_seed, seed, set_rng_state, Generator, RngState,
 };

@@ -129,6 +129,12 @@ impl StorageRef {
         Arc::strong_count(&self.0) == 1
     }
 
+    /// An identity of the shared storage (equal for two handles exactly when
+    /// [`StorageRef::same_storage`]), for sorting and hashing.
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
     pub fn same_storage(&self, other: &StorageRef) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 mod binary;
 mod index;
 mod matmul;
+pub(crate) mod optim;
 mod reduce;
 mod rnn;
 mod softmax;

@@ -18,10 +18,11 @@ pub enum Module {
     Random,
     Matmul,
     Rnn,
+    Optim,
 }
 
 impl Module {
-    pub const ALL: [Module; 9] = [
+    pub const ALL: [Module; 10] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -31,6 +32,7 @@ impl Module {
         Module::Random,
         Module::Matmul,
         Module::Rnn,
+        Module::Optim,
     ];
 
     /// The file name without `.cu`.
@@ -45,6 +47,7 @@ impl Module {
             Module::Random => "random",
             Module::Matmul => "matmul",
             Module::Rnn => "rnn",
+            Module::Optim => "optim",
         }
     }
 
@@ -60,6 +63,7 @@ impl Module {
             Module::Random => include_str!("../../kernels/random.cu"),
             Module::Matmul => include_str!("../../kernels/matmul.cu"),
             Module::Rnn => include_str!("../../kernels/rnn.cu"),
+            Module::Optim => include_str!("../../kernels/optim.cu"),
         }
     }
 }
@@ -232,6 +236,7 @@ unsafe impl KernelParam for u8 {}
 unsafe impl KernelParam for f32 {}
 unsafe impl KernelParam for f64 {}
 unsafe impl KernelParam for KernelShape {}
+// `cuda/optim.rs` implements it for its repr(C) `TensorList` (the fused optimizer steps).
 
 /// Grid and block sizes and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy)]

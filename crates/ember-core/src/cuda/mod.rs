@@ -8,7 +8,7 @@
 //! `pinned` (page-locked host memory and its cache),
 //! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
 //! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
-//! `blas` (matrix products through cuBLASLt, the TF32 switch), and one file per op family
+//! `blas` (matrix products through cuBLASLt, the TF32 switch), `optim` (fused optimizer steps), and one file per op family
 //! beside the CPU backend's.
 
 mod allocator;
@@ -21,6 +21,7 @@ mod kernels;
 mod libraries;
 mod memory;
 mod nvrtc;
+pub(crate) mod optim;
 mod pinned;
 mod random;
 mod reduce;

@@ -4,6 +4,7 @@
 
 pub mod binary;
 pub mod conv;
+pub mod fused_optim;
 pub mod index;
 pub mod inplace;
 pub mod matmul;

@@ -17,6 +17,7 @@ mod cuda_unary;
 mod cudnn;
 mod display;
 mod errors;
+mod fused_optim;
 mod index;
 mod inplace;
 mod matmul;

@@ -20,6 +20,7 @@ use super::{
     check_non_negative, check_params, load_like_param, parse_state_key, zero_grads, GroupLr, Optimizer,
     StateKey,
 };
+use ember_core::fused::{self, AdamStep};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
 /// Hyperparameters of [`Adam`] and [`AdamW`]. `Default` is Adam's PyTorch default
@@ -124,46 +125,99 @@ pub fn adam(
         ));
     }
     let _g = ember_core::no_grad();
-    let (beta1, beta2) = config.betas;
-    for i in 0..n {
-        let param = &params[i];
-        let grad = if config.maximize {
-            grads[i].neg()?
-        } else {
-            grads[i].clone()
-        };
-        let (exp_avg, exp_avg_sq, step_t) =
-            (&state.exp_avgs[i], &state.exp_avg_sqs[i], &state.state_steps[i]);
+    let mut steps = Vec::with_capacity(n);
+    for step_t in state.state_steps {
         step_t.add_scalar_(1.0)?;
-        let grad = if config.weight_decay == 0.0 {
-            grad
-        } else if decoupled_weight_decay {
-            param.mul_scalar_(1.0 - config.lr * config.weight_decay)?;
-            grad
-        } else {
-            grad.add(&param.mul_scalar(config.weight_decay)?)?
-        };
-        exp_avg.lerp_(&grad, 1.0 - beta1)?;
-        exp_avg_sq
-            .mul_scalar_(beta2)?
-            .addcmul_(&grad, &grad, 1.0 - beta2)?;
-
-        let step = step_t.item_f64()?;
-        let bias_correction1 = 1.0 - beta1.powf(step);
-        let bias_correction2 = 1.0 - beta2.powf(step);
-        let step_size = config.lr / bias_correction1;
-        let bias_correction2_sqrt = bias_correction2.sqrt();
-        let second = if config.amsgrad {
-            state.max_exp_avg_sqs[i].maximum_(exp_avg_sq)?
-        } else {
-            exp_avg_sq.clone()
-        };
-        let denom = second
-            .sqrt()?
-            .div_scalar(bias_correction2_sqrt)?
-            .add_scalar(config.eps)?;
-        param.addcdiv_(exp_avg, &denom, -step_size)?;
+        steps.push(step_t.item_f64()?);
     }
+    let max_of = |i: usize| config.amsgrad.then(|| &state.max_exp_avg_sqs[i]);
+    // Note [Foreach step functions]: one fused call per device and dtype.
+    let groups = super::fused_groups(n, |i| {
+        let mut ts = vec![&params[i], &grads[i], &state.exp_avgs[i], &state.exp_avg_sqs[i]];
+        ts.extend(max_of(i));
+        ts
+    });
+    let step = AdamStep {
+        lr: config.lr,
+        beta1: config.betas.0,
+        beta2: config.betas.1,
+        eps: config.eps,
+        weight_decay: config.weight_decay,
+        amsgrad: config.amsgrad,
+        maximize: config.maximize,
+        decoupled_weight_decay,
+    };
+    for group in groups.fused {
+        let pick = |list: &[Tensor]| -> Vec<Tensor> { group.iter().map(|&i| list[i].clone()).collect() };
+        let maxes: Vec<Tensor> = group.iter().filter_map(|&i| max_of(i).cloned()).collect();
+        let group_steps: Vec<f64> = group.iter().map(|&i| steps[i]).collect();
+        fused::adam_(
+            &pick(params),
+            &pick(grads),
+            &pick(state.exp_avgs),
+            &pick(state.exp_avg_sqs),
+            config.amsgrad.then_some(&maxes[..]),
+            &group_steps,
+            &step,
+        )?;
+    }
+    for i in groups.single {
+        adam_single(
+            &params[i],
+            &grads[i],
+            [&state.exp_avgs[i], &state.exp_avg_sqs[i]],
+            max_of(i),
+            steps[i],
+            config,
+            decoupled_weight_decay,
+        )?;
+    }
+    Ok(())
+}
+
+/// The per-tensor Adam step of one parameter (its step count already incremented to `step`),
+/// for tensors the fused step does not take (see Note [Fused step preconditions] in
+/// `ember_core::fused`); the same arithmetic, as composed tensor ops.
+fn adam_single(
+    param: &Tensor,
+    grad: &Tensor,
+    [exp_avg, exp_avg_sq]: [&Tensor; 2],
+    max_exp_avg_sq: Option<&Tensor>,
+    step: f64,
+    config: &AdamConfig,
+    decoupled_weight_decay: bool,
+) -> Result<()> {
+    let (beta1, beta2) = config.betas;
+    let grad = if config.maximize {
+        grad.neg()?
+    } else {
+        grad.clone()
+    };
+    let grad = if config.weight_decay == 0.0 {
+        grad
+    } else if decoupled_weight_decay {
+        param.mul_scalar_(1.0 - config.lr * config.weight_decay)?;
+        grad
+    } else {
+        grad.add(&param.mul_scalar(config.weight_decay)?)?
+    };
+    exp_avg.lerp_(&grad, 1.0 - beta1)?;
+    exp_avg_sq
+        .mul_scalar_(beta2)?
+        .addcmul_(&grad, &grad, 1.0 - beta2)?;
+    let bias_correction1 = 1.0 - beta1.powf(step);
+    let bias_correction2 = 1.0 - beta2.powf(step);
+    let step_size = config.lr / bias_correction1;
+    let bias_correction2_sqrt = bias_correction2.sqrt();
+    let second = match max_exp_avg_sq {
+        Some(m) => m.maximum_(exp_avg_sq)?,
+        None => exp_avg_sq.clone(),
+    };
+    let denom = second
+        .sqrt()?
+        .div_scalar(bias_correction2_sqrt)?
+        .add_scalar(config.eps)?;
+    param.addcdiv_(exp_avg, &denom, -step_size)?;
     Ok(())
 }
 

@@ -8,10 +8,14 @@
 //!
 //! Note [Foreach step functions]: each algorithm is one free function ([`sgd::sgd`],
 //! [`adam::adam`]) taking slices of parameters, gradients and state tensors, called once per
-//! `step()` for all the parameters that have a gradient (PyTorch's `foreach` shape). A fused
-//! multi-tensor CUDA kernel can replace the body of that function later without touching the
-//! optimizer structs. Inside, the arithmetic follows PyTorch's `_single_tensor_*` functions op
-//! for op, so f64 results agree with PyTorch to rounding (~1e-15 relative per step).
+//! `step()` for all the parameters that have a gradient (PyTorch's `foreach` shape). Inside,
+//! the parameters are grouped by device and dtype and each group is one call of ember-core's
+//! fused multi-tensor step (`ember_core::fused::{adam_, sgd_}`: a few kernel launches on
+//! CUDA, one rayon loop on the CPU); a parameter whose tensors the fused step does not take
+//! (not contiguous, a gradient of another dtype, storages shared within the group) goes through
+//! the per-tensor path of composed tensor ops instead. Both follow PyTorch's
+//! `_single_tensor_*` functions op for op, and give the same bits in f32 and f64, so f64
+//! results agree with PyTorch to rounding (~1e-15 relative per step).
 //!
 //! Note [State dict format]: [`Optimizer::state_dict`] returns a flat list of named tensors,
 //! the names following the nesting of PyTorch's `optimizer.state_dict()`:
@@ -183,6 +187,50 @@ pub(crate) fn check_non_negative(op: &'static str, what: &str, value: f64) -> Re
     } else {
         Err(Error::invalid(op, format!("Invalid {what}: {value}")))
     }
+}
+
+/// The parameters of one step split for Note [Foreach step functions]: groups of indices that
+/// one fused call takes (one device and dtype each), and the indices left to the per-tensor
+/// path (ascending).
+pub(crate) struct FusedGroups {
+    pub(crate) fused: Vec<Vec<usize>>,
+    pub(crate) single: Vec<usize>,
+}
+
+/// Splits parameters `0..n` into fused groups and per-tensor ones. `tensors_of(i)` lists the
+/// tensors of parameter `i` (parameter first, then gradient and state tensors); a parameter is
+/// fused when they are all contiguous, of the parameter's floating dtype and device, and its
+/// whole group passes `ember_core::fused::can_fuse` (no shared storages).
+pub(crate) fn fused_groups<'a>(n: usize, tensors_of: impl Fn(usize) -> Vec<&'a Tensor>) -> FusedGroups {
+    let mut keyed: Vec<((Device, DType), Vec<usize>)> = Vec::new();
+    let mut single = Vec::new();
+    for i in 0..n {
+        let ts = tensors_of(i);
+        let key = (ts[0].device(), ts[0].dtype());
+        let ok = key.1.is_floating_point()
+            && ts
+                .iter()
+                .all(|t| (t.device(), t.dtype()) == key && t.is_contiguous());
+        if !ok {
+            single.push(i);
+            continue;
+        }
+        match keyed.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, group)) => group.push(i),
+            None => keyed.push((key, vec![i])),
+        }
+    }
+    let mut fused = Vec::new();
+    for (_, group) in keyed {
+        let all: Vec<&Tensor> = group.iter().flat_map(|&i| tensors_of(i)).collect();
+        if ember_core::fused::can_fuse(&all) {
+            fused.push(group);
+        } else {
+            single.extend(group);
+        }
+    }
+    single.sort_unstable();
+    FusedGroups { fused, single }
 }
 
 /// Sets the gradient of every parameter to `None`.

@@ -12,6 +12,7 @@
 //! ```
 
 use super::{check_non_negative, check_params, parse_state_key, zero_grads, GroupLr, Optimizer, StateKey};
+use ember_core::fused::{self, SgdStep};
 use ember_core::{Error, Result, Tensor};
 
 /// Hyperparameters of [`SGD`]; `Default` is PyTorch's (`lr = 1e-3`, everything else off).
@@ -87,35 +88,97 @@ pub fn sgd(
         ));
     }
     let _g = ember_core::no_grad();
-    for ((param, grad), slot) in params.iter().zip(grads).zip(momentum_buffers.iter_mut()) {
-        let mut grad = if config.maximize {
-            grad.neg()?
-        } else {
-            grad.clone()
-        };
-        if config.weight_decay != 0.0 {
-            grad = grad.add(&param.mul_scalar(config.weight_decay)?)?;
+    let has_momentum = config.momentum != 0.0;
+    // A parameter without a buffer gets a new one, set by its first step.
+    let first: Vec<bool> = momentum_buffers
+        .iter()
+        .map(|b| has_momentum && b.is_none())
+        .collect();
+    for (i, slot) in momentum_buffers.iter_mut().enumerate() {
+        if first[i] && fused_shape_ok(&params[i], &grads[i]) {
+            *slot = Some(grads[i].empty_like()?);
         }
-        if config.momentum != 0.0 {
-            let buf = match slot {
-                None => {
-                    let buf = grad.deep_clone()?;
-                    *slot = Some(buf.clone());
-                    buf
-                }
-                Some(buf) => {
-                    buf.mul_scalar_(config.momentum)?;
-                    buf.add_scaled_(&grad, 1.0 - config.dampening)?
-                }
-            };
-            grad = if config.nesterov {
-                grad.add(&buf.mul_scalar(config.momentum)?)?
-            } else {
-                buf
-            };
-        }
-        param.add_scaled_(&grad, -config.lr)?;
     }
+    // Note [Foreach step functions]: one fused call per device, dtype and first step.
+    let groups = super::fused_groups(params.len(), |i| {
+        // A parameter that needs a buffer but got none above fails the checks on its gradient.
+        let mut ts = vec![&params[i], &grads[i]];
+        if has_momentum {
+            ts.extend(momentum_buffers[i].as_ref());
+        }
+        ts
+    });
+    for group in groups.fused {
+        for first_step in [true, false] {
+            let part: Vec<usize> = group
+                .iter()
+                .copied()
+                .filter(|&i| first[i] == first_step)
+                .collect();
+            if part.is_empty() {
+                continue;
+            }
+            let ps: Vec<Tensor> = part.iter().map(|&i| params[i].clone()).collect();
+            let gs: Vec<Tensor> = part.iter().map(|&i| grads[i].clone()).collect();
+            let bs: Vec<Tensor> = part.iter().filter_map(|&i| momentum_buffers[i].clone()).collect();
+            let step = SgdStep {
+                lr: config.lr,
+                momentum: config.momentum,
+                dampening: config.dampening,
+                nesterov: config.nesterov,
+                weight_decay: config.weight_decay,
+                maximize: config.maximize,
+                first_step,
+            };
+            fused::sgd_(&ps, &gs, has_momentum.then_some(&bs[..]), &step)?;
+        }
+    }
+    for i in groups.single {
+        if first[i] {
+            // A buffer made above for a parameter that went to the per-tensor path.
+            momentum_buffers[i] = None;
+        }
+        sgd_single(&params[i], &grads[i], &mut momentum_buffers[i], config)?;
+    }
+    Ok(())
+}
+
+/// Whether a new momentum buffer made like `grad` could take the fused path.
+fn fused_shape_ok(param: &Tensor, grad: &Tensor) -> bool {
+    grad.dtype() == param.dtype() && grad.device() == param.device() && grad.is_contiguous()
+}
+
+/// The per-tensor SGD step of one parameter, for tensors the fused step does not take (see
+/// Note [Fused step preconditions] in `ember_core::fused`); the same arithmetic, as composed
+/// tensor ops. `slot` is `None` before the first step with momentum and is filled here.
+fn sgd_single(param: &Tensor, grad: &Tensor, slot: &mut Option<Tensor>, config: &SgdConfig) -> Result<()> {
+    let mut grad = if config.maximize {
+        grad.neg()?
+    } else {
+        grad.clone()
+    };
+    if config.weight_decay != 0.0 {
+        grad = grad.add(&param.mul_scalar(config.weight_decay)?)?;
+    }
+    if config.momentum != 0.0 {
+        let buf = match slot {
+            None => {
+                let buf = grad.deep_clone()?;
+                *slot = Some(buf.clone());
+                buf
+            }
+            Some(buf) => {
+                buf.mul_scalar_(config.momentum)?;
+                buf.add_scaled_(&grad, 1.0 - config.dampening)?
+            }
+        };
+        grad = if config.nesterov {
+            grad.add(&buf.mul_scalar(config.momentum)?)?
+        } else {
+            buf
+        };
+    }
+    param.add_scaled_(&grad, -config.lr)?;
     Ok(())
 }
 

@@ -1,0 +1,175 @@
+// Fused multi-tensor optimizer steps (Adam/AdamW and SGD): one launch updates up to
+// EMBER_OPTIM_MAX_TENSORS parameters in place, with their gradients and state tensors; the host
+// (`cuda/optim.rs`) loops over groups of that many. Formulas and their order are those of
+// `ops/fused_optim.rs` (PyTorch's `_single_tensor_adam` / `_single_tensor_sgd`), and the CPU
+// path (`cpu/optim.rs`) computes the same thing in the same order.
+//
+// Geometry: every tensor is cut into chunks of EMBER_OPTIM_CHUNK elements; `chunk_start` is the
+// prefix count of chunks, so chunk c belongs to the tensor t with chunk_start[t] <= c <
+// chunk_start[t + 1]. Blocks take chunks grid-stride (c = blockIdx.x, += gridDim.x), so any grid
+// size covers every element; threads of a block take elements of the chunk blockDim.x apart,
+// EMBER_OPTIM_ILP of them at a time with all loads issued before the arithmetic.
+//
+// Rounding: multiplications and additions go through the `_rn` intrinsics so NVRTC never
+// contracts them into FMAs; with IEEE division and sqrt (NVRTC's defaults) f32 and f64 results
+// are bit-identical to the CPU path. f16/bf16 are loaded to f32, computed, rounded once on store.
+//
+// Launch contract (T in f32 f64 f16 bf16; every pointer row-major, `numel[t]` elements):
+//   adam_T(TensorList l, f64 lr, f64 one_minus_beta1, f64 beta2, f64 one_minus_beta2, f64 eps,
+//          f64 weight_decay, f64 decay, i32 flags)
+//       ptr[0] param, ptr[1] grad, ptr[2] exp_avg, ptr[3] exp_avg_sq, ptr[4] max_exp_avg_sq
+//       (read only with amsgrad); scalar[0][t] = step_size = lr / bias_correction1,
+//       scalar[1][t] = sqrt(bias_correction2); decay = 1 - lr * weight_decay (AdamW);
+//       flags: 1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW)
+//   sgd_T(TensorList l, f64 lr, f64 momentum, f64 one_minus_dampening, f64 weight_decay, i32 flags)
+//       ptr[0] param, ptr[1] grad, ptr[2] momentum_buffer (used when momentum != 0);
+//       flags: 1 nesterov, 2 maximize, 4 first step (the buffer is set to the gradient)
+//   Any grid, blockDim.x a multiple of 32 (the host uses 256).
+
+#define EMBER_OPTIM_MAX_TENSORS 48
+#define EMBER_OPTIM_CHUNK 4096
+#define EMBER_OPTIM_ILP 4
+
+// The tensors of one launch. Same layout as `TensorList` in `cuda/optim.rs` (3472 bytes, under
+// the 4 KB kernel parameter limit of every driver).
+struct TensorList {
+    i32 n;
+    i32 pad;
+    u64 ptr[5][EMBER_OPTIM_MAX_TENSORS];
+    i64 numel[EMBER_OPTIM_MAX_TENSORS];
+    i64 chunk_start[EMBER_OPTIM_MAX_TENSORS + 1];
+    double scalar[2][EMBER_OPTIM_MAX_TENSORS];
+};
+
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+
+// The tensor that chunk `c` belongs to (n <= EMBER_OPTIM_MAX_TENSORS, so a linear scan).
+__device__ __forceinline__ int tensor_of_chunk(const TensorList& l, i64 c) {
+    int t = 0;
+    while (t + 1 < l.n && l.chunk_start[t + 1] <= c) ++t;
+    return t;
+}
+
+template <typename T>
+__device__ __forceinline__ void adam(const TensorList& l, double lr_, double omb1_, double beta2_, double omb2_,
+                                     double eps_, double wd_, double decay_, int flags) {
+    typedef typename Acc<T>::type A;
+    const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
+    const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4;
+    const i64 total = l.chunk_start[l.n];
+    for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
+        const int t = tensor_of_chunk(l, c);
+        const i64 begin = (c - l.chunk_start[t]) * EMBER_OPTIM_CHUNK;
+        const i64 len = min((i64)EMBER_OPTIM_CHUNK, l.numel[t] - begin);
+        T* __restrict__ p = (T*)l.ptr[0][t] + begin;
+        const T* __restrict__ g = (const T*)l.ptr[1][t] + begin;
+        T* __restrict__ m = (T*)l.ptr[2][t] + begin;
+        T* __restrict__ v = (T*)l.ptr[3][t] + begin;
+        T* __restrict__ vmax = amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
+        const A neg_step_size = (A)(-l.scalar[0][t]);
+        const A bc2_sqrt = (A)l.scalar[1][t];
+        for (i64 base = threadIdx.x; base < len; base += (i64)blockDim.x * EMBER_OPTIM_ILP) {
+            A rp[EMBER_OPTIM_ILP], rg[EMBER_OPTIM_ILP], rm[EMBER_OPTIM_ILP], rv[EMBER_OPTIM_ILP],
+                rx[EMBER_OPTIM_ILP];
+#pragma unroll
+            for (int k = 0; k < EMBER_OPTIM_ILP; ++k) {
+                const i64 i = base + (i64)k * blockDim.x;
+                if (i < len) {
+                    rp[k] = load(p[i]);
+                    rg[k] = load(g[i]);
+                    rm[k] = load(m[i]);
+                    rv[k] = load(v[i]);
+                    rx[k] = amsgrad ? load(vmax[i]) : (A)0;
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < EMBER_OPTIM_ILP; ++k) {
+                const i64 i = base + (i64)k * blockDim.x;
+                if (i >= len) continue;
+                A pv = rp[k], gv = rg[k], mv = rm[k], vv = rv[k];
+                if (maximize) gv = -gv;
+                if (wd_ != 0.0) {
+                    if (decoupled) pv = mul_rn(pv, decay);
+                    else gv = add_rn(gv, mul_rn(pv, wd));
+                }
+                mv = add_rn(mv, mul_rn(sub_rn(gv, mv), omb1));
+                vv = add_rn(mul_rn(vv, beta2), mul_rn(mul_rn(gv, gv), omb2));
+                A second = vv;
+                if (amsgrad) {
+                    const A x = rx[k];
+                    second = (x != x || x > vv) ? x : vv;
+                    vmax[i] = cast<T>(second);
+                }
+                const A denom = add_rn(div_rn(sqrt_rn(second), bc2_sqrt), eps);
+                pv = add_rn(pv, mul_rn(div_rn(mv, denom), neg_step_size));
+                p[i] = cast<T>(pv);
+                m[i] = cast<T>(mv);
+                v[i] = cast<T>(vv);
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd(const TensorList& l, double lr_, double momentum_, double omd_, double wd_,
+                                    int flags) {
+    typedef typename Acc<T>::type A;
+    const A neg_lr = (A)(-lr_), momentum = (A)momentum_, omd = (A)omd_, wd = (A)wd_;
+    const bool nesterov = flags & 1, maximize = flags & 2, first = flags & 4;
+    const bool has_momentum = momentum_ != 0.0;
+    const i64 total = l.chunk_start[l.n];
+    for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
+        const int t = tensor_of_chunk(l, c);
+        const i64 begin = (c - l.chunk_start[t]) * EMBER_OPTIM_CHUNK;
+        const i64 len = min((i64)EMBER_OPTIM_CHUNK, l.numel[t] - begin);
+        T* __restrict__ p = (T*)l.ptr[0][t] + begin;
+        const T* __restrict__ g = (const T*)l.ptr[1][t] + begin;
+        T* __restrict__ b = has_momentum ? (T*)l.ptr[2][t] + begin : (T*)0;
+        for (i64 base = threadIdx.x; base < len; base += (i64)blockDim.x * EMBER_OPTIM_ILP) {
+            A rp[EMBER_OPTIM_ILP], rg[EMBER_OPTIM_ILP], rb[EMBER_OPTIM_ILP];
+#pragma unroll
+            for (int k = 0; k < EMBER_OPTIM_ILP; ++k) {
+                const i64 i = base + (i64)k * blockDim.x;
+                if (i < len) {
+                    rp[k] = load(p[i]);
+                    rg[k] = load(g[i]);
+                    rb[k] = (has_momentum && !first) ? load(b[i]) : (A)0;
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < EMBER_OPTIM_ILP; ++k) {
+                const i64 i = base + (i64)k * blockDim.x;
+                if (i >= len) continue;
+                A pv = rp[k], gv = rg[k];
+                if (maximize) gv = -gv;
+                if (wd_ != 0.0) gv = add_rn(gv, mul_rn(pv, wd));
+                if (has_momentum) {
+                    const A buf = first ? gv : add_rn(mul_rn(rb[k], momentum), mul_rn(gv, omd));
+                    b[i] = cast<T>(buf);
+                    gv = nesterov ? add_rn(gv, mul_rn(buf, momentum)) : buf;
+                }
+                p[i] = cast<T>(add_rn(pv, mul_rn(gv, neg_lr)));
+            }
+        }
+    }
+}
+
+#define EMBER_OPTIM(T, name)                                                                               \
+    extern "C" __global__ void adam_##name(TensorList l, double lr, double omb1, double beta2, double omb2, \
+                                           double eps, double wd, double decay, i32 flags) {               \
+        adam<T>(l, lr, omb1, beta2, omb2, eps, wd, decay, flags);                                          \
+    }                                                                                                      \
+    extern "C" __global__ void sgd_##name(TensorList l, double lr, double momentum, double omd, double wd, \
+                                          i32 flags) {                                                     \
+        sgd<T>(l, lr, momentum, omd, wd, flags);                                                           \
+    }
+EMBER_FOR_FLOAT_DTYPES(EMBER_OPTIM)

@@ -1,0 +1,287 @@
+//! CPU kernels of the fused optimizer steps (`ops/fused_optim.rs`): each tensor's row-major
+//! elements are cut into [`PAR_CHUNK`]-element pieces, and the pieces of all tensors run as one
+//! rayon loop once the step is bigger than [`PAR_THRESHOLD`] elements.
+//!
+//! The arithmetic is `kernels/optim.cu`'s, op for op: f32 and f64 compute in their own type,
+//! f16 and bf16 in f32, rounding once on store; hyperparameters are cast from f64 to the
+//! arithmetic type. Rust never fuses a multiply and an add, so f32/f64 results are
+//! bit-identical to the CUDA kernels' (which use `_rn` intrinsics for the same reason).
+
+use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::ops::{Add, Div, Mul, Neg, Sub};
+
+/// The arithmetic type of an optimizer step (f32 or f64).
+pub(crate) trait OptimAcc:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+{
+    fn from_f64(v: f64) -> Self;
+    fn sqrt(self) -> Self;
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! optim_acc {
+    ($t:ty) => {
+        impl OptimAcc for $t {
+            #[inline]
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+optim_acc!(f32);
+optim_acc!(f64);
+
+/// A floating-point element an optimizer step updates, with its arithmetic type.
+pub(crate) trait OptimElement: CpuElement {
+    type A: OptimAcc;
+    fn load(self) -> Self::A;
+    fn store(a: Self::A) -> Self;
+}
+
+impl OptimElement for f32 {
+    type A = f32;
+    #[inline]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn store(a: f32) -> f32 {
+        a
+    }
+}
+
+impl OptimElement for f64 {
+    type A = f64;
+    #[inline]
+    fn load(self) -> f64 {
+        self
+    }
+    #[inline]
+    fn store(a: f64) -> f64 {
+        a
+    }
+}
+
+impl OptimElement for f16 {
+    type A = f32;
+    #[inline]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn store(a: f32) -> f16 {
+        f16::from_f32(a)
+    }
+}
+
+impl OptimElement for bf16 {
+    type A = f32;
+    #[inline]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn store(a: f32) -> bf16 {
+        bf16::from_f32(a)
+    }
+}
+
+/// PyTorch's `maximum`: NaN in either operand propagates.
+#[inline]
+fn maximum<A: OptimAcc>(x: A, y: A) -> A {
+    if x.is_nan() || x > y {
+        x
+    } else {
+        y
+    }
+}
+
+/// The hyperparameters of an Adam/AdamW step shared by every tensor (see `kernels/optim.cu`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AdamScalars {
+    pub one_minus_beta1: f64,
+    pub beta2: f64,
+    pub one_minus_beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// `1 - lr * weight_decay`, AdamW's factor on the parameter.
+    pub decay: f64,
+    pub maximize: bool,
+    pub decoupled: bool,
+}
+
+/// One tensor of an Adam step: its parameter, gradient and state elements (row-major, equal
+/// lengths; `max_exp_avg_sq` with amsgrad only) and its step size and `sqrt(bias_correction2)`.
+pub(crate) struct AdamTensor<'a, T> {
+    pub param: &'a mut [T],
+    pub grad: &'a [T],
+    pub exp_avg: &'a mut [T],
+    pub exp_avg_sq: &'a mut [T],
+    pub max_exp_avg_sq: Option<&'a mut [T]>,
+    pub step_size: f64,
+    pub bias_correction2_sqrt: f64,
+}
+
+/// Runs one Adam/AdamW step over every tensor of `tensors`.
+pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamTensor<'_, T>>, s: &AdamScalars) {
+    let total: usize = tensors.iter().map(|t| t.param.len()).sum();
+    let mut pieces = Vec::new();
+    for t in tensors {
+        let mut maxes = t.max_exp_avg_sq.map(|x| x.chunks_mut(PAR_CHUNK));
+        let parts = t
+            .param
+            .chunks_mut(PAR_CHUNK)
+            .zip(t.grad.chunks(PAR_CHUNK))
+            .zip(t.exp_avg.chunks_mut(PAR_CHUNK))
+            .zip(t.exp_avg_sq.chunks_mut(PAR_CHUNK));
+        for (((param, grad), exp_avg), exp_avg_sq) in parts {
+            pieces.push(AdamTensor {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                max_exp_avg_sq: maxes.as_mut().and_then(|it| it.next()),
+                step_size: t.step_size,
+                bias_correction2_sqrt: t.bias_correction2_sqrt,
+            });
+        }
+    }
+    if total > PAR_THRESHOLD {
+        pieces.into_par_iter().for_each(|p| adam_piece(p, s));
+    } else {
+        pieces.into_iter().for_each(|p| adam_piece(p, s));
+    }
+}
+
+fn adam_piece<T: OptimElement>(t: AdamTensor<'_, T>, s: &AdamScalars) {
+    let c = <T::A as OptimAcc>::from_f64;
+    let (omb1, beta2, omb2, eps) = (c(s.one_minus_beta1), c(s.beta2), c(s.one_minus_beta2), c(s.eps));
+    let (wd, decay) = (c(s.weight_decay), c(s.decay));
+    let neg_step_size = c(-t.step_size);
+    let bc2_sqrt = c(t.bias_correction2_sqrt);
+    let mut maxes = t.max_exp_avg_sq;
+    for i in 0..t.param.len() {
+        let mut p = t.param[i].load();
+        let mut g = t.grad[i].load();
+        let mut m = t.exp_avg[i].load();
+        let mut v = t.exp_avg_sq[i].load();
+        if s.maximize {
+            g = -g;
+        }
+        if s.weight_decay != 0.0 {
+            if s.decoupled {
+                p = p * decay;
+            } else {
+                g = g + p * wd;
+            }
+        }
+        m = m + (g - m) * omb1;
+        v = v * beta2 + g * g * omb2;
+        let mut second = v;
+        if let Some(x) = maxes.as_deref_mut() {
+            second = maximum(x[i].load(), v);
+            x[i] = T::store(second);
+        }
+        let denom = second.sqrt() / bc2_sqrt + eps;
+        p = p + m / denom * neg_step_size;
+        t.param[i] = T::store(p);
+        t.exp_avg[i] = T::store(m);
+        t.exp_avg_sq[i] = T::store(v);
+    }
+}
+
+/// The hyperparameters of an SGD step (see `kernels/optim.cu`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SgdScalars {
+    pub lr: f64,
+    pub momentum: f64,
+    pub one_minus_dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+    pub maximize: bool,
+    /// The momentum buffer is set to the gradient instead of updated.
+    pub first_step: bool,
+}
+
+/// One tensor of an SGD step: parameter, gradient and (with momentum) buffer elements.
+pub(crate) struct SgdTensor<'a, T> {
+    pub param: &'a mut [T],
+    pub grad: &'a [T],
+    pub momentum_buffer: Option<&'a mut [T]>,
+}
+
+/// Runs one SGD step over every tensor of `tensors`; buffers must be present when
+/// `s.momentum != 0`.
+pub(crate) fn sgd<T: OptimElement>(tensors: Vec<SgdTensor<'_, T>>, s: &SgdScalars) {
+    let total: usize = tensors.iter().map(|t| t.param.len()).sum();
+    let mut pieces = Vec::new();
+    for t in tensors {
+        let mut bufs = t.momentum_buffer.map(|b| b.chunks_mut(PAR_CHUNK));
+        for (param, grad) in t.param.chunks_mut(PAR_CHUNK).zip(t.grad.chunks(PAR_CHUNK)) {
+            pieces.push(SgdTensor {
+                param,
+                grad,
+                momentum_buffer: bufs.as_mut().and_then(|it| it.next()),
+            });
+        }
+    }
+    if total > PAR_THRESHOLD {
+        pieces.into_par_iter().for_each(|p| sgd_piece(p, s));
+    } else {
+        pieces.into_iter().for_each(|p| sgd_piece(p, s));
+    }
+}
+
+fn sgd_piece<T: OptimElement>(t: SgdTensor<'_, T>, s: &SgdScalars) {
+    let c = <T::A as OptimAcc>::from_f64;
+    let (neg_lr, momentum, omd, wd) = (
+        c(-s.lr),
+        c(s.momentum),
+        c(s.one_minus_dampening),
+        c(s.weight_decay),
+    );
+    let mut bufs = if s.momentum != 0.0 {
+        t.momentum_buffer
+    } else {
+        None
+    };
+    for i in 0..t.param.len() {
+        let p = t.param[i].load();
+        let mut g = t.grad[i].load();
+        if s.maximize {
+            g = -g;
+        }
+        if s.weight_decay != 0.0 {
+            g = g + p * wd;
+        }
+        if let Some(b) = bufs.as_deref_mut() {
+            let buf = if s.first_step {
+                g
+            } else {
+                b[i].load() * momentum + g * omd
+            };
+            b[i] = T::store(buf);
+            g = if s.nesterov { g + buf * momentum } else { buf };
+        }
+        t.param[i] = T::store(p + g * neg_lr);
+    }
+}

@@ -1,0 +1,597 @@
+//! Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`): several steps
+//! against the composed per-tensor ops (the same sequence as ember-nn's `optim::adam` /
+//! `optim::sgd`, bit for bit in f32 and f64), a hand-computed step, f16/bf16 against f32,
+//! versions, errors; on a GPU, CPU against CUDA over many tensors of odd sizes.
+
+use crate::common;
+use ember_core::fused::{adam_, can_fuse, sgd_, AdamStep, SgdStep};
+use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
+
+/// Deterministic values in [-1, 1) from `seed` (an LCG).
+fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn tensor(n: usize, seed: u64, dtype: DType, device: Device) -> Tensor {
+    Tensor::from_vec(values(n, seed), [n], Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to(device)
+        .unwrap()
+}
+
+/// Parameters of the given sizes and one gradient per parameter per step.
+fn problem(sizes: &[usize], steps: usize, dtype: DType, device: Device) -> (Vec<Tensor>, Vec<Vec<Tensor>>) {
+    let params = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tensor(n, i as u64, dtype, device))
+        .collect();
+    let grads = (0..steps)
+        .map(|s| {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| tensor(n, 1000 * (s as u64 + 1) + i as u64, dtype, device))
+                .collect()
+        })
+        .collect();
+    (params, grads)
+}
+
+fn deep(ts: &[Tensor]) -> Vec<Tensor> {
+    ts.iter().map(|t| t.deep_clone().unwrap()).collect()
+}
+
+fn zeros(ts: &[Tensor]) -> Vec<Tensor> {
+    ts.iter().map(|t| t.zeros_like().unwrap()).collect()
+}
+
+/// The composed per-tensor Adam step of ember-nn's `optim::adam` (PyTorch's
+/// `_single_tensor_adam`).
+fn adam_reference(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    x: Option<&Tensor>,
+    step: f64,
+    c: &AdamStep,
+) -> Result<()> {
+    let _g = no_grad();
+    let g = if c.maximize { g.neg()? } else { g.clone() };
+    let g = if c.weight_decay == 0.0 {
+        g
+    } else if c.decoupled_weight_decay {
+        p.mul_scalar_(1.0 - c.lr * c.weight_decay)?;
+        g
+    } else {
+        g.add(&p.mul_scalar(c.weight_decay)?)?
+    };
+    m.lerp_(&g, 1.0 - c.beta1)?;
+    v.mul_scalar_(c.beta2)?.addcmul_(&g, &g, 1.0 - c.beta2)?;
+    let bc1 = 1.0 - c.beta1.powf(step);
+    let bc2 = 1.0 - c.beta2.powf(step);
+    let second = match x {
+        Some(x) => x.maximum_(v)?,
+        None => v.clone(),
+    };
+    let denom = second.sqrt()?.div_scalar(bc2.sqrt())?.add_scalar(c.eps)?;
+    p.addcdiv_(m, &denom, -(c.lr / bc1))?;
+    Ok(())
+}
+
+/// The composed per-tensor SGD step of ember-nn's `optim::sgd`; `buf` is `None` before the
+/// first step with momentum and is filled then.
+fn sgd_reference(p: &Tensor, g: &Tensor, buf: &mut Option<Tensor>, c: &SgdStep) -> Result<()> {
+    let _g = no_grad();
+    let mut g = if c.maximize { g.neg()? } else { g.clone() };
+    if c.weight_decay != 0.0 {
+        g = g.add(&p.mul_scalar(c.weight_decay)?)?;
+    }
+    if c.momentum != 0.0 {
+        let b = match buf {
+            None => {
+                let b = g.deep_clone()?;
+                *buf = Some(b.clone());
+                b
+            }
+            Some(b) => {
+                b.mul_scalar_(c.momentum)?;
+                b.add_scaled_(&g, 1.0 - c.dampening)?
+            }
+        };
+        g = if c.nesterov {
+            g.add(&b.mul_scalar(c.momentum)?)?
+        } else {
+            b
+        };
+    }
+    p.add_scaled_(&g, -c.lr)?;
+    Ok(())
+}
+
+/// Asserts `a` and `b` agree elementwise within `tol` relative to `max(|b|, 1)` (0: exactly).
+fn assert_same(what: &str, a: &[Tensor], b: &[Tensor], tol: f64) {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let (x, y) = (x.to_vec_f64().unwrap(), y.to_vec_f64().unwrap());
+        for (j, (u, w)) in x.iter().zip(&y).enumerate() {
+            assert!(
+                (u - w).abs() <= tol * w.abs().max(1.0) || u == w || (u.is_nan() && w.is_nan()),
+                "{what}: tensor {i} element {j}: {u} vs {w}"
+            );
+        }
+    }
+}
+
+fn adam_configs() -> Vec<AdamStep> {
+    let base = AdamStep {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        amsgrad: false,
+        maximize: false,
+        decoupled_weight_decay: false,
+    };
+    let mut out = Vec::new();
+    for amsgrad in [false, true] {
+        for maximize in [false, true] {
+            for (weight_decay, decoupled_weight_decay) in [(0.0, false), (0.1, false), (0.05, true)] {
+                out.push(AdamStep {
+                    amsgrad,
+                    maximize,
+                    weight_decay,
+                    decoupled_weight_decay,
+                    ..base
+                });
+            }
+        }
+    }
+    // Other betas and eps.
+    out.push(AdamStep {
+        beta1: 0.5,
+        beta2: 0.75,
+        eps: 1e-3,
+        lr: 0.3,
+        ..base
+    });
+    out
+}
+
+/// Runs `steps` fused Adam steps; returns params and states. Parameter i starts at step `i % 3`
+/// (so their bias corrections differ), as after missing gradients.
+fn run_adam_fused(params: &[Tensor], grads: &[Vec<Tensor>], c: &AdamStep) -> [Vec<Tensor>; 4] {
+    let (p, m, v, x) = (deep(params), zeros(params), zeros(params), zeros(params));
+    let mut steps: Vec<f64> = (0..params.len()).map(|i| (i % 3) as f64).collect();
+    for g in grads {
+        steps.iter_mut().for_each(|s| *s += 1.0);
+        let _g = no_grad();
+        adam_(&p, g, &m, &v, c.amsgrad.then_some(&x[..]), &steps, c).unwrap();
+    }
+    [p, m, v, x]
+}
+
+fn run_adam_reference(params: &[Tensor], grads: &[Vec<Tensor>], c: &AdamStep) -> [Vec<Tensor>; 4] {
+    let (p, m, v, x) = (deep(params), zeros(params), zeros(params), zeros(params));
+    let mut steps: Vec<f64> = (0..params.len()).map(|i| (i % 3) as f64).collect();
+    for g in grads {
+        for i in 0..p.len() {
+            steps[i] += 1.0;
+            let xi = c.amsgrad.then(|| &x[i]);
+            adam_reference(&p[i], &g[i], &m[i], &v[i], xi, steps[i], c).unwrap();
+        }
+    }
+    [p, m, v, x]
+}
+
+#[test]
+fn adam_matches_composed_ops_bit_for_bit() {
+    // 40000 elements take the multi-threaded path; 0 is an empty parameter.
+    let sizes = [1, 3, 7, 40000, 0, 129];
+    for dtype in [DType::F32, DType::F64] {
+        let (params, grads) = problem(&sizes, 3, dtype, Device::Cpu);
+        for c in adam_configs() {
+            let fused = run_adam_fused(&params, &grads, &c);
+            let reference = run_adam_reference(&params, &grads, &c);
+            for (k, name) in ["param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+                .iter()
+                .enumerate()
+            {
+                assert_same(&format!("{dtype} {c:?} {name}"), &fused[k], &reference[k], 0.0);
+            }
+        }
+    }
+}
+
+fn sgd_configs() -> Vec<SgdStep> {
+    let base = SgdStep {
+        lr: 0.1,
+        momentum: 0.0,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+        maximize: false,
+        first_step: false,
+    };
+    let mut out = Vec::new();
+    for maximize in [false, true] {
+        for weight_decay in [0.0, 0.01] {
+            for (momentum, dampening, nesterov) in [
+                (0.0, 0.0, false),
+                (0.9, 0.0, false),
+                (0.9, 0.3, false),
+                (0.8, 0.0, true),
+            ] {
+                out.push(SgdStep {
+                    maximize,
+                    weight_decay,
+                    momentum,
+                    dampening,
+                    nesterov,
+                    ..base
+                });
+            }
+        }
+    }
+    out
+}
+
+fn run_sgd_fused(params: &[Tensor], grads: &[Vec<Tensor>], c: &SgdStep) -> [Vec<Tensor>; 2] {
+    let p = deep(params);
+    // Buffers start as garbage: the first step must not read them.
+    let b: Vec<Tensor> = params.iter().map(|t| t.full_like(123.0).unwrap()).collect();
+    for (s, g) in grads.iter().enumerate() {
+        let step = SgdStep {
+            first_step: s == 0,
+            ..*c
+        };
+        let _g = no_grad();
+        sgd_(&p, g, (c.momentum != 0.0).then_some(&b[..]), &step).unwrap();
+    }
+    [p, b]
+}
+
+fn run_sgd_reference(params: &[Tensor], grads: &[Vec<Tensor>], c: &SgdStep) -> [Vec<Tensor>; 2] {
+    let p = deep(params);
+    let mut bufs: Vec<Option<Tensor>> = vec![None; p.len()];
+    for g in grads {
+        for i in 0..p.len() {
+            sgd_reference(&p[i], &g[i], &mut bufs[i], c).unwrap();
+        }
+    }
+    let b = bufs
+        .into_iter()
+        .zip(params)
+        .map(|(b, t)| b.unwrap_or_else(|| t.full_like(123.0).unwrap()))
+        .collect();
+    [p, b]
+}
+
+#[test]
+fn sgd_matches_composed_ops_bit_for_bit() {
+    let sizes = [1, 3, 40000, 0, 65];
+    for dtype in [DType::F32, DType::F64] {
+        let (params, grads) = problem(&sizes, 3, dtype, Device::Cpu);
+        for c in sgd_configs() {
+            let fused = run_sgd_fused(&params, &grads, &c);
+            let reference = run_sgd_reference(&params, &grads, &c);
+            assert_same(&format!("{dtype} {c:?} param"), &fused[0], &reference[0], 0.0);
+            assert_same(
+                &format!("{dtype} {c:?} momentum_buffer"),
+                &fused[1],
+                &reference[1],
+                0.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn adam_hand_computed_first_step() {
+    // p = 1, g = 0.5, lr 0.1: m = 0.05, v = 0.00025, bias corrections 0.1 and 0.001, so
+    // denom = sqrt(0.00025) / sqrt(0.001) + 1e-8 = 0.5 + 1e-8 and p = 1 - 1.0 * 0.05 / denom.
+    let p = Tensor::from_slice(&[1.0f64], [1], Device::Cpu).unwrap();
+    let g = Tensor::from_slice(&[0.5f64], [1], Device::Cpu).unwrap();
+    let (m, v) = (p.zeros_like().unwrap(), p.zeros_like().unwrap());
+    let c = AdamStep {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        amsgrad: false,
+        maximize: false,
+        decoupled_weight_decay: false,
+    };
+    adam_(&[p.clone()], &[g], &[m.clone()], &[v.clone()], None, &[1.0], &c).unwrap();
+    let expected = 1.0 - 0.05 / (0.5 + 1e-8);
+    assert!((p.item_f64().unwrap() - expected).abs() < 1e-12);
+    assert!((m.item_f64().unwrap() - 0.05).abs() < 1e-15);
+    assert!((v.item_f64().unwrap() - 0.00025).abs() < 1e-15);
+}
+
+#[test]
+fn sgd_hand_computed_nesterov_steps() {
+    // As ember-nn's unit test: step 1: buf = 1, g = 1.9, p = 0.81; step 2: buf = 2.9,
+    // g = 2 + 0.9 * 2.9 = 4.61, p = 0.349.
+    let p = Tensor::from_slice(&[1.0f64], [1], Device::Cpu).unwrap();
+    let b = p.zeros_like().unwrap();
+    let c = SgdStep {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: true,
+        weight_decay: 0.0,
+        maximize: false,
+        first_step: true,
+    };
+    for (k, g) in [1.0f64, 2.0].into_iter().enumerate() {
+        let g = Tensor::from_slice(&[g], [1], Device::Cpu).unwrap();
+        let step = SgdStep {
+            first_step: k == 0,
+            ..c
+        };
+        sgd_(&[p.clone()], &[g], Some(&[b.clone()]), &step).unwrap();
+    }
+    assert!((p.item_f64().unwrap() - 0.349).abs() < 1e-12);
+    assert!((b.item_f64().unwrap() - 2.9).abs() < 1e-12);
+}
+
+#[test]
+fn half_dtypes_follow_f32() {
+    // f16/bf16 compute in f32 and round once: the result is the f32 result rounded, give or
+    // take the rounding of the inputs and of the state between steps.
+    let sizes = [5, 300];
+    for dtype in [DType::F16, DType::BF16] {
+        let (params, grads) = problem(&sizes, 2, dtype, Device::Cpu);
+        let to32 =
+            |ts: &[Tensor]| -> Vec<Tensor> { ts.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
+        let (p32, g32): (Vec<Tensor>, Vec<Vec<Tensor>>) =
+            (to32(&params), grads.iter().map(|g| to32(g)).collect());
+        let c = adam_configs()[4];
+        let half = run_adam_fused(&params, &grads, &c);
+        let full = run_adam_fused(&p32, &g32, &c);
+        assert_eq!(half[0][0].dtype(), dtype);
+        let tol = if dtype == DType::F16 { 4e-3 } else { 3e-2 };
+        assert_same(&format!("{dtype} adam param"), &half[0], &full[0], tol);
+        let c = sgd_configs()[6];
+        let half = run_sgd_fused(&params, &grads, &c);
+        let full = run_sgd_fused(&p32, &g32, &c);
+        assert_same(&format!("{dtype} sgd param"), &half[0], &full[0], tol);
+    }
+}
+
+#[test]
+fn steps_bump_versions_of_written_tensors_only() {
+    let (params, grads) = problem(&[4, 2], 1, DType::F32, Device::Cpu);
+    let (m, v, x) = (zeros(&params), zeros(&params), zeros(&params));
+    let before = |ts: &[Tensor]| -> Vec<u64> { ts.iter().map(|t| t.version()).collect() };
+    let (vp, vg, vm, vv, vx) = (
+        before(&params),
+        before(&grads[0]),
+        before(&m),
+        before(&v),
+        before(&x),
+    );
+    let c = AdamStep {
+        amsgrad: true,
+        ..adam_configs()[0]
+    };
+    adam_(&params, &grads[0], &m, &v, Some(&x), &[1.0, 1.0], &c).unwrap();
+    for (old, ts) in [(vp, &params), (vm, &m), (vv, &v), (vx, &x)] {
+        for (o, t) in old.iter().zip(ts.iter()) {
+            assert!(t.version() > *o, "a written tensor kept its version");
+        }
+    }
+    assert_eq!(before(&grads[0]), vg, "the gradients were not written");
+    let b = zeros(&params);
+    let vb = before(&b);
+    let vp = before(&params);
+    let c = SgdStep {
+        momentum: 0.9,
+        first_step: true,
+        ..sgd_configs()[0]
+    };
+    sgd_(&params, &grads[0], Some(&b), &c).unwrap();
+    assert!(params.iter().zip(&vp).all(|(t, o)| t.version() > *o));
+    assert!(b.iter().zip(&vb).all(|(t, o)| t.version() > *o));
+}
+
+#[test]
+fn error_cases() {
+    let (params, grads) = problem(&[4, 2], 1, DType::F32, Device::Cpu);
+    let g = &grads[0];
+    let (m, v) = (zeros(&params), zeros(&params));
+    let c = adam_configs()[0];
+    let invalid = |r: Result<()>| matches!(r, Err(Error::InvalidArgument { .. }));
+    // Length mismatches: gradients, states, steps.
+    assert!(invalid(adam_(&params, &g[..1], &m, &v, None, &[1.0, 1.0], &c)));
+    assert!(invalid(adam_(&params, g, &m[..1], &v, None, &[1.0, 1.0], &c)));
+    assert!(invalid(adam_(&params, g, &m, &v, None, &[1.0], &c)));
+    // amsgrad without its state; momentum without buffers.
+    let ams = AdamStep { amsgrad: true, ..c };
+    assert!(invalid(adam_(&params, g, &m, &v, None, &[1.0, 1.0], &ams)));
+    let s = SgdStep {
+        momentum: 0.9,
+        ..sgd_configs()[0]
+    };
+    assert!(invalid(sgd_(&params, g, None, &s)));
+    assert!(invalid(sgd_(&params, &g[..1], None, &sgd_configs()[0])));
+    // dtype mismatch.
+    let g64: Vec<Tensor> = g.iter().map(|t| t.to_dtype(DType::F64).unwrap()).collect();
+    assert!(matches!(
+        adam_(&params, &g64, &m, &v, None, &[1.0, 1.0], &c),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    // Shape mismatch (gradients swapped).
+    let swapped = [g[1].clone(), g[0].clone()];
+    assert!(matches!(
+        sgd_(&params, &swapped, None, &sgd_configs()[0]),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    // Integer parameters.
+    let ints = [Tensor::zeros([2], DType::I64, Device::Cpu).unwrap()];
+    assert!(matches!(
+        sgd_(&ints, &ints.clone(), None, &sgd_configs()[0]),
+        Err(Error::UnsupportedDType { .. })
+    ));
+    // Non-contiguous and shared storages.
+    let square = tensor(9, 7, DType::F32, Device::Cpu).reshape(&[3, 3]).unwrap();
+    let t = square.t().unwrap();
+    assert!(invalid(sgd_(
+        &[t.clone()],
+        &[square.clone()],
+        None,
+        &sgd_configs()[0]
+    )));
+    assert!(invalid(sgd_(
+        &[square.clone()],
+        &[square.clone()],
+        None,
+        &sgd_configs()[0]
+    )));
+    assert!(invalid(sgd_(
+        &[params[0].clone(), params[0].clone()],
+        &[g[0].clone(), g[0].deep_clone().unwrap()],
+        None,
+        &sgd_configs()[0]
+    )));
+    // A parameter that requires grad, with grad mode on.
+    let leaf = params[0].deep_clone().unwrap().requires_grad_(true).unwrap();
+    assert!(matches!(
+        sgd_(&[leaf.clone()], &g[..1], None, &sgd_configs()[0]),
+        Err(Error::Autograd(_))
+    ));
+    {
+        let _g = no_grad();
+        sgd_(&[leaf], &g[..1], None, &sgd_configs()[0]).unwrap();
+    }
+    // Nothing to do.
+    sgd_(&[], &[], None, &sgd_configs()[0]).unwrap();
+}
+
+#[test]
+fn can_fuse_checks_the_group() {
+    let (params, _) = problem(&[4, 2], 0, DType::F32, Device::Cpu);
+    let refs: Vec<&Tensor> = params.iter().collect();
+    assert!(can_fuse(&refs));
+    assert!(can_fuse(&[]));
+    assert!(!can_fuse(&[&params[0], &params[0]]));
+    let f64p = params[0].to_dtype(DType::F64).unwrap();
+    assert!(!can_fuse(&[&params[0], &f64p]));
+    let square = tensor(4, 1, DType::F32, Device::Cpu).reshape(&[2, 2]).unwrap();
+    assert!(!can_fuse(&[&square.t().unwrap()]));
+    assert!(!can_fuse(
+        &[&Tensor::zeros([2], DType::I32, Device::Cpu).unwrap()]
+    ));
+}
+
+// ---- GPU --------------------------------------------------------------------------------
+
+/// 53 tensors (more than the 48 of one launch) of sizes around the chunk and ILP bounds.
+const GPU_SIZES: [usize; 9] = [1, 3, 1000, 65537, 4096, 4097, 0, 255, 1025];
+
+fn gpu_sizes() -> Vec<usize> {
+    (0..53).map(|i| GPU_SIZES[i % GPU_SIZES.len()]).collect()
+}
+
+fn gpu_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        _ => 1e-6,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_adam_matches_cpu_over_many_tensors() {
+    let gpu = common::gpu();
+    let sizes = gpu_sizes();
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let (pc, gc) = problem(&sizes, 3, dtype, Device::Cpu);
+        let (pg, gg) = problem(&sizes, 3, dtype, gpu);
+        for c in [
+            adam_configs()[0],
+            adam_configs()[10],
+            adam_configs()[8],
+            adam_configs()[12],
+        ] {
+            let cpu = run_adam_fused(&pc, &gc, &c);
+            let cuda = run_adam_fused(&pg, &gg, &c);
+            assert_eq!(cuda[0][0].device(), gpu);
+            for k in 0..4 {
+                assert_same(
+                    &format!("{dtype} {c:?} list {k}"),
+                    &cuda[k],
+                    &cpu[k],
+                    gpu_tolerance(dtype),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_sgd_matches_cpu_over_many_tensors() {
+    let gpu = common::gpu();
+    let sizes = gpu_sizes();
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let (pc, gc) = problem(&sizes, 3, dtype, Device::Cpu);
+        let (pg, gg) = problem(&sizes, 3, dtype, gpu);
+        for c in sgd_configs() {
+            let cpu = run_sgd_fused(&pc, &gc, &c);
+            let cuda = run_sgd_fused(&pg, &gg, &c);
+            for k in 0..2 {
+                assert_same(
+                    &format!("{dtype} {c:?} list {k}"),
+                    &cuda[k],
+                    &cpu[k],
+                    gpu_tolerance(dtype),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_adam_matches_composed_ops() {
+    // The fused kernel against the per-tensor CUDA ops, f32.
+    let gpu = common::gpu();
+    let (params, grads) = problem(&[3, 70000, 17], 3, DType::F32, gpu);
+    for c in adam_configs() {
+        let fused = run_adam_fused(&params, &grads, &c);
+        let reference = run_adam_reference(&params, &grads, &c);
+        for k in 0..4 {
+            assert_same(&format!("{c:?} list {k}"), &fused[k], &reference[k], 1e-5);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_fused_steps_reject_mixed_devices() {
+    let gpu = common::gpu();
+    let (pc, gc) = problem(&[4], 1, DType::F32, Device::Cpu);
+    let gg: Vec<Tensor> = gc[0].iter().map(|t| t.to(gpu).unwrap()).collect();
+    assert!(matches!(
+        sgd_(&pc, &gg, None, &sgd_configs()[0]),
+        Err(Error::DeviceMismatch { .. })
+    ));
+    assert!(!can_fuse(&[&pc[0], &gg[0]]));
+}
