@@ -42,7 +42,8 @@ type CliResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 /// The models `ember train` can build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ModelKind {
-    /// Flatten, Linear(784, 256), ReLU, Linear(256, 128), ReLU, Linear(128, 10).
+    /// Flatten, Linear(784, 512), ReLU, Linear(512, 512), ReLU, Linear(512, 10): the network
+    /// of PyTorch's quickstart tutorial.
     Mlp,
     /// The PyTorch tutorial CNN: two 3x3 convs (32, 64 channels) with ReLU and 2x2 max
     /// pooling, then Linear(3136, 128), ReLU, Linear(128, 10).
@@ -59,8 +60,29 @@ impl ModelKind {
 
     fn build(self, device: Device) -> ember::Result<Sequential> {
         match self {
-            ModelKind::Mlp => models::mlp(&[784, 256, 128, 10], true, device),
+            ModelKind::Mlp => models::mlp(&[784, 512, 512, 10], true, device),
             ModelKind::Cnn => models::cnn(1, 32, 64, device),
+        }
+    }
+}
+
+/// The learning-rate schedule of `ember train`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LrSchedule {
+    Cosine,
+    Constant,
+}
+
+impl LrSchedule {
+    /// The learning rate of `epoch` (1-based) of `epochs`, starting from `lr`. A function of
+    /// the epoch alone, so a resumed run needs no scheduler state.
+    fn lr(self, lr: f64, epoch: usize, epochs: usize) -> f64 {
+        match self {
+            LrSchedule::Constant => lr,
+            LrSchedule::Cosine => {
+                let t = (epoch - 1) as f64 / epochs.max(1) as f64;
+                lr * (1.0 + (std::f64::consts::PI * t).cos()) / 2.0
+            }
         }
     }
 }
@@ -84,9 +106,14 @@ pub struct TrainArgs {
     /// Samples per training batch.
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
-    /// Adam learning rate.
+    /// Adam learning rate (of the first epoch, with --lr-schedule cosine).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// How the learning rate changes between epochs: `cosine` (PyTorch's CosineAnnealingLR
+    /// stepped once per epoch with T_max = --epochs: epoch e uses lr·(1 + cos(π(e-1)/epochs))/2)
+    /// or `constant`.
+    #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
+    lr_schedule: LrSchedule,
     /// Seed of the model initialization and of the shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -327,6 +354,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
     let mut test_acc = None;
     for epoch in done + 1..=args.epochs {
+        opt.set_lr(args.lr_schedule.lr(args.lr, epoch, args.epochs));
         let bar = progress_bar(loader.len(), hidden);
         bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
         let t0 = Instant::now();
@@ -380,6 +408,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             "device": device.to_string(),
             "data": data_name,
             "epochs": args.epochs,
+            "lr_schedule": format!("{:?}", args.lr_schedule).to_lowercase(),
             "start_epoch": done + 1,
             "samples": samples,
             "train_s": train_s,
