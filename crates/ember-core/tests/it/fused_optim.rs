@@ -3,24 +3,9 @@
 //! `optim::sgd`, bit for bit in f32 and f64), a hand-computed step, f16/bf16 against f32,
 //! versions, errors; on a GPU, CPU against CUDA over many tensors of odd sizes.
 
-use crate::common;
+use crate::common::{self, values};
 use ember_core::fused::{adam_, can_fuse, sgd_, AdamStep, SgdStep};
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
-
-/// Deterministic values in [-1, 1) from `seed` (an LCG).
-fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 fn tensor(n: usize, seed: u64, dtype: DType, device: Device) -> Tensor {
     Tensor::from_vec(values(n, seed), [n], Device::Cpu)
