@@ -10,6 +10,7 @@ mod conformance;
 mod functional;
 mod functional_loss;
 mod modules;
+mod pytorch_checkpoints;
 mod recurrent;
 mod recurrent_modules;
 mod transformer_modules;
