@@ -64,11 +64,12 @@ pub fn version() -> Option<usize> {
     is_available().then(|| unsafe { sys::cudnnGetVersion() })
 }
 
-/// Whether convolutions on CUDA may use cuDNN (default true).
+/// Whether convolutions and pooling on CUDA may use cuDNN (default true).
 pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
-/// Allows or forbids cuDNN for convolutions on CUDA (`torch.backends.cudnn.enabled = ...`).
+/// Allows or forbids cuDNN for convolutions and pooling on CUDA
+/// (`torch.backends.cudnn.enabled = ...`).
 pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed)
 }
@@ -195,6 +196,24 @@ impl ThreadDnn {
     }
 }
 
+/// Runs `f` with this thread's handle for `rt`'s device (whose context is current), bound to
+/// the current stream (Note [cuDNN state]); for the calls that need no plan or workspace
+/// (pooling, `cudnn_pool.rs`). `f` must not call back into this module's state.
+pub(super) fn with_handle<T>(
+    op: &'static str,
+    rt: &DeviceRuntime,
+    f: impl FnOnce(sys::cudnnHandle_t) -> Result<T>,
+) -> Result<T> {
+    let stream = current_raw(rt.ordinal);
+    let handle = THREAD_DNN
+        .try_with(|t| t.borrow_mut().handle(rt, stream))
+        .map_err(|_| Error::Cuda {
+            op,
+            msg: "called while the thread is exiting (its cuDNN state is gone)".into(),
+        })??;
+    f(handle)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Problems and plans.
 
@@ -293,7 +312,7 @@ impl Drop for Plan {
     }
 }
 
-fn data_type(dtype: DType) -> sys::cudnnDataType_t {
+pub(super) fn data_type(dtype: DType) -> sys::cudnnDataType_t {
     match dtype {
         DType::F64 => sys::cudnnDataType_t::CUDNN_DATA_DOUBLE,
         DType::F16 => sys::cudnnDataType_t::CUDNN_DATA_HALF,

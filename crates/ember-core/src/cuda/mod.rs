@@ -14,6 +14,7 @@
 mod allocator;
 mod blas;
 pub(crate) mod cudnn;
+pub(crate) mod cudnn_pool;
 mod device;
 mod elementwise;
 mod index;

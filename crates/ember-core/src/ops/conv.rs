@@ -14,7 +14,7 @@ use crate::{Device, Error, Result, Tensor};
 const OP: &str = "convolution";
 
 /// `input` row-major from its storage's first element (cuDNN reads it from there), detached.
-fn packed(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn packed(t: &Tensor) -> Result<Tensor> {
     if t.is_contiguous() && t.storage_offset() == 0 {
         return Ok(t.detach());
     }

@@ -8,6 +8,7 @@ pub mod fused_optim;
 pub mod index;
 pub mod inplace;
 pub mod matmul;
+pub mod pool;
 pub mod reduce;
 pub mod rnn;
 pub mod softmax;

@@ -1,11 +1,13 @@
 //! `backends::cudnn` switches and `ops::conv::convolution` (cuDNN): availability as the loader
 //! sees it, `Ok(None)` where cuDNN does not run, and on a GPU forward and all gradients against
 //! a direct f64 convolution on the host, for stride, padding, dilation and groups, every float
-//! dtype, with benchmark and deterministic on and off.
+//! dtype, with benchmark and deterministic on and off; and `ops::pool::pool2d` (cuDNN max and
+//! average pooling), forward and input gradient against direct pooling on the host.
 
 use crate::common::{self, assert_close_slice, values};
 use ember_core::backends::cudnn;
 use ember_core::ops::conv::convolution;
+use ember_core::ops::pool::{pool2d, PoolMode};
 use ember_core::{DType, Device, Tensor};
 use std::sync::Mutex;
 
@@ -397,4 +399,286 @@ fn cudnn_disabled_or_unsupported_falls_back() {
         .unwrap()
         .unwrap();
     assert_eq!(a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pooling (`ops::pool::pool2d`): against direct pooling on the host.
+
+/// One pooling problem: input `[n, c, h, w]`, kernel, stride, padding.
+#[derive(Debug, Clone, Copy)]
+struct PoolCase {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    k: [usize; 2],
+    s: [usize; 2],
+    p: [usize; 2],
+}
+
+fn pool_case(n: usize, c: usize, hw: [usize; 2], k: [usize; 2], s: [usize; 2], p: [usize; 2]) -> PoolCase {
+    PoolCase {
+        n,
+        c,
+        h: hw[0],
+        w: hw[1],
+        k,
+        s,
+        p,
+    }
+}
+
+/// Every plane has at most 256 elements, so that its values (distinct integers / 16, see
+/// [`pool_input`]) are exact in bf16 and no window holds a tie.
+fn pool_cases() -> Vec<PoolCase> {
+    vec![
+        pool_case(2, 3, [8, 8], [2, 2], [2, 2], [0, 0]),
+        pool_case(2, 2, [9, 7], [3, 3], [2, 2], [1, 1]),
+        pool_case(1, 3, [10, 11], [3, 2], [1, 2], [1, 1]),
+        pool_case(2, 2, [12, 12], [3, 3], [3, 3], [0, 0]),
+        pool_case(1, 2, [7, 9], [5, 3], [2, 1], [2, 1]),
+        pool_case(3, 1, [6, 6], [1, 1], [2, 2], [0, 0]),
+        pool_case(1, 2, [5, 5], [5, 5], [1, 1], [2, 2]),
+        pool_case(2, 1, [16, 16], [4, 2], [3, 2], [2, 1]),
+    ]
+}
+
+impl PoolCase {
+    fn out(&self) -> [usize; 2] {
+        let hw = [self.h, self.w];
+        [0, 1].map(|d| (hw[d] + 2 * self.p[d] - self.k[d]) / self.s[d] + 1)
+    }
+
+    /// `(y, dx)` of max (`max`) or average pooling (padding counted) with output gradient
+    /// `gy`, in f64; max pooling's gradient goes to the first maximum of each window.
+    fn reference(&self, max: bool, x: &[f64], gy: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let [oh, ow] = self.out();
+        let mut y = vec![0.0; self.n * self.c * oh * ow];
+        let mut dx = vec![0.0; x.len()];
+        let area = (self.k[0] * self.k[1]) as f64;
+        for plane in 0..self.n * self.c {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let yi = (plane * oh + i) * ow + j;
+                    let mut inside = vec![];
+                    for a in 0..self.k[0] {
+                        for e in 0..self.k[1] {
+                            let r = (i * self.s[0] + a) as i64 - self.p[0] as i64;
+                            let q = (j * self.s[1] + e) as i64 - self.p[1] as i64;
+                            if r >= 0 && q >= 0 && r < self.h as i64 && q < self.w as i64 {
+                                inside.push((plane * self.h + r as usize) * self.w + q as usize);
+                            }
+                        }
+                    }
+                    assert!(
+                        !inside.is_empty(),
+                        "padding <= kernel / 2 keeps windows non-empty"
+                    );
+                    if max {
+                        let mut best = inside[0];
+                        for &xi in &inside[1..] {
+                            if x[xi] > x[best] {
+                                best = xi;
+                            }
+                        }
+                        y[yi] = x[best];
+                        dx[best] += gy[yi];
+                    } else {
+                        y[yi] = inside.iter().map(|&xi| x[xi]).sum::<f64>() / area;
+                        for &xi in &inside {
+                            dx[xi] += gy[yi] / area;
+                        }
+                    }
+                }
+            }
+        }
+        (y, dx)
+    }
+}
+
+/// Per plane a random permutation of `0..h·w`, centred and divided by 16: distinct values,
+/// exact in every float dtype for planes of at most 256 elements.
+fn pool_input(cs: &PoolCase, seed: u64) -> Vec<f64> {
+    let hw = cs.h * cs.w;
+    assert!(hw <= 256, "bf16 holds the integers up to 256 exactly");
+    let mut x = Vec::with_capacity(cs.n * cs.c * hw);
+    for plane in 0..cs.n * cs.c {
+        let keys = values(hw, seed + plane as u64);
+        let mut order: Vec<usize> = (0..hw).collect();
+        order.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]));
+        let mut rank = vec![0usize; hw];
+        for (r, &i) in order.iter().enumerate() {
+            rank[i] = r;
+        }
+        x.extend(rank.iter().map(|&r| (r as f64 - (hw / 2) as f64) / 16.0));
+    }
+    x
+}
+
+/// `(rtol, atol)` for pooling: max pooling is exact; averages and gradient sums round once
+/// per addition in the dtype at worst.
+fn pool_tolerance(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F64 => (1e-12, 1e-12),
+        DType::F32 => (1e-5, 1e-5),
+        DType::F16 => (5e-3, 1e-2),
+        _ => (2e-2, 5e-2),
+    }
+}
+
+/// Runs every pooling case in `dtype` on the GPU, forward and input gradient.
+fn check_pooling(dtype: DType, mode: PoolMode) {
+    let dev = common::gpu();
+    let (rtol, atol) = pool_tolerance(dtype);
+    for (k, cs) in pool_cases().into_iter().enumerate() {
+        let seed = 100 * k as u64;
+        let x0 = pool_input(&cs, seed);
+        let [oh, ow] = cs.out();
+        let y_dims = [cs.n, cs.c, oh, ow];
+        let gy0 = rounded(&values(cs.n * cs.c * oh * ow, seed + 99), dtype);
+        let (ry, rdx) = cs.reference(mode == PoolMode::Max, &x0, &gy0);
+        let x = Tensor::from_slice(&x0, [cs.n, cs.c, cs.h, cs.w], Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .to(dev)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let what = format!("{mode:?} {dtype} {cs:?}");
+        eprintln!("checking {what}");
+        let y = pool2d(&x, mode, cs.k, cs.s, cs.p)
+            .unwrap()
+            .unwrap_or_else(|| panic!("cuDNN did not take {what}"));
+        assert_eq!(y.dims(), y_dims.as_slice(), "{what}");
+        assert_eq!(y.dtype(), dtype, "{what}");
+        assert_close_slice(&y.to_vec_f64().unwrap(), &ry, rtol, atol);
+        let gy = Tensor::from_slice(&gy0, y_dims, Device::Cpu)
+            .unwrap()
+            .to(dev)
+            .unwrap();
+        y.to_dtype(DType::F64)
+            .unwrap()
+            .mul(&gy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let dx = x.grad().unwrap();
+        assert_eq!(dx.dtype(), dtype, "{what}");
+        assert_close_slice(&dx.to_vec_f64().unwrap(), &rdx, rtol, atol);
+    }
+}
+
+#[test]
+fn pooling_reference_is_right() {
+    // The host reference itself, on a hand-computed 1x1x3x3 case: kernel 2, stride 1, pad 0.
+    let cs = pool_case(1, 1, [3, 3], [2, 2], [1, 1], [0, 0]);
+    let x = [1.0, 5.0, 2.0, 4.0, 3.0, 9.0, 0.0, 8.0, 7.0];
+    let gy = [1.0, 2.0, 3.0, 4.0];
+    let (y, dx) = cs.reference(true, &x, &gy);
+    assert_eq!(y, [5.0, 9.0, 8.0, 9.0]);
+    assert_eq!(dx, [0.0, 1.0, 0.0, 0.0, 0.0, 6.0, 0.0, 3.0, 0.0]);
+    let (y, dx) = cs.reference(false, &x, &gy);
+    assert_eq!(y, [13.0 / 4.0, 19.0 / 4.0, 15.0 / 4.0, 27.0 / 4.0]);
+    assert_eq!(dx, [0.25, 0.75, 0.5, 1.0, 2.5, 1.5, 0.75, 1.75, 1.0]);
+    // Padding counts in the average's divisor: kernel 3, pad 1 on a 1x1 input.
+    let one = pool_case(1, 1, [1, 1], [3, 3], [1, 1], [1, 1]);
+    assert_eq!(one.reference(false, &[9.0], &[1.0]).0, [1.0]);
+    assert_eq!(one.reference(true, &[-9.0], &[1.0]).0, [-9.0]);
+}
+
+#[test]
+fn pooling_cpu_tensors_are_not_taken() {
+    let x = Tensor::from_slice(&values(2 * 3 * 6 * 6, 1), [2, 3, 6, 6], Device::Cpu).unwrap();
+    for mode in [PoolMode::Max, PoolMode::Avg] {
+        let y = pool2d(&x, mode, [2, 2], [2, 2], [0, 0]).unwrap();
+        assert!(y.is_none(), "a CPU {mode:?} pooling must fall back");
+    }
+}
+
+#[test]
+fn pooling_bad_arguments_are_errors() {
+    let x = Tensor::from_slice(&values(2 * 3 * 6 * 6, 1), [2, 3, 6, 6], Device::Cpu).unwrap();
+    for mode in [PoolMode::Max, PoolMode::Avg] {
+        // A 3-D input, a zero kernel or stride, padding over half the kernel.
+        let x3 = x.reshape(&[6, 6, 6]).unwrap();
+        assert!(pool2d(&x3, mode, [2, 2], [2, 2], [0, 0]).is_err());
+        assert!(pool2d(&x, mode, [0, 2], [2, 2], [0, 0]).is_err());
+        assert!(pool2d(&x, mode, [2, 2], [2, 0], [0, 0]).is_err());
+        assert!(pool2d(&x, mode, [3, 3], [1, 1], [2, 1]).is_err());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_max_pool2d_matches_direct_pooling_all_dtypes() {
+    gpu_with_cudnn();
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        check_pooling(dtype, PoolMode::Max);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_avg_pool2d_matches_direct_pooling_all_dtypes() {
+    gpu_with_cudnn();
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        check_pooling(dtype, PoolMode::Avg);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_pooling_disabled_or_unsupported_falls_back() {
+    gpu_with_cudnn();
+    let dev = common::gpu();
+    let x = Tensor::from_slice(&values(2 * 3 * 6 * 6, 1), [2, 3, 6, 6], dev).unwrap();
+    {
+        let _guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+        cudnn::set_enabled(false);
+        let off = pool2d(&x, PoolMode::Max, [2, 2], [2, 2], [0, 0]);
+        cudnn::set_enabled(true);
+        assert!(off.unwrap().is_none(), "disabled cuDNN must fall back");
+    }
+    // Integer tensors, a window larger than the padded input, an empty batch.
+    let xi = x.to_dtype(DType::I64).unwrap();
+    assert!(pool2d(&xi, PoolMode::Max, [2, 2], [2, 2], [0, 0])
+        .unwrap()
+        .is_none());
+    assert!(pool2d(&x, PoolMode::Avg, [9, 9], [1, 1], [1, 1])
+        .unwrap()
+        .is_none());
+    let empty = Tensor::zeros([0, 3, 6, 6], DType::F32, dev).unwrap();
+    assert!(pool2d(&empty, PoolMode::Max, [2, 2], [2, 2], [0, 0])
+        .unwrap()
+        .is_none());
+    // A non-contiguous input (a transposed view) gives the same result as its copy.
+    let xt = x.transpose(2, 3).unwrap();
+    for mode in [PoolMode::Max, PoolMode::Avg] {
+        let a = pool2d(&xt, mode, [3, 3], [2, 2], [1, 1]).unwrap().unwrap();
+        let b = pool2d(&xt.contiguous().unwrap(), mode, [3, 3], [2, 2], [1, 1])
+            .unwrap()
+            .unwrap();
+        assert_eq!(a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap(), "{mode:?}");
+    }
+    // Max pooling propagates NaN (as PyTorch) and treats padding as -inf: all-negative input.
+    let mut v = vec![-1.0f32; 16];
+    v[5] = f32::NAN;
+    let xn = Tensor::from_slice(&v, [1, 1, 4, 4], dev).unwrap();
+    let y = pool2d(&xn, PoolMode::Max, [2, 2], [2, 2], [0, 0])
+        .unwrap()
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
+    assert!(y[0].is_nan(), "NaN in the first window: {y:?}");
+    assert_eq!(&y[1..], &[-1.0, -1.0, -1.0]);
+    let neg = Tensor::from_slice(&[-3.0f32; 4], [1, 1, 2, 2], dev).unwrap();
+    let y = pool2d(&neg, PoolMode::Max, [3, 3], [1, 1], [1, 1])
+        .unwrap()
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
+    assert_eq!(y, [-3.0; 4], "padding must not win over negative values");
 }

@@ -1,16 +1,23 @@
 //! 2-D pooling: `max_pool2d`, `avg_pool2d`, `adaptive_avg_pool2d` over `[N, C, H, W]` (or
 //! unbatched `[C, H, W]`) inputs, floor output sizes (`ceil_mode=False`).
 //!
+//! On CUDA, `max_pool2d` and `avg_pool2d` first try cuDNN (`ember_core::ops::pool::pool2d`, one
+//! forward and one backward call each, no window buffer); where it does not run (a CPU tensor,
+//! cuDNN missing or switched off with `backends::cudnn::set_enabled(false)`, an unsupported
+//! case) they take the composed path below, which has the same semantics and is the CPU path.
+//! The one difference: with tied maxima in a window, cuDNN may route max pooling's gradient
+//! to another of the tied positions than the first.
+//!
 //! Max pooling gathers the windows as convolution does (Note [im2col by gather] in `conv.rs`,
 //! padding reading -inf) and takes `max_dim` over each window, whose gradient goes to the
 //! first maximum in row-major window order, as PyTorch's. Average pooling is separable: the
 //! mean over a `KH`×`KW` window is a row average then a column average, so both average
 //! pools are two small GEMMs with constant pooling matrices, `P_h @ x @ P_wᵀ`, whose backward
-//! is two GEMMs as well. A fused pooling kernel would save max pooling's `KH·KW`-times
-//! larger window buffer and the index gather's synchronization on CUDA.
+//! is two GEMMs as well.
 
 use super::conv::{windows, Window};
 use super::{idims, Pair};
+use ember_core::ops::pool::{pool2d, PoolMode};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
 /// Runs `f` on a 4-D view of `input` (adding a batch dim of 1 to a 3-D input).
@@ -51,6 +58,14 @@ fn check_padding(op: &'static str, kernel: [usize; 2], padding: [usize; 2]) -> R
     Ok(())
 }
 
+/// cuDNN's pooling of a 4-D CUDA `x` (made contiguous), or None where it does not run.
+fn cudnn_pool(x: &Tensor, mode: PoolMode, win: &Window) -> Result<Option<Tensor>> {
+    if !matches!(x.device(), Device::Cuda(_)) {
+        return Ok(None);
+    }
+    pool2d(&x.contiguous()?, mode, win.kernel, win.stride, win.padding)
+}
+
 /// Maximum over each `kernel_size` window moved by `stride`, with implicit -inf `padding`
 /// (`F.max_pool2d`, dilation 1). PyTorch's default stride is `kernel_size`: pass it.
 pub fn max_pool2d(
@@ -69,6 +84,9 @@ pub fn max_pool2d(
     check_float(OP, input)?;
     check_padding(OP, win.kernel, win.padding)?;
     batched(OP, input, |x| {
+        if let Some(y) = cudnn_pool(x, PoolMode::Max, &win)? {
+            return Ok(y);
+        }
         let (cols, out) = windows(OP, x, &win, f64::NEG_INFINITY)?;
         let (max, _) = cols.max_dim(2, false)?;
         max.reshape(&idims(&[x.dims()[0], x.dims()[1], out[0], out[1]]))
@@ -119,6 +137,9 @@ pub fn avg_pool2d(
     check_float(OP, input)?;
     check_padding(OP, win.kernel, win.padding)?;
     batched(OP, input, |x| {
+        if let Some(y) = cudnn_pool(x, PoolMode::Avg, &win)? {
+            return Ok(y);
+        }
         let hw = [x.dims()[2], x.dims()[3]];
         let out = win.output_size(OP, hw)?;
         let m = |d: usize| {

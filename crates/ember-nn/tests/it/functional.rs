@@ -503,6 +503,9 @@ fn layers_agree_across_devices() {
         let cpu = F::max_pool2d(&x, 3, 2, 1).unwrap();
         let gpu = F::max_pool2d(&on(&x), 3, 2, 1).unwrap();
         assert_close(&gpu.to(CPU).unwrap(), &cpu, 0.0, 0.0);
+        let cpu = F::avg_pool2d(&x, 3, 2, 1).unwrap();
+        let gpu = F::avg_pool2d(&on(&x), 3, 2, 1).unwrap();
+        assert_close(&gpu.to(CPU).unwrap(), &cpu, 1e-10, 1e-10);
         let cpu = F::layer_norm(&x, &[5], None, None, 1e-5).unwrap();
         let gpu = F::layer_norm(&on(&x), &[5], None, None, 1e-5).unwrap();
         assert_close(&gpu.to(CPU).unwrap(), &cpu, 1e-10, 1e-10);
