@@ -8,8 +8,10 @@
 //! `pinned` (page-locked host memory and its cache),
 //! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
 //! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
-//! `blas` (matrix products through cuBLASLt, the TF32 switch), `optim` (fused optimizer steps), and one file per op family
-//! beside the CPU backend's.
+//! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
+//! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
+//! (fused optimizer steps), `rnn` (the fused LSTM step), and one file per op family beside the
+//! CPU backend's.
 
 mod allocator;
 mod blas;
