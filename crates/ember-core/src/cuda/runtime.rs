@@ -10,9 +10,10 @@
 //! not in the disk cache compile with NVRTC at once, one scoped thread each, and the caller
 //! waits for them all. Compiling each module on its first use made the first CNN epoch of
 //! `ember train` on a fresh H100 take 126 s (the sum of the compile times); all at once, 50 s
-//! (the slowest one). The threads are scoped rather than left running in the background: a
-//! process that exited while a detached compile thread was inside NVRTC aborted in teardown
-//! with `free(): invalid pointer`.
+//! (the slowest one). The threads are scoped rather than left running in the background:
+//! processes that exited while detached compile threads were still at work (a cold kernel
+//! cache) aborted at exit with glibc's `free(): invalid pointer`, seen on an H100 host, and none
+//! has since.
 
 use super::allocator::{CachingAllocator, Driver, EventId, StreamId};
 use super::kernels::{Function, KernelKey, Module};
