@@ -30,10 +30,48 @@ impl Device {
 
     /// `"cpu"` or `"cuda"`, as `torch.device.type`.
     pub fn type_name(self) -> &'static str {
+        self.device_type().name()
+    }
+
+    /// The kind of device, without the ordinal (`torch.device.type`).
+    pub fn device_type(self) -> DeviceType {
         match self {
-            Device::Cpu => "cpu",
-            Device::Cuda(_) => "cuda",
+            Device::Cpu => DeviceType::Cpu,
+            Device::Cuda(_) => DeviceType::Cuda,
         }
+    }
+}
+
+/// A kind of device (`torch.device.type`): what per-device-type settings such as autocast
+/// ([`crate::amp::autocast`]) are keyed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceType {
+    Cpu,
+    Cuda,
+}
+
+impl DeviceType {
+    /// `"cpu"` or `"cuda"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceType::Cpu => "cpu",
+            DeviceType::Cuda => "cuda",
+        }
+    }
+
+    /// Parses `"cpu"` or `"cuda"` (PyTorch's `device_type` strings).
+    pub fn parse(s: &str) -> Result<DeviceType> {
+        match s.trim() {
+            "cpu" => Ok(DeviceType::Cpu),
+            "cuda" => Ok(DeviceType::Cuda),
+            _ => Err(Error::InvalidDevice(s.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for DeviceType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

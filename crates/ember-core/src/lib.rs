@@ -11,11 +11,13 @@
 //! # }
 //! ```
 
+pub mod amp;
 pub mod autograd;
 pub mod backends;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
+pub mod dispatch;
 pub mod dtype;
 pub mod error;
 pub mod layout;
@@ -26,7 +28,7 @@ pub mod storage;
 pub mod tensor;
 
 pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
-pub use device::Device;
+pub use device::{Device, DeviceType};
 pub use dtype::{DType, Element, Scalar, ScalarKind};
 pub use error::{Error, Result};
 /// Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`).

@@ -1,11 +1,13 @@
 //! Elementwise ops over two tensors with broadcasting and type promotion: arithmetic,
 //! comparisons, logical ops, `where`, `masked_fill`, `clamp`, and their scalar forms.
 //!
-//! Each op goes through one dispatch path ([`binary`]): device check, dtype promotion,
-//! broadcast, backend kernel, autograd record. Backward rules sit beside the forward and reduce
-//! gradients back to each input's shape with `sum_to_shape` (broadcasting in reverse).
+//! Each op passes the dispatch point (`crate::dispatch`: device check, autocast, promotion,
+//! observers, autograd) with its line of the op table; the kernel closures broadcast and call
+//! the backend. Backward rules sit beside the forward and reduce gradients back to each input's
+//! shape with `sum_to_shape` (broadcasting in reverse).
 
 use crate::autograd::{self, SavedTensor};
+use crate::dispatch::{self, policy, Op};
 use crate::dtype::Scalar;
 use crate::layout::Layout;
 use crate::storage::Storage;
@@ -197,107 +199,131 @@ pub(crate) fn sum_to_shape(g: &Tensor, shape: &Shape) -> Result<Tensor> {
     summed.reshape(&dims)
 }
 
-/// `a op b` with broadcasting, promotion and autograd: the one path every binary op takes.
-pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let dtype = result_dtype(op, a.dtype(), b.dtype());
-    let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
-    let (shape, storage) = with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.binary(op, al, sb, bl))?;
-    let out = Tensor::from_storage(storage, shape);
-    if !dtype.is_floating_point() || !autograd::needs_grad(&[&a, &b]) {
-        return Ok(out);
+/// The op table's line for `op`.
+fn line(op: BinaryOp) -> &'static Op {
+    match op {
+        BinaryOp::Add => &policy::ADD,
+        BinaryOp::Sub => &policy::SUB,
+        BinaryOp::Mul => &policy::MUL,
+        BinaryOp::Div => &policy::DIV,
+        BinaryOp::Pow => &policy::POW,
+        BinaryOp::Maximum => &policy::MAXIMUM,
+        BinaryOp::Minimum => &policy::MINIMUM,
     }
-    let (sa, sb) = (a.shape().clone(), b.shape().clone());
-    let out = match op {
-        BinaryOp::Add => autograd::record("add", &[&a, &b], out, move |g, _| {
-            Ok(vec![Some(sum_to_shape(g, &sa)?), Some(sum_to_shape(g, &sb)?)])
-        }),
-        BinaryOp::Sub => autograd::record("sub", &[&a, &b], out, move |g, needs| {
-            let gb = if needs[1] {
-                Some(sum_to_shape(&g.neg()?, &sb)?)
-            } else {
-                None
+}
+
+/// `a op b` with broadcasting, promotion and autograd, through the dispatch point.
+pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    dispatch::call(
+        line(op),
+        [a, b],
+        |[a, b]| {
+            let (shape, storage) =
+                with_broadcast(op.name(), a, b, |sa, al, sb, bl| sa.binary(op, al, sb, bl))?;
+            Ok(Tensor::from_storage(storage, shape))
+        },
+        |[a, b], out| {
+            let saves = !matches!(op, BinaryOp::Add | BinaryOp::Sub);
+            let save = |t: &Tensor| saves.then(|| SavedTensor::new(op.name(), t));
+            let saved = BinarySaved {
+                a_shape: a.shape().clone(),
+                b_shape: b.shape().clone(),
+                a: save(a),
+                b: save(b),
+                out: (op == BinaryOp::Pow).then(|| SavedTensor::new(op.name(), out)),
             };
-            Ok(vec![Some(sum_to_shape(g, &sa)?), gb])
-        }),
-        BinaryOp::Mul => {
-            let (xa, xb) = (SavedTensor::new("mul", &a), SavedTensor::new("mul", &b));
-            autograd::record("mul", &[&a, &b], out, move |g, needs| {
-                let ga = if needs[0] {
-                    Some(sum_to_shape(&g.mul(xb.get()?)?, &sa)?)
-                } else {
-                    None
-                };
-                let gb = if needs[1] {
-                    Some(sum_to_shape(&g.mul(xa.get()?)?, &sb)?)
-                } else {
-                    None
-                };
-                Ok(vec![ga, gb])
-            })
-        }
-        BinaryOp::Div => {
-            let (xa, xb) = (SavedTensor::new("div", &a), SavedTensor::new("div", &b));
-            autograd::record("div", &[&a, &b], out, move |g, needs| {
-                let b = xb.get()?;
-                let ga = if needs[0] {
-                    Some(sum_to_shape(&g.div(b)?, &sa)?)
-                } else {
-                    None
-                };
-                let gb = if needs[1] {
-                    // d(a/b)/db = -a / b²
-                    let t = g.mul(xa.get()?)?.div(&b.mul(b)?)?.neg()?;
-                    Some(sum_to_shape(&t, &sb)?)
-                } else {
-                    None
-                };
-                Ok(vec![ga, gb])
-            })
-        }
-        BinaryOp::Pow => {
-            let (xa, xb) = (SavedTensor::new("pow", &a), SavedTensor::new("pow", &b));
-            let xo = SavedTensor::new("pow", &out);
-            autograd::record("pow", &[&a, &b], out, move |g, needs| {
-                let (a, b) = (xa.get()?, xb.get()?);
-                let ga = if needs[0] {
-                    // b · a^(b-1), with 0 where b == 0 (PyTorch's convention for 0^0).
-                    let d = b.mul(&a.pow(&b.sub_scalar(1)?)?)?;
-                    let d = d.masked_fill(&b.eq_scalar(0)?, 0.0)?;
-                    Some(sum_to_shape(&g.mul(&d)?, &sa)?)
-                } else {
-                    None
-                };
-                let gb = if needs[1] {
-                    // a^b · ln a, with 0 where a == 0 and b >= 0.
-                    let d = xo.get()?.mul(&a.log()?)?;
-                    let zero = a.eq_scalar(0)?.logical_and(&b.ge_scalar(0)?)?;
-                    let d = d.masked_fill(&zero, 0.0)?;
-                    Some(sum_to_shape(&g.mul(&d)?, &sb)?)
-                } else {
-                    None
-                };
-                Ok(vec![ga, gb])
-            })
-        }
-        BinaryOp::Maximum | BinaryOp::Minimum => {
-            let (xa, xb) = (SavedTensor::new(op.name(), &a), SavedTensor::new(op.name(), &b));
-            autograd::record(op.name(), &[&a, &b], out, move |g, _| {
-                // The gradient goes to the selected operand, split in half on ties.
-                let (a, b) = (xa.get()?, xb.get()?);
-                let (a_wins, b_wins) = match op {
-                    BinaryOp::Maximum => (a.gt(b)?, a.lt(b)?),
-                    _ => (a.lt(b)?, a.gt(b)?),
-                };
-                let tie = a.eq(b)?;
-                let half = g.mul_scalar(0.5)?;
-                let zero = g.zeros_like()?;
-                let ga = Tensor::where_cond(&a_wins, g, &Tensor::where_cond(&tie, &half, &zero)?)?;
-                let gb = Tensor::where_cond(&b_wins, g, &Tensor::where_cond(&tie, &half, &zero)?)?;
-                Ok(vec![Some(sum_to_shape(&ga, &sa)?), Some(sum_to_shape(&gb, &sb)?)])
-            })
+            Ok(move |g: &Tensor, needs: &[bool]| binary_backward(op, &saved, g, needs))
+        },
+    )
+}
+
+/// What the backward of a binary op keeps: the input shapes (to undo broadcasting) and, for
+/// the ops whose derivative needs them, the inputs and (pow) the output.
+struct BinarySaved {
+    a_shape: Shape,
+    b_shape: Shape,
+    a: Option<SavedTensor>,
+    b: Option<SavedTensor>,
+    out: Option<SavedTensor>,
+}
+
+fn saved(s: &Option<SavedTensor>) -> Result<&Tensor> {
+    s.as_ref()
+        .ok_or_else(|| Error::Autograd("binary op backward: a needed tensor was not saved".into()))?
+        .get()
+}
+
+/// The gradients of `a op b` for the output gradient `g`.
+fn binary_backward(op: BinaryOp, s: &BinarySaved, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+    let (sa, sb) = (&s.a_shape, &s.b_shape);
+    // Each input's gradient, computed only when needed and reduced to the input's shape.
+    let grad = |i: usize, f: &dyn Fn() -> Result<Tensor>, shape: &Shape| -> Result<Option<Tensor>> {
+        if needs[i] {
+            Ok(Some(sum_to_shape(&f()?, shape)?))
+        } else {
+            Ok(None)
         }
     };
-    Ok(out)
+    Ok(match op {
+        BinaryOp::Add => vec![grad(0, &|| Ok(g.clone()), sa)?, grad(1, &|| Ok(g.clone()), sb)?],
+        BinaryOp::Sub => vec![grad(0, &|| Ok(g.clone()), sa)?, grad(1, &|| g.neg(), sb)?],
+        BinaryOp::Mul => vec![
+            grad(0, &|| g.mul(saved(&s.b)?), sa)?,
+            grad(1, &|| g.mul(saved(&s.a)?), sb)?,
+        ],
+        BinaryOp::Div => vec![
+            grad(0, &|| g.div(saved(&s.b)?), sa)?,
+            // d(a/b)/db = -a / b²
+            grad(
+                1,
+                &|| {
+                    let b = saved(&s.b)?;
+                    g.mul(saved(&s.a)?)?.div(&b.mul(b)?)?.neg()
+                },
+                sb,
+            )?,
+        ],
+        BinaryOp::Pow => {
+            let (a, b) = (saved(&s.a)?, saved(&s.b)?);
+            vec![
+                // b · a^(b-1), with 0 where b == 0 (PyTorch's convention for 0^0).
+                grad(
+                    0,
+                    &|| {
+                        let d = b.mul(&a.pow(&b.sub_scalar(1)?)?)?;
+                        g.mul(&d.masked_fill(&b.eq_scalar(0)?, 0.0)?)
+                    },
+                    sa,
+                )?,
+                // a^b · ln a, with 0 where a == 0 and b >= 0.
+                grad(
+                    1,
+                    &|| {
+                        let d = saved(&s.out)?.mul(&a.log()?)?;
+                        let zero = a.eq_scalar(0)?.logical_and(&b.ge_scalar(0)?)?;
+                        g.mul(&d.masked_fill(&zero, 0.0)?)
+                    },
+                    sb,
+                )?,
+            ]
+        }
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            // The gradient goes to the selected operand, split in half on ties.
+            let (a, b) = (saved(&s.a)?, saved(&s.b)?);
+            let (a_wins, b_wins) = match op {
+                BinaryOp::Maximum => (a.gt(b)?, a.lt(b)?),
+                _ => (a.lt(b)?, a.gt(b)?),
+            };
+            let tie = a.eq(b)?;
+            let half = g.mul_scalar(0.5)?;
+            let zero = g.zeros_like()?;
+            let share = Tensor::where_cond(&tie, &half, &zero)?;
+            vec![
+                grad(0, &|| Tensor::where_cond(&a_wins, g, &share), sa)?,
+                grad(1, &|| Tensor::where_cond(&b_wins, g, &share), sb)?,
+            ]
+        }
+    })
 }
 
 /// A 0-d tensor of `value` in the dtype `t op value` computes in, on `t`'s device.
@@ -307,16 +333,32 @@ fn scalar_operand(t: &Tensor, value: Scalar) -> Result<Tensor> {
 }
 
 fn compare(op: CmpOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let dtype = a.dtype().promote(b.dtype());
-    let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
-    let (shape, storage) = with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.compare(op, al, sb, bl))?;
-    Ok(Tensor::from_storage(storage, shape))
+    let line = match op {
+        CmpOp::Eq => &policy::EQ,
+        CmpOp::Ne => &policy::NE,
+        CmpOp::Lt => &policy::LT,
+        CmpOp::Le => &policy::LE,
+        CmpOp::Gt => &policy::GT,
+        CmpOp::Ge => &policy::GE,
+    };
+    dispatch::call_with(line, [a, b], |[a, b]| {
+        let (shape, storage) = with_broadcast(op.name(), a, b, |sa, al, sb, bl| sa.compare(op, al, sb, bl))?;
+        Ok(Tensor::from_storage(storage, shape))
+    })
 }
 
 fn logical(op: LogicalOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (a, b) = (a.to_dtype(DType::Bool)?, b.to_dtype(DType::Bool)?);
-    let (shape, storage) = with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.logical(op, al, sb, bl))?;
-    Ok(Tensor::from_storage(storage, shape))
+    let line = match op {
+        LogicalOp::And => &policy::LOGICAL_AND,
+        LogicalOp::Or => &policy::LOGICAL_OR,
+        LogicalOp::Xor => &policy::LOGICAL_XOR,
+    };
+    dispatch::call_with(line, [a, b], |[a, b]| {
+        let (a, b) = (a.to_dtype(DType::Bool)?, b.to_dtype(DType::Bool)?);
+        let (shape, storage) =
+            with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.logical(op, al, sb, bl))?;
+        Ok(Tensor::from_storage(storage, shape))
+    })
 }
 
 macro_rules! binary_methods {
@@ -455,48 +497,50 @@ impl Tensor {
 
     /// `cond ? a : b` elementwise with broadcasting (`torch.where(cond, a, b)`).
     pub fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        same_device("where", &[cond, a, b])?;
-        if cond.dtype() != DType::Bool {
-            return Err(Error::UnsupportedDType {
-                op: "where",
-                dtype: cond.dtype(),
-                hint: "the condition must be a bool tensor; compare first, e.g. x.gt_scalar(0)",
-            });
-        }
-        let dtype = a.dtype().promote(b.dtype());
-        let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
-        let shape = cond
-            .shape()
-            .broadcast(a.shape(), "where")?
-            .broadcast(b.shape(), "where")?;
-        let cl = cond.layout().broadcast_as(&shape, "where")?;
-        let al = a.layout().broadcast_as(&shape, "where")?;
-        let bl = b.layout().broadcast_as(&shape, "where")?;
-        let storage = {
-            let (sc, sa, sb) = (cond.storage().read(), a.storage().read(), b.storage().read());
-            sc.where_cond(&cl, &sa, &al, &sb, &bl)?
-        };
-        let out = Tensor::from_storage(storage, shape);
-        if !autograd::needs_grad(&[&a, &b]) {
-            return Ok(out);
-        }
-        let (sa, sb) = (a.shape().clone(), b.shape().clone());
-        let c = SavedTensor::new("where", cond);
-        Ok(autograd::record("where", &[&a, &b], out, move |g, needs| {
-            let c = c.get()?;
-            let zero = g.zeros_like()?;
-            let ga = if needs[0] {
-                Some(sum_to_shape(&Tensor::where_cond(c, g, &zero)?, &sa)?)
-            } else {
-                None
-            };
-            let gb = if needs[1] {
-                Some(sum_to_shape(&Tensor::where_cond(c, &zero, g)?, &sb)?)
-            } else {
-                None
-            };
-            Ok(vec![ga, gb])
-        }))
+        dispatch::call(
+            &policy::WHERE,
+            [cond, a, b],
+            |[cond, a, b]| {
+                if cond.dtype() != DType::Bool {
+                    return Err(Error::UnsupportedDType {
+                        op: "where",
+                        dtype: cond.dtype(),
+                        hint: "the condition must be a bool tensor; compare first, e.g. x.gt_scalar(0)",
+                    });
+                }
+                let shape = cond
+                    .shape()
+                    .broadcast(a.shape(), "where")?
+                    .broadcast(b.shape(), "where")?;
+                let cl = cond.layout().broadcast_as(&shape, "where")?;
+                let al = a.layout().broadcast_as(&shape, "where")?;
+                let bl = b.layout().broadcast_as(&shape, "where")?;
+                let storage = {
+                    let (sc, sa, sb) = (cond.storage().read(), a.storage().read(), b.storage().read());
+                    sc.where_cond(&cl, &sa, &al, &sb, &bl)?
+                };
+                Ok(Tensor::from_storage(storage, shape))
+            },
+            |[cond, a, b], _| {
+                let (sa, sb) = (a.shape().clone(), b.shape().clone());
+                let c = SavedTensor::new("where", cond);
+                Ok(move |g: &Tensor, needs: &[bool]| {
+                    let c = c.get()?;
+                    let zero = g.zeros_like()?;
+                    let ga = if needs[1] {
+                        Some(sum_to_shape(&Tensor::where_cond(c, g, &zero)?, &sa)?)
+                    } else {
+                        None
+                    };
+                    let gb = if needs[2] {
+                        Some(sum_to_shape(&Tensor::where_cond(c, &zero, g)?, &sb)?)
+                    } else {
+                        None
+                    };
+                    Ok(vec![None, ga, gb])
+                })
+            },
+        )
     }
 
     /// `value` where `mask` is true, `self` elsewhere (`masked_fill`).

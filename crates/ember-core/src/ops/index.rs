@@ -9,6 +9,7 @@
 
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};
+use crate::dispatch::{self, policy};
 use crate::dtype::Scalar;
 use crate::layout::Layout;
 use crate::storage::Storage;
@@ -319,12 +320,18 @@ impl Tensor {
     /// The entries of `dim` at the positions in the 1-D `index`, in that order
     /// (`torch.index_select`).
     pub fn index_select(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
-        index_select_as("index_select", self, dim, index)
+        dispatch::call_with(&policy::INDEX_SELECT, [self, index], |[x, i]| {
+            index_select_as("index_select", x, dim, i)
+        })
     }
 
     /// `out[i][j] = self[index[i][j]][j]` for `dim` 0, and so on (`torch.gather`); the output has
     /// `index`'s shape.
     pub fn gather(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
+        dispatch::call_with(&policy::GATHER, [self, index], |[x, i]| x.gather_prepared(dim, i))
+    }
+
+    fn gather_prepared(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
         const OP: &str = "gather";
         check_index(OP, self, index)?;
         let d = self.shape().dim(OP, dim)?;
@@ -353,12 +360,21 @@ impl Tensor {
     /// `self` with `src[p]` written at `p` with `p[dim] = index[p]`, for `p` over `index`'s
     /// shape (out of place; `torch.scatter`). With repeated indices the last write wins.
     pub fn scatter(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-        scatter_tensor(ScatterOp::Scatter, self, dim, index, src)
+        dispatch::call_with(&policy::SCATTER, [self, index, src], |[x, i, s]| {
+            scatter_tensor(ScatterOp::Scatter, x, dim, i, s)
+        })
     }
 
     /// `self` with `value` written at the positions `scatter` would write (`torch.scatter` with
     /// a scalar `value`; out of place).
     pub fn scatter_value(&self, dim: isize, index: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
+        let value = value.into();
+        dispatch::call_with(&policy::SCATTER, [self, index], |[x, i]| {
+            x.scatter_value_prepared(dim, i, value)
+        })
+    }
+
+    fn scatter_value_prepared(&self, dim: isize, index: &Tensor, value: Scalar) -> Result<Tensor> {
         const OP: &str = "scatter";
         check_index(OP, self, index)?;
         let d = self.shape().dim(OP, dim)?;
@@ -368,7 +384,7 @@ impl Tensor {
                 .reshape(&isize_dims(self.shape()));
         }
         check_gather_shapes(OP, self, d, index, None)?;
-        let v = Tensor::scalar(value.into().to_f64(), self.dtype(), self.device())?;
+        let v = Tensor::scalar(value.to_f64(), self.dtype(), self.device())?;
         let vl = v.layout().broadcast_as(index.shape(), OP)?;
         let out = scatter_kernel(ScatterOp::Scatter, self, d, index, &v, &vl)?;
         if !autograd::needs_grad(&[self]) {
@@ -382,11 +398,19 @@ impl Tensor {
 
     /// `self` with `src` added at `index` along `dim` (out of place; `torch.scatter_add`).
     pub fn scatter_add(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-        scatter_tensor(ScatterOp::ScatterAdd, self, dim, index, src)
+        dispatch::call_with(&policy::SCATTER_ADD, [self, index, src], |[x, i, s]| {
+            scatter_tensor(ScatterOp::ScatterAdd, x, dim, i, s)
+        })
     }
 
     /// `self` with rows of `source` added at `index` along `dim` (out of place; `index_add`).
     pub fn index_add(&self, dim: isize, index: &Tensor, source: &Tensor) -> Result<Tensor> {
+        dispatch::call_with(&policy::INDEX_ADD, [self, index, source], |[x, i, s]| {
+            x.index_add_prepared(dim, i, s)
+        })
+    }
+
+    fn index_add_prepared(&self, dim: isize, index: &Tensor, source: &Tensor) -> Result<Tensor> {
         const OP: &str = "index_add";
         check_index(OP, self, index)?;
         check_same_dtype(OP, self, source)?;
@@ -441,6 +465,12 @@ impl Tensor {
     /// `indices.shape + [embedding_dim]` (`F.embedding(input, weight)`). The weight's gradient
     /// adds each output row's gradient into the row it came from.
     pub fn embedding(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        dispatch::call_with(&policy::EMBEDDING, [indices, weight], |[i, w]| {
+            Tensor::embedding_prepared(i, w)
+        })
+    }
+
+    fn embedding_prepared(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
         const OP: &str = "embedding";
         check_index(OP, weight, indices)?;
         if weight.rank() != 2 {
@@ -459,6 +489,10 @@ impl Tensor {
     /// One-hot int64 rows of the class indices in `self` (int64 or int32): shape
     /// `self.shape + [num_classes]`; `num_classes == -1` uses max + 1 (`F.one_hot`).
     pub fn one_hot(&self, num_classes: i64) -> Result<Tensor> {
+        dispatch::call_with(&policy::ONE_HOT, [self], |[x]| x.one_hot_prepared(num_classes))
+    }
+
+    fn one_hot_prepared(&self, num_classes: i64) -> Result<Tensor> {
         const OP: &str = "one_hot";
         if !matches!(self.dtype(), DType::I64 | DType::I32) {
             return Err(Error::UnsupportedDType {

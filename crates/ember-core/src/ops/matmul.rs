@@ -9,6 +9,7 @@
 
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};
+use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{Error, Result, Shape, Tensor};
@@ -110,6 +111,10 @@ impl Tensor {
     /// operand gets a dim prepended (left) or appended (right) that is removed afterwards, and
     /// batch dims (all but the last two) broadcast.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        dispatch::call_with(&policy::MATMUL, [self, other], |[a, b]| a.matmul_prepared(b))
+    }
+
+    fn matmul_prepared(&self, other: &Tensor) -> Result<Tensor> {
         const OP: &str = "matmul";
         check_operands(OP, self, other)?;
         let (ra, rb) = (self.rank(), other.rank());
@@ -163,6 +168,10 @@ impl Tensor {
 
     /// Product of two matrices (`torch.mm`); no broadcasting.
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
+        dispatch::call_with(&policy::MM, [self, other], |[a, b]| a.mm_prepared(b))
+    }
+
+    fn mm_prepared(&self, other: &Tensor) -> Result<Tensor> {
         check_operands("mm", self, other)?;
         for (name, t) in [("self", self), ("mat2", other)] {
             if t.rank() != 2 {
@@ -181,6 +190,10 @@ impl Tensor {
 
     /// Batched product of `[b, n, m]` and `[b, m, p]` (`torch.bmm`); batch sizes must be equal.
     pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
+        dispatch::call_with(&policy::BMM, [self, other], |[a, b]| a.bmm_prepared(b))
+    }
+
+    fn bmm_prepared(&self, other: &Tensor) -> Result<Tensor> {
         check_operands("bmm", self, other)?;
         for (name, t) in [("batch1", self), ("batch2", other)] {
             if t.rank() != 3 {
@@ -207,6 +220,17 @@ impl Tensor {
 
     /// `self @ weight.T + bias` (`F.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        dispatch::composite_list(
+            &policy::LINEAR,
+            &[Some(self), Some(weight), bias],
+            |ins| match ins {
+                [Some(x), Some(w), b] => x.linear_prepared(w, b.as_ref()),
+                _ => unreachable!("linear's input and weight are always given"),
+            },
+        )
+    }
+
+    fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         const OP: &str = "linear";
         check_operands(OP, self, weight)?;
         if let Some(b) = bias {
@@ -231,7 +255,7 @@ impl Tensor {
                 hint: "the input's last dim must equal weight's in_features (weight is [out_features, in_features])",
             });
         }
-        let out = self.matmul(&weight.t()?)?;
+        let out = self.matmul_prepared(&weight.t()?)?;
         match bias {
             Some(b) => {
                 if !matches!(out.shape().broadcast(b.shape(), OP), Ok(s) if &s == out.shape()) {

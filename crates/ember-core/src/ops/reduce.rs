@@ -8,6 +8,7 @@
 //! argmax/argmin give int64 indices (first occurrence on ties, NaN counts as the max).
 
 use crate::autograd::{self, SavedTensor};
+use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{DType, Error, Result, Shape, Tensor};
@@ -186,14 +187,15 @@ impl Tensor {
     /// if `keepdim`.
     pub fn sum_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = reduce_dims("sum", self.shape(), dims)?;
-        let out = self.reduce_raw(ReduceOp::Sum, &d, keepdim)?;
-        if !self.dtype().is_floating_point() || !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let shape = self.shape().clone();
-        Ok(autograd::record("sum", &[self], out, move |g, _| {
-            Ok(vec![Some(expand_back(g, &shape, &d, keepdim)?)])
-        }))
+        dispatch::call(
+            &policy::SUM,
+            [self],
+            |[x]| x.reduce_raw(ReduceOp::Sum, &d, keepdim),
+            |[x], _| {
+                let (shape, d) = (x.shape().clone(), d.clone());
+                Ok(move |g: &Tensor, _: &[bool]| Ok(vec![Some(expand_back(g, &shape, &d, keepdim)?)]))
+            },
+        )
     }
 
     /// Sum over one dim (`x.sum(dim)`).
@@ -212,16 +214,19 @@ impl Tensor {
             return Err(needs_float("mean", self.dtype()));
         }
         let d = reduce_dims("mean", self.shape(), dims)?;
-        let out = self.reduce_raw(ReduceOp::Mean, &d, keepdim)?;
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let shape = self.shape().clone();
-        let n = reduced_count(&shape, &d);
-        Ok(autograd::record("mean", &[self], out, move |g, _| {
-            let g = g.div_scalar(n as f64)?;
-            Ok(vec![Some(expand_back(&g, &shape, &d, keepdim)?)])
-        }))
+        dispatch::call(
+            &policy::MEAN,
+            [self],
+            |[x]| x.reduce_raw(ReduceOp::Mean, &d, keepdim),
+            |[x], _| {
+                let (shape, d) = (x.shape().clone(), d.clone());
+                let n = reduced_count(&shape, &d);
+                Ok(move |g: &Tensor, _: &[bool]| {
+                    let g = g.div_scalar(n as f64)?;
+                    Ok(vec![Some(expand_back(&g, &shape, &d, keepdim)?)])
+                })
+            },
+        )
     }
 
     /// Product of every element, as a 0-d tensor (int64 for integer and bool inputs).
@@ -238,27 +243,16 @@ impl Tensor {
     /// with one zero in a group only that element gets a gradient (the product of the others).
     pub fn prod_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = reduce_dims("prod", self.shape(), dims)?;
-        let out = self.reduce_raw(ReduceOp::Prod, &d, keepdim)?;
-        if !self.dtype().is_floating_point() || !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let x = SavedTensor::new("prod", self);
-        let shape = self.shape().clone();
-        Ok(autograd::record("prod", &[self], out, move |g, _| {
-            let x = x.get()?;
-            let g = keep_dims(g, &shape, &d, keepdim)?;
-            let id: Vec<isize> = d.iter().map(|&i| i as isize).collect();
-            let is_zero = x.eq_scalar(0)?;
-            let zeros = is_zero.sum_dims(&id, true)?;
-            // Product of the nonzero elements of each group.
-            let x_nz = x.masked_fill(&is_zero, 1.0)?;
-            let p = x_nz.prod_dims(&id, true)?;
-            let no_zero = p.div(&x_nz)?;
-            let only_zero = is_zero.logical_and(&zeros.eq_scalar(1)?)?;
-            let one_zero = Tensor::where_cond(&only_zero, &p, &zero_like(x)?)?;
-            let dx = Tensor::where_cond(&zeros.eq_scalar(0)?, &no_zero, &one_zero)?;
-            Ok(vec![Some(dx.mul(&g)?)])
-        }))
+        dispatch::call(
+            &policy::PROD,
+            [self],
+            |[x]| x.reduce_raw(ReduceOp::Prod, &d, keepdim),
+            |[x], _| {
+                let (shape, d) = (x.shape().clone(), d.clone());
+                let x = SavedTensor::new("prod", x);
+                Ok(move |g: &Tensor, _: &[bool]| prod_backward(&x, g, &shape, &d, keepdim))
+            },
+        )
     }
 
     /// Maximum over `dim` and the index of its first occurrence (`torch.max(x, dim)`); the
@@ -266,13 +260,48 @@ impl Tensor {
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         self.extreme_dim(ReduceOp::Max, dim, keepdim)
     }
+}
 
+fn prod_backward(
+    x: &SavedTensor,
+    g: &Tensor,
+    shape: &Shape,
+    d: &[usize],
+    keepdim: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    {
+        let x = x.get()?;
+        let g = keep_dims(g, shape, d, keepdim)?;
+        let id: Vec<isize> = d.iter().map(|&i| i as isize).collect();
+        let is_zero = x.eq_scalar(0)?;
+        let zeros = is_zero.sum_dims(&id, true)?;
+        // Product of the nonzero elements of each group.
+        let x_nz = x.masked_fill(&is_zero, 1.0)?;
+        let p = x_nz.prod_dims(&id, true)?;
+        let no_zero = p.div(&x_nz)?;
+        let only_zero = is_zero.logical_and(&zeros.eq_scalar(1)?)?;
+        let one_zero = Tensor::where_cond(&only_zero, &p, &zero_like(x)?)?;
+        let dx = Tensor::where_cond(&zeros.eq_scalar(0)?, &no_zero, &one_zero)?;
+        Ok(vec![Some(dx.mul(&g)?)])
+    }
+}
+
+impl Tensor {
     /// Minimum over `dim` and the index of its first occurrence (`torch.min(x, dim)`).
     pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         self.extreme_dim(ReduceOp::Min, dim, keepdim)
     }
 
     fn extreme_dim(&self, op: ReduceOp, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let line = if op == ReduceOp::Max {
+            &policy::MAX
+        } else {
+            &policy::MIN
+        };
+        dispatch::call_with(line, [self], |[x]| x.extreme_dim_prepared(op, dim, keepdim))
+    }
+
+    fn extreme_dim_prepared(&self, op: ReduceOp, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         let d = reduce_dims(op.name(), self.shape(), &[dim])?;
         let (vs, is) = self.storage().read().reduce_with_indices(self.layout(), op, &d)?;
         let shape = reduced_shape(self.shape(), &d, keepdim);
@@ -326,21 +355,27 @@ impl Tensor {
 
     fn extreme_dims(&self, op: ReduceOp, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = reduce_dims(op.name(), self.shape(), dims)?;
-        let out = self.reduce_raw(op, &d, keepdim)?;
-        if !self.dtype().is_floating_point() || !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let (x, y) = (
-            SavedTensor::new(op.name(), self),
-            SavedTensor::new(op.name(), &out),
-        );
-        let shape = self.shape().clone();
-        Ok(autograd::record(op.name(), &[self], out, move |g, _| {
-            let x = x.get()?;
-            let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
-            let g = keep_dims(g, &shape, &d, keepdim)?;
-            Ok(vec![Some(evenly_distribute(x, &y, &g, &d)?)])
-        }))
+        let line = match (op, dims.is_empty()) {
+            (ReduceOp::Max, true) => &policy::MAX,
+            (ReduceOp::Max, false) => &policy::AMAX,
+            (_, true) => &policy::MIN,
+            (_, false) => &policy::AMIN,
+        };
+        dispatch::call(
+            line,
+            [self],
+            |[x]| x.reduce_raw(op, &d, keepdim),
+            |[x], out| {
+                let (x, y) = (SavedTensor::new(op.name(), x), SavedTensor::new(op.name(), out));
+                let (shape, d) = (x.get()?.shape().clone(), d.clone());
+                Ok(move |g: &Tensor, _: &[bool]| {
+                    let x = x.get()?;
+                    let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
+                    let g = keep_dims(g, &shape, &d, keepdim)?;
+                    Ok(vec![Some(evenly_distribute(x, &y, &g, &d)?)])
+                })
+            },
+        )
     }
 
     /// Index of the maximum over `dim`, or over the flattened tensor when `None`
@@ -355,6 +390,15 @@ impl Tensor {
     }
 
     fn arg_extreme(&self, op: ReduceOp, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+        let line = if op == ReduceOp::ArgMax {
+            &policy::ARGMAX
+        } else {
+            &policy::ARGMIN
+        };
+        dispatch::call_with(line, [self], |[x]| x.arg_extreme_prepared(op, dim, keepdim))
+    }
+
+    fn arg_extreme_prepared(&self, op: ReduceOp, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
         let Some(dim) = dim else {
             let flat = self.detach().reshape(&[self.numel() as isize])?;
             let out = flat.reduce_raw(op, &[0], false)?;
@@ -384,55 +428,81 @@ impl Tensor {
             return Err(needs_float(op.name(), self.dtype()));
         }
         let d = reduce_dims(op.name(), self.shape(), dims)?;
-        let out = self.reduce_raw(op, &d, keepdim)?;
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let (x, y) = (
-            SavedTensor::new(op.name(), self),
-            SavedTensor::new(op.name(), &out),
-        );
-        let shape = self.shape().clone();
-        let n = reduced_count(&shape, &d) as f64;
-        Ok(autograd::record(op.name(), &[self], out, move |g, _| {
-            let x = x.get()?;
-            let g = keep_dims(g, &shape, &d, keepdim)?;
-            let id: Vec<isize> = d.iter().map(|&i| i as isize).collect();
-            let centered = x.sub(&x.mean_dims(&id, true)?)?;
-            let dx = match op {
-                // d var / dx = 2 (x - mean) / (N - c)
-                ReduceOp::Var { correction } => centered.mul(&g.mul_scalar(2.0 / (n - correction))?)?,
-                // d std / dx = (x - mean) / ((N - c) std), zero where std == 0.
-                ReduceOp::Std { correction } => {
-                    let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
-                    let scale = g.div(&y.mul_scalar(n - correction)?)?;
-                    let scale = scale.masked_fill(&y.eq_scalar(0)?, 0.0)?;
-                    centered.mul(&scale)?
-                }
-                _ => unreachable!("var_std is called with Var or Std"),
-            };
-            Ok(vec![Some(dx)])
-        }))
+        let line = if matches!(op, ReduceOp::Var { .. }) {
+            &policy::VAR
+        } else {
+            &policy::STD
+        };
+        dispatch::call(
+            line,
+            [self],
+            |[x]| x.reduce_raw(op, &d, keepdim),
+            |[x], out| {
+                let (x, y) = (SavedTensor::new(op.name(), x), SavedTensor::new(op.name(), out));
+                let (shape, d) = (x.get()?.shape().clone(), d.clone());
+                Ok(move |g: &Tensor, _: &[bool]| var_std_backward(op, &x, &y, g, &shape, &d, keepdim))
+            },
+        )
     }
+}
 
+fn var_std_backward(
+    op: ReduceOp,
+    x: &SavedTensor,
+    y: &SavedTensor,
+    g: &Tensor,
+    shape: &Shape,
+    d: &[usize],
+    keepdim: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    let n = reduced_count(shape, d) as f64;
+    {
+        let x = x.get()?;
+        let g = keep_dims(g, shape, d, keepdim)?;
+        let id: Vec<isize> = d.iter().map(|&i| i as isize).collect();
+        let centered = x.sub(&x.mean_dims(&id, true)?)?;
+        let dx = match op {
+            // d var / dx = 2 (x - mean) / (N - c)
+            ReduceOp::Var { correction } => centered.mul(&g.mul_scalar(2.0 / (n - correction))?)?,
+            // d std / dx = (x - mean) / ((N - c) std), zero where std == 0.
+            ReduceOp::Std { correction } => {
+                let y = keep_dims(y.get()?, shape, d, keepdim)?;
+                let scale = g.div(&y.mul_scalar(n - correction)?)?;
+                let scale = scale.masked_fill(&y.eq_scalar(0)?, 0.0)?;
+                centered.mul(&scale)?
+            }
+            _ => unreachable!("var_std is called with Var or Std"),
+        };
+        Ok(vec![Some(dx)])
+    }
+}
+
+impl Tensor {
     /// `log Σ exp(x)` over `dims` (empty means all), computed without overflow
     /// (`torch.logsumexp`); integer inputs compute in float32.
     pub fn logsumexp(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
-        if !self.dtype().is_floating_point() {
-            return self.to_dtype(DType::F32)?.logsumexp(dims, keepdim);
-        }
         let d = reduce_dims("logsumexp", self.shape(), dims)?;
-        let out = self.reduce_raw(ReduceOp::LogSumExp, &d, keepdim)?;
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let x = SavedTensor::new("logsumexp", self);
-        let shape = self.shape().clone();
-        Ok(autograd::record("logsumexp", &[self], out, move |g, _| {
-            // d lse / dx = exp(x - lse) = softmax of x over the reduced dims.
-            let g = keep_dims(g, &shape, &d, keepdim)?;
-            Ok(vec![Some(softmax_over(x.get()?, &d)?.mul(&g)?)])
-        }))
+        dispatch::call(
+            &policy::LOGSUMEXP,
+            [self],
+            |[x]| {
+                if !x.dtype().is_floating_point() {
+                    return x
+                        .to_dtype(DType::F32)?
+                        .reduce_raw(ReduceOp::LogSumExp, &d, keepdim);
+                }
+                x.reduce_raw(ReduceOp::LogSumExp, &d, keepdim)
+            },
+            |[x], _| {
+                let x = SavedTensor::new("logsumexp", x);
+                let (shape, d) = (x.get()?.shape().clone(), d.clone());
+                Ok(move |g: &Tensor, _: &[bool]| {
+                    // d lse / dx = exp(x - lse) = softmax of x over the reduced dims.
+                    let g = keep_dims(g, &shape, &d, keepdim)?;
+                    Ok(vec![Some(softmax_over(x.get()?, &d)?.mul(&g)?)])
+                })
+            },
+        )
     }
 
     /// The vector p-norm over `dims` (empty means all), as `torch.linalg.vector_norm`:
@@ -453,21 +523,21 @@ impl Tensor {
                 "cannot compute the inf norm of an empty tensor: the operation has no identity",
             ));
         }
-        let out = self.reduce_raw(op, &d, keepdim)?;
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let (x, y) = (
-            SavedTensor::new(op.name(), self),
-            SavedTensor::new(op.name(), &out),
-        );
-        let shape = self.shape().clone();
-        Ok(autograd::record("norm", &[self], out, move |g, _| {
-            let x = x.get()?;
-            let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
-            let g = keep_dims(g, &shape, &d, keepdim)?;
-            Ok(vec![Some(norm_backward(x, &y, &g, p, &d)?)])
-        }))
+        dispatch::call(
+            &policy::NORM,
+            [self],
+            |[x]| x.reduce_raw(op, &d, keepdim),
+            |[x], out| {
+                let (x, y) = (SavedTensor::new(op.name(), x), SavedTensor::new(op.name(), out));
+                let (shape, d) = (x.get()?.shape().clone(), d.clone());
+                Ok(move |g: &Tensor, _: &[bool]| {
+                    let x = x.get()?;
+                    let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
+                    let g = keep_dims(g, &shape, &d, keepdim)?;
+                    Ok(vec![Some(norm_backward(x, &y, &g, p, &d)?)])
+                })
+            },
+        )
     }
 }
 

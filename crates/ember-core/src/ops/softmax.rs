@@ -2,7 +2,8 @@
 //! own, from the saved output): softmax `y (g - Σ g y)`, log_softmax `g - exp(y) Σ g`.
 
 use super::binary::same_device;
-use crate::autograd::{self, SavedTensor};
+use crate::autograd::SavedTensor;
+use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{Error, Result, Tensor};
@@ -53,30 +54,42 @@ impl Storage {
 }
 
 fn softmax(x: &Tensor, op: SoftmaxOp, dim: isize) -> Result<Tensor> {
-    if !x.dtype().is_floating_point() {
-        return Err(Error::UnsupportedDType {
-            op: op.name(),
-            dtype: x.dtype(),
-            hint: "it needs a floating point input; convert with .to_dtype(DType::F32) first",
-        });
-    }
+    let line = match op {
+        SoftmaxOp::Softmax => &policy::SOFTMAX,
+        SoftmaxOp::LogSoftmax => &policy::LOG_SOFTMAX,
+    };
     let d = x.shape().dim(op.name(), dim)?;
-    let storage = x.storage().read().softmax(x.layout(), op, d)?;
-    let out = Tensor::from_storage(storage, x.shape().clone());
-    if !autograd::needs_grad(&[x]) {
-        return Ok(out);
-    }
-    let y = SavedTensor::new(op.name(), &out);
-    Ok(autograd::record(op.name(), &[x], out, move |g, _| {
-        let y = y.get()?;
-        same_device(op.name(), &[y, g])?;
-        let g = g.to_dtype(y.dtype())?;
-        let storage =
-            y.storage()
-                .read()
-                .softmax_backward(y.layout(), &g.storage().read(), g.layout(), op, d)?;
-        Ok(vec![Some(Tensor::from_storage(storage, y.shape().clone()))])
-    }))
+    dispatch::call(
+        line,
+        [x],
+        |[x]| {
+            if !x.dtype().is_floating_point() {
+                return Err(Error::UnsupportedDType {
+                    op: op.name(),
+                    dtype: x.dtype(),
+                    hint: "it needs a floating point input; convert with .to_dtype(DType::F32) first",
+                });
+            }
+            let storage = x.storage().read().softmax(x.layout(), op, d)?;
+            Ok(Tensor::from_storage(storage, x.shape().clone()))
+        },
+        |_, out| {
+            let y = SavedTensor::new(op.name(), out);
+            Ok(move |g: &Tensor, _: &[bool]| {
+                let y = y.get()?;
+                same_device(op.name(), &[y, g])?;
+                let g = g.to_dtype(y.dtype())?;
+                let storage = y.storage().read().softmax_backward(
+                    y.layout(),
+                    &g.storage().read(),
+                    g.layout(),
+                    op,
+                    d,
+                )?;
+                Ok(vec![Some(Tensor::from_storage(storage, y.shape().clone()))])
+            })
+        },
+    )
 }
 
 impl Tensor {

@@ -10,7 +10,8 @@
 //! Bool inputs: abs and sign return them unchanged, square gives int64, and neg, relu and the
 //! rounding ops are errors.
 
-use crate::autograd::{self, SavedTensor};
+use crate::autograd::SavedTensor;
+use crate::dispatch::{self, policy, Op};
 use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{DType, Error, Result, Tensor};
@@ -205,29 +206,84 @@ impl Storage {
     }
 }
 
-/// `op(x)` with PyTorch's dtype rules and autograd: the one path every unary op takes.
-pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
-    let dtype = op.result_dtype(x.dtype())?;
-    let storage = x.storage().read().unary(op, x.layout())?;
-    debug_assert_eq!(
-        storage.dtype(),
-        dtype,
-        "{} kernel produced the wrong dtype",
-        op.name()
-    );
-    let out = Tensor::from_storage(storage, x.shape());
-    if !x.dtype().is_floating_point() || !autograd::needs_grad(&[x]) {
-        return Ok(out);
+/// The op table's line for `op`.
+fn line(op: UnaryOp) -> &'static Op {
+    use UnaryOp::*;
+    match op {
+        Neg => &policy::NEG,
+        Abs => &policy::ABS,
+        Sign => &policy::SIGN,
+        Square => &policy::SQUARE,
+        Reciprocal => &policy::RECIPROCAL,
+        Sqrt => &policy::SQRT,
+        Rsqrt => &policy::RSQRT,
+        Exp => &policy::EXP,
+        Exp2 => &policy::EXP2,
+        Expm1 => &policy::EXPM1,
+        Log => &policy::LOG,
+        Log2 => &policy::LOG2,
+        Log10 => &policy::LOG10,
+        Log1p => &policy::LOG1P,
+        Sin => &policy::SIN,
+        Cos => &policy::COS,
+        Tan => &policy::TAN,
+        Asin => &policy::ASIN,
+        Acos => &policy::ACOS,
+        Atan => &policy::ATAN,
+        Sinh => &policy::SINH,
+        Cosh => &policy::COSH,
+        Tanh => &policy::TANH,
+        Erf => &policy::ERF,
+        Erfc => &policy::ERFC,
+        Floor => &policy::FLOOR,
+        Ceil => &policy::CEIL,
+        Round => &policy::ROUND,
+        Trunc => &policy::TRUNC,
+        Sigmoid => &policy::SIGMOID,
+        LogSigmoid => &policy::LOGSIGMOID,
+        Relu => &policy::RELU,
+        LeakyRelu { .. } => &policy::LEAKY_RELU,
+        Elu { .. } => &policy::ELU,
+        Hardtanh { .. } => &policy::HARDTANH,
+        Hardsigmoid => &policy::HARDSIGMOID,
+        Hardswish => &policy::HARDSWISH,
+        Gelu => &policy::GELU,
+        GeluTanh => &policy::GELU_TANH,
+        Silu => &policy::SILU,
+        Mish => &policy::MISH,
+        Softplus { .. } => &policy::SOFTPLUS,
+        Softsign => &policy::SOFTSIGN,
     }
-    let saved = match op.saves() {
-        Saves::Input => Some(SavedTensor::new(op.name(), x)),
-        Saves::Output => Some(SavedTensor::new(op.name(), &out)),
-        Saves::Nothing => None,
-    };
-    Ok(autograd::record(op.name(), &[x], out, move |g, _| {
-        let saved = saved.as_ref().map(|s| s.get()).transpose()?;
-        Ok(vec![Some(grad_rule(op, g, saved)?)])
-    }))
+}
+
+/// `op(x)` with PyTorch's dtype rules and autograd, through the dispatch point.
+pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+    dispatch::call(
+        line(op),
+        [x],
+        |[x]| {
+            let dtype = op.result_dtype(x.dtype())?;
+            let storage = x.storage().read().unary(op, x.layout())?;
+            debug_assert_eq!(
+                storage.dtype(),
+                dtype,
+                "{} kernel produced the wrong dtype",
+                op.name()
+            );
+            Ok(Tensor::from_storage(storage, x.shape()))
+        },
+        |[x], out| {
+            let saved = match op.saves() {
+                Saves::Input => Some(SavedTensor::new(op.name(), x)),
+                Saves::Output => Some(SavedTensor::new(op.name(), out)),
+                Saves::Nothing => None,
+            };
+            Ok(move |g: &Tensor, _: &[bool]| {
+                let saved = saved.as_ref().map(|s| s.get()).transpose()?;
+                Ok(vec![Some(grad_rule(op, g, saved)?)])
+            })
+        },
+    )
 }
 
 /// The gradient of `op` at the saved tensor `s` (its input or output, see [`UnaryOp::saves`])

@@ -1,0 +1,195 @@
+//! The dispatch point: the one path every public op takes. [`call`] reads as the list of
+//! layers an op passes, in order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
+//!
+//! 1. **device check**: every tensor operand on one device ([`check_devices`], the one
+//!    builder of `Error::DeviceMismatch` above the backends);
+//! 2. **autocast**: the op's line in the policy table ([`policy`]) casts floating inputs when
+//!    an [`crate::amp::autocast`] region is open for their device type ([`autocast::apply`]);
+//! 3. **dtype promotion**: the op's [`Promotion`] brings the operands to one dtype;
+//! 4. **observer hook**: [`observer`] sees the op's name, inputs and CPU time (the profiler's
+//!    entry point); with no observer installed it costs one relaxed atomic load;
+//! 5. **backend**: the op's kernel closure, which calls `Storage` (the backend boundary) on
+//!    the prepared inputs;
+//! 6. **autograd record**: when grad mode is on and an input requires a gradient, the op's
+//!    backward rule (built only then) is recorded with the prepared inputs as edges.
+//!
+//! Ops that PyTorch's autocast policy names as one op but that are built from other ops
+//! (layer_norm, the losses, scaled_dot_product_attention, the LSTM layers) enter through
+//! [`composite`]: steps 1–4 run once for the whole op, and its body runs with autocast
+//! suspended, so the inner ops keep the dtypes the policy chose (as PyTorch redispatches
+//! below its Autocast key).
+//!
+//! Adding an op: its line in [`policy`] (name, autocast policy, promotion), its `Tensor` method
+//! in `ops/<family>.rs` calling [`call`] with the kernel and backward rule, and its kernels in
+//! each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
+
+pub mod autocast;
+pub mod observer;
+pub mod policy;
+
+pub use policy::{CastPolicy, Op, Promotion};
+
+use crate::autograd;
+use crate::{DType, Device, Error, Result, Tensor};
+
+/// The device all of `inputs` live on, or the error naming the first two that differ.
+pub fn check_devices(op: &'static str, inputs: &[&Tensor]) -> Result<Device> {
+    let Some(first) = inputs.first() else {
+        return Ok(Device::Cpu);
+    };
+    let device = first.device();
+    for t in &inputs[1..] {
+        if t.device() != device {
+            return Err(device_mismatch(op, device, t.device()));
+        }
+    }
+    Ok(device)
+}
+
+/// The error for operands of `op` on two devices: the one place it is built above the backends.
+pub fn device_mismatch(op: &'static str, lhs: Device, rhs: Device) -> Error {
+    Error::DeviceMismatch { op, lhs, rhs }
+}
+
+/// Step 3: the operands of `op` cast to the dtype its [`Promotion`] asks for.
+fn promote(op: &Op, inputs: &mut [Tensor]) -> Result<()> {
+    let operands = match op.promotion {
+        Promotion::None => return Ok(()),
+        Promotion::Common | Promotion::CommonFloat => &mut inputs[..],
+        Promotion::CommonAfterFirst => &mut inputs[1..],
+    };
+    let Some(first) = operands.first() else {
+        return Ok(());
+    };
+    let mut target = first.dtype();
+    for t in &operands[1..] {
+        target = target.promote(t.dtype());
+    }
+    if op.promotion == Promotion::CommonFloat && !target.is_floating_point() {
+        target = DType::F32;
+    }
+    for t in operands.iter_mut() {
+        if t.dtype() != target {
+            *t = t.to_dtype(target)?;
+        }
+    }
+    Ok(())
+}
+
+/// Inputs of one op after steps 1–3, with the observer's scope (step 4) open until it drops.
+pub struct Prepared<const N: usize> {
+    /// The operands as the backend sees them: cast by autocast, promoted.
+    pub inputs: [Tensor; N],
+    /// The device they live on.
+    pub device: Device,
+    _scope: observer::Scope,
+}
+
+/// Steps 1–4 of the dispatch point for `op` over `inputs` (see the module docs).
+pub fn prepare<const N: usize>(op: &'static Op, inputs: [&Tensor; N]) -> Result<Prepared<N>> {
+    let device = check_devices(op.name, &inputs)?;
+    let mut inputs = inputs.map(Tensor::clone);
+    autocast::apply(op, device, &mut inputs)?;
+    promote(op, &mut inputs)?;
+    let scope = observer::Scope::enter(op, device, &inputs);
+    Ok(Prepared {
+        inputs,
+        device,
+        _scope: scope,
+    })
+}
+
+/// Runs the differentiable op `op` through every layer: `kernel` computes the output from the
+/// prepared inputs (the backend step); `rule` builds the backward closure from the prepared
+/// inputs and the output, only when autograd records the op. The closure gets the output's
+/// gradient and per input whether it needs one, and returns one entry per input.
+pub(crate) fn call<const N: usize, K, R, B>(
+    op: &'static Op,
+    inputs: [&Tensor; N],
+    kernel: K,
+    rule: R,
+) -> Result<Tensor>
+where
+    K: FnOnce(&[Tensor; N]) -> Result<Tensor>,
+    R: FnOnce(&[Tensor; N], &Tensor) -> Result<B>,
+    B: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+{
+    let p = prepare(op, inputs)?;
+    let out = kernel(&p.inputs)?;
+    let refs = p.inputs.each_ref();
+    if !out.dtype().is_floating_point() || !autograd::needs_grad(&refs) {
+        return Ok(out);
+    }
+    let backward = rule(&p.inputs, &out)?;
+    Ok(autograd::record(op.name, &refs, out, backward))
+}
+
+/// Runs an op with no gradient (comparisons, logical ops, argmax, ...) or one that records
+/// its own graph (several outputs): steps 1–4, then `body` on the prepared inputs.
+pub(crate) fn call_with<const N: usize, T>(
+    op: &'static Op,
+    inputs: [&Tensor; N],
+    body: impl FnOnce(&[Tensor; N]) -> Result<T>,
+) -> Result<T> {
+    let p = prepare(op, inputs)?;
+    body(&p.inputs)
+}
+
+/// Runs an op built from other ops as ONE op: steps 1–4 for `op` over `inputs`, then `body`
+/// on the prepared inputs with autocast suspended (the inner ops run in the dtypes `op`'s
+/// policy chose). Inner ops still pass the dispatch point (device checks, observers nested
+/// under `op`, autograd). For ops with a variable number of tensors use [`composite_list`].
+///
+/// ```
+/// use ember_core::dispatch::{self, policy};
+/// use ember_core::{Device, Tensor};
+/// let x = Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)?;
+/// // softplus-like op that is one op to autocast and the profiler.
+/// let y = dispatch::composite(&policy::SOFTPLUS, [&x], |[x]| x.exp()?.add_scalar(1.0)?.log())?;
+/// assert_eq!(y.dims(), &[2]);
+/// # Ok::<(), ember_core::Error>(())
+/// ```
+pub fn composite<const N: usize, T>(
+    op: &'static Op,
+    inputs: [&Tensor; N],
+    body: impl FnOnce(&[Tensor; N]) -> Result<T>,
+) -> Result<T> {
+    let p = prepare(op, inputs)?;
+    let _suspended = autocast::suspend();
+    body(&p.inputs)
+}
+
+/// [`composite`] for ops over a list of tensors (some of which may be absent, e.g. an
+/// optional bias): `inputs` are checked, cast and observed together; `body` gets them back in
+/// order.
+pub fn composite_list<T>(
+    op: &'static Op,
+    inputs: &[Option<&Tensor>],
+    body: impl FnOnce(&[Option<Tensor>]) -> Result<T>,
+) -> Result<T> {
+    let present: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
+    let device = check_devices(op.name, &present)?;
+    let mut prepared: Vec<Tensor> = present.into_iter().cloned().collect();
+    autocast::apply(op, device, &mut prepared)?;
+    promote(op, &mut prepared)?;
+    let _scope = observer::Scope::enter(op, device, &prepared);
+    let mut it = prepared.into_iter();
+    let inputs: Vec<Option<Tensor>> = inputs.iter().map(|t| t.and_then(|_| it.next())).collect();
+    let _suspended = autocast::suspend();
+    body(&inputs)
+}
+
+/// Steps 1–4 for an op over a list of tensors (`cat`, `stack`, fused optimizer steps), then
+/// `body` on the prepared list.
+pub(crate) fn call_list<T>(
+    op: &'static Op,
+    inputs: &[&Tensor],
+    body: impl FnOnce(&[Tensor]) -> Result<T>,
+) -> Result<T> {
+    let device = check_devices(op.name, inputs)?;
+    let mut prepared: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+    autocast::apply(op, device, &mut prepared)?;
+    promote(op, &mut prepared)?;
+    let _scope = observer::Scope::enter(op, device, &prepared);
+    body(&prepared)
+}
