@@ -4,6 +4,7 @@
 //! of the input's shape through the same view (`grad_through_view`).
 
 use super::binary::{same_device, sum_to_shape};
+use crate::dispatch::{self, policy};
 use crate::autograd::{self};
 use crate::layout::Layout;
 use crate::shape::normalize_dim;
@@ -361,6 +362,11 @@ impl Tensor {
     /// Tensors joined along an existing `dim` (`torch.cat`); shapes must agree elsewhere.
     pub fn cat<T: Borrow<Tensor>>(tensors: &[T], dim: isize) -> Result<Tensor> {
         let ts: Vec<&Tensor> = tensors.iter().map(|t| t.borrow()).collect();
+        dispatch::call_list(&policy::CAT, &ts, |ts| Tensor::cat_prepared(ts, dim))
+    }
+
+    fn cat_prepared(tensors: &[Tensor], dim: isize) -> Result<Tensor> {
+        let ts: Vec<&Tensor> = tensors.iter().collect();
         let first = *ts
             .first()
             .ok_or_else(|| Error::invalid("cat", "expected a non-empty list of tensors"))?;

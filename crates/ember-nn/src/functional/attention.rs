@@ -7,6 +7,7 @@
 //! memory traffic and the extra kernels, forward and backward.
 
 use super::dropout::dropout;
+use ember_core::dispatch::{self, policy};
 use ember_core::{DType, Error, Result, Tensor};
 
 /// Attention of `query` `[.., L, E]` over `key` `[.., S, E]` and `value` `[.., S, Ev]`, giving
@@ -15,6 +16,24 @@ use ember_core::{DType, Error, Result, Tensor};
 /// `is_causal` keeps position `j <= i` only (and excludes `attn_mask`); `scale` defaults to
 /// `1 / √E`; `dropout_p > 0` applies dropout to the attention weights.
 pub fn scaled_dot_product_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    attn_mask: Option<&Tensor>,
+    dropout_p: f64,
+    is_causal: bool,
+    scale: Option<f64>,
+) -> Result<Tensor> {
+    let inputs = [Some(query), Some(key), Some(value), attn_mask];
+    dispatch::composite_list(&policy::SCALED_DOT_PRODUCT_ATTENTION, &inputs, |ins| {
+        let [Some(q), Some(k), Some(v), mask] = ins else {
+            unreachable!("query, key and value are always given")
+        };
+        sdpa_prepared(q, k, v, mask.as_ref(), dropout_p, is_causal, scale)
+    })
+}
+
+fn sdpa_prepared(
     query: &Tensor,
     key: &Tensor,
     value: &Tensor,

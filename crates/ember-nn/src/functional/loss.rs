@@ -9,6 +9,7 @@
 //! keeping the `[M, C]` log-probabilities.
 
 use super::idims;
+use ember_core::dispatch::{self, policy};
 use ember_core::{DType, Error, Result, Tensor};
 
 /// How a loss reduces its per-element values (`reduction=` in PyTorch).
@@ -154,6 +155,21 @@ pub fn nll_loss(
     ignore_index: i64,
     reduction: Reduction,
 ) -> Result<Tensor> {
+    dispatch::composite_list(&policy::NLL_LOSS, &[Some(input), Some(target), weight], |ins| {
+        let [Some(input), Some(target), weight] = ins else {
+            unreachable!("nll_loss's input and target are always given")
+        };
+        nll_loss_prepared(input, target, weight.as_ref(), ignore_index, reduction)
+    })
+}
+
+fn nll_loss_prepared(
+    input: &Tensor,
+    target: &Tensor,
+    weight: Option<&Tensor>,
+    ignore_index: i64,
+    reduction: Reduction,
+) -> Result<Tensor> {
     const OP: &str = "nll_loss";
     let (x, t, shape) = rows(OP, input, target)?;
     let (loss, w) = picked_nll(OP, &x, &t, weight, ignore_index)?;
@@ -165,6 +181,22 @@ pub fn nll_loss(
 /// `ignore_index`, PyTorch's default -100) or class probabilities of the input's shape and
 /// dtype. `label_smoothing` in `[0, 1]` mixes the target with the uniform distribution.
 pub fn cross_entropy(
+    input: &Tensor,
+    target: &Tensor,
+    weight: Option<&Tensor>,
+    ignore_index: i64,
+    reduction: Reduction,
+    label_smoothing: f64,
+) -> Result<Tensor> {
+    dispatch::composite_list(&policy::CROSS_ENTROPY, &[Some(input), Some(target), weight], |ins| {
+        let [Some(input), Some(target), weight] = ins else {
+            unreachable!("cross_entropy's input and target are always given")
+        };
+        cross_entropy_prepared(input, target, weight.as_ref(), ignore_index, reduction, label_smoothing)
+    })
+}
+
+fn cross_entropy_prepared(
     input: &Tensor,
     target: &Tensor,
     weight: Option<&Tensor>,
@@ -279,14 +311,18 @@ fn check_pointwise(op: &'static str, input: &Tensor, target: &Tensor) -> Result<
 /// Squared error `(input - target)²` (`F.mse_loss`; the operands broadcast, as PyTorch does
 /// with a warning).
 pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
-    check_pointwise("mse_loss", input, target)?;
-    reduce(input.sub(target)?.square()?, reduction)
+    dispatch::composite(&policy::MSE_LOSS, [input, target], |[input, target]| {
+        check_pointwise("mse_loss", input, target)?;
+        reduce(input.sub(target)?.square()?, reduction)
+    })
 }
 
 /// Absolute error `|input - target|` (`F.l1_loss`; the operands broadcast).
 pub fn l1_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
-    check_pointwise("l1_loss", input, target)?;
-    reduce(input.sub(target)?.abs()?, reduction)
+    dispatch::composite(&policy::L1_LOSS, [input, target], |[input, target]| {
+        check_pointwise("l1_loss", input, target)?;
+        reduce(input.sub(target)?.abs()?, reduction)
+    })
 }
 
 /// Binary cross-entropy of the logits `input` against probabilities `target` of its shape
@@ -294,6 +330,25 @@ pub fn l1_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<
 /// `(1 - t)·x - (1 + (pos_weight - 1)·t)·logσ(x)`, times the optional `weight`; both weights
 /// broadcast against the input.
 pub fn binary_cross_entropy_with_logits(
+    input: &Tensor,
+    target: &Tensor,
+    weight: Option<&Tensor>,
+    pos_weight: Option<&Tensor>,
+    reduction: Reduction,
+) -> Result<Tensor> {
+    dispatch::composite_list(
+        &policy::BINARY_CROSS_ENTROPY_WITH_LOGITS,
+        &[Some(input), Some(target), weight, pos_weight],
+        |ins| {
+            let [Some(input), Some(target), weight, pos_weight] = ins else {
+                unreachable!("the input and target are always given")
+            };
+            bce_with_logits_prepared(input, target, weight.as_ref(), pos_weight.as_ref(), reduction)
+        },
+    )
+}
+
+fn bce_with_logits_prepared(
     input: &Tensor,
     target: &Tensor,
     weight: Option<&Tensor>,

@@ -7,6 +7,7 @@
 //! two-reduction backward) would replace about ten elementwise and reduction kernels each way.
 
 use super::idims;
+use ember_core::dispatch::{self, policy};
 use ember_core::{no_grad, Error, Result, Tensor};
 
 /// `t` (1-D with `c` elements) shaped to broadcast over dim 1 of a rank-`rank` input.
@@ -33,6 +34,35 @@ fn per_channel(op: &'static str, name: &str, t: &Tensor, c: usize, rank: usize) 
 /// Evaluation normalizes with the running stats, which must then be given.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm(
+    input: &Tensor,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<Tensor> {
+    let inputs = [Some(input), running_mean, running_var, weight, bias];
+    dispatch::composite_list(&policy::BATCH_NORM, &inputs, |ins| {
+        let [Some(input), rm, rv, w, b] = ins else {
+            unreachable!("batch_norm's input is always given")
+        };
+        // Mixed precision (a half input with float32 statistics and affine parameters, as
+        // autocast leaves them): compute in the wider dtype, return the input's (PyTorch's
+        // cuDNN and native kernels do the same).
+        let wide = [rm, rv, w, b]
+            .into_iter()
+            .flatten()
+            .fold(input.dtype(), |d, t| d.promote(t.dtype()));
+        let x = input.to_dtype(wide)?;
+        let y = batch_norm_prepared(&x, rm.as_ref(), rv.as_ref(), w.as_ref(), b.as_ref(), training, momentum, eps)?;
+        y.to_dtype(input.dtype())
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn batch_norm_prepared(
     input: &Tensor,
     running_mean: Option<&Tensor>,
     running_var: Option<&Tensor>,
@@ -119,6 +149,21 @@ fn affine(y: Tensor, weight: Option<Tensor>, bias: Option<Tensor>) -> Result<Ten
 /// `normalized_shape`, with optional elementwise `weight` and `bias` of that shape
 /// (`F.layer_norm`).
 pub fn layer_norm(
+    input: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    dispatch::composite_list(&policy::LAYER_NORM, &[Some(input), weight, bias], |ins| {
+        let [Some(input), weight, bias] = ins else {
+            unreachable!("layer_norm's input is always given")
+        };
+        layer_norm_prepared(input, normalized_shape, weight.as_ref(), bias.as_ref(), eps)
+    })
+}
+
+fn layer_norm_prepared(
     input: &Tensor,
     normalized_shape: &[usize],
     weight: Option<&Tensor>,

@@ -23,6 +23,7 @@
 
 use super::dropout::dropout;
 use ember_core::ops::rnn::lstm_recurrence;
+use ember_core::dispatch::{self, policy, Op};
 use ember_core::{Error, Result, Tensor};
 
 /// The activation of a plain (Elman) RNN: `nn.RNN(nonlinearity='tanh' | 'relu')`.
@@ -65,6 +66,16 @@ enum Kind {
 }
 
 impl Kind {
+    /// The op table's line of the sequence form.
+    fn line(self) -> &'static Op {
+        match self {
+            Kind::Rnn(RnnNonlinearity::Tanh) => &policy::RNN_TANH,
+            Kind::Rnn(RnnNonlinearity::Relu) => &policy::RNN_RELU,
+            Kind::Lstm => &policy::LSTM,
+            Kind::Gru => &policy::GRU,
+        }
+    }
+
     /// Gates stacked in the weights' first dim.
     fn gates(self) -> usize {
         match self {
@@ -303,6 +314,30 @@ fn rnn_cell(
     b_ih: Option<&Tensor>,
     b_hh: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let line = match nl {
+        RnnNonlinearity::Tanh => &policy::RNN_TANH_CELL,
+        RnnNonlinearity::Relu => &policy::RNN_RELU_CELL,
+    };
+    let inputs = [Some(input), hx, Some(w_ih), Some(w_hh), b_ih, b_hh];
+    dispatch::composite_list(line, &inputs, |ins| {
+        let [Some(input), hx, Some(w_ih), Some(w_hh), b_ih, b_hh] = ins else {
+            unreachable!("the input and weights are always given")
+        };
+        rnn_cell_prepared(op, nl, input, hx.as_ref(), w_ih, w_hh, b_ih.as_ref(), b_hh.as_ref())
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rnn_cell_prepared(
+    op: &'static str,
+    nl: RnnNonlinearity,
+    input: &Tensor,
+    hx: Option<&Tensor>,
+    w_ih: &Tensor,
+    w_hh: &Tensor,
+    b_ih: Option<&Tensor>,
+    b_hh: Option<&Tensor>,
+) -> Result<Tensor> {
     let hidden = check_cell(op, Kind::Rnn(nl), input, w_ih, w_hh, b_ih, b_hh)?;
     let h = cell_state(op, "hx", hx, input, hidden)?;
     let (x, unbatch) = batch_cell_input(input)?;
@@ -366,6 +401,27 @@ pub fn lstm_cell(
     b_ih: Option<&Tensor>,
     b_hh: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
+    let inputs = [Some(input), hx.map(|s| s.0), hx.map(|s| s.1), Some(w_ih), Some(w_hh), b_ih, b_hh];
+    dispatch::composite_list(&policy::LSTM_CELL, &inputs, |ins| {
+        let [Some(input), h, c, Some(w_ih), Some(w_hh), b_ih, b_hh] = ins else {
+            unreachable!("the input and weights are always given")
+        };
+        let hx = match (h, c) {
+            (Some(h), Some(c)) => Some((h, c)),
+            _ => None,
+        };
+        lstm_cell_prepared(input, hx, w_ih, w_hh, b_ih.as_ref(), b_hh.as_ref())
+    })
+}
+
+fn lstm_cell_prepared(
+    input: &Tensor,
+    hx: Option<(&Tensor, &Tensor)>,
+    w_ih: &Tensor,
+    w_hh: &Tensor,
+    b_ih: Option<&Tensor>,
+    b_hh: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
     const OP: &str = "lstm_cell";
     let hidden = check_cell(OP, Kind::Lstm, input, w_ih, w_hh, b_ih, b_hh)?;
     let h = cell_state(OP, "hx", hx.map(|s| s.0), input, hidden)?;
@@ -385,6 +441,23 @@ pub fn lstm_cell(
 /// `n = tanh(W_in x + b_in + r (W_hn h + b_hn))`, `h' = (1 - z) n + z h`. `hx` is `[N, H]` (or
 /// `[H]`), zeros when `None`.
 pub fn gru_cell(
+    input: &Tensor,
+    hx: Option<&Tensor>,
+    w_ih: &Tensor,
+    w_hh: &Tensor,
+    b_ih: Option<&Tensor>,
+    b_hh: Option<&Tensor>,
+) -> Result<Tensor> {
+    let inputs = [Some(input), hx, Some(w_ih), Some(w_hh), b_ih, b_hh];
+    dispatch::composite_list(&policy::GRU_CELL, &inputs, |ins| {
+        let [Some(input), hx, Some(w_ih), Some(w_hh), b_ih, b_hh] = ins else {
+            unreachable!("the input and weights are always given")
+        };
+        gru_cell_prepared(input, hx.as_ref(), w_ih, w_hh, b_ih.as_ref(), b_hh.as_ref())
+    })
+}
+
+fn gru_cell_prepared(
     input: &Tensor,
     hx: Option<&Tensor>,
     w_ih: &Tensor,
@@ -453,6 +526,39 @@ fn initial_state(
 /// final states, each `[num_layers, N, H]` (batch dims removed again for an unbatched input).
 #[allow(clippy::too_many_arguments)]
 fn run_sequence(
+    op: &'static str,
+    kind: Kind,
+    input: &Tensor,
+    states: &[(&str, Option<&Tensor>)],
+    weights: &[&[Tensor]],
+    num_layers: usize,
+    batch_first: bool,
+    dropout_p: f64,
+    training: bool,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    // One op to the dispatch point (autocast casts the input, states and every weight once).
+    let mut all: Vec<Option<&Tensor>> = vec![Some(input)];
+    all.extend(states.iter().map(|(_, s)| *s));
+    all.extend(weights.iter().flat_map(|l| l.iter().map(Some)));
+    dispatch::composite_list(kind.line(), &all, |ins| {
+        let [Some(input), rest @ ..] = ins else {
+            unreachable!("the input is always given")
+        };
+        let (st, w) = rest.split_at(states.len());
+        let states: Vec<(&str, Option<&Tensor>)> = states.iter().zip(st).map(|((n, _), t)| (*n, t.as_ref())).collect();
+        let flat: Vec<Tensor> = w.iter().flatten().cloned().collect();
+        let mut layers: Vec<&[Tensor]> = Vec::with_capacity(weights.len());
+        let mut at = 0;
+        for l in weights {
+            layers.push(&flat[at..at + l.len()]);
+            at += l.len();
+        }
+        run_sequence_prepared(op, kind, input, &states, &layers, num_layers, batch_first, dropout_p, training)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_sequence_prepared(
     op: &'static str,
     kind: Kind,
     input: &Tensor,

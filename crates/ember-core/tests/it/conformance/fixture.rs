@@ -98,7 +98,13 @@ impl Case {
 impl Fixture {
     /// Parses the embedded manifest and reference file.
     pub fn load() -> Fixture {
-        let manifest: Value = serde_json::from_str(MANIFEST).expect("manifest.json is valid JSON");
+        Fixture::parse(MANIFEST, REFERENCE)
+    }
+
+    /// Parses another manifest and reference file of the same format (the mixed-precision
+    /// cases of ember-nn's tests).
+    pub fn parse(manifest: &'static str, reference: &'static [u8]) -> Fixture {
+        let manifest: Value = serde_json::from_str(manifest).expect("manifest.json is valid JSON");
         let cases = manifest["cases"]
             .as_array()
             .expect("manifest has cases")
@@ -108,7 +114,7 @@ impl Fixture {
         Fixture {
             torch_version: manifest["torch_version"].as_str().unwrap_or("?").to_owned(),
             cases,
-            tensors: SafeTensors::deserialize(REFERENCE).expect("reference.safetensors is valid"),
+            tensors: SafeTensors::deserialize(reference).expect("reference.safetensors is valid"),
         }
     }
 

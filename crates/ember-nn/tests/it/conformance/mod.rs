@@ -19,11 +19,17 @@ mod kwargs;
 #[path = "../../../../ember-core/tests/it/conformance/runner.rs"]
 mod runner;
 
+#[allow(dead_code)]
+#[path = "../../../../ember-core/tests/it/conformance/core_ops.rs"]
+mod core_ops;
+
+mod amp;
 mod nn_ops;
 mod optim_cases;
 
 use crate::common;
 use fixture::Fixture;
+use runner::Fail;
 
 /// Ops of group `nn` whose layers are not built yet: their cases are reported as not run.
 const NOT_RUN_YET: &[&str] = &[];

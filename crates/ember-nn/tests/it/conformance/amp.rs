@@ -1,0 +1,202 @@
+//! PyTorch conformance of mixed precision, group `autocast` of `tests/fixtures/conformance_amp/`
+//! (96 cases made by PyTorch 2.11 on an H200; the header of the shared `gen_amp_reference.py`
+//! describes them): each op runs under `amp::autocast` with the case's dtype (or inside a
+//! nested `enabled(false)` region), its outputs must have exactly PyTorch's dtypes and values
+//! within the case's tolerance; then backward runs outside autocast with PyTorch's upstream
+//! gradients, and the input gradients (of the inputs' own dtypes) must match.
+//!
+//! Ops map to ember through the `core` and `nn` groups' tables; `chain` is the MLP loss of the
+//! generator. One PyTorch quirk is not copied (see the shared conformance README): its cuDNN
+//! LSTM casts to float16 under bfloat16 autocast, so for `bf16_lstm` ember's result is
+//! bfloat16, compared with PyTorch's float16 values at bfloat16 tolerance.
+
+use super::compare::compare;
+use super::fixture::{Case, Fixture};
+use super::kwargs::Kwargs;
+use super::runner::Fail;
+use super::{core_ops, nn_ops};
+use crate::common;
+use ember_core::amp::{self, Autocast};
+use ember_core::{DType, Device, Tensor};
+use ember_nn::functional as F;
+use ember_nn::functional::Reduction;
+
+static MANIFEST: &str = include_str!("../../fixtures/conformance_amp/manifest.json");
+static REFERENCE: &[u8] = include_bytes!("../../fixtures/conformance_amp/reference.safetensors");
+
+pub fn fixture() -> Fixture {
+    Fixture::parse(MANIFEST, REFERENCE)
+}
+
+/// How a case runs: autocast to a dtype, or a nested disabled region inside float16 autocast.
+#[derive(Clone, Copy)]
+enum Mode {
+    Autocast(DType),
+    DisabledInside,
+}
+
+fn mode(case: &Case) -> Result<Mode, Fail> {
+    match case.raw["autocast"].as_str() {
+        Some("float16") => Ok(Mode::Autocast(DType::F16)),
+        Some("bfloat16") => Ok(Mode::Autocast(DType::BF16)),
+        Some("disabled-inside") => Ok(Mode::DisabledInside),
+        other => Err(Fail::Failed(format!("runner: unknown autocast mode {other:?}"))),
+    }
+}
+
+/// The generator's `chain`: the MLP loss `cross_entropy(linear(relu(linear(x, w1, b1)), w2, b2), y)`,
+/// returning the logits and the loss.
+fn chain(x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
+    let [x, y, w1, b1, w2, b2] = x else {
+        return Err(Fail::Failed(format!("runner: chain takes 6 inputs, the case has {}", x.len())));
+    };
+    let logits = F::linear(&F::linear(x, w1, Some(b1))?.relu()?, w2, Some(b2))?;
+    let loss = F::cross_entropy(&logits, y, None, -100, Reduction::Mean, 0.0)?;
+    Ok(vec![logits, loss])
+}
+
+fn forward(op: &str, id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
+    if op == "chain" {
+        chain(x)
+    } else if nn_ops::MAPPED.contains(&op) {
+        nn_ops::forward(op, id, kw, x)
+    } else {
+        core_ops::forward(op, id, kw, x)
+    }
+}
+
+/// The dtype ember must produce for output `i` of `case`, when it is not PyTorch's.
+fn expected_dtype_override(case: &Case, mode: Mode) -> Option<DType> {
+    match mode {
+        Mode::Autocast(DType::BF16) if case.op == "lstm" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+fn run(fx: &Fixture, case: &Case, device: Device) -> Result<(), Fail> {
+    let mode = mode(case)?;
+    let load = |name: &String| fx.tensor(case, name, device).map_err(Fail::Failed);
+    let mut inputs = Vec::with_capacity(case.inputs.len());
+    for name in &case.inputs {
+        let t = load(name)?;
+        inputs.push(if case.grad_of(name).is_some() {
+            t.requires_grad_(true)?
+        } else {
+            t
+        });
+    }
+    let outputs = {
+        let dt = device.device_type();
+        let _outer = match mode {
+            Mode::Autocast(d) => amp::autocast(dt, d)?,
+            Mode::DisabledInside => amp::autocast(dt, DType::F16)?,
+        };
+        let _inner = match mode {
+            Mode::DisabledInside => Some(Autocast::new(dt).enabled(false).enter()?),
+            Mode::Autocast(_) => None,
+        };
+        forward(&case.op, &case.id, &Kwargs(&case.kwargs), &inputs).map_err(|f| f.context("forward"))?
+    };
+    if outputs.len() != case.outputs.len() {
+        return Err(Fail::Failed(format!(
+            "forward: {} outputs, PyTorch has {}",
+            outputs.len(),
+            case.outputs.len()
+        )));
+    }
+    let mut misses = Vec::new();
+    let mut graph_outputs = Vec::new();
+    for (out, name) in outputs.iter().zip(&case.outputs) {
+        let mut r = fx.reference(case, name).map_err(Fail::Failed)?;
+        if let Some(d) = expected_dtype_override(case, mode) {
+            r.dtype = d;
+        }
+        if let Err(m) = compare(out, &r, case.rtol, case.atol) {
+            misses.push(format!("output {name}: {m}"));
+        }
+        if out.requires_grad() {
+            graph_outputs.push(out.clone());
+        }
+    }
+    if !case.grad_out.is_empty() {
+        // Upstream gradients in each output's dtype (PyTorch's are stored in the output's).
+        let grad_out = case
+            .grad_out
+            .iter()
+            .zip(&graph_outputs)
+            .map(|(n, o)| Ok(load(n)?.to_dtype(o.dtype())?))
+            .collect::<Result<Vec<_>, Fail>>()?;
+        let wrt: Vec<(&String, &Tensor)> = case
+            .inputs
+            .iter()
+            .zip(&inputs)
+            .filter(|(n, _)| case.grad_of(n).is_some())
+            .collect();
+        let targets: Vec<Tensor> = wrt.iter().map(|(_, t)| (*t).clone()).collect();
+        match ember_core::autograd::grad(&graph_outputs, &targets, Some(&grad_out), false) {
+            Ok(grads) => {
+                for ((name, x), g) in wrt.iter().zip(grads) {
+                    let r = fx
+                        .reference(case, case.grad_of(name).expect("filtered above"))
+                        .map_err(Fail::Failed)?;
+                    let g = match g {
+                        Some(g) => g,
+                        None => x.zeros_like()?,
+                    };
+                    if let Err(m) = compare(&g, &r, case.rtol, case.atol) {
+                        misses.push(format!("grad of {name}: {m}"));
+                    }
+                }
+            }
+            Err(e) => misses.push(format!("backward: {e}")),
+        }
+    }
+    if misses.is_empty() {
+        Ok(())
+    } else {
+        Err(Fail::Failed(misses.join("; ")))
+    }
+}
+
+/// Runs every `autocast` case on `device`; returns (passed, failures).
+fn run_group(fx: &Fixture, device: Device) -> (usize, Vec<String>) {
+    let mut passed = 0;
+    let mut failed = Vec::new();
+    for case in fx.cases.iter().filter(|c| c.group == "autocast") {
+        match run(fx, case, device) {
+            Ok(()) => passed += 1,
+            Err(Fail::Failed(m) | Fail::Skipped(m)) => failed.push(format!("{} ({}): {m}", case.id, case.op)),
+        }
+    }
+    println!(
+        "conformance autocast on {device}: {} ran, {passed} passed, {} failed",
+        passed + failed.len(),
+        failed.len()
+    );
+    for f in &failed {
+        println!("  FAILED  {f}");
+    }
+    (passed, failed)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn autocast_cases_on_cuda() {
+    let fx = fixture();
+    let n = fx.cases.iter().filter(|c| c.group == "autocast").count();
+    assert_eq!(n, 91, "the manifest's autocast group");
+    let (passed, failed) = run_group(&fx, common::gpu());
+    assert!(failed.is_empty(), "{} autocast cases failed (see above)", failed.len());
+    assert_eq!(passed, n);
+}
+
+/// CPU autocast runs the same policy table; the CPU computes half-precision ops through f32
+/// with one rounding per op, like the GPU, so PyTorch's CUDA references hold there too.
+#[test]
+fn autocast_cases_on_cpu() {
+    let fx = fixture();
+    let n = fx.cases.iter().filter(|c| c.group == "autocast").count();
+    let (passed, failed) = run_group(&fx, Device::Cpu);
+    assert!(failed.is_empty(), "{} autocast cases failed on the CPU (see above)", failed.len());
+    assert_eq!(passed, n);
+}
