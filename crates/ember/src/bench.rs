@@ -197,7 +197,21 @@ fn small_adds(device: Device) -> Result<Map<String, Value>> {
         Ok(())
     })?;
     let us = t.median * 1000.0 / ops as f64;
-    Ok(row("op_overhead_add", &t, ops as f64, json!({ "us_per_op": us })))
+    // The host's share: the time until the last add returns, before waiting for the device.
+    // Equal to `us_per_op` when launching is the bottleneck, less when the GPU is.
+    sync(device)?;
+    let t0 = Instant::now();
+    for _ in 0..ops {
+        a.add(&b)?;
+    }
+    let host_us = t0.elapsed().as_secs_f64() * 1e6 / ops as f64;
+    sync(device)?;
+    Ok(row(
+        "op_overhead_add",
+        &t,
+        ops as f64,
+        json!({ "us_per_op": us, "host_us_per_op": host_us }),
+    ))
 }
 
 fn h2d_pinned(device: Device) -> Result<Map<String, Value>> {

@@ -567,32 +567,35 @@ impl Tensor {
                 "at least one of min and max must be given",
             ));
         }
-        let out = {
-            let _g = autograd::no_grad();
-            let mut out = self.clone();
-            if let Some(lo) = min {
-                out = out.maximum_scalar(lo)?;
-            }
-            if let Some(hi) = max {
-                out = out.minimum_scalar(hi)?;
-            }
-            out
-        };
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        let x = SavedTensor::new("clamp", self);
-        Ok(autograd::record("clamp", &[self], out, move |g, _| {
-            let x = x.get()?;
-            // The gradient passes where every given bound holds (NaN inputs get none).
-            let pass = match (min, max) {
-                (Some(lo), Some(hi)) => x.ge_scalar(lo)?.logical_and(&x.le_scalar(hi)?)?,
-                (Some(lo), None) => x.ge_scalar(lo)?,
-                (None, Some(hi)) => x.le_scalar(hi)?,
-                (None, None) => unreachable!("clamp checks that a bound is given"),
-            };
-            Ok(vec![Some(Tensor::where_cond(&pass, g, &g.zeros_like()?)?)])
-        }))
+        dispatch::call(
+            &policy::CLAMP,
+            [self],
+            |[x]| {
+                let _g = autograd::no_grad();
+                let mut out = x.clone();
+                if let Some(lo) = min {
+                    out = out.maximum_scalar(lo)?;
+                }
+                if let Some(hi) = max {
+                    out = out.minimum_scalar(hi)?;
+                }
+                Ok(out)
+            },
+            |[x], _| {
+                let x = SavedTensor::new("clamp", x);
+                Ok(move |g: &Tensor, _: &[bool]| {
+                    let x = x.get()?;
+                    // The gradient passes where every given bound holds (NaN inputs get none).
+                    let pass = match (min, max) {
+                        (Some(lo), Some(hi)) => x.ge_scalar(lo)?.logical_and(&x.le_scalar(hi)?)?,
+                        (Some(lo), None) => x.ge_scalar(lo)?,
+                        (None, Some(hi)) => x.le_scalar(hi)?,
+                        (None, None) => unreachable!("clamp checks that a bound is given"),
+                    };
+                    Ok(vec![Some(Tensor::where_cond(&pass, g, &g.zeros_like()?)?)])
+                })
+            },
+        )
     }
 
     /// `clamp(min=value)`.

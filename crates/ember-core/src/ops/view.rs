@@ -4,8 +4,8 @@
 //! of the input's shape through the same view (`grad_through_view`).
 
 use super::binary::{same_device, sum_to_shape};
-use crate::dispatch::{self, policy};
 use crate::autograd::{self};
+use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::shape::normalize_dim;
 use crate::{Error, Result, Shape, Tensor};

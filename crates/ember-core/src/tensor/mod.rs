@@ -14,7 +14,7 @@ use crate::autograd::{self, Hook, Node};
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Shape};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// An n-dimensional array on a device, as `torch.Tensor`. Cloning shares the data.
@@ -28,12 +28,14 @@ pub(crate) struct TensorImpl {
     pub(crate) device: Device,
     /// The node that made this tensor; `None` for leaves.
     pub(crate) grad_fn: Option<Arc<Node>>,
+    /// Whether this leaf requires grad: read by every op (the dispatch point's autograd step),
+    /// so it lives outside the `meta` lock.
+    requires_grad: AtomicBool,
     meta: Mutex<AutogradMeta>,
 }
 
 #[derive(Default)]
 pub(crate) struct AutogradMeta {
-    pub(crate) requires_grad: bool,
     pub(crate) grad: Option<Tensor>,
     pub(crate) retains_grad: bool,
     pub(crate) hooks: Vec<(u64, Hook)>,
@@ -66,7 +68,8 @@ impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.numel(), storage.len());
-        Tensor::from_parts(StorageRef::new(storage), layout)
+        let (dtype, device) = (storage.dtype(), storage.device());
+        Tensor::from_parts_of(StorageRef::new(storage), layout, dtype, device)
     }
 
     pub(crate) fn from_parts(storage: StorageRef, layout: Layout) -> Tensor {
@@ -74,12 +77,17 @@ impl Tensor {
             let s = storage.read();
             (s.dtype(), s.device())
         };
+        Tensor::from_parts_of(storage, layout, dtype, device)
+    }
+
+    fn from_parts_of(storage: StorageRef, layout: Layout, dtype: DType, device: Device) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             storage,
             layout,
             dtype,
             device,
             grad_fn: None,
+            requires_grad: AtomicBool::new(false),
             meta: Mutex::new(AutogradMeta::default()),
         }))
     }
@@ -92,6 +100,7 @@ impl Tensor {
             dtype: self.0.dtype,
             device: self.0.device,
             grad_fn: None,
+            requires_grad: AtomicBool::new(false),
             meta: Mutex::new(AutogradMeta::default()),
         }))
     }
@@ -104,6 +113,7 @@ impl Tensor {
             dtype: self.0.dtype,
             device: self.0.device,
             grad_fn: Some(node),
+            requires_grad: AtomicBool::new(false),
             meta: Mutex::new(AutogradMeta::default()),
         }))
     }
@@ -182,7 +192,7 @@ impl Tensor {
     // ---- autograd ----------------------------------------------------------------------
 
     pub fn requires_grad(&self) -> bool {
-        self.0.grad_fn.is_some() || self.0.meta().requires_grad
+        self.0.grad_fn.is_some() || self.0.requires_grad.load(Ordering::Relaxed)
     }
 
     /// Sets whether autograd records ops on this leaf; returns the tensor for chaining.
@@ -202,7 +212,7 @@ impl Tensor {
                 hint: "only floating point tensors can require gradients",
             });
         }
-        self.0.meta().requires_grad = requires_grad;
+        self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
         Ok(self.clone())
     }
 

@@ -5,6 +5,7 @@
 //! default one, or one passed in), so a seed gives the same mask on CPU and CUDA. A fused
 //! kernel would draw and apply the mask in one pass instead of a draw and a multiply.
 
+use ember_core::dispatch::{self, policy};
 use ember_core::{default_generator, Error, Generator, Result, Tensor};
 
 /// `F.dropout(input, p, training)` drawing from the default generator of `input`'s device.
@@ -14,6 +15,12 @@ pub fn dropout(input: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 
 /// [`dropout`] drawing its mask from `gen`.
 pub fn dropout_with(input: &Tensor, p: f64, training: bool, gen: &Generator) -> Result<Tensor> {
+    dispatch::composite(&policy::DROPOUT, [input], |[input]| {
+        dropout_prepared(input, p, training, gen)
+    })
+}
+
+fn dropout_prepared(input: &Tensor, p: f64, training: bool, gen: &Generator) -> Result<Tensor> {
     const OP: &str = "dropout";
     if !(0.0..=1.0).contains(&p) {
         return Err(Error::invalid(

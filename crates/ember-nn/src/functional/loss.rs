@@ -188,12 +188,23 @@ pub fn cross_entropy(
     reduction: Reduction,
     label_smoothing: f64,
 ) -> Result<Tensor> {
-    dispatch::composite_list(&policy::CROSS_ENTROPY, &[Some(input), Some(target), weight], |ins| {
-        let [Some(input), Some(target), weight] = ins else {
-            unreachable!("cross_entropy's input and target are always given")
-        };
-        cross_entropy_prepared(input, target, weight.as_ref(), ignore_index, reduction, label_smoothing)
-    })
+    dispatch::composite_list(
+        &policy::CROSS_ENTROPY,
+        &[Some(input), Some(target), weight],
+        |ins| {
+            let [Some(input), Some(target), weight] = ins else {
+                unreachable!("cross_entropy's input and target are always given")
+            };
+            cross_entropy_prepared(
+                input,
+                target,
+                weight.as_ref(),
+                ignore_index,
+                reduction,
+                label_smoothing,
+            )
+        },
+    )
 }
 
 fn cross_entropy_prepared(

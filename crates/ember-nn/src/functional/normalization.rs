@@ -56,7 +56,16 @@ pub fn batch_norm(
             .flatten()
             .fold(input.dtype(), |d, t| d.promote(t.dtype()));
         let x = input.to_dtype(wide)?;
-        let y = batch_norm_prepared(&x, rm.as_ref(), rv.as_ref(), w.as_ref(), b.as_ref(), training, momentum, eps)?;
+        let y = batch_norm_prepared(
+            &x,
+            rm.as_ref(),
+            rv.as_ref(),
+            w.as_ref(),
+            b.as_ref(),
+            training,
+            momentum,
+            eps,
+        )?;
         y.to_dtype(input.dtype())
     })
 }

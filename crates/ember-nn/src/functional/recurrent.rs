@@ -22,8 +22,8 @@
 //! no transpose.
 
 use super::dropout::dropout;
-use ember_core::ops::rnn::lstm_recurrence;
 use ember_core::dispatch::{self, policy, Op};
+use ember_core::ops::rnn::lstm_recurrence;
 use ember_core::{Error, Result, Tensor};
 
 /// The activation of a plain (Elman) RNN: `nn.RNN(nonlinearity='tanh' | 'relu')`.
@@ -323,7 +323,16 @@ fn rnn_cell(
         let [Some(input), hx, Some(w_ih), Some(w_hh), b_ih, b_hh] = ins else {
             unreachable!("the input and weights are always given")
         };
-        rnn_cell_prepared(op, nl, input, hx.as_ref(), w_ih, w_hh, b_ih.as_ref(), b_hh.as_ref())
+        rnn_cell_prepared(
+            op,
+            nl,
+            input,
+            hx.as_ref(),
+            w_ih,
+            w_hh,
+            b_ih.as_ref(),
+            b_hh.as_ref(),
+        )
     })
 }
 
@@ -401,7 +410,15 @@ pub fn lstm_cell(
     b_ih: Option<&Tensor>,
     b_hh: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let inputs = [Some(input), hx.map(|s| s.0), hx.map(|s| s.1), Some(w_ih), Some(w_hh), b_ih, b_hh];
+    let inputs = [
+        Some(input),
+        hx.map(|s| s.0),
+        hx.map(|s| s.1),
+        Some(w_ih),
+        Some(w_hh),
+        b_ih,
+        b_hh,
+    ];
     dispatch::composite_list(&policy::LSTM_CELL, &inputs, |ins| {
         let [Some(input), h, c, Some(w_ih), Some(w_hh), b_ih, b_hh] = ins else {
             unreachable!("the input and weights are always given")
@@ -545,7 +562,11 @@ fn run_sequence(
             unreachable!("the input is always given")
         };
         let (st, w) = rest.split_at(states.len());
-        let states: Vec<(&str, Option<&Tensor>)> = states.iter().zip(st).map(|((n, _), t)| (*n, t.as_ref())).collect();
+        let states: Vec<(&str, Option<&Tensor>)> = states
+            .iter()
+            .zip(st)
+            .map(|((n, _), t)| (*n, t.as_ref()))
+            .collect();
         let flat: Vec<Tensor> = w.iter().flatten().cloned().collect();
         let mut layers: Vec<&[Tensor]> = Vec::with_capacity(weights.len());
         let mut at = 0;
@@ -553,7 +574,17 @@ fn run_sequence(
             layers.push(&flat[at..at + l.len()]);
             at += l.len();
         }
-        run_sequence_prepared(op, kind, input, &states, &layers, num_layers, batch_first, dropout_p, training)
+        run_sequence_prepared(
+            op,
+            kind,
+            input,
+            &states,
+            &layers,
+            num_layers,
+            batch_first,
+            dropout_p,
+            training,
+        )
     })
 }
 

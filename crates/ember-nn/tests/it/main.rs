@@ -6,6 +6,7 @@ mod common;
 
 mod attention_mha;
 mod attention_modules;
+mod autocast;
 mod conformance;
 mod functional;
 mod functional_loss;

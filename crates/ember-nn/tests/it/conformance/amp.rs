@@ -48,16 +48,46 @@ fn mode(case: &Case) -> Result<Mode, Fail> {
 /// returning the logits and the loss.
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
     let [x, y, w1, b1, w2, b2] = x else {
-        return Err(Fail::Failed(format!("runner: chain takes 6 inputs, the case has {}", x.len())));
+        return Err(Fail::Failed(format!(
+            "runner: chain takes 6 inputs, the case has {}",
+            x.len()
+        )));
     };
     let logits = F::linear(&F::linear(x, w1, Some(b1))?.relu()?, w2, Some(b2))?;
     let loss = F::cross_entropy(&logits, y, None, -100, Reduction::Mean, 0.0)?;
     Ok(vec![logits, loss])
 }
 
+/// The generator's `lstm`: `nn.LSTM(input_size, hidden_size, num_layers, batch_first)` over
+/// `x` with zero initial states, returning the output sequence.
+fn lstm(kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
+    kw.only(&["input_size", "hidden_size", "num_layers", "batch_first"])?;
+    let layers = kw.usize("num_layers")?;
+    let Some((input, weights)) = x.split_first().filter(|(_, w)| w.len() == 4 * layers) else {
+        return Err(Fail::Failed(format!(
+            "runner: lstm with {layers} layer(s) takes an input and {} weights, the case has {} tensors",
+            4 * layers,
+            x.len()
+        )));
+    };
+    let per_layer: Vec<&[Tensor]> = weights.chunks(4).collect();
+    let (out, _) = F::lstm(
+        input,
+        None,
+        &per_layer,
+        layers,
+        kw.bool_or("batch_first", false)?,
+        0.0,
+        false,
+    )?;
+    Ok(vec![out])
+}
+
 fn forward(op: &str, id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
     if op == "chain" {
         chain(x)
+    } else if op == "lstm" {
+        lstm(kw, x)
     } else if nn_ops::MAPPED.contains(&op) {
         nn_ops::forward(op, id, kw, x)
     } else {
@@ -186,7 +216,11 @@ fn autocast_cases_on_cuda() {
     let n = fx.cases.iter().filter(|c| c.group == "autocast").count();
     assert_eq!(n, 91, "the manifest's autocast group");
     let (passed, failed) = run_group(&fx, common::gpu());
-    assert!(failed.is_empty(), "{} autocast cases failed (see above)", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} autocast cases failed (see above)",
+        failed.len()
+    );
     assert_eq!(passed, n);
 }
 
@@ -197,6 +231,10 @@ fn autocast_cases_on_cpu() {
     let fx = fixture();
     let n = fx.cases.iter().filter(|c| c.group == "autocast").count();
     let (passed, failed) = run_group(&fx, Device::Cpu);
-    assert!(failed.is_empty(), "{} autocast cases failed on the CPU (see above)", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} autocast cases failed on the CPU (see above)",
+        failed.len()
+    );
     assert_eq!(passed, n);
 }
