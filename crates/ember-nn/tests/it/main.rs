@@ -9,6 +9,7 @@ mod attention_modules;
 mod conformance;
 mod functional;
 mod functional_loss;
+mod grad_scaler;
 mod modules;
 mod pytorch_checkpoints;
 mod recurrent;
