@@ -213,6 +213,9 @@ pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_s
             });
         }
         check_writable(OP, "a gradient", g)?;
+        if g.storage().same_storage(found_inf.storage()) {
+            return Err(Error::invalid(OP, "found_inf shares its storage with a gradient"));
+        }
     }
     // The tensors the kernels run over: the dense gradients themselves, and a contiguous copy
     // of each other one, written back below.
