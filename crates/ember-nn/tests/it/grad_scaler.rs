@@ -58,7 +58,13 @@ fn scaled_backward(scaler: &mut GradScaler, p: &Tensor, g: &[f32]) {
 fn defaults_match_pytorch() {
     let d = GradScalerConfig::default();
     assert_eq!(
-        (d.init_scale, d.growth_factor, d.backoff_factor, d.growth_interval, d.enabled),
+        (
+            d.init_scale,
+            d.growth_factor,
+            d.backoff_factor,
+            d.growth_interval,
+            d.enabled
+        ),
         (65536.0, 2.0, 0.5, 2000, true)
     );
     let mut s = GradScaler::default();
@@ -67,14 +73,22 @@ fn defaults_match_pytorch() {
     assert_eq!(s.get_growth_tracker().unwrap(), 0);
     assert!(s.get_scale_async().is_none(), "the scale is made lazily");
     assert_eq!(
-        (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()),
+        (
+            s.get_growth_factor(),
+            s.get_backoff_factor(),
+            s.get_growth_interval()
+        ),
         (2.0, 0.5, 2000)
     );
     s.set_growth_factor(3.0);
     s.set_backoff_factor(0.25);
     s.set_growth_interval(7);
     assert_eq!(
-        (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()),
+        (
+            s.get_growth_factor(),
+            s.get_backoff_factor(),
+            s.get_growth_interval()
+        ),
         (3.0, 0.25, 7)
     );
     // The first scale() makes a 0-d f32 scale on the loss's device.
@@ -366,7 +380,9 @@ fn skipped_steps_leave_everything_untouched(device: Device) {
                         None => panic!("{name} step {i}: new entry {k}"),
                     }
                 }
-                assert!(before_state.iter().all(|(k, _)| after.iter().any(|(a, _)| a == k)));
+                assert!(before_state
+                    .iter()
+                    .all(|(k, _)| after.iter().any(|(a, _)| a == k)));
             } else {
                 set_grad(&ref_params[0], g);
                 ref_opt.step().unwrap();
@@ -381,7 +397,10 @@ fn skipped_steps_leave_everything_untouched(device: Device) {
         if name.starts_with("adam") {
             let state = amp_opt.state_dict();
             let step = &state.iter().find(|(k, _)| k == "state.0.step").unwrap().1;
-            assert_eq!((step.device(), step.to_vec::<f32>().unwrap()), (Device::Cpu, vec![3.0]));
+            assert_eq!(
+                (step.device(), step.to_vec::<f32>().unwrap()),
+                (Device::Cpu, vec![3.0])
+            );
         }
     }
 }
@@ -443,27 +462,45 @@ fn state_dict_round_trip() {
     let keys: Vec<&str> = state.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(
         keys,
-        ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
+        [
+            "scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "_growth_tracker"
+        ]
     );
     let values: Vec<f64> = state.iter().map(|(_, t)| t.item_f64().unwrap()).collect();
     assert_eq!(values, [64.0, 4.0, 0.25, 5.0, 2.0]);
-    assert!(state.iter().all(|(_, t)| t.rank() == 0 && t.device() == Device::Cpu));
+    assert!(state
+        .iter()
+        .all(|(_, t)| t.rank() == 0 && t.device() == Device::Cpu));
     // Into a fresh scaler (used before its first scale()) and into one already running.
     let mut b = GradScaler::default();
     b.load_state_dict(&state).unwrap();
-    assert_eq!((b.get_scale().unwrap(), b.get_growth_tracker().unwrap()), (64.0, 2));
+    assert_eq!(
+        (b.get_scale().unwrap(), b.get_growth_tracker().unwrap()),
+        (64.0, 2)
+    );
     let one = Tensor::scalar(1.0, DType::F32, Device::Cpu).unwrap();
     assert_eq!(b.scale(&one).unwrap().item::<f32>().unwrap(), 64.0);
     assert_eq!(b.get_growth_tracker().unwrap(), 2);
     assert_eq!(
-        (b.get_growth_factor(), b.get_backoff_factor(), b.get_growth_interval()),
+        (
+            b.get_growth_factor(),
+            b.get_backoff_factor(),
+            b.get_growth_interval()
+        ),
         (4.0, 0.25, 5)
     );
     let mut c = GradScaler::default();
     c.scale(&one).unwrap();
     c.load_state_dict(&state).unwrap();
     assert_eq!(c.state_dict().unwrap().len(), 5);
-    assert_eq!((c.get_scale().unwrap(), c.get_growth_tracker().unwrap()), (64.0, 2));
+    assert_eq!(
+        (c.get_scale().unwrap(), c.get_growth_tracker().unwrap()),
+        (64.0, 2)
+    );
     // Errors: empty, incomplete, unknown keys.
     assert!(message(c.load_state_dict(&[])).contains("The source state dict is empty"));
     assert!(c.load_state_dict(&state[..4]).is_err());
@@ -647,7 +684,11 @@ fn close(got: f64, want: f64, rtol: f64, atol: f64) -> bool {
 }
 
 /// Runs one `grad_scaler` case on `device`; `Err` names the first step and value that differ.
-fn run_case(fx: &reference::Fixture, case: &serde_json::Value, device: Device) -> std::result::Result<(), String> {
+fn run_case(
+    fx: &reference::Fixture,
+    case: &serde_json::Value,
+    device: Device,
+) -> std::result::Result<(), String> {
     let id = case["id"].as_str().unwrap();
     let kw = &case["kwargs"];
     let (rtol, atol) = (case["rtol"].as_f64().unwrap(), case["atol"].as_f64().unwrap());
@@ -711,8 +752,16 @@ fn run_case(fx: &reference::Fixture, case: &serde_json::Value, device: Device) -
         scaler.step(opt.as_mut()).map_err(|err| e("step", err))?;
         scaler.update(None).map_err(|err| e("update", err))?;
         let checks = [
-            ("loss", loss.item_f64().unwrap(), t("loss").to_vec_f64().unwrap()[0]),
-            ("scale", scaler.get_scale().unwrap(), t("scale").to_vec_f64().unwrap()[0]),
+            (
+                "loss",
+                loss.item_f64().unwrap(),
+                t("loss").to_vec_f64().unwrap()[0],
+            ),
+            (
+                "scale",
+                scaler.get_scale().unwrap(),
+                t("scale").to_vec_f64().unwrap()[0],
+            ),
             (
                 "growth tracker",
                 scaler.get_growth_tracker().unwrap() as f64,
@@ -721,7 +770,9 @@ fn run_case(fx: &reference::Fixture, case: &serde_json::Value, device: Device) -
         ];
         for (what, got, want) in checks {
             if !close(got, want, rtol, atol) {
-                return Err(format!("{id} on {device}, step {s}: {what} {got}, PyTorch {want}"));
+                return Err(format!(
+                    "{id} on {device}, step {s}: {what} {got}, PyTorch {want}"
+                ));
             }
         }
         let skipped = step["skipped"].as_bool().unwrap();
@@ -736,7 +787,9 @@ fn run_case(fx: &reference::Fixture, case: &serde_json::Value, device: Device) -
                 }
             }
             if skipped && vals(p) != before[i] {
-                return Err(format!("{id} on {device}, step {s}: skipped, but param{i} changed"));
+                return Err(format!(
+                    "{id} on {device}, step {s}: skipped, but param{i} changed"
+                ));
             }
         }
     }
@@ -744,11 +797,7 @@ fn run_case(fx: &reference::Fixture, case: &serde_json::Value, device: Device) -
 }
 
 fn grad_scaler_cases(fx: &reference::Fixture) -> Vec<&serde_json::Value> {
-    let cases: Vec<&serde_json::Value> = fx
-        .cases
-        .iter()
-        .filter(|c| c["group"] == "grad_scaler")
-        .collect();
+    let cases: Vec<&serde_json::Value> = fx.cases.iter().filter(|c| c["group"] == "grad_scaler").collect();
     assert_eq!(cases.len(), 3, "the fixture has three grad_scaler cases");
     cases
 }
@@ -793,16 +842,24 @@ fn a_scaled_step_does_not_synchronize() {
             continue; // its first step reads the flag on the host (see `optim::sgd_scaled`)
         }
         let mut s = GradScaler::new(config(1024.0, 2)).unwrap();
-        for (i, g) in [[1.0f32, 2.0, 3.0, 4.0], [f32::INFINITY, 0.0, 1.0, 1.0], [0.5, 0.5, -1.0, 2.0]]
-            .iter()
-            .enumerate()
+        for (i, g) in [
+            [1.0f32, 2.0, 3.0, 4.0],
+            [f32::INFINITY, 0.0, 1.0, 1.0],
+            [0.5, 0.5, -1.0, 2.0],
+        ]
+        .iter()
+        .enumerate()
         {
             opt.zero_grad().unwrap();
             let gt = Tensor::from_slice(g, [4], Device::Cpu).unwrap().to(gpu).unwrap();
             let loss = p.mul(&gt).unwrap().sum_all().unwrap();
             let before = ember_core::cuda::host_sync_count();
             let scaled = s.scale(&loss).unwrap();
-            assert_eq!(ember_core::cuda::host_sync_count(), before, "{name}: scale() waited");
+            assert_eq!(
+                ember_core::cuda::host_sync_count(),
+                before,
+                "{name}: scale() waited"
+            );
             scaled.backward().unwrap();
             let before = ember_core::cuda::host_sync_count();
             s.unscale_(opt.as_mut()).unwrap();
@@ -818,7 +875,14 @@ fn a_scaled_step_does_not_synchronize() {
             s.step(opt.as_mut()).unwrap();
             s.update(None).unwrap();
             let waits = ember_core::cuda::host_sync_count() - before;
-            assert_eq!(waits, 0, "{name} step {i} without unscale_: {waits} host synchronizations");
+            assert_eq!(
+                waits, 0,
+                "{name} step {i} without unscale_: {waits} host synchronizations"
+            );
+            // The counter does count: reading the scale waits.
+            let before = ember_core::cuda::host_sync_count();
+            s.get_scale().unwrap();
+            assert_eq!(ember_core::cuda::host_sync_count(), before + 1);
         }
     }
 }
@@ -866,7 +930,10 @@ fn cuda_matches_cpu_over_many_parameters() {
                 if step == 2 && i == 41 {
                     g[0] = f32::INFINITY;
                 }
-                let gt = Tensor::from_slice(&g, [g.len()], Device::Cpu).unwrap().to(device).unwrap();
+                let gt = Tensor::from_slice(&g, [g.len()], Device::Cpu)
+                    .unwrap()
+                    .to(device)
+                    .unwrap();
                 loss = loss.add(&p.mul(&gt).unwrap().sum_all().unwrap()).unwrap();
             }
             s.scale(&loss).unwrap().backward().unwrap();
@@ -874,7 +941,10 @@ fn cuda_matches_cpu_over_many_parameters() {
             s.update(None).unwrap();
         }
         let mut out: Vec<Vec<f64>> = params.iter().map(|p| p.to_vec_f64().unwrap()).collect();
-        out.push(vec![s.get_scale().unwrap(), s.get_growth_tracker().unwrap() as f64]);
+        out.push(vec![
+            s.get_scale().unwrap(),
+            s.get_growth_tracker().unwrap() as f64,
+        ]);
         out
     };
     for adam in [false, true] {
