@@ -14,14 +14,26 @@
 // contracts them into FMAs; with IEEE division and sqrt (NVRTC's defaults) f32 and f64 results
 // are bit-identical to the CPU path. f16/bf16 are loaded to f32, computed, rounded once on store.
 //
+// Gradient scaling (GradScaler, PyTorch's `grad_scale=` / `found_inf=` of `_fused_adam_`): both
+// are pointers to one f32 in device memory, or null. A nonzero *found_inf makes the whole launch
+// return before writing anything; with grad_scale each gradient is divided by *grad_scale before
+// the update and the quotient is stored back into the gradient (as PyTorch's fused kernels do).
+//
 // Launch contract (T in f32 f64 f16 bf16; every pointer row-major, `numel[t]` elements):
-//   adam_T(TensorList l, f64 lr, f64 one_minus_beta1, f64 beta2, f64 one_minus_beta2, f64 eps,
-//          f64 weight_decay, f64 decay, i32 flags)
+//   adam_T(TensorList l, f64 lr, f64 beta1, f64 one_minus_beta1, f64 beta2, f64 one_minus_beta2,
+//          f64 eps, f64 weight_decay, f64 decay, const float* grad_scale, const float* found_inf,
+//          i32 flags)
 //       ptr[0] param, ptr[1] grad, ptr[2] exp_avg, ptr[3] exp_avg_sq, ptr[4] max_exp_avg_sq
-//       (read only with amsgrad); scalar[0][t] = step_size = lr / bias_correction1,
-//       scalar[1][t] = sqrt(bias_correction2); decay = 1 - lr * weight_decay (AdamW);
-//       flags: 1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW)
-//   sgd_T(TensorList l, f64 lr, f64 momentum, f64 one_minus_dampening, f64 weight_decay, i32 flags)
+//       (read only with amsgrad), ptr[5] the step count, one f32 (read only with device steps);
+//       host steps: scalar[0][t] = step_size = lr / bias_correction1, scalar[1][t] =
+//       sqrt(bias_correction2); device steps: both computed in f64 from *ptr[5][t] (already
+//       incremented by `increment_steps`) with the device's pow; decay = 1 - lr * weight_decay
+//       (AdamW); flags: 1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW), 8 device steps
+//   increment_steps(TensorList l, const float* found_inf)
+//       *ptr[5][t] += 1 for every t < l.n, unless *found_inf is nonzero; launched before the
+//       adam_T launches of the same tensors, on the same stream
+//   sgd_T(TensorList l, f64 lr, f64 momentum, f64 one_minus_dampening, f64 weight_decay,
+//         const float* grad_scale, const float* found_inf, i32 flags)
 //       ptr[0] param, ptr[1] grad, ptr[2] momentum_buffer (used when momentum != 0);
 //       flags: 1 nesterov, 2 maximize, 4 first step (the buffer is set to the gradient)
 //   Any grid, blockDim.x a multiple of 32 (the host uses 256).
@@ -30,12 +42,12 @@
 #define EMBER_OPTIM_CHUNK 4096
 #define EMBER_OPTIM_ILP 4
 
-// The tensors of one launch. Same layout as `TensorList` in `cuda/optim.rs` (3472 bytes, under
-// the 4 KB kernel parameter limit of every driver).
+// The tensors of one launch. Same layout as `TensorList` in `cuda/optim.rs` (3856 bytes, under
+// the 4 KB kernel parameter limit of every driver with the other arguments).
 struct TensorList {
     i32 n;
     i32 pad;
-    u64 ptr[5][EMBER_OPTIM_MAX_TENSORS];
+    u64 ptr[6][EMBER_OPTIM_MAX_TENSORS];
     i64 numel[EMBER_OPTIM_MAX_TENSORS];
     i64 chunk_start[EMBER_OPTIM_MAX_TENSORS + 1];
     double scalar[2][EMBER_OPTIM_MAX_TENSORS];
@@ -60,23 +72,33 @@ __device__ __forceinline__ int tensor_of_chunk(const TensorList& l, i64 c) {
 }
 
 template <typename T>
-__device__ __forceinline__ void adam(const TensorList& l, double lr_, double omb1_, double beta2_, double omb2_,
-                                     double eps_, double wd_, double decay_, int flags) {
+__device__ __forceinline__ void adam(const TensorList& l, double lr_, double beta1_, double omb1_, double beta2_,
+                                     double omb2_, double eps_, double wd_, double decay_, const float* grad_scale,
+                                     const float* found_inf, int flags) {
     typedef typename Acc<T>::type A;
+    if (found_inf && *found_inf != 0.0f) return;  // a skipped step writes nothing
     const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
-    const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4;
+    const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4, device_steps = flags & 8;
+    const A scale = grad_scale ? (A)*grad_scale : (A)1;
     const i64 total = l.chunk_start[l.n];
     for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
         const int t = tensor_of_chunk(l, c);
         const i64 begin = (c - l.chunk_start[t]) * EMBER_OPTIM_CHUNK;
         const i64 len = min((i64)EMBER_OPTIM_CHUNK, l.numel[t] - begin);
         T* __restrict__ p = (T*)l.ptr[0][t] + begin;
-        const T* __restrict__ g = (const T*)l.ptr[1][t] + begin;
+        T* __restrict__ g = (T*)l.ptr[1][t] + begin;
         T* __restrict__ m = (T*)l.ptr[2][t] + begin;
         T* __restrict__ v = (T*)l.ptr[3][t] + begin;
         T* __restrict__ vmax = amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
-        const A neg_step_size = (A)(-l.scalar[0][t]);
-        const A bc2_sqrt = (A)l.scalar[1][t];
+        double step_size = l.scalar[0][t], bc2_sqrt_ = l.scalar[1][t];
+        if (device_steps) {
+            // As the host computes them (`ops/fused_optim.rs`), from the device step count.
+            const double step = (double)*(const float*)l.ptr[5][t];
+            step_size = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
+            bc2_sqrt_ = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+        }
+        const A neg_step_size = (A)(-step_size);
+        const A bc2_sqrt = (A)bc2_sqrt_;
         for (i64 base = threadIdx.x; base < len; base += (i64)blockDim.x * EMBER_OPTIM_ILP) {
             A rp[EMBER_OPTIM_ILP], rg[EMBER_OPTIM_ILP], rm[EMBER_OPTIM_ILP], rv[EMBER_OPTIM_ILP],
                 rx[EMBER_OPTIM_ILP];
@@ -96,6 +118,10 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_, double omb
                 const i64 i = base + (i64)k * blockDim.x;
                 if (i >= len) continue;
                 A pv = rp[k], gv = rg[k], mv = rm[k], vv = rv[k];
+                if (grad_scale) {
+                    gv = div_rn(gv, scale);
+                    g[i] = cast<T>(gv);
+                }
                 if (maximize) gv = -gv;
                 if (wd_ != 0.0) {
                     if (decoupled) pv = mul_rn(pv, decay);
@@ -121,8 +147,10 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_, double omb
 
 template <typename T>
 __device__ __forceinline__ void sgd(const TensorList& l, double lr_, double momentum_, double omd_, double wd_,
-                                    int flags) {
+                                    const float* grad_scale, const float* found_inf, int flags) {
     typedef typename Acc<T>::type A;
+    if (found_inf && *found_inf != 0.0f) return;  // a skipped step writes nothing
+    const A scale = grad_scale ? (A)*grad_scale : (A)1;
     const A neg_lr = (A)(-lr_), momentum = (A)momentum_, omd = (A)omd_, wd = (A)wd_;
     const bool nesterov = flags & 1, maximize = flags & 2, first = flags & 4;
     const bool has_momentum = momentum_ != 0.0;
@@ -132,7 +160,7 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_, double mome
         const i64 begin = (c - l.chunk_start[t]) * EMBER_OPTIM_CHUNK;
         const i64 len = min((i64)EMBER_OPTIM_CHUNK, l.numel[t] - begin);
         T* __restrict__ p = (T*)l.ptr[0][t] + begin;
-        const T* __restrict__ g = (const T*)l.ptr[1][t] + begin;
+        T* __restrict__ g = (T*)l.ptr[1][t] + begin;
         T* __restrict__ b = has_momentum ? (T*)l.ptr[2][t] + begin : (T*)0;
         for (i64 base = threadIdx.x; base < len; base += (i64)blockDim.x * EMBER_OPTIM_ILP) {
             A rp[EMBER_OPTIM_ILP], rg[EMBER_OPTIM_ILP], rb[EMBER_OPTIM_ILP];
@@ -150,6 +178,10 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_, double mome
                 const i64 i = base + (i64)k * blockDim.x;
                 if (i >= len) continue;
                 A pv = rp[k], gv = rg[k];
+                if (grad_scale) {
+                    gv = div_rn(gv, scale);
+                    g[i] = cast<T>(gv);
+                }
                 if (maximize) gv = -gv;
                 if (wd_ != 0.0) gv = add_rn(gv, mul_rn(pv, wd));
                 if (has_momentum) {
@@ -164,12 +196,22 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_, double mome
 }
 
 #define EMBER_OPTIM(T, name)                                                                               \
-    extern "C" __global__ void adam_##name(TensorList l, double lr, double omb1, double beta2, double omb2, \
-                                           double eps, double wd, double decay, i32 flags) {               \
-        adam<T>(l, lr, omb1, beta2, omb2, eps, wd, decay, flags);                                          \
+    extern "C" __global__ void adam_##name(TensorList l, double lr, double beta1, double omb1, double beta2,   \
+                                           double omb2, double eps, double wd, double decay,                 \
+                                           const float* grad_scale, const float* found_inf, i32 flags) {     \
+        adam<T>(l, lr, beta1, omb1, beta2, omb2, eps, wd, decay, grad_scale, found_inf, flags);             \
     }                                                                                                      \
     extern "C" __global__ void sgd_##name(TensorList l, double lr, double momentum, double omd, double wd, \
-                                          i32 flags) {                                                     \
-        sgd<T>(l, lr, momentum, omd, wd, flags);                                                           \
+                                          const float* grad_scale, const float* found_inf, i32 flags) {    \
+        sgd<T>(l, lr, momentum, omd, wd, grad_scale, found_inf, flags);                                    \
     }
 EMBER_FOR_FLOAT_DTYPES(EMBER_OPTIM)
+
+// Adam's device step counts: one thread per tensor (see the launch contract).
+extern "C" __global__ void increment_steps(TensorList l, const float* found_inf) {
+    if (found_inf && *found_inf != 0.0f) return;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < l.n; t += blockDim.x * gridDim.x) {
+        float* step = (float*)l.ptr[5][t];
+        *step = __fadd_rn(*step, 1.0f);
+    }
+}

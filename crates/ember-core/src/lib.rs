@@ -31,6 +31,9 @@ pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
 pub use device::{Device, DeviceType};
 pub use dtype::{DType, Element, Scalar, ScalarKind};
 pub use error::{Error, Result};
+/// GradScaler's device-side ops (`ember_core::amp_scaling::{non_finite_check_and_unscale_,
+/// update_scale_}`).
+pub use ops::amp_scaling;
 /// Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`).
 pub use ops::fused_optim as fused;
 pub use random::{

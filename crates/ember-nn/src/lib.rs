@@ -6,9 +6,11 @@
 //! - `layers`: the layer types (`Linear`, `Conv2d`, `BatchNorm2d`, `LSTM`, `MultiheadAttention`,
 //!   `Transformer`, `Sequential`, ...);
 //! - `init`: `torch.nn.init`; `state_dict`: load checks and safetensors checkpoints;
-//! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`).
+//! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`);
+//! - `amp`: `GradScaler`, dynamic loss scaling for mixed precision (`torch.amp`).
 #![forbid(unsafe_code)]
 
+pub mod amp;
 pub mod functional;
 pub mod init;
 pub mod layers;

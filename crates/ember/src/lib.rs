@@ -23,6 +23,11 @@ pub use ember_data as data;
 pub use ember_distributed as distributed;
 pub use ember_nn as nn;
 
+/// Mixed precision (`torch.amp`): `GradScaler` (from `ember_nn::amp`).
+pub mod amp {
+    pub use ember_nn::amp::*;
+}
+
 /// ember's version, from Cargo.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 

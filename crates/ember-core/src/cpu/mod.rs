@@ -8,6 +8,7 @@ use crate::DType;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+pub(crate) mod amp;
 mod binary;
 mod index;
 mod matmul;

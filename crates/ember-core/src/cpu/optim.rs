@@ -6,6 +6,10 @@
 //! f16 and bf16 in f32, rounding once on store; hyperparameters are cast from f64 to the
 //! arithmetic type. Rust never fuses a multiply and an add, so f32/f64 results are
 //! bit-identical to the CUDA kernels' (which use `_rn` intrinsics for the same reason).
+//!
+//! Under a GradScaler ([`GradIn::Scaled`]) each gradient is divided by the grad scale before
+//! the update and the quotient stored back, as in the CUDA kernels; the found-inf skip is
+//! decided by the caller (`ops/fused_optim.rs`), which reads the flag from host memory.
 
 use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};
 use half::{bf16, f16};
@@ -105,6 +109,36 @@ impl OptimElement for bf16 {
     }
 }
 
+/// A gradient of a fused step: read as is, or (under a GradScaler) divided by the grad scale
+/// with the quotient written back.
+pub(crate) enum GradIn<'a, T> {
+    Plain(&'a [T]),
+    Scaled(&'a mut [T], f64),
+}
+
+impl<'a, T: OptimElement> GradIn<'a, T> {
+    /// The gradient cut into pieces of `n` elements.
+    fn pieces(self, n: usize) -> Vec<GradIn<'a, T>> {
+        match self {
+            GradIn::Plain(g) => g.chunks(n).map(GradIn::Plain).collect(),
+            GradIn::Scaled(g, s) => g.chunks_mut(n).map(|c| GradIn::Scaled(c, s)).collect(),
+        }
+    }
+
+    /// Element `i` in the arithmetic type (unscaled and stored back under a GradScaler).
+    #[inline]
+    fn get(&mut self, i: usize) -> T::A {
+        match self {
+            GradIn::Plain(g) => g[i].load(),
+            GradIn::Scaled(g, s) => {
+                let q = g[i].load() / <T::A as OptimAcc>::from_f64(*s);
+                g[i] = T::store(q);
+                q
+            }
+        }
+    }
+}
+
 /// PyTorch's `maximum`: NaN in either operand propagates.
 #[inline]
 fn maximum<A: OptimAcc>(x: A, y: A) -> A {
@@ -133,7 +167,7 @@ pub(crate) struct AdamScalars {
 /// lengths; `max_exp_avg_sq` with amsgrad only) and its step size and `sqrt(bias_correction2)`.
 pub(crate) struct AdamTensor<'a, T> {
     pub param: &'a mut [T],
-    pub grad: &'a [T],
+    pub grad: GradIn<'a, T>,
     pub exp_avg: &'a mut [T],
     pub exp_avg_sq: &'a mut [T],
     pub max_exp_avg_sq: Option<&'a mut [T]>,
@@ -150,7 +184,7 @@ pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamTensor<'_, T>>, s: &AdamSca
         let parts = t
             .param
             .chunks_mut(PAR_CHUNK)
-            .zip(t.grad.chunks(PAR_CHUNK))
+            .zip(t.grad.pieces(PAR_CHUNK))
             .zip(t.exp_avg.chunks_mut(PAR_CHUNK))
             .zip(t.exp_avg_sq.chunks_mut(PAR_CHUNK));
         for (((param, grad), exp_avg), exp_avg_sq) in parts {
@@ -179,9 +213,10 @@ fn adam_piece<T: OptimElement>(t: AdamTensor<'_, T>, s: &AdamScalars) {
     let neg_step_size = c(-t.step_size);
     let bc2_sqrt = c(t.bias_correction2_sqrt);
     let mut maxes = t.max_exp_avg_sq;
+    let mut grad = t.grad;
     for i in 0..t.param.len() {
         let mut p = t.param[i].load();
-        let mut g = t.grad[i].load();
+        let mut g = grad.get(i);
         let mut m = t.exp_avg[i].load();
         let mut v = t.exp_avg_sq[i].load();
         if s.maximize {
@@ -225,7 +260,7 @@ pub(crate) struct SgdScalars {
 /// One tensor of an SGD step: parameter, gradient and (with momentum) buffer elements.
 pub(crate) struct SgdTensor<'a, T> {
     pub param: &'a mut [T],
-    pub grad: &'a [T],
+    pub grad: GradIn<'a, T>,
     pub momentum_buffer: Option<&'a mut [T]>,
 }
 
@@ -236,7 +271,7 @@ pub(crate) fn sgd<T: OptimElement>(tensors: Vec<SgdTensor<'_, T>>, s: &SgdScalar
     let mut pieces = Vec::new();
     for t in tensors {
         let mut bufs = t.momentum_buffer.map(|b| b.chunks_mut(PAR_CHUNK));
-        for (param, grad) in t.param.chunks_mut(PAR_CHUNK).zip(t.grad.chunks(PAR_CHUNK)) {
+        for (param, grad) in t.param.chunks_mut(PAR_CHUNK).zip(t.grad.pieces(PAR_CHUNK)) {
             pieces.push(SgdTensor {
                 param,
                 grad,
@@ -264,9 +299,10 @@ fn sgd_piece<T: OptimElement>(t: SgdTensor<'_, T>, s: &SgdScalars) {
     } else {
         None
     };
+    let mut grad = t.grad;
     for i in 0..t.param.len() {
         let p = t.param[i].load();
-        let mut g = t.grad[i].load();
+        let mut g = grad.get(i);
         if s.maximize {
             g = -g;
         }

@@ -19,10 +19,11 @@ pub enum Module {
     Matmul,
     Rnn,
     Optim,
+    Amp,
 }
 
 impl Module {
-    pub const ALL: [Module; 10] = [
+    pub const ALL: [Module; 11] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -33,6 +34,7 @@ impl Module {
         Module::Matmul,
         Module::Rnn,
         Module::Optim,
+        Module::Amp,
     ];
 
     /// The file name without `.cu`.
@@ -48,6 +50,7 @@ impl Module {
             Module::Matmul => "matmul",
             Module::Rnn => "rnn",
             Module::Optim => "optim",
+            Module::Amp => "amp",
         }
     }
 
@@ -64,6 +67,7 @@ impl Module {
             Module::Matmul => include_str!("../../kernels/matmul.cu"),
             Module::Rnn => include_str!("../../kernels/rnn.cu"),
             Module::Optim => include_str!("../../kernels/optim.cu"),
+            Module::Amp => include_str!("../../kernels/amp.cu"),
         }
     }
 }
@@ -236,7 +240,8 @@ unsafe impl KernelParam for u8 {}
 unsafe impl KernelParam for f32 {}
 unsafe impl KernelParam for f64 {}
 unsafe impl KernelParam for KernelShape {}
-// `cuda/optim.rs` implements it for its repr(C) `TensorList` (the fused optimizer steps).
+// `cuda/optim.rs` implements it for its repr(C) `TensorList` (the fused optimizer steps),
+// `cuda/amp.rs` for its `AmpTensorList` (GradScaler's unscale).
 
 /// Grid and block sizes and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy)]

@@ -10,10 +10,11 @@
 //! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
-//! (fused optimizer steps), `rnn` (the fused LSTM step), and one file per op family beside the
+//! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn` (the fused LSTM step), and one file per op family beside the
 //! CPU backend's.
 
 mod allocator;
+pub(crate) mod amp;
 mod blas;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;
@@ -54,8 +55,8 @@ pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_p
 pub(crate) use storage::host_bytes;
 pub use storage::CudaStorage;
 pub use stream::{
-    current_device, current_stream, default_stream, set_device, set_stream, stream, synchronize, DeviceGuard,
-    Event, Stream, StreamGuard,
+    current_device, current_stream, default_stream, host_sync_count, set_device, set_stream, stream,
+    synchronize, DeviceGuard, Event, Stream, StreamGuard,
 };
 
 /// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), without a GPU: what CI

@@ -1,7 +1,8 @@
 //! CUDA launcher for `kernels/optim.cu`: the fused multi-tensor Adam/AdamW and SGD steps of
 //! `ops/fused_optim.rs`. The tensors go to the kernel in a [`TensorList`] passed by value, at
 //! most [`MAX_TENSORS`] per launch; a step over more tensors is a few launches, all on the
-//! current stream, with no host synchronization.
+//! current stream, with no host synchronization (the GradScaler's grad scale and found-inf
+//! flag, and Adam's device step counts, are read by the kernels from device memory).
 
 use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
 use super::runtime::runtime;
@@ -18,13 +19,13 @@ const BLOCK: u32 = 256;
 const BLOCKS_PER_SM: usize = 8;
 
 /// The kernel's `TensorList`: pointers, sizes, chunk prefix counts and per-tensor scalars of up
-/// to [`MAX_TENSORS`] tensors. Same field order and size (3472 bytes) as the C struct.
+/// to [`MAX_TENSORS`] tensors. Same field order and size (3856 bytes) as the C struct.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct TensorList {
     n: i32,
     pad: i32,
-    ptr: [[u64; MAX_TENSORS]; 5],
+    ptr: [[u64; MAX_TENSORS]; 6],
     numel: [i64; MAX_TENSORS],
     chunk_start: [i64; MAX_TENSORS + 1],
     scalar: [[f64; MAX_TENSORS]; 2],
@@ -34,26 +35,31 @@ struct TensorList {
 unsafe impl KernelParam for TensorList {}
 
 /// One tensor of a fused step: device addresses of its first elements (param, grad, then the
-/// state tensors in the kernel's order, 0 where unused), its element count, and its per-tensor
-/// scalars (Adam: step size and `sqrt(bias_correction2)`).
+/// state tensors in the kernel's order, 0 where unused; Adam's device step count last), its
+/// element count, and its per-tensor scalars (Adam with host steps: step size and
+/// `sqrt(bias_correction2)`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OptimTensor {
-    pub ptrs: [u64; 5],
+    pub ptrs: [u64; 6],
     pub numel: usize,
     pub scalars: [f64; 2],
 }
 
 /// Which update, with the scalars every tensor shares (see the kernel file's launch contract).
+/// `grad_scale` and `found_inf` are device addresses of one f32 each, or 0.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum OptimKernel {
     Adam {
         lr: f64,
+        beta1: f64,
         one_minus_beta1: f64,
         beta2: f64,
         one_minus_beta2: f64,
         eps: f64,
         weight_decay: f64,
         decay: f64,
+        grad_scale: u64,
+        found_inf: u64,
         flags: i32,
     },
     Sgd {
@@ -61,8 +67,25 @@ pub(crate) enum OptimKernel {
         momentum: f64,
         one_minus_dampening: f64,
         weight_decay: f64,
+        grad_scale: u64,
+        found_inf: u64,
         flags: i32,
     },
+}
+
+/// Flag of `adam_T`: the step counts are read from `ptrs[5]` (see the kernel file).
+pub(crate) const ADAM_DEVICE_STEPS: i32 = 8;
+
+/// An empty list for `n` tensors, for the launches to fill.
+fn empty_list(n: usize) -> TensorList {
+    TensorList {
+        n: n as i32,
+        pad: 0,
+        ptr: [[0; MAX_TENSORS]; 6],
+        numel: [0; MAX_TENSORS],
+        chunk_start: [0; MAX_TENSORS + 1],
+        scalar: [[0.0; MAX_TENSORS]; 2],
+    }
 }
 
 /// Runs `kernel` over `tensors` (all of `dtype`, all on device `ordinal`, every pointer valid
@@ -81,16 +104,30 @@ pub(crate) fn multi_tensor_step(
     };
     let f = rt.function(KernelKey::new(Module::Optim, base, dtype))?;
     let stream = current_raw(rt.ordinal);
+    if let OptimKernel::Adam { flags, found_inf, .. } = kernel {
+        if flags & ADAM_DEVICE_STEPS != 0 {
+            // Every tensor's count, empty ones included, before the updates that read them.
+            let inc = rt.function(KernelKey::plain(Module::Optim, "increment_steps"))?;
+            for group in tensors.chunks(MAX_TENSORS) {
+                let mut list = empty_list(group.len());
+                for (t, x) in group.iter().enumerate() {
+                    list.ptr[5][t] = x.ptrs[5];
+                }
+                let grid = Grid {
+                    grid: (1, 1, 1),
+                    block: (64, 1, 1),
+                    shared_bytes: 0,
+                };
+                // SAFETY: `increment_steps(TensorList l, const float* found_inf)`; the caller
+                // guarantees each `ptrs[5]` addresses one f32 on this device and `found_inf` one
+                // f32 or is 0, alive in stream order.
+                unsafe { launch(inc, grid, stream, &[&list, &found_inf])? };
+            }
+        }
+    }
     let nonempty: Vec<&OptimTensor> = tensors.iter().filter(|t| t.numel > 0).collect();
     for group in nonempty.chunks(MAX_TENSORS) {
-        let mut list = TensorList {
-            n: group.len() as i32,
-            pad: 0,
-            ptr: [[0; MAX_TENSORS]; 5],
-            numel: [0; MAX_TENSORS],
-            chunk_start: [0; MAX_TENSORS + 1],
-            scalar: [[0.0; MAX_TENSORS]; 2],
-        };
+        let mut list = empty_list(group.len());
         let mut chunks = 0usize;
         for (t, x) in group.iter().enumerate() {
             for (k, &p) in x.ptrs.iter().enumerate() {
@@ -112,21 +149,27 @@ pub(crate) fn multi_tensor_step(
         match kernel {
             OptimKernel::Adam {
                 lr,
+                beta1,
                 one_minus_beta1,
                 beta2,
                 one_minus_beta2,
                 eps,
                 weight_decay,
                 decay,
+                grad_scale,
+                found_inf,
                 flags,
             } => {
-                // SAFETY: `adam_T(TensorList l, f64 lr, f64 omb1, f64 beta2, f64 omb2, f64 eps,
-                // f64 wd, f64 decay, i32 flags)`; the caller guarantees every pointer of `list`
-                // is valid for its tensor's `numel` elements of `dtype` on this device (the
-                // state pointer 4 only when the amsgrad flag is set) and that the storages stay
-                // alive in stream order (they are freed through the caching allocator on this
-                // stream); `chunk_start` is the prefix count of `numel.div_ceil(CHUNK)`, so no
-                // block indexes past a tensor's end.
+                // SAFETY: `adam_T(TensorList l, f64 lr, f64 beta1, f64 omb1, f64 beta2, f64 omb2,
+                // f64 eps, f64 wd, f64 decay, const float* grad_scale, const float* found_inf,
+                // i32 flags)`; the caller guarantees every pointer of `list` is valid for its
+                // tensor's `numel` elements of `dtype` on this device (the state pointer 4 only
+                // when the amsgrad flag is set; the step pointer 5 one f32, only with device
+                // steps; the gradient is written only with a grad scale), that `grad_scale` and
+                // `found_inf` are 0 or address one f32 there, and that the storages stay alive
+                // in stream order (they are freed through the caching allocator on this stream);
+                // `chunk_start` is the prefix count of `numel.div_ceil(CHUNK)`, so no block
+                // indexes past a tensor's end.
                 unsafe {
                     launch(
                         f,
@@ -135,12 +178,15 @@ pub(crate) fn multi_tensor_step(
                         &[
                             &list,
                             &lr,
+                            &beta1,
                             &one_minus_beta1,
                             &beta2,
                             &one_minus_beta2,
                             &eps,
                             &weight_decay,
                             &decay,
+                            &grad_scale,
+                            &found_inf,
                             &flags,
                         ],
                     )?;
@@ -151,17 +197,29 @@ pub(crate) fn multi_tensor_step(
                 momentum,
                 one_minus_dampening,
                 weight_decay,
+                grad_scale,
+                found_inf,
                 flags,
             } => {
-                // SAFETY: `sgd_T(TensorList l, f64 lr, f64 momentum, f64 omd, f64 wd, i32
-                // flags)`; pointers as for Adam above (the buffer pointer 2 is read and written
-                // only when momentum != 0, and then the caller set it).
+                // SAFETY: `sgd_T(TensorList l, f64 lr, f64 momentum, f64 omd, f64 wd, const
+                // float* grad_scale, const float* found_inf, i32 flags)`; pointers as for Adam
+                // above (the buffer pointer 2 is read and written only when momentum != 0, and
+                // then the caller set it).
                 unsafe {
                     launch(
                         f,
                         grid,
                         stream,
-                        &[&list, &lr, &momentum, &one_minus_dampening, &weight_decay, &flags],
+                        &[
+                            &list,
+                            &lr,
+                            &momentum,
+                            &one_minus_dampening,
+                            &weight_decay,
+                            &grad_scale,
+                            &found_inf,
+                            &flags,
+                        ],
                     )?;
                 }
             }
@@ -176,10 +234,10 @@ mod tests {
 
     #[test]
     fn tensor_list_matches_the_kernel_struct() {
-        // 8 + 5 * 48 * 8 + 48 * 8 + 49 * 8 + 2 * 48 * 8, under the 4 KB parameter limit with
-        // the other arguments.
-        assert_eq!(std::mem::size_of::<TensorList>(), 3472);
+        // 8 + 6 * 48 * 8 + 48 * 8 + 49 * 8 + 2 * 48 * 8, under the 4 KB parameter limit with
+        // the other arguments (Adam's: 8 f64, 2 pointers, 1 i32).
+        assert_eq!(std::mem::size_of::<TensorList>(), 3856);
         assert_eq!(std::mem::align_of::<TensorList>(), 8);
-        assert!(std::mem::size_of::<TensorList>() + 8 * 8 + 4 <= 4096);
+        assert!(std::mem::size_of::<TensorList>() + 8 * 8 + 2 * 8 + 4 <= 4096);
     }
 }

@@ -237,12 +237,14 @@ impl Driver for DeviceMemory {
         let Ok(event) = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) else {
             // Without an event the block cannot be tracked: synchronize instead, so it is safe
             // to reuse at once (0 marks "already complete").
+            super::stream::note_host_sync();
             // SAFETY: `stream` is a live stream of this context.
             let _ = unsafe { result::stream::synchronize(stream as sys::CUstream) };
             return 0;
         };
         // SAFETY: `event` was just created; `stream` is a live stream of this context.
         if unsafe { result::event::record(event, stream as sys::CUstream) }.is_err() {
+            super::stream::note_host_sync();
             // SAFETY: as above.
             let _ = unsafe { result::stream::synchronize(stream as sys::CUstream) };
         }
@@ -266,6 +268,7 @@ impl Driver for DeviceMemory {
             return;
         }
         self.bind();
+        super::stream::note_host_sync();
         // SAFETY: `event` came from `record_event` and was not destroyed.
         let _ = unsafe { result::event::synchronize(event as sys::CUevent) };
     }

@@ -185,6 +185,7 @@ impl CudaStorage {
         fn read<T: CpuElement + Default + Clone>(src: &CudaStorage, n: usize) -> Result<CpuStorage> {
             let mut host = vec![T::default(); n];
             if n > 0 {
+                super::stream::note_host_sync();
                 let stream = current_raw(src.buf.device) as sys::CUstream;
                 // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
                 // stream is synchronized before `host` is read.
@@ -338,6 +339,7 @@ impl CudaStorage {
             return Ok(src);
         }
         let src_rt = self.runtime()?;
+        super::stream::note_host_sync();
         // SAFETY: the null/current stream of the source device is live.
         unsafe { result::stream::synchronize(current_raw(src_rt.ordinal) as sys::CUstream) }
             .map_err(cuda_error("peer copy"))?;
@@ -345,6 +347,7 @@ impl CudaStorage {
         let out = CudaStorage::alloc_on(rt, self.dtype, src.len)?;
         let bytes = src.len * self.dtype.size_in_bytes();
         if bytes > 0 {
+            super::stream::note_host_sync();
             // SAFETY: both buffers hold `bytes`; the source's writes completed (synchronized
             // above) and it stays alive until the copy is done because we wait on it below for
             // lifetime safety of `src`, which is dropped at the end of this function.

@@ -11,15 +11,38 @@
 //! could be reused by the driver for an unrelated stream. Pool streams do not synchronize
 //! implicitly with the default stream; order work between streams with [`Stream::wait_stream`]
 //! or events.
+//!
+//! Note [Counting host waits]: every place where the host blocks on the device (stream, event
+//! and device synchronizations, copies to the host that wait for their stream, peer copies,
+//! the allocator waiting for an event) calls [`note_host_sync`], which counts per thread;
+//! [`host_sync_count`] reads the count, so a test can check that a path meant to stay
+//! asynchronous (a GradScaler step) never waits.
 
 use super::runtime::runtime;
 use crate::{Device, Error, Result};
 use cudarc::driver::{result, sys};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 const POOL_SIZE: usize = 32;
+
+thread_local! {
+    static HOST_SYNCS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts one wait of the calling thread for the device (Note [Counting host waits]).
+pub(crate) fn note_host_sync() {
+    HOST_SYNCS.with(|c| c.set(c.get() + 1));
+}
+
+/// How many times the calling thread has waited for a GPU so far: stream, event and device
+/// synchronizations and the reads that wait for the device (`to_vec`, `item`, device-to-host
+/// and peer copies). A hook for tests that a path does no hidden synchronization (Note
+/// [Counting host waits]); it never decreases.
+pub fn host_sync_count() -> u64 {
+    HOST_SYNCS.with(Cell::get)
+}
 
 fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda {
@@ -114,6 +137,7 @@ impl Stream {
     /// Blocks until all work queued on this stream has finished.
     pub fn synchronize(&self) -> Result<()> {
         runtime(self.device)?;
+        note_host_sync();
         // SAFETY: the stream is the null stream or a pool stream, which is never destroyed.
         unsafe { result::stream::synchronize(self.raw as sys::CUstream) }
             .map_err(cuda_error("cuStreamSynchronize"))
@@ -269,6 +293,7 @@ impl Drop for DeviceGuard {
 /// Blocks until all work on `device` has finished, on every stream (`torch.cuda.synchronize`).
 pub fn synchronize(device: usize) -> Result<()> {
     runtime(device)?;
+    note_host_sync();
     result::ctx::synchronize().map_err(cuda_error("cuCtxSynchronize"))?;
     super::pinned::release_finished();
     Ok(())
@@ -363,6 +388,7 @@ impl Event {
             return Ok(());
         };
         runtime(device)?;
+        note_host_sync();
         // SAFETY: `raw` is a live event.
         unsafe { result::event::synchronize(raw as sys::CUevent) }.map_err(cuda_error("cuEventSynchronize"))
     }

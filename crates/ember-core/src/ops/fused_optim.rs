@@ -18,8 +18,15 @@
 //!                        g = nesterov ? g + buf * momentum : buf
 //!        p = p + g * -lr
 //! ```
-//! with `bias_correction{1,2} = 1 - beta{1,2}^step` computed on the host in f64 from each
-//! parameter's own step count (so no host synchronization). Hyperparameters are cast to the
+//! with `bias_correction{1,2} = 1 - beta{1,2}^step` computed in f64 from each parameter's own
+//! step count: on the host from counts the caller knows ([`AdamSteps::Host`]), or by the step
+//! itself from 0-d f32 count tensors on the device ([`AdamSteps::Device`]); either way the host
+//! never waits for the device.
+//!
+//! Under a GradScaler ([`adam_scaled_`], [`sgd_scaled_`] with a [`GradScaling`]) a nonzero
+//! `found_inf` makes the step write nothing (device step counts included), and a `grad_scale`
+//! divides each gradient before the update, the quotient written back into the gradient, as
+//! PyTorch's `_fused_adam_(..., grad_scale=, found_inf=)`; both are read on the device. Hyperparameters are cast to the
 //! arithmetic type (f32 for f32/f16/bf16, f64 for f64); f16/bf16 are computed in f32 and rounded
 //! once on store, as PyTorch's fused kernels do. For f32 and f64 the results are the same bits
 //! as the composed per-tensor ops, on both devices.
@@ -35,8 +42,11 @@
 //! (optimizers run under `no_grad`).
 
 use crate::autograd;
-use crate::cpu::optim::{self as cpu_optim, AdamScalars, AdamTensor, OptimElement, SgdScalars, SgdTensor};
-use crate::cuda::optim::{multi_tensor_step, OptimKernel, OptimTensor};
+use crate::cpu::optim::{
+    self as cpu_optim, AdamScalars, AdamTensor, GradIn, OptimElement, SgdScalars, SgdTensor,
+};
+use crate::cpu::CpuElement;
+use crate::cuda::optim::{multi_tensor_step, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 use half::{bf16, f16};
@@ -301,10 +311,124 @@ macro_rules! with_float_type {
     };
 }
 
+/// Gradient scaling of a fused step under a GradScaler: PyTorch's `grad_scale=` and
+/// `found_inf=` arguments of `_fused_adam_` / `_fused_sgd_`. Each is a one-element f32 tensor
+/// on the parameters' device that the step reads there (Note [AMP scalars live on the device]
+/// in `ops/amp_scaling.rs`); `GradScaling::default()` is a plain step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GradScaling<'a> {
+    /// The gradients are divided by it before the update, and the unscaled gradients are
+    /// written back into the gradient tensors (as PyTorch's fused steps do).
+    pub grad_scale: Option<&'a Tensor>,
+    /// When nonzero the step writes nothing: parameters, gradients, state tensors and step
+    /// counts keep their values.
+    pub found_inf: Option<&'a Tensor>,
+}
+
+/// The step counts of an [`adam_scaled_`] call, one per parameter.
+#[derive(Debug, Clone, Copy)]
+pub enum AdamSteps<'a> {
+    /// Each parameter's count *after* this step, known on the host, which computes the bias
+    /// corrections (what [`adam_`] takes). Cannot be combined with `found_inf`: the host would
+    /// not know whether the step happened.
+    Host(&'a [f64]),
+    /// 0-d f32 tensors on the parameters' device holding each count *before* this step
+    /// (PyTorch's `state_steps` of fused and capturable Adam): the step adds 1 to each (unless
+    /// `found_inf` is set) and computes the bias corrections from it on the device, so the
+    /// host never reads them. On CUDA the corrections use the device's `pow`, which may differ
+    /// from the host's in the last bit of the f64.
+    Device(&'a [Tensor]),
+}
+
+/// Checks the grad scale and found-inf tensors of a step on `device` and adds them to `lists`
+/// (read-only); returns their positions in `lists`.
+fn scaling_lists<'a>(
+    op: &'static str,
+    scaling: &GradScaling<'a>,
+    device: Device,
+    lists: &mut Vec<List<'a>>,
+) -> Result<[Option<usize>; 2]> {
+    let mut at = [None, None];
+    let named = [
+        ("grad_scale", scaling.grad_scale),
+        ("found_inf", scaling.found_inf),
+    ];
+    for (k, (name, t)) in named.into_iter().enumerate() {
+        let Some(t) = t else { continue };
+        if t.dtype() != DType::F32 || t.numel() != 1 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{name} must be a one-element f32 tensor, got {} elements of {}",
+                    t.numel(),
+                    t.dtype()
+                ),
+            ));
+        }
+        if t.device() != device {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: device,
+                rhs: t.device(),
+            });
+        }
+        at[k] = Some(lists.len());
+        lists.push(List {
+            name,
+            tensors: std::slice::from_ref(t),
+            written: false,
+        });
+    }
+    Ok(at)
+}
+
+/// Errors unless every storage of `lists` is distinct (see Note [Fused step preconditions]).
+fn check_distinct(op: &'static str, lists: &[List<'_>]) -> Result<()> {
+    let mut ids: Vec<usize> = lists
+        .iter()
+        .flat_map(|l| l.tensors.iter().map(|t| t.storage().id()))
+        .collect();
+    ids.sort_unstable();
+    if ids.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Error::invalid(
+            op,
+            "two of the tensors share a storage; fused steps need each parameter, gradient, state tensor, step count and scaling tensor in its own storage",
+        ));
+    }
+    Ok(())
+}
+
+/// The f32 value of a locked one-element CPU tensor.
+fn cpu_f32(guard: &Guard<'_>, t: &Tensor) -> f32 {
+    match guard.storage() {
+        Storage::Cpu(c) => f32::slice(c).expect("dtype checked")[t.storage_offset()],
+        Storage::Cuda(_) => unreachable!("device checked"),
+    }
+}
+
+/// The gradients of a CPU step: unscaled and written back under a grad scale, else read.
+fn grads_in<'g, T: OptimElement>(
+    guards: &'g mut [Guard<'_>],
+    tensors: &[Tensor],
+    grad_scale: Option<f64>,
+) -> Vec<GradIn<'g, T>> {
+    match grad_scale {
+        Some(s) => slices_mut::<T>(guards, tensors)
+            .into_iter()
+            .map(|g| GradIn::Scaled(g, s))
+            .collect(),
+        None => slices::<T>(guards, tensors)
+            .into_iter()
+            .map(GradIn::Plain)
+            .collect(),
+    }
+}
+
 /// One Adam (or, with `decoupled_weight_decay`, AdamW) step of every `params[i]` in place,
 /// updating `exp_avgs[i]`, `exp_avg_sqs[i]` and, with `amsgrad`, `max_exp_avg_sqs[i]`;
 /// `steps[i]` is parameter i's step count after this step (1 on the first). See the module docs
 /// for the formula and Note [Fused step preconditions] for what the tensors must satisfy.
+/// The same as [`adam_scaled_`] with [`AdamSteps::Host`] and no gradient scaling.
 pub fn adam_(
     params: &[Tensor],
     grads: &[Tensor],
@@ -314,15 +438,52 @@ pub fn adam_(
     steps: &[f64],
     cfg: &AdamStep,
 ) -> Result<()> {
+    adam_scaled_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        AdamSteps::Host(steps),
+        cfg,
+        GradScaling::default(),
+    )
+}
+
+/// [`adam_`] with the step counts on the host or the device ([`AdamSteps`]) and, under a
+/// GradScaler, the gradient scaling of [`GradScaling`] (PyTorch's `_fused_adam_` with
+/// `grad_scale=` and `found_inf=`): with device steps nothing of the step reads a value back to
+/// the host, so a skipped step is decided on the device. The step tensors, grad scale and
+/// found-inf flag are locked with the others and must be in storages of their own.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_scaled_(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    max_exp_avg_sqs: Option<&[Tensor]>,
+    steps: AdamSteps<'_>,
+    cfg: &AdamStep,
+    scaling: GradScaling<'_>,
+) -> Result<()> {
     const OP: &str = "adam_";
-    if steps.len() != params.len() {
+    let steps_len = match steps {
+        AdamSteps::Host(s) => s.len(),
+        AdamSteps::Device(s) => s.len(),
+    };
+    if steps_len != params.len() {
         return Err(Error::invalid(
             OP,
             format!(
-                "expected one step count per parameter ({}), got {}",
-                params.len(),
-                steps.len()
+                "expected one step count per parameter ({}), got {steps_len}",
+                params.len()
             ),
+        ));
+    }
+    if let (AdamSteps::Host(_), Some(_)) = (steps, scaling.found_inf) {
+        return Err(Error::invalid(
+            OP,
+            "found_inf needs the step counts on the device (AdamSteps::Device): a skipped step must not advance them",
         ));
     }
     let max_list = match (cfg.amsgrad, max_exp_avg_sqs) {
@@ -344,7 +505,7 @@ pub fn adam_(
         List {
             name: "gradient",
             tensors: grads,
-            written: false,
+            written: scaling.grad_scale.is_some(),
         },
         List {
             name: "exp_avg",
@@ -367,6 +528,44 @@ pub fn adam_(
     let Some((dtype, device)) = check(OP, &lists)? else {
         return Ok(());
     };
+    let param_lists = lists.len();
+    let steps_at = match steps {
+        AdamSteps::Host(_) => None,
+        AdamSteps::Device(s) => {
+            for t in s {
+                if t.dtype() != DType::F32 || t.numel() != 1 {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "device step counts are one-element f32 tensors, got {} elements of {}",
+                            t.numel(),
+                            t.dtype()
+                        ),
+                    ));
+                }
+                if t.device() != device {
+                    return Err(Error::DeviceMismatch {
+                        op: OP,
+                        lhs: device,
+                        rhs: t.device(),
+                    });
+                }
+                if autograd::is_grad_enabled() && t.requires_grad() {
+                    return Err(Error::Autograd(format!(
+                        "{OP} writes a step count that requires grad in place; wrap the step in no_grad()"
+                    )));
+                }
+            }
+            lists.push(List {
+                name: "step count",
+                tensors: s,
+                written: true,
+            });
+            Some(lists.len() - 1)
+        }
+    };
+    let [scale_at, found_at] = scaling_lists(OP, &scaling, device, &mut lists)?;
+    check_distinct(OP, &lists)?;
     let scalars = AdamScalars {
         one_minus_beta1: 1.0 - cfg.beta1,
         beta2: cfg.beta2,
@@ -377,30 +576,51 @@ pub fn adam_(
         maximize: cfg.maximize,
         decoupled: cfg.decoupled_weight_decay,
     };
-    // Step size and sqrt(bias_correction2) of each parameter, as `_single_tensor_adam`.
-    let per_tensor: Vec<[f64; 2]> = steps
-        .iter()
-        .map(|&step| {
-            let bias_correction1 = 1.0 - cfg.beta1.powf(step);
-            let bias_correction2 = 1.0 - cfg.beta2.powf(step);
-            [cfg.lr / bias_correction1, bias_correction2.sqrt()]
-        })
-        .collect();
+    // Step size and sqrt(bias_correction2) of a step count, as `_single_tensor_adam`.
+    let corrections = |step: f64| -> [f64; 2] {
+        let bias_correction1 = 1.0 - cfg.beta1.powf(step);
+        let bias_correction2 = 1.0 - cfg.beta2.powf(step);
+        [cfg.lr / bias_correction1, bias_correction2.sqrt()]
+    };
     let mut guards = lock_all(&lists);
     match device {
         Device::Cpu => {
+            // The host reads the flag, the scale and the counts from host memory directly.
+            if let Some(at) = found_at {
+                if cpu_f32(&guards[at][0], &lists[at].tensors[0]) != 0.0 {
+                    return Ok(());
+                }
+            }
+            let grad_scale = scale_at.map(|at| cpu_f32(&guards[at][0], &lists[at].tensors[0]) as f64);
+            let per_tensor: Vec<[f64; 2]> = match (steps, steps_at) {
+                (AdamSteps::Host(s), _) => s.iter().map(|&step| corrections(step)).collect(),
+                (AdamSteps::Device(s), Some(at)) => guards[at]
+                    .iter_mut()
+                    .zip(s)
+                    .map(|(g, t)| match g.storage_mut() {
+                        Storage::Cpu(c) => {
+                            let step = &mut f32::slice_mut(c).expect("dtype checked")[t.storage_offset()];
+                            *step += 1.0;
+                            corrections(*step as f64)
+                        }
+                        Storage::Cuda(_) => unreachable!("device checked"),
+                    })
+                    .collect(),
+                (AdamSteps::Device(_), None) => unreachable!("device steps are locked"),
+            };
             fn run<T: OptimElement>(
                 guards: &mut [Vec<Guard<'_>>],
                 lists: &[List<'_>],
                 per_tensor: &[[f64; 2]],
                 s: &AdamScalars,
+                grad_scale: Option<f64>,
             ) {
                 let (gp, rest) = guards.split_first_mut().expect("params list");
                 let (gg, rest) = rest.split_first_mut().expect("grads list");
                 let (gm, rest) = rest.split_first_mut().expect("exp_avgs list");
                 let (gv, rest) = rest.split_first_mut().expect("exp_avg_sqs list");
                 let p = slices_mut::<T>(gp, lists[0].tensors);
-                let g = slices::<T>(gg, lists[1].tensors);
+                let g = grads_in::<T>(gg, lists[1].tensors, grad_scale);
                 let m = slices_mut::<T>(gm, lists[2].tensors);
                 let v = slices_mut::<T>(gv, lists[3].tensors);
                 let mut x = rest
@@ -424,7 +644,11 @@ pub fn adam_(
                     .collect();
                 cpu_optim::adam::<T>(tensors, s);
             }
-            with_float_type!(dtype, run(&mut guards, &lists, &per_tensor, &scalars));
+            let param_guards = &mut guards[..param_lists];
+            with_float_type!(
+                dtype,
+                run(param_guards, &lists, &per_tensor, &scalars, grad_scale)
+            );
             Ok(())
         }
         Device::Cuda(ordinal) => {
@@ -435,27 +659,38 @@ pub fn adam_(
                 .collect();
             let tensors: Vec<OptimTensor> = (0..params.len())
                 .map(|i| {
-                    let mut p = [0u64; 5];
-                    for (k, list) in ptrs.iter().enumerate() {
+                    let mut p = [0u64; 6];
+                    for (k, list) in ptrs[..param_lists].iter().enumerate() {
                         p[k] = list[i];
+                    }
+                    if let Some(at) = steps_at {
+                        p[5] = ptrs[at][i];
                     }
                     OptimTensor {
                         ptrs: p,
                         numel: params[i].numel(),
-                        scalars: per_tensor[i],
+                        scalars: match steps {
+                            AdamSteps::Host(s) => corrections(s[i]),
+                            AdamSteps::Device(_) => [0.0; 2],
+                        },
                     }
                 })
                 .collect();
-            let flags =
-                cfg.amsgrad as i32 | (cfg.maximize as i32) << 1 | (cfg.decoupled_weight_decay as i32) << 2;
+            let flags = cfg.amsgrad as i32
+                | (cfg.maximize as i32) << 1
+                | (cfg.decoupled_weight_decay as i32) << 2
+                | if steps_at.is_some() { ADAM_DEVICE_STEPS } else { 0 };
             let kernel = OptimKernel::Adam {
                 lr: cfg.lr,
+                beta1: cfg.beta1,
                 one_minus_beta1: scalars.one_minus_beta1,
                 beta2: scalars.beta2,
                 one_minus_beta2: scalars.one_minus_beta2,
                 eps: scalars.eps,
                 weight_decay: scalars.weight_decay,
                 decay: scalars.decay,
+                grad_scale: scale_at.map_or(0, |at| ptrs[at][0]),
+                found_inf: found_at.map_or(0, |at| ptrs[at][0]),
                 flags,
             };
             // The guards are held until every launch is enqueued.
@@ -469,12 +704,28 @@ pub fn adam_(
 /// One SGD step of every `params[i]` in place from `grads[i]`, updating
 /// `momentum_buffers[i]` when `momentum != 0` (the buffers are then required; with
 /// `first_step` they are overwritten with the gradient). See the module docs for the formula and
-/// Note [Fused step preconditions] for what the tensors must satisfy.
+/// Note [Fused step preconditions] for what the tensors must satisfy. The same as
+/// [`sgd_scaled_`] without gradient scaling.
 pub fn sgd_(
     params: &[Tensor],
     grads: &[Tensor],
     momentum_buffers: Option<&[Tensor]>,
     cfg: &SgdStep,
+) -> Result<()> {
+    sgd_scaled_(params, grads, momentum_buffers, cfg, GradScaling::default())
+}
+
+/// [`sgd_`] under a GradScaler: the gradient scaling of [`GradScaling`] (PyTorch's
+/// `_fused_sgd_` with `grad_scale=` and `found_inf=`), decided on the device. A skipped
+/// `first_step` leaves new momentum buffers as they were (uninitialized for `empty_like`
+/// ones): callers that may skip a first step should pass zero-filled buffers and, with
+/// `dampening == 0`, `first_step = false`, which computes the same `buf = g`.
+pub fn sgd_scaled_(
+    params: &[Tensor],
+    grads: &[Tensor],
+    momentum_buffers: Option<&[Tensor]>,
+    cfg: &SgdStep,
+    scaling: GradScaling<'_>,
 ) -> Result<()> {
     const OP: &str = "sgd_";
     let has_momentum = cfg.momentum != 0.0;
@@ -497,7 +748,7 @@ pub fn sgd_(
         List {
             name: "gradient",
             tensors: grads,
-            written: false,
+            written: scaling.grad_scale.is_some(),
         },
     ];
     if has_momentum {
@@ -510,6 +761,9 @@ pub fn sgd_(
     let Some((dtype, device)) = check(OP, &lists)? else {
         return Ok(());
     };
+    let param_lists = lists.len();
+    let [scale_at, found_at] = scaling_lists(OP, &scaling, device, &mut lists)?;
+    check_distinct(OP, &lists)?;
     let scalars = SgdScalars {
         lr: cfg.lr,
         momentum: cfg.momentum,
@@ -522,11 +776,22 @@ pub fn sgd_(
     let mut guards = lock_all(&lists);
     match device {
         Device::Cpu => {
-            fn run<T: OptimElement>(guards: &mut [Vec<Guard<'_>>], lists: &[List<'_>], s: &SgdScalars) {
+            if let Some(at) = found_at {
+                if cpu_f32(&guards[at][0], &lists[at].tensors[0]) != 0.0 {
+                    return Ok(());
+                }
+            }
+            let grad_scale = scale_at.map(|at| cpu_f32(&guards[at][0], &lists[at].tensors[0]) as f64);
+            fn run<T: OptimElement>(
+                guards: &mut [Vec<Guard<'_>>],
+                lists: &[List<'_>],
+                s: &SgdScalars,
+                grad_scale: Option<f64>,
+            ) {
                 let (gp, rest) = guards.split_first_mut().expect("params list");
                 let (gg, rest) = rest.split_first_mut().expect("grads list");
                 let p = slices_mut::<T>(gp, lists[0].tensors);
-                let g = slices::<T>(gg, lists[1].tensors);
+                let g = grads_in::<T>(gg, lists[1].tensors, grad_scale);
                 let mut b = rest
                     .first_mut()
                     .map(|gb| slices_mut::<T>(gb, lists[2].tensors).into_iter());
@@ -541,7 +806,8 @@ pub fn sgd_(
                     .collect();
                 cpu_optim::sgd::<T>(tensors, s);
             }
-            with_float_type!(dtype, run(&mut guards, &lists, &scalars));
+            let param_guards = &mut guards[..param_lists];
+            with_float_type!(dtype, run(param_guards, &lists, &scalars, grad_scale));
             Ok(())
         }
         Device::Cuda(ordinal) => {
@@ -552,8 +818,8 @@ pub fn sgd_(
                 .collect();
             let tensors: Vec<OptimTensor> = (0..params.len())
                 .map(|i| {
-                    let mut p = [0u64; 5];
-                    for (k, list) in ptrs.iter().enumerate() {
+                    let mut p = [0u64; 6];
+                    for (k, list) in ptrs[..param_lists].iter().enumerate() {
                         p[k] = list[i];
                     }
                     OptimTensor {
@@ -569,6 +835,8 @@ pub fn sgd_(
                 momentum: cfg.momentum,
                 one_minus_dampening: scalars.one_minus_dampening,
                 weight_decay: cfg.weight_decay,
+                grad_scale: scale_at.map_or(0, |at| ptrs[at][0]),
+                found_inf: found_at.map_or(0, |at| ptrs[at][0]),
                 flags,
             };
             let r = multi_tensor_step(ordinal, dtype, &tensors, kernel);

@@ -2,6 +2,7 @@
 //! their backward rules next to the forward code, and the `impl Storage` block that dispatches
 //! to each backend's kernels (`cpu/<family>.rs`).
 
+pub mod amp_scaling;
 pub mod binary;
 pub mod conv;
 pub mod fused_optim;

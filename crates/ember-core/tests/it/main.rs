@@ -2,6 +2,7 @@
 
 mod common;
 
+mod amp_scaling;
 mod autograd;
 mod binary;
 mod checkpoint;

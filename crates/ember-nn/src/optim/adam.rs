@@ -14,13 +14,16 @@
 //! denom = sqrt(v) / sqrt(bias_correction2) + eps
 //! p += -(lr / bias_correction1) * exp_avg / denom        (in place)
 //! ```
-//! `step` is a 0-d f32 CPU tensor read back each step (PyTorch's non-capturable path).
+//! `step` is a 0-d f32 tensor: on the CPU and read back each step for CUDA parameters
+//! (PyTorch's default, non-capturable path), until a step under a GradScaler moves it to the
+//! parameter's device, where the fused step advances it and computes the bias corrections from
+//! it without the host (PyTorch's fused Adam; see [`adam_scaled`]).
 
 use super::{
     check_non_negative, check_params, load_like_param, parse_state_key, zero_grads, GroupLr, Optimizer,
     StateKey,
 };
-use ember_core::fused::{self, AdamStep};
+use ember_core::fused::{self, AdamStep, AdamSteps, GradScaling};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
 /// Hyperparameters of [`Adam`] and [`AdamW`]. `Default` is Adam's PyTorch default
@@ -103,6 +106,34 @@ pub fn adam(
     config: &AdamConfig,
     decoupled_weight_decay: bool,
 ) -> Result<()> {
+    adam_scaled(
+        params,
+        grads,
+        state,
+        config,
+        decoupled_weight_decay,
+        GradScaling::default(),
+    )
+}
+
+/// [`adam`] under a GradScaler (see Note [Steps under a GradScaler] in `optim`): the gradients
+/// are divided by `scaling.grad_scale` (and written back unscaled), and when
+/// `scaling.found_inf` is nonzero nothing changes, step counts included.
+///
+/// Where a step count lives decides who counts: one on its parameter's device (always so for
+/// CPU parameters; on CUDA once [`Adam`] has moved it there for a scaled step) is advanced by
+/// the fused step itself, which also reads it for the bias corrections, so the host never waits
+/// for it; one on the CPU for a CUDA parameter (PyTorch's default) is advanced and read on the
+/// host. The skip is decided on the device except for host-kept counts and parameters on the
+/// per-tensor path, for which the flag is read on the host, once.
+pub fn adam_scaled(
+    params: &[Tensor],
+    grads: &[Tensor],
+    state: AdamStateSlices<'_>,
+    config: &AdamConfig,
+    decoupled_weight_decay: bool,
+    scaling: GradScaling<'_>,
+) -> Result<()> {
     let n = params.len();
     let amsgrad_len = if config.amsgrad {
         state.max_exp_avg_sqs.len()
@@ -125,18 +156,38 @@ pub fn adam(
         ));
     }
     let _g = ember_core::no_grad();
-    let mut steps = Vec::with_capacity(n);
-    for step_t in state.state_steps {
-        step_t.add_scalar_(1.0)?;
-        steps.push(step_t.item_f64()?);
-    }
     let max_of = |i: usize| config.amsgrad.then(|| &state.max_exp_avg_sqs[i]);
-    // Note [Foreach step functions]: one fused call per device and dtype.
+    // Note [Foreach step functions]: one fused call per device and dtype, and per place of the
+    // step counts.
     let groups = super::fused_groups(n, |i| {
         let mut ts = vec![&params[i], &grads[i], &state.exp_avgs[i], &state.exp_avg_sqs[i]];
         ts.extend(max_of(i));
         ts
     });
+    let step_t = |i: usize| &state.state_steps[i];
+    let device_counted = |i: usize| {
+        let s = step_t(i);
+        s.device() == params[i].device() && s.dtype() == DType::F32 && s.numel() == 1
+    };
+    let mut host_counted: Vec<usize> = groups
+        .fused
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|&i| !device_counted(i))
+        .chain(groups.single.iter().copied())
+        .collect();
+    host_counted.sort_unstable();
+    // What the device cannot skip by itself is skipped (or not) here.
+    if !host_counted.is_empty() && super::found_inf_on_host(scaling.found_inf)? {
+        host_counted.clear();
+    }
+    let mut steps = vec![0.0; n];
+    for &i in &host_counted {
+        step_t(i).add_scalar_(1.0)?;
+        steps[i] = step_t(i).item_f64()?;
+    }
+    let host_steps_on = |i: usize| host_counted.binary_search(&i).is_ok();
     let step = AdamStep {
         lr: config.lr,
         beta1: config.betas.0,
@@ -148,20 +199,44 @@ pub fn adam(
         decoupled_weight_decay,
     };
     for group in groups.fused {
-        let pick = |list: &[Tensor]| -> Vec<Tensor> { group.iter().map(|&i| list[i].clone()).collect() };
-        let maxes: Vec<Tensor> = group.iter().filter_map(|&i| max_of(i).cloned()).collect();
-        let group_steps: Vec<f64> = group.iter().map(|&i| steps[i]).collect();
-        fused::adam_(
-            &pick(params),
-            &pick(grads),
-            &pick(state.exp_avgs),
-            &pick(state.exp_avg_sqs),
-            config.amsgrad.then_some(&maxes[..]),
-            &group_steps,
-            &step,
-        )?;
+        let on = super::ScalingOn::new(&scaling, params[group[0]].device())?;
+        let (on_device, on_host): (Vec<usize>, Vec<usize>) = group.iter().partition(|&&i| device_counted(i));
+        let on_host: Vec<usize> = on_host.into_iter().filter(|&i| host_steps_on(i)).collect();
+        for (part, device_steps) in [(on_device, true), (on_host, false)] {
+            if part.is_empty() {
+                continue;
+            }
+            let pick = |list: &[Tensor]| -> Vec<Tensor> { part.iter().map(|&i| list[i].clone()).collect() };
+            let maxes: Vec<Tensor> = part.iter().filter_map(|&i| max_of(i).cloned()).collect();
+            let step_tensors = pick(state.state_steps);
+            let host_steps: Vec<f64> = part.iter().map(|&i| steps[i]).collect();
+            let (counts, scaling) = if device_steps {
+                (AdamSteps::Device(&step_tensors), on.get())
+            } else {
+                // Not skipped (decided above); the gradients may still carry the scale.
+                let s = GradScaling {
+                    found_inf: None,
+                    ..on.get()
+                };
+                (AdamSteps::Host(&host_steps), s)
+            };
+            fused::adam_scaled_(
+                &pick(params),
+                &pick(grads),
+                &pick(state.exp_avgs),
+                &pick(state.exp_avg_sqs),
+                config.amsgrad.then_some(&maxes[..]),
+                counts,
+                &step,
+                scaling,
+            )?;
+        }
     }
     for i in groups.single {
+        if !host_steps_on(i) {
+            continue;
+        }
+        super::unscale_grad(&grads[i], scaling.grad_scale)?;
         adam_single(
             &params[i],
             &grads[i],
@@ -273,7 +348,10 @@ impl AdamCore {
         }
     }
 
-    fn step(&mut self) -> Result<()> {
+    /// One step of every parameter with a gradient, under `scaling`. A scaled step (one with a
+    /// found-inf flag) first moves the step counts of CUDA parameters to their device (see
+    /// [`adam_scaled`]).
+    fn step_with(&mut self, scaling: GradScaling<'_>) -> Result<()> {
         let amsgrad = self.config.amsgrad;
         let (mut params, mut grads) = (Vec::new(), Vec::new());
         let (mut exp_avgs, mut exp_avg_sqs, mut maxes, mut steps) =
@@ -286,6 +364,10 @@ impl AdamCore {
             let s = slot.as_mut().expect("initialized above");
             if amsgrad && s.max_exp_avg_sq.is_none() {
                 s.max_exp_avg_sq = Some(p.zeros_like()?);
+            }
+            if scaling.found_inf.is_some() && s.step.device() != p.device() {
+                // Once, for the first scaled step: a 4-byte copy that does not wait.
+                s.step = s.step.to(p.device())?;
             }
             params.push(p.clone());
             grads.push(g);
@@ -302,14 +384,16 @@ impl AdamCore {
             max_exp_avg_sqs: &maxes,
             state_steps: &steps,
         };
-        adam(&params, &grads, state, &self.config(), self.decoupled)
+        adam_scaled(&params, &grads, state, &self.config(), self.decoupled, scaling)
     }
 
     fn state_dict(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (i, s) in self.state.iter().enumerate() {
             let Some(s) = s else { continue };
-            out.push((format!("state.{i}.step"), s.step.clone()));
+            // Note [State dict format]: the count as a CPU tensor, wherever it is kept.
+            let step = s.step.to(Device::Cpu).unwrap_or_else(|_| s.step.clone());
+            out.push((format!("state.{i}.step"), step));
             out.push((format!("state.{i}.exp_avg"), s.exp_avg.clone()));
             out.push((format!("state.{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
             if let Some(m) = &s.max_exp_avg_sq {
@@ -421,7 +505,22 @@ macro_rules! adam_optimizer {
 
         impl Optimizer for $name {
             fn step(&mut self) -> Result<()> {
-                self.0.step()
+                self.0.step_with(GradScaling::default())
+            }
+
+            fn params(&self) -> &[Tensor] {
+                &self.0.params
+            }
+
+            fn supports_amp_scaling(&self) -> bool {
+                true
+            }
+
+            fn step_scaled(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
+                self.0.step_with(GradScaling {
+                    grad_scale,
+                    found_inf: Some(found_inf),
+                })
             }
 
             fn zero_grad(&mut self) -> Result<()> {

@@ -26,10 +26,21 @@
 //! - `param_groups.0.lr` (0-d f64), and `param_groups.0.initial_lr` (0-d f64) once an LR
 //!   scheduler has recorded it. The other hyperparameters stay with the optimizer's config.
 //!
-//! The state tensors are returned as shared handles, as PyTorch's `state_dict()` does;
+//! The state tensors are returned as shared handles, as PyTorch's `state_dict()` does (except
+//! an Adam `step` kept on the device, which is returned as a CPU copy);
 //! [`Optimizer::load_state_dict`] copies what it loads (casting to each parameter's dtype and
-//! device, except `step`) and replaces the whole state, so later steps never write into the
-//! caller's tensors.
+//! device, except `step`, which may come from any device) and replaces the whole state, so
+//! later steps never write into the caller's tensors.
+//!
+//! Note [Steps under a GradScaler]: `ember_nn::amp::GradScaler` steps an optimizer through
+//! [`Optimizer::step_scaled`], handing it the scale the gradients carry (or none when they were
+//! unscaled already) and a found-inf flag, both 0-d f32 tensors on the device. [`SGD`], [`Adam`]
+//! and [`AdamW`] declare [`Optimizer::supports_amp_scaling`]: their fused steps divide by the
+//! scale and skip on the device (PyTorch's `_step_supports_amp_scaling` optimizers), and Adam
+//! moves its step counts to the parameters' device for that, so the host never waits for the
+//! GPU. Parameters that the fused steps do not take (see Note [Foreach step functions]) make
+//! the step read the flag on the host, once. Other optimizers get the default, PyTorch's
+//! generic path: the flag is read on the host and `step()` skipped when it is set.
 
 pub mod adam;
 pub mod clip;
@@ -49,6 +60,35 @@ use ember_core::{DType, Device, Error, Result, Tensor};
 pub trait Optimizer {
     /// Performs one update of every parameter that has a gradient.
     fn step(&mut self) -> Result<()>;
+
+    /// The parameters, in the order given to `new` (PyTorch's `param_groups[0]["params"]`).
+    fn params(&self) -> &[Tensor];
+
+    /// True when [`Optimizer::step_scaled`] divides by the grad scale and skips on the device,
+    /// so a GradScaler need not unscale first nor read the found-inf flag on the host
+    /// (PyTorch's `_step_supports_amp_scaling`); see Note [Steps under a GradScaler].
+    fn supports_amp_scaling(&self) -> bool {
+        false
+    }
+
+    /// One step under a GradScaler (see Note [Steps under a GradScaler]): the gradients are
+    /// scaled by `grad_scale` (`None`: already unscaled), and when `found_inf` is nonzero
+    /// nothing may change (parameters, state, step counts). Both are 0-d f32 tensors.
+    ///
+    /// The default reads `found_inf` on the host (a synchronization on CUDA) and, when it is 0,
+    /// divides the gradients by `grad_scale` and calls [`Optimizer::step`].
+    fn step_scaled(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
+        if found_inf.item_f64()? != 0.0 {
+            return Ok(());
+        }
+        if let Some(scale) = grad_scale {
+            let _g = ember_core::no_grad();
+            for g in self.params().iter().filter_map(|p| p.grad()) {
+                g.div_(&scale.to(g.device())?)?;
+            }
+        }
+        self.step()
+    }
 
     /// Releases the gradient of every parameter (`zero_grad(set_to_none=True)`, PyTorch 2's
     /// default).
@@ -231,6 +271,43 @@ pub(crate) fn fused_groups<'a>(n: usize, tensors_of: impl Fn(usize) -> Vec<&'a T
     }
     single.sort_unstable();
     FusedGroups { fused, single }
+}
+
+/// Whether a step under a GradScaler is skipped, read on the host (a synchronization on
+/// CUDA): the fallback of Note [Steps under a GradScaler] for what the device cannot decide.
+/// False without a flag.
+pub(crate) fn found_inf_on_host(found_inf: Option<&Tensor>) -> Result<bool> {
+    match found_inf {
+        Some(f) => Ok(f.item_f64()? != 0.0),
+        None => Ok(false),
+    }
+}
+
+/// The tensors of a [`GradScaling`](ember_core::fused::GradScaling) on `device` (one fused
+/// group's; copies where the scaler keeps them on another device).
+pub(crate) struct ScalingOn(Option<Tensor>, Option<Tensor>);
+
+impl ScalingOn {
+    pub(crate) fn new(scaling: &ember_core::fused::GradScaling<'_>, device: Device) -> Result<ScalingOn> {
+        let on = |t: Option<&Tensor>| t.map(|t| t.to(device)).transpose();
+        Ok(ScalingOn(on(scaling.grad_scale)?, on(scaling.found_inf)?))
+    }
+
+    pub(crate) fn get(&self) -> ember_core::fused::GradScaling<'_> {
+        ember_core::fused::GradScaling {
+            grad_scale: self.0.as_ref(),
+            found_inf: self.1.as_ref(),
+        }
+    }
+}
+
+/// Divides `grad` in place by `grad_scale` (the per-tensor path's share of a scaled step; the
+/// fused steps do it in their kernels).
+pub(crate) fn unscale_grad(grad: &Tensor, grad_scale: Option<&Tensor>) -> Result<()> {
+    if let Some(s) = grad_scale {
+        grad.div_(&s.to(grad.device())?)?;
+    }
+    Ok(())
 }
 
 /// Sets the gradient of every parameter to `None`.

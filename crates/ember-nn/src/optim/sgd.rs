@@ -12,7 +12,7 @@
 //! ```
 
 use super::{check_non_negative, check_params, parse_state_key, zero_grads, GroupLr, Optimizer, StateKey};
-use ember_core::fused::{self, SgdStep};
+use ember_core::fused::{self, GradScaling, SgdStep};
 use ember_core::{Error, Result, Tensor};
 
 /// Hyperparameters of [`SGD`]; `Default` is PyTorch's (`lr = 1e-3`, everything else off).
@@ -76,6 +76,24 @@ pub fn sgd(
     momentum_buffers: &mut [Option<Tensor>],
     config: &SgdConfig,
 ) -> Result<()> {
+    sgd_scaled(params, grads, momentum_buffers, config, GradScaling::default())
+}
+
+/// [`sgd`] under a GradScaler (see Note [Steps under a GradScaler] in `optim`): the gradients
+/// are divided by `scaling.grad_scale` (and written back unscaled) and nothing changes when
+/// `scaling.found_inf` is nonzero, decided on the device by the fused steps.
+///
+/// A new momentum buffer is made zero-filled, and its first update `0 * momentum + g` is the
+/// `buf = g` of a first step, so a skipped first step leaves a buffer that is still "new".
+/// That identity needs `dampening == 0`; with dampening, a first step with new buffers reads
+/// the flag on the host instead, as do parameters on the per-tensor path.
+pub fn sgd_scaled(
+    params: &[Tensor],
+    grads: &[Tensor],
+    momentum_buffers: &mut [Option<Tensor>],
+    config: &SgdConfig,
+    scaling: GradScaling<'_>,
+) -> Result<()> {
     if grads.len() != params.len() || momentum_buffers.len() != params.len() {
         return Err(Error::invalid(
             "sgd",
@@ -88,15 +106,29 @@ pub fn sgd(
         ));
     }
     let _g = ember_core::no_grad();
+    let mut scaling = scaling;
     let has_momentum = config.momentum != 0.0;
     // A parameter without a buffer gets a new one, set by its first step.
     let first: Vec<bool> = momentum_buffers
         .iter()
         .map(|b| has_momentum && b.is_none())
         .collect();
+    // Under a found-inf flag new buffers start at zero and take the ordinary update (see
+    // above), unless dampening makes that differ from a first step: then the host decides.
+    let zero_start = scaling.found_inf.is_some() && config.dampening == 0.0;
+    if scaling.found_inf.is_some() && !zero_start && first.contains(&true) {
+        if super::found_inf_on_host(scaling.found_inf)? {
+            return Ok(());
+        }
+        scaling.found_inf = None;
+    }
     for (i, slot) in momentum_buffers.iter_mut().enumerate() {
         if first[i] && fused_shape_ok(&params[i], &grads[i]) {
-            *slot = Some(grads[i].empty_like()?);
+            *slot = Some(if zero_start {
+                grads[i].zeros_like()?
+            } else {
+                grads[i].empty_like()?
+            });
         }
     }
     // Note [Foreach step functions]: one fused call per device, dtype and first step.
@@ -113,7 +145,7 @@ pub fn sgd(
             let part: Vec<usize> = group
                 .iter()
                 .copied()
-                .filter(|&i| first[i] == first_step)
+                .filter(|&i| (first[i] && !zero_start) == first_step)
                 .collect();
             if part.is_empty() {
                 continue;
@@ -130,14 +162,21 @@ pub fn sgd(
                 maximize: config.maximize,
                 first_step,
             };
-            fused::sgd_(&ps, &gs, has_momentum.then_some(&bs[..]), &step)?;
+            let on = super::ScalingOn::new(&scaling, ps[0].device())?;
+            fused::sgd_scaled_(&ps, &gs, has_momentum.then_some(&bs[..]), &step, on.get())?;
         }
     }
-    for i in groups.single {
+    for &i in &groups.single {
         if first[i] {
             // A buffer made above for a parameter that went to the per-tensor path.
             momentum_buffers[i] = None;
         }
+    }
+    if groups.single.is_empty() || super::found_inf_on_host(scaling.found_inf)? {
+        return Ok(());
+    }
+    for i in groups.single {
+        super::unscale_grad(&grads[i], scaling.grad_scale)?;
         sgd_single(&params[i], &grads[i], &mut momentum_buffers[i], config)?;
     }
     Ok(())
@@ -222,8 +261,9 @@ impl SGD {
     }
 }
 
-impl Optimizer for SGD {
-    fn step(&mut self) -> Result<()> {
+impl SGD {
+    /// One step of every parameter with a gradient, under `scaling`.
+    fn step_with(&mut self, scaling: GradScaling<'_>) -> Result<()> {
         let mut params = Vec::new();
         let mut grads = Vec::new();
         let mut bufs = Vec::new();
@@ -236,13 +276,34 @@ impl Optimizer for SGD {
                 index.push(i);
             }
         }
-        sgd(&params, &grads, &mut bufs, &self.config())?;
+        sgd_scaled(&params, &grads, &mut bufs, &self.config(), scaling)?;
         if self.config.momentum != 0.0 {
             for (i, buf) in index.into_iter().zip(bufs) {
                 self.momentum_buffers[i] = buf;
             }
         }
         Ok(())
+    }
+}
+
+impl Optimizer for SGD {
+    fn step(&mut self) -> Result<()> {
+        self.step_with(GradScaling::default())
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn supports_amp_scaling(&self) -> bool {
+        true
+    }
+
+    fn step_scaled(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
+        self.step_with(GradScaling {
+            grad_scale,
+            found_inf: Some(found_inf),
+        })
     }
 
     fn zero_grad(&mut self) -> Result<()> {

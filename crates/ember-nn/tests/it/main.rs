@@ -10,6 +10,7 @@ mod autocast;
 mod conformance;
 mod functional;
 mod functional_loss;
+mod grad_scaler;
 mod modules;
 mod pytorch_checkpoints;
 mod recurrent;

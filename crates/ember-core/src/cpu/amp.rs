@@ -1,0 +1,115 @@
+//! CPU kernels of GradScaler's device side (`ops/amp_scaling.rs`): the inf/NaN check and
+//! unscale of one gradient, and the scale update. The arithmetic is `kernels/amp.cu`'s: each
+//! element is loaded to its arithmetic type (f32 for f16/bf16/f32, f64 for f64), checked, then
+//! multiplied by the f32 inverse scale (not at all when it is exactly 1) and rounded once on
+//! store; the scale update multiplies in f64 and rounds to f32.
+
+use super::optim::{OptimAcc, OptimElement};
+use super::{PAR_CHUNK, PAR_THRESHOLD};
+use rayon::prelude::*;
+
+/// Multiplies every element of `values` by `inv_scale` in place; true when any element was inf
+/// or NaN before the multiplication.
+pub(crate) fn non_finite_check_and_unscale<T: OptimElement>(values: &mut [T], inv_scale: f32) -> bool {
+    let piece = |chunk: &mut [T]| -> bool {
+        let inv = <T::A as OptimAcc>::from_f64(inv_scale as f64);
+        let mut found = false;
+        for x in chunk.iter_mut() {
+            let v = x.load();
+            found |= !is_finite(v);
+            if inv_scale != 1.0 {
+                *x = T::store(v * inv);
+            }
+        }
+        found
+    };
+    if values.len() > PAR_THRESHOLD {
+        values
+            .par_chunks_mut(PAR_CHUNK)
+            .map(piece)
+            .reduce(|| false, |a, b| a | b)
+    } else {
+        piece(values)
+    }
+}
+
+/// True for a value that is neither inf nor NaN (`v - v` is 0 exactly for finite values).
+#[inline]
+fn is_finite<A: OptimAcc>(v: A) -> bool {
+    let zero = v - v;
+    !zero.is_nan()
+}
+
+/// `torch._amp_update_scale_` on host values (the rule is in `kernels/amp.cu`'s contract).
+pub(crate) fn update_scale(
+    scale: &mut f32,
+    growth_tracker: &mut i32,
+    found_inf: f32,
+    growth_factor: f64,
+    backoff_factor: f64,
+    growth_interval: i32,
+) {
+    if found_inf != 0.0 {
+        *scale = (*scale as f64 * backoff_factor) as f32;
+        *growth_tracker = 0;
+    } else {
+        let successful = growth_tracker.wrapping_add(1);
+        if successful == growth_interval {
+            let grown = (*scale as f64 * growth_factor) as f32;
+            if grown.is_finite() {
+                *scale = grown;
+            }
+            *growth_tracker = 0;
+        } else {
+            *growth_tracker = successful;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    #[test]
+    fn unscale_multiplies_and_finds_non_finite_values() {
+        let mut v = vec![1.0f32, -4.0, 0.5];
+        assert!(!non_finite_check_and_unscale(&mut v, 0.25));
+        assert_eq!(v, [0.25, -1.0, 0.125]);
+        let mut v = vec![1.0f64, f64::NAN, 2.0];
+        assert!(non_finite_check_and_unscale(&mut v, 0.5));
+        assert_eq!((v[0], v[2]), (0.5, 1.0));
+        let mut v = vec![f16::from_f32(2.0), f16::INFINITY];
+        assert!(non_finite_check_and_unscale(&mut v, 0.5));
+        assert_eq!(v[0], f16::from_f32(1.0));
+        let mut v = vec![bf16::from_f32(3.0); 3];
+        assert!(!non_finite_check_and_unscale(&mut v, 1.0));
+        assert_eq!(v, [bf16::from_f32(3.0); 3]);
+    }
+
+    #[test]
+    fn unscale_of_a_large_tensor_runs_in_pieces() {
+        let mut v = vec![2.0f32; PAR_THRESHOLD + 5];
+        *v.last_mut().unwrap() = f32::NEG_INFINITY;
+        assert!(non_finite_check_and_unscale(&mut v, 0.5));
+        assert!(v[..PAR_THRESHOLD].iter().all(|&x| x == 1.0));
+    }
+
+    #[test]
+    fn scale_update_rules() {
+        let (mut s, mut t) = (1024.0f32, 1);
+        update_scale(&mut s, &mut t, 1.0, 2.0, 0.5, 3);
+        assert_eq!((s, t), (512.0, 0));
+        update_scale(&mut s, &mut t, 0.0, 2.0, 0.5, 3);
+        update_scale(&mut s, &mut t, 0.0, 2.0, 0.5, 3);
+        assert_eq!((s, t), (512.0, 2));
+        update_scale(&mut s, &mut t, 0.0, 2.0, 0.5, 3);
+        assert_eq!((s, t), (1024.0, 0));
+        update_scale(&mut s, &mut t, f32::NAN, 2.0, 0.5, 3);
+        assert_eq!((s, t), (512.0, 0));
+        // Growth that would overflow f32 keeps the scale but resets the tracker.
+        let (mut s, mut t) = (f32::MAX, 0);
+        update_scale(&mut s, &mut t, 0.0, 2.0, 0.5, 1);
+        assert_eq!((s, t), (f32::MAX, 0));
+    }
+}
