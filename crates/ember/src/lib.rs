@@ -16,15 +16,20 @@
 #![forbid(unsafe_code)]
 
 pub use ember_core::{
-    autograd, backends, cuda, enable_grad, is_grad_enabled, manual_seed, no_grad, set_grad_enabled, DType,
-    Device, Element, Error, Generator, Result, Scalar, Shape, Tensor,
+    autograd, backends, cuda, dispatch, enable_grad, is_grad_enabled, manual_seed, no_grad, set_grad_enabled,
+    DType, Device, DeviceType, Element, Error, Generator, Result, Scalar, Shape, Tensor,
 };
 pub use ember_data as data;
 pub use ember_distributed as distributed;
 pub use ember_nn as nn;
 
-/// Mixed precision (`torch.amp`): `GradScaler` (from `ember_nn::amp`).
+/// Mixed precision (`torch.amp`): `autocast` regions (from `ember_core::amp`) and
+/// `GradScaler` (from `ember_nn::amp`).
 pub mod amp {
+    pub use ember_core::amp::{
+        autocast, autocast_cache_len, clear_autocast_cache, get_autocast_dtype, is_autocast_cache_enabled,
+        is_autocast_enabled, Autocast, AutocastGuard,
+    };
     pub use ember_nn::amp::*;
 }
 

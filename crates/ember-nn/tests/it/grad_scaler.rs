@@ -669,14 +669,11 @@ mod reference {
     }
 }
 
-/// `Linear(6, 3)` under float16 autocast, then `cross_entropy` in f32: what `torch.autocast`
-/// does for this model (linear is a lower-precision op, its inputs cast to f16; cross_entropy a
-/// float32 op, its input cast back). Until ember's autocast exists the casts are explicit;
-/// with it, this becomes `let _a = autocast(..); cross_entropy(linear(x, w, b), y)`.
+/// `cross_entropy(linear(x, w, b), y)` under float16 autocast, as the generator runs it.
 fn autocast_f16_linear_loss(x: &Tensor, w: &Tensor, b: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let h = |t: &Tensor| t.to_dtype(DType::F16);
-    let logits = ember_nn::functional::linear(&h(x)?, &h(w)?, Some(&h(b)?))?;
-    cross_entropy(&logits.to_dtype(DType::F32)?, y, None, -100, Reduction::Mean, 0.0)
+    let _ac = ember_core::amp::autocast(x.device().device_type(), DType::F16)?;
+    let logits = ember_nn::functional::linear(x, w, Some(b))?;
+    cross_entropy(&logits, y, None, -100, Reduction::Mean, 0.0)
 }
 
 fn close(got: f64, want: f64, rtol: f64, atol: f64) -> bool {
@@ -952,5 +949,115 @@ fn cuda_matches_cpu_over_many_parameters() {
         for (a, b) in g.iter().zip(&c) {
             common::assert_close_slice(a, b, 1e-5, 1e-6);
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// PyTorch's `amp_train` cases: an MLP trained 20 Adam steps under autocast.
+
+/// Runs one `amp_train` case on `device`: `Linear(64, 128) ReLU Linear(128, 10)` from the
+/// case's initial weights, 20 steps of `zero_grad`, forward and cross-entropy under autocast,
+/// backward, step, through a default GradScaler for float16 and without one for bfloat16
+/// (PyTorch's `GradScaler(enabled=False)`), comparing every loss and the final weights.
+fn run_train_case(
+    fx: &reference::Fixture,
+    case: &serde_json::Value,
+    device: Device,
+) -> std::result::Result<(), String> {
+    let id = case["id"].as_str().unwrap();
+    let kw = &case["kwargs"];
+    let (rtol, atol) = (case["rtol"].as_f64().unwrap(), case["atol"].as_f64().unwrap());
+    let dtype = match kw["autocast"].as_str() {
+        Some("float16") => DType::F16,
+        Some("bfloat16") => DType::BF16,
+        other => return Err(format!("{id}: autocast {other:?} not mapped")),
+    };
+    let e = |what: &str, err: ember_core::Error| format!("{id} on {device}: {what}: {err}");
+    let params: Vec<Tensor> = (0..4)
+        .map(|i| {
+            fx.tensor(id, &format!("param{i}"), device)
+                .requires_grad_(true)
+                .unwrap()
+        })
+        .collect();
+    let (x, y) = (fx.tensor(id, "x", device), fx.tensor(id, "y", device));
+    let mut opt = Adam::new(
+        params.clone(),
+        AdamConfig {
+            lr: kw["lr"].as_f64().unwrap(),
+            ..Default::default()
+        },
+    )
+    .map_err(|err| e("Adam", err))?;
+    let mut scaler = GradScaler::new(GradScalerConfig {
+        enabled: kw["grad_scaler"].as_bool().unwrap(),
+        ..Default::default()
+    })
+    .map_err(|err| e("GradScaler", err))?;
+    let want_losses = fx.tensor(id, "losses", Device::Cpu).to_vec_f64().unwrap();
+    for (s, want) in want_losses.iter().enumerate() {
+        opt.zero_grad().map_err(|err| e("zero_grad", err))?;
+        let loss = {
+            let _ac =
+                ember_core::amp::autocast(device.device_type(), dtype).map_err(|err| e("autocast", err))?;
+            let h = ember_nn::functional::linear(&x, &params[0], Some(&params[1]))
+                .and_then(|h| h.relu())
+                .and_then(|h| ember_nn::functional::linear(&h, &params[2], Some(&params[3])))
+                .map_err(|err| e("forward", err))?;
+            cross_entropy(&h, &y, None, -100, Reduction::Mean, 0.0).map_err(|err| e("loss", err))?
+        };
+        scaler
+            .scale(&loss)
+            .and_then(|l| l.backward())
+            .map_err(|err| e("backward", err))?;
+        scaler.step(&mut opt).map_err(|err| e("step", err))?;
+        scaler.update(None).map_err(|err| e("update", err))?;
+        let got = loss.item_f64().unwrap();
+        if !close(got, *want, rtol, atol) {
+            return Err(format!("{id} on {device}, step {s}: loss {got}, PyTorch {want}"));
+        }
+    }
+    for (i, p) in params.iter().enumerate() {
+        let want = fx
+            .tensor(id, &format!("final_param{i}"), Device::Cpu)
+            .to_vec_f64()
+            .unwrap();
+        let got = p.to_vec_f64().unwrap();
+        let misses = got
+            .iter()
+            .zip(&want)
+            .filter(|(g, w)| !close(**g, **w, rtol, atol))
+            .count();
+        if misses > 0 {
+            return Err(format!(
+                "{id} on {device}: final param{i}: {misses} of {} values differ",
+                want.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn amp_train_cases(fx: &reference::Fixture) -> Vec<&serde_json::Value> {
+    let cases: Vec<&serde_json::Value> = fx.cases.iter().filter(|c| c["group"] == "amp_train").collect();
+    assert_eq!(cases.len(), 2, "the fixture has two amp_train cases");
+    cases
+}
+
+#[test]
+fn pytorch_amp_train_cases_on_the_cpu() {
+    let fx = reference::Fixture::load();
+    for case in amp_train_cases(&fx) {
+        run_train_case(&fx, case, Device::Cpu).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pytorch_amp_train_cases_on_cuda() {
+    let gpu = common::gpu();
+    let fx = reference::Fixture::load();
+    for case in amp_train_cases(&fx) {
+        run_train_case(&fx, case, gpu).unwrap();
     }
 }
