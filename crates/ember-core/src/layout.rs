@@ -3,12 +3,13 @@
 //! Views (permute, narrow, expand, ...) only make a new layout over the same storage.
 //! Strides are in elements and never negative; a stride of 0 repeats an element (broadcast).
 
+use crate::shape::Dims;
 use crate::{Error, Result, Shape};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
     shape: Shape,
-    strides: Vec<usize>,
+    strides: Dims,
     offset: usize,
 }
 
@@ -24,7 +25,8 @@ impl Layout {
         }
     }
 
-    pub fn new(shape: Shape, strides: Vec<usize>, offset: usize) -> Layout {
+    pub fn new(shape: Shape, strides: impl Into<Dims>, offset: usize) -> Layout {
+        let strides = strides.into();
         debug_assert_eq!(shape.rank(), strides.len());
         Layout {
             shape,
@@ -101,7 +103,7 @@ impl Layout {
             ));
         }
         let shape = dims.iter().map(|&d| self.dims()[d]).collect::<Vec<_>>();
-        let strides = dims.iter().map(|&d| self.strides[d]).collect();
+        let strides: Dims = dims.iter().map(|&d| self.strides[d]).collect();
         Ok(Layout::new(shape.into(), strides, self.offset))
     }
 
@@ -187,7 +189,7 @@ impl Layout {
             return Err(err());
         }
         let lead = dst.len() - src.len();
-        let mut strides = vec![0; dst.len()];
+        let mut strides: Dims = smallvec::smallvec![0; dst.len()];
         for i in 0..src.len() {
             strides[lead + i] = match (src[i], dst[lead + i]) {
                 (a, b) if a == b => self.strides[i],
@@ -212,7 +214,7 @@ impl Layout {
         // Walk old dims in chunks of elements that are contiguous with each other.
         let old_dims = self.dims();
         let new_dims = shape.dims();
-        let mut new_strides = vec![0; new_dims.len()];
+        let mut new_strides: Dims = smallvec::smallvec![0; new_dims.len()];
         let mut view_d = new_dims.len() as isize - 1;
         let mut chunk_base_stride = *self.strides.last().unwrap_or(&1);
         let mut tensor_numel = 1;

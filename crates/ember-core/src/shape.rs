@@ -1,20 +1,28 @@
 //! [`Shape`]: the sizes of a tensor's dimensions, broadcasting, and dimension normalization.
 
 use crate::{Error, Result};
+use smallvec::SmallVec;
 use std::fmt;
+
+/// Dims (or strides) held inline up to this rank, so that making the shape and layout of an
+/// op's output allocates nothing on the heap (part of the per-op host cost budget).
+pub const INLINE_DIMS: usize = 6;
+
+/// Sizes or strides of up to [`INLINE_DIMS`] dims without a heap allocation.
+pub type Dims = SmallVec<[usize; INLINE_DIMS]>;
 
 /// The size of each dimension; `[]` is a scalar (0-d tensor) with one element.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
-pub struct Shape(Vec<usize>);
+pub struct Shape(Dims);
 
 impl Shape {
     pub fn new(dims: impl Into<Vec<usize>>) -> Shape {
-        Shape(dims.into())
+        Shape(Dims::from_vec(dims.into()))
     }
 
     /// The 0-d shape.
     pub fn scalar() -> Shape {
-        Shape(Vec::new())
+        Shape(Dims::new())
     }
 
     pub fn dims(&self) -> &[usize] {
@@ -31,8 +39,8 @@ impl Shape {
     }
 
     /// Row-major (C-contiguous) strides, in elements.
-    pub fn contiguous_strides(&self) -> Vec<usize> {
-        let mut strides = vec![0; self.0.len()];
+    pub fn contiguous_strides(&self) -> Dims {
+        let mut strides: Dims = smallvec::smallvec![0; self.0.len()];
         let mut acc = 1;
         for (s, &d) in strides.iter_mut().zip(&self.0).rev() {
             *s = acc;
@@ -50,7 +58,7 @@ impl Shape {
     pub fn broadcast(&self, other: &Shape, op: &'static str) -> Result<Shape> {
         let (a, b) = (&self.0, &other.0);
         let n = a.len().max(b.len());
-        let mut out = vec![0; n];
+        let mut out: Dims = smallvec::smallvec![0; n];
         for (i, o) in out.iter_mut().enumerate() {
             let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
             let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
@@ -100,19 +108,19 @@ impl fmt::Display for Shape {
 
 impl From<Vec<usize>> for Shape {
     fn from(v: Vec<usize>) -> Shape {
-        Shape(v)
+        Shape(Dims::from_vec(v))
     }
 }
 
 impl From<&[usize]> for Shape {
     fn from(v: &[usize]) -> Shape {
-        Shape(v.to_vec())
+        Shape(Dims::from_slice(v))
     }
 }
 
 impl<const N: usize> From<[usize; N]> for Shape {
     fn from(v: [usize; N]) -> Shape {
-        Shape(v.to_vec())
+        Shape(Dims::from_slice(&v))
     }
 }
 
@@ -130,7 +138,7 @@ impl From<()> for Shape {
 
 impl From<usize> for Shape {
     fn from(v: usize) -> Shape {
-        Shape(vec![v])
+        Shape(smallvec::smallvec![v])
     }
 }
 

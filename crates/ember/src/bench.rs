@@ -2,6 +2,7 @@
 //! timed by the same rule as PyTorch's reference script so the two compare line by line.
 
 use crate::models;
+use ember::amp::{GradScaler, GradScalerConfig};
 use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::{Module, ModuleExt};
@@ -103,38 +104,69 @@ fn row(name: &str, t: &Timing, per: f64, extra: Value) -> Map<String, Value> {
     m
 }
 
-/// The reference's `run_classifier` (fp32, no autocast, no graph): seed 0, the model, then
-/// `x = randn(shape)` and `y = randint(0, classes)` once; each step is `zero_grad` (set to
-/// none), forward, mean cross-entropy, backward, Adam step (lr 1e-3). 50 steps per repeat on
-/// a GPU, 20 on the CPU.
+/// Mixed precision of a training workload: autocast to `dtype`, with a GradScaler or not.
+#[derive(Clone, Copy)]
+struct Amp {
+    dtype: DType,
+    scaler: bool,
+}
+
+/// The reference's `run_classifier` (no graph): seed 0, the model, then `x = randn(shape)` and
+/// `y = randint(0, classes)` once; each step is `zero_grad` (set to none), forward and mean
+/// cross-entropy (under autocast with `amp`), backward, Adam step (lr 1e-3; through the
+/// GradScaler's scale/step/update when `amp` has one). 50 steps per repeat on a GPU, 20 on the
+/// CPU.
 fn classifier(
     name: &str,
     device: Device,
     build: impl FnOnce(Device) -> Result<Box<dyn Module>>,
     shape: &[usize],
     classes: i64,
+    amp: Option<Amp>,
 ) -> Result<Map<String, Value>> {
     ember::manual_seed(0)?;
     let model = build(device)?;
     let x = Tensor::randn(shape, DType::F32, device)?;
     let y = Tensor::randint(0, classes, [shape[0]], device)?;
     let mut opt = Adam::new(model.parameters(), AdamConfig::default())?;
+    let mut scaler = GradScaler::new(GradScalerConfig {
+        enabled: amp.is_some_and(|a| a.scaler),
+        ..Default::default()
+    })?;
     let steps = if device == Device::Cpu { 20 } else { 50 };
     let t = time_steps(device, 10, steps, 5, || {
         opt.zero_grad()?;
-        let loss = cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?;
-        loss.backward()?;
-        opt.step()
+        let loss = {
+            let _autocast = amp
+                .map(|a| ember::amp::autocast(device.device_type(), a.dtype))
+                .transpose()?;
+            cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?
+        };
+        scaler.scale(&loss)?.backward()?;
+        scaler.step(&mut opt)?;
+        scaler.update(None)
     })?;
     let samples = shape[0] as f64 * 1000.0 / t.median;
     Ok(row(name, &t, 1.0, json!({ "samples_per_s": samples })))
 }
 
-/// `mlp_small`, `mlp_large`, `cnn` or `lstm` (WORKLOADS.md's training table).
+/// `mlp_small`, `mlp_large`, `cnn`, `lstm` or `mlp_large_amp_{bf16,fp16}` (WORKLOADS.md's
+/// training table).
 fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
     fn boxed<M: Module + 'static>(m: Result<M>) -> Result<Box<dyn Module>> {
         Ok(Box::new(m?))
     }
+    let amp = match name {
+        "mlp_large_amp_bf16" => Some(Amp {
+            dtype: DType::BF16,
+            scaler: false,
+        }),
+        "mlp_large_amp_fp16" => Some(Amp {
+            dtype: DType::F16,
+            scaler: true,
+        }),
+        _ => None,
+    };
     match name {
         "mlp_small" => classifier(
             name,
@@ -142,13 +174,15 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
             |d| boxed(models::mlp(&[2000, 1000, 100], false, d)),
             &[128, 2000],
             100,
+            amp,
         ),
-        "mlp_large" => classifier(
+        "mlp_large" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => classifier(
             name,
             device,
             |d| boxed(models::mlp(&[10000, 5000, 2000, 10], false, d)),
             &[256, 10000],
             10,
+            amp,
         ),
         "cnn" => classifier(
             name,
@@ -156,6 +190,7 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
             |d| boxed(models::cnn(3, 16, 32, d)),
             &[256, 3, 28, 28],
             10,
+            amp,
         ),
         _ => classifier(
             name,
@@ -163,6 +198,7 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
             |d| boxed(models::LstmClassifier::new(256, 512, 2, 10, d)),
             &[64, 128, 256],
             10,
+            amp,
         ),
     }
 }
@@ -225,22 +261,22 @@ fn h2d_pinned(device: Device) -> Result<Map<String, Value>> {
 
 fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
-    let outcome =
-        match name {
-            "mlp_small" | "mlp_large" | "cnn" | "lstm" => training(name, device),
-            "matmul_bf16_8192" if gpu => matmul_bf16(device),
-            "add_f32_256M" if gpu => add_f32(device),
-            "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
-            "op_overhead_add" if gpu => small_adds(device),
-            "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
-                return Err("kernel workloads run on CUDA devices only".into())
-            }
-            _ if WORKLOADS.contains(&name) => return Err(
-                "not implemented yet: needs mixed precision (autocast, GradScaler), CUDA graphs or the GPT-2 model"
-                    .into(),
-            ),
-            _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
-        };
+    let outcome = match name {
+        "mlp_small" | "mlp_large" | "cnn" | "lstm" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => {
+            training(name, device)
+        }
+        "matmul_bf16_8192" if gpu => matmul_bf16(device),
+        "add_f32_256M" if gpu => add_f32(device),
+        "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
+        "op_overhead_add" if gpu => small_adds(device),
+        "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
+            return Err("kernel workloads run on CUDA devices only".into())
+        }
+        _ if WORKLOADS.contains(&name) => {
+            return Err("not implemented yet: needs CUDA graphs or the GPT-2 model".into())
+        }
+        _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
+    };
     outcome.map_err(|e| e.to_string())
 }
 

@@ -14,6 +14,7 @@
 
 use crate::models;
 use clap::{Args, ValueEnum};
+use ember::amp::{GradScaler, GradScalerConfig};
 use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, TensorDataset};
 use ember::nn::functional::{cross_entropy, Reduction};
@@ -129,6 +130,27 @@ pub struct TrainArgs {
     /// Print one JSON object at the end instead of text (per-epoch lines go to stderr).
     #[arg(long)]
     json: bool,
+    /// Mixed precision: the forward pass and the loss under autocast to bfloat16, or to
+    /// float16 with a GradScaler (PyTorch's AMP recipe); the weights and the optimizer stay in
+    /// float32.
+    #[arg(long, value_enum)]
+    amp: Option<AmpMode>,
+}
+
+/// `--amp`: the autocast dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AmpMode {
+    Bf16,
+    Fp16,
+}
+
+impl AmpMode {
+    fn dtype(self) -> DType {
+        match self {
+            AmpMode::Bf16 => DType::BF16,
+            AmpMode::Fp16 => DType::F16,
+        }
+    }
 }
 
 /// Runs `ember train`; any error is reported on stderr with exit code 1.
@@ -196,8 +218,16 @@ fn load_data(dir: Option<&Path>, limit: Option<usize>) -> CliResult<(TensorDatas
 }
 
 /// Fraction of `ds` that `model` classifies correctly.
-fn evaluate(model: &mut Sequential, ds: &TensorDataset, device: Device) -> CliResult<f64> {
+fn evaluate(
+    model: &mut Sequential,
+    ds: &TensorDataset,
+    device: Device,
+    amp: Option<AmpMode>,
+) -> CliResult<f64> {
     let _g = ember::no_grad();
+    let _autocast = amp
+        .map(|a| ember::amp::autocast(device.device_type(), a.dtype()))
+        .transpose()?;
     model.eval();
     let loader = DataLoader::builder(ds.clone())
         .batch_size(EVAL_BATCH)
@@ -308,6 +338,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         ..Default::default()
     };
     let mut opt = Adam::new(model.parameters(), config)?;
+    // float16 needs loss scaling against gradient underflow; bfloat16 has float32's range.
+    let mut scaler = GradScaler::new(GradScalerConfig {
+        enabled: args.amp == Some(AmpMode::Fp16),
+        ..Default::default()
+    })?;
     let mut done = 0;
     if args.resume {
         let path = args
@@ -365,9 +400,16 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             let x = batch[0].to_non_blocking(device)?;
             let y = batch[1].to_non_blocking(device)?;
             opt.zero_grad()?;
-            let loss = cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?;
-            loss.backward()?;
-            opt.step()?;
+            let loss = {
+                let _autocast = args
+                    .amp
+                    .map(|a| ember::amp::autocast(device.device_type(), a.dtype()))
+                    .transpose()?;
+                cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?
+            };
+            scaler.scale(&loss)?.backward()?;
+            scaler.step(&mut opt)?;
+            scaler.update(None)?;
             let n = y.dims()[0];
             seen += n;
             loss_sum = loss_sum.add(&loss.detach().mul_scalar(n as f64)?)?;
@@ -387,7 +429,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         train_s += secs;
         samples += seen;
         final_loss = Some(loss);
-        let acc = evaluate(&mut model, &test, device)?;
+        let acc = evaluate(&mut model, &test, device, args.amp)?;
         test_acc = Some(acc);
         say(format!(
             "epoch {epoch}/{}: train loss {loss:.4}, test accuracy {acc:.4} ({secs:.1} s, {:.0} samples/s)",
@@ -400,7 +442,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     }
     let test_acc = match test_acc {
         Some(a) => a,
-        None => evaluate(&mut model, &test, device)?,
+        None => evaluate(&mut model, &test, device, args.amp)?,
     };
     if args.json {
         let out = json!({
@@ -409,6 +451,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             "data": data_name,
             "epochs": args.epochs,
             "lr_schedule": format!("{:?}", args.lr_schedule).to_lowercase(),
+            "amp": args.amp.map(|a| format!("{a:?}").to_lowercase()),
             "start_epoch": done + 1,
             "samples": samples,
             "train_s": train_s,

@@ -32,7 +32,8 @@ pub(crate) struct DeviceRuntime {
     pub arch: String,
     pub sm_count: u32,
     pub allocator: CachingAllocator<DeviceMemory>,
-    functions: Mutex<HashMap<KernelKey, Function>>,
+    /// Looked up on every launch: keyed with foldhash, not SipHash (host cost per op).
+    functions: Mutex<HashMap<KernelKey, Function, foldhash::fast::FixedState>>,
     /// One slot per `Module::ALL` entry, filled together (Note [Loading kernel modules]).
     modules: Vec<OnceLock<std::result::Result<Module_, Error>>>,
 }
@@ -108,7 +109,7 @@ impl DeviceRuntime {
             arch: format!("sm_{major}{minor}"),
             sm_count,
             allocator: CachingAllocator::new(DeviceMemory { ctx: Context(ctx) }),
-            functions: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::with_hasher(foldhash::fast::FixedState::default())),
             modules: Module::ALL.iter().map(|_| OnceLock::new()).collect(),
         })
     }

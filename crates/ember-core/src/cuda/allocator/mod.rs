@@ -199,7 +199,7 @@ struct Segment {
 struct State<D> {
     driver: D,
     /// Every block of every segment, by start address.
-    blocks: HashMap<u64, Block>,
+    blocks: HashMap<u64, Block, foldhash::fast::FixedState>,
     /// Free blocks per pool (`Pool::index`), ordered for best fit: (stream, size, address).
     free_blocks: [BTreeSet<(StreamId, usize, u64)>; 2],
     /// Segments by base address.
@@ -603,7 +603,7 @@ impl<D: Driver> CachingAllocator<D> {
     pub fn new(driver: D) -> Self {
         let state = State {
             driver,
-            blocks: HashMap::new(),
+            blocks: HashMap::with_hasher(foldhash::fast::FixedState::default()),
             free_blocks: [BTreeSet::new(), BTreeSet::new()],
             segments: BTreeMap::new(),
             pending: Vec::new(),
