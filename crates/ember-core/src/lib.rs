@@ -12,6 +12,7 @@
 //! ```
 
 pub mod autograd;
+pub mod backend;
 pub mod backends;
 pub mod cpu;
 pub mod cuda;

@@ -6,6 +6,7 @@
 use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
 use super::runtime::runtime;
 use super::stream::current_raw;
+use crate::backend::OptimKernel;
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_OPTIM_MAX_TENSORS` in the kernel file).
@@ -41,28 +42,6 @@ pub(crate) struct OptimTensor {
     pub ptrs: [u64; 5],
     pub numel: usize,
     pub scalars: [f64; 2],
-}
-
-/// Which update, with the scalars every tensor shares (see the kernel file's launch contract).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum OptimKernel {
-    Adam {
-        lr: f64,
-        one_minus_beta1: f64,
-        beta2: f64,
-        one_minus_beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        decay: f64,
-        flags: i32,
-    },
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        one_minus_dampening: f64,
-        weight_decay: f64,
-        flags: i32,
-    },
 }
 
 /// Runs `kernel` over `tensors` (all of `dtype`, all on device `ordinal`, every pointer valid

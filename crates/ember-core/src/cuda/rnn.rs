@@ -6,7 +6,7 @@
 use super::kernels::{launch, Grid, KernelKey, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
-use crate::ops::rnn::{LstmBackwardStep, LstmForwardStep};
+use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
 use crate::{Error, Result};
 
 /// Threads per block.

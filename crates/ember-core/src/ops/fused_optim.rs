@@ -35,11 +35,9 @@
 //! (optimizers run under `no_grad`).
 
 use crate::autograd;
-use crate::cpu::optim::{self as cpu_optim, AdamScalars, AdamTensor, OptimElement, SgdScalars, SgdTensor};
-use crate::cuda::optim::{multi_tensor_step, OptimKernel, OptimTensor};
+use crate::backend::{OptimKernel, OptimOperands};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
-use half::{bf16, f16};
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 /// The hyperparameters of one [`adam_`] call (`torch.optim.Adam` / `AdamW` arguments).
@@ -246,59 +244,36 @@ fn lock_all<'a>(lists: &[List<'a>]) -> Vec<Vec<Guard<'a>>> {
         .collect()
 }
 
-/// The elements of each tensor of `tensors` (contiguous, of `T`) in its write-locked storage.
-fn slices_mut<'g, T: OptimElement>(guards: &'g mut [Guard<'_>], tensors: &[Tensor]) -> Vec<&'g mut [T]> {
-    guards
-        .iter_mut()
-        .zip(tensors)
-        .map(|(g, t)| {
-            let (off, n) = (t.storage_offset(), t.numel());
-            match g.storage_mut() {
-                Storage::Cpu(c) => &mut T::slice_mut(c).expect("dtype checked")[off..off + n],
-                Storage::Cuda(_) => unreachable!("device checked"),
+/// One [`OptimOperands`] per parameter from the guards of `lists` (parameters, gradients, then
+/// the state lists in the kernel's order), each with its per-tensor `scalars`.
+fn operands<'g>(
+    guards: &'g mut [Vec<Guard<'_>>],
+    lists: &[List<'_>],
+    scalars: impl Fn(usize) -> [f64; 2],
+) -> Vec<OptimOperands<'g, Storage>> {
+    let mut lanes: Vec<_> = guards.iter_mut().map(|g| g.iter_mut()).collect();
+    let params = lists[0].tensors;
+    (0..params.len())
+        .map(|i| {
+            let mut next = |k: usize| lanes.get_mut(k).map(|l| l.next().expect("one guard per tensor"));
+            let param = next(0).expect("params list").storage_mut();
+            let grad: &'g Guard<'_> = next(1).expect("grads list");
+            let grad = grad.storage();
+            let state = [next(2), next(3), next(4)].map(|g| g.map(Guard::storage_mut));
+            let mut offsets = [0; 5];
+            for (k, l) in lists.iter().enumerate() {
+                offsets[k] = l.tensors[i].storage_offset();
+            }
+            OptimOperands {
+                param,
+                grad,
+                state,
+                offsets,
+                numel: params[i].numel(),
+                scalars: scalars(i),
             }
         })
         .collect()
-}
-
-/// The elements of each tensor of `tensors` (contiguous, of `T`) in its read-locked storage.
-fn slices<'g, T: OptimElement>(guards: &'g [Guard<'_>], tensors: &[Tensor]) -> Vec<&'g [T]> {
-    guards
-        .iter()
-        .zip(tensors)
-        .map(|(g, t)| {
-            let (off, n) = (t.storage_offset(), t.numel());
-            match g.storage() {
-                Storage::Cpu(c) => &T::slice(c).expect("dtype checked")[off..off + n],
-                Storage::Cuda(_) => unreachable!("device checked"),
-            }
-        })
-        .collect()
-}
-
-/// The device address of each tensor's first element (0 for a list that is absent).
-fn device_ptrs(guards: &[Guard<'_>], tensors: &[Tensor]) -> Vec<u64> {
-    guards
-        .iter()
-        .zip(tensors)
-        .map(|(g, t)| match g.storage() {
-            Storage::Cuda(c) => c.ptr(t.layout()),
-            Storage::Cpu(_) => unreachable!("device checked"),
-        })
-        .collect()
-}
-
-/// Calls `$f::<T>(...)` with `T` the Rust type of the floating dtype `$dtype`.
-macro_rules! with_float_type {
-    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            _ => unreachable!("floating dtype checked"),
-        }
-    };
 }
 
 /// One Adam (or, with `decoupled_weight_decay`, AdamW) step of every `params[i]` in place,
@@ -364,18 +339,8 @@ pub fn adam_(
             written: true,
         });
     }
-    let Some((dtype, device)) = check(OP, &lists)? else {
+    let Some((dtype, _device)) = check(OP, &lists)? else {
         return Ok(());
-    };
-    let scalars = AdamScalars {
-        one_minus_beta1: 1.0 - cfg.beta1,
-        beta2: cfg.beta2,
-        one_minus_beta2: 1.0 - cfg.beta2,
-        eps: cfg.eps,
-        weight_decay: cfg.weight_decay,
-        decay: 1.0 - cfg.lr * cfg.weight_decay,
-        maximize: cfg.maximize,
-        decoupled: cfg.decoupled_weight_decay,
     };
     // Step size and sqrt(bias_correction2) of each parameter, as `_single_tensor_adam`.
     let per_tensor: Vec<[f64; 2]> = steps
@@ -386,84 +351,20 @@ pub fn adam_(
             [cfg.lr / bias_correction1, bias_correction2.sqrt()]
         })
         .collect();
+    let flags = cfg.amsgrad as i32 | (cfg.maximize as i32) << 1 | (cfg.decoupled_weight_decay as i32) << 2;
+    let kernel = OptimKernel::Adam {
+        lr: cfg.lr,
+        one_minus_beta1: 1.0 - cfg.beta1,
+        beta2: cfg.beta2,
+        one_minus_beta2: 1.0 - cfg.beta2,
+        eps: cfg.eps,
+        weight_decay: cfg.weight_decay,
+        decay: 1.0 - cfg.lr * cfg.weight_decay,
+        flags,
+    };
+    // The guards are held until the backend has run (CPU) or enqueued (CUDA) the whole step.
     let mut guards = lock_all(&lists);
-    match device {
-        Device::Cpu => {
-            fn run<T: OptimElement>(
-                guards: &mut [Vec<Guard<'_>>],
-                lists: &[List<'_>],
-                per_tensor: &[[f64; 2]],
-                s: &AdamScalars,
-            ) {
-                let (gp, rest) = guards.split_first_mut().expect("params list");
-                let (gg, rest) = rest.split_first_mut().expect("grads list");
-                let (gm, rest) = rest.split_first_mut().expect("exp_avgs list");
-                let (gv, rest) = rest.split_first_mut().expect("exp_avg_sqs list");
-                let p = slices_mut::<T>(gp, lists[0].tensors);
-                let g = slices::<T>(gg, lists[1].tensors);
-                let m = slices_mut::<T>(gm, lists[2].tensors);
-                let v = slices_mut::<T>(gv, lists[3].tensors);
-                let mut x = rest
-                    .first_mut()
-                    .map(|gx| slices_mut::<T>(gx, lists[4].tensors).into_iter());
-                let tensors = p
-                    .into_iter()
-                    .zip(g)
-                    .zip(m)
-                    .zip(v)
-                    .zip(per_tensor)
-                    .map(|((((param, grad), exp_avg), exp_avg_sq), sc)| AdamTensor {
-                        param,
-                        grad,
-                        exp_avg,
-                        exp_avg_sq,
-                        max_exp_avg_sq: x.as_mut().and_then(|it| it.next()),
-                        step_size: sc[0],
-                        bias_correction2_sqrt: sc[1],
-                    })
-                    .collect();
-                cpu_optim::adam::<T>(tensors, s);
-            }
-            with_float_type!(dtype, run(&mut guards, &lists, &per_tensor, &scalars));
-            Ok(())
-        }
-        Device::Cuda(ordinal) => {
-            let ptrs: Vec<Vec<u64>> = guards
-                .iter()
-                .zip(&lists)
-                .map(|(g, l)| device_ptrs(g, l.tensors))
-                .collect();
-            let tensors: Vec<OptimTensor> = (0..params.len())
-                .map(|i| {
-                    let mut p = [0u64; 5];
-                    for (k, list) in ptrs.iter().enumerate() {
-                        p[k] = list[i];
-                    }
-                    OptimTensor {
-                        ptrs: p,
-                        numel: params[i].numel(),
-                        scalars: per_tensor[i],
-                    }
-                })
-                .collect();
-            let flags =
-                cfg.amsgrad as i32 | (cfg.maximize as i32) << 1 | (cfg.decoupled_weight_decay as i32) << 2;
-            let kernel = OptimKernel::Adam {
-                lr: cfg.lr,
-                one_minus_beta1: scalars.one_minus_beta1,
-                beta2: scalars.beta2,
-                one_minus_beta2: scalars.one_minus_beta2,
-                eps: scalars.eps,
-                weight_decay: scalars.weight_decay,
-                decay: scalars.decay,
-                flags,
-            };
-            // The guards are held until every launch is enqueued.
-            let r = multi_tensor_step(ordinal, dtype, &tensors, kernel);
-            drop(guards);
-            r
-        }
-    }
+    Storage::optim_step(&kernel, dtype, operands(&mut guards, &lists, |i| per_tensor[i]))
 }
 
 /// One SGD step of every `params[i]` in place from `grads[i]`, updating
@@ -507,73 +408,17 @@ pub fn sgd_(
             written: true,
         });
     }
-    let Some((dtype, device)) = check(OP, &lists)? else {
+    let Some((dtype, _device)) = check(OP, &lists)? else {
         return Ok(());
     };
-    let scalars = SgdScalars {
+    let flags = cfg.nesterov as i32 | (cfg.maximize as i32) << 1 | (cfg.first_step as i32) << 2;
+    let kernel = OptimKernel::Sgd {
         lr: cfg.lr,
         momentum: cfg.momentum,
         one_minus_dampening: 1.0 - cfg.dampening,
         weight_decay: cfg.weight_decay,
-        nesterov: cfg.nesterov,
-        maximize: cfg.maximize,
-        first_step: cfg.first_step,
+        flags,
     };
     let mut guards = lock_all(&lists);
-    match device {
-        Device::Cpu => {
-            fn run<T: OptimElement>(guards: &mut [Vec<Guard<'_>>], lists: &[List<'_>], s: &SgdScalars) {
-                let (gp, rest) = guards.split_first_mut().expect("params list");
-                let (gg, rest) = rest.split_first_mut().expect("grads list");
-                let p = slices_mut::<T>(gp, lists[0].tensors);
-                let g = slices::<T>(gg, lists[1].tensors);
-                let mut b = rest
-                    .first_mut()
-                    .map(|gb| slices_mut::<T>(gb, lists[2].tensors).into_iter());
-                let tensors = p
-                    .into_iter()
-                    .zip(g)
-                    .map(|(param, grad)| SgdTensor {
-                        param,
-                        grad,
-                        momentum_buffer: b.as_mut().and_then(|it| it.next()),
-                    })
-                    .collect();
-                cpu_optim::sgd::<T>(tensors, s);
-            }
-            with_float_type!(dtype, run(&mut guards, &lists, &scalars));
-            Ok(())
-        }
-        Device::Cuda(ordinal) => {
-            let ptrs: Vec<Vec<u64>> = guards
-                .iter()
-                .zip(&lists)
-                .map(|(g, l)| device_ptrs(g, l.tensors))
-                .collect();
-            let tensors: Vec<OptimTensor> = (0..params.len())
-                .map(|i| {
-                    let mut p = [0u64; 5];
-                    for (k, list) in ptrs.iter().enumerate() {
-                        p[k] = list[i];
-                    }
-                    OptimTensor {
-                        ptrs: p,
-                        numel: params[i].numel(),
-                        scalars: [0.0; 2],
-                    }
-                })
-                .collect();
-            let flags = cfg.nesterov as i32 | (cfg.maximize as i32) << 1 | (cfg.first_step as i32) << 2;
-            let kernel = OptimKernel::Sgd {
-                lr: cfg.lr,
-                momentum: cfg.momentum,
-                one_minus_dampening: scalars.one_minus_dampening,
-                weight_decay: cfg.weight_decay,
-                flags,
-            };
-            let r = multi_tensor_step(ordinal, dtype, &tensors, kernel);
-            drop(guards);
-            r
-        }
-    }
+    Storage::optim_step(&kernel, dtype, operands(&mut guards, &lists, |_| [0.0; 2]))
 }
