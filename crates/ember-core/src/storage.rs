@@ -68,7 +68,7 @@ macro_rules! on_device {
 }
 
 /// The error for the storages of one op on different backends, naming the first two devices
-/// that differ.
+/// that differ (the one device-mismatch error of this layer).
 #[cold]
 #[inline(never)]
 fn mismatch(op: &'static str, storages: &[&Storage]) -> Error {
@@ -640,39 +640,37 @@ impl Storage {
 }
 
 /// The operands of a fused step with every storage narrowed to one backend's by `get` and
-/// `get_mut`, or the device-mismatch error naming the first that is not of that backend.
+/// `get_mut`, or the device-mismatch error naming the first parameter's device and the first
+/// one that is not of its backend.
 fn narrow<'a, S>(
     op: &'static str,
     tensors: Vec<OptimOperands<'a, Storage>>,
     get: fn(&'a Storage) -> Option<&'a S>,
     get_mut: fn(&'a mut Storage) -> Option<&'a mut S>,
 ) -> Result<Vec<OptimOperands<'a, S>>> {
-    let lhs = tensors[0].param.device();
-    let err = |rhs: Device| Error::DeviceMismatch { op, lhs, rhs };
-    let one = |s: &'a Storage| -> Result<&'a S> {
-        let device = s.device();
-        get(s).ok_or_else(|| err(device))
-    };
-    let one_mut = |s: &'a mut Storage| -> Result<&'a mut S> {
-        let device = s.device();
-        get_mut(s).ok_or_else(|| err(device))
-    };
-    tensors
+    let first: &Storage = tensors[0].param;
+    for t in &tensors {
+        let state = t.state.iter().flatten().map(|s| &**s);
+        for s in [&*t.param, t.grad].into_iter().chain(state) {
+            if std::mem::discriminant(s) != std::mem::discriminant(first) {
+                return Err(mismatch(op, &[first, s]));
+            }
+        }
+    }
+    const CHECKED: &str = "every storage's backend is checked above";
+    let narrowed = tensors
         .into_iter()
         .map(|t| {
             let [a, b, c] = t.state;
-            Ok(OptimOperands {
-                param: one_mut(t.param)?,
-                grad: one(t.grad)?,
-                state: [
-                    a.map(one_mut).transpose()?,
-                    b.map(one_mut).transpose()?,
-                    c.map(one_mut).transpose()?,
-                ],
+            OptimOperands {
+                param: get_mut(t.param).expect(CHECKED),
+                grad: get(t.grad).expect(CHECKED),
+                state: [a, b, c].map(|s| s.map(|s| get_mut(s).expect(CHECKED))),
                 offsets: t.offsets,
                 numel: t.numel,
                 scalars: t.scalars,
-            })
+            }
         })
-        .collect()
+        .collect();
+    Ok(narrowed)
 }

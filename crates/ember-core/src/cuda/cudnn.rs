@@ -2,8 +2,9 @@
 //! filter), and the switches PyTorch users know as `torch.backends.cudnn.{enabled, benchmark,
 //! deterministic, allow_tf32}` (public as [`crate::backends::cudnn`]).
 //!
-//! cuDNN is loaded dynamically (`libcudnn.so.9`): where it is missing, [`is_available`] is false
-//! and `ops::conv::convolution` answers `Ok(None)`, so callers take their im2col + GEMM path.
+//! cuDNN is loaded dynamically (`libcudnn.so.9`): where it is missing, [`is_available`] is false,
+//! the CUDA backend's convolution answers `None` (`cuda/backend.rs`), and
+//! `ops::conv::convolution` takes its composite im2col + GEMM path.
 //! cudarc's bindings target cuDNN 9.2; the calls used here (`cudnnConvolutionForward`,
 //! `cudnnConvolutionBackwardData/Filter`, `cudnnGet*Algorithm_v7`, `cudnnFind*AlgorithmEx`)
 //! are cuDNN's legacy API, deprecated in cuDNN 9 but present and supported (libcudnn_cnn).
