@@ -13,6 +13,7 @@
 
 pub mod amp;
 pub mod autograd;
+pub mod backend;
 pub mod backends;
 pub mod cpu;
 pub mod cuda;

@@ -1,13 +1,20 @@
-//! [`Storage`]: the backend boundary. A tensor's elements live in one `Storage`, which is an
-//! enum over backends; every op family adds an `impl Storage` block (in `ops/`) that matches
-//! on the backend and calls its kernel, so adding the CUDA backend means adding one arm per
-//! family, not changing any caller.
+//! [`Storage`]: the enum over backends that the op layer calls, and the one place where a call
+//! meets a backend. Each op family is one method here that forwards to the backend traits of
+//! `backend/` ([`BackendStorage`], [`BackendDevice`]) on matching variants, with one
+//! device-mismatch error path (`on_backend!`); everything above (`ops/`, `tensor/`,
+//! `autograd/`, `random/`) calls these methods and never names a backend. Copies between
+//! backends (host ↔ GPU) are the only methods that match on two different variants.
 //!
 //! Storage is shared between views through [`StorageRef`], which also carries the version
 //! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).
 
-use crate::cpu::CpuStorage;
-use crate::cuda::CudaStorage;
+use crate::backend::{
+    BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
+    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp,
+    SoftmaxOp, UnaryOp,
+};
+use crate::cpu::{CpuDevice, CpuStorage};
+use crate::cuda::{CudaDevice, CudaStorage};
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +25,60 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 pub enum Storage {
     Cpu(CpuStorage),
     Cuda(CudaStorage),
+}
+
+/// Runs `$body` with each of the `Storage` operands `$s..` rebound to the backend storage inside
+/// it when all are of one backend, and `$wrap` bound to that backend's `Storage` constructor;
+/// otherwise returns the device-mismatch error of op `$op` (the one such error path: the op
+/// layer checks devices first, so only internal callers that pass mixed storages reach it).
+macro_rules! on_backend {
+    ($op:expr, ($($s:ident),+), $wrap:ident => $body:expr) => {
+        match ($($s,)+) {
+            ($(Storage::Cpu($s),)+) => {
+                #[allow(unused_variables)]
+                let $wrap = Storage::Cpu;
+                $body
+            }
+            ($(Storage::Cuda($s),)+) => {
+                #[allow(unused_variables)]
+                let $wrap = Storage::Cuda;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            ($($s,)+) => Err(mismatch($op, &[$(&*$s),+])),
+        }
+    };
+}
+
+/// Runs `$body` with `$d` bound to the backend device of `$device` and `$wrap` to its
+/// backend's `Storage` constructor.
+macro_rules! on_device {
+    ($device:expr, $d:ident, $wrap:ident => $body:expr) => {
+        match $device {
+            Device::Cpu => {
+                let ($d, $wrap) = (CpuDevice, Storage::Cpu);
+                $body
+            }
+            Device::Cuda(i) => {
+                let ($d, $wrap) = (CudaDevice(i), Storage::Cuda);
+                $body
+            }
+        }
+    };
+}
+
+/// The error for the storages of one op on different backends, naming the first two devices
+/// that differ (the one device-mismatch error of this layer).
+#[cold]
+#[inline(never)]
+fn mismatch(op: &'static str, storages: &[&Storage]) -> Error {
+    let lhs = storages[0].device();
+    let rhs = storages
+        .iter()
+        .map(|s| s.device())
+        .find(|&d| d != lhs)
+        .unwrap_or(lhs);
+    Error::DeviceMismatch { op, lhs, rhs }
 }
 
 impl Storage {
@@ -45,6 +106,15 @@ impl Storage {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The address of element 0: a host address for CPU storage, a device address for GPU
+    /// storage (`Tensor::data_ptr`; for identity checks and interop, not for dereferencing).
+    pub(crate) fn address(&self) -> usize {
+        match self {
+            Storage::Cpu(c) => crate::cpu::with_cpu_storage!(c, v => v.as_ptr() as usize),
+            Storage::Cuda(c) => c.ptr_at(0) as usize,
+        }
     }
 }
 
@@ -140,45 +210,57 @@ impl StorageRef {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Made from nothing on a device ([`BackendDevice`]).
+
 impl Storage {
     /// Moves host elements onto `device`.
     pub fn from_cpu(cpu: CpuStorage, device: Device) -> Result<Storage> {
-        match device {
-            Device::Cpu => Ok(Storage::Cpu(cpu)),
-            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::from_cpu(&cpu, i)?)),
-        }
+        on_device!(device, d, wrap => Ok(wrap(d.storage_from_cpu(cpu)?)))
     }
 
     /// `n` elements of `dtype`, all `value`, on `device`.
     pub fn full(device: Device, dtype: DType, n: usize, value: f64) -> Result<Storage> {
-        match device {
-            Device::Cpu => CpuStorage::full(dtype, n, value).map(Storage::Cpu).ok_or_else(|| {
-                Error::invalid(
-                    "allocate",
-                    format!(
-                        "cannot allocate {n} elements of {dtype} ({} bytes) in host memory; use a smaller shape",
-                        n.saturating_mul(dtype.size_in_bytes())
-                    ),
-                )
-            }),
-            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::full(i, dtype, n, value)?)),
-        }
+        on_device!(device, d, wrap => Ok(wrap(d.full(dtype, n, value)?)))
     }
 
+    /// Room for `n` elements of `dtype` on `device` that the caller writes in full before
+    /// reading them (uninitialized on a GPU, zeros on the CPU).
+    pub(crate) fn alloc(device: Device, dtype: DType, n: usize) -> Result<Storage> {
+        on_device!(device, d, wrap => Ok(wrap(d.alloc(dtype, n)?)))
+    }
+
+    /// `n` elements of `dtype` drawn from `dist` at `state`, row-major, on `device`.
+    pub(crate) fn random(
+        device: Device,
+        dtype: DType,
+        n: usize,
+        dist: Distribution,
+        state: RngState,
+    ) -> Result<Storage> {
+        on_device!(device, d, wrap => Ok(wrap(d.random(dtype, n, dist, state)?)))
+    }
+
+    /// A random permutation of `0..n` as i64 on `device`.
+    pub(crate) fn randperm(device: Device, n: usize, state: RngState) -> Result<Storage> {
+        on_device!(device, d, wrap => Ok(wrap(d.randperm(n, state)?)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copies, within a backend and across backends.
+
+impl Storage {
     /// The elements of `layout` in a new row-major storage of `dtype` on the same device.
     pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
-        match self {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.to_dtype(layout, dtype))),
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.to_dtype(layout, dtype)?)),
-        }
+        let s = self;
+        on_backend!("to_dtype", (s), wrap => Ok(wrap(BackendStorage::to_dtype(s, layout, dtype)?)))
     }
 
     /// The elements of `layout` copied to host memory, row-major.
     pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
-        match self {
-            Storage::Cpu(s) => Ok(s.contiguous(layout)),
-            Storage::Cuda(s) => s.to_cpu(layout),
-        }
+        let s = self;
+        on_backend!("to_cpu", (s), _wrap => BackendStorage::to_cpu(s, layout))
     }
 
     /// Writes `src` viewed through `src_layout` into `self` at `dst_layout` (same shapes),
@@ -189,16 +271,21 @@ impl Storage {
         src: &Storage,
         src_layout: &Layout,
     ) -> Result<()> {
+        let packed = || Layout::contiguous(src_layout.shape().clone());
         match (self, src) {
             (Storage::Cpu(d), Storage::Cpu(s)) => {
-                d.copy_strided_from(dst_layout, s, src_layout);
-                Ok(())
+                BackendStorage::copy_strided_from(d, dst_layout, s, src_layout)
             }
-            (Storage::Cuda(d), src) => d.copy_strided_from(dst_layout, src, src_layout),
+            (Storage::Cuda(d), Storage::Cuda(s)) => {
+                BackendStorage::copy_strided_from(d, dst_layout, s, src_layout)
+            }
+            (Storage::Cuda(d), Storage::Cpu(s)) => {
+                let staged = CudaDevice(d.ordinal()).storage_from_cpu(s.contiguous(src_layout))?;
+                BackendStorage::copy_strided_from(d, dst_layout, &staged, &packed())
+            }
             (Storage::Cpu(d), Storage::Cuda(s)) => {
-                let host = s.to_cpu(src_layout)?;
-                d.copy_strided_from(dst_layout, &host, &Layout::contiguous(src_layout.shape().clone()));
-                Ok(())
+                let host = BackendStorage::to_cpu(s, src_layout)?;
+                BackendStorage::copy_strided_from(d, dst_layout, &host, &packed())
             }
         }
     }
@@ -210,4 +297,295 @@ impl Storage {
             (s, device) => Storage::from_cpu(s.to_cpu(layout)?, device),
         }
     }
+
+    /// Marks GPU memory as used on `stream` (`Tensor.record_stream`); a no-op for host memory.
+    pub(crate) fn record_stream(&self, stream: &crate::cuda::Stream) -> Result<()> {
+        match self {
+            Storage::Cuda(s) => s.record_stream(stream),
+            Storage::Cpu(_) => Ok(()),
+        }
+    }
 }
+
+impl StorageRef {
+    /// A page-locked copy of host elements (`Tensor.pin_memory()`); needs a CUDA driver.
+    pub(crate) fn pinned_copy(cpu: &CpuStorage) -> Result<StorageRef> {
+        let (pinned, pin) = crate::cuda::pinned_copy(cpu)?;
+        // The Vec moves into the storage without reallocating, so the pinned range stays its own.
+        Ok(StorageRef::new_pinned(Storage::Cpu(pinned), pin))
+    }
+
+    /// Enqueues the copy of `numel` elements of this pinned host storage, from element
+    /// `offset` on, into the GPU storage `dst` from element `dst_offset` on, on the current
+    /// stream, and keeps this storage alive until the copy has run (a non-blocking copy).
+    pub(crate) fn copy_pinned_async(
+        &self,
+        offset: usize,
+        numel: usize,
+        dst: &Storage,
+        dst_offset: usize,
+    ) -> Result<()> {
+        let Storage::Cuda(dst) = dst else {
+            return Err(Error::invalid(
+                "copy",
+                "a non-blocking copy from pinned memory goes to a GPU",
+            ));
+        };
+        {
+            let guard = self.read();
+            let Storage::Cpu(cpu) = &*guard else {
+                return Err(Error::invalid(
+                    "copy",
+                    "a non-blocking copy to a GPU reads pinned host memory",
+                ));
+            };
+            let size = cpu.dtype().size_in_bytes();
+            let bytes = &crate::cuda::host_bytes(cpu)[offset * size..(offset + numel) * size];
+            dst.copy_from_host_async(dst_offset, bytes)?;
+        }
+        let stream = crate::cuda::current_stream(dst.ordinal())?;
+        crate::cuda::keep_alive_until_done(&stream, self.clone())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The op families ([`BackendStorage`]); arguments as in the trait.
+
+impl Storage {
+    pub(crate) fn binary(&self, op: BinaryOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        let (a, b) = (self, rhs);
+        on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::binary(a, op, al, b, bl)?)))
+    }
+
+    /// `self op rhs` written into `out` at `ol` (see [`BackendStorage::binary_into`]).
+    pub(crate) fn binary_into(
+        &self,
+        op: BinaryOp,
+        al: &Layout,
+        rhs: &Storage,
+        bl: &Layout,
+        out: &mut Storage,
+        ol: &Layout,
+    ) -> Result<()> {
+        let (a, b, o) = (self, rhs, out);
+        on_backend!(op.name(), (a, b, o), _wrap => BackendStorage::binary_into(a, op, al, b, bl, o, ol))
+    }
+
+    pub(crate) fn compare(&self, op: CmpOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        let (a, b) = (self, rhs);
+        on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::compare(a, op, al, b, bl)?)))
+    }
+
+    pub(crate) fn logical(&self, op: LogicalOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        let (a, b) = (self, rhs);
+        on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::logical(a, op, al, b, bl)?)))
+    }
+
+    pub(crate) fn where_cond(
+        &self,
+        cl: &Layout,
+        a: &Storage,
+        al: &Layout,
+        b: &Storage,
+        bl: &Layout,
+    ) -> Result<Storage> {
+        let c = self;
+        on_backend!("where", (c, a, b), wrap => Ok(wrap(BackendStorage::where_cond(c, cl, a, al, b, bl)?)))
+    }
+
+    /// `op` applied to the elements of `layout`, in a new row-major storage of
+    /// `op.result_dtype(self.dtype())`.
+    pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Storage> {
+        let s = self;
+        on_backend!(op.name(), (s), wrap => Ok(wrap(BackendStorage::unary(s, op, layout)?)))
+    }
+
+    /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
+    pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Storage> {
+        let s = self;
+        on_backend!(op.name(), (s), wrap => Ok(wrap(BackendStorage::reduce(s, layout, op, dims)?)))
+    }
+
+    /// Max or min over `dims` and the i64 index of its first occurrence.
+    pub(crate) fn reduce_with_indices(
+        &self,
+        layout: &Layout,
+        op: ReduceOp,
+        dims: &[usize],
+    ) -> Result<(Storage, Storage)> {
+        let s = self;
+        on_backend!(op.name(), (s), wrap => {
+            let (v, i) = BackendStorage::reduce_with_indices(s, layout, op, dims)?;
+            Ok((wrap(v), wrap(i)))
+        })
+    }
+
+    /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with
+    /// the same batch dims, as a new row-major storage of shape `[B.., m, n]`.
+    pub(crate) fn matmul(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
+        let (a, b) = (self, rhs);
+        on_backend!("matmul", (a, b), wrap => Ok(wrap(BackendStorage::matmul(a, al, b, bl)?)))
+    }
+
+    /// `self` (at `layout`) read at `index` along `dim`, as a new row-major storage; `op`
+    /// (`name` in errors) says how the index maps to positions.
+    pub(crate) fn index_read(
+        &self,
+        op: IndexOp,
+        name: &'static str,
+        layout: &Layout,
+        dim: usize,
+        index: &Storage,
+        il: &Layout,
+    ) -> Result<Storage> {
+        let (s, i) = (self, index);
+        on_backend!(name, (s, i), wrap => Ok(wrap(BackendStorage::index_read(s, op, name, layout, dim, i, il)?)))
+    }
+
+    /// A row-major copy of `self` (at `layout`) with `src` (at `sl`) written at `index` along
+    /// `dim` as `op` says.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn index_write(
+        &self,
+        op: ScatterOp,
+        layout: &Layout,
+        dim: usize,
+        index: &Storage,
+        il: &Layout,
+        src: &Storage,
+        sl: &Layout,
+    ) -> Result<Storage> {
+        let (s, i, x) = (self, index, src);
+        on_backend!(op.name(), (s, i, x), wrap => {
+            Ok(wrap(BackendStorage::index_write(s, op, layout, dim, i, il, x, sl)?))
+        })
+    }
+
+    /// int64 one-hot rows of the class indices at `layout`, and the number of classes used
+    /// (`num_classes`, or max + 1 when `None`).
+    pub(crate) fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(Storage, usize)> {
+        let s = self;
+        on_backend!("one_hot", (s), wrap => {
+            let (out, n) = BackendStorage::one_hot(s, layout, num_classes)?;
+            Ok((wrap(out), n))
+        })
+    }
+
+    /// `op` along `dim` of `layout`, as a row-major storage of the same shape.
+    pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Storage> {
+        let s = self;
+        on_backend!(op.name(), (s), wrap => Ok(wrap(BackendStorage::softmax(s, layout, op, dim)?)))
+    }
+
+    /// The input gradient of `op` along `dim` from its output (`self`) and output gradient.
+    pub(crate) fn softmax_backward(
+        &self,
+        yl: &Layout,
+        grad: &Storage,
+        gl: &Layout,
+        op: SoftmaxOp,
+        dim: usize,
+    ) -> Result<Storage> {
+        let (y, g) = (self, grad);
+        on_backend!(op.name(), (y, g), wrap => {
+            Ok(wrap(BackendStorage::softmax_backward(y, yl, g, gl, op, dim)?))
+        })
+    }
+
+    /// Bernoulli draws with the probabilities of `layout` (row-major order), in the same dtype;
+    /// fails when a probability is outside [0, 1].
+    pub(crate) fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<Storage> {
+        let s = self;
+        on_backend!("bernoulli", (s), wrap => Ok(wrap(BackendStorage::bernoulli(s, layout, state)?)))
+    }
+
+    /// The convolution of the input `self` with `weight` (both contiguous from their first
+    /// element), or `None` where the backend does not run the problem.
+    pub(crate) fn conv_forward(&self, weight: &Storage, p: &ConvParams) -> Result<Option<Storage>> {
+        let (x, w) = (self, weight);
+        on_backend!("convolution", (x, w), wrap => Ok(BackendStorage::conv_forward(x, w, p)?.map(wrap)))
+    }
+
+    /// The input gradient of a convolution from its weight (`self`) and output gradient.
+    pub(crate) fn conv_backward_data(&self, grad_out: &Storage, p: &ConvParams) -> Result<Option<Storage>> {
+        let (w, g) = (self, grad_out);
+        on_backend!("convolution_backward", (w, g), wrap => {
+            Ok(BackendStorage::conv_backward_data(w, g, p)?.map(wrap))
+        })
+    }
+
+    /// The weight gradient of a convolution from its input (`self`) and output gradient.
+    pub(crate) fn conv_backward_filter(&self, grad_out: &Storage, p: &ConvParams) -> Result<Option<Storage>> {
+        let (x, g) = (self, grad_out);
+        on_backend!("convolution_backward", (x, g), wrap => {
+            Ok(BackendStorage::conv_backward_filter(x, g, p)?.map(wrap))
+        })
+    }
+
+    /// Pooling of the input `self` (contiguous from its first element), or `None` where the
+    /// backend does not run the problem.
+    pub(crate) fn pool_forward(&self, p: &PoolParams) -> Result<Option<Storage>> {
+        let x = self;
+        on_backend!("pool2d", (x), wrap => Ok(BackendStorage::pool_forward(x, p)?.map(wrap)))
+    }
+
+    /// The input gradient of pooling from its input (`self`), output and output gradient.
+    pub(crate) fn pool_backward(
+        &self,
+        output: &Storage,
+        grad_out: &Storage,
+        p: &PoolParams,
+    ) -> Result<Option<Storage>> {
+        let (x, y, g) = (self, output, grad_out);
+        on_backend!("pool2d_backward", (x, y, g), wrap => {
+            Ok(BackendStorage::pool_backward(x, y, g, p)?.map(wrap))
+        })
+    }
+
+    /// One forward step of the fused LSTM recurrence (see [`LstmForwardStep`]); the offsets are
+    /// checked against the storages here, before any kernel reads them.
+    pub(crate) fn lstm_forward_step(
+        s: &LstmForwardStep,
+        gi: &Storage,
+        hh: &Storage,
+        h: &mut Storage,
+        c: &mut Storage,
+        gates: &mut Storage,
+    ) -> Result<()> {
+        s.check(gi.len(), hh.len(), h.len(), c.len(), gates.len())?;
+        on_backend!("lstm_recurrence", (gi, hh, h, c, gates), _wrap => {
+            BackendStorage::lstm_forward_step(s, gi, hh, h, c, gates)
+        })
+    }
+
+    /// One backward step of the fused LSTM recurrence (see [`LstmBackwardStep`]).
+    pub(crate) fn lstm_backward_step(
+        s: &LstmBackwardStep,
+        dh_out: &Storage,
+        dh_rec: Option<&Storage>,
+        gates: &Storage,
+        c: &Storage,
+        dc: &mut Storage,
+        dgates: &mut Storage,
+    ) -> Result<()> {
+        s.check(
+            dh_out.len(),
+            dh_rec.map(Storage::len),
+            gates.len(),
+            c.len(),
+            dc.len(),
+            dgates.len(),
+        )?;
+        const OP: &str = "lstm_recurrence_backward";
+        match dh_rec {
+            None => on_backend!(OP, (dh_out, gates, c, dc, dgates), _wrap => {
+                BackendStorage::lstm_backward_step(s, dh_out, None, gates, c, dc, dgates)
+            }),
+            Some(r) => on_backend!(OP, (dh_out, r, gates, c, dc, dgates), _wrap => {
+                BackendStorage::lstm_backward_step(s, dh_out, Some(r), gates, c, dc, dgates)
+            }),
+        }
+    }
+
+}
+

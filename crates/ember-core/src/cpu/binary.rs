@@ -2,8 +2,8 @@
 //! broadcast to one shape: arithmetic, comparisons, logical ops and `where`.
 
 use super::{map_strided, CpuStorage, PAR_CHUNK, PAR_THRESHOLD};
+use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
 use crate::layout::Layout;
-use crate::ops::binary::{BinaryOp, CmpOp, LogicalOp};
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;

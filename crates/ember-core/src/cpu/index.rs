@@ -12,8 +12,8 @@
 //! repeated indices make several positions write one element.
 
 use super::{gather_strided, map_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
+use crate::backend::op::{IndexOp, ScatterOp};
 use crate::layout::Layout;
-use crate::ops::index::{IndexOp, ScatterOp};
 use crate::{with_cpu_storage, Error, Result, Shape};
 use half::{bf16, f16};
 use rayon::prelude::*;

@@ -1,6 +1,10 @@
 //! The CPU backend: [`CpuStorage`] holds a `Vec` of the tensor's dtype; kernels are
 //! multi-threaded with rayon above [`PAR_THRESHOLD`] elements, with contiguous fast paths and a
 //! general strided path. f16 and bf16 compute through f32.
+//!
+//! One file per op family (`binary`, `unary`, `reduce`, `matmul`, `index`, `softmax`, `conv`,
+//! `pool`, `random`, `optim`, `rnn`); `backend.rs` implements the backend traits
+//! (`crate::backend`) for [`CpuStorage`] and [`CpuDevice`] on top of them.
 
 use crate::dtype::Element;
 use crate::layout::Layout;
@@ -9,14 +13,20 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 pub(crate) mod amp;
+mod backend;
 mod binary;
+mod conv;
 mod index;
 mod matmul;
 pub(crate) mod optim;
+mod pool;
+pub(crate) mod random;
 mod reduce;
 mod rnn;
 mod softmax;
 mod unary;
+
+pub use backend::CpuDevice;
 
 /// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
 pub const PAR_THRESHOLD: usize = 1 << 15;

@@ -17,8 +17,8 @@
 //! count. Integer and bool sums/products accumulate in i64 and wrap.
 
 use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
+use crate::backend::op::ReduceOp;
 use crate::layout::Layout;
-use crate::ops::reduce::ReduceOp;
 use crate::{Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;

@@ -6,7 +6,7 @@
 
 use super::reduce::FloatElem;
 use super::{CpuStorage, PAR_THRESHOLD};
-use crate::ops::rnn::{LstmBackwardStep, LstmForwardStep};
+use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
 use crate::{Error, Result};
 use num_traits::Float;
 use rayon::prelude::*;

@@ -12,8 +12,8 @@
 
 use super::reduce::{fold, max_nan, Acc, Float, FloatElem};
 use super::{gather_strided, CpuStorage, PAR_THRESHOLD};
+use crate::backend::op::SoftmaxOp;
 use crate::layout::Layout;
-use crate::ops::softmax::SoftmaxOp;
 use crate::{Error, Result};
 use rayon::prelude::*;
 use std::borrow::Cow;

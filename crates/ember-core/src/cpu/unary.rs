@@ -11,8 +11,8 @@
 //! rational approximations, under 1 ulp in f64).
 
 use super::{gather_strided, CpuStorage, PAR_THRESHOLD};
+use crate::backend::op::{UnaryOp, GELU_TANH_KAPPA};
 use crate::layout::Layout;
-use crate::ops::unary::{UnaryOp, GELU_TANH_KAPPA};
 use crate::{DType, Element, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;

@@ -4,8 +4,8 @@
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
 use crate::layout::Layout;
-use crate::ops::binary::{BinaryOp, CmpOp, LogicalOp};
 use crate::{DType, Error, Result};
 
 /// The loop shape `elementwise.cu` runs (its `mode` argument).

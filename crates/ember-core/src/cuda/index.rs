@@ -17,9 +17,9 @@ use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::op::{IndexOp, ScatterOp};
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
-use crate::ops::index::{IndexOp, ScatterOp};
 use crate::{DType, Error, Result};
 
 /// The index dtype (int64 or int32), or the CPU's error for any other.

@@ -10,11 +10,14 @@
 //! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
-//! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn` (the fused LSTM step), and one file per op family beside the
-//! CPU backend's.
+//! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn`
+//! (the fused LSTM step), and one file per op family beside the CPU backend's; `backend`
+//! implements the backend traits (`crate::backend`) for [`CudaStorage`] and [`CudaDevice`] on
+//! top of them.
 
 mod allocator;
 pub(crate) mod amp;
+mod backend;
 mod blas;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;
@@ -36,6 +39,7 @@ mod storage;
 mod stream;
 mod unary;
 
+pub use backend::CudaDevice;
 pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
 pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,

@@ -16,12 +16,10 @@ use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::runtime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::op::{randint_range, Distribution, RngState};
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
-use crate::random::dist::randint_range;
-use crate::random::{Distribution, RngState};
-use crate::storage::Storage;
-use crate::{DType, Device, Error, Result};
+use crate::{DType, Error, Result};
 use std::sync::OnceLock;
 
 /// How this process's `half::f16::from_f64` rounds (the `f16_mode` argument of `random.cu`):
@@ -110,10 +108,7 @@ impl CudaStorage {
     /// A random permutation of `0..n` as i64 on GPU `device`: the CPU's, computed on the host
     /// and copied (see the module docs).
     pub(crate) fn randperm(device: usize, n: usize, state: RngState) -> Result<CudaStorage> {
-        match Storage::randperm(Device::Cpu, n, state)? {
-            Storage::Cpu(host) => CudaStorage::from_cpu(&host, device),
-            Storage::Cuda(_) => unreachable!("drawn on the CPU"),
-        }
+        CudaStorage::from_cpu(&crate::cpu::random::randperm(n, state), device)
     }
 
     /// Bernoulli draws with the probabilities at `layout`, in this storage's dtype; an error

@@ -16,8 +16,8 @@ use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::op::ReduceOp;
 use crate::layout::Layout;
-use crate::ops::reduce::ReduceOp;
 use crate::{DType, Error, Result};
 
 /// Bytes of partial-state buffer per (output, chunk): every kernel's State fits (the kernels

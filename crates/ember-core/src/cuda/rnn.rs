@@ -1,12 +1,13 @@
 //! CUDA launchers for `kernels/rnn.cu`: the pointwise halves of a fused LSTM time step (Note
 //! [Fused LSTM recurrence] in `ops/rnn.rs`), one thread per element of the `[N, H]` state, with
 //! the CPU backend's formulas (`cpu/rnn.rs`). Operands are whole buffers plus element offsets of
-//! the step's rows, which `ops/rnn.rs` has checked to lie inside them.
+//! the step's rows, which `Storage::lstm_forward_step` / `lstm_backward_step` (`storage.rs`,
+//! with the checks of `backend/step.rs`) have checked to lie inside them.
 
 use super::kernels::{launch, Grid, KernelKey, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
-use crate::ops::rnn::{LstmBackwardStep, LstmForwardStep};
+use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
 use crate::{Error, Result};
 
 /// Threads per block.

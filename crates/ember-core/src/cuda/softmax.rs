@@ -8,8 +8,8 @@ use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::op::SoftmaxOp;
 use crate::layout::Layout;
-use crate::ops::softmax::SoftmaxOp;
 use crate::{Error, Result};
 
 /// Threads per block.

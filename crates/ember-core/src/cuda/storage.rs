@@ -299,35 +299,23 @@ impl CudaStorage {
         unsafe { launch(f, Grid::linear(rt, n, 256), stream, &[&srcp, &dst, &shape, &n64]) }
     }
 
-    /// Writes `src` at `src_layout` (on any device) into `self` at `dst_layout`.
+    /// Writes `src` at `src_layout` (on any GPU) into `self` at `dst_layout`; a source on another
+    /// GPU is first copied here (see [`CudaStorage::to_device`]).
     pub fn copy_strided_from(
         &mut self,
         dst_layout: &Layout,
-        src: &crate::storage::Storage,
+        src: &CudaStorage,
         src_layout: &Layout,
     ) -> Result<()> {
-        use crate::storage::Storage;
-        match src {
-            Storage::Cuda(s) if s.buf.device == self.buf.device => {
-                self.copy_from_device(dst_layout, s, src_layout)
-            }
-            Storage::Cuda(s) => {
-                let staged = s.to_device(src_layout, self.buf.device)?;
-                self.copy_from_device(
-                    dst_layout,
-                    &staged,
-                    &Layout::contiguous(src_layout.shape().clone()),
-                )
-            }
-            Storage::Cpu(c) => {
-                let staged = CudaStorage::from_cpu(&c.contiguous(src_layout), self.buf.device)?;
-                self.copy_from_device(
-                    dst_layout,
-                    &staged,
-                    &Layout::contiguous(src_layout.shape().clone()),
-                )
-            }
+        if src.buf.device == self.buf.device {
+            return self.copy_from_device(dst_layout, src, src_layout);
         }
+        let staged = src.to_device(src_layout, self.buf.device)?;
+        self.copy_from_device(
+            dst_layout,
+            &staged,
+            &Layout::contiguous(src_layout.shape().clone()),
+        )
     }
 
     /// The elements of `layout` as a row-major storage on GPU `device` (a peer copy when it is

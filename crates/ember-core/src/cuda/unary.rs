@@ -9,8 +9,8 @@
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::op::UnaryOp;
 use crate::layout::Layout;
-use crate::ops::unary::UnaryOp;
 use crate::{DType, Result};
 use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
@@ -62,7 +62,7 @@ fn code(op: UnaryOp) -> (i32, [f64; 3]) {
         Hardsigmoid => (35, none),
         Hardswish => (36, none),
         Gelu => (37, [FRAC_1_SQRT_2, 0.0, 0.0]),
-        GeluTanh => (38, [(2.0 / PI).sqrt(), crate::ops::unary::GELU_TANH_KAPPA, 0.0]),
+        GeluTanh => (38, [(2.0 / PI).sqrt(), crate::backend::op::GELU_TANH_KAPPA, 0.0]),
         Silu => (39, none),
         Mish => (40, none),
         Softplus { beta, threshold } => (41, [beta, threshold, 0.0]),

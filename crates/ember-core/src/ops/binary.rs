@@ -13,128 +13,7 @@ use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
-/// Arithmetic on two operands of one dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Pow,
-    Maximum,
-    Minimum,
-}
-
-impl BinaryOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::Pow => "pow",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-        }
-    }
-}
-
-/// Comparisons producing bool tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CmpOp {
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
-impl CmpOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            CmpOp::Eq => "eq",
-            CmpOp::Ne => "ne",
-            CmpOp::Lt => "lt",
-            CmpOp::Le => "le",
-            CmpOp::Gt => "gt",
-            CmpOp::Ge => "ge",
-        }
-    }
-}
-
-/// Logical ops on bool tensors (other dtypes are converted with `!= 0` first).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogicalOp {
-    And,
-    Or,
-    Xor,
-}
-
-impl LogicalOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            LogicalOp::And => "logical_and",
-            LogicalOp::Or => "logical_or",
-            LogicalOp::Xor => "logical_xor",
-        }
-    }
-}
-
-impl Storage {
-    pub(crate) fn binary(&self, op: BinaryOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
-        match (self, rhs) {
-            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.binary(op, al, b, bl)?)),
-            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.binary(op, al, b, bl)?)),
-            (a, b) => Err(mixed(op.name(), a, b)),
-        }
-    }
-
-    pub(crate) fn compare(&self, op: CmpOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
-        match (self, rhs) {
-            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.compare(op, al, b, bl)?)),
-            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.compare(op, al, b, bl)?)),
-            (a, b) => Err(mixed(op.name(), a, b)),
-        }
-    }
-
-    pub(crate) fn logical(&self, op: LogicalOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
-        match (self, rhs) {
-            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.logical(op, al, b, bl)?)),
-            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.logical(op, al, b, bl)?)),
-            (a, b) => Err(mixed(op.name(), a, b)),
-        }
-    }
-
-    pub(crate) fn where_cond(
-        &self,
-        cl: &Layout,
-        a: &Storage,
-        al: &Layout,
-        b: &Storage,
-        bl: &Layout,
-    ) -> Result<Storage> {
-        match (self, a, b) {
-            (Storage::Cpu(c), Storage::Cpu(a), Storage::Cpu(b)) => {
-                Ok(Storage::Cpu(c.where_cond(cl, a, al, b, bl)?))
-            }
-            (Storage::Cuda(c), Storage::Cuda(a), Storage::Cuda(b)) => {
-                Ok(Storage::Cuda(c.where_cond(cl, a, al, b, bl)?))
-            }
-            (c, a, b) => Err(mixed("where", c, if a.device() != c.device() { a } else { b })),
-        }
-    }
-}
-
-/// The error for storages of one op on different devices (the op layer checks devices first,
-/// so this is reached only by internal callers that pass mixed storages).
-pub(crate) fn mixed(op: &'static str, a: &Storage, b: &Storage) -> Error {
-    Error::DeviceMismatch {
-        op,
-        lhs: a.device(),
-        rhs: b.device(),
-    }
-}
+pub use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
 
 /// The device all operands share, or the mismatch error naming the first two that differ.
 pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
@@ -431,13 +310,7 @@ impl Tensor {
         let al = a.layout().broadcast_as(&shape, name)?;
         let bl = b.layout().broadcast_as(&shape, name)?;
         let (sa, sb) = (a.storage().read(), b.storage().read());
-        let mut so = out.storage().write();
-        match (&*sa, &*sb, &mut *so) {
-            (Storage::Cuda(x), Storage::Cuda(y), Storage::Cuda(o)) => {
-                x.binary_into(op, &al, y, &bl, o, out.layout())?
-            }
-            (x, y, _) => return Err(mixed(name, x, y)),
-        }
+        sa.binary_into(op, &al, &sb, &bl, &mut out.storage().write(), out.layout())?;
         Ok(out.clone())
     }
 

@@ -1,19 +1,20 @@
-//! Convolution through cuDNN: [`convolution`] runs 1-d and 2-d convolutions of CUDA tensors
-//! with cuDNN's forward call and records a backward that uses cuDNN's backward data and
-//! backward filter calls (the bias gradient, a sum over N and the spatial dims, comes from the
-//! broadcast addition's own backward). Where cuDNN cannot run the problem (a CPU tensor, cuDNN
-//! missing or switched off with [`crate::backends::cudnn::set_enabled`], an integer dtype,
-//! sizes past its 32-bit limits) it answers `Ok(None)` and the caller takes its own path
-//! (ember-nn's im2col + GEMM, which has the same semantics).
+//! Convolution on every device: [`convolution`] runs 1-d and 2-d convolutions (groups, stride,
+//! zero padding, dilation) through the backend's convolution calls (CPU: im2col + GEMM in
+//! `cpu/conv.rs`; CUDA: cuDNN) and records a backward that uses the backend's backward-data and
+//! backward-filter calls; the bias gradient, a sum over N and the spatial dims, comes from the
+//! broadcast addition's own backward. Where the backend does not run the problem (cuDNN
+//! missing or switched off with [`crate::backends::cudnn::set_enabled`], a size past cuDNN's
+//! limits, an integer dtype) the composite path of `conv_composite.rs` runs instead, with the
+//! same semantics. [`unfold`] is that path's window gather (`F.unfold`).
 
+use super::conv_composite::{self, Window};
 use crate::autograd::{self, SavedTensor};
-use crate::cuda::cudnn::{self, ConvParams};
-use crate::storage::Storage;
-use crate::{Device, Error, Result, Tensor};
+use crate::backend::ConvParams;
+use crate::{Error, Result, Tensor};
 
 const OP: &str = "convolution";
 
-/// `input` row-major from its storage's first element (cuDNN reads it from there), detached.
+/// `t` row-major from its storage's first element (the backends read it from there), detached.
 pub(crate) fn packed(t: &Tensor) -> Result<Tensor> {
     if t.is_contiguous() && t.storage_offset() == 0 {
         return Ok(t.detach());
@@ -22,35 +23,15 @@ pub(crate) fn packed(t: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_storage(storage, t.shape().clone()))
 }
 
-/// Runs `f` on the CUDA storages of `a` and `b` (both packed, see [`packed`]).
-fn with_cuda<T>(
-    a: &Tensor,
-    b: &Tensor,
-    f: impl FnOnce(&crate::cuda::CudaStorage, &crate::cuda::CudaStorage) -> Result<T>,
-) -> Result<T> {
-    let (sa, sb) = (a.storage().read(), b.storage().read());
-    match (&*sa, &*sb) {
-        (Storage::Cuda(x), Storage::Cuda(y)) => f(x, y),
-        _ => Err(Error::DeviceMismatch {
-            op: OP,
-            lhs: a.device(),
-            rhs: b.device(),
-        }),
-    }
-}
-
-fn as_isize(dims: &[usize]) -> Vec<isize> {
+pub(crate) fn as_isize(dims: &[usize]) -> Vec<isize> {
     dims.iter().map(|&d| d as isize).collect()
 }
 
 /// The convolution (cross-correlation, zero padding) of `input` `[N, C, L]` or `[N, C, H, W]`
 /// with `weight` `[O, C/groups, K..]` and an optional `bias` `[O]`, as `torch.convolution`
 /// without transposition; `stride`, `padding` and `dilation` hold one value per spatial dim.
-///
-/// Returns `Ok(Some(output))` when cuDNN ran it (CUDA tensors, cuDNN loadable and enabled, a
-/// float dtype, sizes within cuDNN's limits) and `Ok(None)` when it did not, so that callers
-/// fall back to another implementation; bad arguments (ranks, groups, dtypes, devices that
-/// differ) are errors either way.
+/// Errors for bad arguments: ranks, groups, dtypes or devices that differ, a zero stride or
+/// dilation, a (dilated) kernel larger than the padded input.
 pub fn convolution(
     input: &Tensor,
     weight: &Tensor,
@@ -59,7 +40,7 @@ pub fn convolution(
     padding: &[usize],
     dilation: &[usize],
     groups: usize,
-) -> Result<Option<Tensor>> {
+) -> Result<Tensor> {
     let rank = input.rank();
     if !(rank == 3 || rank == 4) || weight.rank() != rank {
         return Err(Error::invalid(
@@ -113,9 +94,6 @@ pub fn convolution(
             hint: "the bias must be 1-D with out_channels elements",
         });
     }
-    if !matches!(input.device(), Device::Cuda(_)) || !cudnn::enabled() || !cudnn::is_available() {
-        return Ok(None);
-    }
     // 1-d runs as 2-d with a height of 1.
     let four = |d: &[usize]| -> [usize; 4] {
         if spatial == 1 {
@@ -140,46 +118,315 @@ pub fn convolution(
         dilation: two(dilation, 1),
         groups,
     };
-    if !params.supported() {
-        return Ok(None);
+    if stride.contains(&0) || dilation.contains(&0) {
+        return Err(Error::invalid(
+            OP,
+            format!("stride {stride:?} and dilation {dilation:?} must be positive"),
+        ));
     }
-    let out4 = params.output().expect("supported() checks the output");
+    let Some(out4) = params.output() else {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "input size {:?} with padding {padding:?} is smaller than the (dilated) kernel {:?}: the output would be empty",
+                &input.dims()[2..],
+                &weight.dims()[2..]
+            ),
+        ));
+    };
     let out_dims: Vec<usize> = if spatial == 1 {
         vec![out4[0], out4[1], out4[3]]
     } else {
         out4.to_vec()
     };
-    let (x, w) = (packed(input)?, packed(weight)?);
-    let y = with_cuda(&x, &w, |xs, ws| cudnn::conv_forward(xs, ws, &params))?;
-    let mut y = Tensor::from_storage(Storage::Cuda(y), out_dims.as_slice());
-    if autograd::needs_grad(&[input, weight]) {
-        let (xs, ws) = (SavedTensor::new(OP, &x), SavedTensor::new(OP, &w));
-        let (in_dims, w_dims, g_dims) = (input.dims().to_vec(), weight.dims().to_vec(), out_dims.clone());
-        y = autograd::record(OP, &[input, weight], y, move |g, needs| {
-            let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&g_dims))?)?;
-            let dx = if needs[0] {
-                let w = ws.get()?;
-                let dx = with_cuda(w, &g, |w, g| cudnn::conv_backward_data(w, g, &params))?;
-                Some(Tensor::from_storage(Storage::Cuda(dx), in_dims.as_slice()))
+    let x = packed(input)?.reshape(&as_isize(&params.input))?;
+    let w = packed(weight)?.reshape(&as_isize(&params.weight))?;
+    let y = {
+        let (sx, sw) = (x.storage().read(), w.storage().read());
+        sx.conv_forward(&sw, &params)?
+    };
+    let y = match y {
+        Some(y) => {
+            let y = Tensor::from_storage(y, out_dims.as_slice());
+            if autograd::needs_grad(&[input, weight]) {
+                record_backward(input, weight, &x, &w, params, y)
             } else {
-                None
-            };
-            let dw = if needs[1] {
-                let x = xs.get()?;
-                let dw = with_cuda(x, &g, |x, g| cudnn::conv_backward_filter(x, g, &params))?;
-                Some(Tensor::from_storage(Storage::Cuda(dw), w_dims.as_slice()))
-            } else {
-                None
-            };
-            Ok(vec![dx, dw])
-        });
-    }
+                y
+            }
+        }
+        None => {
+            // The composite path, with its own autograd through the tensor ops it is made of.
+            let x = input.reshape(&as_isize(&params.input))?;
+            let w = weight.reshape(&as_isize(&params.weight))?;
+            conv_composite::conv2d(&x, &w, &params)?.reshape(&as_isize(&out_dims))?
+        }
+    };
     match bias {
         Some(b) => {
             let mut shape = vec![1, o as isize];
             shape.resize(rank, 1);
-            Ok(Some(y.add(&b.reshape(&shape)?)?))
+            y.add(&b.reshape(&shape)?)
         }
-        None => Ok(Some(y)),
+        None => Ok(y),
+    }
+}
+
+/// Records the backward of a backend convolution `y` of the packed 4-D `x` and `w`.
+fn record_backward(
+    input: &Tensor,
+    weight: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    params: ConvParams,
+    y: Tensor,
+) -> Tensor {
+    let (xs, ws) = (SavedTensor::new(OP, x), SavedTensor::new(OP, w));
+    let (in_dims, w_dims) = (input.dims().to_vec(), weight.dims().to_vec());
+    let out4 = params.output().expect("checked before the forward ran");
+    autograd::record(OP, &[input, weight], y, move |g, needs| {
+        let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out4))?)?;
+        let (x, w) = (xs.get()?, ws.get()?);
+        let (sg, sx, sw) = (g.storage().read(), x.storage().read(), w.storage().read());
+        let dx = if needs[0] {
+            sw.conv_backward_data(&sg, &params)?
+        } else {
+            None
+        };
+        let dw = if needs[1] {
+            sx.conv_backward_filter(&sg, &params)?
+        } else {
+            None
+        };
+        let missing = (needs[0] && dx.is_none()) || (needs[1] && dw.is_none());
+        drop((sg, sx, sw));
+        if missing {
+            // The backend ran the forward but declines the backward: the composite path's.
+            let grads = composite_grads(x, w, &g, &params, needs)?;
+            return Ok(vec![
+                grads[0]
+                    .as_ref()
+                    .map(|t| t.reshape(&as_isize(&in_dims)))
+                    .transpose()?,
+                grads[1]
+                    .as_ref()
+                    .map(|t| t.reshape(&as_isize(&w_dims)))
+                    .transpose()?,
+            ]);
+        }
+        Ok(vec![
+            dx.map(|s| Tensor::from_storage(s, in_dims.as_slice())),
+            dw.map(|s| Tensor::from_storage(s, w_dims.as_slice())),
+        ])
+    })
+}
+
+/// The input and weight gradients (as `needs` says) of the composite convolution of the 4-D
+/// `x` and `w` for the output gradient `g`.
+fn composite_grads(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    params: &ConvParams,
+    needs: &[bool],
+) -> Result<[Option<Tensor>; 2]> {
+    let _grad = autograd::enable_grad();
+    let (x, w) = (
+        x.detach().requires_grad_(needs[0])?,
+        w.detach().requires_grad_(needs[1])?,
+    );
+    let y = conv_composite::conv2d(&x, &w, params)?;
+    let targets: Vec<Tensor> = [&x, &w]
+        .into_iter()
+        .zip(needs)
+        .filter(|(_, &n)| n)
+        .map(|(t, _)| t.clone())
+        .collect();
+    let mut grads = autograd::grad(&[y], &targets, Some(std::slice::from_ref(g)), false)?.into_iter();
+    Ok([
+        if needs[0] { grads.next().flatten() } else { None },
+        if needs[1] { grads.next().flatten() } else { None },
+    ])
+}
+
+/// Sliding local blocks of a batched `[N, C, H, W]` input as `[N, C·KH·KW, L]` (`F.unfold`,
+/// im2col), zero padded; `L` is the number of window positions. Differentiable (the gather's
+/// backward); see Note [im2col by gather] in `conv_composite.rs`.
+pub fn unfold(
+    input: &Tensor,
+    kernel: [usize; 2],
+    dilation: [usize; 2],
+    padding: [usize; 2],
+    stride: [usize; 2],
+) -> Result<Tensor> {
+    const OP: &str = "unfold";
+    if input.rank() != 4 {
+        return Err(Error::invalid(
+            OP,
+            format!("expected a 4-D [N, C, H, W] input, got shape {}", input.shape()),
+        ));
+    }
+    let win = Window {
+        kernel,
+        stride,
+        padding,
+        dilation,
+    };
+    let hw = [input.dims()[2], input.dims()[3]];
+    let Some(out) = win.output_size(hw) else {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "kernel size {kernel:?}, stride {stride:?} and dilation {dilation:?} must be positive and the (dilated) kernel must fit the input {hw:?} with padding {padding:?}"
+            ),
+        ));
+    };
+    let cols = conv_composite::windows(input, &win, out, 0.0)?;
+    let (n, c) = (input.dims()[0], input.dims()[1]);
+    cols.reshape(&as_isize(&[n, c * kernel[0] * kernel[1], out[0] * out[1]]))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! The CPU backend's convolution against the composite path, on random problems.
+
+    use super::*;
+    use crate::{DType, Device};
+
+    /// A small xorshift generator: sizes and values without an RNG crate.
+    pub(crate) struct Rng(u64);
+
+    impl Rng {
+        pub(crate) fn new(seed: u64) -> Rng {
+            Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        }
+
+        pub(crate) fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        /// Uniform in `lo..=hi`.
+        pub(crate) fn int(&mut self, lo: usize, hi: usize) -> usize {
+            lo + (self.next() % (hi - lo + 1) as u64) as usize
+        }
+
+        /// An f64 tensor of uniform values in [-1, 1).
+        pub(crate) fn tensor(&mut self, dims: &[usize]) -> Tensor {
+            let v: Vec<f64> = (0..dims.iter().product::<usize>())
+                .map(|_| (self.next() >> 11) as f64 / (1u64 << 52) as f64 - 1.0)
+                .collect();
+            Tensor::from_vec(v, dims, Device::Cpu).unwrap()
+        }
+    }
+
+    pub(crate) fn assert_close(what: &str, a: &Tensor, b: &Tensor) {
+        assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+        for (i, (x, y)) in a
+            .to_vec_f64()
+            .unwrap()
+            .iter()
+            .zip(b.to_vec_f64().unwrap())
+            .enumerate()
+        {
+            assert!(
+                (x - y).abs() <= 1e-12 * (1.0 + y.abs()),
+                "{what}: element {i}: {x} vs {y}"
+            );
+        }
+    }
+
+    /// Output, input gradient and weight gradient of `f` for the output gradient `g`.
+    fn run(
+        f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        x: &Tensor,
+        w: &Tensor,
+        g_seed: u64,
+    ) -> [Tensor; 3] {
+        let (x, w) = (
+            x.detach().requires_grad_(true).unwrap(),
+            w.detach().requires_grad_(true).unwrap(),
+        );
+        let y = f(&x, &w).unwrap();
+        let g = Rng::new(g_seed).tensor(y.dims());
+        y.backward_with(Some(&g), false).unwrap();
+        [y.detach(), x.grad().unwrap(), w.grad().unwrap()]
+    }
+
+    #[test]
+    fn cpu_backend_matches_the_composite_path() {
+        let mut rng = Rng::new(7);
+        for case in 0..40 {
+            let one_d = case % 4 == 3;
+            let groups = rng.int(1, 3);
+            let (cg, og) = (rng.int(1, 3), rng.int(1, 3));
+            let n = rng.int(1, 3);
+            let k = [if one_d { 1 } else { rng.int(1, 3) }, rng.int(1, 3)];
+            let stride = [if one_d { 1 } else { rng.int(1, 3) }, rng.int(1, 3)];
+            let padding = [if one_d { 0 } else { rng.int(0, 2) }, rng.int(0, 2)];
+            let dilation = [if one_d { 1 } else { rng.int(1, 2) }, rng.int(1, 2)];
+            // Inputs large enough for the dilated kernel.
+            let hw = [0, 1].map(|d| dilation[d] * (k[d] - 1) + 1 + rng.int(0, 4));
+            let params = ConvParams {
+                dtype: DType::F64,
+                input: [n, cg * groups, if one_d { 1 } else { hw[0] }, hw[1]],
+                weight: [og * groups, cg, k[0], k[1]],
+                stride,
+                padding,
+                dilation,
+                groups,
+            };
+            let x = rng.tensor(&params.input);
+            let w = rng.tensor(&params.weight);
+            let what = format!("case {case}: {params:?}");
+            let (x, w, d) = if one_d {
+                (x.squeeze_dim(2).unwrap(), w.squeeze_dim(2).unwrap(), 1)
+            } else {
+                (x, w, 0)
+            };
+            let backend = run(
+                |x, w| convolution(x, w, None, &stride[d..], &padding[d..], &dilation[d..], groups),
+                &x,
+                &w,
+                case,
+            );
+            let composite = run(
+                |x, w| {
+                    let x4 = x.reshape(&as_isize(&params.input))?;
+                    let w4 = w.reshape(&as_isize(&params.weight))?;
+                    let y = conv_composite::conv2d(&x4, &w4, &params)?;
+                    let mut dims = y.dims().to_vec();
+                    if one_d {
+                        dims.remove(2);
+                    }
+                    y.reshape(&as_isize(&dims))
+                },
+                &x,
+                &w,
+                case,
+            );
+            for (i, name) in ["output", "input gradient", "weight gradient"].iter().enumerate() {
+                assert_close(&format!("{what} {name}"), &backend[i], &composite[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_computes_in_f32_and_rounds_once() {
+        let mut rng = Rng::new(3);
+        let (x, w) = (rng.tensor(&[2, 3, 6, 5]), rng.tensor(&[4, 3, 3, 3]));
+        for dtype in [DType::F16, DType::BF16] {
+            let (xh, wh) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
+            let y = convolution(&xh, &wh, None, &[1, 2], &[1, 1], &[1, 1], 1).unwrap();
+            assert_eq!(y.dtype(), dtype);
+            let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let y32 = convolution(&wide(&xh), &wide(&wh), None, &[1, 2], &[1, 1], &[1, 1], 1).unwrap();
+            assert_eq!(
+                y.to_vec_f64().unwrap(),
+                y32.to_dtype(dtype).unwrap().to_vec_f64().unwrap(),
+                "{dtype}"
+            );
+        }
     }
 }

@@ -10,21 +10,7 @@
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};
 use crate::dispatch::{self, policy};
-use crate::layout::Layout;
-use crate::storage::Storage;
 use crate::{Error, Result, Shape, Tensor};
-
-impl Storage {
-    /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with
-    /// the same batch dims, as a new row-major storage of shape `[B.., m, n]`.
-    pub(crate) fn matmul(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
-        match (self, rhs) {
-            (Storage::Cpu(a), Storage::Cpu(b)) => Ok(Storage::Cpu(a.matmul(al, b, bl)?)),
-            (Storage::Cuda(a), Storage::Cuda(b)) => Ok(Storage::Cuda(a.matmul(al, b, bl)?)),
-            (a, b) => Err(crate::ops::binary::mixed("matmul", a, b)),
-        }
-    }
-}
 
 /// Device and dtype checks shared by every product (matmul requires equal dtypes, as PyTorch).
 fn check_operands(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {

@@ -1,10 +1,14 @@
-//! Tensor operations, one file per family. Each file holds the `Tensor` methods of its family,
-//! their backward rules next to the forward code, and the `impl Storage` block that dispatches
-//! to each backend's kernels (`cpu/<family>.rs`).
+//! Tensor operations, one file per family. Each file holds the `Tensor` methods of its family
+//! and their backward rules next to the forward code, and calls the backends through
+//! [`Storage`](crate::storage::Storage) (the backend boundary, `backend/`); the op enums each
+//! family's backends see are defined in `backend/op.rs` and re-exported here
+//! (`ops::binary::BinaryOp`, ...). `conv_composite` is the composite sliding-window path that
+//! convolution and pooling take where a backend does not run them.
 
 pub mod amp_scaling;
 pub mod binary;
 pub mod conv;
+mod conv_composite;
 pub mod fused_optim;
 pub mod index;
 pub mod inplace;

@@ -1,27 +1,17 @@
-//! Pooling through cuDNN: [`pool2d`] runs 2-d max pooling and average pooling (counting the
-//! padding) of CUDA tensors with cuDNN's forward call and records a backward that uses cuDNN's
-//! backward call (`cuda/cudnn_pool.rs`). Where cuDNN cannot run the problem (a CPU tensor, cuDNN
-//! missing or switched off with [`crate::backends::cudnn::set_enabled`], an integer dtype, an
-//! empty tensor, a window larger than the padded input, sizes past its 32-bit limits) it answers
-//! `Ok(None)` and the caller takes its own path (ember-nn's `functional::pooling`, which has the
-//! same semantics).
+//! 2-d max and average pooling on every device: [`pool2d`] runs through the backend's pooling
+//! calls (CPU: `cpu/pool.rs`; CUDA: cuDNN, `cuda/cudnn_pool.rs`) and records a backward that
+//! uses the backend's pooling backward. Where the backend does not run the problem (cuDNN
+//! missing or switched off with [`crate::backends::cudnn::set_enabled`], an empty tensor, sizes
+//! past cuDNN's limits) the composite path of `conv_composite.rs` (a window gather, then
+//! `max_dim` or `mean_dims`) runs instead, with the same semantics.
 
+use super::conv::{as_isize, packed};
+use super::conv_composite;
 use crate::autograd::{self, SavedTensor};
-use crate::cuda::cudnn;
-use crate::cuda::cudnn_pool::{self, PoolParams};
-use crate::ops::conv::packed;
-use crate::storage::Storage;
-use crate::{Device, Error, Result, Tensor};
+use crate::backend::PoolParams;
+use crate::{Error, Result, Tensor};
 
-/// Which pooling [`pool2d`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PoolMode {
-    /// The maximum over each window; padding acts as -inf, NaN propagates (`F.max_pool2d`).
-    Max,
-    /// The mean over each window with the padding counted as zeros in the divisor `KH·KW`
-    /// (`F.avg_pool2d` with `count_include_pad=True`).
-    Avg,
-}
+pub use crate::backend::op::PoolMode;
 
 fn op_name(mode: PoolMode) -> &'static str {
     match mode {
@@ -30,59 +20,35 @@ fn op_name(mode: PoolMode) -> &'static str {
     }
 }
 
-fn as_isize(dims: &[usize]) -> Vec<isize> {
-    dims.iter().map(|&d| d as isize).collect()
-}
-
-/// Runs `f` on the CUDA storages of `ts` (all packed, see [`packed`]).
-fn with_cuda<T, const K: usize>(
-    op: &'static str,
-    ts: [&Tensor; K],
-    f: impl FnOnce([&crate::cuda::CudaStorage; K]) -> Result<T>,
-) -> Result<T> {
-    let guards = ts.map(|t| t.storage().read());
-    let mut storages = Vec::with_capacity(K);
-    for (g, t) in guards.iter().zip(ts) {
-        match &**g {
-            Storage::Cuda(s) => storages.push(s),
-            _ => {
-                return Err(Error::DeviceMismatch {
-                    op,
-                    lhs: ts[0].device(),
-                    rhs: t.device(),
-                })
-            }
-        }
-    }
-    let storages: [&crate::cuda::CudaStorage; K] = storages
-        .try_into()
-        .unwrap_or_else(|_| unreachable!("one storage per tensor"));
-    f(storages)
-}
-
-/// 2-d pooling of a `[N, C, H, W]` `input` over `kernel` windows moved by `stride`, with
-/// implicit `padding` on both sides of each spatial dim, dilation 1 and floor output sizes
-/// (`ceil_mode=False`), as `F.max_pool2d` / `F.avg_pool2d(count_include_pad=True)`.
+/// 2-d pooling of a floating-point `[N, C, H, W]` `input` over `kernel` windows moved by
+/// `stride`, with implicit `padding` on both sides of each spatial dim, dilation 1 and floor
+/// output sizes (`ceil_mode=False`), as `F.max_pool2d` / `F.avg_pool2d(count_include_pad=True)`.
 ///
-/// Returns `Ok(Some(output))` when cuDNN ran it (a CUDA float tensor, cuDNN loadable and
-/// enabled, a window that fits the padded input, sizes within cuDNN's limits) and `Ok(None)`
-/// when it did not, so that callers fall back to another implementation; bad arguments (a rank
-/// other than 4, a zero kernel or stride, padding over half the kernel) are errors either way.
-/// A non-contiguous input is copied first. The gradient of max pooling goes to one position
-/// per window (the maximum; which one of tied maxima cuDNN picks is its choice).
+/// Max pooling treats padding as -inf, propagates NaN, and sends each window's gradient to one
+/// position: on the CPU the first maximum (the last NaN), as PyTorch's CPU kernel; with cuDNN,
+/// which one of tied maxima is cuDNN's choice. Errors for a rank other than 4, an integer
+/// dtype, a zero kernel or stride, padding over half the kernel, or a window larger than the
+/// padded input.
 pub fn pool2d(
     input: &Tensor,
     mode: PoolMode,
     kernel: [usize; 2],
     stride: [usize; 2],
     padding: [usize; 2],
-) -> Result<Option<Tensor>> {
+) -> Result<Tensor> {
     let op = op_name(mode);
     if input.rank() != 4 {
         return Err(Error::invalid(
             op,
             format!("expected a 4-D [N, C, H, W] input, got shape {}", input.shape()),
         ));
+    }
+    if !input.dtype().is_floating_point() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: input.dtype(),
+            hint: "pooling takes floating point inputs",
+        });
     }
     if kernel.contains(&0) || stride.contains(&0) {
         return Err(Error::invalid(
@@ -96,43 +62,110 @@ pub fn pool2d(
             format!("pad should be at most half of kernel size, but got pad={padding:?} and kernel_size={kernel:?}"),
         ));
     }
-    if !matches!(input.device(), Device::Cuda(_)) || !cudnn::enabled() || !cudnn::is_available() {
-        return Ok(None);
-    }
     let d = input.dims();
     let params = PoolParams {
         dtype: input.dtype(),
-        max: mode == PoolMode::Max,
+        mode,
         input: [d[0], d[1], d[2], d[3]],
         kernel,
         stride,
         padding,
     };
-    if !params.supported() {
-        return Ok(None);
-    }
-    let out_dims = params.output().expect("supported() checks the output").to_vec();
-    let x = packed(input)?;
-    let Some(y) = with_cuda(op, [&x], |[xs]| cudnn_pool::pool_forward(xs, &params))? else {
-        return Ok(None);
+    let Some(out_dims) = params.output() else {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "input size {:?} with padding {padding:?} is smaller than the kernel {kernel:?}: the output would be empty",
+                &d[2..]
+            ),
+        ));
     };
-    let mut y = Tensor::from_storage(Storage::Cuda(y), out_dims.as_slice());
-    if autograd::needs_grad(&[input]) {
-        // `y` is saved before `record` (detached, no cycle); it shares its storage, and so its
-        // version counter, with the recorded output.
-        let (xs, ys) = (SavedTensor::new(op, &x), SavedTensor::new(op, &y));
-        let in_dims = input.dims().to_vec();
-        y = autograd::record(op, &[input], y, move |g, _needs| {
-            let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out_dims))?)?;
-            let (x, y) = (xs.get()?, ys.get()?);
-            let dx = with_cuda(op, [x, y, &g], |[x, y, g]| {
-                cudnn_pool::pool_backward(x, y, g, &params)
-            })?;
-            Ok(vec![Some(Tensor::from_storage(
-                Storage::Cuda(dx),
-                in_dims.as_slice(),
-            ))])
-        });
+    let x = packed(input)?;
+    let y = x.storage().read().pool_forward(&params)?;
+    let Some(y) = y else {
+        return conv_composite::pool2d(input, &params);
+    };
+    let y = Tensor::from_storage(y, out_dims.as_slice());
+    if !autograd::needs_grad(&[input]) {
+        return Ok(y);
     }
-    Ok(Some(y))
+    // `y` is saved before `record` (detached, no cycle); it shares its storage, and so its
+    // version counter, with the recorded output.
+    let (xs, ys) = (SavedTensor::new(op, &x), SavedTensor::new(op, &y));
+    let in_dims = input.dims().to_vec();
+    Ok(autograd::record(op, &[input], y, move |g, _needs| {
+        let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out_dims))?)?;
+        let (x, y) = (xs.get()?, ys.get()?);
+        let dx = {
+            let (sx, sy, sg) = (x.storage().read(), y.storage().read(), g.storage().read());
+            sx.pool_backward(&sy, &sg, &params)?
+        };
+        let dx = match dx {
+            Some(dx) => Tensor::from_storage(dx, in_dims.as_slice()),
+            None => {
+                // The backend ran the forward but declines the backward: the composite path's.
+                let _grad = autograd::enable_grad();
+                let x = x.detach().requires_grad_(true)?;
+                let y = conv_composite::pool2d(&x, &params)?;
+                let grads = autograd::grad(
+                    &[y],
+                    std::slice::from_ref(&x),
+                    Some(std::slice::from_ref(&g)),
+                    false,
+                )?;
+                match grads.into_iter().next().flatten() {
+                    Some(dx) => dx,
+                    None => x.zeros_like()?,
+                }
+            }
+        };
+        Ok(vec![Some(dx)])
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The CPU backend's pooling against the composite path, on random problems.
+
+    use super::*;
+    use crate::ops::conv::tests::{assert_close, Rng};
+    use crate::DType;
+
+    #[test]
+    fn cpu_backend_matches_the_composite_path() {
+        let mut rng = Rng::new(11);
+        for case in 0..40 {
+            let mode = if case % 2 == 0 {
+                PoolMode::Max
+            } else {
+                PoolMode::Avg
+            };
+            let kernel = [rng.int(1, 4), rng.int(1, 4)];
+            let stride = [rng.int(1, 3), rng.int(1, 3)];
+            let padding = [0, 1].map(|d| rng.int(0, kernel[d] / 2));
+            let hw = [0, 1].map(|d| kernel[d] + rng.int(0, 5));
+            let input = [rng.int(1, 2), rng.int(1, 3), hw[0], hw[1]];
+            let params = PoolParams {
+                dtype: DType::F64,
+                mode,
+                input,
+                kernel,
+                stride,
+                padding,
+            };
+            let what = format!("case {case}: {params:?}");
+            let x = rng.tensor(&input);
+            let g = rng.tensor(&params.output().unwrap());
+            let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
+                let x = x.detach().requires_grad_(true).unwrap();
+                let y = f(&x).unwrap();
+                y.backward_with(Some(&g), false).unwrap();
+                [y.detach(), x.grad().unwrap()]
+            };
+            let backend = run(&|x| pool2d(x, mode, kernel, stride, padding));
+            let composite = run(&|x| conv_composite::pool2d(x, &params));
+            assert_close(&format!("{what} output"), &backend[0], &composite[0]);
+            assert_close(&format!("{what} input gradient"), &backend[1], &composite[1]);
+        }
+    }
 }

@@ -9,83 +9,9 @@
 
 use crate::autograd::{self, SavedTensor};
 use crate::dispatch::{self, policy};
-use crate::layout::Layout;
-use crate::storage::Storage;
 use crate::{DType, Error, Result, Shape, Tensor};
 
-/// A reduction, as the backends see it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum ReduceOp {
-    Sum,
-    Prod,
-    Mean,
-    Max,
-    Min,
-    ArgMax,
-    ArgMin,
-    /// `log Σ exp(x)`, computed stably (shifted by the max).
-    LogSumExp,
-    /// Variance dividing by `K - correction` (1 is Bessel's correction).
-    Var {
-        correction: f64,
-    },
-    /// Square root of [`ReduceOp::Var`].
-    Std {
-        correction: f64,
-    },
-    /// `linalg.vector_norm` of order `p` (any real or ±inf).
-    Norm {
-        p: f64,
-    },
-}
-
-impl ReduceOp {
-    /// PyTorch's name of the op, as errors report it.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Prod => "prod",
-            ReduceOp::Mean => "mean",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-            ReduceOp::ArgMax => "argmax",
-            ReduceOp::ArgMin => "argmin",
-            ReduceOp::LogSumExp => "logsumexp",
-            ReduceOp::Var { .. } => "var",
-            ReduceOp::Std { .. } => "std",
-            ReduceOp::Norm { .. } => "linalg.vector_norm",
-        }
-    }
-}
-
-impl Storage {
-    /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
-    pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Storage> {
-        match self {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.reduce(layout, op, dims)?)),
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.reduce(layout, op, dims)?)),
-        }
-    }
-
-    /// Max or min over `dims` and the i64 index of its first occurrence.
-    pub(crate) fn reduce_with_indices(
-        &self,
-        layout: &Layout,
-        op: ReduceOp,
-        dims: &[usize],
-    ) -> Result<(Storage, Storage)> {
-        match self {
-            Storage::Cpu(s) => {
-                let (v, i) = s.reduce_with_indices(layout, op, dims)?;
-                Ok((Storage::Cpu(v), Storage::Cpu(i)))
-            }
-            Storage::Cuda(s) => {
-                let (v, i) = s.reduce_with_indices(layout, op, dims)?;
-                Ok((Storage::Cuda(v), Storage::Cuda(i)))
-            }
-        }
-    }
-}
+pub use crate::backend::op::ReduceOp;
 
 /// `dims` normalized, checked for repeats and sorted; empty means every dim. A 0-d tensor
 /// accepts 0 and -1 and reduces nothing (its one element is the result).

@@ -19,176 +19,17 @@
 //! weight gradient is ONE GEMM after the loop: `dW_hh = dGᵀ H_prev` with `dG` `[T·N, 4H]` and
 //! `H_prev` = `hbuf` rows `0..T`. `gi`'s gradient is `dG` itself.
 //!
-//! Both backends share this loop; only the pointwise steps are backend kernels (`cpu/rnn.rs`,
-//! `cuda/rnn.rs` + `kernels/rnn.cu`).
+//! Both backends share this loop; only the pointwise steps are backend kernels
+//! ([`Storage::lstm_forward_step`] and [`Storage::lstm_backward_step`], whose step descriptions
+//! live in `backend/step.rs`; kernels in `cpu/rnn.rs`, `cuda/rnn.rs` + `kernels/rnn.cu`).
 
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};
-use crate::cuda::CudaStorage;
+use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 
 const OP: &str = "lstm_recurrence";
-
-/// Element offsets of one forward step's rows in its operands (see Note [Fused LSTM
-/// recurrence]): `gi` and `hh` `[N, 4H]` rows are read, `c_prev` (a row of the `c` buffer
-/// before `c`) is read, `h` and `c` are written, `c_copy` (a row of the `h` buffer, on the last
-/// step) receives `c` again, `gates` `[N, 4H]` the activated gates.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LstmForwardStep {
-    pub n: usize,
-    pub hidden: usize,
-    pub gi: usize,
-    pub hh: usize,
-    pub c_prev: usize,
-    pub c: usize,
-    pub h: usize,
-    pub c_copy: Option<usize>,
-    pub gates: usize,
-}
-
-/// Element offsets of one backward step's rows: `dh_out` (the output gradient's row `t`) and
-/// `dh_rec` (the recurrent gradient, absent on the last step) `[N, H]`, the saved `gates`
-/// `[N, 4H]`, `c` (`c_t`) and `c_prev` in the `c` buffer; `dc` `[N, H]` is updated in place
-/// from `dc_t` to `dc_{t-1}`, `dgates` `[N, 4H]` receives the pre-activation gradients.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LstmBackwardStep {
-    pub n: usize,
-    pub hidden: usize,
-    pub dh_out: usize,
-    pub dh_rec: Option<usize>,
-    pub gates: usize,
-    pub c: usize,
-    pub c_prev: usize,
-    pub dc: usize,
-    pub dgates: usize,
-}
-
-/// An error unless `[off, off + len)` lies in a storage of `have` elements.
-fn fits(what: &str, off: usize, len: usize, have: usize) -> Result<()> {
-    if off.checked_add(len).is_none_or(|end| end > have) {
-        return Err(Error::invalid(
-            OP,
-            format!("internal: {what} rows [{off}, +{len}) exceed a buffer of {have} elements"),
-        ));
-    }
-    Ok(())
-}
-
-impl LstmForwardStep {
-    /// Checks every row against its storage's length, and that `c_prev` precedes `c` and
-    /// `h` and `c_copy` do not overlap (the kernels rely on both).
-    fn check(&self, gi: usize, hh: usize, h: usize, c: usize, gates: usize) -> Result<()> {
-        let (nh, n4h) = (self.n * self.hidden, self.n * self.hidden * 4);
-        fits("gi", self.gi, n4h, gi)?;
-        fits("hh", self.hh, n4h, hh)?;
-        fits("c_prev", self.c_prev, nh, c)?;
-        fits("c", self.c, nh, c)?;
-        fits("h", self.h, nh, h)?;
-        fits("gates", self.gates, n4h, gates)?;
-        if self.c_prev + nh > self.c {
-            return Err(Error::invalid(OP, "internal: c_prev must precede c"));
-        }
-        if let Some(cc) = self.c_copy {
-            fits("c_copy", cc, nh, h)?;
-            if cc < self.h + nh && self.h < cc + nh {
-                return Err(Error::invalid(OP, "internal: h and its c copy overlap"));
-            }
-        }
-        Ok(())
-    }
-}
-
-impl LstmBackwardStep {
-    fn check(
-        &self,
-        dh_out: usize,
-        dh_rec: Option<usize>,
-        gates: usize,
-        c: usize,
-        dc: usize,
-        dgates: usize,
-    ) -> Result<()> {
-        let (nh, n4h) = (self.n * self.hidden, self.n * self.hidden * 4);
-        fits("dh_out", self.dh_out, nh, dh_out)?;
-        match (self.dh_rec, dh_rec) {
-            (Some(off), Some(len)) => fits("dh_rec", off, nh, len)?,
-            (None, None) => {}
-            _ => return Err(Error::invalid(OP, "internal: dh_rec offset without storage")),
-        }
-        fits("gates", self.gates, n4h, gates)?;
-        fits("c", self.c, nh, c)?;
-        fits("c_prev", self.c_prev, nh, c)?;
-        fits("dc", self.dc, nh, dc)?;
-        fits("dgates", self.dgates, n4h, dgates)
-    }
-}
-
-impl Storage {
-    /// One forward step of [`lstm_recurrence`] (see [`LstmForwardStep`]).
-    pub(crate) fn lstm_forward_step(
-        s: &LstmForwardStep,
-        gi: &Storage,
-        hh: &Storage,
-        h: &mut Storage,
-        c: &mut Storage,
-        gates: &mut Storage,
-    ) -> Result<()> {
-        s.check(gi.len(), hh.len(), h.len(), c.len(), gates.len())?;
-        use Storage::{Cpu, Cuda};
-        match (gi, hh, h, c, gates) {
-            (Cpu(a), Cpu(b), Cpu(h), Cpu(c), Cpu(g)) => {
-                crate::cpu::CpuStorage::lstm_forward_step(s, a, b, h, c, g)
-            }
-            (Cuda(a), Cuda(b), Cuda(h), Cuda(c), Cuda(g)) => CudaStorage::lstm_forward_step(s, a, b, h, c, g),
-            (a, b, h, ..) => Err(super::binary::mixed(
-                OP,
-                a,
-                if a.device() != b.device() { b } else { h },
-            )),
-        }
-    }
-
-    /// One backward step of [`lstm_recurrence`] (see [`LstmBackwardStep`]).
-    pub(crate) fn lstm_backward_step(
-        s: &LstmBackwardStep,
-        dh_out: &Storage,
-        dh_rec: Option<&Storage>,
-        gates: &Storage,
-        c: &Storage,
-        dc: &mut Storage,
-        dgates: &mut Storage,
-    ) -> Result<()> {
-        s.check(
-            dh_out.len(),
-            dh_rec.map(Storage::len),
-            gates.len(),
-            c.len(),
-            dc.len(),
-            dgates.len(),
-        )?;
-        use Storage::{Cpu, Cuda};
-        let rec_cpu = match dh_rec {
-            Some(Cpu(r)) => Some(Some(r)),
-            None => Some(None),
-            _ => None,
-        };
-        let rec_cuda = match dh_rec {
-            Some(Cuda(r)) => Some(Some(r)),
-            None => Some(None),
-            _ => None,
-        };
-        match (dh_out, gates, c, dc, dgates, rec_cpu, rec_cuda) {
-            (Cpu(d), Cpu(g), Cpu(c), Cpu(dc), Cpu(dg), Some(r), _) => {
-                crate::cpu::CpuStorage::lstm_backward_step(s, d, r, g, c, dc, dg)
-            }
-            (Cuda(d), Cuda(g), Cuda(c), Cuda(dc), Cuda(dg), _, Some(r)) => {
-                CudaStorage::lstm_backward_step(s, d, r, g, c, dc, dg)
-            }
-            (d, g, ..) => Err(super::binary::mixed("lstm_recurrence_backward", d, g)),
-        }
-    }
-}
 
 /// Checks the operands of [`lstm_recurrence`]; returns `(T, N, H)`.
 fn check(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<(usize, usize, usize)> {
@@ -256,11 +97,7 @@ fn check(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<(usize,
 /// A new row-major tensor whose elements the caller writes in full before reading them
 /// (uninitialized on a GPU, zeros on the CPU).
 fn scratch(dims: [usize; 3], dtype: DType, device: Device) -> Result<Tensor> {
-    let len = dims.iter().product();
-    let storage = match device {
-        Device::Cuda(i) => Storage::Cuda(CudaStorage::alloc(i, dtype, len)?),
-        Device::Cpu => Storage::full(Device::Cpu, dtype, len, 0.0)?,
-    };
+    let storage = Storage::alloc(device, dtype, dims.iter().product())?;
     Ok(Tensor::from_storage(storage, dims))
 }
 

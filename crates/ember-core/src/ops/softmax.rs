@@ -4,54 +4,9 @@
 use super::binary::same_device;
 use crate::autograd::SavedTensor;
 use crate::dispatch::{self, policy};
-use crate::layout::Layout;
-use crate::storage::Storage;
 use crate::{Error, Result, Tensor};
 
-/// Which normalization along a dim, as the backends see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SoftmaxOp {
-    Softmax,
-    LogSoftmax,
-}
-
-impl SoftmaxOp {
-    /// PyTorch's name of the op, as errors report it.
-    pub fn name(self) -> &'static str {
-        match self {
-            SoftmaxOp::Softmax => "softmax",
-            SoftmaxOp::LogSoftmax => "log_softmax",
-        }
-    }
-}
-
-impl Storage {
-    /// `op` along `dim` of `layout`, as a row-major storage of the same shape.
-    pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Storage> {
-        match self {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.softmax(layout, op, dim)?)),
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.softmax(layout, op, dim)?)),
-        }
-    }
-
-    /// The input gradient of `op` along `dim` from its output (`self`) and output gradient.
-    pub(crate) fn softmax_backward(
-        &self,
-        yl: &Layout,
-        grad: &Storage,
-        gl: &Layout,
-        op: SoftmaxOp,
-        dim: usize,
-    ) -> Result<Storage> {
-        match (self, grad) {
-            (Storage::Cpu(y), Storage::Cpu(g)) => Ok(Storage::Cpu(y.softmax_backward(yl, g, gl, op, dim)?)),
-            (Storage::Cuda(y), Storage::Cuda(g)) => {
-                Ok(Storage::Cuda(y.softmax_backward(yl, g, gl, op, dim)?))
-            }
-            (y, g) => Err(crate::ops::binary::mixed(op.name(), y, g)),
-        }
-    }
-}
+pub use crate::backend::op::SoftmaxOp;
 
 fn softmax(x: &Tensor, op: SoftmaxOp, dim: isize) -> Result<Tensor> {
     let line = match op {

@@ -12,171 +12,16 @@
 
 use crate::autograd::SavedTensor;
 use crate::dispatch::{self, policy, Op};
-use crate::layout::Layout;
-use crate::storage::Storage;
-use crate::{DType, Error, Result, Tensor};
+use crate::{Error, Result, Tensor};
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI, LN_10, LN_2, PI};
 
 /// `α` of SELU (Klambauer et al., 2017), as PyTorch.
 pub const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
 /// `λ` (scale) of SELU, as PyTorch.
 pub const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
-/// `κ` of the tanh approximation of GELU.
-pub const GELU_TANH_KAPPA: f64 = 0.044_715;
-
-/// An elementwise function of one operand; parameters of parametrized activations ride along.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum UnaryOp {
-    Neg,
-    Abs,
-    Sign,
-    Square,
-    Reciprocal,
-    Sqrt,
-    Rsqrt,
-    Exp,
-    Exp2,
-    Expm1,
-    Log,
-    Log2,
-    Log10,
-    Log1p,
-    Sin,
-    Cos,
-    Tan,
-    Asin,
-    Acos,
-    Atan,
-    Sinh,
-    Cosh,
-    Tanh,
-    Erf,
-    Erfc,
-    Floor,
-    Ceil,
-    /// Round half to even, as `torch.round`.
-    Round,
-    Trunc,
-    Sigmoid,
-    LogSigmoid,
-    Relu,
-    /// `x > 0 ? x : negative_slope * x`.
-    LeakyRelu {
-        negative_slope: f64,
-    },
-    /// `x > 0 ? scale * x : scale * alpha * (exp(input_scale * x) - 1)` (ELU, SELU, CELU).
-    Elu {
-        alpha: f64,
-        scale: f64,
-        input_scale: f64,
-    },
-    /// `x` clamped to `[min, max]` (hardtanh, relu6).
-    Hardtanh {
-        min: f64,
-        max: f64,
-    },
-    Hardsigmoid,
-    Hardswish,
-    /// `x * Φ(x)` with the exact normal CDF (PyTorch's default GELU).
-    Gelu,
-    /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` (`approximate='tanh'`).
-    GeluTanh,
-    Silu,
-    Mish,
-    /// `βx > threshold ? x : log(1 + exp(βx)) / β`.
-    Softplus {
-        beta: f64,
-        threshold: f64,
-    },
-    Softsign,
-}
+pub use crate::backend::op::{UnaryOp, GELU_TANH_KAPPA};
 
 impl UnaryOp {
-    /// PyTorch's name of the op.
-    pub fn name(self) -> &'static str {
-        use UnaryOp::*;
-        match self {
-            Neg => "neg",
-            Abs => "abs",
-            Sign => "sign",
-            Square => "square",
-            Reciprocal => "reciprocal",
-            Sqrt => "sqrt",
-            Rsqrt => "rsqrt",
-            Exp => "exp",
-            Exp2 => "exp2",
-            Expm1 => "expm1",
-            Log => "log",
-            Log2 => "log2",
-            Log10 => "log10",
-            Log1p => "log1p",
-            Sin => "sin",
-            Cos => "cos",
-            Tan => "tan",
-            Asin => "asin",
-            Acos => "acos",
-            Atan => "atan",
-            Sinh => "sinh",
-            Cosh => "cosh",
-            Tanh => "tanh",
-            Erf => "erf",
-            Erfc => "erfc",
-            Floor => "floor",
-            Ceil => "ceil",
-            Round => "round",
-            Trunc => "trunc",
-            Sigmoid => "sigmoid",
-            LogSigmoid => "logsigmoid",
-            Relu => "relu",
-            LeakyRelu { .. } => "leaky_relu",
-            Elu { .. } => "elu",
-            Hardtanh { .. } => "hardtanh",
-            Hardsigmoid => "hardsigmoid",
-            Hardswish => "hardswish",
-            Gelu => "gelu",
-            GeluTanh => "gelu_tanh",
-            Silu => "silu",
-            Mish => "mish",
-            Softplus { .. } => "softplus",
-            Softsign => "softsign",
-        }
-    }
-
-    /// True for the ops that keep integer dtypes (see Note [Unary dtypes]).
-    pub fn keeps_integers(self) -> bool {
-        use UnaryOp::*;
-        matches!(
-            self,
-            Neg | Abs | Sign | Relu | Square | Floor | Ceil | Round | Trunc
-        )
-    }
-
-    /// The dtype of `op(x)` for `x` of dtype `input`, or the error PyTorch raises.
-    pub fn result_dtype(self, input: DType) -> Result<DType> {
-        use UnaryOp::*;
-        if input.is_floating_point() {
-            return Ok(input);
-        }
-        if input.is_integer() {
-            return Ok(if self.keeps_integers() { input } else { DType::F32 });
-        }
-        match self {
-            Abs | Sign => Ok(DType::Bool),
-            Square => Ok(DType::I64),
-            Neg => Err(Error::UnsupportedDType {
-                op: "neg",
-                dtype: DType::Bool,
-                hint: "to invert a mask, use logical_not()",
-            }),
-            Relu | Floor | Ceil | Round | Trunc => Err(Error::UnsupportedDType {
-                op: self.name(),
-                dtype: DType::Bool,
-                hint: "convert with to_dtype() first",
-            }),
-            _ => Ok(DType::F32),
-        }
-    }
-
     /// Whether backward needs the op's input, its output, or neither.
     fn saves(self) -> Saves {
         use UnaryOp::*;
@@ -193,17 +38,6 @@ enum Saves {
     Input,
     Output,
     Nothing,
-}
-
-impl Storage {
-    /// `op` applied to the elements of `layout`, in a new row-major storage of
-    /// `op.result_dtype(self.dtype())`.
-    pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Storage> {
-        match self {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.unary(op, layout)?)),
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.unary(op, layout)?)),
-        }
-    }
 }
 
 /// The op table's line for `op`.

@@ -1,9 +1,10 @@
 //! Random numbers: a counter-based Philox4x32-10 [`Generator`] whose whole state is
 //! `(seed, offset)`, the process-wide default generator of each device, and the seeding
 //! functions of `torch.random` ([`manual_seed`], [`seed`], [`initial_seed`], [`get_rng_state`],
-//! [`set_rng_state`]). Random tensor creation and in-place fills are in `random/tensor.rs`, the
-//! backend boundary in `random/dist.rs`, the CPU kernels in `random/cpu.rs`, and the block
-//! function in `random/philox.rs`.
+//! [`set_rng_state`]). Random tensor creation and in-place fills are in `random/tensor.rs` and
+//! the block function in `random/philox.rs`; the op enum ([`Distribution`]) and the generator
+//! state ([`RngState`]) are the backends' vocabulary (`backend/op.rs`), the kernels are
+//! `cpu/random.rs` and `cuda/random.rs` + `kernels/random.cu`.
 //!
 //! Note [Philox stream]: how `(seed, offset, element index i)` becomes a value. Any backend
 //! (the CPU kernels here, a CUDA kernel later) must compute exactly this, so that one seed
@@ -49,12 +50,10 @@
 //! any CUDA backend exists, so a seed set now also applies to GPUs used later). They start from
 //! [`DEFAULT_SEED`] (PyTorch's default) until [`manual_seed`] reseeds all of them.
 
-mod cpu;
-pub(crate) mod dist;
 pub mod philox;
 mod tensor;
 
-pub use dist::Distribution;
+pub use crate::backend::op::Distribution;
 
 use crate::{Device, Result};
 use std::collections::HashMap;
@@ -64,13 +63,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 /// The seed of a generator nobody has seeded (PyTorch's `default_rng_seed_val`).
 pub const DEFAULT_SEED: u64 = 67_280_421_310_721;
 
-/// The whole state of a [`Generator`]: the Philox key (`seed`) and the next counter block
-/// (`offset`, in blocks of four 32-bit words; see Note [Philox stream]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RngState {
-    pub seed: u64,
-    pub offset: u64,
-}
+/// The whole state of a [`Generator`] (defined with the backends' vocabulary, which draws at it).
+pub use crate::backend::op::RngState;
 
 /// A Philox4x32-10 random number generator whose state is `(seed, offset)` (`torch.Generator`).
 ///

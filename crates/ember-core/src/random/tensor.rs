@@ -157,7 +157,10 @@ impl Tensor {
 
     /// [`Tensor::randperm`] drawing from `gen`.
     pub fn randperm_with(n: usize, device: Device, gen: &Generator) -> Result<Tensor> {
-        let state = gen.reserve(super::dist::blocks_for(n, super::dist::RANDPERM_PER_BLOCK));
+        let state = gen.reserve(crate::backend::op::blocks_for(
+            n,
+            crate::backend::op::RANDPERM_PER_BLOCK,
+        ));
         Ok(Tensor::from_storage(Storage::randperm(device, n, state)?, [n]))
     }
 

@@ -3,7 +3,7 @@
 use crate::autograd;
 use crate::cpu::{CpuElement, CpuStorage};
 use crate::layout::Layout;
-use crate::storage::Storage;
+use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Tensor};
 
 impl Tensor {
@@ -51,10 +51,7 @@ impl Tensor {
         if self.is_pinned() && self.is_contiguous() && self.storage_offset() == 0 {
             return Ok(self.clone());
         }
-        let cpu = self.to_cpu_storage()?;
-        let (pinned, pin) = crate::cuda::pinned_copy(&cpu)?;
-        // The Vec moves into the storage without reallocating, so the pinned range stays its own.
-        let storage = crate::storage::StorageRef::new_pinned(Storage::Cpu(pinned), pin);
+        let storage = StorageRef::pinned_copy(&self.to_cpu_storage()?)?;
         Ok(Tensor::from_parts(
             storage,
             crate::layout::Layout::contiguous(self.shape().clone()),
@@ -76,9 +73,10 @@ impl Tensor {
         if !(self.is_pinned() && self.is_contiguous()) || autograd::needs_grad(&[self]) {
             return self.to(device);
         }
-        let out = crate::cuda::CudaStorage::alloc(ordinal, self.dtype(), self.numel())?;
-        self.enqueue_host_copy(&out, 0)?;
-        Ok(Tensor::from_storage(Storage::Cuda(out), self.shape().clone()))
+        let out = Storage::alloc(Device::Cuda(ordinal), self.dtype(), self.numel())?;
+        self.storage()
+            .copy_pinned_async(self.storage_offset(), self.numel(), &out, 0)?;
+        Ok(Tensor::from_storage(out, self.shape().clone()))
     }
 
     /// Copies `src` into `self` as [`Tensor::copy_`] does, asynchronously when `src` is pinned
@@ -96,10 +94,8 @@ impl Tensor {
             return self.copy_(src);
         }
         let dst = self.storage().write();
-        let Storage::Cuda(d) = &*dst else {
-            unreachable!("checked to be a CUDA tensor above")
-        };
-        src.enqueue_host_copy(d, self.storage_offset())?;
+        src.storage()
+            .copy_pinned_async(src.storage_offset(), src.numel(), &dst, self.storage_offset())?;
         Ok(self.clone())
     }
 
@@ -108,27 +104,7 @@ impl Tensor {
     /// the memory until that work has finished. Needed when a tensor allocated on one stream is
     /// used on another; a no-op for CPU tensors, as PyTorch ignores it there.
     pub fn record_stream(&self, stream: &crate::cuda::Stream) -> Result<()> {
-        match &*self.storage().read() {
-            Storage::Cuda(s) => s.record_stream(stream),
-            Storage::Cpu(_) => Ok(()),
-        }
-    }
-
-    /// Enqueues the copy of this pinned, contiguous host tensor into `dst` at `offset` and keeps
-    /// the source alive until it has finished.
-    fn enqueue_host_copy(&self, dst: &crate::cuda::CudaStorage, offset: usize) -> Result<()> {
-        {
-            let guard = self.storage().read();
-            let Storage::Cpu(cpu) = &*guard else {
-                unreachable!("pinned tensors live on the CPU")
-            };
-            let size = self.dtype().size_in_bytes();
-            let start = self.storage_offset() * size;
-            let bytes = &crate::cuda::host_bytes(cpu)[start..start + self.numel() * size];
-            dst.copy_from_host_async(offset, bytes)?;
-        }
-        let stream = crate::cuda::current_stream(dst.ordinal())?;
-        crate::cuda::keep_alive_until_done(&stream, self.storage().clone())
+        self.storage().read().record_stream(stream)
     }
 
     /// A row-major copy, or `self` when already contiguous.

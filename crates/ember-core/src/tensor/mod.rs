@@ -173,10 +173,7 @@ impl Tensor {
     /// device address for GPU tensors. For identity checks and interop, not for dereferencing.
     pub fn data_ptr(&self) -> usize {
         let offset = self.storage_offset() * self.dtype().size_in_bytes();
-        match &*self.storage().read() {
-            Storage::Cpu(c) => crate::cpu::with_cpu_storage!(c, v => v.as_ptr() as usize) + offset,
-            Storage::Cuda(c) => c.ptr_at(0) as usize + offset,
-        }
+        self.storage().read().address() + offset
     }
 
     /// True when both tensors view the same storage (views alias each other).

@@ -1,8 +1,9 @@
-//! `backends::cudnn` switches and `ops::conv::convolution` (cuDNN): availability as the loader
-//! sees it, `Ok(None)` where cuDNN does not run, and on a GPU forward and all gradients against
-//! a direct f64 convolution on the host, for stride, padding, dilation and groups, every float
-//! dtype, with benchmark and deterministic on and off; and `ops::pool::pool2d` (cuDNN max and
-//! average pooling), forward and input gradient against direct pooling on the host.
+//! `backends::cudnn` switches and `ops::conv::convolution` through cuDNN: availability as the
+//! loader sees it, the composite fallback where cuDNN does not run, and on a GPU forward and all
+//! gradients against a direct f64 convolution on the host, for stride, padding, dilation and
+//! groups, every float dtype, with benchmark and deterministic on and off; and `ops::pool::pool2d`
+//! (cuDNN max and average pooling), forward and input gradient against direct pooling on the
+//! host. The checks take the device, so `conv.rs` runs the same ones on the CPU backend.
 
 use crate::common::{self, assert_close_slice, values};
 use ember_core::backends::cudnn;
@@ -49,14 +50,6 @@ fn availability_matches_the_loader() {
     if let Some(v) = cudnn::version() {
         assert!(v >= 8000, "cudnnGetVersion gave {v}");
     }
-}
-
-#[test]
-fn cpu_tensors_are_not_taken() {
-    let x = Tensor::from_slice(&values(2 * 3 * 5 * 5, 1), [2, 3, 5, 5], Device::Cpu).unwrap();
-    let w = Tensor::from_slice(&values(4 * 3 * 3 * 3, 2), [4, 3, 3, 3], Device::Cpu).unwrap();
-    let y = convolution(&x, &w, None, &[1, 1], &[0, 0], &[1, 1], 1).unwrap();
-    assert!(y.is_none(), "a CPU convolution must fall back");
 }
 
 #[test]
@@ -237,7 +230,7 @@ fn rounded(v: &[f64], dtype: DType) -> Vec<f64> {
 }
 
 /// `(rtol, atol)` for a sum of about 100 products of values in [-1, 1).
-fn tolerance(dtype: DType, tf32: bool) -> (f64, f64) {
+pub(crate) fn tolerance(dtype: DType, tf32: bool) -> (f64, f64) {
     match dtype {
         DType::F64 => (1e-10, 1e-10),
         DType::F32 if tf32 => (5e-3, 5e-3),
@@ -250,8 +243,12 @@ fn tolerance(dtype: DType, tf32: bool) -> (f64, f64) {
 /// Runs every case in `dtype` on the GPU and checks output and gradients; returns the
 /// gradients of the last case (to compare runs bitwise).
 fn check_all(dtype: DType, tf32: bool) -> Vec<Vec<f64>> {
-    let dev = common::gpu();
-    let (rtol, atol) = tolerance(dtype, tf32);
+    check_conv(common::gpu(), dtype, tolerance(dtype, tf32))
+}
+
+/// Runs every case in `dtype` on `dev` and checks output and gradients within `(rtol, atol)`;
+/// returns the gradients of the last case.
+pub(crate) fn check_conv(dev: Device, dtype: DType, (rtol, atol): (f64, f64)) -> Vec<Vec<f64>> {
     let mut last = vec![];
     for (k, cs) in cases().into_iter().enumerate() {
         let seed = 10 * k as u64;
@@ -277,9 +274,7 @@ fn check_all(dtype: DType, tf32: bool) -> Vec<Vec<f64>> {
             on_gpu(&b0, &[cs.o]),
         );
         let (stride, padding, dilation) = cs.geometry();
-        let y = convolution(&x, &w, Some(&b), &stride, &padding, &dilation, cs.groups)
-            .unwrap()
-            .unwrap_or_else(|| panic!("cuDNN did not take {cs:?}"));
+        let y = convolution(&x, &w, Some(&b), &stride, &padding, &dilation, cs.groups).unwrap();
         assert_eq!(y.dims(), cs.y_dims().as_slice(), "{cs:?}");
         assert_eq!(y.dtype(), dtype);
         let what = format!("{dtype} {cs:?}");
@@ -375,29 +370,35 @@ fn cudnn_disabled_or_unsupported_falls_back() {
     let dev = common::gpu();
     let x = Tensor::from_slice(&values(2 * 3 * 5 * 5, 1), [2, 3, 5, 5], dev).unwrap();
     let w = Tensor::from_slice(&values(4 * 3 * 3 * 3, 2), [4, 3, 3, 3], dev).unwrap();
-    let _guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
-    cudnn::set_enabled(false);
-    let off = convolution(&x, &w, None, &[1, 1], &[0, 0], &[1, 1], 1);
-    cudnn::set_enabled(true);
-    assert!(off.unwrap().is_none(), "disabled cuDNN must fall back");
-    // Integer tensors and a kernel larger than the padded input are not cuDNN's.
-    let xi = x.to_dtype(DType::I64).unwrap();
-    let wi = w.to_dtype(DType::I64).unwrap();
-    assert!(convolution(&xi, &wi, None, &[1, 1], &[0, 0], &[1, 1], 1)
-        .unwrap()
-        .is_none());
+    let on = convolution(&x, &w, None, &[1, 1], &[1, 1], &[1, 1], 1).unwrap();
+    let off = {
+        let _guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+        cudnn::set_enabled(false);
+        let off = convolution(&x, &w, None, &[1, 1], &[1, 1], &[1, 1], 1);
+        cudnn::set_enabled(true);
+        off.unwrap()
+    };
+    // Disabled cuDNN takes the composite path, with the same result.
+    assert_close_slice(
+        &off.to_vec_f64().unwrap(),
+        &on.to_vec_f64().unwrap(),
+        1e-12,
+        1e-12,
+    );
+    // Integer tensors are not cuDNN's: the composite path runs them, as on the CPU.
+    let xi = x.mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap();
+    let wi = w.mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap();
+    let yi = convolution(&xi, &wi, None, &[1, 1], &[0, 0], &[1, 1], 1).unwrap();
+    let cpu = |t: &Tensor| t.to(Device::Cpu).unwrap();
+    let ri = convolution(&cpu(&xi), &cpu(&wi), None, &[1, 1], &[0, 0], &[1, 1], 1).unwrap();
+    assert_eq!(yi.to_vec::<i64>().unwrap(), ri.to_vec::<i64>().unwrap());
+    // A kernel larger than the padded input is an error on every device.
     let small = Tensor::from_slice(&values(2 * 3 * 2 * 2, 3), [2, 3, 2, 2], dev).unwrap();
-    assert!(convolution(&small, &w, None, &[1, 1], &[0, 0], &[1, 1], 1)
-        .unwrap()
-        .is_none());
+    assert!(convolution(&small, &w, None, &[1, 1], &[0, 0], &[1, 1], 1).is_err());
     // A non-contiguous input (a transposed view) gives the same result as its copy.
     let xt = x.transpose(2, 3).unwrap();
-    let a = convolution(&xt, &w, None, &[1, 1], &[1, 1], &[1, 1], 1)
-        .unwrap()
-        .unwrap();
-    let b = convolution(&xt.contiguous().unwrap(), &w, None, &[1, 1], &[1, 1], &[1, 1], 1)
-        .unwrap()
-        .unwrap();
+    let a = convolution(&xt, &w, None, &[1, 1], &[1, 1], &[1, 1], 1).unwrap();
+    let b = convolution(&xt.contiguous().unwrap(), &w, None, &[1, 1], &[1, 1], &[1, 1], 1).unwrap();
     assert_eq!(a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
 }
 
@@ -528,7 +529,11 @@ fn pool_tolerance(dtype: DType) -> (f64, f64) {
 
 /// Runs every pooling case in `dtype` on the GPU, forward and input gradient.
 fn check_pooling(dtype: DType, mode: PoolMode) {
-    let dev = common::gpu();
+    check_pool(common::gpu(), dtype, mode)
+}
+
+/// Runs every pooling case in `dtype` on `dev`, forward and input gradient.
+pub(crate) fn check_pool(dev: Device, dtype: DType, mode: PoolMode) {
     let (rtol, atol) = pool_tolerance(dtype);
     for (k, cs) in pool_cases().into_iter().enumerate() {
         let seed = 100 * k as u64;
@@ -547,9 +552,7 @@ fn check_pooling(dtype: DType, mode: PoolMode) {
             .unwrap();
         let what = format!("{mode:?} {dtype} {cs:?}");
         eprintln!("checking {what}");
-        let y = pool2d(&x, mode, cs.k, cs.s, cs.p)
-            .unwrap()
-            .unwrap_or_else(|| panic!("cuDNN did not take {what}"));
+        let y = pool2d(&x, mode, cs.k, cs.s, cs.p).unwrap();
         assert_eq!(y.dims(), y_dims.as_slice(), "{what}");
         assert_eq!(y.dtype(), dtype, "{what}");
         assert_close_slice(&y.to_vec_f64().unwrap(), &ry, rtol, atol);
@@ -590,15 +593,6 @@ fn pooling_reference_is_right() {
 }
 
 #[test]
-fn pooling_cpu_tensors_are_not_taken() {
-    let x = Tensor::from_slice(&values(2 * 3 * 6 * 6, 1), [2, 3, 6, 6], Device::Cpu).unwrap();
-    for mode in [PoolMode::Max, PoolMode::Avg] {
-        let y = pool2d(&x, mode, [2, 2], [2, 2], [0, 0]).unwrap();
-        assert!(y.is_none(), "a CPU {mode:?} pooling must fall back");
-    }
-}
-
-#[test]
 fn pooling_bad_arguments_are_errors() {
     let x = Tensor::from_slice(&values(2 * 3 * 6 * 6, 1), [2, 3, 6, 6], Device::Cpu).unwrap();
     for mode in [PoolMode::Max, PoolMode::Avg] {
@@ -635,40 +629,47 @@ fn cudnn_pooling_disabled_or_unsupported_falls_back() {
     gpu_with_cudnn();
     let dev = common::gpu();
     let x = Tensor::from_slice(&values(2 * 3 * 6 * 6, 1), [2, 3, 6, 6], dev).unwrap();
-    {
-        let _guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
-        cudnn::set_enabled(false);
-        let off = pool2d(&x, PoolMode::Max, [2, 2], [2, 2], [0, 0]);
-        cudnn::set_enabled(true);
-        assert!(off.unwrap().is_none(), "disabled cuDNN must fall back");
+    for mode in [PoolMode::Max, PoolMode::Avg] {
+        let on = pool2d(&x, mode, [3, 3], [2, 2], [1, 1]).unwrap();
+        let off = {
+            let _guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+            cudnn::set_enabled(false);
+            let off = pool2d(&x, mode, [3, 3], [2, 2], [1, 1]);
+            cudnn::set_enabled(true);
+            off.unwrap()
+        };
+        // Disabled cuDNN takes the composite path, with the same result.
+        assert_close_slice(
+            &off.to_vec_f64().unwrap(),
+            &on.to_vec_f64().unwrap(),
+            1e-12,
+            1e-12,
+        );
     }
-    // Integer tensors, a window larger than the padded input, an empty batch.
+    // Integer tensors and a window larger than the padded input are errors; an empty batch
+    // (not cuDNN's) runs the composite path.
     let xi = x.to_dtype(DType::I64).unwrap();
-    assert!(pool2d(&xi, PoolMode::Max, [2, 2], [2, 2], [0, 0])
-        .unwrap()
-        .is_none());
-    assert!(pool2d(&x, PoolMode::Avg, [9, 9], [1, 1], [1, 1])
-        .unwrap()
-        .is_none());
+    assert!(pool2d(&xi, PoolMode::Max, [2, 2], [2, 2], [0, 0]).is_err());
+    assert!(pool2d(&x, PoolMode::Avg, [9, 9], [1, 1], [1, 1]).is_err());
     let empty = Tensor::zeros([0, 3, 6, 6], DType::F32, dev).unwrap();
-    assert!(pool2d(&empty, PoolMode::Max, [2, 2], [2, 2], [0, 0])
-        .unwrap()
-        .is_none());
+    let y = pool2d(&empty, PoolMode::Max, [2, 2], [2, 2], [0, 0]).unwrap();
+    assert_eq!(y.dims(), [0, 3, 3, 3]);
     // A non-contiguous input (a transposed view) gives the same result as its copy.
     let xt = x.transpose(2, 3).unwrap();
     for mode in [PoolMode::Max, PoolMode::Avg] {
-        let a = pool2d(&xt, mode, [3, 3], [2, 2], [1, 1]).unwrap().unwrap();
-        let b = pool2d(&xt.contiguous().unwrap(), mode, [3, 3], [2, 2], [1, 1])
-            .unwrap()
-            .unwrap();
+        let a = pool2d(&xt, mode, [3, 3], [2, 2], [1, 1]).unwrap();
+        let b = pool2d(&xt.contiguous().unwrap(), mode, [3, 3], [2, 2], [1, 1]).unwrap();
         assert_eq!(a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap(), "{mode:?}");
     }
-    // Max pooling propagates NaN (as PyTorch) and treats padding as -inf: all-negative input.
+    check_nan_and_padding(dev);
+}
+
+/// Max pooling propagates NaN (as PyTorch) and treats padding as -inf (all-negative input).
+pub(crate) fn check_nan_and_padding(dev: Device) {
     let mut v = vec![-1.0f32; 16];
     v[5] = f32::NAN;
     let xn = Tensor::from_slice(&v, [1, 1, 4, 4], dev).unwrap();
     let y = pool2d(&xn, PoolMode::Max, [2, 2], [2, 2], [0, 0])
-        .unwrap()
         .unwrap()
         .to_vec_f64()
         .unwrap();
@@ -676,7 +677,6 @@ fn cudnn_pooling_disabled_or_unsupported_falls_back() {
     assert_eq!(&y[1..], &[-1.0, -1.0, -1.0]);
     let neg = Tensor::from_slice(&[-3.0f32; 4], [1, 1, 2, 2], dev).unwrap();
     let y = pool2d(&neg, PoolMode::Max, [3, 3], [1, 1], [1, 1])
-        .unwrap()
         .unwrap()
         .to_vec_f64()
         .unwrap();

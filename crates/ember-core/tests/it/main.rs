@@ -7,6 +7,7 @@ mod autograd;
 mod binary;
 mod checkpoint;
 mod conformance;
+mod conv;
 mod cuda;
 mod cuda_elementwise;
 mod cuda_index;

@@ -8,8 +8,10 @@
 //! re-exported here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
 //!
 //! Note [Composite ops]: the functions choose compositions with few kernels and no host
-//! round trips where they can; where a fused kernel would do better (im2col, pooling windows,
-//! norm statistics, attention, cross-entropy) the file's `//!` says what it would save.
+//! round trips where they can; where a fused kernel would do better (norm statistics,
+//! attention, cross-entropy) the file's `//!` says what it would save. Convolution and max /
+//! average pooling are ember-core ops with backend kernels (`ops::conv`, `ops::pool`); [`conv`]
+//! and [`pooling`] add PyTorch's argument forms.
 
 pub mod attention;
 pub mod attention_mha;

@@ -1,22 +1,16 @@
 //! 2-D pooling: `max_pool2d`, `avg_pool2d`, `adaptive_avg_pool2d` over `[N, C, H, W]` (or
 //! unbatched `[C, H, W]`) inputs, floor output sizes (`ceil_mode=False`).
 //!
-//! On CUDA, `max_pool2d` and `avg_pool2d` first try cuDNN (`ember_core::ops::pool::pool2d`, one
-//! forward and one backward call each, no window buffer); where it does not run (a CPU tensor,
-//! cuDNN missing or switched off with `backends::cudnn::set_enabled(false)`, an unsupported
-//! case) they take the composed path below, which has the same semantics and is the CPU path.
-//! The one difference: with tied maxima in a window, cuDNN may route max pooling's gradient
-//! to another of the tied positions than the first.
-//!
-//! Max pooling gathers the windows as convolution does (Note [im2col by gather] in `conv.rs`,
-//! padding reading -inf) and takes `max_dim` over each window, whose gradient goes to the
-//! first maximum in row-major window order, as PyTorch's. Average pooling is separable: the
-//! mean over a `KH`×`KW` window is a row average then a column average, so both average
-//! pools are two small GEMMs with constant pooling matrices, `P_h @ x @ P_wᵀ`, whose backward
-//! is two GEMMs as well.
+//! `max_pool2d` and `avg_pool2d` are ember-core's `ops::pool::pool2d`, which runs on every
+//! device through the backend's pooling (CPU kernels, cuDNN on CUDA) and falls back to a
+//! composite window gather where the backend does not run the problem; the one difference
+//! between devices: with tied maxima in a window, cuDNN may route max pooling's gradient to
+//! another of the tied positions than the first. Adaptive average pooling is composed here
+//! and separable: the mean over a window is a row average then a column average, so it is two
+//! small GEMMs with constant pooling matrices, `P_h @ x @ P_wᵀ`, whose backward is two GEMMs
+//! as well.
 
-use super::conv::{windows, Window};
-use super::{idims, Pair};
+use super::Pair;
 use ember_core::ops::pool::{pool2d, PoolMode};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
@@ -47,25 +41,6 @@ fn check_float(op: &'static str, input: &Tensor) -> Result<()> {
     }
 }
 
-/// PyTorch's limit: padding at most half the kernel, so every window holds an input element.
-fn check_padding(op: &'static str, kernel: [usize; 2], padding: [usize; 2]) -> Result<()> {
-    if (0..2).any(|d| 2 * padding[d] > kernel[d]) {
-        return Err(Error::invalid(
-            op,
-            format!("pad should be at most half of kernel size, but got pad={padding:?} and kernel_size={kernel:?}"),
-        ));
-    }
-    Ok(())
-}
-
-/// cuDNN's pooling of a 4-D CUDA `x` (made contiguous), or None where it does not run.
-fn cudnn_pool(x: &Tensor, mode: PoolMode, win: &Window) -> Result<Option<Tensor>> {
-    if !matches!(x.device(), Device::Cuda(_)) {
-        return Ok(None);
-    }
-    pool2d(&x.contiguous()?, mode, win.kernel, win.stride, win.padding)
-}
-
 /// Maximum over each `kernel_size` window moved by `stride`, with implicit -inf `padding`
 /// (`F.max_pool2d`, dilation 1). PyTorch's default stride is `kernel_size`: pass it.
 pub fn max_pool2d(
@@ -74,23 +49,8 @@ pub fn max_pool2d(
     stride: impl Into<Pair>,
     padding: impl Into<Pair>,
 ) -> Result<Tensor> {
-    const OP: &str = "max_pool2d";
-    let win = Window {
-        kernel: kernel_size.into().0,
-        stride: stride.into().0,
-        padding: padding.into().0,
-        dilation: [1, 1],
-    };
-    check_float(OP, input)?;
-    check_padding(OP, win.kernel, win.padding)?;
-    batched(OP, input, |x| {
-        if let Some(y) = cudnn_pool(x, PoolMode::Max, &win)? {
-            return Ok(y);
-        }
-        let (cols, out) = windows(OP, x, &win, f64::NEG_INFINITY)?;
-        let (max, _) = cols.max_dim(2, false)?;
-        max.reshape(&idims(&[x.dims()[0], x.dims()[1], out[0], out[1]]))
-    })
+    let (k, s, p) = (kernel_size.into().0, stride.into().0, padding.into().0);
+    batched("max_pool2d", input, |x| pool2d(x, PoolMode::Max, k, s, p))
 }
 
 /// `[rows, size]` matrix averaging `size` positions into `rows` windows: row `i` holds
@@ -127,29 +87,8 @@ pub fn avg_pool2d(
     stride: impl Into<Pair>,
     padding: impl Into<Pair>,
 ) -> Result<Tensor> {
-    const OP: &str = "avg_pool2d";
-    let win = Window {
-        kernel: kernel_size.into().0,
-        stride: stride.into().0,
-        padding: padding.into().0,
-        dilation: [1, 1],
-    };
-    check_float(OP, input)?;
-    check_padding(OP, win.kernel, win.padding)?;
-    batched(OP, input, |x| {
-        if let Some(y) = cudnn_pool(x, PoolMode::Avg, &win)? {
-            return Ok(y);
-        }
-        let hw = [x.dims()[2], x.dims()[3]];
-        let out = win.output_size(OP, hw)?;
-        let m = |d: usize| {
-            pooling_matrix(out[d], hw[d], x.dtype(), x.device(), |i| {
-                let start = (i * win.stride[d]) as i64 - win.padding[d] as i64;
-                (start, start + win.kernel[d] as i64, win.kernel[d] as f64)
-            })
-        };
-        separable(x, &m(0)?, &m(1)?)
-    })
+    let (k, s, p) = (kernel_size.into().0, stride.into().0, padding.into().0);
+    batched("avg_pool2d", input, |x| pool2d(x, PoolMode::Avg, k, s, p))
 }
 
 /// Mean over the `output_size` windows that PyTorch's adaptive pooling uses: output `i` of a

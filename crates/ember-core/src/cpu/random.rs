@@ -1,15 +1,14 @@
 //! CPU kernels of the random family: each fills a new row-major `Vec` following Note
-//! [Philox stream] (`random/mod.rs`), in parallel over chunks of whole counter blocks above
+//! [Philox stream] (`random/mod.rs`, with the block function of `random/philox.rs`), in parallel over chunks of whole counter blocks above
 //! [`PAR_THRESHOLD`] elements, so the result does not depend on the number of threads.
 
-use super::dist::{randint_range, RANDPERM_PER_BLOCK};
-use super::philox::{
+use super::{CpuElement, CpuStorage, PAR_THRESHOLD};
+use crate::backend::op::{randint_range, Distribution, RngState, RANDPERM_PER_BLOCK};
+use crate::layout::Layout;
+use crate::random::philox::{
     block_counter, box_muller, join_u64, philox4x32_10, seed_key, uniform_bits_f32, uniform_f32, uniform_f64,
     uniform_open0_f32, uniform_open0_f64,
 };
-use super::{Distribution, RngState};
-use crate::cpu::{CpuElement, CpuStorage, PAR_THRESHOLD};
-use crate::layout::Layout;
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -41,7 +40,7 @@ where
 }
 
 /// `n` elements of `dtype` drawn from `dist` (Note [Philox stream]).
-pub(super) fn random(dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<CpuStorage> {
+pub(crate) fn random(dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<CpuStorage> {
     let float_only = |op| match dtype {
         DType::F16 | DType::BF16 | DType::F32 | DType::F64 => Ok(()),
         _ => Err(Error::dtype(op, dtype)),
@@ -159,7 +158,7 @@ fn randint(n: usize, low: i64, high: i64, state: RngState) -> Vec<i64> {
 }
 
 /// `0..n` sorted by one random 64-bit key each (ties by index), as i64.
-pub(super) fn randperm(n: usize, state: RngState) -> CpuStorage {
+pub(crate) fn randperm(n: usize, state: RngState) -> CpuStorage {
     let mut keyed: Vec<(u64, i64)> = (0..n as i64).map(|i| (0, i)).collect();
     fill_blocks(&mut keyed, RANDPERM_PER_BLOCK, state, |w, part| {
         for (s, o) in part.iter_mut().enumerate() {
@@ -176,7 +175,7 @@ pub(super) fn randperm(n: usize, state: RngState) -> CpuStorage {
 }
 
 /// Bernoulli draws with the probabilities of `layout`, in the storage's dtype.
-pub(super) fn bernoulli(s: &CpuStorage, layout: &Layout, state: RngState) -> Result<CpuStorage> {
+pub(crate) fn bernoulli(s: &CpuStorage, layout: &Layout, state: RngState) -> Result<CpuStorage> {
     let CpuStorage::F64(mut p) = s.to_dtype(layout, DType::F64) else {
         unreachable!("converted to f64 above")
     };

@@ -1,0 +1,139 @@
+//! Problem descriptions of the sliding-window families as the backends see them: one 2-d
+//! convolution ([`ConvParams`]) and one 2-d pooling ([`PoolParams`]). 1-d problems run as 2-d
+//! with a height of 1. Operands are contiguous NCHW storages read from their first element;
+//! whether a backend can run a given problem is the backend's answer (`Ok(None)` when not).
+
+use super::op::PoolMode;
+use crate::DType;
+
+/// One 2-D convolution problem (cross-correlation, zero padding), NCHW contiguous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConvParams {
+    pub dtype: DType,
+    /// Input `[N, C, H, W]`.
+    pub input: [usize; 4],
+    /// Weight `[O, C/groups, KH, KW]`.
+    pub weight: [usize; 4],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+impl ConvParams {
+    /// The output `[N, O, OH, OW]`, or None when the (dilated) kernel does not fit the padded
+    /// input or a stride or dilation is zero.
+    pub fn output(&self) -> Option<[usize; 4]> {
+        let mut out = [self.input[0], self.weight[0], 0, 0];
+        for d in 0..2 {
+            if self.stride[d] == 0 || self.dilation[d] == 0 {
+                return None;
+            }
+            let span = self.dilation[d] * (self.weight[2 + d].checked_sub(1)?) + 1;
+            let padded = self.input[2 + d] + 2 * self.padding[d];
+            out[2 + d] = padded.checked_sub(span)? / self.stride[d] + 1;
+        }
+        Some(out)
+    }
+
+    /// Output channels per group.
+    pub fn out_per_group(&self) -> usize {
+        self.weight[0] / self.groups
+    }
+
+    /// Input channels per group (the weight's second dim).
+    pub fn in_per_group(&self) -> usize {
+        self.weight[1]
+    }
+}
+
+/// One 2-D pooling problem on a contiguous NCHW input, dilation 1, floor output sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PoolParams {
+    pub dtype: DType,
+    pub mode: PoolMode,
+    /// Input `[N, C, H, W]`.
+    pub input: [usize; 4],
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl PoolParams {
+    /// The output `[N, C, OH, OW]` (floor sizes), or None when a window does not fit the padded
+    /// input or the kernel or stride is zero.
+    pub fn output(&self) -> Option<[usize; 4]> {
+        let mut out = [self.input[0], self.input[1], 0, 0];
+        for d in 0..2 {
+            if self.kernel[d] == 0 || self.stride[d] == 0 {
+                return None;
+            }
+            let padded = self.input[2 + d] + 2 * self.padding[d];
+            out[2 + d] = padded.checked_sub(self.kernel[d])? / self.stride[d] + 1;
+        }
+        Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conv(
+        input: [usize; 4],
+        weight: [usize; 4],
+        stride: usize,
+        padding: usize,
+        dilation: usize,
+    ) -> ConvParams {
+        ConvParams {
+            dtype: DType::F32,
+            input,
+            weight,
+            stride: [stride; 2],
+            padding: [padding; 2],
+            dilation: [dilation; 2],
+            groups: 1,
+        }
+    }
+
+    fn pool(input: [usize; 4], kernel: usize, stride: usize, padding: usize) -> PoolParams {
+        PoolParams {
+            dtype: DType::F32,
+            mode: PoolMode::Max,
+            input,
+            kernel: [kernel; 2],
+            stride: [stride; 2],
+            padding: [padding; 2],
+        }
+    }
+
+    #[test]
+    fn conv_output_sizes() {
+        assert_eq!(
+            conv([2, 3, 8, 8], [4, 3, 3, 3], 1, 0, 1).output(),
+            Some([2, 4, 6, 6])
+        );
+        assert_eq!(
+            conv([2, 3, 8, 8], [4, 3, 3, 3], 2, 1, 1).output(),
+            Some([2, 4, 4, 4])
+        );
+        assert_eq!(
+            conv([2, 3, 9, 9], [4, 3, 3, 3], 1, 0, 2).output(),
+            Some([2, 4, 5, 5])
+        );
+        assert_eq!(conv([1, 3, 2, 2], [4, 3, 3, 3], 1, 0, 1).output(), None);
+        assert_eq!(conv([1, 3, 8, 8], [4, 3, 3, 3], 0, 0, 1).output(), None);
+        assert_eq!(conv([1, 3, 8, 8], [4, 3, 3, 3], 1, 0, 0).output(), None);
+        assert_eq!(conv([1, 3, 8, 8], [4, 3, 0, 3], 1, 0, 1).output(), None);
+    }
+
+    #[test]
+    fn pool_output_sizes() {
+        assert_eq!(pool([2, 3, 8, 8], 2, 2, 0).output(), Some([2, 3, 4, 4]));
+        assert_eq!(pool([2, 3, 9, 7], 3, 2, 1).output(), Some([2, 3, 5, 4]));
+        assert_eq!(pool([1, 1, 5, 5], 5, 1, 2).output(), Some([1, 1, 5, 5]));
+        assert_eq!(pool([1, 1, 2, 2], 3, 1, 0).output(), None);
+        assert_eq!(pool([1, 1, 8, 8], 2, 0, 0).output(), None);
+    }
+}

@@ -1,0 +1,206 @@
+//! The backend boundary: the op vocabulary ([`op`], [`geometry`], [`step`]) and the one
+//! interface every backend implements for every op family ([`BackendStorage`] for a backend's
+//! storage, [`BackendDevice`] for what is made from nothing on a device).
+//!
+//! Layers: the op layer (`ops/`, `tensor/`, `autograd/`, `random/`) calls the enum
+//! [`Storage`](crate::storage::Storage), which forwards each call to the trait on matching
+//! variants (one device-mismatch error path) and never names a backend; the backends
+//! (`cpu/`, `cuda/`) implement the traits and depend only on this module's vocabulary, never
+//! on the op layer. Everything is static dispatch: `Storage` is an enum, the traits are never
+//! used as `dyn`.
+//!
+//! Contract of every method: operands are storages with [`Layout`]s that the op layer has
+//! checked (shapes broadcast, dims in range, dtypes promoted, devices equal); results are new
+//! row-major storages unless the method writes in place (`*_into`, `copy_strided_from`, the
+//! fused steps). A backend that cannot run one particular problem (CUDA without cuDNN, or with
+//! it switched off, a size past cuDNN's limits, a dtype a kernel lacks) answers `Ok(None)` from
+//! the methods that return an `Option`, and the op layer takes a composite path; every other
+//! failure is a typed [`Error`](crate::Error), never a panic.
+//!
+//! Adding an op family: its enum or parameter struct goes in [`op`] (or [`geometry`] /
+//! [`step`]), one method here, one forwarding method on `Storage` (`storage.rs`), and the
+//! kernels in `cpu/<family>.rs` and `cuda/<family>.rs` (+ `kernels/<family>.cu`), reached
+//! from `cpu/backend.rs` and `cuda/backend.rs`.
+
+pub mod geometry;
+pub mod op;
+pub mod step;
+
+pub use geometry::{ConvParams, PoolParams};
+pub use op::{
+    BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PoolMode, ReduceOp, RngState, ScatterOp, SoftmaxOp,
+    UnaryOp,
+};
+pub use step::{LstmBackwardStep, LstmForwardStep};
+
+use crate::cpu::CpuStorage;
+use crate::layout::Layout;
+use crate::{DType, Device, Result};
+
+/// A tensor's elements on one backend, and every op family on them. Method names and
+/// arguments mirror the op layer's; `self` is the first operand.
+pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
+    /// The device the elements live on.
+    fn device(&self) -> Device;
+    fn dtype(&self) -> DType;
+    /// Number of elements held.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    // Copies, casts and fills ------------------------------------------------------------------
+
+    /// The elements of `layout` in a new row-major storage of `dtype` (a copy when `dtype` is
+    /// the storage's own).
+    fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self>;
+    /// The elements of `layout` copied to host memory, row-major (waits for the device).
+    fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage>;
+    /// Writes `src` at `src_layout` into `self` at `dst_layout` (equal shapes), converting the
+    /// dtype. Both on this backend (across the devices of one backend where it has several).
+    fn copy_strided_from(&mut self, dst_layout: &Layout, src: &Self, src_layout: &Layout) -> Result<()>;
+
+    // Elementwise ------------------------------------------------------------------------------
+
+    /// `self op rhs` elementwise over two layouts of one broadcast shape and one dtype.
+    fn binary(&self, op: BinaryOp, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
+    /// As [`BackendStorage::binary`], written into `out` at `out_layout` (contiguous, the
+    /// broadcast shape, the dtype of the operands); `out` is no operand's storage.
+    #[allow(clippy::too_many_arguments)]
+    fn binary_into(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &Self,
+        rhs_layout: &Layout,
+        out: &mut Self,
+        out_layout: &Layout,
+    ) -> Result<()>;
+    /// Comparison giving bool.
+    fn compare(&self, op: CmpOp, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
+    /// Logical op of two bool operands giving bool.
+    fn logical(&self, op: LogicalOp, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
+    /// `self ? on_true : on_false` with `self` bool and the other two of one dtype.
+    fn where_cond(
+        &self,
+        layout: &Layout,
+        on_true: &Self,
+        true_layout: &Layout,
+        on_false: &Self,
+        false_layout: &Layout,
+    ) -> Result<Self>;
+    /// `op` applied to each element, in `op.result_dtype(self.dtype())`.
+    fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Self>;
+
+    // Reductions and products ------------------------------------------------------------------
+
+    /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
+    fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self>;
+    /// Max or min over `dims` and the i64 index of its first occurrence.
+    fn reduce_with_indices(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<(Self, Self)>;
+    /// The batched product of `[B.., m, k]` and `[B.., k, n]` (batch dims already broadcast).
+    fn matmul(&self, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
+
+    // Indexing ---------------------------------------------------------------------------------
+
+    /// `self` read at `index` along `dim` as `op` says (`name` in errors).
+    #[allow(clippy::too_many_arguments)]
+    fn index_read(
+        &self,
+        op: IndexOp,
+        name: &'static str,
+        layout: &Layout,
+        dim: usize,
+        index: &Self,
+        index_layout: &Layout,
+    ) -> Result<Self>;
+    /// A row-major copy of `self` with `src` written at `index` along `dim` as `op` says.
+    #[allow(clippy::too_many_arguments)]
+    fn index_write(
+        &self,
+        op: ScatterOp,
+        layout: &Layout,
+        dim: usize,
+        index: &Self,
+        index_layout: &Layout,
+        src: &Self,
+        src_layout: &Layout,
+    ) -> Result<Self>;
+    /// int64 one-hot rows of the class indices, and the number of classes used.
+    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(Self, usize)>;
+
+    // Softmax ----------------------------------------------------------------------------------
+
+    /// `op` along `dim`, as a row-major storage of the same shape.
+    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Self>;
+    /// The input gradient of `op` from its output (`self`) and the output gradient.
+    fn softmax_backward(
+        &self,
+        layout: &Layout,
+        grad: &Self,
+        grad_layout: &Layout,
+        op: SoftmaxOp,
+        dim: usize,
+    ) -> Result<Self>;
+
+    // Random -----------------------------------------------------------------------------------
+
+    /// Bernoulli draws with the probabilities of `layout`, in the same dtype (Note [Philox
+    /// stream] in `random/mod.rs`); an error naming a probability outside [0, 1].
+    fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<Self>;
+
+    // Convolution and pooling (contiguous NCHW operands from their first element) -------------
+
+    /// `conv(input = self, weight)` as a new `[N, O, OH, OW]` storage; `None` where this
+    /// backend does not run the problem.
+    fn conv_forward(&self, weight: &Self, p: &ConvParams) -> Result<Option<Self>>;
+    /// The input gradient from the weight (`self`) and the output gradient.
+    fn conv_backward_data(&self, grad_out: &Self, p: &ConvParams) -> Result<Option<Self>>;
+    /// The weight gradient from the input (`self`) and the output gradient.
+    fn conv_backward_filter(&self, grad_out: &Self, p: &ConvParams) -> Result<Option<Self>>;
+    /// `pool(input = self)` as a new `[N, C, OH, OW]` storage; `None` where this backend does
+    /// not run the problem.
+    fn pool_forward(&self, p: &PoolParams) -> Result<Option<Self>>;
+    /// The input gradient from the forward's input (`self`), its output and the output gradient.
+    fn pool_backward(&self, output: &Self, grad_out: &Self, p: &PoolParams) -> Result<Option<Self>>;
+
+    // Fused steps (in place) -------------------------------------------------------------------
+
+    /// One forward step of the fused LSTM recurrence (offsets checked by the caller).
+    fn lstm_forward_step(
+        s: &LstmForwardStep,
+        gi: &Self,
+        hh: &Self,
+        h: &mut Self,
+        c: &mut Self,
+        gates: &mut Self,
+    ) -> Result<()>;
+    /// One backward step of the fused LSTM recurrence (offsets checked by the caller).
+    #[allow(clippy::too_many_arguments)]
+    fn lstm_backward_step(
+        s: &LstmBackwardStep,
+        dh_out: &Self,
+        dh_rec: Option<&Self>,
+        gates: &Self,
+        c: &Self,
+        dc: &mut Self,
+        dgates: &mut Self,
+    ) -> Result<()>;
+}
+
+/// A device of one backend: the storages made from nothing there.
+pub trait BackendDevice {
+    type Storage: BackendStorage;
+
+    /// Host elements moved (CPU) or copied (GPU) onto this device.
+    fn storage_from_cpu(&self, cpu: CpuStorage) -> Result<Self::Storage>;
+    /// `n` elements of `dtype`, all `value` (converted as a cast would).
+    fn full(&self, dtype: DType, n: usize, value: f64) -> Result<Self::Storage>;
+    /// Room for `n` elements of `dtype` whose contents the caller writes in full before reading
+    /// them (uninitialized on a GPU, zeros on the CPU).
+    fn alloc(&self, dtype: DType, n: usize) -> Result<Self::Storage>;
+    /// `n` elements of `dtype` drawn from `dist` at `state`, row-major (Note [Philox stream]).
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<Self::Storage>;
+    /// A random permutation of `0..n` as i64.
+    fn randperm(&self, n: usize, state: RngState) -> Result<Self::Storage>;
+}

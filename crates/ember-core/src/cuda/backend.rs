@@ -1,0 +1,281 @@
+//! The CUDA backend behind the backend boundary: [`CudaDevice`] and the [`BackendStorage`]
+//! implementation of [`CudaStorage`]. Each method forwards to its family's launcher
+//! (`cuda/<family>.rs`); most launchers are inherent methods of the same name, which Rust
+//! resolves before the trait's (`CudaStorage::binary(self, ..)` below is the launcher, not a
+//! recursion).
+//!
+//! Convolution and pooling run through cuDNN and answer `None` (so that the op layer takes its
+//! composite path) where cuDNN cannot be loaded, is switched off
+//! ([`crate::backends::cudnn::set_enabled`]), or cannot take the problem (`cudnn::supported`).
+//! The switch is read by the forward calls only: the backward of a problem cuDNN ran forward
+//! runs on cuDNN too, as in PyTorch.
+
+use super::{cudnn, cudnn_pool, CudaStorage};
+use crate::backend::{
+    BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
+    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp,
+    SoftmaxOp, UnaryOp,
+};
+use crate::cpu::CpuStorage;
+use crate::layout::Layout;
+use crate::{DType, Device, Result};
+
+/// GPU `.0` (its ordinal), as a backend device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaDevice(pub usize);
+
+impl BackendDevice for CudaDevice {
+    type Storage = CudaStorage;
+
+    fn storage_from_cpu(&self, cpu: CpuStorage) -> Result<CudaStorage> {
+        CudaStorage::from_cpu(&cpu, self.0)
+    }
+
+    fn full(&self, dtype: DType, n: usize, value: f64) -> Result<CudaStorage> {
+        CudaStorage::full(self.0, dtype, n, value)
+    }
+
+    fn alloc(&self, dtype: DType, n: usize) -> Result<CudaStorage> {
+        CudaStorage::alloc(self.0, dtype, n)
+    }
+
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<CudaStorage> {
+        CudaStorage::random(self.0, dtype, n, dist, state)
+    }
+
+    fn randperm(&self, n: usize, state: RngState) -> Result<CudaStorage> {
+        CudaStorage::randperm(self.0, n, state)
+    }
+}
+
+/// Whether cuDNN may run convolutions and pooling now (loadable and switched on).
+fn cudnn_on() -> bool {
+    cudnn::enabled() && cudnn::is_available()
+}
+
+impl BackendStorage for CudaStorage {
+    #[inline]
+    fn device(&self) -> Device {
+        CudaStorage::device(self)
+    }
+
+    #[inline]
+    fn dtype(&self) -> DType {
+        CudaStorage::dtype(self)
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        CudaStorage::len(self)
+    }
+
+    fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
+        CudaStorage::to_dtype(self, layout, dtype)
+    }
+
+    fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        CudaStorage::to_cpu(self, layout)
+    }
+
+    fn copy_strided_from(
+        &mut self,
+        dst_layout: &Layout,
+        src: &CudaStorage,
+        src_layout: &Layout,
+    ) -> Result<()> {
+        CudaStorage::copy_strided_from(self, dst_layout, src, src_layout)
+    }
+
+    #[inline]
+    fn binary(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::binary(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn binary_into(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+        out: &mut CudaStorage,
+        out_layout: &Layout,
+    ) -> Result<()> {
+        CudaStorage::binary_into(self, op, layout, rhs, rhs_layout, out, out_layout)
+    }
+
+    #[inline]
+    fn compare(
+        &self,
+        op: CmpOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::compare(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn logical(
+        &self,
+        op: LogicalOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::logical(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn where_cond(
+        &self,
+        layout: &Layout,
+        on_true: &CudaStorage,
+        true_layout: &Layout,
+        on_false: &CudaStorage,
+        false_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
+    }
+
+    #[inline]
+    fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
+        CudaStorage::unary(self, op, layout)
+    }
+
+    #[inline]
+    fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
+        CudaStorage::reduce(self, layout, op, dims)
+    }
+
+    fn reduce_with_indices(
+        &self,
+        layout: &Layout,
+        op: ReduceOp,
+        dims: &[usize],
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        CudaStorage::reduce_with_indices(self, layout, op, dims)
+    }
+
+    #[inline]
+    fn matmul(&self, layout: &Layout, rhs: &CudaStorage, rhs_layout: &Layout) -> Result<CudaStorage> {
+        CudaStorage::matmul(self, layout, rhs, rhs_layout)
+    }
+
+    fn index_read(
+        &self,
+        op: IndexOp,
+        name: &'static str,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        index_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::index_read(self, op, name, layout, dim, index, index_layout)
+    }
+
+    fn index_write(
+        &self,
+        op: ScatterOp,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        index_layout: &Layout,
+        src: &CudaStorage,
+        src_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::index_write(self, op, layout, dim, index, index_layout, src, src_layout)
+    }
+
+    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CudaStorage, usize)> {
+        CudaStorage::one_hot(self, layout, num_classes)
+    }
+
+    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
+        CudaStorage::softmax(self, layout, op, dim)
+    }
+
+    fn softmax_backward(
+        &self,
+        layout: &Layout,
+        grad: &CudaStorage,
+        grad_layout: &Layout,
+        op: SoftmaxOp,
+        dim: usize,
+    ) -> Result<CudaStorage> {
+        CudaStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
+    }
+
+    fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CudaStorage> {
+        CudaStorage::bernoulli(self, layout, state)
+    }
+
+    fn conv_forward(&self, weight: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() || !cudnn::supported(p) {
+            return Ok(None);
+        }
+        cudnn::conv_forward(self, weight, p).map(Some)
+    }
+
+    fn conv_backward_data(&self, grad_out: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !cudnn::is_available() || !cudnn::supported(p) {
+            return Ok(None);
+        }
+        cudnn::conv_backward_data(self, grad_out, p).map(Some)
+    }
+
+    fn conv_backward_filter(&self, grad_out: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !cudnn::is_available() || !cudnn::supported(p) {
+            return Ok(None);
+        }
+        cudnn::conv_backward_filter(self, grad_out, p).map(Some)
+    }
+
+    fn pool_forward(&self, p: &PoolParams) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() || !cudnn_pool::supported(p) {
+            return Ok(None);
+        }
+        cudnn_pool::pool_forward(self, p)
+    }
+
+    fn pool_backward(
+        &self,
+        output: &CudaStorage,
+        grad_out: &CudaStorage,
+        p: &PoolParams,
+    ) -> Result<Option<CudaStorage>> {
+        if !cudnn::is_available() || !cudnn_pool::supported(p) {
+            return Ok(None);
+        }
+        cudnn_pool::pool_backward(self, output, grad_out, p).map(Some)
+    }
+
+    fn lstm_forward_step(
+        s: &LstmForwardStep,
+        gi: &CudaStorage,
+        hh: &CudaStorage,
+        h: &mut CudaStorage,
+        c: &mut CudaStorage,
+        gates: &mut CudaStorage,
+    ) -> Result<()> {
+        CudaStorage::lstm_forward_step(s, gi, hh, h, c, gates)
+    }
+
+    fn lstm_backward_step(
+        s: &LstmBackwardStep,
+        dh_out: &CudaStorage,
+        dh_rec: Option<&CudaStorage>,
+        gates: &CudaStorage,
+        c: &CudaStorage,
+        dc: &mut CudaStorage,
+        dgates: &mut CudaStorage,
+    ) -> Result<()> {
+        CudaStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
+    }
+}
