@@ -10,8 +10,7 @@
 
 use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
-    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp,
-    SoftmaxOp, UnaryOp,
+    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp, SoftmaxOp, UnaryOp,
 };
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda::{CudaDevice, CudaStorage};
@@ -586,6 +585,4 @@ impl Storage {
             }),
         }
     }
-
 }
-

@@ -6,8 +6,7 @@
 use super::{conv, pool, random, CpuStorage};
 use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
-    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp,
-    SoftmaxOp, UnaryOp,
+    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp, SoftmaxOp, UnaryOp,
 };
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
@@ -259,4 +258,3 @@ impl BackendStorage for CpuStorage {
 
 // ---------------------------------------------------------------------------------------------
 // Fused optimizer steps: the backend-neutral description to `cpu/optim.rs`'s kernels.
-

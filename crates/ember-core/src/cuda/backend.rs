@@ -13,8 +13,7 @@
 use super::{cudnn, cudnn_pool, CudaStorage};
 use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
-    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp,
-    SoftmaxOp, UnaryOp,
+    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp, SoftmaxOp, UnaryOp,
 };
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;

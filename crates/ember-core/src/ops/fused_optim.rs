@@ -47,6 +47,7 @@ use crate::cpu::optim::{
 };
 use crate::cpu::CpuElement;
 use crate::cuda::optim::{multi_tensor_step, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS};
+use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 use half::{bf16, f16};
@@ -466,6 +467,32 @@ pub fn adam_scaled_(
     cfg: &AdamStep,
     scaling: GradScaling<'_>,
 ) -> Result<()> {
+    let observed: Vec<&Tensor> = params.iter().collect();
+    dispatch::call_list(&policy::FUSED_ADAM, &observed, |_| {
+        adam_scaled_prepared(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            cfg,
+            scaling,
+        )
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn adam_scaled_prepared(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    max_exp_avg_sqs: Option<&[Tensor]>,
+    steps: AdamSteps<'_>,
+    cfg: &AdamStep,
+    scaling: GradScaling<'_>,
+) -> Result<()> {
     const OP: &str = "adam_";
     let steps_len = match steps {
         AdamSteps::Host(s) => s.len(),
@@ -721,6 +748,19 @@ pub fn sgd_(
 /// ones): callers that may skip a first step should pass zero-filled buffers and, with
 /// `dampening == 0`, `first_step = false`, which computes the same `buf = g`.
 pub fn sgd_scaled_(
+    params: &[Tensor],
+    grads: &[Tensor],
+    momentum_buffers: Option<&[Tensor]>,
+    cfg: &SgdStep,
+    scaling: GradScaling<'_>,
+) -> Result<()> {
+    let observed: Vec<&Tensor> = params.iter().collect();
+    dispatch::call_list(&policy::FUSED_SGD, &observed, |_| {
+        sgd_scaled_prepared(params, grads, momentum_buffers, cfg, scaling)
+    })
+}
+
+fn sgd_scaled_prepared(
     params: &[Tensor],
     grads: &[Tensor],
     momentum_buffers: Option<&[Tensor]>,

@@ -26,6 +26,7 @@
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
+use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 
@@ -235,6 +236,14 @@ fn backward(
 /// # Ok::<(), ember_core::Error>(())
 /// ```
 pub fn lstm_recurrence(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<Tensor> {
+    dispatch::composite(
+        &policy::LSTM_RECURRENCE,
+        [gi, w_hh, h0, c0],
+        |[gi, w_hh, h0, c0]| lstm_recurrence_prepared(gi, w_hh, h0, c0),
+    )
+}
+
+fn lstm_recurrence_prepared(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<Tensor> {
     let dims = check(gi, w_hh, h0, c0)?;
     let steps = dims.0;
     let fwd = {
