@@ -25,18 +25,22 @@
 //!
 //! Note [Bias epilogue]: `linear` with a bias vector is PyTorch's `addmm`: the bias joins the
 //! product's f32 (f64 for f64) accumulator and the sum rounds once to the output dtype, where
-//! matmul then add would round twice (in f16/bf16 that flips results near zero, and with them
-//! ReLU masks). The bias is per column j of our row-major C, so per row of cuBLASLt's
-//! column-major D (Note [Row-major GEMM through cuBLASLt]), which is what
-//! `CUBLASLT_EPILOGUE_BIAS` adds: broadcast over D's columns and, with the default bias batch
-//! stride 0, over the batch; the bias data type is left at its default, D's type, as PyTorch
-//! does. The pointer is an attribute of the (cached) descriptor, set before each call (the
-//! call reads it when queued). The epilogue is used for one product (no batch, as `linear`
-//! makes; PyTorch's path is 2-D too) whose bias is packed (stride 1) and 16-byte aligned (llm.c
-//! checks 16 as a cuBLASLt requirement; Marian saw 8 fail on an A100), with k, n > 1 (PyTorch's
-//! guard for its cuBLASLt path). Elsewhere, and where the heuristic has no algorithm with the
-//! epilogue (remembered per thread), D starts as the bias repeated over its columns and the
-//! product is added to it (C = D, beta = 1): one rounding too, as in PyTorch's fallback.
+//! matmul then add would round twice (in f16/bf16 that flips results near zero, and with them ReLU
+//! masks). The bias is per column j of our row-major C, so per row of cuBLASLt's column-major D
+//! (Note [Row-major GEMM through cuBLASLt]), which is what `CUBLASLT_EPILOGUE_BIAS` adds, broadcast
+//! over D's columns; the bias data type is left at its default, D's type, as PyTorch does. The
+//! pointer is an attribute of the (cached) descriptor, set before each call (the call reads it when
+//! queued). The epilogue is used for one product (no batch, as `linear` makes; PyTorch's path is
+//! 2-D too) whose bias is packed (stride 1) and 16-byte aligned (llm.c checks 16 as a cuBLASLt
+//! requirement; Marian saw 8 fail on an A100). Elsewhere, and where the heuristic has no algorithm
+//! with the epilogue (remembered per thread), D starts as the bias repeated over its columns and
+//! the product is added to it (C = D, beta = 1), as PyTorch's fallback does. Seen on an H100
+//! (CUDA 13.0), with inputs whose f32 sums are exact: the epilogue rounded once in every f16 case
+//! and in small bf16 ones, but for bf16 [64, 255] x [255, 256] it missed the single rounding on
+//! 3864 of 16384 results; on inputs of the same kind matmul then add missed on 3891 and PyTorch's
+//! `F.linear` (the same epilogue) on 7493: there cuBLASLt, not ember, decides. Where n = 1 the
+//! beta = 1 path missed on 3 to 6 of 16 results (PyTorch's fallback, which it takes where
+//! k or n is 1, on 3 or 4) and the epilogue on none, so ember takes the epilogue there too.
 
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
@@ -635,9 +639,7 @@ impl CudaStorage {
         // bias repeated over the rows of `out` (Note [Bias epilogue]).
         let epilogue_bias = bias
             .map(|(c, cl)| (c.ptr(cl), cl.strides()[0]))
-            .filter(|&(ptr, stride)| {
-                batch == 1 && stride == 1 && alignment(ptr) >= BIAS_ALIGNMENT && k > 1 && n > 1
-            })
+            .filter(|&(ptr, stride)| batch == 1 && stride == 1 && alignment(ptr) >= BIAS_ALIGNMENT)
             .map(|(ptr, _)| ptr);
         let mut out = match bias {
             Some(c) if epilogue_bias.is_none() => bias_rows(c)?,
