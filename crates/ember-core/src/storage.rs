@@ -426,6 +426,20 @@ impl Storage {
         on_backend!("matmul", (a, b), wrap => Ok(wrap(BackendStorage::matmul(a, al, b, bl)?)))
     }
 
+    /// [`Storage::matmul`] plus `bias` (`[n]` at `bias_l`) added to every row, in the product's
+    /// accumulator, before the one rounding to the output dtype (floats only).
+    pub(crate) fn matmul_bias(
+        &self,
+        al: &Layout,
+        rhs: &Storage,
+        bl: &Layout,
+        bias: &Storage,
+        bias_l: &Layout,
+    ) -> Result<Storage> {
+        let (a, b, c) = (self, rhs, bias);
+        on_backend!("linear", (a, b, c), wrap => Ok(wrap(BackendStorage::matmul_bias(a, al, b, bl, c, bias_l)?)))
+    }
+
     /// `self` (at `layout`) read at `index` along `dim`, as a new row-major storage; `op`
     /// (`name` in errors) says how the index maps to positions.
     pub(crate) fn index_read(

@@ -100,6 +100,16 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     fn reduce_with_indices(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<(Self, Self)>;
     /// The batched product of `[B.., m, k]` and `[B.., k, n]` (batch dims already broadcast).
     fn matmul(&self, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
+    /// [`BackendStorage::matmul`] plus `bias` (`[n]`) added to every row in the product's
+    /// accumulator, rounded once to the output dtype (floats only; `linear`'s addmm).
+    fn matmul_bias(
+        &self,
+        layout: &Layout,
+        rhs: &Self,
+        rhs_layout: &Layout,
+        bias: &Self,
+        bias_layout: &Layout,
+    ) -> Result<Self>;
 
     // Indexing ---------------------------------------------------------------------------------
 

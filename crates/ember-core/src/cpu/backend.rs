@@ -159,6 +159,17 @@ impl BackendStorage for CpuStorage {
         CpuStorage::matmul(self, layout, rhs, rhs_layout)
     }
 
+    fn matmul_bias(
+        &self,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        CpuStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
+    }
+
     fn index_read(
         &self,
         op: IndexOp,

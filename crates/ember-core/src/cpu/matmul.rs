@@ -4,7 +4,8 @@
 //!
 //! f32, f64 and f16 go through the `gemm` crate (the only `unsafe` of this module is its call);
 //! bf16 converts to f32, multiplies, and rounds once; integers use a plain wrapping loop; bool is
-//! not supported (as in PyTorch on the CPU).
+//! not supported (as in PyTorch on the CPU). A product with a bias vector (`matmul_bias`, for
+//! `linear`) adds the bias before f16/bf16 round, so the sum rounds once as PyTorch's `addmm`.
 //!
 //! Parallelism: one large product lets `gemm` split it over rayon's pool; many small products
 //! in a batch run one per rayon task with a single-threaded `gemm`; tiny work stays on the
@@ -184,6 +185,52 @@ fn bf16_matmul(a: &[bf16], al: &Layout, b: &[bf16], bl: &Layout) -> Vec<bf16> {
     }
 }
 
+/// `out[r, j] += bias[j]` for every row `r` of a row-major output with `bias.len()` columns.
+fn add_bias<T: Copy + std::ops::Add<Output = T> + Send + Sync>(out: &mut [T], bias: &[T]) {
+    if bias.is_empty() {
+        return;
+    }
+    let row = |dst: &mut [T]| dst.iter_mut().zip(bias).for_each(|(o, &c)| *o = *o + c);
+    if out.len() >= PAR_THRESHOLD {
+        out.par_chunks_mut(bias.len()).for_each(row);
+    } else {
+        out.chunks_mut(bias.len()).for_each(row);
+    }
+}
+
+/// f16 and bf16 with a bias, through f32: the referenced elements widen once, the bias joins
+/// the f32 product, and the sum rounds once (as PyTorch's CPU `addmm`, which accumulates in
+/// f32 and adds the bias before storing).
+fn half_matmul_bias<T: Copy + Send + Sync>(
+    (a, al): (&[T], &Layout),
+    (b, bl): (&[T], &Layout),
+    (bias, bias_l): (&[T], &Layout),
+    widen: fn(T) -> f32,
+    narrow: fn(f32) -> T,
+) -> Vec<T> {
+    // As `bf16_matmul`: widen the whole storage when the view covers most of it, otherwise
+    // gather the view into a row-major copy.
+    let widened = |x: &[T], l: &Layout| {
+        if x.len() <= 2 * l.numel().max(1) {
+            (x.iter().map(|&v| widen(v)).collect::<Vec<f32>>(), l.clone())
+        } else {
+            (
+                super::map_strided(x, l, widen),
+                Layout::contiguous(l.shape().clone()),
+            )
+        }
+    };
+    let (a32, al32) = widened(a, al);
+    let (b32, bl32) = widened(b, bl);
+    let mut out = gemm_batched(&a32, &al32, &b32, &bl32);
+    add_bias(&mut out, &super::map_strided(bias, bias_l, widen));
+    if out.len() >= PAR_THRESHOLD {
+        out.par_iter().map(|&v| narrow(v)).collect()
+    } else {
+        out.iter().map(|&v| narrow(v)).collect()
+    }
+}
+
 /// Integer element types: products and sums wrap on overflow, as PyTorch's do.
 trait IntElement: CpuElement {
     fn mul_add(self, x: Self, y: Self) -> Self;
@@ -256,6 +303,67 @@ impl CpuStorage {
                     op: "matmul",
                     expected: self.dtype(),
                     found: rhs.dtype(),
+                })
+            }
+        })
+    }
+}
+
+impl CpuStorage {
+    /// [`CpuStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
+    /// the product: `out[.., i, j] = Σ_k a[.., i, k]·b[.., k, j] + bias[j]`. f16 and bf16 add the
+    /// bias to the f32 accumulation and round once; f32 and f64 add it to the product. Floats
+    /// only (an integer product plus a bias is exact as matmul then add).
+    pub fn matmul_bias(
+        &self,
+        al: &Layout,
+        rhs: &CpuStorage,
+        bl: &Layout,
+        bias: &CpuStorage,
+        bias_l: &Layout,
+    ) -> Result<CpuStorage> {
+        use CpuStorage::*;
+        let n = bl.dims()[bl.dims().len() - 1];
+        assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
+        for other in [rhs, bias] {
+            if other.dtype() != self.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "linear",
+                    expected: self.dtype(),
+                    found: other.dtype(),
+                });
+            }
+        }
+        Ok(match (self, rhs, bias) {
+            (F32(a), F32(b), F32(c)) => {
+                let mut out = gemm_batched(a, al, b, bl);
+                add_bias(&mut out, &super::gather_strided(c, bias_l));
+                F32(out)
+            }
+            (F64(a), F64(b), F64(c)) => {
+                let mut out = gemm_batched(a, al, b, bl);
+                add_bias(&mut out, &super::gather_strided(c, bias_l));
+                F64(out)
+            }
+            (F16(a), F16(b), F16(c)) => F16(half_matmul_bias(
+                (a, al),
+                (b, bl),
+                (c, bias_l),
+                f16::to_f32,
+                f16::from_f32,
+            )),
+            (BF16(a), BF16(b), BF16(c)) => BF16(half_matmul_bias(
+                (a, al),
+                (b, bl),
+                (c, bias_l),
+                bf16::to_f32,
+                bf16::from_f32,
+            )),
+            _ => {
+                return Err(Error::UnsupportedDType {
+                    op: "matmul with a bias",
+                    dtype: self.dtype(),
+                    hint: "only float products take a fused bias; use matmul then add",
                 })
             }
         })

@@ -167,6 +167,17 @@ impl BackendStorage for CudaStorage {
         CudaStorage::matmul(self, layout, rhs, rhs_layout)
     }
 
+    fn matmul_bias(
+        &self,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+        bias: &CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
+    }
+
     fn index_read(
         &self,
         op: IndexOp,

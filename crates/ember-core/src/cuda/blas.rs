@@ -22,18 +22,37 @@
 //! device were right and redoing the product alone was right), even when every thread
 //! synchronized after each product, so cuBLASLt's use of a workspace is not ordered by the
 //! stream it is given alone. With a workspace per thread, or none, no product was wrong.
+//!
+//! Note [Bias epilogue]: `linear` with a bias vector is PyTorch's `addmm`: the bias joins the
+//! product's f32 (f64 for f64) accumulator and the sum rounds once to the output dtype, where
+//! matmul then add would round twice (in f16/bf16 that flips results near zero, and with them ReLU
+//! masks). The bias is per column j of our row-major C, so per row of cuBLASLt's column-major D
+//! (Note [Row-major GEMM through cuBLASLt]), which is what `CUBLASLT_EPILOGUE_BIAS` adds, broadcast
+//! over D's columns; the bias data type is left at its default, D's type, as PyTorch does. The
+//! pointer is an attribute of the (cached) descriptor, set before each call (the call reads it when
+//! queued). The epilogue is used for one product (no batch, as `linear` makes; PyTorch's path is
+//! 2-D too) whose bias is packed (stride 1) and 16-byte aligned (llm.c checks 16 as a cuBLASLt
+//! requirement; Marian saw 8 fail on an A100). Elsewhere, and where the heuristic has no algorithm
+//! with the epilogue (remembered per thread), D starts as the bias repeated over its columns and
+//! the product is added to it (C = D, beta = 1), as PyTorch's fallback does. Seen on an H100
+//! (CUDA 13.0), with inputs whose f32 sums are exact: the epilogue rounded once in every f16 case
+//! and in small bf16 ones, but for bf16 [64, 255] x [255, 256] it missed the single rounding on
+//! 3864 of 16384 results; on inputs of the same kind matmul then add missed on 3891 and PyTorch's
+//! `F.linear` (the same epilogue) on 7493: there cuBLASLt, not ember, decides. Where n = 1 the
+//! beta = 1 path missed on 3 to 6 of 16 results (PyTorch's fallback, which it takes where
+//! k or n is 1, on 3 or 4) and the epilogue on none, so ember takes the epilogue there too.
 
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
 use crate::layout::Layout;
-use crate::{DType, Error, Result};
+use crate::{DType, Error, Result, Shape};
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -42,6 +61,8 @@ use std::sync::{Mutex, OnceLock};
 const WORKSPACE_BYTES: usize = 32 << 20;
 /// Plans kept per thread before its cache is cleared (each holds four small descriptors).
 const MAX_PLANS: usize = 4096;
+/// Alignment in bytes of a bias pointer that the bias epilogue takes (Note [Bias epilogue]).
+const BIAS_ALIGNMENT: u32 = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Float32 precision switch.
@@ -109,6 +130,8 @@ struct ThreadBlas {
     /// Handle per device ordinal.
     handles: HashMap<usize, Handle>,
     plans: HashMap<(usize, PlanKey), Plan>,
+    /// Bias-epilogue keys the heuristic found no algorithm for (Note [Bias epilogue]).
+    unplanned: HashSet<(usize, PlanKey)>,
     /// Workspace per (device ordinal, raw stream), or None where allocating it failed.
     workspaces: HashMap<(usize, u64), Option<CudaStorage>>,
 }
@@ -207,9 +230,20 @@ struct PlanKey {
     /// Alignment in bytes (a power of two, at most 256) of the A, B and D pointers.
     align: [u32; 3],
     workspace: usize,
+    epilogue: Epilogue,
 }
 
-/// A matmul descriptor, the layouts of A, B and D (C = D, beta = 0) and the chosen algorithm.
+/// What cuBLASLt does to the accumulator before rounding it into D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Epilogue {
+    /// Nothing: D = alpha·A·B + beta·C.
+    Default,
+    /// Adds a bias vector, one element per row of D (Note [Bias epilogue]).
+    Bias,
+}
+
+/// A matmul descriptor, the layouts of A, B and D (C = D: beta is 0, or 1 to add the product to
+/// a bias already in D) and the chosen algorithm.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
@@ -242,8 +276,27 @@ fn attr<T>(value: &T) -> (*const c_void, usize) {
     ((value as *const T).cast(), std::mem::size_of::<T>())
 }
 
+/// Points the bias epilogue of `desc` at the device address `bias` (Note [Bias epilogue]).
+fn set_bias_pointer(desc: sys::cublasLtMatmulDesc_t, bias: u64) -> Result<()> {
+    let value = bias as *const c_void;
+    let (ptr, size) = attr(&value);
+    // SAFETY: `desc` is live (its plan owns it); BIAS_POINTER takes a `const void*` device
+    // address, which cuBLASLt only stores here and reads when a product is queued.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            ptr,
+            size,
+        )
+    }
+    .map_err(blas_error("cublasLtMatmulDescSetAttribute"))
+}
+
 impl Plan {
-    fn new(handle: sys::cublasLtHandle_t, key: &PlanKey) -> Result<Plan> {
+    /// `bias` is the bias pointer of the call the plan is made for (with [`Epilogue::Bias`]),
+    /// set before the heuristic query as cuBLASLt's samples do; every call sets its own.
+    fn new(handle: sys::cublasLtHandle_t, key: &PlanKey, bias: Option<u64>) -> Result<Plan> {
         use sys::cublasComputeType_t as C;
         let (compute, scale) = match (key.dtype, key.precision) {
             (DType::F64, _) => (C::CUBLAS_COMPUTE_64F, sys::cudaDataType::CUDA_R_64F),
@@ -275,6 +328,14 @@ impl Plan {
             // SAFETY: `plan.desc` is live; TRANSA/TRANSB take an int32 (cublasOperation_t).
             unsafe { lt::set_matmul_desc_attribute(plan.desc, which, ptr, size) }
                 .map_err(blas_error("cublasLtMatmulDescSetAttribute"))?;
+        }
+        if key.epilogue == Epilogue::Bias {
+            let value = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+            let (ptr, size) = attr(&value);
+            // SAFETY: `plan.desc` is live; EPILOGUE takes a uint32 (cublasLtEpilogue_t).
+            unsafe { lt::set_matmul_desc_attribute(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, ptr, size) }
+                .map_err(blas_error("cublasLtMatmulDescSetAttribute"))?;
+            set_bias_pointer(plan.desc, bias.unwrap_or(0))?;
         }
         // Stored (column-major) shapes: op(A) is m x k, op(B) is k x n, D is m x n.
         let (a_rows, a_cols) = if key.trans_a {
@@ -436,6 +497,16 @@ impl Operand {
     }
 }
 
+/// `f` with this thread's cuBLASLt state (Note [cuBLASLt state]).
+fn with_thread_blas<T>(f: impl FnOnce(&mut ThreadBlas) -> Result<T>) -> Result<T> {
+    THREAD_BLAS
+        .try_with(|thread| f(&mut thread.borrow_mut()))
+        .map_err(|_| Error::Cuda {
+            op: "matmul",
+            msg: "called while the thread is exiting (its cuBLASLt state is gone)".into(),
+        })?
+}
+
 /// The largest power of two (at most 256) dividing `ptr`: the alignment cuBLASLt may assume.
 fn alignment(ptr: u64) -> u32 {
     (1u32 << ptr.trailing_zeros().min(8)).min(256)
@@ -448,6 +519,56 @@ impl CudaStorage {
     /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with the
     /// same batch dims (broadcast ones have stride 0), as a new row-major `[B.., m, n]` storage.
     pub(crate) fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+        self.lt_matmul(al, rhs, bl, None)
+    }
+
+    /// [`CudaStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
+    /// each product before the one rounding to the output dtype (Note [Bias epilogue]): `out[..,
+    /// i, j] = Σ_k a[.., i, k]·b[.., k, j] + bias[j]`. Floats only.
+    pub(crate) fn matmul_bias(
+        &self,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        bias: &CudaStorage,
+        bias_l: &Layout,
+    ) -> Result<CudaStorage> {
+        let dtype = self.dtype();
+        if bias.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                op: "linear",
+                expected: dtype,
+                found: bias.dtype(),
+            });
+        }
+        if !dtype.is_floating_point() {
+            return Err(Error::UnsupportedDType {
+                op: "matmul with a bias",
+                dtype,
+                hint: "only float products take a fused bias; use matmul then add",
+            });
+        }
+        if bias.ordinal() != self.ordinal() {
+            return Err(Error::DeviceMismatch {
+                op: "linear",
+                lhs: self.device(),
+                rhs: bias.device(),
+            });
+        }
+        let n = bl.dims()[bl.dims().len() - 1];
+        assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
+        self.lt_matmul(al, rhs, bl, Some((bias, bias_l)))
+    }
+
+    /// The product, and with `bias` the bias added (floats only), through cuBLASLt; integer
+    /// products go to `int_matmul`.
+    fn lt_matmul(
+        &self,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<CudaStorage> {
         let dtype = self.dtype();
         if dtype != rhs.dtype() {
             return Err(Error::DTypeMismatch {
@@ -493,8 +614,20 @@ impl CudaStorage {
         if out_len == 0 {
             return CudaStorage::alloc_on(rt, dtype, 0);
         }
+        // The bias repeated over every row of every product, as a new row-major storage.
+        let bias_rows = |(c, cl): (&CudaStorage, &Layout)| {
+            let rows = Layout::new(
+                Shape::from([out_len / n, n]),
+                vec![0, cl.strides()[0]],
+                cl.offset(),
+            );
+            c.to_dtype(&rows, dtype)
+        };
         if k == 0 {
-            return CudaStorage::full(rt.ordinal, dtype, out_len, 0.0); // an empty sum is 0
+            return match bias {
+                Some(c) => bias_rows(c), // an empty sum is 0
+                None => CudaStorage::full(rt.ordinal, dtype, out_len, 0.0),
+            };
         }
         let batch = i32::try_from(batch).map_err(|_| {
             Error::invalid(
@@ -502,13 +635,24 @@ impl CudaStorage {
                 format!("{batch} matrices in one batched product exceed cuBLASLt's limit of 2^31 - 1"),
             )
         })?;
-        let out = CudaStorage::alloc_on(rt, dtype, out_len)?;
+        // The bias pointer where the epilogue can take it; elsewhere the product is added to the
+        // bias repeated over the rows of `out` (Note [Bias epilogue]).
+        let epilogue_bias = bias
+            .map(|(c, cl)| (c.ptr(cl), cl.strides()[0]))
+            .filter(|&(ptr, stride)| batch == 1 && stride == 1 && alignment(ptr) >= BIAS_ALIGNMENT)
+            .map(|(ptr, _)| ptr);
+        let mut out = match bias {
+            Some(c) if epilogue_bias.is_none() => bias_rows(c)?,
+            _ => CudaStorage::alloc_on(rt, dtype, out_len)?,
+        };
         // cuBLASLt's A is our rhs, its B our lhs (Note [Row-major GEMM through cuBLASLt]).
         let a = Operand::new(rhs, bl)?;
         let b = Operand::new(self, al)?;
-        let d = out.ptr_at(0);
         let stream = current_raw(rt.ordinal);
-        let product = |thread: &mut ThreadBlas| -> Result<()> {
+        // One product into `d`, with the bias epilogue reading the bias at `fused`, or added to
+        // `d`'s contents (beta = 1) with `add_to_d`. Ok(false): the heuristic has no algorithm
+        // with the epilogue.
+        let product = |thread: &mut ThreadBlas, d: u64, fused: Option<u64>, add_to_d: bool| -> Result<bool> {
             let handle = thread.handle(rt, blas)?;
             let (workspace_ptr, workspace) = thread
                 .workspaces
@@ -537,16 +681,36 @@ impl CudaStorage {
                 stride_d: (m * n) as i64,
                 align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
                 workspace,
+                epilogue: if fused.is_some() {
+                    Epilogue::Bias
+                } else {
+                    Epilogue::Default
+                },
             };
+            if thread.unplanned.contains(&(rt.ordinal, key)) {
+                return Ok(false);
+            }
             let plans = &mut thread.plans;
             if plans.len() >= MAX_PLANS && !plans.contains_key(&(rt.ordinal, key)) {
                 plans.clear();
+                thread.unplanned.clear();
             }
             let plan = match plans.entry((rt.ordinal, key)) {
                 Entry::Occupied(e) => e.into_mut(),
-                Entry::Vacant(e) => e.insert(Plan::new(handle, &key)?),
+                Entry::Vacant(e) => match Plan::new(handle, &key, fused) {
+                    Ok(plan) => e.insert(plan),
+                    Err(_) if key.epilogue == Epilogue::Bias => {
+                        thread.unplanned.insert((rt.ordinal, key));
+                        return Ok(false);
+                    }
+                    Err(err) => return Err(err),
+                },
             };
-            let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+            if let Some(ptr) = fused {
+                set_bias_pointer(plan.desc, ptr)?;
+            }
+            let beta = if add_to_d { 1.0 } else { 0.0 };
+            let (alpha32, beta32, alpha64, beta64) = (1.0f32, beta as f32, 1.0f64, beta);
             let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
                 ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
             } else {
@@ -557,7 +721,10 @@ impl CudaStorage {
             // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
             // alive in `a` until the call is queued and then released to the allocator on this
             // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
-            // `batch * m * n` elements of `out`; beta = 0 so C is not read. alpha/beta point to host
+            // `batch * m * n` elements of `out`, read (beta = 1) only where they hold the bias
+            // written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
+            // of D's type at the pointer set above (the caller's bias, 16-byte aligned, alive until
+            // the call is queued and then ordered by the allocator as A and B are). alpha/beta point to host
             // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
             // call (host pointer mode reads them before it returns). The workspace holds `workspace`
             // bytes and is used only on `stream`, the stream of every other op here. The handle and
@@ -582,14 +749,15 @@ impl CudaStorage {
                     stream as sys::cudaStream_t,
                 )
             }
-            .map_err(blas_error("cublasLtMatmul"))
+            .map_err(blas_error("cublasLtMatmul"))?;
+            Ok(true)
         };
-        THREAD_BLAS
-            .try_with(|thread| product(&mut thread.borrow_mut()))
-            .map_err(|_| Error::Cuda {
-                op: "matmul",
-                msg: "called while the thread is exiting (its cuBLASLt state is gone)".into(),
-            })??;
+        let add_to_d = bias.is_some() && epilogue_bias.is_none();
+        if !with_thread_blas(|t| product(t, out.ptr_at(0), epilogue_bias, add_to_d))? {
+            // No algorithm takes the bias epilogue here: add the product to the bias instead.
+            out = bias_rows(bias.expect("only the bias epilogue can find no algorithm"))?;
+            with_thread_blas(|t| product(t, out.ptr_at(0), None, true))?;
+        }
         Ok(out)
     }
 

@@ -5,7 +5,8 @@
 //! shapes `[B.., m, k]` and `[B.., k, n]` whose batch dims were already broadcast by strides
 //! (stride 0, no copy), and whose matrix dims may have any strides (a transposed view is read
 //! in place). 1-D operands are handled here by views (unsqueeze, then squeeze) whose own
-//! backward rules compose with the product's, as in PyTorch.
+//! backward rules compose with the product's, as in PyTorch. `linear` with a bias vector is one
+//! product with a bias ([`Storage::matmul_bias`]) whose sum rounds once, as PyTorch's `addmm`.
 
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};
@@ -85,6 +86,44 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
             None
         };
         Ok(vec![ga, gb])
+    }))
+}
+
+/// `x @ wt + bias` for `x: [m, k]`, `wt: [k, n]` and `bias: [n]`, with the bias added before
+/// the product rounds (PyTorch's `addmm`), and its backward rule: the product's, plus the
+/// bias's gradient (the output gradient summed over the rows).
+fn product_bias(op: &'static str, x: &Tensor, wt: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
+    let (m, n) = (x.dims()[0], wt.dims()[1]);
+    let storage = {
+        let (sx, sw, sb) = (x.storage().read(), wt.storage().read(), bias.storage().read());
+        sx.matmul_bias(x.layout(), &sw, wt.layout(), &sb, bias.layout())?
+    };
+    let out = Tensor::from_storage(storage, Shape::from([m, n]));
+    if !autograd::needs_grad(&[x, wt, bias]) {
+        return Ok(out);
+    }
+    let (saved_x, saved_wt) = (SavedTensor::new(op, x), SavedTensor::new(op, wt));
+    let bias_shape = bias.shape().clone();
+    Ok(autograd::record(op, &[x, wt, bias], out, move |g, needs| {
+        let gx = if needs[0] {
+            let w = saved_wt.get()?.t()?;
+            Some(product(op, g, &w, (g, &w))?)
+        } else {
+            None
+        };
+        let gw = if needs[1] {
+            let xt = saved_x.get()?.t()?;
+            Some(product(op, &xt, g, (&xt, g))?)
+        } else {
+            None
+        };
+        let gb = if needs[2] {
+            Some(sum_to_shape(g, &bias_shape)?)
+        } else {
+            None
+        };
+        Ok(vec![gx, gw, gb])
     }))
 }
 
@@ -204,7 +243,10 @@ impl Tensor {
         product("bmm", self, other, (self, other))
     }
 
-    /// `self @ weight.T + bias` (`F.linear`).
+    /// `self @ weight.T + bias` (`F.linear`). With a 2-D weight and a bias of `[out_features]`
+    /// (float dtypes), where PyTorch's `linear` uses `addmm` (a 2-D input, or a contiguous input
+    /// and bias), the bias joins the product's accumulator and the sum rounds once; elsewhere
+    /// the bias broadcasts and is added to the rounded product, as in PyTorch.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         dispatch::composite_list(
             &policy::LINEAR,
@@ -241,6 +283,18 @@ impl Tensor {
                 hint: "the input's last dim must equal weight's in_features (weight is [out_features, in_features])",
             });
         }
+        if let Some(b) = bias {
+            // ATen's `linear` takes `addmm` (one rounding) for a 2-D input, and for an input of
+            // another rank when it and the bias are contiguous (it flattens the input's leading
+            // dims); any other input is matmul then add, and rounds twice there too.
+            let fused = weight.rank() == 2
+                && b.dims() == [weight.dims()[0]]
+                && self.dtype().is_floating_point()
+                && (self.rank() == 2 || (self.is_contiguous() && b.is_contiguous()));
+            if fused {
+                return self.linear_with_bias(weight, b);
+            }
+        }
         let out = self.matmul_prepared(&weight.t()?)?;
         match bias {
             Some(b) => {
@@ -256,5 +310,18 @@ impl Tensor {
             }
             None => Ok(out),
         }
+    }
+
+    /// `linear` with a 2-D weight and a bias of `[out_features]` (checked by the caller): the
+    /// input's leading dims fold into the rows of one product with a bias, whose sum rounds
+    /// once, as PyTorch's `addmm` (Note [Bias epilogue] in `cuda/blas.rs`).
+    fn linear_with_bias(&self, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        let lead = &self.dims()[..self.rank() - 1];
+        let rows = lead.iter().product::<usize>() as isize;
+        let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
+        let out = product_bias("linear", &x, &weight.t()?, bias)?;
+        let mut dims = isize_dims(lead);
+        dims.push(weight.dims()[0] as isize);
+        out.reshape(&dims)
     }
 }

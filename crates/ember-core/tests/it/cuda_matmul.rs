@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard};
 /// cannot change the precision under another test's f32 products.
 static PRECISION: Mutex<()> = Mutex::new(());
 
-fn lock() -> MutexGuard<'static, ()> {
+pub(crate) fn lock() -> MutexGuard<'static, ()> {
     PRECISION.lock().unwrap_or_else(|e| e.into_inner())
 }
 

@@ -22,6 +22,7 @@ mod errors;
 mod fused_optim;
 mod index;
 mod inplace;
+mod linear_bias;
 mod matmul;
 mod random;
 mod reduce;

@@ -262,24 +262,25 @@ pub fn multi_head_attention_forward_with(
         }
     }
 
-    // Work batch-first: [N, L, E].
-    let to_nle = |t: &Tensor| -> Result<Tensor> {
+    // Work batch-first: [N, L, E]. The in-projection reads the inputs as PyTorch does,
+    // sequence-first ([L, N, E]: a transposed view when batch_first), and then goes batch-first:
+    // `linear` with a bias rounds once for a contiguous input and twice for a transposed one, as
+    // PyTorch's does.
+    let projected = |t: &Tensor, w: &Tensor, b: Option<&Tensor>| -> Result<Tensor> {
         match (batched, batch_first) {
-            (false, _) => t.unsqueeze(0),
-            (true, true) => Ok(t.clone()),
-            (true, false) => t.transpose(0, 1),
+            (false, _) => t.unsqueeze(1)?.linear(w, b)?.transpose(0, 1),
+            (true, true) => t.transpose(0, 1)?.linear(w, b)?.transpose(0, 1),
+            (true, false) => t.linear(w, b)?.transpose(0, 1),
         }
     };
     let self_attention = same_tensor(query, key) && same_tensor(key, value);
     let (q, k, v) = if self_attention {
-        let qkv = to_nle(query)?
-            .linear(in_proj_weight, in_proj_bias)?
-            .chunk(3, -1)?;
+        let qkv = projected(query, in_proj_weight, in_proj_bias)?.chunk(3, -1)?;
         (qkv[0].clone(), qkv[1].clone(), qkv[2].clone())
     } else {
         let w = in_proj_weight.chunk(3, 0)?;
         let b = in_proj_bias.map(|b| b.chunk(3, 0)).transpose()?;
-        let proj = |t: &Tensor, i: usize| to_nle(t)?.linear(&w[i], b.as_ref().map(|b| &b[i]));
+        let proj = |t: &Tensor, i: usize| projected(t, &w[i], b.as_ref().map(|b| &b[i]));
         (proj(query, 0)?, proj(key, 1)?, proj(value, 2)?)
     };
     let (n, l, s) = (q.dims()[0], q.dims()[1], k.dims()[1]);
