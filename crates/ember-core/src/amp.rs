@@ -280,13 +280,13 @@ pub(crate) fn suspend() -> Suspended {
 pub(crate) fn cached_cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     let cacheable = state().cache_enabled && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad();
     if !cacheable {
-        return t.to_dtype(dtype);
+        return t.to_dtype_preserving_strides(dtype);
     }
     let key = (Arc::as_ptr(&t.0) as usize, dtype);
     if let Some(hit) = CACHE.with(|c| c.borrow().get(&key).map(|(_, cast)| cast.clone())) {
         return Ok(hit);
     }
-    let cast = t.to_dtype(dtype)?;
+    let cast = t.to_dtype_preserving_strides(dtype)?;
     CACHE.with(|c| c.borrow_mut().insert(key, (t.0.clone(), cast.clone())));
     Ok(cast)
 }

@@ -36,7 +36,7 @@ pub(crate) fn apply(op: &Op, device: Device, inputs: &mut [Tensor]) -> Result<()
             *t = if op.autocast == CastPolicy::LowerPrecision {
                 amp::cached_cast(t, target)?
             } else {
-                t.to_dtype(target)?
+                t.to_dtype_preserving_strides(target)?
             };
         }
     }

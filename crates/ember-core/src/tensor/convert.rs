@@ -23,6 +23,31 @@ impl Tensor {
         }))
     }
 
+    /// [`Tensor::to_dtype`] keeping the strides of a dense view (a permutation of a row-major
+    /// layout, with no gaps or overlaps), as PyTorch's `.to(dtype)` (`preserve_format`) does;
+    /// autocast casts this way, so that an op sees the layout it would see in PyTorch (a
+    /// transposed input stays transposed). Other layouts come out row-major.
+    pub(crate) fn to_dtype_preserving_strides(&self, dtype: DType) -> Result<Tensor> {
+        let l = self.layout();
+        if dtype == self.dtype() || l.is_contiguous() || !is_dense(l) {
+            return self.to_dtype(dtype);
+        }
+        // The elements are exactly the storage range [offset, offset + numel): cast it flat.
+        let flat = Layout::new(crate::Shape::from(self.numel()), vec![1usize], l.offset());
+        let storage = self.storage().read().to_dtype(&flat, dtype)?;
+        let out = Tensor::from_parts(
+            crate::storage::StorageRef::new(storage),
+            Layout::new(l.shape().clone(), l.strides(), 0),
+        );
+        if !autograd::needs_grad(&[self]) {
+            return Ok(out);
+        }
+        let src = self.dtype();
+        Ok(autograd::record("to_dtype", &[self], out, move |g, _| {
+            Ok(vec![Some(g.to_dtype(src)?)])
+        }))
+    }
+
     /// The tensor on `device` (a no-op returning `self` when already there).
     pub fn to(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
@@ -189,4 +214,22 @@ impl Tensor {
     pub(crate) fn to_cpu_storage(&self) -> Result<CpuStorage> {
         self.storage().read().to_cpu(self.layout())
     }
+}
+
+/// True when `l` covers a gap-free range of its storage exactly once: its dims of size > 1,
+/// ordered by stride, are row-major packed.
+fn is_dense(l: &Layout) -> bool {
+    if l.numel() == 0 {
+        return false;
+    }
+    let mut dims: crate::shape::Dims = (0..l.dims().len()).filter(|&d| l.dims()[d] > 1).collect();
+    dims.sort_by_key(|&d| l.strides()[d]);
+    let mut expected = 1;
+    for d in dims {
+        if l.strides()[d] != expected {
+            return false;
+        }
+        expected *= l.dims()[d];
+    }
+    true
 }

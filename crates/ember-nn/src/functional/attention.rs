@@ -79,7 +79,18 @@ fn sdpa_prepared(
         ));
     }
     let scale = scale.unwrap_or(1.0 / (e as f64).sqrt());
-    let scores = query.mul_scalar(scale)?.matmul(&key.transpose(-2, -1)?)?;
+    // Half-precision inputs: the scores and the softmax in float32 and the weights rounded to
+    // the input dtype for the second product, as PyTorch's fused (flash / memory-efficient)
+    // kernels keep them on chip; rounding the scores to half first moves the softmax enough to
+    // change gradients.
+    let dtype = query.dtype();
+    let half = matches!(dtype, DType::F16 | DType::BF16);
+    let (q, k) = if half {
+        (query.to_dtype(DType::F32)?, key.to_dtype(DType::F32)?)
+    } else {
+        (query.clone(), key.clone())
+    };
+    let scores = q.mul_scalar(scale)?.matmul(&k.transpose(-2, -1)?)?;
     let scores = if is_causal {
         // Keep j <= i: the upper triangle above the diagonal is masked.
         let i = Tensor::arange(0.0, l as f64, 1.0, DType::I64, query.device())?.unsqueeze(1)?;
@@ -101,7 +112,7 @@ fn sdpa_prepared(
             None => scores,
         }
     };
-    let weights = scores.softmax(-1)?;
+    let weights = scores.softmax(-1)?.to_dtype(dtype)?;
     let weights = if dropout_p > 0.0 {
         dropout(&weights, dropout_p, true)?
     } else {
