@@ -224,17 +224,29 @@ fn autocast_cases_on_cuda() {
     assert_eq!(passed, n);
 }
 
+/// Cases whose reference the CPU cannot reproduce, with the reason. `bf16_multihead_attention`
+/// compares the key projection's bias gradient, which is zero in exact arithmetic (softmax
+/// ignores a constant added to every key), so both sides hold bfloat16 rounding noise of about
+/// the case's absolute tolerance; the CPU's summation order gives different noise than the
+/// H200's kernels. It runs on CUDA with the others.
+const CPU_DIFFERS: &[&str] = &["bf16_multihead_attention"];
+
 /// CPU autocast runs the same policy table; the CPU computes half-precision ops through f32
-/// with one rounding per op, like the GPU, so PyTorch's CUDA references hold there too.
+/// with one rounding per op, like the GPU, so PyTorch's CUDA references hold there too, but
+/// for [`CPU_DIFFERS`].
 #[test]
 fn autocast_cases_on_cpu() {
     let fx = fixture();
     let n = fx.cases.iter().filter(|c| c.group == "autocast").count();
     let (passed, failed) = run_group(&fx, Device::Cpu);
+    let unexpected: Vec<&String> = failed
+        .iter()
+        .filter(|f| !CPU_DIFFERS.iter().any(|id| f.starts_with(&format!("{id} "))))
+        .collect();
     assert!(
-        failed.is_empty(),
+        unexpected.is_empty(),
         "{} autocast cases failed on the CPU (see above)",
-        failed.len()
+        unexpected.len()
     );
-    assert_eq!(passed, n);
+    assert!(passed >= n - CPU_DIFFERS.len());
 }
