@@ -142,11 +142,15 @@ pub(crate) fn call_with<const N: usize, T>(
 ///
 /// ```
 /// use ember_core::dispatch::{self, policy};
-/// use ember_core::{Device, Tensor};
-/// let x = Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)?;
-/// // softplus-like op that is one op to autocast and the profiler.
-/// let y = dispatch::composite(&policy::SOFTPLUS, [&x], |[x]| x.exp()?.add_scalar(1.0)?.log())?;
-/// assert_eq!(y.dims(), &[2]);
+/// use ember_core::{amp, DType, Device, DeviceType, Tensor};
+/// // A mean squared error that autocast and observers see as one `mse_loss` (float32 policy).
+/// let mse = |a: &Tensor, b: &Tensor| {
+///     dispatch::composite(&policy::MSE_LOSS, [a, b], |[a, b]| a.sub(b)?.square()?.mean_all())
+/// };
+/// let a = Tensor::ones([4], DType::BF16, Device::Cpu)?;
+/// let b = Tensor::zeros([4], DType::BF16, Device::Cpu)?;
+/// let _ac = amp::autocast(DeviceType::Cpu, DType::BF16)?;
+/// assert_eq!(mse(&a, &b)?.dtype(), DType::F32);
 /// # Ok::<(), ember_core::Error>(())
 /// ```
 pub fn composite<const N: usize, T>(
