@@ -1,5 +1,6 @@
-//! The dispatch point: the one path every public op takes. [`call`] reads as the list of
-//! layers an op passes, in order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
+//! The dispatch point: the one path every op that computes takes (views, `to_dtype`/`to` and
+//! `copy_`/`fill_` do not pass it yet). [`call`] reads as the list of layers an op passes, in
+//! order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
 //!
 //! 1. **device check**: every tensor operand on one device ([`check_devices`], the one
 //!    builder of `Error::DeviceMismatch` above the backends);
@@ -20,8 +21,9 @@
 //! below its Autocast key).
 //!
 //! Adding an op: its line in [`policy`] (name, autocast policy, promotion), its `Tensor` method
-//! in `ops/<family>.rs` calling [`call`] with the kernel and backward rule, and its kernels in
-//! each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
+//! in `ops/<family>.rs` calling [`call`] with the kernel and backward rule, a
+//! `BackendStorage` method for a new kernel (`backend/mod.rs`, forwarded by `storage.rs`), and
+//! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
 
 pub mod autocast;
 pub mod observer;
@@ -183,7 +185,7 @@ pub fn composite_list<T>(
     body(&inputs)
 }
 
-/// Steps 1–4 for an op over a list of tensors (`cat`, `stack`, fused optimizer steps), then
+/// Steps 1–4 for an op over a list of tensors (`cat`, the fused optimizer steps), then
 /// `body` on the prepared list.
 pub(crate) fn call_list<T>(
     op: &'static Op,
