@@ -41,11 +41,7 @@ fn check_scalar(op: &'static str, what: &str, t: &Tensor, dtype: DType, device: 
         ));
     }
     if t.device() != device {
-        return Err(Error::DeviceMismatch {
-            op,
-            lhs: device,
-            rhs: t.device(),
-        });
+        return Err(crate::dispatch::device_mismatch(op, device, t.device()));
     }
     Ok(())
 }
@@ -206,11 +202,7 @@ pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_s
             });
         }
         if g.device() != device {
-            return Err(Error::DeviceMismatch {
-                op: OP,
-                lhs: device,
-                rhs: g.device(),
-            });
+            return Err(crate::dispatch::device_mismatch(OP, device, g.device()));
         }
         check_writable(OP, "a gradient", g)?;
         if g.storage().same_storage(found_inf.storage()) {

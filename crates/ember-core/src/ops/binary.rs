@@ -15,20 +15,9 @@ use crate::{DType, Device, Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
 
-/// The device all operands share, or the mismatch error naming the first two that differ.
-pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
-    let first = tensors[0].device();
-    for t in &tensors[1..] {
-        if t.device() != first {
-            return Err(Error::DeviceMismatch {
-                op,
-                lhs: first,
-                rhs: t.device(),
-            });
-        }
-    }
-    Ok(first)
-}
+/// The device all operands share, or the mismatch error naming the first two that differ
+/// (the dispatch point's check, for the helpers that take operands apart).
+pub(crate) use crate::dispatch::check_devices as same_device;
 
 /// Runs `f` on the storages of `a` and `b` with their layouts broadcast to a common shape.
 fn with_broadcast<R>(
@@ -37,7 +26,7 @@ fn with_broadcast<R>(
     b: &Tensor,
     f: impl FnOnce(&Storage, &Layout, &Storage, &Layout) -> Result<R>,
 ) -> Result<(Shape, R)> {
-    same_device(op, &[a, b])?;
+    // The dispatch point checked the devices.
     let shape = a.shape().broadcast(b.shape(), op)?;
     let al = a.layout().broadcast_as(&shape, op)?;
     let bl = b.layout().broadcast_as(&shape, op)?;

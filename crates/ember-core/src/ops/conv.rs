@@ -63,11 +63,7 @@ pub fn convolution(
     }
     for t in std::iter::once(weight).chain(bias) {
         if t.device() != input.device() {
-            return Err(Error::DeviceMismatch {
-                op: OP,
-                lhs: input.device(),
-                rhs: t.device(),
-            });
+            return Err(crate::dispatch::device_mismatch(OP, input.device(), t.device()));
         }
     }
     if weight.dtype() != input.dtype() {

@@ -161,11 +161,7 @@ fn check(op: &'static str, lists: &[List<'_>]) -> Result<Option<(DType, Device)>
                 });
             }
             if t.device() != device {
-                return Err(Error::DeviceMismatch {
-                    op,
-                    lhs: device,
-                    rhs: t.device(),
-                });
+                return Err(crate::dispatch::device_mismatch(op, device, t.device()));
             }
             if t.shape() != p.shape() {
                 return Err(Error::ShapeMismatch {
@@ -367,11 +363,7 @@ fn scaling_lists<'a>(
             ));
         }
         if t.device() != device {
-            return Err(Error::DeviceMismatch {
-                op,
-                lhs: device,
-                rhs: t.device(),
-            });
+            return Err(crate::dispatch::device_mismatch(op, device, t.device()));
         }
         at[k] = Some(lists.len());
         lists.push(List {
@@ -571,11 +563,7 @@ fn adam_scaled_prepared(
                     ));
                 }
                 if t.device() != device {
-                    return Err(Error::DeviceMismatch {
-                        op: OP,
-                        lhs: device,
-                        rhs: t.device(),
-                    });
+                    return Err(crate::dispatch::device_mismatch(OP, device, t.device()));
                 }
                 if autograd::is_grad_enabled() && t.requires_grad() {
                     return Err(Error::Autograd(format!(

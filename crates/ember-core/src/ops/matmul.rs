@@ -248,14 +248,16 @@ impl Tensor {
     /// and bias), the bias joins the product's accumulator and the sum rounds once; elsewhere
     /// the bias broadcasts and is added to the rounded product, as in PyTorch.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        dispatch::composite_list(
-            &policy::LINEAR,
-            &[Some(self), Some(weight), bias],
-            |ins| match ins {
-                [Some(x), Some(w), b] => x.linear_prepared(w, b.as_ref()),
-                _ => unreachable!("linear's input and weight are always given"),
-            },
-        )
+        // Fixed-size operand arrays: `linear` is on every MLP's hot path, and the list form
+        // of the dispatch point allocates.
+        match bias {
+            Some(b) => dispatch::composite(&policy::LINEAR, [self, weight, b], |[x, w, b]| {
+                x.linear_prepared(w, Some(b))
+            }),
+            None => dispatch::composite(&policy::LINEAR, [self, weight], |[x, w]| {
+                x.linear_prepared(w, None)
+            }),
+        }
     }
 
     fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
