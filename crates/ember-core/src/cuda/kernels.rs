@@ -159,49 +159,51 @@ impl KernelShape {
     /// an error when more than [`MAX_DIMS`] dims remain.
     pub fn new(op: &'static str, dims: &[usize], strides: &[&[usize]]) -> Result<KernelShape> {
         debug_assert!(strides.len() <= 3 && strides.iter().all(|s| s.len() == dims.len()));
-        let mut size: Vec<i64> = Vec::with_capacity(dims.len());
-        let mut st: Vec<Vec<i64>> = vec![Vec::with_capacity(dims.len()); strides.len()];
+        // Fixed-size scratch (no heap allocation: this runs on every elementwise launch); a
+        // view with more unmergeable dims than MAX_DIMS is counted and refused below.
+        let mut size = [1i64; MAX_DIMS];
+        let mut st = [[0i64; MAX_DIMS]; 3];
+        let mut ndim = 0usize;
         for d in 0..dims.len() {
             if dims[d] == 1 {
                 continue;
             }
-            let mergeable = !size.is_empty()
+            let mergeable = ndim > 0
+                && ndim <= MAX_DIMS
                 && strides
                     .iter()
                     .zip(&st)
-                    .all(|(s, kept)| *kept.last().unwrap() == (s[d] * dims[d]) as i64);
+                    .all(|(s, kept)| kept[ndim - 1] == (s[d] * dims[d]) as i64);
             if mergeable {
-                *size.last_mut().unwrap() *= dims[d] as i64;
+                size[ndim - 1] *= dims[d] as i64;
                 for (kept, s) in st.iter_mut().zip(strides) {
-                    *kept.last_mut().unwrap() = s[d] as i64;
+                    kept[ndim - 1] = s[d] as i64;
                 }
             } else {
-                size.push(dims[d] as i64);
-                for (kept, s) in st.iter_mut().zip(strides) {
-                    kept.push(s[d] as i64);
+                if ndim < MAX_DIMS {
+                    size[ndim] = dims[d] as i64;
+                    for (kept, s) in st.iter_mut().zip(strides) {
+                        kept[ndim] = s[d] as i64;
+                    }
                 }
+                ndim += 1;
             }
         }
-        if size.len() > MAX_DIMS {
+        if ndim > MAX_DIMS {
             return Err(Error::invalid(
                 op,
                 format!(
-                    "CUDA kernels take at most {MAX_DIMS} dims that cannot be merged, this view has {}; \
+                    "CUDA kernels take at most {MAX_DIMS} dims that cannot be merged, this view has more; \
                      call .contiguous() on a reshaped copy first",
-                    size.len()
                 ),
             ));
         }
-        let mut shape = KernelShape {
-            ndim: size.len() as i32,
+        let shape = KernelShape {
+            ndim: ndim as i32,
             pad: 0,
-            size: [1; MAX_DIMS],
-            stride: [[0; MAX_DIMS]; 3],
+            size,
+            stride: st,
         };
-        shape.size[..size.len()].copy_from_slice(&size);
-        for (i, s) in st.iter().enumerate() {
-            shape.stride[i][..s.len()].copy_from_slice(s);
-        }
         Ok(shape)
     }
 

@@ -72,21 +72,54 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
     Ok(autograd::record(op, &[a, b], out, move |g, needs| {
         // d(a@b)/da = g @ bᵀ, d(a@b)/db = aᵀ @ g; broadcast batch dims are summed back.
         let ga = if needs[0] {
-            let b = xb.get()?;
-            let bt = b.transpose(-1, -2)?;
-            Some(sum_to_shape(&product(op, g, &bt, (g, &bt))?, &sa)?)
+            let (a, b) = (xa.get()?, xb.get()?);
+            Some(if matrices(&a, &b) && column_major(&a) {
+                // (b @ gᵀ)ᵀ: the gradient in `a`'s own layout.
+                let gt = g.t()?;
+                product(op, &b, &gt, (&b, &gt))?.t()?
+            } else {
+                let bt = b.transpose(-1, -2)?;
+                sum_to_shape(&product(op, g, &bt, (g, &bt))?, &sa)?
+            })
         } else {
             None
         };
         let gb = if needs[1] {
-            let a = xa.get()?;
-            let at = a.transpose(-1, -2)?;
-            Some(sum_to_shape(&product(op, &at, g, (&at, g))?, &sb)?)
+            let (a, b) = (xa.get()?, xb.get()?);
+            Some(if matrices(&a, &b) && column_major(&b) {
+                weight_grad(op, g, &a)?
+            } else {
+                let at = a.transpose(-1, -2)?;
+                sum_to_shape(&product(op, &at, g, (&at, g))?, &sb)?
+            })
         } else {
             None
         };
         Ok(vec![ga, gb])
     }))
+}
+
+/// Both operands plain matrices (`mm`, and `linear`'s folded product): no batch dims to sum.
+fn matrices(a: &Tensor, b: &Tensor) -> bool {
+    a.rank() == 2 && b.rank() == 2
+}
+
+/// Whether a matrix is stored column-major: a transposed view of a dense matrix, as
+/// `weight.t()` in every `linear`. Its gradient is computed in that layout, as PyTorch's
+/// `mm_mat1_backward`/`mm_mat2_backward` do, so that after the transpose's own backward the
+/// weight receives a dense row-major gradient; computed row-major, it would reach the weight
+/// as a transposed view, and every later kernel on it (the autocast cast's backward, the
+/// accumulation into `.grad`) would gather it element by element.
+fn column_major(t: &Tensor) -> bool {
+    let (d, s) = (t.dims(), t.layout().strides());
+    t.rank() == 2 && d[0] > 1 && d[1] > 1 && s[0] == 1 && s[1] == d[0]
+}
+
+/// The gradient of the column-major `b` in `a @ b` (`b: [k, n]`): `(gᵀ @ a)ᵀ`, a `[k, n]`
+/// view of a dense `[n, k]` product.
+fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor) -> Result<Tensor> {
+    let gt = g.t()?;
+    product(op, &gt, a, (&gt, a))?.t()
 }
 
 /// `x @ wt + bias` for `x: [m, k]`, `wt: [k, n]` and `bias: [n]`, with the bias added before
@@ -113,8 +146,13 @@ fn product_bias(op: &'static str, x: &Tensor, wt: &Tensor, bias: &Tensor) -> Res
             None
         };
         let gw = if needs[1] {
-            let xt = saved_x.get()?.t()?;
-            Some(product(op, &xt, g, (&xt, g))?)
+            let (x, wt) = (saved_x.get()?, saved_wt.get()?);
+            Some(if column_major(&wt) {
+                weight_grad(op, g, &x)?
+            } else {
+                let xt = x.t()?;
+                product(op, &xt, g, (&xt, g))?
+            })
         } else {
             None
         };
