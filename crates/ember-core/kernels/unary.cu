@@ -26,6 +26,7 @@
 //       39 silu      40 mish
 //       41 softplus   (p0 = beta, p1 = threshold)
 //       42 softsign
+//       43 add_scalar 44 sub_scalar 45 mul_scalar 46 div_scalar (p0 = the scalar)
 //       Parameters are rounded to the compute type once, as the CPU's `R::c(v)` does.
 //   unary_int_T(const T* x, T* out, Strided s, i64 n, i32 op, i32 mode)
 //       T in i64 i32 u8; op: 0 neg 1 abs 2 sign 3 square 31 relu (wrapping, as Rust's
@@ -166,6 +167,10 @@ __device__ __forceinline__ void unary_float(const T* x, T* out, const Strided& s
         EMBER_OP(40, v * M::tanh(M::log1p(M::exp(v))))
         EMBER_OP(41, v * c0 > c1 ? v : M::log1p(M::exp(v * c0)) / c0)
         EMBER_OP(42, v / (one + M::abs(v)))
+        EMBER_OP(43, v + c0)
+        EMBER_OP(44, v - c0)
+        EMBER_OP(45, v * c0)
+        EMBER_OP(46, v / c0)
     }
 #undef EMBER_OP
 }

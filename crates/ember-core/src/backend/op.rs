@@ -147,6 +147,24 @@ pub enum UnaryOp {
         threshold: f64,
     },
     Softsign,
+    /// `x + value` for a float tensor and a scalar (`add_scalar`); the scalar is rounded once
+    /// to the compute type (float32 for half dtypes), as PyTorch computes a tensor with a
+    /// Python number: never rounded to the tensor's half dtype first.
+    AddScalar {
+        value: f64,
+    },
+    /// `x - value` (see [`UnaryOp::AddScalar`]).
+    SubScalar {
+        value: f64,
+    },
+    /// `x * value` (see [`UnaryOp::AddScalar`]).
+    MulScalar {
+        value: f64,
+    },
+    /// `x / value` (see [`UnaryOp::AddScalar`]).
+    DivScalar {
+        value: f64,
+    },
 }
 
 impl UnaryOp {
@@ -197,6 +215,10 @@ impl UnaryOp {
             Mish => "mish",
             Softplus { .. } => "softplus",
             Softsign => "softsign",
+            AddScalar { .. } => "add",
+            SubScalar { .. } => "sub",
+            MulScalar { .. } => "mul",
+            DivScalar { .. } => "div",
         }
     }
 

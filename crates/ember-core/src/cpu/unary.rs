@@ -276,6 +276,22 @@ where
             map!(|x| if x * b > t { x } else { (x * b).exp().ln_1p() / b })
         }
         Softsign => map!(|x| x / (one + x.abs())),
+        AddScalar { value } => {
+            let v = c(value);
+            map!(|x| x + v)
+        }
+        SubScalar { value } => {
+            let v = c(value);
+            map!(|x| x - v)
+        }
+        MulScalar { value } => {
+            let v = c(value);
+            map!(|x| x * v)
+        }
+        DivScalar { value } => {
+            let v = c(value);
+            map!(|x| x / v)
+        }
     }
 }
 

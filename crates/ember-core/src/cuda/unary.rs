@@ -67,6 +67,10 @@ fn code(op: UnaryOp) -> (i32, [f64; 3]) {
         Mish => (40, none),
         Softplus { beta, threshold } => (41, [beta, threshold, 0.0]),
         Softsign => (42, none),
+        AddScalar { value } => (43, [value, 0.0, 0.0]),
+        SubScalar { value } => (44, [value, 0.0, 0.0]),
+        MulScalar { value } => (45, [value, 0.0, 0.0]),
+        DivScalar { value } => (46, [value, 0.0, 0.0]),
     }
 }
 

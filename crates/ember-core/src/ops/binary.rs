@@ -14,6 +14,7 @@ use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
+use crate::backend::op::UnaryOp;
 
 /// The device all operands share, or the mismatch error naming the first two that differ
 /// (the dispatch point's check, for the helpers that take operands apart).
@@ -200,6 +201,28 @@ fn scalar_operand(t: &Tensor, value: Scalar) -> Result<Tensor> {
     Tensor::scalar(value.to_f64(), dtype, t.device())
 }
 
+/// `t op value` for the `*_scalar` methods. A floating-point result of `+ - * /` is one
+/// unary kernel with the scalar as its argument, rounded once to the compute type, as PyTorch
+/// computes a tensor with a Python number: `bf16 * 0.1` multiplies by float32 0.1, not by
+/// 0.1 rounded to bfloat16 first, and no device tensor is made for the scalar (a launch and an
+/// allocation saved). Other ops (pow, maximum, minimum) and integer results take the tensor
+/// path.
+fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<Tensor> {
+    let v = value.to_f64();
+    let unary = match op {
+        BinaryOp::Add => UnaryOp::AddScalar { value: v },
+        BinaryOp::Sub => UnaryOp::SubScalar { value: v },
+        BinaryOp::Mul => UnaryOp::MulScalar { value: v },
+        BinaryOp::Div => UnaryOp::DivScalar { value: v },
+        _ => return binary(op, t, &scalar_operand(t, value)?),
+    };
+    let dtype = result_dtype(op, t.dtype(), t.dtype().promote_with_scalar(value.kind()));
+    if !dtype.is_floating_point() {
+        return binary(op, t, &scalar_operand(t, value)?);
+    }
+    super::unary::unary(unary, &t.to_dtype(dtype)?)
+}
+
 fn compare(op: CmpOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let line = match op {
         CmpOp::Eq => &policy::EQ,
@@ -240,7 +263,7 @@ macro_rules! binary_methods {
             #[doc = $doc]
             #[doc = " With a scalar operand, which does not widen the tensor's dtype."]
             pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
-                binary($op, self, &scalar_operand(self, other.into())?)
+                binary_scalar($op, self, other.into())
             }
         )*}
     };

@@ -27,6 +27,9 @@ impl UnaryOp {
         use UnaryOp::*;
         match self {
             Neg | Sign | Floor | Ceil | Round | Trunc => Saves::Nothing,
+            AddScalar { .. } | SubScalar { .. } | MulScalar { .. } | DivScalar { .. } => {
+                Saves::Nothing
+            }
             Exp | Exp2 | Expm1 | Sqrt | Rsqrt | Tan | Tanh | Sigmoid | Relu | Reciprocal => Saves::Output,
             _ => Saves::Input,
         }
@@ -87,6 +90,10 @@ fn line(op: UnaryOp) -> &'static Op {
         Mish => &policy::MISH,
         Softplus { .. } => &policy::SOFTPLUS,
         Softsign => &policy::SOFTSIGN,
+        AddScalar { .. } => &policy::ADD,
+        SubScalar { .. } => &policy::SUB,
+        MulScalar { .. } => &policy::MUL,
+        DivScalar { .. } => &policy::DIV,
     }
 }
 
@@ -253,6 +260,9 @@ fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
         }
         // 1 / (1 + |x|)².
         Softsign => g.div(&s()?.abs()?.add_scalar(1.0)?.square()?)?,
+        AddScalar { .. } | SubScalar { .. } => g.clone(),
+        MulScalar { value } => g.mul_scalar(value)?,
+        DivScalar { value } => g.div_scalar(value)?,
     })
 }
 

@@ -230,3 +230,31 @@ fn maximum_splits_ties_evenly() {
     assert_eq!(a.grad().unwrap().to_vec::<f64>().unwrap(), vec![0.5, 0.0]);
     assert_eq!(b.grad().unwrap().to_vec::<f64>().unwrap(), vec![0.5, 1.0]);
 }
+
+/// A scalar operand is rounded to the compute type only (float32 for half tensors), as
+/// PyTorch's wrapped Python numbers: bf16 9 · 0.1 is bf16(9 · 0.1f32) = 0.8984375, where
+/// rounding 0.1 to bfloat16 first would give 0.90234375. The values are those rounding rules
+/// worked out by hand (float32 products rounded half-to-even to 8 significant bits).
+#[test]
+fn scalar_operands_keep_float32_precision_with_half_tensors() {
+    for device in devices() {
+        let x: Vec<bf16> = [9.0f32, 13.0, 77.0].map(bf16::from_f32).to_vec();
+        let x = Tensor::from_vec(x, [3], device).unwrap();
+        let y = x.mul_scalar(0.1).unwrap();
+        assert_eq!(y.dtype(), DType::BF16);
+        let want: Vec<bf16> = [0.8984375f32, 1.296875, 7.6875].map(bf16::from_f32).to_vec();
+        assert_eq!(y.to_vec::<bf16>().unwrap(), want, "on {device}");
+        // x / 10 and x - 0.1 + 0.1 go through the same path; the gradient of x · s is g · s.
+        let q = x.div_scalar(10.0).unwrap().to_vec::<bf16>().unwrap();
+        let by_hand: Vec<bf16> = [9.0f32, 13.0, 77.0]
+            .map(|v| bf16::from_f32(v / 10.0))
+            .to_vec();
+        assert_eq!(q, by_hand, "on {device}");
+        let w = Tensor::from_vec(vec![1.0f32, 2.0], [2], device)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        w.mul_scalar(3.0).unwrap().sub_scalar(1.0).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
+    }
+}
