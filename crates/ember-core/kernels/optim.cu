@@ -80,6 +80,9 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_, double bet
     const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
     const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4, device_steps = flags & 8;
     const A scale = grad_scale ? (A)*grad_scale : (A)1;
+    __shared__ double s_scalars[2];
+    __shared__ int s_tensor;
+    if (threadIdx.x == 0) s_tensor = -1;
     const i64 total = l.chunk_start[l.n];
     for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
         const int t = tensor_of_chunk(l, c);
@@ -92,10 +95,20 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_, double bet
         T* __restrict__ vmax = amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
         double step_size = l.scalar[0][t], bc2_sqrt_ = l.scalar[1][t];
         if (device_steps) {
-            // As the host computes them (`ops/fused_optim.rs`), from the device step count.
-            const double step = (double)*(const float*)l.ptr[5][t];
-            step_size = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
-            bc2_sqrt_ = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+            // As the host computes them (`ops/fused_optim.rs`), from the device step count:
+            // two double-precision pows, computed once per tensor by one thread and shared
+            // through shared memory (per thread and chunk they cost more than the update).
+            // The loop over chunks is uniform across the block, so the barriers are too.
+            __syncthreads();  // every thread has read the previous values
+            if (threadIdx.x == 0 && t != s_tensor) {
+                const double step = (double)*(const float*)l.ptr[5][t];
+                s_scalars[0] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
+                s_scalars[1] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+                s_tensor = t;
+            }
+            __syncthreads();
+            step_size = s_scalars[0];
+            bc2_sqrt_ = s_scalars[1];
         }
         const A neg_step_size = (A)(-step_size);
         const A bc2_sqrt = (A)bc2_sqrt_;
