@@ -25,6 +25,7 @@ mod index;
 mod inplace;
 mod linear_bias;
 mod matmul;
+mod props;
 mod random;
 mod reduce;
 mod rnn;
