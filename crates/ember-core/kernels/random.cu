@@ -6,10 +6,9 @@
 // - each thread computes whole blocks (one Philox call per E elements) in a grid-stride loop;
 // - every `a + b * c` is two separately rounded operations (`__fmul_rn`/`__fadd_rn`,
 //   `__dmul_rn`/`__dadd_rn`): NVRTC contracts to FMA by default, the CPU never does;
-// - Box-Muller is computed in f64 with CUDA's double `log`, `sqrt` (correctly rounded), `sin`
-//   and `cos`; glibc's `ln`/`sin`/`cos` are not correctly rounded either, so f64 normals may
-//   differ from the CPU in the last ulp, and f32/f16/bf16 normals only in the rare case where
-//   that ulp crosses a rounding boundary of the narrower type;
+// - Box-Muller is computed in f64 with fdlibm's log, sin and cos written as the same sequence
+//   of correctly rounded operations as `philox.rs` (Note [Deterministic transcendentals]) and
+//   the correctly rounded sqrt, so normals of every dtype, f64 included, equal the CPU's;
 // - conversions from f64 to f16/bf16 copy what the `half` crate does on the CPU, which is not
 //   always a correctly rounded conversion (see `half_f64_to_f16` / `half_f64_to_bf16` below).
 //
@@ -71,13 +70,109 @@ __device__ __forceinline__ double u53_open0(u32 lo, u32 hi) {
     return __dmul_rn((double)((join_u64(lo, hi) >> 11) + 1), 0x1.0p-53);
 }
 
-// `philox::box_muller`: r = sqrt(-2 ln u1), θ = (2π) u2, (r cos θ, r sin θ).
+// `philox::ln_box_muller`: fdlibm's log for a positive normal x, operation for operation
+// (Note [Deterministic transcendentals] in `random/philox.rs`).
+__device__ __forceinline__ double ln_box_muller(double x) {
+    const double ln2_hi = __longlong_as_double(0x3FE62E42FEE00000ll);
+    const double ln2_lo = __longlong_as_double(0x3DEA39EF35793C76ll);
+    const double lg1 = __longlong_as_double(0x3FE5555555555593ll);
+    const double lg2 = __longlong_as_double(0x3FD999999997FA04ll);
+    const double lg3 = __longlong_as_double(0x3FD2492494229359ll);
+    const double lg4 = __longlong_as_double(0x3FCC71C51D8E78AFll);
+    const double lg5 = __longlong_as_double(0x3FC7466496CB03DEll);
+    const double lg6 = __longlong_as_double(0x3FC39A09D078C69Fll);
+    const double lg7 = __longlong_as_double(0x3FC2F112DF3E5244ll);
+    u64 bits = (u64)__double_as_longlong(x);
+    int hx = (int)(bits >> 32);
+    u32 lx = (u32)bits;
+    int k = (hx >> 20) - 1023;
+    hx &= 0x000FFFFF;
+    int i = (hx + 0x95F64) & 0x100000;
+    double xn = __longlong_as_double((long long)(((u64)(u32)(hx | (i ^ 0x3FF00000)) << 32) | (u64)lx));
+    k += i >> 20;
+    double f = __dsub_rn(xn, 1.0);
+    double dk = (double)k;
+    if ((0x000FFFFF & (2 + hx)) < 3) {
+        if (f == 0.0) return k == 0 ? 0.0 : __dadd_rn(__dmul_rn(dk, ln2_hi), __dmul_rn(dk, ln2_lo));
+        double r = __dmul_rn(__dmul_rn(f, f), __dsub_rn(0.5, __dmul_rn(0.3333333333333333, f)));
+        if (k == 0) return __dsub_rn(f, r);
+        return __dsub_rn(__dmul_rn(dk, ln2_hi), __dsub_rn(__dsub_rn(r, __dmul_rn(dk, ln2_lo)), f));
+    }
+    double s = __ddiv_rn(f, __dadd_rn(2.0, f));
+    double z = __dmul_rn(s, s);
+    int ii = hx - 0x6147A;
+    double w = __dmul_rn(z, z);
+    int j = 0x6B851 - hx;
+    double t1 = __dmul_rn(w, __dadd_rn(lg2, __dmul_rn(w, __dadd_rn(lg4, __dmul_rn(w, lg6)))));
+    double t2 = __dmul_rn(z, __dadd_rn(lg1, __dmul_rn(w, __dadd_rn(lg3, __dmul_rn(w, __dadd_rn(lg5, __dmul_rn(w, lg7)))))));
+    ii |= j;
+    double r = __dadd_rn(t2, t1);
+    if (ii > 0) {
+        double hfsq = __dmul_rn(__dmul_rn(0.5, f), f);
+        if (k == 0) return __dsub_rn(f, __dsub_rn(hfsq, __dmul_rn(s, __dadd_rn(hfsq, r))));
+        return __dsub_rn(__dmul_rn(dk, ln2_hi),
+                         __dsub_rn(__dsub_rn(hfsq, __dadd_rn(__dmul_rn(s, __dadd_rn(hfsq, r)), __dmul_rn(dk, ln2_lo))), f));
+    }
+    if (k == 0) return __dsub_rn(f, __dmul_rn(s, __dsub_rn(f, r)));
+    return __dsub_rn(__dmul_rn(dk, ln2_hi), __dsub_rn(__dsub_rn(__dmul_rn(s, __dsub_rn(f, r)), __dmul_rn(dk, ln2_lo)), f));
+}
+
+// `philox::kernel_sin` and `kernel_cos` (fdlibm, |x| <= pi/4).
+__device__ __forceinline__ double kernel_sin(double x) {
+    const double s1 = __longlong_as_double((long long)0xBFC5555555555549ull);
+    const double s2 = __longlong_as_double(0x3F8111111110F8A6ll);
+    const double s3 = __longlong_as_double((long long)0xBF2A01A019C161D5ull);
+    const double s4 = __longlong_as_double(0x3EC71DE357B1FE7Dll);
+    const double s5 = __longlong_as_double((long long)0xBE5AE5E68A2B9CEBull);
+    const double s6 = __longlong_as_double(0x3DE5D93A5ACFD57Cll);
+    double z = __dmul_rn(x, x);
+    double v = __dmul_rn(z, x);
+    double r = __dadd_rn(s2, __dmul_rn(z, __dadd_rn(s3, __dmul_rn(z, __dadd_rn(s4, __dmul_rn(z, __dadd_rn(s5, __dmul_rn(z, s6))))))));
+    return __dadd_rn(x, __dmul_rn(v, __dadd_rn(s1, __dmul_rn(z, r))));
+}
+__device__ __forceinline__ double kernel_cos(double x) {
+    const double c1 = __longlong_as_double(0x3FA555555555554Cll);
+    const double c2 = __longlong_as_double((long long)0xBF56C16C16C15177ull);
+    const double c3 = __longlong_as_double(0x3EFA01A019CB1590ll);
+    const double c4 = __longlong_as_double((long long)0xBE927E4F809C52ADull);
+    const double c5 = __longlong_as_double(0x3E21EE9EBDB4B1C4ll);
+    const double c6 = __longlong_as_double((long long)0xBDA8FAE9BE8838D4ull);
+    u32 ix = (u32)((u64)__double_as_longlong(x) >> 32) & 0x7FFFFFFFu;
+    if (ix < 0x3E400000u) return 1.0;
+    double z = __dmul_rn(x, x);
+    double r = __dmul_rn(z, __dadd_rn(c1, __dmul_rn(z, __dadd_rn(c2, __dmul_rn(z, __dadd_rn(c3, __dmul_rn(z, __dadd_rn(c4, __dmul_rn(z, __dadd_rn(c5, __dmul_rn(z, c6)))))))))));
+    if (ix < 0x3FD33333u) return __dsub_rn(1.0, __dsub_rn(__dmul_rn(0.5, z), __dmul_rn(z, r)));
+    double qx = ix > 0x3FE90000u ? 0.28125 : __longlong_as_double((long long)((u64)(ix - 0x00200000u) << 32));
+    double hz = __dsub_rn(__dmul_rn(0.5, z), qx);
+    double a = __dsub_rn(1.0, qx);
+    return __dsub_rn(a, __dsub_rn(hz, __dmul_rn(z, r)));
+}
+
+// `philox::sin_cos_turns`: (sin 2*pi*t, cos 2*pi*t) with exact quadrant reduction.
+__device__ __forceinline__ void sin_cos_turns(double t, double& s_out, double& c_out) {
+    const double pio2_hi = __longlong_as_double(0x3FF921FB54442D18ll);
+    const double pio2_lo = __longlong_as_double(0x3C91A62633145C07ll);
+    double q4 = __dmul_rn(4.0, t);
+    double q = floor(__dadd_rn(q4, 0.5));
+    double f = __dsub_rn(q4, q);
+    double x = __dadd_rn(__dmul_rn(f, pio2_hi), __dmul_rn(f, pio2_lo));
+    double s = kernel_sin(x), c = kernel_cos(x);
+    switch ((u32)q & 3u) {
+        case 0: s_out = s; c_out = c; break;
+        case 1: s_out = c; c_out = -s; break;
+        case 2: s_out = -s; c_out = -c; break;
+        default: s_out = -c; c_out = s; break;
+    }
+}
+
+// `philox::box_muller`: r = sqrt(-2 ln u1), theta = 2*pi*u2, (r cos theta, r sin theta), with the
+// deterministic ln/sin/cos above and the correctly rounded sqrt.
 __device__ __forceinline__ void box_muller(double u1, double u2, double& z0, double& z1) {
-    const double two_pi = 2.0 * 3.141592653589793;  // 2.0 * std::f64::consts::PI, exact
-    double r = sqrt(__dmul_rn(-2.0, log(u1)));
-    double theta = __dmul_rn(two_pi, u2);
-    z0 = __dmul_rn(r, cos(theta));
-    z1 = __dmul_rn(r, sin(theta));
+    double r = __dsqrt_rn(__dmul_rn(-2.0, ln_box_muller(u1)));
+    double s, c;
+    sin_cos_turns(u2, s, c);
+    z0 = __dmul_rn(r, c);
+    z1 = __dmul_rn(r, s);
 }
 
 // half::f16::from_f64 without F16C (half 2.x `binary16/arch.rs::f64_to_f16_fallback`), bit for

@@ -77,18 +77,20 @@ pub enum Error {
     )]
     CudaUnavailable { reason: String },
 
-    /// The device allocator could not satisfy a request even after releasing its cache.
-    #[error(
-        "CUDA out of memory on cuda:{device}: tried to allocate {} ({requested} bytes); the GPU has {} in total, of which {} is free; ember holds {} in tensors and {} reserved by the caching allocator; free tensors you no longer need, call ember::cuda::empty_cache(), or use a smaller batch",
-        fmt_bytes(*.requested), fmt_bytes(*.total), fmt_bytes(*.free), fmt_bytes(*.allocated), fmt_bytes(*.reserved)
-    )]
+    /// A device could not satisfy an allocation: host memory on the CPU, or a GPU after its
+    /// caching allocator released its cache and retried. The message names the largest live
+    /// allocations on the device and what to try (`crate::memory::out_of_memory` builds it).
+    #[error("{}", crate::memory::oom_message(.device, *.requested, *.total, *.free, *.allocated, *.reserved, .largest))]
     OutOfMemory {
-        device: usize,
+        device: Device,
         requested: usize,
         total: usize,
         free: usize,
         allocated: usize,
         reserved: usize,
+        /// The largest live tensor storages on the device when the request failed, largest
+        /// first (Note [Live allocation list] in `memory.rs`).
+        largest: Vec<crate::memory::LiveAllocation>,
     },
 
     /// A CUDA driver or library call failed (a kernel fault, a launch error, a compile error).
@@ -118,7 +120,7 @@ fn hint_suffix(hint: &str) -> String {
 
 /// `bytes` as a short human-readable size ("1.50 GiB").
 pub(crate) fn fmt_bytes(bytes: usize) -> String {
-    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    const UNITS: [&str; 7] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut value = bytes as f64;
     let mut unit = 0;
     while value >= 1024.0 && unit + 1 < UNITS.len() {

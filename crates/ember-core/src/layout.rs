@@ -188,6 +188,7 @@ impl Layout {
         if dst.len() < src.len() {
             return Err(err());
         }
+        shape.checked_elements(op)?;
         let lead = dst.len() - src.len();
         let mut strides: Dims = smallvec::smallvec![0; dst.len()];
         for i in 0..src.len() {

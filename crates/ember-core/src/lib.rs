@@ -22,6 +22,7 @@ pub mod dispatch;
 pub mod dtype;
 pub mod error;
 pub mod layout;
+pub mod memory;
 pub mod ops;
 pub mod random;
 pub mod shape;

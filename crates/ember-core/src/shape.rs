@@ -38,6 +38,31 @@ impl Shape {
         self.0.iter().product()
     }
 
+    /// Number of elements, or `None` when the product of the sizes overflows `usize`.
+    pub fn checked_numel(&self) -> Option<usize> {
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// The number of elements of a tensor of this shape, after checking that one can exist:
+    /// the product of the sizes, with a size of 0 counted as 1 so that every contiguous stride
+    /// is in range too, must not exceed [`MAX_ELEMENTS`]. An `Error::InvalidArgument` of `op`
+    /// naming the sizes otherwise (Note [Checked sizes]).
+    pub fn checked_elements(&self, op: &'static str) -> Result<usize> {
+        let extent = self
+            .0
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d.max(1)));
+        match extent {
+            Some(e) if e <= MAX_ELEMENTS => Ok(self.numel()),
+            _ => Err(Error::invalid(
+                op,
+                format!(
+                    "a tensor of shape {self} would have more elements than memory can address (at most {MAX_ELEMENTS}); use smaller sizes"
+                ),
+            )),
+        }
+    }
+
     /// Row-major (C-contiguous) strides, in elements.
     pub fn contiguous_strides(&self) -> Dims {
         let mut strides: Dims = smallvec::smallvec![0; self.0.len()];
@@ -76,8 +101,46 @@ impl Shape {
                 }
             };
         }
-        Ok(Shape(out))
+        let out = Shape(out);
+        out.checked_elements(op)?;
+        Ok(out)
     }
+}
+
+// Note [Checked sizes]
+// Every tensor ember makes has a shape whose size product (zeros counted as ones) is at most
+// `MAX_ELEMENTS` = isize::MAX, and every storage spans at most isize::MAX bytes (Rust's limit
+// for one allocation). Shapes from the user (creation, reshape, expand) and shapes an op
+// derives from its operands (broadcasting, matmul, cat, conv, pooling, one_hot) are checked
+// where they are made, so `numel()` and `contiguous_strides()` of an existing tensor never
+// overflow and need no check; byte sizes are checked where storage is allocated
+// ([`checked_bytes`]). Overflow is `Error::InvalidArgument` naming the sizes, never a wrapped
+// product (a tensor of [2^32, 2^32] with 0 elements) or a "capacity overflow" panic.
+
+/// The most elements (and the largest size product) a tensor may have: `isize::MAX`.
+pub const MAX_ELEMENTS: usize = isize::MAX as usize;
+
+/// `n` elements of `dtype` in bytes, or an `Error::InvalidArgument` of `op` naming both when
+/// that exceeds `isize::MAX` bytes (the most one allocation can hold).
+pub fn checked_bytes(op: &'static str, n: usize, dtype: crate::DType) -> Result<usize> {
+    n.checked_mul(dtype.size_in_bytes())
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!(
+                    "{n} elements of {dtype} would take more than {} bytes, more than memory can address; use smaller sizes",
+                    isize::MAX
+                ),
+            )
+        })
+}
+
+/// `a * b` or an `Error::InvalidArgument` of `op` naming `what` and both factors.
+pub fn checked_mul(op: &'static str, what: &str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b)
+        .filter(|&p| p <= MAX_ELEMENTS)
+        .ok_or_else(|| Error::invalid(op, format!("{what} {a} × {b} overflows; use smaller sizes")))
 }
 
 /// Maps `dim` in `[-rank, rank)` into `0..rank`; a scalar accepts -1 and 0 as PyTorch does.

@@ -129,6 +129,8 @@ struct StorageCell {
     data: RwLock<Storage>,
     /// Bumped by every in-place write; autograd compares it with the version saved at record time.
     version: AtomicU64,
+    /// The storage's entry in the memory accounting (Note [Live allocation list]).
+    tracking: crate::memory::Tracking,
 }
 
 impl Drop for StorageCell {
@@ -152,6 +154,7 @@ impl Drop for StorageCell {
 impl StorageRef {
     pub fn new(storage: Storage) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
+            tracking: crate::memory::Tracking::new(&storage),
             pin: None,
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
@@ -161,10 +164,17 @@ impl StorageRef {
     /// A host storage whose buffer `pin` has page-locked.
     pub(crate) fn new_pinned(storage: Storage, pin: crate::cuda::HostPin) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
+            tracking: crate::memory::Tracking::new(&storage),
             pin: Some(pin),
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
         }))
+    }
+
+    /// Records the shape of the first tensor made over a storage listed in the memory
+    /// accounting (a no-op for small storages).
+    pub(crate) fn note_shape(&self, shape: &crate::Shape) {
+        self.0.tracking.note_shape(shape);
     }
 
     /// True for page-locked host storage.

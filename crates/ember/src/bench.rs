@@ -280,8 +280,15 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
     outcome.map_err(|e| e.to_string())
 }
 
-/// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each.
-pub fn bench(device: Device, only: &[String]) {
+/// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each;
+/// an error naming the known workloads, before anything runs, when `only` names an unknown one.
+pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String> {
+    if let Some(bad) = only.iter().find(|n| !WORKLOADS.contains(&n.as_str())) {
+        return Err(format!(
+            "unknown workload {bad:?} in --only; the workloads are: {}",
+            WORKLOADS.join(", ")
+        ));
+    }
     let names: Vec<&str> = if only.is_empty() {
         WORKLOADS
             .iter()
@@ -312,4 +319,5 @@ pub fn bench(device: Device, only: &[String]) {
         line.insert("device_name".into(), json!(device_name));
         println!("{}", Value::Object(line));
     }
+    Ok(())
 }

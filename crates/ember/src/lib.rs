@@ -16,8 +16,9 @@
 #![forbid(unsafe_code)]
 
 pub use ember_core::{
-    autograd, backends, cuda, dispatch, enable_grad, is_grad_enabled, manual_seed, no_grad, set_grad_enabled,
-    DType, Device, DeviceType, Element, Error, Generator, Result, Scalar, Shape, Tensor,
+    autograd, backends, cuda, default_generator, dispatch, enable_grad, get_rng_state, is_grad_enabled,
+    manual_seed, no_grad, set_grad_enabled, set_rng_state, DType, Device, DeviceType, Element, Error,
+    Generator, Result, RngState, Scalar, Shape, Tensor,
 };
 pub use ember_data as data;
 pub use ember_distributed as distributed;

@@ -52,7 +52,10 @@ fn main() {
                 None if ember::cuda::is_available() => ember::Device::Cuda(0),
                 None => ember::Device::Cpu,
             };
-            bench::bench(device, &only);
+            if let Err(e) = bench::bench(device, &only) {
+                eprintln!("ember bench: {e}");
+                std::process::exit(2);
+            }
         }
     }
 }

@@ -5,12 +5,27 @@
 //! 9,000 images for training and the last 1,000 for testing; `--data DIR` reads the full
 //! dataset (60,000 train, 10,000 test) from its four IDX files.
 //!
-//! Checkpoint format: one safetensors file, written atomically after every epoch, holding the
-//! model's state dict under `model.*`, the optimizer's (Note [State dict format] of
-//! `ember_nn::optim`) under `optimizer.*`, and `epoch`, a 0-d i64 tensor counting the
-//! completed epochs. `--resume` loads it and continues with the next epoch; the shuffling
-//! generator is advanced past the completed epochs so a resumed run sees the batches an
-//! uninterrupted one would.
+//! Checkpoint format: one safetensors file, written atomically (a new file renamed over the
+//! old, so a kill -9 leaves the previous checkpoint or the new one, never half of one) after
+//! every epoch and, with `--checkpoint-every N`, after every N steps. It holds everything a run
+//! depends on (Note [Bit-exact resume]):
+//! - `model.*`: the model's state dict; `optimizer.*`: the optimizer's (Note [State dict
+//!   format] of `ember_nn::optim`), step counts and moments included; `scaler.*`: the
+//!   GradScaler's state when `--amp fp16` enables it;
+//! - `epoch`: completed epochs, and `step`: completed steps of the epoch after them (0 at an
+//!   epoch boundary), 0-d i64 tensors: the data-order position;
+//! - `rng.cpu` and `rng.cuda.N` (every GPU): the default generators' (seed, offset) as 2 i64;
+//! - `epoch_loss_sum`, `epoch_seen`: the running loss of a partly done epoch, so the epoch's
+//!   reported loss is the uninterrupted run's too.
+//!
+//! Note [Bit-exact resume]: the learning rate is a function of the epoch alone (the schedule
+//! needs no state), and the shuffling order of epoch e is drawn from `Generator::new(seed)`
+//! after e - 1 earlier draws, so a resumed run replays those draws and then skips the epoch's
+//! `step` completed batches without training on them. With the model, optimizer, scaler and
+//! generator states restored, every later step computes from the same bits as in an
+//! uninterrupted run, and the final weights are bitwise equal (the CPU kernels are
+//! deterministic; on a GPU, with deterministic algorithms). `tests/cli.rs` kills runs with
+//! SIGKILL at random points and checks this.
 
 use crate::models;
 use clap::{Args, ValueEnum};
@@ -124,7 +139,11 @@ pub struct TrainArgs {
     /// Save model and optimizer state here after every epoch (safetensors, written atomically).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// Load --checkpoint and continue after its last completed epoch.
+    /// Also save --checkpoint after every N training steps (mid-epoch), so a killed run
+    /// resumes from its last N steps.
+    #[arg(long, requires = "checkpoint")]
+    checkpoint_every: Option<usize>,
+    /// Load --checkpoint and continue from its position (bit-exact: Note [Bit-exact resume]).
     #[arg(long, requires = "checkpoint")]
     resume: bool,
     /// Print one JSON object at the end instead of text (per-epoch lines go to stderr).
@@ -249,8 +268,42 @@ fn evaluate(
     Ok(correct.item_f64()? / ds.tensors()[1].dims()[0] as f64)
 }
 
-/// Writes model, optimizer and `epoch` into one safetensors file (atomically).
-fn save_checkpoint(path: &Path, model: &Sequential, opt: &Adam, epoch: usize) -> CliResult<()> {
+/// Where a run stands: what a checkpoint holds besides model, optimizer and scaler.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Position {
+    /// Completed epochs.
+    epoch: usize,
+    /// Completed steps of epoch `epoch + 1`.
+    step: usize,
+    /// The running loss sum and sample count of that partly done epoch.
+    loss_sum: f64,
+    seen: usize,
+}
+
+/// The (seed, offset) of a generator as a 2-element i64 tensor (the bits of the two u64).
+fn rng_tensor(state: ember::RngState) -> ember::Result<Tensor> {
+    Tensor::from_vec(vec![state.seed as i64, state.offset as i64], [2], Device::Cpu)
+}
+
+fn rng_from_tensor(t: &Tensor) -> Option<ember::RngState> {
+    match t.to_vec::<i64>().ok()?.as_slice() {
+        &[seed, offset] => Some(ember::RngState {
+            seed: seed as u64,
+            offset: offset as u64,
+        }),
+        _ => None,
+    }
+}
+
+/// Writes model, optimizer, scaler, RNG states and `pos` into one safetensors file
+/// (atomically).
+fn save_checkpoint(
+    path: &Path,
+    model: &Sequential,
+    opt: &Adam,
+    scaler: &GradScaler,
+    pos: Position,
+) -> CliResult<()> {
     let mut state: Vec<(String, Tensor)> = model
         .state_dict()
         .into_iter()
@@ -261,31 +314,79 @@ fn save_checkpoint(path: &Path, model: &Sequential, opt: &Adam, epoch: usize) ->
             .into_iter()
             .map(|(k, t)| (format!("optimizer.{k}"), t)),
     );
+    if scaler.is_enabled() {
+        state.extend(
+            scaler
+                .state_dict()?
+                .into_iter()
+                .map(|(k, t)| (format!("scaler.{k}"), t)),
+        );
+    }
+    let i64_scalar = |v: usize| Tensor::scalar(v as f64, DType::I64, Device::Cpu);
+    state.push(("epoch".into(), i64_scalar(pos.epoch)?));
+    state.push(("step".into(), i64_scalar(pos.step)?));
+    state.push(("epoch_seen".into(), i64_scalar(pos.seen)?));
     state.push((
-        "epoch".into(),
-        Tensor::scalar(epoch as f64, DType::I64, Device::Cpu)?,
+        "epoch_loss_sum".into(),
+        Tensor::scalar(pos.loss_sum, DType::F64, Device::Cpu)?,
     ));
+    state.push(("rng.cpu".into(), rng_tensor(ember::get_rng_state())?));
+    for i in 0..cuda::device_count() {
+        let g = ember::default_generator(Device::Cuda(i));
+        state.push((format!("rng.cuda.{i}"), rng_tensor(g.get_state())?));
+    }
     save_tensors(&state, path).map_err(|e| format!("saving checkpoint: {e}"))?;
     Ok(())
 }
 
-/// Loads a checkpoint of [`save_checkpoint`] into `model` and `opt`; returns its epoch.
-fn load_checkpoint(path: &Path, kind: ModelKind, model: &mut Sequential, opt: &mut Adam) -> CliResult<usize> {
+/// Loads a checkpoint of [`save_checkpoint`] into `model`, `opt`, `scaler` and the default
+/// generators; returns its position. Checkpoints of older versions (model, optimizer and
+/// `epoch` only) load as epoch boundaries.
+fn load_checkpoint(
+    path: &Path,
+    kind: ModelKind,
+    model: &mut Sequential,
+    opt: &mut Adam,
+    scaler: &mut GradScaler,
+) -> CliResult<Position> {
     let bad = |what: String| format!("--resume: checkpoint {}: {what}", path.display());
     if !path.is_file() {
         return Err(bad("no such file (run once without --resume to create it)".into()).into());
     }
     let state = load_tensors(path, Device::Cpu).map_err(|e| bad(e.to_string()))?;
-    let (mut model_state, mut opt_state, mut epoch) = (Vec::new(), Vec::new(), None);
+    let (mut model_state, mut opt_state, mut scaler_state) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut epoch, mut step, mut seen, mut loss_sum) = (None, 0.0, 0.0, 0.0);
+    let mut rngs = Vec::new();
+    let number = |t: &Tensor| t.item_f64().map_err(|e| bad(e.to_string()));
     for (k, t) in state {
         if let Some(k) = k.strip_prefix("model.") {
             model_state.push((k.to_owned(), t));
         } else if let Some(k) = k.strip_prefix("optimizer.") {
             opt_state.push((k.to_owned(), t));
-        } else if k == "epoch" {
-            epoch = Some(t.item_f64().map_err(|e| bad(e.to_string()))?);
+        } else if let Some(k) = k.strip_prefix("scaler.") {
+            scaler_state.push((k.to_owned(), t));
+        } else if let Some(which) = k.strip_prefix("rng.") {
+            let device = match which {
+                "cpu" => Device::Cpu,
+                _ => match which.strip_prefix("cuda.").and_then(|i| i.parse().ok()) {
+                    Some(i) => Device::Cuda(i),
+                    None => return Err(bad(format!("unexpected entry {k:?}")).into()),
+                },
+            };
+            let rng = rng_from_tensor(&t).ok_or_else(|| bad(format!("bad {k}")))?;
+            rngs.push((device, rng));
         } else {
-            return Err(bad(format!("unexpected entry {k:?}: not an `ember train` checkpoint")).into());
+            match k.as_str() {
+                "epoch" => epoch = Some(number(&t)?),
+                "step" => step = number(&t)?,
+                "epoch_seen" => seen = number(&t)?,
+                "epoch_loss_sum" => loss_sum = number(&t)?,
+                _ => {
+                    return Err(
+                        bad(format!("unexpected entry {k:?}: not an `ember train` checkpoint")).into(),
+                    )
+                }
+            }
         }
     }
     let epoch = epoch.ok_or_else(|| bad("no `epoch` entry: not an `ember train` checkpoint".into()))?;
@@ -297,10 +398,32 @@ fn load_checkpoint(path: &Path, kind: ModelKind, model: &mut Sequential, opt: &m
     })?;
     opt.load_state_dict(&opt_state)
         .map_err(|e| bad(format!("optimizer state: {e}")))?;
-    if !(epoch >= 0.0 && epoch.fract() == 0.0) {
-        return Err(bad(format!("bad epoch {epoch}")).into());
+    if scaler.is_enabled() && !scaler_state.is_empty() {
+        scaler
+            .load_state_dict(&scaler_state)
+            .map_err(|e| bad(format!("scaler state: {e}")))?;
     }
-    Ok(epoch as usize)
+    for (device, rng) in rngs {
+        match device {
+            Device::Cpu => ember::set_rng_state(rng),
+            Device::Cuda(i) if i < cuda::device_count() => ember::default_generator(device).set_state(rng),
+            // Saved on a machine with more GPUs: those generators are not used here.
+            Device::Cuda(_) => {}
+        }
+    }
+    let count = |v: f64, what: &str| {
+        if v >= 0.0 && v.fract() == 0.0 {
+            Ok(v as usize)
+        } else {
+            Err(bad(format!("bad {what} {v}")))
+        }
+    };
+    Ok(Position {
+        epoch: count(epoch, "epoch")?,
+        step: count(step, "step")?,
+        seen: count(seen, "epoch_seen")?,
+        loss_sum,
+    })
 }
 
 /// A progress bar on stderr, hidden when `hidden`.
@@ -343,14 +466,18 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         enabled: args.amp == Some(AmpMode::Fp16),
         ..Default::default()
     })?;
-    let mut done = 0;
+    if args.checkpoint_every == Some(0) {
+        return Err("--checkpoint-every must be at least 1".into());
+    }
+    let mut resumed = Position::default();
     if args.resume {
         let path = args
             .checkpoint
             .as_deref()
             .expect("clap requires --checkpoint with --resume");
-        done = load_checkpoint(path, kind, &mut model, &mut opt)?;
+        resumed = load_checkpoint(path, kind, &mut model, &mut opt, &mut scaler)?;
     }
+    let done = resumed.epoch;
 
     let loader = DataLoader::builder(train)
         .batch_size(args.batch_size)
@@ -369,20 +496,25 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         }
     };
     let hidden = args.json || !std::io::stderr().is_terminal();
-    if done >= args.epochs {
+    if done >= args.epochs && resumed.step == 0 {
         say(format!(
             "checkpoint already has {done} epoch(s), --epochs is {}: nothing to train",
             args.epochs
         ));
     } else {
         say(format!(
-            "training {} ({} parameters) on {device}: {} ({n_train} train, {} test samples), epochs {}..={}",
+            "training {} ({} parameters) on {device}: {} ({n_train} train, {} test samples), epochs {}..={}{}",
             kind.name(),
             model.num_parameters(),
             data_name,
             test.tensors()[1].dims()[0],
             done + 1,
-            args.epochs
+            args.epochs,
+            if resumed.step > 0 {
+                format!(" (resuming after step {} of epoch {})", resumed.step, done + 1)
+            } else {
+                String::new()
+            }
         ));
     }
 
@@ -393,9 +525,22 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         let bar = progress_bar(loader.len(), hidden);
         bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
         let t0 = Instant::now();
+        // A resumed epoch goes on from its checkpoint: its first `skip` batches were trained.
+        let (skip, prior) = if epoch == done + 1 {
+            (resumed.step, resumed)
+        } else {
+            (0, Position::default())
+        };
         let mut loss_sum = Tensor::zeros([], DType::F32, device)?;
+        let (mut prior_loss, mut prior_seen) = (prior.loss_sum, prior.seen);
         let mut seen = 0usize;
+        // Samples trained on in this process (the rate and `samples` of the report).
+        let mut trained = 0usize;
         for (step, batch) in loader.iter().enumerate() {
+            if step < skip {
+                bar.inc(1);
+                continue;
+            }
             let batch = batch?;
             let x = batch[0].to_non_blocking(device)?;
             let y = batch[1].to_non_blocking(device)?;
@@ -412,10 +557,28 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             scaler.update(None)?;
             let n = y.dims()[0];
             seen += n;
+            trained += n;
             loss_sum = loss_sum.add(&loss.detach().mul_scalar(n as f64)?)?;
             bar.inc(1);
+            if let (Some(path), Some(every)) = (&args.checkpoint, args.checkpoint_every) {
+                if (step + 1) % every == 0 && step + 1 < loader.len() {
+                    // The running loss is folded into the f64 sum that the checkpoint holds,
+                    // so a resumed epoch adds up the same values in the same order.
+                    prior_loss += loss_sum.item_f64()?;
+                    prior_seen += seen;
+                    loss_sum = Tensor::zeros([], DType::F32, device)?;
+                    seen = 0;
+                    let pos = Position {
+                        epoch: epoch - 1,
+                        step: step + 1,
+                        loss_sum: prior_loss,
+                        seen: prior_seen,
+                    };
+                    save_checkpoint(path, &model, &opt, &scaler, pos)?;
+                }
+            }
             if !hidden && (step % PROGRESS_EVERY == 0 || step + 1 == loader.len()) {
-                let rate = seen as f64 / t0.elapsed().as_secs_f64();
+                let rate = trained as f64 / t0.elapsed().as_secs_f64();
                 let mut msg = format!("loss {:.4}  {rate:.0} samples/s", loss.item_f64()?);
                 if let Device::Cuda(i) = device {
                     msg += &format!("  mem {:.0} MiB", cuda::memory_allocated(i) as f64 / 1048576.0);
@@ -423,21 +586,26 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 bar.set_message(msg);
             }
         }
-        let loss = loss_sum.item_f64()? / seen.max(1) as f64;
+        let epoch_seen = prior_seen + seen;
+        let loss = (prior_loss + loss_sum.item_f64()?) / epoch_seen.max(1) as f64;
         let secs = t0.elapsed().as_secs_f64();
         bar.finish_and_clear();
         train_s += secs;
-        samples += seen;
+        samples += trained;
         final_loss = Some(loss);
         let acc = evaluate(&mut model, &test, device, args.amp)?;
         test_acc = Some(acc);
         say(format!(
             "epoch {epoch}/{}: train loss {loss:.4}, test accuracy {acc:.4} ({secs:.1} s, {:.0} samples/s)",
             args.epochs,
-            seen as f64 / secs
+            trained as f64 / secs
         ));
         if let Some(path) = &args.checkpoint {
-            save_checkpoint(path, &model, &opt, epoch)?;
+            let pos = Position {
+                epoch,
+                ..Position::default()
+            };
+            save_checkpoint(path, &model, &opt, &scaler, pos)?;
         }
     }
     let test_acc = match test_acc {

@@ -22,15 +22,17 @@ pub struct ConvParams {
 
 impl ConvParams {
     /// The output `[N, O, OH, OW]`, or None when the (dilated) kernel does not fit the padded
-    /// input or a stride or dilation is zero.
+    /// input, a stride or dilation is zero, or the padded size overflows.
     pub fn output(&self) -> Option<[usize; 4]> {
         let mut out = [self.input[0], self.weight[0], 0, 0];
         for d in 0..2 {
             if self.stride[d] == 0 || self.dilation[d] == 0 {
                 return None;
             }
-            let span = self.dilation[d] * (self.weight[2 + d].checked_sub(1)?) + 1;
-            let padded = self.input[2 + d] + 2 * self.padding[d];
+            let span = self.dilation[d]
+                .checked_mul(self.weight[2 + d].checked_sub(1)?)?
+                .checked_add(1)?;
+            let padded = self.padding[d].checked_mul(2)?.checked_add(self.input[2 + d])?;
             out[2 + d] = padded.checked_sub(span)? / self.stride[d] + 1;
         }
         Some(out)
@@ -61,14 +63,14 @@ pub struct PoolParams {
 
 impl PoolParams {
     /// The output `[N, C, OH, OW]` (floor sizes), or None when a window does not fit the padded
-    /// input or the kernel or stride is zero.
+    /// input, the kernel or stride is zero, or the padded size overflows.
     pub fn output(&self) -> Option<[usize; 4]> {
         let mut out = [self.input[0], self.input[1], 0, 0];
         for d in 0..2 {
             if self.kernel[d] == 0 || self.stride[d] == 0 {
                 return None;
             }
-            let padded = self.input[2 + d] + 2 * self.padding[d];
+            let padded = self.padding[d].checked_mul(2)?.checked_add(self.input[2 + d])?;
             out[2 + d] = padded.checked_sub(self.kernel[d])? / self.stride[d] + 1;
         }
         Some(out)

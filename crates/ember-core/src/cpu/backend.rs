@@ -9,6 +9,7 @@ use crate::backend::{
     LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp, SoftmaxOp, UnaryOp,
 };
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::{DType, Device, Error, Result};
 
 /// The host, as a backend device.
@@ -23,15 +24,7 @@ impl BackendDevice for CpuDevice {
     }
 
     fn full(&self, dtype: DType, n: usize, value: f64) -> Result<CpuStorage> {
-        CpuStorage::full(dtype, n, value).ok_or_else(|| {
-            Error::invalid(
-                "allocate",
-                format!(
-                    "cannot allocate {n} elements of {dtype} ({} bytes) in host memory; use a smaller shape",
-                    n.saturating_mul(dtype.size_in_bytes())
-                ),
-            )
-        })
+        CpuStorage::full(dtype, n, value)
     }
 
     fn alloc(&self, dtype: DType, n: usize) -> Result<CpuStorage> {
@@ -39,12 +32,48 @@ impl BackendDevice for CpuDevice {
     }
 
     fn random(&self, dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<CpuStorage> {
+        // Bernoulli draws through an f64 buffer of `n`.
+        let widest = match dist {
+            Distribution::Bernoulli { .. } => DType::F64,
+            _ => dtype,
+        };
+        check_host_alloc("random", n, widest)?;
         random::random(dtype, n, dist, state)
     }
 
     fn randperm(&self, n: usize, state: RngState) -> Result<CpuStorage> {
+        check_host_alloc("randperm", n.saturating_mul(3), DType::I64)?; // (key, index) pairs, then the result
         Ok(random::randperm(n, state))
     }
+}
+
+/// Elements of `layout` with `dim` replaced by `len` (an index op's output), checked.
+fn with_dim_len(op: &'static str, layout: &Layout, dim: usize, len: usize) -> Result<usize> {
+    let others = layout
+        .dims()
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != dim)
+        .try_fold(1usize, |acc, (_, &d)| acc.checked_mul(d));
+    others.and_then(|o| o.checked_mul(len)).ok_or_else(|| {
+        Error::invalid(
+            op,
+            format!("the output of {:?} with {len} indices overflows", layout.dims()),
+        )
+    })
+}
+
+/// Elements of the `[B.., m, n]` product of `[B.., m, k]` at `a` and `[B.., k, n]` at `b`.
+fn matmul_out_len(a: &Layout, b: &Layout) -> Result<usize> {
+    let rows = a.dims()[..a.dims().len().saturating_sub(1)]
+        .iter()
+        .product::<usize>();
+    crate::shape::checked_mul(
+        "matmul",
+        "the output rows × columns",
+        rows,
+        *b.dims().last().unwrap_or(&1),
+    )
 }
 
 impl BackendStorage for CpuStorage {
@@ -64,10 +93,12 @@ impl BackendStorage for CpuStorage {
     }
 
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
+        check_host_alloc("to_dtype", layout.numel(), dtype)?;
         Ok(CpuStorage::to_dtype(self, layout, dtype))
     }
 
     fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        check_host_alloc("contiguous", layout.numel(), self.dtype())?;
         Ok(self.contiguous(layout))
     }
 
@@ -89,6 +120,7 @@ impl BackendStorage for CpuStorage {
         rhs: &CpuStorage,
         rhs_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         CpuStorage::binary(self, op, layout, rhs, rhs_layout)
     }
 
@@ -102,6 +134,7 @@ impl BackendStorage for CpuStorage {
         out_layout: &Layout,
     ) -> Result<()> {
         // The kernels write new buffers; the result is copied into place.
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         let r = CpuStorage::binary(self, op, layout, rhs, rhs_layout)?;
         CpuStorage::copy_strided_from(out, out_layout, &r, &Layout::contiguous(layout.shape().clone()));
         Ok(())
@@ -114,6 +147,7 @@ impl BackendStorage for CpuStorage {
         rhs: &CpuStorage,
         rhs_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), DType::Bool)?;
         CpuStorage::compare(self, op, layout, rhs, rhs_layout)
     }
 
@@ -124,6 +158,7 @@ impl BackendStorage for CpuStorage {
         rhs: &CpuStorage,
         rhs_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), DType::Bool)?;
         CpuStorage::logical(self, op, layout, rhs, rhs_layout)
     }
 
@@ -135,10 +170,16 @@ impl BackendStorage for CpuStorage {
         on_false: &CpuStorage,
         false_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc("where", layout.numel(), on_true.dtype())?;
         CpuStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
     }
 
     fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CpuStorage> {
+        check_host_alloc(
+            op.name(),
+            layout.numel(),
+            op.result_dtype(self.dtype()).unwrap_or(self.dtype()),
+        )?;
         CpuStorage::unary(self, op, layout)
     }
 
@@ -156,6 +197,7 @@ impl BackendStorage for CpuStorage {
     }
 
     fn matmul(&self, layout: &Layout, rhs: &CpuStorage, rhs_layout: &Layout) -> Result<CpuStorage> {
+        check_host_alloc("matmul", matmul_out_len(layout, rhs_layout)?, self.dtype())?;
         CpuStorage::matmul(self, layout, rhs, rhs_layout)
     }
 
@@ -167,6 +209,7 @@ impl BackendStorage for CpuStorage {
         bias: &CpuStorage,
         bias_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc("linear", matmul_out_len(layout, rhs_layout)?, self.dtype())?;
         CpuStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
     }
 
@@ -179,6 +222,11 @@ impl BackendStorage for CpuStorage {
         index: &CpuStorage,
         index_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(
+            name,
+            with_dim_len(name, layout, dim, index_layout.numel())?,
+            self.dtype(),
+        )?;
         CpuStorage::index_read(self, op, name, layout, dim, index, index_layout)
     }
 
@@ -192,6 +240,7 @@ impl BackendStorage for CpuStorage {
         src: &CpuStorage,
         src_layout: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         CpuStorage::index_write(self, op, layout, dim, index, index_layout, src, src_layout)
     }
 
@@ -200,6 +249,7 @@ impl BackendStorage for CpuStorage {
     }
 
     fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         CpuStorage::softmax(self, layout, op, dim)
     }
 
@@ -211,18 +261,24 @@ impl BackendStorage for CpuStorage {
         op: SoftmaxOp,
         dim: usize,
     ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         CpuStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
     }
 
     fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CpuStorage> {
+        check_host_alloc("bernoulli", layout.numel(), DType::F64)?;
         random::bernoulli(self, layout, state)
     }
 
     fn conv_forward(&self, weight: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
+        if let Some(out) = p.output() {
+            check_host_alloc("convolution", out.iter().product(), p.dtype)?;
+        }
         conv::forward(self, weight, p)
     }
 
     fn conv_backward_data(&self, grad_out: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
+        check_host_alloc("convolution_backward", p.input.iter().product(), p.dtype)?;
         conv::backward_data(self, grad_out, p)
     }
 
@@ -231,6 +287,9 @@ impl BackendStorage for CpuStorage {
     }
 
     fn pool_forward(&self, p: &PoolParams) -> Result<Option<CpuStorage>> {
+        if let Some(out) = p.output() {
+            check_host_alloc("pool2d", out.iter().product(), p.dtype)?;
+        }
         pool::forward(self, p)
     }
 
@@ -240,6 +299,7 @@ impl BackendStorage for CpuStorage {
         grad_out: &CpuStorage,
         p: &PoolParams,
     ) -> Result<Option<CpuStorage>> {
+        check_host_alloc("pool2d_backward", p.input.iter().product(), p.dtype)?;
         pool::backward(self, grad_out, p)
     }
 

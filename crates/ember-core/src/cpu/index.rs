@@ -304,7 +304,8 @@ impl CpuStorage {
                 .map_or(0, |&m| if m < 0 { 0 } else { m as usize + 1 }),
         };
         check_range(OP, &idx, layout.shape().rank(), n)?;
-        let mut out = vec![0i64; idx.len() * n];
+        let len = crate::shape::checked_mul(OP, "rows × classes", idx.len(), n)?;
+        let mut out = crate::memory::try_filled(OP, len, crate::DType::I64, 0i64)?;
         for (row, &i) in idx.iter().enumerate() {
             out[row * n + i as usize] = 1;
         }

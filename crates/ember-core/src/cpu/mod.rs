@@ -129,14 +129,13 @@ impl CpuStorage {
         self.len() == 0
     }
 
-    /// `n` copies of `value` converted to `dtype`, or `None` when host memory for them cannot
-    /// be reserved (so that an oversized request is an error, not an abort).
-    pub fn full(dtype: DType, n: usize, value: f64) -> Option<CpuStorage> {
-        fn fill<T: CpuElement>(n: usize, value: f64) -> Option<CpuStorage> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(n).ok()?;
-            v.resize(n, T::from_f64(value));
-            Some(T::wrap(v))
+    /// `n` copies of `value` converted to `dtype`; `Error::OutOfMemory` when host memory for
+    /// them cannot be reserved (Note [Fallible host allocation] in `memory.rs`), so that an
+    /// oversized request is an error, not an abort.
+    pub fn full(dtype: DType, n: usize, value: f64) -> crate::Result<CpuStorage> {
+        fn fill<T: CpuElement>(n: usize, value: f64) -> crate::Result<CpuStorage> {
+            let v = crate::memory::try_filled("full", n, T::DTYPE, T::from_f64(value))?;
+            Ok(T::wrap(v))
         }
         match dtype {
             DType::Bool => fill::<bool>(n, value),

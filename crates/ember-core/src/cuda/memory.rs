@@ -114,13 +114,15 @@ pub fn caching_allocator_alloc(device: usize, bytes: usize) -> Result<u64> {
     rt.allocator
         .malloc(bytes, current_raw(device))
         .map(|a| a.ptr)
-        .map_err(|oom| Error::OutOfMemory {
-            device,
-            requested: oom.requested,
-            total: oom.total,
-            free: oom.free,
-            allocated: oom.allocated,
-            reserved: oom.reserved,
+        .map_err(|oom| {
+            crate::memory::out_of_memory(
+                crate::Device::Cuda(device),
+                oom.requested,
+                oom.total,
+                oom.free,
+                oom.allocated,
+                oom.reserved,
+            )
         })
 }
 

@@ -58,13 +58,15 @@ impl CudaStorage {
         let a = rt
             .allocator
             .malloc(bytes, current_raw(rt.ordinal))
-            .map_err(|oom| Error::OutOfMemory {
-                device: rt.ordinal,
-                requested: oom.requested,
-                total: oom.total,
-                free: oom.free,
-                allocated: oom.allocated,
-                reserved: oom.reserved,
+            .map_err(|oom| {
+                crate::memory::out_of_memory(
+                    crate::Device::Cuda(rt.ordinal),
+                    oom.requested,
+                    oom.total,
+                    oom.free,
+                    oom.allocated,
+                    oom.reserved,
+                )
             })?;
         Ok(CudaStorage {
             buf: Arc::new(DeviceBuffer {

@@ -89,6 +89,7 @@ pub struct Prepared<const N: usize> {
 
 /// Steps 1–4 of the dispatch point for `op` over `inputs` (see the module docs).
 pub fn prepare<const N: usize>(op: &'static Op, inputs: [&Tensor; N]) -> Result<Prepared<N>> {
+    crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, &inputs)?;
     let mut inputs = inputs.map(Tensor::clone);
     autocast::apply(op, device, &mut inputs)?;
@@ -173,6 +174,7 @@ pub fn composite_list<T>(
     inputs: &[Option<&Tensor>],
     body: impl FnOnce(&[Option<Tensor>]) -> Result<T>,
 ) -> Result<T> {
+    crate::memory::set_current_op(op.name);
     let present: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
     let device = check_devices(op.name, &present)?;
     let mut prepared: Vec<Tensor> = present.into_iter().cloned().collect();
@@ -192,6 +194,7 @@ pub(crate) fn call_list<T>(
     inputs: &[&Tensor],
     body: impl FnOnce(&[Tensor]) -> Result<T>,
 ) -> Result<T> {
+    crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, inputs)?;
     let mut prepared: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
     autocast::apply(op, device, &mut prepared)?;

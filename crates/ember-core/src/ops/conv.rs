@@ -10,7 +10,8 @@
 use super::conv_composite::{self, Window};
 use crate::autograd::{self, SavedTensor};
 use crate::backend::ConvParams;
-use crate::{Error, Result, Tensor};
+use crate::shape::checked_mul;
+use crate::{Error, Result, Shape, Tensor};
 
 const OP: &str = "convolution";
 
@@ -71,6 +72,15 @@ pub fn convolution(
             op: OP,
             expected: input.dtype(),
             found: weight.dtype(),
+        });
+    }
+    if !input.dtype().is_floating_point() {
+        // As PyTorch ("slow_conv2d_cpu" not implemented for 'Long').
+        return Err(Error::UnsupportedDType {
+            op: OP,
+            dtype: input.dtype(),
+            hint:
+                "convolution needs a floating point input and weight; convert them with .to_dtype(DType::F32)",
         });
     }
     let (c, o, cg) = (input.dims()[1], weight.dims()[0], weight.dims()[1]);
@@ -135,6 +145,11 @@ pub fn convolution(
     } else {
         out4.to_vec()
     };
+    // Note [Checked sizes]: the output, and the im2col columns of one image
+    // (C/groups·KH·KW × OH·OW), must be addressable.
+    Shape::from(out_dims.as_slice()).checked_elements(OP)?;
+    let window = params.weight[1..].iter().product::<usize>();
+    checked_mul(OP, "im2col columns", window, out4[2] * out4[3])?;
     let x = packed(input)?.reshape(&as_isize(&params.input))?;
     let w = packed(weight)?.reshape(&as_isize(&params.weight))?;
     let y = {
@@ -276,8 +291,11 @@ pub fn unfold(
             ),
         ));
     };
-    let cols = conv_composite::windows(input, &win, out, 0.0)?;
     let (n, c) = (input.dims()[0], input.dims()[1]);
+    let positions = checked_mul(OP, "output positions", out[0], out[1])?;
+    let rows = checked_mul(OP, "channels × kernel positions", c, kernel[0] * kernel[1])?;
+    Shape::from([n, rows, positions]).checked_elements(OP)?;
+    let cols = conv_composite::windows(input, &win, out, 0.0)?;
     cols.reshape(&as_isize(&[n, c * kernel[0] * kernel[1], out[0] * out[1]]))
 }
 

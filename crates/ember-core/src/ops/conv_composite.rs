@@ -42,8 +42,9 @@ impl Window {
             if self.kernel[d] == 0 || self.stride[d] == 0 || self.dilation[d] == 0 {
                 return None;
             }
-            let span = self.dilation[d] * (self.kernel[d] - 1) + 1;
-            out[d] = (hw[d] + 2 * self.padding[d]).checked_sub(span)? / self.stride[d] + 1;
+            let span = self.dilation[d].checked_mul(self.kernel[d] - 1)?.checked_add(1)?;
+            let padded = self.padding[d].checked_mul(2)?.checked_add(hw[d])?;
+            out[d] = padded.checked_sub(span)? / self.stride[d] + 1;
         }
         Some(out)
     }

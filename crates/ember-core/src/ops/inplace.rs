@@ -27,11 +27,13 @@ impl Tensor {
                 )));
             }
         }
-        let overlapping = self
-            .dims()
-            .iter()
-            .zip(self.stride())
-            .any(|(&d, &s)| d > 1 && s == 0);
+        // An empty tensor has no elements to overlap (its contiguous strides hold zeros).
+        let overlapping = self.numel() > 0
+            && self
+                .dims()
+                .iter()
+                .zip(self.stride())
+                .any(|(&d, &s)| d > 1 && s == 0);
         if overlapping {
             return Err(Error::invalid(
                 op,
@@ -140,6 +142,21 @@ impl Tensor {
     /// Linear interpolation in place: `self += weight * (end - self)` (`lerp_`).
     pub fn lerp_(&self, end: &Tensor, weight: f64) -> Result<Tensor> {
         self.check_inplace("lerp_", &[end])?;
+        // As PyTorch: `end` of the same dtype (no promotion), and a floating point one.
+        if end.dtype() != self.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "lerp_",
+                expected: self.dtype(),
+                found: end.dtype(),
+            });
+        }
+        if !self.dtype().is_floating_point() {
+            return Err(Error::UnsupportedDType {
+                op: "lerp_",
+                dtype: self.dtype(),
+                hint: "lerp needs floating point tensors",
+            });
+        }
         let _g = autograd::no_grad();
         let r = self.add(&end.sub(self)?.mul_scalar(weight)?)?;
         self.assign_result("lerp_", &r)

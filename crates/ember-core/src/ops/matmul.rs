@@ -46,11 +46,14 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
     }
     let batch = Shape::from(&a.dims()[..ra - 2])
         .broadcast(&Shape::from(&b.dims()[..rb - 2]), op)
-        .map_err(|_| Error::ShapeMismatch {
-            op,
-            lhs: user.0.shape().clone(),
-            rhs: user.1.shape().clone(),
-            hint: "the batch dimensions (all but the last two) cannot be broadcast together",
+        .map_err(|e| match e {
+            Error::ShapeMismatch { .. } => Error::ShapeMismatch {
+                op,
+                lhs: user.0.shape().clone(),
+                rhs: user.1.shape().clone(),
+                hint: "the batch dimensions (all but the last two) cannot be broadcast together",
+            },
+            other => other,
         })?;
     let with = |x: usize, y: usize| {
         let mut d = batch.dims().to_vec();
@@ -59,6 +62,7 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
     };
     let al = a.layout().broadcast_as(&with(m, k), op)?;
     let bl = b.layout().broadcast_as(&with(k, n), op)?;
+    with(m, n).checked_elements(op)?;
     let storage = {
         let (sa, sb) = (a.storage().read(), b.storage().read());
         sa.matmul(&al, &sb, &bl)?

@@ -9,7 +9,7 @@ use super::conv::{as_isize, packed};
 use super::conv_composite;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::PoolParams;
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::PoolMode;
 
@@ -80,6 +80,7 @@ pub fn pool2d(
             ),
         ));
     };
+    Shape::from(out_dims.as_slice()).checked_elements(op)?;
     let x = packed(input)?;
     let y = x.storage().read().pool_forward(&params)?;
     let Some(y) = y else {

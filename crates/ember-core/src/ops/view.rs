@@ -20,7 +20,14 @@ fn infer_shape(op: &'static str, dims: &[isize], numel: usize) -> Result<Shape> 
             -1 if infer.is_none() => infer = Some(i),
             -1 => return Err(Error::invalid(op, "only one dimension can be inferred (-1)")),
             d if d < 0 => return Err(Error::invalid(op, format!("invalid shape dimension {d}"))),
-            d => known *= d as usize,
+            d => {
+                known = known.checked_mul(d as usize).ok_or_else(|| {
+                    Error::invalid(
+                        op,
+                        format!("shape {dims:?} has more elements than memory can address"),
+                    )
+                })?
+            }
         }
     }
     let mut out: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
@@ -38,7 +45,9 @@ fn infer_shape(op: &'static str, dims: &[isize], numel: usize) -> Result<Shape> 
             format!("shape {dims:?} is invalid for input of size {numel}"),
         ));
     }
-    Ok(Shape::new(out))
+    let out = Shape::new(out);
+    out.checked_elements(op)?;
+    Ok(out)
 }
 
 /// `len` elements of `dim` from `start`, every `step`-th.
@@ -46,7 +55,11 @@ fn strided_slice(l: &Layout, d: usize, start: usize, len: usize, step: usize) ->
     let span = if len == 0 { 0 } else { (len - 1) * step + 1 };
     let n = l.narrow(d, start, span)?;
     let mut strides = n.strides().to_vec();
-    strides[d] *= step;
+    // With two or more elements the step stays inside the dim (so the product is in range);
+    // with one, the stride is never used and a huge step must not overflow it.
+    if len > 1 {
+        strides[d] *= step;
+    }
     let mut dims = n.dims().to_vec();
     dims[d] = len;
     Ok(Layout::new(dims.into(), strides, n.offset()))
@@ -292,14 +305,15 @@ impl Tensor {
     }
 
     /// Dims `start..=end` merged into one (`flatten`).
+    /// A 0-d tensor accepts dims -1 and 0 and becomes `[1]`, as in PyTorch.
     pub fn flatten(&self, start_dim: isize, end_dim: isize) -> Result<Tensor> {
-        if self.rank() == 0 {
-            return self.reshape(&[1]);
-        }
         let (s, e) = (
             self.shape().dim("flatten", start_dim)?,
             self.shape().dim("flatten", end_dim)?,
         );
+        if self.rank() == 0 {
+            return self.reshape(&[1]);
+        }
         if s > e {
             return Err(Error::invalid("flatten", "start_dim cannot come after end_dim"));
         }
@@ -311,6 +325,7 @@ impl Tensor {
 
     /// Pieces of `split_size` along `dim` (the last may be smaller), as views (`split`).
     pub fn split(&self, split_size: usize, dim: isize) -> Result<Vec<Tensor>> {
+        self.require_dims("split", dim)?;
         let d = self.shape().dim("split", dim)?;
         if split_size == 0 {
             return Err(Error::invalid("split", "split_size must be positive"));
@@ -321,15 +336,17 @@ impl Tensor {
         while start < size || (size == 0 && out.is_empty()) {
             let len = split_size.min(size - start);
             out.push(self.narrow(dim, start, len)?);
-            start += split_size;
+            start = start.saturating_add(split_size);
         }
         Ok(out)
     }
 
     /// Pieces of the given sizes along `dim` (`split` with a list of sizes).
     pub fn split_with_sizes(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
-        let d = self.shape().dim("split", dim)?;
-        if sizes.iter().sum::<usize>() != self.dims()[d] {
+        self.require_dims("split_with_sizes", dim)?;
+        let d = self.shape().dim("split_with_sizes", dim)?;
+        let total = sizes.iter().try_fold(0usize, |acc, &s| acc.checked_add(s));
+        if total != Some(self.dims()[d]) {
             return Err(Error::invalid(
                 "split_with_sizes",
                 format!(
@@ -351,6 +368,7 @@ impl Tensor {
 
     /// At most `chunks` pieces of equal size (the last may be smaller) along `dim` (`chunk`).
     pub fn chunk(&self, chunks: usize, dim: isize) -> Result<Vec<Tensor>> {
+        self.require_dims("chunk", dim)?;
         let d = self.shape().dim("chunk", dim)?;
         if chunks == 0 {
             return Err(Error::invalid("chunk", "chunks must be positive"));
@@ -395,8 +413,14 @@ impl Tensor {
                     hint: "sizes must match except in the concatenated dimension",
                 });
             }
-            dims[d] += t.dims()[d];
+            dims[d] = dims[d].checked_add(t.dims()[d]).ok_or_else(|| {
+                Error::invalid(
+                    "cat",
+                    "the concatenated size overflows; use fewer or smaller tensors",
+                )
+            })?;
         }
+        Shape::from(dims.as_slice()).checked_elements("cat")?;
         let out = Tensor::zeros(dims, dtype, first.device())?;
         let mut start = 0;
         let mut sizes = Vec::with_capacity(ts.len());
@@ -456,6 +480,7 @@ impl Tensor {
 
     /// Views of each element along `dim`, with that dim removed (`unbind`).
     pub fn unbind(&self, dim: isize) -> Result<Vec<Tensor>> {
+        self.require_dims("unbind", dim)?;
         let d = self.shape().dim("unbind", dim)?;
         (0..self.dims()[d])
             .map(|i| self.select(dim, i as isize))

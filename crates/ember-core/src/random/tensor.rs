@@ -57,7 +57,15 @@ fn check_probability(op: &'static str, p: f64) -> Result<Distribution> {
 
 /// A new tensor of `shape` drawn from `dist` with `gen`.
 fn draw(shape: Shape, dtype: DType, device: Device, dist: Distribution, gen: &Generator) -> Result<Tensor> {
-    let n = shape.numel();
+    let op = match dist {
+        Distribution::Uniform { .. } => "rand",
+        Distribution::Normal { .. } => "randn",
+        Distribution::Bernoulli { .. } => "bernoulli",
+        Distribution::RandInt { .. } => "randint",
+    };
+    let n = shape.checked_elements(op)?;
+    crate::shape::checked_bytes(op, n, dtype)?;
+    crate::memory::set_current_op(op);
     let state = gen.reserve(dist.blocks(n, dtype));
     let storage = Storage::random(device, dtype, n, dist, state)?;
     Ok(Tensor::from_storage(storage, shape))
@@ -157,6 +165,9 @@ impl Tensor {
 
     /// [`Tensor::randperm`] drawing from `gen`.
     pub fn randperm_with(n: usize, device: Device, gen: &Generator) -> Result<Tensor> {
+        Shape::from(n).checked_elements("randperm")?;
+        crate::shape::checked_bytes("randperm", n, DType::I64)?;
+        crate::memory::set_current_op("randperm");
         let state = gen.reserve(crate::backend::op::blocks_for(
             n,
             crate::backend::op::RANDPERM_PER_BLOCK,

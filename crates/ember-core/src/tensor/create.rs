@@ -2,6 +2,8 @@
 //! (random creation is in `random/tensor.rs`).
 
 use crate::cpu::{CpuElement, CpuStorage};
+use crate::memory::try_vec;
+use crate::shape::MAX_ELEMENTS;
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
@@ -9,16 +11,17 @@ impl Tensor {
     /// A tensor holding `data` with `shape` on `device` (`torch.tensor(data).reshape(shape)`).
     pub fn from_vec<T: CpuElement>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
         let shape = shape.into();
-        if data.len() != shape.numel() {
+        let numel = shape.checked_elements("from_vec")?;
+        if data.len() != numel {
             return Err(Error::invalid(
                 "from_vec",
                 format!(
-                    "{} elements cannot have shape {shape} ({} elements)",
-                    data.len(),
-                    shape.numel()
+                    "{} elements cannot have shape {shape} ({numel} elements)",
+                    data.len()
                 ),
             ));
         }
+        crate::memory::set_current_op("from_vec");
         Ok(Tensor::from_storage(
             Storage::from_cpu(T::wrap(data), device)?,
             shape,
@@ -37,17 +40,9 @@ impl Tensor {
 
     pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: Device) -> Result<Tensor> {
         let shape = shape.into();
-        let numel = shape.dims().iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        let numel = numel.filter(|n| {
-            n.checked_mul(dtype.size_in_bytes())
-                .is_some_and(|b| b <= isize::MAX as usize)
-        });
-        let numel = numel.ok_or_else(|| {
-            Error::invalid(
-                "full",
-                format!("shape {shape} has more elements than memory can address"),
-            )
-        })?;
+        let numel = shape.checked_elements("full")?;
+        crate::shape::checked_bytes("full", numel, dtype)?;
+        crate::memory::set_current_op("full");
         let storage = Storage::full(device, dtype, numel, value)?;
         Ok(Tensor::from_storage(storage, shape))
     }
@@ -95,9 +90,15 @@ impl Tensor {
                 format!("upper bound and lower bound inconsistent with step sign ({start}..{end} by {step})"),
             ));
         }
-        let n = ((end - start) / step).ceil() as usize;
-        let values: Vec<f64> = (0..n).map(|i| start + i as f64 * step).collect();
-        Tensor::from_f64s(values, n, dtype, device)
+        let count = ((end - start) / step).ceil();
+        if !(count <= MAX_ELEMENTS as f64) {
+            return Err(Error::invalid(
+                "arange",
+                format!("{start}..{end} by {step} would have {count} elements, more than memory can address; use a larger step or a smaller range"),
+            ));
+        }
+        let n = count as usize;
+        Tensor::from_fn("arange", [n], dtype, device, |i| start + i as f64 * step)
     }
 
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
@@ -109,30 +110,53 @@ impl Tensor {
         };
         // PyTorch fills the second half backwards from `end` so that the last value is exact.
         let half = steps / 2;
-        let values: Vec<f64> = (0..steps)
-            .map(|i| {
-                if i < half {
-                    start + step * i as f64
-                } else {
-                    end - step * (steps - 1 - i) as f64
-                }
-            })
-            .collect();
-        Tensor::from_f64s(values, steps, dtype, device)
+        Tensor::from_fn("linspace", [steps], dtype, device, |i| {
+            if i < half {
+                start + step * i as f64
+            } else {
+                end - step * (steps - 1 - i) as f64
+            }
+        })
     }
 
     /// The `n`×`n` identity matrix (`torch.eye`).
     pub fn eye(n: usize, dtype: DType, device: Device) -> Result<Tensor> {
-        let mut values = vec![0.0; n * n];
-        for i in 0..n {
-            values[i * n + i] = 1.0;
-        }
-        Tensor::from_f64s(values, [n, n], dtype, device)
+        Tensor::from_fn("eye", [n, n], dtype, device, |i| {
+            if i % n == i / n {
+                1.0
+            } else {
+                0.0
+            }
+        })
     }
 
-    fn from_f64s(values: Vec<f64>, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+    /// A tensor of `shape` whose element `i` (row-major) is `f(i)` converted to `dtype`, made on
+    /// the host with fallible allocation (Note [Fallible host allocation]) and moved to `device`.
+    fn from_fn(
+        op: &'static str,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+        f: impl Fn(usize) -> f64,
+    ) -> Result<Tensor> {
+        fn fill<T: CpuElement>(op: &'static str, n: usize, f: impl Fn(usize) -> f64) -> Result<CpuStorage> {
+            let mut v = try_vec::<T>(op, n, T::DTYPE)?;
+            v.extend((0..n).map(|i| T::from_f64(f(i))));
+            Ok(T::wrap(v))
+        }
         let shape = shape.into();
-        let cpu = CpuStorage::F64(values).to_dtype(&crate::layout::Layout::contiguous(shape.clone()), dtype);
+        let n = shape.checked_elements(op)?;
+        crate::memory::set_current_op(op);
+        let cpu = match dtype {
+            DType::Bool => fill::<bool>(op, n, f),
+            DType::U8 => fill::<u8>(op, n, f),
+            DType::I32 => fill::<i32>(op, n, f),
+            DType::I64 => fill::<i64>(op, n, f),
+            DType::F16 => fill::<half::f16>(op, n, f),
+            DType::BF16 => fill::<half::bf16>(op, n, f),
+            DType::F32 => fill::<f32>(op, n, f),
+            DType::F64 => fill::<f64>(op, n, f),
+        }?;
         Ok(Tensor::from_storage(Storage::from_cpu(cpu, device)?, shape))
     }
 }

@@ -69,7 +69,9 @@ impl Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.numel(), storage.len());
         let (dtype, device) = (storage.dtype(), storage.device());
-        Tensor::from_parts_of(StorageRef::new(storage), layout, dtype, device)
+        let storage = StorageRef::new(storage);
+        storage.note_shape(layout.shape());
+        Tensor::from_parts_of(storage, layout, dtype, device)
     }
 
     pub(crate) fn from_parts(storage: StorageRef, layout: Layout) -> Tensor {
@@ -140,8 +142,26 @@ impl Tensor {
     }
 
     /// Size of dimension `dim` (negative counts from the end).
+    ///
+    /// A 0-d tensor has no dimensions, so every `dim` is an error there, as in PyTorch
+    /// (`torch.tensor(1.).size(-1)` raises; `dims()` is the empty list).
     pub fn size(&self, dim: isize) -> Result<usize> {
+        self.require_dims("size", dim)?;
         Ok(self.dims()[self.shape().dim("size", dim)?])
+    }
+
+    /// An error naming `op` and `dim` when `self` is 0-d, for the ops that PyTorch refuses on
+    /// a tensor without dimensions (`size`, `split`, `chunk`, `unbind`, ...).
+    pub(crate) fn require_dims(&self, op: &'static str, dim: isize) -> Result<()> {
+        if self.rank() > 0 {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            op,
+            format!(
+                "dimension specified as {dim} but tensor has no dimensions; {op} expects at least a 1-dimensional tensor (reshape the 0-d tensor to [1] first)"
+            ),
+        ))
     }
 
     pub fn numel(&self) -> usize {

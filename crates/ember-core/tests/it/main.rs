@@ -4,6 +4,7 @@ mod common;
 
 mod amp_scaling;
 mod autograd;
+mod bad_input;
 mod binary;
 mod checkpoint;
 mod conformance;
@@ -24,6 +25,7 @@ mod index;
 mod inplace;
 mod linear_bias;
 mod matmul;
+mod props;
 mod random;
 mod reduce;
 mod rnn;

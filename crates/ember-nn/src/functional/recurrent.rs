@@ -114,9 +114,9 @@ fn gru_step(gi: &Tensor, h: &Tensor, w_hh_t: &Tensor, b_hh: Option<&Tensor>) -> 
     let rz = gi
         .narrow(-1, 0, 2 * hidden)?
         .add(&gh.narrow(-1, 0, 2 * hidden)?)?
-        .sigmoid()?
-        .chunk(2, -1)?;
-    let (r, z) = (&rz[0], &rz[1]);
+        .sigmoid()?;
+    // Narrowed rather than chunked: two halves even for a hidden size of 0.
+    let (r, z) = (&rz.narrow(-1, 0, hidden)?, &rz.narrow(-1, hidden, hidden)?);
     let n = gi
         .narrow(-1, 2 * hidden, hidden)?
         .add(&r.mul(&gh.narrow(-1, 2 * hidden, hidden)?)?)?

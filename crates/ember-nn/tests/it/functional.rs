@@ -511,3 +511,27 @@ fn layers_agree_across_devices() {
         assert_close(&gpu.to(CPU).unwrap(), &cpu, 1e-10, 1e-10);
     }
 }
+
+/// Issue 14: dropout draws the same mask on the CPU and on CUDA for one seed, in every floating
+/// dtype, bitwise.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_dropout_masks_are_bitwise_equal() {
+    let gpu = crate::common::gpu();
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for p in [0.1, 0.5, 0.9] {
+            let run = |device: Device| {
+                ember_core::manual_seed(99).unwrap();
+                let x = Tensor::ones([1001], dtype, device).unwrap();
+                let y = ember_nn::functional::dropout(&x, p, true).unwrap();
+                y.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+            };
+            let (cpu, cuda) = (run(Device::Cpu), run(gpu));
+            let (cb, gb): (Vec<u64>, Vec<u64>) = (
+                cpu.iter().map(|v| v.to_bits()).collect(),
+                cuda.iter().map(|v| v.to_bits()).collect(),
+            );
+            assert_eq!(cb, gb, "dropout p={p} {dtype}");
+        }
+    }
+}

@@ -15,4 +15,5 @@ mod modules;
 mod pytorch_checkpoints;
 mod recurrent;
 mod recurrent_modules;
+mod soak;
 mod transformer_modules;

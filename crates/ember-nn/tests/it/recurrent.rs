@@ -559,3 +559,16 @@ fn lstm_runs_on_every_device() {
         assert!(ls.iter().all(|w| w.grad().is_some()));
     }
 }
+
+#[test]
+fn cells_with_hidden_size_zero_give_empty_states() {
+    // PyTorch returns [N, 0] for a hidden size of 0; ember did panic in gru_cell.
+    let x = rand(&[2, 3], 1);
+    let (wi3, wh3) = (rand(&[0, 3], 2), rand(&[0, 0], 3));
+    let h = F::gru_cell(&x, None, &wi3, &wh3, None, None).unwrap();
+    assert_eq!(h.dims(), &[2, 0]);
+    let h = F::rnn_tanh_cell(&x, None, &wi3, &wh3, None, None).unwrap();
+    assert_eq!(h.dims(), &[2, 0]);
+    let (h, c) = F::lstm_cell(&x, None, &wi3, &wh3, None, None).unwrap();
+    assert_eq!((h.dims(), c.dims()), (&[2, 0][..], &[2, 0][..]));
+}

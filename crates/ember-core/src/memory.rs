@@ -1,0 +1,299 @@
+//! Memory accounting common to every device: the list of large live tensor storages (what
+//! an out-of-memory error names), the bytes held in host storages, fallible host allocation,
+//! and the one builder of `Error::OutOfMemory`.
+//!
+//! Note [Live allocation list]: a storage of at least [`TRACK_MIN_BYTES`] is entered in one
+//! process-wide list when its `StorageRef` is made and leaves it when the last view drops, with
+//! its device, bytes, dtype, the shape of the first tensor made over it and the op last
+//! entered on the making thread (the dispatch point and the creation functions set it). Smaller
+//! storages cost one relaxed atomic add (host bytes) and nothing else, so the per-op host cost
+//! of small tensors does not change; the list's lock is taken only for storages of a MiB or
+//! more, whose allocation and fill cost far more.
+
+use crate::error::fmt_bytes;
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result, Shape};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Storages of at least this many bytes (1 MiB) are entered in the live allocation list.
+pub const TRACK_MIN_BYTES: usize = 1 << 20;
+
+/// How many of the largest live allocations an out-of-memory error names.
+pub const OOM_LARGEST: usize = 5;
+
+/// One large live tensor storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveAllocation {
+    pub device: Device,
+    pub bytes: usize,
+    pub dtype: DType,
+    /// The shape of the first tensor made over the storage, when one was.
+    pub shape: Option<Shape>,
+    /// The op last entered on the thread that made the storage ("" when none).
+    pub op: &'static str,
+}
+
+impl std::fmt::Display for LiveAllocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} on {}", fmt_bytes(self.bytes), self.dtype, self.device)?;
+        if let Some(shape) = &self.shape {
+            write!(f, " {shape}")?;
+        }
+        if !self.op.is_empty() {
+            write!(f, " made by {}", self.op)?;
+        }
+        Ok(())
+    }
+}
+
+static LIVE: Mutex<Option<HashMap<u64, LiveAllocation>>> = Mutex::new(None);
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// Bytes of every live host storage (tracked or not).
+static HOST_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static CURRENT_OP: Cell<&'static str> = const { Cell::new("") };
+}
+
+/// Names the op that storages made on this thread from now on belong to (Note [Live allocation
+/// list]); one thread-local write.
+#[inline]
+pub fn set_current_op(op: &'static str) {
+    CURRENT_OP.with(|c| c.set(op));
+}
+
+fn live() -> std::sync::MutexGuard<'static, Option<HashMap<u64, LiveAllocation>>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A storage's entry in the accounting; undoes it when dropped (held by the `StorageRef`).
+#[derive(Debug)]
+pub(crate) struct Tracking {
+    /// The id in the live list, 0 when the storage is too small to be listed.
+    id: u64,
+    host_bytes: usize,
+}
+
+impl Tracking {
+    /// Enters `storage` in the accounting.
+    pub(crate) fn new(storage: &Storage) -> Tracking {
+        let (device, dtype) = (storage.device(), storage.dtype());
+        let bytes = storage.len().saturating_mul(dtype.size_in_bytes());
+        let host_bytes = if device == Device::Cpu { bytes } else { 0 };
+        if host_bytes > 0 {
+            HOST_BYTES.fetch_add(host_bytes, Ordering::Relaxed);
+        }
+        let mut id = 0;
+        if bytes >= TRACK_MIN_BYTES {
+            id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+            let entry = LiveAllocation {
+                device,
+                bytes,
+                dtype,
+                shape: None,
+                op: CURRENT_OP.with(Cell::get),
+            };
+            live().get_or_insert_with(HashMap::new).insert(id, entry);
+        }
+        Tracking { id, host_bytes }
+    }
+
+    /// Records the shape of the first tensor over a listed storage.
+    pub(crate) fn note_shape(&self, shape: &Shape) {
+        if self.id == 0 {
+            return;
+        }
+        if let Some(e) = live().as_mut().and_then(|m| m.get_mut(&self.id)) {
+            e.shape.get_or_insert_with(|| shape.clone());
+        }
+    }
+}
+
+impl Drop for Tracking {
+    fn drop(&mut self) {
+        if self.host_bytes > 0 {
+            HOST_BYTES.fetch_sub(self.host_bytes, Ordering::Relaxed);
+        }
+        if self.id != 0 {
+            if let Some(m) = live().as_mut() {
+                m.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// Bytes held in host (CPU) tensor storages now.
+pub fn host_memory_allocated() -> usize {
+    HOST_BYTES.load(Ordering::Relaxed)
+}
+
+/// The `n` largest live allocations on `device` (storages of at least [`TRACK_MIN_BYTES`]),
+/// largest first.
+pub fn largest_live_allocations(device: Device, n: usize) -> Vec<LiveAllocation> {
+    let mut all: Vec<LiveAllocation> = live()
+        .as_ref()
+        .map(|m| m.values().filter(|a| a.device == device).cloned().collect())
+        .unwrap_or_default();
+    all.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+    all.truncate(n);
+    all
+}
+
+/// The one builder of `Error::OutOfMemory`: the figures of the failed request plus the largest
+/// live allocations on `device`.
+pub fn out_of_memory(
+    device: Device,
+    requested: usize,
+    total: usize,
+    free: usize,
+    allocated: usize,
+    reserved: usize,
+) -> Error {
+    Error::OutOfMemory {
+        device,
+        requested,
+        total,
+        free,
+        allocated,
+        reserved,
+        largest: largest_live_allocations(device, OOM_LARGEST),
+    }
+}
+
+/// `Error::OutOfMemory` for a host request of `requested` bytes, with the machine's total and
+/// available memory (`/proc/meminfo` where there is one, else 0).
+#[cold]
+pub fn host_out_of_memory(requested: usize) -> Error {
+    let (total, free) = host_meminfo();
+    let held = host_memory_allocated();
+    out_of_memory(Device::Cpu, requested, total, free, held, held)
+}
+
+/// (MemTotal, MemAvailable) in bytes, or zeros where `/proc/meminfo` cannot be read.
+fn host_meminfo() -> (usize, usize) {
+    (meminfo_field("MemTotal:"), meminfo_field("MemAvailable:"))
+}
+
+/// One `/proc/meminfo` field in bytes (0 where it cannot be read).
+fn meminfo_field(name: &str) -> usize {
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+        return 0;
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kib| kib.saturating_mul(1024))
+}
+
+/// A `Vec` with room for exactly `n` elements, or `Error::OutOfMemory` (host) when the machine
+/// cannot hold them; an `Error::InvalidArgument` of `op` when `n` elements of `dtype` exceed
+/// the address space.
+pub(crate) fn try_vec<T>(op: &'static str, n: usize, dtype: DType) -> Result<Vec<T>> {
+    let bytes = crate::shape::checked_bytes(op, n, dtype)?;
+    let mut v = Vec::new();
+    try_reserve_bytes(&mut v, n, bytes)?;
+    Ok(v)
+}
+
+/// Reserves `bytes` of host memory for a `Vec` of `T` (`bytes / size_of::<T>()` elements), or
+/// `Error::OutOfMemory`: a request larger than the machine's memory and swap together is
+/// refused before the allocator is asked (under Linux's `overcommit_memory = 1` the allocator
+/// would grant it and the fill would be killed), a request the allocator refuses after.
+fn try_reserve_bytes<T>(v: &mut Vec<T>, n: usize, bytes: usize) -> Result<()> {
+    if bytes >= CHECK_TOTAL_MIN_BYTES {
+        let (total, _) = host_meminfo();
+        let swap = host_swap();
+        if total > 0 && bytes > total.saturating_add(swap) {
+            return Err(host_out_of_memory(bytes));
+        }
+    }
+    v.try_reserve_exact(n).map_err(|_| host_out_of_memory(bytes))
+}
+
+/// Requests of at least this many bytes (1 GiB) are compared with the machine's memory first.
+const CHECK_TOTAL_MIN_BYTES: usize = 1 << 30;
+
+/// SwapTotal in bytes (0 where `/proc/meminfo` cannot be read).
+fn host_swap() -> usize {
+    meminfo_field("SwapTotal:")
+}
+
+/// `n` copies of `value` in a new `Vec`, fallibly (see [`try_vec`]).
+pub(crate) fn try_filled<T: Clone>(op: &'static str, n: usize, dtype: DType, value: T) -> Result<Vec<T>> {
+    let mut v = try_vec(op, n, dtype)?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// Host allocations of at least this many bytes (1 MiB) are probed before a CPU kernel makes
+/// them (Note [Fallible host allocation]).
+pub const PROBE_MIN_BYTES: usize = 1 << 20;
+
+// Note [Fallible host allocation]
+// Rust aborts the process when a `Vec` cannot get its memory. The CPU backend's storages are
+// made fallibly instead: creation (`full`, `zeros`, the random family, ranges) reserves with
+// `try_reserve_exact` ([`try_vec`]), and a CPU kernel whose output buffer grows inside a
+// parallel `collect` first calls [`check_host_alloc`] with the output's size: for a MiB or more
+// it reserves that many bytes and frees them at once (an mmap and munmap of untouched pages,
+// microseconds beside the kernel), so a request the machine cannot hold is
+// `Error::OutOfMemory` before the kernel starts. Smaller requests are not probed. A request of
+// a GiB or more that exceeds the machine's memory and swap together is refused without asking
+// the allocator, so the answer does not depend on the kernel's overcommit policy. The probe is
+// a check, not a reservation: memory taken by another thread between the probe and the kernel
+// can still end in the allocator's abort, as any Rust allocation can.
+
+/// Checks that `n` elements of `dtype` can be allocated on the host (see the note above).
+pub(crate) fn check_host_alloc(op: &'static str, n: usize, dtype: DType) -> Result<()> {
+    let bytes = crate::shape::checked_bytes(op, n, dtype)?;
+    if bytes < PROBE_MIN_BYTES {
+        return Ok(());
+    }
+    let mut probe: Vec<u8> = Vec::new();
+    try_reserve_bytes(&mut probe, bytes, bytes)
+}
+
+/// The text of an `Error::OutOfMemory`.
+pub(crate) fn oom_message(
+    device: &Device,
+    requested: usize,
+    total: usize,
+    free: usize,
+    allocated: usize,
+    reserved: usize,
+    largest: &[LiveAllocation],
+) -> String {
+    let mut msg = match device {
+        Device::Cpu => format!(
+            "CPU out of memory: tried to allocate {} ({requested} bytes) in host memory; the machine has {} in total, of which {} is available; ember holds {} in host tensors",
+            fmt_bytes(requested),
+            fmt_bytes(total),
+            fmt_bytes(free),
+            fmt_bytes(allocated)
+        ),
+        Device::Cuda(i) => format!(
+            "CUDA out of memory on cuda:{i}: tried to allocate {} ({requested} bytes); the GPU has {} in total, of which {} is free; ember holds {} in tensors and {} reserved by the caching allocator",
+            fmt_bytes(requested),
+            fmt_bytes(total),
+            fmt_bytes(free),
+            fmt_bytes(allocated),
+            fmt_bytes(reserved)
+        ),
+    };
+    if !largest.is_empty() {
+        msg += "; largest live allocations: ";
+        msg += &largest
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+    }
+    msg += "; to fit: use a smaller batch, free tensors you no longer need";
+    if device.is_cuda() {
+        msg += " and call ember::cuda::empty_cache()";
+    }
+    msg += ", train in mixed precision (ember::amp::autocast with bfloat16 or float16), or recompute activations with gradient checkpointing (ember::autograd::checkpoint)";
+    msg
+}
