@@ -9,7 +9,7 @@ use crate::common::{self, assert_close_slice, values};
 use ember_core::backends::cudnn;
 use ember_core::ops::conv::convolution;
 use ember_core::ops::pool::{pool2d, PoolMode};
-use ember_core::{DType, Device, Tensor};
+use ember_core::{DType, Device, Error, Tensor};
 use std::sync::Mutex;
 
 /// The switches are process-wide: tests that set them run one at a time and restore them.
@@ -385,13 +385,14 @@ fn cudnn_disabled_or_unsupported_falls_back() {
         1e-12,
         1e-12,
     );
-    // Integer tensors are not cuDNN's: the composite path runs them, as on the CPU.
+    // Integer convolution is refused on every device, as PyTorch refuses it.
     let xi = x.mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap();
     let wi = w.mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap();
-    let yi = convolution(&xi, &wi, None, &[1, 1], &[0, 0], &[1, 1], 1).unwrap();
     let cpu = |t: &Tensor| t.to(Device::Cpu).unwrap();
-    let ri = convolution(&cpu(&xi), &cpu(&wi), None, &[1, 1], &[0, 0], &[1, 1], 1).unwrap();
-    assert_eq!(yi.to_vec::<i64>().unwrap(), ri.to_vec::<i64>().unwrap());
+    for (x, w) in [(xi.clone(), wi.clone()), (cpu(&xi), cpu(&wi))] {
+        let e = convolution(&x, &w, None, &[1, 1], &[0, 0], &[1, 1], 1).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedDType { .. }), "{e}");
+    }
     // A kernel larger than the padded input is an error on every device.
     let small = Tensor::from_slice(&values(2 * 3 * 2 * 2, 3), [2, 3, 2, 2], dev).unwrap();
     assert!(convolution(&small, &w, None, &[1, 1], &[0, 0], &[1, 1], 1).is_err());

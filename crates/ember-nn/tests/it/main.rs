@@ -15,5 +15,4 @@ mod modules;
 mod pytorch_checkpoints;
 mod recurrent;
 mod recurrent_modules;
-mod soak;
 mod transformer_modules;

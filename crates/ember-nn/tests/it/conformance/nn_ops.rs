@@ -272,8 +272,19 @@ pub fn forward(op: &str, _id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Ten
             // (query, key, value, in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias);
             // attn_mask="causal" is the bool mask triu(ones(L, S), 1) (true = may not attend).
             arity(7)?;
-            kw.only(&["embed_dim", "num_heads", "batch_first", "attn_mask"])?;
+            kw.only(&[
+                "embed_dim",
+                "num_heads",
+                "batch_first",
+                "attn_mask",
+                "need_weights",
+            ])?;
             let batch_first = kw.bool_or("batch_first", false)?;
+            // The module's default, as the mixed-precision cases call it: the explicit path
+            // (scores in the input dtype, softmax, then the weighted sum) whose roundings
+            // bfloat16 shows. The float64 case was made with need_weights=False (PyTorch's
+            // sdpa), which agrees with it to float64 rounding.
+            let need_weights = kw.bool_or("need_weights", true)?;
             let mask = match kw.opt_str("attn_mask")? {
                 None => None,
                 Some("causal") => {
@@ -299,7 +310,7 @@ pub fn forward(op: &str, _id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Ten
                 mask.as_ref(),
                 false,
                 batch_first,
-                false,
+                need_weights,
             )?;
             Ok(vec![out])
         }

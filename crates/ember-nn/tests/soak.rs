@@ -2,7 +2,10 @@
 //! cross-entropy, gradient clipping) with the caching allocator's reserved memory flat after
 //! warm-up and the process's host memory flat. Prints the figures at steps 100 and 10,000.
 //! Ignored without a GPU; on a GPU machine:
-//! `cargo test -p ember-nn --test it soak -- --include-ignored --nocapture`.
+//! `cargo test -p ember-nn --test soak -- --include-ignored --nocapture`.
+//!
+//! A test binary of its own: the host memory and allocator figures are the whole process's,
+//! and the tests of the `it` binary run beside each other in one process.
 
 use ember_core::{cuda, manual_seed, DType, Tensor};
 use ember_nn::functional::{cross_entropy, Reduction};
@@ -25,7 +28,11 @@ fn host_rss() -> usize {
 fn soak_ten_thousand_steps_with_flat_memory() {
     const STEPS: usize = 10_000;
     const WARMUP: usize = 100;
-    let gpu = crate::common::gpu();
+    assert!(
+        cuda::is_available(),
+        "this test needs a CUDA device; run it on a GPU machine"
+    );
+    let gpu = ember_core::Device::Cuda(0);
     let dev = 0;
     manual_seed(14).unwrap();
     let model = Sequential::new()
