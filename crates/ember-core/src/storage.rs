@@ -9,8 +9,9 @@
 //! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).
 
 use crate::backend::{
-    BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
-    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp, SoftmaxOp, UnaryOp,
+    AdamStep, AdamTensor, AmpScalars, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams,
+    Distribution, Elems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp,
+    RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, UnaryOp, UnscaleGrads, Variant,
 };
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda::{CudaDevice, CudaStorage};
@@ -64,6 +65,64 @@ macro_rules! on_device {
             }
         }
     };
+}
+
+/// Runs `$body` with `$B` the backend storage type of device `$device` (for the multi-tensor
+/// steps, whose operand lists are cast to it with [`Variant`]).
+macro_rules! on_backend_type {
+    ($device:expr, $B:ident => $body:expr) => {
+        match $device {
+            Device::Cpu => {
+                type $B = CpuStorage;
+                $body
+            }
+            Device::Cuda(_) => {
+                type $B = CudaStorage;
+                $body
+            }
+        }
+    };
+}
+
+impl Variant<CpuStorage> for Storage {
+    fn variant(&self) -> std::result::Result<&CpuStorage, Device> {
+        match self {
+            Storage::Cpu(c) => Ok(c),
+            other => Err(other.device()),
+        }
+    }
+
+    fn variant_mut(&mut self) -> std::result::Result<&mut CpuStorage, Device> {
+        match self {
+            Storage::Cpu(c) => Ok(c),
+            other => Err(other.device()),
+        }
+    }
+}
+
+impl Variant<CudaStorage> for Storage {
+    fn variant(&self) -> std::result::Result<&CudaStorage, Device> {
+        match self {
+            Storage::Cuda(c) => Ok(c),
+            other => Err(other.device()),
+        }
+    }
+
+    fn variant_mut(&mut self) -> std::result::Result<&mut CudaStorage, Device> {
+        match self {
+            Storage::Cuda(c) => Ok(c),
+            other => Err(other.device()),
+        }
+    }
+}
+
+/// The error of a multi-tensor step `op` on `device` given an operand on `other`.
+fn list_mismatch(op: &'static str, device: Device) -> impl FnOnce(Device) -> Error {
+    move |other| Error::DeviceMismatch {
+        op,
+        lhs: device,
+        rhs: other,
+    }
 }
 
 /// The error for the storages of one op on different backends, naming the first two devices
@@ -608,5 +667,89 @@ impl Storage {
                 BackendStorage::lstm_backward_step(s, dh_out, Some(r), gates, c, dc, dgates)
             }),
         }
+    }
+}
+
+// Multi-tensor steps: the operand lists are cast to the backend of their first storage (an
+// operand on another backend is the device-mismatch error) and checked against their
+// description (`backend/step.rs`) before a kernel sees them.
+impl Storage {
+    /// One fused Adam step (see [`AdamTensor`]); the device is that of the first parameter.
+    pub(crate) fn adam_step(
+        step: &AdamStep,
+        tensors: Vec<AdamTensor<'_, Storage>>,
+        amp: AmpScalars<'_, Storage>,
+    ) -> Result<()> {
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let device = first.param.storage.device();
+        on_backend_type!(device, B => {
+            let tensors: Vec<AdamTensor<'_, B>> = tensors
+                .into_iter()
+                .map(AdamTensor::cast)
+                .collect::<std::result::Result<_, _>>()
+                .map_err(list_mismatch("adam_", device))?;
+            let amp = amp.cast::<B>().map_err(list_mismatch("adam_", device))?;
+            step.check(&tensors, &amp)?;
+            <B as BackendStorage>::adam_step(step, tensors, amp)
+        })
+    }
+
+    /// One fused SGD step (see [`SgdTensor`]); the device is that of the first parameter.
+    pub(crate) fn sgd_step(
+        step: &SgdStep,
+        tensors: Vec<SgdTensor<'_, Storage>>,
+        amp: AmpScalars<'_, Storage>,
+    ) -> Result<()> {
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let device = first.param.storage.device();
+        on_backend_type!(device, B => {
+            let tensors: Vec<SgdTensor<'_, B>> = tensors
+                .into_iter()
+                .map(SgdTensor::cast)
+                .collect::<std::result::Result<_, _>>()
+                .map_err(list_mismatch("sgd_", device))?;
+            let amp = amp.cast::<B>().map_err(list_mismatch("sgd_", device))?;
+            step.check(&tensors, &amp)?;
+            <B as BackendStorage>::sgd_step(step, tensors, amp)
+        })
+    }
+
+    /// GradScaler's inf check and unscale (see [`UnscaleGrads`]) on the device of `found_inf`.
+    pub(crate) fn non_finite_check_and_unscale(
+        grads: UnscaleGrads<'_, Storage>,
+        found_inf: Elems<&mut Storage>,
+        inv_scale: Elems<&Storage>,
+    ) -> Result<()> {
+        const OP: &str = "non_finite_check_and_unscale_";
+        let device = found_inf.storage.device();
+        on_backend_type!(device, B => {
+            let grads = grads.cast::<B>().map_err(list_mismatch(OP, device))?;
+            let found_inf = found_inf.cast::<B>().map_err(list_mismatch(OP, device))?;
+            let inv_scale = inv_scale.cast::<B>().map_err(list_mismatch(OP, device))?;
+            grads.check(&found_inf, &inv_scale)?;
+            <B as BackendStorage>::non_finite_check_and_unscale(grads, found_inf, inv_scale)
+        })
+    }
+
+    /// GradScaler's scale update (see [`ScaleUpdate`]) on the device of `scale`.
+    pub(crate) fn update_scale(
+        u: &ScaleUpdate,
+        scale: Elems<&mut Storage>,
+        growth_tracker: Elems<&mut Storage>,
+        found_inf: Elems<&Storage>,
+    ) -> Result<()> {
+        const OP: &str = "update_scale_";
+        let device = scale.storage.device();
+        on_backend_type!(device, B => {
+            let scale = scale.cast::<B>().map_err(list_mismatch(OP, device))?;
+            let growth_tracker = growth_tracker.cast::<B>().map_err(list_mismatch(OP, device))?;
+            let found_inf = found_inf.cast::<B>().map_err(list_mismatch(OP, device))?;
+            u.check(&scale, &growth_tracker, &found_inf)?;
+            <B as BackendStorage>::update_scale(u, scale, growth_tracker, found_inf)
+        })
     }
 }

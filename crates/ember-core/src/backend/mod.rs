@@ -12,7 +12,8 @@
 //! Contract of every method: operands are storages with [`Layout`]s that the op layer has
 //! checked (shapes broadcast, dims in range, dtypes promoted, devices equal); results are new
 //! row-major storages unless the method writes in place (`*_into`, `copy_strided_from`, the
-//! fused steps). A backend that cannot run one particular problem (CUDA without cuDNN, or with
+//! fused steps). The multi-tensor steps (optimizers, GradScaler) take lists of operands over
+//! distinct locked storages, checked by `storage.rs` against their description in [`step`]. A backend that cannot run one particular problem (CUDA without cuDNN, or with
 //! it switched off, a size past cuDNN's limits, a dtype a kernel lacks) answers `Ok(None)` from
 //! the methods that return an `Option`, and the op layer takes a composite path; every other
 //! failure is a typed [`Error`](crate::Error), never a panic.
@@ -31,7 +32,10 @@ pub use op::{
     BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PoolMode, ReduceOp, RngState, ScatterOp, SoftmaxOp,
     UnaryOp,
 };
-pub use step::{LstmBackwardStep, LstmForwardStep};
+pub use step::{
+    AdamStep, AdamTensor, AmpScalars, Elems, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate,
+    SgdStep, SgdTensor, StepCount, UnscaleGrads, Variant,
+};
 
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
@@ -195,6 +199,36 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         c: &Self,
         dc: &mut Self,
         dgates: &mut Self,
+    ) -> Result<()>;
+
+    // Multi-tensor steps (in place; `step.rs` describes the operands) -------------------------
+
+    /// One fused Adam/AdamW step of every tensor of `tensors` (`torch._fused_adam_`; the
+    /// formula is in `ops/fused_optim.rs`), under GradScaler's `amp` scalars. Device step
+    /// counts are incremented before the update that reads them, all in stream order; nothing
+    /// is read back to the host.
+    fn adam_step(
+        step: &AdamStep,
+        tensors: Vec<AdamTensor<'_, Self>>,
+        amp: AmpScalars<'_, Self>,
+    ) -> Result<()>;
+    /// One fused SGD step of every tensor of `tensors` (`torch._fused_sgd_`).
+    fn sgd_step(step: &SgdStep, tensors: Vec<SgdTensor<'_, Self>>, amp: AmpScalars<'_, Self>) -> Result<()>;
+    /// Multiplies every gradient by the f32 at `inv_scale` (not at all when it is 1) and sets
+    /// the f32 at `found_inf` to 1 when any of them held an inf or NaN before
+    /// (`torch._amp_foreach_non_finite_check_and_unscale_`); `found_inf` is never cleared.
+    fn non_finite_check_and_unscale(
+        grads: UnscaleGrads<'_, Self>,
+        found_inf: Elems<&mut Self>,
+        inv_scale: Elems<&Self>,
+    ) -> Result<()>;
+    /// Updates the f32 `scale` and i32 `growth_tracker` from the f32 at `found_inf` by the
+    /// rule `u` (`torch._amp_update_scale_`).
+    fn update_scale(
+        u: &ScaleUpdate,
+        scale: Elems<&mut Self>,
+        growth_tracker: Elems<&mut Self>,
+        found_inf: Elems<&Self>,
     ) -> Result<()>;
 }
 

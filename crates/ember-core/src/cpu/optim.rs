@@ -1,6 +1,7 @@
-//! CPU kernels of the fused optimizer steps (`ops/fused_optim.rs`): each tensor's row-major
-//! elements are cut into [`PAR_CHUNK`]-element pieces, and the pieces of all tensors run as one
-//! rayon loop once the step is bigger than [`PAR_THRESHOLD`] elements.
+//! CPU kernels of the fused optimizer steps (`ops/fused_optim.rs`, reached through
+//! `cpu/backend.rs`): each tensor's row-major elements are cut into [`PAR_CHUNK`]-element
+//! pieces, and the pieces of all tensors run as one rayon loop once the step is bigger than
+//! [`PAR_THRESHOLD`] elements.
 //!
 //! The arithmetic is `kernels/optim.cu`'s, op for op: f32 and f64 compute in their own type,
 //! f16 and bf16 in f32, rounding once on store; hyperparameters are cast from f64 to the
@@ -9,7 +10,7 @@
 //!
 //! Under a GradScaler ([`GradIn::Scaled`]) each gradient is divided by the grad scale before
 //! the update and the quotient stored back, as in the CUDA kernels; the found-inf skip is
-//! decided by the caller (`ops/fused_optim.rs`), which reads the flag from host memory.
+//! decided by the caller (`cpu/backend.rs`), which reads the flag from host memory.
 
 use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};
 use half::{bf16, f16};
@@ -165,7 +166,7 @@ pub(crate) struct AdamScalars {
 
 /// One tensor of an Adam step: its parameter, gradient and state elements (row-major, equal
 /// lengths; `max_exp_avg_sq` with amsgrad only) and its step size and `sqrt(bias_correction2)`.
-pub(crate) struct AdamTensor<'a, T> {
+pub(crate) struct AdamSlices<'a, T> {
     pub param: &'a mut [T],
     pub grad: GradIn<'a, T>,
     pub exp_avg: &'a mut [T],
@@ -176,7 +177,7 @@ pub(crate) struct AdamTensor<'a, T> {
 }
 
 /// Runs one Adam/AdamW step over every tensor of `tensors`.
-pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamTensor<'_, T>>, s: &AdamScalars) {
+pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamSlices<'_, T>>, s: &AdamScalars) {
     let total: usize = tensors.iter().map(|t| t.param.len()).sum();
     let mut pieces = Vec::new();
     for t in tensors {
@@ -188,7 +189,7 @@ pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamTensor<'_, T>>, s: &AdamSca
             .zip(t.exp_avg.chunks_mut(PAR_CHUNK))
             .zip(t.exp_avg_sq.chunks_mut(PAR_CHUNK));
         for (((param, grad), exp_avg), exp_avg_sq) in parts {
-            pieces.push(AdamTensor {
+            pieces.push(AdamSlices {
                 param,
                 grad,
                 exp_avg,
@@ -206,7 +207,7 @@ pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamTensor<'_, T>>, s: &AdamSca
     }
 }
 
-fn adam_piece<T: OptimElement>(t: AdamTensor<'_, T>, s: &AdamScalars) {
+fn adam_piece<T: OptimElement>(t: AdamSlices<'_, T>, s: &AdamScalars) {
     let c = <T::A as OptimAcc>::from_f64;
     let (omb1, beta2, omb2, eps) = (c(s.one_minus_beta1), c(s.beta2), c(s.one_minus_beta2), c(s.eps));
     let (wd, decay) = (c(s.weight_decay), c(s.decay));
@@ -258,7 +259,7 @@ pub(crate) struct SgdScalars {
 }
 
 /// One tensor of an SGD step: parameter, gradient and (with momentum) buffer elements.
-pub(crate) struct SgdTensor<'a, T> {
+pub(crate) struct SgdSlices<'a, T> {
     pub param: &'a mut [T],
     pub grad: GradIn<'a, T>,
     pub momentum_buffer: Option<&'a mut [T]>,
@@ -266,13 +267,13 @@ pub(crate) struct SgdTensor<'a, T> {
 
 /// Runs one SGD step over every tensor of `tensors`; buffers must be present when
 /// `s.momentum != 0`.
-pub(crate) fn sgd<T: OptimElement>(tensors: Vec<SgdTensor<'_, T>>, s: &SgdScalars) {
+pub(crate) fn sgd<T: OptimElement>(tensors: Vec<SgdSlices<'_, T>>, s: &SgdScalars) {
     let total: usize = tensors.iter().map(|t| t.param.len()).sum();
     let mut pieces = Vec::new();
     for t in tensors {
         let mut bufs = t.momentum_buffer.map(|b| b.chunks_mut(PAR_CHUNK));
         for (param, grad) in t.param.chunks_mut(PAR_CHUNK).zip(t.grad.pieces(PAR_CHUNK)) {
-            pieces.push(SgdTensor {
+            pieces.push(SgdSlices {
                 param,
                 grad,
                 momentum_buffer: bufs.as_mut().and_then(|it| it.next()),
@@ -286,7 +287,7 @@ pub(crate) fn sgd<T: OptimElement>(tensors: Vec<SgdTensor<'_, T>>, s: &SgdScalar
     }
 }
 
-fn sgd_piece<T: OptimElement>(t: SgdTensor<'_, T>, s: &SgdScalars) {
+fn sgd_piece<T: OptimElement>(t: SgdSlices<'_, T>, s: &SgdScalars) {
     let c = <T::A as OptimAcc>::from_f64;
     let (neg_lr, momentum, omd, wd) = (
         c(-s.lr),

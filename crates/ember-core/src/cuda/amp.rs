@@ -1,8 +1,9 @@
 //! CUDA launcher for `kernels/amp.cu`: GradScaler's fused inf check and unscale of many
 //! gradients ([`non_finite_check_and_unscale`]) and its scale update ([`update_scale`]), for
-//! `ops/amp_scaling.rs`. The tensors of the multi-tensor kernel travel in an [`AmpTensorList`]
-//! passed by value, at most [`MAX_TENSORS`] per launch (the chunked geometry of `cuda/optim.rs`);
-//! every launch goes on the current stream and the host never waits.
+//! `ops/amp_scaling.rs` (reached through `cuda/backend.rs`). The tensors of the multi-tensor
+//! kernel travel in an [`AmpTensorList`] passed by value, at most [`MAX_TENSORS`] per launch
+//! (the chunked geometry of `cuda/optim.rs`); every launch goes on the current stream and the
+//! host never waits.
 
 use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
 use super::runtime::runtime;

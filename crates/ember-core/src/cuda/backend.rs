@@ -10,14 +10,18 @@
 //! The switch is read by the forward calls only: the backward of a problem cuDNN ran forward
 //! runs on cuDNN too, as in PyTorch.
 
-use super::{cudnn, cudnn_pool, CudaStorage};
+use super::optim::{multi_tensor_step, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS};
+use super::{amp, cudnn, cudnn_pool, CudaStorage};
 use crate::backend::{
-    BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, IndexOp, LogicalOp,
-    LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp, RngState, ScatterOp, SoftmaxOp, UnaryOp,
+    AdamStep, AdamTensor, AmpScalars, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams,
+    Distribution, Elems, GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PoolParams,
+    ReduceOp, RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, UnaryOp,
+    UnscaleGrads,
 };
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
 use crate::{DType, Device, Result};
+use std::ops::Deref;
 
 /// GPU `.0` (its ordinal), as a backend device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -287,5 +291,145 @@ impl BackendStorage for CudaStorage {
         dgates: &mut CudaStorage,
     ) -> Result<()> {
         CudaStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
+    }
+
+    fn adam_step(
+        step: &AdamStep,
+        tensors: Vec<AdamTensor<'_, CudaStorage>>,
+        amp: AmpScalars<'_, CudaStorage>,
+    ) -> Result<()> {
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let (ordinal, dtype) = (first.param.storage.ordinal(), first.param.storage.dtype());
+        let device_steps = matches!(first.step, StepCount::Device(_));
+        let list: Vec<OptimTensor> = tensors
+            .iter()
+            .map(|t| OptimTensor {
+                ptrs: [
+                    ptr(&t.param),
+                    grad_ptr(&t.grad),
+                    ptr(&t.exp_avg),
+                    ptr(&t.exp_avg_sq),
+                    t.max_exp_avg_sq.as_ref().map_or(0, ptr),
+                    match &t.step {
+                        StepCount::Device(c) => ptr(c),
+                        StepCount::Host(_) => 0,
+                    },
+                ],
+                numel: t.param.len,
+                scalars: match t.step {
+                    StepCount::Host(n) => step.bias_corrections(n),
+                    StepCount::Device(_) => [0.0; 2],
+                },
+            })
+            .collect();
+        let flags = step.amsgrad as i32
+            | (step.maximize as i32) << 1
+            | (step.decoupled_weight_decay as i32) << 2
+            | if device_steps { ADAM_DEVICE_STEPS } else { 0 };
+        let kernel = OptimKernel::Adam {
+            lr: step.lr,
+            beta1: step.beta1,
+            one_minus_beta1: 1.0 - step.beta1,
+            beta2: step.beta2,
+            one_minus_beta2: 1.0 - step.beta2,
+            eps: step.eps,
+            weight_decay: step.weight_decay,
+            decay: 1.0 - step.lr * step.weight_decay,
+            grad_scale: amp.grad_scale.as_ref().map_or(0, ptr),
+            found_inf: amp.found_inf.as_ref().map_or(0, ptr),
+            flags,
+        };
+        // The operands stay borrowed (their storages locked) until every launch is enqueued.
+        multi_tensor_step(ordinal, dtype, &list, kernel)
+    }
+
+    fn sgd_step(
+        step: &SgdStep,
+        tensors: Vec<SgdTensor<'_, CudaStorage>>,
+        amp: AmpScalars<'_, CudaStorage>,
+    ) -> Result<()> {
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let (ordinal, dtype) = (first.param.storage.ordinal(), first.param.storage.dtype());
+        let list: Vec<OptimTensor> = tensors
+            .iter()
+            .map(|t| OptimTensor {
+                ptrs: [
+                    ptr(&t.param),
+                    grad_ptr(&t.grad),
+                    t.momentum_buffer.as_ref().map_or(0, ptr),
+                    0,
+                    0,
+                    0,
+                ],
+                numel: t.param.len,
+                scalars: [0.0; 2],
+            })
+            .collect();
+        let flags = step.nesterov as i32 | (step.maximize as i32) << 1 | (step.first_step as i32) << 2;
+        let kernel = OptimKernel::Sgd {
+            lr: step.lr,
+            momentum: step.momentum,
+            one_minus_dampening: 1.0 - step.dampening,
+            weight_decay: step.weight_decay,
+            grad_scale: amp.grad_scale.as_ref().map_or(0, ptr),
+            found_inf: amp.found_inf.as_ref().map_or(0, ptr),
+            flags,
+        };
+        multi_tensor_step(ordinal, dtype, &list, kernel)
+    }
+
+    fn non_finite_check_and_unscale(
+        grads: UnscaleGrads<'_, CudaStorage>,
+        found_inf: Elems<&mut CudaStorage>,
+        inv_scale: Elems<&CudaStorage>,
+    ) -> Result<()> {
+        let ordinal = found_inf.storage.ordinal();
+        let (found_ptr, inv_ptr) = (ptr(&found_inf), ptr(&inv_scale));
+        // One multi-tensor kernel per dtype, in this order.
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let group: Vec<(u64, usize)> = grads
+                .grads
+                .iter()
+                .map(|g| (&*grads.storages[g.storage], g))
+                .filter(|(s, _)| s.dtype() == dtype)
+                .map(|(s, g)| (s.ptr_at(g.offset), g.len))
+                .collect();
+            if !group.is_empty() {
+                amp::non_finite_check_and_unscale(ordinal, dtype, &group, found_ptr, inv_ptr)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn update_scale(
+        u: &ScaleUpdate,
+        scale: Elems<&mut CudaStorage>,
+        growth_tracker: Elems<&mut CudaStorage>,
+        found_inf: Elems<&CudaStorage>,
+    ) -> Result<()> {
+        amp::update_scale(
+            scale.storage.ordinal(),
+            [ptr(&scale), ptr(&growth_tracker), ptr(&found_inf)],
+            u.growth_factor,
+            u.backoff_factor,
+            u.growth_interval,
+        )
+    }
+}
+
+/// The device address of an operand's first element.
+fn ptr<S: Deref<Target = CudaStorage>>(e: &Elems<S>) -> u64 {
+    e.storage.ptr_at(e.offset)
+}
+
+/// The device address of a gradient's first element (read or written).
+fn grad_ptr(g: &GradElems<'_, CudaStorage>) -> u64 {
+    match g {
+        GradElems::Read(e) => ptr(e),
+        GradElems::Unscaled(e) => ptr(e),
     }
 }

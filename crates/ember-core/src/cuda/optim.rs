@@ -1,5 +1,5 @@
 //! CUDA launcher for `kernels/optim.cu`: the fused multi-tensor Adam/AdamW and SGD steps of
-//! `ops/fused_optim.rs`. The tensors go to the kernel in a [`TensorList`] passed by value, at
+//! `ops/fused_optim.rs` (reached through `cuda/backend.rs`). The tensors go to the kernel in a [`TensorList`] passed by value, at
 //! most [`MAX_TENSORS`] per launch; a step over more tensors is a few launches, all on the
 //! current stream, with no host synchronization (the GradScaler's grad scale and found-inf
 //! flag, and Adam's device step counts, are read by the kernels from device memory).

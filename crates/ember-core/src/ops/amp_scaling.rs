@@ -1,8 +1,10 @@
 //! GradScaler's device side (`torch._amp_foreach_non_finite_check_and_unscale_`,
 //! `torch._amp_update_scale_`): [`non_finite_check_and_unscale_`] multiplies many gradients in
 //! place by an inverse scale and raises a found-inf flag when any value is inf or NaN (one
-//! multi-tensor kernel per dtype on CUDA, `kernels/amp.cu`; `cpu/amp.rs` on the CPU), and
-//! [`update_scale_`] backs the scale off or grows it from that flag (one single-thread kernel).
+//! multi-tensor kernel per dtype on CUDA), and [`update_scale_`] backs the scale off or grows
+//! it from that flag (one single-thread kernel). This file checks the tensors and locks their
+//! storages; the backends run the kernels (`BackendStorage::non_finite_check_and_unscale` /
+//! `update_scale`, operands described in `backend/step.rs`).
 //!
 //! Note [AMP scalars live on the device]: the scale, inverse scale and found-inf flag are 0-d
 //! (or one-element) f32 tensors, and the growth tracker a one-element i32 tensor, on the
@@ -15,12 +17,9 @@
 //! and writing a tensor that requires grad is an error while grad mode is on.
 
 use crate::autograd;
-use crate::cpu::amp as cpu_amp;
-use crate::cpu::optim::OptimElement;
-use crate::cuda::amp as cuda_amp;
+use crate::backend::{Elems, ScaleUpdate, UnscaleGrads};
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Tensor};
-use half::{bf16, f16};
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 /// Checks that `t` is a one-element tensor of `dtype` on `device`; `what` names it in errors.
@@ -83,22 +82,6 @@ enum Lock<'a> {
     Write(RwLockWriteGuard<'a, Storage>),
 }
 
-impl Lock<'_> {
-    fn storage(&self) -> &Storage {
-        match self {
-            Lock::Read(g) => g,
-            Lock::Write(g) => g,
-        }
-    }
-
-    fn storage_mut(&mut self) -> &mut Storage {
-        match self {
-            Lock::Write(g) => &mut *g,
-            Lock::Read(_) => unreachable!("written storages are write-locked"),
-        }
-    }
-}
-
 /// The storages of one call, each locked once (several tensors may share one), in the order of
 /// their ids so that two calls never wait on each other.
 struct Locks<'a> {
@@ -137,44 +120,35 @@ impl<'a> Locks<'a> {
         Ok(Locks { ids, locks })
     }
 
-    fn get(&self, t: &Tensor) -> &Storage {
-        let i = self
-            .ids
-            .binary_search(&t.storage().id())
-            .expect("storage was locked");
-        self.locks[i].storage()
-    }
-
-    fn get_mut(&mut self, t: &Tensor) -> &mut Storage {
-        let i = self
-            .ids
-            .binary_search(&t.storage().id())
-            .expect("storage was locked");
-        self.locks[i].storage_mut()
+    /// The locked storages with their ids, in id order: the written ones and the read ones.
+    #[allow(clippy::type_complexity)]
+    fn split(&mut self) -> (Vec<(usize, &mut Storage)>, Vec<(usize, &Storage)>) {
+        let (mut written, mut read) = (Vec::new(), Vec::new());
+        for (&id, lock) in self.ids.iter().zip(&mut self.locks) {
+            match lock {
+                Lock::Write(g) => written.push((id, &mut **g)),
+                Lock::Read(g) => read.push((id, &**g)),
+            }
+        }
+        (written, read)
     }
 }
 
-/// The first element of a locked one-element CPU tensor of `T`.
-fn cpu_scalar<T: crate::cpu::CpuElement>(storage: &Storage, t: &Tensor) -> T {
-    match storage {
-        Storage::Cpu(c) => T::slice(c).expect("dtype checked")[t.storage_offset()],
-        Storage::Cuda(_) => unreachable!("device checked"),
-    }
+/// Removes the storage of id `id` from `storages` (it was locked).
+fn take<S>(storages: &mut Vec<(usize, S)>, id: usize) -> S {
+    let i = storages
+        .iter()
+        .position(|s| s.0 == id)
+        .expect("storage was locked");
+    storages.remove(i).1
 }
 
-/// The first element of a locked one-element CPU tensor of `T`, writable.
-fn cpu_scalar_mut<'s, T: crate::cpu::CpuElement>(storage: &'s mut Storage, t: &Tensor) -> &'s mut T {
-    match storage {
-        Storage::Cpu(c) => &mut T::slice_mut(c).expect("dtype checked")[t.storage_offset()],
-        Storage::Cuda(_) => unreachable!("device checked"),
-    }
-}
-
-/// The device address of the first element of a locked CUDA tensor.
-fn device_ptr(storage: &Storage, t: &Tensor) -> u64 {
-    match storage {
-        Storage::Cuda(c) => c.ptr(t.layout()),
-        Storage::Cpu(_) => unreachable!("device checked"),
+/// The one element of a locked one-element tensor.
+fn scalar<S>(storage: S, t: &Tensor) -> Elems<S> {
+    Elems {
+        storage,
+        offset: t.storage_offset(),
+        len: 1,
     }
 }
 
@@ -229,50 +203,26 @@ pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_s
         let mut written: Vec<&StorageRef> = work.iter().map(|t| t.storage()).collect();
         written.push(found_inf.storage());
         let mut locks = Locks::take(OP, &written, &[inv_scale.storage()])?;
-        match device {
-            Device::Cpu => {
-                let inv = cpu_scalar::<f32>(locks.get(inv_scale), inv_scale);
-                let mut found = false;
-                for t in &work {
-                    fn run<T: OptimElement>(storage: &mut Storage, t: &Tensor, inv: f32) -> bool {
-                        let (off, n) = (t.storage_offset(), t.numel());
-                        match storage {
-                            Storage::Cpu(c) => cpu_amp::non_finite_check_and_unscale(
-                                &mut T::slice_mut(c).expect("dtype checked")[off..off + n],
-                                inv,
-                            ),
-                            Storage::Cuda(_) => unreachable!("device checked"),
-                        }
-                    }
-                    let s = locks.get_mut(t);
-                    found |= match t.dtype() {
-                        DType::F32 => run::<f32>(s, t, inv),
-                        DType::F64 => run::<f64>(s, t, inv),
-                        DType::F16 => run::<f16>(s, t, inv),
-                        DType::BF16 => run::<bf16>(s, t, inv),
-                        _ => unreachable!("floating dtype checked"),
-                    };
-                }
-                if found {
-                    *cpu_scalar_mut::<f32>(locks.get_mut(found_inf), found_inf) = 1.0;
-                }
-            }
-            Device::Cuda(ordinal) => {
-                let found_ptr = device_ptr(locks.get(found_inf), found_inf);
-                let inv_ptr = device_ptr(locks.get(inv_scale), inv_scale);
-                for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
-                    let group: Vec<(u64, usize)> = work
-                        .iter()
-                        .filter(|t| t.dtype() == dtype)
-                        .map(|t| (device_ptr(locks.get(t), t), t.numel()))
-                        .collect();
-                    if !group.is_empty() {
-                        // The locks are held until every launch is enqueued.
-                        cuda_amp::non_finite_check_and_unscale(ordinal, dtype, &group, found_ptr, inv_ptr)?;
-                    }
-                }
-            }
-        }
+        let (mut written, mut read) = locks.split();
+        let found = scalar(take(&mut written, found_inf.storage().id()), found_inf);
+        let inv = scalar(take(&mut read, inv_scale.storage().id()), inv_scale);
+        // The other written storages are the gradients', in id order.
+        let ids: Vec<usize> = written.iter().map(|w| w.0).collect();
+        let grads = UnscaleGrads {
+            storages: written.into_iter().map(|w| w.1).collect(),
+            grads: work
+                .iter()
+                .map(|t| Elems {
+                    storage: ids
+                        .binary_search(&t.storage().id())
+                        .expect("gradient storage was locked"),
+                    offset: t.storage_offset(),
+                    len: t.numel(),
+                })
+                .collect(),
+        };
+        // The locks are held until the backend has run (every launch enqueued).
+        Storage::non_finite_check_and_unscale(grads, found, inv)?;
     }
     for (i, w) in copied {
         grads[i].copy_(&work[w])?;
@@ -318,25 +268,16 @@ pub fn update_scale_(
         &[scale.storage(), growth_tracker.storage()],
         &[found_inf.storage()],
     )?;
-    match device {
-        Device::Cpu => {
-            let found = cpu_scalar::<f32>(locks.get(found_inf), found_inf);
-            let mut s = cpu_scalar::<f32>(locks.get(scale), scale);
-            let mut t = cpu_scalar::<i32>(locks.get(growth_tracker), growth_tracker);
-            cpu_amp::update_scale(&mut s, &mut t, found, growth_factor, backoff_factor, interval);
-            *cpu_scalar_mut::<f32>(locks.get_mut(scale), scale) = s;
-            *cpu_scalar_mut::<i32>(locks.get_mut(growth_tracker), growth_tracker) = t;
-            Ok(())
-        }
-        Device::Cuda(ordinal) => {
-            let ptrs = [
-                device_ptr(locks.get(scale), scale),
-                device_ptr(locks.get(growth_tracker), growth_tracker),
-                device_ptr(locks.get(found_inf), found_inf),
-            ];
-            cuda_amp::update_scale(ordinal, ptrs, growth_factor, backoff_factor, interval)
-        }
-    }
+    let (mut written, mut read) = locks.split();
+    let s = scalar(take(&mut written, scale.storage().id()), scale);
+    let g = scalar(take(&mut written, growth_tracker.storage().id()), growth_tracker);
+    let f = scalar(take(&mut read, found_inf.storage().id()), found_inf);
+    let rule = ScaleUpdate {
+        growth_factor,
+        backoff_factor,
+        growth_interval: interval,
+    };
+    Storage::update_scale(&rule, s, g, f)
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! Fused multi-tensor optimizer steps (`torch._fused_adam_`, `torch._fused_sgd_`): [`adam_`]
 //! (Adam and AdamW) and [`sgd_`] update many parameters and their state tensors in place in a
-//! few kernel launches (CUDA: `kernels/optim.cu`, 48 tensors a launch) or one rayon loop (CPU:
-//! `cpu/optim.rs`), instead of several tensor ops per parameter.
+//! few kernel launches (48 tensors a launch on CUDA) or one rayon loop on the CPU, instead of
+//! several tensor ops per parameter. This file checks the tensors, locks their storages and
+//! hands them to the backend as one list of operands ([`AdamTensor`], [`SgdTensor`] in
+//! `backend/step.rs`; `BackendStorage::adam_step` / `sgd_step`).
 //!
 //! Semantics are those of PyTorch's `_single_tensor_adam` / `_single_tensor_sgd` (and of
 //! ember-nn's per-tensor `optim::adam` / `optim::sgd`), op for op, per element:
@@ -42,58 +44,12 @@
 //! (optimizers run under `no_grad`).
 
 use crate::autograd;
-use crate::cpu::optim::{
-    self as cpu_optim, AdamScalars, AdamTensor, GradIn, OptimElement, SgdScalars, SgdTensor,
-};
-use crate::cpu::CpuElement;
-use crate::cuda::optim::{multi_tensor_step, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS};
+pub use crate::backend::{AdamStep, SgdStep};
+use crate::backend::{AdamTensor, AmpScalars, Elems, GradElems, SgdTensor, StepCount};
 use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
-use half::{bf16, f16};
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
-
-/// The hyperparameters of one [`adam_`] call (`torch.optim.Adam` / `AdamW` arguments).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamStep {
-    /// Learning rate.
-    pub lr: f64,
-    /// Decay rate of the first moment average.
-    pub beta1: f64,
-    /// Decay rate of the second moment average.
-    pub beta2: f64,
-    /// Added to the denominator.
-    pub eps: f64,
-    /// L2 penalty (Adam) or decoupled decay rate (AdamW).
-    pub weight_decay: f64,
-    /// Use the running maximum of the second moments (`max_exp_avg_sqs` must be given).
-    pub amsgrad: bool,
-    /// Maximize the objective.
-    pub maximize: bool,
-    /// AdamW: `p *= 1 - lr * weight_decay` instead of adding `weight_decay * p` to the gradient.
-    pub decoupled_weight_decay: bool,
-}
-
-/// The hyperparameters of one [`sgd_`] call (`torch.optim.SGD` arguments).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SgdStep {
-    /// Learning rate.
-    pub lr: f64,
-    /// Momentum factor; 0 disables the momentum buffers (then none need be given).
-    pub momentum: f64,
-    /// Dampening of the gradient's contribution to the buffer.
-    pub dampening: f64,
-    /// Nesterov momentum.
-    pub nesterov: bool,
-    /// L2 penalty added to the gradient.
-    pub weight_decay: f64,
-    /// Maximize the objective.
-    pub maximize: bool,
-    /// The buffers are new: they are set to the (decayed) gradient instead of updated, as
-    /// PyTorch does when a parameter has no `momentum_buffer` yet. Their old contents are
-    /// never read, so `Tensor::empty_like`-style buffers are fine.
-    pub first_step: bool,
-}
 
 /// True when `tensors` satisfy Note [Fused step preconditions] as one group: all contiguous,
 /// of one floating dtype, on one device, no two sharing a storage. (Shapes are checked by the
@@ -122,9 +78,9 @@ struct List<'a> {
 }
 
 /// Checks Note [Fused step preconditions] for `lists` (the first is the parameters) and the
-/// autograd rule of in-place writes; returns the dtype and device of the group, `None` when
-/// there are no parameters.
-fn check(op: &'static str, lists: &[List<'_>]) -> Result<Option<(DType, Device)>> {
+/// autograd rule of in-place writes; returns the device of the group, `None` when there are no
+/// parameters.
+fn check(op: &'static str, lists: &[List<'_>]) -> Result<Option<Device>> {
     let params = lists[0].tensors;
     for l in &lists[1..] {
         if l.tensors.len() != params.len() {
@@ -195,7 +151,7 @@ fn check(op: &'static str, lists: &[List<'_>]) -> Result<Option<(DType, Device)>
             "two of the tensors share a storage; fused steps need each parameter, gradient and state tensor in its own storage (use the per-tensor step)",
         ));
     }
-    Ok(Some((dtype, device)))
+    Ok(Some(device))
 }
 
 /// A held lock on one storage.
@@ -253,59 +209,72 @@ fn lock_all<'a>(lists: &[List<'a>]) -> Vec<Vec<Guard<'a>>> {
         .collect()
 }
 
-/// The elements of each tensor of `tensors` (contiguous, of `T`) in its write-locked storage.
-fn slices_mut<'g, T: OptimElement>(guards: &'g mut [Guard<'_>], tensors: &[Tensor]) -> Vec<&'g mut [T]> {
-    guards
-        .iter_mut()
-        .zip(tensors)
-        .map(|(g, t)| {
-            let (off, n) = (t.storage_offset(), t.numel());
-            match g.storage_mut() {
-                Storage::Cpu(c) => &mut T::slice_mut(c).expect("dtype checked")[off..off + n],
-                Storage::Cuda(_) => unreachable!("device checked"),
-            }
-        })
-        .collect()
+/// Hands out the locked lists of a call, in the order of its `lists`, as step operands.
+struct Operands<'g, 'a> {
+    guards: std::slice::IterMut<'g, Vec<Guard<'a>>>,
+    lists: std::slice::Iter<'g, List<'a>>,
 }
 
-/// The elements of each tensor of `tensors` (contiguous, of `T`) in its read-locked storage.
-fn slices<'g, T: OptimElement>(guards: &'g [Guard<'_>], tensors: &[Tensor]) -> Vec<&'g [T]> {
-    guards
-        .iter()
-        .zip(tensors)
-        .map(|(g, t)| {
-            let (off, n) = (t.storage_offset(), t.numel());
-            match g.storage() {
-                Storage::Cpu(c) => &T::slice(c).expect("dtype checked")[off..off + n],
-                Storage::Cuda(_) => unreachable!("device checked"),
-            }
-        })
-        .collect()
-}
-
-/// The device address of each tensor's first element (0 for a list that is absent).
-fn device_ptrs(guards: &[Guard<'_>], tensors: &[Tensor]) -> Vec<u64> {
-    guards
-        .iter()
-        .zip(tensors)
-        .map(|(g, t)| match g.storage() {
-            Storage::Cuda(c) => c.ptr(t.layout()),
-            Storage::Cpu(_) => unreachable!("device checked"),
-        })
-        .collect()
-}
-
-/// Calls `$f::<T>(...)` with `T` the Rust type of the floating dtype `$dtype`.
-macro_rules! with_float_type {
-    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            _ => unreachable!("floating dtype checked"),
+impl<'g, 'a> Operands<'g, 'a> {
+    fn new(guards: &'g mut [Vec<Guard<'a>>], lists: &'g [List<'a>]) -> Self {
+        Operands {
+            guards: guards.iter_mut(),
+            lists: lists.iter(),
         }
-    };
+    }
+
+    fn next(&mut self) -> (&'g mut Vec<Guard<'a>>, &'g [Tensor]) {
+        let guards = self.guards.next().expect("one guard list per list");
+        let list = self.lists.next().expect("one list per guard list");
+        (guards, list.tensors)
+    }
+
+    /// The elements of each tensor of the next list, written.
+    fn written(&mut self) -> Vec<Elems<&'g mut Storage>> {
+        let (guards, tensors) = self.next();
+        guards
+            .iter_mut()
+            .zip(tensors)
+            .map(|(g, t)| Elems {
+                storage: g.storage_mut(),
+                offset: t.storage_offset(),
+                len: t.numel(),
+            })
+            .collect()
+    }
+
+    /// The elements of each tensor of the next list, read.
+    fn read(&mut self) -> Vec<Elems<&'g Storage>> {
+        let (guards, tensors) = self.next();
+        guards
+            .iter()
+            .zip(tensors)
+            .map(|(g, t)| Elems {
+                storage: g.storage(),
+                offset: t.storage_offset(),
+                len: t.numel(),
+            })
+            .collect()
+    }
+
+    /// The gradients (the next list): written under a grad scale, else read.
+    fn grads(&mut self, scaled: bool) -> Vec<GradElems<'g, Storage>> {
+        if scaled {
+            self.written().into_iter().map(GradElems::Unscaled).collect()
+        } else {
+            self.read().into_iter().map(GradElems::Read).collect()
+        }
+    }
+
+    /// The grad scale and found-inf flag that [`scaling_lists`] added, in the next lists.
+    fn amp(&mut self, scaling: &GradScaling<'_>) -> AmpScalars<'g, Storage> {
+        let grad_scale = scaling.grad_scale.and_then(|_| self.read().pop());
+        let found_inf = scaling.found_inf.and_then(|_| self.read().pop());
+        AmpScalars {
+            grad_scale,
+            found_inf,
+        }
+    }
 }
 
 /// Gradient scaling of a fused step under a GradScaler: PyTorch's `grad_scale=` and
@@ -337,20 +306,19 @@ pub enum AdamSteps<'a> {
     Device(&'a [Tensor]),
 }
 
-/// Checks the grad scale and found-inf tensors of a step on `device` and adds them to `lists`
-/// (read-only); returns their positions in `lists`.
+/// Checks the grad scale and found-inf tensors of a step on `device` and adds those present to
+/// `lists` (read-only), in that order.
 fn scaling_lists<'a>(
     op: &'static str,
     scaling: &GradScaling<'a>,
     device: Device,
     lists: &mut Vec<List<'a>>,
-) -> Result<[Option<usize>; 2]> {
-    let mut at = [None, None];
+) -> Result<()> {
     let named = [
         ("grad_scale", scaling.grad_scale),
         ("found_inf", scaling.found_inf),
     ];
-    for (k, (name, t)) in named.into_iter().enumerate() {
+    for (name, t) in named {
         let Some(t) = t else { continue };
         if t.dtype() != DType::F32 || t.numel() != 1 {
             return Err(Error::invalid(
@@ -365,14 +333,13 @@ fn scaling_lists<'a>(
         if t.device() != device {
             return Err(crate::dispatch::device_mismatch(op, device, t.device()));
         }
-        at[k] = Some(lists.len());
         lists.push(List {
             name,
             tensors: std::slice::from_ref(t),
             written: false,
         });
     }
-    Ok(at)
+    Ok(())
 }
 
 /// Errors unless every storage of `lists` is distinct (see Note [Fused step preconditions]).
@@ -389,32 +356,6 @@ fn check_distinct(op: &'static str, lists: &[List<'_>]) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// The f32 value of a locked one-element CPU tensor.
-fn cpu_f32(guard: &Guard<'_>, t: &Tensor) -> f32 {
-    match guard.storage() {
-        Storage::Cpu(c) => f32::slice(c).expect("dtype checked")[t.storage_offset()],
-        Storage::Cuda(_) => unreachable!("device checked"),
-    }
-}
-
-/// The gradients of a CPU step: unscaled and written back under a grad scale, else read.
-fn grads_in<'g, T: OptimElement>(
-    guards: &'g mut [Guard<'_>],
-    tensors: &[Tensor],
-    grad_scale: Option<f64>,
-) -> Vec<GradIn<'g, T>> {
-    match grad_scale {
-        Some(s) => slices_mut::<T>(guards, tensors)
-            .into_iter()
-            .map(|g| GradIn::Scaled(g, s))
-            .collect(),
-        None => slices::<T>(guards, tensors)
-            .into_iter()
-            .map(GradIn::Plain)
-            .collect(),
-    }
 }
 
 /// One Adam (or, with `decoupled_weight_decay`, AdamW) step of every `params[i]` in place,
@@ -544,12 +485,11 @@ fn adam_scaled_prepared(
             written: true,
         });
     }
-    let Some((dtype, device)) = check(OP, &lists)? else {
+    let Some(device) = check(OP, &lists)? else {
         return Ok(());
     };
-    let param_lists = lists.len();
-    let steps_at = match steps {
-        AdamSteps::Host(_) => None,
+    let device_steps = match steps {
+        AdamSteps::Host(_) => false,
         AdamSteps::Device(s) => {
             for t in s {
                 if t.dtype() != DType::F32 || t.numel() != 1 {
@@ -576,144 +516,44 @@ fn adam_scaled_prepared(
                 tensors: s,
                 written: true,
             });
-            Some(lists.len() - 1)
+            true
         }
     };
-    let [scale_at, found_at] = scaling_lists(OP, &scaling, device, &mut lists)?;
+    scaling_lists(OP, &scaling, device, &mut lists)?;
     check_distinct(OP, &lists)?;
-    let scalars = AdamScalars {
-        one_minus_beta1: 1.0 - cfg.beta1,
-        beta2: cfg.beta2,
-        one_minus_beta2: 1.0 - cfg.beta2,
-        eps: cfg.eps,
-        weight_decay: cfg.weight_decay,
-        decay: 1.0 - cfg.lr * cfg.weight_decay,
-        maximize: cfg.maximize,
-        decoupled: cfg.decoupled_weight_decay,
-    };
-    // Step size and sqrt(bias_correction2) of a step count, as `_single_tensor_adam`.
-    let corrections = |step: f64| -> [f64; 2] {
-        let bias_correction1 = 1.0 - cfg.beta1.powf(step);
-        let bias_correction2 = 1.0 - cfg.beta2.powf(step);
-        [cfg.lr / bias_correction1, bias_correction2.sqrt()]
-    };
     let mut guards = lock_all(&lists);
-    match device {
-        Device::Cpu => {
-            // The host reads the flag, the scale and the counts from host memory directly.
-            if let Some(at) = found_at {
-                if cpu_f32(&guards[at][0], &lists[at].tensors[0]) != 0.0 {
-                    return Ok(());
+    // The operands borrow the guards: every storage stays locked until the backend has run
+    // (on CUDA, until every launch is enqueued).
+    let mut ops = Operands::new(&mut guards, &lists);
+    let p = ops.written();
+    let g = ops.grads(scaling.grad_scale.is_some());
+    let m = ops.written();
+    let v = ops.written();
+    let mut x = cfg.amsgrad.then(|| ops.written().into_iter());
+    let mut counts = device_steps.then(|| ops.written().into_iter());
+    let amp = ops.amp(&scaling);
+    let tensors = p
+        .into_iter()
+        .zip(g)
+        .zip(m)
+        .zip(v)
+        .enumerate()
+        .map(|(i, (((param, grad), exp_avg), exp_avg_sq))| AdamTensor {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq: x.as_mut().and_then(Iterator::next),
+            step: match (steps, counts.as_mut()) {
+                (AdamSteps::Host(s), _) => StepCount::Host(s[i]),
+                (AdamSteps::Device(_), Some(c)) => {
+                    StepCount::Device(c.next().expect("one count per parameter"))
                 }
-            }
-            let grad_scale = scale_at.map(|at| cpu_f32(&guards[at][0], &lists[at].tensors[0]) as f64);
-            let per_tensor: Vec<[f64; 2]> = match (steps, steps_at) {
-                (AdamSteps::Host(s), _) => s.iter().map(|&step| corrections(step)).collect(),
-                (AdamSteps::Device(s), Some(at)) => guards[at]
-                    .iter_mut()
-                    .zip(s)
-                    .map(|(g, t)| match g.storage_mut() {
-                        Storage::Cpu(c) => {
-                            let step = &mut f32::slice_mut(c).expect("dtype checked")[t.storage_offset()];
-                            *step += 1.0;
-                            corrections(*step as f64)
-                        }
-                        Storage::Cuda(_) => unreachable!("device checked"),
-                    })
-                    .collect(),
                 (AdamSteps::Device(_), None) => unreachable!("device steps are locked"),
-            };
-            fn run<T: OptimElement>(
-                guards: &mut [Vec<Guard<'_>>],
-                lists: &[List<'_>],
-                per_tensor: &[[f64; 2]],
-                s: &AdamScalars,
-                grad_scale: Option<f64>,
-            ) {
-                let (gp, rest) = guards.split_first_mut().expect("params list");
-                let (gg, rest) = rest.split_first_mut().expect("grads list");
-                let (gm, rest) = rest.split_first_mut().expect("exp_avgs list");
-                let (gv, rest) = rest.split_first_mut().expect("exp_avg_sqs list");
-                let p = slices_mut::<T>(gp, lists[0].tensors);
-                let g = grads_in::<T>(gg, lists[1].tensors, grad_scale);
-                let m = slices_mut::<T>(gm, lists[2].tensors);
-                let v = slices_mut::<T>(gv, lists[3].tensors);
-                let mut x = rest
-                    .first_mut()
-                    .map(|gx| slices_mut::<T>(gx, lists[4].tensors).into_iter());
-                let tensors = p
-                    .into_iter()
-                    .zip(g)
-                    .zip(m)
-                    .zip(v)
-                    .zip(per_tensor)
-                    .map(|((((param, grad), exp_avg), exp_avg_sq), sc)| AdamTensor {
-                        param,
-                        grad,
-                        exp_avg,
-                        exp_avg_sq,
-                        max_exp_avg_sq: x.as_mut().and_then(|it| it.next()),
-                        step_size: sc[0],
-                        bias_correction2_sqrt: sc[1],
-                    })
-                    .collect();
-                cpu_optim::adam::<T>(tensors, s);
-            }
-            let param_guards = &mut guards[..param_lists];
-            with_float_type!(
-                dtype,
-                run(param_guards, &lists, &per_tensor, &scalars, grad_scale)
-            );
-            Ok(())
-        }
-        Device::Cuda(ordinal) => {
-            let ptrs: Vec<Vec<u64>> = guards
-                .iter()
-                .zip(&lists)
-                .map(|(g, l)| device_ptrs(g, l.tensors))
-                .collect();
-            let tensors: Vec<OptimTensor> = (0..params.len())
-                .map(|i| {
-                    let mut p = [0u64; 6];
-                    for (k, list) in ptrs[..param_lists].iter().enumerate() {
-                        p[k] = list[i];
-                    }
-                    if let Some(at) = steps_at {
-                        p[5] = ptrs[at][i];
-                    }
-                    OptimTensor {
-                        ptrs: p,
-                        numel: params[i].numel(),
-                        scalars: match steps {
-                            AdamSteps::Host(s) => corrections(s[i]),
-                            AdamSteps::Device(_) => [0.0; 2],
-                        },
-                    }
-                })
-                .collect();
-            let flags = cfg.amsgrad as i32
-                | (cfg.maximize as i32) << 1
-                | (cfg.decoupled_weight_decay as i32) << 2
-                | if steps_at.is_some() { ADAM_DEVICE_STEPS } else { 0 };
-            let kernel = OptimKernel::Adam {
-                lr: cfg.lr,
-                beta1: cfg.beta1,
-                one_minus_beta1: scalars.one_minus_beta1,
-                beta2: scalars.beta2,
-                one_minus_beta2: scalars.one_minus_beta2,
-                eps: scalars.eps,
-                weight_decay: scalars.weight_decay,
-                decay: scalars.decay,
-                grad_scale: scale_at.map_or(0, |at| ptrs[at][0]),
-                found_inf: found_at.map_or(0, |at| ptrs[at][0]),
-                flags,
-            };
-            // The guards are held until every launch is enqueued.
-            let r = multi_tensor_step(ordinal, dtype, &tensors, kernel);
-            drop(guards);
-            r
-        }
-    }
+            },
+        })
+        .collect();
+    Storage::adam_step(cfg, tensors, amp)
 }
 
 /// One SGD step of every `params[i]` in place from `grads[i]`, updating
@@ -786,90 +626,25 @@ fn sgd_scaled_prepared(
             written: true,
         });
     }
-    let Some((dtype, device)) = check(OP, &lists)? else {
+    let Some(device) = check(OP, &lists)? else {
         return Ok(());
     };
-    let param_lists = lists.len();
-    let [scale_at, found_at] = scaling_lists(OP, &scaling, device, &mut lists)?;
+    scaling_lists(OP, &scaling, device, &mut lists)?;
     check_distinct(OP, &lists)?;
-    let scalars = SgdScalars {
-        lr: cfg.lr,
-        momentum: cfg.momentum,
-        one_minus_dampening: 1.0 - cfg.dampening,
-        weight_decay: cfg.weight_decay,
-        nesterov: cfg.nesterov,
-        maximize: cfg.maximize,
-        first_step: cfg.first_step,
-    };
     let mut guards = lock_all(&lists);
-    match device {
-        Device::Cpu => {
-            if let Some(at) = found_at {
-                if cpu_f32(&guards[at][0], &lists[at].tensors[0]) != 0.0 {
-                    return Ok(());
-                }
-            }
-            let grad_scale = scale_at.map(|at| cpu_f32(&guards[at][0], &lists[at].tensors[0]) as f64);
-            fn run<T: OptimElement>(
-                guards: &mut [Vec<Guard<'_>>],
-                lists: &[List<'_>],
-                s: &SgdScalars,
-                grad_scale: Option<f64>,
-            ) {
-                let (gp, rest) = guards.split_first_mut().expect("params list");
-                let (gg, rest) = rest.split_first_mut().expect("grads list");
-                let p = slices_mut::<T>(gp, lists[0].tensors);
-                let g = grads_in::<T>(gg, lists[1].tensors, grad_scale);
-                let mut b = rest
-                    .first_mut()
-                    .map(|gb| slices_mut::<T>(gb, lists[2].tensors).into_iter());
-                let tensors = p
-                    .into_iter()
-                    .zip(g)
-                    .map(|(param, grad)| SgdTensor {
-                        param,
-                        grad,
-                        momentum_buffer: b.as_mut().and_then(|it| it.next()),
-                    })
-                    .collect();
-                cpu_optim::sgd::<T>(tensors, s);
-            }
-            let param_guards = &mut guards[..param_lists];
-            with_float_type!(dtype, run(param_guards, &lists, &scalars, grad_scale));
-            Ok(())
-        }
-        Device::Cuda(ordinal) => {
-            let ptrs: Vec<Vec<u64>> = guards
-                .iter()
-                .zip(&lists)
-                .map(|(g, l)| device_ptrs(g, l.tensors))
-                .collect();
-            let tensors: Vec<OptimTensor> = (0..params.len())
-                .map(|i| {
-                    let mut p = [0u64; 6];
-                    for (k, list) in ptrs[..param_lists].iter().enumerate() {
-                        p[k] = list[i];
-                    }
-                    OptimTensor {
-                        ptrs: p,
-                        numel: params[i].numel(),
-                        scalars: [0.0; 2],
-                    }
-                })
-                .collect();
-            let flags = cfg.nesterov as i32 | (cfg.maximize as i32) << 1 | (cfg.first_step as i32) << 2;
-            let kernel = OptimKernel::Sgd {
-                lr: cfg.lr,
-                momentum: cfg.momentum,
-                one_minus_dampening: scalars.one_minus_dampening,
-                weight_decay: cfg.weight_decay,
-                grad_scale: scale_at.map_or(0, |at| ptrs[at][0]),
-                found_inf: found_at.map_or(0, |at| ptrs[at][0]),
-                flags,
-            };
-            let r = multi_tensor_step(ordinal, dtype, &tensors, kernel);
-            drop(guards);
-            r
-        }
-    }
+    let mut ops = Operands::new(&mut guards, &lists);
+    let p = ops.written();
+    let g = ops.grads(scaling.grad_scale.is_some());
+    let mut b = has_momentum.then(|| ops.written().into_iter());
+    let amp = ops.amp(&scaling);
+    let tensors = p
+        .into_iter()
+        .zip(g)
+        .map(|(param, grad)| SgdTensor {
+            param,
+            grad,
+            momentum_buffer: b.as_mut().and_then(Iterator::next),
+        })
+        .collect();
+    Storage::sgd_step(cfg, tensors, amp)
 }
