@@ -178,6 +178,22 @@ table! {
     AVG_POOL2D = "avg_pool2d", Inputs, None;
     BATCH_NORM = "batch_norm", Inputs, None;
     DROPOUT = "dropout", Inputs, None;
+
+    // ---- views, casts, moves and copies: never cast or promoted; they pass the point so that
+    // device checks and observers see them (PyTorch's profiler lists aten::view, aten::to, ...) ----
+    TO = "to", Inputs, None;
+    COPY_ = "copy_", Inputs, None;
+    FILL_ = "fill_", Inputs, None;
+    VIEW = "view", Inputs, None;
+    RESHAPE = "reshape", Inputs, None;
+    PERMUTE = "permute", Inputs, None;
+    TRANSPOSE = "transpose", Inputs, None;
+    NARROW = "narrow", Inputs, None;
+    SLICE = "slice", Inputs, None;
+    SELECT = "select", Inputs, None;
+    UNSQUEEZE = "unsqueeze", Inputs, None;
+    SQUEEZE = "squeeze", Inputs, None;
+    EXPAND = "expand", Inputs, None;
     LSTM_RECURRENCE = "lstm_recurrence", Inputs, None;
     FUSED_ADAM = "_fused_adam_", Inputs, None;
     FUSED_SGD = "_fused_sgd_", Inputs, None;

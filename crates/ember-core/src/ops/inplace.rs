@@ -8,6 +8,7 @@
 //! error instead of computing a wrong gradient.
 
 use crate::autograd;
+use crate::dispatch::{self, policy};
 use crate::dtype::Scalar;
 use crate::{Error, Result, Tensor};
 
@@ -88,6 +89,11 @@ impl Tensor {
 
     /// Copies `src` into `self` (broadcasting, converting dtype and device); returns `self`.
     pub fn copy_(&self, src: &Tensor) -> Result<Tensor> {
+        // Only the destination enters the dispatch point: the source may be on another device.
+        dispatch::call_with(&policy::COPY_, [self], |[_]| self.copy_from(src))
+    }
+
+    fn copy_from(&self, src: &Tensor) -> Result<Tensor> {
         self.check_inplace("copy_", &[src])?;
         if src.device() != self.device() {
             let moved = src.to(self.device())?;
@@ -100,8 +106,13 @@ impl Tensor {
 
     /// Sets every element to `value`; returns `self`.
     pub fn fill_(&self, value: impl Into<Scalar>) -> Result<Tensor> {
+        let value = value.into();
+        dispatch::call_with(&policy::FILL_, [self], |[_]| self.fill_with(value))
+    }
+
+    fn fill_with(&self, value: Scalar) -> Result<Tensor> {
         self.check_inplace("fill_", &[])?;
-        let v = Tensor::scalar(value.into().to_f64(), self.dtype(), self.device())?;
+        let v = Tensor::scalar(value.to_f64(), self.dtype(), self.device())?;
         self.write_from("fill_", &v)?;
         Ok(self.clone())
     }

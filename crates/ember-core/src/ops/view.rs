@@ -5,7 +5,7 @@
 
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self};
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Op};
 use crate::layout::Layout;
 use crate::shape::normalize_dim;
 use crate::{Error, Result, Shape, Tensor};
@@ -82,23 +82,28 @@ fn grad_through_view(
 }
 
 impl Tensor {
-    /// A view of `self` with `layout`, recorded under `name` with `backward` when needed.
-    fn view_op<F>(&self, name: &'static str, layout: Layout, backward: F) -> Tensor
+    /// A view of `self` with `layout`: the op `op` of the dispatch point (device check and
+    /// observers; views are never cast), recorded with `backward` when autograd needs it.
+    fn view_op<F>(&self, op: &'static Op, layout: Layout, backward: F) -> Result<Tensor>
     where
         F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
     {
-        let out = self.view_with(layout);
-        if !autograd::needs_grad(&[self]) {
-            return out;
-        }
-        autograd::record(name, &[self], out, move |g, _| Ok(vec![Some(backward(g)?)]))
+        dispatch::call_with(op, [self], |[x]| {
+            let out = x.view_with(layout);
+            if !autograd::needs_grad(&[x]) {
+                return Ok(out);
+            }
+            Ok(autograd::record(op.name, &[x], out, move |g, _| {
+                Ok(vec![Some(backward(g)?)])
+            }))
+        })
     }
 
     /// A view with `dims` (one may be -1) if the layout allows one, else a contiguous copy.
     pub fn reshape(&self, dims: &[isize]) -> Result<Tensor> {
         let shape = infer_shape("reshape", dims, self.numel())?;
         match self.layout().view(&shape) {
-            Some(layout) => Ok(self.reshape_view("reshape", layout)),
+            Some(layout) => self.reshape_view(&policy::RESHAPE, layout),
             None => self.contiguous()?.reshape(dims),
         }
     }
@@ -116,12 +121,12 @@ impl Tensor {
                 ),
             )
         })?;
-        Ok(self.reshape_view("view", layout))
+        self.reshape_view(&policy::VIEW, layout)
     }
 
-    fn reshape_view(&self, name: &'static str, layout: Layout) -> Tensor {
+    fn reshape_view(&self, op: &'static Op, layout: Layout) -> Result<Tensor> {
         let src: Vec<isize> = self.dims().iter().map(|&d| d as isize).collect();
-        self.view_op(name, layout, move |g| g.reshape(&src))
+        self.view_op(op, layout, move |g| g.reshape(&src))
     }
 
     /// Dimensions reordered (`permute`); negative dims count from the end.
@@ -135,7 +140,7 @@ impl Tensor {
         for (i, &d) in dims.iter().enumerate() {
             inverse[d] = i as isize;
         }
-        Ok(self.view_op("permute", layout, move |g| g.permute(&inverse)))
+        self.view_op(&policy::PERMUTE, layout, move |g| g.permute(&inverse))
     }
 
     /// Swaps two dimensions (`transpose`).
@@ -148,9 +153,9 @@ impl Tensor {
             return Ok(self.clone());
         }
         let layout = self.layout().transpose(d0, d1);
-        Ok(self.view_op("transpose", layout, move |g| {
+        self.view_op(&policy::TRANSPOSE, layout, move |g| {
             g.transpose(d0 as isize, d1 as isize)
-        }))
+        })
     }
 
     /// The transpose of a matrix; vectors and scalars are returned as they are (`t`).
@@ -176,9 +181,9 @@ impl Tensor {
         }
         let layout = self.layout().narrow(d, start, length)?;
         let shape = self.shape().clone();
-        Ok(self.view_op("narrow", layout, move |g| {
+        self.view_op(&policy::NARROW, layout, move |g| {
             grad_through_view(g, &shape, |l| l.narrow(d, start, length))
-        }))
+        })
     }
 
     /// Elements `start..end` of `dim` taking every `step`-th (`x[:, start:end:step]`);
@@ -204,9 +209,9 @@ impl Tensor {
         }
         let layout = strided_slice(self.layout(), d, start, len, step)?;
         let shape = self.shape().clone();
-        Ok(self.view_op("slice", layout, move |g| {
+        self.view_op(&policy::SLICE, layout, move |g| {
             grad_through_view(g, &shape, |l| strided_slice(l, d, start, len, step))
-        }))
+        })
     }
     /// Element `index` of `dim`, removing that dim (`select`, `x[:, i]`); negative `index`
     /// counts from the end.
@@ -231,16 +236,16 @@ impl Tensor {
         let i = i as usize;
         let layout = self.layout().select(d, i)?;
         let shape = self.shape().clone();
-        Ok(self.view_op("select", layout, move |g| {
+        self.view_op(&policy::SELECT, layout, move |g| {
             grad_through_view(g, &shape, |l| l.select(d, i))
-        }))
+        })
     }
 
     /// Inserts a dim of size 1 at `dim` (in `[-rank-1, rank]`).
     pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
         let d = normalize_dim("unsqueeze", dim, self.rank() + 1)?;
         let layout = self.layout().unsqueeze(d);
-        Ok(self.view_op("unsqueeze", layout, move |g| g.squeeze_dim(d as isize)))
+        self.view_op(&policy::UNSQUEEZE, layout, move |g| g.squeeze_dim(d as isize))
     }
 
     /// Removes `dim` if it has size 1 (otherwise a view of the same shape).
@@ -252,7 +257,7 @@ impl Tensor {
         let d = self.shape().dim("squeeze", dim)?;
         let layout = self.layout().squeeze(d);
         let src: Vec<isize> = self.dims().iter().map(|&x| x as isize).collect();
-        Ok(self.view_op("squeeze", layout, move |g| g.reshape(&src)))
+        self.view_op(&policy::SQUEEZE, layout, move |g| g.reshape(&src))
     }
 
     /// Removes every dim of size 1.
@@ -301,7 +306,7 @@ impl Tensor {
         }
         let layout = self.layout().broadcast_as(shape, "expand")?;
         let src = self.shape().clone();
-        Ok(self.view_op("expand", layout, move |g| sum_to_shape(g, &src)))
+        self.view_op(&policy::EXPAND, layout, move |g| sum_to_shape(g, &src))
     }
 
     /// Dims `start..=end` merged into one (`flatten`).

@@ -1,17 +1,24 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
 use crate::autograd;
+use crate::dispatch::{self, policy};
 use crate::cpu::{CpuElement, CpuStorage};
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Tensor};
 
 impl Tensor {
-    /// The elements converted to `dtype` (a no-op returning `self` when already of it).
+    /// The elements converted to `dtype` (a no-op returning `self` when already of it, which
+    /// does not enter the dispatch point).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        dispatch::call_with(&policy::TO, [self], |[x]| x.cast(dtype))
+    }
+
+    /// [`Tensor::to_dtype`]'s body, behind the dispatch point.
+    fn cast(&self, dtype: DType) -> Result<Tensor> {
         let storage = self.storage().read().to_dtype(self.layout(), dtype)?;
         let out = Tensor::from_storage(storage, self.shape());
         if !dtype.is_floating_point() || !autograd::needs_grad(&[self]) {
@@ -32,6 +39,12 @@ impl Tensor {
         if dtype == self.dtype() || l.is_contiguous() || !is_dense(l) {
             return self.to_dtype(dtype);
         }
+        dispatch::call_with(&policy::TO, [self], |[x]| x.cast_dense(dtype))
+    }
+
+    /// [`Tensor::to_dtype_preserving_strides`] of a dense, non-contiguous view.
+    fn cast_dense(&self, dtype: DType) -> Result<Tensor> {
+        let l = self.layout();
         // The elements are exactly the storage range [offset, offset + numel): cast it flat.
         let flat = Layout::new(crate::Shape::from(self.numel()), vec![1usize], l.offset());
         let storage = self.storage().read().to_dtype(&flat, dtype)?;
@@ -48,11 +61,17 @@ impl Tensor {
         }))
     }
 
-    /// The tensor on `device` (a no-op returning `self` when already there).
+    /// The tensor on `device` (a no-op returning `self` when already there, which does not
+    /// enter the dispatch point).
     pub fn to(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
         }
+        dispatch::call_with(&policy::TO, [self], |[x]| x.move_to(device))
+    }
+
+    /// [`Tensor::to`]'s body, behind the dispatch point.
+    fn move_to(&self, device: Device) -> Result<Tensor> {
         let storage = self.storage().read().to_device(self.layout(), device)?;
         let out = Tensor::from_storage(storage, self.shape());
         if !autograd::needs_grad(&[self]) {

@@ -296,6 +296,20 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
             F::batch_norm(&c, Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5)
         }
         "dropout" => F::dropout(&x, 0.5, true),
+        // A cast to another dtype (a cast to the same one returns the tensor untouched).
+        "to" => x.to_dtype(if d == DType::F64 { DType::F32 } else { DType::F64 }),
+        "copy_" => Tensor::zeros([2, 4], d2, dev)?.copy_(&x),
+        "fill_" => x.fill_(1.0),
+        "view" => x.view(&[8]),
+        "reshape" => x.reshape(&[4, 2]),
+        "permute" => x.permute(&[1, 0]),
+        "transpose" => x.transpose(0, 1),
+        "narrow" => x.narrow(1, 1, 2),
+        "slice" => x.slice(1, 0, 4, 2),
+        "select" => x.select(0, 1),
+        "unsqueeze" => x.unsqueeze(0),
+        "squeeze" => x.unsqueeze(0)?.squeeze_dim(0),
+        "expand" => x.unsqueeze(0)?.expand(&[3, 2, 4]),
         "lstm_recurrence" => {
             let gi = Tensor::rand([3, 2, 16], DType::F64, dev)?.to_dtype(d)?;
             let w_hh = Tensor::rand([16, 4], DType::F64, dev)?.to_dtype(d)?;
