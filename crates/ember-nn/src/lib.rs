@@ -24,5 +24,5 @@ pub use layers::{
     ReLU, Sequential, SiLU, Sigmoid, Softmax, Tanh, Transformer, TransformerDecoder, TransformerDecoderLayer,
     TransformerEncoder, TransformerEncoderLayer, GELU, GRU, LSTM, RNN,
 };
-pub use module::{Module, ModuleExt, TensorKind};
+pub use module::{Forward, Module, ModuleExt, TensorKind};
 pub use state_dict::{load_safetensors, save_safetensors, IncompatibleKeys, StateDictError};

@@ -5,7 +5,7 @@
 //! Run: `cargo run --release -p ember --example move_model`
 
 use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Linear, Module, ModuleExt, ReLU, Sequential};
+use ember::nn::{Forward, Linear, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Tensor};
 
 fn main() -> ember::Result<()> {

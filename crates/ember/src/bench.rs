@@ -5,7 +5,7 @@ use crate::models;
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::{Module, ModuleExt};
+use ember::nn::{Forward, ModuleExt};
 use ember::{cuda, DType, Device, Result, Tensor};
 use serde_json::{json, Map, Value};
 use std::time::Instant;
@@ -119,7 +119,7 @@ struct Amp {
 fn classifier(
     name: &str,
     device: Device,
-    build: impl FnOnce(Device) -> Result<Box<dyn Module>>,
+    build: impl FnOnce(Device) -> Result<Box<dyn Forward>>,
     shape: &[usize],
     classes: i64,
     amp: Option<Amp>,
@@ -153,7 +153,7 @@ fn classifier(
 /// `mlp_small`, `mlp_large`, `cnn`, `lstm` or `mlp_large_amp_{bf16,fp16}` (WORKLOADS.md's
 /// training table).
 fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
-    fn boxed<M: Module + 'static>(m: Result<M>) -> Result<Box<dyn Module>> {
+    fn boxed<M: Forward + 'static>(m: Result<M>) -> Result<Box<dyn Forward>> {
         Ok(Box::new(m?))
     }
     let amp = match name {

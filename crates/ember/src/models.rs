@@ -7,7 +7,7 @@
 use ember::nn::functional::Pair;
 use ember::nn::layers::{Conv2dConfig, RecurrentConfig};
 use ember::nn::module::join_name;
-use ember::nn::{Conv2d, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential, TensorKind, LSTM};
+use ember::nn::{Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, ReLU, Sequential, TensorKind, LSTM};
 use ember::{Device, Result, Tensor};
 
 /// `Conv2d(cin, cout, 3, stride 1, padding 1)`.
@@ -79,12 +79,14 @@ impl LstmClassifier {
     }
 }
 
-impl Module for LstmClassifier {
+impl Forward for LstmClassifier {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let out = self.lstm.forward(x)?;
         self.head.forward(&out.select(1, -1)?)
     }
+}
 
+impl Module for LstmClassifier {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         self.lstm.visit(&join_name(prefix, "lstm"), f);
         self.head.visit(&join_name(prefix, "head"), f);

@@ -35,7 +35,7 @@ use ember::data::{DataLoader, TensorDataset};
 use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::state_dict::{load_tensors, save_tensors};
-use ember::nn::{Module, ModuleExt, Sequential};
+use ember::nn::{Forward, ModuleExt, Sequential};
 use ember::{cuda, DType, Device, Generator, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;

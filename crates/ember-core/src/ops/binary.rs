@@ -13,8 +13,8 @@ use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
-pub use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
 use crate::backend::op::UnaryOp;
+pub use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
 
 /// The device all operands share, or the mismatch error naming the first two that differ
 /// (the dispatch point's check, for the helpers that take operands apart).

@@ -27,9 +27,7 @@ impl UnaryOp {
         use UnaryOp::*;
         match self {
             Neg | Sign | Floor | Ceil | Round | Trunc => Saves::Nothing,
-            AddScalar { .. } | SubScalar { .. } | MulScalar { .. } | DivScalar { .. } => {
-                Saves::Nothing
-            }
+            AddScalar { .. } | SubScalar { .. } | MulScalar { .. } | DivScalar { .. } => Saves::Nothing,
             Exp | Exp2 | Expm1 | Sqrt | Rsqrt | Tan | Tanh | Sigmoid | Relu | Reciprocal => Saves::Output,
             _ => Saves::Input,
         }

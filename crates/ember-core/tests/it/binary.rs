@@ -246,15 +246,20 @@ fn scalar_operands_keep_float32_precision_with_half_tensors() {
         assert_eq!(y.to_vec::<bf16>().unwrap(), want, "on {device}");
         // x / 10 and x - 0.1 + 0.1 go through the same path; the gradient of x · s is g · s.
         let q = x.div_scalar(10.0).unwrap().to_vec::<bf16>().unwrap();
-        let by_hand: Vec<bf16> = [9.0f32, 13.0, 77.0]
-            .map(|v| bf16::from_f32(v / 10.0))
-            .to_vec();
+        let by_hand: Vec<bf16> = [9.0f32, 13.0, 77.0].map(|v| bf16::from_f32(v / 10.0)).to_vec();
         assert_eq!(q, by_hand, "on {device}");
         let w = Tensor::from_vec(vec![1.0f32, 2.0], [2], device)
             .unwrap()
             .requires_grad_(true)
             .unwrap();
-        w.mul_scalar(3.0).unwrap().sub_scalar(1.0).unwrap().sum_all().unwrap().backward().unwrap();
+        w.mul_scalar(3.0)
+            .unwrap()
+            .sub_scalar(1.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
     }
 }

@@ -110,12 +110,14 @@ pub(crate) fn visit_opt_mut(
 /// `training: bool` field; `forward` is the given closure-like body.
 macro_rules! stateless_module {
     ($ty:ty, |$s:ident, $x:ident| $body:expr) => {
-        impl $crate::module::Module for $ty {
+        impl $crate::module::Forward for $ty {
             fn forward(&self, $x: &ember_core::Tensor) -> ember_core::Result<ember_core::Tensor> {
                 let $s = self;
                 $body
             }
+        }
 
+        impl $crate::module::Module for $ty {
             fn visit(
                 &self,
                 _prefix: &str,
