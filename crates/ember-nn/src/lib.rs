@@ -10,7 +10,12 @@
 //! - `amp`: `GradScaler`, dynamic loss scaling for mixed precision (`torch.amp`).
 #![forbid(unsafe_code)]
 
+// `#[derive(Module)]` names this crate `::ember_nn`, also inside it.
+extern crate self as ember_nn;
+
 pub mod amp;
+#[doc(hidden)]
+pub mod derive_support;
 pub mod functional;
 pub mod init;
 pub mod layers;
@@ -18,6 +23,8 @@ pub mod module;
 pub mod optim;
 pub mod state_dict;
 
+/// `#[derive(Module)]`: implements [`Module`] from a struct's fields (see `ember-derive`).
+pub use ember_derive::Module;
 pub use layers::{
     AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, Dropout, Embedding, Flatten,
     GRUCell, LSTMCell, LayerNorm, Linear, LogSoftmax, MaxPool2d, ModuleList, MultiheadAttention, RNNCell,

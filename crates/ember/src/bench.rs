@@ -187,7 +187,7 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
         "cnn" => classifier(
             name,
             device,
-            |d| boxed(models::cnn(3, 16, 32, d)),
+            |d| boxed(models::Cnn::new(3, 16, 32, d)),
             &[256, 3, 28, 28],
             10,
             amp,

@@ -8,6 +8,7 @@ mod attention_mha;
 mod attention_modules;
 mod autocast;
 mod conformance;
+mod derive;
 mod functional;
 mod functional_loss;
 mod grad_scaler;
