@@ -41,7 +41,7 @@ struct Timing {
 
 fn sync(device: Device) -> Result<()> {
     if let Device::Cuda(i) = device {
-        cuda::synchronize(i)?;
+        cuda::synchronize_on(i)?;
     }
     Ok(())
 }
@@ -60,7 +60,7 @@ fn time_steps(
     }
     sync(device)?;
     if let Device::Cuda(i) = device {
-        cuda::reset_peak_memory_stats(i);
+        cuda::reset_peak_memory_stats_on(i);
     }
     let mut samples = Vec::with_capacity(repeats);
     for _ in 0..repeats {
@@ -80,7 +80,7 @@ fn time_steps(
         (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
     };
     let peak_mb = match device {
-        Device::Cuda(i) => Some(cuda::max_memory_allocated(i) as f64 / (1u64 << 20) as f64),
+        Device::Cuda(i) => Some(cuda::max_memory_allocated_on(i) as f64 / (1u64 << 20) as f64),
         Device::Cpu => None,
     };
     Ok(Timing {

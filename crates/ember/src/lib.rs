@@ -16,10 +16,11 @@
 #![forbid(unsafe_code)]
 
 pub use ember_core::{
-    autograd, backends, cuda, default_generator, dispatch, enable_grad, get_rng_state, is_grad_enabled,
-    manual_seed, no_grad, set_grad_enabled, set_rng_state, DType, Device, DeviceType, Element, Error,
-    Generator, Result, RngState, Scalar, Shape, Tensor,
+    autograd, backends, default_generator, dispatch, enable_grad, get_rng_state, initial_seed,
+    is_grad_enabled, manual_seed, no_grad, seed, set_grad_enabled, set_rng_state, DType, Device, DeviceType,
+    Element, Error, Generator, Result, RngState, Scalar, Shape, Tensor,
 };
+pub mod cuda;
 pub use ember_data as data;
 pub use ember_distributed as distributed;
 pub use ember_nn as nn;

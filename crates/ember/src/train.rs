@@ -581,7 +581,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 let rate = trained as f64 / t0.elapsed().as_secs_f64();
                 let mut msg = format!("loss {:.4}  {rate:.0} samples/s", loss.item_f64()?);
                 if let Device::Cuda(i) = device {
-                    msg += &format!("  mem {:.0} MiB", cuda::memory_allocated(i) as f64 / 1048576.0);
+                    msg += &format!("  mem {:.0} MiB", cuda::memory_allocated_on(i) as f64 / 1048576.0);
                 }
                 bar.set_message(msg);
             }
