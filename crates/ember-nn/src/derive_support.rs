@@ -7,7 +7,7 @@
 //! - `Option<T>`, `Vec<T>`, `[T; N]`: what `T` holds; elements are named by index
 //!   (`layers.0`), a `None` is skipped;
 //! - plain data (numbers, `bool`, `char`, `String`, `&'static str`, `Device`, `DType`,
-//!   `PhantomData`): nothing.
+//!   `Reduction`, `PhantomData`): nothing.
 //!
 //! Not part of the public API: the derive is.
 
@@ -188,5 +188,5 @@ macro_rules! data_field {
 data_field!(
     [] bool, [] char, [] u8, [] u16, [] u32, [] u64, [] u128, [] usize,
     [] i8, [] i16, [] i32, [] i64, [] i128, [] isize, [] f32, [] f64,
-    [] String, [] &'static str, [] Device, [] DType, [T: ?Sized] std::marker::PhantomData<T>,
+    [] String, [] &'static str, [] Device, [] DType, [] crate::functional::Reduction, [T: ?Sized] std::marker::PhantomData<T>,
 );

@@ -12,6 +12,7 @@ mod derive;
 mod functional;
 mod functional_loss;
 mod grad_scaler;
+mod loss_modules;
 mod modules;
 mod pytorch_checkpoints;
 mod recurrent;
