@@ -35,6 +35,11 @@ pub mod amp {
     pub use ember_nn::amp::*;
 }
 
+/// `torch.utils` for ember: [`utils::benchmark`] (`Timer`, `Measurement`).
+pub mod utils {
+    pub mod benchmark;
+}
+
 /// ember's version, from Cargo.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
