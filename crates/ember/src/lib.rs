@@ -3,6 +3,7 @@
 //! This facade re-exports the layers below it so that a program needs one dependency:
 //! tensors and autograd from `ember-core`, layers and optimizers from `ember-nn`, data loading
 //! from `ember-data`, multi-GPU training from `ember-distributed`.
+//! Coming from PyTorch: [`coming_from_pytorch`] maps torch's names to ember's.
 //!
 //! ```
 //! use ember::{DType, Device, Tensor};
@@ -34,6 +35,9 @@ pub mod amp {
     };
     pub use ember_nn::amp::*;
 }
+
+#[doc = include_str!("coming_from_pytorch.md")]
+pub mod coming_from_pytorch {}
 
 /// `torch.utils` for ember: [`utils::benchmark`] (`Timer`, `Measurement`).
 pub mod utils {
