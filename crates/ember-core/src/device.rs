@@ -15,9 +15,19 @@ pub enum Device {
 }
 
 impl Device {
-    /// Parses `"cpu"`, `"cuda"` (ordinal 0) or `"cuda:N"`.
+    /// Parses `"cpu"`, `"cuda"` (the calling thread's current CUDA device, as
+    /// [`Device::cuda`]) or `"cuda:N"`.
     pub fn parse(s: &str) -> Result<Device> {
         s.parse()
+    }
+
+    /// The calling thread's current CUDA device (`torch.device("cuda")`): cuda:0 unless
+    /// [`crate::cuda::set_device`] or a [`crate::cuda::DeviceGuard`] chose another, so that
+    /// under `let _g = DeviceGuard::new(1)?` a tensor made on `Device::cuda()` lands on cuda:1
+    /// as under PyTorch's `with torch.cuda.device(1):`. The device is resolved now: the value
+    /// stays `Cuda(i)` after the guard is gone. Needs no GPU to call.
+    pub fn cuda() -> Device {
+        Device::Cuda(crate::cuda::current_device())
     }
 
     pub fn is_cpu(self) -> bool {
@@ -82,7 +92,7 @@ impl FromStr for Device {
         let bad = || Error::InvalidDevice(s.to_string());
         match s.trim() {
             "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
+            "cuda" => Ok(Device::cuda()),
             t => {
                 let ordinal = t.strip_prefix("cuda:").ok_or_else(bad)?;
                 if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
@@ -111,11 +121,24 @@ mod tests {
     fn parses_pytorch_device_strings() {
         assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
         assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
+        assert_eq!(Device::cuda(), Device::Cuda(0));
         assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
         for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "CPU", "cuda:1:2"] {
             let err = Device::parse(bad).unwrap_err();
             assert!(err.to_string().contains(bad), "{err}");
         }
         assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+    }
+
+    #[test]
+    fn plain_cuda_means_the_current_device() {
+        // The current device is per thread; this test's thread is its own.
+        crate::cuda::set_current_device_unchecked(3);
+        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(3));
+        assert_eq!(" cuda ".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!(Device::cuda(), Device::Cuda(3));
+        assert_eq!(Device::parse("cuda:1").unwrap(), Device::Cuda(1));
+        crate::cuda::set_current_device_unchecked(0);
+        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
     }
 }

@@ -108,6 +108,10 @@ pub enum Error {
         expected: u64,
         found: u64,
     },
+
+    /// A file or stream operation failed (`From<std::io::Error>`, so `?` works on I/O).
+    #[error("I/O error ({kind:?}): {msg}")]
+    Io { kind: std::io::ErrorKind, msg: String },
 }
 
 fn hint_suffix(hint: &str) -> String {
@@ -131,6 +135,42 @@ pub(crate) fn fmt_bytes(bytes: usize) -> String {
         format!("{bytes} bytes")
     } else {
         format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_convert_keeping_kind_and_message() {
+        fn read() -> crate::Result<String> {
+            Ok(std::fs::read_to_string("/nonexistent/ember/file.txt")?)
+        }
+        let err = read().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Io {
+                    kind: std::io::ErrorKind::NotFound,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("NotFound"), "{err}");
+    }
+}
+
+/// `?` on file and network I/O in a function returning [`Result`] (`fn main() ->
+/// ember::Result<()>`): the error's kind and message are kept (`std::io::Error` is not `Clone`,
+/// [`Error`] is).
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Error {
+        Error::Io {
+            kind: e.kind(),
+            msg: e.to_string(),
+        }
     }
 }
 

@@ -246,8 +246,9 @@ impl DataLoaderBuilder {
         self
     }
 
-    /// Copy each batch's CPU tensors to page-locked memory; needs a CUDA driver
-    /// ([`build`](Self::build) answers [`Error::CudaUnavailable`] without one).
+    /// Copy each batch's CPU tensors to page-locked memory. Without CUDA there is nothing to
+    /// pin with: as PyTorch, [`build`](Self::build) then warns once per process (on stderr)
+    /// and the loader continues unpinned, so device-agnostic code runs on any machine.
     pub fn pin_memory(mut self, pin_memory: bool) -> Self {
         self.pin_memory = pin_memory;
         self
@@ -264,7 +265,7 @@ impl DataLoaderBuilder {
     }
 
     /// The loader, after checking the options (each bad one is an [`Error::InvalidArgument`]
-    /// naming it; `pin_memory` without CUDA is [`Error::CudaUnavailable`]).
+    /// naming it; `pin_memory` without CUDA warns once and is turned off).
     pub fn build(self) -> Result<DataLoader> {
         const OP: &str = "DataLoader";
         if self.batch_size == 0 {
@@ -285,9 +286,14 @@ impl DataLoaderBuilder {
             (_, Some(p)) => p,
             (_, None) => DEFAULT_PREFETCH_FACTOR,
         };
-        if self.pin_memory && !ember_core::cuda::is_available() {
-            return Err(Error::CudaUnavailable {
-                reason: "DataLoader was asked for pin_memory, which needs a CUDA driver to page-lock host memory; build it with pin_memory(false)".into(),
+        let pin_memory = self.pin_memory && ember_core::cuda::is_available();
+        if self.pin_memory && !pin_memory {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                eprintln!(
+                    "warning: DataLoader: 'pin_memory' is set but no CUDA device is available, so no \
+                     memory is pinned (batches stay in pageable memory)"
+                )
             });
         }
         let n = self.dataset.len();
@@ -310,7 +316,7 @@ impl DataLoaderBuilder {
             fetcher: Arc::new(Fetcher {
                 dataset: self.dataset,
                 collate: self.collate,
-                pin_memory: self.pin_memory,
+                pin_memory,
             }),
             batch_sampler,
             num_workers: self.num_workers,

@@ -4,13 +4,18 @@
 //!   attention forms included;
 //! - `module`: the `Module` trait and `ModuleExt` (parameters, train/eval, device moves, state dicts);
 //! - `layers`: the layer types (`Linear`, `Conv2d`, `BatchNorm2d`, `LSTM`, `MultiheadAttention`,
-//!   `Transformer`, `Sequential`, ...);
+//!   `Transformer`, `Sequential`, ...) and the loss modules (`CrossEntropyLoss`, `MSELoss`, ...);
 //! - `init`: `torch.nn.init`; `state_dict`: load checks and safetensors checkpoints;
 //! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`);
 //! - `amp`: `GradScaler`, dynamic loss scaling for mixed precision (`torch.amp`).
 #![forbid(unsafe_code)]
 
+// `#[derive(Module)]` names this crate `::ember_nn`, also inside it.
+extern crate self as ember_nn;
+
 pub mod amp;
+#[doc(hidden)]
+pub mod derive_support;
 pub mod functional;
 pub mod init;
 pub mod layers;
@@ -18,11 +23,15 @@ pub mod module;
 pub mod optim;
 pub mod state_dict;
 
+/// `#[derive(Module)]`: implements [`Module`] from a struct's fields (see `ember-derive`).
+pub use ember_derive::Module;
+pub use functional::Reduction;
 pub use layers::{
-    AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, Dropout, Embedding, Flatten,
-    GRUCell, LSTMCell, LayerNorm, Linear, LogSoftmax, MaxPool2d, ModuleList, MultiheadAttention, RNNCell,
-    ReLU, Sequential, SiLU, Sigmoid, Softmax, Tanh, Transformer, TransformerDecoder, TransformerDecoderLayer,
-    TransformerEncoder, TransformerEncoderLayer, GELU, GRU, LSTM, RNN,
+    AdaptiveAvgPool2d, AvgPool2d, BCEWithLogitsLoss, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d,
+    CrossEntropyLoss, Dropout, Embedding, Flatten, GRUCell, L1Loss, LSTMCell, LayerNorm, Linear, LogSoftmax,
+    MSELoss, MaxPool2d, ModuleList, MultiheadAttention, NLLLoss, RNNCell, ReLU, Sequential, SiLU, Sigmoid,
+    Softmax, Tanh, Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+    TransformerEncoderLayer, GELU, GRU, LSTM, RNN,
 };
-pub use module::{Module, ModuleExt, TensorKind};
+pub use module::{Forward, Module, ModuleExt, TensorKind};
 pub use state_dict::{load_safetensors, save_safetensors, IncompatibleKeys, StateDictError};

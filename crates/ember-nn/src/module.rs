@@ -29,11 +29,15 @@ pub enum TensorKind {
     Buffer,
 }
 
-/// A layer or a model (`torch.nn.Module`).
+/// A layer or a model (`torch.nn.Module`): its parameters, buffers, children and mode.
+///
+/// `forward` is not part of this trait, so that a module's forward can take and return what it
+/// needs: layers that map one tensor to one tensor implement [`Forward`] (what
+/// [`crate::Sequential`] chains); a model with several inputs or outputs (an RNN's
+/// `(input, hidden)`, a Transformer's `(src, tgt)`) writes an inherent method, e.g.
+/// `fn forward(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)>`.
+/// `#[derive(Module)]` implements this trait from the struct's fields.
 pub trait Module: Send + Sync {
-    /// Computes the module's output for `x`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor>;
-
     /// Calls `f` with each parameter and buffer, its dotted name under `prefix` and its kind,
     /// in the order of Note [Visit order].
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind));
@@ -52,6 +56,13 @@ pub trait Module: Send + Sync {
     fn is_training(&self) -> bool;
 }
 
+/// The forward pass of a module that maps one tensor to one tensor (`module(x)`): every layer
+/// of [`crate::layers`] with a single input, and what [`crate::Sequential`] chains.
+pub trait Forward: Module {
+    /// Computes the module's output for `x`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+}
+
 /// `prefix.name`, or `name` when `prefix` is empty.
 pub fn join_name(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
@@ -61,11 +72,13 @@ pub fn join_name(prefix: &str, name: &str) -> String {
     }
 }
 
-impl<M: Module + ?Sized> Module for Box<M> {
+impl<M: Forward + ?Sized> Forward for Box<M> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         (**self).forward(x)
     }
+}
 
+impl<M: Module + ?Sized> Module for Box<M> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         (**self).visit(prefix, f)
     }

@@ -10,7 +10,7 @@
 use ember_core::{cuda, manual_seed, DType, Tensor};
 use ember_nn::functional::{cross_entropy, Reduction};
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
-use ember_nn::{Dropout, Linear, Module, ModuleExt, ReLU, Sequential};
+use ember_nn::{Dropout, Forward, Linear, ModuleExt, ReLU, Sequential};
 
 /// The resident set size of this process, in bytes (`VmRSS` of `/proc/self/status`).
 fn host_rss() -> usize {

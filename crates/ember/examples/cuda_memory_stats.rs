@@ -12,9 +12,9 @@ fn mib(bytes: usize) -> f64 {
 fn report(label: &str) {
     println!(
         "{label:<28} allocated {:>8.1} MiB   reserved {:>8.1} MiB   peak allocated {:>8.1} MiB",
-        mib(cuda::memory_allocated(0)),
-        mib(cuda::memory_reserved(0)),
-        mib(cuda::max_memory_allocated(0))
+        mib(cuda::memory_allocated()),
+        mib(cuda::memory_reserved()),
+        mib(cuda::max_memory_allocated())
     );
 }
 
@@ -23,7 +23,7 @@ fn main() -> ember::Result<()> {
         println!("no CUDA device: the allocator statistics are a GPU feature (they read 0 here)");
         return Ok(());
     }
-    let dev = Device::Cuda(0);
+    let dev = Device::cuda();
     report("start");
     let a = Tensor::zeros([1024, 1024], DType::F32, dev)?; // 4 MiB
     report("after a 4 MiB tensor");
@@ -33,17 +33,17 @@ fn main() -> ember::Result<()> {
     report("after dropping it (cached)");
     cuda::empty_cache();
     report("after empty_cache()");
-    cuda::reset_peak_memory_stats(0);
+    cuda::reset_peak_memory_stats();
     report("after reset_peak_memory_stats");
-    let stats = cuda::memory_stats(0);
+    let stats = cuda::memory_stats();
     println!(
         "num_device_alloc = {}, num_device_free = {}, allocation.all.current = {}",
         stats["num_device_alloc"], stats["num_device_free"], stats["allocation.all.current"]
     );
-    let (free, total) = cuda::mem_get_info(0)?;
+    let (free, total) = cuda::mem_get_info(cuda::current_device())?;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     println!("device: {:.1} GiB free of {:.1} GiB", gib(free), gib(total));
-    println!("{}", cuda::memory_summary(0));
+    println!("{}", cuda::memory_summary());
     drop(a);
     Ok(())
 }

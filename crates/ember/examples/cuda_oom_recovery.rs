@@ -31,11 +31,11 @@ fn main() -> ember::Result<()> {
     println!(
         "batch {batch} fits: {:?}, {:.1} GiB allocated",
         x.dims(),
-        cuda::memory_allocated(0) as f64 / (1u64 << 30) as f64
+        cuda::memory_allocated() as f64 / (1u64 << 30) as f64
     );
     println!(
         "out-of-memory errors so far: {}",
-        cuda::memory_stats(0)["num_ooms"]
+        cuda::memory_stats()["num_ooms"]
     );
     Ok(())
 }

@@ -9,7 +9,7 @@ use ember::data::datasets::FashionMnist;
 use ember::data::DataLoader;
 use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Flatten, Linear, Module, ModuleExt, ReLU, Sequential};
+use ember::nn::{Flatten, Forward, Linear, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Tensor};
 
 const IMAGES: &[u8] = include_bytes!("../data/fashion-mnist/t10k-images-idx3-ubyte.gz");

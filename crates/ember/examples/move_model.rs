@@ -5,7 +5,7 @@
 //! Run: `cargo run --release -p ember --example move_model`
 
 use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Linear, Module, ModuleExt, ReLU, Sequential};
+use ember::nn::{Forward, Linear, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Tensor};
 
 fn main() -> ember::Result<()> {
@@ -24,13 +24,13 @@ fn main() -> ember::Result<()> {
         return Ok(());
     }
     let gpu = Device::Cuda(0);
-    let before = cuda::memory_allocated(0);
+    let before = cuda::memory_allocated();
     model.to_device(gpu)?;
     println!(
         "moved {} parameters to {gpu}: every one is there: {}; {} bytes more allocated",
         model.num_parameters(),
         model.parameters().iter().all(|p| p.device() == gpu),
-        cuda::memory_allocated(0) - before
+        cuda::memory_allocated() - before
     );
     let on_gpu = model.forward(&x.to(gpu)?)?;
     let diff = on_gpu

@@ -6,7 +6,7 @@
 //! Run: `cargo run --release -p ember --example save_load_weights`
 
 use ember::nn::state_dict::{load_safetensors, save_safetensors};
-use ember::nn::{Linear, Module, ModuleExt, ReLU, Sequential};
+use ember::nn::{Forward, Linear, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Tensor};
 
 fn build(device: Device) -> ember::Result<Sequential> {

@@ -5,7 +5,7 @@ use crate::models;
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::{Module, ModuleExt};
+use ember::nn::{Forward, ModuleExt};
 use ember::{cuda, DType, Device, Result, Tensor};
 use serde_json::{json, Map, Value};
 use std::time::Instant;
@@ -41,7 +41,7 @@ struct Timing {
 
 fn sync(device: Device) -> Result<()> {
     if let Device::Cuda(i) = device {
-        cuda::synchronize(i)?;
+        cuda::synchronize_on(i)?;
     }
     Ok(())
 }
@@ -60,7 +60,7 @@ fn time_steps(
     }
     sync(device)?;
     if let Device::Cuda(i) = device {
-        cuda::reset_peak_memory_stats(i);
+        cuda::reset_peak_memory_stats_on(i);
     }
     let mut samples = Vec::with_capacity(repeats);
     for _ in 0..repeats {
@@ -80,7 +80,7 @@ fn time_steps(
         (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
     };
     let peak_mb = match device {
-        Device::Cuda(i) => Some(cuda::max_memory_allocated(i) as f64 / (1u64 << 20) as f64),
+        Device::Cuda(i) => Some(cuda::max_memory_allocated_on(i) as f64 / (1u64 << 20) as f64),
         Device::Cpu => None,
     };
     Ok(Timing {
@@ -119,7 +119,7 @@ struct Amp {
 fn classifier(
     name: &str,
     device: Device,
-    build: impl FnOnce(Device) -> Result<Box<dyn Module>>,
+    build: impl FnOnce(Device) -> Result<Box<dyn Forward>>,
     shape: &[usize],
     classes: i64,
     amp: Option<Amp>,
@@ -153,7 +153,7 @@ fn classifier(
 /// `mlp_small`, `mlp_large`, `cnn`, `lstm` or `mlp_large_amp_{bf16,fp16}` (WORKLOADS.md's
 /// training table).
 fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
-    fn boxed<M: Module + 'static>(m: Result<M>) -> Result<Box<dyn Module>> {
+    fn boxed<M: Forward + 'static>(m: Result<M>) -> Result<Box<dyn Forward>> {
         Ok(Box::new(m?))
     }
     let amp = match name {
@@ -187,7 +187,7 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
         "cnn" => classifier(
             name,
             device,
-            |d| boxed(models::cnn(3, 16, 32, d)),
+            |d| boxed(models::Cnn::new(3, 16, 32, d)),
             &[256, 3, 28, 28],
             10,
             amp,

@@ -3,6 +3,7 @@
 //! This facade re-exports the layers below it so that a program needs one dependency:
 //! tensors and autograd from `ember-core`, layers and optimizers from `ember-nn`, data loading
 //! from `ember-data`, multi-GPU training from `ember-distributed`.
+//! Coming from PyTorch: [`coming_from_pytorch`] maps torch's names to ember's.
 //!
 //! ```
 //! use ember::{DType, Device, Tensor};
@@ -16,10 +17,11 @@
 #![forbid(unsafe_code)]
 
 pub use ember_core::{
-    autograd, backends, cuda, default_generator, dispatch, enable_grad, get_rng_state, is_grad_enabled,
-    manual_seed, no_grad, set_grad_enabled, set_rng_state, DType, Device, DeviceType, Element, Error,
-    Generator, Result, RngState, Scalar, Shape, Tensor,
+    autograd, backends, default_generator, dispatch, enable_grad, get_rng_state, initial_seed,
+    is_grad_enabled, manual_seed, no_grad, seed, set_grad_enabled, set_rng_state, DType, Device, DeviceType,
+    Element, Error, Generator, Result, RngState, Scalar, Shape, Tensor,
 };
+pub mod cuda;
 pub use ember_data as data;
 pub use ember_distributed as distributed;
 pub use ember_nn as nn;
@@ -32,6 +34,14 @@ pub mod amp {
         is_autocast_enabled, Autocast, AutocastGuard,
     };
     pub use ember_nn::amp::*;
+}
+
+#[doc = include_str!("coming_from_pytorch.md")]
+pub mod coming_from_pytorch {}
+
+/// `torch.utils` for ember: [`utils::benchmark`] (`Timer`, `Measurement`).
+pub mod utils {
+    pub mod benchmark;
 }
 
 /// ember's version, from Cargo.

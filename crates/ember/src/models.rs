@@ -6,8 +6,7 @@
 
 use ember::nn::functional::Pair;
 use ember::nn::layers::{Conv2dConfig, RecurrentConfig};
-use ember::nn::module::join_name;
-use ember::nn::{Conv2d, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential, TensorKind, LSTM};
+use ember::nn::{Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, ReLU, Sequential, LSTM};
 use ember::{Device, Result, Tensor};
 
 /// `Conv2d(cin, cout, 3, stride 1, padding 1)`.
@@ -35,77 +34,68 @@ pub fn mlp(sizes: &[usize], flatten: bool, device: Device) -> Result<Sequential>
     Ok(seq)
 }
 
-/// The two-conv CNN for `[N, cin, 28, 28]` inputs: conv(cin->c1) ReLU pool, conv(c1->c2) ReLU
-/// pool, flatten, Linear(c2·7·7, 128) ReLU Linear(128, 10).
-pub fn cnn(cin: usize, c1: usize, c2: usize, device: Device) -> Result<Sequential> {
-    Ok(Sequential::new()
-        .with(conv3x3(cin, c1, device)?)
-        .with(ReLU::new())
-        .with(MaxPool2d::new(2))
-        .with(conv3x3(c1, c2, device)?)
-        .with(ReLU::new())
-        .with(MaxPool2d::new(2))
-        .with(Flatten::new())
-        .with(Linear::new(c2 * 7 * 7, 128, device)?)
-        .with(ReLU::new())
-        .with(Linear::new(128, 10, device)?))
+/// The PyTorch tutorial's two-conv CNN (`CNN` of `torch_reference.py`) for `[N, cin, 28, 28]`
+/// inputs: conv(cin->c1) ReLU pool, conv(c1->c2) ReLU pool, flatten, Linear(c2·7·7, 128) ReLU
+/// Linear(128, 10); state-dict names `conv1.weight`, ..., `fc2.bias` as PyTorch's.
+#[derive(Module)]
+pub struct Cnn {
+    conv1: Conv2d,
+    pool1: MaxPool2d,
+    conv2: Conv2d,
+    pool2: MaxPool2d,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Cnn {
+    /// `Conv2d(cin, c1, 3, 1, 1)`, `Conv2d(c1, c2, 3, 1, 1)` and the two linear layers.
+    pub fn new(cin: usize, c1: usize, c2: usize, device: Device) -> Result<Cnn> {
+        Ok(Cnn {
+            conv1: conv3x3(cin, c1, device)?,
+            pool1: MaxPool2d::new(2),
+            conv2: conv3x3(c1, c2, device)?,
+            pool2: MaxPool2d::new(2),
+            fc1: Linear::new(c2 * 7 * 7, 128, device)?,
+            fc2: Linear::new(128, 10, device)?,
+        })
+    }
+}
+
+impl Forward for Cnn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.pool1.forward(&self.conv1.forward(x)?.relu()?)?;
+        let x = self.pool2.forward(&self.conv2.forward(&x)?.relu()?)?;
+        self.fc2.forward(&self.fc1.forward(&x.flatten(1, -1)?)?.relu()?)
+    }
 }
 
 /// The benchmark's `LSTMClassifier`: an `nn::LSTM` (batch first) and a `Linear` head on the
-/// output of the last time step.
+/// output of the last time step (`lstm.weight_ih_l0`, ..., `head.bias` in the state dict).
+#[derive(Module)]
 pub struct LstmClassifier {
-    /// The recurrent body (`lstm.weight_ih_l0`, ... in the state dict).
-    pub lstm: LSTM,
-    /// The classifier on the last step's `h` (`head.*`).
-    pub head: Linear,
+    lstm: LSTM,
+    head: Linear,
 }
 
 impl LstmClassifier {
     /// `LSTM(input, hidden, layers, batch_first=True)` then `Linear(hidden, classes)`.
     pub fn new(input: usize, hidden: usize, layers: usize, classes: usize, device: Device) -> Result<Self> {
+        let config = RecurrentConfig {
+            num_layers: layers,
+            batch_first: true,
+            ..Default::default()
+        };
         Ok(LstmClassifier {
-            lstm: LSTM::with_config(
-                input,
-                hidden,
-                RecurrentConfig {
-                    num_layers: layers,
-                    batch_first: true,
-                    ..Default::default()
-                },
-                device,
-            )?,
+            lstm: LSTM::with_config(input, hidden, config, device)?,
             head: Linear::new(hidden, classes, device)?,
         })
     }
 }
 
-impl Module for LstmClassifier {
+impl Forward for LstmClassifier {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let out = self.lstm.forward(x)?;
         self.head.forward(&out.select(1, -1)?)
-    }
-
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.lstm.visit(&join_name(prefix, "lstm"), f);
-        self.head.visit(&join_name(prefix, "head"), f);
-    }
-
-    fn visit_mut(
-        &mut self,
-        prefix: &str,
-        f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
-    ) -> Result<()> {
-        self.lstm.visit_mut(&join_name(prefix, "lstm"), f)?;
-        self.head.visit_mut(&join_name(prefix, "head"), f)
-    }
-
-    fn set_training(&mut self, training: bool) {
-        self.lstm.set_training(training);
-        self.head.set_training(training);
-    }
-
-    fn is_training(&self) -> bool {
-        self.lstm.is_training()
     }
 }
 
@@ -138,7 +128,22 @@ mod tests {
             mlp(&[784, 16, 10], true, Device::Cpu)?.forward(&x)?.dims(),
             &[3, 10]
         );
-        assert_eq!(cnn(1, 4, 8, Device::Cpu)?.forward(&x)?.dims(), &[3, 10]);
+        let cnn = Cnn::new(1, 4, 8, Device::Cpu)?;
+        assert_eq!(cnn.forward(&x)?.dims(), &[3, 10]);
+        let names: Vec<String> = cnn.named_parameters().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "conv1.weight",
+                "conv1.bias",
+                "conv2.weight",
+                "conv2.bias",
+                "fc1.weight",
+                "fc1.bias",
+                "fc2.weight",
+                "fc2.bias"
+            ]
+        );
         Ok(())
     }
 }

@@ -35,7 +35,7 @@ use ember::data::{DataLoader, TensorDataset};
 use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::state_dict::{load_tensors, save_tensors};
-use ember::nn::{Module, ModuleExt, Sequential};
+use ember::nn::{Forward, ModuleExt};
 use ember::{cuda, DType, Device, Generator, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -74,11 +74,11 @@ impl ModelKind {
         }
     }
 
-    fn build(self, device: Device) -> ember::Result<Sequential> {
-        match self {
-            ModelKind::Mlp => models::mlp(&[784, 512, 512, 10], true, device),
-            ModelKind::Cnn => models::cnn(1, 32, 64, device),
-        }
+    fn build(self, device: Device) -> ember::Result<Box<dyn Forward>> {
+        Ok(match self {
+            ModelKind::Mlp => Box::new(models::mlp(&[784, 512, 512, 10], true, device)?),
+            ModelKind::Cnn => Box::new(models::Cnn::new(1, 32, 64, device)?),
+        })
     }
 }
 
@@ -238,7 +238,7 @@ fn load_data(dir: Option<&Path>, limit: Option<usize>) -> CliResult<(TensorDatas
 
 /// Fraction of `ds` that `model` classifies correctly.
 fn evaluate(
-    model: &mut Sequential,
+    model: &mut dyn Forward,
     ds: &TensorDataset,
     device: Device,
     amp: Option<AmpMode>,
@@ -299,7 +299,7 @@ fn rng_from_tensor(t: &Tensor) -> Option<ember::RngState> {
 /// (atomically).
 fn save_checkpoint(
     path: &Path,
-    model: &Sequential,
+    model: &dyn Forward,
     opt: &Adam,
     scaler: &GradScaler,
     pos: Position,
@@ -345,7 +345,7 @@ fn save_checkpoint(
 fn load_checkpoint(
     path: &Path,
     kind: ModelKind,
-    model: &mut Sequential,
+    model: &mut dyn Forward,
     opt: &mut Adam,
     scaler: &mut GradScaler,
 ) -> CliResult<Position> {
@@ -581,7 +581,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 let rate = trained as f64 / t0.elapsed().as_secs_f64();
                 let mut msg = format!("loss {:.4}  {rate:.0} samples/s", loss.item_f64()?);
                 if let Device::Cuda(i) = device {
-                    msg += &format!("  mem {:.0} MiB", cuda::memory_allocated(i) as f64 / 1048576.0);
+                    msg += &format!("  mem {:.0} MiB", cuda::memory_allocated_on(i) as f64 / 1048576.0);
                 }
                 bar.set_message(msg);
             }

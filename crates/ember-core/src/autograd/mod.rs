@@ -1,6 +1,6 @@
 //! Reverse-mode automatic differentiation over a dynamic graph, as `torch.autograd`.
 //!
-//! An op whose inputs need gradients calls [`record`] with a backward closure that sits next to
+//! An op whose inputs need gradients calls `record` with a backward closure that sits next to
 //! its forward code; the closure receives the gradient of the op's output and returns one
 //! gradient per input. A node is recorded only when grad mode is on and some input requires a
 //! gradient, so inference pays nothing.
@@ -10,7 +10,7 @@
 //! that reaches a node is therefore the gradient of that one tensor, which is where its hooks
 //! and `retain_grad` apply.
 //!
-//! Note [Saved tensors]: a backward closure keeps what it needs as [`SavedTensor`], which
+//! Note [Saved tensors]: a backward closure keeps what it needs as `SavedTensor`, which
 //! remembers the storage version at record time; if an in-place op changed the storage since,
 //! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
 

@@ -58,6 +58,8 @@ pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
 pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
 pub(crate) use storage::host_bytes;
 pub use storage::CudaStorage;
+#[cfg(test)]
+pub(crate) use stream::set_current_device_unchecked;
 pub use stream::{
     current_device, current_stream, default_stream, host_sync_count, set_device, set_stream, stream,
     synchronize, DeviceGuard, Event, Stream, StreamGuard,

@@ -284,6 +284,13 @@ impl DeviceGuard {
     }
 }
 
+/// Makes `device` current without checking that it exists: for unit tests of what reads the
+/// current device (`Device::parse("cuda")`) on machines without a GPU.
+#[cfg(test)]
+pub(crate) fn set_current_device_unchecked(device: usize) {
+    CURRENT_DEVICE.with(|d| d.set(device));
+}
+
 impl Drop for DeviceGuard {
     fn drop(&mut self) {
         CURRENT_DEVICE.with(|d| d.set(self.previous));

@@ -1,11 +1,11 @@
 //! The dispatch point: the one path every op that computes takes (views, `to_dtype`/`to` and
-//! `copy_`/`fill_` do not pass it yet). [`call`] reads as the list of layers an op passes, in
+//! `copy_`/`fill_` do not pass it yet). `call` reads as the list of layers an op passes, in
 //! order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
 //!
 //! 1. **device check**: every tensor operand on one device ([`check_devices`], the one
 //!    builder of `Error::DeviceMismatch` above the backends);
 //! 2. **autocast**: the op's line in the policy table ([`policy`]) casts floating inputs when
-//!    an [`crate::amp::autocast`] region is open for their device type ([`autocast::apply`]);
+//!    an [`crate::amp::autocast`] region is open for their device type (`autocast::apply`);
 //! 3. **dtype promotion**: the op's [`Promotion`] brings the operands to one dtype;
 //! 4. **observer hook**: [`observer`] sees the op's name, inputs and CPU time (the profiler's
 //!    entry point); with no observer installed it costs one relaxed atomic load;
@@ -21,7 +21,7 @@
 //! below its Autocast key).
 //!
 //! Adding an op: its line in [`policy`] (name, autocast policy, promotion), its `Tensor` method
-//! in `ops/<family>.rs` calling [`call`] with the kernel and backward rule, a
+//! in `ops/<family>.rs` calling `call` with the kernel and backward rule, a
 //! `BackendStorage` method for a new kernel (`backend/mod.rs`, forwarded by `storage.rs`), and
 //! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
 

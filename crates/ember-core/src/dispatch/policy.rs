@@ -5,7 +5,7 @@
 //! autocast (bfloat16): for the ops ember has, PyTorch's CPU lists differ only in ops ember
 //! does not have.
 //!
-//! A line is read by [`super::call`] and friends, never by the ops themselves: an op names its
+//! A line is read by `dispatch::call` and friends, never by the ops themselves: an op names its
 //! line (`policy::MATMUL`) and the dispatch point applies it. The table lists the ops ember
 //! has; PyTorch's lists hold more (group_norm, kl_div, addcmul, index_put, ...), to be added
 //! here with the op.

@@ -1,12 +1,12 @@
 //! Matrix products with PyTorch's semantics: `matmul` (1-D, 2-D, batched with broadcasting),
 //! `mm`, `bmm`, `linear`, with backward rules.
 //!
-//! Every product reaches the backend as one batched GEMM ([`Storage::matmul`]): operands of
+//! Every product reaches the backend as one batched GEMM (`Storage::matmul`): operands of
 //! shapes `[B.., m, k]` and `[B.., k, n]` whose batch dims were already broadcast by strides
 //! (stride 0, no copy), and whose matrix dims may have any strides (a transposed view is read
 //! in place). 1-D operands are handled here by views (unsqueeze, then squeeze) whose own
 //! backward rules compose with the product's, as in PyTorch. `linear` with a bias vector is one
-//! product with a bias ([`Storage::matmul_bias`]) whose sum rounds once, as PyTorch's `addmm`.
+//! product with a bias (`Storage::matmul_bias`) whose sum rounds once, as PyTorch's `addmm`.
 
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};

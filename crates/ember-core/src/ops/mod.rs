@@ -13,6 +13,7 @@ pub mod fused_optim;
 pub mod index;
 pub mod inplace;
 pub mod matmul;
+pub mod operators;
 pub mod pool;
 pub mod reduce;
 pub mod rnn;

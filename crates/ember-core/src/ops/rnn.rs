@@ -20,7 +20,7 @@
 //! `H_prev` = `hbuf` rows `0..T`. `gi`'s gradient is `dG` itself.
 //!
 //! Both backends share this loop; only the pointwise steps are backend kernels
-//! ([`Storage::lstm_forward_step`] and [`Storage::lstm_backward_step`], whose step descriptions
+//! (`Storage::lstm_forward_step` and `Storage::lstm_backward_step`, whose step descriptions
 //! live in `backend/step.rs`; kernels in `cpu/rnn.rs`, `cuda/rnn.rs` + `kernels/rnn.cu`).
 
 use super::binary::same_device;

@@ -1,8 +1,8 @@
 //! Elementwise ops of one tensor: math functions and activations, with backward rules.
 //!
-//! Every op goes through one path ([`unary`]): the result dtype ([`UnaryOp::result_dtype`],
+//! Every op goes through one path (`unary`): the result dtype ([`UnaryOp::result_dtype`],
 //! PyTorch's rules), the backend kernel, then the autograd record. The backward rules sit in one
-//! table ([`grad_rule`]) written with tensor ops, so they run on every device.
+//! table (`grad_rule`) written with tensor ops, so they run on every device.
 //!
 //! Note [Unary dtypes]: float inputs keep their dtype. Sign-preserving integer ops (neg, abs,
 //! sign, relu, square, and floor/ceil/round/trunc, which return a copy) keep integer dtypes;

@@ -3,7 +3,7 @@
 //! with no kernel of its own.
 //!
 //! One file per family: [`conv`] (linear, convolution, unfold), [`pooling`], [`normalization`]
-//! (batch and layer norm), [`dropout`], [`attention`], [`attention_mha`] (multi-head
+//! (batch and layer norm), [`dropout`](mod@dropout), [`attention`], [`attention_mha`] (multi-head
 //! attention), [`recurrent`] (RNN, LSTM, GRU and their cells) and [`loss`]. The functions are
 //! re-exported here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
 //!

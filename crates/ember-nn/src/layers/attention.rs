@@ -10,7 +10,7 @@
 use super::{new_param, visit_opt, visit_opt_mut, Linear, LinearConfig};
 use crate::functional::{self, MhaOptions};
 use crate::init;
-use crate::module::{join_name, Module, TensorKind};
+use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{Device, Error, Result, Tensor};
 
 /// Keyword options of [`MultiheadAttention`], with PyTorch's defaults.
@@ -149,12 +149,14 @@ impl MultiheadAttention {
     }
 }
 
-impl Module for MultiheadAttention {
+impl Forward for MultiheadAttention {
     /// Self-attention of `x` without masks or weights: `mha(x, x, x, need_weights=False)[0]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.forward_attention(x, x, x, None, false, None, false)?.0)
     }
+}
 
+impl Module for MultiheadAttention {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         f(
             &join_name(prefix, "in_proj_weight"),

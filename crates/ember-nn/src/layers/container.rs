@@ -1,18 +1,18 @@
-//! Containers: [`Sequential`] (children named `"0"`, `"1"`, ... and applied in order),
-//! [`ModuleList`] (children held and named the same way, no forward), and [`Flatten`].
+//! Containers: [`Sequential`] (children named `"0"`, `"1"`, ... and applied in order; each a
+//! [`Forward`] layer), [`ModuleList`] (any [`Module`]s held and named the same way, no
+//! forward), and [`Flatten`].
 
 use super::stateless_module;
-use crate::module::{join_name, Module, TensorKind};
-use ember_core::{Error, Result, Tensor};
+use crate::module::{join_name, Forward, Module, TensorKind};
+use ember_core::{Result, Tensor};
 
 /// Children named by their index, shared by both containers.
-#[derive(Default)]
-struct Children {
-    modules: Vec<Box<dyn Module>>,
+struct Children<M: ?Sized> {
+    modules: Vec<Box<M>>,
     training: bool,
 }
 
-impl Children {
+impl<M: Module + ?Sized> Children<M> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         for (i, m) in self.modules.iter().enumerate() {
             m.visit(&join_name(prefix, &i.to_string()), f);
@@ -37,17 +37,17 @@ impl Children {
         }
     }
 
-    fn push(&mut self, mut module: Box<dyn Module>) {
+    fn push(&mut self, mut module: Box<M>) {
         module.set_training(self.training);
         self.modules.push(module);
     }
 }
 
 macro_rules! container {
-    ($(#[$doc:meta])* $ty:ident) => {
+    ($(#[$doc:meta])* $ty:ident, $bound:ident) => {
         $(#[$doc])*
         pub struct $ty {
-            children: Children,
+            children: Children<dyn $bound>,
         }
 
         impl $ty {
@@ -59,19 +59,19 @@ macro_rules! container {
             }
 
             /// Appends `module` as the next child (`append`); it takes the container's mode.
-            pub fn push<M: Module + 'static>(&mut self, module: M) -> &mut $ty {
+            pub fn push<M: $bound + 'static>(&mut self, module: M) -> &mut $ty {
                 self.children.push(Box::new(module));
                 self
             }
 
             /// Appends an already boxed module.
-            pub fn push_boxed(&mut self, module: Box<dyn Module>) -> &mut $ty {
+            pub fn push_boxed(&mut self, module: Box<dyn $bound>) -> &mut $ty {
                 self.children.push(module);
                 self
             }
 
             /// `self` with `module` appended, for building in one expression.
-            pub fn with<M: Module + 'static>(mut self, module: M) -> $ty {
+            pub fn with<M: $bound + 'static>(mut self, module: M) -> $ty {
                 self.push(module);
                 self
             }
@@ -87,17 +87,17 @@ macro_rules! container {
             }
 
             /// Child `index` (`container[index]`).
-            pub fn get(&self, index: usize) -> Option<&dyn Module> {
+            pub fn get(&self, index: usize) -> Option<&dyn $bound> {
                 self.children.modules.get(index).map(|m| &**m)
             }
 
             /// Child `index`, mutably.
-            pub fn get_mut(&mut self, index: usize) -> Option<&mut Box<dyn Module>> {
+            pub fn get_mut(&mut self, index: usize) -> Option<&mut Box<dyn $bound>> {
                 self.children.modules.get_mut(index)
             }
 
             /// The children in order.
-            pub fn iter(&self) -> impl Iterator<Item = &dyn Module> {
+            pub fn iter(&self) -> impl Iterator<Item = &dyn $bound> {
                 self.children.modules.iter().map(|m| &**m)
             }
         }
@@ -118,21 +118,16 @@ macro_rules! container {
 
 container!(
     /// Children applied in order, each to the previous one's output (`nn.Sequential`).
-    Sequential
+    Sequential, Forward
 );
 container!(
     /// A list of children without a forward of its own (`nn.ModuleList`).
-    ModuleList
+    ModuleList, Module
 );
 
 macro_rules! container_module {
-    ($ty:ty, |$s:ident, $x:ident| $body:expr) => {
+    ($ty:ty) => {
         impl Module for $ty {
-            fn forward(&self, $x: &Tensor) -> Result<Tensor> {
-                let $s = self;
-                $body
-            }
-
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 self.children.visit(prefix, f)
             }
@@ -156,18 +151,18 @@ macro_rules! container_module {
     };
 }
 
-container_module!(Sequential, |s, x| {
-    let mut y = x.clone();
-    for m in &s.children.modules {
-        y = m.forward(&y)?;
-    }
-    Ok(y)
-});
+container_module!(Sequential);
+container_module!(ModuleList);
 
-container_module!(ModuleList, |_s, _x| Err(Error::invalid(
-    "ModuleList::forward",
-    "a ModuleList has no forward; iterate over its modules and call them"
-)));
+impl Forward for Sequential {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut y = x.clone();
+        for m in &self.children.modules {
+            y = m.forward(&y)?;
+        }
+        Ok(y)
+    }
+}
 
 /// Flattens dims `start_dim..=end_dim` into one (`nn.Flatten`, default dims 1 to -1).
 #[derive(Debug, Clone)]

@@ -4,7 +4,7 @@
 use super::{new_param, visit_opt, visit_opt_mut};
 use crate::functional::{self, Pair};
 use crate::init;
-use crate::module::{join_name, Module, TensorKind};
+use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{Device, Error, Result, Tensor};
 
 /// Keyword options of [`Conv1d`], with PyTorch's defaults.
@@ -225,12 +225,14 @@ impl Conv2d {
 
 macro_rules! conv_module {
     ($ty:ty, |$s:ident, $x:ident| $body:expr) => {
-        impl Module for $ty {
+        impl Forward for $ty {
             fn forward(&self, $x: &Tensor) -> Result<Tensor> {
                 let $s = self;
                 $body
             }
+        }
 
+        impl Module for $ty {
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 f(
                     &join_name(prefix, "weight"),

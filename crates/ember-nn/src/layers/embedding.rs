@@ -4,7 +4,7 @@
 
 use super::new_param;
 use crate::init;
-use crate::module::{join_name, Module, TensorKind};
+use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{no_grad, Device, Error, Result, Tensor};
 
 /// Keyword options of [`Embedding`].
@@ -72,7 +72,7 @@ impl Embedding {
     }
 }
 
-impl Module for Embedding {
+impl Forward for Embedding {
     /// Rows of `weight` at the int64 (or int32) indices `x`: shape `x.shape + [embedding_dim]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let out = Tensor::embedding(x, &self.weight)?;
@@ -85,7 +85,9 @@ impl Module for Embedding {
             _ => Ok(out),
         }
     }
+}
 
+impl Module for Embedding {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         f(&join_name(prefix, "weight"), &self.weight, TensorKind::Parameter);
     }

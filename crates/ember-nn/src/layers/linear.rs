@@ -2,7 +2,7 @@
 
 use super::{new_param, visit_opt, visit_opt_mut};
 use crate::init;
-use crate::module::{join_name, Module, TensorKind};
+use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{Device, Result, Tensor};
 
 /// Keyword options of [`Linear`].
@@ -60,11 +60,13 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
+impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::functional::linear(x, &self.weight, self.bias.as_ref())
     }
+}
 
+impl Module for Linear {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         f(&join_name(prefix, "weight"), &self.weight, TensorKind::Parameter);
         visit_opt(prefix, "bias", &self.bias, TensorKind::Parameter, f);

@@ -1,7 +1,7 @@
 //! The layer types of `torch.nn`, one file per family: [`linear`], [`conv`], [`pooling`],
 //! [`norm`], [`activation`], [`dropout`], [`embedding`], [`recurrent`] (RNN, LSTM, GRU and
-//! their cells), [`attention`] (multi-head attention), [`transformer`] and the containers in
-//! [`container`].
+//! their cells), [`attention`] (multi-head attention), [`transformer`], the containers in
+//! [`container`] and the loss modules in [`loss`] (options set builder-style, see there).
 //!
 //! One constructor style for all: `Layer::new(required args.., device)` builds the layer with
 //! PyTorch's defaults, and layers with keyword options also have
@@ -21,6 +21,7 @@ pub mod conv;
 pub mod dropout;
 pub mod embedding;
 pub mod linear;
+pub mod loss;
 pub mod norm;
 pub mod pooling;
 pub mod recurrent;
@@ -33,6 +34,7 @@ pub use conv::{Conv1d, Conv1dConfig, Conv2d, Conv2dConfig};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use linear::{Linear, LinearConfig};
+pub use loss::{BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss};
 pub use norm::{BatchNorm1d, BatchNorm2d, BatchNormConfig, LayerNorm, LayerNormConfig};
 pub use pooling::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, PoolConfig};
 pub use recurrent::{
@@ -110,12 +112,14 @@ pub(crate) fn visit_opt_mut(
 /// `training: bool` field; `forward` is the given closure-like body.
 macro_rules! stateless_module {
     ($ty:ty, |$s:ident, $x:ident| $body:expr) => {
-        impl $crate::module::Module for $ty {
+        impl $crate::module::Forward for $ty {
             fn forward(&self, $x: &ember_core::Tensor) -> ember_core::Result<ember_core::Tensor> {
                 let $s = self;
                 $body
             }
+        }
 
+        impl $crate::module::Module for $ty {
             fn visit(
                 &self,
                 _prefix: &str,

@@ -10,7 +10,7 @@
 use super::{new_param, visit_opt, visit_opt_mut};
 use crate::functional;
 use crate::init;
-use crate::module::{Module, TensorKind};
+use crate::module::{Forward, Module, TensorKind};
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
 
 /// Keyword options of the BatchNorm layers, with PyTorch's defaults.
@@ -99,7 +99,7 @@ macro_rules! batch_norm_layer {
             }
         }
 
-        impl Module for $ty {
+        impl Forward for $ty {
             fn forward(&self, x: &Tensor) -> Result<Tensor> {
                 if !$ranks.contains(&x.rank()) {
                     return Err(Error::invalid(
@@ -110,7 +110,9 @@ macro_rules! batch_norm_layer {
                 batch_norm_forward(self.training, &self.config, [&self.weight, &self.bias],
                     [&self.running_mean, &self.running_var, &self.num_batches_tracked], x)
             }
+        }
 
+        impl Module for $ty {
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 visit_opt(prefix, "weight", &self.weight, TensorKind::Parameter, f);
                 visit_opt(prefix, "bias", &self.bias, TensorKind::Parameter, f);
@@ -253,7 +255,7 @@ impl LayerNorm {
     }
 }
 
-impl Module for LayerNorm {
+impl Forward for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         functional::layer_norm(
             x,
@@ -263,7 +265,9 @@ impl Module for LayerNorm {
             self.config.eps,
         )
     }
+}
 
+impl Module for LayerNorm {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         visit_opt(prefix, "weight", &self.weight, TensorKind::Parameter, f);
         visit_opt(prefix, "bias", &self.bias, TensorKind::Parameter, f);

@@ -7,14 +7,14 @@
 //! cells drop the `_l{k}`), with `G` gates stacked (LSTM `i, f, g, o`, GRU `r, z, n`, RNN one).
 //! All are initialized uniform on `±1/√hidden_size`, as PyTorch's `reset_parameters`.
 //!
-//! `Module::forward` returns the output sequence (the new `h` for the cells) from zero initial
+//! `Forward::forward` returns the output sequence (the new `h` for the cells) from zero initial
 //! states; `forward_with` takes the initial state and returns the final one too, as PyTorch's
 //! `forward(input, hx)`.
 
 use super::new_param;
 use crate::functional::{self, RnnNonlinearity};
 use crate::init;
-use crate::module::{join_name, Module, TensorKind};
+use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{Device, Error, Result, Tensor};
 
 /// Keyword options of [`LSTM`] and [`GRU`], with PyTorch's defaults.
@@ -230,11 +230,13 @@ macro_rules! sequence_module_impl {
             }
         }
 
-        impl Module for $ty {
+        impl Forward for $ty {
             fn forward(&self, x: &Tensor) -> Result<Tensor> {
                 Ok(self.forward_with(x, None)?.0)
             }
+        }
 
+        impl Module for $ty {
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 for (l, w) in self.layers.iter().enumerate() {
                     w.visit(prefix, &format!("_l{l}"), f);
@@ -473,11 +475,13 @@ macro_rules! cell {
             }
         }
 
-        impl Module for $ty {
+        impl Forward for $ty {
             fn forward(&self, x: &Tensor) -> Result<Tensor> {
                 self.step(x)
             }
+        }
 
+        impl Module for $ty {
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 self.weights.visit(prefix, "", f)
             }
@@ -509,7 +513,7 @@ cell!(
     }
 );
 cell!(
-    /// One LSTM step (`nn.LSTMCell`); `Module::forward` returns the new `h`.
+    /// One LSTM step (`nn.LSTMCell`); `Forward::forward` returns the new `h`.
     LSTMCell, "LSTMCell", 4, CellConfig {}
 );
 cell!(

@@ -19,7 +19,7 @@
 use super::{deep_copy, Dropout, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use super::{MultiheadAttention, MultiheadAttentionConfig};
 use crate::init;
-use crate::module::{join_name, Module, TensorKind};
+use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
 /// The activation of the feed-forward block (`activation="relu"` or `"gelu"`).
@@ -398,13 +398,8 @@ impl TransformerDecoderLayer {
 /// Implements `Module` for a layer from its forward, its children with tensors (visited in
 /// PyTorch's registration order) and its tensorless children (only told the mode).
 macro_rules! layer_module {
-    ($ty:ty, |$s:ident, $x:ident| $forward:expr, [$($child:ident),*], [$($flag:ident),*]) => {
+    ($ty:ty, [$($child:ident),*], [$($flag:ident),*]) => {
         impl Module for $ty {
-            fn forward(&self, $x: &Tensor) -> Result<Tensor> {
-                let $s = self;
-                $forward
-            }
-
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 $(self.$child.visit(&join_name(prefix, stringify!($child)), f);)*
             }
@@ -433,16 +428,11 @@ macro_rules! layer_module {
 
 layer_module!(
     TransformerEncoderLayer,
-    |s, x| s.forward_with(x, EncoderMasks::default()),
     [self_attn, linear1, linear2, norm1, norm2],
     [dropout, dropout1, dropout2]
 );
 layer_module!(
     TransformerDecoderLayer,
-    |_s, _x| Err(Error::invalid(
-        "TransformerDecoderLayer::forward",
-        "a decoder layer needs the target and the memory; call forward_with(tgt, memory, masks)"
-    )),
     [self_attn, multihead_attn, linear1, linear2, norm1, norm2, norm3],
     [dropout, dropout1, dropout2, dropout3]
 );
@@ -510,10 +500,6 @@ macro_rules! stack {
         }
 
         impl Module for $ty {
-            fn forward(&self, x: &Tensor) -> Result<Tensor> {
-                self.forward_default(x)
-            }
-
             fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
                 self.visit_children(prefix, f)
             }
@@ -562,9 +548,26 @@ impl TransformerEncoder {
         }
         self.finish(x)
     }
+}
 
-    fn forward_default(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_with(x, EncoderMasks::default())
+impl Forward for TransformerEncoder {
+    /// `encoder(src)` without masks.
+    fn forward(&self, src: &Tensor) -> Result<Tensor> {
+        self.forward_with(src, EncoderMasks::default())
+    }
+}
+
+impl Forward for TransformerEncoderLayer {
+    /// `layer(src)` without masks.
+    fn forward(&self, src: &Tensor) -> Result<Tensor> {
+        self.forward_with(src, EncoderMasks::default())
+    }
+}
+
+impl TransformerDecoderLayer {
+    /// `layer(tgt, memory)` without masks.
+    pub fn forward(&self, tgt: &Tensor, memory: &Tensor) -> Result<Tensor> {
+        self.forward_with(tgt, memory, DecoderMasks::default())
     }
 }
 
@@ -578,11 +581,9 @@ impl TransformerDecoder {
         self.finish(x)
     }
 
-    fn forward_default(&self, _x: &Tensor) -> Result<Tensor> {
-        Err(Error::invalid(
-            "TransformerDecoder::forward",
-            "a decoder needs the target and the memory; call forward_with(tgt, memory, masks)",
-        ))
+    /// `decoder(tgt, memory)` without masks.
+    pub fn forward(&self, tgt: &Tensor, memory: &Tensor) -> Result<Tensor> {
+        self.forward_with(tgt, memory, DecoderMasks::default())
     }
 }
 
@@ -702,6 +703,12 @@ impl Transformer {
         Ok(t)
     }
 
+    /// `transformer(src, tgt)` without masks: [`Transformer::forward_with`] with
+    /// `TransformerMasks::default()`.
+    pub fn forward(&self, src: &Tensor, tgt: &Tensor) -> Result<Tensor> {
+        self.forward_with(src, tgt, TransformerMasks::default())
+    }
+
     /// `transformer(src, tgt, src_mask, tgt_mask, memory_mask, ...)`: encodes `src`
     /// (`[S, N, E]`, `[N, S, E]` with `batch_first`) and decodes `tgt` (`[T, N, E]`) against
     /// it, returning `[T, N, E]` (`[N, T, E]`).
@@ -766,13 +773,6 @@ impl Transformer {
 }
 
 impl Module for Transformer {
-    fn forward(&self, _x: &Tensor) -> Result<Tensor> {
-        Err(Error::invalid(
-            "Transformer::forward",
-            "a Transformer needs a source and a target; call forward_with(src, tgt, masks)",
-        ))
-    }
-
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         self.encoder.visit(&join_name(prefix, "encoder"), f);
         self.decoder.visit(&join_name(prefix, "decoder"), f);

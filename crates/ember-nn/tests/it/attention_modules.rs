@@ -8,7 +8,7 @@ use crate::common::{assert_close, gpu, gradcheck, t64, values};
 use ember_core::{manual_seed, DType, Device, Tensor};
 use ember_nn::functional as F;
 use ember_nn::layers::MultiheadAttentionConfig;
-use ember_nn::{Module, ModuleExt, MultiheadAttention, TensorKind};
+use ember_nn::{Forward, Module, ModuleExt, MultiheadAttention, TensorKind};
 
 const CPU: Device = Device::Cpu;
 
@@ -217,7 +217,7 @@ fn mha_forward_matches_functional_in_every_layout() {
         assert_eq!(w.as_ref().unwrap().dims(), [3, 4, 5]);
         assert_close(&out, &fo, 1e-6, 1e-7);
         assert_close(w.as_ref().unwrap(), fw.as_ref().unwrap(), 1e-6, 1e-7);
-        // Module::forward is self-attention without weights.
+        // Forward::forward is self-attention without weights.
         let y = m.forward(&q).unwrap();
         assert_close(&y, &functional_mha(&m, &q, &q, &q, None, false).0, 1e-6, 1e-7);
     }

@@ -9,7 +9,7 @@ use ember_nn::functional::Pair;
 use ember_nn::layers::{Conv2dConfig, RecurrentConfig};
 use ember_nn::state_dict::load_tensors;
 use ember_nn::{
-    load_safetensors, BatchNorm2d, Conv2d, Flatten, Linear, Module, ModuleExt, ReLU, Sequential, LSTM,
+    load_safetensors, BatchNorm2d, Conv2d, Flatten, Forward, Linear, ModuleExt, ReLU, Sequential, LSTM,
 };
 use std::path::PathBuf;
 

@@ -12,7 +12,7 @@ use crate::common::assert_close;
 use ember_core::{manual_seed, Device, Tensor};
 use ember_nn::functional::{self as F, RnnNonlinearity};
 use ember_nn::layers::{CellConfig, RNNCellConfig, RNNConfig, RecurrentConfig};
-use ember_nn::{GRUCell, LSTMCell, Module, ModuleExt, RNNCell, GRU, LSTM, RNN};
+use ember_nn::{Forward, GRUCell, LSTMCell, Module, ModuleExt, RNNCell, GRU, LSTM, RNN};
 
 const CPU: Device = Device::Cpu;
 
@@ -119,7 +119,7 @@ fn recurrent_init_is_uniform_on_inverse_sqrt_hidden() {
     manual_seed(1).unwrap();
     let h = 16;
     let bound = 1.0 / (h as f64).sqrt();
-    let modules: Vec<Box<dyn Module>> = vec![
+    let modules: Vec<Box<dyn Forward>> = vec![
         Box::new(LSTM::with_config(8, h, config(2, false), CPU).unwrap()),
         Box::new(GRU::new(8, h, CPU).unwrap()),
         Box::new(RNN::new(8, h, CPU).unwrap()),
@@ -164,7 +164,7 @@ fn sequence_modules_match_the_functional_forms() {
         assert_close(&out, &fo, 0.0, 0.0);
         assert_close(&hn, &fh, 0.0, 0.0);
         assert_close(&cn, &fc, 0.0, 0.0);
-        // Module::forward: zero initial states, output only.
+        // Forward::forward: zero initial states, output only.
         let (zo, _) = F::lstm(&x, None, &refs(&w), layers, batch_first, 0.0, true).unwrap();
         assert_close(&lstm.forward(&x).unwrap(), &zo, 0.0, 0.0);
 
@@ -323,7 +323,7 @@ fn recurrent_gradients_reach_every_parameter_and_match_finite_differences() {
     let g0 = rand64(&[1, 3, 3], 10);
     gradcheck_module(&gru, &x, |m, x| Ok(m.forward_with(x, Some(&g0))?.1));
 
-    let modules: Vec<Box<dyn Module>> = vec![
+    let modules: Vec<Box<dyn Forward>> = vec![
         Box::new(LSTM::with_config(3, 4, config(2, false), CPU).unwrap()),
         Box::new(GRU::with_config(3, 4, config(2, false), CPU).unwrap()),
         Box::new(

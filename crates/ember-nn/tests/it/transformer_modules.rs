@@ -16,7 +16,7 @@ use ember_nn::layers::{
     TransformerMasks,
 };
 use ember_nn::{
-    LayerNorm, Module, ModuleExt, MultiheadAttention, Transformer, TransformerDecoder,
+    Forward, LayerNorm, Module, ModuleExt, MultiheadAttention, Transformer, TransformerDecoder,
     TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer,
 };
 
@@ -327,7 +327,13 @@ fn decoder_and_stacks_match_the_functional_composition() {
         1e-5,
         1e-6,
     );
-    assert!(layer.forward(&tgt).is_err(), "a decoder layer needs the memory");
+    // `layer(tgt, memory)`: the inherent two-input forward is forward_with without masks.
+    assert_close(
+        &layer.forward(&tgt, &mem).unwrap(),
+        &decoder_reference(&layer, &tgt, &mem, None),
+        1e-5,
+        1e-6,
+    );
 
     let mut stack = TransformerDecoder::new(&layer, 2, Some(LayerNorm::new(&[8], CPU).unwrap())).unwrap();
     stack.eval();
@@ -442,10 +448,15 @@ fn transformer_masks_and_causality() {
         t.forward_with(s, &tgt, masks).unwrap()
     };
     assert_close(&padded(&src2), &padded(&src), 1e-5, 1e-6);
-    // Errors: batch or feature mismatch, Module::forward without a target.
+    // `transformer(src, tgt)`: the two-input forward is forward_with without masks.
+    assert_eq!(
+        t.forward(&src, &tgt).unwrap().to_vec_f64().unwrap(),
+        free.to_vec_f64().unwrap()
+    );
+    // Errors: batch or feature mismatch.
     assert!(t.forward_with(&src, &rand32(&[3, 4, 8], 6), with_mask).is_err());
     assert!(t.forward_with(&src, &rand32(&[2, 4, 6], 6), with_mask).is_err());
-    assert!(t.forward(&src).is_err());
+    assert!(t.forward(&src, &rand32(&[3, 4, 8], 6)).is_err());
 }
 
 #[test]

@@ -101,7 +101,7 @@ pub struct MemoryStats {
     pub requested_bytes: StatArray,
     /// Mallocs that failed at the driver and retried after flushing the cache.
     pub num_alloc_retries: i64,
-    /// Mallocs that failed with [`OutOfMemory`].
+    /// Mallocs that failed with [`crate::Error::OutOfMemory`].
     pub num_ooms: i64,
     /// Times every pending cross-stream free was synchronized.
     pub num_sync_all_streams: i64,

@@ -1,0 +1,181 @@
+//! `torch.cuda` for ember programs: everything of `ember_core::cuda`, with PyTorch's
+//! no-argument forms for the current device.
+//!
+//! Note [Current-device forms]: PyTorch's `torch.cuda.synchronize(device=None)`,
+//! `memory_allocated(device=None)`, ... act on the current device when called without one.
+//! Rust has no default arguments, so here the PyTorch name is the no-argument form, acting on
+//! [`current_device`] (the thread's device of [`set_device`] or a [`DeviceGuard`]), and the
+//! form with an explicit device index carries `_on`: `synchronize()` /
+//! `synchronize_on(1)`, `memory_allocated()` / `memory_allocated_on(1)`. `ember_core::cuda`
+//! keeps the explicit forms under the plain names, as the backend's API. [`empty_cache`]
+//! releases the cache of every device, as it always did.
+//!
+//! The random-number functions are `torch.cuda`'s: [`manual_seed`] seeds the current
+//! device's default generator, [`manual_seed_all`] every device's; [`get_rng_state`] /
+//! [`set_rng_state`] read and restore the current device's state (`_on` forms for another
+//! device); [`seed`] / [`seed_all`] seed from a non-deterministic source; [`initial_seed`] is
+//! the current device's seed. They need no GPU: a generator's state is (seed, offset) on the
+//! host (Philox, counter-based), so seeding before the first CUDA use or on a machine without
+//! one is fine, as in PyTorch.
+
+pub use ember_core::cuda::*;
+
+use ember_core::{default_generator, Device, Result, RngState};
+
+/// Blocks until all work on the current device has finished, on every stream
+/// (`torch.cuda.synchronize()`); Note [Current-device forms].
+pub fn synchronize() -> Result<()> {
+    ember_core::cuda::synchronize(current_device())
+}
+
+/// Blocks until all work on `device` has finished (`torch.cuda.synchronize(device)`).
+pub fn synchronize_on(device: usize) -> Result<()> {
+    ember_core::cuda::synchronize(device)
+}
+
+macro_rules! current_device_forms {
+    ($($name:ident, $on:ident -> $ret:ty, $doc:literal;)*) => {$(
+        #[doc = concat!($doc, " of the current device (`torch.cuda.", stringify!($name), "()`); Note [Current-device forms].")]
+        pub fn $name() -> $ret {
+            ember_core::cuda::$name(current_device())
+        }
+
+        #[doc = concat!($doc, " of `device` (`torch.cuda.", stringify!($name), "(device)`).")]
+        pub fn $on(device: usize) -> $ret {
+            ember_core::cuda::$name(device)
+        }
+    )*};
+}
+
+current_device_forms! {
+    memory_allocated, memory_allocated_on -> usize, "Bytes held by tensors";
+    max_memory_allocated, max_memory_allocated_on -> usize, "Peak bytes held by tensors since the last reset";
+    memory_reserved, memory_reserved_on -> usize, "Bytes the caching allocator holds";
+    max_memory_reserved, max_memory_reserved_on -> usize, "Peak bytes the caching allocator held since the last reset";
+    memory_summary, memory_summary_on -> String, "A readable table of the allocator's statistics";
+    memory_stats, memory_stats_on -> std::collections::BTreeMap<String, i64>, "Every allocator statistic under PyTorch's key names";
+    reset_peak_memory_stats, reset_peak_memory_stats_on -> (), "Resets the peak statistics";
+}
+
+/// The default generator of CUDA device `device`.
+fn generator(device: usize) -> &'static ember_core::Generator {
+    default_generator(Device::Cuda(device))
+}
+
+/// Seeds the current device's default generator (`torch.cuda.manual_seed`).
+pub fn manual_seed(seed: u64) {
+    generator(current_device()).manual_seed(seed);
+}
+
+/// Seeds the default generator of every CUDA device (`torch.cuda.manual_seed_all`); nothing
+/// to do without CUDA.
+pub fn manual_seed_all(seed: u64) {
+    for device in 0..device_count() {
+        generator(device).manual_seed(seed);
+    }
+}
+
+/// Seeds the current device's generator from a non-deterministic source and returns the seed
+/// (`torch.cuda.seed`).
+pub fn seed() -> u64 {
+    generator(current_device()).seed()
+}
+
+/// Seeds every CUDA device's generator from one non-deterministic seed, returned
+/// (`torch.cuda.seed_all`).
+pub fn seed_all() -> u64 {
+    let s = generator(current_device()).seed();
+    manual_seed_all(s);
+    s
+}
+
+/// The seed of the current device's generator (`torch.cuda.initial_seed`).
+pub fn initial_seed() -> u64 {
+    generator(current_device()).initial_seed()
+}
+
+/// The state of the current device's generator (`torch.cuda.get_rng_state()`).
+pub fn get_rng_state() -> RngState {
+    generator(current_device()).get_state()
+}
+
+/// The state of `device`'s generator (`torch.cuda.get_rng_state(device)`).
+pub fn get_rng_state_on(device: usize) -> RngState {
+    generator(device).get_state()
+}
+
+/// Restores the state of the current device's generator (`torch.cuda.set_rng_state`).
+pub fn set_rng_state(state: RngState) {
+    generator(current_device()).set_state(state)
+}
+
+/// Restores the state of `device`'s generator (`torch.cuda.set_rng_state(state, device)`).
+pub fn set_rng_state_on(state: RngState, device: usize) {
+    generator(device).set_state(state)
+}
+
+/// The states of every CUDA device's generator, by ordinal (`torch.cuda.get_rng_state_all`).
+pub fn get_rng_state_all() -> Vec<RngState> {
+    (0..device_count()).map(get_rng_state_on).collect()
+}
+
+/// Restores the states of [`get_rng_state_all`] (`torch.cuda.set_rng_state_all`).
+pub fn set_rng_state_all(states: &[RngState]) {
+    for (device, state) in states.iter().enumerate() {
+        set_rng_state_on(*state, device);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn current_device_forms_agree_with_the_explicit_ones() {
+        // Without a GPU every statistic is zero and synchronize is a typed error, not a panic.
+        assert_eq!(memory_allocated(), memory_allocated_on(current_device()));
+        assert_eq!(memory_summary(), memory_summary_on(current_device()));
+        assert_eq!(memory_stats(), memory_stats_on(current_device()));
+        if !is_available() {
+            assert!(synchronize().is_err() && synchronize_on(0).is_err());
+        }
+    }
+
+    #[test]
+    fn cuda_rng_names_seed_and_restore_the_current_devices_generator() {
+        manual_seed(1234);
+        assert_eq!(initial_seed(), 1234);
+        assert_eq!(get_rng_state().seed, 1234);
+        let saved = get_rng_state();
+        set_rng_state(RngState {
+            seed: 7,
+            offset: saved.offset + 8,
+        });
+        assert_eq!(get_rng_state_on(current_device()).seed, 7);
+        set_rng_state(saved);
+        assert_eq!(get_rng_state(), saved);
+        let s = seed();
+        assert_eq!(initial_seed(), s);
+        // `torch.manual_seed` seeds every device, CUDA included.
+        ember_core::manual_seed(99).unwrap();
+        assert_eq!((ember_core::initial_seed(), initial_seed()), (99, 99));
+        assert_eq!(get_rng_state_all().len(), device_count());
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn plain_cuda_follows_the_device_guard_on_a_gpu() -> Result<()> {
+        assert!(is_available(), "this test needs a CUDA device");
+        let last = device_count() - 1;
+        let _g = DeviceGuard::new(last)?;
+        assert_eq!(Device::parse("cuda")?, Device::Cuda(last));
+        let before = memory_allocated();
+        let t = ember_core::Tensor::zeros([1024], ember_core::DType::F32, Device::cuda())?;
+        assert_eq!(t.device(), Device::Cuda(last));
+        synchronize()?;
+        assert!(memory_allocated() >= before + 4096);
+        assert_eq!(memory_allocated(), memory_allocated_on(last));
+        assert!(memory_summary().contains("Allocated"), "{}", memory_summary());
+        Ok(())
+    }
+}
