@@ -1,5 +1,6 @@
-//! The dispatch point: the one path every op that computes takes (views, `to_dtype`/`to` and
-//! `copy_`/`fill_` do not pass it yet). `call` reads as the list of layers an op passes, in
+//! The dispatch point: the one path every public op takes, views, casts, device moves,
+//! `copy_` and `fill_` included (a cast to a tensor's own dtype, or a move to its own device,
+//! returns the tensor without entering). `call` reads as the list of layers an op passes, in
 //! order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
 //!
 //! 1. **device check**: every tensor operand on one device ([`check_devices`], the one

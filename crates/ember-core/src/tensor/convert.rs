@@ -1,8 +1,8 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
 use crate::autograd;
-use crate::dispatch::{self, policy};
 use crate::cpu::{CpuElement, CpuStorage};
+use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Tensor};
