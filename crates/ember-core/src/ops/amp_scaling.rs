@@ -23,7 +23,13 @@ use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 /// Checks that `t` is a one-element tensor of `dtype` on `device`; `what` names it in errors.
-fn check_scalar(op: &'static str, what: &str, t: &Tensor, dtype: DType, device: Device) -> Result<()> {
+pub(crate) fn check_scalar(
+    op: &'static str,
+    what: &str,
+    t: &Tensor,
+    dtype: DType,
+    device: Device,
+) -> Result<()> {
     if t.dtype() != dtype {
         return Err(Error::invalid(
             op,
@@ -46,7 +52,7 @@ fn check_scalar(op: &'static str, what: &str, t: &Tensor, dtype: DType, device: 
 }
 
 /// Errors when `t` is written in place while it takes part in autograd.
-fn check_writable(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
+pub(crate) fn check_writable(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
     if autograd::is_grad_enabled() && t.requires_grad() {
         return Err(Error::Autograd(format!(
             "{op} writes {what}, which requires grad, in place; wrap the call in no_grad()"

@@ -43,6 +43,7 @@
 //! other in-place ops, writing a tensor that requires grad is an error unless grad mode is off
 //! (optimizers run under `no_grad`).
 
+use super::amp_scaling::{check_scalar, check_writable};
 use crate::autograd;
 pub use crate::backend::{AdamStep, SgdStep};
 use crate::backend::{AdamTensor, AmpScalars, Elems, GradElems, SgdTensor, StepCount};
@@ -320,19 +321,7 @@ fn scaling_lists<'a>(
     ];
     for (name, t) in named {
         let Some(t) = t else { continue };
-        if t.dtype() != DType::F32 || t.numel() != 1 {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "{name} must be a one-element f32 tensor, got {} elements of {}",
-                    t.numel(),
-                    t.dtype()
-                ),
-            ));
-        }
-        if t.device() != device {
-            return Err(crate::dispatch::device_mismatch(op, device, t.device()));
-        }
+        check_scalar(op, name, t, DType::F32, device)?;
         lists.push(List {
             name,
             tensors: std::slice::from_ref(t),
@@ -492,24 +481,8 @@ fn adam_scaled_prepared(
         AdamSteps::Host(_) => false,
         AdamSteps::Device(s) => {
             for t in s {
-                if t.dtype() != DType::F32 || t.numel() != 1 {
-                    return Err(Error::invalid(
-                        OP,
-                        format!(
-                            "device step counts are one-element f32 tensors, got {} elements of {}",
-                            t.numel(),
-                            t.dtype()
-                        ),
-                    ));
-                }
-                if t.device() != device {
-                    return Err(crate::dispatch::device_mismatch(OP, device, t.device()));
-                }
-                if autograd::is_grad_enabled() && t.requires_grad() {
-                    return Err(Error::Autograd(format!(
-                        "{OP} writes a step count that requires grad in place; wrap the step in no_grad()"
-                    )));
-                }
+                check_scalar(OP, "a device step count", t, DType::F32, device)?;
+                check_writable(OP, "a device step count", t)?;
             }
             lists.push(List {
                 name: "step count",

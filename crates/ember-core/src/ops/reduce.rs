@@ -8,7 +8,7 @@
 //! argmax/argmin give int64 indices (first occurrence on ties, NaN counts as the max).
 
 use crate::autograd::{self, SavedTensor};
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Op};
 use crate::{DType, Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::ReduceOp;
@@ -287,21 +287,7 @@ impl Tensor {
             (_, true) => &policy::MIN,
             (_, false) => &policy::AMIN,
         };
-        dispatch::call(
-            line,
-            [self],
-            |[x]| x.reduce_raw(op, &d, keepdim),
-            |[x], out| {
-                let (x, y) = (SavedTensor::new(op.name(), x), SavedTensor::new(op.name(), out));
-                let (shape, d) = (x.get()?.shape().clone(), d.clone());
-                Ok(move |g: &Tensor, _: &[bool]| {
-                    let x = x.get()?;
-                    let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
-                    let g = keep_dims(g, &shape, &d, keepdim)?;
-                    Ok(vec![Some(evenly_distribute(x, &y, &g, &d)?)])
-                })
-            },
-        )
+        self.reduce_reading_output(line, op, d, keepdim, evenly_distribute)
     }
 
     /// Index of the maximum over `dim`, or over the flattened tensor when `None`
@@ -449,8 +435,27 @@ impl Tensor {
                 "cannot compute the inf norm of an empty tensor: the operation has no identity",
             ));
         }
+        self.reduce_reading_output(&policy::NORM, op, d, keepdim, move |x, y, g, d| {
+            norm_backward(x, y, g, p, d)
+        })
+    }
+
+    /// The reduction `op` over `d` as the op `line`, whose gradient reads the input and the
+    /// output (amax/amin, norm): `rule(x, y, g, d)` gets the output and its gradient brought
+    /// back to the input's rank.
+    fn reduce_reading_output<F>(
+        &self,
+        line: &'static Op,
+        op: ReduceOp,
+        d: Vec<usize>,
+        keepdim: bool,
+        rule: F,
+    ) -> Result<Tensor>
+    where
+        F: Fn(&Tensor, &Tensor, &Tensor, &[usize]) -> Result<Tensor> + Send + Sync + 'static,
+    {
         dispatch::call(
-            &policy::NORM,
+            line,
             [self],
             |[x]| x.reduce_raw(op, &d, keepdim),
             |[x], out| {
@@ -460,7 +465,7 @@ impl Tensor {
                     let x = x.get()?;
                     let y = keep_dims(y.get()?, &shape, &d, keepdim)?;
                     let g = keep_dims(g, &shape, &d, keepdim)?;
-                    Ok(vec![Some(norm_backward(x, &y, &g, p, &d)?)])
+                    Ok(vec![Some(rule(x, &y, &g, &d)?)])
                 })
             },
         )
