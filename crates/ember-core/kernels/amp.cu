@@ -75,12 +75,14 @@ __device__ __forceinline__ void non_finite_check_and_unscale(const AmpTensorList
 }
 
 #define EMBER_AMP_UNSCALE(T, name)                                                                   \
+    EMBER_IN_UNIT(non_finite_check_and_unscale_##name,                                               \
     extern "C" __global__ void non_finite_check_and_unscale_##name(AmpTensorList l, float* found_inf, \
                                                                    const float* inv_scale) {          \
         non_finite_check_and_unscale<T>(l, found_inf, inv_scale);                                    \
-    }
+    })
 EMBER_FOR_FLOAT_DTYPES(EMBER_AMP_UNSCALE)
 
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_update_scale)
 extern "C" __global__ void update_scale(float* scale, i32* growth_tracker, const float* found_inf,
                                         double growth_factor, double backoff_factor, i32 growth_interval) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -99,3 +101,4 @@ extern "C" __global__ void update_scale(float* scale, i32* growth_tracker, const
         }
     }
 }
+#endif

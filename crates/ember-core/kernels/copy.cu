@@ -19,18 +19,22 @@ __device__ __forceinline__ void cast_strided(const S* __restrict__ src, D* __res
 }
 
 #define EMBER_CAST_TO(D, dname, S, sname)                                                                \
+    EMBER_IN_UNIT(cast_contig_##sname##_##dname,                                                         \
     extern "C" __global__ void cast_contig_##sname##_##dname(const S* src, D* dst, i64 n) {             \
         cast_contig<S, D>(src, dst, n);                                                                  \
-    }                                                                                                    \
+    })                                                                                                   \
+    EMBER_IN_UNIT(cast_strided_##sname##_##dname,                                                        \
     extern "C" __global__ void cast_strided_##sname##_##dname(const S* src, D* dst, Strided s, i64 n) { \
         cast_strided<S, D>(src, dst, s, n);                                                              \
-    }
+    })
 #define EMBER_CAST_FROM(S, sname)                                                                        \
     EMBER_CAST_TO(float, f32, S, sname) EMBER_CAST_TO(double, f64, S, sname) EMBER_CAST_TO(f16, f16, S, sname) \
     EMBER_CAST_TO(bf16, bf16, S, sname) EMBER_CAST_TO(i64, i64, S, sname) EMBER_CAST_TO(i32, i32, S, sname)    \
     EMBER_CAST_TO(u8, u8, S, sname) EMBER_CAST_TO(bool, bool, S, sname)
 EMBER_FOR_ALL_DTYPES(EMBER_CAST_FROM)
 
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_fill_u64)
 extern "C" __global__ void fill_u64(u64* dst, u64 word, i64 n) {
     EMBER_KERNEL_LOOP(i, n) { dst[i] = word; }
 }
+#endif

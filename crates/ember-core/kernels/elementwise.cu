@@ -1,20 +1,22 @@
 // Elementwise ops over two or three operands already broadcast to one shape: arithmetic,
 // comparisons, logical ops and `where`. The output is always row-major.
 //
-// Each kernel switches once on the op (a runtime argument, the same for all threads) into a
-// loop specialized for it, so one kernel per dtype covers every op without a per-element branch.
+// Arithmetic and comparisons have one kernel per op and dtype (`binary_add_f32`), each its own
+// compile unit, so a program compiles only the ops it uses; the logical ops share one kernel
+// that switches once on the op (a runtime argument, the same for all threads).
 // The `mode` argument picks the loop shape the host found:
 //   0: every operand row-major (vectorized 16-byte loads and stores when aligned)
 //   1: `a` row-major, `b` one broadcast element      2: `a` one broadcast element, `b` row-major
 //   3: any strides (Strided: stride[0] = a, stride[1] = b, stride[2] = cond for `where`)
 //
 // Launch contract:
-//   binary_T(const T* a, const T* b, T* out, Strided s, i64 n, i32 op, i32 mode)
-//       op: 0 add 1 sub 2 mul 3 div 4 pow 5 maximum 6 minimum (ops::binary::BinaryOp order);
+//   binary_<op>_T(const T* a, const T* b, T* out, Strided s, i64 n, i32 op, i32 mode)
+//       <op> (code): add (0) sub (1) mul (2) div (3) pow (4) maximum (5) minimum (6)
+//       (ops::binary::BinaryOp order); `op` is the code, unused (the kernel is the op's own);
 //       integers: div is not launched (true division promotes to float on the host), pow takes
-//       non-negative exponents; bool: only add/maximum (or) and mul/minimum (and)
-//   compare_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
-//       op: 0 eq 1 ne 2 lt 3 le 4 gt 5 ge
+//       non-negative exponents; bool: add/maximum are `or`, the others `and`
+//   compare_<op>_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
+//       <op> (code): eq (0) ne (1) lt (2) le (3) gt (4) ge (5); `op` unused as above
 //   logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
 //       op: 0 and 1 or 2 xor
 //   where_T(const bool* cond, const T* a, const T* b, T* out, Strided s, i64 n)
@@ -115,27 +117,49 @@ template <> __device__ __forceinline__ float power<float>(float x, float y) { re
 template <> __device__ __forceinline__ double power<double>(double x, double y) { return pow(x, y); }
 EMBER_ARITH(PowOp, power<A>(x, y))
 
-template <typename T>
-__device__ __forceinline__ void binary(const T* a, const T* b, T* out, const Strided& s, i64 n, int op, int mode) {
-    switch (op) {
-        case 0: for_each2(a, b, out, s, n, mode, AddOp<T>()); break;
-        case 1: for_each2(a, b, out, s, n, mode, SubOp<T>()); break;
-        case 2: for_each2(a, b, out, s, n, mode, MulOp<T>()); break;
-        case 3: for_each2(a, b, out, s, n, mode, DivOp<T>()); break;
-        case 4: for_each2(a, b, out, s, n, mode, PowOp<T>()); break;
-        case 5: for_each2(a, b, out, s, n, mode, MaxOp<T>()); break;
-        case 6: for_each2(a, b, out, s, n, mode, MinOp<T>()); break;
-    }
+// One kernel per op and dtype (its own compile unit, Note [Kernel units] in `kernel_units.rs`):
+// `binary_<op>_T` runs op OP only (`if constexpr`, so the other ops are not even instantiated).
+template <typename T, int OP>
+__device__ __forceinline__ void binary(const T* a, const T* b, T* out, const Strided& s, i64 n, int mode) {
+    if constexpr (OP == 0) for_each2(a, b, out, s, n, mode, AddOp<T>());
+    if constexpr (OP == 1) for_each2(a, b, out, s, n, mode, SubOp<T>());
+    if constexpr (OP == 2) for_each2(a, b, out, s, n, mode, MulOp<T>());
+    if constexpr (OP == 3) for_each2(a, b, out, s, n, mode, DivOp<T>());
+    if constexpr (OP == 4) for_each2(a, b, out, s, n, mode, PowOp<T>());
+    if constexpr (OP == 5) for_each2(a, b, out, s, n, mode, MaxOp<T>());
+    if constexpr (OP == 6) for_each2(a, b, out, s, n, mode, MinOp<T>());
 }
 
 struct OrOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x | y; } };
 struct AndOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x & y; } };
 struct XorOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x ^ y; } };
 
-#define EMBER_BINARY(T, name)                                                                                \
-    extern "C" __global__ void binary_##name(const T* a, const T* b, T* out, Strided s, i64 n, i32 op, i32 mode) { \
-        binary<T>(a, b, out, s, n, op, mode);                                                                \
-    }
+// bool: add and maximum are `or`, the others `and`.
+template <int OP>
+__device__ __forceinline__ void binary_bool(const bool* a, const bool* b, bool* out, const Strided& s, i64 n,
+                                            int mode) {
+    if constexpr (OP == 0 || OP == 5) for_each2(a, b, out, s, n, mode, OrOp());
+    else for_each2(a, b, out, s, n, mode, AndOp());
+}
+
+// M(T, name, code, op) for each binary op, in `BinaryOp` order (the `op` codes above).
+#define EMBER_BINARY_OPS(M, T, name)                                                                \
+    M(T, name, 0, add) M(T, name, 1, sub) M(T, name, 2, mul) M(T, name, 3, div) M(T, name, 4, pow) \
+    M(T, name, 5, maximum) M(T, name, 6, minimum)
+
+#define EMBER_BINARY_OP(T, name, code, opname)                                                      \
+    EMBER_IN_UNIT(binary_##opname##_##name,                                                         \
+    extern "C" __global__ void binary_##opname##_##name(const T* a, const T* b, T* out, Strided s, \
+                                                        i64 n, i32 op, i32 mode) {                  \
+        binary<T, code>(a, b, out, s, n, mode);                                                     \
+    })
+#define EMBER_BINARY_BOOL_OP(T, name, code, opname)                                                 \
+    EMBER_IN_UNIT(binary_##opname##_##name,                                                         \
+    extern "C" __global__ void binary_##opname##_##name(const T* a, const T* b, T* out, Strided s, \
+                                                        i64 n, i32 op, i32 mode) {                  \
+        binary_bool<code>(a, b, out, s, n, mode);                                                   \
+    })
+#define EMBER_BINARY(T, name) EMBER_BINARY_OPS(EMBER_BINARY_OP, T, name)
 EMBER_BINARY(float, f32)
 EMBER_BINARY(double, f64)
 EMBER_BINARY(f16, f16)
@@ -143,12 +167,9 @@ EMBER_BINARY(bf16, bf16)
 EMBER_BINARY(i64, i64)
 EMBER_BINARY(i32, i32)
 EMBER_BINARY(u8, u8)
+EMBER_BINARY_OPS(EMBER_BINARY_BOOL_OP, bool, bool)
 
-extern "C" __global__ void binary_bool(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode) {
-    if (op == 0 || op == 5) for_each2(a, b, out, s, n, mode, OrOp());
-    else for_each2(a, b, out, s, n, mode, AndOp());
-}
-
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_logical)
 extern "C" __global__ void logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode) {
     switch (op) {
         case 0: for_each2(a, b, out, s, n, mode, AndOp()); break;
@@ -156,6 +177,7 @@ extern "C" __global__ void logical(const bool* a, const bool* b, bool* out, Stri
         case 2: for_each2(a, b, out, s, n, mode, XorOp()); break;
     }
 }
+#endif
 
 #define EMBER_CMP(name, expr)                                                                     \
     template <typename T> struct name {                                                           \
@@ -172,23 +194,24 @@ EMBER_CMP(LeOp, x <= y)
 EMBER_CMP(GtOp, x > y)
 EMBER_CMP(GeOp, x >= y)
 
-#define EMBER_COMPARE(T, name)                                                                                \
-    extern "C" __global__ void compare_##name(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode) { \
-        switch (op) {                                                                                         \
-            case 0: for_each2(a, b, out, s, n, mode, EqOp<T>()); break;                                      \
-            case 1: for_each2(a, b, out, s, n, mode, NeOp<T>()); break;                                      \
-            case 2: for_each2(a, b, out, s, n, mode, LtOp<T>()); break;                                      \
-            case 3: for_each2(a, b, out, s, n, mode, LeOp<T>()); break;                                      \
-            case 4: for_each2(a, b, out, s, n, mode, GtOp<T>()); break;                                      \
-            case 5: for_each2(a, b, out, s, n, mode, GeOp<T>()); break;                                      \
-        }                                                                                                     \
-    }
+// M(T, name, code, op, functor) for each comparison (the `op` codes above).
+#define EMBER_COMPARE_OPS(M, T, name) \
+    M(T, name, 0, eq, EqOp) M(T, name, 1, ne, NeOp) M(T, name, 2, lt, LtOp) M(T, name, 3, le, LeOp) \
+    M(T, name, 4, gt, GtOp) M(T, name, 5, ge, GeOp)
+#define EMBER_COMPARE_OP(T, name, code, opname, Op)                                                    \
+    EMBER_IN_UNIT(compare_##opname##_##name,                                                           \
+    extern "C" __global__ void compare_##opname##_##name(const T* a, const T* b, bool* out, Strided s, \
+                                                         i64 n, i32 op, i32 mode) {                    \
+        for_each2(a, b, out, s, n, mode, Op<T>());                                                     \
+    })
+#define EMBER_COMPARE(T, name) EMBER_COMPARE_OPS(EMBER_COMPARE_OP, T, name)
 EMBER_FOR_ALL_DTYPES(EMBER_COMPARE)
 
 #define EMBER_WHERE(T, name)                                                                                  \
+    EMBER_IN_UNIT(where_##name,                                                                               \
     extern "C" __global__ void where_##name(const bool* c, const T* a, const T* b, T* out, Strided s, i64 n) { \
         EMBER_KERNEL_LOOP(i, n) {                                                                             \
             out[i] = c[strided_offset(s, 2, i)] ? a[strided_offset(s, 0, i)] : b[strided_offset(s, 1, i)];    \
         }                                                                                                     \
-    }
+    })
 EMBER_FOR_ALL_DTYPES(EMBER_WHERE)

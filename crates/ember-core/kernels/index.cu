@@ -190,40 +190,47 @@ __device__ __forceinline__ void one_hot(const I* __restrict__ idx, const Strided
 }
 
 #define EMBER_INDEX_KERNELS(I, iname)                                                                         \
+    EMBER_IN_UNIT(check_index_##iname,                                                                        \
     extern "C" __global__ void check_index_##iname(const I* idx, Strided s, i64 n, i64 size, i32* flag) {       \
         check_index<I>(idx, s, n, size, flag);                                                                  \
-    }                                                                                                           \
+    })                                                                                                          \
+    EMBER_IN_UNIT(scatter_mark_##iname,                                                                         \
     extern "C" __global__ void scatter_mark_##iname(const I* idx, u32* winner, Strided s, i64 n, i64 dim_stride, \
                                                     i64 size) {                                                 \
         scatter_mark<I>(idx, winner, s, n, dim_stride, size);                                                   \
-    }                                                                                                           \
+    })                                                                                                          \
+    EMBER_IN_UNIT(one_hot_##iname,                                                                              \
     extern "C" __global__ void one_hot_##iname(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag) { \
         one_hot<I>(idx, s, n, classes, out, flag);                                                              \
-    }
+    })
 
 #define EMBER_MOVE_KERNELS(B, I, iname)                                                                         \
+    EMBER_IN_UNIT(gather_w##B##_##iname,                                                                        \
     extern "C" __global__ void gather_w##B##_##iname(const Bytes<B>::type* x, const I* idx, Bytes<B>::type* out, \
                                                      Strided s, i64 n, i64 dim_stride, i64 size) {              \
         gather<Bytes<B>::type, I>(x, idx, out, s, n, dim_stride, size);                                         \
-    }                                                                                                           \
+    })                                                                                                          \
+    EMBER_IN_UNIT(scatter_w##B##_##iname,                                                                       \
     extern "C" __global__ void scatter_w##B##_##iname(Bytes<B>::type* out, const I* idx,                        \
                                                       const Bytes<B>::type* src, const u32* winner, Strided s,  \
                                                       i64 n, i64 dim_stride, i64 size) {                        \
         scatter<Bytes<B>::type, I>(out, idx, src, winner, s, n, dim_stride, size);                              \
-    }
+    })
 
 #define EMBER_SELECT_ROWS(B, I, iname)                                                                          \
+    EMBER_IN_UNIT(select_rows_w##B##_##iname,                                                                   \
     extern "C" __global__ void select_rows_w##B##_##iname(const Bytes<B>::type* x, const I* idx,                \
                                                           Bytes<B>::type* out, i64 outer, i64 nidx, i64 size,   \
                                                           i64 inner, i64 istride) {                             \
         select_rows<Bytes<B>::type, I>(x, idx, out, outer, nidx, size, inner, istride);                         \
-    }
+    })
 
 #define EMBER_SCATTER_ADD(T, name, I, iname)                                                                    \
+    EMBER_IN_UNIT(scatter_add_##name##_##iname,                                                                 \
     extern "C" __global__ void scatter_add_##name##_##iname(T* out, const I* idx, const T* src, Strided s,      \
                                                             i64 n, i64 dim_stride, i64 size) {                  \
         scatter_add<T, I>(out, idx, src, s, n, dim_stride, size);                                               \
-    }
+    })
 #define EMBER_SCATTER_ADD_I64(T, name) EMBER_SCATTER_ADD(T, name, i64, i64)
 #define EMBER_SCATTER_ADD_I32(T, name) EMBER_SCATTER_ADD(T, name, i32, i32)
 

@@ -55,10 +55,11 @@ __device__ __forceinline__ void matmul_tiled(const T* __restrict__ a, const T* _
 }
 
 #define EMBER_MATMUL(T, name)                                                                             \
+    EMBER_IN_UNIT(matmul_##name,                                                                          \
     extern "C" __global__ void matmul_##name(const T* a, const T* b, T* out, Strided s, i64 batch, i64 m, \
                                              i64 k, i64 n, i64 a_rs, i64 a_cs, i64 b_rs, i64 b_cs) {     \
         matmul_tiled<T>(a, b, out, s, batch, m, k, n, a_rs, a_cs, b_rs, b_cs);                            \
-    }
+    })
 EMBER_MATMUL(i64, i64)
 EMBER_MATMUL(i32, i32)
 EMBER_MATMUL(u8, u8)

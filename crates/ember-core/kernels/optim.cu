@@ -209,18 +209,21 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_, double mome
 }
 
 #define EMBER_OPTIM(T, name)                                                                               \
+    EMBER_IN_UNIT(adam_##name,                                                                             \
     extern "C" __global__ void adam_##name(TensorList l, double lr, double beta1, double omb1, double beta2,   \
                                            double omb2, double eps, double wd, double decay,                 \
                                            const float* grad_scale, const float* found_inf, i32 flags) {     \
         adam<T>(l, lr, beta1, omb1, beta2, omb2, eps, wd, decay, grad_scale, found_inf, flags);             \
-    }                                                                                                      \
+    })                                                                                                     \
+    EMBER_IN_UNIT(sgd_##name,                                                                              \
     extern "C" __global__ void sgd_##name(TensorList l, double lr, double momentum, double omd, double wd, \
                                           const float* grad_scale, const float* found_inf, i32 flags) {    \
         sgd<T>(l, lr, momentum, omd, wd, grad_scale, found_inf, flags);                                    \
-    }
+    })
 EMBER_FOR_FLOAT_DTYPES(EMBER_OPTIM)
 
 // Adam's device step counts: one thread per tensor (see the launch contract).
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_increment_steps)
 extern "C" __global__ void increment_steps(TensorList l, const float* found_inf) {
     if (found_inf && *found_inf != 0.0f) return;
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < l.n; t += blockDim.x * gridDim.x) {
@@ -228,3 +231,4 @@ extern "C" __global__ void increment_steps(TensorList l, const float* found_inf)
         *step = __fadd_rn(*step, 1.0f);
     }
 }
+#endif

@@ -13,7 +13,11 @@
 // - pointers arrive already offset to the first element of the view; strides are in elements;
 // - sizes and indices are 64-bit (`i64`); loops are grid-stride (`EMBER_KERNEL_LOOP`);
 // - operands of any layout arrive with a `Strided` descriptor (see below), outputs are row-major
-//   unless the kernel says otherwise.
+//   unless the kernel says otherwise;
+// - every `extern "C"` kernel belongs to a compile unit (Note [Kernel units] in `cuda/kernels.rs`)
+//   and is emitted only when its unit is asked for: macro-generated kernels are wrapped in
+//   `EMBER_IN_UNIT(unit, definition)`, hand-written ones in
+//   `#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_<unit>)` (a `#if` may hold pragmas).
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -142,6 +146,27 @@ __device__ __forceinline__ i64 strided_offset(const Strided& s, int which, i64 i
 
 #define EMBER_KERNEL_LOOP(i, n)                                                              \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
+// Compile units (Note [Kernel units] in `cuda/kernels.rs`). The runtime compiles a source with
+// `-DEMBER_UNIT_<unit>` (e.g. `-DEMBER_UNIT_binary_f32`) to get that unit's kernels only; CI
+// compiles with `-DEMBER_ALL_UNITS` to get every kernel of the file. `EMBER_IN_UNIT(u, ...)`
+// expands to its definition when `EMBER_UNIT_u` is defined (to 1, as a bare -D does), else to
+// nothing: `EMBER_UNIT_u` expands to `1` and `EMBER_PROBE_1` to `~, 1`, whose second item is 1,
+// while an undefined `EMBER_UNIT_u` leaves `EMBER_PROBE_EMBER_UNIT_u`, one item, so the 0 after
+// it is the second item.
+#define EMBER_CAT(a, b) EMBER_CAT_(a, b)
+#define EMBER_CAT_(a, b) a##b
+#define EMBER_SECOND(a, b, ...) b
+#define EMBER_IS_PROBE(...) EMBER_SECOND(__VA_ARGS__, 0, ~)
+#define EMBER_PROBE_1 ~, 1
+#define EMBER_UNIT_ON(u) EMBER_IS_PROBE(EMBER_CAT(EMBER_PROBE_, EMBER_UNIT_##u))
+#define EMBER_WHEN_1(...) __VA_ARGS__
+#define EMBER_WHEN_0(...)
+#ifdef EMBER_ALL_UNITS
+#define EMBER_IN_UNIT(u, ...) __VA_ARGS__
+#else
+#define EMBER_IN_UNIT(u, ...) EMBER_CAT(EMBER_WHEN_, EMBER_UNIT_ON(u))(__VA_ARGS__)
+#endif
 
 // M(type, name) for every dtype ember has.
 #define EMBER_FOR_ALL_DTYPES(M) \

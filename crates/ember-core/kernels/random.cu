@@ -309,24 +309,30 @@ __device__ __forceinline__ void normal_wide(double* out, i64 n, u64 seed, u64 of
 }
 
 #define EMBER_FLOAT_DRAWS(T, name)                                                                            \
+    EMBER_IN_UNIT(uniform_##name,                                                                             \
     extern "C" __global__ void uniform_##name(T* out, i64 n, u64 seed, u64 offset, double low, double high,   \
                                               i32 f16_mode) {                                                 \
         uniform_narrow<T>(out, n, seed, offset, low, high, f16_mode);                                         \
-    }                                                                                                         \
+    })                                                                                                        \
+    EMBER_IN_UNIT(normal_##name,                                                                              \
     extern "C" __global__ void normal_##name(T* out, i64 n, u64 seed, u64 offset, double mean, double stdev,    \
                                              i32 f16_mode) {                                                  \
         normal_narrow<T>(out, n, seed, offset, mean, stdev, f16_mode);                                          \
-    }
+    })
 EMBER_FLOAT_DRAWS(float, f32)
 EMBER_FLOAT_DRAWS(f16, f16)
 EMBER_FLOAT_DRAWS(bf16, bf16)
 
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_uniform_f64)
 extern "C" __global__ void uniform_f64(double* out, i64 n, u64 seed, u64 offset, double low, double high, i32) {
     uniform_wide(out, n, seed, offset, low, high);
 }
+#endif
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_normal_f64)
 extern "C" __global__ void normal_f64(double* out, i64 n, u64 seed, u64 offset, double mean, double stdev, i32) {
     normal_wide(out, n, seed, offset, mean, stdev);
 }
+#endif
 
 // `cpu.rs::bernoulli_in_place`: 1 when (u24(x_s) as f64) < p, then converted to T like the CPU's
 // f64 -> T cast of 1.0 / 0.0.
@@ -362,17 +368,20 @@ __device__ __forceinline__ void bernoulli(const T* __restrict__ prob, const Stri
 }
 
 #define EMBER_BERNOULLI(T, name)                                                                              \
+    EMBER_IN_UNIT(bernoulli_p_##name,                                                                         \
     extern "C" __global__ void bernoulli_p_##name(T* out, i64 n, u64 seed, u64 offset, double p) {           \
         bernoulli_p<T>(out, n, seed, offset, p);                                                              \
-    }                                                                                                         \
+    })                                                                                                        \
+    EMBER_IN_UNIT(bernoulli_##name,                                                                           \
     extern "C" __global__ void bernoulli_##name(const T* prob, Strided s, T* out, i64 n, u64 seed, u64 offset, \
                                                 i32* flag) {                                                  \
         bernoulli<T>(prob, s, out, n, seed, offset, flag);                                                    \
-    }
+    })
 EMBER_FOR_ALL_DTYPES(EMBER_BERNOULLI)
 
 // `cpu.rs::randint`: low + (x mod range) with wrapping, one word per element when the range fits
 // in 32 bits, else one 64-bit pair.
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_randint_i64)
 extern "C" __global__ void randint_i64(i64* out, i64 n, u64 seed, u64 offset, i64 low, u64 range) {
     if (range <= (1ull << 32)) {
         EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
@@ -394,3 +403,4 @@ extern "C" __global__ void randint_i64(i64* out, i64 n, u64 seed, u64 offset, i6
         }
     }
 }
+#endif

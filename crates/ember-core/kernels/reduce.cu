@@ -368,6 +368,7 @@ __device__ __forceinline__ void reduce_body(const Op& op, const Src& src, const 
 }
 
 #define EMBER_REDUCE(opname, OP, T, name)                                                                        \
+    EMBER_IN_UNIT(reduce_##opname##_##name,                                                                      \
     extern "C" __global__ void reduce_##opname##_##name(const T* x, Strided outer, Strided inner, i64 m, i64 k,     \
                                                         i64 chunk, i32 row, i32 variant, double param,                \
                                                         OP::Out* out, i64* idx, OP::State* partial) {              \
@@ -377,7 +378,8 @@ __device__ __forceinline__ void reduce_body(const Op& op, const Src& src, const 
         InputSrc<T> src;                                                                                           \
         src.x = x;                                                                                                 \
         reduce_body(op, src, outer, inner, m, k, chunk, row, out, idx, partial);                                   \
-    }                                                                                                              \
+    })                                                                                                             \
+    EMBER_IN_UNIT(reduce_##opname##_##name,                                                                        \
     extern "C" __global__ void reduce_##opname##_final_##name(const OP::State* partial, i64 m, i64 splits,         \
                                                               i32 variant, double param, OP::Out* out, i64* idx) {    \
         OP op;                                                                                                     \
@@ -393,7 +395,7 @@ __device__ __forceinline__ void reduce_body(const Op& op, const Src& src, const 
         inner.size[0] = splits;                                                                                    \
         inner.stride[0][0] = 1;                                                                                    \
         reduce_body(op, src, outer, inner, m, splits, splits, 1, out, idx, (OP::State*)0);                         \
-    }
+    })
 
 #define EMBER_REDUCE_FLOAT(T, name)                         \
     EMBER_REDUCE(sum, FloatSumOp<T>, T, name)               \

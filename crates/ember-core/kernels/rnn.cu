@@ -87,14 +87,16 @@ __device__ __forceinline__ void lstm_backward(const T* __restrict__ dh_out, cons
 }
 
 #define EMBER_RNN(T, name)                                                                             \
+    EMBER_IN_UNIT(lstm_forward_##name,                                                                 \
     extern "C" __global__ void lstm_forward_##name(const T* gi, const T* hh, const T* c_prev, T* h,  \
                                                    T* c, T* c_copy, T* gates, i64 n, i64 hidden) {   \
         lstm_forward<T>(gi, hh, c_prev, h, c, c_copy, gates, n, hidden);                             \
-    }                                                                                                \
+    })                                                                                               \
+    EMBER_IN_UNIT(lstm_backward_##name,                                                              \
     extern "C" __global__ void lstm_backward_##name(const T* dh_out, const T* dh_rec, const T* gates, \
                                                     const T* c, const T* c_prev, T* dc, T* dgates,    \
                                                     i64 n, i64 hidden) {                              \
         lstm_backward<T>(dh_out, dh_rec, gates, c, c_prev, dc, dgates, n, hidden);                    \
-    }
+    })
 EMBER_FOR_FLOAT_DTYPES(EMBER_RNN)
 #undef EMBER_RNN

@@ -146,12 +146,14 @@ __device__ void softmax_bwd(const T* y, const T* g, T* out, const Strided& rows,
 }
 
 #define EMBER_SOFTMAX(T, name)                                                                                   \
+    EMBER_IN_UNIT(softmax_##name,                                                                                \
     extern "C" __global__ void softmax_##name(const T* x, T* out, Strided rows, i64 nrows, i64 k, i64 xs, i64 os, \
                                               i32 log, i32 row) {                                                \
         softmax_fwd<T>(x, out, rows, nrows, k, xs, os, log, row);                                                \
-    }                                                                                                            \
+    })                                                                                                           \
+    EMBER_IN_UNIT(softmax_backward_##name,                                                                       \
     extern "C" __global__ void softmax_backward_##name(const T* y, const T* g, T* out, Strided rows, i64 nrows,   \
                                                        i64 k, i64 ys, i64 gs, i64 os, i32 log, i32 row) {        \
         softmax_bwd<T>(y, g, out, rows, nrows, k, ys, gs, os, log, row);                                         \
-    }
+    })
 EMBER_FOR_FLOAT_DTYPES(EMBER_SOFTMAX)

@@ -3,14 +3,17 @@
 // store; f32 computes in f32, f64 in f64. Integer inputs of float ops are cast to f32 on the
 // host before launch (Note [Unary dtypes] in `ops/unary.rs`), so float kernels see floats only.
 //
-// Each kernel switches once on the op (a runtime argument, the same for all threads) into a
-// loop specialized for it. `mode` picks the loop shape the host found:
+// Float ops have one kernel per op and dtype (`unary_relu_f32`), each its own compile unit, so a
+// program compiles only the ops it uses; the integer kernels switch once on the op (a runtime
+// argument, the same for all threads) into a loop specialized for it. `mode` picks the loop
+// shape the host found:
 //   0: input row-major (16-byte vector loads and stores when both pointers are aligned)
 //   1: input of any strides (s.stride[0]); the output is always row-major
 //
 // Launch contract (grid-stride, any 1-D grid):
-//   unary_T(const T* x, T* out, Strided s, i64 n, i32 op, f64 p0, f64 p1, f64 p2, i32 mode)
-//       T in f32 f64 f16 bf16; op is the UnaryOp code below; p0..p2 its parameters:
+//   unary_<op>_T(const T* x, T* out, Strided s, i64 n, i32 op, f64 p0, f64 p1, f64 p2, i32 mode)
+//       T in f32 f64 f16 bf16; <op> is the name below (`op` its code, unused: the kernel is
+//       the op's own); p0..p2 its parameters:
 //        0 neg        1 abs        2 sign       3 square     4 reciprocal 5 sqrt
 //        6 rsqrt      7 exp        8 exp2       9 expm1     10 log       11 log2
 //       12 log10     13 log1p     14 sin       15 cos       16 tan       17 asin
@@ -109,77 +112,91 @@ template <typename R> __device__ __forceinline__ R hardsigmoid(R x) {
     return t / (R)6;
 }
 
-template <typename T>
-__device__ __forceinline__ void unary_float(const T* x, T* out, const Strided& s, i64 n, int op, double p0,
-                                            double p1, double p2, int mode) {
+template <typename T, int OP>
+__device__ __forceinline__ void unary_float(const T* x, T* out, const Strided& s, i64 n, double p0, double p1,
+                                            double p2, int mode) {
     typedef typename Acc<T>::type R;
     typedef Math<R> M;
     const R zero = (R)0, one = (R)1, half = (R)0.5;
     const R c0 = (R)p0, c1 = (R)p1, c2 = (R)p2;
-#define EMBER_OP(code, expr)                                                   \
-    case code:                                                                 \
-        run(x, out, s, n, mode, [=](R v) -> R { return (expr); }); \
-        break;
-    switch (op) {
-        EMBER_OP(0, -v)
-        EMBER_OP(1, M::abs(v))
-        // NaN and +-0 give +0, as PyTorch's `(0 < x) - (x < 0)`.
-        EMBER_OP(2, v > zero ? one : (v < zero ? -one : zero))
-        EMBER_OP(3, v * v)
-        EMBER_OP(4, one / v)
-        EMBER_OP(5, M::sqrt(v))
-        EMBER_OP(6, one / M::sqrt(v))
-        EMBER_OP(7, M::exp(v))
-        EMBER_OP(8, M::exp2(v))
-        EMBER_OP(9, M::expm1(v))
-        EMBER_OP(10, M::log(v))
-        EMBER_OP(11, M::log2(v))
-        EMBER_OP(12, M::log10(v))
-        EMBER_OP(13, M::log1p(v))
-        EMBER_OP(14, M::sin(v))
-        EMBER_OP(15, M::cos(v))
-        EMBER_OP(16, M::tan(v))
-        EMBER_OP(17, M::asin(v))
-        EMBER_OP(18, M::acos(v))
-        EMBER_OP(19, M::atan(v))
-        EMBER_OP(20, M::sinh(v))
-        EMBER_OP(21, M::cosh(v))
-        EMBER_OP(22, M::tanh(v))
-        EMBER_OP(23, M::erf(v))
-        EMBER_OP(24, M::erfc(v))
-        EMBER_OP(25, M::floor(v))
-        EMBER_OP(26, M::ceil(v))
-        EMBER_OP(27, M::rint(v))  // half to even in the default rounding mode
-        EMBER_OP(28, M::trunc(v))
-        EMBER_OP(29, one / (one + M::exp(-v)))
-        // min(x, 0) - log1p(e^-|x|): no overflow for any x.
-        EMBER_OP(30, (v < zero ? v : zero) - M::log1p(M::exp(-M::abs(v))))
-        // `x <= 0` rather than `x > 0` so that NaN propagates.
-        EMBER_OP(31, v <= zero ? zero : v)
-        EMBER_OP(32, v > zero ? v : v * c0)
-        EMBER_OP(33, v <= zero ? M::expm1(v * c2) * c0 : v * c1)
-        EMBER_OP(34, v < c0 ? c0 : (v > c1 ? c1 : v))
-        EMBER_OP(35, hardsigmoid(v))
-        EMBER_OP(36, v * hardsigmoid(v))
-        EMBER_OP(37, v * half * (one + M::erf(v * c0)))
-        EMBER_OP(38, half * v * (one + M::tanh(c0 * (v + c1 * v * v * v))))
-        EMBER_OP(39, v / (one + M::exp(-v)))
-        EMBER_OP(40, v * M::tanh(M::log1p(M::exp(v))))
-        EMBER_OP(41, v * c0 > c1 ? v : M::log1p(M::exp(v * c0)) / c0)
-        EMBER_OP(42, v / (one + M::abs(v)))
-        EMBER_OP(43, v + c0)
-        EMBER_OP(44, v - c0)
-        EMBER_OP(45, v * c0)
-        EMBER_OP(46, v / c0)
-    }
+    // Only op OP is instantiated (`if constexpr`): each op is its own kernel and compile unit.
+#define EMBER_OP(code, expr) \
+    if constexpr (OP == code) run(x, out, s, n, mode, [=](R v) -> R { return (expr); });
+    EMBER_OP(0, -v)
+    EMBER_OP(1, M::abs(v))
+    // NaN and +-0 give +0, as PyTorch's `(0 < x) - (x < 0)`.
+    EMBER_OP(2, v > zero ? one : (v < zero ? -one : zero))
+    EMBER_OP(3, v * v)
+    EMBER_OP(4, one / v)
+    EMBER_OP(5, M::sqrt(v))
+    EMBER_OP(6, one / M::sqrt(v))
+    EMBER_OP(7, M::exp(v))
+    EMBER_OP(8, M::exp2(v))
+    EMBER_OP(9, M::expm1(v))
+    EMBER_OP(10, M::log(v))
+    EMBER_OP(11, M::log2(v))
+    EMBER_OP(12, M::log10(v))
+    EMBER_OP(13, M::log1p(v))
+    EMBER_OP(14, M::sin(v))
+    EMBER_OP(15, M::cos(v))
+    EMBER_OP(16, M::tan(v))
+    EMBER_OP(17, M::asin(v))
+    EMBER_OP(18, M::acos(v))
+    EMBER_OP(19, M::atan(v))
+    EMBER_OP(20, M::sinh(v))
+    EMBER_OP(21, M::cosh(v))
+    EMBER_OP(22, M::tanh(v))
+    EMBER_OP(23, M::erf(v))
+    EMBER_OP(24, M::erfc(v))
+    EMBER_OP(25, M::floor(v))
+    EMBER_OP(26, M::ceil(v))
+    EMBER_OP(27, M::rint(v))  // half to even in the default rounding mode
+    EMBER_OP(28, M::trunc(v))
+    EMBER_OP(29, one / (one + M::exp(-v)))
+    // min(x, 0) - log1p(e^-|x|): no overflow for any x.
+    EMBER_OP(30, (v < zero ? v : zero) - M::log1p(M::exp(-M::abs(v))))
+    // `x <= 0` rather than `x > 0` so that NaN propagates.
+    EMBER_OP(31, v <= zero ? zero : v)
+    EMBER_OP(32, v > zero ? v : v * c0)
+    EMBER_OP(33, v <= zero ? M::expm1(v * c2) * c0 : v * c1)
+    EMBER_OP(34, v < c0 ? c0 : (v > c1 ? c1 : v))
+    EMBER_OP(35, hardsigmoid(v))
+    EMBER_OP(36, v * hardsigmoid(v))
+    EMBER_OP(37, v * half * (one + M::erf(v * c0)))
+    EMBER_OP(38, half * v * (one + M::tanh(c0 * (v + c1 * v * v * v))))
+    EMBER_OP(39, v / (one + M::exp(-v)))
+    EMBER_OP(40, v * M::tanh(M::log1p(M::exp(v))))
+    EMBER_OP(41, v * c0 > c1 ? v : M::log1p(M::exp(v * c0)) / c0)
+    EMBER_OP(42, v / (one + M::abs(v)))
+    EMBER_OP(43, v + c0)
+    EMBER_OP(44, v - c0)
+    EMBER_OP(45, v * c0)
+    EMBER_OP(46, v / c0)
 #undef EMBER_OP
 }
 
-#define EMBER_UNARY(T, name)                                                                     \
-    extern "C" __global__ void unary_##name(const T* x, T* out, Strided s, i64 n, i32 op, double p0, \
-                                            double p1, double p2, i32 mode) {                    \
-        unary_float<T>(x, out, s, n, op, p0, p1, p2, mode);                                      \
-    }
+// M(T, name, code, op) for each float op (the codes above).
+#define EMBER_UNARY_OPS(M, T, name)                                                                        \
+    M(T, name, 0, neg) M(T, name, 1, abs) M(T, name, 2, sign) M(T, name, 3, square)                       \
+    M(T, name, 4, reciprocal) M(T, name, 5, sqrt) M(T, name, 6, rsqrt) M(T, name, 7, exp)                 \
+    M(T, name, 8, exp2) M(T, name, 9, expm1) M(T, name, 10, log) M(T, name, 11, log2)                     \
+    M(T, name, 12, log10) M(T, name, 13, log1p) M(T, name, 14, sin) M(T, name, 15, cos)                   \
+    M(T, name, 16, tan) M(T, name, 17, asin) M(T, name, 18, acos) M(T, name, 19, atan)                    \
+    M(T, name, 20, sinh) M(T, name, 21, cosh) M(T, name, 22, tanh) M(T, name, 23, erf)                    \
+    M(T, name, 24, erfc) M(T, name, 25, floor) M(T, name, 26, ceil) M(T, name, 27, round)                 \
+    M(T, name, 28, trunc) M(T, name, 29, sigmoid) M(T, name, 30, logsigmoid) M(T, name, 31, relu)         \
+    M(T, name, 32, leaky_relu) M(T, name, 33, elu) M(T, name, 34, hardtanh) M(T, name, 35, hardsigmoid)   \
+    M(T, name, 36, hardswish) M(T, name, 37, gelu) M(T, name, 38, gelu_tanh) M(T, name, 39, silu)         \
+    M(T, name, 40, mish) M(T, name, 41, softplus) M(T, name, 42, softsign) M(T, name, 43, add_scalar)     \
+    M(T, name, 44, sub_scalar) M(T, name, 45, mul_scalar) M(T, name, 46, div_scalar)
+
+#define EMBER_UNARY_OP(T, name, code, opname)                                                              \
+    EMBER_IN_UNIT(unary_##opname##_##name,                                                                 \
+    extern "C" __global__ void unary_##opname##_##name(const T* x, T* out, Strided s, i64 n, i32 op,       \
+                                                       double p0, double p1, double p2, i32 mode) {        \
+        unary_float<T, code>(x, out, s, n, p0, p1, p2, mode);                                              \
+    })
+#define EMBER_UNARY(T, name) EMBER_UNARY_OPS(EMBER_UNARY_OP, T, name)
 EMBER_FOR_FLOAT_DTYPES(EMBER_UNARY)
 
 // Integer ops keep the dtype and wrap: arithmetic runs in the unsigned type of the same width.
@@ -215,9 +232,10 @@ __device__ __forceinline__ void unary_int(const T* x, T* out, const Strided& s, 
 }
 
 #define EMBER_UNARY_INT(T, name)                                                                        \
+    EMBER_IN_UNIT(unary_int_##name,                                                                     \
     extern "C" __global__ void unary_int_##name(const T* x, T* out, Strided s, i64 n, i32 op, i32 mode) { \
         unary_int<T>(x, out, s, n, op, mode);                                                            \
-    }
+    })
 EMBER_UNARY_INT(i64, i64)
 EMBER_UNARY_INT(i32, i32)
 EMBER_UNARY_INT(u8, u8)

@@ -1,6 +1,7 @@
 //! CUDA launchers for `kernels/elementwise.cu`: arithmetic, comparisons, logical ops and
 //! `where` on operands whose layouts were already broadcast to one shape.
 
+use super::kernel_units::{BINARY_KERNELS, COMPARE_KERNELS};
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
@@ -165,7 +166,8 @@ impl CudaStorage {
             BinaryOp::Maximum => 5,
             BinaryOp::Minimum => 6,
         };
-        Ok((KernelKey::new(Module::Elementwise, "binary", dtype), code))
+        let base = BINARY_KERNELS[code as usize];
+        Ok((KernelKey::new(Module::Elementwise, base, dtype), code))
     }
 
     /// Elementwise comparison producing booleans.
@@ -185,7 +187,7 @@ impl CudaStorage {
             CmpOp::Gt => 4,
             CmpOp::Ge => 5,
         };
-        let key = KernelKey::new(Module::Elementwise, "compare", self.dtype());
+        let key = KernelKey::new(Module::Elementwise, COMPARE_KERNELS[code as usize], self.dtype());
         self.two_operand(op.name(), key, code, al, rhs, bl, DType::Bool)
     }
 

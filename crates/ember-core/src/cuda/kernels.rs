@@ -346,8 +346,8 @@ mod tests {
     #[test]
     fn kernel_symbols() {
         assert_eq!(
-            KernelKey::new(Module::Elementwise, "binary", DType::BF16).symbol(),
-            "binary_bf16"
+            KernelKey::new(Module::Elementwise, "binary_add", DType::BF16).symbol(),
+            "binary_add_bf16"
         );
         assert_eq!(
             KernelKey::with2(Module::Copy, "cast", DType::F32, DType::I64).symbol(),

@@ -7,7 +7,8 @@
 //! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
 //! `pinned` (page-locked host memory and its cache),
 //! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
-//! disk cache), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
+//! disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
+//! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
 //! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn`
@@ -19,11 +20,13 @@ mod allocator;
 pub(crate) mod amp;
 mod backend;
 mod blas;
+mod cubins;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;
 mod device;
 mod elementwise;
 mod index;
+mod kernel_units;
 mod kernels;
 mod libraries;
 mod memory;
@@ -45,6 +48,7 @@ pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
     get_device_properties, is_available, DeviceProperties,
 };
+pub use kernel_units::Unit;
 pub use kernels::Module;
 pub use libraries::{library_report, LibraryStatus};
 pub use memory::{
@@ -53,7 +57,7 @@ pub use memory::{
     memory_stats_struct, memory_summary, record_memory_history, reset_accumulated_memory_stats,
     reset_peak_memory_stats, MemoryStats, Stat, StatArray,
 };
-pub use nvrtc::{compile as nvrtc_compile, nvrtc_version};
+pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
 pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
 pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
 pub(crate) use storage::host_bytes;
@@ -65,11 +69,13 @@ pub use stream::{
     synchronize, DeviceGuard, Event, Stream, StreamGuard,
 };
 
-/// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), without a GPU: what CI
-/// runs so that a kernel that does not compile fails the build, not a user.
-pub fn compile_all_kernels(arch: &str) -> crate::Result<Vec<(&'static str, usize)>> {
+/// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
+/// file at once (`-DEMBER_ALL_UNITS`, Note [Kernel units]), without a GPU: what CI runs so that
+/// a kernel that does not compile fails the build, not a user.
+pub fn compile_all_kernels(arch: &str) -> crate::Result<Vec<(&'static str, Vec<u8>)>> {
+    let all = ["-DEMBER_ALL_UNITS".to_string()];
     Module::ALL
         .iter()
-        .map(|m| nvrtc::compile(m.name(), m.source(), arch).map(|cubin| (m.name(), cubin.len())))
+        .map(|m| nvrtc::compile_with(m.name(), m.source(), arch, &all).map(|cubin| (m.name(), cubin)))
         .collect()
 }

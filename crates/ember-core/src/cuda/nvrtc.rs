@@ -1,15 +1,18 @@
 //! Runtime compilation of ember's kernel sources with NVRTC, for the exact architecture of the
-//! device (`sm_90` on an H100), and the on-disk cache of the results.
+//! device (`sm_90` on an H100), one compile unit at a time (Note [Kernel units] in
+//! `kernel_units.rs`), and the on-disk cache of the results.
 //!
-//! Note [Kernel cache]: compiling every kernel family takes seconds, so each cubin is written
-//! to `$EMBER_KERNEL_CACHE` (default `$XDG_CACHE_HOME/ember/kernels`, else
-//! `~/.cache/ember/kernels`) under a name made of the family, the architecture, the NVRTC
-//! version and a 64-bit FNV-1a hash of the full source text. A changed source, another GPU
-//! generation or another NVRTC gives another name, so stale entries are never loaded. Entries
-//! are written to a temporary file and renamed into place, so a crash or two processes compiling
-//! at once never leave a half-written cubin behind. A cache that cannot be written (read-only
-//! home) only costs the compile time.
+//! Note [Kernel cache]: each unit's cubin is written to `$EMBER_KERNEL_CACHE` (default
+//! `$XDG_CACHE_HOME/ember/kernels`, else `~/.cache/ember/kernels`) under a name made of the
+//! source file, the unit, the architecture, the NVRTC version and a 64-bit FNV-1a hash of the
+//! full source text and the compile options. A changed source, another GPU generation or another
+//! NVRTC gives another name, so stale entries are never loaded. Entries are written to a
+//! temporary file and renamed into place, so a crash or two processes compiling at once never
+//! leave a half-written cubin behind. A cache that cannot be written (read-only home) only costs
+//! the compile time.
 
+use super::kernel_units::Unit;
+use super::kernels::Module;
 use crate::{Error, Result};
 use cudarc::nvrtc::{result, sys};
 use std::ffi::CString;
@@ -44,8 +47,14 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 }
 
 /// Compiles `source` (prelude prepended) for `arch` (e.g. `"sm_90"`) into a cubin, or a
-/// [`Error::Cuda`] carrying NVRTC's log.
+/// [`Error::Cuda`] carrying NVRTC's log. The kernel sources emit their kernels only for the
+/// units asked for (Note [Kernel units]): see [`compile_units`].
 pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+    compile_with(name, source, arch, &[])
+}
+
+/// Compiles `source` as [`compile`] does, with extra NVRTC options (`-D...`).
+pub(crate) fn compile_with(name: &str, source: &str, arch: &str, extra: &[String]) -> Result<Vec<u8>> {
     nvrtc_version()?;
     let text = format!("{PRELUDE}\n#line 1 \"{name}.cu\"\n{source}");
     let fail = |what: &str, e: &dyn std::fmt::Debug| Error::Cuda {
@@ -55,7 +64,7 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     let src = CString::new(text).map_err(|e| fail("reading", &e))?;
     let file = CString::new(format!("{name}.cu")).map_err(|e| fail("naming", &e))?;
     let prog = result::create_program(&src, Some(&file)).map_err(|e| fail("nvrtcCreateProgram", &e))?;
-    let options = [format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    let options = options(arch, extra);
     // SAFETY: `prog` is a live program created above; it is destroyed exactly once below.
     let compiled = unsafe { result::compile_program(prog, &options) };
     let outcome = match compiled {
@@ -64,10 +73,15 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
             // SAFETY: `prog` is live; the log is read before the program is destroyed.
             let log = unsafe { result::get_program_log(prog) }.unwrap_or_default();
             let log: Vec<u8> = log.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+            let with = if extra.is_empty() {
+                String::new()
+            } else {
+                format!(" with {}", extra.join(" "))
+            };
             Err(Error::Cuda {
                 op: "nvrtc",
                 msg: format!(
-                    "kernel source {name}.cu does not compile for {arch}:\n{}",
+                    "kernel source {name}.cu does not compile for {arch}{with}:\n{}",
                     String::from_utf8_lossy(&log)
                 ),
             })
@@ -76,6 +90,19 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     // SAFETY: `prog` is live and not used after this call.
     let _ = unsafe { result::destroy_program(prog) };
     outcome
+}
+
+fn options(arch: &str, extra: &[String]) -> Vec<String> {
+    let mut options = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    options.extend(extra.iter().cloned());
+    options
+}
+
+/// Compiles the units `units` of `module` together into one cubin (CI's check; the runtime
+/// compiles one unit at a time through [`compile_unit_cached`]).
+pub fn compile_units(module: Module, units: &[Unit], arch: &str) -> Result<Vec<u8>> {
+    let defines: Vec<String> = units.iter().map(Unit::define).collect();
+    compile_with(module.name(), module.source(), arch, &defines)
 }
 
 fn cubin(prog: sys::nvrtcProgram) -> std::result::Result<Vec<u8>, cudarc::nvrtc::result::NvrtcError> {
@@ -88,21 +115,37 @@ fn cubin(prog: sys::nvrtcProgram) -> std::result::Result<Vec<u8>, cudarc::nvrtc:
     Ok(buf)
 }
 
-/// [`compile`] through the disk cache of Note [Kernel cache].
-pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+/// The cubin of `unit` for `arch` through the disk cache of Note [Kernel cache]; `on_miss` runs
+/// before compiling when the cache has no entry for it.
+pub(crate) fn compile_unit_cached(unit: &Unit, arch: &str, on_miss: impl FnOnce()) -> Result<Vec<u8>> {
     let (major, minor) = nvrtc_version()?;
+    let name = unit.module.name();
+    let source = unit.module.source();
+    let extra = [unit.define()];
+    let mut hash = fnv1a(PRELUDE.as_bytes(), 0xcbf2_9ce4_8422_2325);
+    hash = fnv1a(source.as_bytes(), hash);
+    for option in options(arch, &extra) {
+        hash = fnv1a(option.as_bytes(), fnv1a(b"\0", hash));
+    }
     let key = format!(
-        "{name}-{arch}-nvrtc{major}.{minor}-{:016x}.cubin",
-        fnv1a(
-            PRELUDE.as_bytes(),
-            fnv1a(source.as_bytes(), 0xcbf2_9ce4_8422_2325)
-        )
+        "{name}.{}-{arch}-nvrtc{major}.{minor}-{hash:016x}.cubin",
+        unit.name
     );
     let path = cache_dir().map(|d| d.join(key));
     if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
         return Ok(bytes);
     }
-    let bytes = compile(name, source, arch)?;
+    on_miss();
+    let started = std::time::Instant::now();
+    let bytes = compile_with(name, source, arch, &extra)?;
+    if std::env::var_os("EMBER_KERNEL_LOG").is_some_and(|v| !v.is_empty() && v != "0") {
+        eprintln!(
+            "ember: compiled {name}.cu unit {} for {arch} in {:.2} s (thread {})",
+            unit.name,
+            started.elapsed().as_secs_f64(),
+            std::thread::current().name().unwrap_or("unnamed"),
+        );
+    }
     if let Some(path) = path {
         let _ = write_atomically(&path, &bytes);
     }

@@ -6,23 +6,26 @@
 //! context it made current, so the common case (one device, one thread) costs a thread-local
 //! read, not a driver call.
 //!
-//! Note [Loading kernel modules]: the first kernel a program needs loads every module: those
-//! not in the disk cache compile with NVRTC at once, one scoped thread each, and the caller
-//! waits for them all. Compiling each module on its first use made the first CNN epoch of
-//! `ember train` on a fresh H100 take 126 s (the sum of the compile times); all at once, 50 s
-//! (the slowest one). The threads are scoped rather than left running in the background:
-//! processes that exited while detached compile threads were still at work (a cold kernel
-//! cache) aborted at exit with glibc's `free(): invalid pointer`, seen on an H100 host, and none
-//! has since.
+//! Note [Loading kernel units]: a kernel's first launch on a device loads its compile unit
+//! (Note [Kernel units] in `kernel_units.rs`) as a CUmodule of its own: the unit's cubin comes
+//! from the process-wide table (`cubins.rs`), else the disk cache, else NVRTC on the calling
+//! thread, and the launch waits only for that unit. A unit missing from the disk cache (a first
+//! run, a new GPU generation, a new ember) also queues the units a program in that dtype most
+//! likely needs next (`kernel_units::likely_units`) for background threads, one per core but
+//! one, so a training step's dozens of units compile in parallel while the program runs instead
+//! of one after the other. History: loading each whole `.cu` file on first use took 126 s for
+//! the first CNN epoch of `ember train` on a fresh H100 (the sum of the compile times); all
+//! files at once, 44-57 s before the first op (the slowest file).
 
 use super::allocator::{CachingAllocator, Driver, EventId, StreamId};
-use super::kernels::{Function, KernelKey, Module};
-use super::nvrtc;
+use super::cubins;
+use super::kernel_units::Unit;
+use super::kernels::{Function, KernelKey};
 use crate::{Error, Result};
 use cudarc::driver::{result, sys};
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The per-device state of the CUDA backend.
 pub(crate) struct DeviceRuntime {
@@ -34,8 +37,9 @@ pub(crate) struct DeviceRuntime {
     pub allocator: CachingAllocator<DeviceMemory>,
     /// Looked up on every launch: keyed with foldhash, not SipHash (host cost per op).
     functions: Mutex<HashMap<KernelKey, Function, foldhash::fast::FixedState>>,
-    /// One slot per `Module::ALL` entry, filled together (Note [Loading kernel modules]).
-    modules: Vec<OnceLock<std::result::Result<Module_, Error>>>,
+    /// The compile units loaded on this device (Note [Loading kernel units]); consulted on a
+    /// kernel's first launch only.
+    units: Mutex<HashMap<Unit, Arc<OnceLock<std::result::Result<Module_, Error>>>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -110,7 +114,7 @@ impl DeviceRuntime {
             sm_count,
             allocator: CachingAllocator::new(DeviceMemory { ctx: Context(ctx) }),
             functions: Mutex::new(HashMap::with_hasher(foldhash::fast::FixedState::default())),
-            modules: Module::ALL.iter().map(|_| OnceLock::new()).collect(),
+            units: Mutex::new(HashMap::default()),
         })
     }
 
@@ -125,19 +129,24 @@ impl DeviceRuntime {
         self.ctx.0
     }
 
-    /// The kernel `key`, compiling (or reading from the disk cache) and loading its module on
-    /// first use.
+    /// The kernel `key`, compiling (or reading from the disk cache) and loading its unit on
+    /// first use (Note [Loading kernel units]).
     pub fn function(&self, key: KernelKey) -> Result<Function> {
         if let Some(f) = self.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(*f);
         }
-        let module = self.module(key.module)?;
+        let unit = Unit::of(&key);
+        let module = self.unit(&unit, key)?;
         let symbol = key.symbol();
         let name = std::ffi::CString::new(symbol.clone()).expect("kernel names have no NUL");
-        // SAFETY: `module` is a loaded module of this context, which `module()` made current.
+        // SAFETY: `module` is a loaded module of this context, which `unit()` made current.
         let f = unsafe { result::module::get_function(module.0, name) }.map_err(|e| Error::Cuda {
             op: "kernel lookup",
-            msg: format!("kernel {symbol} not found in {}.cu: {e:?}", key.module.name()),
+            msg: format!(
+                "kernel {symbol} not found in unit {} of {}.cu (is it instantiated there?): {e:?}",
+                unit.name,
+                key.module.name()
+            ),
         })?;
         let f = Function(f);
         self.functions
@@ -147,46 +156,39 @@ impl DeviceRuntime {
         Ok(f)
     }
 
-    fn module(&self, m: Module) -> Result<Module_> {
-        let slot = Module::ALL
-            .iter()
-            .position(|&x| x == m)
-            .expect("every module is in Module::ALL");
-        if self.modules[slot].get().is_none() {
-            self.load_modules();
-        }
-        self.modules[slot].get_or_init(|| self.load_module(m)).clone()
-    }
-
-    /// Loads every module not loaded yet, all at once (Note [Loading kernel modules]).
-    fn load_modules(&self) {
-        std::thread::scope(|scope| {
-            for (slot, &m) in Module::ALL.iter().enumerate() {
-                if self.modules[slot].get().is_some() {
-                    continue;
-                }
-                // Without a thread the module loads on first use instead.
-                let _ = std::thread::Builder::new()
-                    .name(format!("ember-nvrtc-{}", m.name()))
-                    .spawn_scoped(scope, move || {
-                        self.modules[slot].get_or_init(|| self.load_module(m));
-                    });
-            }
-        });
-    }
-
-    /// Compiles `m` (or reads it from the disk cache) and loads it into the context.
-    fn load_module(&self, m: Module) -> std::result::Result<Module_, Error> {
-        let cubin = nvrtc::compile_cached(m.name(), m.source(), &self.arch)?;
-        self.bind()?;
-        // SAFETY: `cubin` is a complete cubin image for this device's architecture, alive for
-        // the call.
-        let module =
-            unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
-                op: "cuModuleLoadData",
-                msg: format!("loading {}.cu for {}: {e:?}", m.name(), self.arch),
-            })?;
-        Ok(Module_(module))
+    /// `unit` loaded on this device, compiled or read from the disk cache first if needed.
+    fn unit(&self, unit: &Unit, key: KernelKey) -> Result<Module_> {
+        let slot = self
+            .units
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(unit.clone())
+            .or_default()
+            .clone();
+        slot.get_or_init(|| {
+            let dtype = key
+                .dtypes
+                .iter()
+                .flatten()
+                .copied()
+                .find(|d| d.is_floating_point());
+            let cubin = cubins::cubin(unit, &self.arch, dtype)?;
+            self.bind()?;
+            // SAFETY: `cubin` is a complete cubin image for this device's architecture, alive
+            // for the call.
+            let module =
+                unsafe { result::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| Error::Cuda {
+                    op: "cuModuleLoadData",
+                    msg: format!(
+                        "loading unit {} of {}.cu for {}: {e:?}",
+                        unit.name,
+                        unit.module.name(),
+                        self.arch
+                    ),
+                })?;
+            Ok(Module_(module))
+        })
+        .clone()
     }
 }
 

@@ -6,6 +6,7 @@
 //! wrapping integer kernel, and the rounding ops on integers, abs/sign of bool and square of
 //! bool are plain (casting) copies.
 
+use super::kernel_units::UNARY_KERNELS;
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
@@ -116,12 +117,18 @@ impl CudaStorage {
         } else {
             n
         };
-        let f = rt.function(KernelKey::new(Module::Unary, base, dtype))?;
         let (code, [p0, p1, p2]) = code(op);
+        // Float ops have a kernel each (`unary_relu_f32`), integer ops share `unary_int_T`.
+        let kernel = if base == "unary" {
+            UNARY_KERNELS[code as usize]
+        } else {
+            base
+        };
+        let f = rt.function(KernelKey::new(Module::Unary, kernel, dtype))?;
         let (x, o, n64) = (self.ptr(layout), out.ptr_at(0), n as i64);
         let stream = current_raw(rt.ordinal);
         let grid = Grid::linear(rt, items, 256);
-        // SAFETY: `unary_T(const T* x, T* out, Strided s, i64 n, i32 op, f64 p0, f64 p1, f64 p2,
+        // SAFETY: `unary_<op>_T(const T* x, T* out, Strided s, i64 n, i32 op, f64 p0, f64 p1, f64 p2,
         // i32 mode)` or `unary_int_T(const T* x, T* out, Strided s, i64 n, i32 op, i32 mode)`,
         // arguments in that order and of those types; `x` reaches only elements of this storage
         // through `shape` (the strides of a valid layout), `out` holds `n` elements of T.

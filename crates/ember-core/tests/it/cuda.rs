@@ -67,28 +67,68 @@ fn devices_and_properties() {
     println!("driver {v}, archs {archs:?}, libraries {libs:?}");
 }
 
-/// Every kernel source compiles with NVRTC for the architectures ember targets. Needs only
-/// libnvrtc (no GPU): CI installs it (`pip install nvidia-cuda-nvrtc`) and runs this test.
+/// Every kernel source compiles with NVRTC for the architectures ember targets, and its compile
+/// units (Note [Kernel units]) are what `Module::units` lists: every file compiled with all its
+/// listed units defines exactly the kernels of the whole file, and a unit compiled alone defines
+/// its own kernels and no others. Needs only libnvrtc (no GPU): CI installs it
+/// (`pip install nvidia-cuda-nvrtc`) and runs this test.
 #[test]
 #[ignore = "needs libnvrtc.so.13 (CI and GPU machines have it)"]
 fn every_kernel_source_compiles_with_nvrtc() {
+    use std::collections::BTreeSet;
     let (major, minor) = cuda::nvrtc_version().expect("libnvrtc.so.13 must be loadable for this test");
-    // One thread per architecture: NVRTC is thread-safe, and CI has two cores.
-    std::thread::scope(|scope| {
-        let jobs: Vec<_> = ["sm_80", "sm_90"]
-            .into_iter()
-            .map(|arch| scope.spawn(move || (arch, cuda::compile_all_kernels(arch))))
-            .collect();
-        for job in jobs {
-            let (arch, compiled) = job.join().unwrap();
-            let compiled = compiled.unwrap_or_else(|e| panic!("{arch}: {e}"));
-            assert_eq!(compiled.len(), cuda::Module::ALL.len());
-            for (name, bytes) in compiled {
-                assert!(bytes > 1000, "{name}.cu for {arch}: cubin of {bytes} bytes");
-                println!("nvrtc {major}.{minor} {arch}: {name}.cu -> {bytes} bytes");
-            }
-        }
+    let started = std::time::Instant::now();
+    // Two threads (CI has two cores; NVRTC is thread-safe): every file whole for sm_80, and every
+    // file with its listed units for sm_90, then one unit alone per file.
+    let (whole, listed) = std::thread::scope(|scope| {
+        let whole = scope.spawn(|| cuda::compile_all_kernels("sm_80"));
+        let listed = scope.spawn(|| {
+            cuda::Module::ALL
+                .iter()
+                .map(|&m| {
+                    let units = m.units();
+                    let all = cuda::compile_units(m, &units, "sm_90")?;
+                    let alone = cuda::compile_units(m, &units[units.len() / 2..][..1], "sm_90")?;
+                    Ok((m, units, all, alone))
+                })
+                .collect::<ember_core::Result<Vec<_>>>()
+        });
+        (whole.join().unwrap(), listed.join().unwrap())
     });
+    let whole = whole.unwrap_or_else(|e| panic!("sm_80: {e}"));
+    let listed = listed.unwrap_or_else(|e| panic!("sm_90: {e}"));
+    assert_eq!(whole.len(), cuda::Module::ALL.len());
+    for ((name, whole_cubin), (module, units, all, alone)) in whole.iter().zip(&listed) {
+        assert_eq!(*name, module.name());
+        let expected: BTreeSet<String> = units.iter().flat_map(|u| u.symbols()).collect();
+        let whole_kernels = kernel_names(whole_cubin);
+        assert_eq!(
+            whole_kernels.symmetric_difference(&expected).collect::<Vec<_>>(),
+            Vec::<&String>::new(),
+            "{name}.cu: kernels of the whole file vs. the units Module::units lists"
+        );
+        assert_eq!(
+            kernel_names(all),
+            expected,
+            "{name}.cu with every listed unit defined"
+        );
+        let unit = &units[units.len() / 2];
+        assert_eq!(
+            kernel_names(alone),
+            unit.symbols().into_iter().collect::<BTreeSet<_>>(),
+            "{name}.cu with only {} defined",
+            unit.define()
+        );
+        println!(
+            "nvrtc {major}.{minor}: {name}.cu, {} kernels in {} units -> {} bytes (sm_80), {} alone -> {} bytes",
+            expected.len(),
+            units.len(),
+            whole_cubin.len(),
+            unit.name,
+            alone.len()
+        );
+    }
+    println!("compiled in {:.1} s", started.elapsed().as_secs_f64());
     // A syntax error is reported with NVRTC's log, not a panic.
     let err = cuda::nvrtc_compile(
         "broken",
@@ -100,4 +140,33 @@ fn every_kernel_source_compiles_with_nvrtc() {
         matches!(err, Error::Cuda { .. }) && err.to_string().contains("broken.cu"),
         "{err}"
     );
+}
+
+/// The kernels a cubin defines: the global function symbols of its ELF symbol table.
+fn kernel_names(cubin: &[u8]) -> std::collections::BTreeSet<String> {
+    let u16_at = |o: usize| u16::from_le_bytes(cubin[o..o + 2].try_into().unwrap()) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(cubin[o..o + 4].try_into().unwrap()) as usize;
+    let u64_at = |o: usize| u64::from_le_bytes(cubin[o..o + 8].try_into().unwrap()) as usize;
+    assert_eq!(&cubin[..5], b"\x7fELF\x02", "a 64-bit ELF cubin");
+    let (shoff, shentsize, shnum) = (u64_at(0x28), u16_at(0x3a), u16_at(0x3c));
+    let section = |i: usize| shoff + i * shentsize;
+    let mut names = std::collections::BTreeSet::new();
+    for i in 0..shnum {
+        let sh = section(i);
+        if u32_at(sh + 4) != 2 {
+            continue; // not SHT_SYMTAB
+        }
+        let strtab = u64_at(section(u32_at(sh + 40)) + 24);
+        let (offset, size) = (u64_at(sh + 24), u64_at(sh + 32));
+        for sym in (offset..offset + size).step_by(24) {
+            let info = cubin[sym + 4];
+            // STT_FUNC, STB_GLOBAL, defined here.
+            if info & 0xf == 2 && info >> 4 == 1 && u16_at(sym + 6) != 0 {
+                let name = &cubin[strtab + u32_at(sym)..];
+                let end = name.iter().position(|&b| b == 0).unwrap();
+                names.insert(String::from_utf8_lossy(&name[..end]).into_owned());
+            }
+        }
+    }
+    names
 }
