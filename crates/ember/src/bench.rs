@@ -3,9 +3,8 @@
 
 use crate::models;
 use ember::amp::{GradScaler, GradScalerConfig};
-use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::{Forward, ModuleExt};
+use ember::nn::{CrossEntropyLoss, Forward, ModuleExt};
 use ember::{cuda, DType, Device, Result, Tensor};
 use serde_json::{json, Map, Value};
 use std::time::Instant;
@@ -133,6 +132,7 @@ fn classifier(
         enabled: amp.is_some_and(|a| a.scaler),
         ..Default::default()
     })?;
+    let loss_fn = CrossEntropyLoss::new();
     let steps = if device == Device::Cpu { 20 } else { 50 };
     let t = time_steps(device, 10, steps, 5, || {
         opt.zero_grad()?;
@@ -140,7 +140,7 @@ fn classifier(
             let _autocast = amp
                 .map(|a| ember::amp::autocast(device.device_type(), a.dtype))
                 .transpose()?;
-            cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?
+            loss_fn.forward(&model.forward(&x)?, &y)?
         };
         scaler.scale(&loss)?.backward()?;
         scaler.step(&mut opt)?;

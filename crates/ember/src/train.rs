@@ -32,10 +32,9 @@ use clap::{Args, ValueEnum};
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, TensorDataset};
-use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::state_dict::{load_tensors, save_tensors};
-use ember::nn::{Forward, ModuleExt};
+use ember::nn::{CrossEntropyLoss, Forward, ModuleExt};
 use ember::{cuda, DType, Device, Generator, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -518,6 +517,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         ));
     }
 
+    let loss_fn = CrossEntropyLoss::new();
     let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
     let mut test_acc = None;
     for epoch in done + 1..=args.epochs {
@@ -550,7 +550,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                     .amp
                     .map(|a| ember::amp::autocast(device.device_type(), a.dtype()))
                     .transpose()?;
-                cross_entropy(&model.forward(&x)?, &y, None, -100, Reduction::Mean, 0.0)?
+                loss_fn.forward(&model.forward(&x)?, &y)?
             };
             scaler.scale(&loss)?.backward()?;
             scaler.step(&mut opt)?;
