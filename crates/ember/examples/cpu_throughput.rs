@@ -1,6 +1,7 @@
 //! CPU throughput of two kernels that bound most workloads: a 1024×1024 f32 matmul (GFLOP/s)
 //! and an elementwise add of 2^24 f32 elements (GB/s, counting 12 bytes per element: two
-//! reads and one write). Run with `cargo run --release -p ember --example cpu_throughput`.
+//! reads and one write). Run with `cargo run --release -p ember --example cpu_throughput`; a
+//! debug build runs smaller sizes, only to check that it works.
 
 use ember::{DType, Device, Tensor};
 use std::time::Instant;
@@ -22,26 +23,22 @@ fn main() -> ember::Result<()> {
     ember::manual_seed(0)?;
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("cpu threads: {threads}");
+    let (n, len, reps) = if cfg!(debug_assertions) {
+        println!("a debug build: the figures mean nothing, run with --release");
+        (256, 1usize << 20, 2)
+    } else {
+        (1024, 1usize << 24, 10)
+    };
 
-    let n = 1024;
     let a = Tensor::randn([n, n], DType::F32, Device::Cpu)?;
     let b = Tensor::randn([n, n], DType::F32, Device::Cpu)?;
-    let s = time(10, || a.matmul(&b).map(drop))?;
+    let s = time(reps, || a.matmul(&b).map(drop))?;
     let flops = 2.0 * (n as f64).powi(3);
-    println!(
-        "matmul f32 {n}x{n}: {:.2} ms, {:.1} GFLOP/s",
-        s * 1e3,
-        flops / s / 1e9
-    );
+    println!("matmul f32 {n}x{n}: {:.2} ms, {:.1} GFLOP/s", s * 1e3, flops / s / 1e9);
 
-    let len = 1usize << 24;
     let x = Tensor::randn([len], DType::F32, Device::Cpu)?;
     let y = Tensor::randn([len], DType::F32, Device::Cpu)?;
-    let s = time(10, || x.add(&y).map(drop))?;
-    println!(
-        "add f32 2^24: {:.2} ms, {:.1} GB/s",
-        s * 1e3,
-        12.0 * len as f64 / s / 1e9
-    );
+    let s = time(reps, || x.add(&y).map(drop))?;
+    println!("add f32 {len}: {:.2} ms, {:.1} GB/s", s * 1e3, 12.0 * len as f64 / s / 1e9);
     Ok(())
 }

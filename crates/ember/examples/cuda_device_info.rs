@@ -27,11 +27,7 @@ fn main() -> ember::Result<()> {
     println!("kernels are compiled for: {:?}", cuda::get_arch_list());
 
     // Device-agnostic code: pick the device once, write the rest without caring.
-    let device = if cuda::is_available() {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    };
+    let device = if cuda::is_available() { Device::cuda() } else { Device::Cpu };
     let x = Tensor::randn([3, 4], DType::F32, device)?;
     println!("a tensor on {}:\n{}", x.device(), x.relu()?);
     Ok(())

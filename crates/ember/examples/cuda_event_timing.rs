@@ -11,7 +11,7 @@ fn main() -> ember::Result<()> {
         println!("no CUDA device: events time GPU work");
         return Ok(());
     }
-    let dev = Device::Cuda(0);
+    let dev = Device::cuda();
     for &(n, dtype) in &[(4096usize, DType::F32), (4096, DType::BF16), (8192, DType::BF16)] {
         let a = Tensor::randn([n, n], dtype, dev)?;
         let b = Tensor::randn([n, n], dtype, dev)?;

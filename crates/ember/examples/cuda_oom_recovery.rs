@@ -33,9 +33,6 @@ fn main() -> ember::Result<()> {
         x.dims(),
         cuda::memory_allocated() as f64 / (1u64 << 30) as f64
     );
-    println!(
-        "out-of-memory errors so far: {}",
-        cuda::memory_stats()["num_ooms"]
-    );
+    println!("out-of-memory errors so far: {}", cuda::memory_stats()["num_ooms"]);
     Ok(())
 }

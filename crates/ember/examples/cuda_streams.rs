@@ -10,9 +10,9 @@ fn main() -> ember::Result<()> {
         println!("no CUDA device: streams are a GPU feature");
         return Ok(());
     }
-    let dev = Device::Cuda(0);
-    let main = cuda::current_stream(0)?;
-    let side = cuda::Stream::new(0)?;
+    let dev = Device::cuda();
+    let main = cuda::current_stream(cuda::current_device())?;
+    let side = cuda::Stream::new(cuda::current_device())?;
     let a = Tensor::randn([4096, 4096], DType::F32, dev)?;
     let b = Tensor::randn([4096, 4096], DType::F32, dev)?;
 
@@ -23,7 +23,8 @@ fn main() -> ember::Result<()> {
         a.matmul(&b)?
     };
     let d = a.add(&b)?; // runs on the default stream at the same time
-                        // Before the default stream uses `c`, it waits for the side stream's work.
+
+    // Before the default stream uses `c`, it waits for the side stream's work.
     main.wait_stream(&side)?;
     let e = c.add(&d)?;
     println!("side stream {:#x}, priority {}", side.as_raw(), side.priority());

@@ -24,15 +24,11 @@ fn main() -> Result<()> {
         println!("no CUDA device: nothing to measure");
         return Ok(());
     }
-    let device = Device::Cuda(0);
+    let device = Device::cuda();
     mark("CUDA available");
-    let x = Tensor::from_vec(
-        (0..64 * 64).map(|i| i as f32 / 4096.0).collect(),
-        [64, 64],
-        Device::Cpu,
-    )?;
+    let x = Tensor::from_vec((0..64 * 64).map(|i| i as f32 / 4096.0).collect(), [64, 64], Device::Cpu)?;
     let a = x.to(device)?;
-    cuda::synchronize(0)?;
+    cuda::synchronize()?;
     mark("first tensor on the GPU");
     let sum = a.add(&a)?;
     let first: Vec<f32> = sum.to_vec()?;

@@ -17,10 +17,7 @@ fn main() -> ember::Result<()> {
     let x = Tensor::randn([8, 16], DType::F32, Device::Cpu)?;
     let on_cpu = model.forward(&x)?;
     if !cuda::is_available() {
-        println!(
-            "no CUDA device: the model stays on the CPU; output {:?}",
-            on_cpu.dims()
-        );
+        println!("no CUDA device: the model stays on the CPU; output {:?}", on_cpu.dims());
         return Ok(());
     }
     let gpu = Device::Cuda(0);
@@ -33,27 +30,12 @@ fn main() -> ember::Result<()> {
         cuda::memory_allocated() - before
     );
     let on_gpu = model.forward(&x.to(gpu)?)?;
-    let diff = on_gpu
-        .to(Device::Cpu)?
-        .sub(&on_cpu)?
-        .abs()?
-        .max_all()?
-        .item_f64()?;
+    let diff = on_gpu.to(Device::Cpu)?.sub(&on_cpu)?.abs()?.max_all()?.item_f64()?;
     println!("largest CPU/GPU output difference: {diff:.2e}");
 
     // An optimizer made after the move updates the GPU parameters in place.
-    let mut opt = SGD::new(
-        model.parameters(),
-        SgdConfig {
-            lr: 0.1,
-            ..Default::default()
-        },
-    )?;
-    model
-        .forward(&x.to(gpu)?)?
-        .pow_scalar(2.0)?
-        .mean_all()?
-        .backward()?;
+    let mut opt = SGD::new(model.parameters(), SgdConfig { lr: 0.1, ..Default::default() })?;
+    model.forward(&x.to(gpu)?)?.pow_scalar(2.0)?.mean_all()?.backward()?;
     opt.step()?;
 
     model.to_device(Device::Cpu)?;

@@ -17,22 +17,14 @@ fn build(device: Device) -> ember::Result<Sequential> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let device = if cuda::is_available() {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    };
+    let device = if cuda::is_available() { Device::cuda() } else { Device::Cpu };
     ember::manual_seed(1)?;
     let model = build(device)?;
     let path = std::env::temp_dir().join(format!("ember-example-{}.safetensors", std::process::id()));
     save_safetensors(&model, &path)?;
     println!(
         "saved {:?} to {}",
-        model
-            .state_dict()
-            .iter()
-            .map(|(k, _)| k.clone())
-            .collect::<Vec<_>>(),
+        model.state_dict().iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
         path.display()
     );
 
@@ -40,17 +32,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ember::manual_seed(2)?;
     let mut restored = build(Device::Cpu)?;
     let x = Tensor::randn([4, 8], DType::F32, Device::Cpu)?;
-    let before = restored
-        .forward(&x)?
-        .sub(&model.forward(&x.to(device)?)?.to(Device::Cpu)?)?
-        .abs()?
-        .max_all()?;
+    let before =
+        restored.forward(&x)?.sub(&model.forward(&x.to(device)?)?.to(Device::Cpu)?)?.abs()?.max_all()?;
     load_safetensors(&mut restored, &path)?;
-    let after = restored
-        .forward(&x)?
-        .sub(&model.forward(&x.to(device)?)?.to(Device::Cpu)?)?
-        .abs()?
-        .max_all()?;
+    let after =
+        restored.forward(&x)?.sub(&model.forward(&x.to(device)?)?.to(Device::Cpu)?)?.abs()?.max_all()?;
     println!(
         "output difference from the saved model: {:.3} before loading, {:.1e} after",
         before.item_f64()?,

@@ -6,20 +6,15 @@
 
 use ember::data::datasets::FashionMnist;
 use ember::data::DataLoader;
-use ember::nn::functional::{cross_entropy, Reduction};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::{Flatten, Forward, Linear, ModuleExt, ReLU, Sequential};
+use ember::nn::{CrossEntropyLoss, Flatten, Forward, Linear, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Generator, Tensor};
 
 const IMAGES: &[u8] = include_bytes!("../data/fashion-mnist/t10k-images-idx3-ubyte.gz");
 const LABELS: &[u8] = include_bytes!("../data/fashion-mnist/t10k-labels-idx1-ubyte.gz");
 
-fn main() -> ember::Result<()> {
-    let device = if cuda::is_available() {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    };
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let device = if cuda::is_available() { Device::cuda() } else { Device::Cpu };
     println!("training on {device}");
     ember::manual_seed(0)?;
 
@@ -39,7 +34,9 @@ fn main() -> ember::Result<()> {
         .with(Linear::new(128, 10, Device::Cpu)?);
     model.to_device(device)?;
     let mut opt = Adam::new(model.parameters(), AdamConfig::default())?;
+    let loss_fn = CrossEntropyLoss::new();
 
+    let mut losses = Vec::new();
     for epoch in 1..=2 {
         let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0usize);
         for batch in &loader {
@@ -48,17 +45,12 @@ fn main() -> ember::Result<()> {
             let y = batch[1].to_non_blocking(device)?;
             opt.zero_grad()?;
             let logits = model.forward(&x)?;
-            let loss = cross_entropy(&logits, &y, None, -100, Reduction::Mean, 0.0)?;
+            let loss = loss_fn.forward(&logits, &y)?;
             loss.backward()?;
             opt.step()?;
             let n = y.dims()[0];
             loss_sum += loss.item_f64()? * n as f64;
-            correct += logits
-                .argmax(Some(1), false)?
-                .eq(&y)?
-                .to_dtype(DType::F64)?
-                .sum_all()?
-                .item_f64()?;
+            correct += logits.argmax(Some(1), false)?.eq(&y)?.to_dtype(DType::F64)?.sum_all()?.item_f64()?;
             seen += n;
         }
         println!(
@@ -66,6 +58,10 @@ fn main() -> ember::Result<()> {
             loss_sum / seen as f64,
             correct / seen as f64
         );
+        losses.push(loss_sum / seen as f64);
+    }
+    if losses[1] >= losses[0] {
+        return Err(format!("the loss did not fall: {losses:?}").into());
     }
     let probe = Tensor::zeros([1, 1, 28, 28], DType::F32, device)?;
     println!("output device: {}", model.forward(&probe)?.device());
