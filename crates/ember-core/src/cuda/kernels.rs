@@ -3,7 +3,7 @@
 
 use super::runtime::DeviceRuntime;
 use crate::{DType, Error, Result};
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 use std::ffi::c_void;
 
 /// One kernel family: a source file compiled into one CUDA module.
@@ -280,8 +280,23 @@ impl Grid {
     }
 }
 
+/// Room for one launch's parameters, aligned for any parameter type (the driver's limit on
+/// Hopper is 32 KiB; ember's largest, a fused optimizer's tensor list, takes under 4 KiB).
+const PARAM_BYTES: usize = 8192;
+
+#[repr(C, align(16))]
+struct ParamBuffer([std::mem::MaybeUninit<u8>; PARAM_BYTES]);
+
 /// Launches `f` on `stream` with `params`, each a reference to one kernel parameter in the
 /// order the kernel declares them.
+///
+/// Note [Launch parameters]: the parameters are packed into one buffer as the kernel's C
+/// signature lays them out (each at the next multiple of its alignment) and handed to
+/// cuLaunchKernel with `CU_LAUNCH_PARAM_BUFFER_POINTER`, instead of as an array of pointers
+/// the driver walks parameter by parameter. Launching is most of the host cost of a small op
+/// (about 3-4 us per cuLaunchKernel on the H100 machine), and the packed form measured
+/// 80-380 ns less per launch there than the pointer array, for the elementwise kernels'
+/// 304 bytes of parameters.
 ///
 /// # Safety
 /// `params` must match the kernel's C signature in number, order and type; every device
@@ -290,19 +305,54 @@ impl Grid {
 /// stream, so buffers used on the current stream satisfy this); `f` must belong to the context
 /// of the device `stream` is on, and that context must be current on this thread.
 pub(crate) unsafe fn launch(f: Function, grid: Grid, stream: u64, params: &[&dyn KernelParam]) -> Result<()> {
-    let mut ptrs: [*mut c_void; 24] = [std::ptr::null_mut(); 24];
-    assert!(params.len() <= ptrs.len(), "kernels take at most 24 parameters");
-    for (slot, p) in ptrs.iter_mut().zip(params) {
-        *slot = *p as *const dyn KernelParam as *const c_void as *mut c_void;
+    let mut buf = ParamBuffer([std::mem::MaybeUninit::uninit(); PARAM_BYTES]);
+    let mut size = 0usize;
+    for &p in params {
+        let (bytes, align) = (std::mem::size_of_val(p), std::mem::align_of_val(p));
+        let at = size.next_multiple_of(align);
+        if at + bytes > PARAM_BYTES {
+            return Err(Error::Cuda {
+                op: "kernel launch",
+                msg: format!("the parameters take more than {PARAM_BYTES} bytes"),
+            });
+        }
+        // SAFETY: `p` is `bytes` readable bytes (a KernelParam is plain data); the destination
+        // range lies inside `buf` (checked above) and does not overlap `p`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                p as *const dyn KernelParam as *const u8,
+                buf.0.as_mut_ptr().add(at).cast::<u8>(),
+                bytes,
+            );
+        }
+        size = at + bytes;
     }
-    result::launch_kernel(
-        f.0,
-        grid.grid,
-        grid.block,
-        grid.shared_bytes,
-        stream as sys::CUstream,
-        &mut ptrs[..params.len()],
-    )
+    let as_ptr = |tag: u32| tag as usize as *mut c_void;
+    let mut extra = [
+        as_ptr(sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT),
+        buf.0.as_mut_ptr().cast::<c_void>(),
+        as_ptr(sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT),
+        (&mut size as *mut usize).cast::<c_void>(),
+        as_ptr(sys::CU_LAUNCH_PARAM_END_AS_INT),
+    ];
+    // SAFETY: the caller's contract; `extra` describes `size` initialized bytes of `buf`, laid
+    // out as the kernel's parameters (the padding between them is never read).
+    unsafe {
+        sys::cuLaunchKernel(
+            f.0,
+            grid.grid.0,
+            grid.grid.1,
+            grid.grid.2,
+            grid.block.0,
+            grid.block.1,
+            grid.block.2,
+            grid.shared_bytes,
+            stream as sys::CUstream,
+            std::ptr::null_mut(),
+            extra.as_mut_ptr(),
+        )
+    }
+    .result()
     .map_err(|e| Error::Cuda {
         op: "kernel launch",
         msg: format!("{e:?}"),
