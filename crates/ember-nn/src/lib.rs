@@ -7,13 +7,15 @@
 //!   `Transformer`, `Sequential`, ...) and the loss modules (`CrossEntropyLoss`, `MSELoss`, ...);
 //! - `init`: `torch.nn.init`; `state_dict`: load checks and safetensors checkpoints;
 //! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`);
-//! - `amp`: `GradScaler`, dynamic loss scaling for mixed precision (`torch.amp`).
+//! - `amp`: `GradScaler`, dynamic loss scaling for mixed precision (`torch.amp`);
+//! - `checkpoint`: activation checkpointing of a borrowed module (`torch.utils.checkpoint`).
 #![forbid(unsafe_code)]
 
 // `#[derive(Module)]` names this crate `::ember_nn`, also inside it.
 extern crate self as ember_nn;
 
 pub mod amp;
+pub mod checkpoint;
 #[doc(hidden)]
 pub mod derive_support;
 pub mod functional;

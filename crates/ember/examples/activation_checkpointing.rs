@@ -6,8 +6,8 @@
 //!
 //! Run: `cargo run --release -p ember --example activation_checkpointing`
 
-use ember::autograd::checkpoint;
 use ember::nn::{CrossEntropyLoss, Dropout, Forward, Linear, Module, ModuleExt};
+use ember::utils::checkpoint::checkpoint;
 use ember::{cuda, DType, Device, Result, Tensor};
 
 /// `fc2(dropout(relu(fc1(x)))) + x`: one residual block.
@@ -48,12 +48,7 @@ impl Model {
     fn forward(&self, x: &Tensor, checkpointed: bool) -> Result<Tensor> {
         let mut h = x.clone();
         for block in &self.blocks {
-            h = if checkpointed {
-                let block = block.clone(); // the checkpointed function owns what it runs
-                checkpoint(move |xs: &[Tensor]| block.forward(&xs[0]), &[h])?
-            } else {
-                block.forward(&h)?
-            };
+            h = if checkpointed { checkpoint(block, &h)? } else { block.forward(&h)? };
         }
         self.head.forward(&h)
     }

@@ -42,6 +42,12 @@ pub mod coming_from_pytorch {}
 /// `torch.utils` for ember: [`utils::benchmark`] (`Timer`, `Measurement`).
 pub mod utils {
     pub mod benchmark;
+    /// `torch.utils.checkpoint`: [`checkpoint`](checkpoint::checkpoint) a borrowed module, or
+    /// [`checkpoint_fn`](checkpoint::checkpoint_fn) an owned closure over several inputs.
+    pub mod checkpoint {
+        pub use ember_core::autograd::checkpoint as checkpoint_fn;
+        pub use ember_nn::checkpoint::checkpoint;
+    }
 }
 
 /// ember's version, from Cargo.

@@ -99,7 +99,7 @@ fn options(arch: &str, extra: &[String]) -> Vec<String> {
 }
 
 /// Compiles the units `units` of `module` together into one cubin (CI's check; the runtime
-/// compiles one unit at a time through [`compile_unit_cached`]).
+/// compiles one unit at a time through `compile_unit_cached`).
 pub fn compile_units(module: Module, units: &[Unit], arch: &str) -> Result<Vec<u8>> {
     let defines: Vec<String> = units.iter().map(Unit::define).collect();
     compile_with(module.name(), module.source(), arch, &defines)

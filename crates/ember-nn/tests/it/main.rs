@@ -7,6 +7,7 @@ mod common;
 mod attention_mha;
 mod attention_modules;
 mod autocast;
+mod checkpoint_modules;
 mod conformance;
 mod derive;
 mod functional;
