@@ -32,7 +32,7 @@ fn main() -> Result<()> {
         Device::Cpu,
     )?;
     let a = x.to(device)?;
-    cuda::synchronize(0)?;
+    cuda::synchronize_on(0)?;
     mark("first tensor on the GPU");
     let sum = a.add(&a)?;
     let first: Vec<f32> = sum.to_vec()?;
