@@ -97,6 +97,19 @@ pub enum Error {
     #[error("CUDA error in {op}: {msg}")]
     Cuda { op: &'static str, msg: String },
 
+    /// An operation that cannot be part of a CUDA graph (a read into host memory, a copy from
+    /// host memory, a wait for the device) ran while its stream, or for a device-wide wait its
+    /// device, was capturing one. When the calling thread had begun that capture, it was ended so
+    /// that the program goes on eagerly (Note [Operations refused during capture] in
+    /// `cuda/capture.rs`).
+    #[error("{op} cannot run while a CUDA graph is being captured on {device}: a capture records device work to replay it later, so reads into host memory, copies from host memory and waits for the device belong before capture_begin or after replay(){}", capture_suffix(*.ended))]
+    IllegalDuringCapture {
+        op: &'static str,
+        device: Device,
+        /// Whether the capture was ended by this error (it was begun by the calling thread).
+        ended: bool,
+    },
+
     /// The autograd engine was asked for something it cannot do.
     #[error("autograd: {0}")]
     Autograd(String),
@@ -112,6 +125,14 @@ pub enum Error {
     /// A file or stream operation failed (`From<std::io::Error>`, so `?` works on I/O).
     #[error("I/O error ({kind:?}): {msg}")]
     Io { kind: std::io::ErrorKind, msg: String },
+}
+
+fn capture_suffix(ended: bool) -> &'static str {
+    if ended {
+        "; the capture was ended: reset() the graph and capture again without it"
+    } else {
+        "; the capture, begun by another thread, goes on"
+    }
 }
 
 fn hint_suffix(hint: &str) -> String {
@@ -187,6 +208,17 @@ impl Error {
             lhs: lhs.clone(),
             rhs: rhs.clone(),
             hint: "",
+        }
+    }
+
+    /// The same error, naming `op` if it is an [`Error::IllegalDuringCapture`]: a host read
+    /// refused below the public op that asked for it (`to_vec`, `item`) reports that op.
+    pub(crate) fn in_op(self, op: &'static str) -> Self {
+        match self {
+            Error::IllegalDuringCapture { device, ended, .. } => {
+                Error::IllegalDuringCapture { op, device, ended }
+            }
+            other => other,
         }
     }
 

@@ -31,7 +31,7 @@ fn main() -> ember::Result<()> {
     report("after a 256 MiB tensor");
     drop(b);
     report("after dropping it (cached)");
-    cuda::empty_cache();
+    cuda::empty_cache()?;
     report("after empty_cache()");
     cuda::reset_peak_memory_stats();
     report("after reset_peak_memory_stats");

@@ -22,7 +22,7 @@ fn main() -> ember::Result<()> {
                     requested as f64 / (1u64 << 30) as f64,
                     free as f64 / (1u64 << 30) as f64
                 );
-                cuda::empty_cache();
+                cuda::empty_cache()?;
                 batch /= 2;
             }
             Err(e) => return Err(e),

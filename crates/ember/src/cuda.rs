@@ -163,6 +163,24 @@ mod tests {
     }
 
     #[test]
+    fn cuda_graphs_have_pytorchs_names() {
+        let mut g: CUDAGraph = CUDAGraph::new();
+        let handle: MempoolId = graph_pool_handle();
+        assert_eq!(handle.0, 0);
+        assert!(!is_current_stream_capturing());
+        assert!(g.replay().is_err() && g.pool().is_err());
+        let _scoped: fn(&mut CUDAGraph) -> Result<GraphCapture<'_>> = graph;
+        let options = GraphOptions {
+            pool: Some(handle),
+            capture_error_mode: CaptureErrorMode::ThreadLocal,
+            ..Default::default()
+        };
+        if !is_available() {
+            assert!(graph_with(&mut g, options).is_err());
+        }
+    }
+
+    #[test]
     #[ignore = "needs a CUDA device"]
     fn plain_cuda_follows_the_device_guard_on_a_gpu() -> Result<()> {
         assert!(is_available(), "this test needs a CUDA device");

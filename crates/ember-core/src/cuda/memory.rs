@@ -74,14 +74,21 @@ pub fn reset_accumulated_memory_stats(device: usize) {
 
 /// Returns cached, unused memory of every initialized device to the driver
 /// (`torch.cuda.empty_cache`), and unpins the cached pinned host buffers; memory held by
-/// tensors stays.
-pub fn empty_cache() {
+/// tensors, and the private pools of live CUDA graphs, stay.
+///
+/// An error, releasing nothing, while a CUDA graph capture is underway on a device: releasing
+/// memory waits for the device (Note [Operations refused during capture]).
+pub fn empty_cache() -> Result<()> {
+    for device in 0..super::device_count() {
+        super::capture::refuse_device_wide(device, "empty_cache")?;
+    }
     super::pinned::empty_host_cache();
     for device in 0..super::device_count() {
         if let Ok(rt) = runtime(device) {
             rt.allocator.empty_cache();
         }
     }
+    Ok(())
 }
 
 /// `(free, total)` bytes of `device` as the driver sees them (`torch.cuda.mem_get_info`).

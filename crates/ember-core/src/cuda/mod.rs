@@ -6,8 +6,9 @@
 //! One file per concept: `device` (discovery, properties), `runtime` (per-device context and
 //! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
 //! `pinned` (page-locked host memory and its cache),
-//! `stream` (streams, events, current device and stream), `nvrtc` (kernel compilation and its
-//! disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
+//! `stream` (streams, events, current device and stream), `graph` (CUDA graphs: capture and
+//! replay), `capture` (the captures underway and the operations refused during them), `nvrtc`
+//! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
 //! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
@@ -20,11 +21,13 @@ mod allocator;
 pub(crate) mod amp;
 mod backend;
 mod blas;
+mod capture;
 mod cubins;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;
 mod device;
 mod elementwise;
+mod graph;
 mod index;
 mod kernel_units;
 mod kernels;
@@ -42,11 +45,16 @@ mod storage;
 mod stream;
 mod unary;
 
+pub use allocator::MempoolId;
 pub use backend::CudaDevice;
 pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
 pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
     get_device_properties, is_available, DeviceProperties,
+};
+pub use graph::{
+    graph, graph_pool_handle, graph_with, is_current_stream_capturing, CUDAGraph, CaptureErrorMode,
+    GraphCapture, GraphOptions,
 };
 pub use kernel_units::Unit;
 pub use kernels::Module;

@@ -17,7 +17,7 @@
 //! the first CNN epoch of `ember train` on a fresh H100 (the sum of the compile times); all
 //! files at once, 44-57 s before the first op (the slowest file).
 
-use super::allocator::{CachingAllocator, Driver, EventId, StreamId};
+use super::allocator::{CachingAllocator, CaptureId, Driver, EventId, StreamId};
 use super::cubins;
 use super::kernel_units::Unit;
 use super::kernels::{Function, KernelKey};
@@ -219,12 +219,18 @@ impl DeviceMemory {
 impl Driver for DeviceMemory {
     fn malloc(&mut self, bytes: usize) -> Option<u64> {
         self.bind();
+        // Not captured, and allowed during a capture in relaxed mode only (Note [Interaction
+        // with CUDA graph capture]).
+        let _relaxed = super::capture::RelaxedCaptureMode::new();
         // SAFETY: plain allocation in the current context; the result is checked.
         unsafe { result::malloc_sync(bytes) }.ok()
     }
 
     fn free(&mut self, ptr: u64) {
         self.bind();
+        // The allocator never frees while a capture is underway on this device; a capture on
+        // another device must not refuse it (global capture mode).
+        let _relaxed = super::capture::RelaxedCaptureMode::new();
         // SAFETY: `ptr` is a segment base from `malloc` that the allocator no longer hands out;
         // cuMemFree synchronizes with work still using it.
         let _ = unsafe { result::free_sync(ptr) };
@@ -260,10 +266,18 @@ impl Driver for DeviceMemory {
         }
         self.bind();
         // SAFETY: `event` came from `record_event` and was not destroyed.
-        !matches!(
-            unsafe { result::event::query(event as sys::CUevent) },
-            Err(cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY))
-        )
+        match unsafe { result::event::query(event as sys::CUevent) } {
+            Ok(()) => true,
+            // Not done yet, or not answerable now (a capture underway elsewhere in global
+            // mode refuses the query): keep the block pending, never reuse it early.
+            Err(cudarc::driver::DriverError(e)) => !matches!(
+                e,
+                sys::CUresult::CUDA_ERROR_NOT_READY
+                    | sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+                    | sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+                    | sys::CUresult::CUDA_ERROR_CAPTURED_EVENT
+            ),
+        }
     }
 
     fn synchronize_event(&mut self, event: EventId) {
@@ -274,6 +288,11 @@ impl Driver for DeviceMemory {
         super::stream::note_host_sync();
         // SAFETY: `event` came from `record_event` and was not destroyed.
         let _ = unsafe { result::event::synchronize(event as sys::CUevent) };
+    }
+
+    fn capture_id(&mut self, stream: StreamId) -> Option<CaptureId> {
+        self.bind();
+        super::capture::active_capture_id(stream)
     }
 
     fn destroy_event(&mut self, event: EventId) {

@@ -139,6 +139,9 @@ impl CudaStorage {
     /// buffer is staged by the driver before this returns).
     pub fn from_cpu(cpu: &CpuStorage, device: usize) -> Result<CudaStorage> {
         let rt = runtime(device)?;
+        // A replay would read the host buffer again, long gone (Note [Operations refused during
+        // capture]); the pageable copy would also invalidate the capture.
+        super::capture::refuse_during_capture(device, "a copy from host memory to the device")?;
         let out = CudaStorage::alloc_on(rt, cpu.dtype(), cpu.len())?;
         let bytes = host_bytes(cpu);
         if !bytes.is_empty() {
@@ -155,6 +158,7 @@ impl CudaStorage {
     /// until the copy has finished (see `cuda/pinned.rs`).
     pub(crate) fn copy_from_host_async(&self, offset: usize, bytes: &[u8]) -> Result<()> {
         let rt = self.runtime()?;
+        super::capture::refuse_during_capture(rt.ordinal, "a copy from host memory to the device")?;
         if bytes.len() > (self.len - offset.min(self.len)) * self.dtype.size_in_bytes() {
             return Err(Error::invalid(
                 "copy",
@@ -177,7 +181,14 @@ impl CudaStorage {
     }
 
     /// The elements of `layout` copied into host memory, row-major; waits for the current stream.
+    /// An error while the current stream is capturing a CUDA graph (Note [Operations refused
+    /// during capture]).
     pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        self.runtime()?;
+        super::capture::refuse_during_capture(
+            self.buf.device,
+            "a copy from the device to host memory (to_vec, item, to(Device::Cpu), printing)",
+        )?;
         let src = if layout.is_contiguous() && layout.offset() == 0 && layout.numel() == self.len {
             None
         } else {
@@ -324,6 +335,10 @@ impl CudaStorage {
     /// another GPU: the source's stream is synchronized first, the copy runs on the target's
     /// current stream).
     pub fn to_device(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
+        if device != self.buf.device {
+            super::capture::refuse_during_capture(self.buf.device, "a copy between GPUs")?;
+            super::capture::refuse_during_capture(device, "a copy between GPUs")?;
+        }
         let src = self.to_dtype(layout, self.dtype)?;
         if device == self.buf.device {
             return Ok(src);

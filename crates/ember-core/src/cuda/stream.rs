@@ -134,18 +134,22 @@ impl Stream {
         self.raw
     }
 
-    /// Blocks until all work queued on this stream has finished.
+    /// Blocks until all work queued on this stream has finished. An error while this stream or
+    /// the current one is capturing a CUDA graph (Note [Operations refused during capture]).
     pub fn synchronize(&self) -> Result<()> {
         runtime(self.device)?;
+        super::capture::refuse_on_stream(self.device, self.raw, "Stream::synchronize")?;
         note_host_sync();
         // SAFETY: the stream is the null stream or a pool stream, which is never destroyed.
         unsafe { result::stream::synchronize(self.raw as sys::CUstream) }
             .map_err(cuda_error("cuStreamSynchronize"))
     }
 
-    /// True when all work queued on this stream has finished.
+    /// True when all work queued on this stream has finished. An error while this stream or the
+    /// current one is capturing a CUDA graph.
     pub fn query(&self) -> Result<bool> {
         runtime(self.device)?;
+        super::capture::refuse_on_stream(self.device, self.raw, "Stream::query")?;
         // SAFETY: the stream is the null stream or a live pool stream.
         match unsafe { sys::cuStreamQuery(self.raw as sys::CUstream) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -298,8 +302,11 @@ impl Drop for DeviceGuard {
 }
 
 /// Blocks until all work on `device` has finished, on every stream (`torch.cuda.synchronize`).
+/// An error while a CUDA graph capture is underway on the device (Note [Operations refused
+/// during capture]).
 pub fn synchronize(device: usize) -> Result<()> {
     runtime(device)?;
+    super::capture::refuse_device_wide(device, "cuda::synchronize")?;
     note_host_sync();
     result::ctx::synchronize().map_err(cuda_error("cuCtxSynchronize"))?;
     super::pinned::release_finished();
@@ -372,12 +379,14 @@ impl Event {
         stream.wait_event(self)
     }
 
-    /// True when the work before the event has finished (or it was never recorded).
+    /// True when the work before the event has finished (or it was never recorded). An error
+    /// while the current stream of the event's device is capturing a CUDA graph.
     pub fn query(&self) -> Result<bool> {
         let Some(&(raw, device)) = self.raw.get() else {
             return Ok(true);
         };
         runtime(device)?;
+        super::capture::refuse_during_capture(device, "Event::query")?;
         // SAFETY: `raw` is a live event.
         match unsafe { sys::cuEventQuery(raw as sys::CUevent) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -389,12 +398,14 @@ impl Event {
         }
     }
 
-    /// Blocks until the work before the event has finished.
+    /// Blocks until the work before the event has finished. An error while the current stream
+    /// of the event's device is capturing a CUDA graph.
     pub fn synchronize(&self) -> Result<()> {
         let Some(&(raw, device)) = self.raw.get() else {
             return Ok(());
         };
         runtime(device)?;
+        super::capture::refuse_during_capture(device, "Event::synchronize")?;
         note_host_sync();
         // SAFETY: `raw` is a live event.
         unsafe { result::event::synchronize(raw as sys::CUevent) }.map_err(cuda_error("cuEventSynchronize"))

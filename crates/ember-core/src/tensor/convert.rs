@@ -187,13 +187,14 @@ impl Tensor {
                 found: self.dtype(),
             });
         }
-        let cpu = self.to_cpu_storage()?;
+        let cpu = self.to_cpu_storage().map_err(|e| e.in_op("Tensor::to_vec"))?;
         Ok(T::slice(&cpu).expect("dtype checked above").to_vec())
     }
 
     /// The elements converted to f64, in row-major order (any dtype).
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        let cpu = self.storage().read().to_cpu(self.layout())?;
+        let cpu = self.storage().read().to_cpu(self.layout());
+        let cpu = cpu.map_err(|e| e.in_op("Tensor::to_vec_f64"))?;
         let cpu = cpu.to_dtype(&Layout::contiguous(self.shape()), DType::F64);
         match cpu {
             CpuStorage::F64(v) => Ok(v),
@@ -212,7 +213,7 @@ impl Tensor {
                 ),
             ));
         }
-        Ok(self.to_vec::<T>()?[0])
+        Ok(self.to_vec::<T>().map_err(|e| e.in_op("Tensor::item"))?[0])
     }
 
     /// The value of a one-element tensor of any dtype, as f64.
@@ -226,7 +227,7 @@ impl Tensor {
                 ),
             ));
         }
-        Ok(self.to_vec_f64()?[0])
+        Ok(self.to_vec_f64().map_err(|e| e.in_op("Tensor::item_f64"))?[0])
     }
 
     /// Row-major host copy of the elements.

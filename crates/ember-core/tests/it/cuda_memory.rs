@@ -58,7 +58,7 @@ fn allocator_statistics_body() {
     let b2 = Tensor::zeros([MIB], DType::F32, Device::Cuda(dev)).unwrap();
     assert_eq!(cuda::memory_stats(dev)["num_device_alloc"], before);
     drop(b2);
-    cuda::empty_cache();
+    cuda::empty_cache().unwrap();
     assert_eq!(
         cuda::memory_reserved(dev),
         2 * MIB,
@@ -105,7 +105,7 @@ fn allocator_statistics_body() {
     let t = Tensor::zeros([bigger], DType::F32, Device::Cuda(dev)).unwrap();
     assert!(cuda::memory_stats(dev)["num_alloc_retries"] >= 1);
     drop(t);
-    cuda::empty_cache();
+    cuda::empty_cache().unwrap();
     assert_eq!(cuda::memory_reserved(dev), 2 * MIB);
 
     // Raw allocations.

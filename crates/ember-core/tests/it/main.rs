@@ -11,6 +11,7 @@ mod conformance;
 mod conv;
 mod cuda;
 mod cuda_elementwise;
+mod cuda_graphs;
 mod cuda_index;
 mod cuda_matmul;
 mod cuda_memory;

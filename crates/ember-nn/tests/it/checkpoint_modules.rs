@@ -3,7 +3,7 @@
 //! original module's parameters, on every device.
 
 use crate::common::devices;
-use ember_core::{DType, Device, Result, Tensor};
+use ember_core::{DType, Result, Tensor};
 use ember_nn::checkpoint::checkpoint;
 use ember_nn::{Dropout, Forward, Linear, Module, ModuleExt};
 

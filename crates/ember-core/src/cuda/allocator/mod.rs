@@ -19,18 +19,26 @@
 //!   segments of the request's pool, retry; then release those of both pools, retry; only then
 //!   fail with [`OutOfMemory`]. The allocator stays usable after a failure.
 //!
+//! - While a CUDA graph is being captured, the capture's allocations come from a private pool,
+//!   and the allocator neither waits for nor queries events nor returns memory to the driver:
+//!   Note [Interaction with CUDA graph capture] in `private_pools.rs`.
+//!
 //! Locking: all state sits behind one `Mutex`; every public method takes it once. The driver is
 //! called under the lock (it is the allocator's own collaborator); no other user code is, except
 //! the closure given to [`CachingAllocator::with_driver`], which must not call the allocator.
 
+mod private_pools;
 mod stats;
 #[cfg(test)]
 mod tests;
 
+use private_pools::PrivatePool;
+pub use private_pools::{CaptureId, MempoolId};
+
 use stats::format_bytes;
 pub use stats::{
-    memory_stats_map, memory_summary, snapshot_json, BlockInfo, BlockState, MemoryStats, SegmentInfo, Stat,
-    StatArray, TraceAction, TraceEntry,
+    memory_stats_map, memory_summary, snapshot_json, MemoryStats, SegmentInfo, Stat, StatArray, TraceAction,
+    TraceEntry,
 };
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -72,6 +80,10 @@ pub trait Driver: Send {
     fn synchronize_event(&mut self, event: EventId);
     /// Destroys an event created by `record_event`.
     fn destroy_event(&mut self, event: EventId);
+    /// The id of the capture sequence `stream` takes part in while that capture is active
+    /// (cuStreamGetCaptureInfo), None when the stream is not capturing. Asked only while a
+    /// capture allocates to a private pool (Note [Interaction with CUDA graph capture]).
+    fn capture_id(&mut self, stream: StreamId) -> Option<CaptureId>;
 }
 
 /// The two block pools.
@@ -179,6 +191,8 @@ struct Block {
     next: Option<u64>,
     /// Streams other than `stream` that used the block (`record_stream`).
     stream_uses: BTreeSet<StreamId>,
+    /// The private pool of its segment, None for the default pools.
+    private: Option<MempoolId>,
 }
 
 impl Block {
@@ -193,6 +207,8 @@ struct Segment {
     size: usize,
     stream: StreamId,
     pool: Pool,
+    /// The private pool that owns it, None for the default pools.
+    private: Option<MempoolId>,
 }
 
 /// Everything behind the allocator's lock.
@@ -200,8 +216,17 @@ struct State<D> {
     driver: D,
     /// Every block of every segment, by start address.
     blocks: HashMap<u64, Block, foldhash::fast::FixedState>,
-    /// Free blocks per pool (`Pool::index`), ordered for best fit: (stream, size, address).
-    free_blocks: [BTreeSet<(StreamId, usize, u64)>; 2],
+    /// Free blocks of the default pools per size class (`Pool::index`), ordered for best fit:
+    /// (stream, size, address).
+    free_blocks: [FreeSet; 2],
+    /// Private pools by id, each with free sets of its own (Note [Interaction with CUDA graph
+    /// capture]).
+    private: BTreeMap<MempoolId, PrivatePool>,
+    /// Captures allocating to a private pool: the pool, and the capture's id once it is known.
+    captures: Vec<(MempoolId, Option<CaptureId>)>,
+    /// Blocks freed while a capture was underway that other streams used: their events are
+    /// recorded once no capture is underway.
+    deferred: Vec<u64>,
     /// Segments by base address.
     segments: BTreeMap<u64, Segment>,
     /// Freed blocks waiting on events: (block address, events not yet seen complete).
@@ -211,6 +236,9 @@ struct State<D> {
     max_entries: usize,
     trace: VecDeque<TraceEntry>,
 }
+
+/// Free blocks ordered for best fit: (stream, size, address).
+type FreeSet = BTreeSet<(StreamId, usize, u64)>;
 
 /// A PyTorch-style caching allocator for one device (all methods take `&self`).
 pub struct CachingAllocator<D: Driver> {
@@ -270,9 +298,31 @@ impl<D: Driver> State<D> {
             .expect("allocator invariant: linked block exists")
     }
 
-    /// Removes the best-fitting free block of `pool` for `stream` from its free set.
-    fn take_best_fit(&mut self, pool: Pool, stream: StreamId, size: usize) -> Option<u64> {
-        let set = &mut self.free_blocks[pool.index()];
+    /// The free set of size class `pool` in the default pools (`private` None) or in a private
+    /// pool.
+    fn free_set(&mut self, private: Option<MempoolId>, pool: Pool) -> &mut FreeSet {
+        match private {
+            None => &mut self.free_blocks[pool.index()],
+            Some(id) => {
+                &mut self
+                    .private
+                    .get_mut(&id)
+                    .expect("allocator invariant: a private pool exists while it has segments or users")
+                    .free_blocks[pool.index()]
+            }
+        }
+    }
+
+    /// Removes the best-fitting free block of `pool` (of the default pools or of a private
+    /// one) for `stream` from its free set.
+    fn take_best_fit(
+        &mut self,
+        private: Option<MempoolId>,
+        pool: Pool,
+        stream: StreamId,
+        size: usize,
+    ) -> Option<u64> {
+        let set = self.free_set(private, pool);
         let key = *set.range((stream, size, 0)..).next().filter(|k| k.0 == stream)?;
         set.remove(&key);
         Some(key.2)
@@ -287,14 +337,21 @@ impl<D: Driver> State<D> {
                 stream,
             });
         }
-        self.process_events();
+        // Note [Interaction with CUDA graph capture]: no event queries while a capture is
+        // underway; an allocation on a capturing stream comes from its capture's private pool.
+        let private = if self.captures.is_empty() {
+            self.process_events();
+            None
+        } else {
+            self.capture_pool(stream)
+        };
         let Some((size, segment_size)) = sizes(bytes) else {
             return Err(self.out_of_memory(bytes));
         };
         let pool = Pool::for_size(size);
-        let addr = match self.take_best_fit(pool, stream, size) {
+        let addr = match self.take_best_fit(private, pool, stream, size) {
             Some(addr) => addr,
-            None => self.new_block(size, segment_size, stream, pool)?,
+            None => self.new_block(size, segment_size, stream, pool, private)?,
         };
         Ok(self.hand_out(addr, size, bytes))
     }
@@ -307,24 +364,30 @@ impl<D: Driver> State<D> {
         segment_size: usize,
         stream: StreamId,
         pool: Pool,
+        private: Option<MempoolId>,
     ) -> Result<u64, OutOfMemory> {
-        if let Some(addr) = self.new_segment(segment_size, stream, pool) {
+        if let Some(addr) = self.new_segment(segment_size, stream, pool, private) {
             return Ok(addr);
+        }
+        if !self.captures.is_empty() {
+            // Note [Interaction with CUDA graph capture]: waiting for events and cuMemFree are
+            // not allowed while a capture is underway, so there is nothing to retry with.
+            return Err(self.out_of_memory(size));
         }
         self.stats.num_alloc_retries += 1;
         // (1) Blocks waiting on events may fit once synchronized; else drop this pool's cache.
         self.synchronize_and_free_events();
-        if let Some(addr) = self.take_best_fit(pool, stream, size) {
+        if let Some(addr) = self.take_best_fit(private, pool, stream, size) {
             return Ok(addr);
         }
         if self.release_cached(Some(pool)) > 0 {
-            if let Some(addr) = self.new_segment(segment_size, stream, pool) {
+            if let Some(addr) = self.new_segment(segment_size, stream, pool, private) {
                 return Ok(addr);
             }
         }
-        // (2) Drop every fully free segment of both pools.
+        // (2) Drop every fully free segment of both pools, and of private pools no graph uses.
         self.release_cached(None);
-        if let Some(addr) = self.new_segment(segment_size, stream, pool) {
+        if let Some(addr) = self.new_segment(segment_size, stream, pool, private) {
             return Ok(addr);
         }
         Err(self.out_of_memory(size))
@@ -342,13 +405,34 @@ impl<D: Driver> State<D> {
         }
     }
 
-    /// A new driver segment as one free, unsplit block (not in a free set).
-    fn new_segment(&mut self, size: usize, stream: StreamId, pool: Pool) -> Option<u64> {
+    /// A new driver segment as one free, unsplit block (not in a free set), of the default
+    /// pools or of the private pool `private`.
+    fn new_segment(
+        &mut self,
+        size: usize,
+        stream: StreamId,
+        pool: Pool,
+        private: Option<MempoolId>,
+    ) -> Option<u64> {
         let addr = self.driver.malloc(size)?;
         self.stats.num_device_alloc += 1;
         self.stats.segment.update(pool, 1);
         self.stats.reserved_bytes.update(pool, size as i64);
-        self.segments.insert(addr, Segment { size, stream, pool });
+        if let Some(id) = private {
+            self.private
+                .get_mut(&id)
+                .expect("allocator invariant: a capture's private pool exists")
+                .segments += 1;
+        }
+        self.segments.insert(
+            addr,
+            Segment {
+                size,
+                stream,
+                pool,
+                private,
+            },
+        );
         let block = Block {
             size,
             requested: 0,
@@ -358,6 +442,7 @@ impl<D: Driver> State<D> {
             prev: None,
             next: None,
             stream_uses: BTreeSet::new(),
+            private,
         };
         self.blocks.insert(addr, block);
         self.record(TraceAction::SegmentAlloc, addr, size, stream);
@@ -366,9 +451,9 @@ impl<D: Driver> State<D> {
 
     /// Hands out the free block at `addr` (taken out of its free set), splitting off the rest.
     fn hand_out(&mut self, addr: u64, size: usize, requested: usize) -> Allocation {
-        let (pool, stream, block_size, next, already_split) = {
+        let (pool, stream, block_size, next, already_split, private) = {
             let b = self.block(addr);
-            (b.pool, b.stream, b.size, b.next, b.is_split())
+            (b.pool, b.stream, b.size, b.next, b.is_split(), b.private)
         };
         let remaining = block_size - size;
         let size = if should_split(pool, remaining) {
@@ -389,9 +474,10 @@ impl<D: Driver> State<D> {
                 prev: Some(addr),
                 next,
                 stream_uses: BTreeSet::new(),
+                private,
             };
             self.blocks.insert(rest, block);
-            self.free_blocks[pool.index()].insert((stream, remaining, rest));
+            self.free_set(private, pool).insert((stream, remaining, rest));
             let stats = &mut self.stats;
             if already_split {
                 // An inactive split block shrinks by `size`.
@@ -436,8 +522,15 @@ impl<D: Driver> State<D> {
         let Some(b) = self.blocks.get_mut(&ptr).filter(|b| b.state == Use::Allocated) else {
             return false;
         };
-        let uses = std::mem::take(&mut b.stream_uses);
-        b.state = if uses.is_empty() {
+        // Note [Interaction with CUDA graph capture]: an event recorded now could be recorded
+        // into a capture, and could not be queried; record it once no capture is underway.
+        let defer = !b.stream_uses.is_empty() && !self.captures.is_empty();
+        let uses = if defer {
+            BTreeSet::new()
+        } else {
+            std::mem::take(&mut b.stream_uses)
+        };
+        b.state = if uses.is_empty() && !defer {
             Use::Free
         } else {
             Use::PendingFree
@@ -446,7 +539,9 @@ impl<D: Driver> State<D> {
         self.stats.allocation.update(pool, -1);
         self.stats.allocated_bytes.update(pool, -(size as i64));
         self.record(TraceAction::FreeRequested, ptr, size, stream);
-        if uses.is_empty() {
+        if defer {
+            self.deferred.push(ptr);
+        } else if uses.is_empty() {
             self.free_block(ptr);
         } else {
             let events = uses.into_iter().map(|s| self.driver.record_event(s)).collect();
@@ -461,7 +556,7 @@ impl<D: Driver> State<D> {
             .blocks
             .remove(&addr)
             .expect("allocator invariant: freed block exists");
-        let (orig_size, requested, pool) = (b.size, b.requested, b.pool);
+        let (orig_size, requested, pool, private) = (b.size, b.requested, b.pool, b.private);
         self.record(TraceAction::FreeCompleted, addr, orig_size, b.stream);
         let (mut split_blocks, mut split_bytes) = (0i64, 0i64);
         let mut start = addr;
@@ -473,7 +568,8 @@ impl<D: Driver> State<D> {
                 .blocks
                 .remove(&neighbour)
                 .expect("allocator invariant: checked above");
-            self.free_blocks[pool.index()].remove(&(n.stream, n.size, neighbour));
+            self.free_set(private, pool)
+                .remove(&(n.stream, n.size, neighbour));
             if neighbour < start {
                 start = neighbour;
                 b.prev = n.prev;
@@ -496,7 +592,7 @@ impl<D: Driver> State<D> {
         }
         b.state = Use::Free;
         b.requested = 0;
-        self.free_blocks[pool.index()].insert((b.stream, b.size, start));
+        self.free_set(private, pool).insert((b.stream, b.size, start));
         self.blocks.insert(start, b);
         let s = &mut self.stats;
         s.inactive_split.update(pool, split_blocks);
@@ -507,7 +603,9 @@ impl<D: Driver> State<D> {
     }
 
     /// Completes the pending frees whose events have all completed (queries, never blocks).
+    /// Only while no capture is underway.
     fn process_events(&mut self) {
+        self.insert_deferred_events();
         for (addr, mut events) in std::mem::take(&mut self.pending) {
             let driver = &mut self.driver;
             events.retain(|&e| {
@@ -525,8 +623,10 @@ impl<D: Driver> State<D> {
         }
     }
 
-    /// Waits for every pending event and completes every pending free.
+    /// Waits for every pending event and completes every pending free. Only while no capture
+    /// is underway.
     fn synchronize_and_free_events(&mut self) {
+        self.insert_deferred_events();
         self.stats.num_sync_all_streams += 1;
         for (addr, events) in std::mem::take(&mut self.pending) {
             for e in events {
@@ -537,14 +637,21 @@ impl<D: Driver> State<D> {
         }
     }
 
-    /// Returns every fully free segment (of `pool`, or of both) to the driver; bytes released.
+    /// Returns every fully free segment of the default pools (of size class `pool`, or of
+    /// both) to the driver, and with `pool` None also those of private pools no graph uses any
+    /// more (Note [Interaction with CUDA graph capture]); bytes released. Only while no capture
+    /// is underway.
     fn release_cached(&mut self, pool: Option<Pool>) -> usize {
         let bases: Vec<u64> = self
             .segments
             .iter()
             .filter(|(base, seg)| {
                 let b = self.block(**base);
-                pool.is_none_or(|p| p == seg.pool) && b.state == Use::Free && !b.is_split()
+                let releasable = match seg.private {
+                    None => pool.is_none_or(|p| p == seg.pool),
+                    Some(id) => pool.is_none() && self.private.get(&id).is_some_and(|p| p.use_count == 0),
+                };
+                releasable && b.state == Use::Free && !b.is_split()
             })
             .map(|(base, _)| *base)
             .collect();
@@ -555,7 +662,11 @@ impl<D: Driver> State<D> {
                 .remove(&base)
                 .expect("allocator invariant: listed above");
             self.blocks.remove(&base);
-            self.free_blocks[seg.pool.index()].remove(&(seg.stream, seg.size, base));
+            self.free_set(seg.private, seg.pool)
+                .remove(&(seg.stream, seg.size, base));
+            if let Some(id) = seg.private {
+                self.private_segment_released(id);
+            }
             self.driver.free(base);
             self.stats.num_device_free += 1;
             self.stats.segment.update(seg.pool, -1);
@@ -564,37 +675,6 @@ impl<D: Driver> State<D> {
             released += seg.size;
         }
         released
-    }
-
-    fn snapshot(&self) -> Vec<SegmentInfo> {
-        let mut out = Vec::with_capacity(self.segments.len());
-        for (&base, seg) in &self.segments {
-            let mut blocks = Vec::new();
-            let mut at = Some(base);
-            while let Some(addr) = at {
-                let b = self.block(addr);
-                let state = match b.state {
-                    Use::Allocated => BlockState::ActiveAllocated,
-                    Use::PendingFree => BlockState::ActivePendingFree,
-                    Use::Free => BlockState::Inactive,
-                };
-                blocks.push(BlockInfo {
-                    address: addr,
-                    size: b.size,
-                    requested_size: b.requested,
-                    state,
-                });
-                at = b.next;
-            }
-            out.push(SegmentInfo {
-                address: base,
-                total_size: seg.size,
-                stream: seg.stream,
-                pool: seg.pool,
-                blocks,
-            });
-        }
-        out
     }
 }
 
@@ -605,6 +685,9 @@ impl<D: Driver> CachingAllocator<D> {
             driver,
             blocks: HashMap::with_hasher(foldhash::fast::FixedState::default()),
             free_blocks: [BTreeSet::new(), BTreeSet::new()],
+            private: BTreeMap::new(),
+            captures: Vec::new(),
+            deferred: Vec::new(),
             segments: BTreeMap::new(),
             pending: Vec::new(),
             stats: MemoryStats::default(),
@@ -646,11 +729,17 @@ impl<D: Driver> CachingAllocator<D> {
     }
 
     /// Releases every fully free cached segment to the driver (after completing pending
-    /// cross-stream frees).
-    pub fn empty_cache(&self) {
+    /// cross-stream frees), those of private pools that no graph uses included; segments of a
+    /// private pool a graph still uses stay. Does nothing and returns false while a capture is
+    /// underway (Note [Interaction with CUDA graph capture]).
+    pub fn empty_cache(&self) -> bool {
         let mut state = self.lock();
+        if !state.captures.is_empty() {
+            return false;
+        }
         state.synchronize_and_free_events();
         state.release_cached(None);
+        true
     }
 
     /// A copy of the statistics.

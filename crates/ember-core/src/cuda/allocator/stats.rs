@@ -2,7 +2,7 @@
 //! and their renderings: the `memory_stats()` map, the `memory_summary()` table and the
 //! snapshot JSON.
 
-use super::{Pool, StreamId};
+use super::{Driver, Pool, State, StreamId, Use};
 use std::collections::BTreeMap;
 
 /// One statistic, as PyTorch's `Stat`.
@@ -189,6 +189,8 @@ pub struct SegmentInfo {
     pub stream: StreamId,
     /// Pool of its blocks.
     pub pool: Pool,
+    /// The private pool (of a CUDA graph) that owns it, None for the default pools.
+    pub private_pool: Option<super::MempoolId>,
     /// Blocks covering the segment.
     pub blocks: Vec<BlockInfo>,
 }
@@ -391,4 +393,39 @@ pub fn snapshot_json(segments: &[SegmentInfo], trace: &[TraceEntry]) -> String {
         segs.join(","),
         entries.join(",")
     )
+}
+
+impl<D: Driver> State<D> {
+    /// Every segment with its blocks, in address order.
+    pub(super) fn snapshot(&self) -> Vec<SegmentInfo> {
+        let mut out = Vec::with_capacity(self.segments.len());
+        for (&base, seg) in &self.segments {
+            let mut blocks = Vec::new();
+            let mut at = Some(base);
+            while let Some(addr) = at {
+                let b = self.block(addr);
+                let state = match b.state {
+                    Use::Allocated => BlockState::ActiveAllocated,
+                    Use::PendingFree => BlockState::ActivePendingFree,
+                    Use::Free => BlockState::Inactive,
+                };
+                blocks.push(BlockInfo {
+                    address: addr,
+                    size: b.size,
+                    requested_size: b.requested,
+                    state,
+                });
+                at = b.next;
+            }
+            out.push(SegmentInfo {
+                address: base,
+                total_size: seg.size,
+                stream: seg.stream,
+                pool: seg.pool,
+                private_pool: seg.private,
+                blocks,
+            });
+        }
+        out
+    }
 }

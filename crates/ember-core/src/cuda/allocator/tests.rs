@@ -1,5 +1,6 @@
 //! The allocator's bookkeeping, exercised against a fake driver (no GPU needed).
 
+use super::stats::{BlockInfo, BlockState};
 use super::*;
 
 const KIB: usize = 1 << 10;
@@ -17,6 +18,11 @@ struct FakeDriver {
     next_event: EventId,
     destroyed: Vec<EventId>,
     synchronized: usize,
+    /// Streams capturing, with their capture's id.
+    captures: HashMap<StreamId, CaptureId>,
+    /// Event queries and capture-id questions asked.
+    queries: usize,
+    capture_questions: usize,
 }
 
 impl FakeDriver {
@@ -30,6 +36,9 @@ impl FakeDriver {
             next_event: 1,
             destroyed: Vec::new(),
             synchronized: 0,
+            captures: HashMap::new(),
+            queries: 0,
+            capture_questions: 0,
         }
     }
 
@@ -65,6 +74,7 @@ impl Driver for FakeDriver {
         e
     }
     fn event_done(&mut self, event: EventId) -> bool {
+        self.queries += 1;
         self.events[&event].1
     }
     fn synchronize_event(&mut self, event: EventId) {
@@ -74,6 +84,10 @@ impl Driver for FakeDriver {
     fn destroy_event(&mut self, event: EventId) {
         self.events.remove(&event).expect("destroying an unknown event");
         self.destroyed.push(event);
+    }
+    fn capture_id(&mut self, stream: StreamId) -> Option<CaptureId> {
+        self.capture_questions += 1;
+        self.captures.get(&stream).copied()
     }
 }
 
@@ -736,4 +750,283 @@ fn concurrent_use_keeps_stats_consistent() {
     a.empty_cache();
     assert_eq!(a.stats().reserved_bytes.all.current, 0);
     assert!(a.with_driver(|d| d.live.is_empty()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Private pools and capture (Note [Interaction with CUDA graph capture]).
+
+const P: MempoolId = MempoolId(1, 0);
+
+/// Begins a capture into `pool` on `stream`, whose driver id is `id`, as `CUDAGraph` does:
+/// routing registered first, then the stream captures, then the id is known.
+fn begin(a: &CachingAllocator<FakeDriver>, pool: MempoolId, stream: StreamId, id: CaptureId) {
+    assert!(a.begin_allocate_to_pool(pool));
+    a.with_driver(|d| d.captures.insert(stream, id));
+    a.set_capture_id(pool, id);
+}
+
+/// Ends the capture on `stream` into `pool`.
+fn end(a: &CachingAllocator<FakeDriver>, pool: MempoolId, stream: StreamId) {
+    a.with_driver(|d| d.captures.remove(&stream));
+    assert!(a.end_allocate_to_pool(pool));
+}
+
+fn segment_pools(a: &CachingAllocator<FakeDriver>) -> Vec<(u64, Option<MempoolId>)> {
+    a.snapshot().iter().map(|s| (s.address, s.private_pool)).collect()
+}
+
+#[test]
+fn capture_allocations_come_from_a_private_pool() {
+    let a = allocator(1 << 30);
+    let eager = a.malloc(4096, 1).unwrap();
+    assert!(a.free(eager.ptr)); // cached in the default small pool, stream 1
+    assert_eq!(
+        a.with_driver(|d| d.capture_questions),
+        0,
+        "no capture: no question asked"
+    );
+    begin(&a, P, 1, 7);
+    let x = a.malloc(4096, 1).unwrap();
+    assert_ne!(
+        x.ptr, eager.ptr,
+        "a capture never gets blocks of the default pools"
+    );
+    let other = a.malloc(4096, 2).unwrap(); // stream 2 is not capturing: default pools
+    a.with_driver(|d| d.captures.insert(3, 7)); // stream 3 forked into the capture
+    let forked = a.malloc(4096, 3).unwrap();
+    a.with_driver(|d| d.captures.remove(&3));
+    end(&a, P, 1);
+    let mib2 = (2 * MIB) as u64;
+    assert_eq!(
+        segment_pools(&a),
+        vec![
+            (BASE, None),
+            (BASE + mib2, Some(P)),
+            (BASE + 2 * mib2, None),
+            (BASE + 3 * mib2, Some(P))
+        ]
+    );
+    assert_eq!(
+        (x.ptr, other.ptr, forked.ptr),
+        (BASE + mib2, BASE + 2 * mib2, BASE + 3 * mib2)
+    );
+    // Statistics count the private pool's blocks and segments like any others.
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.all.current, 3 * 4096);
+    assert_eq!(s.allocation.small_pool.current, 3);
+    assert_eq!(s.reserved_bytes.all.current, (8 * MIB) as i64);
+    assert_eq!(s.segment.small_pool.current, 4);
+    assert_eq!(s.num_device_alloc, 4);
+    // After the capture: eager work reuses the default pools, never the private one.
+    assert_eq!(a.malloc(4096, 1).unwrap().ptr, eager.ptr);
+    assert!(a.free(x.ptr)); // back to the private pool
+    let y = a.malloc(4096, 1).unwrap();
+    assert_ne!(y.ptr, x.ptr);
+    // A later capture into the same pool, on the same stream, reuses it.
+    begin(&a, P, 1, 8);
+    assert_eq!(a.malloc(4096, 1).unwrap().ptr, x.ptr);
+    end(&a, P, 1);
+    assert_eq!(a.private_pool_use_count(P), Some(2));
+}
+
+#[test]
+fn blocks_freed_during_capture_are_reused_only_on_their_stream() {
+    let a = allocator(1 << 30);
+    begin(&a, P, 1, 7);
+    a.with_driver(|d| d.captures.insert(3, 7));
+    let t = a.malloc(8192, 1).unwrap();
+    assert!(a.free(t.ptr));
+    let u = a.malloc(8192, 1).unwrap();
+    assert_eq!(
+        u.ptr, t.ptr,
+        "a later allocation of the same capture on the same stream"
+    );
+    assert!(a.free(u.ptr));
+    let v = a.malloc(8192, 3).unwrap();
+    assert_ne!(v.ptr, t.ptr, "another stream of the capture does not get it");
+    assert_eq!(a.malloc(8192, 1).unwrap().ptr, t.ptr);
+    end(&a, P, 1);
+    assert!(!a.end_allocate_to_pool(P), "already ended");
+    let s = a.stats();
+    assert_eq!((s.allocation.all.current, s.allocation.all.allocated), (2, 4));
+    assert_eq!(
+        s.inactive_split.small_pool.current, 2,
+        "the tails of two 2 MiB segments"
+    );
+}
+
+#[test]
+fn no_event_queries_waits_or_frees_during_capture() {
+    let a = allocator(1 << 30);
+    let x = a.malloc(4096, 1).unwrap();
+    a.record_stream(x.ptr, 2);
+    let y = a.malloc(4096, 1).unwrap();
+    a.record_stream(y.ptr, 2);
+    assert!(a.free(y.ptr)); // before the capture: event 1 recorded on stream 2
+    let cached = a.malloc(3 * MIB, 4).unwrap();
+    assert!(a.free(cached.ptr)); // a fully free large segment
+    let q0 = a.with_driver(|d| d.queries); // the allocation above queried event 1
+    begin(&a, P, 1, 7);
+    assert!(a.free(x.ptr)); // during the capture: its event waits
+    assert_eq!(a.with_driver(|d| d.events.len()), 1);
+    assert_eq!(a.snapshot()[0].blocks[0].state, BlockState::ActivePendingFree);
+    let z = a.malloc(4096, 1).unwrap();
+    assert_eq!(a.with_driver(|d| d.queries), q0, "no cuEventQuery during capture");
+    a.with_driver(|d| d.complete_all());
+    assert!(!a.empty_cache(), "empty_cache does nothing during capture");
+    assert_eq!(
+        a.with_driver(|d| (d.synchronized, d.live.len(), d.queries)),
+        (0, 3, q0)
+    );
+    end(&a, P, 1);
+    // The next allocation records the deferred event and queries both: y's (completed during
+    // the capture) is done, x's new one is not.
+    let w = a.malloc(512, 9).unwrap();
+    assert_eq!(
+        a.with_driver(|d| (d.events.len(), d.queries, d.destroyed.clone())),
+        (1, q0 + 2, vec![1])
+    );
+    a.with_driver(|d| d.complete_all());
+    let _ = a.malloc(512, 9).unwrap();
+    assert_eq!(a.with_driver(|d| d.destroyed.clone()), vec![1, 2]);
+    let s = a.stats();
+    assert_eq!(s.active.all.current, 3, "z, w and the last one; x and y are free");
+    assert_eq!(s.allocated_bytes.all.current, (4096 + 512 + 512) as i64);
+    assert_ne!(z.ptr, x.ptr);
+    assert!(a.free(w.ptr));
+    assert!(a.empty_cache());
+    assert_eq!(a.with_driver(|d| d.synchronized), 0, "nothing was pending");
+}
+
+#[test]
+fn out_of_memory_during_capture_fails_without_waiting_or_freeing() {
+    let a = allocator(24 * MIB);
+    let x = a.malloc(20 * MIB, 0).unwrap();
+    a.record_stream(x.ptr, 5);
+    assert!(a.free(x.ptr)); // a cached 20 MiB segment, pending on stream 5: 4 MiB free
+    begin(&a, P, 1, 7);
+    let err = a.malloc(10 * MIB, 1).unwrap_err();
+    assert_eq!(
+        (err.requested, err.free, err.reserved),
+        (10 * MIB, 4 * MIB, 20 * MIB)
+    );
+    let s = a.stats();
+    assert_eq!(
+        (
+            s.num_ooms,
+            s.num_alloc_retries,
+            s.num_sync_all_streams,
+            s.num_device_free
+        ),
+        (1, 0, 0, 0)
+    );
+    assert_eq!(a.with_driver(|d| (d.synchronized, d.live.len())), (0, 1));
+    let small = a.malloc(1000, 1).unwrap(); // a 2 MiB segment still fits
+    end(&a, P, 1);
+    // After the capture the same request succeeds by releasing the cache, as always.
+    let y = a.malloc(10 * MIB, 1).unwrap();
+    assert_eq!(y.size, 10 * MIB);
+    let s = a.stats();
+    assert_eq!(
+        (s.num_alloc_retries, s.num_sync_all_streams, s.num_device_free),
+        (1, 1, 1)
+    );
+    assert_eq!(segment_pools(&a).iter().filter(|(_, p)| p.is_some()).count(), 1);
+    assert_eq!(
+        a.snapshot()
+            .iter()
+            .find(|s| s.private_pool == Some(P))
+            .unwrap()
+            .address,
+        small.ptr
+    );
+}
+
+#[test]
+fn a_released_pool_returns_its_memory_at_empty_cache() {
+    let a = allocator(1 << 30);
+    begin(&a, P, 1, 7);
+    let tmp = a.malloc(3 * MIB, 1).unwrap();
+    let out = a.malloc(1000, 1).unwrap(); // the graph's output, kept by the user
+    assert!(a.free(tmp.ptr));
+    end(&a, P, 1);
+    let reserved = |a: &CachingAllocator<FakeDriver>| a.stats().reserved_bytes.all.current as usize;
+    assert_eq!(reserved(&a), 22 * MIB);
+    assert!(a.empty_cache());
+    assert_eq!(reserved(&a), 22 * MIB, "a live graph's pool keeps its memory");
+    assert!(a.release_pool(P));
+    assert_eq!(a.private_pool_use_count(P), Some(0));
+    assert!(!a.release_pool(P), "no user left to release");
+    assert!(a.empty_cache());
+    assert_eq!(
+        reserved(&a),
+        2 * MIB,
+        "the free segment went back; the output's stays"
+    );
+    assert!(a.free(out.ptr)); // back to the released pool, which serves nobody
+    let eager = a.malloc(1000, 1).unwrap();
+    assert_ne!(eager.ptr, out.ptr);
+    assert!(a.free(eager.ptr));
+    assert!(a.empty_cache());
+    assert_eq!(reserved(&a), 0);
+    assert_eq!(
+        a.private_pool_use_count(P),
+        None,
+        "no users and no segments: forgotten"
+    );
+    let s = a.stats();
+    assert_eq!((s.num_device_alloc, s.num_device_free), (3, 3));
+    assert_eq!((s.allocated_bytes.all.current, s.segment.all.current), (0, 0));
+    assert!(a.with_driver(|d| d.live.is_empty()));
+}
+
+#[test]
+fn graphs_share_a_pool_until_the_last_releases_it() {
+    let a = allocator(1 << 30);
+    let h = MempoolId(0, 1);
+    begin(&a, h, 1, 7);
+    let t1 = a.malloc(4096, 1).unwrap();
+    let y1 = a.malloc(4096, 1).unwrap();
+    assert!(a.free(t1.ptr));
+    end(&a, h, 1);
+    begin(&a, h, 1, 8);
+    assert!(!a.begin_allocate_to_pool(h), "one capture at a time per pool");
+    let y2 = a.malloc(4096, 1).unwrap();
+    assert_eq!(
+        y2.ptr, t1.ptr,
+        "the second graph reuses the first one's freed block"
+    );
+    end(&a, h, 1);
+    assert_eq!(
+        (a.private_pool_use_count(h), a.stats().num_device_alloc),
+        (Some(2), 1)
+    );
+    // Two pools capturing at once (two threads) stay apart.
+    begin(&a, MempoolId(2, 0), 5, 9);
+    begin(&a, MempoolId(3, 0), 6, 10);
+    let p2 = a.malloc(512, 5).unwrap();
+    let p3 = a.malloc(512, 6).unwrap();
+    end(&a, MempoolId(2, 0), 5);
+    end(&a, MempoolId(3, 0), 6);
+    assert_eq!(
+        segment_pools(&a),
+        vec![
+            (BASE, Some(h)),
+            (p2.ptr, Some(MempoolId(2, 0))),
+            (p3.ptr, Some(MempoolId(3, 0)))
+        ]
+    );
+    assert!(a.release_pool(h));
+    for p in [y1.ptr, y2.ptr] {
+        assert!(a.free(p));
+    }
+    assert!(a.empty_cache());
+    assert_eq!(a.private_pool_use_count(h), Some(1), "one graph still uses it");
+    assert_eq!(segment_pools(&a).len(), 3);
+    assert!(a.release_pool(h));
+    // Reviving: a capture into a pool nobody uses takes its cached blocks back.
+    begin(&a, h, 1, 11);
+    assert_eq!(a.malloc(4096, 1).unwrap().ptr, t1.ptr);
+    end(&a, h, 1);
+    assert_eq!(a.private_pool_use_count(h), Some(1));
 }
