@@ -440,6 +440,7 @@ fn progress_bar(len: usize, hidden: bool) -> ProgressBar {
 }
 
 fn run(args: &TrainArgs) -> CliResult<()> {
+    let started = Instant::now();
     let device = pick_device(args.device.as_deref())?;
     let kind = args.model.unwrap_or(match device {
         Device::Cuda(_) => ModelKind::Cnn,
@@ -519,6 +520,9 @@ fn run(args: &TrainArgs) -> CliResult<()> {
 
     let loss_fn = CrossEntropyLoss::new();
     let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
+    // Seconds from the start of `ember train` until its first optimizer step completed on the
+    // device (kernel compiles on a fresh machine included).
+    let mut first_step_s: Option<f64> = None;
     let mut test_acc = None;
     for epoch in done + 1..=args.epochs {
         opt.set_lr(args.lr_schedule.lr(args.lr, epoch, args.epochs));
@@ -555,6 +559,12 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             scaler.scale(&loss)?.backward()?;
             scaler.step(&mut opt)?;
             scaler.update(None)?;
+            if first_step_s.is_none() {
+                if let Device::Cuda(i) = device {
+                    cuda::synchronize_on(i)?;
+                }
+                first_step_s = Some(started.elapsed().as_secs_f64());
+            }
             let n = y.dims()[0];
             seen += n;
             trained += n;
@@ -623,6 +633,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             "start_epoch": done + 1,
             "samples": samples,
             "train_s": train_s,
+            "first_step_s": first_step_s,
             "samples_per_s": if train_s > 0.0 { samples as f64 / train_s } else { 0.0 },
             "test_acc": test_acc,
             "final_loss": final_loss,
