@@ -85,7 +85,9 @@ fn train_mlp_one_epoch_beats_chance_by_far() {
     assert!(v["final_loss"].as_f64().unwrap() < 2.0, "{v}");
     assert!(v["train_s"].as_f64().unwrap() > 0.0, "{v}");
     // Reported once a step ran: positive, and within the process's run (the test's limit).
-    let first = v["first_step_s"].as_f64().expect("first_step_s after a trained epoch");
+    let first = v["first_step_s"]
+        .as_f64()
+        .expect("first_step_s after a trained epoch");
     assert!(first > 0.0 && first < 600.0, "{v}");
 }
 
@@ -145,13 +147,35 @@ fn checkpoint_tensors(path: &std::path::Path) -> Vec<(String, Vec<u8>)> {
 // uninterrupted run. About 20 s in a debug build on two cores.
 #[test]
 fn train_killed_at_random_points_resumes_bit_exactly() {
-    let dir = scratch("train_bit_exact_resume");
+    killed_run_resumes_bit_exactly("cpu", 0);
+}
+
+// The same on a GPU, with the MLP (its CUDA kernels are deterministic: cuBLAS GEMMs, ember's
+// fixed-order reductions, the fused Adam; cuDNN's convolution algorithms are not, so not the
+// CNN). The kills wait longer: a CUDA process takes about 0.3 s to start.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn train_killed_at_random_points_resumes_bit_exactly_on_cuda() {
+    assert!(
+        ember::cuda::is_available(),
+        "this test needs a CUDA device; run it on a GPU machine"
+    );
+    killed_run_resumes_bit_exactly("cuda", 400);
+}
+
+/// Trains 3 epochs on `device` uninterrupted, then again killed with SIGKILL at pseudo-random
+/// points (each `extra_ms` later than on the CPU) and resumed until it finishes, and asserts
+/// both checkpoints hold bitwise the same tensors.
+fn killed_run_resumes_bit_exactly(device: &str, extra_ms: u64) {
+    let dir = scratch(&format!("train_bit_exact_resume_{device}"));
     let (full, killed) = (dir.join("full.safetensors"), dir.join("killed.safetensors"));
     let args = |ckpt: &std::path::Path| -> Vec<String> {
         [
             "train",
             "--device",
-            "cpu",
+            device,
+            "--model",
+            "mlp",
             "--json",
             "--epochs",
             "3",
@@ -190,7 +214,7 @@ fn train_killed_at_random_points_resumes_bit_exactly() {
         rng ^= rng >> 7;
         rng ^= rng << 17;
         // Later attempts wait longer, so the run ends after a few kills.
-        let wait_ms = 150 + rng % 700 + 300 * attempt.min(10);
+        let wait_ms = extra_ms + 150 + rng % 700 + 300 * attempt.min(10);
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {

@@ -284,48 +284,58 @@ impl Tensor {
     /// contiguous with the broadcast shape and the result dtype; no new memory is allocated on
     /// the GPU. Not differentiable, as in PyTorch.
     pub fn binary_out(&self, op: BinaryOp, other: &Tensor, out: &Tensor) -> Result<Tensor> {
-        let name = op.name();
-        let dtype = result_dtype(op, self.dtype(), other.dtype());
-        if autograd::needs_grad(&[self, other, out]) {
-            return Err(Error::invalid(
-                name,
-                "out= forms don't support automatic differentiation; call it under no_grad or use the plain op",
-            ));
-        }
-        same_device(name, &[self, other, out])?;
-        if out.dtype() != dtype {
-            return Err(Error::DTypeMismatch {
-                op: name,
-                expected: dtype,
-                found: out.dtype(),
-            });
-        }
-        let shape = self.shape().broadcast(other.shape(), name)?;
-        if out.shape() != &shape || !out.is_contiguous() {
-            return Err(Error::ShapeMismatch {
-                op: name,
-                lhs: shape,
-                rhs: out.shape().clone(),
-                hint: "out must be contiguous with the broadcast shape of the operands",
-            });
-        }
-        let (a, b) = (self.to_dtype(dtype)?, other.to_dtype(dtype)?);
-        if out.shares_storage_with(&a) || out.shares_storage_with(&b) || out.device() == Device::Cpu {
-            // Aliased operands (or the CPU, whose kernels return new buffers) go through a
-            // temporary: a storage cannot be locked for reading and writing at once.
-            let r = binary(op, &a, &b)?;
-            out.storage()
-                .write()
-                .copy_strided_from(out.layout(), &r.storage().read(), r.layout())?;
-            return Ok(out.clone());
-        }
-        let al = a.layout().broadcast_as(&shape, name)?;
-        let bl = b.layout().broadcast_as(&shape, name)?;
-        let (sa, sb) = (a.storage().read(), b.storage().read());
-        sa.binary_into(op, &al, &sb, &bl, &mut out.storage().write(), out.layout())?;
-        Ok(out.clone())
+        // The operands pass the dispatch point (device check, autocast, promotion, observers)
+        // as the plain op's do; `out` is checked against the result here.
+        dispatch::call_with(line(op), [self, other], |[a, b]| binary_into_out(op, a, b, out))
     }
+}
 
+/// `a op b` (prepared by the dispatch point) written into `out`; see [`Tensor::binary_out`].
+fn binary_into_out(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<Tensor> {
+    let name = op.name();
+    let dtype = result_dtype(op, a.dtype(), b.dtype());
+    if autograd::needs_grad(&[a, b, out]) {
+        return Err(Error::invalid(
+            name,
+            "out= forms don't support automatic differentiation; call it under no_grad or use the plain op",
+        ));
+    }
+    same_device(name, &[a, b, out])?;
+    if out.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op: name,
+            expected: dtype,
+            found: out.dtype(),
+        });
+    }
+    let shape = a.shape().broadcast(b.shape(), name)?;
+    if out.shape() != &shape || !out.is_contiguous() {
+        return Err(Error::ShapeMismatch {
+            op: name,
+            lhs: shape,
+            rhs: out.shape().clone(),
+            hint: "out must be contiguous with the broadcast shape of the operands",
+        });
+    }
+    let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+    if out.shares_storage_with(&a) || out.shares_storage_with(&b) || out.device() == Device::Cpu {
+        // Aliased operands (or the CPU, whose kernels return new buffers) go through a
+        // temporary: a storage cannot be locked for reading and writing at once.
+        // The kernel alone: the dispatch point was passed once, for the whole `out=` op.
+        let (shape, r) = with_broadcast(name, &a, &b, |sa, al, sb, bl| sa.binary(op, al, sb, bl))?;
+        out.storage()
+            .write()
+            .copy_strided_from(out.layout(), &r, &Layout::contiguous(shape))?;
+        return Ok(out.clone());
+    }
+    let al = a.layout().broadcast_as(&shape, name)?;
+    let bl = b.layout().broadcast_as(&shape, name)?;
+    let (sa, sb) = (a.storage().read(), b.storage().read());
+    sa.binary_into(op, &al, &sb, &bl, &mut out.storage().write(), out.layout())?;
+    Ok(out.clone())
+}
+
+impl Tensor {
     /// `self + other` written into `out` (`torch.add(a, b, out=out)`); see [`Tensor::binary_out`].
     pub fn add_out(&self, other: &Tensor, out: &Tensor) -> Result<Tensor> {
         self.binary_out(BinaryOp::Add, other, out)

@@ -579,3 +579,18 @@ fn composite_ops_are_one_op_with_their_inner_ops_nested() -> Result<()> {
     assert_eq!(y.dtype(), DType::F32);
     Ok(())
 }
+
+#[test]
+fn out_forms_enter_the_dispatch_point_as_their_op() -> Result<()> {
+    let a = Tensor::randn([3, 4], DType::F32, Device::Cpu)?;
+    let b = Tensor::randn([4], DType::F64, Device::Cpu)?;
+    let out = Tensor::zeros([3, 4], DType::F64, Device::Cpu)?;
+    let (r, seen) = record(|| a.add_out(&b, &out));
+    r?;
+    // The promotion cast of `a` is its own op, then `add` enters.
+    assert_eq!(seen, [("to", 0), ("add", 0)]);
+    // Promoted like the plain op: float32 + float64 lands in the float64 `out`.
+    let expected = a.to_dtype(DType::F64)?.add(&b)?;
+    assert_eq!(out.to_vec::<f64>()?, expected.to_vec::<f64>()?);
+    Ok(())
+}

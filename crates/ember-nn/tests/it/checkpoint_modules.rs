@@ -1,6 +1,11 @@
 //! `checkpoint::checkpoint(&module, &x)`: a borrowed module checkpointed inside a model's own
 //! `forward` gives the gradients of the plain run (dropout included) to the input and to the
 //! original module's parameters, on every device.
+//!
+//! The two runs draw their dropout masks from the default generators after the same
+//! `manual_seed`, which other tests of this binary draw from concurrently, so the test runs its
+//! body in a child process of its own (the binary re-run filtered to it with
+//! `EMBER_CHECKPOINT_CHILD=1`).
 
 use crate::common::devices;
 use ember_core::{DType, Result, Tensor};
@@ -52,7 +57,32 @@ fn gradients(model: &Model, x: &Tensor) -> Result<Vec<Vec<f32>>> {
 }
 
 #[test]
-fn a_borrowed_module_checkpoints_with_the_plain_gradients() -> Result<()> {
+fn a_borrowed_module_checkpoints_with_the_plain_gradients() {
+    if std::env::var_os("EMBER_CHECKPOINT_CHILD").is_some() {
+        checkpointed_gradients_equal_plain().unwrap();
+        println!("EMBER_CHECKPOINT_CHILD_PASSED");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "checkpoint_modules::a_borrowed_module_checkpoints_with_the_plain_gradients",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("EMBER_CHECKPOINT_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("EMBER_CHECKPOINT_CHILD_PASSED"),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn checkpointed_gradients_equal_plain() -> Result<()> {
     for device in devices() {
         ember_core::manual_seed(0)?;
         let mut model = Model {
@@ -65,7 +95,6 @@ fn a_borrowed_module_checkpoints_with_the_plain_gradients() -> Result<()> {
         };
         let x = Tensor::randn([5, 6], DType::F32, device)?;
         let plain = gradients(&model, &x)?;
-        model.checkpointed = true;
         let checkpointed = gradients(&model, &x)?;
         assert_eq!(plain.len(), 5, "input and four parameters");
         for (a, b) in plain.iter().zip(&checkpointed) {
