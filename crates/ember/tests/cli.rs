@@ -85,7 +85,9 @@ fn train_mlp_one_epoch_beats_chance_by_far() {
     assert!(v["final_loss"].as_f64().unwrap() < 2.0, "{v}");
     assert!(v["train_s"].as_f64().unwrap() > 0.0, "{v}");
     // Reported once a step ran: positive, and within the process's run (the test's limit).
-    let first = v["first_step_s"].as_f64().expect("first_step_s after a trained epoch");
+    let first = v["first_step_s"]
+        .as_f64()
+        .expect("first_step_s after a trained epoch");
     assert!(first > 0.0 && first < 600.0, "{v}");
 }
 
