@@ -14,7 +14,12 @@
 //       <op> (code): add (0) sub (1) mul (2) div (3) pow (4) maximum (5) minimum (6)
 //       (ops::binary::BinaryOp order); `op` is the code, unused (the kernel is the op's own);
 //       integers: div is not launched (true division promotes to float on the host), pow takes
-//       non-negative exponents; bool: add/maximum are `or`, the others `and`
+//       non-negative exponents (a negative one gives an unspecified element; the host launches
+//       check_pow_exponent_I first); bool: add/maximum are `or`, the others `and`
+//   check_pow_exponent_I(const I* b, Strided s, i64 n, ErrorCheck check)        I in i64 i32
+//       records the first negative exponent (s.stride[0] = the exponents' strides) in the
+//       device's error record (Note [Deferred device errors] in `cuda/device_errors.rs`);
+//       blockDim.x a multiple of 32
 //   compare_<op>_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
 //       <op> (code): eq (0) ne (1) lt (2) le (3) gt (4) ge (5); `op` unused as above
 //   logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
@@ -103,7 +108,8 @@ EMBER_ARITH(MaxOp, (x != x || x > y) ? x : y)
 EMBER_ARITH(MinOp, (x != x || x < y) ? x : y)
 
 template <typename A> __device__ __forceinline__ A power(A x, A y) {
-    // Integers: exponentiation by squaring with wrapping, exponent >= 0 (checked on the host).
+    // Integers: exponentiation by squaring with wrapping, exponent >= 0 (checked by
+    // check_pow_exponent_I, which runs before).
     A r = 1;
     unsigned long long e = (unsigned long long)y;
     while (e) {
@@ -215,3 +221,18 @@ EMBER_FOR_ALL_DTYPES(EMBER_COMPARE)
         }                                                                                                     \
     })
 EMBER_FOR_ALL_DTYPES(EMBER_WHERE)
+
+// Integer pow's exponent check (the CPU refuses negative exponents): the first negative one is
+// recorded for the host to report at its next synchronizing call, so the op never reads back.
+#define EMBER_POW_CHECK(I, name)                                                                              \
+    EMBER_IN_UNIT(check_pow_exponent_##name,                                                                  \
+    extern "C" __global__ void check_pow_exponent_##name(const I* b, Strided s, i64 n, ErrorCheck check) {    \
+        FirstBad first = no_bad();                                                                            \
+        EMBER_KERNEL_LOOP(i, n) {                                                                             \
+            I e = b[strided_offset(s, 0, i)];                                                                 \
+            if (e < 0) note_bad(first, (u64)i, (i64)e);                                                       \
+        }                                                                                                     \
+        report_bad(check, first);                                                                             \
+    })
+EMBER_POW_CHECK(i64, i64)
+EMBER_POW_CHECK(i32, i32)

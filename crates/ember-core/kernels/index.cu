@@ -7,11 +7,12 @@
 // base offset of each position), operand 1 gives the position of the index value of each
 // position, operand 2 (writes) the source element. The target is `base + index * dim_stride`.
 //
-// Index range: the host launches `check_index_I` over the index tensor, which sets `*flag = 1`
-// when some index is outside [0, size), and reads the flag back after enqueueing the op (the one
-// host synchronization of these ops: the CPU returns Error::IndexOutOfRange, so must we). The
-// op kernels themselves skip out-of-range indices, so they never touch memory out of bounds even
-// though they run before the flag is read; their output is discarded when the flag is set.
+// Index range: the host launches `check_index_I` over the index tensor before the op; it records
+// the first index outside [0, size) in the device's error record (`report_bad` in the prelude),
+// which the host reports at its next synchronizing call (Note [Deferred device errors] in
+// `cuda/device_errors.rs`): nothing is read back, so the ops can be captured into CUDA graphs.
+// The op kernels themselves skip out-of-range indices, so they never touch memory out of bounds;
+// their output is unspecified when an error was recorded.
 //
 // Scatter (last write wins, as on the CPU): two passes. `scatter_mark_I` stores, for every target
 // element, the largest row-major position p (as p + 1, in a u32 buffer zeroed by the host) that
@@ -23,8 +24,9 @@
 //
 // Launch contract (grid-stride loops, any grid; I is the index type, i64 or i32; B the element
 // width in bytes for dtype-agnostic copies, 1 2 4 8 (16 for select_rows)):
-//   check_index_I(const I* idx, Strided s, i64 n, i64 size, i32* flag)
-//       s.stride[0] = the index's strides over its own shape, n its numel
+//   check_index_I(const I* idx, Strided s, i64 n, ErrorCheck check)
+//       s.stride[0] = the index's strides over its own shape, n its numel; the valid range is
+//       [0, check.size); records the first bad index (row-major position in the index)
 //   gather_wB_I(const E* x, const I* idx, E* out, Strided s, i64 n, i64 dim_stride, i64 size)
 //       W = the output shape (row-major out); s.stride[0] = x base, s.stride[1] = index position
 //   select_rows_wB_I(const E* x, const I* idx, E* out, i64 outer, i64 nidx, i64 size,
@@ -37,8 +39,8 @@
 //   scatter_add_T_I(T* out, const I* idx, const T* src, Strided s, i64 n, i64 dim_stride, i64 size)
 //       W = the index shape (scatter, scatter_add) or the source shape (index_add);
 //       s.stride[0] = out base (row-major strides, dim's set to 0), [1] index, [2] source
-//   one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag)
-//       out: n * classes int64 zeros (set by the host); sets flag on an index outside
+//   one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, ErrorCheck check)
+//       out: n * classes int64 zeros (set by the host); records the first index outside
 //       [0, classes)
 
 // An opaque element of B bytes, for kernels that only move elements.
@@ -55,10 +57,13 @@ template <typename I> __device__ __forceinline__ bool in_range(I v, i64 size) {
 }
 
 template <typename I>
-__device__ __forceinline__ void check_index(const I* idx, const Strided& s, i64 n, i64 size, i32* flag) {
-    bool bad = false;
-    EMBER_KERNEL_LOOP(i, n) { bad |= !in_range(idx[strided_offset(s, 0, i)], size); }
-    if (bad) *flag = 1;
+__device__ __forceinline__ void check_index(const I* idx, const Strided& s, i64 n, const ErrorCheck& check) {
+    FirstBad first = no_bad();
+    EMBER_KERNEL_LOOP(i, n) {
+        I v = idx[strided_offset(s, 0, i)];
+        if (!in_range(v, check.size)) note_bad(first, (u64)i, (i64)v);
+    }
+    report_bad(check, first);
 }
 
 template <typename E, typename I>
@@ -179,20 +184,20 @@ __device__ __forceinline__ void scatter_add(T* out, const I* __restrict__ idx, c
 
 template <typename I>
 __device__ __forceinline__ void one_hot(const I* __restrict__ idx, const Strided& s, i64 n, i64 classes, i64* out,
-                                        i32* flag) {
-    bool bad = false;
+                                        const ErrorCheck& check) {
+    FirstBad first = no_bad();
     EMBER_KERNEL_LOOP(i, n) {
         i64 v = (i64)idx[strided_offset(s, 0, i)];
         if (v >= 0 && v < classes) out[i * classes + v] = 1;
-        else bad = true;
+        else note_bad(first, (u64)i, v);
     }
-    if (bad) *flag = 1;
+    report_bad(check, first);
 }
 
 #define EMBER_INDEX_KERNELS(I, iname)                                                                         \
     EMBER_IN_UNIT(check_index_##iname,                                                                        \
-    extern "C" __global__ void check_index_##iname(const I* idx, Strided s, i64 n, i64 size, i32* flag) {       \
-        check_index<I>(idx, s, n, size, flag);                                                                  \
+    extern "C" __global__ void check_index_##iname(const I* idx, Strided s, i64 n, ErrorCheck check) {         \
+        check_index<I>(idx, s, n, check);                                                                       \
     })                                                                                                          \
     EMBER_IN_UNIT(scatter_mark_##iname,                                                                         \
     extern "C" __global__ void scatter_mark_##iname(const I* idx, u32* winner, Strided s, i64 n, i64 dim_stride, \
@@ -200,8 +205,9 @@ __device__ __forceinline__ void one_hot(const I* __restrict__ idx, const Strided
         scatter_mark<I>(idx, winner, s, n, dim_stride, size);                                                   \
     })                                                                                                          \
     EMBER_IN_UNIT(one_hot_##iname,                                                                              \
-    extern "C" __global__ void one_hot_##iname(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag) { \
-        one_hot<I>(idx, s, n, classes, out, flag);                                                              \
+    extern "C" __global__ void one_hot_##iname(const I* idx, Strided s, i64 n, i64 classes, i64* out,         \
+                                               ErrorCheck check) {                                              \
+        one_hot<I>(idx, s, n, classes, out, check);                                                             \
     })
 
 #define EMBER_MOVE_KERNELS(B, I, iname)                                                                         \

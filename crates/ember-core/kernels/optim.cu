@@ -19,21 +19,27 @@
 // return before writing anything; with grad_scale each gradient is divided by *grad_scale before
 // the update and the quotient is stored back into the gradient (as PyTorch's fused kernels do).
 //
+// Learning rate (Note [Capturable optimizer steps] in `cuda/optim.rs`): `lr_ptr` is null (the
+// `lr` argument is used) or points at one f64 in device memory that replaces it, so a step
+// recorded in a CUDA graph uses the lr of the moment it is replayed. Everything derived from the
+// lr (Adam's step size lr / bias_correction1, AdamW's factor 1 - lr * weight_decay, SGD's -lr)
+// is formed here in f64, with the host's operations and rounding.
+//
 // Launch contract (T in f32 f64 f16 bf16; every pointer row-major, `numel[t]` elements):
 //   adam_T(TensorList l, f64 lr, f64 beta1, f64 one_minus_beta1, f64 beta2, f64 one_minus_beta2,
-//          f64 eps, f64 weight_decay, f64 decay, const float* grad_scale, const float* found_inf,
-//          i32 flags)
+//          f64 eps, f64 weight_decay, const float* grad_scale, const float* found_inf,
+//          const double* lr_ptr, i32 flags)
 //       ptr[0] param, ptr[1] grad, ptr[2] exp_avg, ptr[3] exp_avg_sq, ptr[4] max_exp_avg_sq
 //       (read only with amsgrad), ptr[5] the step count, one f32 (read only with device steps);
-//       host steps: scalar[0][t] = step_size = lr / bias_correction1, scalar[1][t] =
-//       sqrt(bias_correction2); device steps: both computed in f64 from *ptr[5][t] (already
-//       incremented by `increment_steps`) with the device's pow; decay = 1 - lr * weight_decay
-//       (AdamW); flags: 1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW), 8 device steps
+//       host steps: scalar[0][t] = bias_correction1, scalar[1][t] = sqrt(bias_correction2);
+//       device steps: both computed in f64 from *ptr[5][t] (already incremented by
+//       `increment_steps`) with the device's pow; step size = lr / bias_correction1; flags:
+//       1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW), 8 device steps
 //   increment_steps(TensorList l, const float* found_inf)
 //       *ptr[5][t] += 1 for every t < l.n, unless *found_inf is nonzero; launched before the
 //       adam_T launches of the same tensors, on the same stream
 //   sgd_T(TensorList l, f64 lr, f64 momentum, f64 one_minus_dampening, f64 weight_decay,
-//         const float* grad_scale, const float* found_inf, i32 flags)
+//         const float* grad_scale, const float* found_inf, const double* lr_ptr, i32 flags)
 //       ptr[0] param, ptr[1] grad, ptr[2] momentum_buffer (used when momentum != 0);
 //       flags: 1 nesterov, 2 maximize, 4 first step (the buffer is set to the gradient)
 //   Any grid, blockDim.x a multiple of 32 (the host uses 256).
@@ -72,11 +78,13 @@ __device__ __forceinline__ int tensor_of_chunk(const TensorList& l, i64 c) {
 }
 
 template <typename T>
-__device__ __forceinline__ void adam(const TensorList& l, double lr_, double beta1_, double omb1_, double beta2_,
-                                     double omb2_, double eps_, double wd_, double decay_, const float* grad_scale,
-                                     const float* found_inf, int flags) {
+__device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double beta1_, double omb1_, double beta2_,
+                                     double omb2_, double eps_, double wd_, const float* grad_scale,
+                                     const float* found_inf, const double* lr_ptr, int flags) {
     typedef typename Acc<T>::type A;
     if (found_inf && *found_inf != 0.0f) return;  // a skipped step writes nothing
+    const double lr_ = lr_ptr ? *lr_ptr : lr_arg;
+    const double decay_ = __dsub_rn(1.0, __dmul_rn(lr_, wd_));  // AdamW: 1 - lr * weight_decay
     const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
     const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4, device_steps = flags & 8;
     const A scale = grad_scale ? (A)*grad_scale : (A)1;
@@ -93,7 +101,7 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_, double bet
         T* __restrict__ m = (T*)l.ptr[2][t] + begin;
         T* __restrict__ v = (T*)l.ptr[3][t] + begin;
         T* __restrict__ vmax = amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
-        double step_size = l.scalar[0][t], bc2_sqrt_ = l.scalar[1][t];
+        double step_size = device_steps ? 0.0 : __ddiv_rn(lr_, l.scalar[0][t]), bc2_sqrt_ = l.scalar[1][t];
         if (device_steps) {
             // As the host computes them (`ops/fused_optim.rs`), from the device step count:
             // two double-precision pows, computed once per tensor by one thread and shared
@@ -159,10 +167,12 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_, double bet
 }
 
 template <typename T>
-__device__ __forceinline__ void sgd(const TensorList& l, double lr_, double momentum_, double omd_, double wd_,
-                                    const float* grad_scale, const float* found_inf, int flags) {
+__device__ __forceinline__ void sgd(const TensorList& l, double lr_arg, double momentum_, double omd_, double wd_,
+                                    const float* grad_scale, const float* found_inf, const double* lr_ptr,
+                                    int flags) {
     typedef typename Acc<T>::type A;
     if (found_inf && *found_inf != 0.0f) return;  // a skipped step writes nothing
+    const double lr_ = lr_ptr ? *lr_ptr : lr_arg;
     const A scale = grad_scale ? (A)*grad_scale : (A)1;
     const A neg_lr = (A)(-lr_), momentum = (A)momentum_, omd = (A)omd_, wd = (A)wd_;
     const bool nesterov = flags & 1, maximize = flags & 2, first = flags & 4;
@@ -211,14 +221,15 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_, double mome
 #define EMBER_OPTIM(T, name)                                                                               \
     EMBER_IN_UNIT(adam_##name,                                                                             \
     extern "C" __global__ void adam_##name(TensorList l, double lr, double beta1, double omb1, double beta2,   \
-                                           double omb2, double eps, double wd, double decay,                 \
-                                           const float* grad_scale, const float* found_inf, i32 flags) {     \
-        adam<T>(l, lr, beta1, omb1, beta2, omb2, eps, wd, decay, grad_scale, found_inf, flags);             \
+                                           double omb2, double eps, double wd, const float* grad_scale,      \
+                                           const float* found_inf, const double* lr_ptr, i32 flags) {        \
+        adam<T>(l, lr, beta1, omb1, beta2, omb2, eps, wd, grad_scale, found_inf, lr_ptr, flags);            \
     })                                                                                                     \
     EMBER_IN_UNIT(sgd_##name,                                                                              \
     extern "C" __global__ void sgd_##name(TensorList l, double lr, double momentum, double omd, double wd, \
-                                          const float* grad_scale, const float* found_inf, i32 flags) {    \
-        sgd<T>(l, lr, momentum, omd, wd, grad_scale, found_inf, flags);                                    \
+                                          const float* grad_scale, const float* found_inf,                 \
+                                          const double* lr_ptr, i32 flags) {                               \
+        sgd<T>(l, lr, momentum, omd, wd, grad_scale, found_inf, lr_ptr, flags);                            \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_OPTIM)
 

@@ -185,3 +185,108 @@ template <typename T> __device__ __forceinline__ T warp_max(T v) {
     }
     return v;
 }
+
+// Deferred device errors (Note [Deferred device errors] in `cuda/device_errors.rs`). An op that
+// finds bad input on the device (an index out of range, a probability outside [0, 1], a negative
+// integer exponent) does not stop: it skips what it cannot do and records the error in the
+// device's error record, which the host checks at its next synchronizing call. The kernel takes
+// an `ErrorCheck` by value (its op's code, a launch number and the op's dim and size); each
+// thread keeps its first bad element (`FirstBad`, smallest row-major position), and after its
+// loops every thread calls `report_bad`, which is warp-collective: the warp's smallest position
+// is recorded by one lane, so the record ends up holding the first bad element of the first
+// launch that failed, as the CPU reports it. Layouts match `Record` and `ErrorCheck` in
+// `device_errors.rs` (64 and 48 bytes).
+struct DeviceErrorRecord {
+    u32 lock;      // spin lock of the lanes that report (one per warp)
+    u32 code;      // 0: no error; else the op's code in the host registry; written last
+    u64 launch;    // launch number of the recorded error
+    u64 position;  // row-major position of the first bad element in that launch
+    i64 value;     // the bad value (f64 bits for probabilities)
+    i64 dim;       // the op's dim and size (index errors)
+    i64 size;
+    u64 reserved[2];
+};
+struct ErrorCheck {
+    DeviceErrorRecord* record;
+    u32* doorbell;  // host-mapped: set to 1 after an error is recorded, read by the host for free
+                    // (null where the driver cannot map host memory)
+    u64 launch;
+    u32 code;
+    u32 pad;
+    i64 dim;
+    i64 size;
+};
+struct FirstBad {
+    u64 position;
+    i64 value;
+};
+__device__ __forceinline__ FirstBad no_bad() {
+    FirstBad f;
+    f.position = ~0ull;
+    f.value = 0;
+    return f;
+}
+__device__ __forceinline__ void note_bad(FirstBad& f, u64 position, i64 value) {
+    if (position < f.position) {
+        f.position = position;
+        f.value = value;
+    }
+}
+// Warp-collective (every lane of the warp calls it, converged, blockDim.x a multiple of 32).
+__device__ __forceinline__ void report_bad(const ErrorCheck& c, FirstBad f) {
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 p = __shfl_xor_sync(0xffffffffu, f.position, o);
+        i64 v = __shfl_xor_sync(0xffffffffu, f.value, o);
+        if (p < f.position) {
+            f.position = p;
+            f.value = v;
+        }
+    }
+    if ((threadIdx.x & 31u) != 0u || f.position == ~0ull) return;
+    volatile DeviceErrorRecord* r = c.record;
+    // Without the lock first: an error of an earlier launch, or a smaller position of this one,
+    // is already recorded (`code` is written last, so a nonzero code comes with its fields).
+    if (r->code != 0u) {
+        __threadfence();
+        if (r->launch != c.launch || r->position <= f.position) return;
+    }
+    while (atomicCAS(&c.record->lock, 0u, 1u) != 0u) {
+    }
+    __threadfence();
+    if (r->code == 0u || (r->launch == c.launch && f.position < r->position)) {
+        r->launch = c.launch;
+        r->position = f.position;
+        r->value = f.value;
+        r->dim = c.dim;
+        r->size = c.size;
+        __threadfence();
+        r->code = c.code;
+    }
+    __threadfence();
+    atomicExch(&c.record->lock, 0u);
+    if (c.doorbell != nullptr) {
+        *(volatile u32*)c.doorbell = 1u;
+        __threadfence_system();
+    }
+}
+
+// Philox (seed, offset) of a random kernel (Note [Philox under graph capture] in
+// `random/mod.rs`): by value in eager execution (`seed_ptr` null), or read from device memory
+// when the launch is recorded into a CUDA graph: the seed at `seed_ptr` and the offset
+// `*offset_ptr + offset`, where the generator rewrites `*offset_ptr` before every replay. Same
+// layout as `PhiloxArgs` in `cuda/random.rs` (32 bytes).
+struct PhiloxArgs {
+    u64 seed;
+    u64 offset;
+    const u64* seed_ptr;
+    const u64* offset_ptr;
+};
+__device__ __forceinline__ void philox_seed_offset(const PhiloxArgs& a, u64& seed, u64& offset) {
+    if (a.seed_ptr != nullptr) {
+        seed = *a.seed_ptr;
+        offset = *a.offset_ptr + a.offset;  // wrapping, as the host's offsets
+    } else {
+        seed = a.seed;
+        offset = a.offset;
+    }
+}

@@ -12,16 +12,23 @@
 // - conversions from f64 to f16/bf16 copy what the `half` crate does on the CPU, which is not
 //   always a correctly rounded conversion (see `half_f64_to_f16` / `half_f64_to_bf16` below).
 //
+// Every kernel takes its (seed, offset) as a `PhiloxArgs` (prelude) and reads it with
+// `philox_seed_offset` first thing: by value in eager execution, from device memory for a launch
+// recorded into a CUDA graph (Note [Philox under graph capture] in `random/mod.rs`), so a replay
+// draws from the offset the generator set before it. Below, `seed` and `offset` are those values.
+//
 // Launch contract (grid-stride over counter blocks, any grid; outputs row-major, n elements):
-//   uniform_T(T* out, i64 n, u64 seed, u64 offset, f64 low, f64 high, i32 f16_mode)   T float
-//   normal_T(T* out, i64 n, u64 seed, u64 offset, f64 mean, f64 std, i32 f16_mode)    T float
+//   uniform_T(T* out, i64 n, PhiloxArgs rng, f64 low, f64 high, i32 f16_mode)   T float
+//   normal_T(T* out, i64 n, PhiloxArgs rng, f64 mean, f64 std, i32 f16_mode)    T float
 //       E = 2 for f64, 4 otherwise; f16_mode says how the CPU's half::f16::from_f64 rounds:
 //       0 correctly (one rounding), 1 through f32 (x86 F16C), 2 half's software routine
-//   bernoulli_p_T(T* out, i64 n, u64 seed, u64 offset, f64 p)                          any T, E = 4
-//   bernoulli_T(const T* prob, Strided s, T* out, i64 n, u64 seed, u64 offset, i32* flag)
-//       probabilities at s.stride[0]; sets *flag = 1 when one is outside [0, 1] (or NaN)
-//   randint_i64(i64* out, i64 n, u64 seed, u64 offset, i64 low, u64 range)
+//   bernoulli_p_T(T* out, i64 n, PhiloxArgs rng, f64 p)                          any T, E = 4
+//   bernoulli_T(const T* prob, Strided s, T* out, i64 n, PhiloxArgs rng, ErrorCheck check)
+//       probabilities at s.stride[0]; records the first one outside [0, 1] (or NaN), its f64
+//       bits as the value (Note [Deferred device errors] in `cuda/device_errors.rs`)
+//   randint_i64(i64* out, i64 n, PhiloxArgs rng, i64 low, u64 range)
 //       E = 4 when range <= 2^32, else 2
+//   Any grid with blockDim.x a multiple of 32 (bernoulli_T reports warp-collectively).
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -310,13 +317,17 @@ __device__ __forceinline__ void normal_wide(double* out, i64 n, u64 seed, u64 of
 
 #define EMBER_FLOAT_DRAWS(T, name)                                                                            \
     EMBER_IN_UNIT(uniform_##name,                                                                             \
-    extern "C" __global__ void uniform_##name(T* out, i64 n, u64 seed, u64 offset, double low, double high,   \
+    extern "C" __global__ void uniform_##name(T* out, i64 n, PhiloxArgs rng, double low, double high,         \
                                               i32 f16_mode) {                                                 \
+        u64 seed, offset;                                                                                     \
+        philox_seed_offset(rng, seed, offset);                                                                \
         uniform_narrow<T>(out, n, seed, offset, low, high, f16_mode);                                         \
     })                                                                                                        \
     EMBER_IN_UNIT(normal_##name,                                                                              \
-    extern "C" __global__ void normal_##name(T* out, i64 n, u64 seed, u64 offset, double mean, double stdev,    \
+    extern "C" __global__ void normal_##name(T* out, i64 n, PhiloxArgs rng, double mean, double stdev,          \
                                              i32 f16_mode) {                                                  \
+        u64 seed, offset;                                                                                     \
+        philox_seed_offset(rng, seed, offset);                                                                \
         normal_narrow<T>(out, n, seed, offset, mean, stdev, f16_mode);                                          \
     })
 EMBER_FLOAT_DRAWS(float, f32)
@@ -324,12 +335,16 @@ EMBER_FLOAT_DRAWS(f16, f16)
 EMBER_FLOAT_DRAWS(bf16, bf16)
 
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_uniform_f64)
-extern "C" __global__ void uniform_f64(double* out, i64 n, u64 seed, u64 offset, double low, double high, i32) {
+extern "C" __global__ void uniform_f64(double* out, i64 n, PhiloxArgs rng, double low, double high, i32) {
+    u64 seed, offset;
+    philox_seed_offset(rng, seed, offset);
     uniform_wide(out, n, seed, offset, low, high);
 }
 #endif
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_normal_f64)
-extern "C" __global__ void normal_f64(double* out, i64 n, u64 seed, u64 offset, double mean, double stdev, i32) {
+extern "C" __global__ void normal_f64(double* out, i64 n, PhiloxArgs rng, double mean, double stdev, i32) {
+    u64 seed, offset;
+    philox_seed_offset(rng, seed, offset);
     normal_wide(out, n, seed, offset, mean, stdev);
 }
 #endif
@@ -350,8 +365,8 @@ __device__ __forceinline__ void bernoulli_p(T* out, i64 n, u64 seed, u64 offset,
 
 template <typename T>
 __device__ __forceinline__ void bernoulli(const T* __restrict__ prob, const Strided& st, T* __restrict__ out,
-                                          i64 n, u64 seed, u64 offset, i32* flag) {
-    bool bad = false;
+                                          i64 n, u64 seed, u64 offset, const ErrorCheck& check) {
+    FirstBad first = no_bad();
     EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
         Words w = philox_block(seed, offset + (u64)j);
 #pragma unroll
@@ -359,30 +374,36 @@ __device__ __forceinline__ void bernoulli(const T* __restrict__ prob, const Stri
             i64 i = j * 4 + s;
             if (i < n) {
                 double p = (double)load(prob[strided_offset(st, 0, i)]);
-                bad |= !(p >= 0.0 && p <= 1.0);
+                if (!(p >= 0.0 && p <= 1.0)) note_bad(first, (u64)i, __double_as_longlong(p));
                 out[i] = cast<T>((double)u24(w.x[s]) < p ? 1.0 : 0.0);
             }
         }
     }
-    if (bad) *flag = 1;
+    report_bad(check, first);
 }
 
 #define EMBER_BERNOULLI(T, name)                                                                              \
     EMBER_IN_UNIT(bernoulli_p_##name,                                                                         \
-    extern "C" __global__ void bernoulli_p_##name(T* out, i64 n, u64 seed, u64 offset, double p) {           \
+    extern "C" __global__ void bernoulli_p_##name(T* out, i64 n, PhiloxArgs rng, double p) {                 \
+        u64 seed, offset;                                                                                     \
+        philox_seed_offset(rng, seed, offset);                                                                \
         bernoulli_p<T>(out, n, seed, offset, p);                                                              \
     })                                                                                                        \
     EMBER_IN_UNIT(bernoulli_##name,                                                                           \
-    extern "C" __global__ void bernoulli_##name(const T* prob, Strided s, T* out, i64 n, u64 seed, u64 offset, \
-                                                i32* flag) {                                                  \
-        bernoulli<T>(prob, s, out, n, seed, offset, flag);                                                    \
+    extern "C" __global__ void bernoulli_##name(const T* prob, Strided s, T* out, i64 n, PhiloxArgs rng,       \
+                                                ErrorCheck check) {                                           \
+        u64 seed, offset;                                                                                     \
+        philox_seed_offset(rng, seed, offset);                                                                \
+        bernoulli<T>(prob, s, out, n, seed, offset, check);                                                   \
     })
 EMBER_FOR_ALL_DTYPES(EMBER_BERNOULLI)
 
 // `cpu.rs::randint`: low + (x mod range) with wrapping, one word per element when the range fits
 // in 32 bits, else one 64-bit pair.
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_randint_i64)
-extern "C" __global__ void randint_i64(i64* out, i64 n, u64 seed, u64 offset, i64 low, u64 range) {
+extern "C" __global__ void randint_i64(i64* out, i64 n, PhiloxArgs rng, i64 low, u64 range) {
+    u64 seed, offset;
+    philox_seed_offset(rng, seed, offset);
     if (range <= (1ull << 32)) {
         EMBER_KERNEL_LOOP(j, EMBER_BLOCKS(n, 4)) {
             Words w = philox_block(seed, offset + (u64)j);

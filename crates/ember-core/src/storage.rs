@@ -9,9 +9,9 @@
 //! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).
 
 use crate::backend::{
-    AdamStep, AdamTensor, AmpScalars, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams,
-    Distribution, Elems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PoolParams, ReduceOp,
-    RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, UnaryOp, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
+    IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp, RngState,
+    ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepScalars, UnaryOp, UnscaleGrads, Variant,
 };
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda::{CudaDevice, CudaStorage};
@@ -304,7 +304,7 @@ impl Storage {
         dtype: DType,
         n: usize,
         dist: Distribution,
-        state: RngState,
+        state: PhiloxState,
     ) -> Result<Storage> {
         on_device!(device, d, wrap => Ok(wrap(d.random(dtype, n, dist, state)?)))
     }
@@ -576,7 +576,7 @@ impl Storage {
 
     /// Bernoulli draws with the probabilities of `layout` (row-major order), in the same dtype;
     /// fails when a probability is outside [0, 1].
-    pub(crate) fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<Storage> {
+    pub(crate) fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<Storage> {
         let s = self;
         on_backend!("bernoulli", (s), wrap => Ok(wrap(BackendStorage::bernoulli(s, layout, state)?)))
     }
@@ -678,7 +678,7 @@ impl Storage {
     pub(crate) fn adam_step(
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, Storage>>,
-        amp: AmpScalars<'_, Storage>,
+        amp: StepScalars<'_, Storage>,
     ) -> Result<()> {
         let Some(first) = tensors.first() else {
             return Ok(());
@@ -700,7 +700,7 @@ impl Storage {
     pub(crate) fn sgd_step(
         step: &SgdStep,
         tensors: Vec<SgdTensor<'_, Storage>>,
-        amp: AmpScalars<'_, Storage>,
+        amp: StepScalars<'_, Storage>,
     ) -> Result<()> {
         let Some(first) = tensors.first() else {
             return Ok(());

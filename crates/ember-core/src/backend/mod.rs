@@ -29,12 +29,12 @@ pub mod step;
 
 pub use geometry::{ConvParams, PoolParams};
 pub use op::{
-    BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PoolMode, ReduceOp, RngState, ScatterOp, SoftmaxOp,
-    UnaryOp,
+    BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PhiloxState, PoolMode, ReduceOp, RngState, ScatterOp,
+    SoftmaxOp, UnaryOp,
 };
 pub use step::{
-    AdamStep, AdamTensor, AmpScalars, Elems, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate,
-    SgdStep, SgdTensor, StepCount, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, Elems, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate, SgdStep,
+    SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
 };
 
 use crate::cpu::CpuStorage;
@@ -161,7 +161,7 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
 
     /// Bernoulli draws with the probabilities of `layout`, in the same dtype (Note [Philox
     /// stream] in `random/mod.rs`); an error naming a probability outside [0, 1].
-    fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<Self>;
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<Self>;
 
     // Convolution and pooling (contiguous NCHW operands from their first element) -------------
 
@@ -210,10 +210,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     fn adam_step(
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, Self>>,
-        amp: AmpScalars<'_, Self>,
+        amp: StepScalars<'_, Self>,
     ) -> Result<()>;
     /// One fused SGD step of every tensor of `tensors` (`torch._fused_sgd_`).
-    fn sgd_step(step: &SgdStep, tensors: Vec<SgdTensor<'_, Self>>, amp: AmpScalars<'_, Self>) -> Result<()>;
+    fn sgd_step(step: &SgdStep, tensors: Vec<SgdTensor<'_, Self>>, amp: StepScalars<'_, Self>) -> Result<()>;
     /// Multiplies every gradient by the f32 at `inv_scale` (not at all when it is 1) and sets
     /// the f32 at `found_inf` to 1 when any of them held an inf or NaN before
     /// (`torch._amp_foreach_non_finite_check_and_unscale_`); `found_inf` is never cleared.
@@ -244,7 +244,8 @@ pub trait BackendDevice {
     /// them (uninitialized on a GPU, zeros on the CPU).
     fn alloc(&self, dtype: DType, n: usize) -> Result<Self::Storage>;
     /// `n` elements of `dtype` drawn from `dist` at `state`, row-major (Note [Philox stream]).
-    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<Self::Storage>;
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState)
+        -> Result<Self::Storage>;
     /// A random permutation of `0..n` as i64.
     fn randperm(&self, n: usize, state: RngState) -> Result<Self::Storage>;
 }

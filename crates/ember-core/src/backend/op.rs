@@ -446,3 +446,37 @@ pub struct RngState {
     pub seed: u64,
     pub offset: u64,
 }
+
+/// Where one draw's kernels find the Philox `(seed, offset)` (Note [Philox under graph capture]
+/// in `random/mod.rs`): what a generator hands a backend for each draw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PhiloxState {
+    /// The generator's state, passed to the kernels by value (eager execution).
+    Value(RngState),
+    /// In device memory of GPU `device`, for a draw recorded into a CUDA graph: the kernels
+    /// read the seed at `seed_ptr` and use `*offset_ptr + offset` (wrapping) as the offset,
+    /// where the generator rewrites `*offset_ptr` before every replay.
+    Device {
+        device: usize,
+        seed_ptr: u64,
+        offset_ptr: u64,
+        offset: u64,
+    },
+}
+
+impl PhiloxState {
+    /// The state by value, or an error naming `op` for a draw that must read it on the device
+    /// (a backend or op that computes on the host cannot be captured).
+    pub fn value(self, op: &'static str) -> crate::Result<RngState> {
+        match self {
+            PhiloxState::Value(s) => Ok(s),
+            PhiloxState::Device { device, .. } => Err(crate::Error::invalid(
+                op,
+                format!(
+                    "the generator is capturing a CUDA graph on cuda:{device}, and {op} here reads its state on the host; \
+                     draw with another generator, or outside the capture"
+                ),
+            )),
+        }
+    }
+}

@@ -250,35 +250,43 @@ impl<B: BackendStorage> GradElems<'_, B> {
     }
 }
 
-/// GradScaler's scalars of a fused step (PyTorch's `grad_scale=` and `found_inf=` of
-/// `_fused_adam_` / `_fused_sgd_`): one-element f32 operands that the step reads where they
-/// live. With `grad_scale` each gradient is divided by it (and written back); a nonzero
-/// `found_inf` makes the step write nothing.
+/// The scalars of a fused step that live on the device and are read there, so that the host
+/// never waits for them and a captured step reads their current values at every replay:
+/// GradScaler's `grad_scale` and `found_inf` (PyTorch's `grad_scale=` and `found_inf=` of
+/// `_fused_adam_` / `_fused_sgd_`), one-element f32 operands, and the learning rate `lr`
+/// (PyTorch's tensor `lr=`), a one-element f64 operand. With `grad_scale` each gradient is
+/// divided by it (and written back); a nonzero `found_inf` makes the step write nothing; `lr`
+/// replaces the step's `lr` field.
 #[derive(Debug)]
-pub struct AmpScalars<'a, S> {
+pub struct StepScalars<'a, S> {
     pub grad_scale: Option<Elems<&'a S>>,
     pub found_inf: Option<Elems<&'a S>>,
+    pub lr: Option<Elems<&'a S>>,
 }
 
-impl<'a, S> AmpScalars<'a, S> {
-    pub(crate) fn cast<B>(self) -> Cast<AmpScalars<'a, B>>
+impl<'a, S> StepScalars<'a, S> {
+    pub(crate) fn cast<B>(self) -> Cast<StepScalars<'a, B>>
     where
         S: Variant<B>,
     {
-        Ok(AmpScalars {
+        Ok(StepScalars {
             grad_scale: self.grad_scale.map(|e| e.cast()).transpose()?,
             found_inf: self.found_inf.map(|e| e.cast()).transpose()?,
+            lr: self.lr.map(|e| e.cast()).transpose()?,
         })
     }
 }
 
-impl<B: BackendStorage> AmpScalars<'_, B> {
+impl<B: BackendStorage> StepScalars<'_, B> {
     fn check(&self, op: &'static str) -> Result<()> {
         if let Some(s) = &self.grad_scale {
             s.check(op, "grad_scale", DType::F32, 1)?;
         }
         if let Some(f) = &self.found_inf {
             f.check(op, "found_inf", DType::F32, 1)?;
+        }
+        if let Some(l) = &self.lr {
+            l.check(op, "lr", DType::F64, 1)?;
         }
         Ok(())
     }
@@ -354,9 +362,17 @@ impl AdamStep {
     /// The step size `lr / bias_correction1` and `sqrt(bias_correction2)` at step count `step`,
     /// in f64 as `_single_tensor_adam` computes them.
     pub(crate) fn bias_corrections(&self, step: f64) -> [f64; 2] {
+        let [bias_correction1, bias_correction2_sqrt] = self.bias_correction_terms(step);
+        [self.lr / bias_correction1, bias_correction2_sqrt]
+    }
+
+    /// `bias_correction1` and `sqrt(bias_correction2)` at step count `step`, in f64: what the
+    /// CUDA kernel takes for host step counts, dividing the lr it reads by the first itself
+    /// (the same f64 division as [`AdamStep::bias_corrections`], so the same bits).
+    pub(crate) fn bias_correction_terms(&self, step: f64) -> [f64; 2] {
         let bias_correction1 = 1.0 - self.beta1.powf(step);
         let bias_correction2 = 1.0 - self.beta2.powf(step);
-        [self.lr / bias_correction1, bias_correction2.sqrt()]
+        [bias_correction1, bias_correction2.sqrt()]
     }
 
     /// Checks the operands of a call (one floating dtype, equal lengths inside their storages,
@@ -364,7 +380,7 @@ impl AdamStep {
     pub(crate) fn check<B: BackendStorage>(
         &self,
         tensors: &[AdamTensor<'_, B>],
-        amp: &AmpScalars<'_, B>,
+        amp: &StepScalars<'_, B>,
     ) -> Result<()> {
         const OP: &str = "adam_";
         amp.check(OP)?;
@@ -454,7 +470,7 @@ impl SgdStep {
     pub(crate) fn check<B: BackendStorage>(
         &self,
         tensors: &[SgdTensor<'_, B>],
-        amp: &AmpScalars<'_, B>,
+        amp: &StepScalars<'_, B>,
     ) -> Result<()> {
         const OP: &str = "sgd_";
         amp.check(OP)?;
@@ -604,9 +620,10 @@ mod tests {
 
     #[test]
     fn adam_operands_are_checked_before_a_kernel_sees_them() {
-        let no_amp = || AmpScalars::<CpuStorage> {
+        let no_amp = || StepScalars::<CpuStorage> {
             grad_scale: None,
             found_inf: None,
+            lr: None,
         };
         let (mut p, g, mut m, mut v) = (
             CpuStorage::F32(vec![0.0; 4]),
@@ -630,14 +647,27 @@ mod tests {
         ADAM.check(&device_count, &no_amp()).unwrap();
         // A read gradient under a grad scale (the kernels would write through it).
         let scale = CpuStorage::F32(vec![2.0]);
-        let scaled = AmpScalars {
+        let scaled = StepScalars {
             grad_scale: Some(Elems {
                 storage: &scale,
                 offset: 0,
                 len: 1,
             }),
             found_inf: None,
+            lr: None,
         };
         assert!(ADAM.check(&device_count, &scaled).is_err());
+        // A device lr must be one f64.
+        let lr32 = CpuStorage::F32(vec![0.1]);
+        let bad_lr = StepScalars {
+            grad_scale: None,
+            found_inf: None,
+            lr: Some(Elems {
+                storage: &lr32,
+                offset: 0,
+                len: 1,
+            }),
+        };
+        assert!(ADAM.check(&device_count, &bad_lr).is_err());
     }
 }

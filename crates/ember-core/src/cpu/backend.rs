@@ -6,9 +6,9 @@
 use super::optim::{AdamScalars, AdamSlices, GradIn, OptimElement, SgdScalars, SgdSlices};
 use super::{amp, conv, optim, pool, random, CpuElement, CpuStorage};
 use crate::backend::{
-    AdamStep, AdamTensor, AmpScalars, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams,
-    Distribution, Elems, GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PoolParams,
-    ReduceOp, RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, UnaryOp,
+    AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
+    GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp,
+    RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, StepScalars, UnaryOp,
     UnscaleGrads,
 };
 use crate::layout::Layout;
@@ -48,7 +48,8 @@ impl BackendDevice for CpuDevice {
         self.full(dtype, n, 0.0)
     }
 
-    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<CpuStorage> {
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState) -> Result<CpuStorage> {
+        let state = state.value("random")?;
         // Bernoulli draws through an f64 buffer of `n`.
         let widest = match dist {
             Distribution::Bernoulli { .. } => DType::F64,
@@ -282,7 +283,8 @@ impl BackendStorage for CpuStorage {
         CpuStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
     }
 
-    fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CpuStorage> {
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CpuStorage> {
+        let state = state.value("bernoulli")?;
         check_host_alloc("bernoulli", layout.numel(), DType::F64)?;
         random::bernoulli(self, layout, state)
     }
@@ -346,13 +348,17 @@ impl BackendStorage for CpuStorage {
     fn adam_step(
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, CpuStorage>>,
-        amp: AmpScalars<'_, CpuStorage>,
+        amp: StepScalars<'_, CpuStorage>,
     ) -> Result<()> {
         // The host reads the flag, the scale and the counts from host memory directly.
         if amp.found_inf.as_ref().is_some_and(|f| scalar::<f32>(f) != 0.0) {
             return Ok(());
         }
         let grad_scale = amp.grad_scale.as_ref().map(|s| scalar::<f32>(s) as f64);
+        let step = &AdamStep {
+            lr: amp.lr.as_ref().map_or(step.lr, scalar::<f64>),
+            ..*step
+        };
         let Some(first) = tensors.first() else {
             return Ok(());
         };
@@ -364,12 +370,16 @@ impl BackendStorage for CpuStorage {
     fn sgd_step(
         step: &SgdStep,
         tensors: Vec<SgdTensor<'_, CpuStorage>>,
-        amp: AmpScalars<'_, CpuStorage>,
+        amp: StepScalars<'_, CpuStorage>,
     ) -> Result<()> {
         if amp.found_inf.as_ref().is_some_and(|f| scalar::<f32>(f) != 0.0) {
             return Ok(());
         }
         let grad_scale = amp.grad_scale.as_ref().map(|s| scalar::<f32>(s) as f64);
+        let step = &SgdStep {
+            lr: amp.lr.as_ref().map_or(step.lr, scalar::<f64>),
+            ..*step
+        };
         let Some(first) = tensors.first() else {
             return Ok(());
         };

@@ -13,9 +13,9 @@
 use super::optim::{multi_tensor_step, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS};
 use super::{amp, cudnn, cudnn_pool, CudaStorage};
 use crate::backend::{
-    AdamStep, AdamTensor, AmpScalars, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams,
-    Distribution, Elems, GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PoolParams,
-    ReduceOp, RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, UnaryOp,
+    AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
+    GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp,
+    RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, StepScalars, UnaryOp,
     UnscaleGrads,
 };
 use crate::cpu::CpuStorage;
@@ -42,7 +42,7 @@ impl BackendDevice for CudaDevice {
         CudaStorage::alloc(self.0, dtype, n)
     }
 
-    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: RngState) -> Result<CudaStorage> {
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState) -> Result<CudaStorage> {
         CudaStorage::random(self.0, dtype, n, dist, state)
     }
 
@@ -226,7 +226,7 @@ impl BackendStorage for CudaStorage {
         CudaStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
     }
 
-    fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CudaStorage> {
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
         CudaStorage::bernoulli(self, layout, state)
     }
 
@@ -296,7 +296,7 @@ impl BackendStorage for CudaStorage {
     fn adam_step(
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, CudaStorage>>,
-        amp: AmpScalars<'_, CudaStorage>,
+        amp: StepScalars<'_, CudaStorage>,
     ) -> Result<()> {
         let Some(first) = tensors.first() else {
             return Ok(());
@@ -319,7 +319,7 @@ impl BackendStorage for CudaStorage {
                 ],
                 numel: t.param.len,
                 scalars: match t.step {
-                    StepCount::Host(n) => step.bias_corrections(n),
+                    StepCount::Host(n) => step.bias_correction_terms(n),
                     StepCount::Device(_) => [0.0; 2],
                 },
             })
@@ -336,9 +336,9 @@ impl BackendStorage for CudaStorage {
             one_minus_beta2: 1.0 - step.beta2,
             eps: step.eps,
             weight_decay: step.weight_decay,
-            decay: 1.0 - step.lr * step.weight_decay,
             grad_scale: amp.grad_scale.as_ref().map_or(0, ptr),
             found_inf: amp.found_inf.as_ref().map_or(0, ptr),
+            lr_ptr: amp.lr.as_ref().map_or(0, ptr),
             flags,
         };
         // The operands stay borrowed (their storages locked) until every launch is enqueued.
@@ -348,7 +348,7 @@ impl BackendStorage for CudaStorage {
     fn sgd_step(
         step: &SgdStep,
         tensors: Vec<SgdTensor<'_, CudaStorage>>,
-        amp: AmpScalars<'_, CudaStorage>,
+        amp: StepScalars<'_, CudaStorage>,
     ) -> Result<()> {
         let Some(first) = tensors.first() else {
             return Ok(());
@@ -377,6 +377,7 @@ impl BackendStorage for CudaStorage {
             weight_decay: step.weight_decay,
             grad_scale: amp.grad_scale.as_ref().map_or(0, ptr),
             found_inf: amp.found_inf.as_ref().map_or(0, ptr),
+            lr_ptr: amp.lr.as_ref().map_or(0, ptr),
             flags,
         };
         multi_tensor_step(ordinal, dtype, &list, kernel)

@@ -1,6 +1,7 @@
 //! CUDA launchers for `kernels/elementwise.cu`: arithmetic, comparisons, logical ops and
 //! `where` on operands whose layouts were already broadcast to one shape.
 
+use super::device_errors::Kind;
 use super::kernel_units::{BINARY_KERNELS, COMPARE_KERNELS};
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::storage::CudaStorage;
@@ -142,18 +143,7 @@ impl CudaStorage {
             }
             (d, BinaryOp::Div) if !d.is_floating_point() => return Err(Error::dtype("div", d)),
             (d, BinaryOp::Pow) if !d.is_floating_point() && d != DType::U8 => {
-                let exponents = rhs.to_cpu(bl)?;
-                let negative = match exponents {
-                    crate::cpu::CpuStorage::I64(v) => v.iter().any(|&e| e < 0),
-                    crate::cpu::CpuStorage::I32(v) => v.iter().any(|&e| e < 0),
-                    _ => false,
-                };
-                if negative {
-                    return Err(Error::invalid(
-                        "pow",
-                        "integers to negative integer powers are not allowed",
-                    ));
-                }
+                rhs.check_pow_exponents(bl)?;
             }
             _ => {}
         }
@@ -168,6 +158,36 @@ impl CudaStorage {
         };
         let base = BINARY_KERNELS[code as usize];
         Ok((KernelKey::new(Module::Elementwise, base, dtype), code))
+    }
+
+    /// Enqueues `check_pow_exponent_I` over the integer exponents at `bl`: a negative one is
+    /// reported at the next synchronizing call with the CPU's error (Note [Deferred device
+    /// errors] in `device_errors.rs`), instead of reading the exponents back here.
+    fn check_pow_exponents(&self, bl: &Layout) -> Result<()> {
+        let n = bl.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let rt = self.runtime()?;
+        let shape = KernelShape::new("pow", bl.dims(), &[bl.strides()])?;
+        let f = rt.function(KernelKey::new(
+            Module::Elementwise,
+            "check_pow_exponent",
+            self.dtype(),
+        ))?;
+        let (b, n64) = (self.ptr(bl), n as i64);
+        let check = rt.errors.check_args("pow", Kind::NegativePower, 0, 0);
+        // SAFETY: `check_pow_exponent_I(const I* b, Strided s, i64 n, ErrorCheck check)` with I
+        // this storage's dtype (i64 or i32); `b` reaches the `n` elements of a valid layout;
+        // `check` addresses the device's error record.
+        unsafe {
+            launch(
+                f,
+                Grid::linear(rt, n, 256),
+                current_raw(rt.ordinal),
+                &[&b, &shape, &n64, &check],
+            )
+        }
     }
 
     /// Elementwise comparison producing booleans.

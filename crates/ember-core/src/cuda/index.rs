@@ -3,16 +3,20 @@
 //! backend's semantics (`cpu/index.rs`).
 //!
 //! Note [Index range check on CUDA]: the CPU returns [`Error::IndexOutOfRange`] naming the first
-//! bad index. Here `check_index_I` runs over the index tensor and sets a device flag; the op's
-//! kernels are enqueued right after it (they skip bad indices, so they stay in bounds), and then
-//! the flag is read back: one small host synchronization per op with a non-empty index, which
-//! the error semantics force. Only when the flag is set are the indices copied to the host to
-//! name the same index the CPU would. `one_hot` with `num_classes = None` needs the maximum on
-//! the host anyway, so it copies the indices there and checks them on the host instead.
+//! bad index. Here `check_index_I` runs over the index tensor and records the first index
+//! outside the indexed dim in the device's error record; the op's kernels are enqueued right
+//! after it and skip bad indices, so they stay in bounds. Nothing is read back: the error is
+//! reported, naming the same index, dim and size as the CPU, by the next call that waits for the
+//! device (`to_vec`, `item`, a synchronize; Note [Deferred device errors] in
+//! `device_errors.rs`), and the op's result is then unspecified. So the ops never synchronize
+//! and can be captured into a CUDA graph. `one_hot` with `num_classes = None` needs the maximum
+//! on the host anyway (its output size), so it copies the indices there and checks them there,
+//! failing at once like the CPU.
 //!
 //! Scatter keeps the last write of repeated indices, as on the CPU, with a two-pass
 //! deterministic scheme (see the top of `index.cu`); scatter_add and index_add use atomics.
 
+use super::device_errors::Kind;
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
@@ -87,77 +91,34 @@ fn first_out_of_range(op: &'static str, idx: &[i64], dim: usize, size: usize) ->
     }
 }
 
-/// The device flag of Note [Index range check on CUDA].
-struct RangeFlag {
-    flag: CudaStorage,
-}
-
-impl RangeFlag {
-    /// A zeroed flag on `rt`'s device.
-    fn new(rt: &DeviceRuntime) -> Result<RangeFlag> {
-        Ok(RangeFlag {
-            flag: CudaStorage::full(rt.ordinal, DType::I32, 1, 0.0)?,
-        })
-    }
-
-    fn ptr(&self) -> u64 {
-        self.flag.ptr_at(0)
-    }
-
-    /// Enqueues `check_index_I` over the index at `il` (non-empty) against `0..size`.
-    fn check(
-        &self,
-        rt: &DeviceRuntime,
-        op: &'static str,
-        index: &CudaStorage,
-        il: &Layout,
-        size: usize,
-    ) -> Result<()> {
-        let n = il.numel();
-        let shape = KernelShape::new(op, il.dims(), &[il.strides()])?;
-        let f = rt.function(KernelKey::new(Module::Index, "check_index", index.dtype()))?;
-        let (p, n64, size64, flag) = (index.ptr(il), n as i64, size as i64, self.ptr());
-        // SAFETY: `check_index_I(const I* idx, Strided s, i64 n, i64 size, i32* flag)`; `idx`
-        // reaches the `n` elements of a valid layout of `index`, `flag` is one i32.
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, n, 256),
-                current_raw(rt.ordinal),
-                &[&p, &shape, &n64, &size64, &flag],
-            )
-        }
-    }
-
-    /// Waits for the stream and reports whether a kernel set the flag.
-    fn is_set(&self) -> Result<bool> {
-        match self.flag.to_cpu(&Layout::contiguous([1]))? {
-            CpuStorage::I32(v) => Ok(v[0] != 0),
-            _ => unreachable!("the flag is an i32"),
-        }
-    }
-
-    /// Reads the flag; when set, the CPU's error for the indices at `il`.
-    fn finish(
-        &self,
-        op: &'static str,
-        index: &CudaStorage,
-        il: &Layout,
-        dim: usize,
-        size: usize,
-    ) -> Result<()> {
-        if !self.is_set()? {
-            return Ok(());
-        }
-        first_out_of_range(op, &host_indices(index, il)?, dim, size)?;
-        Err(Error::Cuda {
-            op,
-            msg: "the index check flagged an index the host finds in range".into(),
-        })
+/// Enqueues `check_index_I` over the (non-empty) index at `il` against `0..size` of dim `dim`:
+/// Note [Index range check on CUDA].
+fn check_range(
+    rt: &DeviceRuntime,
+    op: &'static str,
+    index: &CudaStorage,
+    il: &Layout,
+    dim: usize,
+    size: usize,
+) -> Result<()> {
+    let n = il.numel();
+    let shape = KernelShape::new(op, il.dims(), &[il.strides()])?;
+    let f = rt.function(KernelKey::new(Module::Index, "check_index", index.dtype()))?;
+    let (p, n64) = (index.ptr(il), n as i64);
+    let check = rt.errors.check_args(op, Kind::Index, dim, size);
+    // SAFETY: `check_index_I(const I* idx, Strided s, i64 n, ErrorCheck check)`; `idx` reaches
+    // the `n` elements of a valid layout of `index`; `check` addresses the device's error record.
+    unsafe {
+        launch(
+            f,
+            Grid::linear(rt, n, 256),
+            current_raw(rt.ordinal),
+            &[&p, &shape, &n64, &check],
+        )
     }
 }
 
-/// Runs `body` between the range check of the (possibly empty) index and the flag read.
+/// Runs `body` after enqueueing the range check of the (possibly empty) index.
 fn validated<T>(
     rt: &DeviceRuntime,
     op: &'static str,
@@ -167,14 +128,10 @@ fn validated<T>(
     size: usize,
     body: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
-    if il.numel() == 0 {
-        return body();
+    if il.numel() > 0 {
+        check_range(rt, op, index, il, dim, size)?;
     }
-    let flag = RangeFlag::new(rt)?;
-    flag.check(rt, op, index, il, size)?;
-    let out = body()?;
-    flag.finish(op, index, il, dim, size)?;
-    Ok(out)
+    body()
 }
 
 impl CudaStorage {
@@ -409,24 +366,24 @@ impl CudaStorage {
         if rows == 0 {
             return Ok((out, classes));
         }
-        let flag = RangeFlag::new(rt)?;
         let shape = KernelShape::new(OP, layout.dims(), &[layout.strides()])?;
         let f = rt.function(KernelKey::new(Module::Index, "one_hot", idt))?;
-        let (i, o, fl) = (self.ptr(layout), out.ptr_at(0), flag.ptr());
+        let (i, o) = (self.ptr(layout), out.ptr_at(0));
         let (n64, c64) = (rows as i64, classes as i64);
-        // SAFETY: `one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, i32* flag)`;
-        // `idx` reaches the `rows` elements of its layout, `out` holds rows * classes i64 and is
-        // written only at in-range classes, `flag` is one i32.
+        // With num_classes = None the host checked the indices above; the kernel then finds
+        // nothing to report.
+        let check = rt.errors.check_args(OP, Kind::Index, dim, classes);
+        // SAFETY: `one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out,
+        // ErrorCheck check)`; `idx` reaches the `rows` elements of its layout, `out` holds
+        // rows * classes i64 and is written only at in-range classes, `check` addresses the
+        // device's error record.
         unsafe {
             launch(
                 f,
                 Grid::linear(rt, rows, 256),
                 current_raw(rt.ordinal),
-                &[&i, &shape, &n64, &c64, &o, &fl],
+                &[&i, &shape, &n64, &c64, &o, &check],
             )?;
-        }
-        if num_classes.is_some() {
-            flag.finish(OP, self, layout, dim, classes)?;
         }
         Ok((out, classes))
     }

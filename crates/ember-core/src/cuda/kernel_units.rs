@@ -178,6 +178,7 @@ impl Module {
                 }
                 units.push(Unit::new(m, "logical"));
                 units.extend(each(m, "where", &ALL));
+                units.extend(each(m, "check_pow_exponent", &INDEX));
             }
             Module::Unary => {
                 for base in UNARY_KERNELS {

@@ -5,7 +5,8 @@
 //!
 //! One file per concept: `device` (discovery, properties), `runtime` (per-device context and
 //! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
-//! `pinned` (page-locked host memory and its cache),
+//! `pinned` (page-locked host memory and its cache), `device_errors` (errors kernels find,
+//! reported at the next synchronizing call),
 //! `stream` (streams, events, current device and stream), `graph` (CUDA graphs: capture and
 //! replay), `capture` (the captures underway and the operations refused during them), `nvrtc`
 //! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
@@ -26,6 +27,7 @@ mod cubins;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;
 mod device;
+mod device_errors;
 mod elementwise;
 mod graph;
 mod index;

@@ -2,7 +2,18 @@
 //! `ops/fused_optim.rs` (reached through `cuda/backend.rs`). The tensors go to the kernel in a [`TensorList`] passed by value, at
 //! most [`MAX_TENSORS`] per launch; a step over more tensors is a few launches, all on the
 //! current stream, with no host synchronization (the GradScaler's grad scale and found-inf
-//! flag, and Adam's device step counts, are read by the kernels from device memory).
+//! flag, the learning rate when it lives in a device tensor, and Adam's device step counts are
+//! read by the kernels from device memory; Note [Capturable optimizer steps]).
+//!
+//! Note [Capturable optimizer steps]: a CUDA graph replays launches with the arguments they
+//! were captured with, so a value that changes between steps must be read on the device, not
+//! passed by value: the lr (an LR scheduler changes it between replays; `lr_ptr`, a one-element
+//! f64 tensor that `set_lr` writes on the stream), the step counts (f32 tensors that
+//! `increment_steps` advances on the device) and Adam's bias corrections (computed by the kernel
+//! from the device step count and lr). What stays by value is fixed for the optimizer's life
+//! (betas, eps, weight decay, the flags) or for the captured step (pointers, sizes). Reading
+//! the lr on the device changes no bits: the kernel forms `lr / bias_correction1` and
+//! `1 - lr * weight_decay` with the same correctly rounded f64 operations the host used.
 
 use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
 use super::runtime::runtime;
@@ -36,7 +47,7 @@ unsafe impl KernelParam for TensorList {}
 
 /// One tensor of a fused step: device addresses of its first elements (param, grad, then the
 /// state tensors in the kernel's order, 0 where unused; Adam's device step count last), its
-/// element count, and its per-tensor scalars (Adam with host steps: step size and
+/// element count, and its per-tensor scalars (Adam with host steps: `bias_correction1` and
 /// `sqrt(bias_correction2)`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OptimTensor {
@@ -46,7 +57,8 @@ pub(crate) struct OptimTensor {
 }
 
 /// Which update, with the scalars every tensor shares (see the kernel file's launch contract).
-/// `grad_scale` and `found_inf` are device addresses of one f32 each, or 0.
+/// `grad_scale` and `found_inf` are device addresses of one f32 each, or 0; `lr_ptr` the device
+/// address of one f64 that replaces `lr`, or 0.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum OptimKernel {
     Adam {
@@ -57,9 +69,9 @@ pub(crate) enum OptimKernel {
         one_minus_beta2: f64,
         eps: f64,
         weight_decay: f64,
-        decay: f64,
         grad_scale: u64,
         found_inf: u64,
+        lr_ptr: u64,
         flags: i32,
     },
     Sgd {
@@ -69,6 +81,7 @@ pub(crate) enum OptimKernel {
         weight_decay: f64,
         grad_scale: u64,
         found_inf: u64,
+        lr_ptr: u64,
         flags: i32,
     },
 }
@@ -155,18 +168,19 @@ pub(crate) fn multi_tensor_step(
                 one_minus_beta2,
                 eps,
                 weight_decay,
-                decay,
                 grad_scale,
                 found_inf,
+                lr_ptr,
                 flags,
             } => {
                 // SAFETY: `adam_T(TensorList l, f64 lr, f64 beta1, f64 omb1, f64 beta2, f64 omb2,
-                // f64 eps, f64 wd, f64 decay, const float* grad_scale, const float* found_inf,
-                // i32 flags)`; the caller guarantees every pointer of `list` is valid for its
-                // tensor's `numel` elements of `dtype` on this device (the state pointer 4 only
-                // when the amsgrad flag is set; the step pointer 5 one f32, only with device
-                // steps; the gradient is written only with a grad scale), that `grad_scale` and
-                // `found_inf` are 0 or address one f32 there, and that the storages stay alive
+                // f64 eps, f64 wd, const float* grad_scale, const float* found_inf,
+                // const double* lr_ptr, i32 flags)`; the caller guarantees every pointer of
+                // `list` is valid for its tensor's `numel` elements of `dtype` on this device
+                // (the state pointer 4 only when the amsgrad flag is set; the step pointer 5 one
+                // f32, only with device steps; the gradient is written only with a grad scale),
+                // that `grad_scale` and `found_inf` are 0 or address one f32 there, `lr_ptr` 0
+                // or one f64, and that the storages stay alive
                 // in stream order (they are freed through the caching allocator on this stream);
                 // `chunk_start` is the prefix count of `numel.div_ceil(CHUNK)`, so no block
                 // indexes past a tensor's end.
@@ -184,9 +198,9 @@ pub(crate) fn multi_tensor_step(
                             &one_minus_beta2,
                             &eps,
                             &weight_decay,
-                            &decay,
                             &grad_scale,
                             &found_inf,
+                            &lr_ptr,
                             &flags,
                         ],
                     )?;
@@ -199,12 +213,13 @@ pub(crate) fn multi_tensor_step(
                 weight_decay,
                 grad_scale,
                 found_inf,
+                lr_ptr,
                 flags,
             } => {
                 // SAFETY: `sgd_T(TensorList l, f64 lr, f64 momentum, f64 omd, f64 wd, const
-                // float* grad_scale, const float* found_inf, i32 flags)`; pointers as for Adam
-                // above (the buffer pointer 2 is read and written only when momentum != 0, and
-                // then the caller set it).
+                // float* grad_scale, const float* found_inf, const double* lr_ptr, i32 flags)`;
+                // pointers as for Adam above (the buffer pointer 2 is read and written only when
+                // momentum != 0, and then the caller set it).
                 unsafe {
                     launch(
                         f,
@@ -218,6 +233,7 @@ pub(crate) fn multi_tensor_step(
                             &weight_decay,
                             &grad_scale,
                             &found_inf,
+                            &lr_ptr,
                             &flags,
                         ],
                     )?;
@@ -235,9 +251,9 @@ mod tests {
     #[test]
     fn tensor_list_matches_the_kernel_struct() {
         // 8 + 6 * 48 * 8 + 48 * 8 + 49 * 8 + 2 * 48 * 8, under the 4 KB parameter limit with
-        // the other arguments (Adam's: 8 f64, 2 pointers, 1 i32).
+        // the other arguments (Adam's: 7 f64, 3 pointers, 1 i32).
         assert_eq!(std::mem::size_of::<TensorList>(), 3856);
         assert_eq!(std::mem::align_of::<TensorList>(), 8);
-        assert!(std::mem::size_of::<TensorList>() + 8 * 8 + 2 * 8 + 4 <= 4096);
+        assert!(std::mem::size_of::<TensorList>() + 7 * 8 + 3 * 8 + 4 <= 4096);
     }
 }

@@ -6,21 +6,76 @@
 //!   on the host (through f32 with x86 F16C, or a software routine that ignores the low 32 bits
 //!   of the f64). [`f16_mode`] probes which one this process uses and the kernels copy it.
 //! - `bernoulli` with a probability tensor validates the probabilities in the same kernel and
-//!   reads a device flag back (one host synchronization, as the CPU returns an error for a
-//!   probability outside [0, 1]); only when the flag is set are they copied to the host to name
-//!   the first bad one.
+//!   records the first one outside [0, 1] (or NaN) in the device's error record, reported with
+//!   the CPU's message at the next synchronizing call (Note [Deferred device errors] in
+//!   `device_errors.rs`): nothing is read back.
+//! - Every kernel takes its Philox `(seed, offset)` as a [`PhiloxArgs`]: by value, or, for a
+//!   generator capturing a CUDA graph, as device pointers (Note [Philox under graph capture] in
+//!   `random/mod.rs`); `philox_seed_offset` in the prelude reads either, so both paths share
+//!   every kernel.
 //! - `randperm` is computed on the host with the CPU kernel (O(n) host work plus a sort) and
 //!   copied to the device: the simplest way to give exactly the CPU's permutation.
 
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
-use super::runtime::runtime;
+use super::device_errors::Kind;
+use super::kernels::{launch, Grid, KernelKey, KernelParam, KernelShape, Module};
+use super::runtime::{runtime, DeviceRuntime};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
-use crate::backend::op::{randint_range, Distribution, RngState};
-use crate::cpu::CpuStorage;
+use crate::backend::op::{randint_range, Distribution, PhiloxState, RngState};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 use std::sync::OnceLock;
+
+/// The Philox `(seed, offset)` argument of every kernel of `random.cu` (`PhiloxArgs` in the
+/// prelude, same layout): by value when `seed_ptr` is 0, else read on the device.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PhiloxArgs {
+    seed: u64,
+    offset: u64,
+    seed_ptr: u64,
+    offset_ptr: u64,
+}
+
+// SAFETY: repr(C) with the field order, types and size of the prelude's `PhiloxArgs`.
+unsafe impl KernelParam for PhiloxArgs {}
+
+impl PhiloxArgs {
+    /// The kernel argument for `state` on `rt`'s device; an error for device pointers of
+    /// another device.
+    fn new(op: &'static str, rt: &DeviceRuntime, state: PhiloxState) -> Result<PhiloxArgs> {
+        Ok(match state {
+            PhiloxState::Value(RngState { seed, offset }) => PhiloxArgs {
+                seed,
+                offset,
+                seed_ptr: 0,
+                offset_ptr: 0,
+            },
+            PhiloxState::Device {
+                device,
+                seed_ptr,
+                offset_ptr,
+                offset,
+            } => {
+                if device != rt.ordinal {
+                    return Err(Error::invalid(
+                        op,
+                        format!(
+                            "the generator is capturing on cuda:{device}, this draw is on cuda:{}",
+                            rt.ordinal
+                        ),
+                    ));
+                }
+                PhiloxArgs {
+                    seed: 0,
+                    offset,
+                    seed_ptr,
+                    offset_ptr,
+                }
+            }
+        })
+    }
+}
 
 /// How this process's `half::f16::from_f64` rounds (the `f16_mode` argument of `random.cu`):
 /// 0 correctly rounded, 1 through f32 (x86 F16C), 2 `half`'s software routine (truncates the
@@ -49,7 +104,7 @@ impl CudaStorage {
         dtype: DType,
         n: usize,
         dist: Distribution,
-        state: RngState,
+        state: PhiloxState,
     ) -> Result<CudaStorage> {
         let float_only = |op| {
             if dtype.is_floating_point() {
@@ -74,7 +129,8 @@ impl CudaStorage {
         let per_block = dist.per_block(dtype);
         let grid = Grid::linear(rt, n.div_ceil(per_block), 256);
         let stream = current_raw(rt.ordinal);
-        let (o, n64, seed, offset) = (out.ptr_at(0), n as i64, state.seed, state.offset);
+        let (o, n64) = (out.ptr_at(0), n as i64);
+        let rng = PhiloxArgs::new("random", rt, state)?;
         match dist {
             Distribution::Uniform { low: a, high: b } | Distribution::Normal { mean: a, std: b } => {
                 let base = if matches!(dist, Distribution::Uniform { .. }) {
@@ -84,22 +140,24 @@ impl CudaStorage {
                 };
                 let f = rt.function(KernelKey::new(Module::Random, base, dtype))?;
                 let mode = f16_mode();
-                // SAFETY: `uniform_T` / `normal_T(T* out, i64 n, u64 seed, u64 offset, f64,
-                // f64, i32 f16_mode)`; `out` holds `n` elements of T.
-                unsafe { launch(f, grid, stream, &[&o, &n64, &seed, &offset, &a, &b, &mode])? };
+                // SAFETY: `uniform_T` / `normal_T(T* out, i64 n, PhiloxArgs rng, f64, f64,
+                // i32 f16_mode)`; `out` holds `n` elements of T; device pointers in `rng` are
+                // the generator's live capture slots on this device.
+                unsafe { launch(f, grid, stream, &[&o, &n64, &rng, &a, &b, &mode])? };
             }
             Distribution::Bernoulli { p } => {
                 let f = rt.function(KernelKey::new(Module::Random, "bernoulli_p", dtype))?;
-                // SAFETY: `bernoulli_p_T(T* out, i64 n, u64 seed, u64 offset, f64 p)`; `out`
-                // holds `n` elements of T.
-                unsafe { launch(f, grid, stream, &[&o, &n64, &seed, &offset, &p])? };
+                // SAFETY: `bernoulli_p_T(T* out, i64 n, PhiloxArgs rng, f64 p)`; `out` holds `n`
+                // elements of T; `rng` as above.
+                unsafe { launch(f, grid, stream, &[&o, &n64, &rng, &p])? };
             }
             Distribution::RandInt { low, high } => {
                 let range = randint_range(low, high);
                 let f = rt.function(KernelKey::new(Module::Random, "randint", DType::I64))?;
-                // SAFETY: `randint_i64(i64* out, i64 n, u64 seed, u64 offset, i64 low,
-                // u64 range)`; `out` holds `n` i64 and `range` >= 1 (the caller checks low < high).
-                unsafe { launch(f, grid, stream, &[&o, &n64, &seed, &offset, &low, &range])? };
+                // SAFETY: `randint_i64(i64* out, i64 n, PhiloxArgs rng, i64 low, u64 range)`;
+                // `out` holds `n` i64 and `range` >= 1 (the caller checks low < high); `rng` as
+                // above.
+                unsafe { launch(f, grid, stream, &[&o, &n64, &rng, &low, &range])? };
             }
         }
         Ok(out)
@@ -111,47 +169,31 @@ impl CudaStorage {
         CudaStorage::from_cpu(&crate::cpu::random::randperm(n, state), device)
     }
 
-    /// Bernoulli draws with the probabilities at `layout`, in this storage's dtype; an error
-    /// naming the first probability outside [0, 1], as on the CPU.
-    pub(crate) fn bernoulli(&self, layout: &Layout, state: RngState) -> Result<CudaStorage> {
+    /// Bernoulli draws with the probabilities at `layout`, in this storage's dtype; the first
+    /// probability outside [0, 1] is reported at the next synchronizing call with the CPU's
+    /// error (see the module docs).
+    pub(crate) fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
         let rt = self.runtime()?;
         let n = layout.numel();
         let out = CudaStorage::alloc_on(rt, self.dtype(), n)?;
         if n == 0 {
             return Ok(out);
         }
-        let flag = CudaStorage::full(rt.ordinal, DType::I32, 1, 0.0)?;
         let shape = KernelShape::new("bernoulli", layout.dims(), &[layout.strides()])?;
         let f = rt.function(KernelKey::new(Module::Random, "bernoulli", self.dtype()))?;
-        let (p, o, fl) = (self.ptr(layout), out.ptr_at(0), flag.ptr_at(0));
-        let (n64, seed, offset) = (n as i64, state.seed, state.offset);
-        // SAFETY: `bernoulli_T(const T* prob, Strided s, T* out, i64 n, u64 seed, u64 offset,
-        // i32* flag)`; `prob` reaches the `n` elements of a valid layout, `out` holds `n`
-        // elements, `flag` one i32.
+        let (p, o, n64) = (self.ptr(layout), out.ptr_at(0), n as i64);
+        let rng = PhiloxArgs::new("bernoulli", rt, state)?;
+        let check = rt.errors.check_args("bernoulli", Kind::Probability, 0, 0);
+        // SAFETY: `bernoulli_T(const T* prob, Strided s, T* out, i64 n, PhiloxArgs rng,
+        // ErrorCheck check)`; `prob` reaches the `n` elements of a valid layout, `out` holds `n`
+        // elements; `rng` as in `random`, `check` addresses the device's error record.
         unsafe {
             launch(
                 f,
                 Grid::linear(rt, n.div_ceil(4), 256),
                 current_raw(rt.ordinal),
-                &[&p, &shape, &o, &n64, &seed, &offset, &fl],
+                &[&p, &shape, &o, &n64, &rng, &check],
             )?;
-        }
-        let CpuStorage::I32(set) = flag.to_cpu(&Layout::contiguous([1]))? else {
-            unreachable!("the flag is an i32")
-        };
-        if set[0] != 0 {
-            let CpuStorage::F64(probs) = self
-                .to_cpu(layout)?
-                .to_dtype(&Layout::contiguous([n]), DType::F64)
-            else {
-                unreachable!("converted to f64")
-            };
-            if let Some(bad) = probs.iter().find(|&&x| !(0.0..=1.0).contains(&x)) {
-                return Err(Error::invalid(
-                    "bernoulli",
-                    format!("expected all probabilities in [0, 1], found {bad}"),
-                ));
-            }
         }
         Ok(out)
     }

@@ -19,6 +19,7 @@
 
 use super::allocator::{CachingAllocator, CaptureId, Driver, EventId, StreamId};
 use super::cubins;
+use super::device_errors::DeviceErrors;
 use super::kernel_units::Unit;
 use super::kernels::{Function, KernelKey};
 use crate::{Error, Result};
@@ -35,6 +36,9 @@ pub(crate) struct DeviceRuntime {
     pub arch: String,
     pub sm_count: u32,
     pub allocator: CachingAllocator<DeviceMemory>,
+    /// Where kernels record the errors they find (Note [Deferred device errors] in
+    /// `device_errors.rs`); allocated with the runtime, so never during a graph capture.
+    pub errors: DeviceErrors,
     /// Looked up on every launch: keyed with foldhash, not SipHash (host cost per op).
     functions: Mutex<HashMap<KernelKey, Function, foldhash::fast::FixedState>>,
     /// The compile units loaded on this device (Note [Loading kernel units]); consulted on a
@@ -107,12 +111,14 @@ impl DeviceRuntime {
         // SAFETY: `ctx` was just retained.
         unsafe { result::ctx::set_current(ctx) }.map_err(driver_error("cuCtxSetCurrent"))?;
         BOUND.with(|b| b.set(ctx as usize));
+        let errors = DeviceErrors::new()?;
         Ok(DeviceRuntime {
             ordinal,
             ctx: Context(ctx),
             arch: format!("sm_{major}{minor}"),
             sm_count,
             allocator: CachingAllocator::new(DeviceMemory { ctx: Context(ctx) }),
+            errors,
             functions: Mutex::new(HashMap::with_hasher(foldhash::fast::FixedState::default())),
             units: Mutex::new(HashMap::default()),
         })

@@ -4,6 +4,13 @@
 //!
 //! Ops enqueue on the current stream of the storage's device and return at once; only reads
 //! into host memory wait, and only for that stream.
+//!
+//! Note [Peer copies]: a copy from one GPU to another ([`CudaStorage::to_device`]) never waits
+//! on the host, as PyTorch's: it runs on the source device's current stream, which first waits
+//! (an event) for the work queued on the target's current stream (the destination block may
+//! still be in use there), and the target's current stream then waits (a second event) for the
+//! copy, so work queued on either current stream afterwards is ordered after it. The source
+//! buffer is freed to its pool on the stream that ran the copy, so it is not reused early.
 
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::{runtime, DeviceRuntime};
@@ -180,9 +187,19 @@ impl CudaStorage {
         .map_err(cuda_error("copy to device"))
     }
 
+    /// Enqueues a copy of pageable host `bytes` into this storage from element `offset` on, on
+    /// the current stream. The driver copies pageable memory to a staging buffer before
+    /// returning (as in [`CudaStorage::from_cpu`]), so `bytes` may go away at once.
+    pub(crate) fn write_pageable(&self, offset: usize, bytes: &[u8]) -> Result<()> {
+        // The staging makes the copy's "keep alive until done" contract hold at return.
+        self.copy_from_host_async(offset, bytes)
+    }
+
     /// The elements of `layout` copied into host memory, row-major; waits for the current stream.
-    /// An error while the current stream is capturing a CUDA graph (Note [Operations refused
-    /// during capture]).
+    /// An error a kernel recorded on this device (an index out of range, ...) is returned here
+    /// instead of the elements (Note [Deferred device errors] in `device_errors.rs`). An error
+    /// while the current stream is capturing a CUDA graph (Note [Operations refused during
+    /// capture]).
     pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
         self.runtime()?;
         super::capture::refuse_during_capture(
@@ -211,8 +228,8 @@ impl CudaStorage {
             Ok(T::wrap(host))
         }
         let n = layout.numel();
-        src.runtime()?;
-        match self.dtype {
+        let rt = src.runtime()?;
+        let host = match self.dtype {
             DType::Bool => read::<bool>(src, n),
             DType::U8 => read::<u8>(src, n),
             DType::I32 => read::<i32>(src, n),
@@ -221,7 +238,11 @@ impl CudaStorage {
             DType::BF16 => read::<half::bf16>(src, n),
             DType::F32 => read::<f32>(src, n),
             DType::F64 => read::<f64>(src, n),
+        }?;
+        if n > 0 {
+            rt.errors.check()?;
         }
+        Ok(host)
     }
 
     /// `n` elements of `dtype`, all `value` (converted as a cast would), on `device`.
@@ -331,9 +352,8 @@ impl CudaStorage {
         )
     }
 
-    /// The elements of `layout` as a row-major storage on GPU `device` (a peer copy when it is
-    /// another GPU: the source's stream is synchronized first, the copy runs on the target's
-    /// current stream).
+    /// The elements of `layout` as a row-major storage on GPU `device`: a peer copy when it is
+    /// another GPU, enqueued without waiting (Note [Peer copies]).
     pub fn to_device(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
         if device != self.buf.device {
             super::capture::refuse_during_capture(self.buf.device, "a copy between GPUs")?;
@@ -344,31 +364,38 @@ impl CudaStorage {
             return Ok(src);
         }
         let src_rt = self.runtime()?;
-        super::stream::note_host_sync();
-        // SAFETY: the null/current stream of the source device is live.
-        unsafe { result::stream::synchronize(current_raw(src_rt.ordinal) as sys::CUstream) }
-            .map_err(cuda_error("peer copy"))?;
         let rt = runtime(device)?;
         let out = CudaStorage::alloc_on(rt, self.dtype, src.len)?;
         let bytes = src.len * self.dtype.size_in_bytes();
-        if bytes > 0 {
-            super::stream::note_host_sync();
-            // SAFETY: both buffers hold `bytes`; the source's writes completed (synchronized
-            // above) and it stays alive until the copy is done because we wait on it below for
-            // lifetime safety of `src`, which is dropped at the end of this function.
-            unsafe {
-                result::memcpy_peer_async(
-                    rt.context(),
-                    out.buf.ptr,
-                    src_rt.context(),
-                    src.buf.ptr,
-                    bytes,
-                    current_raw(device) as sys::CUstream,
-                )
-                .and_then(|_| result::stream::synchronize(current_raw(device) as sys::CUstream))
-            }
-            .map_err(cuda_error("peer copy"))?;
+        if bytes == 0 {
+            return Ok(out);
         }
+        let (src_stream, dst_stream) = (
+            super::stream::current_stream(src_rt.ordinal)?,
+            super::stream::current_stream(device)?,
+        );
+        // `out` may be a block whose previous use on the target's stream is still queued.
+        let dst_ready = dst_stream.record_event()?;
+        src_stream.wait_event(&dst_ready)?;
+        src_rt.bind()?;
+        // SAFETY: both buffers hold `bytes`; the copy runs on the source's current stream, after
+        // the staging copy that wrote `src` and (waited above) after the target's queued work,
+        // and before `src` returns to its allocator pool on that same stream when dropped below,
+        // so it is never reused while the copy reads it.
+        unsafe {
+            result::memcpy_peer_async(
+                rt.context(),
+                out.buf.ptr,
+                src_rt.context(),
+                src.buf.ptr,
+                bytes,
+                src_stream.as_raw() as sys::CUstream,
+            )
+        }
+        .map_err(cuda_error("peer copy"))?;
+        let copied = src_stream.record_event()?;
+        dst_stream.wait_event(&copied)?;
+        rt.bind()?;
         Ok(out)
     }
 }

@@ -13,8 +13,9 @@
 //! or events.
 //!
 //! Note [Counting host waits]: every place where the host blocks on the device (stream, event
-//! and device synchronizations, copies to the host that wait for their stream, peer copies,
-//! the allocator waiting for an event) calls [`note_host_sync`], which counts per thread;
+//! and device synchronizations, copies to the host that wait for their stream, the allocator
+//! waiting for an event, reading a recorded device error) calls [`note_host_sync`], which counts
+//! per thread;
 //! [`host_sync_count`] reads the count, so a test can check that a path meant to stay
 //! asynchronous (a GradScaler step) never waits.
 
@@ -38,7 +39,7 @@ pub(crate) fn note_host_sync() {
 
 /// How many times the calling thread has waited for a GPU so far: stream, event and device
 /// synchronizations and the reads that wait for the device (`to_vec`, `item`, device-to-host
-/// and peer copies). A hook for tests that a path does no hidden synchronization (Note
+/// copies; peer copies do not wait). A hook for tests that a path does no hidden synchronization (Note
 /// [Counting host waits]); it never decreases.
 pub fn host_sync_count() -> u64 {
     HOST_SYNCS.with(Cell::get)
@@ -134,15 +135,18 @@ impl Stream {
         self.raw
     }
 
-    /// Blocks until all work queued on this stream has finished. An error while this stream or
-    /// the current one is capturing a CUDA graph (Note [Operations refused during capture]).
+    /// Blocks until all work queued on this stream has finished; then reports an error a
+    /// kernel recorded on the device (Note [Deferred device errors] in `device_errors.rs`). An
+    /// error while this stream or the current one is capturing a CUDA graph (Note [Operations
+    /// refused during capture]).
     pub fn synchronize(&self) -> Result<()> {
-        runtime(self.device)?;
+        let rt = runtime(self.device)?;
         super::capture::refuse_on_stream(self.device, self.raw, "Stream::synchronize")?;
         note_host_sync();
         // SAFETY: the stream is the null stream or a pool stream, which is never destroyed.
         unsafe { result::stream::synchronize(self.raw as sys::CUstream) }
-            .map_err(cuda_error("cuStreamSynchronize"))
+            .map_err(cuda_error("cuStreamSynchronize"))?;
+        rt.errors.check()
     }
 
     /// True when all work queued on this stream has finished. An error while this stream or the
@@ -301,16 +305,17 @@ impl Drop for DeviceGuard {
     }
 }
 
-/// Blocks until all work on `device` has finished, on every stream (`torch.cuda.synchronize`).
-/// An error while a CUDA graph capture is underway on the device (Note [Operations refused
-/// during capture]).
+/// Blocks until all work on `device` has finished, on every stream (`torch.cuda.synchronize`);
+/// then reports an error a kernel recorded on the device, such as an index out of range (Note
+/// [Deferred device errors] in `device_errors.rs`). An error while a CUDA graph capture is
+/// underway on the device (Note [Operations refused during capture]).
 pub fn synchronize(device: usize) -> Result<()> {
-    runtime(device)?;
+    let rt = runtime(device)?;
     super::capture::refuse_device_wide(device, "cuda::synchronize")?;
     note_host_sync();
     result::ctx::synchronize().map_err(cuda_error("cuCtxSynchronize"))?;
     super::pinned::release_finished();
-    Ok(())
+    rt.errors.check()
 }
 
 /// A marker in a stream's work, for ordering and timing (`torch.cuda.Event`). Created on the
@@ -398,17 +403,20 @@ impl Event {
         }
     }
 
-    /// Blocks until the work before the event has finished. An error while the current stream
-    /// of the event's device is capturing a CUDA graph.
+    /// Blocks until the work before the event has finished; then reports an error a kernel
+    /// recorded on the device (Note [Deferred device errors] in `device_errors.rs`). An error
+    /// while the current stream of the event's device is capturing a CUDA graph.
     pub fn synchronize(&self) -> Result<()> {
         let Some(&(raw, device)) = self.raw.get() else {
             return Ok(());
         };
-        runtime(device)?;
+        let rt = runtime(device)?;
         super::capture::refuse_during_capture(device, "Event::synchronize")?;
         note_host_sync();
         // SAFETY: `raw` is a live event.
-        unsafe { result::event::synchronize(raw as sys::CUevent) }.map_err(cuda_error("cuEventSynchronize"))
+        unsafe { result::event::synchronize(raw as sys::CUevent) }
+            .map_err(cuda_error("cuEventSynchronize"))?;
+        rt.errors.check()
     }
 
     /// Milliseconds between this event and `end`, both recorded and completed, both created

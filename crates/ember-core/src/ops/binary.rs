@@ -209,6 +209,20 @@ fn scalar_operand(t: &Tensor, value: Scalar) -> Result<Tensor> {
 /// path.
 fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<Tensor> {
     let v = value.to_f64();
+    if op == BinaryOp::Pow
+        && v < 0.0
+        && matches!(
+            t.dtype().promote_with_scalar(value.kind()),
+            DType::I64 | DType::I32
+        )
+    {
+        // The exponent is on the host: refuse it here, at once on every device, rather than
+        // through the device's deferred check (Note [Deferred device errors]).
+        return Err(Error::invalid(
+            "pow",
+            "integers to negative integer powers are not allowed",
+        ));
+    }
     let unary = match op {
         BinaryOp::Add => UnaryOp::AddScalar { value: v },
         BinaryOp::Sub => UnaryOp::SubScalar { value: v },

@@ -28,7 +28,11 @@
 //! Under a GradScaler ([`adam_scaled_`], [`sgd_scaled_`] with a [`GradScaling`]) a nonzero
 //! `found_inf` makes the step write nothing (device step counts included), and a `grad_scale`
 //! divides each gradient before the update, the quotient written back into the gradient, as
-//! PyTorch's `_fused_adam_(..., grad_scale=, found_inf=)`; both are read on the device. Hyperparameters are cast to the
+//! PyTorch's `_fused_adam_(..., grad_scale=, found_inf=)`; both are read on the device. The
+//! learning rate may live in a device tensor too (the `lr` argument of the `_scaled_` forms,
+//! PyTorch's tensor `lr=`), read by the kernels at every step, which makes a CUDA graph of the
+//! step follow an LR scheduler (Note [Capturable optimizer steps] in `cuda/optim.rs`); the
+//! results are the same bits as with `cfg.lr`. Hyperparameters are cast to the
 //! arithmetic type (f32 for f32/f16/bf16, f64 for f64); f16/bf16 are computed in f32 and rounded
 //! once on store, as PyTorch's fused kernels do. For f32 and f64 the results are the same bits
 //! as the composed per-tensor ops, on both devices.
@@ -46,7 +50,7 @@
 use super::amp_scaling::{check_scalar, check_writable};
 use crate::autograd;
 pub use crate::backend::{AdamStep, SgdStep};
-use crate::backend::{AdamTensor, AmpScalars, Elems, GradElems, SgdTensor, StepCount};
+use crate::backend::{AdamTensor, Elems, GradElems, SgdTensor, StepCount, StepScalars};
 use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -267,13 +271,15 @@ impl<'g, 'a> Operands<'g, 'a> {
         }
     }
 
-    /// The grad scale and found-inf flag that [`scaling_lists`] added, in the next lists.
-    fn amp(&mut self, scaling: &GradScaling<'_>) -> AmpScalars<'g, Storage> {
+    /// The grad scale, found-inf flag and lr that [`scalar_lists`] added, in the next lists.
+    fn scalars(&mut self, scaling: &GradScaling<'_>, lr: Option<&Tensor>) -> StepScalars<'g, Storage> {
         let grad_scale = scaling.grad_scale.and_then(|_| self.read().pop());
         let found_inf = scaling.found_inf.and_then(|_| self.read().pop());
-        AmpScalars {
+        let lr = lr.and_then(|_| self.read().pop());
+        StepScalars {
             grad_scale,
             found_inf,
+            lr,
         }
     }
 }
@@ -307,21 +313,23 @@ pub enum AdamSteps<'a> {
     Device(&'a [Tensor]),
 }
 
-/// Checks the grad scale and found-inf tensors of a step on `device` and adds those present to
-/// `lists` (read-only), in that order.
-fn scaling_lists<'a>(
+/// Checks the grad scale, found-inf and lr tensors of a step on `device` and adds those
+/// present to `lists` (read-only), in that order.
+fn scalar_lists<'a>(
     op: &'static str,
     scaling: &GradScaling<'a>,
+    lr: Option<&'a Tensor>,
     device: Device,
     lists: &mut Vec<List<'a>>,
 ) -> Result<()> {
     let named = [
-        ("grad_scale", scaling.grad_scale),
-        ("found_inf", scaling.found_inf),
+        ("grad_scale", scaling.grad_scale, DType::F32),
+        ("found_inf", scaling.found_inf, DType::F32),
+        ("lr", lr, DType::F64),
     ];
-    for (name, t) in named {
+    for (name, t, dtype) in named {
         let Some(t) = t else { continue };
-        check_scalar(op, name, t, DType::F32, device)?;
+        check_scalar(op, name, t, dtype, device)?;
         lists.push(List {
             name,
             tensors: std::slice::from_ref(t),
@@ -370,14 +378,20 @@ pub fn adam_(
         AdamSteps::Host(steps),
         cfg,
         GradScaling::default(),
+        None,
     )
 }
 
-/// [`adam_`] with the step counts on the host or the device ([`AdamSteps`]) and, under a
-/// GradScaler, the gradient scaling of [`GradScaling`] (PyTorch's `_fused_adam_` with
-/// `grad_scale=` and `found_inf=`): with device steps nothing of the step reads a value back to
-/// the host, so a skipped step is decided on the device. The step tensors, grad scale and
-/// found-inf flag are locked with the others and must be in storages of their own.
+/// [`adam_`] with the step counts on the host or the device ([`AdamSteps`]), under a
+/// GradScaler the gradient scaling of [`GradScaling`] (PyTorch's `_fused_adam_` with
+/// `grad_scale=` and `found_inf=`), and optionally the learning rate in a device tensor: `lr`,
+/// a one-element f64 tensor on the parameters' device, is read where it lives instead of
+/// `cfg.lr` (PyTorch's tensor `lr=`). With device steps nothing of the step reads a value back
+/// to the host, so a skipped step is decided on the device; with device steps and a device lr
+/// nothing that changes between steps is passed by value, so the step can be recorded into a
+/// CUDA graph whose replays follow the lr (Note [Capturable optimizer steps] in
+/// `cuda/optim.rs`). The step tensors, grad scale, found-inf flag and lr are locked with the
+/// others and must be in storages of their own.
 #[allow(clippy::too_many_arguments)]
 pub fn adam_scaled_(
     params: &[Tensor],
@@ -388,6 +402,7 @@ pub fn adam_scaled_(
     steps: AdamSteps<'_>,
     cfg: &AdamStep,
     scaling: GradScaling<'_>,
+    lr: Option<&Tensor>,
 ) -> Result<()> {
     let observed: Vec<&Tensor> = params.iter().collect();
     dispatch::call_list(&policy::FUSED_ADAM, &observed, |_| {
@@ -400,6 +415,7 @@ pub fn adam_scaled_(
             steps,
             cfg,
             scaling,
+            lr,
         )
     })
 }
@@ -414,6 +430,7 @@ fn adam_scaled_prepared(
     steps: AdamSteps<'_>,
     cfg: &AdamStep,
     scaling: GradScaling<'_>,
+    lr: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "adam_";
     let steps_len = match steps {
@@ -492,7 +509,7 @@ fn adam_scaled_prepared(
             true
         }
     };
-    scaling_lists(OP, &scaling, device, &mut lists)?;
+    scalar_lists(OP, &scaling, lr, device, &mut lists)?;
     check_distinct(OP, &lists)?;
     let mut guards = lock_all(&lists);
     // The operands borrow the guards: every storage stays locked until the backend has run
@@ -504,7 +521,7 @@ fn adam_scaled_prepared(
     let v = ops.written();
     let mut x = cfg.amsgrad.then(|| ops.written().into_iter());
     let mut counts = device_steps.then(|| ops.written().into_iter());
-    let amp = ops.amp(&scaling);
+    let amp = ops.scalars(&scaling, lr);
     let tensors = p
         .into_iter()
         .zip(g)
@@ -540,11 +557,13 @@ pub fn sgd_(
     momentum_buffers: Option<&[Tensor]>,
     cfg: &SgdStep,
 ) -> Result<()> {
-    sgd_scaled_(params, grads, momentum_buffers, cfg, GradScaling::default())
+    sgd_scaled_(params, grads, momentum_buffers, cfg, GradScaling::default(), None)
 }
 
 /// [`sgd_`] under a GradScaler: the gradient scaling of [`GradScaling`] (PyTorch's
-/// `_fused_sgd_` with `grad_scale=` and `found_inf=`), decided on the device. A skipped
+/// `_fused_sgd_` with `grad_scale=` and `found_inf=`), decided on the device, and optionally
+/// the learning rate in a one-element f64 tensor on the parameters' device, read there instead
+/// of `cfg.lr` (see [`adam_scaled_`]). A skipped
 /// `first_step` leaves new momentum buffers as they were (uninitialized for `empty_like`
 /// ones): callers that may skip a first step should pass zero-filled buffers and, with
 /// `dampening == 0`, `first_step = false`, which computes the same `buf = g`.
@@ -554,10 +573,11 @@ pub fn sgd_scaled_(
     momentum_buffers: Option<&[Tensor]>,
     cfg: &SgdStep,
     scaling: GradScaling<'_>,
+    lr: Option<&Tensor>,
 ) -> Result<()> {
     let observed: Vec<&Tensor> = params.iter().collect();
     dispatch::call_list(&policy::FUSED_SGD, &observed, |_| {
-        sgd_scaled_prepared(params, grads, momentum_buffers, cfg, scaling)
+        sgd_scaled_prepared(params, grads, momentum_buffers, cfg, scaling, lr)
     })
 }
 
@@ -567,6 +587,7 @@ fn sgd_scaled_prepared(
     momentum_buffers: Option<&[Tensor]>,
     cfg: &SgdStep,
     scaling: GradScaling<'_>,
+    lr: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "sgd_";
     let has_momentum = cfg.momentum != 0.0;
@@ -602,14 +623,14 @@ fn sgd_scaled_prepared(
     let Some(device) = check(OP, &lists)? else {
         return Ok(());
     };
-    scaling_lists(OP, &scaling, device, &mut lists)?;
+    scalar_lists(OP, &scaling, lr, device, &mut lists)?;
     check_distinct(OP, &lists)?;
     let mut guards = lock_all(&lists);
     let mut ops = Operands::new(&mut guards, &lists);
     let p = ops.written();
     let g = ops.grads(scaling.grad_scale.is_some());
     let mut b = has_momentum.then(|| ops.written().into_iter());
-    let amp = ops.amp(&scaling);
+    let amp = ops.scalars(&scaling, lr);
     let tensors = p
         .into_iter()
         .zip(g)

@@ -49,13 +49,42 @@
 //! Default generators: one per [`Device`], created on first use (CUDA devices included, before
 //! any CUDA backend exists, so a seed set now also applies to GPUs used later). They start from
 //! [`DEFAULT_SEED`] (PyTorch's default) until [`manual_seed`] reseeds all of them.
+//!
+//! Note [Philox under graph capture]: a CUDA graph replays its kernels with the arguments they
+//! were captured with, so a draw that passed `(seed, offset)` by value would draw the same
+//! numbers at every replay. As PyTorch's `CUDAGeneratorImpl` (`philox_cuda_state`,
+//! `capture_prologue`, `replay_prologue`), a generator keeps, per GPU it has captured on, two
+//! u64 in device memory, the seed and an offset base, and a draw hands the backend a
+//! [`PhiloxState`] ([`Generator::reserve_draw`]):
+//! - eagerly, [`PhiloxState::Value`]: the `(seed, offset)` by value, and the host offset
+//!   advances by the draw's blocks, as always;
+//! - between [`Generator::begin_capture`] and [`Generator::end_capture`],
+//!   [`PhiloxState::Device`]: pointers to the seed and the offset base, plus the draw's offset
+//!   within the graph (the blocks the graph's earlier draws consumed); the host offset does not
+//!   move. Kernels read both through one helper (`philox_seed_offset` in
+//!   `kernels/prelude.cuh`), so eager and captured launches share every kernel;
+//! - `end_capture` returns the graph's whole increment (its draws' blocks), and before each
+//!   replay [`Generator::replay_prologue`] writes the seed and the current host offset to the
+//!   device (a copy on the current stream, ordered before the replay launched after it on that
+//!   stream) and advances the host offset by that increment.
+//!
+//! So each replay draws new numbers, exactly those eager execution would draw from the same
+//! state: element `i` of a draw at graph offset `o` reads block `base + o + i / E`, which is
+//! what an eager draw reads when the generator is at `base + o`. `begin_capture` also writes the
+//! current seed and offset, so a region run between the two calls without a stream capture draws
+//! what it would draw eagerly (how the tests check the device path). Rules: call
+//! `begin_capture` and `replay_prologue` outside any stream capture (they enqueue copies from
+//! the host); replays of graphs that share a generator must be ordered on one stream, since
+//! they share the offset base; `randperm` (computed on the host) and [`Generator::reserve`]
+//! (the state by value, for custom kernels run eagerly) cannot be captured.
 
 pub mod philox;
 mod tensor;
 
-pub use crate::backend::op::Distribution;
+pub use crate::backend::op::{Distribution, PhiloxState};
 
-use crate::{Device, Result};
+use crate::cuda::CudaStorage;
+use crate::{DType, Device, Error, Result};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -72,25 +101,57 @@ pub use crate::backend::op::RngState;
 /// not tied to a device: the same state produces the same numbers on any device. `Clone`
 /// copies the state (the copy then advances independently).
 pub struct Generator {
-    state: Mutex<RngState>,
+    state: Mutex<GenState>,
+}
+
+/// A generator's state behind its lock: `(seed, offset)` and what graph capture needs (Note
+/// [Philox under graph capture]).
+struct GenState {
+    rng: RngState,
+    capture: Option<Capture>,
+    /// Per GPU captured on: the seed and the offset base, two u64 (as i64) in device memory.
+    slots: Vec<(usize, CudaStorage)>,
+}
+
+/// A capture in progress.
+#[derive(Debug, Clone, Copy)]
+struct Capture {
+    device: usize,
+    ptrs: CapturePhilox,
+    /// Blocks the draws recorded so far consumed: the next draw's offset within the graph.
+    consumed: u64,
+}
+
+/// Device addresses of a generator's Philox seed and offset base on one GPU, what the random
+/// kernels of a captured graph read (Note [Philox under graph capture]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CapturePhilox {
+    /// One u64: the seed.
+    pub seed_ptr: u64,
+    /// One u64: the offset of the graph's first draw, rewritten before every replay.
+    pub offset_ptr: u64,
 }
 
 impl Generator {
     /// A generator seeded with `seed`, at offset 0.
     pub fn new(seed: u64) -> Generator {
         Generator {
-            state: Mutex::new(RngState { seed, offset: 0 }),
+            state: Mutex::new(GenState {
+                rng: RngState { seed, offset: 0 },
+                capture: None,
+                slots: Vec::new(),
+            }),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, RngState> {
-        // The state is two integers written together; a poisoned lock still holds a valid one.
+    fn lock(&self) -> MutexGuard<'_, GenState> {
+        // The state is written whole under the lock; a poisoned lock still holds a valid one.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Reseeds with `seed` and rewinds the offset to 0 (`Generator.manual_seed`).
     pub fn manual_seed(&self, seed: u64) -> &Generator {
-        *self.lock() = RngState { seed, offset: 0 };
+        self.lock().rng = RngState { seed, offset: 0 };
         self
     }
 
@@ -103,28 +164,140 @@ impl Generator {
 
     /// The seed this generator was last seeded with (`Generator.initial_seed`).
     pub fn initial_seed(&self) -> u64 {
-        self.lock().seed
+        self.lock().rng.seed
     }
 
     /// The current `(seed, offset)` (`Generator.get_state`).
     pub fn get_state(&self) -> RngState {
-        *self.lock()
+        self.lock().rng
     }
 
     /// Restores a state saved with [`Generator::get_state`] (`Generator.set_state`).
     pub fn set_state(&self, state: RngState) {
-        *self.lock() = state;
+        self.lock().rng = state;
     }
 
     /// Reserves `blocks` counter blocks for one draw: returns the state to draw with and
-    /// advances the offset past them (see Note [Philox stream]). For backends and custom
-    /// kernels; tensor ops call it for you.
+    /// advances the offset past them (see Note [Philox stream]). For custom kernels that take
+    /// the state by value, run eagerly: it ignores a capture in progress (the values would be
+    /// baked into the graph); tensor ops use [`Generator::reserve_draw`].
     pub fn reserve(&self, blocks: u64) -> RngState {
         let mut st = self.lock();
-        let at = *st;
-        st.offset = st.offset.wrapping_add(blocks);
+        let at = st.rng;
+        st.rng.offset = st.rng.offset.wrapping_add(blocks);
         at
     }
+
+    /// Reserves `blocks` counter blocks for one draw and says where its kernels find the
+    /// state: by value, advancing the offset as [`Generator::reserve`], or, while capturing,
+    /// in device memory at the draw's offset within the graph (Note [Philox under graph
+    /// capture]).
+    pub fn reserve_draw(&self, blocks: u64) -> PhiloxState {
+        let mut st = self.lock();
+        match &mut st.capture {
+            Some(c) => {
+                let at = c.consumed;
+                c.consumed = c.consumed.wrapping_add(blocks);
+                PhiloxState::Device {
+                    device: c.device,
+                    seed_ptr: c.ptrs.seed_ptr,
+                    offset_ptr: c.ptrs.offset_ptr,
+                    offset: at,
+                }
+            }
+            None => {
+                let at = st.rng;
+                st.rng.offset = st.rng.offset.wrapping_add(blocks);
+                PhiloxState::Value(at)
+            }
+        }
+    }
+
+    /// Starts recording draws for a CUDA graph on GPU `device` (PyTorch's `capture_prologue`):
+    /// until [`Generator::end_capture`], draws read the seed and offset from device memory
+    /// (Note [Philox under graph capture]). Writes the current seed and offset there (on the
+    /// current stream), so call it before the stream begins capturing. Returns the addresses
+    /// the kernels read.
+    pub fn begin_capture(&self, device: usize) -> Result<CapturePhilox> {
+        let mut st = self.lock();
+        if let Some(c) = &st.capture {
+            return Err(Error::invalid(
+                "Generator::begin_capture",
+                format!("the generator is already capturing on cuda:{}", c.device),
+            ));
+        }
+        let ptrs = write_slots(&mut st, device)?;
+        st.capture = Some(Capture {
+            device,
+            ptrs,
+            consumed: 0,
+        });
+        Ok(ptrs)
+    }
+
+    /// Ends the capture begun by [`Generator::begin_capture`] (PyTorch's `capture_epilogue`)
+    /// and returns the counter blocks the recorded draws consume per replay, what
+    /// [`Generator::replay_prologue`] takes. The host offset is where it was at the start.
+    pub fn end_capture(&self) -> Result<u64> {
+        match self.lock().capture.take() {
+            Some(c) => Ok(c.consumed),
+            None => Err(Error::invalid(
+                "Generator::end_capture",
+                "the generator is not capturing (call begin_capture first)",
+            )),
+        }
+    }
+
+    /// True between [`Generator::begin_capture`] and [`Generator::end_capture`].
+    pub fn is_capturing(&self) -> bool {
+        self.lock().capture.is_some()
+    }
+
+    /// Prepares one replay of a graph captured on GPU `device` whose draws consume `increment`
+    /// blocks (PyTorch's `replay_prologue`): writes the current seed and offset to the device
+    /// (on the current stream, so the replay must follow on that stream) and advances the
+    /// offset by `increment`, so the replay draws what an eager run from this state would, and
+    /// the next replay or eager draw draws new numbers.
+    pub fn replay_prologue(&self, device: usize, increment: u64) -> Result<()> {
+        let mut st = self.lock();
+        if st.capture.is_some() {
+            return Err(Error::invalid(
+                "Generator::replay_prologue",
+                "the generator is capturing; end the capture before replaying",
+            ));
+        }
+        if !st.slots.iter().any(|(d, _)| *d == device) {
+            return Err(Error::invalid(
+                "Generator::replay_prologue",
+                format!("the generator never captured on cuda:{device}"),
+            ));
+        }
+        write_slots(&mut st, device)?;
+        st.rng.offset = st.rng.offset.wrapping_add(increment);
+        Ok(())
+    }
+}
+
+/// Writes the seed and the current offset into the device slots of `device` (made on first
+/// use), on the current stream; returns their addresses.
+fn write_slots(st: &mut GenState, device: usize) -> Result<CapturePhilox> {
+    let i = match st.slots.iter().position(|(d, _)| *d == device) {
+        Some(i) => i,
+        None => {
+            st.slots
+                .push((device, CudaStorage::alloc(device, DType::I64, 2)?));
+            st.slots.len() - 1
+        }
+    };
+    let slot = &st.slots[i].1;
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&st.rng.seed.to_ne_bytes());
+    bytes[8..].copy_from_slice(&st.rng.offset.to_ne_bytes());
+    slot.write_pageable(0, &bytes)?;
+    Ok(CapturePhilox {
+        seed_ptr: slot.ptr_at(0),
+        offset_ptr: slot.ptr_at(1),
+    })
 }
 
 impl Default for Generator {
@@ -144,6 +317,7 @@ impl Clone for Generator {
 }
 
 impl fmt::Debug for Generator {
+    // (The capture state is not shown.)
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let st = self.get_state();
         write!(f, "Generator(seed={}, offset={})", st.seed, st.offset)
@@ -246,5 +420,29 @@ mod tests {
         g.reserve(1);
         assert_eq!(c.get_state().offset, 3);
         assert_eq!(g.get_state().offset, 4);
+    }
+
+    #[test]
+    fn eager_draws_take_the_state_by_value() {
+        let g = Generator::new(5);
+        g.reserve(2);
+        assert_eq!(
+            g.reserve_draw(3),
+            PhiloxState::Value(RngState { seed: 5, offset: 2 })
+        );
+        assert_eq!(g.get_state().offset, 5);
+        assert!(!g.is_capturing());
+        assert!(g.end_capture().is_err());
+        assert!(g.replay_prologue(0, 1).is_err());
+        let captured = PhiloxState::Device {
+            device: 0,
+            seed_ptr: 8,
+            offset_ptr: 16,
+            offset: 0,
+        };
+        assert!(matches!(
+            captured.value("randperm"),
+            Err(Error::InvalidArgument { op: "randperm", .. })
+        ));
     }
 }

@@ -66,7 +66,7 @@ fn draw(shape: Shape, dtype: DType, device: Device, dist: Distribution, gen: &Ge
     let n = shape.checked_elements(op)?;
     crate::shape::checked_bytes(op, n, dtype)?;
     crate::memory::set_current_op(op);
-    let state = gen.reserve(dist.blocks(n, dtype));
+    let state = gen.reserve_draw(dist.blocks(n, dtype));
     let storage = Storage::random(device, dtype, n, dist, state)?;
     Ok(Tensor::from_storage(storage, shape))
 }
@@ -168,10 +168,12 @@ impl Tensor {
         Shape::from(n).checked_elements("randperm")?;
         crate::shape::checked_bytes("randperm", n, DType::I64)?;
         crate::memory::set_current_op("randperm");
-        let state = gen.reserve(crate::backend::op::blocks_for(
-            n,
-            crate::backend::op::RANDPERM_PER_BLOCK,
-        ));
+        let state = gen
+            .reserve_draw(crate::backend::op::blocks_for(
+                n,
+                crate::backend::op::RANDPERM_PER_BLOCK,
+            ))
+            .value("randperm")?;
         Ok(Tensor::from_storage(Storage::randperm(device, n, state)?, [n]))
     }
 
@@ -195,7 +197,7 @@ impl Tensor {
     pub fn bernoulli_with(&self, gen: &Generator) -> Result<Tensor> {
         check_float("bernoulli", self.dtype())?;
         let n = self.numel();
-        let state = gen.reserve(Distribution::Bernoulli { p: 0.0 }.blocks(n, self.dtype()));
+        let state = gen.reserve_draw(Distribution::Bernoulli { p: 0.0 }.blocks(n, self.dtype()));
         let storage = self.storage().read().bernoulli(self.layout(), state)?;
         Ok(Tensor::from_storage(storage, self.shape()))
     }
@@ -267,7 +269,7 @@ impl Tensor {
             ));
         }
         let n = self.numel();
-        let state = gen.reserve(dist.blocks(n, self.dtype()));
+        let state = gen.reserve_draw(dist.blocks(n, self.dtype()));
         let fresh = Storage::random(self.device(), self.dtype(), n, dist, state)?;
         let src = Layout::contiguous(self.shape().clone());
         self.storage()

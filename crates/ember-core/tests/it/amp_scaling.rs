@@ -210,6 +210,7 @@ fn scaled_steps_match_plain_steps(device: Device, dtype: DType) {
                 grad_scale: Some(&scale),
                 found_inf: Some(found),
             },
+            None,
         )
         .unwrap();
         if found.item::<f32>().unwrap() != 0.0 {
@@ -260,7 +261,7 @@ fn scaled_steps_match_plain_steps(device: Device, dtype: DType) {
         grad_scale: Some(&scale),
         found_inf: Some(&inf),
     };
-    sgd_scaled_(&p_b, &g_scaled, Some(&b_b), &sgd_cfg(false), skip).unwrap();
+    sgd_scaled_(&p_b, &g_scaled, Some(&b_b), &sgd_cfg(false), skip, None).unwrap();
     assert_eq!(
         before,
         (all_values(&p_b), all_values(&b_b)),
@@ -274,7 +275,7 @@ fn scaled_steps_match_plain_steps(device: Device, dtype: DType) {
             grad_scale: Some(&scale),
             found_inf: Some(&clean),
         };
-        sgd_scaled_(&p_b, &g_scaled, Some(&b_b), &sgd_cfg(false), on).unwrap();
+        sgd_scaled_(&p_b, &g_scaled, Some(&b_b), &sgd_cfg(false), on, None).unwrap();
         assert_eq!(all_values(&p_a), all_values(&p_b), "SGD step {k}");
         assert_eq!(all_values(&b_a), all_values(&b_b), "SGD buffers after step {k}");
     }
@@ -303,7 +304,18 @@ fn scaled_fused_step_errors() {
         found_inf: Some(&found),
     };
     // Host step counts cannot be skipped on the device.
-    let err = adam_scaled_(&p, &g, &m, &v, None, AdamSteps::Host(&[1.0]), &cfg, with_found).unwrap_err();
+    let err = adam_scaled_(
+        &p,
+        &g,
+        &m,
+        &v,
+        None,
+        AdamSteps::Host(&[1.0]),
+        &cfg,
+        with_found,
+        None,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("AdamSteps::Device"), "{err}");
     // Step counts are one-element f32 tensors; flags too.
     let bad_steps = [scalar(0.0, DType::F64, d)];
@@ -315,7 +327,8 @@ fn scaled_fused_step_errors() {
         None,
         AdamSteps::Device(&bad_steps),
         &cfg,
-        with_found
+        with_found,
+        None
     )
     .is_err());
     let steps = [scalar(0.0, DType::F32, d)];
@@ -324,14 +337,30 @@ fn scaled_fused_step_errors() {
         grad_scale: None,
         found_inf: Some(&bad_flag),
     };
-    assert!(adam_scaled_(&p, &g, &m, &v, None, AdamSteps::Device(&steps), &cfg, bad).is_err());
-    assert!(sgd_scaled_(&p, &g, None, &sgd_cfg(false), bad).is_err());
+    assert!(adam_scaled_(&p, &g, &m, &v, None, AdamSteps::Device(&steps), &cfg, bad, None).is_err());
+    assert!(sgd_scaled_(&p, &g, None, &sgd_cfg(false), bad, None).is_err());
     // The flag sharing a storage with a written tensor is refused.
     let alias = GradScaling {
         grad_scale: None,
         found_inf: Some(&steps[0]),
     };
-    assert!(adam_scaled_(&p, &g, &m, &v, None, AdamSteps::Device(&steps), &cfg, alias).is_err());
+    assert!(adam_scaled_(&p, &g, &m, &v, None, AdamSteps::Device(&steps), &cfg, alias, None).is_err());
+    // A device lr is a one-element f64 tensor on the parameters' device.
+    let lr32 = scalar(0.1, DType::F32, d);
+    let no_scaling = GradScaling::default();
+    assert!(adam_scaled_(
+        &p,
+        &g,
+        &m,
+        &v,
+        None,
+        AdamSteps::Device(&steps),
+        &cfg,
+        no_scaling,
+        Some(&lr32)
+    )
+    .is_err());
+    assert!(sgd_scaled_(&p, &g, None, &sgd_cfg(false), no_scaling, Some(&lr32)).is_err());
     // Plain calls are unchanged.
     adam_scaled_(
         &p,
@@ -342,6 +371,7 @@ fn scaled_fused_step_errors() {
         AdamSteps::Device(&steps),
         &cfg,
         GradScaling::default(),
+        None,
     )
     .unwrap();
     assert_eq!(steps[0].item::<f32>().unwrap(), 1.0);
@@ -416,6 +446,7 @@ fn cuda_scaled_fused_steps() {
                 AdamSteps::Device(&steps),
                 &adam_cfg(),
                 s,
+                None,
             )
             .unwrap();
         }

@@ -17,6 +17,27 @@ pub const ALL_DTYPES: [DType; 8] = [
     DType::Bool,
 ];
 
+/// Reads a result back to the host, for tests of errors that CUDA finds on the device (an index
+/// out of range, a bad probability, a negative integer exponent): there the op returns `Ok` and
+/// the error comes from the next call that waits for the device (Note [Deferred device errors]
+/// in ember-core's `cuda/device_errors.rs`), while the CPU returns it from the op itself.
+/// `r.read_back()` is the op's own error, or the error of reading its result back.
+pub trait ReadBack {
+    fn read_back(self) -> Result<Tensor>;
+}
+
+impl ReadBack for Result<Tensor> {
+    fn read_back(self) -> Result<Tensor> {
+        let t = self?;
+        t.to_vec_f64()?;
+        // An empty result reads nothing back (no wait): synchronize to get the error.
+        if let Device::Cuda(i) = t.device() {
+            ember_core::cuda::synchronize(i)?;
+        }
+        Ok(t)
+    }
+}
+
 /// Every device this machine can run tests on: the CPU, plus the first GPU when there is one.
 pub fn devices() -> Vec<Device> {
     let mut devices = vec![Device::Cpu];

@@ -1,7 +1,7 @@
 //! CUDA against the CPU for copies, casts and elementwise ops: every dtype, contiguous,
 //! strided, broadcast and offset views, sizes that do not divide the vector width.
 
-use crate::common::{cpu_vs_cuda, gpu, tolerance, values};
+use crate::common::{cpu_vs_cuda, gpu, tolerance, values, ReadBack};
 use ember_core::ops::binary::BinaryOp;
 use ember_core::{DType, Device, Error, Result, Tensor};
 
@@ -274,7 +274,19 @@ fn errors_on_the_gpu_match_the_cpu() {
     assert!(matches!(b.sub(&b), Err(Error::UnsupportedDType { .. })));
     let i = Tensor::from_vec(vec![2i64, 3], [2], gpu).unwrap();
     let e = Tensor::from_vec(vec![1i64, -1], [2], gpu).unwrap();
-    assert!(matches!(i.pow(&e), Err(Error::InvalidArgument { .. })));
+    // A negative integer exponent is found on the device, reported at the read-back, with the
+    // CPU's message; a scalar one at once (it is known on the host).
+    let err = i.pow(&e).read_back().unwrap_err();
+    let cpu_err = i
+        .to(Device::Cpu)
+        .unwrap()
+        .pow(&e.to(Device::Cpu).unwrap())
+        .unwrap_err();
+    assert_eq!(err.to_string(), cpu_err.to_string());
+    assert!(matches!(err, Error::InvalidArgument { op: "pow", .. }), "{err}");
+    assert!(matches!(i.pow_scalar(-2), Err(Error::InvalidArgument { .. })));
+    // Reported once: the device is usable again.
+    assert_eq!(i.pow(&i).unwrap().to_vec::<i64>().unwrap(), [4, 27]);
     assert!(matches!(
         a.add(&Tensor::ones([4], DType::F32, gpu).unwrap()),
         Err(Error::ShapeMismatch { .. })

@@ -3,7 +3,7 @@
 //! embedding and one_hot, for every dtype, int64 and int32 indices, contiguous, transposed,
 //! sliced and broadcast inputs, empty and large shapes, and the out-of-range errors.
 
-use crate::common::{self, cpu_vs_cuda, values};
+use crate::common::{self, cpu_vs_cuda, values, ReadBack};
 use ember_core::{DType, Device, Error, Tensor};
 
 /// Every dtype ember has.
@@ -282,11 +282,13 @@ fn one_hot_matches_cpu() {
     }
 }
 
-/// Runs `f` on both devices and asserts both fail with the same error.
+/// Runs `f` on both devices and asserts both fail with the same error: on the GPU an index out
+/// of range is found on the device and reported when the result is read back (Note [Deferred
+/// device errors]), so the result is read back there.
 fn same_error(what: &str, f: impl Fn(Device) -> ember_core::Result<Tensor>) -> Error {
     let gpu = common::gpu();
     let e_cpu = f(Device::Cpu).expect_err(what);
-    let e_gpu = f(gpu).expect_err(what);
+    let e_gpu = f(gpu).read_back().expect_err(what);
     assert_eq!(e_cpu.to_string(), e_gpu.to_string(), "{what}");
     assert_eq!(
         std::mem::discriminant(&e_cpu),

@@ -2,7 +2,7 @@
 //! scatter_add, index_add, embedding and one_hot: values (PyTorch's documented examples),
 //! dtypes, errors (never panics) and gradchecks.
 
-use crate::common::{devices, gradcheck, t64, values};
+use crate::common::{devices, gradcheck, t64, values, ReadBack};
 use ember_core::{DType, Device, Error, Tensor};
 
 fn idx(values: &[i64], shape: &[usize], dev: Device) -> Tensor {
@@ -173,7 +173,9 @@ fn embedding_looks_up_rows() {
         let e0 = Tensor::embedding(&Tensor::from_slice(&[1i32], [], dev).unwrap(), &w).unwrap();
         assert_eq!(e0.dims(), &[3]);
         assert_eq!(f64s(&e0), vec![3., 4., 5.]);
-        let err = Tensor::embedding(&idx(&[4], &[1], dev), &w).unwrap_err();
+        let err = Tensor::embedding(&idx(&[4], &[1], dev), &w)
+            .read_back()
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -186,12 +188,16 @@ fn embedding_looks_up_rows() {
             ),
             "{err}"
         );
-        let err = Tensor::embedding(&idx(&[0], &[1], dev), &iota(&[4], dev)).unwrap_err();
+        let err = Tensor::embedding(&idx(&[0], &[1], dev), &iota(&[4], dev))
+            .read_back()
+            .unwrap_err();
         assert!(
             matches!(err, Error::InvalidArgument { op: "embedding", .. }),
             "{err}"
         );
-        let err = Tensor::embedding(&t64(&[0.], &[1], dev), &w).unwrap_err();
+        let err = Tensor::embedding(&t64(&[0.], &[1], dev), &w)
+            .read_back()
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -218,7 +224,7 @@ fn one_hot_matches_f_one_hot() {
         assert_eq!(o5.to_vec::<i64>().unwrap()[5..10], [0, 0, 0, 1, 0]);
         let empty = idx(&[], &[0], dev).one_hot(4).unwrap();
         assert_eq!(empty.dims(), &[0, 4]);
-        let err = x.one_hot(2).unwrap_err();
+        let err = x.one_hot(2).read_back().unwrap_err();
         assert!(
             matches!(
                 err,
@@ -231,18 +237,18 @@ fn one_hot_matches_f_one_hot() {
             ),
             "{err}"
         );
-        let err = idx(&[1, -1], &[2], dev).one_hot(3).unwrap_err();
+        let err = idx(&[1, -1], &[2], dev).one_hot(3).read_back().unwrap_err();
         assert!(matches!(err, Error::IndexOutOfRange { index: -1, .. }), "{err}");
         assert!(matches!(
-            idx(&[], &[0], dev).one_hot(-1).unwrap_err(),
+            idx(&[], &[0], dev).one_hot(-1).read_back().unwrap_err(),
             Error::InvalidArgument { .. }
         ));
         assert!(matches!(
-            x.one_hot(-2).unwrap_err(),
+            x.one_hot(-2).read_back().unwrap_err(),
             Error::InvalidArgument { .. }
         ));
         assert!(matches!(
-            t64(&[1.], &[1], dev).one_hot(2).unwrap_err(),
+            t64(&[1.], &[1], dev).one_hot(2).read_back().unwrap_err(),
             Error::UnsupportedDType { .. }
         ));
     }
@@ -250,9 +256,13 @@ fn one_hot_matches_f_one_hot() {
 
 #[test]
 fn bad_indices_are_errors_not_panics() {
+    // On CUDA an index out of range is reported when the result is read back (`read_back`).
     for dev in devices() {
         let x = iota(&[3, 4], dev);
-        let err = x.index_select(0, &idx(&[0, 3], &[2], dev)).unwrap_err();
+        let err = x
+            .index_select(0, &idx(&[0, 3], &[2], dev))
+            .read_back()
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -266,7 +276,7 @@ fn bad_indices_are_errors_not_panics() {
             "{err}"
         );
         // Negative indices do not wrap (as in PyTorch for these ops).
-        let err = x.index_select(1, &idx(&[-1], &[1], dev)).unwrap_err();
+        let err = x.index_select(1, &idx(&[-1], &[1], dev)).read_back().unwrap_err();
         assert!(
             matches!(
                 err,
@@ -279,7 +289,7 @@ fn bad_indices_are_errors_not_panics() {
             ),
             "{err}"
         );
-        let err = x.gather(1, &idx(&[0, 4], &[1, 2], dev)).unwrap_err();
+        let err = x.gather(1, &idx(&[0, 4], &[1, 2], dev)).read_back().unwrap_err();
         assert!(
             matches!(
                 err,
@@ -291,12 +301,18 @@ fn bad_indices_are_errors_not_panics() {
             ),
             "{err}"
         );
-        let err = x.scatter_value(0, &idx(&[-1], &[1, 1], dev), 1.0).unwrap_err();
+        let err = x
+            .scatter_value(0, &idx(&[-1], &[1, 1], dev), 1.0)
+            .read_back()
+            .unwrap_err();
         assert!(
             matches!(err, Error::IndexOutOfRange { op: "scatter", .. }),
             "{err}"
         );
-        let err = x.scatter_add(0, &idx(&[3], &[1, 1], dev), &x).unwrap_err();
+        let err = x
+            .scatter_add(0, &idx(&[3], &[1, 1], dev), &x)
+            .read_back()
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -309,6 +325,7 @@ fn bad_indices_are_errors_not_panics() {
         );
         let err = x
             .index_add(0, &idx(&[5], &[1], dev), &iota(&[1, 4], dev))
+            .read_back()
             .unwrap_err();
         assert!(
             matches!(
@@ -322,7 +339,7 @@ fn bad_indices_are_errors_not_panics() {
             "{err}"
         );
         // Index dtype, rank and shape checks.
-        let err = x.index_select(0, &t64(&[0.], &[1], dev)).unwrap_err();
+        let err = x.index_select(0, &t64(&[0.], &[1], dev)).read_back().unwrap_err();
         assert!(
             matches!(
                 err,
@@ -335,29 +352,34 @@ fn bad_indices_are_errors_not_panics() {
             "{err}"
         );
         assert!(matches!(
-            x.index_select(0, &idx(&[0, 1], &[1, 2], dev)).unwrap_err(),
+            x.index_select(0, &idx(&[0, 1], &[1, 2], dev))
+                .read_back()
+                .unwrap_err(),
             Error::InvalidArgument { .. }
         ));
         assert!(matches!(
-            x.index_select(2, &idx(&[0], &[1], dev)).unwrap_err(),
+            x.index_select(2, &idx(&[0], &[1], dev)).read_back().unwrap_err(),
             Error::DimOutOfRange { .. }
         ));
         assert!(matches!(
-            x.gather(0, &idx(&[0], &[1], dev)).unwrap_err(),
+            x.gather(0, &idx(&[0], &[1], dev)).read_back().unwrap_err(),
             Error::InvalidArgument { op: "gather", .. }
         ));
-        let err = x.gather(0, &idx(&[0; 5], &[1, 5], dev)).unwrap_err();
+        let err = x.gather(0, &idx(&[0; 5], &[1, 5], dev)).read_back().unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { op: "gather", .. }), "{err}");
         let err = x
             .scatter(0, &idx(&[0; 3], &[1, 3], dev), &iota(&[1, 2], dev))
+            .read_back()
             .unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { op: "scatter", .. }), "{err}");
         let err = x
             .scatter(0, &idx(&[0], &[1, 1], dev), &x.to_dtype(DType::F32).unwrap())
+            .read_back()
             .unwrap_err();
         assert!(matches!(err, Error::DTypeMismatch { op: "scatter", .. }), "{err}");
         let err = x
             .index_add(0, &idx(&[0, 1], &[2], dev), &iota(&[1, 4], dev))
+            .read_back()
             .unwrap_err();
         assert!(
             matches!(err, Error::ShapeMismatch { op: "index_add", .. }),

@@ -10,6 +10,7 @@ mod checkpoint;
 mod conformance;
 mod conv;
 mod cuda;
+mod cuda_capture;
 mod cuda_elementwise;
 mod cuda_graphs;
 mod cuda_index;

@@ -14,14 +14,18 @@
 //! denom = sqrt(v) / sqrt(bias_correction2) + eps
 //! p += -(lr / bias_correction1) * exp_avg / denom        (in place)
 //! ```
-//! `step` is a 0-d f32 tensor: on the CPU and read back each step for CUDA parameters
-//! (PyTorch's default, non-capturable path), until a step under a GradScaler moves it to the
-//! parameter's device, where the fused step advances it and computes the bias corrections from
-//! it without the host (PyTorch's fused Adam; see [`adam_scaled`]).
+//! `step` is a 0-d f32 tensor on the parameter's device (PyTorch's fused and capturable Adam):
+//! the fused step advances it and computes the bias corrections from it on the device, without
+//! the host, and the lr comes from a device tensor too (Note [Learning rate on the device] in
+//! `optim`), so nothing of a CUDA step is passed by value that changes between steps and the
+//! step can be recorded into a CUDA graph. On CUDA the bias corrections then use the device's
+//! `pow`, which may differ from the host's in the last bit of the f64 (PyTorch's fused Adam
+//! does the same). A parameter the fused step does not take (Note [Foreach step functions])
+//! reads its count back to the host, one wait per step.
 
 use super::{
-    check_non_negative, check_params, load_like_param, parse_state_key, zero_grads, GroupLr, Optimizer,
-    StateKey,
+    check_non_negative, check_params, load_like_param, lr_on, parse_state_key, zero_grads, DeviceLr, GroupLr,
+    Optimizer, StateKey,
 };
 use ember_core::fused::{self, AdamStep, AdamSteps, GradScaling};
 use ember_core::{DType, Device, Error, Result, Tensor};
@@ -134,6 +138,20 @@ pub fn adam_scaled(
     decoupled_weight_decay: bool,
     scaling: GradScaling<'_>,
 ) -> Result<()> {
+    adam_with_lr(params, grads, state, config, decoupled_weight_decay, scaling, &[])
+}
+
+/// [`adam_scaled`] whose fused steps read the lr from the tensor of `lrs` on their device, where
+/// there is one (Note [Learning rate on the device] in `optim`); it holds `config.lr`.
+pub(crate) fn adam_with_lr(
+    params: &[Tensor],
+    grads: &[Tensor],
+    state: AdamStateSlices<'_>,
+    config: &AdamConfig,
+    decoupled_weight_decay: bool,
+    scaling: GradScaling<'_>,
+    lrs: &[Tensor],
+) -> Result<()> {
     let n = params.len();
     let amsgrad_len = if config.amsgrad {
         state.max_exp_avg_sqs.len()
@@ -199,7 +217,9 @@ pub fn adam_scaled(
         decoupled_weight_decay,
     };
     for group in groups.fused {
-        let on = super::ScalingOn::new(&scaling, params[group[0]].device())?;
+        let device = params[group[0]].device();
+        let on = super::ScalingOn::new(&scaling, device)?;
+        let lr = lr_on(lrs, device);
         let (on_device, on_host): (Vec<usize>, Vec<usize>) = group.iter().partition(|&&i| device_counted(i));
         let on_host: Vec<usize> = on_host.into_iter().filter(|&i| host_steps_on(i)).collect();
         for (part, device_steps) in [(on_device, true), (on_host, false)] {
@@ -229,6 +249,7 @@ pub fn adam_scaled(
                 counts,
                 &step,
                 scaling,
+                lr,
             )?;
         }
     }
@@ -307,7 +328,7 @@ struct ParamState {
 impl ParamState {
     fn new(param: &Tensor, amsgrad: bool) -> Result<ParamState> {
         Ok(ParamState {
-            step: Tensor::scalar(0.0, DType::F32, Device::Cpu)?,
+            step: Tensor::scalar(0.0, DType::F32, param.device())?,
             exp_avg: param.zeros_like()?,
             exp_avg_sq: param.zeros_like()?,
             max_exp_avg_sq: if amsgrad { Some(param.zeros_like()?) } else { None },
@@ -320,6 +341,7 @@ struct AdamCore {
     params: Vec<Tensor>,
     config: AdamConfig,
     group: GroupLr,
+    device_lr: DeviceLr,
     state: Vec<Option<ParamState>>,
     decoupled: bool,
 }
@@ -336,6 +358,7 @@ impl AdamCore {
                 lr: config.lr,
                 initial_lr: None,
             },
+            device_lr: DeviceLr::default(),
             state: (0..n).map(|_| None).collect(),
             decoupled,
         })
@@ -348,9 +371,8 @@ impl AdamCore {
         }
     }
 
-    /// One step of every parameter with a gradient, under `scaling`. A scaled step (one with a
-    /// found-inf flag) first moves the step counts of CUDA parameters to their device (see
-    /// [`adam_scaled`]).
+    /// One step of every parameter with a gradient, under `scaling`. Step counts live on their
+    /// parameter's device (one loaded from a state dict is moved there on its first step).
     fn step_with(&mut self, scaling: GradScaling<'_>) -> Result<()> {
         let amsgrad = self.config.amsgrad;
         let (mut params, mut grads) = (Vec::new(), Vec::new());
@@ -365,8 +387,8 @@ impl AdamCore {
             if amsgrad && s.max_exp_avg_sq.is_none() {
                 s.max_exp_avg_sq = Some(p.zeros_like()?);
             }
-            if scaling.found_inf.is_some() && s.step.device() != p.device() {
-                // Once, for the first scaled step: a 4-byte copy that does not wait.
+            if s.step.device() != p.device() {
+                // Once (a loaded count): a 4-byte copy that does not wait.
                 s.step = s.step.to(p.device())?;
             }
             params.push(p.clone());
@@ -384,7 +406,16 @@ impl AdamCore {
             max_exp_avg_sqs: &maxes,
             state_steps: &steps,
         };
-        adam_scaled(&params, &grads, state, &self.config(), self.decoupled, scaling)
+        let lrs = self.device_lr.for_params(&params, self.group.lr)?;
+        adam_with_lr(
+            &params,
+            &grads,
+            state,
+            &self.config(),
+            self.decoupled,
+            scaling,
+            &lrs,
+        )
     }
 
     fn state_dict(&self) -> Vec<(String, Tensor)> {
@@ -477,6 +508,7 @@ impl AdamCore {
         }
         self.state = states;
         self.group = group;
+        self.device_lr.set(group.lr);
         Ok(())
     }
 }
@@ -533,6 +565,7 @@ macro_rules! adam_optimizer {
 
             fn set_lr(&mut self, lr: f64) {
                 self.0.group.lr = lr;
+                self.0.device_lr.set(lr);
             }
 
             fn initial_lr(&self) -> Option<f64> {

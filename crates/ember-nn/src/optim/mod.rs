@@ -32,6 +32,16 @@
 //! device, except `step`, which may come from any device) and replaces the whole state, so
 //! later steps never write into the caller's tensors.
 //!
+//! Note [Learning rate on the device]: [`SGD`], [`Adam`] and [`AdamW`] keep their learning rate
+//! on the host (`lr()`, the state dict) and, for parameters on a GPU, also in a 0-d f64 tensor
+//! on that GPU (`DeviceLr`) that the fused steps read there (`lr` of
+//! `ember_core::fused::{adam_scaled_, sgd_scaled_}`). [`Optimizer::set_lr`] (what LR schedulers
+//! call) writes the new value into that tensor on the current stream, so a step recorded into a
+//! CUDA graph uses the lr of the moment it is replayed, and an eager step uses the same bits as
+//! before (Note [Capturable optimizer steps] in ember-core's `cuda/optim.rs`). Adam's step
+//! counts live on the parameter's device for the same reason (see `adam.rs`). CPU parameters
+//! read the host value, as before.
+//!
 //! Note [Steps under a GradScaler]: `ember_nn::amp::GradScaler` steps an optimizer through
 //! [`Optimizer::step_scaled`], handing it the scale the gradients carry (or none when they were
 //! unscaled already) and a found-inf flag, both 0-d f32 tensors on the device. [`SGD`], [`Adam`]
@@ -112,6 +122,53 @@ pub trait Optimizer {
 
     /// Replaces the state with `state` (the format of [`Optimizer::state_dict`]), copying it.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+}
+
+/// The learning rate of an optimizer's param group in device memory: one 0-d f64 tensor per GPU
+/// the group's parameters are on, made on first use (Note [Learning rate on the device]).
+#[derive(Default)]
+pub(crate) struct DeviceLr {
+    tensors: Vec<Tensor>,
+}
+
+impl DeviceLr {
+    /// The tensor holding `lr` on `device`, made now if missing; `None` for the CPU, whose steps
+    /// read the host value.
+    pub(crate) fn on(&mut self, device: Device, lr: f64) -> Result<Option<Tensor>> {
+        if device == Device::Cpu {
+            return Ok(None);
+        }
+        if let Some(t) = self.tensors.iter().find(|t| t.device() == device) {
+            return Ok(Some(t.clone()));
+        }
+        let t = Tensor::scalar(lr, DType::F64, device)?;
+        self.tensors.push(t.clone());
+        Ok(Some(t))
+    }
+
+    /// The tensors for the devices of `params` (made where missing), for one step.
+    pub(crate) fn for_params(&mut self, params: &[Tensor], lr: f64) -> Result<Vec<Tensor>> {
+        let mut out: Vec<Tensor> = Vec::new();
+        for p in params {
+            if out.iter().all(|t| t.device() != p.device()) {
+                out.extend(self.on(p.device(), lr)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `lr` into every tensor, each on its device's current stream (a device-side
+    /// update, ordered before the steps and graph replays enqueued after it). A tensor that
+    /// cannot be written is dropped, so the next step makes a new one holding `lr`.
+    pub(crate) fn set(&mut self, lr: f64) {
+        let _g = ember_core::no_grad();
+        self.tensors.retain(|t| t.fill_(lr).is_ok());
+    }
+}
+
+/// The tensor of `lrs` on `device`, if any.
+pub(crate) fn lr_on(lrs: &[Tensor], device: Device) -> Option<&Tensor> {
+    lrs.iter().find(|t| t.device() == device)
 }
 
 /// The learning rate and `initial_lr` of an optimizer's one param group.

@@ -11,7 +11,10 @@
 //! p += -lr * g                                                               (in place)
 //! ```
 
-use super::{check_non_negative, check_params, parse_state_key, zero_grads, GroupLr, Optimizer, StateKey};
+use super::{
+    check_non_negative, check_params, lr_on, parse_state_key, zero_grads, DeviceLr, GroupLr, Optimizer,
+    StateKey,
+};
 use ember_core::fused::{self, GradScaling, SgdStep};
 use ember_core::{Error, Result, Tensor};
 
@@ -94,6 +97,19 @@ pub fn sgd_scaled(
     config: &SgdConfig,
     scaling: GradScaling<'_>,
 ) -> Result<()> {
+    sgd_with_lr(params, grads, momentum_buffers, config, scaling, &[])
+}
+
+/// [`sgd_scaled`] whose fused steps read the lr from the tensor of `lrs` on their device, where
+/// there is one (Note [Learning rate on the device] in `optim`); it holds `config.lr`.
+pub(crate) fn sgd_with_lr(
+    params: &[Tensor],
+    grads: &[Tensor],
+    momentum_buffers: &mut [Option<Tensor>],
+    config: &SgdConfig,
+    scaling: GradScaling<'_>,
+    lrs: &[Tensor],
+) -> Result<()> {
     if grads.len() != params.len() || momentum_buffers.len() != params.len() {
         return Err(Error::invalid(
             "sgd",
@@ -162,8 +178,10 @@ pub fn sgd_scaled(
                 maximize: config.maximize,
                 first_step,
             };
-            let on = super::ScalingOn::new(&scaling, ps[0].device())?;
-            fused::sgd_scaled_(&ps, &gs, has_momentum.then_some(&bs[..]), &step, on.get())?;
+            let device = ps[0].device();
+            let on = super::ScalingOn::new(&scaling, device)?;
+            let lr = lr_on(lrs, device);
+            fused::sgd_scaled_(&ps, &gs, has_momentum.then_some(&bs[..]), &step, on.get(), lr)?;
         }
     }
     for &i in &groups.single {
@@ -227,6 +245,7 @@ pub struct SGD {
     params: Vec<Tensor>,
     config: SgdConfig,
     group: GroupLr,
+    device_lr: DeviceLr,
     momentum_buffers: Vec<Option<Tensor>>,
 }
 
@@ -243,6 +262,7 @@ impl SGD {
                 lr: config.lr,
                 initial_lr: None,
             },
+            device_lr: DeviceLr::default(),
             momentum_buffers: vec![None; n],
         })
     }
@@ -276,7 +296,8 @@ impl SGD {
                 index.push(i);
             }
         }
-        sgd_scaled(&params, &grads, &mut bufs, &self.config(), scaling)?;
+        let lrs = self.device_lr.for_params(&params, self.group.lr)?;
+        sgd_with_lr(&params, &grads, &mut bufs, &self.config(), scaling, &lrs)?;
         if self.config.momentum != 0.0 {
             for (i, buf) in index.into_iter().zip(bufs) {
                 self.momentum_buffers[i] = buf;
@@ -316,6 +337,7 @@ impl Optimizer for SGD {
 
     fn set_lr(&mut self, lr: f64) {
         self.group.lr = lr;
+        self.device_lr.set(lr);
     }
 
     fn initial_lr(&self) -> Option<f64> {
@@ -363,6 +385,7 @@ impl Optimizer for SGD {
         }
         self.momentum_buffers = bufs;
         self.group = group;
+        self.device_lr.set(group.lr);
         Ok(())
     }
 }

@@ -541,3 +541,43 @@ fn cuda_dropout_masks_are_bitwise_equal() {
         }
     }
 }
+
+/// Issue 11: dropout drawn while its generator captures a CUDA graph (the mask kernel reads
+/// Philox's seed and offset through device pointers; Note [Philox under graph capture] in
+/// ember-core) equals dropout drawn eagerly, by value, from the same generator state, bitwise,
+/// in every float dtype; the capture reports the blocks the masks consumed.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_dropout_through_device_philox_equals_eager_dropout() {
+    let gpu = crate::common::gpu();
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for p in [0.1, 0.5] {
+            let x = Tensor::ones([1001, 3], dtype, gpu).unwrap();
+            let gen = Generator::new(1234);
+            gen.set_state(ember_core::RngState {
+                seed: 1234,
+                offset: 77,
+            });
+            let start = gen.get_state();
+            let bits = |y: Tensor| -> Vec<u64> {
+                let v = y.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+                v.iter().map(|v| v.to_bits()).collect()
+            };
+            let eager = [
+                bits(F::dropout_with(&x, p, true, &gen).unwrap()),
+                bits(F::dropout_with(&x, p, true, &gen).unwrap()),
+            ];
+            let after = gen.get_state();
+            gen.set_state(start);
+            gen.begin_capture(0).unwrap();
+            let captured = [
+                bits(F::dropout_with(&x, p, true, &gen).unwrap()),
+                bits(F::dropout_with(&x, p, true, &gen).unwrap()),
+            ];
+            let increment = gen.end_capture().unwrap();
+            assert_eq!(captured, eager, "dropout p={p} {dtype}: the masks differ");
+            assert_eq!(increment, after.offset - start.offset, "dropout p={p} {dtype}");
+            assert_eq!(gen.get_state(), start);
+        }
+    }
+}

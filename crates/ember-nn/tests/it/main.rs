@@ -15,6 +15,7 @@ mod functional_loss;
 mod grad_scaler;
 mod loss_modules;
 mod modules;
+mod optim_capture;
 mod pytorch_checkpoints;
 mod recurrent;
 mod recurrent_modules;
