@@ -183,7 +183,7 @@ impl Drop for RelaxedCaptureMode {
 }
 
 /// Ends the capture `a` now: cuStreamEndCapture on the stream it began on (the graph, if any,
-/// destroyed) and the allocator's routing ended. The caller removed `a` from the registry.
+/// destroyed), the allocator's routing and the default generator's capture ended. The caller removed `a` from the registry.
 fn end_now(a: &Active) {
     if let Ok(rt) = runtime(a.device) {
         let mut graph: sys::CUgraph = std::ptr::null_mut();
@@ -195,6 +195,8 @@ fn end_now(a: &Active) {
         }
         rt.allocator.end_allocate_to_pool(a.pool);
     }
+    // Eager draws on the device read their seed and offset by value again.
+    let _ = crate::random::default_generator(crate::Device::Cuda(a.device)).end_capture();
 }
 
 /// Ends graph `graph`'s capture without a graph (its `reset` or drop while capturing); true

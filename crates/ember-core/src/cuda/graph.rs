@@ -20,14 +20,17 @@
 //! - Graphs sharing a pool ([`graph_pool_handle`], or another graph's [`CUDAGraph::pool`]) must be
 //!   replayed in the order they were captured.
 //!
-//! Random ops draw from the generator's (seed, offset) state as captured; fresh numbers per
-//! replay need the generator's capture support (the device-side Philox offset).
+//! Random ops draw through the device's default generator in capture mode: the capture reads
+//! the seed and offset from device memory, and every replay writes them there first and moves
+//! the generator past the draws, so each replay draws new numbers, the ones an eager run from
+//! the same state would (Note [Philox under graph capture] in `random/mod.rs`).
 
 use super::allocator::MempoolId;
 use super::capture;
 use super::runtime::runtime;
 use super::stream::{current_device, current_raw, current_stream, DeviceGuard, Stream, StreamGuard};
-use crate::{Error, Result};
+use crate::random::default_generator;
+use crate::{Device, Error, Result};
 use cudarc::driver::sys;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -116,6 +119,9 @@ pub struct CUDAGraph {
     holds_pool: bool,
     /// Why the last capture produced no graph.
     failure: Option<Error>,
+    /// Philox counter blocks the captured draws consume per replay (Note [Philox under graph
+    /// capture] in `random/mod.rs`).
+    rng_increment: u64,
 }
 
 // SAFETY: a CUgraphExec may be launched and destroyed from any thread with the device's context
@@ -139,6 +145,7 @@ impl CUDAGraph {
             pool: None,
             holds_pool: false,
             failure: None,
+            rng_increment: 0,
         }
     }
 
@@ -194,9 +201,19 @@ impl CUDAGraph {
                 ),
             ));
         }
+        // The device's default generator hands the capture's draws device pointers to its seed
+        // and offset, written now on the stream, before it captures (PyTorch's
+        // `capture_prologue`); each replay writes them anew (`replay`).
+        let generator = default_generator(Device::Cuda(device));
+        if let Err(e) = generator.begin_capture(device) {
+            rt.allocator.end_allocate_to_pool(pool);
+            rt.allocator.release_pool(pool);
+            return Err(e);
+        }
         capture::register(self.serial, device, stream, pool);
         let undo = || {
             capture::unregister(self.serial);
+            let _ = generator.end_capture();
             rt.allocator.end_allocate_to_pool(pool);
             rt.allocator.release_pool(pool);
         };
@@ -265,6 +282,9 @@ impl CUDAGraph {
         // local the driver writes.
         let ended = unsafe { sys::cuStreamEndCapture(stream as sys::CUstream, &mut graph) }.result();
         capture::unregister(self.serial);
+        self.rng_increment = default_generator(Device::Cuda(self.device))
+            .end_capture()
+            .unwrap_or(0);
         if let Some(pool) = self.pool {
             rt.allocator.end_allocate_to_pool(pool);
         }
@@ -343,6 +363,12 @@ impl CUDAGraph {
             }
         };
         runtime(self.device)?;
+        if self.rng_increment > 0 {
+            // The seed and offset this replay's draws read, on the stream it launches on, and the
+            // generator moved past them (PyTorch's `replay_prologue`): every replay draws new
+            // numbers, those an eager run from the same state would draw.
+            default_generator(Device::Cuda(self.device)).replay_prologue(self.device, self.rng_increment)?;
+        }
         // SAFETY: `exec` is a live executable graph of this device, whose context `runtime`
         // bound; the current stream of that device is live. Its memory (the private pool) lives
         // as long as this graph holds it.

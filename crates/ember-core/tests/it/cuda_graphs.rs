@@ -389,3 +389,35 @@ fn two_graphs_share_a_pool() {
         assert_eq!(y2.to_vec::<f32>().unwrap(), last);
     });
 }
+
+/// A captured draw from the device's default generator draws new numbers at every replay: the
+/// numbers 3 eager runs from the same seed draw, in order, and the generator ends where theirs
+/// did (the graph's capture and replay prologues, Note [Philox under graph capture]).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn replays_draw_what_eager_runs_draw_from_the_default_generator() {
+    in_own_process(
+        "replays_draw_what_eager_runs_draw_from_the_default_generator",
+        || {
+            let gpu = Device::Cuda(0);
+            let x = Tensor::ones([4099], DType::F32, gpu).unwrap();
+            let region = || Tensor::rand([4099], DType::F32, gpu).unwrap().add(&x).unwrap();
+            warm_up(|| drop(region()));
+            ember_core::manual_seed(5).unwrap();
+            let eager: Vec<Vec<f32>> = (0..3).map(|_| region().to_vec::<f32>().unwrap()).collect();
+            let after = ember_core::default_generator(gpu).get_state();
+            ember_core::manual_seed(5).unwrap();
+            let mut g = CUDAGraph::new();
+            let y = {
+                let _capture = cuda::graph(&mut g).unwrap();
+                region()
+            };
+            for (i, expected) in eager.iter().enumerate() {
+                g.replay().unwrap();
+                assert_eq!(&y.to_vec::<f32>().unwrap(), expected, "replay {i}");
+            }
+            assert_ne!(eager[0], eager[1]);
+            assert_eq!(ember_core::default_generator(gpu).get_state(), after);
+        },
+    );
+}
