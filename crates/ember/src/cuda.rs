@@ -133,9 +133,12 @@ mod tests {
     #[test]
     fn current_device_forms_agree_with_the_explicit_ones() {
         // Without a GPU every statistic is zero and synchronize is a typed error, not a panic.
-        assert_eq!(memory_allocated(), memory_allocated_on(current_device()));
-        assert_eq!(memory_summary(), memory_summary_on(current_device()));
-        assert_eq!(memory_stats(), memory_stats_on(current_device()));
+        // With one, other tests of this binary allocate concurrently: the two forms agree when
+        // nothing allocates between the two reads, which some of 100 tries catch.
+        let dev = current_device();
+        assert!((0..100).any(|_| memory_allocated() == memory_allocated_on(dev)));
+        assert!((0..100).any(|_| memory_summary() == memory_summary_on(dev)));
+        assert!((0..100).any(|_| memory_stats() == memory_stats_on(dev)));
         if !is_available() {
             assert!(synchronize().is_err() && synchronize_on(0).is_err());
         }

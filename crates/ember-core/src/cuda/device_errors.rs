@@ -28,10 +28,13 @@
 //! So on CUDA an out-of-range index is an error at the next read-back, not at the op: the
 //! caller sees it where it reads a result, which may be an op or two later (PyTorch reports its
 //! device-side asserts the same way, asynchronously, but then the context is lost; here the
-//! error is reported once and the device stays usable). The record is per device, not per
-//! stream: a synchronizing call reports any error recorded on its device that it finds, even
-//! one of work on another stream that has finished meanwhile. Errors recorded while nobody
-//! synchronizes are reported together as the first of them. The record lives as long as the
+//! error is reported once and the device stays usable). Each host thread has a record (and a
+//! doorbell word) of its own on each device, a slot of [`SLOTS`]: a launch records into the
+//! slot of the thread that launched it, and a synchronizing call reads and clears its own
+//! thread's slot only, so an error is reported to the thread whose op it was and never to
+//! another thread working on the same device (threads beyond [`SLOTS`] share slots). Errors
+//! of one thread recorded before it synchronizes are reported as the first of them. A captured
+//! graph records into the slot of the thread that captured it. The records live as long as the
 //! process, is allocated when the device's runtime is created (never during a capture), and
 //! its address, the op code and a launch number are plain kernel arguments, so a captured
 //! graph records errors exactly like eager launches do.
@@ -84,6 +87,19 @@ pub(crate) struct ErrorCheck {
 
 // SAFETY: repr(C) with the field order, types and size of the prelude's `ErrorCheck`.
 unsafe impl KernelParam for ErrorCheck {}
+
+/// Error records (and doorbell words) per device: one per host thread, up to this many threads
+/// (Note [Deferred device errors]).
+pub(crate) const SLOTS: usize = 256;
+
+/// The calling thread's slot.
+fn slot() -> usize {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static SLOT: usize = (NEXT.fetch_add(1, Ordering::Relaxed) as usize) % SLOTS;
+    }
+    SLOT.with(|s| *s)
+}
 
 /// The op names and kinds kernels record, by code (code `i + 1` is entry `i`; 0 means none).
 static REGISTRY: Mutex<Vec<(&'static str, Kind)>> = Mutex::new(Vec::new());
@@ -140,21 +156,21 @@ fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error
     }
 }
 
-/// One device's error record, its doorbell and the private stream the record is read on.
+/// One device's error records (a slot per thread), their doorbells and the private stream the
+/// records are read on.
 pub(crate) struct DeviceErrors {
-    /// Device address of the [`Record`].
+    /// Device address of the first of [`SLOTS`] [`Record`]s.
     record: u64,
-    /// The doorbell word (pinned, mapped into the device's address space): host and device
-    /// addresses; `None` where the driver could not map host memory.
+    /// The first of [`SLOTS`] doorbell words (pinned, mapped into the device's address space):
+    /// host and device addresses; `None` where the driver could not map host memory.
     doorbell: Option<(usize, u64)>,
     /// A non-blocking stream of this device's context, for reading and clearing the record
     /// without waiting for any other stream.
     stream: u64,
     /// Launch numbers handed out (`ErrorCheck::launch`).
     launches: AtomicU64,
-    /// Without a doorbell: the number of launches made before the last clean read. Held while
-    /// reading and clearing, so that one caller reports each error.
-    reading: Mutex<u64>,
+    /// Without a doorbell: per slot, the number of launches made before its last clean read.
+    reading: Mutex<Vec<u64>>,
 }
 
 // SAFETY: the addresses are of allocations that live (and stay in place) for the process; the
@@ -165,7 +181,7 @@ unsafe impl Sync for DeviceErrors {}
 impl DeviceErrors {
     /// The record (zeroed) and doorbell of the device whose context is current on this thread.
     pub(crate) fn new() -> Result<DeviceErrors> {
-        let bytes = std::mem::size_of::<Record>();
+        let bytes = SLOTS * std::mem::size_of::<Record>();
         // SAFETY: plain allocations in the current context, kept for the life of the process;
         // the record is zeroed before any kernel can see its address.
         unsafe {
@@ -178,7 +194,7 @@ impl DeviceErrors {
                 doorbell: mapped_doorbell(),
                 stream: stream as u64,
                 launches: AtomicU64::new(0),
-                reading: Mutex::new(0),
+                reading: Mutex::new(vec![0; SLOTS]),
             })
         }
     }
@@ -186,9 +202,10 @@ impl DeviceErrors {
     /// The kernel argument for one launch of `op` that checks its input for errors of `kind`,
     /// with the dim and size an index error names (0 for the other kinds).
     pub(crate) fn check_args(&self, op: &'static str, kind: Kind, dim: usize, size: usize) -> ErrorCheck {
+        let slot = slot();
         ErrorCheck {
-            record: self.record,
-            doorbell: self.doorbell.map_or(0, |(_, device)| device),
+            record: self.record + (slot * std::mem::size_of::<Record>()) as u64,
+            doorbell: self.doorbell.map_or(0, |(_, device)| device + 4 * slot as u64),
             launch: self.launches.fetch_add(1, Ordering::Relaxed) + 1,
             code: code_of(op, kind),
             pad: 0,
@@ -199,24 +216,28 @@ impl DeviceErrors {
 
     /// Whether an error may have been recorded since the last read: the doorbell, or, without
     /// one, whether checked launches were made since the last clean read (`read_upto`).
-    fn may_have_error(&self, read_upto: u64) -> bool {
+    fn may_have_error(&self, slot: usize, read_upto: u64) -> bool {
         match self.doorbell {
-            // SAFETY: the doorbell is a live, aligned u32 of pinned host memory that kernels write.
-            Some((host, _)) => unsafe { std::ptr::read_volatile(host as *const u32) != 0 },
+            // SAFETY: the slot's doorbell is a live, aligned u32 of pinned host memory that
+            // kernels write (`slot < SLOTS`).
+            Some((host, _)) => unsafe { std::ptr::read_volatile((host as *const u32).add(slot)) != 0 },
             None => self.launches.load(Ordering::Acquire) != read_upto,
         }
     }
 
-    /// The recorded error, if a kernel recorded one; the record and doorbell are cleared. Free
-    /// when nothing was recorded (one read of host memory).
+    /// The error a kernel launched by this thread recorded, if any; the thread's record and
+    /// doorbell are cleared. Free when nothing was recorded (one read of host memory).
     pub(crate) fn check(&self) -> Result<()> {
-        if self.doorbell.is_some() && !self.may_have_error(0) {
+        let slot = slot();
+        if self.doorbell.is_some() && !self.may_have_error(slot, 0) {
             return Ok(());
         }
-        let mut read_upto = self.reading.lock().unwrap_or_else(|e| e.into_inner());
-        if !self.may_have_error(*read_upto) {
-            return Ok(()); // another thread reported it, or nothing was launched since
+        let mut reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let read_upto = &mut reading[slot];
+        if !self.may_have_error(slot, *read_upto) {
+            return Ok(()); // nothing was launched since the last clean read
         }
+        let at = self.record + (slot * std::mem::size_of::<Record>()) as u64;
         let launched = self.launches.load(Ordering::Acquire);
         let mut record = [Record::default()];
         let s = self.stream as sys::CUstream;
@@ -230,10 +251,10 @@ impl DeviceErrors {
             // they find already recorded). One recorded between the read and the clear is lost,
             // a later error than the one reported.
             if let Some((host, _)) = self.doorbell {
-                std::ptr::write_volatile(host as *mut u32, 0);
+                std::ptr::write_volatile((host as *mut u32).add(slot), 0);
             }
-            result::memcpy_dtoh_async(&mut record[..], self.record, s)
-                .and_then(|_| result::memset_d8_async(self.record, 0, std::mem::size_of::<Record>(), s))
+            result::memcpy_dtoh_async(&mut record[..], at, s)
+                .and_then(|_| result::memset_d8_async(at, 0, std::mem::size_of::<Record>(), s))
                 .and_then(|_| result::stream::synchronize(s))
                 .map_err(cuda_error("device error check"))?;
         }
@@ -245,8 +266,8 @@ impl DeviceErrors {
     }
 }
 
-/// An 8-byte doorbell in pinned host memory mapped into the current context's address space
-/// (host and device addresses, zeroed), or `None` where the driver cannot map host memory.
+/// [`SLOTS`] doorbell words in pinned host memory mapped into the current context's address
+/// space (host and device addresses, zeroed), or `None` where the driver cannot map host memory.
 fn mapped_doorbell() -> Option<(usize, u64)> {
     let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
     // SAFETY: a plain pinned allocation, kept for the life of the process (or freed below when
@@ -254,12 +275,12 @@ fn mapped_doorbell() -> Option<(usize, u64)> {
     unsafe {
         sys::cuMemHostAlloc(
             &mut host,
-            8,
+            4 * SLOTS,
             sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
         )
         .result()
         .ok()?;
-        std::ptr::write_volatile(host.cast::<u64>(), 0);
+        std::ptr::write_bytes(host.cast::<u8>(), 0, 4 * SLOTS);
         let mut device: sys::CUdeviceptr = 0;
         if sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
             .result()

@@ -28,6 +28,36 @@ fn waits<T>(f: impl FnOnce() -> T) -> (T, u64) {
     (out, cuda::host_sync_count() - before)
 }
 
+/// Runs `body` in a child process running only test `name` (`cuda_capture::<name>`): a capture
+/// in the default (global) mode makes the CUDA calls of every other thread of the process that
+/// are unsafe during capture fail while it lasts, and a graph capture drives the default
+/// generator of its device, which other tests draw from.
+fn in_own_process(name: &str, body: fn()) {
+    common::gpu();
+    if std::env::var_os("EMBER_CAPTURE_CHILD").is_some() {
+        body();
+        println!("EMBER_CAPTURE_CHILD_PASSED");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            &format!("cuda_capture::{name}"),
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("EMBER_CAPTURE_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("EMBER_CAPTURE_CHILD_PASSED"),
+        "child {name} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn an_index_out_of_range_is_reported_at_the_next_synchronize() {
@@ -283,6 +313,13 @@ fn draws_through_device_pointers_equal_draws_by_value() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_captured_draw_draws_new_numbers_at_every_replay() {
+    in_own_process(
+        "a_captured_draw_draws_new_numbers_at_every_replay",
+        a_captured_draw_draws_new_numbers_at_every_replay_body,
+    );
+}
+
+fn a_captured_draw_draws_new_numbers_at_every_replay_body() {
     let gpu = common::gpu();
     let n = 10_000;
     let gen = Generator::new(11);
@@ -334,6 +371,13 @@ fn a_captured_draw_draws_new_numbers_at_every_replay() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn an_index_error_in_a_replayed_graph_is_reported_at_the_next_synchronize() {
+    in_own_process(
+        "an_index_error_in_a_replayed_graph_is_reported_at_the_next_synchronize",
+        an_index_error_in_a_replayed_graph_is_reported_at_the_next_synchronize_body,
+    );
+}
+
+fn an_index_error_in_a_replayed_graph_is_reported_at_the_next_synchronize_body() {
     let gpu = common::gpu();
     let x = iota(10, 3, gpu);
     let i = idx(&[1, 2, 3], gpu);
@@ -375,6 +419,13 @@ fn an_index_error_in_a_replayed_graph_is_reported_at_the_next_synchronize() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_captured_optimizer_step_follows_the_lr_between_replays() {
+    in_own_process(
+        "a_captured_optimizer_step_follows_the_lr_between_replays",
+        a_captured_optimizer_step_follows_the_lr_between_replays_body,
+    );
+}
+
+fn a_captured_optimizer_step_follows_the_lr_between_replays_body() {
     let gpu = common::gpu();
     let lrs = [0.1, 0.01, 0.05, 0.2];
     let sizes = [5usize, 4096 + 3, 70];
