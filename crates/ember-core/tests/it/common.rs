@@ -58,6 +58,37 @@ pub fn gpu() -> Device {
     Device::Cuda(0)
 }
 
+/// Runs `body` in a process of its own: this test binary re-run filtered to the test `path`
+/// (`module::test_name`, the caller's own path) with `EMBER_TEST_CHILD` set to it, where the
+/// call runs `body`; the parent asserts the child passed. For tests that need what concurrent
+/// tests of the binary disturb: exact memory statistics, the default generators' streams, a
+/// CUDA graph capture (whose global mode fails other threads' unsafe calls).
+pub fn in_own_process(path: &str, body: impl FnOnce()) {
+    const CHILD: &str = "EMBER_TEST_CHILD";
+    if std::env::var(CHILD).as_deref() == Ok(path) {
+        body();
+        println!("EMBER_TEST_CHILD_PASSED");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary has a path"))
+        .args([
+            "--exact",
+            path,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, path)
+        .output()
+        .expect("the test binary runs again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("EMBER_TEST_CHILD_PASSED"),
+        "child {path} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Runs `f` on the CPU and on the GPU and asserts the results agree (same shape and dtype,
 /// values within `rtol`/`atol`, NaNs in the same places).
 pub fn cpu_vs_cuda(what: &str, rtol: f64, atol: f64, f: impl Fn(Device) -> Result<Tensor>) {

@@ -34,28 +34,7 @@ fn waits<T>(f: impl FnOnce() -> T) -> (T, u64) {
 /// generator of its device, which other tests draw from.
 fn in_own_process(name: &str, body: fn()) {
     common::gpu();
-    if std::env::var_os("EMBER_CAPTURE_CHILD").is_some() {
-        body();
-        println!("EMBER_CAPTURE_CHILD_PASSED");
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &format!("cuda_capture::{name}"),
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EMBER_CAPTURE_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("EMBER_CAPTURE_CHILD_PASSED"),
-        "child {name} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::in_own_process(&format!("cuda_capture::{name}"), body);
 }
 
 #[test]

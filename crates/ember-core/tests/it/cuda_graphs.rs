@@ -1,7 +1,6 @@
 //! CUDA graphs: capture, replay, private memory pools, and what a capture refuses.
 //!
-//! Each GPU test that captures runs its body in a child process of its own (the test binary
-//! re-run filtered to that test, with `EMBER_GRAPH_CHILD=1`): exact memory statistics need a
+//! Each GPU test that captures runs its body in a process of its own (`common::in_own_process`): exact memory statistics need a
 //! process where no other test allocates, and a capture in the default (global) mode makes
 //! "unsafe" CUDA calls of every other thread of the process fail while it lasts.
 
@@ -14,28 +13,7 @@ const MIB: usize = 1 << 20;
 /// Runs `body` in a child process running only test `name` (`cuda_graphs::<name>`).
 fn in_own_process(name: &str, body: fn()) {
     gpu();
-    if std::env::var_os("EMBER_GRAPH_CHILD").is_some() {
-        body();
-        println!("EMBER_GRAPH_CHILD_PASSED");
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &format!("cuda_graphs::{name}"),
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EMBER_GRAPH_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains("EMBER_GRAPH_CHILD_PASSED"),
-        "child {name} failed:\n{stdout}\n{stderr}"
-    );
+    crate::common::in_own_process(&format!("cuda_graphs::{name}"), body);
 }
 
 /// The captured region of most tests: `y = x * 2 + 1` (the intermediate `x * 2` is freed during

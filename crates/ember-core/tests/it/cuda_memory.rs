@@ -1,8 +1,8 @@
 //! The caching allocator, pinned memory, streams and events on a real GPU.
 //!
 //! Exact memory statistics need a process of their own (other tests allocate concurrently),
-//! so `allocator_statistics_in_a_fresh_process` runs its body in a child process: the test
-//! binary re-runs itself filtered to this one test with `EMBER_MEMORY_CHILD=1`.
+//! so `allocator_statistics_in_a_fresh_process` runs its body in a process of its own
+//! (`common::in_own_process`).
 
 use crate::common::gpu;
 use ember_core::cuda::{self, Event, Stream};
@@ -14,27 +14,9 @@ const MIB: usize = 1 << 20;
 #[ignore = "needs a CUDA device"]
 fn allocator_statistics_in_a_fresh_process() {
     gpu();
-    if std::env::var_os("EMBER_MEMORY_CHILD").is_some() {
-        allocator_statistics_body();
-        println!("EMBER_MEMORY_CHILD_PASSED");
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "cuda_memory::allocator_statistics_in_a_fresh_process",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EMBER_MEMORY_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains("EMBER_MEMORY_CHILD_PASSED"),
-        "child failed:\n{stdout}\n{stderr}"
+    crate::common::in_own_process(
+        "cuda_memory::allocator_statistics_in_a_fresh_process",
+        allocator_statistics_body,
     );
 }
 

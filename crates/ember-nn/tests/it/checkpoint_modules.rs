@@ -4,10 +4,9 @@
 //!
 //! The two runs draw their dropout masks from the default generators after the same
 //! `manual_seed`, which other tests of this binary draw from concurrently, so the test runs its
-//! body in a child process of its own (the binary re-run filtered to it with
-//! `EMBER_CHECKPOINT_CHILD=1`).
+//! body in a process of its own (`common::in_own_process`).
 
-use crate::common::devices;
+use crate::common::{devices, in_own_process};
 use ember_core::{DType, Result, Tensor};
 use ember_nn::checkpoint::checkpoint;
 use ember_nn::{Dropout, Forward, Linear, Module, ModuleExt};
@@ -58,27 +57,9 @@ fn gradients(model: &Model, x: &Tensor) -> Result<Vec<Vec<f32>>> {
 
 #[test]
 fn a_borrowed_module_checkpoints_with_the_plain_gradients() {
-    if std::env::var_os("EMBER_CHECKPOINT_CHILD").is_some() {
-        checkpointed_gradients_equal_plain().unwrap();
-        println!("EMBER_CHECKPOINT_CHILD_PASSED");
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "checkpoint_modules::a_borrowed_module_checkpoints_with_the_plain_gradients",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EMBER_CHECKPOINT_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("EMBER_CHECKPOINT_CHILD_PASSED"),
-        "child failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    in_own_process(
+        "checkpoint_modules::a_borrowed_module_checkpoints_with_the_plain_gradients",
+        || checkpointed_gradients_equal_plain().unwrap(),
     );
 }
 
