@@ -183,7 +183,8 @@ impl Drop for RelaxedCaptureMode {
 }
 
 /// Ends the capture `a` now: cuStreamEndCapture on the stream it began on (the graph, if any,
-/// destroyed), the allocator's routing and the default generator's capture ended. The caller removed `a` from the registry.
+/// destroyed), the allocator's routing and the default generator's capture ended. The caller
+/// removed `a` from the registry.
 fn end_now(a: &Active) {
     if let Ok(rt) = runtime(a.device) {
         let mut graph: sys::CUgraph = std::ptr::null_mut();
