@@ -9,23 +9,11 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_mlp`
 
+use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, Dataset, TensorDataset};
 use ember::nn::optim::{Optimizer, SgdConfig, SGD};
 use ember::nn::{CrossEntropyLoss, Flatten, Forward, Linear, Module, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Result, Tensor};
-
-const CLASSES: [&str; 10] = [
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-];
 
 #[derive(Module)]
 struct NeuralNetwork {
@@ -145,6 +133,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         let _no_grad = ember::no_grad();
         model.forward(&x)?.argmax(Some(1), false)?.item::<i64>()?
     };
-    println!("Predicted: \"{}\", Actual: \"{}\"", CLASSES[pred as usize], CLASSES[y as usize]);
+    println!(
+        "Predicted: \"{}\", Actual: \"{}\"",
+        FashionMnist::CLASSES[pred as usize],
+        FashionMnist::CLASSES[y as usize]
+    );
     Ok(())
 }
