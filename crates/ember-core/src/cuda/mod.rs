@@ -8,7 +8,7 @@
 //! `pinned` (page-locked host memory and its cache), `device_errors` (errors kernels find,
 //! reported at the next synchronizing call),
 //! `stream` (streams, events, current device and stream), `graph` (CUDA graphs: capture and
-//! replay), `capture` (the captures underway and the operations refused during them), `nvrtc`
+//! replay), `graphed` (`make_graphed_callables`), `capture` (the captures underway and the operations refused during them), `nvrtc`
 //! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
 //! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
@@ -30,6 +30,7 @@ mod device;
 mod device_errors;
 mod elementwise;
 mod graph;
+mod graphed;
 mod index;
 mod kernel_units;
 mod kernels;
@@ -58,6 +59,7 @@ pub use graph::{
     graph, graph_pool_handle, graph_with, is_current_stream_capturing, CUDAGraph, CaptureErrorMode,
     GraphCapture, GraphOptions,
 };
+pub use graphed::{make_graphed_callables, Callable, GraphedCallable, GraphedOptions};
 pub use kernel_units::Unit;
 pub use kernels::Module;
 pub use libraries::{library_report, LibraryStatus};

@@ -13,6 +13,7 @@ mod derive;
 mod functional;
 mod functional_loss;
 mod grad_scaler;
+mod graphed_training;
 mod loss_modules;
 mod modules;
 mod optim_capture;
