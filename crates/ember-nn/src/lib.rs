@@ -8,7 +8,9 @@
 //! - `init`: `torch.nn.init`; `state_dict`: load checks and safetensors checkpoints;
 //! - `optim`: optimizers, gradient clipping and LR schedulers (`torch.optim`);
 //! - `amp`: `GradScaler`, dynamic loss scaling for mixed precision (`torch.amp`);
-//! - `checkpoint`: activation checkpointing of a borrowed module (`torch.utils.checkpoint`).
+//! - `checkpoint`: activation checkpointing of a borrowed module (`torch.utils.checkpoint`);
+//! - `graphs`: a module's forward and backward replayed from CUDA graphs
+//!   (`torch.cuda.make_graphed_callables`).
 #![forbid(unsafe_code)]
 
 // `#[derive(Module)]` names this crate `::ember_nn`, also inside it.
@@ -19,6 +21,7 @@ pub mod checkpoint;
 #[doc(hidden)]
 pub mod derive_support;
 pub mod functional;
+pub mod graphs;
 pub mod init;
 pub mod layers;
 pub mod module;

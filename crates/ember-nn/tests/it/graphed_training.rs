@@ -13,6 +13,7 @@ use ember_core::cuda::{self, make_graphed_callables, CUDAGraph, Callable, Graphe
 use ember_core::{DType, Device, Error, Result, Tensor};
 use ember_nn::amp::{GradScaler, GradScalerConfig};
 use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::graphs::make_graphed_module;
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
 use ember_nn::{Dropout, Forward, Linear, ModuleExt, ReLU, Sequential};
 
@@ -307,6 +308,7 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
             let eager = model(false, device);
             let eager_losses = train(&eager, &|x| eager.forward(x));
 
+            // The core form, on a plain function of the module.
             let graphed_model = model(false, device);
             let f = |a: &[Tensor]| graphed_model.forward(&a[0]);
             let graphed = make_graphed_callables(
@@ -323,13 +325,30 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
             assert_eq!(graphed_losses, eager_losses, "losses");
             assert_eq!(bits(&graphed_model), bits(&eager), "parameters");
 
-            // A call with another shape is refused, and the callable still works after.
+            // The module form.
+            let mut module = make_graphed_module(model(false, device), &batch(0, false, device).0).unwrap();
+            let module_losses = train(module.module(), &|x| module.forward(x));
+            assert_eq!(module_losses, eager_losses, "losses of the graphed module");
+            assert_eq!(
+                bits(module.module()),
+                bits(&eager),
+                "parameters of the graphed module"
+            );
+
+            // Another shape is refused while training, and the graphs still work after; in eval
+            // mode the module runs eagerly, any batch size.
             let wrong = Tensor::zeros([3, FEATURES], DType::F32, device).unwrap();
             assert!(matches!(
-                callable.call(&[wrong]),
+                callable.call(&[wrong.clone()]),
+                Err(Error::InvalidArgument { .. })
+            ));
+            assert!(matches!(
+                module.forward(&wrong),
                 Err(Error::InvalidArgument { .. })
             ));
             callable.call(&[batch(0, false, device).0]).unwrap();
+            module.eval();
+            assert_eq!(module.forward(&wrong).unwrap().dims(), &[3, CLASSES]);
         },
     );
 }
