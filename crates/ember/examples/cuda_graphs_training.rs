@@ -59,7 +59,7 @@ fn whole_network(device: Device) -> Result<()> {
         static_loss
     };
 
-    let first = static_loss.item_f64()?;
+    let mut losses = Vec::new();
     for _ in 0..10 {
         // Fills the graph's input memory with new data to compute on.
         static_input.copy_(&static_input.rand_like()?)?;
@@ -68,11 +68,12 @@ fn whole_network(device: Device) -> Result<()> {
         g.replay()?;
         // The parameters are updated; static_y_pred, static_loss and the .grad attributes hold
         // the values of this iteration's data.
+        losses.push(static_loss.item_f64()?);
     }
-    println!(
-        "whole network: 10 replays, loss {first:.4} (the capture's placeholders) -> {:.4}",
-        static_loss.item_f64()?
-    );
+    println!("whole network: 10 replays, losses {losses:.3?}");
+    if losses.iter().any(|l| !l.is_finite()) {
+        return Err(ember::Error::invalid("whole_network", "a replay gave a non-finite loss"));
+    }
     Ok(())
 }
 
