@@ -15,7 +15,10 @@ __device__ __forceinline__ void cast_contig(const S* __restrict__ src, D* __rest
 
 template <typename S, typename D>
 __device__ __forceinline__ void cast_strided(const S* __restrict__ src, D* __restrict__ dst, const Strided& s, i64 n) {
-    EMBER_KERNEL_LOOP(i, n) { dst[strided_offset(s, 1, i)] = cast<D>(src[strided_offset(s, 0, i)]); }
+    EMBER_KERNEL_LOOP(i, n) {
+        Offsets<2> o = strided_offsets<2>(s, i);
+        dst[o.v[1]] = cast<D>(src[o.v[0]]);
+    }
 }
 
 #define EMBER_CAST_TO(D, dname, S, sname)                                                                \

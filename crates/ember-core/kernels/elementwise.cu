@@ -71,7 +71,10 @@ __device__ __forceinline__ void for_each2(const In* __restrict__ a, const In* __
                                           const Strided& s, i64 n, int mode, F f) {
     constexpr int V = 16 / sizeof(In) < 16 ? 16 / sizeof(In) : 16;
     if (mode == 3) {
-        EMBER_KERNEL_LOOP(i, n) { out[i] = f(a[strided_offset(s, 0, i)], b[strided_offset(s, 1, i)]); }
+        EMBER_KERNEL_LOOP(i, n) {
+            Offsets<2> o = strided_offsets<2>(s, i);
+            out[i] = f(a[o.v[0]], b[o.v[1]]);
+        }
         return;
     }
     const In* vec_src = mode == 2 ? b : a;
@@ -217,7 +220,8 @@ EMBER_FOR_ALL_DTYPES(EMBER_COMPARE)
     EMBER_IN_UNIT(where_##name,                                                                               \
     extern "C" __global__ void where_##name(const bool* c, const T* a, const T* b, T* out, Strided s, i64 n) { \
         EMBER_KERNEL_LOOP(i, n) {                                                                             \
-            out[i] = c[strided_offset(s, 2, i)] ? a[strided_offset(s, 0, i)] : b[strided_offset(s, 1, i)];    \
+            Offsets<3> o = strided_offsets<3>(s, i);                                                          \
+            out[i] = c[o.v[2]] ? a[o.v[0]] : b[o.v[1]];                                                       \
         }                                                                                                     \
     })
 EMBER_FOR_ALL_DTYPES(EMBER_WHERE)

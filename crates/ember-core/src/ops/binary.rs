@@ -435,7 +435,8 @@ impl Tensor {
                 let c = SavedTensor::new("where", cond);
                 Ok(move |g: &Tensor, needs: &[bool]| {
                     let c = c.get()?;
-                    let zero = g.zeros_like()?;
+                    // One zero, broadcast by the select (no zeros tensor to fill and read).
+                    let zero = Tensor::scalar(0.0, g.dtype(), g.device())?;
                     let ga = if needs[1] {
                         Some(sum_to_shape(&Tensor::where_cond(c, g, &zero)?, &sa)?)
                     } else {

@@ -132,6 +132,9 @@ fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
     use UnaryOp::*;
     let s = || s.ok_or_else(|| Error::Autograd(format!("{} saved no tensor", op.name())));
     let zeros = || g.zeros_like();
+    // The zero a `where` selects: one element, broadcast, so the select reads no zeros tensor
+    // (and none is filled) beside the gradient.
+    let zero = || Tensor::scalar(0.0, g.dtype(), g.device());
     Ok(match op {
         Neg => g.neg()?,
         Sign | Floor | Ceil | Round | Trunc => zeros()?,
@@ -169,7 +172,7 @@ fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
         // d/dx log σ(x) = σ(-x).
         LogSigmoid => g.mul(&s()?.neg()?.sigmoid()?)?,
         // Saves the output: y > 0 exactly where x > 0 (PyTorch's threshold_backward).
-        Relu => Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &zeros()?)?,
+        Relu => Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &zero()?)?,
         LeakyRelu { negative_slope } => {
             Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &g.mul_scalar(negative_slope)?)?
         }
@@ -187,19 +190,19 @@ fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
         Hardtanh { min, max } => {
             let x = s()?;
             let inside = x.gt_scalar(min)?.logical_and(&x.lt_scalar(max)?)?;
-            Tensor::where_cond(&inside, g, &zeros()?)?
+            Tensor::where_cond(&inside, g, &zero()?)?
         }
         Hardsigmoid => {
             let x = s()?;
             let inside = x.gt_scalar(-3.0)?.logical_and(&x.lt_scalar(3.0)?)?;
-            Tensor::where_cond(&inside, &g.mul_scalar(1.0 / 6.0)?, &zeros()?)?
+            Tensor::where_cond(&inside, &g.mul_scalar(1.0 / 6.0)?, &zero()?)?
         }
         Hardswish => {
             // 0 below -3, x/3 + 1/2 on [-3, 3], 1 above (PyTorch's hardswish_backward).
             let x = s()?;
             let mid = g.mul(&x.mul_scalar(1.0 / 3.0)?.add_scalar(0.5)?)?;
             let upper = Tensor::where_cond(&x.le_scalar(3.0)?, &mid, g)?;
-            Tensor::where_cond(&x.lt_scalar(-3.0)?, &zeros()?, &upper)?
+            Tensor::where_cond(&x.lt_scalar(-3.0)?, &zero()?, &upper)?
         }
         Gelu => {
             // Φ(x) + x φ(x), φ(x) = exp(-x²/2) / √(2π).
