@@ -5,6 +5,10 @@
 //! 9,000 images for training and the last 1,000 for testing; `--data DIR` reads the full
 //! dataset (60,000 train, 10,000 test) from its four IDX files.
 //!
+//! With `--cuda-graph` (GPU only) the training step is captured into a CUDA graph after a few
+//! eager warm-up steps and replayed for every full batch (Note [Graphed training step] in
+//! `train/graph.rs`).
+//!
 //! Checkpoint format: one safetensors file, written atomically (a new file renamed over the
 //! old, so a kill -9 leaves the previous checkpoint or the new one, never half of one) after
 //! every epoch and, with `--checkpoint-every N`, after every N steps. It holds everything a run

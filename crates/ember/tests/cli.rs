@@ -373,10 +373,10 @@ fn bench_graph_workloads_report_an_error_line_on_the_cpu() {
 }
 
 // Note [Graphed training step] of `train/graph.rs`: two epochs of the CNN on the embedded data
-// (70 full batches of 128 and one of 40 per epoch) eagerly, with --cuda-graph, and with
-// --cuda-graph --amp fp16 (the GradScaler inside the graph). The graphed runs replay every full
-// batch after the 3 warm-up steps, train the partial batches eagerly, and reach the eager
-// run's accuracy (the warm-up steps train on real batches, so the runs take the same steps;
+// (70 full batches of 128 and one of 40 per epoch), eagerly and with --cuda-graph, in float32
+// and with --amp fp16 (the GradScaler inside the graph). The graphed runs replay every full
+// batch after the 3 warm-up steps, train the partial batches eagerly, and reach the eager runs'
+// accuracy and loss (the warm-up steps train on real batches, so both take the same steps;
 // cuDNN's convolution algorithms are not deterministic, hence a tolerance).
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -386,30 +386,30 @@ fn train_with_cuda_graph_matches_eager_accuracy_on_cuda() {
         "this test needs a CUDA device; run it on a GPU machine"
     );
     let common = ["--model", "cnn", "--epochs", "2", "--seed", "3"];
-    let eager = train_json_on("cuda", &common);
-    let graphed = train_json_on("cuda", &[&common[..], &["--cuda-graph"]].concat());
-    let amp = train_json_on(
-        "cuda",
-        &[&common[..], &["--cuda-graph", "--amp", "fp16"]].concat(),
-    );
-    assert_eq!(eager["cuda_graph"], false, "{eager}");
-    assert_eq!(eager["graphed_steps"], 0, "{eager}");
-    let eager_acc = eager["test_acc"].as_f64().unwrap();
-    assert!(eager_acc > 0.8, "{eager}");
-    for run in [&graphed, &amp] {
-        assert_eq!(run["cuda_graph"], true, "{run}");
-        assert_eq!(run["graphed_steps"], 2 * 70 - 3, "{run}");
-        assert_eq!(run["samples"], eager["samples"], "{run}");
-        let acc = run["test_acc"].as_f64().unwrap();
+    for amp in [&[][..], &["--amp", "fp16"][..]] {
+        let eager = train_json_on("cuda", &[&common[..], amp].concat());
+        let graphed = train_json_on("cuda", &[&common[..], amp, &["--cuda-graph"]].concat());
+        assert_eq!(eager["cuda_graph"], false, "{eager}");
+        assert_eq!(eager["graphed_steps"], 0, "{eager}");
+        assert_eq!(graphed["cuda_graph"], true, "{graphed}");
+        assert_eq!(graphed["graphed_steps"], 2 * 70 - 3, "{graphed}");
+        assert_eq!(graphed["samples"], eager["samples"], "{graphed}");
+        let (acc, eager_acc) = (
+            graphed["test_acc"].as_f64().unwrap(),
+            eager["test_acc"].as_f64().unwrap(),
+        );
+        assert!(eager_acc > 0.75, "{eager}");
         assert!(
             (acc - eager_acc).abs() <= 0.02,
-            "graphed {acc} vs eager {eager_acc}: {run}"
+            "{amp:?}: graphed {acc} vs eager {eager_acc}: {graphed}"
         );
-        let loss = run["final_loss"].as_f64().unwrap();
-        let eager_loss = eager["final_loss"].as_f64().unwrap();
+        let (loss, eager_loss) = (
+            graphed["final_loss"].as_f64().unwrap(),
+            eager["final_loss"].as_f64().unwrap(),
+        );
         assert!(
             (loss - eager_loss).abs() <= 0.05,
-            "graphed {loss} vs eager {eager_loss}: {run}"
+            "{amp:?}: graphed {loss} vs eager {eager_loss}: {graphed}"
         );
     }
 }
