@@ -10,7 +10,7 @@ use serde_json::{json, Map, Value};
 use std::time::Instant;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 14] = [
+pub const WORKLOADS: [&str; 15] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -18,6 +18,7 @@ pub const WORKLOADS: [&str; 14] = [
     "mlp_large_amp_bf16",
     "mlp_large_amp_fp16",
     "mlp_small_graph",
+    "cnn_graph",
     "gpt2_124m_bf16",
     "matmul_bf16_8192",
     "add_f32_256M",
@@ -110,48 +111,134 @@ struct Amp {
     scaler: bool,
 }
 
-/// The reference's `run_classifier` (no graph): seed 0, the model, then `x = randn(shape)` and
-/// `y = randint(0, classes)` once; each step is `zero_grad` (set to none), forward and mean
-/// cross-entropy (under autocast with `amp`), backward, Adam step (lr 1e-3; through the
-/// GradScaler's scale/step/update when `amp` has one). 50 steps per repeat on a GPU, 20 on the
-/// CPU.
-fn classifier(
-    name: &str,
+/// The state of the reference's `run_classifier` before timing: seed 0, the model, then
+/// `x = randn(shape)` and `y = randint(0, classes)` once, Adam (lr 1e-3), mean cross-entropy
+/// and, under `amp` with a scaler, a GradScaler. The eager and the graphed workloads share it.
+struct Classifier {
     device: Device,
-    build: impl FnOnce(Device) -> Result<Box<dyn Forward>>,
-    shape: &[usize],
-    classes: i64,
+    model: Box<dyn Forward>,
+    x: Tensor,
+    y: Tensor,
+    opt: Adam,
+    scaler: GradScaler,
+    loss_fn: CrossEntropyLoss,
     amp: Option<Amp>,
-) -> Result<Map<String, Value>> {
-    ember::manual_seed(0)?;
-    let model = build(device)?;
-    let x = Tensor::randn(shape, DType::F32, device)?;
-    let y = Tensor::randint(0, classes, [shape[0]], device)?;
-    let mut opt = Adam::new(model.parameters(), AdamConfig::default())?;
-    let mut scaler = GradScaler::new(GradScalerConfig {
-        enabled: amp.is_some_and(|a| a.scaler),
-        ..Default::default()
-    })?;
-    let loss_fn = CrossEntropyLoss::new();
-    let steps = if device == Device::Cpu { 20 } else { 50 };
-    let t = time_steps(device, 10, steps, 5, || {
-        opt.zero_grad()?;
-        let loss = {
-            let _autocast = amp
-                .map(|a| ember::amp::autocast(device.device_type(), a.dtype))
-                .transpose()?;
-            loss_fn.forward(&model.forward(&x)?, &y)?
-        };
-        scaler.scale(&loss)?.backward()?;
-        scaler.step(&mut opt)?;
-        scaler.update(None)
-    })?;
-    let samples = shape[0] as f64 * 1000.0 / t.median;
-    Ok(row(name, &t, 1.0, json!({ "samples_per_s": samples })))
+    batch: usize,
 }
 
-/// `mlp_small`, `mlp_large`, `cnn`, `lstm` or `mlp_large_amp_{bf16,fp16}` (WORKLOADS.md's
-/// training table).
+impl Classifier {
+    fn new(
+        device: Device,
+        build: impl FnOnce(Device) -> Result<Box<dyn Forward>>,
+        shape: &[usize],
+        classes: i64,
+        amp: Option<Amp>,
+    ) -> Result<Classifier> {
+        ember::manual_seed(0)?;
+        let model = build(device)?;
+        let x = Tensor::randn(shape, DType::F32, device)?;
+        let y = Tensor::randint(0, classes, [shape[0]], device)?;
+        let opt = Adam::new(model.parameters(), AdamConfig::default())?;
+        let scaler = GradScaler::new(GradScalerConfig {
+            enabled: amp.is_some_and(|a| a.scaler),
+            ..Default::default()
+        })?;
+        Ok(Classifier {
+            device,
+            model,
+            x,
+            y,
+            opt,
+            scaler,
+            loss_fn: CrossEntropyLoss::new(),
+            amp,
+            batch: shape[0],
+        })
+    }
+
+    /// Forward and mean cross-entropy (under autocast with `amp`), backward, Adam step
+    /// (through the GradScaler's scale/step/update when `amp` has one), on gradients released
+    /// before: the part of a step that a CUDA graph captures.
+    fn forward_backward_step(&mut self) -> Result<()> {
+        let loss = {
+            let _autocast = self
+                .amp
+                .map(|a| ember::amp::autocast(self.device.device_type(), a.dtype))
+                .transpose()?;
+            self.loss_fn.forward(&self.model.forward(&self.x)?, &self.y)?
+        };
+        self.scaler.scale(&loss)?.backward()?;
+        self.scaler.step(&mut self.opt)?;
+        self.scaler.update(None)
+    }
+
+    /// One eager step: `zero_grad` (set to none), then [`Classifier::forward_backward_step`].
+    fn step(&mut self) -> Result<()> {
+        self.opt.zero_grad()?;
+        self.forward_backward_step()
+    }
+
+    /// Steps per timed repeat: 50 on a GPU, 20 on the CPU.
+    fn steps(&self) -> usize {
+        if self.device == Device::Cpu {
+            20
+        } else {
+            50
+        }
+    }
+
+    fn row(&self, name: &str, t: &Timing) -> Map<String, Value> {
+        let samples = self.batch as f64 * 1000.0 / t.median;
+        row(name, t, 1.0, json!({ "samples_per_s": samples }))
+    }
+
+    /// The reference's `run_classifier` without a graph: each timed step is [`Classifier::step`].
+    fn run_eager(mut self, name: &str) -> Result<Map<String, Value>> {
+        let (device, steps) = (self.device, self.steps());
+        let t = time_steps(device, 10, steps, 5, || self.step())?;
+        Ok(self.row(name, &t))
+    }
+
+    /// The reference's `run_classifier(..., graph=True)`: 3 eager steps on a side stream (Adam's
+    /// state, kernel modules and library workspaces exist before the capture), the current
+    /// stream waits for it, the gradients are released (so the captured backward makes them in
+    /// the graph's pool, where they stay, held by the parameters, for every replay), then
+    /// forward, loss, backward and Adam step are captured into a CUDA graph; each timed step is
+    /// one replay. Adam reads its lr and step counts from the device (Note [Learning rate on the
+    /// device] of `ember_nn::optim`), so replays train as eager steps would.
+    fn run_graphed(mut self, name: &str) -> Result<Map<String, Value>> {
+        let Device::Cuda(i) = self.device else {
+            return Err(ember::Error::invalid(
+                "ember bench",
+                format!("{name}: CUDA graphs need a CUDA device"),
+            ));
+        };
+        let _device = cuda::DeviceGuard::new(i)?;
+        let side = cuda::Stream::new(i)?;
+        side.wait_stream(&cuda::current_stream(i)?)?;
+        {
+            let _side = cuda::stream(&side);
+            for _ in 0..3 {
+                self.step()?;
+            }
+        }
+        cuda::current_stream(i)?.wait_stream(&side)?;
+        let mut g = cuda::CUDAGraph::new();
+        self.opt.zero_grad()?;
+        let capture = cuda::graph(&mut g)?;
+        let captured = self.forward_backward_step();
+        // The capture ends before an error of the region is returned; the region's own error
+        // says more than the capture's.
+        let ended = capture.end();
+        captured?;
+        ended?;
+        let t = time_steps(self.device, 10, self.steps(), 5, || g.replay())?;
+        Ok(self.row(name, &t))
+    }
+}
+
+/// `mlp_small`, `mlp_large`, `cnn`, `lstm`, `mlp_large_amp_{bf16,fp16}` or, captured in a CUDA
+/// graph, `mlp_small_graph` and `cnn_graph` (WORKLOADS.md's training table).
 fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
     fn boxed<M: Forward + 'static>(m: Result<M>) -> Result<Box<dyn Forward>> {
         Ok(Box::new(m?))
@@ -167,39 +254,40 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
         }),
         _ => None,
     };
-    match name {
-        "mlp_small" => classifier(
-            name,
+    let classifier = match name {
+        "mlp_small" | "mlp_small_graph" => Classifier::new(
             device,
             |d| boxed(models::mlp(&[2000, 1000, 100], false, d)),
             &[128, 2000],
             100,
             amp,
         ),
-        "mlp_large" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => classifier(
-            name,
+        "mlp_large" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => Classifier::new(
             device,
             |d| boxed(models::mlp(&[10000, 5000, 2000, 10], false, d)),
             &[256, 10000],
             10,
             amp,
         ),
-        "cnn" => classifier(
-            name,
+        "cnn" | "cnn_graph" => Classifier::new(
             device,
             |d| boxed(models::Cnn::new(3, 16, 32, d)),
             &[256, 3, 28, 28],
             10,
             amp,
         ),
-        _ => classifier(
-            name,
+        _ => Classifier::new(
             device,
             |d| boxed(models::LstmClassifier::new(256, 512, 2, 10, d)),
             &[64, 128, 256],
             10,
             amp,
         ),
+    }?;
+    if name.ends_with("_graph") {
+        classifier.run_graphed(name)
+    } else {
+        classifier.run_eager(name)
     }
 }
 
@@ -265,6 +353,8 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
         "mlp_small" | "mlp_large" | "cnn" | "lstm" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => {
             training(name, device)
         }
+        "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
+        "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
         "matmul_bf16_8192" if gpu => matmul_bf16(device),
         "add_f32_256M" if gpu => add_f32(device),
         "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
@@ -272,9 +362,7 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
         "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
             return Err("kernel workloads run on CUDA devices only".into())
         }
-        _ if WORKLOADS.contains(&name) => {
-            return Err("not implemented yet: needs CUDA graphs or the GPT-2 model".into())
-        }
+        _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
         _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
     };
     outcome.map_err(|e| e.to_string())

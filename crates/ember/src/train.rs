@@ -5,6 +5,10 @@
 //! 9,000 images for training and the last 1,000 for testing; `--data DIR` reads the full
 //! dataset (60,000 train, 10,000 test) from its four IDX files.
 //!
+//! With `--cuda-graph` (GPU only) the training step is captured into a CUDA graph after a few
+//! eager warm-up steps and replayed for every full batch (Note [Graphed training step] in
+//! `train/graph.rs`).
+//!
 //! Checkpoint format: one safetensors file, written atomically (a new file renamed over the
 //! old, so a kill -9 leaves the previous checkpoint or the new one, never half of one) after
 //! every epoch and, with `--checkpoint-every N`, after every N steps. It holds everything a run
@@ -26,6 +30,8 @@
 //! uninterrupted run, and the final weights are bitwise equal (the CPU kernels are
 //! deterministic; on a GPU, with deterministic algorithms). `tests/cli.rs` kills runs with
 //! SIGKILL at random points and checks this.
+
+mod graph;
 
 use crate::models;
 use clap::{Args, ValueEnum};
@@ -153,6 +159,12 @@ pub struct TrainArgs {
     /// float32.
     #[arg(long, value_enum)]
     amp: Option<AmpMode>,
+    /// Capture the training step (forward, loss, backward, Adam step, and the GradScaler's with
+    /// --amp fp16) into a CUDA graph after a few eager warm-up steps, and replay it for every
+    /// full batch: one launch per step instead of one per op. GPU only; a last partial batch
+    /// and the evaluation run eagerly.
+    #[arg(long)]
+    cuda_graph: bool,
 }
 
 /// `--amp`: the autocast dtype.
@@ -168,6 +180,47 @@ impl AmpMode {
             AmpMode::Bf16 => DType::BF16,
             AmpMode::Fp16 => DType::F16,
         }
+    }
+}
+
+/// What one training step works on, borrowed for that step.
+struct Step<'a> {
+    model: &'a dyn Forward,
+    loss_fn: &'a CrossEntropyLoss,
+    opt: &'a mut Adam,
+    scaler: &'a mut GradScaler,
+    amp: Option<AmpMode>,
+    device: Device,
+}
+
+impl Step<'_> {
+    /// Releases the gradients (`zero_grad`, set to none).
+    fn zero_grad(&mut self) -> ember::Result<()> {
+        self.opt.zero_grad()
+    }
+
+    /// Forward and loss (under autocast with `--amp`), backward, and the Adam step through the
+    /// GradScaler (scale, step, update; pass-throughs without `--amp fp16`), on gradients
+    /// released before: what a CUDA graph captures. Returns the loss.
+    fn forward_backward_step(&mut self, x: &Tensor, y: &Tensor) -> ember::Result<Tensor> {
+        let loss = {
+            let _autocast = self
+                .amp
+                .map(|a| ember::amp::autocast(self.device.device_type(), a.dtype()))
+                .transpose()?;
+            self.loss_fn.forward(&self.model.forward(x)?, y)?
+        };
+        self.scaler.scale(&loss)?.backward()?;
+        self.scaler.step(self.opt)?;
+        self.scaler.update(None)?;
+        Ok(loss)
+    }
+
+    /// One eager step on `x`, `y` (on the device): `zero_grad`, then
+    /// [`Step::forward_backward_step`].
+    fn eager(&mut self, x: &Tensor, y: &Tensor) -> ember::Result<Tensor> {
+        self.zero_grad()?;
+        self.forward_backward_step(x, y)
     }
 }
 
@@ -449,6 +502,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     if args.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }
+    let mut graphed = if args.cuda_graph {
+        Some(graph::GraphedSteps::new(device, args.batch_size)?)
+    } else {
+        None
+    };
     let (train, test, data_name) = load_data(args.data.as_deref(), args.limit_train)?;
     let n_train = train.tensors()[1].dims()[0];
 
@@ -503,7 +561,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         ));
     } else {
         say(format!(
-            "training {} ({} parameters) on {device}: {} ({n_train} train, {} test samples), epochs {}..={}{}",
+            "training {} ({} parameters) on {device}: {} ({n_train} train, {} test samples), epochs {}..={}{}{}",
             kind.name(),
             model.num_parameters(),
             data_name,
@@ -514,12 +572,22 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 format!(" (resuming after step {} of epoch {})", resumed.step, done + 1)
             } else {
                 String::new()
+            },
+            if args.cuda_graph {
+                format!(
+                    ", the step in a CUDA graph after {} eager warm-up steps",
+                    graph::WARMUP_STEPS
+                )
+            } else {
+                String::new()
             }
         ));
     }
 
     let loss_fn = CrossEntropyLoss::new();
     let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
+    // Training steps run in this process (replays of a CUDA graph included).
+    let mut steps_run = 0usize;
     // Seconds from the start of `ember train` until its first optimizer step completed on the
     // device (kernel compiles on a fresh machine included).
     let mut first_step_s: Option<f64> = None;
@@ -546,28 +614,36 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 continue;
             }
             let batch = batch?;
-            let x = batch[0].to_non_blocking(device)?;
-            let y = batch[1].to_non_blocking(device)?;
-            opt.zero_grad()?;
             let loss = {
-                let _autocast = args
-                    .amp
-                    .map(|a| ember::amp::autocast(device.device_type(), a.dtype()))
-                    .transpose()?;
-                loss_fn.forward(&model.forward(&x)?, &y)?
+                let mut step = Step {
+                    model: &*model,
+                    loss_fn: &loss_fn,
+                    opt: &mut opt,
+                    scaler: &mut scaler,
+                    amp: args.amp,
+                    device,
+                };
+                match graphed.as_mut() {
+                    // Note [Graphed training step]: the loss of a replay is the graph's static
+                    // loss, added up and read below before the next step overwrites it.
+                    Some(g) => g.step(&mut step, &batch[0], &batch[1])?,
+                    None => {
+                        let x = batch[0].to_non_blocking(device)?;
+                        let y = batch[1].to_non_blocking(device)?;
+                        step.eager(&x, &y)?
+                    }
+                }
             };
-            scaler.scale(&loss)?.backward()?;
-            scaler.step(&mut opt)?;
-            scaler.update(None)?;
             if first_step_s.is_none() {
                 if let Device::Cuda(i) = device {
                     cuda::synchronize_on(i)?;
                 }
                 first_step_s = Some(started.elapsed().as_secs_f64());
             }
-            let n = y.dims()[0];
+            let n = batch[1].dims()[0];
             seen += n;
             trained += n;
+            steps_run += 1;
             loss_sum = loss_sum.add(&loss.detach().mul_scalar(n as f64)?)?;
             bar.inc(1);
             if let (Some(path), Some(every)) = (&args.checkpoint, args.checkpoint_every) {
@@ -622,6 +698,12 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         Some(a) => a,
         None => evaluate(&mut model, &test, device, args.amp)?,
     };
+    let graphed_steps = graphed.as_ref().map_or(0, graph::GraphedSteps::replays);
+    if args.cuda_graph {
+        say(format!(
+            "CUDA graph: {graphed_steps} of {steps_run} training steps were replays"
+        ));
+    }
     if args.json {
         let out = json!({
             "model": kind.name(),
@@ -637,6 +719,8 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             "samples_per_s": if train_s > 0.0 { samples as f64 / train_s } else { 0.0 },
             "test_acc": test_acc,
             "final_loss": final_loss,
+            "cuda_graph": graphed_steps > 0,
+            "graphed_steps": graphed_steps,
         });
         println!("{out}");
     } else {

@@ -61,9 +61,14 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// The JSON object of `ember train --json`'s stdout.
+/// The JSON object of `ember train --json`'s stdout, on the CPU.
 fn train_json(args: &[&str]) -> serde_json::Value {
-    let mut all = vec!["train", "--device", "cpu", "--json"];
+    train_json_on("cpu", args)
+}
+
+/// The JSON object of `ember train --device DEVICE --json`'s stdout.
+fn train_json_on(device: &str, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["train", "--device", device, "--json"];
     all.extend_from_slice(args);
     let out = ember(&all);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -322,4 +327,89 @@ fn bench_with_an_unknown_workload_exits_non_zero_and_runs_nothing() {
         err.contains("unknown workload \"nonexistent\"") && err.contains("mlp_small"),
         "{err}"
     );
+}
+
+#[test]
+fn train_cuda_graph_on_the_cpu_is_a_clear_error() {
+    // Parsed (clap would exit 2 on an unknown flag) and refused before any training.
+    let out = ember(&[
+        "train",
+        "--device",
+        "cpu",
+        "--cuda-graph",
+        "--epochs",
+        "1",
+        "--limit-train",
+        "64",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--cuda-graph") && err.contains("CUDA graphs need a GPU"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        out.stdout.is_empty(),
+        "nothing trained: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn bench_graph_workloads_report_an_error_line_on_the_cpu() {
+    let out = ember(&["bench", "--device", "cpu", "--only", "mlp_small_graph,cnn_graph"]);
+    assert!(out.status.success());
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (line, name) in lines.iter().zip(["mlp_small_graph", "cnn_graph"]) {
+        assert_eq!(line["workload"], name);
+        assert_eq!(line["error"], "CUDA graphs need a CUDA device", "{line}");
+    }
+}
+
+// Note [Graphed training step] of `train/graph.rs`: two epochs of the CNN on the embedded data
+// (70 full batches of 128 and one of 40 per epoch), eagerly and with --cuda-graph, in float32
+// and with --amp fp16 (the GradScaler inside the graph). The graphed runs replay every full
+// batch after the 3 warm-up steps, train the partial batches eagerly, and reach the eager runs'
+// accuracy and loss (the warm-up steps train on real batches, so both take the same steps;
+// cuDNN's convolution algorithms are not deterministic, hence a tolerance).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn train_with_cuda_graph_matches_eager_accuracy_on_cuda() {
+    assert!(
+        ember::cuda::is_available(),
+        "this test needs a CUDA device; run it on a GPU machine"
+    );
+    let common = ["--model", "cnn", "--epochs", "2", "--seed", "3"];
+    for amp in [&[][..], &["--amp", "fp16"][..]] {
+        let eager = train_json_on("cuda", &[&common[..], amp].concat());
+        let graphed = train_json_on("cuda", &[&common[..], amp, &["--cuda-graph"]].concat());
+        assert_eq!(eager["cuda_graph"], false, "{eager}");
+        assert_eq!(eager["graphed_steps"], 0, "{eager}");
+        assert_eq!(graphed["cuda_graph"], true, "{graphed}");
+        assert_eq!(graphed["graphed_steps"], 2 * 70 - 3, "{graphed}");
+        assert_eq!(graphed["samples"], eager["samples"], "{graphed}");
+        let (acc, eager_acc) = (
+            graphed["test_acc"].as_f64().unwrap(),
+            eager["test_acc"].as_f64().unwrap(),
+        );
+        assert!(eager_acc > 0.75, "{eager}");
+        assert!(
+            (acc - eager_acc).abs() <= 0.02,
+            "{amp:?}: graphed {acc} vs eager {eager_acc}: {graphed}"
+        );
+        let (loss, eager_loss) = (
+            graphed["final_loss"].as_f64().unwrap(),
+            eager["final_loss"].as_f64().unwrap(),
+        );
+        assert!(
+            (loss - eager_loss).abs() <= 0.05,
+            "{amp:?}: graphed {loss} vs eager {eager_loss}: {graphed}"
+        );
+    }
 }
