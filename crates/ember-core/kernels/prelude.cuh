@@ -139,6 +139,7 @@ struct Strided {
 // the digits left once the index is used up are 0 and add nothing. A dim of 2^31 or more
 // elements is larger than such an index: its digit is the whole rest.
 __device__ __forceinline__ i64 strided_offset(const Strided& s, int which, i64 i) {
+    if (s.ndim == 1) return i * s.stride[which][0];  // merged to one dim: no digits to split
     i64 off = 0;
     if ((u64)i < 0x80000000ull) {
         u32 x = (u32)i;
@@ -168,6 +169,11 @@ __device__ __forceinline__ i64 strided_offset(const Strided& s, int which, i64 i
 template <int K> struct Offsets { i64 v[K]; };
 template <int K> __device__ __forceinline__ Offsets<K> strided_offsets(const Strided& s, i64 i) {
     Offsets<K> o;
+    if (s.ndim == 1) {  // merged to one dim: no digits to split
+#pragma unroll
+        for (int k = 0; k < K; ++k) o.v[k] = i * s.stride[k][0];
+        return o;
+    }
 #pragma unroll
     for (int k = 0; k < K; ++k) o.v[k] = 0;
     if ((u64)i < 0x80000000ull) {
