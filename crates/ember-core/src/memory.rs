@@ -56,6 +56,48 @@ static HOST_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static CURRENT_OP: Cell<&'static str> = const { Cell::new("") };
+    /// Net bytes of [CPU, CUDA] storages made minus dropped on this thread while memory
+    /// profiling was on (Note [Profiled memory]).
+    static PROFILED_BYTES: Cell<[i64; 2]> = const { Cell::new([0, 0]) };
+}
+
+/// Profilers with `profile_memory` running now.
+static MEMORY_PROFILERS: AtomicUsize = AtomicUsize::new(0);
+
+// Note [Profiled memory]: while a profiler with `profile_memory` runs, every tensor storage
+// made adds its bytes to a per-thread counter for its device type and every storage dropped
+// subtracts them, on the thread that drops it (as PyTorch's allocators report to the profiler
+// of the calling thread). The profiler reads the counter when an op enters and leaves: the
+// difference is the op's "CPU Mem" / "CUDA Mem" (negative when it freed more than it made).
+// Bytes are the storage's elements times the dtype's size, not the caching allocator's rounded
+// block sizes. With no such profiler the cost is one relaxed atomic load per storage made or
+// dropped.
+
+/// Counts storages in the per-thread byte counters from now on (one call per profiler).
+pub(crate) fn start_memory_profiling() {
+    MEMORY_PROFILERS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Undoes one [`start_memory_profiling`].
+pub(crate) fn stop_memory_profiling() {
+    MEMORY_PROFILERS.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// The calling thread's net profiled bytes of [CPU, CUDA] storages (Note [Profiled memory]).
+pub(crate) fn profiled_bytes() -> [i64; 2] {
+    PROFILED_BYTES.with(Cell::get)
+}
+
+#[inline]
+fn note_profiled(device: Device, bytes: i64) {
+    if MEMORY_PROFILERS.load(Ordering::Relaxed) != 0 {
+        let which = usize::from(device != Device::Cpu);
+        PROFILED_BYTES.with(|c| {
+            let mut v = c.get();
+            v[which] += bytes;
+            c.set(v);
+        });
+    }
 }
 
 /// Names the op that storages made on this thread from now on belong to (Note [Live allocation
@@ -75,6 +117,9 @@ pub(crate) struct Tracking {
     /// The id in the live list, 0 when the storage is too small to be listed.
     id: u64,
     host_bytes: usize,
+    /// The storage's bytes and device, for the memory profiler.
+    bytes: usize,
+    device: Device,
 }
 
 impl Tracking {
@@ -83,6 +128,7 @@ impl Tracking {
         let (device, dtype) = (storage.device(), storage.dtype());
         let bytes = storage.len().saturating_mul(dtype.size_in_bytes());
         let host_bytes = if device == Device::Cpu { bytes } else { 0 };
+        note_profiled(device, bytes as i64);
         if host_bytes > 0 {
             HOST_BYTES.fetch_add(host_bytes, Ordering::Relaxed);
         }
@@ -98,7 +144,12 @@ impl Tracking {
             };
             live().get_or_insert_with(HashMap::new).insert(id, entry);
         }
-        Tracking { id, host_bytes }
+        Tracking {
+            id,
+            host_bytes,
+            bytes,
+            device,
+        }
     }
 
     /// Records the shape of the first tensor over a listed storage.
@@ -114,6 +165,7 @@ impl Tracking {
 
 impl Drop for Tracking {
     fn drop(&mut self) {
+        note_profiled(self.device, -(self.bytes as i64));
         if self.host_bytes > 0 {
             HOST_BYTES.fetch_sub(self.host_bytes, Ordering::Relaxed);
         }

@@ -22,6 +22,9 @@ pub use ember_core::{
     Element, Error, Generator, Result, RngState, Scalar, Shape, Tensor,
 };
 pub mod cuda;
+/// The profiler (`torch.profiler`): [`profiler::profile`], [`profiler::record_function`],
+/// [`profiler::schedule`], `key_averages().table(..)`, `export_chrome_trace`.
+pub use ember_core::profiler;
 pub use ember_data as data;
 pub use ember_distributed as distributed;
 pub use ember_nn as nn;

@@ -194,7 +194,10 @@ fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<
         )));
     };
     let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
-    let grads = backward(grad, &needs)?;
+    let grads = {
+        let _range = crate::profiler::backward_range(node.name);
+        backward(grad, &needs)?
+    };
     if grads.len() != node.edges.len() {
         return Err(Error::Autograd(format!(
             "{} returned {} gradients for {} inputs",

@@ -710,6 +710,7 @@ impl CudaStorage {
                 set_bias_pointer(plan.desc, ptr)?;
             }
             let beta = if add_to_d { 1.0 } else { 0.0 };
+            super::kernel_timing::note_work(stream);
             let (alpha32, beta32, alpha64, beta64) = (1.0f32, beta as f32, 1.0f64, beta);
             let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
                 ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())

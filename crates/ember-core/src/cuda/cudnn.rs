@@ -652,6 +652,7 @@ fn run(rt: &DeviceRuntime, params: ConvParams, dir: Direction, bufs: Buffers) ->
             }
         };
         let (wp, ws) = t.workspace(rt, stream, choice.workspace)?;
+        super::kernel_timing::note_work(stream);
         let plan = &t.plans[&(rt.ordinal, key)];
         plan.set_math(choice.math)?;
         let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);

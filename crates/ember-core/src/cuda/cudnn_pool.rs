@@ -150,6 +150,7 @@ fn call(
     } else {
         ((&one32 as *const f32).cast(), (&zero32 as *const f32).cast())
     };
+    super::kernel_timing::note_work(super::stream::current_raw(rt.ordinal));
     with_handle(OP, rt, |handle| Ok(f(handle, &desc, alpha, beta)))
 }
 

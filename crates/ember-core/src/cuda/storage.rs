@@ -264,6 +264,7 @@ impl CudaStorage {
         let bytes = host_bytes(&one);
         pattern[..bytes.len()].copy_from_slice(bytes);
         let dst = self.ptr_at(start);
+        super::kernel_timing::note_work(stream);
         let s = stream as sys::CUstream;
         // SAFETY: `dst` points at `n` elements of this storage, which the stream may write.
         let r = unsafe {
@@ -300,6 +301,7 @@ impl CudaStorage {
         let stream = current_raw(rt.ordinal);
         let (dst, srcp) = (self.ptr(dst_layout), src.ptr(src_layout));
         if src.dtype == self.dtype && dst_layout.is_contiguous() && src_layout.is_contiguous() {
+            super::kernel_timing::note_work(stream);
             // SAFETY: both ranges hold `n` elements of one dtype inside their storages.
             return unsafe {
                 result::memcpy_dtod_async(dst, srcp, n * self.dtype.size_in_bytes(), stream as sys::CUstream)

@@ -12,7 +12,7 @@
 use super::policy::Op;
 use crate::{Device, Tensor};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::ThreadId;
 use std::time::Instant;
@@ -20,6 +20,9 @@ use std::time::Instant;
 /// An op entering the dispatch point, after autocast and promotion (its inputs are what the
 /// backend receives).
 pub struct OpEnter<'a> {
+    /// This op call's number, unique in the process while observers are installed (the same
+    /// in the matching [`OpExit`]): the profiler's correlation id.
+    pub id: u64,
     pub op: &'static Op,
     pub device: Device,
     pub inputs: &'a [Tensor],
@@ -32,6 +35,8 @@ pub struct OpEnter<'a> {
 
 /// An op leaving the dispatch point (successfully or with an error).
 pub struct OpExit {
+    /// The number its [`OpEnter`] carried.
+    pub id: u64,
     pub op: &'static Op,
     pub device: Device,
     pub depth: usize,
@@ -51,6 +56,8 @@ type Observers = Arc<[(u64, Arc<dyn Observer>)]>;
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 static OBSERVERS: RwLock<Option<Observers>> = RwLock::new(None);
 static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+/// Numbers op calls while observed (taken only on the observed path).
+static NEXT_CALL: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
@@ -102,6 +109,7 @@ pub fn is_active() -> bool {
 pub struct Scope(Option<Box<Open>>);
 
 struct Open {
+    id: u64,
     observers: Observers,
     op: &'static Op,
     device: Device,
@@ -127,6 +135,7 @@ impl Scope {
         };
         let depth = DEPTH.with(|d| d.replace(d.get() + 1));
         let open = Open {
+            id: NEXT_CALL.fetch_add(1, Ordering::Relaxed),
             observers,
             op,
             device,
@@ -135,6 +144,7 @@ impl Scope {
             start: Instant::now(),
         };
         let event = OpEnter {
+            id: open.id,
             op,
             device,
             inputs,
@@ -154,6 +164,7 @@ impl Drop for Scope {
         if let Some(open) = self.0.take() {
             DEPTH.with(|d| d.set(open.depth));
             let event = OpExit {
+                id: open.id,
                 op: open.op,
                 device: open.device,
                 depth: open.depth,

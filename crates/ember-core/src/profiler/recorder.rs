@@ -1,0 +1,453 @@
+//! The recording side of the profiler: one [`Session`] per recorded cycle, the per-thread
+//! stack of open ops and ranges, the observer on the dispatch point, and the hook
+//! `cuda::kernel_timing` calls before device work.
+//!
+//! Invariants: at most one session is current (`CURRENT`); entries on a thread's stack carry
+//! the id of the session that opened them, and an entry of another session is never closed
+//! into the current one (an op that entered before a session began, or leaves after it ended,
+//! is dropped, as PyTorch drops ops that straddle a profiler's start or stop).
+
+use super::{EventKind, FunctionEvent, GpuInterval};
+use crate::cuda::kernel_timing::{self, TimingEvent};
+use crate::dispatch::observer::{self, Observer, ObserverHandle, OpEnter, OpExit};
+use crate::{memory, Device};
+use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// What a session records.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Options {
+    pub record_shapes: bool,
+    pub profile_memory: bool,
+    pub cuda: bool,
+    pub emit_nvtx: bool,
+}
+
+/// One range or op that finished while the session ran.
+struct Finished {
+    id: u64,
+    parent: Option<u64>,
+    name: Cow<'static, str>,
+    kind: EventKind,
+    thread: u64,
+    start: Instant,
+    end: Instant,
+    device: Option<Device>,
+    shapes: Option<Vec<Vec<usize>>>,
+    memory: [i64; 2],
+    gpu: Option<(Arc<TimingEvent>, TimingEvent)>,
+    launches: u32,
+}
+
+/// One recorded cycle: what the observer and the ranges collect until [`Session::finish`].
+pub(crate) struct Session {
+    id: u64,
+    pub(crate) options: Options,
+    pub(crate) start: Instant,
+    /// Microseconds since the Unix epoch at `start`.
+    pub(crate) start_unix_us: f64,
+    finished: Mutex<Vec<Finished>>,
+    /// Per device: the first timing event of the session and when the host recorded it.
+    gpu_refs: Mutex<HashMap<usize, (TimingEvent, Instant)>>,
+    /// Threads seen: (profiler thread number, name).
+    threads: Mutex<Vec<(u64, String)>>,
+    _observer: Option<ObserverHandle>,
+}
+
+static CURRENT: RwLock<Option<Arc<Session>>> = RwLock::new(None);
+/// The current session's id, 0 when none: the one load [`super::record_function`] costs
+/// without a profiler.
+static CURRENT_ID: AtomicU64 = AtomicU64::new(0);
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
+static NEXT_RECORD: AtomicU64 = AtomicU64::new(1);
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
+
+/// An op or range open on this thread.
+struct Open {
+    session: u64,
+    /// The observer's call id for ops, the record id for ranges: what closing matches on.
+    key: u64,
+    id: u64,
+    name: Cow<'static, str>,
+    kind: EventKind,
+    start: Instant,
+    device: Option<Device>,
+    shapes: Option<Vec<Vec<usize>>>,
+    memory: [i64; 2],
+    gpu_start: Option<Arc<TimingEvent>>,
+    launches: u32,
+}
+
+thread_local! {
+    static STACK: RefCell<Vec<Open>> = const { RefCell::new(Vec::new()) };
+    /// This thread's number in traces (0 until first recorded) and the session it was last
+    /// announced to.
+    static THREAD: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+fn current() -> Option<Arc<Session>> {
+    CURRENT.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// True while a session records.
+#[inline]
+pub(crate) fn is_recording() -> bool {
+    CURRENT_ID.load(Ordering::Relaxed) != 0
+}
+
+impl Session {
+    /// Starts a session and makes it current (the caller made sure none is).
+    pub(crate) fn begin(options: Options) -> Arc<Session> {
+        let start = Instant::now();
+        let start_unix_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_nanos() as f64 / 1e3);
+        let mut session = Session {
+            id: NEXT_SESSION.fetch_add(1, Ordering::Relaxed),
+            options,
+            start,
+            start_unix_us,
+            finished: Mutex::new(Vec::new()),
+            gpu_refs: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+            _observer: None,
+        };
+        let recorder = Arc::new(Recorder {
+            session: session.id,
+            record_shapes: options.record_shapes,
+        });
+        session._observer = Some(observer::add_observer(recorder));
+        if options.profile_memory {
+            memory::start_memory_profiling();
+        }
+        if options.cuda {
+            kernel_timing::start();
+        }
+        let session = Arc::new(session);
+        *CURRENT.write().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
+        CURRENT_ID.store(session.id, Ordering::Relaxed);
+        session
+    }
+
+    /// Stops recording and turns what was recorded into events (waiting for the GPU when CUDA
+    /// was timed). Ops still open are left out.
+    pub(crate) fn finish(self: Arc<Session>) -> (Vec<FunctionEvent>, Vec<(u64, String)>) {
+        {
+            let mut cur = CURRENT.write().unwrap_or_else(|e| e.into_inner());
+            if cur.as_ref().is_some_and(|s| s.id == self.id) {
+                *cur = None;
+                CURRENT_ID.store(0, Ordering::Relaxed);
+            }
+        }
+        if self.options.profile_memory {
+            memory::stop_memory_profiling();
+        }
+        if self.options.cuda {
+            kernel_timing::stop();
+        }
+        let finished = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
+        let refs = std::mem::take(&mut *self.gpu_refs.lock().unwrap_or_else(|e| e.into_inner()));
+        let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        (build_events(&self, finished, &refs), threads)
+    }
+
+    fn ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.start).as_nanos() as u64
+    }
+
+    fn push(&self, f: Finished) {
+        self.finished.lock().unwrap_or_else(|e| e.into_inner()).push(f);
+    }
+}
+
+/// Turns finished records into events: ordered by start, linked to parents and children, with
+/// self times and memory, GPU intervals resolved against each device's reference event.
+fn build_events(
+    session: &Session,
+    mut finished: Vec<Finished>,
+    refs: &HashMap<usize, (TimingEvent, Instant)>,
+) -> Vec<FunctionEvent> {
+    finished.sort_by_key(|f| (f.start, std::cmp::Reverse(f.end)));
+    let index: HashMap<u64, usize> = finished.iter().enumerate().map(|(i, f)| (f.id, i)).collect();
+    let mut events: Vec<FunctionEvent> = finished
+        .iter()
+        .map(|f| {
+            let gpu = f.gpu.as_ref().and_then(|(start, end)| {
+                let (reference, host) = refs.get(&start.device())?;
+                let from_ref = reference.elapsed_ms(start).ok()?;
+                let dur = start.elapsed_ms(end).ok()?;
+                let ref_ns = session.ns(*host) as f64;
+                Some(GpuInterval {
+                    device: start.device(),
+                    stream: start.stream,
+                    start_ns: (ref_ns + from_ref as f64 * 1e6).max(session.ns(f.start) as f64) as u64,
+                    duration_ns: (dur.max(0.0) as f64 * 1e6) as u64,
+                    launches: f.launches,
+                })
+            });
+            FunctionEvent {
+                id: f.id,
+                name: f.name.to_string(),
+                kind: f.kind,
+                thread: f.thread,
+                start_ns: session.ns(f.start),
+                end_ns: session.ns(f.end).max(session.ns(f.start)),
+                device: f.device,
+                input_shapes: f.shapes.clone(),
+                parent: None,
+                children: Vec::new(),
+                cpu_memory_usage: f.memory[0],
+                cuda_memory_usage: f.memory[1],
+                self_cpu_memory_usage: f.memory[0],
+                self_cuda_memory_usage: f.memory[1],
+                gpu,
+                cuda_time_total_ns: 0,
+                self_cuda_time_total_ns: 0,
+            }
+        })
+        .collect();
+    for (i, f) in finished.iter().enumerate() {
+        if let Some(&p) = f.parent.and_then(|p| index.get(&p)) {
+            events[i].parent = Some(p);
+            events[p].children.push(i);
+        }
+    }
+    // Children start after their parents, so a reverse pass sees every child first.
+    for i in (0..events.len()).rev() {
+        let (mut cpu_mem, mut cuda_mem, mut cuda_ns) = (0i64, 0i64, 0u64);
+        for &c in &events[i].children {
+            cpu_mem += events[c].cpu_memory_usage;
+            cuda_mem += events[c].cuda_memory_usage;
+            cuda_ns += events[c].cuda_time_total_ns;
+        }
+        let e = &mut events[i];
+        e.self_cpu_memory_usage = e.cpu_memory_usage - cpu_mem;
+        e.self_cuda_memory_usage = e.cuda_memory_usage - cuda_mem;
+        match &e.gpu {
+            Some(g) => {
+                e.cuda_time_total_ns = g.duration_ns.max(cuda_ns);
+                e.self_cuda_time_total_ns = g.duration_ns.saturating_sub(cuda_ns);
+            }
+            None => e.cuda_time_total_ns = cuda_ns,
+        }
+    }
+    events
+}
+
+/// This thread's number in the session's traces, announcing it (with its name) on first use.
+fn thread_number(session: &Session) -> u64 {
+    let (mut n, announced) = THREAD.with(Cell::get);
+    if n == 0 {
+        n = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+    }
+    if announced != session.id {
+        let name = std::thread::current()
+            .name()
+            .map_or_else(|| format!("thread {n}"), |s| format!("thread {n} ({s})"));
+        session
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((n, name));
+        THREAD.with(|t| t.set((n, session.id)));
+    }
+    n
+}
+
+fn memory_now(session: &Session) -> [i64; 2] {
+    if session.options.profile_memory {
+        memory::profiled_bytes()
+    } else {
+        [0, 0]
+    }
+}
+
+/// Opens an entry on this thread's stack for the current session.
+#[allow(clippy::too_many_arguments)]
+fn open(
+    session: &Session,
+    key: Option<u64>,
+    name: Cow<'static, str>,
+    kind: EventKind,
+    device: Option<Device>,
+    shapes: Option<Vec<Vec<usize>>>,
+) -> u64 {
+    let id = NEXT_RECORD.fetch_add(1, Ordering::Relaxed);
+    if session.options.emit_nvtx {
+        crate::cuda::nvtx::range_push(&name);
+    }
+    let entry = Open {
+        session: session.id,
+        key: key.unwrap_or(id),
+        id,
+        name,
+        kind,
+        start: Instant::now(),
+        device,
+        shapes,
+        memory: memory_now(session),
+        gpu_start: None,
+        launches: 0,
+    };
+    STACK.with(|s| s.borrow_mut().push(entry));
+    id
+}
+
+/// Closes the entry `key` of this thread's stack (and any left open above it) into `session`.
+fn close(session: &Session, key: u64, is_op: bool) {
+    let end = Instant::now();
+    let mut closed = Vec::new();
+    STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(at) = s
+            .iter()
+            .rposition(|e| e.key == key && (e.kind == EventKind::Op) == is_op)
+        else {
+            return;
+        };
+        closed = s.split_off(at);
+        // The parent: the nearest entry below of the same session.
+        let parent = s.iter().rev().find(|e| e.session == session.id).map(|e| e.id);
+        closed.reverse(); // innermost first
+        let ids: Vec<u64> = closed.iter().map(|e| e.id).collect();
+        for (i, e) in closed.iter_mut().enumerate() {
+            // Entries above `key` were left open (a range guard dropped out of order): each
+            // closes with its outer neighbour as parent.
+            e.key = ids.get(i + 1).copied().or(parent).unwrap_or(0);
+        }
+    });
+    for e in closed {
+        if session.options.emit_nvtx {
+            crate::cuda::nvtx::range_pop();
+        }
+        if e.session != session.id {
+            continue;
+        }
+        let gpu = e.gpu_start.and_then(|start| {
+            TimingEvent::record(start.device(), start.stream)
+                .ok()
+                .flatten()
+                .map(|end| (start, end))
+        });
+        let memory = memory_now(session);
+        let thread = thread_number(session);
+        session.push(Finished {
+            id: e.id,
+            parent: (e.key != 0).then_some(e.key),
+            name: e.name,
+            kind: e.kind,
+            thread,
+            start: e.start,
+            end,
+            device: e.device,
+            shapes: e.shapes,
+            memory: [memory[0] - e.memory[0], memory[1] - e.memory[1]],
+            gpu,
+            launches: e.launches,
+        });
+    }
+}
+
+/// The observer a session installs on the dispatch point.
+struct Recorder {
+    session: u64,
+    record_shapes: bool,
+}
+
+impl Observer for Recorder {
+    fn on_enter(&self, event: &OpEnter<'_>) {
+        let Some(session) = current().filter(|s| s.id == self.session) else {
+            return;
+        };
+        let shapes = self
+            .record_shapes
+            .then(|| event.inputs.iter().map(|t| t.dims().to_vec()).collect());
+        open(
+            &session,
+            Some(event.id),
+            Cow::Borrowed(event.op.name),
+            EventKind::Op,
+            Some(event.device),
+            shapes,
+        );
+    }
+
+    fn on_exit(&self, event: &OpExit) {
+        let Some(session) = current().filter(|s| s.id == self.session) else {
+            // The session ended while the op ran: drop its entry.
+            STACK.with(|s| {
+                s.borrow_mut()
+                    .retain(|e| !(e.kind == EventKind::Op && e.key == event.id))
+            });
+            return;
+        };
+        close(&session, event.id, true);
+    }
+}
+
+/// A range open in the current session (a `record_function`, a backward node, a profiler
+/// step); closed when dropped.
+pub(crate) struct OpenRange {
+    session: Arc<Session>,
+    key: u64,
+}
+
+impl OpenRange {
+    /// Opens `name` in the current session; None when no session records.
+    pub(crate) fn open(name: Cow<'static, str>, kind: EventKind) -> Option<OpenRange> {
+        let session = current()?;
+        let key = open(&session, None, name, kind, None, None);
+        Some(OpenRange { session, key })
+    }
+}
+
+impl Drop for OpenRange {
+    fn drop(&mut self) {
+        close(&self.session, self.key, false);
+    }
+}
+
+/// Called by `cuda::kernel_timing::note_work` before device work is enqueued on `stream`
+/// while CUDA is timed: counts a launch for the innermost open op and records a start event
+/// for every open CUDA op that has none (Note [Profiler timing and attribution]).
+pub(crate) fn on_device_work(stream: u64) {
+    let Some(session) = current().filter(|s| s.options.cuda) else {
+        return;
+    };
+    STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        let ours = |e: &Open| e.session == session.id && matches!(e.device, Some(Device::Cuda(_)));
+        let Some(inner) = s.iter().rposition(|e| ours(e)) else {
+            return;
+        };
+        s[inner].launches += 1;
+        let Some(Device::Cuda(device)) = s[inner].device else {
+            return;
+        };
+        if s.iter().all(|e| !ours(e) || e.gpu_start.is_some()) {
+            return;
+        }
+        {
+            let mut refs = session.gpu_refs.lock().unwrap_or_else(|e| e.into_inner());
+            if let std::collections::hash_map::Entry::Vacant(v) = refs.entry(device) {
+                let host = Instant::now();
+                if let Ok(Some(reference)) = TimingEvent::record(device, stream) {
+                    v.insert((reference, host));
+                }
+            }
+        }
+        let Ok(Some(start)) = TimingEvent::record(device, stream) else {
+            return;
+        };
+        let start = Arc::new(start);
+        for e in s.iter_mut().filter(|e| ours(e) && e.gpu_start.is_none()) {
+            if e.device == Some(Device::Cuda(device)) {
+                e.gpu_start = Some(start.clone());
+            }
+        }
+    });
+}

@@ -1,0 +1,449 @@
+//! The profiler: ops and call counts, self and total times, record_function ranges, backward
+//! nodes, memory, the schedule and its trace handler, the table's layout, the chrome trace's
+//! fields; on a GPU, CUDA time attributed to the launching ops.
+//!
+//! One profiler runs at a time in a process, so these tests take `LOCK`. The profiler records
+//! every thread (as PyTorch's does) and the other tests of this binary run beside these, so
+//! the tests look at what happened inside a range of their own.
+
+use super::common;
+use ember_core::profiler::{self, EventKind, FunctionEvent, ProfilerActivity, Trace};
+use ember_core::{DType, Device, Result, Tensor};
+use std::sync::{Arc, Mutex};
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The direct children of the first range named `range`, by name, in order.
+fn children_of<'a>(events: &'a [FunctionEvent], range: &str) -> (&'a FunctionEvent, Vec<&'a FunctionEvent>) {
+    let r = events
+        .iter()
+        .find(|e| e.name == range)
+        .unwrap_or_else(|| panic!("no range {range} among {} events", events.len()));
+    (r, r.children.iter().map(|&c| &events[c]).collect())
+}
+
+fn count(events: &[&FunctionEvent], name: &str) -> usize {
+    events.iter().filter(|e| e.name == name).count()
+}
+
+fn known_ops(device: Device) -> Result<()> {
+    let a = Tensor::randn([64, 64], DType::F32, device)?;
+    let b = Tensor::randn([64, 64], DType::F32, device)?;
+    let _r = profiler::record_function("known_ops");
+    for _ in 0..3 {
+        a.add(&b)?;
+    }
+    for _ in 0..2 {
+        a.matmul(&b)?;
+    }
+    a.relu()?;
+    Ok(())
+}
+
+#[test]
+fn known_ops_appear_with_their_call_counts() {
+    let _l = lock();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .start()
+        .unwrap();
+    known_ops(Device::Cpu).unwrap();
+    prof.stop().unwrap();
+    let (range, ops) = children_of(prof.events(), "known_ops");
+    assert_eq!(range.kind, EventKind::UserAnnotation);
+    assert_eq!(
+        count(&ops, "add"),
+        3,
+        "{:?}",
+        ops.iter().map(|e| &e.name).collect::<Vec<_>>()
+    );
+    assert_eq!(count(&ops, "matmul"), 2);
+    assert_eq!(count(&ops, "relu"), 1);
+    let averages = prof.key_averages();
+    assert!(averages.get("add").unwrap().count >= 3);
+    assert_eq!(averages.get("known_ops").unwrap().count, 1);
+    assert!(prof.trace().unwrap().gpu_timing().is_none());
+}
+
+#[test]
+fn ranges_contain_their_ops_and_self_time_is_at_most_total() {
+    let _l = lock();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .start()
+        .unwrap();
+    {
+        let _outer = profiler::record_function(String::from("outer"));
+        let x = Tensor::randn([32, 32], DType::F32, Device::Cpu).unwrap();
+        let _inner = profiler::record_function("inner");
+        x.exp().unwrap().sum_all().unwrap();
+    }
+    prof.stop().unwrap();
+    let events = prof.events();
+    let (outer, outer_children) = children_of(events, "outer");
+    let (inner, inner_children) = children_of(events, "inner");
+    assert!(outer_children.iter().any(|e| e.name == "inner"));
+    assert_eq!(count(&inner_children, "exp"), 1);
+    assert_eq!(count(&inner_children, "sum"), 1, "{inner_children:?}");
+    for c in &inner_children {
+        assert!(c.start_ns >= inner.start_ns && c.end_ns <= inner.end_ns);
+        assert_eq!(c.parent.map(|p| events[p].name.as_str()), Some("inner"));
+    }
+    assert!(inner.start_ns >= outer.start_ns && inner.end_ns <= outer.end_ns);
+    for e in events {
+        assert!(e.self_cpu_time_total_ns(events) <= e.cpu_time_total_ns());
+    }
+    let averages = prof.key_averages();
+    let mut self_sum = 0.0;
+    for r in &averages {
+        assert!(r.self_cpu_time_total_us <= r.cpu_time_total_us + 1e-6, "{r:?}");
+        self_sum += r.self_cpu_time_total_us;
+    }
+    assert!((self_sum - averages.self_cpu_time_total_us()).abs() < 1e-6);
+    // The table's Self CPU % column adds up to 100 (each share is rounded to 0.01%).
+    let table = averages.table("self_cpu_time_total", usize::MAX).unwrap();
+    let percents: f64 = table
+        .lines()
+        .skip(3)
+        .filter_map(|l| l.split_whitespace().find(|w| w.ends_with('%')))
+        .map(|w| w.trim_end_matches('%').parse::<f64>().unwrap())
+        .sum();
+    assert!(
+        (percents - 100.0).abs() < 0.01 * averages.len() as f64 + 0.01,
+        "{percents}\n{table}"
+    );
+}
+
+#[test]
+fn backward_nodes_appear_under_their_own_names() {
+    let _l = lock();
+    let x = Tensor::randn([8, 8], DType::F32, Device::Cpu)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .start()
+        .unwrap();
+    {
+        let _r = profiler::record_function("fwd_bwd");
+        let y = x.mul(&x).unwrap().log_softmax(1).unwrap().sum_all().unwrap();
+        y.backward().unwrap();
+    }
+    prof.stop().unwrap();
+    let events = prof.events();
+    let (_, children) = children_of(events, "fwd_bwd");
+    for name in ["MulBackward0", "LogSoftmaxBackward0", "SumBackward0"] {
+        let node = children.iter().find(|e| e.name == name).unwrap_or_else(|| {
+            panic!(
+                "no {name} in {:?}",
+                children.iter().map(|e| &e.name).collect::<Vec<_>>()
+            )
+        });
+        assert_eq!(node.kind, EventKind::Backward);
+    }
+    let mul_backward = children.iter().find(|e| e.name == "MulBackward0").unwrap();
+    assert!(
+        mul_backward.children.iter().any(|&c| events[c].name == "mul"),
+        "the backward rule's ops are the node's children"
+    );
+}
+
+#[test]
+fn memory_and_shapes_are_recorded_when_asked() {
+    let _l = lock();
+    let a = Tensor::randn([128, 256], DType::F32, Device::Cpu).unwrap();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .record_shapes(true)
+        .profile_memory(true)
+        .start()
+        .unwrap();
+    {
+        let _r = profiler::record_function("mem");
+        let _kept = a.add(&a).unwrap();
+        a.mul(&a).unwrap(); // made and dropped inside the range
+    }
+    prof.stop().unwrap();
+    let events = prof.events();
+    let (range, children) = children_of(events, "mem");
+    let add = children.iter().find(|e| e.name == "add").unwrap();
+    assert_eq!(add.cpu_memory_usage, 128 * 256 * 4);
+    assert_eq!(
+        add.input_shapes.as_deref(),
+        Some(&[vec![128, 256], vec![128, 256]][..])
+    );
+    // The kept sum was made and freed inside the range's time; the mul's output too.
+    assert_eq!(range.cpu_memory_usage, 0, "{range:?}");
+    let by_shape = prof.key_averages_by_input_shape();
+    let table = by_shape.table("cpu_memory_usage", 5).unwrap();
+    let header = table.lines().nth(1).unwrap();
+    for h in ["CPU Mem", "Self CPU Mem", "# of Calls", "Input Shapes"] {
+        assert!(header.contains(h), "{header}");
+    }
+    assert!(table.contains("[[128, 256], [128, 256]]"), "{table}");
+    assert!(table.contains("128.00 Kb"), "{table}");
+}
+
+#[test]
+fn a_schedule_records_the_active_steps_and_hands_over_each_cycle() {
+    let _l = lock();
+    let traces: Arc<Mutex<Vec<Trace>>> = Arc::default();
+    let sink = traces.clone();
+    let x = Tensor::randn([16, 16], DType::F32, Device::Cpu).unwrap();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .schedule(profiler::schedule(1, 1, 2, 2))
+        .on_trace_ready(move |t| sink.lock().unwrap().push(t.clone()))
+        .start()
+        .unwrap();
+    for step in 0..10 {
+        let range = profiler::record_function(format!("work_{step}"));
+        x.tanh().unwrap();
+        drop(range);
+        prof.step().unwrap();
+    }
+    prof.stop().unwrap();
+    let traces = traces.lock().unwrap();
+    assert_eq!(traces.len(), 2, "one trace per cycle");
+    for (trace, steps) in traces.iter().zip([[2, 3], [6, 7]]) {
+        let names: Vec<&str> = trace.events().iter().map(|e| e.name.as_str()).collect();
+        let work: Vec<&str> = names.iter().copied().filter(|n| n.starts_with("work_")).collect();
+        assert_eq!(work, steps.map(|s| format!("work_{s}")), "{names:?}");
+        let step_ranges: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|n| n.starts_with("ProfilerStep#"))
+            .collect();
+        assert_eq!(step_ranges, steps.map(|s| format!("ProfilerStep#{s}")));
+        let (_, inside) = children_of(trace.events(), &format!("ProfilerStep#{}", steps[0]));
+        assert!(inside.iter().any(|e| e.name == format!("work_{}", steps[0])));
+    }
+    assert_eq!(traces[1].step_num(), 8);
+}
+
+#[test]
+fn a_second_profiler_is_refused_while_one_runs() {
+    let _l = lock();
+    let mut first = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .start()
+        .unwrap();
+    assert!(profiler::profile().start().is_err());
+    first.stop().unwrap();
+    let mut second = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .start()
+        .unwrap();
+    second.stop().unwrap();
+}
+
+#[test]
+fn the_table_has_pytorchs_headers_and_footer() {
+    let _l = lock();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .start()
+        .unwrap();
+    known_ops(Device::Cpu).unwrap();
+    prof.stop().unwrap();
+    let table = prof.key_averages().table("cpu_time_total", 3).unwrap();
+    let lines: Vec<&str> = table.lines().collect();
+    let header: Vec<&str> = lines[1]
+        .split("  ")
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    assert_eq!(
+        header,
+        [
+            "Name",
+            "Self CPU %",
+            "Self CPU",
+            "CPU total %",
+            "CPU total",
+            "CPU time avg",
+            "# of Calls"
+        ]
+    );
+    assert!(lines[0].starts_with("---") && lines[2].starts_with("---"));
+    assert_eq!(lines.len(), 3 + 3 + 2, "{table}");
+    assert!(lines[6].starts_with("---"));
+    assert!(lines[7].starts_with("Self CPU time total: "), "{table}");
+    assert!(prof.key_averages().table("bogus", 3).is_err());
+}
+
+/// Checks what every event of a chrome trace needs for its phase; returns the events.
+fn check_trace(json: &str) -> Vec<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(json).expect("the trace is valid JSON");
+    for key in [
+        "schemaVersion",
+        "deviceProperties",
+        "traceEvents",
+        "traceName",
+        "displayTimeUnit",
+    ] {
+        assert!(v.get(key).is_some(), "top-level {key}");
+    }
+    let events = v["traceEvents"].as_array().unwrap().clone();
+    let (mut starts, mut finishes) = (Vec::new(), Vec::new());
+    for e in &events {
+        let ph = e["ph"].as_str().expect("ph");
+        assert!(
+            e["name"].is_string() && e["pid"].is_u64() && e["tid"].is_u64(),
+            "{e}"
+        );
+        assert!(e["ts"].is_number(), "{e}");
+        match ph {
+            "X" => {
+                assert!(
+                    e["dur"].as_f64().is_some_and(|d| d >= 0.0) && e["cat"].is_string(),
+                    "{e}"
+                );
+            }
+            "s" | "f" => {
+                assert_eq!(e["cat"], "ac2g");
+                let id = e["id"].as_u64().expect("flow id");
+                if ph == "s" { &mut starts } else { &mut finishes }.push(id);
+            }
+            "M" => assert!(e["args"].is_object(), "{e}"),
+            other => panic!("unexpected phase {other}"),
+        }
+    }
+    starts.sort_unstable();
+    finishes.sort_unstable();
+    assert_eq!(starts, finishes, "every flow start has a finish");
+    events
+}
+
+#[test]
+fn the_chrome_trace_has_the_fields_each_phase_needs() {
+    let _l = lock();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu])
+        .record_shapes(true)
+        .start()
+        .unwrap();
+    known_ops(Device::Cpu).unwrap();
+    prof.stop().unwrap();
+    let path = std::env::temp_dir().join(format!("ember_trace_{}.json", std::process::id()));
+    prof.export_chrome_trace(&path).unwrap();
+    let json = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let events = check_trace(&json);
+    let ops: Vec<_> = events.iter().filter(|e| e["cat"] == "cpu_op").collect();
+    assert!(
+        ops.iter()
+            .any(|e| e["name"] == "matmul"
+                && e["args"]["Input Dims"] == serde_json::json!([[64, 64], [64, 64]]))
+    );
+    assert!(events
+        .iter()
+        .any(|e| e["cat"] == "user_annotation" && e["name"] == "known_ops"));
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "M" && e["name"] == "thread_name"));
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "M" && e["name"] == "process_name"));
+}
+
+#[test]
+fn record_function_without_a_profiler_records_nothing() {
+    let _l = lock();
+    let _r = profiler::record_function("nobody listens");
+    Tensor::ones([2], DType::F32, Device::Cpu).unwrap().neg().unwrap();
+}
+
+// ---- GPU: CUDA time by events, attributed to the launching ops ----
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_time_is_attributed_to_the_launching_ops() {
+    let _l = lock();
+    let dev = common::gpu();
+    known_ops(dev).unwrap(); // warm-up: kernels compiled, cuBLASLt plans made
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .start()
+        .unwrap();
+    known_ops(dev).unwrap();
+    prof.stop().unwrap();
+    let trace = prof.trace().unwrap();
+    assert_eq!(trace.gpu_timing(), Some("cuda events"));
+    let events = prof.events();
+    let (range, ops) = children_of(events, "known_ops");
+    for name in ["add", "matmul", "relu"] {
+        for op in ops.iter().filter(|e| e.name == name) {
+            let gpu = op
+                .gpu
+                .as_ref()
+                .unwrap_or_else(|| panic!("{name} has no GPU interval"));
+            assert!(gpu.duration_ns > 0 && gpu.launches > 0, "{name}: {gpu:?}");
+            assert!(op.self_cuda_time_total_ns > 0, "{name}");
+        }
+    }
+    let op_total: u64 = ops.iter().map(|e| e.cuda_time_total_ns).sum();
+    assert_eq!(
+        range.cuda_time_total_ns, op_total,
+        "a range's CUDA time is its ops'"
+    );
+    assert_eq!(range.self_cuda_time_total_ns, 0);
+    let averages = prof.key_averages();
+    assert!(averages.get("matmul").unwrap().self_cuda_time_total_us > 0.0);
+    let table = averages.table("cuda_time_total", 10).unwrap();
+    for h in ["Self CUDA", "Self CUDA %", "CUDA total", "CUDA time avg"] {
+        assert!(table.lines().nth(1).unwrap().contains(h), "{table}");
+    }
+    assert!(table.contains("Self CUDA time total: "), "{table}");
+    let events = check_trace(&trace.chrome_trace_json());
+    let kernels: Vec<_> = events.iter().filter(|e| e["cat"] == "kernel").collect();
+    assert!(kernels.iter().any(|e| e["name"] == "matmul"));
+    assert!(
+        events.iter().any(|e| e["ph"] == "s"),
+        "launches are linked to their GPU intervals"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_backward_kernels_are_under_backward_nodes() {
+    let _l = lock();
+    let dev = common::gpu();
+    let run = || -> Result<()> {
+        let a = Tensor::randn([256, 256], DType::F32, dev)?.requires_grad_(true)?;
+        let b = Tensor::randn([256, 256], DType::F32, dev)?.requires_grad_(true)?;
+        a.matmul(&b)?.relu()?.sum_all()?.backward()
+    };
+    run().unwrap(); // warm-up
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .profile_memory(true)
+        .start()
+        .unwrap();
+    {
+        let _r = profiler::record_function("step");
+        run().unwrap();
+    }
+    prof.stop().unwrap();
+    let events = prof.events();
+    let (_, children) = children_of(events, "step");
+    let node = children
+        .iter()
+        .find(|e| e.name == "MatmulBackward0")
+        .unwrap_or_else(|| panic!("{:?}", children.iter().map(|e| &e.name).collect::<Vec<_>>()));
+    assert!(node.cuda_time_total_ns > 0, "{node:?}");
+    assert!(node
+        .children
+        .iter()
+        .any(|&c| events[c].self_cuda_time_total_ns > 0));
+    let matmul = children.iter().find(|e| e.name == "matmul").unwrap();
+    assert!(
+        matmul.cuda_memory_usage > 0,
+        "the product's output is CUDA memory"
+    );
+}
