@@ -1,0 +1,117 @@
+//! Collectives between ranks that are threads of this process (the same TCP paths as
+//! between processes), failures and timeouts.
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use ember_core::{Device, Error, Tensor};
+use ember_distributed::ReduceOp;
+
+use crate::common::{check_all_collectives, run_ranks};
+
+const T: Duration = Duration::from_secs(20);
+
+#[test]
+fn every_collective_world_2_and_3() {
+    for n in [2, 3] {
+        run_ranks(n, T, |pg| check_all_collectives(&pg));
+    }
+}
+
+#[test]
+fn world_of_one_is_a_no_op() {
+    run_ranks(1, T, |pg| {
+        let x = Tensor::from_vec(vec![3.0f32], 1, Device::Cpu).unwrap();
+        pg.all_reduce(&x, ReduceOp::Avg).unwrap();
+        pg.barrier().unwrap();
+        assert_eq!(x.to_vec::<f32>().unwrap(), [3.0]);
+    });
+}
+
+#[test]
+fn subgroups() {
+    run_ranks(3, T, |pg| {
+        let sub = pg.new_group(&[2, 0]).unwrap();
+        let odd = pg.new_group(&[1]).unwrap();
+        match pg.rank() {
+            1 => {
+                assert!(sub.is_none());
+                let odd = odd.unwrap();
+                assert_eq!((odd.rank(), odd.size()), (0, 1));
+            }
+            r => {
+                assert!(odd.is_none());
+                let sub = sub.unwrap();
+                assert_eq!(sub.ranks(), [0, 2]);
+                assert_eq!(sub.rank(), r / 2);
+                let x = Tensor::from_vec(vec![r as i64], 1, Device::Cpu).unwrap();
+                sub.all_reduce(&x, ReduceOp::Sum).unwrap();
+                assert_eq!(x.to_vec::<i64>().unwrap(), [2]);
+                // src is a global rank.
+                sub.broadcast(&x, 2).unwrap();
+                assert!(sub.broadcast(&x, 1).is_err(), "rank 1 is not in the group");
+                check_all_collectives(&sub);
+            }
+        }
+        assert!(pg.new_group(&[5]).is_err());
+    });
+}
+
+#[test]
+fn mismatched_calls_are_reported() {
+    let errs = run_ranks(2, T, |pg| {
+        let x = Tensor::from_vec(vec![1.0f32; 4 + pg.rank()], 4 + pg.rank(), Device::Cpu).unwrap();
+        let e = pg.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+        // The group is broken afterwards: later calls fail at once.
+        assert!(pg.barrier().is_err());
+        e.to_string()
+    });
+    assert!(errs.iter().any(|e| e.contains("same shape")), "{errs:?}");
+}
+
+#[test]
+fn silent_peer_times_out() {
+    let timeout = Duration::from_millis(700);
+    let outcomes = run_ranks(2, timeout, |pg| {
+        if pg.rank() == 0 {
+            let start = Instant::now();
+            let x = Tensor::from_vec(vec![1.0f32], 1, Device::Cpu).unwrap();
+            let e = pg.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+            Some((e, start.elapsed()))
+        } else {
+            // Alive, but never joins the collective.
+            std::thread::sleep(Duration::from_millis(1500));
+            None
+        }
+    });
+    let (e, elapsed) = outcomes[0].clone().unwrap();
+    assert!(
+        matches!(
+            e,
+            Error::Io {
+                kind: ErrorKind::TimedOut,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(elapsed < Duration::from_secs(3), "{elapsed:?}");
+}
+
+#[test]
+fn peer_that_leaves_fails_the_collective_fast() {
+    let outcomes = run_ranks(3, T, |pg| {
+        if pg.rank() == 2 {
+            pg.shutdown(); // as a crash would: its connections close
+            drop(pg);
+            return None;
+        }
+        let start = Instant::now();
+        let x = Tensor::from_vec(vec![1.0f32; 1000], 1000, Device::Cpu).unwrap();
+        let e = pg.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+        Some((e.to_string(), start.elapsed()))
+    });
+    for (e, elapsed) in outcomes.into_iter().flatten() {
+        assert!(elapsed < Duration::from_secs(5), "{elapsed:?}: {e}");
+    }
+}
