@@ -12,6 +12,13 @@
 //! Note [Group creation is collective]: [`new_group`] must be called by every rank of the
 //! default group, with the same ranks, in the same order, members or not (as in PyTorch): the
 //! groups are numbered by call order and each number is a key prefix in the store.
+//!
+//! Note [Group key prefixes]: a world group created on a store that already served one (a
+//! store passed in [`InitOptions::store`], or [`ProcessGroup::new`] called again with the same
+//! store) must not find the previous group's addresses. Each rank counts the world groups it
+//! created on the store (`generation/<rank>`, an `add`); every rank creates the same sequence
+//! of groups, so the counts agree, and the `k`-th world group and its subgroups keep their
+//! keys under `g<k>/pg<n>/`.
 
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -143,6 +150,8 @@ struct GroupInner {
     timeout: Duration,
     /// The address peers reach this process at.
     ip: IpAddr,
+    /// Which world group on this store this one descends from (Note [Group key prefixes]).
+    generation: i64,
     /// Groups created from this one so far (Note [Group creation is collective]).
     created: AtomicUsize,
 }
@@ -189,7 +198,9 @@ impl ProcessGroup {
         timeout: Duration,
         ip: IpAddr,
     ) -> Result<ProcessGroup> {
-        let prefixed = PrefixStore::new("pg0", store.clone());
+        // Note [Group key prefixes]: the k-th world group this rank creates on this store.
+        let generation = store.add(&format!("generation/{rank}"), 1)?;
+        let prefixed = PrefixStore::new(format!("g{generation}/pg0"), store.clone());
         let backend = kind.create(&prefixed, rank, world_size, timeout, ip)?;
         Ok(ProcessGroup {
             inner: Arc::new(GroupInner {
@@ -199,6 +210,7 @@ impl ProcessGroup {
                 store,
                 timeout,
                 ip,
+                generation,
                 created: AtomicUsize::new(0),
             }),
         })
@@ -273,7 +285,10 @@ impl ProcessGroup {
         let Ok(rank) = ranks.binary_search(&me) else {
             return Ok(None);
         };
-        let prefixed = PrefixStore::new(format!("pg{n}"), self.inner.store.clone());
+        let prefixed = PrefixStore::new(
+            format!("g{}/pg{n}", self.inner.generation),
+            self.inner.store.clone(),
+        );
         let backend =
             self.inner
                 .kind
@@ -286,6 +301,7 @@ impl ProcessGroup {
                 store: self.inner.store.clone(),
                 timeout: self.inner.timeout,
                 ip: self.inner.ip,
+                generation: self.inner.generation,
                 created: AtomicUsize::new(0),
             }),
         }))

@@ -115,3 +115,26 @@ fn peer_that_leaves_fails_the_collective_fast() {
         assert!(elapsed < Duration::from_secs(5), "{elapsed:?}: {e}");
     }
 }
+
+#[test]
+fn a_store_serves_successive_groups() {
+    use ember_distributed::{BackendKind, ProcessGroup, Store, TcpStore};
+    use std::sync::Arc;
+    let master = TcpStore::new("127.0.0.1", 0, true, T).unwrap();
+    let port = master.port();
+    let master: Arc<dyn Store> = Arc::new(master);
+    let client: Arc<dyn Store> = Arc::new(TcpStore::new("127.0.0.1", port, false, T).unwrap());
+    for round in 0..3 {
+        // The previous round's group is gone; its keys must not mislead this one.
+        std::thread::scope(|s| {
+            for (rank, store) in [master.clone(), client.clone()].into_iter().enumerate() {
+                s.spawn(move || {
+                    let pg = ProcessGroup::new(BackendKind::Gloo, store, rank, 2, T).unwrap();
+                    let x = Tensor::from_vec(vec![round as f32], 1, Device::Cpu).unwrap();
+                    pg.all_reduce(&x, ReduceOp::Sum).unwrap();
+                    assert_eq!(x.to_vec::<f32>().unwrap(), [2.0 * round as f32]);
+                });
+            }
+        });
+    }
+}

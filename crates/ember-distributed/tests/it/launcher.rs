@@ -67,6 +67,23 @@ fn a_failed_worker_stops_the_others() {
 }
 
 #[test]
+fn a_killed_worker_stops_the_others() {
+    let start = Instant::now();
+    let out = Command::new(EMBER_RUN)
+        .args(["--standalone", "--nproc-per-node", "2", "sh", "-c"])
+        .arg(r#"if [ "$RANK" = 0 ]; then sleep 0.2; kill -9 $$; fi; exec sleep 30"#)
+        .output()
+        .unwrap();
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("worker rank 0 failed (killed by signal 9"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn bad_usage_and_missing_program() {
     let out = Command::new(EMBER_RUN)
         .args(["--nproc-per-node", "x", "p"])

@@ -42,7 +42,7 @@ fn worker_entry() {
         }
         "dead_peer" => {
             if rank == n - 1 {
-                std::process::abort(); // a crash, right after joining
+                std::process::exit(7); // gone right after joining (no core dump, unlike abort)
             }
             let start = Instant::now();
             let x = Tensor::from_vec(vec![1.0f32; 4096], 4096, Device::Cpu).unwrap();
