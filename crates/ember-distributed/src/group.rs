@@ -172,7 +172,8 @@ impl std::fmt::Debug for ProcessGroup {
 impl ProcessGroup {
     /// A group of `world_size` ranks meeting through `store`, this process being `rank`
     /// (global ranks = group ranks). [`init_process_group`] makes one of these the default
-    /// group; this constructor is for groups held by the caller (e.g. ranks as threads).
+    /// group; this constructor is for groups held by the caller (e.g. ranks as threads). The
+    /// CPU backend listens on [`Store::local_ip`] (localhost when the store does not say).
     pub fn new(
         kind: BackendKind,
         store: Arc<dyn Store>,
@@ -186,7 +187,7 @@ impl ProcessGroup {
                 format!("rank {rank} is not in a world of {world_size} process(es)"),
             ));
         }
-        let ip = IpAddr::from([127, 0, 0, 1]);
+        let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
         ProcessGroup::with_ip(kind, store, rank, world_size, timeout, ip)
     }
 
@@ -480,12 +481,16 @@ pub fn init_process_group(options: InitOptions) -> Result<()> {
 
 /// [`init_process_group`] reading variables through `env` instead of the process environment.
 pub fn init_process_group_with_env(options: InitOptions, env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
-    let mut slot = default_slot();
-    if slot.is_some() {
-        return Err(Error::invalid(
+    let already = || {
+        Error::invalid(
             "init_process_group",
             "the default process group is already initialized; call destroy_process_group first",
-        ));
+        )
+    };
+    // The rendezvous runs without holding the default group's lock, so that get_rank and
+    // friends on other threads answer at once meanwhile.
+    if is_initialized() {
+        return Err(already());
     }
     let (store, rank, world_size, ip): (Arc<dyn Store>, usize, usize, IpAddr) = match options.store {
         Some(store) => {
@@ -495,12 +500,13 @@ pub fn init_process_group_with_env(options: InitOptions, env: &dyn Fn(&str) -> O
                     "with a store, pass rank and world_size too",
                 ));
             };
-            (store, rank, ws, IpAddr::from([127, 0, 0, 1]))
+            let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            (store, rank, ws, ip)
         }
         None => {
             let rv = rendezvous::resolve(&options.init_method, options.rank, options.world_size, env)?;
             let store = TcpStore::new(&rv.master_addr, rv.master_port, rv.rank == 0, options.timeout)?;
-            let ip = store.local_ip()?;
+            let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
             (Arc::new(store), rv.rank, rv.world_size, ip)
         }
     };
@@ -511,6 +517,11 @@ pub fn init_process_group_with_env(options: InitOptions, env: &dyn Fn(&str) -> O
         ));
     }
     let group = ProcessGroup::with_ip(options.backend, store, rank, world_size, options.timeout, ip)?;
+    let mut slot = default_slot();
+    if slot.is_some() {
+        group.shutdown();
+        return Err(already());
+    }
     *slot = Some(group);
     Ok(())
 }

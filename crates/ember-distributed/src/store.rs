@@ -74,6 +74,12 @@ pub trait Store: Send + Sync {
 
     /// Sets the timeout of blocking calls without one of their own.
     fn set_timeout(&self, timeout: Duration);
+
+    /// The address of this host's interface that reaches the store, when the store knows it;
+    /// a CPU backend listens there for its peers (default: `None`, meaning localhost).
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        None
+    }
 }
 
 // Command bytes of the protocol.
@@ -160,12 +166,6 @@ impl TcpStore {
     /// The server's port (the one picked when created as master on port 0).
     pub fn port(&self) -> u16 {
         self.port
-    }
-
-    /// The local address of this client's connection: the address of the interface through
-    /// which this process reaches the master, which peers can usually reach too.
-    pub fn local_ip(&self) -> Result<std::net::IpAddr> {
-        Ok(self.lock_conn().local_addr()?.ip())
     }
 
     fn lock_conn(&self) -> std::sync::MutexGuard<'_, TcpStream> {
@@ -283,6 +283,12 @@ impl Store for TcpStore {
     fn set_timeout(&self, timeout: Duration) {
         *self.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
     }
+
+    /// The local address of this client's connection: the interface through which this
+    /// process reaches the master, which the other ranks can usually reach too.
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.lock_conn().local_addr().ok().map(|a| a.ip())
+    }
 }
 
 /// Adds the keys waited for to a timeout's message.
@@ -354,6 +360,9 @@ impl Store for PrefixStore {
     }
     fn set_timeout(&self, timeout: Duration) {
         self.inner.set_timeout(timeout)
+    }
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.inner.local_ip()
     }
 }
 

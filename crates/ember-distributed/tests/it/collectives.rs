@@ -138,3 +138,33 @@ fn a_store_serves_successive_groups() {
         });
     }
 }
+
+#[test]
+fn default_group_functions_need_init_and_say_so() {
+    use ember_distributed as dist;
+    // Nothing in this (parent) test process initializes the default group.
+    assert!(!dist::is_initialized());
+    let e = dist::get_rank().unwrap_err().to_string();
+    assert!(e.contains("init_process_group"), "{e}");
+    assert!(dist::all_reduce(
+        &Tensor::from_vec(vec![1f32], 1, Device::Cpu).unwrap(),
+        ReduceOp::Sum
+    )
+    .is_err());
+    dist::destroy_process_group(); // a no-op
+                                   // Bad environments fail before any connection, with what to set.
+    let none = |_: &str| None;
+    let opts = dist::InitOptions::new(dist::BackendKind::Gloo);
+    let e = dist::init_process_group_with_env(opts.clone(), &none)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("RANK") || e.contains("rank"), "{e}");
+    let e =
+        dist::init_process_group_with_env(opts.init_method("tcp://127.0.0.1:1").rank(3).world_size(2), &none)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("rank 3"), "{e}");
+    assert!("nccl".parse::<dist::BackendKind>().unwrap() == dist::BackendKind::Nccl);
+    assert!("mpi".parse::<dist::BackendKind>().is_err());
+    assert!(!dist::is_initialized());
+}
