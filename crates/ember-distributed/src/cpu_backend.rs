@@ -234,6 +234,31 @@ impl CpuBackend {
         })
     }
 
+    /// `rank` is another rank of this group (the checks of [`crate::ProcessGroup`], repeated
+    /// for callers of the backend itself, so that a bad rank is an error, not a panic).
+    fn check_peer(&self, op: &'static str, rank: usize, may_be_self: bool) -> Result<()> {
+        if rank >= self.inner.size || (!may_be_self && rank == self.inner.rank) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "rank {rank} is not another rank of this group of {}",
+                    self.inner.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_count(&self, op: &'static str, n: usize) -> Result<()> {
+        if n != self.inner.size {
+            return Err(Error::invalid(
+                op,
+                format!("expected {} tensors (one per rank), got {n}", self.inner.size),
+            ));
+        }
+        Ok(())
+    }
+
     fn enqueue(&self, sends: bool, job: Job) -> Result<Work> {
         let completion = Completion::new();
         let q = if sends { &self.send_queue } else { &self.queue };
@@ -483,6 +508,7 @@ impl Backend for CpuBackend {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        self.check_peer("broadcast", root, true)?;
         let t = tensor.clone();
         self.enqueue(
             false,
@@ -513,6 +539,7 @@ impl Backend for CpuBackend {
     }
 
     fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
+        self.check_count("all_gather", outputs.len())?;
         let (outputs, input) = (outputs.to_vec(), input.clone());
         self.enqueue(
             false,
@@ -534,6 +561,13 @@ impl Backend for CpuBackend {
     }
 
     fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
+        self.check_count("reduce_scatter", inputs.len())?;
+        if inputs.iter().any(|i| i.numel() != output.numel()) {
+            return Err(Error::invalid(
+                "reduce_scatter",
+                "every input must have as many elements as the output",
+            ));
+        }
         let (output, inputs) = (output.clone(), inputs.to_vec());
         self.enqueue(
             false,
@@ -574,6 +608,7 @@ impl Backend for CpuBackend {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize, tag: u32) -> Result<Work> {
+        self.check_peer("send", dst, false)?;
         let t = tensor.clone();
         self.enqueue(
             true,
@@ -592,6 +627,7 @@ impl Backend for CpuBackend {
     }
 
     fn recv(&self, tensor: &Tensor, src: usize, tag: u32) -> Result<Work> {
+        self.check_peer("recv", src, false)?;
         let t = tensor.clone();
         self.enqueue(
             false,

@@ -325,6 +325,20 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// A tensor the operation writes into must not have elements sharing memory (an expanded
+    /// view): found before the operation starts, it is a plain argument error instead of a
+    /// failure after the exchange that would break the group.
+    fn check_writable(op: &'static str, t: &Tensor) -> Result<()> {
+        let overlapping = t.numel() > 0 && t.dims().iter().zip(t.stride()).any(|(&d, &s)| d > 1 && s == 0);
+        if overlapping {
+            return Err(Error::invalid(
+                op,
+                "the output tensor is an expanded view (elements share memory); call contiguous() first",
+            ));
+        }
+        Ok(())
+    }
+
     fn check_same(op: &'static str, what: &Tensor, like: &Tensor) -> Result<()> {
         if what.dtype() != like.dtype() {
             return Err(Error::DTypeMismatch {
@@ -362,6 +376,7 @@ impl ProcessGroup {
     /// [`ProcessGroup::all_reduce`], started (`async_op=True`).
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         self.check_op("all_reduce", tensor, Some(op))?;
+        Self::check_writable("all_reduce", tensor)?;
         self.inner.backend.all_reduce(tensor, op)
     }
 
@@ -373,6 +388,7 @@ impl ProcessGroup {
     /// [`ProcessGroup::broadcast`], started.
     pub fn broadcast_async(&self, tensor: &Tensor, src: usize) -> Result<Work> {
         let root = self.group_rank(src)?;
+        Self::check_writable("broadcast", tensor)?;
         self.inner.backend.broadcast(tensor, root)
     }
 
@@ -386,6 +402,7 @@ impl ProcessGroup {
         Self::check_count("all_gather", outputs.len(), self.size())?;
         for o in outputs {
             Self::check_same("all_gather", o, input)?;
+            Self::check_writable("all_gather", o)?;
         }
         self.inner.backend.all_gather(outputs, input)
     }
@@ -399,6 +416,7 @@ impl ProcessGroup {
     /// [`ProcessGroup::reduce_scatter`], started.
     pub fn reduce_scatter_async(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
         self.check_op("reduce_scatter", output, Some(op))?;
+        Self::check_writable("reduce_scatter", output)?;
         Self::check_count("reduce_scatter", inputs.len(), self.size())?;
         for i in inputs {
             Self::check_same("reduce_scatter", i, output)?;
@@ -437,6 +455,7 @@ impl ProcessGroup {
     /// [`ProcessGroup::recv`], started (`irecv`).
     pub fn irecv(&self, tensor: &Tensor, src: usize) -> Result<Work> {
         let peer = self.p2p_peer("recv", src)?;
+        Self::check_writable("recv", tensor)?;
         self.inner.backend.recv(tensor, peer, 0)
     }
 

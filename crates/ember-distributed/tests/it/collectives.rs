@@ -58,6 +58,24 @@ fn subgroups() {
 }
 
 #[test]
+fn bad_arguments_are_errors_that_leave_the_group_usable() {
+    run_ranks(2, T, |pg| {
+        let one = Tensor::from_vec(vec![1.0f32], 1, Device::Cpu).unwrap();
+        let expanded = one.expand(&[3]).unwrap();
+        assert!(pg.all_reduce(&expanded, ReduceOp::Sum).is_err());
+        assert!(pg.broadcast(&one, 5).is_err());
+        assert!(pg.send(&one, pg.rank()).is_err());
+        assert!(pg.recv(&one, 9).is_err());
+        assert!(pg.all_gather(&[one.clone()], &one).is_err());
+        let wrong = Tensor::from_vec(vec![1.0f64], 1, Device::Cpu).unwrap();
+        assert!(pg.all_gather(&[one.clone(), wrong], &one).is_err());
+        // Nothing was sent: the group still works.
+        pg.all_reduce(&one, ReduceOp::Sum).unwrap();
+        assert_eq!(one.to_vec::<f32>().unwrap(), [2.0]);
+    });
+}
+
+#[test]
 fn mismatched_calls_are_reported() {
     let errs = run_ranks(2, T, |pg| {
         let x = Tensor::from_vec(vec![1.0f32; 4 + pg.rank()], 4 + pg.rank(), Device::Cpu).unwrap();
