@@ -4,7 +4,7 @@
 //!
 //! Each worker gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the
 //! node rank), `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them, and `NCCL_NVLS_ENABLE=0`
-//! unless already set (NVLink multicast off: it needs fabric support the lent machines lack).
+//! unless already set (NCCL's NVLink multicast, NVLS, off by default; set it to 1 to opt in).
 //!
 //! Note [Launcher failure policy]: the launcher polls its workers (every 20 ms). When one
 //! exits with a non-zero status or is killed by a signal, the launcher kills every other
