@@ -4,7 +4,8 @@
 //!   [`TensorDataset`] indexes the first dimension of a few tensors.
 //! - Samplers choose the order: [`SequentialSampler`], [`RandomSampler`] (a permutation from an
 //!   ember [`Generator`](ember_core::Generator), so a seed gives a reproducible order), and
-//!   [`BatchSampler`], which groups indices into batches.
+//!   [`BatchSampler`], which groups indices into batches, and [`DistributedSampler`], each
+//!   rank's share of the dataset in a distributed job.
 //! - [`DataLoader`] puts them together: batches in sampler order, loaded in the caller or by
 //!   worker threads ahead of use, collated by [`default_collate`] or a closure of yours.
 //! - [`idx`] reads IDX files (the MNIST format, gzipped or not); [`datasets::FashionMnist`]
@@ -43,4 +44,4 @@ pub mod sampler;
 pub use collate::{default_collate, CollateFn};
 pub use dataset::{Dataset, Sample, TensorDataset};
 pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
-pub use sampler::{BatchSampler, RandomSampler, Sampler, SequentialSampler};
+pub use sampler::{BatchSampler, DistributedSampler, RandomSampler, Sampler, SequentialSampler};

@@ -3,7 +3,11 @@
 //! A [`Sampler`] hands out one epoch's indices at a time; [`RandomSampler`] draws a fresh
 //! permutation each epoch from its ember [`Generator`] (the CPU default generator unless given
 //! one), so `Generator::new(seed)` makes the whole sequence of epochs reproducible.
-//! [`BatchSampler`] groups another sampler's indices into batches.
+//! [`BatchSampler`] groups another sampler's indices into batches. [`DistributedSampler`]
+//! gives each of the ranks of a distributed job its own share of the dataset.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use ember_core::{default_generator, Device, Error, Generator, Result, Tensor};
 
@@ -19,6 +23,18 @@ pub trait Sampler: Send + Sync {
 
     /// The indices of the next epoch, in order (`iter(sampler)`); each call starts an epoch.
     fn indices(&self) -> Result<Vec<usize>>;
+}
+
+/// A shared sampler samples as itself: hand an `Arc` clone to the `DataLoader` and keep one,
+/// e.g. to call [`DistributedSampler::set_epoch`] between epochs.
+impl<S: Sampler + ?Sized> Sampler for Arc<S> {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+
+    fn indices(&self) -> Result<Vec<usize>> {
+        (**self).indices()
+    }
 }
 
 /// `0, 1, ..., len - 1` (`SequentialSampler`).
@@ -159,6 +175,143 @@ impl std::fmt::Debug for BatchSampler {
             self.batch_size,
             self.drop_last
         )
+    }
+}
+
+/// Rank `rank`'s share of a dataset of `len` samples split among `num_replicas` ranks
+/// (`torch.utils.data.distributed.DistributedSampler`).
+///
+/// Every rank gets [`DistributedSampler::num_samples`] indices: the epoch's order (a
+/// permutation when shuffling, else `0..len`) is padded by repeating its first indices up to
+/// `num_samples * num_replicas` (or, with `drop_last`, cut down to it), and rank `r` takes
+/// every `num_replicas`-th index from position `r` (`indices[rank:total_size:num_replicas]`),
+/// PyTorch's arithmetic exactly.
+///
+/// Note [DistributedSampler permutations]: as in PyTorch, each epoch's permutation comes from
+/// a generator seeded with `seed + epoch`, so every rank draws the same permutation without
+/// communicating, and [`DistributedSampler::set_epoch`] must be called before each epoch for
+/// the order to change. The generator is ember's (Philox, `Tensor::randperm_with`), so the
+/// permutation for a seed differs from the one PyTorch draws; the padding and the split are
+/// the same. Unlike PyTorch, `num_replicas` and `rank` are required: ember-data sits below
+/// ember-distributed, so pass `get_world_size()` and `get_rank()`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use ember_data::{DistributedSampler, Sampler};
+/// # fn main() -> ember_core::Result<()> {
+/// let sampler = Arc::new(DistributedSampler::new(10, 4, 1)?.shuffle(false));
+/// assert_eq!(sampler.indices()?, [1, 5, 9]); // 10 padded to 12: [0..10, 0, 1]
+/// sampler.set_epoch(1); // between epochs (a no-op for the order without shuffle)
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct DistributedSampler {
+    len: usize,
+    num_replicas: usize,
+    rank: usize,
+    shuffle: bool,
+    seed: u64,
+    drop_last: bool,
+    epoch: AtomicU64,
+}
+
+impl DistributedSampler {
+    /// Rank `rank` of `num_replicas` over a dataset of `len` samples, with PyTorch's defaults:
+    /// shuffled, seed 0, no `drop_last`. [`Error::InvalidArgument`] when `num_replicas` is 0
+    /// or `rank` is not below it.
+    pub fn new(len: usize, num_replicas: usize, rank: usize) -> Result<DistributedSampler> {
+        if num_replicas == 0 || rank >= num_replicas {
+            return Err(Error::invalid(
+                "DistributedSampler::new",
+                format!(
+                    "invalid rank {rank}, rank should be in the interval [0, {}] (num_replicas = {num_replicas})",
+                    num_replicas as i64 - 1
+                ),
+            ));
+        }
+        Ok(DistributedSampler {
+            len,
+            num_replicas,
+            rank,
+            shuffle: true,
+            seed: 0,
+            drop_last: false,
+            epoch: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether each epoch is a permutation (true by default).
+    pub fn shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+
+    /// The seed of the permutations, the same on every rank (0 by default).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Drops the tail that does not split evenly instead of padding (false by default).
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// Sets the epoch the next [`Sampler::indices`] draws its permutation for
+    /// (Note [DistributedSampler permutations]).
+    pub fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Relaxed);
+    }
+
+    /// The epoch set last.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Indices per rank and epoch: `ceil(len / num_replicas)`, or `floor` with `drop_last`.
+    pub fn num_samples(&self) -> usize {
+        if self.drop_last {
+            self.len / self.num_replicas
+        } else {
+            self.len.div_ceil(self.num_replicas)
+        }
+    }
+
+    /// Indices per epoch over all ranks, padding included.
+    pub fn total_size(&self) -> usize {
+        self.num_samples() * self.num_replicas
+    }
+}
+
+impl Sampler for DistributedSampler {
+    fn len(&self) -> usize {
+        self.num_samples()
+    }
+
+    fn indices(&self) -> Result<Vec<usize>> {
+        let mut indices: Vec<usize> = if self.shuffle {
+            let gen = Generator::new(self.seed.wrapping_add(self.epoch()));
+            let perm = Tensor::randperm_with(self.len, Device::Cpu, &gen)?.to_vec::<i64>()?;
+            perm.into_iter().map(|i| i as usize).collect()
+        } else {
+            (0..self.len).collect()
+        };
+        let total = self.total_size();
+        if self.drop_last {
+            indices.truncate(total);
+        } else if total > indices.len() && !indices.is_empty() {
+            // indices += (indices * ceil(padding / len))[:padding]
+            let padding = total - indices.len();
+            let pad: Vec<usize> = indices.iter().copied().cycle().take(padding).collect();
+            indices.extend(pad);
+        }
+        Ok(indices
+            .into_iter()
+            .skip(self.rank)
+            .step_by(self.num_replicas)
+            .collect())
     }
 }
 

@@ -1,3 +1,61 @@
-//! ember-distributed: process groups, the rendezvous store, NCCL, DDP and the launcher
-//! (`torch.distributed`). It builds on `ember-core` only; its contents arrive with multi-GPU work.
+//! ember-distributed: process groups, the rendezvous store and the `ember-run` launcher
+//! (`torch.distributed`). It builds on `ember-core` only.
+//!
+//! - [`store`]: the key-value store ranks meet through ([`TcpStore`], [`PrefixStore`]).
+//! - [`rendezvous`]: rank, world size and master from `env://`, `tcp://`, SLURM or Open MPI.
+//! - [`backend`]: the [`Backend`] trait a library implements to move bytes, [`ReduceOp`],
+//!   and the [`Work`] handle of an asynchronous operation.
+//! - [`cpu_backend`]: ember's CPU backend over TCP ("gloo").
+//! - [`group`]: [`ProcessGroup`] and the default group's functions ([`init_process_group`],
+//!   [`all_reduce`], [`new_group`], ...), re-exported here as in `torch.distributed`.
+//! - [`launch`]: the launcher behind the `ember-run` program (torchrun's flags).
+//!
+//! Every blocking call is bounded by a timeout and reports failures as [`ember_core::Error`]:
+//! a timeout is [`ember_core::Error::Io`] of kind `TimedOut`, a peer that died is kind
+//! `UnexpectedEof`, `ConnectionReset` or `BrokenPipe`, bad arguments are `InvalidArgument`.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use ember_core::{Device, Tensor};
+//! use ember_distributed::{BackendKind, ProcessGroup, ReduceOp, Store, TcpStore};
+//! # fn main() -> ember_core::Result<()> {
+//! // Two ranks as threads of one process (normally: processes started by ember-run).
+//! let master = TcpStore::new("127.0.0.1", 0, true, Duration::from_secs(10))?;
+//! let port = master.port();
+//! let master: Arc<dyn Store> = Arc::new(master);
+//! let other = std::thread::spawn(move || -> ember_core::Result<Vec<f32>> {
+//!     let store: Arc<dyn Store> = Arc::new(TcpStore::new("127.0.0.1", port, false, Duration::from_secs(10))?);
+//!     let pg = ProcessGroup::new(BackendKind::Gloo, store, 1, 2, Duration::from_secs(10))?;
+//!     let t = Tensor::from_vec(vec![10.0f32, 20.0], 2, Device::Cpu)?;
+//!     pg.all_reduce(&t, ReduceOp::Sum)?;
+//!     t.to_vec::<f32>()
+//! });
+//! let pg = ProcessGroup::new(BackendKind::Gloo, master, 0, 2, Duration::from_secs(10))?;
+//! let t = Tensor::from_vec(vec![1.0f32, 2.0], 2, Device::Cpu)?;
+//! pg.all_reduce(&t, ReduceOp::Sum)?;
+//! assert_eq!(t.to_vec::<f32>()?, [11.0, 22.0]);
+//! assert_eq!(other.join().unwrap()?, [11.0, 22.0]);
+//! # Ok(())
+//! # }
+//! ```
 #![forbid(unsafe_code)]
+
+pub mod backend;
+mod buffer;
+pub mod cpu_backend;
+pub mod group;
+pub mod launch;
+pub mod rendezvous;
+pub mod store;
+mod wire;
+
+pub use backend::{Backend, ReduceOp, Work, WorkHandle};
+pub use cpu_backend::CpuBackend;
+pub use group::{
+    all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,
+    broadcast_async, default_group, destroy_process_group, get_rank, get_world_size, init_process_group,
+    init_process_group_with_env, irecv, is_initialized, isend, new_group, recv, reduce_scatter,
+    reduce_scatter_async, send, BackendKind, InitOptions, ProcessGroup,
+};
+pub use store::{PrefixStore, Store, TcpStore};

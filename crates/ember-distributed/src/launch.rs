@@ -1,0 +1,401 @@
+//! The launcher behind the `ember-run` program (`torchrun`): starts `nproc_per_node` workers of
+//! a program on this node with the environment `init_process_group("env://")` reads, prefixes
+//! their output with their rank, and stops them all when one fails.
+//!
+//! Each worker gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the
+//! node rank), `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them, and `NCCL_NVLS_ENABLE=0`
+//! unless already set (NCCL's NVLink multicast, NVLS, off by default; set it to 1 to opt in).
+//!
+//! Note [Launcher failure policy]: the launcher polls its workers (every 20 ms). When one
+//! exits with a non-zero status or is killed by a signal, the launcher kills every other
+//! worker (SIGKILL through `Child::kill`; std offers no gentler signal without unsafe code),
+//! prints which rank failed and how, and exits with status 1, as torchrun does with
+//! `ChildFailedError`. When every worker exits with 0, so does the launcher. Rank 0 of node 0
+//! hosts the store (`init_process_group` starts it), so the launcher runs no server itself.
+//! Grandchildren of a worker (a worker that is a shell starting another program) are not
+//! killed with it: make the worker `exec` its program.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use ember_core::{Error, Result};
+
+use crate::rendezvous::DEFAULT_MASTER_PORT;
+
+/// `ember-run --help`.
+pub const USAGE: &str = "\
+usage: ember-run [options] program [args...]
+
+Starts the workers of a distributed ember program on this node (flags as torchrun's).
+
+options:
+  --nproc-per-node N   workers on this node (default 1)
+  --nnodes N           nodes in the job (default 1)
+  --node-rank R        this node's rank, 0..nnodes (default 0)
+  --master-addr HOST   host of rank 0, where the store runs (default 127.0.0.1)
+  --master-port PORT   the store's port (default 29500)
+  --standalone         one node, on localhost, with a free port picked for the store
+  -h, --help           this message
+
+Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
+MASTER_PORT; its output lines start with [rankN]:. When a worker fails, the others are
+stopped and ember-run exits with status 1, naming the failed rank.";
+
+/// What to launch: the parsed command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    /// 0 with `standalone` until [`LaunchConfig::resolve_port`] picks one.
+    pub master_port: u16,
+    pub standalone: bool,
+    pub program: String,
+    pub args: Vec<String>,
+}
+
+fn usage_error(msg: impl Into<String>) -> Error {
+    Error::invalid("ember-run", format!("{}; see ember-run --help", msg.into()))
+}
+
+impl LaunchConfig {
+    /// Parses the arguments after the program name. `Ok(None)` for `--help`.
+    pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<LaunchConfig>> {
+        let mut cfg = LaunchConfig {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            standalone: false,
+            program: String::new(),
+            args: Vec::new(),
+        };
+        let (mut addr_set, mut port_set) = (false, false);
+        let mut it = args.into_iter();
+        while let Some(arg) = it.next() {
+            if arg == "--" {
+                break;
+            }
+            if !arg.starts_with('-') {
+                cfg.program = arg;
+                break;
+            }
+            let (flag, inline) = match arg.split_once('=') {
+                Some((f, v)) => (f.to_string(), Some(v.to_string())),
+                None => (arg.clone(), None),
+            };
+            let flag = flag.replace('_', "-");
+            let mut value = |name: &str| -> Result<String> {
+                inline
+                    .clone()
+                    .or_else(|| it.next())
+                    .ok_or_else(|| usage_error(format!("{name} needs a value")))
+            };
+            fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+                v.parse()
+                    .map_err(|_| usage_error(format!("{name} takes a number, got {v:?}")))
+            }
+            match flag.as_str() {
+                "-h" | "--help" => return Ok(None),
+                "--standalone" => cfg.standalone = true,
+                "--nproc-per-node" => cfg.nproc_per_node = num(&flag, &value(&flag)?)?,
+                "--nnodes" => {
+                    let v = value(&flag)?;
+                    if v.contains(':') {
+                        return Err(usage_error(format!(
+                            "--nnodes {v}: elastic node ranges are not supported; give one number"
+                        )));
+                    }
+                    cfg.nnodes = num(&flag, &v)?;
+                }
+                "--node-rank" => cfg.node_rank = num(&flag, &value(&flag)?)?,
+                "--master-addr" => {
+                    cfg.master_addr = value(&flag)?;
+                    addr_set = true;
+                }
+                "--master-port" => {
+                    cfg.master_port = num(&flag, &value(&flag)?)?;
+                    port_set = true;
+                }
+                _ => return Err(usage_error(format!("unknown option {arg}"))),
+            }
+        }
+        if cfg.program.is_empty() {
+            cfg.program = it
+                .next()
+                .ok_or_else(|| usage_error("no program to run was given"))?;
+        }
+        cfg.args = it.collect();
+        if cfg.nproc_per_node == 0 || cfg.nnodes == 0 {
+            return Err(usage_error("--nproc-per-node and --nnodes must be at least 1"));
+        }
+        if cfg.node_rank >= cfg.nnodes {
+            return Err(usage_error(format!(
+                "--node-rank {} is not below --nnodes {}",
+                cfg.node_rank, cfg.nnodes
+            )));
+        }
+        if cfg.standalone {
+            if cfg.nnodes != 1 || addr_set {
+                return Err(usage_error(
+                    "--standalone runs one node on localhost: drop --nnodes / --master-addr",
+                ));
+            }
+            if !port_set {
+                cfg.master_port = 0;
+            }
+        }
+        Ok(Some(cfg))
+    }
+
+    /// With `--standalone` and no port: picks a free port on localhost (bind to port 0, read
+    /// it, release it; the store binds it again moments later, as torchrun does).
+    pub fn resolve_port(&mut self) -> Result<()> {
+        if self.master_port == 0 {
+            let l = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+            self.master_port = l.local_addr()?.port();
+        }
+        Ok(())
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// The variables of worker `local_rank`; `existing` looks up the launcher's environment
+    /// (for `NCCL_NVLS_ENABLE`, kept when set).
+    pub fn worker_env(
+        &self,
+        local_rank: usize,
+        existing: &dyn Fn(&str) -> Option<String>,
+    ) -> Vec<(String, String)> {
+        let rank = self.node_rank * self.nproc_per_node + local_rank;
+        let mut env = vec![
+            ("RANK".to_string(), rank.to_string()),
+            ("LOCAL_RANK".to_string(), local_rank.to_string()),
+            ("WORLD_SIZE".to_string(), self.world_size().to_string()),
+            ("LOCAL_WORLD_SIZE".to_string(), self.nproc_per_node.to_string()),
+            ("GROUP_RANK".to_string(), self.node_rank.to_string()),
+            ("MASTER_ADDR".to_string(), self.master_addr.clone()),
+            ("MASTER_PORT".to_string(), self.master_port.to_string()),
+        ];
+        if existing("NCCL_NVLS_ENABLE").is_none() {
+            env.push(("NCCL_NVLS_ENABLE".to_string(), "0".to_string()));
+        }
+        env
+    }
+}
+
+/// How the launch ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LaunchOutcome {
+    /// Every worker exited with status 0.
+    Succeeded,
+    /// Global rank `rank` failed first (`status` describes how); the others were stopped.
+    Failed { rank: usize, status: String },
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(9)) => "killed by signal 9 (SIGKILL; out of memory?)".into(),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => format!("{status}"),
+    }
+}
+
+/// Copies `from` line by line to the launcher's stdout or stderr, each line prefixed.
+fn forward(from: impl Read + Send + 'static, prefix: String, to_stderr: bool, done: mpsc::Sender<()>) {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    let mut out = Vec::with_capacity(prefix.len() + line.len());
+                    out.extend_from_slice(prefix.as_bytes());
+                    out.extend_from_slice(&line);
+                    // One write per line, under the stream's lock: lines never interleave.
+                    let _ = if to_stderr {
+                        std::io::stderr().lock().write_all(&out)
+                    } else {
+                        std::io::stdout().lock().write_all(&out)
+                    };
+                }
+            }
+        }
+        let _ = done.send(());
+    });
+}
+
+/// Starts the workers and supervises them (Note [Launcher failure policy]).
+pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
+    let existing = |k: &str| std::env::var(k).ok();
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut streams = 0;
+    for local in 0..cfg.nproc_per_node {
+        let rank = cfg.node_rank * cfg.nproc_per_node + local;
+        let spawned = Command::new(&cfg.program)
+            .args(&cfg.args)
+            .envs(cfg.worker_env(local, &existing))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(Error::Io {
+                    kind: e.kind(),
+                    msg: format!(
+                        "ember-run: cannot start {:?}: {e}; check the program's path",
+                        cfg.program
+                    ),
+                });
+            }
+        };
+        let prefix = format!("[rank{rank}]: ");
+        if let Some(out) = child.stdout.take() {
+            forward(out, prefix.clone(), false, done_tx.clone());
+            streams += 1;
+        }
+        if let Some(err) = child.stderr.take() {
+            forward(err, prefix, true, done_tx.clone());
+            streams += 1;
+        }
+        children.push((rank, child));
+    }
+    drop(done_tx);
+
+    let mut failed = None;
+    let mut running: Vec<bool> = vec![true; children.len()];
+    while failed.is_none() && running.iter().any(|&r| r) {
+        for (i, (rank, child)) in children.iter_mut().enumerate() {
+            if !running[i] {
+                continue;
+            }
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    running[i] = false;
+                    if !status.success() {
+                        failed = Some((*rank, describe(status)));
+                        break;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    running[i] = false;
+                    failed = Some((*rank, format!("could not be waited for: {e}")));
+                    break;
+                }
+            }
+        }
+        if failed.is_none() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    if failed.is_some() {
+        for (i, (_, child)) in children.iter_mut().enumerate() {
+            if running[i] {
+                let _ = child.kill();
+            }
+        }
+    }
+    for (_, child) in &mut children {
+        let _ = child.wait();
+    }
+    // Let the output threads print what the workers wrote last, but do not wait on pipes that a
+    // grandchild still holds open.
+    let until = Instant::now() + Duration::from_secs(2);
+    for _ in 0..streams {
+        let left = until.saturating_duration_since(Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+    Ok(match failed {
+        None => LaunchOutcome::Succeeded,
+        Some((rank, status)) => LaunchOutcome::Failed { rank, status },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Option<LaunchConfig>> {
+        LaunchConfig::parse(args.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn torchrun_flags() {
+        let c = parse(&[
+            "--nproc-per-node",
+            "4",
+            "--nnodes=2",
+            "--node_rank",
+            "1",
+            "--master-addr",
+            "h",
+            "--master_port=99",
+            "prog",
+            "--lr",
+            "3",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((c.nproc_per_node, c.nnodes, c.node_rank), (4, 2, 1));
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("h", 99));
+        assert_eq!(
+            (c.program.as_str(), c.args.clone()),
+            ("prog", vec!["--lr".to_string(), "3".to_string()])
+        );
+        let env = c.worker_env(2, &|_| None);
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+        assert_eq!(get("RANK"), "6");
+        assert_eq!(get("LOCAL_RANK"), "2");
+        assert_eq!(get("WORLD_SIZE"), "8");
+        assert_eq!(get("LOCAL_WORLD_SIZE"), "4");
+        assert_eq!(get("GROUP_RANK"), "1");
+        assert_eq!(get("NCCL_NVLS_ENABLE"), "0");
+        let env = c.worker_env(0, &|k| (k == "NCCL_NVLS_ENABLE").then(|| "1".to_string()));
+        assert!(env.iter().all(|(k, _)| k != "NCCL_NVLS_ENABLE"));
+    }
+
+    #[test]
+    fn standalone_and_bad_flags() {
+        let mut c = parse(&["--standalone", "--nproc-per-node=2", "--", "prog"])
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.master_port, 0);
+        c.resolve_port().unwrap();
+        assert_ne!(c.master_port, 0);
+        assert_eq!(parse(&["--help"]).unwrap(), None);
+        for bad in [
+            &["--nproc-per-node"][..],
+            &["--nproc-per-node", "x", "p"],
+            &["--nnodes", "1:2", "p"],
+            &["--node-rank", "1", "p"],
+            &["--bogus", "p"],
+            &["--nproc-per-node", "2"],
+            &["--standalone", "--nnodes", "2", "p"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! Integration tests of ember-distributed, one module per feature (one test binary).
+//!
+//! Multi-process tests re-execute this binary as workers: `processes::worker_entry` does
+//! nothing unless `EMBER_DIST_WORKER` names a scenario.
+
+mod collectives;
+mod common;
+mod launcher;
+mod processes;
+mod store;

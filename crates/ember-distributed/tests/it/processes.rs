@@ -1,0 +1,131 @@
+//! Ranks as processes: this test binary re-executed as workers, through `ember-run` and
+//! directly, using the default group (`init_process_group` with `env://`).
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ember_core::{Device, Tensor};
+use ember_distributed as dist;
+
+use crate::common::check_all_collectives;
+
+const EMBER_RUN: &str = env!("CARGO_BIN_EXE_ember-run");
+const SCENARIO: &str = "EMBER_DIST_WORKER";
+
+/// The worker side: runs the scenario named by `EMBER_DIST_WORKER`; a no-op in a normal run.
+#[test]
+fn worker_entry() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let opts = dist::InitOptions::new(dist::BackendKind::Gloo).timeout(Duration::from_secs(20));
+    dist::init_process_group(opts).unwrap();
+    assert!(dist::is_initialized());
+    let (rank, n) = (dist::get_rank().unwrap(), dist::get_world_size().unwrap());
+    assert_eq!(rank.to_string(), std::env::var("RANK").unwrap());
+    match scenario.as_str() {
+        "collectives" => {
+            let world = dist::default_group().unwrap();
+            check_all_collectives(&world);
+            // The free functions act on the default group.
+            let x = Tensor::from_vec(vec![1i64], 1, Device::Cpu).unwrap();
+            dist::all_reduce(&x, dist::ReduceOp::Sum).unwrap();
+            assert_eq!(x.to_vec::<i64>().unwrap(), [n as i64]);
+            let pair = dist::new_group(&[0, n - 1]).unwrap();
+            if let Some(pair) = pair {
+                let x = Tensor::from_vec(vec![rank as f32], 1, Device::Cpu).unwrap();
+                pair.all_reduce(&x, dist::ReduceOp::Max).unwrap();
+                assert_eq!(x.to_vec::<f32>().unwrap(), [(n - 1) as f32]);
+            }
+            dist::barrier().unwrap();
+            println!("worker {rank} of {n}: ok");
+        }
+        "dead_peer" => {
+            if rank == n - 1 {
+                std::process::exit(7); // gone right after joining (no core dump, unlike abort)
+            }
+            let start = Instant::now();
+            let x = Tensor::from_vec(vec![1.0f32; 4096], 4096, Device::Cpu).unwrap();
+            let e = dist::all_reduce(&x, dist::ReduceOp::Sum).unwrap_err();
+            println!("survivor {rank} got an error after {:?}: {e}", start.elapsed());
+            assert!(start.elapsed() < Duration::from_secs(10));
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+    dist::destroy_process_group();
+    assert!(!dist::is_initialized());
+}
+
+fn worker_args() -> Vec<String> {
+    let exe = std::env::current_exe().unwrap();
+    vec![
+        exe.to_string_lossy().into_owned(),
+        "--exact".into(),
+        "processes::worker_entry".into(),
+        "--nocapture".into(),
+        "--test-threads=1".into(),
+    ]
+}
+
+#[test]
+fn collectives_between_processes_under_ember_run() {
+    for n in [2, 3] {
+        let out = Command::new(EMBER_RUN)
+            .args(["--standalone", "--nproc-per-node", &n.to_string()])
+            .args(worker_args())
+            .env(SCENARIO, "collectives")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "world {n}: {stdout}\n{stderr}");
+        for r in 0..n {
+            assert!(
+                stdout.lines().any(|l| l.starts_with(&format!("[rank{r}]: "))
+                    && l.contains(&format!("worker {r} of {n}: ok"))),
+                "{stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let n = 3;
+    let args = worker_args();
+    let start = Instant::now();
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            Command::new(&args[0])
+                .args(&args[1..])
+                .env(SCENARIO, "dead_peer")
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    assert!(!outs[n - 1].status.success(), "the last rank aborts");
+    for out in &outs[..n - 1] {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("got an error"), "{stdout}");
+    }
+}
