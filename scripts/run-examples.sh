@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every example of crates/ember/examples/ and says which passed.
 #
-#   scripts/run-examples.sh        builds the examples, then runs each with
-#                                  `cargo run -q -p ember --example NAME`
+#   scripts/run-examples.sh        builds the examples as the workspace build does (CI's
+#                                  `cargo build --workspace --all-targets` has made them: nothing
+#                                  is rebuilt), then runs each binary of target/debug/examples
 #   scripts/run-examples.sh DIR    runs the prebuilt binaries DIR/NAME instead (on a GPU machine,
 #                                  the unpacked release binaries of ../shared/tools/gpu-bundle:
 #                                  scripts/run-examples.sh .gpu/bin)
@@ -20,22 +21,22 @@ for f in crates/ember/examples/*.rs; do
 done
 
 if [ -z "$dir" ]; then
-  # One build up front, so that no example's time limit is spent compiling.
-  cargo build -q -p ember --examples || { echo "examples: the build failed"; exit 1; }
+  # One build up front, so that no example's time limit is spent compiling. With the whole
+  # workspace selected, as in CI's build: `-p ember` alone resolves the dependencies' features
+  # differently, rebuilding them and relinking every example a second time.
+  cargo build -q --workspace --examples || { echo "examples: the build failed"; exit 1; }
+  target=$(cargo metadata -q --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+  dir="$target/debug/examples"
 fi
 
 now() { date +%s.%N; }
 failed=()
 for name in "${names[@]}"; do
-  if [ -n "$dir" ]; then
-    cmd=("$dir/$name")
-    if [ ! -x "$dir/$name" ]; then
-      echo "=== $name FAILED (no executable $dir/$name)"
-      failed+=("$name")
-      continue
-    fi
-  else
-    cmd=(cargo run -q -p ember --example "$name")
+  cmd=("$dir/$name")
+  if [ ! -x "$dir/$name" ]; then
+    echo "=== $name FAILED (no executable $dir/$name)"
+    failed+=("$name")
+    continue
   fi
   echo "--- $name"
   start=$(now)

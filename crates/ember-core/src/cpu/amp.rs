@@ -36,6 +36,7 @@ pub(crate) fn non_finite_check_and_unscale<T: OptimElement>(values: &mut [T], in
 
 /// True for a value that is neither inf nor NaN (`v - v` is 0 exactly for finite values).
 #[inline]
+#[allow(clippy::eq_op)] // `v - v` is the test itself: NaN for inf and NaN, 0 otherwise.
 fn is_finite<A: OptimAcc>(v: A) -> bool {
     let zero = v - v;
     !zero.is_nan()
