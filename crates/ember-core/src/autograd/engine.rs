@@ -195,7 +195,7 @@ fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<
     };
     let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
     let grads = {
-        let _range = crate::profiler::backward_range(node.name);
+        let _range = crate::profiler::backward_range(node.name, grad.device());
         backward(grad, &needs)?
     };
     if grads.len() != node.edges.len() {

@@ -288,7 +288,7 @@ impl Profiler {
     fn open_step_range(&mut self) {
         if self.schedule.is_some() && self.session.is_some() {
             let name = format!("ProfilerStep#{}", self.step_num);
-            self.step_range = OpenRange::open(Cow::Owned(name), EventKind::ProfilerStep);
+            self.step_range = OpenRange::open(Cow::Owned(name), EventKind::ProfilerStep, None);
         }
     }
 
@@ -597,17 +597,21 @@ pub fn record_function(name: impl Into<Cow<'static, str>>) -> RecordFunction {
         return RecordFunction { _range: None };
     }
     RecordFunction {
-        _range: OpenRange::open(name.into(), EventKind::UserAnnotation),
+        _range: OpenRange::open(name.into(), EventKind::UserAnnotation, None),
     }
 }
 
 /// The range the autograd engine opens around a node's backward rule while a profiler
 /// records: named as PyTorch names the node (`log_softmax` → `LogSoftmaxBackward0`).
-pub(crate) fn backward_range(op: &'static str) -> Option<OpenRange> {
+pub(crate) fn backward_range(op: &'static str, device: Device) -> Option<OpenRange> {
     if !recorder::is_recording() {
         return None;
     }
-    OpenRange::open(Cow::Borrowed(backward_name(op)), EventKind::Backward)
+    OpenRange::open(
+        Cow::Borrowed(backward_name(op)),
+        EventKind::Backward,
+        Some(device),
+    )
 }
 
 /// `mul` → `MulBackward0`, made once per op name.

@@ -397,10 +397,16 @@ pub(crate) struct OpenRange {
 }
 
 impl OpenRange {
-    /// Opens `name` in the current session; None when no session records.
-    pub(crate) fn open(name: Cow<'static, str>, kind: EventKind) -> Option<OpenRange> {
+    /// Opens `name` in the current session; None when no session records. A range given a
+    /// CUDA `device` (a backward node, by its incoming gradient) is timed on the GPU like an op,
+    /// so the kernels its body launches count as its own.
+    pub(crate) fn open(
+        name: Cow<'static, str>,
+        kind: EventKind,
+        device: Option<Device>,
+    ) -> Option<OpenRange> {
         let session = current()?;
-        let key = open(&session, None, name, kind, None, None);
+        let key = open(&session, None, name, kind, device, None);
         Some(OpenRange { session, key })
     }
 }
