@@ -604,6 +604,20 @@ impl Storage {
         })
     }
 
+    /// Adds the `[O]` `bias` to the fresh convolution output `self` in place; false where the
+    /// backend leaves it to the broadcast addition.
+    pub(crate) fn conv_bias_add(&self, bias: &Storage, p: &ConvParams) -> Result<bool> {
+        let (y, b) = (self, bias);
+        on_backend!("convolution", (y, b), wrap => BackendStorage::conv_bias_add(y, b, p))
+    }
+
+    /// ReLU's input gradient from its output `self` and the output gradient (contiguous
+    /// `len`-element storages), or `None` where the backend leaves it to the tensor ops.
+    pub(crate) fn relu_backward(&self, grad_out: &Storage, len: usize) -> Result<Option<Storage>> {
+        let (y, g) = (self, grad_out);
+        on_backend!("relu_backward", (y, g), wrap => Ok(BackendStorage::relu_backward(y, g, len)?.map(wrap)))
+    }
+
     /// Pooling of the input `self` (contiguous from its first element), or `None` where the
     /// backend does not run the problem.
     pub(crate) fn pool_forward(&self, p: &PoolParams) -> Result<Option<Storage>> {

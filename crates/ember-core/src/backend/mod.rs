@@ -172,6 +172,18 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     fn conv_backward_data(&self, grad_out: &Self, p: &ConvParams) -> Result<Option<Self>>;
     /// The weight gradient from the input (`self`) and the output gradient.
     fn conv_backward_filter(&self, grad_out: &Self, p: &ConvParams) -> Result<Option<Self>>;
+    /// Adds the `[O]` `bias` to every channel of the convolution output `self` in place (a
+    /// fresh `[N, O, OH, OW]` storage of `conv_forward`); false where the backend leaves the
+    /// bias to the broadcast addition.
+    fn conv_bias_add(&self, _bias: &Self, _p: &ConvParams) -> Result<bool> {
+        Ok(false)
+    }
+    /// ReLU's input gradient from its output (`self`) and the output gradient, both contiguous
+    /// `len`-element storages of one float dtype: the gradient where the output is positive,
+    /// else 0; `None` where the backend leaves it to the comparison and select ops.
+    fn relu_backward(&self, _grad_out: &Self, _len: usize) -> Result<Option<Self>> {
+        Ok(None)
+    }
     /// `pool(input = self)` as a new `[N, C, OH, OW]` storage; `None` where this backend does
     /// not run the problem.
     fn pool_forward(&self, p: &PoolParams) -> Result<Option<Self>>;

@@ -251,6 +251,20 @@ impl BackendStorage for CudaStorage {
         cudnn::conv_backward_filter(self, grad_out, p).map(Some)
     }
 
+    fn conv_bias_add(&self, bias: &CudaStorage, p: &ConvParams) -> Result<bool> {
+        if !cudnn_on() || !cudnn::supported(p) {
+            return Ok(false);
+        }
+        cudnn::conv_bias_add(self, bias, p)
+    }
+
+    fn relu_backward(&self, grad_out: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() {
+            return Ok(None);
+        }
+        cudnn::relu_backward(self, grad_out, len)
+    }
+
     fn pool_forward(&self, p: &PoolParams) -> Result<Option<CudaStorage>> {
         if !cudnn_on() || !cudnn_pool::supported(p) {
             return Ok(None);

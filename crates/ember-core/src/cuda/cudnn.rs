@@ -872,6 +872,167 @@ pub(crate) fn conv_backward_filter(
     Ok(dw)
 }
 
+// ---------------------------------------------------------------------------------------------
+// A convolution's bias and ReLU's backward (legacy cuDNN calls: one kernel each, no plan, no
+// workspace).
+
+/// A 4-d tensor descriptor made for one call and destroyed when dropped.
+struct TensorDesc(sys::cudnnTensorDescriptor_t);
+
+impl TensorDesc {
+    fn new(dtype: DType, dims: [usize; 4]) -> Result<TensorDesc> {
+        let mut d = TensorDesc(std::ptr::null_mut());
+        // SAFETY: an out-pointer to the field; whatever was created is freed by Drop.
+        check("cudnnCreateTensorDescriptor", unsafe {
+            sys::cudnnCreateTensorDescriptor(&mut d.0)
+        })?;
+        set_tensor(d.0, dtype, dims)?;
+        Ok(d)
+    }
+}
+
+impl Drop for TensorDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by `TensorDesc::new` (or null: a no-op in cuDNN) and destroyed only here.
+        unsafe {
+            let _ = sys::cudnnDestroyTensorDescriptor(self.0);
+        }
+    }
+}
+
+/// Host scalars 1 and 0 of the scale type cuDNN reads for `dtype` (double for f64, float
+/// otherwise), pointing into `scalars`.
+fn one_and_zero(dtype: DType, scalars: &mut ([f32; 2], [f64; 2])) -> (*const c_void, *const c_void) {
+    *scalars = ([1.0, 0.0], [1.0, 0.0]);
+    if dtype == DType::F64 {
+        (scalars.1.as_ptr().cast(), scalars.1[1..].as_ptr().cast())
+    } else {
+        (scalars.0.as_ptr().cast(), scalars.0[1..].as_ptr().cast())
+    }
+}
+
+/// Adds the `[O]` `bias` to every channel of the convolution output `y` (`[N, O, OH, OW]` of
+/// `params`), in place (`cudnnAddTensor`). `Ok(false)` where this cuDNN does not take the dtype
+/// (`CUDNN_STATUS_NOT_SUPPORTED`); the caller adds the bias itself then. `y` must be the caller's
+/// alone (a fresh output).
+pub(crate) fn conv_bias_add(y: &CudaStorage, bias: &CudaStorage, params: &ConvParams) -> Result<bool> {
+    let out = params.output().expect("checked by supported()");
+    check_operand("bias", y, params.dtype, out.iter().product());
+    check_operand("bias", bias, params.dtype, out[1]);
+    let rt = y.runtime()?;
+    let (yd, bd) = (
+        TensorDesc::new(params.dtype, out)?,
+        TensorDesc::new(params.dtype, [1, out[1], 1, 1])?,
+    );
+    let mut scalars = Default::default();
+    let (one, _) = one_and_zero(params.dtype, &mut scalars);
+    super::kernel_timing::note_work(current_raw(rt.ordinal));
+    let status = with_handle("convolution", rt, |handle| {
+        // SAFETY: the descriptors describe exactly the contiguous buffers (checked above);
+        // C = 1·bias + 1·C writes only `y`; the scalars outlive the call; the handle is this
+        // thread's alone, bound to the current stream (Note [cuDNN state]).
+        Ok(unsafe {
+            sys::cudnnAddTensor(
+                handle,
+                one,
+                bd.0,
+                bias.ptr_at(0) as *const c_void,
+                one,
+                yd.0,
+                y.ptr_at(0) as *mut c_void,
+            )
+        })
+    })?;
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+        return Ok(false);
+    }
+    check("cudnnAddTensor", status)?;
+    Ok(true)
+}
+
+/// ReLU's input gradient from its output `y` and the output gradient `dy` (both contiguous
+/// `len`-element storages of a float dtype): `dy` where `y > 0`, else 0, as PyTorch's
+/// `threshold_backward`, in one kernel (`cudnnActivationBackward`); None where this cuDNN does
+/// not take the problem.
+pub(crate) fn relu_backward(y: &CudaStorage, dy: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {
+    let dtype = y.dtype();
+    if len == 0
+        || len > i32::MAX as usize
+        || !matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    {
+        return Ok(None);
+    }
+    check_operand("relu backward", y, dtype, len);
+    check_operand("relu backward", dy, dtype, len);
+    let rt = y.runtime()?;
+    let dx = CudaStorage::alloc_on(rt, dtype, len)?;
+    let desc = TensorDesc::new(dtype, [1, 1, 1, len])?;
+    let act = ActivationDesc::relu()?;
+    let mut scalars = Default::default();
+    let (one, zero) = one_and_zero(dtype, &mut scalars);
+    super::kernel_timing::note_work(current_raw(rt.ordinal));
+    let (yp, dyp) = (y.ptr_at(0) as *const c_void, dy.ptr_at(0) as *const c_void);
+    let status = with_handle("relu_backward", rt, |handle| {
+        // SAFETY: one descriptor describes the three contiguous `len`-element buffers (checked
+        // above; `dx` was allocated with `len`); y stands for x too (y > 0 exactly where x > 0);
+        // beta = 0, so `dx` is only written; the scalars outlive the call; the handle is this
+        // thread's alone, bound to the current stream (Note [cuDNN state]).
+        Ok(unsafe {
+            sys::cudnnActivationBackward(
+                handle,
+                act.0,
+                one,
+                desc.0,
+                yp,
+                desc.0,
+                dyp,
+                desc.0,
+                yp,
+                zero,
+                desc.0,
+                dx.ptr_at(0) as *mut c_void,
+            )
+        })
+    })?;
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+        return Ok(None);
+    }
+    check("cudnnActivationBackward", status)?;
+    Ok(Some(dx))
+}
+
+/// A ReLU activation descriptor made for one call and destroyed when dropped.
+struct ActivationDesc(sys::cudnnActivationDescriptor_t);
+
+impl ActivationDesc {
+    fn relu() -> Result<ActivationDesc> {
+        let mut d = ActivationDesc(std::ptr::null_mut());
+        // SAFETY: an out-pointer to the field; whatever was created is freed by Drop.
+        check("cudnnCreateActivationDescriptor", unsafe {
+            sys::cudnnCreateActivationDescriptor(&mut d.0)
+        })?;
+        // SAFETY: the descriptor is live; coef is unused by RELU.
+        check("cudnnSetActivationDescriptor", unsafe {
+            sys::cudnnSetActivationDescriptor(
+                d.0,
+                sys::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
+                sys::cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN,
+                0.0,
+            )
+        })?;
+        Ok(d)
+    }
+}
+
+impl Drop for ActivationDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by `ActivationDesc::relu` (or null: a no-op) and destroyed only here.
+        unsafe {
+            let _ = sys::cudnnDestroyActivationDescriptor(self.0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,7 +26,14 @@ const STATE_BYTES: usize = 32;
 /// Threads per block of the first pass.
 const BLOCK: usize = 256;
 /// Elements each lane should reduce per chunk before K is split further (bounds the split).
-const MIN_PER_LANE: usize = 32;
+/// Small enough that a reduction of a few hundred elements per output over few outputs (a
+/// linear layer's bias gradient, [256, 128] over dim 0) is split over several blocks instead
+/// of leaving each lane a long chain of dependent loads.
+const MIN_PER_LANE: usize = 8;
+/// Elements each lane of a row should get before a row takes more lanes: with fewer lanes per
+/// output a block serves several outputs and the tree over the lanes is shorter (a row of 196
+/// or 784 elements, a convolution bias gradient's spatial sums, takes 32 or 64 lanes, not 256).
+const ROW_PER_LANE: usize = 16;
 
 /// The kernel family, its `variant` and `param` arguments and the output dtype of `op` on `dtype`.
 struct Kernel {
@@ -146,7 +153,7 @@ fn plan(rt: &DeviceRuntime, g: &Geometry) -> Plan {
     let (m, k) = (g.m, g.k);
     let row = k >= 32 && (unit_last(&g.inner) || !unit_last(&g.outer));
     let (bx, by) = if row {
-        let lanes = k.next_power_of_two().clamp(32, BLOCK);
+        let lanes = (k / ROW_PER_LANE).next_power_of_two().clamp(32, BLOCK);
         (lanes, BLOCK / lanes)
     } else if k <= 8 {
         (BLOCK, 1)

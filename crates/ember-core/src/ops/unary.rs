@@ -128,6 +128,26 @@ pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
 /// The gradient of `op` at the saved tensor `s` (its input or output, see [`UnaryOp::saves`])
 /// given the output gradient `g`, with PyTorch's conventions at kinks: abs'(0) = 0,
 /// relu'(0) = 0, leaky_relu'(0) = slope, and zero gradient for sign and the rounding ops.
+/// ReLU's input gradient from its output `y` (PyTorch's `threshold_backward`): the backend's
+/// one-kernel rule where it has one and both operands are plain contiguous buffers of one dtype
+/// (cuDNN's activation backward), else a select.
+fn relu_backward(g: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let plain = |t: &Tensor| t.is_contiguous() && t.storage_offset() == 0;
+    if !crate::autograd::is_grad_enabled()
+        && g.dtype() == y.dtype()
+        && g.dims() == y.dims()
+        && plain(g)
+        && plain(y)
+    {
+        let dx = y.storage().read().relu_backward(&g.storage().read(), g.numel())?;
+        if let Some(dx) = dx {
+            return Ok(Tensor::from_storage(dx, g.shape().clone()));
+        }
+    }
+    let zero = Tensor::scalar(0.0, g.dtype(), g.device())?;
+    Tensor::where_cond(&y.gt_scalar(0.0)?, g, &zero)
+}
+
 fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
     use UnaryOp::*;
     let s = || s.ok_or_else(|| Error::Autograd(format!("{} saved no tensor", op.name())));
@@ -172,7 +192,7 @@ fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
         // d/dx log σ(x) = σ(-x).
         LogSigmoid => g.mul(&s()?.neg()?.sigmoid()?)?,
         // Saves the output: y > 0 exactly where x > 0 (PyTorch's threshold_backward).
-        Relu => Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &zero()?)?,
+        Relu => relu_backward(g, s()?)?,
         LeakyRelu { negative_slope } => {
             Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &g.mul_scalar(negative_slope)?)?
         }
