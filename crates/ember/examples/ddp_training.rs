@@ -5,8 +5,9 @@
 //! `set_epoch`), and a few epochs of SGD. Gradients are averaged across ranks during backward,
 //! so every replica takes the same step; the example checks that the replicas end equal.
 //!
-//! Run on 2 processes: `cargo build -p ember --example ddp_training && \
-//!   target/debug/ember-run --standalone --nproc-per-node 2 target/debug/examples/ddp_training`
+//! Run on 2 processes: `cargo build -p ember --example ddp_training -p ember-distributed --bin
+//! ember-run`, then `target/debug/ember-run --standalone --nproc-per-node 2
+//! target/debug/examples/ddp_training` (ember-run sets RANK, WORLD_SIZE, MASTER_ADDR, ...).
 //! Run directly (`cargo run -p ember --example ddp_training`), without RANK and WORLD_SIZE in
 //! the environment, it trains as a world of one process.
 //!
@@ -21,7 +22,7 @@ use ember::distributed::{
     self as dist, BackendKind, DdpOptions, DistributedDataParallel, InitOptions, TcpStore,
 };
 use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Forward, Linear, MSELoss, ModuleExt, ReLU, Sequential};
+use ember::nn::{Linear, MSELoss, ModuleExt, ReLU, Sequential};
 use ember::{cuda, DType, Device, Tensor};
 
 const SAMPLES: usize = 512;

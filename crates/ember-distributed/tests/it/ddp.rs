@@ -1,6 +1,7 @@
 //! DistributedDataParallel over the CPU backend, ranks as threads (`common::run_ranks`):
 //! gradients against one process's full-batch gradients, `no_sync` accumulation, unused
-//! parameters, the bucket rebuild, buffer broadcasts and the checks at construction.
+//! parameters, the bucket rebuild, buffer broadcasts and the checks at construction. The same
+//! training as processes under `ember-run` is in `processes.rs` (scenario "ddp").
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -61,7 +62,7 @@ fn values<M: Module + ?Sized>(m: &M) -> Vec<Vec<f64>> {
     m.parameters().iter().map(|p| p.to_vec_f64().unwrap()).collect()
 }
 
-fn assert_close(a: &[Option<Vec<f64>>], b: &[Option<Vec<f64>>], what: &str) {
+pub(crate) fn assert_close(a: &[Option<Vec<f64>>], b: &[Option<Vec<f64>>], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         let (x, y) = (x.as_ref().expect(what), y.as_ref().expect(what));
@@ -75,7 +76,7 @@ fn assert_close(a: &[Option<Vec<f64>>], b: &[Option<Vec<f64>>], what: &str) {
 }
 
 /// One process's reference: the full-batch gradients and SGD steps of rank 0's model.
-fn reference(steps: usize, rows: usize) -> Vec<Vec<Option<Vec<f64>>>> {
+pub(crate) fn reference(steps: usize, rows: usize) -> Vec<Vec<Option<Vec<f64>>>> {
     let m = mlp();
     fill_params(&m, 0.0);
     let mut opt = SGD::new(
@@ -103,7 +104,12 @@ fn reference(steps: usize, rows: usize) -> Vec<Vec<Option<Vec<f64>>>> {
 
 /// DDP training on `n` ranks, each on its shard of the same batch; the gradients each rank
 /// holds after each backward.
-fn ddp_run(pg: ProcessGroup, options: DdpOptions, steps: usize, rows: usize) -> Vec<Vec<Option<Vec<f64>>>> {
+pub(crate) fn ddp_run(
+    pg: ProcessGroup,
+    options: DdpOptions,
+    steps: usize,
+    rows: usize,
+) -> Vec<Vec<Option<Vec<f64>>>> {
     let (r, n) = (pg.rank(), pg.size());
     let m = mlp();
     fill_params(&m, r as f64); // differs per rank until DDP broadcasts rank 0's
