@@ -260,14 +260,19 @@ impl StorageRef {
         }))
     }
 
-    /// Records the shape of the first tensor made over a storage listed in the memory
-    /// accounting (a no-op for small storages).
-    pub(crate) fn note_shape(&self, shape: &crate::Shape) {
-        self.0
-            .tracking
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .note_shape(shape);
+    /// A new storage whose entry in the memory accounting records `shape`, the shape of the
+    /// first tensor made over it (a no-op for storages too small to be listed). Noted before
+    /// the entry goes behind its lock, so creating a tensor takes no lock for it.
+    pub(crate) fn with_shape(storage: Storage, shape: &crate::Shape) -> StorageRef {
+        let tracking = crate::memory::Tracking::new(&storage);
+        tracking.note_shape(shape);
+        StorageRef(Arc::new(StorageCell {
+            tracking: Mutex::new(tracking),
+            device: AtomicUsize::new(encode_device(storage.device())),
+            pin: None,
+            data: RwLock::new(storage),
+            version: AtomicU64::new(0),
+        }))
     }
 
     /// The device the storage lives on.

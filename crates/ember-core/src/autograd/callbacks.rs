@@ -12,11 +12,15 @@
 //! a queued callback the cost is one thread-local push and pop per backward pass.
 //!
 //! Note [Post-accumulate-grad hooks]: a leaf's hooks run right after backward stored the
-//! leaf's new `.grad` (once per backward pass that reaches the leaf), with the leaf itself, so
+//! leaf's new `.grad`, once per backward pass that reaches the leaf, with the leaf itself, so
 //! a hook reads `.grad` and may act on it (start a gradient all-reduce, step an optimizer per
-//! parameter). `torch.autograd.grad` stores no `.grad`, so it runs none. A leaf without such
-//! hooks pays nothing: the engine reads the hook list under the lock it already holds to
-//! store the gradient.
+//! parameter). Backward rules may leave out a gradient that is zero (`None`); when every path
+//! to a reached leaf did, `.grad` stays as it was and the hooks still run, so a hook can count
+//! on running once per pass for every leaf the graph reaches (DDP's buckets do). PyTorch runs
+//! them only when a gradient was accumulated, but it never leaves one out there.
+//! `torch.autograd.grad` stores no `.grad`, so it runs none. A leaf without such hooks pays
+//! nothing: the engine reads the hook list under the lock it already holds to store the
+//! gradient.
 
 use crate::{Error, Result, Tensor};
 use std::cell::RefCell;
@@ -108,6 +112,17 @@ impl Drop for Frame {
         });
         drop(dropped);
     }
+}
+
+/// A leaf's post-accumulate-grad hooks, for a pass that reached it without a gradient.
+pub(super) fn post_accumulate_grad_hooks(
+    leaf: &Arc<crate::tensor::TensorImpl>,
+) -> Vec<PostAccumulateGradHook> {
+    leaf.meta()
+        .post_accumulate_grad_hooks
+        .iter()
+        .map(|(_, h)| h.clone())
+        .collect()
 }
 
 /// Runs a leaf's post-accumulate-grad hooks (Note [Post-accumulate-grad hooks]).

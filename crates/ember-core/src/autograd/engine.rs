@@ -3,7 +3,9 @@
 //! run in the order of Note [Ready order] (`ready_queue.rs`); leaves' post-accumulate hooks and
 //! the final callbacks run as `callbacks.rs` says.
 
-use super::callbacks::{run_post_accumulate_grad_hooks, Frame, PostAccumulateGradHook};
+use super::callbacks::{
+    post_accumulate_grad_hooks, run_post_accumulate_grad_hooks, Frame, PostAccumulateGradHook,
+};
 use super::ready_queue::ReadyQueue;
 use super::{Edge, Node};
 use crate::tensor::TensorImpl;
@@ -123,6 +125,13 @@ pub(crate) fn run_backward(
                             run_post_accumulate_grad_hooks(&Tensor(leaf), hooks)?;
                         }
                     }
+                }
+            }
+            // Reached, but every path's gradient was left out as zero: the hooks still run.
+            (Edge::Leaf(leaf), None) if capture.is_none() => {
+                let hooks = post_accumulate_grad_hooks(&leaf);
+                if !hooks.is_empty() {
+                    run_post_accumulate_grad_hooks(&Tensor(leaf), hooks)?;
                 }
             }
             (Edge::Leaf(_), None) => {}

@@ -73,8 +73,7 @@ impl Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.numel(), storage.len());
         let dtype = storage.dtype();
-        let storage = StorageRef::new(storage);
-        storage.note_shape(layout.shape());
+        let storage = StorageRef::with_shape(storage, layout.shape());
         Tensor::from_parts_of(storage, layout, dtype)
     }
 

@@ -234,6 +234,21 @@ fn post_accumulate_grad_hooks_see_the_stored_gradient() {
     handle.remove();
     w.sum_all().unwrap().backward().unwrap();
     assert_eq!(seen.lock().unwrap().len(), 2, "removed");
+    // A leaf the graph reaches but whose gradient a backward rule left out (as zero): the
+    // hooks run once, `.grad` unchanged.
+    let v = leaf(&[1.0]);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    v.register_post_accumulate_grad_hook(move |p| {
+        assert!(p.grad().is_none());
+        r.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    })
+    .unwrap();
+    let out = autograd::custom_op("zero_grad_op", &[&v], v.detach(), |_, _| Ok(vec![None]));
+    out.sum_all().unwrap().backward().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(v.grad().is_none());
     // Only leaves that require grad take one; a failing hook fails backward.
     let y = w.mul_scalar(2.0).unwrap();
     assert!(matches!(
