@@ -566,3 +566,97 @@ fn a_single_rank_trains_as_without_ddp() {
         assert_eq!(values(&ddp), values(ddp.module()));
     });
 }
+
+#[test]
+fn grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows() {
+    use ember_nn::amp::{GradScaler, GradScalerConfig};
+    for poison in [false, true] {
+        let per_rank = run_ranks(2, TIMEOUT, |pg| {
+            let r = pg.rank();
+            let ddp = DistributedDataParallel::new(mlp(), DdpOptions::new().process_group(pg)).unwrap();
+            let mut opt = SGD::new(
+                ddp.parameters(),
+                SgdConfig {
+                    lr: 0.1,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+            let before = values(&ddp);
+            let (mut x, y) = data(4);
+            if poison && r == 1 {
+                x = x.mul_scalar(f64::INFINITY).unwrap(); // only rank 1's gradients overflow
+            }
+            let loss = mse_loss(&ddp.forward(&x).unwrap(), &y, Reduction::Mean).unwrap();
+            scaler.scale(&loss).unwrap().backward().unwrap();
+            scaler.step(&mut opt).unwrap();
+            scaler.update(None).unwrap();
+            (before == values(&ddp), scaler.get_scale().unwrap())
+        });
+        // The averaged gradients carry rank 1's inf/NaN to every rank, so all skip (and back
+        // the scale off) together; without it all step.
+        for (r, (unchanged, scale)) in per_rank.into_iter().enumerate() {
+            assert_eq!(unchanged, poison, "rank {r}, poison {poison}");
+            assert_eq!(scale, if poison { 32768.0 } else { 65536.0 }, "rank {r}");
+        }
+    }
+}
+
+/// DDP over CUDA parameters (the CPU backend reduces them through host copies).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn ddp_on_cuda_parameters_matches_the_cpu_reference() {
+    assert!(
+        ember_core::cuda::is_available(),
+        "this test needs a CUDA device; run it on a GPU machine (CUDA_TESTS_REQUIRED=1 makes its absence a failure)"
+    );
+    let gpu = Device::Cuda(0);
+    let expected = reference(2, 8);
+    let per_rank = run_ranks(2, TIMEOUT, |pg| {
+        let r = pg.rank();
+        let mut m = mlp();
+        fill_params(&m, r as f64);
+        m.to_device(gpu).unwrap();
+        let ddp =
+            DistributedDataParallel::new(m, DdpOptions::new().process_group(pg).bucket_cap_mb(1e-4)).unwrap();
+        let mut opt = SGD::new(
+            ddp.parameters(),
+            SgdConfig {
+                lr: 0.1,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let (x, y) = data(8);
+        let (x, y) = (
+            x.narrow(0, r * 4, 4).unwrap().to(gpu).unwrap(),
+            y.narrow(0, r * 4, 4).unwrap().to(gpu).unwrap(),
+        );
+        (0..2)
+            .map(|_| {
+                ddp.zero_grad().unwrap();
+                mse_loss(&ddp.forward(&x).unwrap(), &y, Reduction::Mean)
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                assert!(ddp.parameters().iter().all(|p| p.grad().unwrap().device() == gpu));
+                let g = grads(&ddp);
+                opt.step().unwrap();
+                g
+            })
+            .collect::<Vec<_>>()
+    });
+    for (r, got) in per_rank.iter().enumerate() {
+        for s in 0..2 {
+            for (a, b) in got[s].iter().zip(&expected[s]) {
+                for (u, v) in a.as_ref().unwrap().iter().zip(b.as_ref().unwrap()) {
+                    assert!(
+                        (u - v).abs() <= 1e-9 + 1e-6 * v.abs(),
+                        "rank {r}, step {s}: {u} vs {v}"
+                    );
+                }
+            }
+        }
+    }
+}
