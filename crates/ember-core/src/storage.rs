@@ -11,7 +11,7 @@
 //! Note [Moving a storage in place]: `Module::to_device` must leave every handle to a parameter
 //! valid (an optimizer or DDP built before the move holds clones of the handles), as PyTorch's
 //! `param.data = param.data.to(device)` does. A tensor's device is therefore the device of its
-//! storage cell, not a field of the tensor, and [`StorageRef::move_to`] swaps the cell's
+//! storage cell, not a field of the tensor, and `StorageRef::move_to` swaps the cell's
 //! elements for a copy of all of them on the new device (the whole buffer, so the layout of
 //! every view over it stays valid) under the write lock, then publishes the new device. The
 //! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
