@@ -184,11 +184,18 @@ impl<M: Module> DistributedDataParallel<M> {
                 ))
             }
         };
-        let (names, params): (Vec<String>, Vec<Tensor>) = module
-            .named_parameters()
-            .into_iter()
-            .filter(|(_, p)| p.requires_grad())
-            .unzip();
+        // Parameters that require grad, each once (a tied weight is listed under each name).
+        let mut names = Vec::new();
+        let mut params: Vec<Tensor> = Vec::new();
+        for (name, p) in module.named_parameters() {
+            let seen = params
+                .iter()
+                .any(|q| q.shares_storage_with(&p) && q.data_ptr() == p.data_ptr() && q.dims() == p.dims());
+            if p.requires_grad() && !seen {
+                names.push(name);
+                params.push(p);
+            }
+        }
         if params.is_empty() {
             return Err(Error::invalid(
                 "DistributedDataParallel",
@@ -233,8 +240,8 @@ impl<M: Module> DistributedDataParallel<M> {
     }
 
     /// The parameters of each gradient bucket, in reduction order, as indices into the
-    /// module's parameters that require grad (PyTorch's logging data
-    /// `rebuilt_per_bucket_param_indices` after the rebuild).
+    /// module's parameters that require grad, in `parameters()` order with tied ones listed
+    /// once (PyTorch's logging data `rebuilt_per_bucket_param_indices` after the rebuild).
     pub fn bucket_indices(&self) -> Vec<Vec<usize>> {
         self.reducer.bucket_indices()
     }

@@ -660,3 +660,83 @@ fn ddp_on_cuda_parameters_matches_the_cpu_reference() {
         }
     }
 }
+
+/// A weight shared by two layers (tied) and a frozen one.
+#[derive(ember_nn::Module)]
+#[module(crate = ember_nn)]
+struct Tied {
+    first: Linear,
+    second: Linear,
+    frozen: Linear,
+    training: bool,
+}
+
+impl Forward for Tied {
+    fn forward(&self, x: &Tensor) -> ember_core::Result<Tensor> {
+        let h = self.first.forward(x)?.tanh()?;
+        self.frozen.forward(&self.second.forward(&h)?.tanh()?)
+    }
+}
+
+#[test]
+fn tied_parameters_are_reduced_once_and_frozen_ones_not_at_all() {
+    let make = || {
+        let first = Linear::new(4, 4, CPU).unwrap();
+        let mut second = Linear::new(4, 4, CPU).unwrap();
+        second.weight = first.weight.clone(); // tied, as PyTorch's `second.weight = first.weight`
+        let frozen = Linear::new(4, 2, CPU).unwrap();
+        for p in frozen.parameters() {
+            p.requires_grad_(false).unwrap();
+        }
+        let mut m = Tied {
+            first,
+            second,
+            frozen,
+            training: true,
+        };
+        m.to_dtype(DType::F64).unwrap();
+        // to_dtype replaces tensors: tie again and refreeze.
+        m.second.weight = m.first.weight.clone();
+        for p in m.frozen.parameters() {
+            p.requires_grad_(false).unwrap();
+        }
+        fill_params(&m, 0.0);
+        m
+    };
+    let (x, y) = data(8);
+    let m = make();
+    mse_loss(
+        &m.forward(&x).unwrap(),
+        &y.narrow(1, 0, 2).unwrap(),
+        Reduction::Mean,
+    )
+    .unwrap()
+    .backward()
+    .unwrap();
+    let expected = grads(&m);
+    let per_rank = run_ranks(2, TIMEOUT, |pg| {
+        let r = pg.rank();
+        let ddp =
+            DistributedDataParallel::new(make(), DdpOptions::new().process_group(pg).bucket_cap_mb(1e-6))
+                .unwrap();
+        // first.weight (= second.weight), first.bias, second.bias: the frozen layer is left out.
+        assert_eq!(ddp.bucket_indices().concat().len(), 3);
+        let (cx, cy) = (
+            x.narrow(0, r * 4, 4).unwrap(),
+            y.narrow(0, r * 4, 4).unwrap().narrow(1, 0, 2).unwrap(),
+        );
+        mse_loss(&ddp.forward(&cx).unwrap(), &cy, Reduction::Mean)
+            .unwrap()
+            .backward()
+            .unwrap();
+        grads(&ddp)
+    });
+    for got in per_rank {
+        assert!(
+            got[got.len() - 2..].iter().all(Option::is_none),
+            "frozen: no gradient"
+        );
+        let n = got.len() - 2;
+        assert_close(&got[..n], &expected[..n], "tied and free parameters");
+    }
+}
