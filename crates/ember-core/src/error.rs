@@ -122,6 +122,12 @@ pub enum Error {
         found: u64,
     },
 
+    /// A data-parallel gradient reduction could not finish: these parameters (by name)
+    /// received no gradient in the backward pass, so the buckets holding them were never
+    /// reduced (`DistributedDataParallel` without `find_unused_parameters`).
+    #[error("{op}: expected every parameter to receive a gradient in the backward pass before reducing, but {} did not: {names:?}; if the forward pass does not use all parameters, pass find_unused_parameters(true), and make sure every output of forward takes part in the loss", names.len())]
+    UnusedParameters { op: &'static str, names: Vec<String> },
+
     /// A file or stream operation failed (`From<std::io::Error>`, so `?` works on I/O).
     #[error("I/O error ({kind:?}): {msg}")]
     Io { kind: std::io::ErrorKind, msg: String },

@@ -7,6 +7,15 @@
 //!
 //! Storage is shared between views through [`StorageRef`], which also carries the version
 //! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).
+//!
+//! Note [Moving a storage in place]: `Module::to_device` must leave every handle to a parameter
+//! valid (an optimizer or DDP built before the move holds clones of the handles), as PyTorch's
+//! `param.data = param.data.to(device)` does. A tensor's device is therefore the device of its
+//! storage cell, not a field of the tensor, and `StorageRef::move_to` swaps the cell's
+//! elements for a copy of all of them on the new device (the whole buffer, so the layout of
+//! every view over it stays valid) under the write lock, then publishes the new device. The
+//! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
+//! registration belongs to the host buffer).
 
 use crate::backend::{
     AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
@@ -17,8 +26,8 @@ use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda::{CudaDevice, CudaStorage};
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Elements of one tensor storage on one backend.
 #[derive(Debug, Clone)]
@@ -188,8 +197,27 @@ struct StorageCell {
     data: RwLock<Storage>,
     /// Bumped by every in-place write; autograd compares it with the version saved at record time.
     version: AtomicU64,
-    /// The storage's entry in the memory accounting (Note [Live allocation list]).
-    tracking: crate::memory::Tracking,
+    /// The device `data` lives on, readable without the lock (`Tensor::device` reads it on
+    /// every op); changed only by [`StorageRef::move_to`], under the write lock.
+    device: AtomicUsize,
+    /// The storage's entry in the memory accounting (Note [Live allocation list]); replaced
+    /// when the storage moves to another device.
+    tracking: Mutex<crate::memory::Tracking>,
+}
+
+/// `device` as one word: 0 for the host, `1 + ordinal` for a GPU.
+fn encode_device(device: Device) -> usize {
+    match device {
+        Device::Cpu => 0,
+        Device::Cuda(i) => i + 1,
+    }
+}
+
+fn decode_device(code: usize) -> Device {
+    match code {
+        0 => Device::Cpu,
+        i => Device::Cuda(i - 1),
+    }
 }
 
 impl Drop for StorageCell {
@@ -213,7 +241,8 @@ impl Drop for StorageCell {
 impl StorageRef {
     pub fn new(storage: Storage) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
-            tracking: crate::memory::Tracking::new(&storage),
+            tracking: Mutex::new(crate::memory::Tracking::new(&storage)),
+            device: AtomicUsize::new(encode_device(storage.device())),
             pin: None,
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
@@ -223,17 +252,69 @@ impl StorageRef {
     /// A host storage whose buffer `pin` has page-locked.
     pub(crate) fn new_pinned(storage: Storage, pin: crate::cuda::HostPin) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
-            tracking: crate::memory::Tracking::new(&storage),
+            tracking: Mutex::new(crate::memory::Tracking::new(&storage)),
+            device: AtomicUsize::new(encode_device(storage.device())),
             pin: Some(pin),
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
         }))
     }
 
-    /// Records the shape of the first tensor made over a storage listed in the memory
-    /// accounting (a no-op for small storages).
-    pub(crate) fn note_shape(&self, shape: &crate::Shape) {
-        self.0.tracking.note_shape(shape);
+    /// A new storage whose entry in the memory accounting records `shape`, the shape of the
+    /// first tensor made over it (a no-op for storages too small to be listed). Noted before
+    /// the entry goes behind its lock, so creating a tensor takes no lock for it.
+    pub(crate) fn with_shape(storage: Storage, shape: &crate::Shape) -> StorageRef {
+        let tracking = crate::memory::Tracking::new(&storage);
+        tracking.note_shape(shape);
+        StorageRef(Arc::new(StorageCell {
+            tracking: Mutex::new(tracking),
+            device: AtomicUsize::new(encode_device(storage.device())),
+            pin: None,
+            data: RwLock::new(storage),
+            version: AtomicU64::new(0),
+        }))
+    }
+
+    /// The device the storage lives on.
+    #[inline]
+    pub fn device(&self) -> Device {
+        decode_device(self.0.device.load(Ordering::Acquire))
+    }
+
+    /// Moves the whole storage to `device` in place (Note [Moving a storage in place]): every
+    /// tensor and view over it sees the same elements, now on `device`, at the same offsets.
+    /// The version counter is not bumped: the values did not change.
+    pub(crate) fn move_to(&self, device: Device) -> Result<()> {
+        if self.device() == device {
+            return Ok(());
+        }
+        if self.is_pinned() {
+            return Err(Error::invalid(
+                "to_device_",
+                "pinned host memory cannot be moved in place; use to(device), which copies",
+            ));
+        }
+        self.replace_with(|data| data.to_device(&Layout::contiguous(data.len()), device))
+    }
+
+    /// Swaps the elements for `f(elements)` (same dtype and length, any device) under the
+    /// write lock, then publishes the new device and accounting entry.
+    fn replace_with(&self, f: impl FnOnce(&Storage) -> Result<Storage>) -> Result<()> {
+        let mut data = self.0.data.write().unwrap_or_else(|e| e.into_inner());
+        let new = f(&data)?;
+        debug_assert!(new.dtype() == data.dtype() && new.len() == data.len());
+        let tracking = crate::memory::Tracking::new(&new);
+        self.0
+            .device
+            .store(encode_device(new.device()), Ordering::Release);
+        let old = std::mem::replace(&mut *data, new);
+        let old_tracking = std::mem::replace(
+            &mut *self.0.tracking.lock().unwrap_or_else(|e| e.into_inner()),
+            tracking,
+        );
+        drop(data);
+        drop((old, old_tracking));
+        Ok(())
     }
 
     /// True for page-locked host storage.
@@ -765,5 +846,40 @@ impl Storage {
             u.check(&scale, &growth_tracker, &found_inf)?;
             <B as BackendStorage>::update_scale(u, scale, growth_tracker, found_inf)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Tensor;
+
+    /// The swap behind an in-place device move (Note [Moving a storage in place]), exercised
+    /// host to host: every handle and view over the storage sees the new buffer.
+    #[test]
+    fn replacing_the_elements_is_seen_by_every_handle_and_view() {
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2], Device::Cpu).unwrap();
+        let clone = t.clone();
+        let row = t.narrow(0, 1, 1).unwrap();
+        let address = t.data_ptr();
+        let version = t.version();
+        t.storage()
+            .replace_with(|_| Ok(Storage::Cpu(CpuStorage::F32(vec![5.0, 6.0, 7.0, 8.0]))))
+            .unwrap();
+        assert_ne!(clone.data_ptr(), address, "a new buffer");
+        assert_eq!(clone.to_vec::<f32>().unwrap(), [5.0, 6.0, 7.0, 8.0]);
+        assert_eq!(row.to_vec::<f32>().unwrap(), [7.0, 8.0]);
+        assert_eq!(row.device(), Device::Cpu);
+        assert_eq!(t.version(), version, "a move is not a write");
+        // Moving to the device it is on changes nothing.
+        t.to_device_(Device::Cpu).unwrap();
+        assert_eq!(t.data_ptr(), clone.data_ptr());
+    }
+
+    #[test]
+    fn device_codes_round_trip() {
+        for d in [Device::Cpu, Device::Cuda(0), Device::Cuda(7)] {
+            assert_eq!(decode_device(encode_device(d)), d);
+        }
     }
 }

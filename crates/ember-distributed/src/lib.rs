@@ -1,5 +1,6 @@
-//! ember-distributed: process groups, the rendezvous store and the `ember-run` launcher
-//! (`torch.distributed`). It builds on `ember-core` only.
+//! ember-distributed: process groups, the rendezvous store, the `ember-run` launcher
+//! (`torch.distributed`) and `DistributedDataParallel` (`torch.nn.parallel`). It builds on
+//! `ember-core`, and on `ember-nn` for the modules DDP wraps.
 //!
 //! - [`store`]: the key-value store ranks meet through ([`TcpStore`], [`PrefixStore`]).
 //! - [`rendezvous`]: rank, world size and master from `env://`, `tcp://`, SLURM or Open MPI.
@@ -9,6 +10,7 @@
 //! - [`group`]: [`ProcessGroup`] and the default group's functions ([`init_process_group`],
 //!   [`all_reduce`], [`new_group`], ...), re-exported here as in `torch.distributed`.
 //! - [`launch`]: the launcher behind the `ember-run` program (torchrun's flags).
+//! - [`ddp`]: [`DistributedDataParallel`], gradient averaging overlapped with backward.
 //!
 //! Every blocking call is bounded by a timeout and reports failures as [`ember_core::Error`]:
 //! a timeout is [`ember_core::Error::Io`] of kind `TimedOut`, a peer that died is kind
@@ -44,6 +46,7 @@
 pub mod backend;
 mod buffer;
 pub mod cpu_backend;
+pub mod ddp;
 pub mod group;
 pub mod launch;
 pub mod rendezvous;
@@ -52,6 +55,7 @@ mod wire;
 
 pub use backend::{Backend, ReduceOp, Work, WorkHandle};
 pub use cpu_backend::CpuBackend;
+pub use ddp::{DdpOptions, DistributedDataParallel, ForwardOutput, NoSyncGuard};
 pub use group::{
     all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,
     broadcast_async, default_group, destroy_process_group, get_rank, get_world_size, init_process_group,

@@ -143,15 +143,19 @@ pub trait ModuleExt: Module {
         self.set_training(false)
     }
 
-    /// Moves every parameter, buffer and gradient to `device` (`module.to(device)`).
-    /// Parameters stay leaves with their `requires_grad` flag.
+    /// Moves every parameter, buffer and gradient to `device` in place (`module.to(device)`):
+    /// the module keeps the same tensor handles, which now refer to storage on `device`, so an
+    /// optimizer, a `DistributedDataParallel` or any clone of a parameter taken before the move
+    /// stays valid and sees the moved tensor (see [`Tensor::to_device_`]). Parameters stay
+    /// leaves with their `requires_grad` flag and hooks.
     fn to_device(&mut self, device: Device) -> Result<()> {
-        self.visit_mut("", &mut |_, t, _| {
-            if t.device() != device {
-                *t = convert(t, |x| x.to(device))?;
+        let mut result = Ok(());
+        self.visit("", &mut |_, t, _| {
+            if result.is_ok() {
+                result = move_in_place(t, device);
             }
-            Ok(())
-        })
+        });
+        result
     }
 
     /// Casts every floating-point parameter, buffer and gradient to the floating-point `dtype`
@@ -213,6 +217,15 @@ fn named_of_kind<M: Module + ?Sized>(m: &M, kind: TensorKind) -> Vec<(String, Te
         }
     });
     out
+}
+
+/// Moves `t`'s storage and its gradient's to `device`, keeping every handle.
+fn move_in_place(t: &Tensor, device: Device) -> Result<()> {
+    t.to_device_(device)?;
+    if let Some(g) = t.grad() {
+        g.to_device_(device)?;
+    }
+    Ok(())
 }
 
 /// `f(t)` as a new leaf with `t`'s `requires_grad`, and `f(t.grad)` as its gradient.

@@ -1,6 +1,12 @@
 //! The backward pass: a topological walk from the roots that sums the gradients reaching each
-//! node before calling its backward closure once, then accumulates into leaves.
+//! node before calling its backward closure once, then accumulates into leaves. Ready entries
+//! run in the order of Note [Ready order] (`ready_queue.rs`); leaves' post-accumulate hooks and
+//! the final callbacks run as `callbacks.rs` says.
 
+use super::callbacks::{
+    post_accumulate_grad_hooks, run_post_accumulate_grad_hooks, Frame, PostAccumulateGradHook,
+};
+use super::ready_queue::ReadyQueue;
 use super::{Edge, Node};
 use crate::tensor::TensorImpl;
 use crate::{Error, Result, Tensor};
@@ -72,6 +78,7 @@ pub(crate) fn run_backward(
     capture: Option<&[usize]>,
 ) -> Result<Vec<Option<Tensor>>> {
     let _no_grad = super::no_grad();
+    let frame = Frame::enter();
     let mut pending: HashMap<usize, Pending> = HashMap::new();
     let mut root_edges = Vec::with_capacity(roots.len());
     for (i, (t, g)) in roots.into_iter().enumerate() {
@@ -91,12 +98,14 @@ pub(crate) fn run_backward(
         root_edges.push((edge, g));
     }
     count_dependencies(root_edges.iter().map(|(e, _)| e.clone()), &mut pending);
-    let mut ready = Vec::new();
+    let mut ready = ReadyQueue::default();
+    let mut ready_roots = Vec::new();
     for (edge, g) in root_edges {
         let p = pending.get_mut(&edge.key()).expect("counted above");
         p.grad = Some(accumulate(p.grad.take(), g)?);
-        if p.deps == 0 && !ready.contains(&edge.key()) {
-            ready.push(edge.key());
+        if p.deps == 0 && !ready_roots.contains(&edge.key()) {
+            ready_roots.push(edge.key());
+            ready.push(edge.priority(), edge.key());
         }
     }
     let mut captured: HashMap<usize, Tensor> = HashMap::new();
@@ -110,7 +119,19 @@ pub(crate) fn run_backward(
                         captured.insert(key, grad);
                     }
                     Some(_) => {}
-                    None => accumulate_leaf(&leaf, grad)?,
+                    None => {
+                        let hooks = accumulate_leaf(&leaf, grad)?;
+                        if !hooks.is_empty() {
+                            run_post_accumulate_grad_hooks(&Tensor(leaf), hooks)?;
+                        }
+                    }
+                }
+            }
+            // Reached, but every path's gradient was left out as zero: the hooks still run.
+            (Edge::Leaf(leaf), None) if capture.is_none() => {
+                let hooks = post_accumulate_grad_hooks(&leaf);
+                if !hooks.is_empty() {
+                    run_post_accumulate_grad_hooks(&Tensor(leaf), hooks)?;
                 }
             }
             (Edge::Leaf(_), None) => {}
@@ -143,12 +164,13 @@ pub(crate) fn run_backward(
                     }
                     p.deps -= 1;
                     if p.deps == 0 {
-                        ready.push(edge.key());
+                        ready.push(edge.priority(), edge.key());
                     }
                 }
             }
         }
     }
+    frame.finish()?;
     Ok(match capture {
         Some(c) => c.iter().map(|k| captured.remove(k)).collect(),
         None => Vec::new(),
@@ -229,7 +251,9 @@ fn accumulate(acc: Option<Tensor>, g: Tensor) -> Result<Tensor> {
     }
 }
 
-fn accumulate_leaf(leaf: &Arc<TensorImpl>, grad: Tensor) -> Result<()> {
+/// Stores `grad` into `leaf`'s `.grad` (summing with what is there); returns the leaf's
+/// post-accumulate-grad hooks to run, read under the same lock (none: no allocation).
+fn accumulate_leaf(leaf: &Arc<TensorImpl>, grad: Tensor) -> Result<Vec<PostAccumulateGradHook>> {
     let mut meta = leaf.meta();
     let grad = match meta.grad.take() {
         Some(old) => old.add(&grad)?,
@@ -246,5 +270,9 @@ fn accumulate_leaf(leaf: &Arc<TensorImpl>, grad: Tensor) -> Result<()> {
         }
     };
     meta.grad = Some(grad);
-    Ok(())
+    Ok(meta
+        .post_accumulate_grad_hooks
+        .iter()
+        .map(|(_, h)| h.clone())
+        .collect())
 }

@@ -14,10 +14,13 @@
 //! remembers the storage version at record time; if an in-place op changed the storage since,
 //! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
 
+mod callbacks;
 mod checkpoint;
 mod engine;
 mod grad_mode;
+mod ready_queue;
 
+pub use callbacks::{queue_callback, PostAccumulateGradHook};
 pub use checkpoint::checkpoint;
 
 pub use engine::grad;
@@ -44,6 +47,8 @@ pub(crate) struct Node {
     backward: Mutex<Option<BackwardFn>>,
     /// The node's output tensor, for its hooks and `retain_grad` (see Note [Single-output nodes]).
     output: OnceLock<Weak<TensorImpl>>,
+    /// The order of recording on this thread; later nodes run first (Note [Ready order]).
+    sequence_nr: u64,
 }
 
 /// Where a gradient flows: into a leaf's `.grad`, or into another node.
@@ -60,6 +65,14 @@ impl Edge {
             Some(node) => Some(Edge::Node(node.clone())),
             None if t.requires_grad() => Some(Edge::Leaf(t.0.clone())),
             None => None,
+        }
+    }
+
+    /// Where this edge's entry goes in the ready queue (Note [Ready order]).
+    pub(crate) fn priority(&self) -> u64 {
+        match self {
+            Edge::Leaf(_) => ready_queue::LEAF_PRIORITY,
+            Edge::Node(n) => n.sequence_nr,
         }
     }
 
@@ -83,6 +96,20 @@ pub(crate) fn needs_grad(inputs: &[&Tensor]) -> bool {
     is_grad_enabled() && inputs.iter().any(|t| t.requires_grad())
 }
 
+thread_local! {
+    static SEQUENCE_NR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The next node's sequence number on this thread (PyTorch's `sequence_nr`), below
+/// [`ready_queue::LEAF_PRIORITY`].
+fn next_sequence_nr() -> u64 {
+    SEQUENCE_NR.with(|c| {
+        let n = c.get();
+        c.set(n + 1);
+        n
+    })
+}
+
 /// Attaches a node computed by `backward` to `out`, whose inputs were `inputs`.
 ///
 /// Callers check [`needs_grad`] first so that they build the closure only when it is used.
@@ -95,6 +122,7 @@ where
         edges: inputs.iter().map(|t| Edge::of(t)).collect(),
         backward: Mutex::new(Some(Box::new(backward))),
         output: OnceLock::new(),
+        sequence_nr: next_sequence_nr(),
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));
@@ -143,6 +171,38 @@ where
         }
         Ok(grads)
     })
+}
+
+/// For each of `leaves`, whether a backward pass from `outputs` would reach it: the walk over
+/// the recorded graph that PyTorch's DDP does after forward with `find_unused_parameters`.
+/// A leaf that does not require grad is never reached; an output that is itself one of the
+/// leaves reaches it.
+///
+/// ```
+/// use ember_core::{autograd, Device, Tensor};
+/// let a = Tensor::from_slice(&[1.0f32], [1], Device::Cpu)?.requires_grad_(true)?;
+/// let b = Tensor::from_slice(&[2.0f32], [1], Device::Cpu)?.requires_grad_(true)?;
+/// let y = a.mul_scalar(3.0)?.sum_all()?;
+/// assert_eq!(autograd::reachable(&[y], &[a, b]), [true, false]);
+/// # Ok::<(), ember_core::Error>(())
+/// ```
+pub fn reachable(outputs: &[Tensor], leaves: &[Tensor]) -> Vec<bool> {
+    let mut seen = std::collections::HashSet::new();
+    let mut stack: Vec<Edge> = outputs.iter().filter_map(Edge::of).collect();
+    while let Some(edge) = stack.pop() {
+        if !seen.insert(edge.key()) {
+            continue;
+        }
+        if let Edge::Node(node) = &edge {
+            stack.extend(node.edges.iter().flatten().cloned());
+        }
+    }
+    leaves
+        .iter()
+        .map(|t| {
+            t.is_leaf() && t.requires_grad() && seen.contains(&(Arc::as_ptr(&t.0) as *const () as usize))
+        })
+        .collect()
 }
 
 /// A tensor kept for backward, with the storage version it had when saved.

@@ -25,7 +25,6 @@ pub(crate) struct TensorImpl {
     pub(crate) storage: StorageRef,
     pub(crate) layout: Layout,
     pub(crate) dtype: DType,
-    pub(crate) device: Device,
     /// The node that made this tensor; `None` for leaves.
     pub(crate) grad_fn: Option<Arc<Node>>,
     /// Whether this leaf requires grad: read by every op (the dispatch point's autograd step),
@@ -39,6 +38,8 @@ pub(crate) struct AutogradMeta {
     pub(crate) grad: Option<Tensor>,
     pub(crate) retains_grad: bool,
     pub(crate) hooks: Vec<(u64, Hook)>,
+    /// Run after backward stored a new `.grad` in this leaf (see `autograd::callbacks`).
+    pub(crate) post_accumulate_grad_hooks: Vec<(u64, autograd::PostAccumulateGradHook)>,
 }
 
 impl TensorImpl {
@@ -47,7 +48,8 @@ impl TensorImpl {
     }
 }
 
-/// Removes a hook registered with [`Tensor::register_hook`] when `remove` is called.
+/// Removes a hook registered with [`Tensor::register_hook`] or
+/// [`Tensor::register_post_accumulate_grad_hook`] when `remove` is called.
 pub struct HookHandle {
     tensor: std::sync::Weak<TensorImpl>,
     id: u64,
@@ -56,7 +58,9 @@ pub struct HookHandle {
 impl HookHandle {
     pub fn remove(self) {
         if let Some(t) = self.tensor.upgrade() {
-            t.meta().hooks.retain(|(id, _)| *id != self.id);
+            let mut meta = t.meta();
+            meta.hooks.retain(|(id, _)| *id != self.id);
+            meta.post_accumulate_grad_hooks.retain(|(id, _)| *id != self.id);
         }
     }
 }
@@ -68,26 +72,21 @@ impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.numel(), storage.len());
-        let (dtype, device) = (storage.dtype(), storage.device());
-        let storage = StorageRef::new(storage);
-        storage.note_shape(layout.shape());
-        Tensor::from_parts_of(storage, layout, dtype, device)
+        let dtype = storage.dtype();
+        let storage = StorageRef::with_shape(storage, layout.shape());
+        Tensor::from_parts_of(storage, layout, dtype)
     }
 
     pub(crate) fn from_parts(storage: StorageRef, layout: Layout) -> Tensor {
-        let (dtype, device) = {
-            let s = storage.read();
-            (s.dtype(), s.device())
-        };
-        Tensor::from_parts_of(storage, layout, dtype, device)
+        let dtype = storage.read().dtype();
+        Tensor::from_parts_of(storage, layout, dtype)
     }
 
-    fn from_parts_of(storage: StorageRef, layout: Layout, dtype: DType, device: Device) -> Tensor {
+    fn from_parts_of(storage: StorageRef, layout: Layout, dtype: DType) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             storage,
             layout,
             dtype,
-            device,
             grad_fn: None,
             requires_grad: AtomicBool::new(false),
             meta: Mutex::new(AutogradMeta::default()),
@@ -100,7 +99,6 @@ impl Tensor {
             storage: self.0.storage.clone(),
             layout,
             dtype: self.0.dtype,
-            device: self.0.device,
             grad_fn: None,
             requires_grad: AtomicBool::new(false),
             meta: Mutex::new(AutogradMeta::default()),
@@ -113,7 +111,6 @@ impl Tensor {
             storage: self.0.storage.clone(),
             layout: self.0.layout.clone(),
             dtype: self.0.dtype,
-            device: self.0.device,
             grad_fn: Some(node),
             requires_grad: AtomicBool::new(false),
             meta: Mutex::new(AutogradMeta::default()),
@@ -172,8 +169,22 @@ impl Tensor {
         self.0.dtype
     }
 
+    /// The device of the tensor's storage (which [`Tensor::to_device_`] can change in place).
+    #[inline]
     pub fn device(&self) -> Device {
-        self.0.device
+        self.0.storage.device()
+    }
+
+    /// Moves this tensor's storage to `device` in place, so that this handle, its clones and
+    /// every view of the same storage now refer to the data on `device` (what PyTorch's
+    /// `param.data = param.data.to(device)` achieves for `module.to(device)`); a no-op when
+    /// already there. Values, shape, strides, `requires_grad` and `.grad` are unchanged (move
+    /// the gradient with its own call). See Note [Moving a storage in place] in `storage.rs`.
+    pub fn to_device_(&self, device: Device) -> Result<()> {
+        if device == self.device() {
+            return Ok(());
+        }
+        self.0.storage.move_to(device)
     }
 
     /// Strides in elements.
@@ -299,6 +310,48 @@ impl Tensor {
         }
         let id = NEXT_HOOK_ID.fetch_add(1, Ordering::Relaxed);
         self.0.meta().hooks.push((id, Arc::new(hook)));
+        Ok(HookHandle {
+            tensor: Arc::downgrade(&self.0),
+            id,
+        })
+    }
+
+    /// Registers `hook`, called with this leaf each time backward has accumulated a gradient
+    /// into its `.grad` (`register_post_accumulate_grad_hook`); the hook reads `.grad` from the
+    /// tensor it receives. Only leaves that require grad take one. See Note
+    /// [Post-accumulate-grad hooks] in `autograd/callbacks.rs`.
+    ///
+    /// ```
+    /// use ember_core::{Device, Tensor};
+    /// let w = Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)?.requires_grad_(true)?;
+    /// w.register_post_accumulate_grad_hook(|p| {
+    ///     // E.g. scale the stored gradient in place (an optimizer step per parameter also fits).
+    ///     p.grad().unwrap().mul_scalar_(0.5)?;
+    ///     Ok(())
+    /// })?;
+    /// w.mul_scalar(4.0)?.sum_all()?.backward()?;
+    /// assert_eq!(w.grad().unwrap().to_vec::<f32>()?, [2.0, 2.0]);
+    /// # Ok::<(), ember_core::Error>(())
+    /// ```
+    pub fn register_post_accumulate_grad_hook<F>(&self, hook: F) -> Result<HookHandle>
+    where
+        F: Fn(&Tensor) -> Result<()> + Send + Sync + 'static,
+    {
+        if !self.is_leaf() {
+            return Err(Error::Autograd(
+                "post accumulate grad hooks cannot be registered on non-leaf tensors".into(),
+            ));
+        }
+        if !self.requires_grad() {
+            return Err(Error::Autograd(
+                "cannot register a hook on a tensor that doesn't require gradient".into(),
+            ));
+        }
+        let id = NEXT_HOOK_ID.fetch_add(1, Ordering::Relaxed);
+        self.0
+            .meta()
+            .post_accumulate_grad_hooks
+            .push((id, Arc::new(hook)));
         Ok(HookHandle {
             tensor: Arc::downgrade(&self.0),
             id,

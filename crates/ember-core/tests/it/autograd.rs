@@ -190,3 +190,174 @@ fn modifying_a_saved_tensor_fails_backward() {
     assert!(matches!(err, Error::InplaceModified { op: "mul", .. }), "{err}");
     assert!(err.to_string().contains("modified by an in-place operation"));
 }
+
+/// Records the names of the leaves whose post-accumulate-grad hooks ran, in order.
+fn record_post_hooks(leaves: &[(&str, &Tensor)]) -> Arc<std::sync::Mutex<Vec<String>>> {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for (name, t) in leaves {
+        let (log, name) = (log.clone(), name.to_string());
+        t.register_post_accumulate_grad_hook(move |_| {
+            log.lock().unwrap().push(name.clone());
+            Ok(())
+        })
+        .unwrap();
+    }
+    log
+}
+
+#[test]
+fn post_accumulate_grad_hooks_see_the_stored_gradient() {
+    let w = leaf(&[1.0, 2.0]);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let handle = w
+        .register_post_accumulate_grad_hook(move |p| {
+            s.lock().unwrap().push(p.grad().unwrap().to_vec::<f64>()?);
+            Ok(())
+        })
+        .unwrap();
+    // Used twice: the hook runs once, after both contributions are summed in .grad.
+    w.mul(&w)
+        .unwrap()
+        .add(&w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap(); // 2w + 1
+    w.mul_scalar(3.0).unwrap().sum_all().unwrap().backward().unwrap(); // accumulates 3
+    assert_eq!(*seen.lock().unwrap(), vec![vec![3.0, 5.0], vec![6.0, 8.0]]);
+    // autograd::grad stores no .grad, so runs no such hook.
+    let y = w.mul_scalar(2.0).unwrap().sum_all().unwrap();
+    autograd::grad(&[y], &[w.clone()], None, false).unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    handle.remove();
+    w.sum_all().unwrap().backward().unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2, "removed");
+    // A leaf the graph reaches but whose gradient a backward rule left out (as zero): the
+    // hooks run once, `.grad` unchanged.
+    let v = leaf(&[1.0]);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    v.register_post_accumulate_grad_hook(move |p| {
+        assert!(p.grad().is_none());
+        r.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    })
+    .unwrap();
+    let out = autograd::custom_op("zero_grad_op", &[&v], v.detach(), |_, _| Ok(vec![None]));
+    out.sum_all().unwrap().backward().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(v.grad().is_none());
+    // Only leaves that require grad take one; a failing hook fails backward.
+    let y = w.mul_scalar(2.0).unwrap();
+    assert!(matches!(
+        y.register_post_accumulate_grad_hook(|_| Ok(())),
+        Err(Error::Autograd(_))
+    ));
+    assert!(ones(2).register_post_accumulate_grad_hook(|_| Ok(())).is_err());
+    w.register_post_accumulate_grad_hook(|_| Err(Error::invalid("hook", "refused")))
+        .unwrap();
+    assert!(matches!(
+        w.sum_all().unwrap().backward(),
+        Err(Error::InvalidArgument { op: "hook", .. })
+    ));
+}
+
+#[test]
+fn ready_nodes_run_latest_recorded_first_and_leaves_as_soon_as_ready() {
+    // A chain: the gradients become ready from the last layer back.
+    let x = leaf(&[0.5, -1.0]);
+    let (w1, w2, w3) = (leaf(&[1.0, 2.0]), leaf(&[3.0, 4.0]), leaf(&[5.0, 6.0]));
+    let log = record_post_hooks(&[("w1", &w1), ("w2", &w2), ("w3", &w3), ("x", &x)]);
+    let y = x
+        .mul(&w1)
+        .unwrap()
+        .tanh()
+        .unwrap()
+        .mul(&w2)
+        .unwrap()
+        .mul(&w3)
+        .unwrap();
+    y.sum_all().unwrap().backward().unwrap();
+    // x and w1 become ready together (inputs of one node): in the node's input order.
+    assert_eq!(*log.lock().unwrap(), ["w3", "w2", "x", "w1"]);
+
+    // Two branches joined as `b + a` with `b` recorded after `a`: the later branch runs
+    // first, whatever the order of the join's inputs (a stack would have run `a` first).
+    for _ in 0..3 {
+        let (wa, wb) = (leaf(&[1.0]), leaf(&[2.0]));
+        let log = record_post_hooks(&[("wa", &wa), ("wb", &wb)]);
+        let x = leaf(&[3.0]);
+        let a = x.mul(&wa).unwrap().exp().unwrap();
+        let b = x.mul(&wb).unwrap().exp().unwrap();
+        b.add(&a).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(*log.lock().unwrap(), ["wb", "wa"]);
+    }
+}
+
+#[test]
+fn queued_callbacks_run_once_backward_ends() {
+    let (w1, w2) = (leaf(&[1.0]), leaf(&[2.0]));
+    let log = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let (l, w1c) = (log.clone(), w1.clone());
+    // The hook of w2 (ready first) queues a callback; it runs after w1's gradient is stored.
+    w2.register_post_accumulate_grad_hook(move |_| {
+        let (l, w1c) = (l.clone(), w1c.clone());
+        l.lock().unwrap().push("hook w2".into());
+        autograd::queue_callback(move || {
+            l.lock().unwrap().push(format!(
+                "callback sees w1.grad = {:?}",
+                w1c.grad().map(|g| g.to_vec::<f64>().unwrap())
+            ));
+            let l2 = l.clone();
+            // A callback may queue another: it runs in the same loop.
+            autograd::queue_callback(move || Ok(l2.lock().unwrap().push("second callback".into())))
+        })
+    })
+    .unwrap();
+    let y = w1.mul_scalar(2.0).unwrap().mul(&w2).unwrap().sum_all().unwrap();
+    y.backward().unwrap();
+    assert_eq!(
+        *log.lock().unwrap(),
+        [
+            "hook w2",
+            "callback sees w1.grad = Some([4.0])",
+            "second callback"
+        ]
+    );
+    // Outside a backward pass there is nothing to queue on.
+    assert!(matches!(
+        autograd::queue_callback(|| Ok(())),
+        Err(Error::Autograd(_))
+    ));
+
+    // A failing callback fails backward; a failed backward drops what it queued.
+    let w = leaf(&[1.0]);
+    let fired = Arc::new(AtomicUsize::new(0));
+    let f = fired.clone();
+    let h = w
+        .register_post_accumulate_grad_hook(move |_| {
+            let f = f.clone();
+            autograd::queue_callback(move || {
+                f.fetch_add(1, Ordering::SeqCst);
+                Err(Error::invalid("callback", "refused"))
+            })
+        })
+        .unwrap();
+    assert!(matches!(
+        w.sum_all().unwrap().backward(),
+        Err(Error::InvalidArgument { op: "callback", .. })
+    ));
+    assert_eq!(fired.load(Ordering::SeqCst), 1);
+    h.remove();
+    let bad = w
+        .register_post_accumulate_grad_hook(|_| {
+            autograd::queue_callback(|| panic!("a callback of a failed backward ran"))?;
+            Err(Error::invalid("hook", "refused"))
+        })
+        .unwrap();
+    assert!(w.sum_all().unwrap().backward().is_err());
+    bad.remove();
+    w.sum_all().unwrap().backward().unwrap();
+}

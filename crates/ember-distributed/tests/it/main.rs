@@ -5,6 +5,7 @@
 
 mod collectives;
 mod common;
+mod ddp;
 mod launcher;
 mod processes;
 mod store;

@@ -40,6 +40,15 @@ fn worker_entry() {
             dist::barrier().unwrap();
             println!("worker {rank} of {n}: ok");
         }
+        "ddp" => {
+            // DDP on processes: each rank's gradients equal one process's full-batch ones.
+            let options = dist::DdpOptions::new().bucket_cap_mb(1e-4);
+            let got = crate::ddp::ddp_run(dist::default_group().unwrap(), options, 3, 12);
+            for (s, expected) in crate::ddp::reference(3, 12).iter().enumerate() {
+                crate::ddp::assert_close(&got[s], expected, &format!("rank {rank}, step {s}"));
+            }
+            println!("ddp worker {rank} of {n}: ok");
+        }
         "dead_peer" => {
             if rank == n - 1 {
                 std::process::exit(7); // gone right after joining (no core dump, unlike abort)
@@ -83,6 +92,28 @@ fn collectives_between_processes_under_ember_run() {
             assert!(
                 stdout.lines().any(|l| l.starts_with(&format!("[rank{r}]: "))
                     && l.contains(&format!("worker {r} of {n}: ok"))),
+                "{stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ddp_between_processes_under_ember_run() {
+    for n in [2, 3] {
+        let out = Command::new(EMBER_RUN)
+            .args(["--standalone", "--nproc-per-node", &n.to_string()])
+            .args(worker_args())
+            .env(SCENARIO, "ddp")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "world {n}: {stdout}\n{stderr}");
+        for r in 0..n {
+            assert!(
+                stdout.lines().any(|l| l.starts_with(&format!("[rank{r}]: "))
+                    && l.contains(&format!("ddp worker {r} of {n}: ok"))),
                 "{stdout}"
             );
         }

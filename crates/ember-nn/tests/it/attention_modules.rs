@@ -92,7 +92,20 @@ pub(crate) fn cpu_vs_cuda_module<M: Module + Clone>(
     atol: f64,
 ) {
     let gpu = gpu();
+    // A clone shares its tensors with `m`, and `to_device` moves them in place: give the GPU
+    // copy its own tensors first (PyTorch's `copy.deepcopy(m).to(device)`).
     let mut on_gpu = m.clone();
+    on_gpu
+        .visit_mut("", &mut |_, t, _| {
+            let own = t.detach().deep_clone()?;
+            *t = if t.requires_grad() {
+                own.requires_grad_(true)?
+            } else {
+                own
+            };
+            Ok(())
+        })
+        .unwrap();
     on_gpu.to_device(gpu).unwrap();
     let run = |m: &M, device: Device| {
         m.zero_grad().unwrap();

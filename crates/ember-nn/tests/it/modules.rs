@@ -503,6 +503,74 @@ fn to_dtype_and_to_device_keep_parameters_trainable_leaves() {
     assert!(model.to_dtype(DType::I64).is_err());
 }
 
+/// An optimizer built before `to_device` updates the moved parameters: the move keeps every
+/// handle (it moves the storage in place), so the optimizer's clones are the module's tensors.
+fn optimizer_built_before_to_device_steps_the_moved_parameters(device: Device) {
+    use ember_nn::optim::Optimizer;
+    let mut model = cnn(CPU);
+    let held: Vec<Tensor> = model.parameters();
+    let mut opt = optim::SGD::new(
+        model.parameters(),
+        optim::SgdConfig {
+            lr: 0.5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let before: Vec<Vec<f64>> = held.iter().map(vals).collect();
+    model.to_device(device).unwrap();
+    for ((name, p), h) in model.named_parameters().iter().zip(&held) {
+        assert_eq!(
+            h.device(),
+            device,
+            "{name}: a handle taken before the move moved too"
+        );
+        assert!(
+            h.shares_storage_with(p),
+            "{name}: the module kept its tensor handles"
+        );
+        assert!(p.is_leaf() && p.requires_grad(), "{name}");
+    }
+    let x = input(&[2, 1, 4, 4], 11).to(device).unwrap();
+    model
+        .forward(&x)
+        .unwrap()
+        .pow_scalar(2.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    opt.step().unwrap();
+    for (i, (name, p)) in model.named_parameters().into_iter().enumerate() {
+        assert_eq!(p.device(), device, "{name}");
+        let g = vals(&p.grad().unwrap());
+        let expected: Vec<f64> = before[i].iter().zip(&g).map(|(w, g)| w - 0.5 * g).collect();
+        assert_close_slice(&vals(&p), &expected, 1e-5, 1e-6);
+        assert!(g.iter().any(|&g| g != 0.0), "{name}: the step changed nothing");
+    }
+}
+
+#[test]
+fn optimizer_built_before_to_device_cpu() {
+    optimizer_built_before_to_device_steps_the_moved_parameters(CPU);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn optimizer_built_before_to_device_cuda() {
+    let gpu = crate::common::gpu();
+    optimizer_built_before_to_device_steps_the_moved_parameters(gpu);
+    // And back, gradient included, through the same handles.
+    let mut model = cnn(gpu);
+    let x = input(&[2, 1, 4, 4], 12).to(gpu).unwrap();
+    model.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    let w = model.parameters()[0].clone();
+    model.to_device(CPU).unwrap();
+    assert_eq!(w.device(), CPU);
+    assert_eq!(w.grad().unwrap().device(), CPU);
+}
+
 /// The model moved to every device computes what it computes on the CPU, and comes back.
 fn device_round_trip(device: Device) {
     let mut model = cnn(CPU);

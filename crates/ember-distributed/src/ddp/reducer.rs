@@ -1,0 +1,493 @@
+//! The gradient reducer of [`super::DistributedDataParallel`] (PyTorch's `c10d::Reducer`):
+//! buckets, the per-parameter autograd hooks that fill them, the asynchronous all-reduce of
+//! each bucket, and the end-of-backward step that waits and writes the averages into `.grad`.
+//!
+//! Note [DDP buckets]: the gradients of the parameters are reduced in buckets, one flat tensor
+//! per bucket (one dtype and device each), so that a model of many small parameters makes few
+//! collectives and the first ones start while backward still runs.
+//! - Assignment (PyTorch's `compute_bucket_assignment_by_size`): parameters are taken in an
+//!   order and put into the open bucket of their (dtype, device); a bucket closes when it holds
+//!   at least its size limit. The limits are 1 MiB for the first bucket of each kind and
+//!   25 MiB after it (with `bucket_cap_mb` set by the user: that size for every bucket).
+//! - The first assignment takes the parameters in reverse order (backward usually produces the
+//!   gradients of the last layers first), buckets sorted by their first parameter in that order.
+//! - After the first iteration that synchronized, the buckets are rebuilt from the order in
+//!   which the gradients actually became ready, taken from rank 0 (broadcast) so that every
+//!   rank has the same buckets. Not with `find_unused_parameters` (the graph may change from
+//!   one iteration to the next), as in PyTorch.
+//!
+//! Note [DDP reduction order]: during backward, each parameter's post-accumulate-grad hook
+//! copies its new `.grad` into its slot of its bucket ("marks it ready"). A bucket whose slots
+//! are all ready is all-reduced (averaged) asynchronously, but only in bucket order: bucket
+//! `i + 1` starts after bucket `i` started, so every rank issues the same collectives in the
+//! same order whatever order its hooks ran in. The first hook of a backward pass queues the
+//! end-of-backward callback (`finalize_backward`), which waits for every bucket in order and
+//! copies each average into its parameter's `.grad` (or, with `gradient_as_bucket_view`, makes
+//! `.grad` the bucket's view). A bucket that never filled means some parameter received no
+//! gradient: finalize reports [`Error::UnusedParameters`] (on every rank in the same state, so
+//! no collective is left waiting on one rank while another goes on).
+//!
+//! Note [DDP unused parameters]: with `find_unused_parameters`, forward walks the graph from
+//! its outputs ([`ember_core::autograd::reachable`]) and the parameters it does not reach are
+//! marked ready (their slot zeroed) when the first hook runs, so their buckets complete. Which
+//! parameters some rank used is all-reduced too; a parameter no rank used keeps its `.grad`
+//! untouched, one that another rank used gets the average.
+//!
+//! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
+//! thread running backward) and by forward; never held while calling into autograd.
+
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use ember_core::{autograd, DType, Device, Error, Result, Tensor};
+
+use crate::backend::{ReduceOp, Work};
+use crate::group::ProcessGroup;
+
+/// 1 MiB: the size limit of the first bucket (`dist._DEFAULT_FIRST_BUCKET_BYTES`).
+pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1 << 20;
+/// 25 MiB: the size limit of later buckets (`bucket_cap_mb`'s default).
+pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
+
+/// One flat tensor holding the gradients of some parameters, and its reduction.
+struct Bucket {
+    /// The parameters (indices into `Reducer::params`), in slot order.
+    params: Vec<usize>,
+    /// The flat tensor all slots view; what is all-reduced.
+    flat: Tensor,
+    /// One view of `flat` per slot, shaped as its parameter.
+    views: Vec<Tensor>,
+    /// Slots not yet ready in this backward pass.
+    pending: usize,
+    /// The all-reduce, once started.
+    work: Option<Work>,
+}
+
+/// What changes while training.
+struct State {
+    buckets: Vec<Bucket>,
+    /// Per parameter: (bucket, slot).
+    locator: Vec<(usize, usize)>,
+    /// The next bucket to start (Note [DDP reduction order]).
+    next_bucket: usize,
+    /// Per parameter: marked ready in this backward pass.
+    ready: Vec<bool>,
+    /// Set by `prepare_for_backward`: the next backward pass synchronizes.
+    expect_autograd_hooks: bool,
+    /// The end-of-backward callback is queued (a hook of this pass ran).
+    callback_queued: bool,
+    /// Parameters that forward did not reach (with `find_unused_parameters`).
+    unused_parameters: Vec<usize>,
+    has_marked_unused_parameters: bool,
+    /// Per parameter: reached by this rank's backward (with `find_unused_parameters`).
+    locally_used: Vec<bool>,
+    has_rebuilt_buckets: bool,
+    /// The order the gradients became ready in, recorded until the buckets are rebuilt.
+    rebuilt_param_order: Vec<usize>,
+}
+
+/// Reduces the gradients of `params` across a process group (see the module notes).
+pub(crate) struct Reducer {
+    params: Vec<Tensor>,
+    names: Vec<String>,
+    group: ProcessGroup,
+    find_unused_parameters: bool,
+    gradient_as_bucket_view: bool,
+    /// Bucket size limits in bytes: first bucket, then the rest.
+    limits: [usize; 2],
+    state: Mutex<State>,
+}
+
+impl Reducer {
+    /// A reducer over `params` (named `names`), with the buckets of the first iteration, and
+    /// a post-accumulate-grad hook on every parameter (removed when `hooks` are dropped).
+    pub(crate) fn new(
+        params: Vec<Tensor>,
+        names: Vec<String>,
+        group: ProcessGroup,
+        limits: [usize; 2],
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> Result<(Arc<Reducer>, Vec<ember_core::HookHandle>)> {
+        let n = params.len();
+        let order: Vec<usize> = (0..n).rev().collect();
+        let assignment = compute_bucket_assignment_by_size(&params, &order, &limits, true);
+        let (buckets, locator) = build_buckets(&params, &assignment)?;
+        let reducer = Arc::new(Reducer {
+            params,
+            names,
+            group,
+            find_unused_parameters,
+            gradient_as_bucket_view,
+            limits,
+            state: Mutex::new(State {
+                buckets,
+                locator,
+                next_bucket: 0,
+                ready: vec![false; n],
+                expect_autograd_hooks: false,
+                callback_queued: false,
+                unused_parameters: Vec::new(),
+                has_marked_unused_parameters: false,
+                locally_used: vec![false; n],
+                has_rebuilt_buckets: false,
+                rebuilt_param_order: Vec::new(),
+            }),
+        });
+        let mut hooks = Vec::with_capacity(n);
+        for (index, p) in reducer.params.iter().enumerate() {
+            let weak = Arc::downgrade(&reducer);
+            hooks.push(
+                p.register_post_accumulate_grad_hook(move |_| match weak.upgrade() {
+                    Some(r) => r.autograd_hook(index, &weak),
+                    None => Ok(()),
+                })?,
+            );
+        }
+        Ok((reducer, hooks))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The parameters of each bucket, in reduction order (indices into the parameter list).
+    pub(crate) fn bucket_indices(&self) -> Vec<Vec<usize>> {
+        self.lock().buckets.iter().map(|b| b.params.clone()).collect()
+    }
+
+    pub(crate) fn has_rebuilt_buckets(&self) -> bool {
+        self.lock().has_rebuilt_buckets
+    }
+
+    /// Arms the hooks for the backward pass of the forward that produced `outputs`
+    /// (PyTorch's `prepare_for_backward`); with `find_unused_parameters`, finds the parameters
+    /// the outputs do not reach. An error when the previous synchronizing backward did not
+    /// finish its reduction.
+    pub(crate) fn prepare_for_backward(&self, outputs: &[Tensor]) -> Result<()> {
+        let mut st = self.lock();
+        if st.callback_queued || st.next_bucket > 0 {
+            reset_iteration(&mut st);
+            return Err(Error::invalid(
+                "DistributedDataParallel",
+                "expected to have finished reduction in the prior iteration before starting a new one: \
+                 its backward pass failed or was interrupted; the ranks may now disagree, so restart the job",
+            ));
+        }
+        reset_iteration(&mut st);
+        st.expect_autograd_hooks = true;
+        if self.find_unused_parameters {
+            let reached = autograd::reachable(outputs, &self.params);
+            st.unused_parameters = (0..self.params.len()).filter(|&i| !reached[i]).collect();
+        }
+        Ok(())
+    }
+
+    /// Disarms the hooks (a forward that will not synchronize).
+    pub(crate) fn disarm(&self) {
+        self.lock().expect_autograd_hooks = false;
+    }
+
+    /// The hook of parameter `index`: its gradient was just accumulated into `.grad`.
+    fn autograd_hook(&self, index: usize, weak: &Weak<Reducer>) -> Result<()> {
+        let mut st = self.lock();
+        if !st.expect_autograd_hooks {
+            return Ok(()); // under no_sync, or forward ran without grad
+        }
+        if self.find_unused_parameters {
+            st.locally_used[index] = true;
+        }
+        if !st.callback_queued {
+            st.callback_queued = true;
+            let weak = weak.clone();
+            autograd::queue_callback(move || match weak.upgrade() {
+                Some(r) => r.finalize_backward(),
+                None => Ok(()),
+            })?;
+        }
+        if !st.has_marked_unused_parameters {
+            st.has_marked_unused_parameters = true;
+            for u in std::mem::take(&mut st.unused_parameters) {
+                self.mark_variable_ready(&mut st, u)?;
+            }
+        }
+        self.mark_variable_ready(&mut st, index)
+    }
+
+    /// Copies parameter `index`'s gradient (zeros without one) into its slot and starts the
+    /// buckets that are complete, in order (Note [DDP reduction order]).
+    fn mark_variable_ready(&self, st: &mut State, index: usize) -> Result<()> {
+        if std::mem::replace(&mut st.ready[index], true) {
+            return Err(Error::Autograd(format!(
+                "DistributedDataParallel: parameter {index} ({}) was marked ready twice in one backward pass; \
+                 run one backward per forward (retain_graph backward twice is not supported)",
+                self.names[index]
+            )));
+        }
+        if !st.has_rebuilt_buckets {
+            st.rebuilt_param_order.push(index);
+        }
+        let (b, slot) = st.locator[index];
+        let view = &st.buckets[b].views[slot];
+        match self.params[index].grad() {
+            Some(g) if g.shares_storage_with(view) && g.data_ptr() == view.data_ptr() => {}
+            Some(g) => {
+                view.copy_(&g)?;
+            }
+            None => {
+                view.zero_()?;
+            }
+        }
+        st.buckets[b].pending -= 1;
+        while st.next_bucket < st.buckets.len() && st.buckets[st.next_bucket].pending == 0 {
+            let next = st.next_bucket;
+            let work = self
+                .group
+                .all_reduce_async(&st.buckets[next].flat, ReduceOp::Avg)?;
+            st.buckets[next].work = Some(work);
+            st.next_bucket += 1;
+        }
+        Ok(())
+    }
+
+    /// The end-of-backward callback (PyTorch's `finalize_backward`): waits for every bucket
+    /// and writes the averages into `.grad`; rebuilds the buckets after the first iteration.
+    fn finalize_backward(&self) -> Result<()> {
+        let mut st = self.lock();
+        st.expect_autograd_hooks = false;
+        if st.next_bucket < st.buckets.len() {
+            // Some bucket never filled: wait for the ones started (so that this rank's group
+            // stays in step with the others), then report which parameters got no gradient.
+            let names: Vec<String> = (0..self.params.len())
+                .filter(|&i| !st.ready[i])
+                .map(|i| self.names[i].clone())
+                .collect();
+            let started: Vec<Work> = st.buckets.iter().filter_map(|b| b.work.clone()).collect();
+            reset_iteration(&mut st);
+            drop(st);
+            for w in started {
+                w.wait()?;
+            }
+            return Err(Error::UnusedParameters {
+                op: "DistributedDataParallel",
+                names,
+            });
+        }
+        let globally_used = if self.find_unused_parameters {
+            let used: Vec<i32> = st.locally_used.iter().map(|&u| u as i32).collect();
+            let n = used.len();
+            let used = Tensor::from_vec(used, n, Device::Cpu)?;
+            self.group.all_reduce(&used, ReduceOp::Max)?;
+            Some(
+                used.to_vec::<i32>()?
+                    .into_iter()
+                    .map(|u| u != 0)
+                    .collect::<Vec<bool>>(),
+            )
+        } else {
+            None
+        };
+        for b in 0..st.buckets.len() {
+            if let Some(work) = st.buckets[b].work.take() {
+                work.wait()?;
+            }
+            let bucket = &st.buckets[b];
+            for (slot, &i) in bucket.params.iter().enumerate() {
+                if globally_used.as_ref().is_some_and(|u| !u[i]) {
+                    continue; // no rank used it: its .grad stays as it was
+                }
+                self.copy_bucket_to_grad(i, &bucket.views[slot])?;
+            }
+        }
+        let rebuild = !st.has_rebuilt_buckets && !self.find_unused_parameters;
+        let order = std::mem::take(&mut st.rebuilt_param_order);
+        reset_iteration(&mut st);
+        if rebuild {
+            self.rebuild_buckets(&mut st, order)?;
+        }
+        Ok(())
+    }
+
+    fn copy_bucket_to_grad(&self, index: usize, view: &Tensor) -> Result<()> {
+        let p = &self.params[index];
+        if self.gradient_as_bucket_view {
+            return p.set_grad(Some(view.clone()));
+        }
+        match p.grad() {
+            Some(g) if !(g.shares_storage_with(view)) => {
+                g.copy_(view)?;
+                Ok(())
+            }
+            _ => p.set_grad(Some(view.deep_clone()?)),
+        }
+    }
+
+    /// Rebuilds the buckets from the order the gradients became ready in, rank 0's order for
+    /// all (PyTorch's `rebuild_buckets` and `sync_bucket_indices`); a collective.
+    fn rebuild_buckets(&self, st: &mut State, mut order: Vec<usize>) -> Result<()> {
+        let n = self.params.len();
+        if order.len() != n {
+            // Cannot happen after a complete reduction; keep the current buckets.
+            return Ok(());
+        }
+        let shared = Tensor::from_vec(
+            order.iter().map(|&i| i as i64).collect::<Vec<i64>>(),
+            n,
+            Device::Cpu,
+        )?;
+        self.group.broadcast(&shared, self.group.global_rank(0)?)?;
+        order = shared.to_vec::<i64>()?.into_iter().map(|i| i as usize).collect();
+        let assignment = compute_bucket_assignment_by_size(&self.params, &order, &self.limits, false);
+        let (buckets, locator) = build_buckets(&self.params, &assignment)?;
+        st.buckets = buckets;
+        st.locator = locator;
+        st.has_rebuilt_buckets = true;
+        Ok(())
+    }
+}
+
+/// Clears what one backward pass marked.
+fn reset_iteration(st: &mut State) {
+    st.rebuilt_param_order.clear();
+    st.next_bucket = 0;
+    st.ready.iter_mut().for_each(|r| *r = false);
+    st.locally_used.iter_mut().for_each(|u| *u = false);
+    st.callback_queued = false;
+    st.expect_autograd_hooks = false;
+    st.unused_parameters.clear();
+    st.has_marked_unused_parameters = false;
+    for b in &mut st.buckets {
+        b.pending = b.params.len();
+        b.work = None;
+    }
+}
+
+/// PyTorch's `compute_bucket_assignment_by_size`: the parameters of `order` grouped into
+/// buckets by (dtype, device), each closed once it holds `limits[k]` bytes (`k`: the bucket's
+/// rank among its kind, the last limit repeating). With `sort`, the buckets are ordered by
+/// their first parameter's position in `order`; without it, closed buckets come in the order
+/// they closed, the still-open ones last.
+pub(crate) fn compute_bucket_assignment_by_size(
+    params: &[Tensor],
+    order: &[usize],
+    limits: &[usize],
+    sort: bool,
+) -> Vec<Vec<usize>> {
+    struct Open {
+        kind: (DType, Device),
+        indices: Vec<usize>,
+        bytes: usize,
+        limit: usize,
+    }
+    let mut open: Vec<Open> = Vec::new();
+    let mut result: Vec<Vec<usize>> = Vec::new();
+    for &i in order {
+        let p = &params[i];
+        let kind = (p.dtype(), p.device());
+        let k = match open.iter().position(|o| o.kind == kind) {
+            Some(k) => k,
+            None => {
+                open.push(Open {
+                    kind,
+                    indices: Vec::new(),
+                    bytes: 0,
+                    limit: 0,
+                });
+                open.len() - 1
+            }
+        };
+        let o = &mut open[k];
+        o.indices.push(i);
+        o.bytes += p.numel() * p.dtype().size_in_bytes();
+        if o.bytes >= limits[o.limit.min(limits.len() - 1)] {
+            result.push(std::mem::take(&mut o.indices));
+            o.bytes = 0;
+            o.limit += 1;
+        }
+    }
+    result.extend(open.into_iter().map(|o| o.indices).filter(|b| !b.is_empty()));
+    if sort {
+        let position = |i: usize| order.iter().position(|&j| j == i).unwrap_or(usize::MAX);
+        result.sort_by_key(|b| position(b[0]));
+    }
+    result
+}
+
+/// The buckets of `assignment` (flat tensors and views) and each parameter's place in them.
+fn build_buckets(params: &[Tensor], assignment: &[Vec<usize>]) -> Result<(Vec<Bucket>, Vec<(usize, usize)>)> {
+    let mut locator = vec![(0, 0); params.len()];
+    let mut buckets = Vec::with_capacity(assignment.len());
+    for (b, indices) in assignment.iter().enumerate() {
+        let first = &params[indices[0]];
+        let total: usize = indices.iter().map(|&i| params[i].numel()).sum();
+        let flat = Tensor::zeros([total], first.dtype(), first.device())?;
+        let mut views = Vec::with_capacity(indices.len());
+        let mut offset = 0;
+        for (slot, &i) in indices.iter().enumerate() {
+            let p = &params[i];
+            let dims: Vec<isize> = p.dims().iter().map(|&d| d as isize).collect();
+            views.push(flat.narrow(0, offset, p.numel())?.view(&dims)?);
+            offset += p.numel();
+            locator[i] = (b, slot);
+        }
+        buckets.push(Bucket {
+            params: indices.clone(),
+            flat,
+            views,
+            pending: indices.len(),
+            work: None,
+        });
+    }
+    Ok((buckets, locator))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(sizes: &[usize], dtype: DType) -> Vec<Tensor> {
+        sizes
+            .iter()
+            .map(|&n| Tensor::zeros([n], dtype, Device::Cpu).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn first_bucket_small_later_ones_capped_in_reverse_order() {
+        // f32: 4 bytes per element. Limits 16 B then 40 B.
+        let p = params(&[2, 2, 3, 5, 1, 4], DType::F32);
+        let order: Vec<usize> = (0..p.len()).rev().collect();
+        let b = compute_bucket_assignment_by_size(&p, &order, &[16, 40], true);
+        // 5 (16 B) closes the first bucket; then 4,3,2 (9 el = 36 B) + 1 = 44 B >= 40.
+        assert_eq!(b, vec![vec![5], vec![4, 3, 2, 1], vec![0]]);
+    }
+
+    #[test]
+    fn dtypes_get_their_own_buckets_sorted_by_first_position() {
+        let mut p = params(&[4, 4], DType::F32);
+        p.extend(params(&[4], DType::F64));
+        let order = [2, 1, 0];
+        let b = compute_bucket_assignment_by_size(&p, &order, &[1 << 20], true);
+        assert_eq!(b, vec![vec![2], vec![1, 0]]);
+        // Unsorted (a rebuild): closed buckets first, in closing order, then the open ones.
+        let b = compute_bucket_assignment_by_size(&p, &[0, 2, 1], &[16], false);
+        assert_eq!(b, vec![vec![0], vec![2], vec![1]]);
+    }
+
+    #[test]
+    fn views_tile_the_flat_bucket() {
+        let p = vec![
+            Tensor::zeros([2, 3], DType::F32, Device::Cpu).unwrap(),
+            Tensor::zeros([4], DType::F32, Device::Cpu).unwrap(),
+        ];
+        let (buckets, locator) = build_buckets(&p, &[vec![1, 0]]).unwrap();
+        assert_eq!(locator, [(0, 1), (0, 0)]);
+        let b = &buckets[0];
+        b.views[1].fill_(2.0).unwrap();
+        b.views[0].fill_(1.0).unwrap();
+        assert_eq!(b.views[1].dims(), [2, 3]);
+        assert_eq!(
+            b.flat.to_vec::<f32>().unwrap(),
+            [1., 1., 1., 1., 2., 2., 2., 2., 2., 2.]
+        );
+    }
+}
