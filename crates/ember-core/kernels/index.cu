@@ -42,6 +42,18 @@
 //   one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, ErrorCheck check)
 //       out: n * classes int64 zeros (set by the host); records the first index outside
 //       [0, classes)
+//   nll_loss_T_I(const T* logp, const I* target, const T* weight, i64 m, i64 c, i64 ignore_index,
+//                i32 mean, T* loss, T* total_weight, ErrorCheck check)
+//       one block (blockDim.x a multiple of 32, <= 1024): loss = Σ -w[t] logp[i, t] over the rows
+//       i of the contiguous [m, c] logp whose target t is not ignore_index (divided by
+//       total_weight = Σ w[t] when `mean`), accumulated in Acc<T> in a fixed order (each thread's
+//       rows in turn, then the warps' sums in order); weight may be null (every class weighs 1);
+//       records the first target outside [0, c) other than ignore_index (those rows count for
+//       nothing)
+//   nll_loss_backward_T_I(const T* g, const I* target, const T* weight, const T* total_weight,
+//                         i64 m, i64 c, i64 ignore_index, i32 mean, T* grad)
+//       grad: m * c zeros (set by the host); each counted row's target element gets
+//       -w[t] g[0] (/ total_weight[0] when `mean`)
 
 // An opaque element of B bytes, for kernels that only move elements.
 struct __align__(16) U128 { u64 lo, hi; };
@@ -194,6 +206,75 @@ __device__ __forceinline__ void one_hot(const I* __restrict__ idx, const Strided
     report_bad(check, first);
 }
 
+template <typename T, typename I>
+__device__ __forceinline__ void nll_loss(const T* __restrict__ logp, const I* __restrict__ target,
+                                         const T* __restrict__ weight, i64 m, i64 c, i64 ignore, int mean,
+                                         T* loss, T* total, const ErrorCheck& check) {
+    typedef typename Acc<T>::type A;
+    __shared__ A warp_loss[32], warp_weight[32];
+    FirstBad first = no_bad();
+    A l = (A)0, w = (A)0;
+    for (i64 i = threadIdx.x; i < m; i += blockDim.x) {
+        const i64 t = (i64)target[i];
+        if (t == ignore) continue;
+        if (t < 0 || t >= c) {
+            note_bad(first, (u64)i, t);
+            continue;
+        }
+        const A wt = weight ? load(weight[t]) : (A)1;
+        l -= wt * load(logp[i * c + t]);
+        w += wt;
+    }
+    report_bad(check, first);
+    l = warp_sum(l);
+    w = warp_sum(w);
+    if ((threadIdx.x & 31) == 0) {
+        warp_loss[threadIdx.x >> 5] = l;
+        warp_weight[threadIdx.x >> 5] = w;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        A sl = (A)0, sw = (A)0;
+        for (int k = 0; k < (int)(blockDim.x >> 5); ++k) {
+            sl += warp_loss[k];
+            sw += warp_weight[k];
+        }
+        *loss = cast<T>(mean ? sl / sw : sl);
+        *total = cast<T>(sw);
+    }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void nll_loss_backward(const T* __restrict__ g, const I* __restrict__ target,
+                                                  const T* __restrict__ weight, const T* __restrict__ total, i64 m,
+                                                  i64 c, i64 ignore, int mean, T* __restrict__ grad) {
+    typedef typename Acc<T>::type A;
+    A scale = load(g[0]);
+    if (mean) scale = scale / load(total[0]);
+    EMBER_KERNEL_LOOP(i, m) {
+        const i64 t = (i64)target[i];
+        if (t == ignore || t < 0 || t >= c) continue;
+        const A wt = weight ? load(weight[t]) : (A)1;
+        grad[i * c + t] = cast<T>(-wt * scale);
+    }
+}
+
+#define EMBER_NLL_LOSS(T, name, I, iname)                                                                       \
+    EMBER_IN_UNIT(nll_loss_##name##_##iname,                                                                    \
+    extern "C" __global__ void nll_loss_##name##_##iname(const T* logp, const I* target, const T* weight, i64 m, \
+                                                         i64 c, i64 ignore_index, i32 mean, T* loss,             \
+                                                         T* total_weight, ErrorCheck check) {                    \
+        nll_loss<T, I>(logp, target, weight, m, c, ignore_index, mean, loss, total_weight, check);               \
+    })                                                                                                          \
+    EMBER_IN_UNIT(nll_loss_backward_##name##_##iname,                                                           \
+    extern "C" __global__ void nll_loss_backward_##name##_##iname(const T* g, const I* target, const T* weight,  \
+                                                                  const T* total_weight, i64 m, i64 c,          \
+                                                                  i64 ignore_index, i32 mean, T* grad) {         \
+        nll_loss_backward<T, I>(g, target, weight, total_weight, m, c, ignore_index, mean, grad);                \
+    })
+#define EMBER_NLL_LOSS_I64(T, name) EMBER_NLL_LOSS(T, name, i64, i64)
+#define EMBER_NLL_LOSS_I32(T, name) EMBER_NLL_LOSS(T, name, i32, i32)
+
 #define EMBER_INDEX_KERNELS(I, iname)                                                                         \
     EMBER_IN_UNIT(check_index_##iname,                                                                        \
     extern "C" __global__ void check_index_##iname(const I* idx, Strided s, i64 n, ErrorCheck check) {         \
@@ -251,3 +332,5 @@ EMBER_FOR_INDEX_TYPE(i64, i64)
 EMBER_FOR_INDEX_TYPE(i32, i32)
 EMBER_FOR_ALL_DTYPES(EMBER_SCATTER_ADD_I64)
 EMBER_FOR_ALL_DTYPES(EMBER_SCATTER_ADD_I32)
+EMBER_FOR_FLOAT_DTYPES(EMBER_NLL_LOSS_I64)
+EMBER_FOR_FLOAT_DTYPES(EMBER_NLL_LOSS_I32)

@@ -634,6 +634,50 @@ impl Storage {
         })
     }
 
+    /// `(loss, total_weight)` of the contiguous `[m, c]` log-probability rows `self` at the
+    /// class indices `target` (`BackendStorage::nll_loss_forward`).
+    pub(crate) fn nll_loss_forward(
+        &self,
+        target: &Storage,
+        weight: Option<&Storage>,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<(Storage, Storage)> {
+        let (x, t) = (self, target);
+        match weight {
+            None => on_backend!("nll_loss", (x, t), wrap => {
+                let (l, tw) = BackendStorage::nll_loss_forward(x, t, None, mc, ignore_index, mean)?;
+                Ok((wrap(l), wrap(tw)))
+            }),
+            Some(w) => on_backend!("nll_loss", (x, t, w), wrap => {
+                let (l, tw) = BackendStorage::nll_loss_forward(x, t, Some(w), mc, ignore_index, mean)?;
+                Ok((wrap(l), wrap(tw)))
+            }),
+        }
+    }
+
+    /// The `[m, c]` gradient of that loss for its gradient `self` (one element).
+    pub(crate) fn nll_loss_backward(
+        &self,
+        target: &Storage,
+        weight: Option<&Storage>,
+        total_weight: &Storage,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<Storage> {
+        let (g, t, tw) = (self, target, total_weight);
+        match weight {
+            None => on_backend!("nll_loss_backward", (g, t, tw), wrap => {
+                Ok(wrap(BackendStorage::nll_loss_backward(g, t, None, tw, mc, ignore_index, mean)?))
+            }),
+            Some(w) => on_backend!("nll_loss_backward", (g, t, tw, w), wrap => {
+                Ok(wrap(BackendStorage::nll_loss_backward(g, t, Some(w), tw, mc, ignore_index, mean)?))
+            }),
+        }
+    }
+
     /// `op` along `dim` of `layout`, as a row-major storage of the same shape.
     pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Storage> {
         let s = self;

@@ -266,6 +266,30 @@ impl BackendStorage for CpuStorage {
         CpuStorage::one_hot(self, layout, num_classes)
     }
 
+    fn nll_loss_forward(
+        &self,
+        target: &CpuStorage,
+        weight: Option<&CpuStorage>,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<(CpuStorage, CpuStorage)> {
+        CpuStorage::nll_loss_forward(self, target, weight, mc, ignore_index, mean)
+    }
+
+    fn nll_loss_backward(
+        &self,
+        target: &CpuStorage,
+        weight: Option<&CpuStorage>,
+        total_weight: &CpuStorage,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<CpuStorage> {
+        check_host_alloc("nll_loss_backward", mc.0.saturating_mul(mc.1), self.dtype())?;
+        CpuStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
+    }
+
     fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CpuStorage> {
         check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         CpuStorage::softmax(self, layout, op, dim)

@@ -17,6 +17,7 @@ mod backend;
 mod binary;
 mod conv;
 mod index;
+mod loss;
 mod matmul;
 pub(crate) mod optim;
 mod pool;

@@ -211,6 +211,29 @@ impl BackendStorage for CudaStorage {
         CudaStorage::one_hot(self, layout, num_classes)
     }
 
+    fn nll_loss_forward(
+        &self,
+        target: &CudaStorage,
+        weight: Option<&CudaStorage>,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        CudaStorage::nll_loss_forward(self, target, weight, mc, ignore_index, mean)
+    }
+
+    fn nll_loss_backward(
+        &self,
+        target: &CudaStorage,
+        weight: Option<&CudaStorage>,
+        total_weight: &CudaStorage,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<CudaStorage> {
+        CudaStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
+    }
+
     fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
         CudaStorage::softmax(self, layout, op, dim)
     }

@@ -215,6 +215,10 @@ impl Module {
                 for d in ALL {
                     units.extend(each(m, &format!("scatter_add_{}", dtype_suffix(d)), &INDEX));
                 }
+                for d in FLOATS {
+                    units.extend(each(m, &format!("nll_loss_{}", dtype_suffix(d)), &INDEX));
+                    units.extend(each(m, &format!("nll_loss_backward_{}", dtype_suffix(d)), &INDEX));
+                }
             }
             Module::Random => {
                 units.extend(each(m, "uniform", &FLOATS));
@@ -263,6 +267,8 @@ pub(crate) fn likely_units(dtype: DType) -> Vec<Unit> {
         u(Module::Reduce, format!("reduce_sum_{t}")),
         u(Module::Softmax, format!("softmax_backward_{t}")),
         u(Module::Index, format!("scatter_add_{t}_i64")),
+        u(Module::Index, format!("nll_loss_{t}_i64")),
+        u(Module::Index, format!("nll_loss_backward_{t}_i64")),
         u(Module::Elementwise, format!("compare_gt_{t}")),
         u(Module::Elementwise, format!("where_{t}")),
         u(Module::Elementwise, "where_i64".to_string()),

@@ -36,6 +36,7 @@ pub(crate) mod kernel_timing;
 mod kernel_units;
 mod kernels;
 mod libraries;
+mod loss;
 mod memory;
 mod nvrtc;
 pub mod nvtx;

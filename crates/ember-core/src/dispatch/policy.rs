@@ -173,6 +173,7 @@ table! {
     INDEX_ADD = "index_add", Inputs, None;
     EMBEDDING = "embedding", Inputs, None;
     ONE_HOT = "one_hot", Inputs, None;
+    NLL_LOSS_FORWARD = "nll_loss_forward", Inputs, None;
     CAT = "cat", Inputs, Common;
     MAX_POOL2D = "max_pool2d", Inputs, None;
     AVG_POOL2D = "avg_pool2d", Inputs, None;

@@ -12,6 +12,7 @@ mod conv_composite;
 pub mod fused_optim;
 pub mod index;
 pub mod inplace;
+pub mod loss;
 pub mod matmul;
 pub mod operators;
 pub mod pool;

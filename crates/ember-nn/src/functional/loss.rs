@@ -172,8 +172,34 @@ fn nll_loss_prepared(
 ) -> Result<Tensor> {
     const OP: &str = "nll_loss";
     let (x, t, shape) = rows(OP, input, target)?;
+    if let Some(loss) = fused_nll(&x, &t, weight, ignore_index, reduction)? {
+        return Ok(loss);
+    }
     let (loss, w) = picked_nll(OP, &x, &t, weight, ignore_index)?;
     reduce_weighted(loss, &w, reduction, &shape)
+}
+
+/// The summed or averaged loss of the rows in one fused op ([`Tensor::nll_loss_forward`]);
+/// `None` for `Reduction::None` (per-row losses come from the composite) or a weight that does
+/// not fit (the composite then reports it).
+fn fused_nll(
+    logp: &Tensor,
+    target: &Tensor,
+    weight: Option<&Tensor>,
+    ignore_index: i64,
+    reduction: Reduction,
+) -> Result<Option<Tensor>> {
+    let mean = match reduction {
+        Reduction::None => return Ok(None),
+        Reduction::Sum => false,
+        Reduction::Mean => true,
+    };
+    let c = logp.dims()[1];
+    if weight.is_some_and(|w| w.dims() != [c] || w.dtype() != logp.dtype()) {
+        return Ok(None);
+    }
+    logp.nll_loss_forward(target, weight, mean, ignore_index)
+        .map(Some)
 }
 
 /// Cross-entropy of the logits `input` (`[C]` or `[N, C, d1, ..]`, classes in dim 1) against
@@ -228,6 +254,11 @@ fn cross_entropy_prepared(
     let (x, t, shape) = rows(OP, input, target)?;
     let c = x.dims()[1];
     let logp = x.log_softmax(1)?;
+    if label_smoothing == 0.0 {
+        if let Some(loss) = fused_nll(&logp, &t, weight, ignore_index, reduction)? {
+            return Ok(loss);
+        }
+    }
     let (loss, w) = picked_nll(OP, &logp, &t, weight, ignore_index)?;
     let nll = reduce_weighted(loss, &w, reduction, &shape)?;
     if label_smoothing == 0.0 {

@@ -210,6 +210,7 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
         "layer_norm" => F::layer_norm(&x, &[4], Some(&Tensor::ones([4], d2, dev)?), None, 1e-5),
         "cross_entropy" => F::cross_entropy(&x, &cls, None, -100, Reduction::Mean, 0.0),
         "nll_loss" => F::nll_loss(&x, &cls, None, -100, Reduction::Mean),
+        "nll_loss_forward" => x.nll_loss_forward(&cls, None, true, -100),
         "mse_loss" => F::mse_loss(&x, &y, Reduction::Mean),
         "l1_loss" => F::l1_loss(&x, &y, Reduction::Mean),
         "binary_cross_entropy_with_logits" => {
