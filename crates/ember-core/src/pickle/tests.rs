@@ -242,3 +242,45 @@ fn display_reads_like_python() {
     ]);
     assert_eq!(v.to_string(), r"{'a': (1,), 'b': [None, True, 1.0, 'it\'s']}");
 }
+
+#[test]
+fn a_memoized_container_is_shared_as_filled_later() {
+    // f = [{"filename": "a.py", "line": 1, "name": "f"}]; [{"frames": f}, {"frames": f}],
+    // protocol 4: the list is memoized empty, filled, then referenced again.
+    let p4: &[u8] = b"\x80\x04\x95E\x00\x00\x00\x00\x00\x00\x00]\x94(}\x94\x8c\x06frames\x94]\x94}\x94(\x8c\x08filename\x94\
+\x8c\x04a.py\x94\x8c\x04line\x94K\x01\x8c\x04name\x94\x8c\x01f\x94uas}\x94h\x02h\x03se.";
+    let frame = Value::dict([
+        ("filename", "a.py".into()),
+        ("line", 1.into()),
+        ("name", "f".into()),
+    ]);
+    let entry = Value::dict([("frames", Value::List(vec![frame]))]);
+    assert_eq!(loads(p4), Ok(Value::List(vec![entry.clone(), entry])));
+}
+
+#[test]
+fn self_containing_and_exploding_data_is_an_error() {
+    // l = []; l.append(l)
+    assert!(matches!(
+        loads(b"\x80\x02]q\x00h\x00a."),
+        Err(PickleError::Malformed { .. })
+    ));
+    // x = []; forty times x = [x, x]: 286 bytes (CPython's) that expand to 2^41 values.
+    let hex = [
+        "80025d7100285d7101285d7102285d7103285d7104285d7105285d7106285d7107285d7108285d7109285d710a285d71",
+        "0b285d710c285d710d285d710e285d710f285d7110285d7111285d7112285d7113285d7114285d7115285d7116285d71",
+        "17285d7118285d7119285d711a285d711b285d711c285d711d285d711e285d711f285d7120285d7121285d7122285d71",
+        "23285d7124285d7125285d7126285d7127285d7128682865682765682665682565682465682365682265682165682065",
+        "681f65681e65681d65681c65681b65681a65681965681865681765681665681565681465681365681265681165681065",
+        "680f65680e65680d65680c65680b65680a656809656808656807656806656805656804656803656802656801652e",
+    ]
+    .concat();
+    let p: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    assert_eq!(p.len(), 286);
+    // The copy stops at the budget (10,000 values here) instead of running away.
+    let r = read::loads_limited(&p, 10_000);
+    assert!(matches!(r, Err(PickleError::Malformed { .. })), "{r:?}");
+}
