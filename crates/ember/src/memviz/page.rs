@@ -83,7 +83,7 @@ pub fn render(snap: &Snapshot, name: &str) -> String {
     h += "<p class=\"legend\">";
     for (colour, what) in [
         (PALETTE[0], "allocation (one colour each)"),
-        (SUMMARIZED, "small allocations, summed"),
+        (SUMMARIZED, "other allocations, summed"),
         (PENDING, "freed, pending other streams"),
         (INACTIVE, "cached, free"),
     ] {
@@ -180,7 +180,8 @@ fn device_summary(h: &mut String, t: &Timeline, segs: &[&Segment], events: usize
     if t.summarized_count > 0 {
         let _ = write!(
             h,
-            "; the {MAX_BANDS} largest allocations are drawn one by one, {} smaller ones summed on top",
+            "; the {MAX_BANDS} allocations of largest size times lifetime are drawn one by one, the {} \
+             others summed on top",
             t.summarized_count
         );
     }
@@ -235,7 +236,8 @@ fn timeline_svg(h: &mut String, t: &Timeline, device: usize, events: usize) {
     }
     let xstep = decimal_step(t.x_max, 10.0);
     let mut x = 0.0;
-    while x <= t.x_max {
+    // The last label stays clear of the right edge.
+    while x <= t.x_max && (x == 0.0 || px(x) < l + pw - 24.0) {
         let _ = writeln!(
             h,
             "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{x}</text>",
@@ -264,8 +266,8 @@ fn timeline_svg(h: &mut String, t: &Timeline, device: usize, events: usize) {
         }
         let _ = writeln!(
             h,
-            "<polygon points=\"{}\" fill=\"{SUMMARIZED}\"><title>{} allocations smaller than the {MAX_BANDS} \
-             largest, summed</title></polygon>",
+            "<polygon points=\"{}\" fill=\"{SUMMARIZED}\"><title>{} other allocations (smaller size times \
+             lifetime), summed</title></polygon>",
             pts.trim_end(),
             t.summarized_count
         );

@@ -5,15 +5,16 @@
 //!
 //! Allocations alive before recording began (freed in the trace without an `alloc`, or active
 //! in the snapshot's segments) sit at the bottom from the start. With more than
-//! [`MAX_BANDS`] allocations, the largest are drawn one by one and the rest are summed into one
-//! band on top of them. Reserved memory (segments) is a step line from `segment_alloc` /
+//! [`MAX_BANDS`] allocations, those of largest area (size times lifetime) are drawn one by one
+//! and the rest are summed into one band on top of them. Reserved memory (segments) is a step line from `segment_alloc` /
 //! `segment_free` (and `segment_map` / `segment_unmap`), its start derived from the snapshot's
 //! segments; `oom` events are marks.
 
 use super::snapshot::{BlockState, Event, Snapshot};
 use std::collections::HashMap;
 
-/// Allocations drawn as bands of their own; smaller ones are summed into one band.
+/// Allocations drawn as bands of their own; the others (of smaller size times lifetime) are
+/// summed into one band.
 pub const MAX_BANDS: usize = 1000;
 
 /// One allocation's band.
@@ -64,45 +65,56 @@ enum Live {
 /// The timeline of `device`'s trace in `snap`.
 pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
     let events: &[Event] = snap.device_traces.get(device).map_or(&[], |t| &t[..]);
-    // Pass 1: allocations alive before the trace began, bottom of the stack in address order.
-    let mut live_in_trace: HashMap<u64, u64> = HashMap::new();
-    let mut before: Vec<(u64, u64)> = Vec::new();
-    for e in events {
+    // Pass 1: allocations alive before the trace began (bottom of the stack, in address
+    // order) and each allocation's lifetime in events, to choose which get a band.
+    let mut open: HashMap<u64, usize> = HashMap::new(); // addr -> its alloc event
+    let mut alloc_end: HashMap<usize, usize> = HashMap::new(); // alloc event -> free event
+    let mut before: Vec<(u64, u64, usize)> = Vec::new(); // addr, size, free event
+    for (i, e) in events.iter().enumerate() {
         match e.action.as_str() {
             "alloc" => {
-                live_in_trace.insert(e.addr, e.size);
+                open.insert(e.addr, i);
             }
-            "free_completed" => {
-                if live_in_trace.remove(&e.addr).is_none() {
-                    before.push((e.addr, e.size));
+            "free_completed" => match open.remove(&e.addr) {
+                Some(start) => {
+                    alloc_end.insert(start, i);
                 }
-            }
+                None => before.push((e.addr, e.size, i)),
+            },
             _ => {}
         }
     }
     for seg in snap.segments.iter().filter(|s| s.device == device) {
         for b in seg.blocks.iter().filter(|b| b.state != BlockState::Inactive) {
-            if !live_in_trace.contains_key(&b.address) && !before.iter().any(|&(a, _)| a == b.address) {
-                before.push((b.address, b.size));
+            if !open.contains_key(&b.address) && !before.iter().any(|&(a, _, _)| a == b.address) {
+                before.push((b.address, b.size, events.len()));
             }
         }
     }
     before.sort_unstable();
 
-    // Which allocations get a band: the MAX_BANDS largest (earliest first among equals).
-    let mut sizes: Vec<(u64, usize)> = before.iter().enumerate().map(|(i, &(_, s))| (s, i)).collect();
-    sizes.extend(
+    // Which allocations get a band: the MAX_BANDS of largest area (size times lifetime), so
+    // what shows on the plot is drawn and a crowd of short-lived ones is summed.
+    let mut areas: Vec<(u128, usize)> = before
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, size, end))| (size as u128 * (end as u128 + 1), i))
+        .collect();
+    areas.extend(
         events
             .iter()
             .enumerate()
             .filter(|(_, e)| e.action == "alloc")
-            .map(|(i, e)| (e.size, before.len() + i)),
+            .map(|(i, e)| {
+                let end = alloc_end.get(&i).copied().unwrap_or(events.len());
+                (e.size as u128 * (end - i + 1) as u128, before.len() + i)
+            }),
     );
-    let individual: std::collections::HashSet<usize> = if sizes.len() > MAX_BANDS {
-        sizes.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        sizes[..MAX_BANDS].iter().map(|&(_, i)| i).collect()
+    let individual: std::collections::HashSet<usize> = if areas.len() > MAX_BANDS {
+        areas.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        areas[..MAX_BANDS].iter().map(|&(_, i)| i).collect()
     } else {
-        sizes.iter().map(|&(_, i)| i).collect()
+        areas.iter().map(|&(_, i)| i).collect()
     };
 
     // Pass 2: the stack.
@@ -112,7 +124,7 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
     let mut live: HashMap<u64, Live> = HashMap::new();
     let (mut big, mut small) = (0u64, 0u64);
     let mut x = 0.0f64;
-    for (i, &(addr, size)) in before.iter().enumerate() {
+    for (i, &(addr, size, _)) in before.iter().enumerate() {
         if individual.contains(&i) {
             live.insert(addr, Live::Band(t.bands.len()));
             stack.push(t.bands.len());
@@ -333,15 +345,18 @@ mod tests {
 
     #[test]
     fn past_max_bands_the_smallest_are_summed_on_top() {
+        // The first ten are small and long-lived, the rest 1 MiB: the ten have the smallest
+        // areas even though the last allocations live for one or two steps only.
+        let size = |i: u64| if i < 10 { 512 } else { 1 << 20 };
         let mut events: Vec<Event> = (0..MAX_BANDS as u64 + 10)
-            .map(|i| ev("alloc", i * 4096, 1024 + i))
+            .map(|i| ev("alloc", i * (2 << 20), size(i)))
             .collect();
-        events.push(ev("free_completed", 0, 1024)); // a summarized one
+        events.push(ev("free_completed", 0, 512)); // a summarized one
         let t = timeline(&snap(events, vec![]), 0);
         assert_eq!((t.bands.len(), t.summarized_count), (MAX_BANDS, 10));
-        assert!(t.bands.iter().all(|b| b.size >= 1034));
+        assert!(t.bands.iter().all(|b| b.size == 1 << 20));
         let &(_, bottom, top) = t.summarized.last().unwrap();
-        assert_eq!(top - bottom, (1024..1034).sum::<u64>() - 1024);
+        assert_eq!(top - bottom, 9 * 512);
     }
 
     #[test]
