@@ -417,7 +417,7 @@ fn train_with_cuda_graph_matches_eager_accuracy_on_cuda() {
 // ---------------------------------------------------------------------------------------------
 // ember memviz
 
-use ember_core::pickle::{self, Value};
+use ember::pickle::{self, Value};
 
 const MIB: u64 = 1 << 20;
 

@@ -178,7 +178,7 @@ impl<'a> Reader<'a> {
     }
 
     fn extend_dict(&mut self, items: Vec<Node>) -> Result<(), PickleError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(self.malformed("odd number of dict items"));
         }
         let Node::Dict(dict) = self.top()? else {

@@ -46,7 +46,7 @@ pub enum MemvizError {
         /// The file.
         path: PathBuf,
         /// What the reader found.
-        source: ember_core::pickle::PickleError,
+        source: ember::pickle::PickleError,
     },
     /// A pickle, but not of a snapshot's structure.
     #[error(
@@ -84,7 +84,7 @@ pub fn read(path: &Path) -> Result<Snapshot, MemvizError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let value = ember_core::pickle::loads(&bytes).map_err(|source| MemvizError::NotPickle {
+    let value = ember::pickle::loads(&bytes).map_err(|source| MemvizError::NotPickle {
         path: path.to_path_buf(),
         source,
     })?;

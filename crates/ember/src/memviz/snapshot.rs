@@ -4,7 +4,7 @@
 //! place; the rest (requested sizes, streams, pool ids, frames) default, so snapshots of older
 //! PyTorch versions and PyTorch's bare segment list (`torch.cuda.memory_snapshot()`) draw too.
 
-use ember_core::pickle::Value;
+use ember::pickle::Value;
 
 /// A whole snapshot.
 #[derive(Clone, Debug, Default, PartialEq)]
