@@ -284,3 +284,96 @@ fn self_containing_and_exploding_data_is_an_error() {
     let r = read::loads_limited(&p, 10_000);
     assert!(matches!(r, Err(PickleError::Malformed { .. })), "{r:?}");
 }
+
+/// The opcodes of `bytes`, a pickle from [`dumps`], walked with each opcode's argument length.
+fn opcodes(bytes: &[u8]) -> std::collections::BTreeSet<u8> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut at = 0;
+    let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap()) as usize;
+    while at < bytes.len() {
+        let op = bytes[at];
+        seen.insert(op);
+        at += 1 + match op {
+            PROTO | BININT1 | BINPUT | BINGET => 1,
+            BININT2 => 2,
+            BININT | LONG_BINPUT | LONG_BINGET => 4,
+            BINFLOAT => 8,
+            LONG1 => 1 + bytes[at + 1] as usize,
+            BINUNICODE => 4 + u32_at(at + 1),
+            NONE | NEWTRUE | NEWFALSE | MARK | EMPTY_LIST | APPEND | APPENDS | EMPTY_DICT | SETITEM
+            | SETITEMS | EMPTY_TUPLE | TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | STOP => 0,
+            other => panic!("dumps wrote opcode {other:#04x}, which this walker does not know"),
+        };
+    }
+    seen
+}
+
+#[test]
+fn dumps_writes_only_opcodes_pytorchs_memory_viz_page_reads() {
+    // The opcodes the unpickler of PyTorch's memory_viz page (torch/utils/viz/MemoryViz.js)
+    // handles, protocols 2 to 4.
+    let page_reads: &[u8] = &[
+        APPENDS,
+        BINGET,
+        BININT,
+        BININT1,
+        BININT2,
+        EMPTY_DICT,
+        EMPTY_LIST,
+        FRAME,
+        LONG1,
+        LONG_BINGET,
+        MARK,
+        MEMOIZE,
+        PROTO,
+        SETITEMS,
+        SHORT_BINUNICODE,
+        STOP,
+        TUPLE2,
+        APPEND,
+        NEWFALSE,
+        BINPUT,
+        BINUNICODE,
+        EMPTY_TUPLE,
+        NEWTRUE,
+        NONE,
+        BINFLOAT,
+        TUPLE,
+        TUPLE1,
+        TUPLE3,
+        LONG_BINPUT,
+        SETITEM,
+    ];
+    let mut items: Vec<(Value, Value)> = (0..300)
+        .map(|i| (Value::Str(format!("k{i}")), Value::Int(i * 1_000_003 - 7)))
+        .collect();
+    items.push(("big".into(), Value::from(u64::MAX)));
+    items.push(("neg".into(), Value::Int(-(1 << 40))));
+    items.push(("float".into(), 0.25.into()));
+    items.push((
+        "flags".into(),
+        Value::List(vec![true.into(), false.into(), Value::None]),
+    ));
+    items.push((
+        "tuples".into(),
+        Value::List(
+            (0..5)
+                .map(|n| Value::Tuple((0..n).map(Value::Int).collect()))
+                .collect(),
+        ),
+    ));
+    // Strings written again past memo index 255 come back through LONG_BINGET.
+    items.push((
+        "one".into(),
+        Value::dict([("k299", Value::List(vec!["k298".into()]))]),
+    ));
+    let bytes = dumps(&Value::Dict(items));
+    let used = opcodes(&bytes);
+    for op in &used {
+        assert!(
+            page_reads.contains(op),
+            "opcode {op:#04x} is not read by PyTorch's memory_viz page"
+        );
+    }
+    assert!(used.contains(&LONG_BINGET) && used.contains(&LONG1) && used.contains(&SETITEM));
+}
