@@ -24,6 +24,7 @@ pub mod error;
 pub mod layout;
 pub mod memory;
 pub mod ops;
+pub mod pickle;
 pub mod profiler;
 pub mod random;
 pub mod shape;

@@ -22,6 +22,9 @@ pub use ember_core::{
     Element, Error, Generator, Result, RngState, Scalar, Shape, Tensor,
 };
 pub mod cuda;
+/// Python's pickle format for plain data ([`pickle::Value`]): what [`cuda::snapshot`] returns
+/// and [`cuda::dump_snapshot`] writes, readable by PyTorch's tools.
+pub use ember_core::pickle;
 /// The profiler (`torch.profiler`): [`profiler::profile`], [`profiler::record_function`],
 /// [`profiler::schedule`], `key_averages().table(..)`, `export_chrome_trace`.
 pub use ember_core::profiler;

@@ -1,8 +1,10 @@
 //! The `ember` program: `ember train` trains a classifier on Fashion-MNIST, `ember info`
-//! reports the build and the devices found, `ember bench` runs the shared benchmark workloads.
+//! reports the build and the devices found, `ember bench` runs the shared benchmark workloads,
+//! `ember memviz` draws a memory snapshot as an HTML page.
 #![forbid(unsafe_code)]
 
 mod bench;
+mod memviz;
 mod models;
 mod train;
 
@@ -35,6 +37,9 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
+    /// Draw a memory snapshot (`cuda::dump_snapshot`, or PyTorch's `_dump_snapshot`) as one
+    /// self-contained HTML page: the active-memory timeline and the segment map.
+    Memviz(memviz::MemvizArgs),
 }
 
 fn main() {
@@ -42,6 +47,7 @@ fn main() {
     match cli.command {
         Command::Train(args) => train::main(args),
         Command::Info => print!("{}", ember_info()),
+        Command::Memviz(args) => memviz::main(args),
         Command::Bench { device, only } => {
             let device = match device.as_deref().map(ember::Device::parse) {
                 Some(Ok(d)) => d,

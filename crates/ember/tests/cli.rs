@@ -413,3 +413,285 @@ fn train_with_cuda_graph_matches_eager_accuracy_on_cuda() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// ember memviz
+
+use ember::pickle::{self, Value};
+
+const MIB: u64 = 1 << 20;
+
+/// A snapshot as `cuda::dump_snapshot` writes it, of three training-like steps on cuda:0 (six
+/// activations allocated, then freed in reverse) in one 64 MiB segment, then one 4 MiB
+/// allocation that stays; with `trace` false, no events and the segment all free (a blank
+/// timeline).
+fn training_snapshot(trace: bool) -> Value {
+    let base: u64 = 0x7f00_0000_0000;
+    let mut events = Vec::new();
+    let mut time = 1_700_000_000_000_000u64;
+    let mut ev = |action: &str, addr: u64, size: u64| {
+        time += 10;
+        events.push(Value::dict([
+            ("action", action.into()),
+            ("addr", addr.into()),
+            ("size", size.into()),
+            ("stream", 0.into()),
+            ("time_us", time.into()),
+            ("frames", Value::List(vec![])),
+        ]));
+    };
+    ev("segment_alloc", base, 64 * MIB);
+    for _step in 0..3 {
+        let mut at = base;
+        let mut live = Vec::new();
+        for i in 1..=6 {
+            let size = 2 * i * MIB;
+            ev("alloc", at, size);
+            live.push((at, size));
+            at += size;
+        }
+        for &(addr, size) in live.iter().rev() {
+            ev("free_requested", addr, size);
+            ev("free_completed", addr, size);
+        }
+    }
+    ev("alloc", base, 4 * MIB);
+    let block = |addr: u64, size: u64, state: &str| {
+        Value::dict([
+            ("address", addr.into()),
+            ("size", size.into()),
+            (
+                "requested_size",
+                if state == "inactive" { 0 } else { size }.into(),
+            ),
+            ("state", state.into()),
+            ("frames", Value::List(vec![])),
+        ])
+    };
+    let segment = Value::dict([
+        ("device", 0.into()),
+        ("address", base.into()),
+        ("total_size", (64 * MIB).into()),
+        ("allocated_size", (4 * MIB).into()),
+        ("active_size", (4 * MIB).into()),
+        ("requested_size", (4 * MIB).into()),
+        ("stream", 0.into()),
+        ("segment_type", "large".into()),
+        ("segment_pool_id", Value::Tuple(vec![0.into(), 0.into()])),
+        ("is_expandable", false.into()),
+        ("frames", Value::List(vec![])),
+        (
+            "blocks",
+            Value::List(vec![
+                block(base, 4 * MIB, if trace { "active_allocated" } else { "inactive" }),
+                block(base + 4 * MIB, 60 * MIB, "inactive"),
+            ]),
+        ),
+    ]);
+    Value::dict([
+        ("segments", Value::List(vec![segment])),
+        (
+            "device_traces",
+            Value::List(vec![Value::List(if trace { events } else { vec![] })]),
+        ),
+        (
+            "allocator_settings",
+            Value::dict([("expandable_segments", false.into())]),
+        ),
+    ])
+}
+
+/// Runs `ember memviz SNAPSHOT -o PAGE` on `snapshot` written into `dir`; the page's text.
+fn memviz_page(dir: &std::path::Path, snapshot: &Value) -> (PathBuf, String) {
+    let snap = dir.join("snapshot.pickle");
+    pickle::dump(snapshot, &snap).unwrap();
+    let page = dir.join("memory.html");
+    let out = ember(&["memviz", snap.to_str().unwrap(), "-o", page.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "ember memviz failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let html = std::fs::read_to_string(&page).unwrap();
+    (page, html)
+}
+
+#[test]
+fn memviz_writes_one_self_contained_page() {
+    let dir = scratch("memviz_page");
+    let (_, html) = memviz_page(&dir, &training_snapshot(true));
+    assert!(html.starts_with("<!DOCTYPE html>"));
+    assert!(html.contains("<svg id=\"timeline0\""), "{html}");
+    // 18 allocations with a band each, a segment with its two blocks, the summary's figures.
+    assert_eq!(html.matches("<polygon ").count(), 19, "{html}");
+    assert!(html.contains("peak active 42.00 MiB"), "{html}");
+    assert!(html.contains("reserved 64.00 MiB, allocated 4.00 MiB"), "{html}");
+    assert!(html.contains("active_allocated") && html.contains("inactive"));
+    // Nothing to fetch: no scripts, stylesheets or images from elsewhere.
+    for outside in ["<script", "<link", "<img", "src=", "url(", "@import"] {
+        assert!(!html.contains(outside), "{outside} in the page");
+    }
+    let without_svg_ns = html.replace("xmlns=\"http://www.w3.org/2000/svg\"", "");
+    assert!(!without_svg_ns.contains("http:") && !without_svg_ns.contains("https:"));
+}
+
+#[test]
+fn memviz_reads_a_snapshot_pickled_by_cpython() {
+    // What PyTorch's _dump_snapshot writes: pickle.dump of the dict (protocol 4 in Python 3.8+),
+    // with frames on every event and an OOM entry.
+    let dir = scratch("memviz_cpython");
+    let snap = dir.join("torch_snapshot.pickle");
+    const SCRIPT: &str = r#"
+import pickle, sys
+MiB = 1 << 20
+base = 0x7f0000000000
+frames = [{"filename": "/home/me/train.py", "line": 42, "name": "forward"}]
+trace = [{"action": "segment_alloc", "addr": base, "size": 20 * MiB, "stream": 0, "time_us": 1, "frames": frames}]
+for i in range(4):
+    trace.append({"action": "alloc", "addr": base + i * 2 * MiB, "size": 2 * MiB, "stream": 0, "time_us": 2 + i, "frames": frames})
+trace.append({"action": "oom", "device_free": 1024, "size": 80 * MiB, "stream": 0, "time_us": 9, "frames": frames})
+blocks = [{"address": base + i * 2 * MiB, "size": 2 * MiB, "requested_size": 2 * MiB, "state": "active_allocated", "frames": frames} for i in range(4)]
+blocks.append({"address": base + 8 * MiB, "size": 12 * MiB, "requested_size": 0, "state": "inactive", "frames": []})
+seg = {"device": 0, "address": base, "total_size": 20 * MiB, "allocated_size": 8 * MiB, "active_size": 8 * MiB,
+       "requested_size": 8 * MiB, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+       "is_expandable": False, "frames": frames, "blocks": blocks}
+snapshot = {"segments": [seg], "device_traces": [trace],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": None, "max_split_size": -1}}
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(snapshot, f)
+"#;
+    let out = Command::new("python3")
+        .args(["-c", SCRIPT, snap.to_str().unwrap()])
+        .output()
+        .expect("python3 must be installed to run this test (it writes the snapshot as PyTorch does)");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let page = dir.join("torch.html");
+    let out = ember(&["memviz", snap.to_str().unwrap(), "-o", page.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert_eq!(html.matches("<polygon ").count(), 4);
+    assert!(html.contains("train.py:42:forward"), "frames in the tooltips");
+    assert!(html.contains("out of memory: 80.00 MiB requested"), "{html}");
+    assert!(html.contains("1 out-of-memory error"), "{html}");
+}
+
+#[test]
+fn memviz_errors_say_what_is_wrong_with_the_file() {
+    let dir = scratch("memviz_errors");
+    let run = |snap: &std::path::Path| {
+        let out = ember(&[
+            "memviz",
+            snap.to_str().unwrap(),
+            "-o",
+            dir.join("x.html").to_str().unwrap(),
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        String::from_utf8(out.stderr).unwrap()
+    };
+    let missing = run(&dir.join("missing.pickle"));
+    assert!(
+        missing.contains("cannot read the memory snapshot") && missing.contains("dump_snapshot"),
+        "{missing}"
+    );
+    let corrupt = dir.join("corrupt.pickle");
+    let mut bytes = pickle::dumps(&training_snapshot(true));
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(&corrupt, &bytes).unwrap();
+    let msg = run(&corrupt);
+    assert!(
+        msg.contains("is not a memory snapshot") && msg.contains("truncated"),
+        "{msg}"
+    );
+    std::fs::write(&corrupt, b"<html>not a pickle</html>").unwrap();
+    let msg = run(&corrupt);
+    assert!(msg.contains("unsupported pickle opcode 0x3c at byte 0"), "{msg}");
+    let other = dir.join("other.pickle");
+    pickle::dump(&Value::dict([("weights", Value::List(vec![]))]), &other).unwrap();
+    let msg = run(&other);
+    assert!(
+        msg.contains("is a pickle but not a memory snapshot: the snapshot has no \"segments\""),
+        "{msg}"
+    );
+    assert!(!dir.join("x.html").exists(), "no page for a bad snapshot");
+}
+
+/// Screenshots `page` in headless Chromium (Debian's `chromium`, or `$CHROMIUM`) at 1200x800.
+fn chromium_screenshot(page: &std::path::Path, png: &std::path::Path) -> (u32, u32, Vec<u8>) {
+    let browser = std::env::var("CHROMIUM").unwrap_or_else(|_| "chromium".into());
+    let profile = page.parent().unwrap().join("chromium-profile");
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(&browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1200,800",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(format!("file://{}", page.display()))
+        .output()
+        .expect("coreutils' timeout runs");
+    assert!(
+        out.status.success() && png.exists(),
+        "headless {browser} made no screenshot (exit {:?}); this test needs Chromium: \
+         apt-get install -y chromium (or set CHROMIUM to a Chromium binary)\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(png).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let channels = info.color_type.samples();
+    assert!(
+        info.bit_depth == png::BitDepth::Eight && channels >= 3,
+        "{info:?}"
+    );
+    let rgb = buf[..info.buffer_size()]
+        .chunks(channels)
+        .flat_map(|p| [p[0], p[1], p[2]])
+        .collect();
+    (info.width, info.height, rgb)
+}
+
+/// Pixels of saturated colour (bands, blocks) in the first timeline's plot area: page.rs puts
+/// it under the 96 px header and an h2, at x 104..1164, y about 150..480; the region checked
+/// stays well inside.
+fn coloured_pixels_in_timeline((w, h, rgb): &(u32, u32, Vec<u8>)) -> usize {
+    assert_eq!((*w, *h), (1200, 800));
+    let mut n = 0;
+    for y in 170..460 {
+        for x in 115..1150 {
+            let i = (y * *w as usize + x) * 3;
+            let (r, g, b) = (rgb[i] as i32, rgb[i + 1] as i32, rgb[i + 2] as i32);
+            if r.max(g).max(b) - r.min(g).min(b) > 40 {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn memviz_timeline_is_drawn_in_headless_chromium() {
+    let dir = scratch("memviz_chromium");
+    let (page, _) = memviz_page(&dir, &training_snapshot(true));
+    let shot = chromium_screenshot(&page, &dir.join("timeline.png"));
+    let drawn = coloured_pixels_in_timeline(&shot);
+    let area = (460 - 170) * (1150 - 115);
+    // The three steps' pyramids of bands fill about a fifth of the plot.
+    assert!(
+        drawn * 10 > area,
+        "only {drawn} of {area} pixels of the timeline are drawn"
+    );
+
+    // The same page without events: the region stays blank, so the count above is the bands'.
+    let empty = scratch("memviz_chromium_empty");
+    let (page, html) = memviz_page(&empty, &training_snapshot(false));
+    assert!(html.contains("No events recorded for cuda:0"));
+    let blank = coloured_pixels_in_timeline(&chromium_screenshot(&page, &empty.join("timeline.png")));
+    assert!(blank < 100, "{blank} coloured pixels in an empty timeline");
+}

@@ -4,11 +4,12 @@
 //! Statistics of a device that was never used (or of a machine without CUDA) are zero, as in
 //! PyTorch before the first allocation.
 
-use super::allocator::{memory_stats_map, memory_summary as summary_table, snapshot_json};
+use super::allocator::{memory_stats_map, memory_summary as summary_table, snapshot_json, snapshot_value};
 use super::runtime::runtime;
 use super::stream::current_raw;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
+use std::path::Path;
 
 pub use super::allocator::{MemoryStats, Stat, StatArray};
 
@@ -108,10 +109,37 @@ pub fn record_memory_history(device: usize, enabled: bool, max_entries: usize) -
 }
 
 /// The allocator's segments and the recorded events as JSON, shaped like PyTorch's
-/// `torch.cuda.memory._snapshot()` (`_dump_snapshot` writes this to a file).
+/// `torch.cuda.memory._snapshot()` with fewer fields; [`dump_snapshot`] writes the full
+/// structure in PyTorch's own format.
 pub fn memory_snapshot(device: usize) -> Result<String> {
     let rt = runtime(device)?;
     Ok(snapshot_json(&rt.allocator.snapshot(), &rt.allocator.history()))
+}
+
+/// The allocator's segments and recorded events in PyTorch's snapshot structure
+/// (`torch.cuda.memory._snapshot()`) as a pickle value: `device`'s segments, one trace list
+/// per device with `device`'s events in its own. [`dump_snapshot`] writes it to a file.
+pub fn snapshot(device: usize) -> Result<crate::pickle::Value> {
+    let rt = runtime(device)?;
+    let devices = super::device_count().max(device + 1);
+    Ok(snapshot_value(
+        device,
+        devices,
+        &rt.allocator.snapshot(),
+        &rt.allocator.history(),
+    ))
+}
+
+/// Writes [`snapshot`] to `path` as a Python pickle (`torch.cuda.memory._dump_snapshot`), so
+/// PyTorch's memory visualizer (`torch.cuda._memory_viz`, pytorch.org/memory_viz) and
+/// `ember memviz` read it. Record events first with [`record_memory_history`].
+pub fn dump_snapshot(device: usize, path: impl AsRef<Path>) -> Result<()> {
+    let value = snapshot(device)?;
+    let path = path.as_ref();
+    crate::pickle::dump(&value, path).map_err(|e| Error::Io {
+        kind: e.kind(),
+        msg: format!("writing the memory snapshot {}: {e}", path.display()),
+    })
 }
 
 /// `bytes` of raw device memory from the caching allocator on the current stream

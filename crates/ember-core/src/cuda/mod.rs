@@ -67,10 +67,10 @@ pub use kernel_units::Unit;
 pub use kernels::Module;
 pub use libraries::{library_report, LibraryStatus};
 pub use memory::{
-    caching_allocator_alloc, caching_allocator_delete, empty_cache, max_memory_allocated,
+    caching_allocator_alloc, caching_allocator_delete, dump_snapshot, empty_cache, max_memory_allocated,
     max_memory_reserved, mem_get_info, memory_allocated, memory_reserved, memory_snapshot, memory_stats,
     memory_stats_struct, memory_summary, record_memory_history, reset_accumulated_memory_stats,
-    reset_peak_memory_stats, MemoryStats, Stat, StatArray,
+    reset_peak_memory_stats, snapshot, MemoryStats, Stat, StatArray,
 };
 pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
 pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};

@@ -106,6 +106,34 @@ fn allocator_statistics_body() {
         snap.contains("\"segments\"") && snap.contains("\"alloc\""),
         "{snap}"
     );
+    // The same snapshot in PyTorch's pickle structure: its blocks add up to the statistics.
+    let path = std::env::temp_dir().join(format!("ember-dump-snapshot-{}.pickle", std::process::id()));
+    cuda::dump_snapshot(dev, &path).unwrap();
+    let value = ember_core::pickle::load(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let segments = value.get("segments").and_then(|s| s.as_seq()).unwrap();
+    let blocks = || {
+        segments
+            .iter()
+            .flat_map(|s| s.get("blocks").and_then(|b| b.as_seq()).unwrap())
+    };
+    let size =
+        |v: &ember_core::pickle::Value, key: &str| v.get(key).and_then(|x| x.as_int()).unwrap() as usize;
+    let allocated: usize = blocks()
+        .filter(|b| b.get("state").and_then(|s| s.as_str()) == Some("active_allocated"))
+        .map(|b| size(b, "size"))
+        .sum();
+    assert_eq!(allocated, cuda::memory_allocated(dev));
+    assert_eq!(
+        segments.iter().map(|s| size(s, "total_size")).sum::<usize>(),
+        cuda::memory_reserved(dev)
+    );
+    let trace = value.get("device_traces").and_then(|t| t.as_seq()).unwrap()[dev]
+        .as_seq()
+        .unwrap();
+    assert!(trace
+        .iter()
+        .any(|e| e.get("action").and_then(|a| a.as_str()) == Some("alloc")));
     drop(a);
     assert_eq!(cuda::memory_allocated(dev), 0);
 }

@@ -1,7 +1,8 @@
 //! The caching allocator of one CUDA device: PyTorch's policy (`c10/cuda/CUDACachingAllocator.cpp`)
 //! over a small [`Driver`] trait, so that the whole policy is std-only and tested with a fake
-//! driver. It owns block bookkeeping, statistics, snapshots and the alloc/free trace; the real
-//! driver and the public `cuda::memory_*` functions live elsewhere.
+//! driver. It owns block bookkeeping, statistics, snapshots (`snapshot.rs`: PyTorch's snapshot
+//! structure) and the alloc/free trace; the real driver and the public `cuda::memory_*`
+//! functions live elsewhere.
 //!
 //! The rules, as PyTorch states them:
 //! - Requests round up to multiples of 512 B; a 0-byte request gets a null allocation and
@@ -28,6 +29,7 @@
 //! the closure given to [`CachingAllocator::with_driver`], which must not call the allocator.
 
 mod private_pools;
+mod snapshot;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -35,10 +37,10 @@ mod tests;
 use private_pools::PrivatePool;
 pub use private_pools::{CaptureId, MempoolId};
 
+pub use snapshot::{snapshot_json, snapshot_value};
 use stats::format_bytes;
 pub use stats::{
-    memory_stats_map, memory_summary, snapshot_json, MemoryStats, SegmentInfo, Stat, StatArray, TraceAction,
-    TraceEntry,
+    memory_stats_map, memory_summary, MemoryStats, SegmentInfo, Stat, StatArray, TraceAction, TraceEntry,
 };
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -346,7 +348,7 @@ impl<D: Driver> State<D> {
             self.capture_pool(stream)
         };
         let Some((size, segment_size)) = sizes(bytes) else {
-            return Err(self.out_of_memory(bytes));
+            return Err(self.out_of_memory(bytes, stream));
         };
         let pool = Pool::for_size(size);
         let addr = match self.take_best_fit(private, pool, stream, size) {
@@ -372,7 +374,7 @@ impl<D: Driver> State<D> {
         if !self.captures.is_empty() {
             // Note [Interaction with CUDA graph capture]: waiting for events and cuMemFree are
             // not allowed while a capture is underway, so there is nothing to retry with.
-            return Err(self.out_of_memory(size));
+            return Err(self.out_of_memory(size, stream));
         }
         self.stats.num_alloc_retries += 1;
         // (1) Blocks waiting on events may fit once synchronized; else drop this pool's cache.
@@ -390,12 +392,15 @@ impl<D: Driver> State<D> {
         if let Some(addr) = self.new_segment(segment_size, stream, pool, private) {
             return Ok(addr);
         }
-        Err(self.out_of_memory(size))
+        Err(self.out_of_memory(size, stream))
     }
 
-    fn out_of_memory(&mut self, requested: usize) -> OutOfMemory {
+    /// Counts and records (as PyTorch's `OOM` trace entry: free device bytes, request) a
+    /// failed request.
+    fn out_of_memory(&mut self, requested: usize, stream: StreamId) -> OutOfMemory {
         self.stats.num_ooms += 1;
         let (free, total) = self.driver.mem_get_info();
+        self.record(TraceAction::Oom, free as u64, requested, stream);
         OutOfMemory {
             requested,
             total,

@@ -1,6 +1,6 @@
 //! The allocator's statistics (PyTorch's `memory_stats` meanings), snapshot and trace types,
-//! and their renderings: the `memory_stats()` map, the `memory_summary()` table and the
-//! snapshot JSON.
+//! and the renderings of the statistics: the `memory_stats()` map and the `memory_summary()`
+//! table (the snapshot's renderings are in `snapshot.rs`).
 
 use super::{Driver, Pool, State, StreamId, Use};
 use std::collections::BTreeMap;
@@ -215,6 +215,10 @@ pub enum TraceAction {
     SegmentAlloc,
     /// A segment was returned to the driver.
     SegmentFree,
+    /// A request failed with out of memory after the retries; the entry's `addr` holds the
+    /// device's free bytes then and `size` the request (PyTorch's `OOM` entry, whose snapshot
+    /// key for that field is `device_free`).
+    Oom,
 }
 
 impl TraceAction {
@@ -226,6 +230,7 @@ impl TraceAction {
             TraceAction::FreeCompleted => "free_completed",
             TraceAction::SegmentAlloc => "segment_alloc",
             TraceAction::SegmentFree => "segment_free",
+            TraceAction::Oom => "oom",
         }
     }
 }
@@ -235,7 +240,7 @@ impl TraceAction {
 pub struct TraceEntry {
     /// What happened.
     pub action: TraceAction,
-    /// Block or segment address.
+    /// Block or segment address (for [`TraceAction::Oom`], the device's free bytes).
     pub addr: u64,
     /// Block or segment size in bytes.
     pub size: usize,
@@ -340,59 +345,6 @@ pub fn memory_summary(stats: &MemoryStats, device: usize) -> String {
     }
     out += &double;
     out
-}
-
-/// JSON shaped like PyTorch's `torch.cuda.memory._snapshot()` (one device's traces).
-pub fn snapshot_json(segments: &[SegmentInfo], trace: &[TraceEntry]) -> String {
-    let segs: Vec<String> = segments
-        .iter()
-        .map(|seg| {
-            let blocks: Vec<String> = seg
-                .blocks
-                .iter()
-                .map(|b| {
-                    format!(
-                        r#"{{"address":{},"size":{},"requested_size":{},"state":"{}"}}"#,
-                        b.address,
-                        b.size,
-                        b.requested_size,
-                        b.state.as_str()
-                    )
-                })
-                .collect();
-            format!(
-                concat!(
-                    r#"{{"address":{},"total_size":{},"stream":{},"segment_type":"{}","#,
-                    r#""allocated_size":{},"active_size":{},"blocks":[{}]}}"#
-                ),
-                seg.address,
-                seg.total_size,
-                seg.stream,
-                seg.pool.as_str(),
-                seg.bytes_where(|s| s == BlockState::ActiveAllocated),
-                seg.bytes_where(|s| s != BlockState::Inactive),
-                blocks.join(",")
-            )
-        })
-        .collect();
-    let entries: Vec<String> = trace
-        .iter()
-        .map(|t| {
-            format!(
-                r#"{{"action":"{}","addr":{},"size":{},"stream":{},"time_us":{}}}"#,
-                t.action.as_str(),
-                t.addr,
-                t.size,
-                t.stream,
-                t.time_us
-            )
-        })
-        .collect();
-    format!(
-        r#"{{"segments":[{}],"device_traces":[[{}]]}}"#,
-        segs.join(","),
-        entries.join(",")
-    )
 }
 
 impl<D: Driver> State<D> {

@@ -1030,3 +1030,5 @@ fn graphs_share_a_pool_until_the_last_releases_it() {
     end(&a, h, 1);
     assert_eq!(a.private_pool_use_count(h), Some(1));
 }
+
+mod snapshot;
