@@ -1,7 +1,9 @@
 //! PyTorch's profiler recipe ("PyTorch Profiler"): profile a model's forward pass, print
 //! `key_averages().table(sort_by="cpu_time_total", row_limit=10)`, group by input shapes,
 //! look at memory, export a chrome trace (open it in `chrome://tracing` or Perfetto), and
-//! profile a few training steps on a schedule with a trace handler.
+//! profile a few training steps on a schedule with a trace handler; on a GPU, NVTX ranges and
+//! a memory snapshot for PyTorch's memory visualizer (the "Understanding CUDA Memory Usage"
+//! recipe).
 //!
 //! The model is the CIFAR-10 `Net` of the classifier tutorial on a batch of 5 images (the
 //! recipe profiles a ResNet-18 on 5 × 3 × 224 × 224), on the GPU when there is one (then the
@@ -102,13 +104,36 @@ fn main() -> Result<()> {
             println!("cycle ending at step {}:\n{table}", trace.step_num());
         })
         .start()?;
-    for _ in 0..5 {
+    let mut train_step = || -> Result<()> {
         optimizer.zero_grad()?;
         let loss = criterion.forward(&model.forward(&inputs)?, &labels)?;
         loss.backward()?;
-        optimizer.step()?;
+        optimizer.step()
+    };
+    for _ in 0..5 {
+        train_step()?;
         prof.step()?;
     }
     prof.stop()?;
+
+    // 5. On a GPU: NVTX ranges around the steps (Nsight Systems shows them; without a tool
+    // attached they cost nothing), and the memory-snapshot recipe: record the allocator's
+    // history (torch.cuda.memory._record_memory_history), run, dump a snapshot in PyTorch's
+    // pickle format (_dump_snapshot) for pytorch.org/memory_viz or `ember memviz`.
+    if let Device::Cuda(ordinal) = device {
+        cuda::record_memory_history(ordinal, true, 100_000)?;
+        for step in 0..3 {
+            let _range = cuda::nvtx::range(&format!("step {step}"));
+            train_step()?;
+        }
+        let snapshot = std::env::temp_dir().join("ember_memory_snapshot.pickle");
+        cuda::dump_snapshot(ordinal, &snapshot)?;
+        cuda::record_memory_history(ordinal, false, 0)?;
+        println!(
+            "memory snapshot written to {} (open it at pytorch.org/memory_viz, or `ember memviz {} -o memory.html`)",
+            snapshot.display(),
+            snapshot.display()
+        );
+    }
     Ok(())
 }

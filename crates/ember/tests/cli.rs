@@ -676,6 +676,7 @@ fn coloured_pixels_in_timeline((w, h, rgb): &(u32, u32, Vec<u8>)) -> usize {
 }
 
 #[test]
+#[ignore = "needs Debian's chromium (apt-get install chromium); .ci/run installs it and runs this test"]
 fn memviz_timeline_is_drawn_in_headless_chromium() {
     let dir = scratch("memviz_chromium");
     let (page, _) = memviz_page(&dir, &training_snapshot(true));

@@ -27,6 +27,7 @@ mod index;
 mod inplace;
 mod linear_bias;
 mod matmul;
+mod nll_loss;
 mod profiler;
 mod props;
 mod random;
