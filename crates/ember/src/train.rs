@@ -7,7 +7,8 @@
 //!
 //! With `--cuda-graph` (GPU only) the training step is captured into a CUDA graph after a few
 //! eager warm-up steps and replayed for every full batch (Note [Graphed training step] in
-//! `train/graph.rs`).
+//! `train/graph.rs`). With `--profile DIR` the profiler records steps 3 to 5 and writes the op
+//! table and a chrome trace into DIR (`train/profile.rs`).
 //!
 //! Checkpoint format: one safetensors file, written atomically (a new file renamed over the
 //! old, so a kill -9 leaves the previous checkpoint or the new one, never half of one) after
@@ -32,6 +33,7 @@
 //! SIGKILL at random points and checks this.
 
 mod graph;
+mod profile;
 
 use crate::models;
 use clap::{Args, ValueEnum};
@@ -165,6 +167,11 @@ pub struct TrainArgs {
     /// and the evaluation run eagerly.
     #[arg(long)]
     cuda_graph: bool,
+    /// Profile training steps 3 to 5 (torch.profiler's schedule(wait=1, warmup=1, active=3)),
+    /// CPU and CUDA ops with shapes and memory, and write the op table
+    /// (DIR/key_averages.txt) and a chrome trace (DIR/trace.json) into DIR.
+    #[arg(long, value_name = "DIR")]
+    profile: Option<PathBuf>,
 }
 
 /// `--amp`: the autocast dtype.
@@ -584,6 +591,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         ));
     }
 
+    let mut profiled = match &args.profile {
+        Some(dir) => Some(profile::StepProfiler::start(dir, device)?),
+        None => None,
+    };
+    let mut profile_written = None;
     let loss_fn = CrossEntropyLoss::new();
     let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
     // Training steps run in this process (replays of a CUDA graph included).
@@ -639,6 +651,24 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                     cuda::synchronize_on(i)?;
                 }
                 first_step_s = Some(started.elapsed().as_secs_f64());
+            }
+            if let Some(w) = profiled
+                .as_mut()
+                .map(profile::StepProfiler::step)
+                .transpose()?
+                .flatten()
+            {
+                say(format!(
+                    "profile of steps {}..={} written: {} and {}{}",
+                    profile::WAIT + profile::WARMUP + 1,
+                    profile::WAIT + profile::WARMUP + profile::ACTIVE,
+                    w.table.display(),
+                    w.trace.display(),
+                    w.gpu_timing
+                        .map_or(String::new(), |t| format!(" (GPU time from {t})"))
+                ));
+                profile_written = Some(w);
+                profiled = None;
             }
             let n = batch[1].dims()[0];
             seen += n;
@@ -698,6 +728,10 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         Some(a) => a,
         None => evaluate(&mut model, &test, device, args.amp)?,
     };
+    if let Some(mut p) = profiled.take() {
+        // Fewer steps than the schedule records: an error that says so.
+        profile_written = Some(p.finish()?);
+    }
     let graphed_steps = graphed.as_ref().map_or(0, graph::GraphedSteps::replays);
     if args.cuda_graph {
         say(format!(
@@ -721,6 +755,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             "final_loss": final_loss,
             "cuda_graph": graphed_steps > 0,
             "graphed_steps": graphed_steps,
+            "profile": profile_written.as_ref().map(|w| json!({
+                "table": w.table.display().to_string(),
+                "trace": w.trace.display().to_string(),
+                "gpu_timing": w.gpu_timing,
+            })),
         });
         println!("{out}");
     } else {

@@ -97,6 +97,72 @@ fn train_mlp_one_epoch_beats_chance_by_far() {
 }
 
 #[test]
+fn train_profile_writes_the_op_table_and_a_trace_of_three_steps() {
+    let dir = scratch("train_profile");
+    let prof = dir.join("prof");
+    let v = train_json(&[
+        "--epochs",
+        "1",
+        "--limit-train",
+        "512",
+        "--batch-size",
+        "64",
+        "--profile",
+        prof.to_str().unwrap(),
+    ]);
+    let table = std::fs::read_to_string(prof.join("key_averages.txt")).unwrap();
+    for column in [
+        "Name",
+        "Self CPU %",
+        "CPU total",
+        "# of Calls",
+        "Self CPU time total",
+    ] {
+        assert!(table.contains(column), "{column} missing from\n{table}");
+    }
+    for op in ["linear", "LinearBackward0", "cross_entropy", "_fused_adam_"] {
+        assert!(table.contains(op), "{op} missing from\n{table}");
+    }
+    assert_eq!(
+        v["profile"]["table"],
+        prof.join("key_averages.txt").to_str().unwrap(),
+        "{v}"
+    );
+    // The trace holds exactly the three active steps (ProfilerStep#2..#4 after one skipped
+    // and one warm-up step), and each linear op once per step (the MLP has three).
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(prof.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let named = |n: &str| events.iter().filter(|e| e["name"] == n && e["ph"] == "X").count();
+    let steps: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .filter(|n| n.starts_with("ProfilerStep#"))
+        .collect();
+    assert_eq!(
+        steps,
+        ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"],
+        "{steps:?}"
+    );
+    assert_eq!(named("linear"), 9);
+    // A run too short for the schedule is an error that says so.
+    let out = ember(&[
+        "train",
+        "--epochs",
+        "1",
+        "--limit-train",
+        "128",
+        "--batch-size",
+        "64",
+        "--profile",
+        prof.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--profile") && err.contains("only 2"), "{err}");
+}
+
+#[test]
 fn train_checkpoint_is_written_and_resumed_at_the_next_epoch() {
     let dir = scratch("train_checkpoint");
     let ckpt = dir.join("mlp.safetensors");
