@@ -32,17 +32,16 @@ pub const WORKLOADS: [&str; 19] = [
     "dp_cnn",
 ];
 
-/// Workloads run only when named: reference points, not workloads to match, and the multi-GPU
-/// workloads (`torch_ddp_reference.py`'s: the DDP ones run under a launcher, `ember-run
-/// --standalone --nproc-per-node N ember bench --only ddp_cnn`, and only rank 0 prints).
-const REFERENCE_ONLY: [&str; 6] = [
-    "mlp_large_tf32",
-    "gpt2_124m_bf16_compiled",
-    "ddp_mlp_large",
-    "ddp_cnn",
-    "dp_mlp_large",
-    "dp_cnn",
-];
+/// Reference points run only when named: not workloads to match.
+const REFERENCE_ONLY: [&str; 2] = ["mlp_large_tf32", "gpt2_124m_bf16_compiled"];
+
+/// Workloads run only when named: the reference points and the multi-GPU workloads
+/// (`torch_ddp_reference.py`'s: `ddp_*` run under a launcher, `ember-run --standalone
+/// --nproc-per-node N ember bench --only ddp_cnn`, and only rank 0 prints; `dp_*` drive every
+/// visible GPU).
+fn only_when_named(name: &str) -> bool {
+    REFERENCE_ONLY.contains(&name) || name.starts_with("ddp_") || name.starts_with("dp_")
+}
 
 /// Timing figures of one workload: median, min and max ms per step, and peak MiB on a GPU.
 struct Timing {
@@ -478,7 +477,7 @@ pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String>
         WORKLOADS
             .iter()
             .copied()
-            .filter(|n| !REFERENCE_ONLY.contains(n))
+            .filter(|n| !only_when_named(n))
             .collect()
     } else {
         only.iter().map(String::as_str).collect()
