@@ -539,7 +539,9 @@ pub struct GpuInterval {
     /// Nanoseconds since the trace started, on the host's clock.
     pub start_ns: u64,
     pub duration_ns: u64,
-    /// Device work enqueued by the op itself (kernels, library calls, copies and fills).
+    /// Device work enqueued by the op itself: with CUDA events, the calls that enqueued it
+    /// (kernel launches, library calls, copies and fills); with CUPTI, the kernels, copies and
+    /// fills that ran.
     pub launches: u32,
 }
 

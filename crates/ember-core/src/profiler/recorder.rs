@@ -335,7 +335,6 @@ pub(crate) fn attribute(
             .sum();
         let e = &mut events[i];
         let own: u64 = e.gpu_activities.iter().map(|&a| out[a].duration_ns).sum();
-        let launches = e.gpu.as_ref().map_or(0, |g| g.launches);
         e.gpu = e.gpu_activities.first().map(|&first| {
             let start = e
                 .gpu_activities
@@ -354,7 +353,7 @@ pub(crate) fn attribute(
                 stream: out[first].stream,
                 start_ns: start,
                 duration_ns: end - start,
-                launches: launches.max(e.gpu_activities.len() as u32),
+                launches: e.gpu_activities.len() as u32,
             }
         });
         e.self_cuda_time_total_ns = own;
@@ -550,14 +549,38 @@ impl Drop for OpenRange {
 }
 
 /// Called by `cuda::kernel_timing::note_work` before device work is enqueued on `stream`
-/// while CUDA is timed: counts a launch for the innermost open op and records a start event
-/// for every open CUDA op that has none (Note [Profiler timing and attribution]).
+/// while CUDA is timed (Note [Profiler timing and attribution]): with CUPTI, counts a launch
+/// for the innermost open entry and pushes its id as CUPTI's correlation id if not yet done;
+/// with CUDA events, counts a launch for the innermost open CUDA op and records a start event
+/// for every open CUDA op that has none.
 pub(crate) fn on_device_work(stream: u64) {
     let Some(session) = current().filter(|s| s.options.cuda) else {
         return;
     };
     STACK.with(|s| {
         let mut s = s.borrow_mut();
+        if session.cupti_clock.is_some() {
+            // CUPTI times the work: the innermost open entry (whatever its inputs' device: a
+            // `to` from the host copies to a GPU) launched it. Its id goes on CUPTI's
+            // correlation stack before its first launch, so every CUDA call it makes from here
+            // is correlated to it.
+            let Some(inner) = s.iter().rposition(|e| e.session == session.id) else {
+                return;
+            };
+            let e = &mut s[inner];
+            e.launches += 1;
+            let device = match e.device {
+                Some(Device::Cuda(d)) => d,
+                _ => crate::cuda::current_device(),
+            };
+            session
+                .cupti_devices
+                .fetch_or(1u64 << device.min(63), Ordering::Relaxed);
+            if !e.cupti_pushed {
+                e.cupti_pushed = cupti::push(e.id);
+            }
+            return;
+        }
         let ours = |e: &Open| e.session == session.id && matches!(e.device, Some(Device::Cuda(_)));
         let Some(inner) = s.iter().rposition(|e| ours(e)) else {
             return;
@@ -566,17 +589,6 @@ pub(crate) fn on_device_work(stream: u64) {
         let Some(Device::Cuda(device)) = s[inner].device else {
             return;
         };
-        if session.cupti_clock.is_some() {
-            // CUPTI times the work; the op's id goes on CUPTI's correlation stack before its
-            // first launch, so every CUDA call it makes from here is correlated to it.
-            session
-                .cupti_devices
-                .fetch_or(1u64 << device.min(63), Ordering::Relaxed);
-            if !s[inner].cupti_pushed {
-                s[inner].cupti_pushed = cupti::push(s[inner].id);
-            }
-            return;
-        }
         if s.iter().all(|e| !ours(e) || e.gpu_start.is_some()) {
             return;
         }
