@@ -534,4 +534,19 @@ mod tests {
         let c = candidates();
         assert!(c.iter().any(|p| p == Path::new("libcupti.so.13")));
     }
+
+    #[test]
+    fn loading_answers_with_a_version_or_a_typed_reason() {
+        match cupti_version() {
+            Ok((version, path)) => {
+                println!("CUPTI {version} from {path}");
+                assert!((130_000..140_000).contains(&version), "{version}");
+            }
+            Err(crate::Error::CudaUnavailable { reason }) => {
+                println!("no CUPTI: {reason}");
+                assert!(reason.contains("libcupti.so.13"), "{reason}");
+            }
+            Err(e) => panic!("not a typed CudaUnavailable: {e}"),
+        }
+    }
 }
