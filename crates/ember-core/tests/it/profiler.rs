@@ -585,9 +585,10 @@ fn cuda_cupti_reports_copies_and_fills_and_backward_kernels() {
         .filter(ours)
         .filter(|a| a.kind == GpuActivityKind::Memset)
         .collect();
+    // `Tensor::ones` on a GPU is a memset outside any op: it belongs to the open range.
     assert!(
-        fills.iter().any(|a| events[a.event.unwrap()].name == "fill_"),
-        "fill_ as a memset: {fills:?}"
+        fills.iter().any(|a| a.bytes >= 1024 * 4),
+        "Tensor::ones as a memset under the range: {fills:?}"
     );
     let (_, children) = children_of(events, "step");
     let node = children
