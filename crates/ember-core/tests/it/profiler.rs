@@ -496,11 +496,15 @@ fn cuda_cupti_attributes_each_kernel_to_the_launching_op() {
         let mut seen = 0;
         for op in ops.iter().filter(|e| e.name == name) {
             seen += 1;
-            assert!(!op.gpu_activities.is_empty(), "{name} has no kernels: {op:?}");
+            assert!(
+                op.gpu_activities
+                    .iter()
+                    .any(|&a| activities[a].kind == GpuActivityKind::Kernel),
+                "{name} has no kernels: {op:?}"
+            );
             let mut own = 0;
             for &a in &op.gpu_activities {
                 let k = &activities[a];
-                assert_eq!(k.kind, GpuActivityKind::Kernel, "{name}: {k:?}");
                 assert_eq!(k.external_id, Some(op.id), "{name}: {k:?}");
                 assert!(k.duration_ns > 0 && !k.name.is_empty(), "{k:?}");
                 assert!(
@@ -530,7 +534,10 @@ fn cuda_cupti_attributes_each_kernel_to_the_launching_op() {
     let matmul = ops.iter().find(|e| e.name == "matmul").unwrap();
     let kernels: Vec<_> = json
         .iter()
-        .filter(|e| e["cat"] == "kernel" && e["args"]["External id"].as_u64() == Some(matmul.id))
+        .filter(|e| {
+            ["kernel", "gpu_memset", "gpu_memcpy"].contains(&e["cat"].as_str().unwrap_or(""))
+                && e["args"]["External id"].as_u64() == Some(matmul.id)
+        })
         .collect();
     assert_eq!(kernels.len(), matmul.gpu_activities.len());
     for k in kernels {
@@ -599,7 +606,7 @@ fn cuda_cupti_reports_copies_and_fills_and_backward_kernels() {
     assert!(node
         .gpu_activities
         .iter()
-        .all(|&a| activities[a].kind == GpuActivityKind::Kernel));
+        .any(|&a| activities[a].kind == GpuActivityKind::Kernel));
     check_trace(&trace.chrome_trace_json());
 }
 
