@@ -453,8 +453,11 @@ pub(crate) fn stop(devices: &[usize]) -> Collected {
     };
     for &d in devices {
         // Records are complete once the work they describe finished. A device that cannot be
-        // waited for (a capture underway) gives what finished.
-        if super::runtime::runtime(d).is_ok() {
+        // waited for (a CUDA graph capture underway there, which a device-wide wait would
+        // invalidate) gives what finished.
+        if super::capture::refuse_device_wide(d, "the profiler's wait for CUPTI's records").is_ok()
+            && super::runtime::runtime(d).is_ok()
+        {
             super::stream::note_host_sync();
             let _ = cudarc::driver::result::ctx::synchronize();
         }
