@@ -1,10 +1,12 @@
-//! GPU time per op by CUDA events: the profiler's fallback for kernel timing while CUPTI's
-//! activity API is not loaded (Note [Profiler timing and attribution] in `profiler/mod.rs`).
+//! The hook before device work, and GPU time per op by CUDA events: the profiler's fallback
+//! for kernel timing where CUPTI's activity API (`cupti.rs`) cannot be loaded or started
+//! (Note [Profiler timing and attribution] in `profiler/mod.rs`).
 //!
 //! Every place that enqueues device work (`kernels::launch`, the cuBLASLt and cuDNN calls,
-//! the copies and fills of `storage.rs`) calls [`note_work`] with its stream first. With no
-//! profiler timing CUDA that is one relaxed atomic load; while one is, the profiler records a
-//! timing event on that stream for every open op that has none yet, so an op's interval
+//! the copies (host to device, device to host, device to device) and fills of `storage.rs`)
+//! calls [`note_work`] with its stream first. With no profiler timing CUDA that is one relaxed
+//! atomic load. While one times by CUPTI, the profiler pushes the launching op's id as CUPTI's
+//! correlation id; while one times by events, it records a timing event on that stream for every open op that has none yet, so an op's interval
 //! starts right before its first kernel instead of when it entered (the host time between
 //! the two is not counted as GPU time).
 //!

@@ -11,7 +11,9 @@
 //! replay), `graphed` (`make_graphed_callables`), `capture` (the captures underway and the operations refused during them), `nvrtc`
 //! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
 //! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
-//! `blas` (matrix products through cuBLASLt, the TF32 switch), `cudnn` (convolution through
+//! `blas` (matrix products through cuBLASLt, the TF32 switch), `cupti` and `cupti_records`
+//! (CUPTI's activity API loaded at run time, and its record layouts: the profiler's kernel
+//! timing), `kernel_timing` (the profiler's CUDA-events fallback), `cudnn` (convolution through
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
 //! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn`
 //! (the fused LSTM step), and one file per op family beside the CPU backend's; `backend`
@@ -26,6 +28,8 @@ mod capture;
 mod cubins;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;
+pub(crate) mod cupti;
+pub(crate) mod cupti_records;
 mod device;
 mod device_errors;
 mod elementwise;
@@ -54,6 +58,7 @@ mod unary;
 pub use allocator::MempoolId;
 pub use backend::CudaDevice;
 pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
+pub use cupti::cupti_version;
 pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
     get_device_properties, is_available, DeviceProperties,

@@ -152,6 +152,7 @@ impl CudaStorage {
         let out = CudaStorage::alloc_on(rt, cpu.dtype(), cpu.len())?;
         let bytes = host_bytes(cpu);
         if !bytes.is_empty() {
+            super::kernel_timing::note_work(current_raw(device));
             // SAFETY: `out` holds exactly `bytes.len()` bytes; pageable host memory is copied to
             // a staging buffer before cuMemcpyHtoDAsync returns, so `cpu` may go away after.
             unsafe { result::memcpy_htod_async(out.buf.ptr, bytes, current_raw(device) as sys::CUstream) }
@@ -175,6 +176,7 @@ impl CudaStorage {
         if bytes.is_empty() {
             return Ok(());
         }
+        super::kernel_timing::note_work(current_raw(rt.ordinal));
         // SAFETY: the destination range holds `bytes.len()` bytes (checked above); the caller
         // keeps the host buffer alive until the stream has run the copy.
         unsafe {
@@ -216,6 +218,7 @@ impl CudaStorage {
             let mut host = vec![T::default(); n];
             if n > 0 {
                 super::stream::note_host_sync();
+                super::kernel_timing::note_work(current_raw(src.buf.device));
                 let stream = current_raw(src.buf.device) as sys::CUstream;
                 // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
                 // stream is synchronized before `host` is read.

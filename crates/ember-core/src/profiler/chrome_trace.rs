@@ -7,15 +7,20 @@
 //!   `baseTimeNanoseconds`, the trace's start in ns since the Unix epoch, as Kineto's relative
 //!   timestamps do): ops (`cpu_op`)
 //!   and ranges (`user_annotation`) on the host process (`pid` = process id, `tid` = the
-//!   profiler's thread number), each op's GPU interval (`kernel`) on the device (`pid` = the
-//!   device index, `tid` = the stream's number: 7 for the default stream, as CUDA numbers it,
-//!   then 8, 9, ... in order of appearance);
-//! - flow events linking an op to its GPU interval (`ph: "s"` on the op, `ph: "f"` with
-//!   `bp: "e"` on the interval, `cat: "ac2g"`, `id` = the op's id, also its `correlation`);
+//!   profiler's thread number); on the device (`pid` = the device index), with CUPTI each
+//!   kernel, memcpy and memset (`kernel`, `gpu_memcpy`, `gpu_memset`, `tid` = CUPTI's stream
+//!   id, `args` as Kineto writes them: `External id` (the launching op's id), `correlation`,
+//!   `device`, `context`, `stream`, and the grid, block, registers and shared memory of a
+//!   kernel or the bytes and bandwidth of a copy or fill); with CUDA events each op's GPU
+//!   interval (`kernel`, named after the op, `tid` = the stream's number: 7 for the default
+//!   stream, as CUDA numbers it, then 8, 9, ... in order of appearance);
+//! - flow events linking an op to its device work (`ph: "s"` on the op at its start, `ph:
+//!   "f"` with `bp: "e"` on the device event, `cat: "ac2g"`; `id` = CUPTI's correlation id,
+//!   or with CUDA events the op's id, which is then also the `correlation`);
 //! - metadata events (`ph: "M"`) naming the processes (`process_name`, `process_labels`,
 //!   `process_sort_index`) and the threads and streams (`thread_name`, `thread_sort_index`).
 
-use super::{EventKind, Trace};
+use super::{CudaTimingSource, EventKind, GpuActivityKind, Trace};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -61,7 +66,14 @@ pub(super) fn to_json(trace: &Trace) -> String {
     let ts = |ns: u64| ns as f64 / 1e3;
     let mut streams: HashMap<(usize, u64), u64> = HashMap::new();
     let mut devices: Vec<usize> = Vec::new();
-    for e in &trace.events {
+    let cupti = trace.timing == Some(CudaTimingSource::Cupti);
+    for a in &trace.gpu_activities {
+        if !devices.contains(&a.device) {
+            devices.push(a.device);
+        }
+        streams.insert((a.device, a.stream), a.stream);
+    }
+    for e in trace.events.iter().filter(|_| !cupti) {
         if let Some(g) = &e.gpu {
             if !devices.contains(&g.device) {
                 devices.push(g.device);
@@ -102,7 +114,7 @@ pub(super) fn to_json(trace: &Trace) -> String {
         s.push_str("}}");
         events.push(s);
 
-        if let Some(g) = &e.gpu {
+        if let Some(g) = e.gpu.as_ref().filter(|_| !cupti) {
             let tid = streams[&(g.device, g.stream)];
             let gpu_ts = micros(ts(g.start_ns));
             let mut k = String::from("{\"ph\": \"X\", \"cat\": \"kernel\", \"name\": ");
@@ -129,6 +141,10 @@ pub(super) fn to_json(trace: &Trace) -> String {
                 e.id, g.device
             ));
         }
+    }
+
+    for a in &trace.gpu_activities {
+        events.extend(activity_json(trace, a, pid));
     }
 
     // Metadata: the host process and its threads, each device and its streams.
@@ -234,6 +250,67 @@ pub(super) fn to_json(trace: &Trace) -> String {
     out
 }
 
+/// A CUPTI activity as Kineto writes it, and the flow from its op when it has one.
+fn activity_json(trace: &Trace, a: &super::GpuActivity, pid: u64) -> Vec<String> {
+    let ts = micros(a.start_ns as f64 / 1e3);
+    let mut k = String::from("{\"ph\": \"X\", \"cat\": ");
+    string(&mut k, a.kind.category());
+    k.push_str(", \"name\": ");
+    string(&mut k, &a.name);
+    let _ = write!(
+        k,
+        ", \"pid\": {}, \"tid\": {}, \"ts\": {ts}, \"dur\": {}, \"args\": {{\"External id\": {}, \"device\": {}, \"context\": {}, \"stream\": {}, \"correlation\": {}",
+        a.device,
+        a.stream,
+        micros(a.duration_ns as f64 / 1e3),
+        a.external_id.unwrap_or(0),
+        a.device,
+        a.context,
+        a.stream,
+        a.correlation
+    );
+    match a.kind {
+        GpuActivityKind::Kernel => {
+            let _ = write!(
+                k,
+                ", \"registers per thread\": {}, \"shared memory\": {}, \"grid\": [{}, {}, {}], \"block\": [{}, {}, {}]",
+                a.registers_per_thread,
+                a.shared_memory,
+                a.grid[0],
+                a.grid[1],
+                a.grid[2],
+                a.block[0],
+                a.block[1],
+                a.block[2]
+            );
+        }
+        GpuActivityKind::Memcpy | GpuActivityKind::Memset => {
+            // Bytes per ns are GB/s.
+            let bandwidth = a.bytes as f64 / a.duration_ns.max(1) as f64;
+            let _ = write!(
+                k,
+                ", \"bytes\": {}, \"memory bandwidth (GB/s)\": {bandwidth:.6}",
+                a.bytes
+            );
+        }
+    }
+    k.push_str("}}");
+    let mut out = vec![k];
+    if let Some(op) = a.event.and_then(|i| trace.events.get(i)) {
+        out.push(format!(
+            "{{\"ph\": \"s\", \"id\": {}, \"pid\": {pid}, \"tid\": {}, \"ts\": {}, \"cat\": \"ac2g\", \"name\": \"ac2g\"}}",
+            a.correlation,
+            op.thread,
+            micros(op.start_ns as f64 / 1e3)
+        ));
+        out.push(format!(
+            "{{\"ph\": \"f\", \"id\": {}, \"pid\": {}, \"tid\": {}, \"ts\": {ts}, \"cat\": \"ac2g\", \"name\": \"ac2g\", \"bp\": \"e\"}}",
+            a.correlation, a.device, a.stream
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{FunctionEvent, GpuInterval};
@@ -255,6 +332,7 @@ mod tests {
             cuda_memory_usage: 0,
             self_cpu_memory_usage: 0,
             self_cuda_memory_usage: 0,
+            gpu_activities: Vec::new(),
             cuda_time_total_ns: gpu.as_ref().map_or(0, |g| g.duration_ns),
             self_cuda_time_total_ns: gpu.as_ref().map_or(0, |g| g.duration_ns),
             gpu,
@@ -281,6 +359,9 @@ mod tests {
             step_num: 0,
             profile_memory: false,
             cuda: true,
+            timing: Some(CudaTimingSource::CudaEvents),
+            cupti_unavailable: None,
+            gpu_activities: Vec::new(),
         };
         let v: serde_json::Value = serde_json::from_str(&to_json(&trace)).unwrap();
         let events = v["traceEvents"].as_array().unwrap();
@@ -310,5 +391,154 @@ mod tests {
             .collect();
         assert_eq!(stream_names, ["stream 7", "stream 8"]);
         assert_eq!(v["baseTimeNanoseconds"].as_u64(), Some(1_700_000_000_000_000_000));
+    }
+
+    /// A trace timed by CUPTI, from fake activity buffers laid out as CUPTI 13 writes them:
+    /// `matmul` (id 5) launched two kernels, its child `fill` (id 6) a memset, `copy` (id 7)
+    /// a memcpy; one kernel ran outside any op.
+    fn cupti_trace() -> Trace {
+        use crate::cuda::cupti::Collected;
+        use crate::cuda::cupti_records::{decode, tests as rec};
+        let gemm = c"sm90_xmma_gemm_f32f32_tn";
+        let stray = c"stray_kernel";
+        let mut matmul = event(5, "matmul", 1_000, 20_000, None);
+        let mut fill = event(6, "fill_", 2_000, 3_000, None);
+        matmul.children = vec![1];
+        fill.parent = Some(0);
+        let copy = event(7, "copy_", 21_000, 30_000, None);
+        let mut events = vec![matmul, fill, copy];
+        let buffer: Vec<Vec<u8>> = vec![
+            rec::bytes_of(&rec::external(100, 5)),
+            rec::bytes_of(&rec::external(101, 6)),
+            rec::bytes_of(&rec::external(102, 5)),
+            rec::bytes_of(&rec::external(103, 7)),
+            // CUPTI's clock: 1_000_000 is the trace's 0.
+            rec::bytes_of(&rec::memset(101, 1_004_000, 1_004_500)),
+            rec::bytes_of(&rec::kernel(100, 1_005_000, 1_008_000, 7, gemm.as_ptr())),
+            rec::bytes_of(&rec::kernel(102, 1_008_000, 1_009_000, 7, gemm.as_ptr())),
+            rec::bytes_of(&rec::memcpy(103, 1_025_000, 1_029_096, 4096)),
+            rec::bytes_of(&rec::kernel(999, 1_030_000, 1_031_000, 13, stray.as_ptr())),
+        ];
+        let mut collected = Collected::default();
+        for b in &buffer {
+            // SAFETY: the kernel records name C string literals.
+            unsafe { collected.absorb(decode(b).unwrap()) };
+        }
+        let activities = super::super::recorder::attribute(&mut events, collected, |ns| ns - 1_000_000);
+        Trace {
+            events,
+            threads: vec![(1, "thread 1 (main)".to_string())],
+            start_unix_us: 1.7e15,
+            step_num: 0,
+            profile_memory: false,
+            cuda: true,
+            timing: Some(CudaTimingSource::Cupti),
+            cupti_unavailable: None,
+            gpu_activities: activities,
+        }
+    }
+
+    #[test]
+    fn cupti_records_are_attributed_to_their_ops() {
+        let trace = cupti_trace();
+        let (e, a) = (&trace.events, &trace.gpu_activities);
+        assert_eq!(a.len(), 5);
+        let names: Vec<_> = a.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "Memset (Device)",
+                "sm90_xmma_gemm_f32f32_tn",
+                "sm90_xmma_gemm_f32f32_tn",
+                "Memcpy HtoD (Pinned -> Device)",
+                "stray_kernel"
+            ]
+        );
+        assert_eq!(e[0].gpu_activities, [1, 2]);
+        assert_eq!(e[1].gpu_activities, [0]);
+        assert_eq!(e[2].gpu_activities, [3]);
+        assert_eq!((a[4].external_id, a[4].event), (None, None));
+        assert_eq!(
+            (a[1].external_id, a[1].event, a[1].start_ns),
+            (Some(5), Some(0), 5_000)
+        );
+        // matmul: own kernels 3 µs + 1 µs, its child's memset 0.5 µs.
+        assert_eq!(
+            (e[0].self_cuda_time_total_ns, e[0].cuda_time_total_ns),
+            (4_000, 4_500)
+        );
+        assert_eq!(
+            (e[1].self_cuda_time_total_ns, e[1].cuda_time_total_ns),
+            (500, 500)
+        );
+        assert_eq!(e[2].cuda_time_total_ns, 4_096);
+        let g = e[0].gpu.as_ref().unwrap();
+        assert_eq!(
+            (g.start_ns, g.duration_ns, g.stream, g.launches),
+            (5_000, 4_000, 7, 2)
+        );
+        let averages = trace.key_averages();
+        assert_eq!(averages.get("matmul").unwrap().self_cuda_time_total_us, 4.0);
+        let table = averages.table("self_cuda_time_total", 10).unwrap();
+        assert!(table.ends_with("CUDA time measured by: cupti\n"), "{table}");
+        assert_eq!(trace.gpu_timing(), Some("cupti"));
+    }
+
+    #[test]
+    fn cupti_activities_become_kineto_events_with_paired_flows() {
+        let trace = cupti_trace();
+        let v: serde_json::Value = serde_json::from_str(&to_json(&trace)).unwrap();
+        let events = v["traceEvents"].as_array().unwrap();
+        let device: Vec<_> = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == 0)
+            .collect();
+        let cats: Vec<_> = device.iter().map(|e| e["cat"].as_str().unwrap()).collect();
+        assert_eq!(cats, ["gpu_memset", "kernel", "kernel", "gpu_memcpy", "kernel"]);
+        for e in &device {
+            for key in ["External id", "correlation", "stream", "device", "context"] {
+                assert!(e["args"][key].is_u64(), "{key} in {e}");
+            }
+            assert!(e["dur"].as_f64().unwrap() > 0.0 && e["ts"].is_number(), "{e}");
+        }
+        let k = device[1];
+        assert_eq!((k["ts"].as_f64(), k["dur"].as_f64()), (Some(5.0), Some(3.0)));
+        assert_eq!(
+            (k["tid"].as_u64(), k["args"]["External id"].as_u64()),
+            (Some(7), Some(5))
+        );
+        assert_eq!(k["args"]["correlation"].as_u64(), Some(100));
+        assert_eq!(k["args"]["grid"], serde_json::json!([4, 2, 1]));
+        assert_eq!(device[3]["args"]["bytes"].as_u64(), Some(4096));
+        assert_eq!(device[3]["args"]["memory bandwidth (GB/s)"].as_f64(), Some(1.0));
+        // No per-op interval events with CUPTI.
+        assert!(!device.iter().any(|e| e["name"] == "matmul"));
+        // Every flow pairs up: one start on the op's thread, one finish on the device event.
+        let mut flows: HashMap<u64, Vec<&serde_json::Value>> = HashMap::new();
+        for e in events.iter().filter(|e| e["cat"] == "ac2g") {
+            flows.entry(e["id"].as_u64().unwrap()).or_default().push(e);
+        }
+        let mut ids: Vec<_> = flows.keys().copied().collect();
+        ids.sort_unstable();
+        assert_eq!(ids, [100, 101, 102, 103], "the stray kernel has no flow");
+        for (id, pair) in &flows {
+            assert_eq!(pair.len(), 2, "flow {id}");
+            let (s, f) = (pair[0], pair[1]);
+            assert_eq!((s["ph"].as_str(), f["ph"].as_str()), (Some("s"), Some("f")));
+            assert_eq!(s["pid"].as_u64(), Some(std::process::id() as u64));
+            assert_eq!((f["pid"].as_u64(), f["bp"].as_str()), (Some(0), Some("e")));
+            let target = device
+                .iter()
+                .find(|e| e["args"]["correlation"].as_u64() == Some(*id))
+                .unwrap();
+            assert_eq!(f["ts"], target["ts"]);
+            assert_eq!(f["tid"], target["tid"]);
+        }
+        let stream_names: Vec<_> = events
+            .iter()
+            .filter(|e| e["ph"] == "M" && e["name"] == "thread_name" && e["pid"] == 0)
+            .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(stream_names, ["stream 7", "stream 13"]);
     }
 }

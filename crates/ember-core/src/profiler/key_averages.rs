@@ -63,6 +63,8 @@ pub struct KeyAverages {
     rows: Vec<EventAvg>,
     profile_memory: bool,
     cuda: bool,
+    /// How CUDA time was measured (`"cupti"`, `"cuda events"`), for the table's footer.
+    source: Option<&'static str>,
 }
 
 impl KeyAverages {
@@ -71,7 +73,19 @@ impl KeyAverages {
             rows: Vec::new(),
             profile_memory: false,
             cuda: false,
+            source: None,
         }
+    }
+
+    /// The same groups, saying how CUDA time was measured.
+    pub(crate) fn with_source(mut self, source: Option<&'static str>) -> KeyAverages {
+        self.source = source;
+        self
+    }
+
+    /// How CUDA time was measured: `"cupti"` or `"cuda events"`; None when it was not.
+    pub fn cuda_timing_source(&self) -> Option<&'static str> {
+        self.source
     }
 
     pub(crate) fn new(
@@ -120,6 +134,7 @@ impl KeyAverages {
             rows,
             profile_memory,
             cuda,
+            source: None,
         }
     }
 
@@ -315,6 +330,10 @@ fn build_table(all: &KeyAverages, rows: &[&EventAvg], row_limit: usize) -> Strin
     push(&format!("Self CPU time total: {}", format_time(sum_self_cpu)));
     if has_cuda_time {
         push(&format!("Self CUDA time total: {}", format_time(sum_self_cuda)));
+        if let Some(source) = all.source {
+            // Not in PyTorch's table: which of ember's two ways measured the CUDA columns.
+            push(&format!("CUDA time measured by: {source}"));
+        }
     }
     out
 }

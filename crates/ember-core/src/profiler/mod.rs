@@ -25,8 +25,8 @@
 //!
 //! Files: `recorder` (sessions, the per-thread stack of open ops and ranges, the dispatch
 //! observer, the hook before device work), `key_averages` (events grouped by name and the
-//! table), `chrome_trace` (the export); the GPU side of the timing is
-//! `cuda::kernel_timing`.
+//! table), `chrome_trace` (the export); the GPU side of the timing is `cuda::cupti` (with
+//! the record layouts in `cuda::cupti_records`) and, as the fallback, `cuda::kernel_timing`.
 //!
 //! Note [Profiler timing and attribution]:
 //! - *CPU time.* The profiler is an observer of the dispatch point (step 4 of
@@ -39,10 +39,27 @@
 //! - *Backward.* The autograd engine opens a range named as PyTorch names the node
 //!   (`mul` → `MulBackward0`) around each node's backward rule, so the ops of the rule pass
 //!   the dispatch point as its children.
-//! - *GPU time: CUDA events (the fallback; CUPTI's activity API is not loaded yet).* While
-//!   CUDA is profiled, every place that enqueues device work (kernel launches, cuBLASLt and
-//!   cuDNN calls, device copies and fills) first calls `kernel_timing::note_work(stream)`.
-//!   That records one timing event on the stream, shared as the start of every open CUDA op of
+//! - *GPU time: CUPTI (the default).* While CUDA is profiled, every place that enqueues
+//!   device work (kernel launches, cuBLASLt and cuDNN calls, device copies and fills) first
+//!   calls `kernel_timing::note_work(stream)`, which tells the recorder. With CUPTI's activity
+//!   API loaded (`cuda::cupti`: kinds CONCURRENT_KERNEL, MEMCPY, MEMSET, DRIVER, RUNTIME and
+//!   EXTERNAL_CORRELATION enabled for the session), the recorder pushes the innermost open
+//!   CUDA op's id as the thread's external correlation id (`CUSTOM0`) before its first device
+//!   work and pops it when the op closes; CUPTI then writes, for every CUDA API call made
+//!   meanwhile, a record linking the call's correlation id to the op's id, and for every
+//!   kernel, memcpy and memset a record with its device start and end and the correlation id
+//!   of the call that launched it. At the end of the session the recorder waits for the
+//!   devices that got work, flushes CUPTI's buffers and attributes each activity to its op
+//!   (correlation id → external id → event): an op's self CUDA time is the sum of its own
+//!   activities' durations, its total that plus its children's totals, and a range (no
+//!   device work of its own) gets its children's totals. Activity timestamps are put on the
+//!   trace's clock by a (CUPTI timestamp, host instant) pair taken at the session's start.
+//!   The trace shows each activity as its own event on its device stream, with a flow from
+//!   the launching op. Work no open op launched (other threads outside ops) is in the trace
+//!   without an op.
+//! - *GPU time: CUDA events (the fallback where CUPTI cannot be loaded or started, or when
+//!   asked for with [`ProfileBuilder::cuda_timing`]).* `note_work` then records one timing
+//!   event on the stream, shared as the start of every open CUDA op of
 //!   the thread that has none yet, and counts a launch for the innermost open op; when such
 //!   an op leaves, an end event is recorded on the same stream. An op's CUDA total is the
 //!   time between its two events, its self CUDA time that minus its children's totals; ranges
@@ -53,17 +70,19 @@
 //!   interval covers everything the stream ran between the events (work other threads
 //!   enqueued on the same stream included), and idle GPU time between an op's kernels while
 //!   the host launches the next one counts as the op's time; the trace shows one device
-//!   interval per op, named after the op, not one per kernel. [`Trace::gpu_timing`] says
-//!   which method ran.
+//!   interval per op, named after the op, not one per kernel. [`Trace::cuda_timing_source`]
+//!   says which method ran (and [`Trace::cupti_unavailable`] why CUPTI did not).
 //! - *Memory* (`profile_memory`): Note [Profiled memory] in `memory.rs`.
 //! - *Cost without a profiler:* the dispatch point's observer check (one relaxed atomic
 //!   load), `record_function` and the backward range (one each), the hook before device work
-//!   (one), and storage creation and drop (one).
+//!   (one), and storage creation and drop (one). Nothing of CUPTI is loaded or called
+//!   until a profiler that records CUDA starts.
 
 mod chrome_trace;
 mod key_averages;
 pub(crate) mod recorder;
 
+pub use crate::cuda::cupti_records::GpuActivityKind;
 pub use key_averages::{EventAvg, KeyAverages};
 
 use crate::{Device, Error, Result};
@@ -83,6 +102,33 @@ pub enum ProfilerActivity {
     Cpu,
     /// GPU time of the ops that enqueue CUDA work.
     Cuda,
+}
+
+/// How a profiler measures GPU time (Note [Profiler timing and attribution]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CudaTimingSource {
+    /// CUPTI's activity API: every kernel, memcpy and memset with its device start and end,
+    /// attributed to the op that launched it. Falls back to [`CudaTimingSource::CudaEvents`]
+    /// when libcupti cannot be loaded or started.
+    Cupti,
+    /// CUDA events recorded around each op's device work: one interval per op.
+    CudaEvents,
+}
+
+impl CudaTimingSource {
+    /// `"cupti"` or `"cuda events"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CudaTimingSource::Cupti => "cupti",
+            CudaTimingSource::CudaEvents => "cuda events",
+        }
+    }
+}
+
+impl std::fmt::Display for CudaTimingSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What the profiler does during a step (`torch.profiler.ProfilerAction`).
@@ -162,6 +208,7 @@ pub struct ProfileBuilder {
     record_shapes: bool,
     profile_memory: bool,
     emit_nvtx: bool,
+    cuda_timing: CudaTimingSource,
     schedule: Option<Schedule>,
     on_trace_ready: Option<TraceHandler>,
 }
@@ -178,6 +225,7 @@ pub fn profile() -> ProfileBuilder {
         record_shapes: false,
         profile_memory: false,
         emit_nvtx: false,
+        cuda_timing: CudaTimingSource::Cupti,
         schedule: None,
         on_trace_ready: None,
     }
@@ -211,6 +259,13 @@ impl ProfileBuilder {
         self
     }
 
+    /// How to time CUDA: [`CudaTimingSource::Cupti`] (the default, falling back to CUDA events
+    /// where libcupti cannot be loaded or started) or [`CudaTimingSource::CudaEvents`].
+    pub fn cuda_timing(mut self, source: CudaTimingSource) -> Self {
+        self.cuda_timing = source;
+        self
+    }
+
     /// Records only the steps `schedule` says (`schedule=torch.profiler.schedule(...)`);
     /// [`Profiler::step`] marks the end of each step.
     pub fn schedule(mut self, schedule: Schedule) -> Self {
@@ -238,6 +293,7 @@ impl ProfileBuilder {
             record_shapes: self.record_shapes,
             profile_memory: self.profile_memory,
             cuda: self.activities.contains(&ProfilerActivity::Cuda) && crate::cuda::is_available(),
+            cuda_timing: self.cuda_timing,
             emit_nvtx: self.emit_nvtx,
         };
         let mut p = Profiler {
@@ -303,10 +359,27 @@ impl Profiler {
             return;
         };
         let (start_unix_us, options) = (session.start_unix_us, session.options);
-        let (mut events, threads) = session.finish();
+        let (timing, cupti_unavailable) = (session.timing, session.cupti_unavailable.clone());
+        let (mut events, mut gpu_activities, threads) = session.finish();
         if !self.cpu {
-            // CUDA activity only: keep the events that ran GPU work.
+            // CUDA activity only: keep the events that ran GPU work (indices renumbered).
+            let mut new_index = vec![None; events.len()];
+            let mut n = 0;
+            for (i, e) in events.iter().enumerate() {
+                if e.cuda_time_total_ns > 0 {
+                    new_index[i] = Some(n);
+                    n += 1;
+                }
+            }
             events.retain(|e| e.cuda_time_total_ns > 0);
+            let map = |i: usize| new_index.get(i).copied().flatten();
+            for e in &mut events {
+                e.parent = e.parent.and_then(map);
+                e.children = e.children.iter().filter_map(|&c| map(c)).collect();
+            }
+            for a in &mut gpu_activities {
+                a.event = a.event.and_then(map);
+            }
         }
         if !save {
             return;
@@ -318,6 +391,9 @@ impl Profiler {
             step_num: self.step_num,
             profile_memory: options.profile_memory,
             cuda: options.cuda,
+            timing,
+            cupti_unavailable,
+            gpu_activities,
         };
         if let Some(handler) = self.on_trace_ready.as_mut() {
             handler(&trace);
@@ -413,6 +489,12 @@ impl Profiler {
             .map_or_else(KeyAverages::empty, Trace::key_averages_by_input_shape)
     }
 
+    /// How the last saved cycle timed CUDA (None when it did not, or before a cycle was
+    /// saved): `"cupti"` or `"cuda events"` by [`CudaTimingSource::as_str`].
+    pub fn cuda_timing_source(&self) -> Option<CudaTimingSource> {
+        self.last.as_ref().and_then(Trace::cuda_timing_source)
+    }
+
     /// Writes the last saved cycle as a chrome trace (`prof.export_chrome_trace(path)`).
     pub fn export_chrome_trace(&self, path: impl AsRef<Path>) -> Result<()> {
         match &self.last {
@@ -444,18 +526,54 @@ pub enum EventKind {
     ProfilerStep,
 }
 
-/// Where and for how long an op's GPU work ran (Note [Profiler timing and attribution]).
+/// Where and for how long an op's GPU work ran (Note [Profiler timing and attribution]):
+/// with CUDA events, the interval between its two events; with CUPTI, from its first own
+/// activity's start to its last one's end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuInterval {
     /// The CUDA device index.
     pub device: usize,
-    /// The raw stream handle the op's work went to (0: the legacy default stream).
+    /// With CUDA events, the raw stream handle the op's work went to (0: the legacy default
+    /// stream); with CUPTI, CUPTI's stream id of its first activity.
     pub stream: u64,
     /// Nanoseconds since the trace started, on the host's clock.
     pub start_ns: u64,
     pub duration_ns: u64,
-    /// Device work enqueued by the op itself (kernels, library calls, copies and fills).
+    /// Device work enqueued by the op itself: with CUDA events, the calls that enqueued it
+    /// (kernel launches, library calls, copies and fills); with CUPTI, the kernels, copies and
+    /// fills that ran.
     pub launches: u32,
+}
+
+/// One kernel, memcpy or memset CUPTI reported (a `kernel`, `gpu_memcpy` or `gpu_memset`
+/// event of Kineto's traces).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuActivity {
+    pub kind: GpuActivityKind,
+    /// The kernel's symbol as CUPTI gives it (not demangled), or Kineto's name of a copy or
+    /// fill (`Memcpy HtoD (Pinned -> Device)`, `Memset (Device)`).
+    pub name: String,
+    pub device: usize,
+    /// CUPTI's context and stream ids (the trace's `tid` is the stream id).
+    pub context: u32,
+    pub stream: u64,
+    /// Nanoseconds since the trace started, on the host's clock.
+    pub start_ns: u64,
+    pub duration_ns: u64,
+    /// The correlation id of the CUDA call that launched it.
+    pub correlation: u32,
+    /// The id of the op that launched it ([`FunctionEvent::id`]), when one was open.
+    pub external_id: Option<u64>,
+    /// That op's index in the trace's events (None when it is not among them).
+    pub event: Option<usize>,
+    /// A kernel's grid and block dimensions, registers per thread and shared memory (static
+    /// plus dynamic, bytes); zero for copies and fills.
+    pub grid: [i32; 3],
+    pub block: [i32; 3],
+    pub registers_per_thread: u16,
+    pub shared_memory: i32,
+    /// Bytes a copy or fill moved; zero for kernels.
+    pub bytes: u64,
 }
 
 /// One recorded op or range (`torch.autograd.profiler_util.FunctionEvent`).
@@ -485,6 +603,9 @@ pub struct FunctionEvent {
     pub self_cuda_memory_usage: i64,
     /// The op's own GPU interval, when it enqueued device work while CUDA was profiled.
     pub gpu: Option<GpuInterval>,
+    /// With CUPTI: indices in [`Trace::gpu_activities`] of the kernels, copies and fills the
+    /// op launched itself (its children's are theirs).
+    pub gpu_activities: Vec<usize>,
     /// GPU time of the event and its children, and of the event alone.
     pub cuda_time_total_ns: u64,
     pub self_cuda_time_total_ns: u64,
@@ -512,6 +633,9 @@ pub struct Trace {
     step_num: usize,
     profile_memory: bool,
     cuda: bool,
+    timing: Option<CudaTimingSource>,
+    cupti_unavailable: Option<String>,
+    gpu_activities: Vec<GpuActivity>,
 }
 
 impl Trace {
@@ -525,20 +649,36 @@ impl Trace {
         self.step_num
     }
 
-    /// How GPU time was measured: `"cuda events"` (the fallback of Note [Profiler timing and
-    /// attribution]) when CUDA was profiled, None when it was not (CUPTI is not loaded yet).
+    /// How GPU time was measured, as a string: `"cupti"` or `"cuda events"` (the fallback of
+    /// Note [Profiler timing and attribution]); None when CUDA was not profiled.
     pub fn gpu_timing(&self) -> Option<&'static str> {
-        self.cuda.then_some("cuda events")
+        self.timing.map(CudaTimingSource::as_str)
+    }
+
+    /// How GPU time was measured; None when CUDA was not profiled.
+    pub fn cuda_timing_source(&self) -> Option<CudaTimingSource> {
+        self.timing
+    }
+
+    /// Why CUPTI was not used although preferred (library missing or refused), when CUDA
+    /// events timed the cycle instead.
+    pub fn cupti_unavailable(&self) -> Option<&str> {
+        self.cupti_unavailable.as_deref()
+    }
+
+    /// With CUPTI, every kernel, memcpy and memset of the cycle, ordered by start.
+    pub fn gpu_activities(&self) -> &[GpuActivity] {
+        &self.gpu_activities
     }
 
     /// The events grouped by name (`key_averages()`).
     pub fn key_averages(&self) -> KeyAverages {
-        KeyAverages::new(&self.events, false, self.profile_memory, self.cuda)
+        KeyAverages::new(&self.events, false, self.profile_memory, self.cuda).with_source(self.gpu_timing())
     }
 
     /// The events grouped by name and input shapes (`key_averages(group_by_input_shape=True)`).
     pub fn key_averages_by_input_shape(&self) -> KeyAverages {
-        KeyAverages::new(&self.events, true, self.profile_memory, self.cuda)
+        KeyAverages::new(&self.events, true, self.profile_memory, self.cuda).with_source(self.gpu_timing())
     }
 
     /// The trace in Kineto's chrome-trace JSON.

@@ -7,7 +7,8 @@
 //! into the current one (an op that entered before a session began, or leaves after it ended,
 //! is dropped, as PyTorch drops ops that straddle a profiler's start or stop).
 
-use super::{EventKind, FunctionEvent, GpuInterval};
+use super::{CudaTimingSource, EventKind, FunctionEvent, GpuActivity, GpuInterval};
+use crate::cuda::cupti::{self, ClockRef, Collected};
 use crate::cuda::kernel_timing::{self, TimingEvent};
 use crate::dispatch::observer::{self, Observer, ObserverHandle, OpEnter, OpExit};
 use crate::{memory, Device};
@@ -24,6 +25,8 @@ pub(crate) struct Options {
     pub record_shapes: bool,
     pub profile_memory: bool,
     pub cuda: bool,
+    /// The preferred way to time CUDA (CUPTI falls back to events when it cannot start).
+    pub cuda_timing: CudaTimingSource,
     pub emit_nvtx: bool,
 }
 
@@ -55,6 +58,14 @@ pub(crate) struct Session {
     gpu_refs: Mutex<HashMap<usize, (TimingEvent, Instant)>>,
     /// Threads seen: (profiler thread number, name).
     threads: Mutex<Vec<(u64, String)>>,
+    /// How CUDA is timed in this session (None when it is not), and why CUPTI is not used
+    /// when it was preferred.
+    pub(crate) timing: Option<CudaTimingSource>,
+    pub(crate) cupti_unavailable: Option<String>,
+    /// With CUPTI: the clock reference of its timestamps, and the devices that got work (a
+    /// bit per device index, capped at 63), waited for at the end.
+    cupti_clock: Option<ClockRef>,
+    cupti_devices: AtomicU64,
     _observer: Option<ObserverHandle>,
 }
 
@@ -80,6 +91,18 @@ struct Open {
     memory: [i64; 2],
     gpu_start: Option<Arc<TimingEvent>>,
     launches: u32,
+    /// True once the entry's id is pushed as CUPTI's external correlation id on this thread
+    /// (popped when the entry leaves the stack).
+    cupti_pushed: bool,
+}
+
+impl Open {
+    /// Takes the entry off CUPTI's correlation stack if it was pushed.
+    fn release(&mut self) {
+        if std::mem::take(&mut self.cupti_pushed) {
+            cupti::pop();
+        }
+    }
 }
 
 thread_local! {
@@ -114,6 +137,10 @@ impl Session {
             finished: Mutex::new(Vec::new()),
             gpu_refs: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
+            timing: None,
+            cupti_unavailable: None,
+            cupti_clock: None,
+            cupti_devices: AtomicU64::new(0),
             _observer: None,
         };
         let recorder = Arc::new(Recorder {
@@ -125,6 +152,16 @@ impl Session {
             memory::start_memory_profiling();
         }
         if options.cuda {
+            session.timing = Some(CudaTimingSource::CudaEvents);
+            if options.cuda_timing == CudaTimingSource::Cupti {
+                match cupti::start() {
+                    Ok(clock) => {
+                        session.timing = Some(CudaTimingSource::Cupti);
+                        session.cupti_clock = Some(clock);
+                    }
+                    Err(reason) => session.cupti_unavailable = Some(reason),
+                }
+            }
             kernel_timing::start();
         }
         let session = Arc::new(session);
@@ -135,7 +172,8 @@ impl Session {
 
     /// Stops recording and turns what was recorded into events (waiting for the GPU when CUDA
     /// was timed). Ops still open are left out.
-    pub(crate) fn finish(self: Arc<Session>) -> (Vec<FunctionEvent>, Vec<(u64, String)>) {
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn finish(self: Arc<Session>) -> (Vec<FunctionEvent>, Vec<GpuActivity>, Vec<(u64, String)>) {
         {
             let mut cur = CURRENT.write().unwrap_or_else(|e| e.into_inner());
             if cur.as_ref().is_some_and(|s| s.id == self.id) {
@@ -149,10 +187,20 @@ impl Session {
         if self.options.cuda {
             kernel_timing::stop();
         }
+        let collected = self.cupti_clock.map(|_| {
+            let mask = self.cupti_devices.load(Ordering::Relaxed);
+            let devices: Vec<usize> = (0..64).filter(|d| mask & (1u64 << d) != 0).collect();
+            cupti::stop(&devices)
+        });
         let finished = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
         let refs = std::mem::take(&mut *self.gpu_refs.lock().unwrap_or_else(|e| e.into_inner()));
         let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        (build_events(&self, finished, &refs), threads)
+        let mut events = build_events(&self, finished, &refs);
+        let activities = match (collected, self.cupti_clock) {
+            (Some(c), Some(clock)) => attribute(&mut events, c, |ns| clock.host_ns(ns, self.start)),
+            _ => Vec::new(),
+        };
+        (events, activities, threads)
     }
 
     fn ns(&self, t: Instant) -> u64 {
@@ -205,6 +253,7 @@ fn build_events(
                 self_cpu_memory_usage: f.memory[0],
                 self_cuda_memory_usage: f.memory[1],
                 gpu,
+                gpu_activities: Vec::new(),
                 cuda_time_total_ns: 0,
                 self_cuda_time_total_ns: 0,
             }
@@ -236,6 +285,81 @@ fn build_events(
         }
     }
     events
+}
+
+/// Attributes CUPTI's activities to the events whose ids were pushed around the CUDA calls
+/// that launched them (an activity's correlation id → the external id → the event), and sets
+/// each event's CUDA times from them: its own activities' durations are its self CUDA time,
+/// plus its children's totals its total (as PyTorch sums kernels). `to_host_ns` puts a CUPTI
+/// timestamp on the trace's clock. Returns the activities ordered by start.
+pub(crate) fn attribute(
+    events: &mut [FunctionEvent],
+    collected: Collected,
+    to_host_ns: impl Fn(u64) -> u64,
+) -> Vec<GpuActivity> {
+    let index: HashMap<u64, usize> = events.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
+    let mut raw = collected.activities;
+    raw.sort_by_key(|a| (a.raw.start, a.raw.end));
+    let mut out = Vec::with_capacity(raw.len());
+    for a in raw {
+        let r = a.raw;
+        let external_id = collected.external.get(&r.correlation).copied();
+        let event = external_id.and_then(|id| index.get(&id).copied());
+        if let Some(i) = event {
+            events[i].gpu_activities.push(out.len());
+        }
+        out.push(GpuActivity {
+            kind: r.kind,
+            name: a.name.to_string(),
+            device: r.device as usize,
+            context: r.context,
+            stream: r.stream as u64,
+            start_ns: to_host_ns(r.start),
+            duration_ns: r.end.saturating_sub(r.start),
+            correlation: r.correlation,
+            external_id,
+            event,
+            grid: r.grid,
+            block: r.block,
+            registers_per_thread: r.registers_per_thread,
+            shared_memory: r.shared_memory,
+            bytes: r.bytes,
+        });
+    }
+    // Children start after their parents, so a reverse pass sees every child first.
+    for i in (0..events.len()).rev() {
+        let children: u64 = events[i]
+            .children
+            .iter()
+            .map(|&c| events[c].cuda_time_total_ns)
+            .sum();
+        let e = &mut events[i];
+        let own: u64 = e.gpu_activities.iter().map(|&a| out[a].duration_ns).sum();
+        e.gpu = e.gpu_activities.first().map(|&first| {
+            let start = e
+                .gpu_activities
+                .iter()
+                .map(|&a| out[a].start_ns)
+                .min()
+                .unwrap_or(0);
+            let end = e
+                .gpu_activities
+                .iter()
+                .map(|&a| out[a].start_ns + out[a].duration_ns)
+                .max()
+                .unwrap_or(start);
+            GpuInterval {
+                device: out[first].device,
+                stream: out[first].stream,
+                start_ns: start,
+                duration_ns: end - start,
+                launches: e.gpu_activities.len() as u32,
+            }
+        });
+        e.self_cuda_time_total_ns = own;
+        e.cuda_time_total_ns = own + children;
+    }
+    out
 }
 
 /// This thread's number in the session's traces, announcing it (with its name) on first use.
@@ -292,6 +416,7 @@ fn open(
         memory: memory_now(session),
         gpu_start: None,
         launches: 0,
+        cupti_pushed: false,
     };
     STACK.with(|s| s.borrow_mut().push(entry));
     id
@@ -320,10 +445,11 @@ fn close(session: &Session, key: u64, is_op: bool) {
             e.key = ids.get(i + 1).copied().or(parent).unwrap_or(0);
         }
     });
-    for e in closed {
+    for mut e in closed {
         if session.options.emit_nvtx {
             crate::cuda::nvtx::range_pop();
         }
+        e.release();
         if e.session != session.id {
             continue;
         }
@@ -380,8 +506,13 @@ impl Observer for Recorder {
         let Some(session) = current().filter(|s| s.id == self.session) else {
             // The session ended while the op ran: drop its entry.
             STACK.with(|s| {
-                s.borrow_mut()
-                    .retain(|e| !(e.kind == EventKind::Op && e.key == event.id))
+                let mut s = s.borrow_mut();
+                if let Some(at) = s
+                    .iter()
+                    .rposition(|e| e.kind == EventKind::Op && e.key == event.id)
+                {
+                    s.remove(at).release();
+                }
             });
             return;
         };
@@ -418,14 +549,38 @@ impl Drop for OpenRange {
 }
 
 /// Called by `cuda::kernel_timing::note_work` before device work is enqueued on `stream`
-/// while CUDA is timed: counts a launch for the innermost open op and records a start event
-/// for every open CUDA op that has none (Note [Profiler timing and attribution]).
+/// while CUDA is timed (Note [Profiler timing and attribution]): with CUPTI, counts a launch
+/// for the innermost open entry and pushes its id as CUPTI's correlation id if not yet done;
+/// with CUDA events, counts a launch for the innermost open CUDA op and records a start event
+/// for every open CUDA op that has none.
 pub(crate) fn on_device_work(stream: u64) {
     let Some(session) = current().filter(|s| s.options.cuda) else {
         return;
     };
     STACK.with(|s| {
         let mut s = s.borrow_mut();
+        if session.cupti_clock.is_some() {
+            // CUPTI times the work: the innermost open entry (whatever its inputs' device: a
+            // `to` from the host copies to a GPU) launched it. Its id goes on CUPTI's
+            // correlation stack before its first launch, so every CUDA call it makes from here
+            // is correlated to it.
+            let Some(inner) = s.iter().rposition(|e| e.session == session.id) else {
+                return;
+            };
+            let e = &mut s[inner];
+            e.launches += 1;
+            let device = match e.device {
+                Some(Device::Cuda(d)) => d,
+                _ => crate::cuda::current_device(),
+            };
+            session
+                .cupti_devices
+                .fetch_or(1u64 << device.min(63), Ordering::Relaxed);
+            if !e.cupti_pushed {
+                e.cupti_pushed = cupti::push(e.id);
+            }
+            return;
+        }
         let ours = |e: &Open| e.session == session.id && matches!(e.device, Some(Device::Cuda(_)));
         let Some(inner) = s.iter().rposition(|e| ours(e)) else {
             return;

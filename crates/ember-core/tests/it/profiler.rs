@@ -1,13 +1,16 @@
 //! The profiler: ops and call counts, self and total times, record_function ranges, backward
 //! nodes, memory, the schedule and its trace handler, the table's layout, the chrome trace's
-//! fields; on a GPU, CUDA time attributed to the launching ops.
+//! fields; on a GPU, CUDA time attributed to the launching ops, by CUPTI (each kernel, copy
+//! and fill) and by the CUDA-events fallback (an interval per op).
 //!
 //! One profiler runs at a time in a process, so these tests take `LOCK`. The profiler records
 //! every thread (as PyTorch's does) and the other tests of this binary run beside these, so
 //! the tests look at what happened inside a range of their own.
 
 use super::common;
-use ember_core::profiler::{self, EventKind, FunctionEvent, ProfilerActivity, Trace};
+use ember_core::profiler::{
+    self, CudaTimingSource, EventKind, FunctionEvent, GpuActivityKind, ProfilerActivity, Trace,
+};
 use ember_core::{DType, Device, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -369,12 +372,14 @@ fn cuda_time_is_attributed_to_the_launching_ops() {
     known_ops(dev).unwrap(); // warm-up: kernels compiled, cuBLASLt plans made
     let mut prof = profiler::profile()
         .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .cuda_timing(CudaTimingSource::CudaEvents)
         .start()
         .unwrap();
     known_ops(dev).unwrap();
     prof.stop().unwrap();
     let trace = prof.trace().unwrap();
     assert_eq!(trace.gpu_timing(), Some("cuda events"));
+    assert_eq!(prof.cuda_timing_source(), Some(CudaTimingSource::CudaEvents));
     let events = prof.events();
     let (range, ops) = children_of(events, "known_ops");
     for name in ["add", "matmul", "relu"] {
@@ -453,4 +458,167 @@ fn cuda_backward_kernels_are_under_backward_nodes() {
         matmul.cuda_memory_usage > 0,
         "the product's output is CUDA memory"
     );
+}
+
+// ---- GPU: CUDA time by CUPTI, each kernel attributed through correlation ids ----
+
+/// Profiles `body` on the GPU with the default timing (CUPTI), asserting CUPTI ran.
+fn cupti_profile(body: impl FnOnce()) -> profiler::Profiler {
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .start()
+        .unwrap();
+    body();
+    prof.stop().unwrap();
+    let trace = prof.trace().unwrap();
+    assert_eq!(
+        prof.cuda_timing_source(),
+        Some(CudaTimingSource::Cupti),
+        "CUPTI did not run: {:?} (ember_core::cuda::cupti_version: {:?})",
+        trace.cupti_unavailable(),
+        ember_core::cuda::cupti_version()
+    );
+    assert_eq!(trace.gpu_timing(), Some("cupti"));
+    prof
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_cupti_attributes_each_kernel_to_the_launching_op() {
+    let _l = lock();
+    let dev = common::gpu();
+    known_ops(dev).unwrap(); // warm-up
+    let prof = cupti_profile(|| known_ops(dev).unwrap());
+    let trace = prof.trace().unwrap();
+    let (events, activities) = (trace.events(), trace.gpu_activities());
+    let (range, ops) = children_of(events, "known_ops");
+    for name in ["add", "matmul", "relu"] {
+        let mut seen = 0;
+        for op in ops.iter().filter(|e| e.name == name) {
+            seen += 1;
+            assert!(
+                op.gpu_activities
+                    .iter()
+                    .any(|&a| activities[a].kind == GpuActivityKind::Kernel),
+                "{name} has no kernels: {op:?}"
+            );
+            let mut own = 0;
+            for &a in &op.gpu_activities {
+                let k = &activities[a];
+                assert_eq!(k.external_id, Some(op.id), "{name}: {k:?}");
+                assert!(k.duration_ns > 0 && !k.name.is_empty(), "{k:?}");
+                assert!(
+                    k.start_ns + 1_000_000 >= op.start_ns,
+                    "a kernel starts after its launch (1 ms of clock slack): {k:?} {op:?}"
+                );
+                own += k.duration_ns;
+            }
+            assert_eq!(op.self_cuda_time_total_ns, own, "{name}");
+            assert!(op.self_cuda_time_total_ns > 0, "{name}");
+        }
+        assert!(seen > 0, "no {name} op");
+    }
+    let op_total: u64 = ops.iter().map(|e| e.cuda_time_total_ns).sum();
+    assert_eq!(
+        range.cuda_time_total_ns, op_total,
+        "a range's CUDA time is its ops'"
+    );
+    assert_eq!(range.self_cuda_time_total_ns, 0);
+    let averages = prof.key_averages();
+    assert!(averages.get("matmul").unwrap().self_cuda_time_total_us > 0.0);
+    let table = averages.table("cuda_time_total", 10).unwrap();
+    assert!(table.contains("CUDA time measured by: cupti"), "{table}");
+
+    // The trace: each matmul kernel is a `kernel` event with the op's id and a flow from it.
+    let json = check_trace(&trace.chrome_trace_json());
+    let matmul = ops.iter().find(|e| e.name == "matmul").unwrap();
+    let kernels: Vec<_> = json
+        .iter()
+        .filter(|e| {
+            ["kernel", "gpu_memset", "gpu_memcpy"].contains(&e["cat"].as_str().unwrap_or(""))
+                && e["args"]["External id"].as_u64() == Some(matmul.id)
+        })
+        .collect();
+    assert_eq!(kernels.len(), matmul.gpu_activities.len());
+    for k in kernels {
+        for key in ["correlation", "stream", "device", "context"] {
+            assert!(k["args"][key].is_u64(), "{key}: {k}");
+        }
+        let corr = k["args"]["correlation"].as_u64().unwrap();
+        let flow: Vec<_> = json
+            .iter()
+            .filter(|e| e["cat"] == "ac2g" && e["id"].as_u64() == Some(corr))
+            .collect();
+        assert_eq!(flow.len(), 2, "{k}");
+        assert_eq!(flow[1]["tid"], k["tid"]);
+        assert_eq!(flow[0]["tid"].as_u64(), Some(matmul.thread));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_cupti_reports_copies_and_fills_and_backward_kernels() {
+    let _l = lock();
+    let dev = common::gpu();
+    let run = || -> Result<()> {
+        let host = Tensor::randn([256, 256], DType::F32, Device::Cpu)?;
+        let a = host.to(dev)?.requires_grad_(true)?;
+        let b = Tensor::randn([256, 256], DType::F32, dev)?.requires_grad_(true)?;
+        let z = Tensor::ones([1024], DType::F32, dev)?;
+        z.fill_(0.0)?;
+        a.matmul(&b)?.relu()?.sum_all()?.backward()
+    };
+    run().unwrap(); // warm-up
+    let prof = cupti_profile(|| {
+        let _r = profiler::record_function("step");
+        run().unwrap();
+    });
+    let trace = prof.trace().unwrap();
+    let (events, activities) = (trace.events(), trace.gpu_activities());
+    let ours = |a: &&profiler::GpuActivity| a.event.is_some_and(|i| under(events, i, "step"));
+    let copies: Vec<_> = activities
+        .iter()
+        .filter(ours)
+        .filter(|a| a.kind == GpuActivityKind::Memcpy)
+        .collect();
+    assert!(
+        copies
+            .iter()
+            .any(|a| a.name.starts_with("Memcpy HtoD") && a.bytes >= 256 * 256 * 4),
+        "the host-to-device copy of `to`: {copies:?}"
+    );
+    let fills: Vec<_> = activities
+        .iter()
+        .filter(ours)
+        .filter(|a| a.kind == GpuActivityKind::Memset)
+        .collect();
+    // `Tensor::ones` on a GPU is a memset outside any op: it belongs to the open range.
+    assert!(
+        fills.iter().any(|a| a.bytes >= 1024 * 4),
+        "Tensor::ones as a memset under the range: {fills:?}"
+    );
+    let (_, children) = children_of(events, "step");
+    let node = children
+        .iter()
+        .find(|e| e.name == "MatmulBackward0")
+        .unwrap_or_else(|| panic!("{:?}", children.iter().map(|e| &e.name).collect::<Vec<_>>()));
+    assert!(node.self_cuda_time_total_ns > 0, "{node:?}");
+    assert!(node
+        .gpu_activities
+        .iter()
+        .any(|&a| activities[a].kind == GpuActivityKind::Kernel));
+    check_trace(&trace.chrome_trace_json());
+}
+
+/// True when event `i` is `name` or lies under it.
+fn under(events: &[FunctionEvent], mut i: usize, name: &str) -> bool {
+    loop {
+        if events[i].name == name {
+            return true;
+        }
+        match events[i].parent {
+            Some(p) => i = p,
+            None => return false,
+        }
+    }
 }

@@ -1,0 +1,555 @@
+//! CUPTI's activity API, loaded at run time: the profiler's kernel-level GPU timing (Note
+//! [Profiler timing and attribution] in `profiler/mod.rs`). The records and their layouts
+//! are `cupti_records.rs`; this file finds and loads `libcupti`, hands CUPTI its buffers,
+//! turns the buffers it returns into [`Collected`] activities, and starts and stops a
+//! profiling session.
+//!
+//! Finding the library, first that loads and reports a CUPTI 13 API version (130000 to
+//! 139999, the record layouts `cupti_records.rs` reads): `$EMBER_CUPTI_LIBRARY` (a file),
+//! `libcupti.so.13` and `libcupti.so` through the dynamic loader (`LD_LIBRARY_PATH`, the
+//! loader cache), then the CUDA toolkit (`$CUDA_HOME`, `$CUDA_PATH`, `/usr/local/cuda*`:
+//! `extras/CUPTI/lib64`, `lib64`, `targets/*/lib`), then the lib folders of NVIDIA's Python
+//! wheels (`nvidia/cu13/lib`, `nvidia/cuda_cupti/lib`) in the site-packages of
+//! `$VIRTUAL_ENV`, `$CONDA_PREFIX`, `~/.local`, `/usr/local`, `/usr` and `/opt/conda`,
+//! where PyTorch's wheels put it. The library, once loaded, stays loaded.
+//!
+//! Rules: CUPTI is process-wide and one profiler runs at a time (`profiler::RUNNING`), so at
+//! most one session is underway. Buffers are 8 MiB, 8-byte aligned, given to CUPTI on request
+//! and freed after their records are read in the completion callback (which CUPTI calls
+//! from its own thread or from `cuptiActivityFlushAll`). External correlation ids are a
+//! per-thread stack inside CUPTI: every push is popped on the thread that pushed it, in
+//! reverse order (the recorder pushes the innermost open op's id before its first device
+//! work and pops when the op closes).
+
+use super::cupti_records::{self as records, RawActivity, Record};
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+type CuptiResult = u32;
+const CUPTI_SUCCESS: CuptiResult = 0;
+/// `CUPTI_ACTIVITY_FLAG_FLUSH_FORCED`: also deliver buffers with incomplete records.
+const FLUSH_FORCED: u32 = 1;
+/// Bytes of one activity buffer.
+const BUFFER_BYTES: usize = 8 << 20;
+const BUFFER_LAYOUT: Layout = match Layout::from_size_align(BUFFER_BYTES, 8) {
+    Ok(l) => l,
+    Err(_) => panic!("8 MiB aligned to 8 is a valid layout"),
+};
+/// The activity kinds a session enables: device work, and the driver and runtime API records
+/// that the external correlation records come with.
+const KINDS: [u32; 6] = [
+    records::KIND_CONCURRENT_KERNEL,
+    records::KIND_MEMCPY,
+    records::KIND_MEMSET,
+    records::KIND_DRIVER,
+    records::KIND_RUNTIME,
+    records::KIND_EXTERNAL_CORRELATION,
+];
+
+type BufferRequested = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
+type BufferCompleted = unsafe extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
+
+/// The entry points of `libcupti` ember calls (`cupti_activity.h`, `cupti_result.h`).
+struct Api {
+    get_version: unsafe extern "C" fn(*mut u32) -> CuptiResult,
+    get_timestamp: unsafe extern "C" fn(*mut u64) -> CuptiResult,
+    enable: unsafe extern "C" fn(u32) -> CuptiResult,
+    disable: unsafe extern "C" fn(u32) -> CuptiResult,
+    register_callbacks: unsafe extern "C" fn(BufferRequested, BufferCompleted) -> CuptiResult,
+    flush_all: unsafe extern "C" fn(u32) -> CuptiResult,
+    get_next_record: unsafe extern "C" fn(*mut u8, usize, *mut *mut c_void) -> CuptiResult,
+    push_external: unsafe extern "C" fn(u32, u64) -> CuptiResult,
+    pop_external: unsafe extern "C" fn(u32, *mut u64) -> CuptiResult,
+    result_string: unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult,
+}
+
+/// A loaded CUPTI 13 with its callbacks registered.
+struct Cupti {
+    api: Api,
+    version: u32,
+    path: String,
+    _lib: libloading::Library,
+}
+
+static CUPTI: OnceLock<Result<Cupti, String>> = OnceLock::new();
+
+/// True between [`start`] and [`stop`]: while the recorder pushes correlation ids.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+
+/// What the completion callback gathered since [`start`].
+static COLLECTED: Mutex<Option<Collected>> = Mutex::new(None);
+
+/// Where to look for `libcupti`, in order (the module's doc).
+fn candidates() -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("EMBER_CUPTI_LIBRARY") {
+        out.push(PathBuf::from(p));
+    }
+    out.extend(["libcupti.so.13", "libcupti.so"].map(PathBuf::from));
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    let mut roots: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .collect();
+    roots.extend(
+        [
+            "/usr/local/cuda",
+            "/usr/local/cuda-13",
+            "/usr/local/cuda-13.0",
+            "/opt/cuda",
+        ]
+        .map(PathBuf::from),
+    );
+    for root in roots {
+        for sub in [
+            "extras/CUPTI/lib64",
+            "lib64",
+            "targets/x86_64-linux/lib",
+            "targets/sbsa-linux/lib",
+        ] {
+            dirs.push(root.join(sub));
+        }
+    }
+    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .collect();
+    if let Some(home) = std::env::var_os("HOME") {
+        prefixes.push(Path::new(&home).join(".local"));
+    }
+    prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
+    for prefix in prefixes {
+        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
+            continue;
+        };
+        let mut pythons: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+            .map(|e| e.path())
+            .collect();
+        pythons.sort();
+        for python in pythons {
+            for site in ["site-packages", "dist-packages"] {
+                for lib in ["nvidia/cu13/lib", "nvidia/cuda_cupti/lib"] {
+                    dirs.push(python.join(site).join(lib));
+                }
+            }
+        }
+    }
+    for dir in dirs {
+        for name in ["libcupti.so.13", "libcupti.so"] {
+            let p = dir.join(name);
+            if p.is_file() {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Copies symbol `name` of `lib` as a function pointer of type `T`.
+///
+/// # Safety
+/// `T` must be the function pointer type of the C declaration of `name`.
+unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, String> {
+    // SAFETY: the caller gives the symbol's true type; the pointer is used only while `lib`
+    // stays loaded (it is kept with the pointers, in a static, forever).
+    unsafe { lib.get::<T>(name.as_bytes()) }
+        .map(|s| *s)
+        .map_err(|e| format!("{name}: {e}"))
+}
+
+fn load_from(path: &Path) -> Result<Cupti, String> {
+    // SAFETY: loading libcupti runs its initializers, which have no preconditions.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
+    // SAFETY: each type below is the declaration of its function in CUDA 13's
+    // `cupti_activity.h` / `cupti_version.h` / `cupti_result.h` (`CUPTIAPI` is the C calling
+    // convention on Linux; enums are `int`-sized, passed here as u32).
+    let api = unsafe {
+        Api {
+            get_version: symbol(&lib, "cuptiGetVersion")?,
+            get_timestamp: symbol(&lib, "cuptiGetTimestamp")?,
+            enable: symbol(&lib, "cuptiActivityEnable")?,
+            disable: symbol(&lib, "cuptiActivityDisable")?,
+            register_callbacks: symbol(&lib, "cuptiActivityRegisterCallbacks")?,
+            flush_all: symbol(&lib, "cuptiActivityFlushAll")?,
+            get_next_record: symbol(&lib, "cuptiActivityGetNextRecord")?,
+            push_external: symbol(&lib, "cuptiActivityPushExternalCorrelationId")?,
+            pop_external: symbol(&lib, "cuptiActivityPopExternalCorrelationId")?,
+            result_string: symbol(&lib, "cuptiGetResultString")?,
+        }
+    };
+    let mut version = 0u32;
+    // SAFETY: `version` is a valid out-pointer.
+    let r = unsafe { (api.get_version)(&mut version) };
+    if r != CUPTI_SUCCESS {
+        return Err(format!("cuptiGetVersion failed ({r})"));
+    }
+    if !(130_000..140_000).contains(&version) {
+        return Err(format!(
+            "CUPTI API version {version}, not CUDA 13's (130000 to 139999), whose record layouts ember reads"
+        ));
+    }
+    Ok(Cupti {
+        api,
+        version,
+        path: path.display().to_string(),
+        _lib: lib,
+    })
+}
+
+/// Finds and loads CUPTI 13 and registers the buffer callbacks, once per process; the reason
+/// when it cannot.
+fn cupti() -> Result<&'static Cupti, &'static str> {
+    CUPTI
+        .get_or_init(|| {
+            let mut tried = Vec::new();
+            for path in candidates() {
+                match load_from(&path) {
+                    Ok(c) => {
+                        // SAFETY: both callbacks have the types CUPTI declares and stay valid
+                        // for the life of the process.
+                        let r = unsafe { (c.api.register_callbacks)(buffer_requested, buffer_completed) };
+                        if r != CUPTI_SUCCESS {
+                            return Err(format!(
+                                "{}: cuptiActivityRegisterCallbacks: {}",
+                                c.path,
+                                c.error_string(r)
+                            ));
+                        }
+                        return Ok(c);
+                    }
+                    Err(e) => tried.push(format!("{}: {e}", path.display())),
+                }
+            }
+            Err(format!(
+                "no CUPTI 13 library could be loaded (set EMBER_CUPTI_LIBRARY to libcupti.so.13, or add its folder to LD_LIBRARY_PATH); tried: {}",
+                tried.join("; ")
+            ))
+        })
+        .as_ref()
+        .map_err(String::as_str)
+}
+
+impl Cupti {
+    fn error_string(&self, r: CuptiResult) -> String {
+        let mut s: *const c_char = std::ptr::null();
+        // SAFETY: `s` is a valid out-pointer; CUPTI returns a static string.
+        let ok = unsafe { (self.api.result_string)(r, &mut s) } == CUPTI_SUCCESS;
+        if ok && !s.is_null() {
+            // SAFETY: on success `s` points to a NUL-terminated static string.
+            unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+        } else {
+            format!("CUPTI error {r}")
+        }
+    }
+
+    fn timestamp(&self) -> Option<u64> {
+        let mut t = 0u64;
+        // SAFETY: `t` is a valid out-pointer.
+        (unsafe { (self.api.get_timestamp)(&mut t) } == CUPTI_SUCCESS).then_some(t)
+    }
+}
+
+/// The loaded CUPTI's API version (`cuptiGetVersion`, e.g. 130001) and the file it came from;
+/// the reason as [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) when no CUPTI 13
+/// loads (the profiler then times CUDA by events).
+pub fn cupti_version() -> crate::Result<(u32, String)> {
+    cupti()
+        .map(|c| (c.version, c.path.clone()))
+        .map_err(|reason| crate::Error::CudaUnavailable {
+            reason: reason.to_string(),
+        })
+}
+
+/// A CUPTI timestamp and the host instant taken with it: converts activity times to the
+/// trace's host clock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClockRef {
+    pub cupti_ns: u64,
+    pub host: Instant,
+}
+
+impl ClockRef {
+    /// `cupti_ns` on the host clock, as nanoseconds since `origin` (0 when before it).
+    pub(crate) fn host_ns(&self, cupti_ns: u64, origin: Instant) -> u64 {
+        let base = self.host.saturating_duration_since(origin).as_nanos() as i128;
+        (base + cupti_ns as i128 - self.cupti_ns as i128).max(0) as u64
+    }
+}
+
+/// One kernel, copy or fill with its name.
+#[derive(Debug, Clone)]
+pub(crate) struct Activity {
+    pub raw: RawActivity,
+    pub name: Arc<str>,
+}
+
+/// What a session's buffers held.
+#[derive(Debug, Default)]
+pub(crate) struct Collected {
+    pub activities: Vec<Activity>,
+    /// CUDA API correlation id → the external id pushed around the call (`CUSTOM0`).
+    pub external: HashMap<u32, u64>,
+    /// Kernel names by their pointer (CUPTI shares one string per kernel).
+    names: HashMap<usize, Arc<str>>,
+}
+
+impl Collected {
+    /// Adds one decoded record.
+    ///
+    /// # Safety
+    /// A kernel record's `name_ptr` is null or points to a NUL-terminated string (CUPTI's
+    /// contract for the `name` field while the buffer is being read).
+    pub(crate) unsafe fn absorb(&mut self, record: Record) {
+        match record {
+            Record::Activity(raw) => {
+                if raw.start == 0 && raw.end == 0 {
+                    return; // no timing collected (CUPTI's documented marker)
+                }
+                let name = match raw.transfer_name() {
+                    Some(n) => Arc::from(n),
+                    None if raw.name_ptr == 0 => Arc::from("<unnamed kernel>"),
+                    None => self
+                        .names
+                        .entry(raw.name_ptr)
+                        .or_insert_with(|| {
+                            // SAFETY: the caller's contract: a NUL-terminated string.
+                            let s = unsafe { CStr::from_ptr(raw.name_ptr as *const c_char) };
+                            Arc::from(s.to_string_lossy().as_ref())
+                        })
+                        .clone(),
+                };
+                self.activities.push(Activity { raw, name });
+            }
+            Record::ExternalCorrelation {
+                correlation,
+                external_kind,
+                external_id,
+            } => {
+                if external_kind == records::EXTERNAL_KIND_CUSTOM0 {
+                    self.external.insert(correlation, external_id);
+                }
+            }
+            Record::Other(_) => {}
+        }
+    }
+}
+
+/// CUPTI asks for a buffer.
+unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { std::alloc::alloc(BUFFER_LAYOUT) };
+    // SAFETY: CUPTI passes valid out-pointers.
+    unsafe {
+        *buffer = p;
+        *size = if p.is_null() { 0 } else { BUFFER_BYTES };
+        *max_records = 0;
+    }
+}
+
+/// CUPTI returns a buffer: its records are read into [`COLLECTED`] and it is freed.
+unsafe extern "C" fn buffer_completed(
+    _ctx: *mut c_void,
+    _stream: u32,
+    buffer: *mut u8,
+    _size: usize,
+    valid: usize,
+) {
+    if buffer.is_null() {
+        return;
+    }
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let Some(Ok(c)) = CUPTI.get() else {
+            return;
+        };
+        let mut collected = COLLECTED.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(into) = collected.as_mut() else {
+            return; // no session: records after a stop are dropped
+        };
+        let mut record: *mut c_void = std::ptr::null_mut();
+        loop {
+            // SAFETY: `buffer` holds `valid` bytes of records; `record` is null or the last
+            // record CUPTI returned from it.
+            if unsafe { (c.api.get_next_record)(buffer, valid, &mut record) } != CUPTI_SUCCESS {
+                break;
+            }
+            let offset = (record as usize).wrapping_sub(buffer as usize);
+            if record.is_null() || offset >= valid {
+                break;
+            }
+            // SAFETY: the record lies inside the buffer's `valid` initialized bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(record as *const u8, valid - offset) };
+            if let Some(r) = records::decode(bytes) {
+                // SAFETY: kernel name pointers come from CUPTI, valid while its buffer is read.
+                unsafe { into.absorb(r) };
+            }
+        }
+    }));
+    let _ = read;
+    // SAFETY: `buffer` came from `buffer_requested` with this layout, and CUPTI gave it back.
+    unsafe { std::alloc::dealloc(buffer, BUFFER_LAYOUT) };
+}
+
+/// Starts a session: enables the activity kinds and takes the clock reference. The reason
+/// when CUPTI is missing or refuses (the profiler then falls back to CUDA events).
+pub(crate) fn start() -> Result<ClockRef, String> {
+    let c = cupti().map_err(str::to_string)?;
+    *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Collected::default());
+    for (i, &kind) in KINDS.iter().enumerate() {
+        // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
+        let r = unsafe { (c.api.enable)(kind) };
+        if r != CUPTI_SUCCESS {
+            for &k in &KINDS[..i] {
+                // SAFETY: as above.
+                unsafe { (c.api.disable)(k) };
+            }
+            *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            return Err(format!(
+                "cuptiActivityEnable({kind}): {} (CUPTI at {})",
+                c.error_string(r),
+                c.path
+            ));
+        }
+    }
+    // The tightest of a few (host, CUPTI, host) samples, at the host midpoint.
+    let mut best: Option<(std::time::Duration, ClockRef)> = None;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let Some(ts) = c.timestamp() else { continue };
+        let t1 = Instant::now();
+        let width = t1 - t0;
+        if best.is_none_or(|(w, _)| width < w) {
+            best = Some((
+                width,
+                ClockRef {
+                    cupti_ns: ts,
+                    host: t0 + width / 2,
+                },
+            ));
+        }
+    }
+    let Some((_, clock)) = best else {
+        stop(&[]);
+        return Err("cuptiGetTimestamp failed".to_string());
+    };
+    ACTIVE.store(true, Ordering::Release);
+    Ok(clock)
+}
+
+/// Ends the session: waits for `devices`, disables the kinds, flushes every buffer and
+/// returns what they held.
+pub(crate) fn stop(devices: &[usize]) -> Collected {
+    ACTIVE.store(false, Ordering::Release);
+    let Ok(c) = cupti() else {
+        return Collected::default();
+    };
+    for &d in devices {
+        // Records are complete once the work they describe finished. A device that cannot be
+        // waited for (a CUDA graph capture underway there, which a device-wide wait would
+        // invalidate) gives what finished.
+        if super::capture::refuse_device_wide(d, "the profiler's wait for CUPTI's records").is_ok()
+            && super::runtime::runtime(d).is_ok()
+        {
+            super::stream::note_host_sync();
+            let _ = cudarc::driver::result::ctx::synchronize();
+        }
+    }
+    for &kind in &KINDS {
+        // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
+        unsafe { (c.api.disable)(kind) };
+    }
+    // SAFETY: the callbacks were registered when CUPTI was loaded.
+    unsafe { (c.api.flush_all)(FLUSH_FORCED) };
+    COLLECTED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .unwrap_or_default()
+}
+
+/// Pushes `id` as this thread's external correlation id (`CUSTOM0`); true when pushed.
+pub(crate) fn push(id: u64) -> bool {
+    if !ACTIVE.load(Ordering::Acquire) {
+        return false;
+    }
+    let Ok(c) = cupti() else { return false };
+    // SAFETY: CUSTOM0 is a valid external correlation kind.
+    unsafe { (c.api.push_external)(records::EXTERNAL_KIND_CUSTOM0, id) == CUPTI_SUCCESS }
+}
+
+/// Pops this thread's last pushed external correlation id (one [`push`] that returned true).
+pub(crate) fn pop() {
+    if let Ok(c) = cupti() {
+        let mut last = 0u64;
+        // SAFETY: `last` is a valid out-pointer.
+        unsafe { (c.api.pop_external)(records::EXTERNAL_KIND_CUSTOM0, &mut last) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cupti_records::tests::{bytes_of, external, kernel, memcpy};
+    use super::*;
+
+    #[test]
+    fn buffers_are_absorbed_with_names_and_correlations() {
+        let name = c"gemm_kernel";
+        let mut c = Collected::default();
+        let buffer = [
+            bytes_of(&external(10, 501)),
+            bytes_of(&kernel(10, 100, 200, 7, name.as_ptr())),
+            bytes_of(&kernel(11, 300, 400, 7, name.as_ptr())),
+            bytes_of(&memcpy(12, 0, 0, 64)), // no timing: left out
+        ];
+        for b in &buffer {
+            // SAFETY: the kernel records name a C string literal.
+            unsafe { c.absorb(records::decode(b).unwrap()) };
+        }
+        assert_eq!(c.activities.len(), 2);
+        assert_eq!(&*c.activities[0].name, "gemm_kernel");
+        assert!(Arc::ptr_eq(&c.activities[0].name, &c.activities[1].name));
+        assert_eq!(c.external.get(&10), Some(&501));
+        assert_eq!(c.external.get(&11), None);
+    }
+
+    #[test]
+    fn clock_reference_maps_cupti_time_to_the_host_clock() {
+        let origin = Instant::now();
+        let clock = ClockRef {
+            cupti_ns: 1_000_000,
+            host: origin + std::time::Duration::from_nanos(5_000),
+        };
+        assert_eq!(clock.host_ns(1_000_000, origin), 5_000);
+        assert_eq!(clock.host_ns(1_002_500, origin), 7_500);
+        assert_eq!(clock.host_ns(990_000, origin), 0);
+    }
+
+    #[test]
+    fn candidates_start_with_the_loader_names() {
+        let c = candidates();
+        assert!(c.iter().any(|p| p == Path::new("libcupti.so.13")));
+    }
+
+    #[test]
+    fn loading_answers_with_a_version_or_a_typed_reason() {
+        match cupti_version() {
+            Ok((version, path)) => {
+                println!("CUPTI {version} from {path}");
+                assert!((130_000..140_000).contains(&version), "{version}");
+            }
+            Err(crate::Error::CudaUnavailable { reason }) => {
+                println!("no CUPTI: {reason}");
+                assert!(reason.contains("libcupti.so.13"), "{reason}");
+            }
+            Err(e) => panic!("not a typed CudaUnavailable: {e}"),
+        }
+    }
+}
