@@ -273,6 +273,16 @@ impl ProcessGroup {
         self.inner.kind
     }
 
+    /// Where this group's tensors live: the CPU for the CPU backend, the communicator's GPU
+    /// for NCCL (which takes tensors of that device only). Small tensors a caller exchanges
+    /// for bookkeeping (DDP's bucket order, its used-parameter flags) are made here.
+    pub fn device(&self) -> ember_core::Device {
+        match self.inner.kind {
+            BackendKind::Gloo => ember_core::Device::Cpu,
+            BackendKind::Nccl => ember_core::Device::Cuda(self.inner.device),
+        }
+    }
+
     /// The global ranks of the members, in group-rank order.
     pub fn ranks(&self) -> &[usize] {
         &self.inner.ranks

@@ -362,7 +362,7 @@ fn verify_param_shape_across_processes<M: Module>(group: &ProcessGroup, module: 
     let hash = hash & 0x3fff_ffff_ffff; // non-negative, so its negation cannot overflow
     let mine = [params.len() as i64, numel, hash];
     let both: Vec<i64> = mine.iter().copied().chain(mine.iter().map(|v| -v)).collect();
-    let t = Tensor::from_vec(both, 6, Device::Cpu)?;
+    let t = Tensor::from_vec(both, 6, Device::Cpu)?.to(group.device())?;
     group.all_reduce(&t, ReduceOp::Max)?;
     let v = t.to_vec::<i64>()?;
     if (0..3).any(|i| v[i] != -v[i + 3]) {
