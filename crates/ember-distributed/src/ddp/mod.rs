@@ -18,7 +18,10 @@
 //!
 //! Every rank must run the same sequence of synchronizing forward/backward passes. Parameters
 //! that do not require grad are left out of the reduction. Move the module to its device
-//! before wrapping it: the buckets are made on the parameters' devices.
+//! before wrapping it: the buckets are made on the parameters' devices. DDP uses only the
+//! group's [`crate::Backend`]: over NCCL the parameters must be on the group's GPU
+//! ([`crate::ProcessGroup::device`]), and a bucket's `wait` orders the current stream after
+//! the all-reduce without blocking the host, so the copies into `.grad` queue behind it.
 
 mod reducer;
 

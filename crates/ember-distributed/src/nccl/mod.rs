@@ -20,6 +20,14 @@
 //!   slices into the outputs; `reduce_scatter` copies the inputs into one flat buffer and runs
 //!   `ncclReduceScatter`. Both copies run on the NCCL stream; the buffer is allocated there, so
 //!   it needs no `record_stream`.
+//! - send/recv: each is `ncclSend`/`ncclRecv` in its own NCCL group, matched in order
+//!   between two ranks. Unlike the CPU backend, a blocking communicator connects a pair of
+//!   ranks at their first send/recv inside the enqueue, so two ranks that both start with a
+//!   send to each other can wait on each other there: order the first exchange (one sends while
+//!   the other receives), as the tests do.
+//! - Environment: NCCL reads its variables when the first communicator is created. `ember-run`
+//!   sets `NCCL_NVLS_ENABLE=0` (NVLink multicast off) unless set; a program started otherwise
+//!   gets whatever its environment says.
 //! - Reductions: Sum, Product, Max, Min and Avg (`ncclAvg`) on every dtype NCCL has (f32,
 //!   f64, f16, bf16, i64, i32, u8, bool as u8 with Sum as Max and Product as Min, as PyTorch).
 //! - Failures, Note [NCCL watchdog]: a watchdog thread per group checks, every 50 ms, the
