@@ -7,19 +7,17 @@
 //! cudarc's loader, for two reasons: cudarc's loader panics in a lazy static when no candidate
 //! opens, and its candidate names (`libnccl.so`, `libnccl.so.13`, `.12`, ... built from the
 //! CUDA major version) do not include `libnccl.so.2`, the only name the `nvidia-nccl-cu*` pip
-//! wheels install. Candidates, in order: the file named by `EMBER_NCCL_LIBRARY`, then
-//! `libnccl.so.2` and `libnccl.so` through the dynamic loader's search (`LD_LIBRARY_PATH`,
-//! `ldconfig`), then `nvidia/nccl/lib/libnccl.so.2` under the Python package folders of an
-//! active virtual or conda environment, `~/.local`, `/usr/local`, `/usr` and `/opt/conda`
-//! (where `pip install torch` puts it). Nothing found is [`Error::CudaUnavailable`] naming
-//! what to install; a missing entry point is the same error, naming the symbol.
+//! wheels install. The candidates are `ember_core::cuda::nccl_candidates` (also what
+//! `ember info` reports): `EMBER_NCCL_LIBRARY`, `libnccl.so.2` and `libnccl.so` through the
+//! dynamic loader's search, then the pip wheel's file under Python package folders. Nothing
+//! found is [`Error::CudaUnavailable`] naming what to install; a missing entry point is the
+//! same error, naming the symbol.
 //!
 //! Every function returns NCCL's `ncclResult_t` as a plain integer (see [`NcclResult`]), so a
 //! code this build does not know cannot become an invalid Rust enum value.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_void};
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
@@ -118,50 +116,9 @@ pub fn nccl() -> Result<&'static Nccl> {
         })
 }
 
-/// The file names and paths tried, in order (Note [Loading NCCL]).
-pub fn candidates(env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Some(p) = env("EMBER_NCCL_LIBRARY").filter(|p| !p.is_empty()) {
-        out.push(p);
-    }
-    out.push("libnccl.so.2".into());
-    out.push("libnccl.so".into());
-    let mut prefixes: Vec<PathBuf> = Vec::new();
-    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(p) = env(var).filter(|p| !p.is_empty()) {
-            prefixes.push(p.into());
-        }
-    }
-    if let Some(home) = env("HOME").filter(|p| !p.is_empty()) {
-        prefixes.push(PathBuf::from(home).join(".local"));
-    }
-    prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
-    for prefix in prefixes {
-        let lib = prefix.join("lib");
-        let Ok(entries) = std::fs::read_dir(&lib) else {
-            continue;
-        };
-        let mut pythons: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-            .map(|e| e.path())
-            .collect();
-        pythons.sort();
-        for py in pythons {
-            for packages in ["site-packages", "dist-packages"] {
-                let file = py.join(packages).join("nvidia/nccl/lib/libnccl.so.2");
-                if file.is_file() {
-                    out.push(file.to_string_lossy().into_owned());
-                }
-            }
-        }
-    }
-    out
-}
-
 fn open() -> std::result::Result<Nccl, String> {
     let env = |k: &str| std::env::var(k).ok();
-    open_first(&candidates(&env))
+    open_first(&ember_core::cuda::nccl_candidates(&env))
 }
 
 /// Opens the first of `tried` that loads.
@@ -278,31 +235,5 @@ mod tests {
         // libc opens but has no ncclGetVersion.
         let e = open_first(&["libc.so.6".to_string()]).unwrap_err();
         assert!(e.contains("ncclGetVersion"), "{e}");
-    }
-
-    #[test]
-    fn candidates_start_with_the_override_then_the_loader_names() {
-        let env = |k: &str| match k {
-            "EMBER_NCCL_LIBRARY" => Some("/opt/x/libnccl.so.2".to_string()),
-            _ => None,
-        };
-        let c = candidates(&env);
-        assert_eq!(c[..3], ["/opt/x/libnccl.so.2", "libnccl.so.2", "libnccl.so"]);
-    }
-
-    #[test]
-    fn finds_a_pip_wheel_under_a_virtual_env() {
-        let dir = std::env::temp_dir().join(format!("ember-nccl-venv-{}", std::process::id()));
-        let lib = dir.join("lib/python3.12/site-packages/nvidia/nccl/lib");
-        std::fs::create_dir_all(&lib).unwrap();
-        std::fs::write(lib.join("libnccl.so.2"), b"").unwrap();
-        let venv = dir.to_string_lossy().into_owned();
-        let env = move |k: &str| (k == "VIRTUAL_ENV").then(|| venv.clone());
-        let c = candidates(&env);
-        assert_eq!(
-            c[1..3],
-            ["libnccl.so", &lib.join("libnccl.so.2").to_string_lossy()]
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -221,48 +221,40 @@ impl NcclBackend {
         timeout: Duration,
         device: usize,
     ) -> Result<NcclBackend> {
-        let lib = library::nccl()?;
-        if !cuda::is_available() {
-            return Err(Error::CudaUnavailable {
-                reason: "the NCCL backend needs a CUDA device, and none is usable here".into(),
-            });
-        }
-        let count = cuda::device_count();
-        if device >= count {
-            return Err(Error::invalid(
-                "init_process_group",
-                format!(
-                    "the NCCL group's device cuda:{device} does not exist ({count} CUDA device(s)); \
-                     pass device_id or set LOCAL_RANK"
-                ),
-            ));
-        }
-        let _guard = DeviceGuard::new(device)?;
-        let stream = Stream::new(device)?;
-        let id = if rank == 0 {
-            match comm::unique_id(lib) {
-                Ok(id) => {
-                    store.set(UNIQUE_ID_KEY, &id)?;
-                    id
-                }
-                Err(e) => {
+        let setup = Self::local_setup(device).and_then(|(lib, stream)| {
+            let id = if rank == 0 {
+                Some(comm::unique_id(lib)?)
+            } else {
+                None
+            };
+            Ok((lib, stream, id))
+        });
+        let (lib, stream, id) = match setup {
+            Ok(s) => s,
+            Err(e) => {
+                // Rank 0 tells the others at once instead of leaving them to time out.
+                if rank == 0 {
                     let msg = [ERROR_PREFIX, e.to_string().as_bytes()].concat();
                     let _ = store.set(UNIQUE_ID_KEY, &msg);
-                    return Err(e);
                 }
+                return Err(e);
             }
-        } else {
-            let id = store.get(UNIQUE_ID_KEY)?;
-            if let Some(msg) = id.strip_prefix(ERROR_PREFIX) {
-                return Err(Error::Cuda {
-                    op: "init_process_group",
-                    msg: format!(
-                        "rank 0 could not create the NCCL id: {}",
-                        String::from_utf8_lossy(msg)
-                    ),
-                });
+        };
+        let id = match id {
+            Some(id) => {
+                store.set(UNIQUE_ID_KEY, &id)?;
+                id
             }
-            id
+            None => {
+                let id = store.get(UNIQUE_ID_KEY)?;
+                if let Some(msg) = id.strip_prefix(ERROR_PREFIX) {
+                    return Err(Error::Cuda {
+                        op: "init_process_group",
+                        msg: format!("rank 0 could not set up NCCL: {}", String::from_utf8_lossy(msg)),
+                    });
+                }
+                id
+            }
         };
         let comm = Communicator::new(lib, device, &id, rank, size, timeout)?;
         let shared = Arc::new(Shared {
@@ -290,6 +282,29 @@ impl NcclBackend {
             size,
             watchdog: Mutex::new(Some(watchdog)),
         })
+    }
+
+    /// What a rank checks and creates before meeting the others: the library, the device,
+    /// the group's stream.
+    fn local_setup(device: usize) -> Result<(&'static library::Nccl, Stream)> {
+        let lib = library::nccl()?;
+        if !cuda::is_available() {
+            return Err(Error::CudaUnavailable {
+                reason: "the NCCL backend needs a CUDA device, and none is usable here".into(),
+            });
+        }
+        let count = cuda::device_count();
+        if device >= count {
+            return Err(Error::invalid(
+                "init_process_group",
+                format!(
+                    "the NCCL group's device cuda:{device} does not exist ({count} CUDA device(s)); \
+                     pass device_id or set LOCAL_RANK"
+                ),
+            ));
+        }
+        let _guard = DeviceGuard::new(device)?;
+        Ok((lib, Stream::new(device)?))
     }
 
     /// The device the group's communicator is on.
