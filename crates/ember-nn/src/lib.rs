@@ -18,6 +18,7 @@ extern crate self as ember_nn;
 
 pub mod amp;
 pub mod checkpoint;
+pub mod data_parallel;
 #[doc(hidden)]
 pub mod derive_support;
 pub mod functional;
@@ -28,6 +29,7 @@ pub mod module;
 pub mod optim;
 pub mod state_dict;
 
+pub use data_parallel::DataParallel;
 /// `#[derive(Module)]`: implements [`Module`] from a struct's fields (see `ember-derive`).
 pub use ember_derive::Module;
 pub use functional::Reduction;

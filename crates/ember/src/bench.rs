@@ -10,7 +10,7 @@ use serde_json::{json, Map, Value};
 use std::time::Instant;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 15] = [
+pub const WORKLOADS: [&str; 19] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -26,10 +26,22 @@ pub const WORKLOADS: [&str; 15] = [
     "op_overhead_add",
     "mlp_large_tf32",
     "gpt2_124m_bf16_compiled",
+    "ddp_mlp_large",
+    "ddp_cnn",
+    "dp_mlp_large",
+    "dp_cnn",
 ];
 
-/// Workloads run only when named (reference points, not workloads to match).
+/// Reference points run only when named: not workloads to match.
 const REFERENCE_ONLY: [&str; 2] = ["mlp_large_tf32", "gpt2_124m_bf16_compiled"];
+
+/// Workloads run only when named: the reference points and the multi-GPU workloads
+/// (`torch_ddp_reference.py`'s: `ddp_*` run under a launcher, `ember-run --standalone
+/// --nproc-per-node N ember bench --only ddp_cnn`, and only rank 0 prints; `dp_*` drive every
+/// visible GPU).
+fn only_when_named(name: &str) -> bool {
+    REFERENCE_ONLY.contains(&name) || name.starts_with("ddp_") || name.starts_with("dp_")
+}
 
 /// Timing figures of one workload: median, min and max ms per step, and peak MiB on a GPU.
 struct Timing {
@@ -124,6 +136,8 @@ struct Classifier {
     loss_fn: CrossEntropyLoss,
     amp: Option<Amp>,
     batch: usize,
+    /// Processes whose batches one step trains on (DDP's world size; 1 otherwise).
+    world: usize,
 }
 
 impl Classifier {
@@ -153,6 +167,7 @@ impl Classifier {
             loss_fn: CrossEntropyLoss::new(),
             amp,
             batch: shape[0],
+            world: 1,
         })
     }
 
@@ -188,8 +203,12 @@ impl Classifier {
     }
 
     fn row(&self, name: &str, t: &Timing) -> Map<String, Value> {
-        let samples = self.batch as f64 * 1000.0 / t.median;
-        row(name, t, 1.0, json!({ "samples_per_s": samples }))
+        let samples = self.batch as f64 * self.world as f64 * 1000.0 / t.median;
+        let mut r = row(name, t, 1.0, json!({ "samples_per_s": samples }));
+        if name.starts_with("dp_") || name.starts_with("ddp_") {
+            r.insert("world_size".into(), json!(self.world));
+        }
+        r
     }
 
     /// The reference's `run_classifier` without a graph: each timed step is [`Classifier::step`].
@@ -291,6 +310,79 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
     }
 }
 
+/// The multi-GPU workloads (`torch_ddp_reference.py`): `ddp_*` wraps the model in
+/// DistributedDataParallel in a process of a launched job (NCCL, `cuda:LOCAL_RANK`, 256
+/// samples per GPU; samples_per_s counts every rank's), `dp_*` in DataParallel over every
+/// visible GPU in this process (256 × GPUs samples per step).
+fn multi_gpu(name: &str) -> Result<Map<String, Value>> {
+    use ember::distributed::{self as dist, BackendKind, DdpOptions, DistributedDataParallel, InitOptions};
+    use ember::nn::DataParallel;
+    let cnn = name.ends_with("_cnn");
+    let build = move |d: Device| -> Result<Box<dyn Forward>> {
+        Ok(if cnn {
+            Box::new(models::Cnn::new(3, 16, 32, d)?)
+        } else {
+            Box::new(models::LinearStack::new(&[10000, 5000, 2000, 10], d)?)
+        })
+    };
+    let per_gpu: Vec<usize> = if cnn {
+        vec![256, 3, 28, 28]
+    } else {
+        vec![256, 10000]
+    };
+    if name.starts_with("dp_") {
+        let gpus = cuda::device_count();
+        let mut shape = per_gpu.clone();
+        shape[0] *= gpus.max(1);
+        let devices: Vec<Device> = (0..gpus).map(Device::Cuda).collect();
+        let wrap = move |d: Device| -> Result<Box<dyn Forward>> {
+            Ok(if cnn {
+                Box::new(DataParallel::with_devices(
+                    models::Cnn::new(3, 16, 32, d)?,
+                    devices,
+                )?)
+            } else {
+                Box::new(DataParallel::with_devices(
+                    models::LinearStack::new(&[10000, 5000, 2000, 10], d)?,
+                    devices,
+                )?)
+            })
+        };
+        let mut c = Classifier::new(Device::Cuda(0), wrap, &shape, 10, None)?;
+        // samples_per_s: the whole batch of every GPU; world_size: the GPUs.
+        c.batch = per_gpu[0];
+        c.world = gpus.max(1);
+        return c.run_eager(name);
+    }
+    let world = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|w| w.parse::<usize>().ok());
+    let Some(world) = world else {
+        return Err(ember::Error::invalid(
+            "ember bench",
+            format!("{name} runs in a launched job: ember-run --standalone --nproc-per-node N ember bench --only {name}"),
+        ));
+    };
+    let local = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|r| r.parse::<usize>().ok())
+        .unwrap_or(0);
+    if !dist::is_initialized() {
+        dist::init_process_group(InitOptions::new(BackendKind::Nccl))?;
+    }
+    let device = Device::Cuda(local);
+    let _guard = cuda::DeviceGuard::new(local)?;
+    let wrap = move |d: Device| -> Result<Box<dyn Forward>> {
+        Ok(Box::new(DistributedDataParallel::new(
+            build(d)?,
+            DdpOptions::new(),
+        )?))
+    };
+    let mut c = Classifier::new(device, wrap, &per_gpu, 10, None)?;
+    c.world = world;
+    c.run_eager(name)
+}
+
 fn matmul_bf16(device: Device) -> Result<Map<String, Value>> {
     let n = 8192usize;
     let a = Tensor::randn([n, n], DType::BF16, device)?;
@@ -355,6 +447,10 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
         }
         "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
         "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
+        "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name),
+        "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
+            return Err("the multi-GPU workloads run on CUDA devices only".into())
+        }
         "matmul_bf16_8192" if gpu => matmul_bf16(device),
         "add_f32_256M" if gpu => add_f32(device),
         "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
@@ -381,7 +477,7 @@ pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String>
         WORKLOADS
             .iter()
             .copied()
-            .filter(|n| !REFERENCE_ONLY.contains(n))
+            .filter(|n| !only_when_named(n))
             .collect()
     } else {
         only.iter().map(String::as_str).collect()
@@ -390,6 +486,11 @@ pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String>
         Device::Cuda(i) => cuda::get_device_name(i).unwrap_or_else(|_| "unknown".into()),
         Device::Cpu => "cpu".into(),
     };
+    // In a launched job (the ddp_* workloads) rank 0 alone prints.
+    let rank = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse::<usize>().ok())
+        .unwrap_or(0);
     for name in names {
         eprintln!("ember bench: {name} on {device}");
         let mut line = run(name, device).unwrap_or_else(|e| {
@@ -405,7 +506,9 @@ pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String>
             json!(if device == Device::Cpu { "cpu" } else { "cuda" }),
         );
         line.insert("device_name".into(), json!(device_name));
-        println!("{}", Value::Object(line));
+        if rank == 0 {
+            println!("{}", Value::Object(line));
+        }
     }
     Ok(())
 }

@@ -34,10 +34,41 @@ pub fn mlp(sizes: &[usize], flatten: bool, device: Device) -> Result<Sequential>
     Ok(seq)
 }
 
+/// [`mlp`]'s layers (no flatten) as a cloneable struct, for `nn::DataParallel`, which copies
+/// the module to every device (`Sequential` holds boxed layers and cannot be cloned). Same
+/// layers, drawn in the same order; the state dict names them `layers.0`, `layers.1`, ...
+#[derive(Module, Clone)]
+pub struct LinearStack {
+    layers: Vec<Linear>,
+}
+
+impl LinearStack {
+    pub fn new(sizes: &[usize], device: Device) -> Result<LinearStack> {
+        let layers = sizes
+            .windows(2)
+            .map(|w| Linear::new(w[0], w[1], device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LinearStack { layers })
+    }
+}
+
+impl Forward for LinearStack {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i > 0 {
+                x = x.relu()?;
+            }
+            x = layer.forward(&x)?;
+        }
+        Ok(x)
+    }
+}
+
 /// The PyTorch tutorial's two-conv CNN (`CNN` of `torch_reference.py`) for `[N, cin, 28, 28]`
 /// inputs: conv(cin->c1) ReLU pool, conv(c1->c2) ReLU pool, flatten, Linear(c2·7·7, 128) ReLU
 /// Linear(128, 10); state-dict names `conv1.weight`, ..., `fc2.bias` as PyTorch's.
-#[derive(Module)]
+#[derive(Module, Clone)]
 pub struct Cnn {
     conv1: Conv2d,
     pool1: MaxPool2d,

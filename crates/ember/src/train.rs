@@ -7,7 +7,8 @@
 //!
 //! With `--cuda-graph` (GPU only) the training step is captured into a CUDA graph after a few
 //! eager warm-up steps and replayed for every full batch (Note [Graphed training step] in
-//! `train/graph.rs`).
+//! `train/graph.rs`). With `--profile DIR` the profiler records steps 3 to 5 and writes the op
+//! table and a chrome trace into DIR (`train/profile.rs`).
 //!
 //! Checkpoint format: one safetensors file, written atomically (a new file renamed over the
 //! old, so a kill -9 leaves the previous checkpoint or the new one, never half of one) after
@@ -31,13 +32,16 @@
 //! deterministic; on a GPU, with deterministic algorithms). `tests/cli.rs` kills runs with
 //! SIGKILL at random points and checks this.
 
+mod dist;
 mod graph;
+mod profile;
 
 use crate::models;
 use clap::{Args, ValueEnum};
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::data::datasets::FashionMnist;
-use ember::data::{DataLoader, TensorDataset};
+use ember::data::{DataLoader, DistributedSampler, TensorDataset};
+use ember::distributed::{DdpOptions, DistributedDataParallel};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::state_dict::{load_tensors, save_tensors};
 use ember::nn::{CrossEntropyLoss, Forward, ModuleExt};
@@ -46,6 +50,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The embedded t10k split (gzipped IDX files, 4.4 MB).
@@ -165,6 +170,17 @@ pub struct TrainArgs {
     /// and the evaluation run eagerly.
     #[arg(long)]
     cuda_graph: bool,
+    /// Profile training steps 3 to 5 (torch.profiler's schedule(wait=1, warmup=1, active=3)),
+    /// CPU and CUDA ops with shapes and memory, and write the op table
+    /// (DIR/key_averages.txt) and a chrome trace (DIR/trace.json) into DIR.
+    #[arg(long, value_name = "DIR")]
+    profile: Option<PathBuf>,
+    /// Train data-parallel in N processes on this machine (torchrun's flag): each process
+    /// takes one GPU (cuda:LOCAL_RANK) or the CPU, its share of every epoch and
+    /// --batch-size samples per step; gradients are averaged by DistributedDataParallel. Rank 0
+    /// prints and writes checkpoints.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    nproc_per_node: usize,
 }
 
 /// `--amp`: the autocast dtype.
@@ -359,7 +375,10 @@ fn save_checkpoint(
     let mut state: Vec<(String, Tensor)> = model
         .state_dict()
         .into_iter()
-        .map(|(k, t)| (format!("model.{k}"), t))
+        // A DistributedDataParallel wrapper names its module's tensors `module.*`: the file
+        // holds the module's own names, as PyTorch's `model.module.state_dict()`, so any run
+        // (one process or several) resumes from it.
+        .map(|(k, t)| (format!("model.{}", k.strip_prefix("module.").unwrap_or(&k)), t))
         .collect();
     state.extend(
         opt.state_dict()
@@ -494,7 +513,26 @@ fn progress_bar(len: usize, hidden: bool) -> ProgressBar {
 
 fn run(args: &TrainArgs) -> CliResult<()> {
     let started = Instant::now();
-    let device = pick_device(args.device.as_deref())?;
+    if args.nproc_per_node == 0 {
+        return Err("--nproc-per-node must be at least 1".into());
+    }
+    if args.nproc_per_node > 1 && std::env::var_os("RANK").is_none() {
+        return dist::launch(args.nproc_per_node);
+    }
+    let dist = dist::from_env()?;
+    let device = match (dist, pick_device(args.device.as_deref())?) {
+        // One GPU per worker, as torchrun's LOCAL_RANK convention.
+        (Some(d), Device::Cuda(_)) => pick_device(Some(&format!("cuda:{}", d.local_rank)))?,
+        (_, device) => device,
+    };
+    // Rank 0 (or the only process) prints, profiles and writes checkpoints.
+    let lead = dist.is_none_or(|d| d.rank == 0);
+    if let Some(d) = dist {
+        if args.cuda_graph {
+            return Err("--cuda-graph is not supported together with --nproc-per-node yet".into());
+        }
+        d.init(device)?;
+    }
     let kind = args.model.unwrap_or(match device {
         Device::Cuda(_) => ModelKind::Cnn,
         Device::Cpu => ModelKind::Mlp,
@@ -537,23 +575,46 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     }
     let done = resumed.epoch;
 
-    let loader = DataLoader::builder(train)
+    let builder = DataLoader::builder(train)
         .batch_size(args.batch_size)
-        .shuffle(true)
-        .generator(Generator::new(args.seed))
-        .pin_memory(device.is_cuda())
-        .build()?;
-    for _ in 0..done.min(args.epochs) {
-        drop(loader.iter()); // draws that epoch's permutation, so the order matches a full run
+        .pin_memory(device.is_cuda());
+    // A worker of a data-parallel job reads its share of each epoch; the sampler's permutation
+    // is a function of (seed, epoch), so a resumed run needs no replayed draws.
+    let sampler = match dist {
+        Some(d) => Some(Arc::new(
+            DistributedSampler::new(n_train, d.world, d.rank)?.seed(args.seed),
+        )),
+        None => None,
+    };
+    let loader = match &sampler {
+        Some(s) => builder.sampler(s.clone()).build()?,
+        None => builder
+            .shuffle(true)
+            .generator(Generator::new(args.seed))
+            .build()?,
+    };
+    if sampler.is_none() {
+        for _ in 0..done.min(args.epochs) {
+            drop(loader.iter()); // draws that epoch's permutation, so the order matches a full run
+        }
     }
+    // The model the steps run: wrapped in DistributedDataParallel in a data-parallel job
+    // (after any resume, so rank 0's loaded weights are what the wrapper broadcasts).
+    let model: Box<dyn Forward> = match dist {
+        Some(_) => Box::new(DistributedDataParallel::new(model, DdpOptions::new())?),
+        None => model,
+    };
     let say = |line: String| {
+        if !lead {
+            return;
+        }
         if args.json {
             eprintln!("{line}");
         } else {
             println!("{line}");
         }
     };
-    let hidden = args.json || !std::io::stderr().is_terminal();
+    let hidden = args.json || !lead || !std::io::stderr().is_terminal();
     if done >= args.epochs && resumed.step == 0 {
         say(format!(
             "checkpoint already has {done} epoch(s), --epochs is {}: nothing to train",
@@ -584,6 +645,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         ));
     }
 
+    let mut profiled = match &args.profile {
+        Some(dir) if lead => Some(profile::StepProfiler::start(dir, device)?),
+        _ => None,
+    };
+    let mut profile_written = None;
     let loss_fn = CrossEntropyLoss::new();
     let (mut train_s, mut samples, mut final_loss) = (0.0f64, 0usize, None);
     // Training steps run in this process (replays of a CUDA graph included).
@@ -592,8 +658,12 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     // device (kernel compiles on a fresh machine included).
     let mut first_step_s: Option<f64> = None;
     let mut test_acc = None;
+    let mut model = model;
     for epoch in done + 1..=args.epochs {
         opt.set_lr(args.lr_schedule.lr(args.lr, epoch, args.epochs));
+        if let Some(s) = &sampler {
+            s.set_epoch(epoch as u64 - 1);
+        }
         let bar = progress_bar(loader.len(), hidden);
         bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
         let t0 = Instant::now();
@@ -640,13 +710,31 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 }
                 first_step_s = Some(started.elapsed().as_secs_f64());
             }
+            if let Some(w) = profiled
+                .as_mut()
+                .map(profile::StepProfiler::step)
+                .transpose()?
+                .flatten()
+            {
+                say(format!(
+                    "profile of steps {}..={} written: {} and {}{}",
+                    profile::WAIT + profile::WARMUP + 1,
+                    profile::WAIT + profile::WARMUP + profile::ACTIVE,
+                    w.table.display(),
+                    w.trace.display(),
+                    w.gpu_timing
+                        .map_or(String::new(), |t| format!(" (GPU time from {t})"))
+                ));
+                profile_written = Some(w);
+                profiled = None;
+            }
             let n = batch[1].dims()[0];
             seen += n;
             trained += n;
             steps_run += 1;
             loss_sum = loss_sum.add(&loss.detach().mul_scalar(n as f64)?)?;
             bar.inc(1);
-            if let (Some(path), Some(every)) = (&args.checkpoint, args.checkpoint_every) {
+            if let (Some(path), Some(every), true) = (&args.checkpoint, args.checkpoint_every, lead) {
                 if (step + 1) % every == 0 && step + 1 < loader.len() {
                     // The running loss is folded into the f64 sum that the checkpoint holds,
                     // so a resumed epoch adds up the same values in the same order.
@@ -672,8 +760,14 @@ fn run(args: &TrainArgs) -> CliResult<()> {
                 bar.set_message(msg);
             }
         }
-        let epoch_seen = prior_seen + seen;
-        let loss = (prior_loss + loss_sum.item_f64()?) / epoch_seen.max(1) as f64;
+        let (mut epoch_loss, mut epoch_seen, mut trained) =
+            (prior_loss + loss_sum.item_f64()?, prior_seen + seen, trained);
+        if let Some(d) = dist {
+            // The job's loss and samples: every rank's, summed.
+            let all = d.sum(&[epoch_loss, epoch_seen as f64, trained as f64], device)?;
+            (epoch_loss, epoch_seen, trained) = (all[0], all[1] as usize, all[2] as usize);
+        }
+        let loss = epoch_loss / epoch_seen.max(1) as f64;
         let secs = t0.elapsed().as_secs_f64();
         bar.finish_and_clear();
         train_s += secs;
@@ -686,7 +780,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             args.epochs,
             trained as f64 / secs
         ));
-        if let Some(path) = &args.checkpoint {
+        if let Some(path) = args.checkpoint.as_ref().filter(|_| lead) {
             let pos = Position {
                 epoch,
                 ..Position::default()
@@ -698,11 +792,18 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         Some(a) => a,
         None => evaluate(&mut model, &test, device, args.amp)?,
     };
+    if let Some(mut p) = profiled.take() {
+        // Fewer steps than the schedule records: an error that says so.
+        profile_written = Some(p.finish()?);
+    }
     let graphed_steps = graphed.as_ref().map_or(0, graph::GraphedSteps::replays);
     if args.cuda_graph {
         say(format!(
             "CUDA graph: {graphed_steps} of {steps_run} training steps were replays"
         ));
+    }
+    if !lead {
+        return Ok(());
     }
     if args.json {
         let out = json!({
@@ -721,6 +822,12 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             "final_loss": final_loss,
             "cuda_graph": graphed_steps > 0,
             "graphed_steps": graphed_steps,
+            "world_size": dist.map_or(1, |d| d.world),
+            "profile": profile_written.as_ref().map(|w| json!({
+                "table": w.table.display().to_string(),
+                "trace": w.trace.display().to_string(),
+                "gpu_timing": w.gpu_timing,
+            })),
         });
         println!("{out}");
     } else {

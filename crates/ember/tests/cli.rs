@@ -97,6 +97,146 @@ fn train_mlp_one_epoch_beats_chance_by_far() {
 }
 
 #[test]
+fn train_profile_writes_the_op_table_and_a_trace_of_three_steps() {
+    let dir = scratch("train_profile");
+    let prof = dir.join("prof");
+    let v = train_json(&[
+        "--epochs",
+        "1",
+        "--limit-train",
+        "512",
+        "--batch-size",
+        "64",
+        "--profile",
+        prof.to_str().unwrap(),
+    ]);
+    let table = std::fs::read_to_string(prof.join("key_averages.txt")).unwrap();
+    for column in [
+        "Name",
+        "Self CPU %",
+        "CPU total",
+        "# of Calls",
+        "Self CPU time total",
+    ] {
+        assert!(table.contains(column), "{column} missing from\n{table}");
+    }
+    for op in ["linear", "LinearBackward0", "cross_entropy", "_fused_adam_"] {
+        assert!(table.contains(op), "{op} missing from\n{table}");
+    }
+    assert_eq!(
+        v["profile"]["table"],
+        prof.join("key_averages.txt").to_str().unwrap(),
+        "{v}"
+    );
+    // The trace holds exactly the three active steps (ProfilerStep#2..#4 after one skipped
+    // and one warm-up step), and each linear op once per step (the MLP has three).
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(prof.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let named = |n: &str| events.iter().filter(|e| e["name"] == n && e["ph"] == "X").count();
+    let steps: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .filter(|n| n.starts_with("ProfilerStep#"))
+        .collect();
+    assert_eq!(
+        steps,
+        ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"],
+        "{steps:?}"
+    );
+    assert_eq!(named("linear"), 9);
+    // A run too short for the schedule is an error that says so.
+    let out = ember(&[
+        "train",
+        "--epochs",
+        "1",
+        "--limit-train",
+        "128",
+        "--batch-size",
+        "64",
+        "--profile",
+        prof.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--profile") && err.contains("only 2"), "{err}");
+}
+
+/// The JSON report of rank 0 in a data-parallel run's output (`[rank0]: {...}`); asserts that
+/// no other rank printed one.
+fn rank0_report(out: &std::process::Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let reports: Vec<&str> = stdout.lines().filter(|l| l.contains("]: {")).collect();
+    assert_eq!(reports.len(), 1, "one report, rank 0's: {stdout}");
+    let json = reports[0].strip_prefix("[rank0]: ").expect("rank 0 reports");
+    serde_json::from_str(json).unwrap()
+}
+
+#[test]
+fn train_data_parallel_in_two_processes_and_resume_in_one() {
+    let dir = scratch("train_ddp");
+    let ckpt = dir.join("ddp.safetensors");
+    let c = ckpt.to_str().unwrap();
+    let args = [
+        "train",
+        "--device",
+        "cpu",
+        "--nproc-per-node",
+        "2",
+        "--json",
+        "--epochs",
+        "1",
+    ];
+    let out = ember(
+        &[
+            &args[..],
+            &["--limit-train", "2048", "--batch-size", "64", "--checkpoint", c],
+        ]
+        .concat(),
+    );
+    let v = rank0_report(&out);
+    assert_eq!(v["world_size"], 2, "{v}");
+    // Both ranks' samples: the epoch covered the 2,048 once between them.
+    assert_eq!(v["samples"], 2048, "{v}");
+    assert!(v["test_acc"].as_f64().unwrap() > 0.5, "{v}");
+    // Rank 0 wrote the checkpoint under the module's own names: one process resumes from it.
+    let resumed = train_json(&[
+        "--epochs",
+        "2",
+        "--limit-train",
+        "2048",
+        "--checkpoint",
+        c,
+        "--resume",
+    ]);
+    assert_eq!(resumed["start_epoch"], 2, "{resumed}");
+    assert!(resumed["test_acc"].as_f64().unwrap() > 0.5, "{resumed}");
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn train_data_parallel_on_two_gpus() {
+    let out = ember(&[
+        "train",
+        "--device",
+        "cuda",
+        "--nproc-per-node",
+        "2",
+        "--json",
+        "--epochs",
+        "2",
+        "--model",
+        "cnn",
+    ]);
+    let v = rank0_report(&out);
+    assert_eq!(v["world_size"], 2, "{v}");
+    assert_eq!(v["device"], "cuda:0", "{v}");
+    assert!(v["test_acc"].as_f64().unwrap() > 0.75, "{v}");
+}
+
+#[test]
 fn train_checkpoint_is_written_and_resumed_at_the_next_epoch() {
     let dir = scratch("train_checkpoint");
     let ckpt = dir.join("mlp.safetensors");

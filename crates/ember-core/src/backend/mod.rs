@@ -168,8 +168,8 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     /// The negative log-likelihood of the `[m, c]` log-probability rows `self` at the `[m]`
     /// class indices `target` (int64 or int32), weighted by the `[c]` class `weight` when given
     /// (same dtype as `self`): `(loss, total_weight)`, one element each in `self`'s dtype, where
-    /// loss = Σ -w[t]·self[i, t] over the rows whose target is not `ignore_index`, divided by
-    /// total_weight = Σ w[t] over them when `mean`. A target outside `0..c` (other than
+    /// loss = `Σ -w[t]·self[i, t]` over the rows whose target is not `ignore_index`, divided by
+    /// total_weight = `Σ w[t]` over them when `mean`. A target outside `0..c` (other than
     /// `ignore_index`) is an [`crate::Error::IndexOutOfRange`] of `nll_loss` (on a GPU reported
     /// at the next synchronizing call).
     fn nll_loss_forward(
@@ -180,7 +180,7 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         ignore_index: i64,
         mean: bool,
     ) -> Result<(Self, Self)>;
-    /// The `[m, c]` gradient of that loss for its (one-element) gradient `self`: -w[t]·g, divided
+    /// The `[m, c]` gradient of that loss for its (one-element) gradient `self`: `-w[t]·g`, divided
     /// by the forward's `total_weight` when `mean`, at each counted row's target; 0 elsewhere.
     fn nll_loss_backward(
         &self,

@@ -4,7 +4,7 @@
 //! before the trait's (`CpuStorage::binary(self, ..)` below is the kernel, not a recursion).
 
 use super::optim::{AdamScalars, AdamSlices, GradIn, OptimElement, SgdScalars, SgdSlices};
-use super::{amp, conv, optim, pool, random, CpuElement, CpuStorage};
+use super::{amp, conv, optim, pool, random, unary, CpuElement, CpuStorage};
 use crate::backend::{
     AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
     GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp,
@@ -288,6 +288,11 @@ impl BackendStorage for CpuStorage {
     ) -> Result<CpuStorage> {
         check_host_alloc("nll_loss_backward", mc.0.saturating_mul(mc.1), self.dtype())?;
         CpuStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
+    }
+
+    fn relu_backward(&self, grad_out: &CpuStorage, len: usize) -> Result<Option<CpuStorage>> {
+        check_host_alloc("relu_backward", len, self.dtype())?;
+        Ok(unary::relu_backward(self, grad_out, len))
     }
 
     fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CpuStorage> {

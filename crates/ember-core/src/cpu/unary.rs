@@ -10,7 +10,7 @@
 //! f32, see Note [Unary dtypes] in `ops/unary.rs`). `erf`/`erfc` come from `libm` (fdlibm's
 //! rational approximations, under 1 ulp in f64).
 
-use super::{gather_strided, CpuStorage, PAR_THRESHOLD};
+use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{UnaryOp, GELU_TANH_KAPPA};
 use crate::layout::Layout;
 use crate::{DType, Element, Result};
@@ -415,4 +415,27 @@ impl CpuStorage {
             },
         })
     }
+}
+
+/// ReLU's input gradient from its output `y` and the output gradient `g` (contiguous, `len`
+/// elements each, one float dtype): `g` where `y > 0`, else 0 (NaN in `y` gives 0, as
+/// PyTorch's `threshold_backward`); None for other dtypes.
+pub(crate) fn relu_backward(y: &CpuStorage, g: &CpuStorage, len: usize) -> Option<CpuStorage> {
+    fn run<T: CpuElement>(y: &[T], g: &[T]) -> Vec<T> {
+        let zero = T::zero();
+        let pick = |(&y, &g): (&T, &T)| if y > zero { g } else { zero };
+        if y.len() >= PAR_THRESHOLD {
+            y.par_iter().zip(g.par_iter()).map(pick).collect()
+        } else {
+            y.iter().zip(g).map(pick).collect()
+        }
+    }
+    use CpuStorage::*;
+    Some(match (y, g) {
+        (F32(y), F32(g)) => F32(run(&y[..len], &g[..len])),
+        (F64(y), F64(g)) => F64(run(&y[..len], &g[..len])),
+        (F16(y), F16(g)) => F16(run(&y[..len], &g[..len])),
+        (BF16(y), BF16(g)) => BF16(run(&y[..len], &g[..len])),
+        _ => return None,
+    })
 }

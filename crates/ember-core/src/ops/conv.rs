@@ -3,7 +3,7 @@
 //! `cpu/conv.rs`; CUDA: cuDNN) and records a backward that uses the backend's backward-data and
 //! backward-filter calls. The bias goes into the output through the backend's bias call where
 //! it has one (cuDNN's `cudnnAddTensor`), its gradient then being a sum over N and the spatial
-//! dims ([`bias_grad`]); elsewhere it is a broadcast addition with that addition's backward.
+//! dims (`bias_grad`); elsewhere it is a broadcast addition with that addition's backward.
 //! Where the backend does not run the problem (cuDNN missing or switched off with
 //! [`crate::backends::cudnn::set_enabled`], a size past cuDNN's limits, an integer dtype) the
 //! composite path of `conv_composite.rs` runs instead, with the same semantics. [`unfold`] is

@@ -91,7 +91,8 @@ fn nll_loss_prepared(
         SavedTensor::new(OP, &t),
         w.as_ref().map(|w| SavedTensor::new(OP, w)),
     );
-    Ok(autograd::record(OP, &[input], loss, move |g, _| {
+    // The node is PyTorch's NllLossBackward0.
+    Ok(autograd::record("nll_loss", &[input], loss, move |g, _| {
         let g = packed(&g.to_dtype(total.dtype())?)?;
         let t = ts.get()?;
         let w = ws.as_ref().map(SavedTensor::get).transpose()?;

@@ -9,6 +9,7 @@ mod attention_modules;
 mod autocast;
 mod checkpoint_modules;
 mod conformance;
+mod data_parallel;
 mod derive;
 mod functional;
 mod functional_loss;

@@ -1,0 +1,100 @@
+//! `DataParallel`: the batch split over devices, the module replicated, the replicas run on
+//! threads and the outputs gathered give the module's own output and, through backward, the
+//! full batch's gradients in the original parameters. On the CPU the "devices" are the CPU
+//! several times (the replicas then share the parameters, and every path of the wrapper but
+//! the copies runs); on two GPUs the replicas are copies on the second one.
+
+use crate::common::assert_close;
+use ember_core::{cuda, DType, Device, Error, Tensor};
+use ember_nn::{DataParallel, Forward, Linear, Module, ModuleExt};
+
+#[derive(Module, Clone)]
+struct Net {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Forward for Net {
+    fn forward(&self, x: &Tensor) -> ember_core::Result<Tensor> {
+        self.fc2.forward(&self.fc1.forward(x)?.relu()?)
+    }
+}
+
+fn net(device: Device) -> Net {
+    ember_core::manual_seed(5).unwrap();
+    let mut n = Net {
+        fc1: Linear::new(6, 16, Device::Cpu).unwrap(),
+        fc2: Linear::new(16, 3, Device::Cpu).unwrap(),
+    };
+    n.to_device(device).unwrap();
+    n
+}
+
+/// Output and parameter gradients of `model` on `x` (loss: the mean of the squared output).
+fn run(model: &dyn Forward, x: &Tensor) -> (Tensor, Vec<Tensor>) {
+    model.zero_grad().unwrap();
+    let y = model.forward(x).unwrap();
+    y.square().unwrap().mean_all().unwrap().backward().unwrap();
+    let grads = model.parameters().iter().map(|p| p.grad().unwrap()).collect();
+    (y.detach(), grads)
+}
+
+fn check(devices: Vec<Device>, rows: usize) {
+    let x = Tensor::randn([rows, 6], DType::F32, Device::Cpu).unwrap();
+    let single = net(devices[0]);
+    let (y0, g0) = run(&single, &x.to(devices[0]).unwrap());
+    let dp = DataParallel::with_devices(net(devices[0]), devices.clone()).unwrap();
+    let (y, g) = run(&dp, &x);
+    assert_eq!(y.device(), devices[0], "gathered on the first device");
+    assert_eq!(y.dims(), y0.dims());
+    assert_close(&y, &y0, 1e-5, 1e-6);
+    assert_eq!(g.len(), g0.len());
+    for (a, b) in g.iter().zip(&g0) {
+        assert_eq!(a.device(), devices[0]);
+        assert_close(a, b, 1e-5, 1e-6);
+    }
+    assert_eq!(dp.named_parameters()[0].0, "module.fc1.weight");
+}
+
+#[test]
+fn data_parallel_over_cpu_replicas_gives_the_full_batch_gradients() {
+    check(vec![Device::Cpu; 3], 10);
+    // Fewer rows than devices: as many chunks as rows.
+    check(vec![Device::Cpu; 3], 2);
+    // One device, and none: the module itself.
+    check(vec![Device::Cpu], 4);
+    let x = Tensor::randn([4, 6], DType::F32, Device::Cpu).unwrap();
+    let dp = DataParallel::with_devices(net(Device::Cpu), []).unwrap();
+    assert_close(
+        &dp.forward(&x).unwrap(),
+        &net(Device::Cpu).forward(&x).unwrap(),
+        0.0,
+        0.0,
+    );
+}
+
+#[test]
+fn data_parallel_argument_errors() {
+    // The module must be on the first device.
+    if cuda::is_available() {
+        let e = DataParallel::with_devices(net(Device::Cpu), [Device::Cuda(0)]).unwrap_err();
+        assert!(e.to_string().contains("device_ids[0]"), "{e}");
+    }
+    // A batch of different width is the module's own error, from the replica's thread.
+    let dp = DataParallel::with_devices(net(Device::Cpu), vec![Device::Cpu; 2]).unwrap();
+    let bad = Tensor::randn([4, 5], DType::F32, Device::Cpu).unwrap();
+    assert!(matches!(dp.forward(&bad), Err(Error::ShapeMismatch { .. })));
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn data_parallel_over_two_gpus_gives_the_full_batch_gradients() {
+    assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
+    check(vec![Device::Cuda(0), Device::Cuda(1)], 64);
+    check(vec![Device::Cuda(0), Device::Cuda(1)], 1);
+    // Module on cuda:1, devices [1, 0]: gathered on cuda:1.
+    check(vec![Device::Cuda(1), Device::Cuda(0)], 9);
+    // The module not on device_ids[0] is an error naming it.
+    let e = DataParallel::with_devices(net(Device::Cuda(0)), [Device::Cuda(1), Device::Cuda(0)]).unwrap_err();
+    assert!(e.to_string().contains("device_ids[0]"), "{e}");
+}
