@@ -230,8 +230,8 @@ fn nccl_work_wait_orders_the_current_stream_without_a_host_wait() {
         let before = cuda::host_sync_count();
         let work = pg.all_reduce_async(&x, ReduceOp::Sum).unwrap();
         work.wait().unwrap();
-        let y = (&x * 3.0).unwrap(); // queued after the all_reduce on the current stream
         assert_eq!(cuda::host_sync_count(), before, "wait() must not block the host");
+        let y = (&x * 3.0).unwrap(); // queued after the all_reduce on the current stream
         assert!(y.to_vec::<f32>().unwrap().iter().all(|&v| v == 6.0));
     });
 }

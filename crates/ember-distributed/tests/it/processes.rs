@@ -89,6 +89,22 @@ fn worker_entry() {
             }
             println!("nccl ddp worker {rank} of {n}: ok");
         }
+        "nccl_dead_peer" => {
+            let dev: usize = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
+            if rank == n - 1 {
+                std::process::exit(7);
+            }
+            // The all_reduce cannot finish: the watchdog aborts it after the group timeout
+            // (20 s) at the latest, so the host read returns and the next operation fails.
+            let start = Instant::now();
+            let x = Tensor::from_vec(vec![1.0f32; 4096], 4096, Device::Cuda(dev)).unwrap();
+            let outcome = dist::all_reduce(&x, dist::ReduceOp::Sum)
+                .and_then(|_| x.to_vec::<f32>())
+                .and_then(|_| dist::barrier());
+            let e = outcome.unwrap_err();
+            println!("survivor {rank} got an error after {:?}: {e}", start.elapsed());
+            assert!(start.elapsed() < Duration::from_secs(40));
+        }
         other => panic!("unknown scenario {other}"),
     }
     dist::destroy_process_group();
@@ -223,4 +239,52 @@ fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
             );
         }
     }
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
+    let gpus = if ember_core::cuda::is_available() {
+        ember_core::cuda::device_count()
+    } else {
+        0
+    };
+    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let n = 2;
+    let args = worker_args();
+    let start = Instant::now();
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            Command::new(&args[0])
+                .args(&args[1..])
+                .env(SCENARIO, "nccl_dead_peer")
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
+    assert!(!outs[n - 1].status.success(), "the last rank exits with an error");
+    let stdout = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(
+        outs[0].status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&outs[0].stderr)
+    );
+    assert!(stdout.contains("got an error"), "{stdout}");
 }
