@@ -12,10 +12,10 @@
 //! (timeout, a peer that died) leaves the backend broken: that operation and every later one
 //! fail with an error saying so, the way PyTorch aborts a communicator.
 //!
-//! A CPU backend completes its work on host threads ([`Work::wait`] blocks); an NCCL backend
-//! will enqueue on a per-device communication stream and complete a `Work` by making the
-//! caller's current stream wait on an event, so `wait` does not block the host there. That is
-//! why `Work` wraps a trait object: each backend brings its own notion of done.
+//! A CPU backend completes its work on host threads ([`Work::wait`] blocks); the NCCL backend
+//! ([`crate::nccl`]) enqueues on the group's communication stream and completes a `Work` by
+//! making the caller's current stream wait on an event, so `wait` does not block the host
+//! there. That is why `Work` wraps a trait object: each backend brings its own notion of done.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;

@@ -29,6 +29,7 @@ use ember_core::{Error, Result, Tensor};
 
 use crate::backend::{Backend, ReduceOp, Work};
 use crate::cpu_backend::CpuBackend;
+use crate::nccl::NcclBackend;
 use crate::rendezvous;
 use crate::store::{PrefixStore, Store, TcpStore, DEFAULT_TIMEOUT};
 
@@ -39,7 +40,7 @@ pub enum BackendKind {
     /// is accepted too) so programs port unchanged. It also takes CUDA tensors, through host
     /// copies.
     Gloo,
-    /// NCCL, for CUDA tensors (not built yet: a later part of the multi-GPU work).
+    /// NCCL, for CUDA tensors on the group's device (see [`crate::nccl`]).
     Nccl,
 }
 
@@ -68,7 +69,8 @@ impl std::fmt::Display for BackendKind {
 
 impl BackendKind {
     /// Creates this backend for a group, meeting the peers through `store` (already prefixed
-    /// for the group). The one place where backends are chosen.
+    /// for the group); NCCL's communicator goes on `cuda:{device}`. The one place where
+    /// backends are chosen.
     fn create(
         self,
         store: &dyn Store,
@@ -76,13 +78,11 @@ impl BackendKind {
         size: usize,
         timeout: Duration,
         ip: IpAddr,
+        device: usize,
     ) -> Result<Arc<dyn Backend>> {
         match self {
             BackendKind::Gloo => Ok(Arc::new(CpuBackend::new(store, rank, size, timeout, ip)?)),
-            BackendKind::Nccl => Err(Error::invalid(
-                "init_process_group",
-                "the NCCL backend is not available in this build yet; use BackendKind::Gloo (\"gloo\")",
-            )),
+            BackendKind::Nccl => Ok(Arc::new(NcclBackend::new(store, rank, size, timeout, device)?)),
         }
     }
 }
@@ -100,6 +100,10 @@ pub struct InitOptions {
     pub timeout: Duration,
     /// A store to meet through instead of the one `init_method` names (PyTorch's `store=`).
     pub store: Option<Arc<dyn Store>>,
+    /// The CUDA device of an NCCL group (PyTorch's `device_id`); by default `LOCAL_RANK` (or
+    /// `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), else the rank modulo the device count.
+    /// Subgroups use their parent's device. The CPU backend ignores it.
+    pub device_id: Option<usize>,
 }
 
 impl InitOptions {
@@ -111,6 +115,7 @@ impl InitOptions {
             rank: None,
             timeout: DEFAULT_TIMEOUT,
             store: None,
+            device_id: None,
         }
     }
     pub fn init_method(mut self, m: impl Into<String>) -> Self {
@@ -133,6 +138,10 @@ impl InitOptions {
         self.store = Some(s);
         self
     }
+    pub fn device_id(mut self, cuda_index: usize) -> Self {
+        self.device_id = Some(cuda_index);
+        self
+    }
 }
 
 /// A group of ranks and the backend that connects them (`ProcessGroup`). Cheap to clone.
@@ -152,6 +161,8 @@ struct GroupInner {
     ip: IpAddr,
     /// Which world group on this store this one descends from (Note [Group key prefixes]).
     generation: i64,
+    /// The CUDA device of an NCCL group's communicator (0 and unused for the CPU backend).
+    device: usize,
     /// Groups created from this one so far (Note [Group creation is collective]).
     created: AtomicUsize,
 }
@@ -173,7 +184,9 @@ impl ProcessGroup {
     /// A group of `world_size` ranks meeting through `store`, this process being `rank`
     /// (global ranks = group ranks). [`init_process_group`] makes one of these the default
     /// group; this constructor is for groups held by the caller (e.g. ranks as threads). The
-    /// CPU backend listens on [`Store::local_ip`] (localhost when the store does not say).
+    /// CPU backend listens on [`Store::local_ip`] (localhost when the store does not say). An
+    /// NCCL group uses `cuda:{LOCAL_RANK}`, else `cuda:{rank % device_count}`; choose with
+    /// [`ProcessGroup::on_device`].
     pub fn new(
         kind: BackendKind,
         store: Arc<dyn Store>,
@@ -187,8 +200,34 @@ impl ProcessGroup {
                 format!("rank {rank} is not in a world of {world_size} process(es)"),
             ));
         }
+        let device = match kind {
+            BackendKind::Gloo => 0,
+            BackendKind::Nccl => {
+                let local = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok());
+                crate::nccl::group_device(None, local, rank)?
+            }
+        };
+        ProcessGroup::on_device(kind, store, rank, world_size, timeout, device)
+    }
+
+    /// [`ProcessGroup::new`] with the CUDA device an NCCL group uses (`cuda:{device}`; e.g.
+    /// ranks as threads of one process, one GPU each). The CPU backend ignores it.
+    pub fn on_device(
+        kind: BackendKind,
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        device: usize,
+    ) -> Result<ProcessGroup> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::invalid(
+                "ProcessGroup::new",
+                format!("rank {rank} is not in a world of {world_size} process(es)"),
+            ));
+        }
         let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
-        ProcessGroup::with_ip(kind, store, rank, world_size, timeout, ip)
+        ProcessGroup::with_ip(kind, store, rank, world_size, timeout, ip, device)
     }
 
     fn with_ip(
@@ -198,11 +237,12 @@ impl ProcessGroup {
         world_size: usize,
         timeout: Duration,
         ip: IpAddr,
+        device: usize,
     ) -> Result<ProcessGroup> {
         // Note [Group key prefixes]: the k-th world group this rank creates on this store.
         let generation = store.add(&format!("generation/{rank}"), 1)?;
         let prefixed = PrefixStore::new(format!("g{generation}/pg0"), store.clone());
-        let backend = kind.create(&prefixed, rank, world_size, timeout, ip)?;
+        let backend = kind.create(&prefixed, rank, world_size, timeout, ip, device)?;
         Ok(ProcessGroup {
             inner: Arc::new(GroupInner {
                 backend,
@@ -212,6 +252,7 @@ impl ProcessGroup {
                 timeout,
                 ip,
                 generation,
+                device,
                 created: AtomicUsize::new(0),
             }),
         })
@@ -230,6 +271,16 @@ impl ProcessGroup {
     /// The backend's kind.
     pub fn backend(&self) -> BackendKind {
         self.inner.kind
+    }
+
+    /// Where this group's tensors live: the CPU for the CPU backend, the communicator's GPU
+    /// for NCCL (which takes tensors of that device only). Small tensors a caller exchanges
+    /// for bookkeeping (DDP's bucket order, its used-parameter flags) are made here.
+    pub fn device(&self) -> ember_core::Device {
+        match self.inner.kind {
+            BackendKind::Gloo => ember_core::Device::Cpu,
+            BackendKind::Nccl => ember_core::Device::Cuda(self.inner.device),
+        }
     }
 
     /// The global ranks of the members, in group-rank order.
@@ -290,10 +341,14 @@ impl ProcessGroup {
             format!("g{}/pg{n}", self.inner.generation),
             self.inner.store.clone(),
         );
-        let backend =
-            self.inner
-                .kind
-                .create(&prefixed, rank, ranks.len(), self.inner.timeout, self.inner.ip)?;
+        let backend = self.inner.kind.create(
+            &prefixed,
+            rank,
+            ranks.len(),
+            self.inner.timeout,
+            self.inner.ip,
+            self.inner.device,
+        )?;
         Ok(Some(ProcessGroup {
             inner: Arc::new(GroupInner {
                 backend,
@@ -303,6 +358,7 @@ impl ProcessGroup {
                 timeout: self.inner.timeout,
                 ip: self.inner.ip,
                 generation: self.inner.generation,
+                device: self.inner.device,
                 created: AtomicUsize::new(0),
             }),
         }))
@@ -511,31 +567,45 @@ pub fn init_process_group_with_env(options: InitOptions, env: &dyn Fn(&str) -> O
     if is_initialized() {
         return Err(already());
     }
-    let (store, rank, world_size, ip): (Arc<dyn Store>, usize, usize, IpAddr) = match options.store {
-        Some(store) => {
-            let (Some(rank), Some(ws)) = (options.rank, options.world_size) else {
-                return Err(Error::invalid(
-                    "init_process_group",
-                    "with a store, pass rank and world_size too",
-                ));
-            };
-            let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            (store, rank, ws, ip)
-        }
-        None => {
-            let rv = rendezvous::resolve(&options.init_method, options.rank, options.world_size, env)?;
-            let store = TcpStore::new(&rv.master_addr, rv.master_port, rv.rank == 0, options.timeout)?;
-            let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            (Arc::new(store), rv.rank, rv.world_size, ip)
-        }
-    };
+    let (store, rank, world_size, ip, local_rank): (Arc<dyn Store>, usize, usize, IpAddr, Option<usize>) =
+        match options.store {
+            Some(store) => {
+                let (Some(rank), Some(ws)) = (options.rank, options.world_size) else {
+                    return Err(Error::invalid(
+                        "init_process_group",
+                        "with a store, pass rank and world_size too",
+                    ));
+                };
+                let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
+                let local = env("LOCAL_RANK").and_then(|v| v.parse().ok());
+                (store, rank, ws, ip, local)
+            }
+            None => {
+                let rv = rendezvous::resolve(&options.init_method, options.rank, options.world_size, env)?;
+                let store = TcpStore::new(&rv.master_addr, rv.master_port, rv.rank == 0, options.timeout)?;
+                let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
+                (Arc::new(store), rv.rank, rv.world_size, ip, rv.local_rank)
+            }
+        };
     if world_size == 0 || rank >= world_size {
         return Err(Error::invalid(
             "init_process_group",
             format!("rank {rank} is not in a world of {world_size} process(es)"),
         ));
     }
-    let group = ProcessGroup::with_ip(options.backend, store, rank, world_size, options.timeout, ip)?;
+    let device = match options.backend {
+        BackendKind::Gloo => 0,
+        BackendKind::Nccl => crate::nccl::group_device(options.device_id, local_rank, rank)?,
+    };
+    let group = ProcessGroup::with_ip(
+        options.backend,
+        store,
+        rank,
+        world_size,
+        options.timeout,
+        ip,
+        device,
+    )?;
     let mut slot = default_slot();
     if slot.is_some() {
         group.shutdown();

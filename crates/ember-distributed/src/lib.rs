@@ -7,6 +7,7 @@
 //! - [`backend`]: the [`Backend`] trait a library implements to move bytes, [`ReduceOp`],
 //!   and the [`Work`] handle of an asynchronous operation.
 //! - [`cpu_backend`]: ember's CPU backend over TCP ("gloo").
+//! - [`nccl`]: the NCCL backend for CUDA tensors, NCCL loaded at run time.
 //! - [`group`]: [`ProcessGroup`] and the default group's functions ([`init_process_group`],
 //!   [`all_reduce`], [`new_group`], ...), re-exported here as in `torch.distributed`.
 //! - [`launch`]: the launcher behind the `ember-run` program (torchrun's flags).
@@ -41,7 +42,9 @@
 //! # Ok(())
 //! # }
 //! ```
-#![forbid(unsafe_code)]
+// Unsafe code lives only in the NCCL backend's FFI edge (`nccl/library.rs`, `nccl/comm.rs`
+// and the calls in `nccl/mod.rs`), each use allowed where it is.
+#![deny(unsafe_code)]
 
 pub mod backend;
 mod buffer;
@@ -49,6 +52,7 @@ pub mod cpu_backend;
 pub mod ddp;
 pub mod group;
 pub mod launch;
+pub mod nccl;
 pub mod rendezvous;
 pub mod store;
 mod wire;
@@ -62,4 +66,5 @@ pub use group::{
     init_process_group_with_env, irecv, is_initialized, isend, new_group, recv, reduce_scatter,
     reduce_scatter_async, send, BackendKind, InitOptions, ProcessGroup,
 };
+pub use nccl::NcclBackend;
 pub use store::{PrefixStore, Store, TcpStore};

@@ -70,7 +70,7 @@ pub use graph::{
 pub use graphed::{make_graphed_callables, Callable, GraphedCallable, GraphedOptions};
 pub use kernel_units::Unit;
 pub use kernels::Module;
-pub use libraries::{library_report, LibraryStatus};
+pub use libraries::{library_report, nccl_candidates, LibraryStatus};
 pub use memory::{
     caching_allocator_alloc, caching_allocator_delete, dump_snapshot, empty_cache, max_memory_allocated,
     max_memory_reserved, mem_get_info, memory_allocated, memory_reserved, memory_snapshot, memory_stats,

@@ -18,7 +18,10 @@
 //!
 //! Every rank must run the same sequence of synchronizing forward/backward passes. Parameters
 //! that do not require grad are left out of the reduction. Move the module to its device
-//! before wrapping it: the buckets are made on the parameters' devices.
+//! before wrapping it: the buckets are made on the parameters' devices. DDP uses only the
+//! group's [`crate::Backend`]: over NCCL the parameters must be on the group's GPU
+//! ([`crate::ProcessGroup::device`]), and a bucket's `wait` orders the current stream after
+//! the all-reduce without blocking the host, so the copies into `.grad` queue behind it.
 
 mod reducer;
 
@@ -362,7 +365,7 @@ fn verify_param_shape_across_processes<M: Module>(group: &ProcessGroup, module: 
     let hash = hash & 0x3fff_ffff_ffff; // non-negative, so its negation cannot overflow
     let mine = [params.len() as i64, numel, hash];
     let both: Vec<i64> = mine.iter().copied().chain(mine.iter().map(|v| -v)).collect();
-    let t = Tensor::from_vec(both, 6, Device::Cpu)?;
+    let t = Tensor::from_vec(both, 6, Device::Cpu)?.to(group.device())?;
     group.all_reduce(&t, ReduceOp::Max)?;
     let v = t.to_vec::<i64>()?;
     if (0..3).any(|i| v[i] != -v[i + 3]) {

@@ -275,7 +275,7 @@ impl Reducer {
         let globally_used = if self.find_unused_parameters {
             let used: Vec<i32> = st.locally_used.iter().map(|&u| u as i32).collect();
             let n = used.len();
-            let used = Tensor::from_vec(used, n, Device::Cpu)?;
+            let used = Tensor::from_vec(used, n, Device::Cpu)?.to(self.group.device())?;
             self.group.all_reduce(&used, ReduceOp::Max)?;
             Some(
                 used.to_vec::<i32>()?
@@ -333,7 +333,8 @@ impl Reducer {
             order.iter().map(|&i| i as i64).collect::<Vec<i64>>(),
             n,
             Device::Cpu,
-        )?;
+        )?
+        .to(self.group.device())?;
         self.group.broadcast(&shared, self.group.global_rank(0)?)?;
         order = shared.to_vec::<i64>()?.into_iter().map(|i| i as usize).collect();
         let assignment = compute_bucket_assignment_by_size(&self.params, &order, &self.limits, false);

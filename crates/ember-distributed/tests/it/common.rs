@@ -7,6 +7,19 @@ use ember_core::{DType, Device, Tensor};
 use ember_distributed::{BackendKind, ProcessGroup, ReduceOp, Store, TcpStore};
 use half::{bf16, f16};
 
+/// The `ember-run` program: where cargo built it, else beside this test binary (test binaries
+/// run on another machine from one folder, as `crates/ember/tests/cli.rs` does for `ember`).
+pub fn ember_run() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_ember-run"));
+    if built.exists() {
+        return built;
+    }
+    let here = std::env::current_exe().expect("the test binary has a path");
+    here.parent()
+        .expect("the test binary sits in a folder")
+        .join("ember-run")
+}
+
 /// Runs `f` as `n` ranks, each a thread with its own store client and process group.
 pub fn run_ranks<T: Send>(n: usize, timeout: Duration, f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
     let master = TcpStore::new("127.0.0.1", 0, true, timeout).unwrap();

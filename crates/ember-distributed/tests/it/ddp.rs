@@ -63,12 +63,23 @@ fn values<M: Module + ?Sized>(m: &M) -> Vec<Vec<f64>> {
 }
 
 pub(crate) fn assert_close(a: &[Option<Vec<f64>>], b: &[Option<Vec<f64>>], what: &str) {
+    assert_close_tol(a, b, 1e-12, 1e-9, what);
+}
+
+/// [`assert_close`] within `atol + rtol * |expected|`.
+pub(crate) fn assert_close_tol(
+    a: &[Option<Vec<f64>>],
+    b: &[Option<Vec<f64>>],
+    atol: f64,
+    rtol: f64,
+    what: &str,
+) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         let (x, y) = (x.as_ref().expect(what), y.as_ref().expect(what));
         for (u, v) in x.iter().zip(y) {
             assert!(
-                (u - v).abs() <= 1e-12 + 1e-9 * v.abs(),
+                (u - v).abs() <= atol + rtol * v.abs(),
                 "{what}: parameter {i}: {u} vs {v}"
             );
         }
@@ -110,9 +121,21 @@ pub(crate) fn ddp_run(
     steps: usize,
     rows: usize,
 ) -> Vec<Vec<Option<Vec<f64>>>> {
+    ddp_run_on(pg, options, steps, rows, CPU)
+}
+
+/// [`ddp_run`] with the model and each rank's data on `device`.
+pub(crate) fn ddp_run_on(
+    pg: ProcessGroup,
+    options: DdpOptions,
+    steps: usize,
+    rows: usize,
+    device: Device,
+) -> Vec<Vec<Option<Vec<f64>>>> {
     let (r, n) = (pg.rank(), pg.size());
-    let m = mlp();
+    let mut m = mlp();
     fill_params(&m, r as f64); // differs per rank until DDP broadcasts rank 0's
+    m.to_device(device).unwrap();
     let ddp = DistributedDataParallel::new(m, options.process_group(pg)).unwrap();
     let mut opt = SGD::new(
         ddp.parameters(),
@@ -125,8 +148,8 @@ pub(crate) fn ddp_run(
     let (x, y) = data(rows);
     let share = rows / n;
     let (x, y) = (
-        x.narrow(0, r * share, share).unwrap(),
-        y.narrow(0, r * share, share).unwrap(),
+        x.narrow(0, r * share, share).unwrap().to(device).unwrap(),
+        y.narrow(0, r * share, share).unwrap().to(device).unwrap(),
     );
     (0..steps)
         .map(|_| {

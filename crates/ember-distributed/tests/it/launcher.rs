@@ -3,11 +3,9 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const EMBER_RUN: &str = env!("CARGO_BIN_EXE_ember-run");
-
 #[test]
 fn sets_the_environment_and_prefixes_output() {
-    let out = Command::new(EMBER_RUN)
+    let out = Command::new(crate::common::ember_run())
         .args(["--standalone", "--nproc-per-node", "3", "sh", "-c"])
         .arg("echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT $NCCL_NVLS_ENABLE; echo err >&2")
         .env_remove("NCCL_NVLS_ENABLE")
@@ -29,7 +27,7 @@ fn sets_the_environment_and_prefixes_output() {
 
 #[test]
 fn multi_node_ranks_and_kept_nvls_setting() {
-    let out = Command::new(EMBER_RUN)
+    let out = Command::new(crate::common::ember_run())
         .args([
             "--nnodes=2",
             "--node-rank=1",
@@ -54,7 +52,7 @@ fn multi_node_ranks_and_kept_nvls_setting() {
 #[test]
 fn a_failed_worker_stops_the_others() {
     let start = Instant::now();
-    let out = Command::new(EMBER_RUN)
+    let out = Command::new(crate::common::ember_run())
         .args(["--standalone", "--nproc-per-node", "3", "sh", "-c"])
         .arg(r#"if [ "$RANK" = 1 ]; then echo bye; exit 3; fi; exec sleep 30"#)
         .output()
@@ -69,7 +67,7 @@ fn a_failed_worker_stops_the_others() {
 #[test]
 fn a_killed_worker_stops_the_others() {
     let start = Instant::now();
-    let out = Command::new(EMBER_RUN)
+    let out = Command::new(crate::common::ember_run())
         .args(["--standalone", "--nproc-per-node", "2", "sh", "-c"])
         .arg(r#"if [ "$RANK" = 0 ]; then sleep 0.2; kill -9 $$; fi; exec sleep 30"#)
         .output()
@@ -85,18 +83,21 @@ fn a_killed_worker_stops_the_others() {
 
 #[test]
 fn bad_usage_and_missing_program() {
-    let out = Command::new(EMBER_RUN)
+    let out = Command::new(crate::common::ember_run())
         .args(["--nproc-per-node", "x", "p"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    let out = Command::new(EMBER_RUN)
+    let out = Command::new(crate::common::ember_run())
         .args(["--standalone", "/nonexistent/program"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8(out.stderr).unwrap().contains("cannot start"));
-    let out = Command::new(EMBER_RUN).arg("--help").output().unwrap();
+    let out = Command::new(crate::common::ember_run())
+        .arg("--help")
+        .output()
+        .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8(out.stdout)
         .unwrap()

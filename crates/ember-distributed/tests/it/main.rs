@@ -7,5 +7,6 @@ mod collectives;
 mod common;
 mod ddp;
 mod launcher;
+mod nccl;
 mod processes;
 mod store;

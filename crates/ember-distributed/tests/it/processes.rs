@@ -9,7 +9,6 @@ use ember_distributed as dist;
 
 use crate::common::check_all_collectives;
 
-const EMBER_RUN: &str = env!("CARGO_BIN_EXE_ember-run");
 const SCENARIO: &str = "EMBER_DIST_WORKER";
 
 /// The worker side: runs the scenario named by `EMBER_DIST_WORKER`; a no-op in a normal run.
@@ -18,7 +17,12 @@ fn worker_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
-    let opts = dist::InitOptions::new(dist::BackendKind::Gloo).timeout(Duration::from_secs(20));
+    let backend = if scenario.starts_with("nccl_") {
+        dist::BackendKind::Nccl // on cuda:{LOCAL_RANK}
+    } else {
+        dist::BackendKind::Gloo
+    };
+    let opts = dist::InitOptions::new(backend).timeout(Duration::from_secs(20));
     dist::init_process_group(opts).unwrap();
     assert!(dist::is_initialized());
     let (rank, n) = (dist::get_rank().unwrap(), dist::get_world_size().unwrap());
@@ -59,6 +63,48 @@ fn worker_entry() {
             println!("survivor {rank} got an error after {:?}: {e}", start.elapsed());
             assert!(start.elapsed() < Duration::from_secs(10));
         }
+        "nccl_collectives" => {
+            let world = dist::default_group().unwrap();
+            let dev: usize = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
+            crate::nccl::check_nccl_collectives(&world, dev);
+            let x = Tensor::from_vec(vec![1i64], 1, Device::Cuda(dev)).unwrap();
+            dist::all_reduce(&x, dist::ReduceOp::Sum).unwrap();
+            assert_eq!(x.to_vec::<i64>().unwrap(), [n as i64]);
+            dist::barrier().unwrap();
+            println!("nccl worker {rank} of {n}: ok");
+        }
+        "nccl_ddp" => {
+            let dev: usize = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
+            let options = dist::DdpOptions::new().bucket_cap_mb(1e-4);
+            let got =
+                crate::ddp::ddp_run_on(dist::default_group().unwrap(), options, 3, 12, Device::Cuda(dev));
+            for (s, expected) in crate::ddp::reference(3, 12).iter().enumerate() {
+                crate::ddp::assert_close_tol(
+                    &got[s],
+                    expected,
+                    1e-10,
+                    1e-7,
+                    &format!("rank {rank}, step {s}"),
+                );
+            }
+            println!("nccl ddp worker {rank} of {n}: ok");
+        }
+        "nccl_dead_peer" => {
+            let dev: usize = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
+            if rank == n - 1 {
+                std::process::exit(7);
+            }
+            // The all_reduce cannot finish: the watchdog aborts it after the group timeout
+            // (20 s) at the latest, so the host read returns and the next operation fails.
+            let start = Instant::now();
+            let x = Tensor::from_vec(vec![1.0f32; 4096], 4096, Device::Cuda(dev)).unwrap();
+            let outcome = dist::all_reduce(&x, dist::ReduceOp::Sum)
+                .and_then(|_| x.to_vec::<f32>())
+                .and_then(|_| dist::barrier());
+            let e = outcome.unwrap_err();
+            println!("survivor {rank} got an error after {:?}: {e}", start.elapsed());
+            assert!(start.elapsed() < Duration::from_secs(40));
+        }
         other => panic!("unknown scenario {other}"),
     }
     dist::destroy_process_group();
@@ -79,7 +125,7 @@ fn worker_args() -> Vec<String> {
 #[test]
 fn collectives_between_processes_under_ember_run() {
     for n in [2, 3] {
-        let out = Command::new(EMBER_RUN)
+        let out = Command::new(crate::common::ember_run())
             .args(["--standalone", "--nproc-per-node", &n.to_string()])
             .args(worker_args())
             .env(SCENARIO, "collectives")
@@ -101,7 +147,7 @@ fn collectives_between_processes_under_ember_run() {
 #[test]
 fn ddp_between_processes_under_ember_run() {
     for n in [2, 3] {
-        let out = Command::new(EMBER_RUN)
+        let out = Command::new(crate::common::ember_run())
             .args(["--standalone", "--nproc-per-node", &n.to_string()])
             .args(worker_args())
             .env(SCENARIO, "ddp")
@@ -159,4 +205,86 @@ fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
         );
         assert!(stdout.contains("got an error"), "{stdout}");
     }
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
+    let gpus = if ember_core::cuda::is_available() {
+        ember_core::cuda::device_count()
+    } else {
+        0
+    };
+    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
+    for (scenario, line) in [
+        ("nccl_collectives", "nccl worker"),
+        ("nccl_ddp", "nccl ddp worker"),
+    ] {
+        let out = Command::new(crate::common::ember_run())
+            .args(["--standalone", "--nproc-per-node", "2"])
+            .args(worker_args())
+            .env(SCENARIO, scenario)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{scenario}: {stdout}\n{stderr}");
+        for r in 0..2 {
+            assert!(
+                stdout
+                    .lines()
+                    .any(|l| l.starts_with(&format!("[rank{r}]: "))
+                        && l.contains(&format!("{line} {r} of 2: ok"))),
+                "{stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
+    let gpus = if ember_core::cuda::is_available() {
+        ember_core::cuda::device_count()
+    } else {
+        0
+    };
+    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let n = 2;
+    let args = worker_args();
+    let start = Instant::now();
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            Command::new(&args[0])
+                .args(&args[1..])
+                .env(SCENARIO, "nccl_dead_peer")
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
+    assert!(!outs[n - 1].status.success(), "the last rank exits with an error");
+    let stdout = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(
+        outs[0].status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&outs[0].stderr)
+    );
+    assert!(stdout.contains("got an error"), "{stdout}");
 }

@@ -1,0 +1,269 @@
+//! The NCCL backend. Without GPUs (CI): creating an NCCL group is a typed error, never a
+//! panic. On two GPUs (ignored by default; run with `--include-ignored`): every collective
+//! against expected values, with ranks as threads and as processes under `ember-run`, and DDP's
+//! gradients against one process's full-batch gradients.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ember_core::{cuda, DType, Device, Error, Tensor};
+use ember_distributed::{BackendKind, DdpOptions, ProcessGroup, ReduceOp, Store, TcpStore};
+use half::{bf16, f16};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Fails (never skips) when the machine has fewer than two GPUs.
+fn require_two_gpus() {
+    let n = if cuda::is_available() {
+        cuda::device_count()
+    } else {
+        0
+    };
+    assert!(n >= 2, "this test needs two CUDA devices, found {n}");
+}
+
+/// Runs `f` as `n` ranks, each a thread with its own NCCL group on `cuda:{rank}`.
+pub fn run_nccl_ranks<T: Send>(n: usize, f: impl Fn(ProcessGroup, usize) -> T + Sync) -> Vec<T> {
+    let master = TcpStore::new("127.0.0.1", 0, true, TIMEOUT).unwrap();
+    let port = master.port();
+    let master: Arc<dyn Store> = Arc::new(master);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (f, master) = (&f, master.clone());
+                s.spawn(move || {
+                    let store: Arc<dyn Store> = if rank == 0 {
+                        master
+                    } else {
+                        Arc::new(TcpStore::new("127.0.0.1", port, false, TIMEOUT).unwrap())
+                    };
+                    let pg =
+                        ProcessGroup::on_device(BackendKind::Nccl, store, rank, n, TIMEOUT, rank).unwrap();
+                    f(pg, rank)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn on<T: ember_core::cpu::CpuElement>(v: Vec<T>, dev: usize) -> Tensor {
+    let n = v.len();
+    Tensor::from_vec(v, n, Device::Cpu)
+        .unwrap()
+        .to(Device::Cuda(dev))
+        .unwrap()
+}
+
+/// Every collective of an NCCL group on `cuda:{dev}` against values computed here.
+pub fn check_nccl_collectives(pg: &ProcessGroup, dev: usize) {
+    let (r, n) = (pg.rank(), pg.size());
+    let nf = n as f64;
+    let tri = (n * (n + 1) / 2) as f32;
+
+    // all_reduce: every op, several dtypes; uneven length.
+    let len = 1001;
+    let x = on((0..len).map(|i| (r + 1) as f32 * i as f32).collect(), dev);
+    pg.all_reduce(&x, ReduceOp::Sum).unwrap();
+    assert_eq!(
+        x.to_vec::<f32>().unwrap(),
+        (0..len).map(|i| tri * i as f32).collect::<Vec<_>>()
+    );
+    let x = on(vec![r as f64, 1.0 + r as f64], dev);
+    pg.all_reduce(&x, ReduceOp::Avg).unwrap();
+    assert_eq!(x.to_vec::<f64>().unwrap(), [(nf - 1.0) / 2.0, (nf + 1.0) / 2.0]);
+    let x = on(vec![r as i32, -(r as i32), 7], dev);
+    pg.all_reduce(&x, ReduceOp::Max).unwrap();
+    assert_eq!(x.to_vec::<i32>().unwrap(), [n as i32 - 1, 0, 7]);
+    let x = on(vec![r as i64 + 5, -(r as i64)], dev);
+    pg.all_reduce(&x, ReduceOp::Min).unwrap();
+    assert_eq!(x.to_vec::<i64>().unwrap(), [5, -(n as i64 - 1)]);
+    let x = on(vec![(r + 1) as f32, 2.0], dev);
+    pg.all_reduce(&x, ReduceOp::Product).unwrap();
+    let fact: f32 = (1..=n).map(|k| k as f32).product();
+    assert_eq!(x.to_vec::<f32>().unwrap(), [fact, 2f32.powi(n as i32)]);
+    let x = on(vec![f16::from_f32(0.5 * (r + 1) as f32); 5], dev);
+    pg.all_reduce(&x, ReduceOp::Sum).unwrap();
+    assert_eq!(x.to_vec::<f16>().unwrap(), vec![f16::from_f32(0.5 * tri); 5]);
+    let x = on(vec![bf16::from_f32((r + 1) as f32); 3], dev);
+    pg.all_reduce(&x, ReduceOp::Sum).unwrap();
+    assert_eq!(x.to_vec::<bf16>().unwrap(), vec![bf16::from_f32(tri); 3]);
+    let x = on(vec![r == 0, false], dev);
+    pg.all_reduce(&x, ReduceOp::Sum).unwrap(); // logical or
+    assert_eq!(x.to_vec::<bool>().unwrap(), [true, false]);
+
+    // Async on a 2-D tensor: wait() orders the current stream after NCCL's, then a host read.
+    let x = Tensor::full([4usize, 8], (r + 1) as f64, DType::F32, Device::Cuda(dev)).unwrap();
+    let work = pg.all_reduce_async(&x, ReduceOp::Sum).unwrap();
+    work.wait().unwrap();
+    assert_eq!(x.dims(), [4, 8]);
+    assert_eq!(x.to_vec::<f32>().unwrap(), vec![tri; 32]);
+    assert!(work.is_completed());
+
+    // broadcast from the last rank and from rank 0.
+    let x = on(vec![r as i64 * 10, r as i64 * 10 + 1], dev);
+    pg.broadcast(&x, pg.global_rank(n - 1).unwrap()).unwrap();
+    assert_eq!(
+        x.to_vec::<i64>().unwrap(),
+        [(n as i64 - 1) * 10, (n as i64 - 1) * 10 + 1]
+    );
+    let x = on(vec![r as f32; 3], dev);
+    pg.broadcast_async(&x, 0).unwrap().wait().unwrap();
+    assert_eq!(x.to_vec::<f32>().unwrap(), [0.0; 3]);
+
+    // all_gather into separate outputs, one of them 2-D.
+    let input = on(vec![r as f32, r as f32 + 0.5], dev);
+    let outputs: Vec<Tensor> = (0..n).map(|_| on(vec![0f32; 2], dev)).collect();
+    pg.all_gather(&outputs, &input).unwrap();
+    for (i, o) in outputs.iter().enumerate() {
+        assert_eq!(o.to_vec::<f32>().unwrap(), [i as f32, i as f32 + 0.5]);
+    }
+    let outputs: Vec<Tensor> = (0..n)
+        .map(|_| Tensor::zeros([1usize, 2], DType::I32, Device::Cuda(dev)).unwrap())
+        .collect();
+    pg.all_gather_async(&outputs, &on(vec![r as i32 * 3, 1], dev))
+        .unwrap()
+        .wait()
+        .unwrap();
+    for (i, o) in outputs.iter().enumerate() {
+        assert_eq!(o.dims(), [1, 2]);
+        assert_eq!(o.to_vec::<i32>().unwrap(), [i as i32 * 3, 1]);
+    }
+
+    // reduce_scatter: inputs[j] = [r + j, 1]; rank j gets [sum_r (r + j), n]; then Avg.
+    let inputs: Vec<Tensor> = (0..n).map(|j| on(vec![(r + j) as f64, 1.0], dev)).collect();
+    let out = on(vec![0f64; 2], dev);
+    pg.reduce_scatter(&out, &inputs, ReduceOp::Sum).unwrap();
+    let s: f64 = (0..n).map(|k| (k + r) as f64).sum();
+    assert_eq!(out.to_vec::<f64>().unwrap(), [s, nf]);
+    let out = on(vec![0f32; 2], dev);
+    let inputs: Vec<Tensor> = (0..n).map(|j| on(vec![(r * j) as f32, 2.0], dev)).collect();
+    pg.reduce_scatter_async(&out, &inputs, ReduceOp::Avg)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let s: f32 = (0..n).map(|k| (k * r) as f32).sum();
+    assert_eq!(out.to_vec::<f32>().unwrap(), [s / n as f32, 2.0]);
+
+    pg.barrier().unwrap();
+    pg.barrier_async().unwrap().wait().unwrap();
+
+    // send/recv around the ring, even ranks sending first (ncclSend/ncclRecv are matched in
+    // order; crossing first sends between two ranks could wait on each other's connection).
+    let right = pg.global_rank((r + 1) % n).unwrap();
+    let left = pg.global_rank((r + n - 1) % n).unwrap();
+    let payload = on((0..100_000).map(|i| i as f32 + r as f32).collect(), dev);
+    let into = on(vec![0f32; 100_000], dev);
+    if r % 2 == 0 {
+        pg.send(&payload, right).unwrap();
+        pg.recv(&into, left).unwrap();
+    } else {
+        pg.recv(&into, left).unwrap();
+        pg.send(&payload, right).unwrap();
+    }
+    let lr = (r + n - 1) % n;
+    assert_eq!(
+        into.to_vec::<f32>().unwrap()[..3],
+        [lr as f32, 1.0 + lr as f32, 2.0 + lr as f32]
+    );
+
+    // Tensors the backend cannot take: typed errors, and the group stays usable.
+    let cpu = Tensor::from_vec(vec![1f32], 1, Device::Cpu).unwrap();
+    assert!(matches!(
+        pg.all_reduce(&cpu, ReduceOp::Sum),
+        Err(Error::DeviceMismatch { .. })
+    ));
+    let strided = Tensor::zeros([4usize, 4], DType::F32, Device::Cuda(dev))
+        .unwrap()
+        .narrow(1, 0, 2)
+        .unwrap();
+    assert!(matches!(
+        pg.all_reduce(&strided, ReduceOp::Sum),
+        Err(Error::InvalidArgument { .. })
+    ));
+
+    // A 64 MiB all_reduce.
+    let big = Tensor::full(1usize << 24, 1.0, DType::F32, Device::Cuda(dev)).unwrap();
+    pg.all_reduce(&big, ReduceOp::Sum).unwrap();
+    assert!(big.to_vec::<f32>().unwrap().iter().all(|&v| v == n as f32));
+}
+
+#[test]
+fn an_nccl_group_without_a_usable_gpu_or_library_is_a_typed_error() {
+    // cuda:1000 exists nowhere: without NCCL or CUDA this is CudaUnavailable (saying what to
+    // install), with them an InvalidArgument naming the device; never a panic.
+    let store: Arc<dyn Store> = Arc::new(TcpStore::new("127.0.0.1", 0, true, TIMEOUT).unwrap());
+    let e =
+        ProcessGroup::on_device(BackendKind::Nccl, store, 0, 1, Duration::from_secs(5), 1000).unwrap_err();
+    match &e {
+        Error::CudaUnavailable { reason } => {
+            assert!(reason.contains("NCCL") || reason.contains("CUDA"), "{e}")
+        }
+        Error::InvalidArgument { msg, .. } => assert!(msg.contains("cuda:1000"), "{e}"),
+        other => panic!("unexpected error {other:?}"),
+    }
+    if ember_distributed::nccl::nccl().is_err() {
+        assert!(e.to_string().contains("pip install nvidia-nccl"), "{e}");
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_collectives_on_two_gpus_as_threads() {
+    require_two_gpus();
+    run_nccl_ranks(2, |pg, dev| {
+        check_nccl_collectives(&pg, dev);
+        // A subgroup of both ranks, on the parent's device.
+        let sub = pg.new_group(&[0, 1]).unwrap().unwrap();
+        let x = on(vec![pg.rank() as f32], dev);
+        sub.all_reduce(&x, ReduceOp::Max).unwrap();
+        assert_eq!(x.to_vec::<f32>().unwrap(), [1.0]);
+    });
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_work_wait_orders_the_current_stream_without_a_host_wait() {
+    require_two_gpus();
+    run_nccl_ranks(2, |pg, dev| {
+        let x = Tensor::full(1usize << 20, 1.0, DType::F32, Device::Cuda(dev)).unwrap();
+        let before = cuda::host_sync_count();
+        let work = pg.all_reduce_async(&x, ReduceOp::Sum).unwrap();
+        work.wait().unwrap();
+        assert_eq!(cuda::host_sync_count(), before, "wait() must not block the host");
+        let y = (&x * 3.0).unwrap(); // queued after the all_reduce on the current stream
+        assert!(y.to_vec::<f32>().unwrap().iter().all(|&v| v == 6.0));
+    });
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_ddp_gradients_equal_single_process_full_batch_gradients() {
+    require_two_gpus();
+    let steps = 3;
+    let expected = crate::ddp::reference(steps, 12);
+    for options in [
+        DdpOptions::new as fn() -> DdpOptions,
+        || DdpOptions::new().bucket_cap_mb(1e-4),
+        || {
+            DdpOptions::new()
+                .bucket_cap_mb(1e-4)
+                .gradient_as_bucket_view(true)
+        },
+    ] {
+        let per_rank = run_nccl_ranks(2, |pg, dev| {
+            crate::ddp::ddp_run_on(pg, options(), steps, 12, Device::Cuda(dev))
+        });
+        for (rank, got) in per_rank.iter().enumerate() {
+            for s in 0..steps {
+                crate::ddp::assert_close_tol(
+                    &got[s],
+                    &expected[s],
+                    1e-10,
+                    1e-7,
+                    &format!("rank {rank}, step {s}"),
+                );
+            }
+        }
+    }
+}
