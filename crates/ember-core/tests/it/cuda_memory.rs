@@ -308,8 +308,24 @@ fn copies_between_two_gpus() {
     // copy_ from one GPU into a view on the other, and compute there.
     let dst = Tensor::zeros([300, 400], DType::F32, d1).unwrap();
     dst.narrow(1, 100, 200).unwrap().copy_(&a).unwrap();
-    let sum = dst.sum_all().unwrap().item_f64().unwrap();
-    assert_eq!(sum, host.sum_all().unwrap().item_f64().unwrap());
+    // Summed in f64, exact for these integers whatever order the reduction takes (an f32 sum
+    // of 0..60000 rounds differently on the GPU and the CPU).
+    let sum = dst
+        .to_dtype(DType::F64)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .item_f64()
+        .unwrap();
+    assert_eq!(
+        sum,
+        host.to_dtype(DType::F64)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .item_f64()
+            .unwrap()
+    );
     assert!(matches!(a.add(&b), Err(Error::DeviceMismatch { .. })));
     assert!(cuda::memory_allocated(1) > 0);
     // Streams and events belong to their device.

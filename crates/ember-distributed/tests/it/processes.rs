@@ -278,7 +278,19 @@ fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
         .into_iter()
         .map(|c| c.wait_with_output().unwrap())
         .collect();
-    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
+    let said = |o: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}; rank 0 said: {}",
+        start.elapsed(),
+        said(&outs[0])
+    );
     assert!(!outs[n - 1].status.success(), "the last rank exits with an error");
     let stdout = String::from_utf8_lossy(&outs[0].stdout);
     assert!(
