@@ -116,31 +116,10 @@ fn candidates() -> Vec<PathBuf> {
             dirs.push(root.join(sub));
         }
     }
-    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
-        .iter()
-        .filter_map(std::env::var_os)
-        .map(PathBuf::from)
-        .collect();
-    if let Some(home) = std::env::var_os("HOME") {
-        prefixes.push(Path::new(&home).join(".local"));
-    }
-    prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
-    for prefix in prefixes {
-        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
-            continue;
-        };
-        let mut pythons: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-            .map(|e| e.path())
-            .collect();
-        pythons.sort();
-        for python in pythons {
-            for site in ["site-packages", "dist-packages"] {
-                for lib in ["nvidia/cu13/lib", "nvidia/cuda_cupti/lib"] {
-                    dirs.push(python.join(site).join(lib));
-                }
-            }
+    let env = |k: &str| std::env::var(k).ok();
+    for packages in super::libraries::python_package_dirs(&env) {
+        for lib in ["nvidia/cu13/lib", "nvidia/cuda_cupti/lib"] {
+            dirs.push(packages.join(lib));
         }
     }
     for dir in dirs {

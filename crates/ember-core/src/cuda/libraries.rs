@@ -51,13 +51,27 @@ pub fn library_report() -> Vec<LibraryStatus> {
 /// `/opt/conda` (the `nvidia-nccl-cu*` wheels, which `pip install torch` brings, install only
 /// `libnccl.so.2`, a name cudarc's own loader does not try). `env` reads variables.
 pub fn nccl_candidates(env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
-    use std::path::PathBuf;
     let mut out = Vec::new();
     if let Some(p) = env("EMBER_NCCL_LIBRARY").filter(|p| !p.is_empty()) {
         out.push(p);
     }
     out.push("libnccl.so.2".into());
     out.push("libnccl.so".into());
+    for packages in python_package_dirs(env) {
+        let file = packages.join("nvidia/nccl/lib/libnccl.so.2");
+        if file.is_file() {
+            out.push(file.to_string_lossy().into_owned());
+        }
+    }
+    out
+}
+
+/// The Python package folders (`lib/python3*/{site,dist}-packages`) where pip puts NVIDIA's
+/// library wheels (`nvidia/nccl/lib`, `nvidia/cu13/lib`, ...), in the order they are searched:
+/// an active virtual or conda environment (`VIRTUAL_ENV`, `CONDA_PREFIX`), `~/.local`,
+/// `/usr/local`, `/usr` and `/opt/conda`; only folders that exist. `env` reads variables.
+pub(crate) fn python_package_dirs(env: &dyn Fn(&str) -> Option<String>) -> Vec<std::path::PathBuf> {
+    use std::path::PathBuf;
     let mut prefixes: Vec<PathBuf> = Vec::new();
     for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
         if let Some(p) = env(var).filter(|p| !p.is_empty()) {
@@ -68,6 +82,7 @@ pub fn nccl_candidates(env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
         prefixes.push(PathBuf::from(home).join(".local"));
     }
     prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
+    let mut out = Vec::new();
     for prefix in prefixes {
         let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
             continue;
@@ -80,9 +95,9 @@ pub fn nccl_candidates(env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
         pythons.sort();
         for py in pythons {
             for packages in ["site-packages", "dist-packages"] {
-                let file = py.join(packages).join("nvidia/nccl/lib/libnccl.so.2");
-                if file.is_file() {
-                    out.push(file.to_string_lossy().into_owned());
+                let dir = py.join(packages);
+                if dir.is_dir() {
+                    out.push(dir);
                 }
             }
         }
