@@ -22,21 +22,36 @@ pub fn ember_run() -> std::path::PathBuf {
 
 /// Runs `f` as `n` ranks, each a thread with its own store client and process group.
 pub fn run_ranks<T: Send>(n: usize, timeout: Duration, f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
+    run_ranks_with(
+        n,
+        timeout,
+        |store, rank| ProcessGroup::new(BackendKind::Gloo, store, rank, n, timeout),
+        |pg, _| f(pg),
+    )
+}
+
+/// Runs `f` as `n` ranks, each a thread with its own store client (rank 0's hosts the store)
+/// and the process group `group` makes from it for its rank.
+pub fn run_ranks_with<T: Send>(
+    n: usize,
+    timeout: Duration,
+    group: impl Fn(Arc<dyn Store>, usize) -> ember_core::Result<ProcessGroup> + Sync,
+    f: impl Fn(ProcessGroup, usize) -> T + Sync,
+) -> Vec<T> {
     let master = TcpStore::new("127.0.0.1", 0, true, timeout).unwrap();
     let port = master.port();
     let master: Arc<dyn Store> = Arc::new(master);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (f, master) = (&f, master.clone());
+                let (f, group, master) = (&f, &group, master.clone());
                 s.spawn(move || {
                     let store: Arc<dyn Store> = if rank == 0 {
                         master
                     } else {
                         Arc::new(TcpStore::new("127.0.0.1", port, false, timeout).unwrap())
                     };
-                    let pg = ProcessGroup::new(BackendKind::Gloo, store, rank, n, timeout).unwrap();
-                    f(pg)
+                    f(group(store, rank).unwrap(), rank)
                 })
             })
             .collect();

@@ -24,27 +24,12 @@ fn require_two_gpus() {
 
 /// Runs `f` as `n` ranks, each a thread with its own NCCL group on `cuda:{rank}`.
 pub fn run_nccl_ranks<T: Send>(n: usize, f: impl Fn(ProcessGroup, usize) -> T + Sync) -> Vec<T> {
-    let master = TcpStore::new("127.0.0.1", 0, true, TIMEOUT).unwrap();
-    let port = master.port();
-    let master: Arc<dyn Store> = Arc::new(master);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (f, master) = (&f, master.clone());
-                s.spawn(move || {
-                    let store: Arc<dyn Store> = if rank == 0 {
-                        master
-                    } else {
-                        Arc::new(TcpStore::new("127.0.0.1", port, false, TIMEOUT).unwrap())
-                    };
-                    let pg =
-                        ProcessGroup::on_device(BackendKind::Nccl, store, rank, n, TIMEOUT, rank).unwrap();
-                    f(pg, rank)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    crate::common::run_ranks_with(
+        n,
+        TIMEOUT,
+        |store, rank| ProcessGroup::on_device(BackendKind::Nccl, store, rank, n, TIMEOUT, rank),
+        f,
+    )
 }
 
 fn on<T: ember_core::cpu::CpuElement>(v: Vec<T>, dev: usize) -> Tensor {
