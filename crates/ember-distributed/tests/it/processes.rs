@@ -122,47 +122,40 @@ fn worker_args() -> Vec<String> {
     ]
 }
 
+/// Runs the worker `scenario` in `n` processes under `ember-run --standalone` and checks that
+/// it succeeds with every rank printing `[rankR]: ... {line} R of n: ok`.
+fn every_rank_ok_under_ember_run(scenario: &str, n: usize, line: &str) {
+    let out = Command::new(crate::common::ember_run())
+        .args(["--standalone", "--nproc-per-node", &n.to_string()])
+        .args(worker_args())
+        .env(SCENARIO, scenario)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{scenario}, world {n}: {stdout}\n{stderr}");
+    for r in 0..n {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("[rank{r}]: "))
+                    && l.contains(&format!("{line} {r} of {n}: ok"))),
+            "{stdout}"
+        );
+    }
+}
+
 #[test]
 fn collectives_between_processes_under_ember_run() {
     for n in [2, 3] {
-        let out = Command::new(crate::common::ember_run())
-            .args(["--standalone", "--nproc-per-node", &n.to_string()])
-            .args(worker_args())
-            .env(SCENARIO, "collectives")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "world {n}: {stdout}\n{stderr}");
-        for r in 0..n {
-            assert!(
-                stdout.lines().any(|l| l.starts_with(&format!("[rank{r}]: "))
-                    && l.contains(&format!("worker {r} of {n}: ok"))),
-                "{stdout}"
-            );
-        }
+        every_rank_ok_under_ember_run("collectives", n, "worker");
     }
 }
 
 #[test]
 fn ddp_between_processes_under_ember_run() {
     for n in [2, 3] {
-        let out = Command::new(crate::common::ember_run())
-            .args(["--standalone", "--nproc-per-node", &n.to_string()])
-            .args(worker_args())
-            .env(SCENARIO, "ddp")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "world {n}: {stdout}\n{stderr}");
-        for r in 0..n {
-            assert!(
-                stdout.lines().any(|l| l.starts_with(&format!("[rank{r}]: "))
-                    && l.contains(&format!("ddp worker {r} of {n}: ok"))),
-                "{stdout}"
-            );
-        }
+        every_rank_ok_under_ember_run("ddp", n, "ddp worker");
     }
 }
 
@@ -220,24 +213,7 @@ fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
         ("nccl_collectives", "nccl worker"),
         ("nccl_ddp", "nccl ddp worker"),
     ] {
-        let out = Command::new(crate::common::ember_run())
-            .args(["--standalone", "--nproc-per-node", "2"])
-            .args(worker_args())
-            .env(SCENARIO, scenario)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{scenario}: {stdout}\n{stderr}");
-        for r in 0..2 {
-            assert!(
-                stdout
-                    .lines()
-                    .any(|l| l.starts_with(&format!("[rank{r}]: "))
-                        && l.contains(&format!("{line} {r} of 2: ok"))),
-                "{stdout}"
-            );
-        }
+        every_rank_ok_under_ember_run(scenario, 2, line);
     }
 }
 
