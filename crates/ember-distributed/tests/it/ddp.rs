@@ -99,14 +99,25 @@ pub(crate) fn reference(steps: usize, rows: usize) -> Vec<Vec<Option<Vec<f64>>>>
     )
     .unwrap();
     let (x, y) = data(rows);
+    sgd_steps(&m, &mut opt, &x, &y, steps)
+}
+
+/// `steps` SGD steps of `m` on the MSE of (`x`, `y`), each step's gradients (before the step).
+fn sgd_steps<M: Forward>(
+    m: &M,
+    opt: &mut SGD,
+    x: &Tensor,
+    y: &Tensor,
+    steps: usize,
+) -> Vec<Vec<Option<Vec<f64>>>> {
     (0..steps)
         .map(|_| {
             m.zero_grad().unwrap();
-            mse_loss(&m.forward(&x).unwrap(), &y, Reduction::Mean)
+            mse_loss(&m.forward(x).unwrap(), y, Reduction::Mean)
                 .unwrap()
                 .backward()
                 .unwrap();
-            let g = grads(&m);
+            let g = grads(m);
             opt.step().unwrap();
             g
         })
@@ -151,18 +162,7 @@ pub(crate) fn ddp_run_on(
         x.narrow(0, r * share, share).unwrap().to(device).unwrap(),
         y.narrow(0, r * share, share).unwrap().to(device).unwrap(),
     );
-    (0..steps)
-        .map(|_| {
-            ddp.zero_grad().unwrap();
-            mse_loss(&ddp.forward(&x).unwrap(), &y, Reduction::Mean)
-                .unwrap()
-                .backward()
-                .unwrap();
-            let g = grads(&ddp);
-            opt.step().unwrap();
-            g
-        })
-        .collect()
+    sgd_steps(&ddp, &mut opt, &x, &y, steps)
 }
 
 #[test]
