@@ -198,6 +198,35 @@ impl DeviceRuntime {
     }
 }
 
+/// Lets `from`'s context reach `to`'s memory directly (cuCtxEnablePeerAccess), once per pair;
+/// true when it can (Note [Peer copies] in `storage.rs`). As PyTorch's `get_p2p_access`, a pair
+/// that cannot (no NVLink or PCIe peer path, or the driver refuses) answers false and copies
+/// still work, staged by the driver through the host. Leaves `from`'s context bound.
+pub(crate) fn enable_peer_access(from: &DeviceRuntime, to: &DeviceRuntime) -> bool {
+    static PAIRS: Mutex<Vec<(usize, usize, bool)>> = Mutex::new(Vec::new());
+    let mut pairs = PAIRS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, _, ok)) = pairs.iter().find(|p| (p.0, p.1) == (from.ordinal, to.ordinal)) {
+        return ok;
+    }
+    let ok = from.ordinal == to.ordinal || {
+        let devices = result::device::get(from.ordinal as i32)
+            .and_then(|a| Ok((a, result::device::get(to.ordinal as i32)?)));
+        let mut can = 0;
+        // SAFETY: both are valid devices after cuInit and `can` is a valid out-pointer.
+        devices.is_ok_and(
+            |(a, b)| unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) } == sys::CUresult::CUDA_SUCCESS,
+        ) && can != 0
+            && from.bind().is_ok()
+            && matches!(
+                // SAFETY: `to`'s context is a retained primary context; `from`'s is current.
+                unsafe { sys::cuCtxEnablePeerAccess(to.context(), 0) },
+                sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            )
+    };
+    pairs.push((from.ordinal, to.ordinal, ok));
+    ok
+}
+
 #[inline]
 fn bind_context(ctx: Context) -> Result<()> {
     if BOUND.with(|b| b.get()) == ctx.0 as usize {
