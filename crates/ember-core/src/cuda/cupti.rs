@@ -21,7 +21,7 @@
 //! reverse order (the recorder pushes the innermost open op's id before its first device
 //! work and pops when the op closes).
 
-use super::cupti_records::{self as records, RawActivity, Record};
+use super::cupti_records::{self as records, RawActivity, RawApi, Record};
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
@@ -34,6 +34,9 @@ type CuptiResult = u32;
 const CUPTI_SUCCESS: CuptiResult = 0;
 /// `CUPTI_ACTIVITY_FLAG_FLUSH_FORCED`: also deliver buffers with incomplete records.
 const FLUSH_FORCED: u32 = 1;
+/// `CUpti_CallbackDomain`: the driver and runtime API domains.
+const CB_DOMAIN_DRIVER_API: u32 = 1;
+const CB_DOMAIN_RUNTIME_API: u32 = 2;
 /// Bytes of one activity buffer.
 const BUFFER_BYTES: usize = 8 << 20;
 const BUFFER_LAYOUT: Layout = match Layout::from_size_align(BUFFER_BYTES, 8) {
@@ -66,6 +69,7 @@ struct Api {
     push_external: unsafe extern "C" fn(u32, u64) -> CuptiResult,
     pop_external: unsafe extern "C" fn(u32, *mut u64) -> CuptiResult,
     result_string: unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult,
+    callback_name: unsafe extern "C" fn(u32, u32, *mut *const c_char) -> CuptiResult,
 }
 
 /// A loaded CUPTI 13 with its callbacks registered.
@@ -163,6 +167,7 @@ fn load_from(path: &Path) -> Result<Cupti, String> {
             push_external: symbol(&lib, "cuptiActivityPushExternalCorrelationId")?,
             pop_external: symbol(&lib, "cuptiActivityPopExternalCorrelationId")?,
             result_string: symbol(&lib, "cuptiGetResultString")?,
+            callback_name: symbol(&lib, "cuptiGetCallbackName")?,
         }
     };
     let mut version = 0u32;
@@ -230,6 +235,32 @@ impl Cupti {
         }
     }
 
+    /// The name of driver (else runtime) call `cbid` (`cuLaunchKernel`, `cudaLaunchKernel`).
+    fn callback_name(&self, driver: bool, cbid: u32) -> String {
+        let domain = if driver {
+            CB_DOMAIN_DRIVER_API
+        } else {
+            CB_DOMAIN_RUNTIME_API
+        };
+        let mut s: *const c_char = std::ptr::null();
+        // SAFETY: `s` is a valid out-pointer; CUPTI returns a static string.
+        let ok = unsafe { (self.api.callback_name)(domain, cbid, &mut s) } == CUPTI_SUCCESS;
+        if ok && !s.is_null() {
+            // SAFETY: on success `s` points to a NUL-terminated static string.
+            let name = unsafe { CStr::from_ptr(s) }.to_string_lossy();
+            // Runtime names carry a version suffix (`cudaLaunchKernel_v7000`); Kineto drops it.
+            match name.rsplit_once("_v") {
+                Some((base, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => base.to_string(),
+                _ => name.into_owned(),
+            }
+        } else {
+            format!(
+                "{} call {cbid}",
+                if driver { "CUDA driver" } else { "CUDA runtime" }
+            )
+        }
+    }
+
     fn timestamp(&self) -> Option<u64> {
         let mut t = 0u64;
         // SAFETY: `t` is a valid out-pointer.
@@ -277,8 +308,17 @@ pub(crate) struct Collected {
     pub activities: Vec<Activity>,
     /// CUDA API correlation id → the external id pushed around the call (`CUSTOM0`).
     pub external: HashMap<u32, u64>,
+    /// The driver and runtime calls, named once the session stops.
+    pub api: Vec<ApiCall>,
     /// Kernel names by their pointer (CUPTI shares one string per kernel).
     names: HashMap<usize, Arc<str>>,
+}
+
+/// A driver or runtime call with its name.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiCall {
+    pub raw: RawApi,
+    pub name: Arc<str>,
 }
 
 impl Collected {
@@ -317,6 +357,10 @@ impl Collected {
                     self.external.insert(correlation, external_id);
                 }
             }
+            Record::Api(raw) => self.api.push(ApiCall {
+                raw,
+                name: Arc::from(""),
+            }),
             Record::Other(_) => {}
         }
     }
@@ -447,11 +491,20 @@ pub(crate) fn stop(devices: &[usize]) -> Collected {
     }
     // SAFETY: the callbacks were registered when CUPTI was loaded.
     unsafe { (c.api.flush_all)(FLUSH_FORCED) };
-    COLLECTED
+    let mut collected = COLLECTED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let mut names: HashMap<(bool, u32), Arc<str>> = HashMap::new();
+    for call in &mut collected.api {
+        let key = (call.raw.driver, call.raw.cbid);
+        call.name = names
+            .entry(key)
+            .or_insert_with(|| Arc::from(c.callback_name(key.0, key.1)))
+            .clone();
+    }
+    collected
 }
 
 /// Pushes `id` as this thread's external correlation id (`CUSTOM0`); true when pushed.
@@ -475,7 +528,7 @@ pub(crate) fn pop() {
 
 #[cfg(test)]
 mod tests {
-    use super::super::cupti_records::tests::{bytes_of, external, kernel, memcpy};
+    use super::super::cupti_records::tests::{api, bytes_of, external, kernel, memcpy};
     use super::*;
 
     #[test]
@@ -487,6 +540,7 @@ mod tests {
             bytes_of(&kernel(10, 100, 200, 7, name.as_ptr())),
             bytes_of(&kernel(11, 300, 400, 7, name.as_ptr())),
             bytes_of(&memcpy(12, 0, 0, 64)), // no timing: left out
+            bytes_of(&api(10, 90, 95)),
         ];
         for b in &buffer {
             // SAFETY: the kernel records name a C string literal.
@@ -497,6 +551,8 @@ mod tests {
         assert!(Arc::ptr_eq(&c.activities[0].name, &c.activities[1].name));
         assert_eq!(c.external.get(&10), Some(&501));
         assert_eq!(c.external.get(&11), None);
+        assert_eq!(c.api.len(), 1);
+        assert_eq!((c.api[0].raw.correlation, c.api[0].raw.start), (10, 90));
     }
 
     #[test]

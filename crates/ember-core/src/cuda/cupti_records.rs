@@ -6,7 +6,8 @@
 //! Layouts: the structs of `cupti_activity.h` of CUDA 13.0 (PyPI `nvidia-cuda-cupti`
 //! 13.0.85, `CUPTI_API_VERSION` 130001) for the record versions CUPTI 13 emits:
 //! `CUpti_ActivityKernel10` (`CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL`),
-//! `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemset4` and `CUpti_ActivityExternalCorrelation`.
+//! `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemset4`, `CUpti_ActivityExternalCorrelation` and
+//! `CUpti_ActivityAPI` (`CUPTI_ACTIVITY_KIND_DRIVER` and `_RUNTIME`).
 //! The header declares them `__attribute__((packed, aligned(8)))`: no padding between
 //! fields, the size a multiple of 8. The mirrors below are `#[repr(C, packed)]` (align 1:
 //! read from any address with `read_unaligned`), with their sizes and field offsets asserted
@@ -147,8 +148,29 @@ pub(crate) struct ActivityExternalCorrelation {
     pub reserved: u32,
 }
 
+/// `CUpti_ActivityAPI`, 40 bytes: one CUDA driver or runtime call.
+#[repr(C, packed)]
+#[derive(Clone, Copy)]
+pub(crate) struct ActivityApi {
+    pub kind: u32,
+    pub cbid: u32,
+    pub start: u64,
+    pub end: u64,
+    pub process_id: u32,
+    pub thread_id: u32,
+    pub correlation_id: u32,
+    pub return_value: u32,
+}
+
 // The numbers gcc printed for CUDA 13.0's header (`sizeof`, `offsetof`).
 const _: () = {
+    assert!(size_of::<ActivityApi>() == 40);
+    assert!(offset_of!(ActivityApi, cbid) == 4);
+    assert!(offset_of!(ActivityApi, start) == 8);
+    assert!(offset_of!(ActivityApi, end) == 16);
+    assert!(offset_of!(ActivityApi, thread_id) == 28);
+    assert!(offset_of!(ActivityApi, correlation_id) == 32);
+
     assert!(size_of::<ActivityKernel10>() == 216);
     assert!(offset_of!(ActivityKernel10, registers_per_thread) == 6);
     assert!(offset_of!(ActivityKernel10, start) == 16);
@@ -213,6 +235,8 @@ unsafe impl Plain for ActivityMemcpy6 {}
 unsafe impl Plain for ActivityMemset4 {}
 // SAFETY: as above.
 unsafe impl Plain for ActivityExternalCorrelation {}
+// SAFETY: as above.
+unsafe impl Plain for ActivityApi {}
 
 /// The `T` at the start of `bytes`, None when `bytes` is shorter than `T`.
 fn read<T: Plain>(bytes: &[u8]) -> Option<T> {
@@ -281,8 +305,24 @@ pub(crate) enum Record {
         external_kind: u32,
         external_id: u64,
     },
-    /// A kind the profiler does not read (the driver and runtime API records).
+    /// A CUDA driver or runtime call.
+    Api(RawApi),
+    /// A kind the profiler does not read.
     Other(u32),
+}
+
+/// A CUDA driver or runtime call as CUPTI reported it (times on CUPTI's clock, in ns). The
+/// work it launched carries the same correlation id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RawApi {
+    /// A driver call (`CUPTI_CB_DOMAIN_DRIVER_API`), else a runtime call (cuBLAS and cuDNN
+    /// launch through the runtime).
+    pub driver: bool,
+    /// The call's id in its callback domain (`cuptiGetCallbackName` names it).
+    pub cbid: u32,
+    pub start: u64,
+    pub end: u64,
+    pub correlation: u32,
 }
 
 /// Decodes the record at the start of `bytes` (which runs to the end of the buffer's valid
@@ -354,6 +394,16 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Record> {
                 external_kind: e.external_kind,
                 external_id: e.external_id,
             }
+        }
+        KIND_DRIVER | KIND_RUNTIME => {
+            let a: ActivityApi = read(bytes)?;
+            Record::Api(RawApi {
+                driver: kind == KIND_DRIVER,
+                cbid: a.cbid,
+                start: a.start,
+                end: a.end,
+                correlation: a.correlation_id,
+            })
         }
         other => Record::Other(other),
     })
@@ -481,6 +531,19 @@ pub(crate) mod tests {
         }
     }
 
+    pub(crate) fn api(correlation: u32, start: u64, end: u64) -> ActivityApi {
+        ActivityApi {
+            kind: KIND_DRIVER,
+            cbid: 307,
+            start,
+            end,
+            process_id: 1,
+            thread_id: 2,
+            correlation_id: correlation,
+            return_value: 0,
+        }
+    }
+
     #[test]
     fn layouts_match_cuda_13_headers() {
         // The compile-time asserts above hold the offsets; these check the byte positions a
@@ -501,6 +564,11 @@ pub(crate) mod tests {
         assert_eq!(u32::from_ne_bytes(e[16..20].try_into().unwrap()), 5);
         assert_eq!(bytes_of(&memcpy(1, 2, 3, 4)).len(), 96);
         assert_eq!(bytes_of(&memset(1, 2, 3)).len(), 88);
+        let a = bytes_of(&api(0x55, 0x0a0b, 0x0c0d));
+        assert_eq!(a.len(), 40);
+        assert_eq!(u32::from_ne_bytes(a[4..8].try_into().unwrap()), 307);
+        assert_eq!(u64::from_ne_bytes(a[8..16].try_into().unwrap()), 0x0a0b);
+        assert_eq!(u32::from_ne_bytes(a[32..36].try_into().unwrap()), 0x55);
     }
 
     #[test]
@@ -537,7 +605,24 @@ pub(crate) mod tests {
         longer.extend([0u8; 32]);
         assert!(matches!(decode(&longer), Some(Record::Activity(_))));
         assert_eq!(decode(&longer[..100]), None);
-        assert_eq!(decode(&[5, 0, 0, 0, 1, 2]), Some(Record::Other(KIND_RUNTIME)));
+        assert_eq!(
+            decode(&bytes_of(&api(45, 5, 9))),
+            Some(Record::Api(RawApi {
+                driver: true,
+                cbid: 307,
+                start: 5,
+                end: 9,
+                correlation: 45
+            }))
+        );
+        let mut runtime = bytes_of(&api(46, 5, 9));
+        runtime[0] = KIND_RUNTIME as u8;
+        assert!(matches!(
+            decode(&runtime),
+            Some(Record::Api(RawApi { driver: false, .. }))
+        ));
+        assert_eq!(decode(&runtime[..39]), None);
+        assert_eq!(decode(&[37, 0, 0, 0, 1, 2]), Some(Record::Other(37)));
         assert_eq!(decode(&[1, 2]), None);
     }
 }

@@ -14,9 +14,13 @@
 //!   kernel or the bytes and bandwidth of a copy or fill); with CUDA events each op's GPU
 //!   interval (`kernel`, named after the op, `tid` = the stream's number: 7 for the default
 //!   stream, as CUDA numbers it, then 8, 9, ... in order of appearance);
-//! - flow events linking an op to its device work (`ph: "s"` on the op at its start, `ph:
-//!   "f"` with `bp: "e"` on the device event, `cat: "ac2g"`; `id` = CUPTI's correlation id,
-//!   or with CUDA events the op's id, which is then also the `correlation`);
+//! - with CUPTI, the driver and runtime calls that launched device work from inside an op
+//!   (`cuda_driver` / `cuda_runtime`, on the op's thread, `args`: `External id`,
+//!   `correlation`), which is how trace tools (HolisticTraceAnalysis) tie a kernel to the host;
+//! - flow events linking a launch to its device work (`ph: "s"` on the launching call, or on
+//!   the op at its start where no call was recorded, `ph: "f"` with `bp: "e"` on the device
+//!   event, `cat: "ac2g"`; `id` = CUPTI's correlation id, or with CUDA events the op's id,
+//!   which is then also the `correlation`);
 //! - metadata events (`ph: "M"`) naming the processes (`process_name`, `process_labels`,
 //!   `process_sort_index`) and the threads and streams (`thread_name`, `thread_sort_index`).
 
@@ -143,8 +147,31 @@ pub(super) fn to_json(trace: &Trace) -> String {
         }
     }
 
+    let launches: HashMap<u32, &super::CudaApiCall> =
+        trace.api_calls.iter().map(|c| (c.correlation, c)).collect();
+    for c in &trace.api_calls {
+        let mut e = String::from("{\"ph\": \"X\", \"cat\": ");
+        string(&mut e, if c.driver { "cuda_driver" } else { "cuda_runtime" });
+        e.push_str(", \"name\": ");
+        string(&mut e, &c.name);
+        let _ = write!(
+            e,
+            ", \"pid\": {pid}, \"tid\": {}, \"ts\": {}, \"dur\": {}, \"args\": {{\"External id\": {}, \"correlation\": {}}}}}",
+            c.thread,
+            micros(ts(c.start_ns)),
+            micros(c.duration_ns as f64 / 1e3),
+            c.external_id,
+            c.correlation
+        );
+        events.push(e);
+    }
     for a in &trace.gpu_activities {
-        events.extend(activity_json(trace, a, pid));
+        events.extend(activity_json(
+            trace,
+            a,
+            pid,
+            launches.get(&a.correlation).copied(),
+        ));
     }
 
     // Metadata: the host process and its threads, each device and its streams.
@@ -250,8 +277,14 @@ pub(super) fn to_json(trace: &Trace) -> String {
     out
 }
 
-/// A CUPTI activity as Kineto writes it, and the flow from its op when it has one.
-fn activity_json(trace: &Trace, a: &super::GpuActivity, pid: u64) -> Vec<String> {
+/// A CUPTI activity as Kineto writes it, and the flow from the call that launched it (or its
+/// op) when it has one.
+fn activity_json(
+    trace: &Trace,
+    a: &super::GpuActivity,
+    pid: u64,
+    launch: Option<&super::CudaApiCall>,
+) -> Vec<String> {
     let ts = micros(a.start_ns as f64 / 1e3);
     let mut k = String::from("{\"ph\": \"X\", \"cat\": ");
     string(&mut k, a.kind.category());
@@ -296,12 +329,16 @@ fn activity_json(trace: &Trace, a: &super::GpuActivity, pid: u64) -> Vec<String>
     }
     k.push_str("}}");
     let mut out = vec![k];
-    if let Some(op) = a.event.and_then(|i| trace.events.get(i)) {
+    let from = match (launch, a.event.and_then(|i| trace.events.get(i))) {
+        (Some(call), _) => Some((call.thread, call.start_ns)),
+        (None, Some(op)) => Some((op.thread, op.start_ns)),
+        (None, None) => None,
+    };
+    if let Some((thread, start_ns)) = from {
         out.push(format!(
-            "{{\"ph\": \"s\", \"id\": {}, \"pid\": {pid}, \"tid\": {}, \"ts\": {}, \"cat\": \"ac2g\", \"name\": \"ac2g\"}}",
+            "{{\"ph\": \"s\", \"id\": {}, \"pid\": {pid}, \"tid\": {thread}, \"ts\": {}, \"cat\": \"ac2g\", \"name\": \"ac2g\"}}",
             a.correlation,
-            op.thread,
-            micros(op.start_ns as f64 / 1e3)
+            micros(start_ns as f64 / 1e3)
         ));
         out.push(format!(
             "{{\"ph\": \"f\", \"id\": {}, \"pid\": {}, \"tid\": {}, \"ts\": {ts}, \"cat\": \"ac2g\", \"name\": \"ac2g\", \"bp\": \"e\"}}",
@@ -362,6 +399,7 @@ mod tests {
             timing: Some(CudaTimingSource::CudaEvents),
             cupti_unavailable: None,
             gpu_activities: Vec::new(),
+            api_calls: Vec::new(),
         };
         let v: serde_json::Value = serde_json::from_str(&to_json(&trace)).unwrap();
         let events = v["traceEvents"].as_array().unwrap();
@@ -418,13 +456,23 @@ mod tests {
             rec::bytes_of(&rec::kernel(102, 1_008_000, 1_009_000, 7, gemm.as_ptr())),
             rec::bytes_of(&rec::memcpy(103, 1_025_000, 1_029_096, 4096)),
             rec::bytes_of(&rec::kernel(999, 1_030_000, 1_031_000, 13, stray.as_ptr())),
+            // The launches: of matmul's first kernel, of the copy, of the stray kernel (no op),
+            // and a call that launched nothing.
+            rec::bytes_of(&rec::api(100, 1_001_500, 1_001_800)),
+            rec::bytes_of(&rec::api(103, 1_022_000, 1_023_000)),
+            rec::bytes_of(&rec::api(999, 1_029_500, 1_029_600)),
+            rec::bytes_of(&rec::api(555, 1_002_000, 1_002_100)),
         ];
         let mut collected = Collected::default();
         for b in &buffer {
             // SAFETY: the kernel records name C string literals.
             unsafe { collected.absorb(decode(b).unwrap()) };
         }
-        let activities = super::super::recorder::attribute(&mut events, collected, |ns| ns - 1_000_000);
+        for call in &mut collected.api {
+            call.name = "cuLaunchKernel".into(); // `cupti::stop` names them
+        }
+        let (activities, api_calls) =
+            super::super::recorder::attribute(&mut events, collected, |ns| ns - 1_000_000);
         Trace {
             events,
             threads: vec![(1, "thread 1 (main)".to_string())],
@@ -435,6 +483,7 @@ mod tests {
             timing: Some(CudaTimingSource::Cupti),
             cupti_unavailable: None,
             gpu_activities: activities,
+            api_calls,
         }
     }
 
@@ -482,6 +531,13 @@ mod tests {
         let table = averages.table("self_cuda_time_total", 10).unwrap();
         assert!(table.ends_with("CUDA time measured by: cupti\n"), "{table}");
         assert_eq!(trace.gpu_timing(), Some("cupti"));
+        // The launches of device work made inside an op, on its thread.
+        let calls: Vec<_> = trace
+            .cuda_api_calls()
+            .iter()
+            .map(|c| (c.correlation, c.external_id, c.event, c.start_ns, c.duration_ns))
+            .collect();
+        assert_eq!(calls, [(100, 5, 0, 1_500, 300), (103, 7, 2, 22_000, 1_000)]);
     }
 
     #[test]
@@ -521,6 +577,27 @@ mod tests {
         let mut ids: Vec<_> = flows.keys().copied().collect();
         ids.sort_unstable();
         assert_eq!(ids, [100, 101, 102, 103], "the stray kernel has no flow");
+        let launches: Vec<_> = events.iter().filter(|e| e["cat"] == "cuda_driver").collect();
+        assert_eq!(launches.len(), 2);
+        for l in &launches {
+            assert_eq!(l["name"], "cuLaunchKernel");
+            assert_eq!(l["tid"].as_u64(), Some(1));
+            assert!(
+                l["args"]["correlation"].is_u64() && l["args"]["External id"].is_u64(),
+                "{l}"
+            );
+            // It lies inside its op on the host, so tools find the op around it.
+            let op = trace
+                .events
+                .iter()
+                .find(|e| Some(e.id) == l["args"]["External id"].as_u64())
+                .unwrap();
+            let ts = l["ts"].as_f64().unwrap();
+            assert!(
+                op.start_ns as f64 / 1e3 <= ts && ts <= op.end_ns as f64 / 1e3,
+                "{l}"
+            );
+        }
         for (id, pair) in &flows {
             assert_eq!(pair.len(), 2, "flow {id}");
             let (s, f) = (pair[0], pair[1]);
@@ -533,6 +610,19 @@ mod tests {
                 .unwrap();
             assert_eq!(f["ts"], target["ts"]);
             assert_eq!(f["tid"], target["tid"]);
+            // A flow starts on the call that launched the work where it was recorded, else
+            // on the op at its start.
+            let from = launches
+                .iter()
+                .find(|l| l["args"]["correlation"].as_u64() == Some(*id))
+                .map_or_else(
+                    || {
+                        let op = target["args"]["External id"].as_u64().unwrap();
+                        trace.events.iter().find(|e| e.id == op).unwrap().start_ns as f64 / 1e3
+                    },
+                    |l| l["ts"].as_f64().unwrap(),
+                );
+            assert_eq!(s["ts"].as_f64(), Some(from), "flow {id}");
         }
         let stream_names: Vec<_> = events
             .iter()

@@ -360,7 +360,12 @@ impl Profiler {
         };
         let (start_unix_us, options) = (session.start_unix_us, session.options);
         let (timing, cupti_unavailable) = (session.timing, session.cupti_unavailable.clone());
-        let (mut events, mut gpu_activities, threads) = session.finish();
+        let recorder::Finish {
+            mut events,
+            activities: mut gpu_activities,
+            mut api_calls,
+            threads,
+        } = session.finish();
         if !self.cpu {
             // CUDA activity only: keep the events that ran GPU work (indices renumbered).
             let mut new_index = vec![None; events.len()];
@@ -380,6 +385,7 @@ impl Profiler {
             for a in &mut gpu_activities {
                 a.event = a.event.and_then(map);
             }
+            api_calls.retain_mut(|c| map(c.event).map(|e| c.event = e).is_some());
         }
         if !save {
             return;
@@ -394,6 +400,7 @@ impl Profiler {
             timing,
             cupti_unavailable,
             gpu_activities,
+            api_calls,
         };
         if let Some(handler) = self.on_trace_ready.as_mut() {
             handler(&trace);
@@ -576,6 +583,28 @@ pub struct GpuActivity {
     pub bytes: u64,
 }
 
+/// A CUDA driver or runtime call that launched device work (`cuLaunchKernel`,
+/// `cudaLaunchKernel`, `cuMemcpyHtoDAsync`, ...), as CUPTI recorded it; Kineto's
+/// `cuda_driver` and `cuda_runtime` trace events. It carries the correlation id of the work it
+/// launched, which is how trace tools tie a kernel to the host.
+#[derive(Debug, Clone)]
+pub struct CudaApiCall {
+    /// The call's name as CUPTI gives it (a runtime call without its `_v` suffix).
+    pub name: String,
+    /// A driver call, else a runtime call.
+    pub driver: bool,
+    /// The profiler's number for the host thread that made it (the op's thread).
+    pub thread: u64,
+    /// Nanoseconds since the trace started, on the host's clock.
+    pub start_ns: u64,
+    pub duration_ns: u64,
+    /// The correlation id of the call and of the work it launched.
+    pub correlation: u32,
+    /// The id of the op it was made in ([`FunctionEvent::id`]) and its index in the events.
+    pub external_id: u64,
+    pub event: usize,
+}
+
 /// One recorded op or range (`torch.autograd.profiler_util.FunctionEvent`).
 #[derive(Debug, Clone)]
 pub struct FunctionEvent {
@@ -636,6 +665,7 @@ pub struct Trace {
     timing: Option<CudaTimingSource>,
     cupti_unavailable: Option<String>,
     gpu_activities: Vec<GpuActivity>,
+    api_calls: Vec<CudaApiCall>,
 }
 
 impl Trace {
@@ -669,6 +699,12 @@ impl Trace {
     /// With CUPTI, every kernel, memcpy and memset of the cycle, ordered by start.
     pub fn gpu_activities(&self) -> &[GpuActivity] {
         &self.gpu_activities
+    }
+
+    /// With CUPTI, the CUDA driver and runtime calls that launched the cycle's device work
+    /// from inside a recorded op, ordered by start.
+    pub fn cuda_api_calls(&self) -> &[CudaApiCall] {
+        &self.api_calls
     }
 
     /// The events grouped by name (`key_averages()`).

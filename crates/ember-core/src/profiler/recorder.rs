@@ -7,7 +7,7 @@
 //! into the current one (an op that entered before a session began, or leaves after it ended,
 //! is dropped, as PyTorch drops ops that straddle a profiler's start or stop).
 
-use super::{CudaTimingSource, EventKind, FunctionEvent, GpuActivity, GpuInterval};
+use super::{CudaApiCall, CudaTimingSource, EventKind, FunctionEvent, GpuActivity, GpuInterval};
 use crate::cuda::cupti::{self, ClockRef, Collected};
 use crate::cuda::kernel_timing::{self, TimingEvent};
 use crate::dispatch::observer::{self, Observer, ObserverHandle, OpEnter, OpExit};
@@ -173,7 +173,7 @@ impl Session {
     /// Stops recording and turns what was recorded into events (waiting for the GPU when CUDA
     /// was timed). Ops still open are left out.
     #[allow(clippy::type_complexity)]
-    pub(crate) fn finish(self: Arc<Session>) -> (Vec<FunctionEvent>, Vec<GpuActivity>, Vec<(u64, String)>) {
+    pub(crate) fn finish(self: Arc<Session>) -> Finish {
         {
             let mut cur = CURRENT.write().unwrap_or_else(|e| e.into_inner());
             if cur.as_ref().is_some_and(|s| s.id == self.id) {
@@ -196,11 +196,16 @@ impl Session {
         let refs = std::mem::take(&mut *self.gpu_refs.lock().unwrap_or_else(|e| e.into_inner()));
         let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut events = build_events(&self, finished, &refs);
-        let activities = match (collected, self.cupti_clock) {
+        let (activities, api_calls) = match (collected, self.cupti_clock) {
             (Some(c), Some(clock)) => attribute(&mut events, c, |ns| clock.host_ns(ns, self.start)),
-            _ => Vec::new(),
+            _ => Default::default(),
         };
-        (events, activities, threads)
+        Finish {
+            events,
+            activities,
+            api_calls,
+            threads,
+        }
     }
 
     fn ns(&self, t: Instant) -> u64 {
@@ -210,6 +215,14 @@ impl Session {
     fn push(&self, f: Finished) {
         self.finished.lock().unwrap_or_else(|e| e.into_inner()).push(f);
     }
+}
+
+/// What a finished session recorded.
+pub(crate) struct Finish {
+    pub events: Vec<FunctionEvent>,
+    pub activities: Vec<GpuActivity>,
+    pub api_calls: Vec<CudaApiCall>,
+    pub threads: Vec<(u64, String)>,
 }
 
 /// Turns finished records into events: ordered by start, linked to parents and children, with
@@ -291,12 +304,14 @@ fn build_events(
 /// that launched them (an activity's correlation id → the external id → the event), and sets
 /// each event's CUDA times from them: its own activities' durations are its self CUDA time,
 /// plus its children's totals its total (as PyTorch sums kernels). `to_host_ns` puts a CUPTI
-/// timestamp on the trace's clock. Returns the activities ordered by start.
+/// timestamp on the trace's clock. Returns the activities ordered by start, and the driver and
+/// runtime calls that launched them from inside an event (on that event's thread), ordered by
+/// start.
 pub(crate) fn attribute(
     events: &mut [FunctionEvent],
     collected: Collected,
     to_host_ns: impl Fn(u64) -> u64,
-) -> Vec<GpuActivity> {
+) -> (Vec<GpuActivity>, Vec<CudaApiCall>) {
     let index: HashMap<u64, usize> = events.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
     let mut raw = collected.activities;
     raw.sort_by_key(|a| (a.raw.start, a.raw.end));
@@ -359,7 +374,28 @@ pub(crate) fn attribute(
         e.self_cuda_time_total_ns = own;
         e.cuda_time_total_ns = own + children;
     }
-    out
+    let launched: std::collections::HashSet<u32> = out.iter().map(|a| a.correlation).collect();
+    let mut calls: Vec<CudaApiCall> = collected
+        .api
+        .into_iter()
+        .filter(|c| launched.contains(&c.raw.correlation))
+        .filter_map(|c| {
+            let external_id = *collected.external.get(&c.raw.correlation)?;
+            let event = *index.get(&external_id)?;
+            Some(CudaApiCall {
+                name: c.name.to_string(),
+                driver: c.raw.driver,
+                thread: events[event].thread,
+                start_ns: to_host_ns(c.raw.start),
+                duration_ns: c.raw.end.saturating_sub(c.raw.start),
+                correlation: c.raw.correlation,
+                external_id,
+                event,
+            })
+        })
+        .collect();
+    calls.sort_by_key(|c| (c.start_ns, c.correlation));
+    (out, calls)
 }
 
 /// This thread's number in the session's traces, announcing it (with its name) on first use.

@@ -552,7 +552,27 @@ fn cuda_cupti_attributes_each_kernel_to_the_launching_op() {
         assert_eq!(flow.len(), 2, "{k}");
         assert_eq!(flow[1]["tid"], k["tid"]);
         assert_eq!(flow[0]["tid"].as_u64(), Some(matmul.thread));
+        // The driver or runtime call that launched it, on the op's thread, where the flow
+        // starts (trace tools tie kernels to the host through these).
+        let launch: Vec<_> = json
+            .iter()
+            .filter(|e| {
+                ["cuda_driver", "cuda_runtime"].contains(&e["cat"].as_str().unwrap_or(""))
+                    && e["args"]["correlation"].as_u64() == Some(corr)
+            })
+            .collect();
+        assert_eq!(launch.len(), 1, "{k}");
+        let l = launch[0];
+        assert_eq!(l["args"]["External id"].as_u64(), Some(matmul.id), "{l}");
+        assert_eq!(l["tid"].as_u64(), Some(matmul.thread), "{l}");
+        assert_eq!(flow[0]["ts"], l["ts"], "{l}");
+        let name = l["name"].as_str().unwrap();
+        assert!(
+            name.starts_with("cu") && !name.contains(' '),
+            "named by CUPTI: {l}"
+        );
     }
+    assert!(!trace.cuda_api_calls().is_empty());
 }
 
 #[test]
@@ -608,6 +628,59 @@ fn cuda_cupti_reports_copies_and_fills_and_backward_kernels() {
         .iter()
         .any(|&a| activities[a].kind == GpuActivityKind::Kernel));
     check_trace(&trace.chrome_trace_json());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_cupti_records_every_cycle_of_a_schedule() {
+    // A warm-up cycle stops CUPTI and the active cycle starts it again; each saved cycle must
+    // still hold the kernels of its own steps, attributed to their ops.
+    let _l = lock();
+    let dev = common::gpu();
+    known_ops(dev).unwrap(); // warm-up
+    let traces: Arc<Mutex<Vec<Trace>>> = Arc::default();
+    let sink = traces.clone();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .schedule(profiler::schedule(1, 1, 2, 2))
+        .on_trace_ready(move |t| sink.lock().unwrap().push(t.clone()))
+        .start()
+        .unwrap();
+    for _ in 0..10 {
+        known_ops(dev).unwrap();
+        prof.step().unwrap();
+    }
+    prof.stop().unwrap();
+    let traces = traces.lock().unwrap();
+    assert_eq!(traces.len(), 2, "one trace per cycle");
+    for trace in traces.iter() {
+        assert_eq!(
+            trace.gpu_timing(),
+            Some("cupti"),
+            "{:?}",
+            trace.cupti_unavailable()
+        );
+        let (events, activities) = (trace.events(), trace.gpu_activities());
+        let matmuls: Vec<_> = events.iter().filter(|e| e.name == "matmul").collect();
+        assert_eq!(matmuls.len(), 2 * 2, "two matmuls in each of two active steps");
+        for op in matmuls {
+            assert!(
+                op.gpu_activities
+                    .iter()
+                    .any(|&a| activities[a].kind == GpuActivityKind::Kernel),
+                "a matmul of an active step has no kernel ({} activities in the cycle): {op:?}",
+                activities.len()
+            );
+        }
+        let json = check_trace(&trace.chrome_trace_json());
+        let kernels = json.iter().filter(|e| e["cat"] == "kernel").count();
+        assert!(kernels >= 2 * 6, "{kernels} kernel events in the cycle's trace");
+        let launches = json
+            .iter()
+            .filter(|e| ["cuda_driver", "cuda_runtime"].contains(&e["cat"].as_str().unwrap_or("")))
+            .count();
+        assert!(launches >= 2 * 6, "{launches} launch calls in the cycle's trace");
+    }
 }
 
 /// True when event `i` is `name` or lies under it.
