@@ -117,6 +117,11 @@ pub fn nccl() -> Result<&'static Nccl> {
 }
 
 fn open() -> std::result::Result<Nccl, String> {
+    // Connections at init (Note [NCCL backend design], Environment): set before NCCL reads its
+    // variables, which it does when the first communicator is created.
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+    }
     let env = |k: &str| std::env::var(k).ok();
     open_first(&ember_core::cuda::nccl_candidates(&env))
 }

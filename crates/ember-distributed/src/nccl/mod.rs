@@ -27,7 +27,13 @@
 //!   the other receives), as the tests do.
 //! - Environment: NCCL reads its variables when the first communicator is created. `ember-run`
 //!   sets `NCCL_NVLS_ENABLE=0` (NVLink multicast off) unless set; a program started otherwise
-//!   gets whatever its environment says.
+//!   gets whatever its environment says. Loading NCCL sets `NCCL_RUNTIME_CONNECT=0` unless
+//!   set: NCCL then connects the ranks inside `ncclCommInitRank`, which the group's timeout
+//!   bounds, instead of at the first collective (NCCL's default since 2.22). Connecting lazily,
+//!   a rank that died after init blocks the survivors' first collective inside NCCL's enqueue,
+//!   out of the watchdog's reach, for about 60 s of socket retries; connected at init, that
+//!   collective is enqueued, waits on the dead peer, and the watchdog aborts it after the
+//!   timeout. The cost is the buffers of connections a job may never use.
 //! - Reductions: Sum, Product, Max, Min and Avg (`ncclAvg`) on every dtype NCCL has (f32,
 //!   f64, f16, bf16, i64, i32, u8, bool as u8 with Sum as Max and Product as Min, as PyTorch).
 //! - Failures, Note [NCCL watchdog]: a watchdog thread per group checks, every 50 ms, the
