@@ -7,7 +7,16 @@ use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::{CrossEntropyLoss, Forward, ModuleExt};
 use ember::{cuda, DType, Device, Result, Tensor};
 use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Instant;
+
+/// `--profile DIR`: where the workload being timed writes its profile (`DIR/NAME.txt` and
+/// `DIR/NAME.json`); None without the flag. Set by [`bench`] around each workload.
+static PROFILE_TO: Mutex<Option<(PathBuf, String)>> = Mutex::new(None);
+
+/// Steps profiled after the timed ones.
+const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
 pub const WORKLOADS: [&str; 19] = [
@@ -95,12 +104,53 @@ fn time_steps(
         Device::Cuda(i) => Some(cuda::max_memory_allocated_on(i) as f64 / (1u64 << 20) as f64),
         Device::Cpu => None,
     };
+    let target = PROFILE_TO.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if let Some((dir, name)) = target {
+        profile_steps(device, &dir, &name, &mut step)?;
+    }
     Ok(Timing {
         median,
         min: sorted[0],
         max: sorted[sorted.len() - 1],
         peak_mb,
     })
+}
+
+/// Runs [`PROFILED_STEPS`] steps under the profiler and writes `dir/name.txt` (the op table,
+/// sorted by self CPU time: where the host's time goes) and `dir/name.json` (the trace).
+fn profile_steps(
+    device: Device,
+    dir: &Path,
+    name: &str,
+    step: &mut impl FnMut() -> Result<()>,
+) -> Result<()> {
+    use ember::profiler::{self, ProfilerActivity};
+    let mut activities = vec![ProfilerActivity::Cpu];
+    if device.is_cuda() {
+        activities.push(ProfilerActivity::Cuda);
+    }
+    let mut prof = profiler::profile().activities(activities).start()?;
+    for _ in 0..PROFILED_STEPS {
+        let _step = profiler::record_function("bench_step");
+        step()?;
+    }
+    prof.stop()?;
+    let Some(trace) = prof.trace() else {
+        return Ok(());
+    };
+    let io = |path: PathBuf| {
+        move |e: std::io::Error| ember::Error::Io {
+            kind: e.kind(),
+            msg: format!("--profile: cannot write {}: {e}", path.display()),
+        }
+    };
+    let table = dir.join(format!("{name}.txt"));
+    std::fs::write(
+        &table,
+        trace.key_averages().table("self_cpu_time_total", 40)? + "\n",
+    )
+    .map_err(io(table.clone()))?;
+    trace.export_chrome_trace(dir.join(format!("{name}.json")))
 }
 
 fn row(name: &str, t: &Timing, per: f64, extra: Value) -> Map<String, Value> {
@@ -464,9 +514,13 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
     outcome.map_err(|e| e.to_string())
 }
 
-/// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each;
-/// an error naming the known workloads, before anything runs, when `only` names an unknown one.
-pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String> {
+/// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each
+/// (and with `profile`, writing each one's profile there); an error naming the known
+/// workloads, before anything runs, when `only` names an unknown one.
+pub fn bench(device: Device, only: &[String], profile: Option<&Path>) -> std::result::Result<(), String> {
+    if let Some(dir) = profile {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--profile: cannot make {}: {e}", dir.display()))?;
+    }
     if let Some(bad) = only.iter().find(|n| !WORKLOADS.contains(&n.as_str())) {
         return Err(format!(
             "unknown workload {bad:?} in --only; the workloads are: {}",
@@ -493,6 +547,12 @@ pub fn bench(device: Device, only: &[String]) -> std::result::Result<(), String>
         .unwrap_or(0);
     for name in names {
         eprintln!("ember bench: {name} on {device}");
+        // Every rank of a launched job profiles (they step together); each writes its own files.
+        let file = match rank {
+            0 => name.to_string(),
+            r => format!("{name}.rank{r}"),
+        };
+        *PROFILE_TO.lock().unwrap_or_else(|e| e.into_inner()) = profile.map(|d| (d.to_path_buf(), file));
         let mut line = run(name, device).unwrap_or_else(|e| {
             let mut m = Map::new();
             m.insert("workload".into(), json!(name));

@@ -36,6 +36,11 @@ enum Command {
         /// Comma-separated workload names (default: all).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// After timing each workload, profile 3 more steps (CPU and CUDA) and write the op
+        /// table (DIR/WORKLOAD.txt, sorted by self CPU time) and a chrome trace
+        /// (DIR/WORKLOAD.json) into DIR.
+        #[arg(long, value_name = "DIR")]
+        profile: Option<std::path::PathBuf>,
     },
     /// Draw a memory snapshot (`cuda::dump_snapshot`, or PyTorch's `_dump_snapshot`) as one
     /// self-contained HTML page: the active-memory timeline and the segment map.
@@ -48,7 +53,11 @@ fn main() {
         Command::Train(args) => train::main(args),
         Command::Info => print!("{}", ember_info()),
         Command::Memviz(args) => memviz::main(args),
-        Command::Bench { device, only } => {
+        Command::Bench {
+            device,
+            only,
+            profile,
+        } => {
             let device = match device.as_deref().map(ember::Device::parse) {
                 Some(Ok(d)) => d,
                 Some(Err(e)) => {
@@ -58,7 +67,7 @@ fn main() {
                 None if ember::cuda::is_available() => ember::Device::Cuda(0),
                 None => ember::Device::Cpu,
             };
-            if let Err(e) = bench::bench(device, &only) {
+            if let Err(e) = bench::bench(device, &only, profile.as_deref()) {
                 eprintln!("ember bench: {e}");
                 std::process::exit(2);
             }

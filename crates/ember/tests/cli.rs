@@ -512,6 +512,44 @@ fn bench_graph_workloads_report_an_error_line_on_the_cpu() {
     }
 }
 
+#[test]
+fn bench_profile_writes_each_workloads_op_table_and_trace() {
+    let dir = scratch("bench_profile");
+    let out = ember(&[
+        "bench",
+        "--device",
+        "cpu",
+        "--only",
+        "mlp_small",
+        "--profile",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(line["ms_per_step"].as_f64().unwrap() > 0.0, "{line}");
+    // Three profiled steps of Linear, ReLU, Linear: two `linear` ops and one Adam step each.
+    let table = std::fs::read_to_string(dir.join("mlp_small.txt")).unwrap();
+    let calls = |name: &str| {
+        let row = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} row in\n{table}"));
+        row.split_whitespace().last().unwrap().parse::<usize>().unwrap()
+    };
+    assert_eq!(calls("bench_step"), 3, "{table}");
+    assert_eq!(calls("linear"), 6, "{table}");
+    assert_eq!(calls("_fused_adam_"), 3, "{table}");
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("mlp_small.json")).unwrap()).unwrap();
+    let steps = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "bench_step" && e["ph"] == "X")
+        .count();
+    assert_eq!(steps, 3);
+}
+
 // Note [Graphed training step] of `train/graph.rs`: two epochs of the CNN on the embedded data
 // (70 full batches of 128 and one of 40 per epoch), eagerly and with --cuda-graph, in float32
 // and with --amp fp16 (the GradScaler inside the graph). The graphed runs replay every full
