@@ -261,7 +261,12 @@ fn accumulate_leaf(leaf: &Arc<TensorImpl>, grad: Tensor) -> Result<Vec<PostAccum
         // sum's backward) or a tensor the caller still holds (the gradient given to
         // backward) is copied, as PyTorch's AccumulateGrad does; a fresh one is kept as is.
         None => {
-            let grad = grad.to_dtype(leaf.dtype)?;
+            // Moved, not converted, when the dtype already matches: `to_dtype` would hand back
+            // a second handle, and the count below would always see two.
+            let grad = match grad.dtype() == leaf.dtype {
+                true => grad,
+                false => grad.to_dtype(leaf.dtype)?,
+            };
             if grad.is_contiguous() && Arc::strong_count(&grad.0) == 1 && grad.storage().is_unique() {
                 grad
             } else {

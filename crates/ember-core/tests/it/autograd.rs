@@ -361,3 +361,33 @@ fn queued_callbacks_run_once_backward_ends() {
     bad.remove();
     w.sum_all().unwrap().backward().unwrap();
 }
+
+#[test]
+fn a_gradient_nothing_else_holds_is_stored_without_a_copy() {
+    // AccumulateGrad keeps a fresh, unshared gradient as `.grad` (PyTorch's "steal" path):
+    // with `.grad` released by zero_grad, a copy there would cost a pass over every gradient
+    // of every training step.
+    let x = leaf(&[1.0, 2.0, 3.0]);
+    let fresh = Arc::new(AtomicUsize::new(0));
+    let seen = fresh.clone();
+    x.register_hook(move |g| {
+        let replacement = g.mul_scalar(1.0)?;
+        seen.store(replacement.data_ptr(), Ordering::SeqCst);
+        Ok(Some(replacement))
+    })
+    .unwrap();
+    x.mul_scalar(2.0).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = x.grad().unwrap();
+    assert_eq!(grad.to_vec::<f64>().unwrap(), [2.0, 2.0, 2.0]);
+    assert_eq!(
+        grad.data_ptr(),
+        fresh.load(Ordering::SeqCst),
+        "the gradient was copied"
+    );
+    // A gradient the caller still holds is copied, so that `.grad` owns its memory.
+    let y = leaf(&[1.0, 2.0]);
+    let given = ones(2);
+    y.backward_with(Some(&given), false).unwrap();
+    assert_ne!(y.grad().unwrap().data_ptr(), given.data_ptr());
+    assert_eq!(y.grad().unwrap().to_vec::<f64>().unwrap(), [1.0, 1.0]);
+}
