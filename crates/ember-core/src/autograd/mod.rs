@@ -110,6 +110,26 @@ fn next_sequence_nr() -> u64 {
     })
 }
 
+/// Runs `f` with this thread's node numbering restarted at 0, as on a newly started thread,
+/// and puts the numbering back afterwards (also when `f` panics).
+///
+/// Backward runs the ready node recorded last first (Note [Ready order] in `ready_queue.rs`),
+/// and the numbering is per thread, as PyTorch's `sequence_nr`. Code that records the same
+/// graph on several threads at once and wants their nodes to interleave in backward, as
+/// PyTorch's `parallel_apply` gets from starting a thread per device on every call, runs each
+/// share in here: `nn::DataParallel` does, so that backward alternates between the replicas'
+/// devices instead of running one replica's backward after the other's.
+pub fn with_fresh_sequence_nr<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(u64);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SEQUENCE_NR.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(SEQUENCE_NR.with(|c| c.replace(0)));
+    f()
+}
+
 /// Attaches a node computed by `backward` to `out`, whose inputs were `inputs`.
 ///
 /// Callers check [`needs_grad`] first so that they build the closure only when it is used.

@@ -391,3 +391,44 @@ fn a_gradient_nothing_else_holds_is_stored_without_a_copy() {
     assert_ne!(y.grad().unwrap().data_ptr(), given.data_ptr());
     assert_eq!(y.grad().unwrap().to_vec::<f64>().unwrap(), [1.0, 1.0]);
 }
+
+/// The order in which backward reaches the links of two chains of `mul_scalar`, each chain
+/// recorded whole before the other, with fresh node numbering per chain or not.
+fn chain_order(fresh: bool) -> Vec<String> {
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // The links stay alive (a hook lives with its tensor); the last is the chain's output.
+    let chain = |x: &Tensor, name: &'static str| {
+        let mut links = vec![x.clone()];
+        for i in 0..3 {
+            let t = links[i].mul_scalar(2.0).unwrap();
+            let o = order.clone();
+            t.register_hook(move |_| {
+                o.lock().unwrap().push(format!("{name}{i}"));
+                Ok(None)
+            })
+            .unwrap();
+            links.push(t);
+        }
+        links
+    };
+    let (a, b) = (leaf(&[1.0]), leaf(&[2.0]));
+    let (ya, yb) = match fresh {
+        true => (
+            autograd::with_fresh_sequence_nr(|| chain(&a, "a")),
+            autograd::with_fresh_sequence_nr(|| chain(&b, "b")),
+        ),
+        false => (chain(&a, "a"), chain(&b, "b")),
+    };
+    ya[3].add(&yb[3]).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(a.grad().unwrap().to_vec::<f64>().unwrap(), [8.0]);
+    let order = order.lock().unwrap().clone();
+    order
+}
+
+#[test]
+fn fresh_sequence_numbers_interleave_branches_recorded_one_after_the_other() {
+    // Recorded last, run first: chain b entirely, then chain a.
+    assert_eq!(chain_order(false), ["b2", "b1", "b0", "a2", "a1", "a0"]);
+    // Numbered alike, the chains' nodes tie and run in turn (DataParallel's replicas).
+    assert_eq!(chain_order(true), ["a2", "b2", "a1", "b1", "a0", "b0"]);
+}
