@@ -246,23 +246,16 @@ fn apply<M: Forward>(
     grad: bool,
     autocast: &[(DeviceType, ember_core::DType)],
 ) -> Result<Tensor> {
-    ember_core::autograd::with_fresh_sequence_nr(|| apply_here(module, x, grad, autocast))
-}
-
-fn apply_here<M: Forward>(
-    module: &M,
-    x: &Tensor,
-    grad: bool,
-    autocast: &[(DeviceType, ember_core::DType)],
-) -> Result<Tensor> {
-    let previous = ember_core::set_grad_enabled(grad);
-    let guards = autocast
-        .iter()
-        .map(|&(dt, dtype)| amp::autocast(dt, dtype))
-        .collect::<Result<Vec<_>>>();
-    let out = guards.and_then(|_guards| module.forward(x));
-    ember_core::set_grad_enabled(previous);
-    out
+    ember_core::autograd::with_fresh_sequence_nr(|| {
+        let previous = ember_core::set_grad_enabled(grad);
+        let guards = autocast
+            .iter()
+            .map(|&(dt, dtype)| amp::autocast(dt, dtype))
+            .collect::<Result<Vec<_>>>();
+        let out = guards.and_then(|_guards| module.forward(x));
+        ember_core::set_grad_enabled(previous);
+        out
+    })
 }
 
 impl<M: Forward + Clone + 'static> Forward for DataParallel<M> {
