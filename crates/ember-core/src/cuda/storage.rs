@@ -402,7 +402,8 @@ impl CudaStorage {
         // SAFETY: both ranges hold `bytes`; the copy runs on the source's current stream, after
         // the staging copy that wrote `staged` and (waited above) after the target's queued
         // work, and before `staged` returns to its allocator pool on that same stream when
-        // dropped below, so it is never reused while the copy reads it.
+        // dropped below, so it is never reused while the copy reads it; a contiguous source is
+        // read in place on its device's current stream, as every op there reads its inputs.
         unsafe {
             result::memcpy_peer_async(
                 rt.context(),
