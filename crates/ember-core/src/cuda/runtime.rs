@@ -208,23 +208,28 @@ pub(crate) fn enable_peer_access(from: &DeviceRuntime, to: &DeviceRuntime) -> bo
     if let Some(&(_, _, ok)) = pairs.iter().find(|p| (p.0, p.1) == (from.ordinal, to.ordinal)) {
         return ok;
     }
-    let ok = from.ordinal == to.ordinal || {
-        let devices = result::device::get(from.ordinal as i32)
-            .and_then(|a| Ok((a, result::device::get(to.ordinal as i32)?)));
-        let mut can = 0;
-        // SAFETY: both are valid devices after cuInit and `can` is a valid out-pointer.
-        devices.is_ok_and(
-            |(a, b)| unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) } == sys::CUresult::CUDA_SUCCESS,
-        ) && can != 0
+    let ok = from.ordinal == to.ordinal
+        || can_access_peer(from.ordinal, to.ordinal)
             && from.bind().is_ok()
             && matches!(
                 // SAFETY: `to`'s context is a retained primary context; `from`'s is current.
                 unsafe { sys::cuCtxEnablePeerAccess(to.context(), 0) },
                 sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-            )
-    };
+            );
     pairs.push((from.ordinal, to.ordinal, ok));
     ok
+}
+
+/// Whether device `a` can address device `b`'s memory (cuDeviceCanAccessPeer); false when the
+/// driver cannot say.
+fn can_access_peer(a: usize, b: usize) -> bool {
+    let (Ok(a), Ok(b)) = (result::device::get(a as i32), result::device::get(b as i32)) else {
+        return false;
+    };
+    let mut can = 0;
+    // SAFETY: both are valid devices after cuInit and `can` is a valid out-pointer.
+    let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) };
+    r == sys::CUresult::CUDA_SUCCESS && can != 0
 }
 
 #[inline]

@@ -172,7 +172,6 @@ impl Session {
 
     /// Stops recording and turns what was recorded into events (waiting for the GPU when CUDA
     /// was timed). Ops still open are left out.
-    #[allow(clippy::type_complexity)]
     pub(crate) fn finish(self: Arc<Session>) -> Finish {
         {
             let mut cur = CURRENT.write().unwrap_or_else(|e| e.into_inner());
