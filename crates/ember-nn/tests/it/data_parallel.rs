@@ -20,12 +20,26 @@ impl Forward for Net {
     }
 }
 
+/// A fresh network with the same weights every call. They are loaded from fixed values, not
+/// drawn after `manual_seed`: tests run in parallel threads share the default generator, and
+/// another test's draw between the seed and the initialization made two "same" networks differ.
 fn net(device: Device) -> Net {
-    ember_core::manual_seed(5).unwrap();
     let mut n = Net {
         fc1: Linear::new(6, 16, Device::Cpu).unwrap(),
         fc2: Linear::new(16, 3, Device::Cpu).unwrap(),
     };
+    let fixed: Vec<(String, Tensor)> = n
+        .state_dict()
+        .into_iter()
+        .map(|(name, t)| {
+            let k = t.numel();
+            let v: Vec<f32> = (0..k)
+                .map(|i| ((i * 7 + name.len()) % 13) as f32 / 13.0 - 0.45)
+                .collect();
+            (name, Tensor::from_vec(v, t.dims().to_vec(), Device::Cpu).unwrap())
+        })
+        .collect();
+    n.load_state_dict(&fixed, true).unwrap();
     n.to_device(device).unwrap();
     n
 }
