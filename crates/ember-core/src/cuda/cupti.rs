@@ -222,17 +222,22 @@ fn cupti() -> Result<&'static Cupti, &'static str> {
         .map_err(String::as_str)
 }
 
+/// The static string a CUPTI getter writes through its out-pointer; None when it fails or
+/// writes null.
+fn static_string(get: impl FnOnce(*mut *const c_char) -> CuptiResult) -> Option<String> {
+    let mut s: *const c_char = std::ptr::null();
+    if get(&mut s) != CUPTI_SUCCESS || s.is_null() {
+        return None;
+    }
+    // SAFETY: on success CUPTI's getters point `s` at a NUL-terminated static string.
+    Some(unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
+}
+
 impl Cupti {
     fn error_string(&self, r: CuptiResult) -> String {
-        let mut s: *const c_char = std::ptr::null();
-        // SAFETY: `s` is a valid out-pointer; CUPTI returns a static string.
-        let ok = unsafe { (self.api.result_string)(r, &mut s) } == CUPTI_SUCCESS;
-        if ok && !s.is_null() {
-            // SAFETY: on success `s` points to a NUL-terminated static string.
-            unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
-        } else {
-            format!("CUPTI error {r}")
-        }
+        // SAFETY: `s` is a valid out-pointer.
+        static_string(|s| unsafe { (self.api.result_string)(r, s) })
+            .unwrap_or_else(|| format!("CUPTI error {r}"))
     }
 
     /// The name of driver (else runtime) call `cbid` (`cuLaunchKernel`, `cudaLaunchKernel`).
@@ -242,22 +247,15 @@ impl Cupti {
         } else {
             CB_DOMAIN_RUNTIME_API
         };
-        let mut s: *const c_char = std::ptr::null();
-        // SAFETY: `s` is a valid out-pointer; CUPTI returns a static string.
-        let ok = unsafe { (self.api.callback_name)(domain, cbid, &mut s) } == CUPTI_SUCCESS;
-        if ok && !s.is_null() {
-            // SAFETY: on success `s` points to a NUL-terminated static string.
-            let name = unsafe { CStr::from_ptr(s) }.to_string_lossy();
-            // Runtime names carry a version suffix (`cudaLaunchKernel_v7000`); Kineto drops it.
-            match name.rsplit_once("_v") {
-                Some((base, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => base.to_string(),
-                _ => name.into_owned(),
-            }
-        } else {
-            format!(
-                "{} call {cbid}",
-                if driver { "CUDA driver" } else { "CUDA runtime" }
-            )
+        // SAFETY: `s` is a valid out-pointer.
+        let Some(name) = static_string(|s| unsafe { (self.api.callback_name)(domain, cbid, s) }) else {
+            let api = if driver { "CUDA driver" } else { "CUDA runtime" };
+            return format!("{api} call {cbid}");
+        };
+        // Runtime names carry a version suffix (`cudaLaunchKernel_v7000`); Kineto drops it.
+        match name.rsplit_once("_v") {
+            Some((base, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => base.to_string(),
+            _ => name,
         }
     }
 
@@ -308,17 +306,12 @@ pub(crate) struct Collected {
     pub activities: Vec<Activity>,
     /// CUDA API correlation id → the external id pushed around the call (`CUSTOM0`).
     pub external: HashMap<u32, u64>,
-    /// The driver and runtime calls, named once the session stops.
-    pub api: Vec<ApiCall>,
+    /// The driver and runtime calls.
+    pub api: Vec<RawApi>,
+    /// Their names by (driver, callback id), filled when the session stops.
+    pub api_names: HashMap<(bool, u32), Arc<str>>,
     /// Kernel names by their pointer (CUPTI shares one string per kernel).
     names: HashMap<usize, Arc<str>>,
-}
-
-/// A driver or runtime call with its name.
-#[derive(Debug, Clone)]
-pub(crate) struct ApiCall {
-    pub raw: RawApi,
-    pub name: Arc<str>,
 }
 
 impl Collected {
@@ -357,10 +350,7 @@ impl Collected {
                     self.external.insert(correlation, external_id);
                 }
             }
-            Record::Api(raw) => self.api.push(ApiCall {
-                raw,
-                name: Arc::from(""),
-            }),
+            Record::Api(raw) => self.api.push(raw),
             Record::Other(_) => {}
         }
     }
@@ -389,7 +379,8 @@ unsafe extern "C" fn buffer_completed(
     if buffer.is_null() {
         return;
     }
-    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    // A panic must not unwind into CUPTI; the buffer is freed either way.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let Some(Ok(c)) = CUPTI.get() else {
             return;
         };
@@ -416,7 +407,6 @@ unsafe extern "C" fn buffer_completed(
             }
         }
     }));
-    let _ = read;
     // SAFETY: `buffer` came from `buffer_requested` with this layout, and CUPTI gave it back.
     unsafe { std::alloc::dealloc(buffer, BUFFER_LAYOUT) };
 }
@@ -496,13 +486,11 @@ pub(crate) fn stop(devices: &[usize]) -> Collected {
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .unwrap_or_default();
-    let mut names: HashMap<(bool, u32), Arc<str>> = HashMap::new();
-    for call in &mut collected.api {
-        let key = (call.raw.driver, call.raw.cbid);
-        call.name = names
-            .entry(key)
-            .or_insert_with(|| Arc::from(c.callback_name(key.0, key.1)))
-            .clone();
+    for call in &collected.api {
+        collected
+            .api_names
+            .entry((call.driver, call.cbid))
+            .or_insert_with(|| Arc::from(c.callback_name(call.driver, call.cbid)));
     }
     collected
 }
@@ -552,7 +540,7 @@ mod tests {
         assert_eq!(c.external.get(&10), Some(&501));
         assert_eq!(c.external.get(&11), None);
         assert_eq!(c.api.len(), 1);
-        assert_eq!((c.api[0].raw.correlation, c.api[0].raw.start), (10, 90));
+        assert_eq!((c.api[0].correlation, c.api[0].start), (10, 90));
     }
 
     #[test]

@@ -6,9 +6,9 @@
 //! the copies (host to device, device to host, device to device) and fills of `storage.rs`)
 //! calls [`note_work`] with its stream first. With no profiler timing CUDA that is one relaxed
 //! atomic load. While one times by CUPTI, the profiler pushes the launching op's id as CUPTI's
-//! correlation id; while one times by events, it records a timing event on that stream for every open op that has none yet, so an op's interval
-//! starts right before its first kernel instead of when it entered (the host time between
-//! the two is not counted as GPU time).
+//! correlation id; while one times by events, it records a timing event on that stream for
+//! every open op that has none yet, so an op's interval starts right before its first kernel
+//! instead of when it entered (the host time between the two is not counted as GPU time).
 //!
 //! Events come from a per-device pool and go back to it when dropped (creating one costs
 //! about a microsecond of driver time); they are never destroyed.

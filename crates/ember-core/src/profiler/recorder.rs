@@ -377,17 +377,18 @@ pub(crate) fn attribute(
     let mut calls: Vec<CudaApiCall> = collected
         .api
         .into_iter()
-        .filter(|c| launched.contains(&c.raw.correlation))
+        .filter(|c| launched.contains(&c.correlation))
         .filter_map(|c| {
-            let external_id = *collected.external.get(&c.raw.correlation)?;
+            let external_id = *collected.external.get(&c.correlation)?;
             let event = *index.get(&external_id)?;
+            let name = collected.api_names.get(&(c.driver, c.cbid));
             Some(CudaApiCall {
-                name: c.name.to_string(),
-                driver: c.raw.driver,
+                name: name.map_or_else(|| format!("CUDA call {}", c.cbid), |n| n.to_string()),
+                driver: c.driver,
                 thread: events[event].thread,
-                start_ns: to_host_ns(c.raw.start),
-                duration_ns: c.raw.end.saturating_sub(c.raw.start),
-                correlation: c.raw.correlation,
+                start_ns: to_host_ns(c.start),
+                duration_ns: c.end.saturating_sub(c.start),
+                correlation: c.correlation,
                 external_id,
                 event,
             })

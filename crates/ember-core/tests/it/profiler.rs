@@ -364,6 +364,20 @@ fn record_function_without_a_profiler_records_nothing() {
 
 // ---- GPU: CUDA time by events, attributed to the launching ops ----
 
+/// Checks that `range`'s CUDA time is its `ops`' (none of its own) and that the matmul has
+/// self CUDA time in the averages; returns the table sorted by CUDA total.
+fn cuda_totals_add_up(prof: &profiler::Profiler, range: &FunctionEvent, ops: &[&FunctionEvent]) -> String {
+    let op_total: u64 = ops.iter().map(|e| e.cuda_time_total_ns).sum();
+    assert_eq!(
+        range.cuda_time_total_ns, op_total,
+        "a range's CUDA time is its ops'"
+    );
+    assert_eq!(range.self_cuda_time_total_ns, 0);
+    let averages = prof.key_averages();
+    assert!(averages.get("matmul").unwrap().self_cuda_time_total_us > 0.0);
+    averages.table("cuda_time_total", 10).unwrap()
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_time_is_attributed_to_the_launching_ops() {
@@ -392,15 +406,7 @@ fn cuda_time_is_attributed_to_the_launching_ops() {
             assert!(op.self_cuda_time_total_ns > 0, "{name}");
         }
     }
-    let op_total: u64 = ops.iter().map(|e| e.cuda_time_total_ns).sum();
-    assert_eq!(
-        range.cuda_time_total_ns, op_total,
-        "a range's CUDA time is its ops'"
-    );
-    assert_eq!(range.self_cuda_time_total_ns, 0);
-    let averages = prof.key_averages();
-    assert!(averages.get("matmul").unwrap().self_cuda_time_total_us > 0.0);
-    let table = averages.table("cuda_time_total", 10).unwrap();
+    let table = cuda_totals_add_up(&prof, range, &ops);
     for h in ["Self CUDA", "Self CUDA %", "CUDA total", "CUDA time avg"] {
         assert!(table.lines().nth(1).unwrap().contains(h), "{table}");
     }
@@ -518,15 +524,7 @@ fn cuda_cupti_attributes_each_kernel_to_the_launching_op() {
         }
         assert!(seen > 0, "no {name} op");
     }
-    let op_total: u64 = ops.iter().map(|e| e.cuda_time_total_ns).sum();
-    assert_eq!(
-        range.cuda_time_total_ns, op_total,
-        "a range's CUDA time is its ops'"
-    );
-    assert_eq!(range.self_cuda_time_total_ns, 0);
-    let averages = prof.key_averages();
-    assert!(averages.get("matmul").unwrap().self_cuda_time_total_us > 0.0);
-    let table = averages.table("cuda_time_total", 10).unwrap();
+    let table = cuda_totals_add_up(&prof, range, &ops);
     assert!(table.contains("CUDA time measured by: cupti"), "{table}");
 
     // The trace: each matmul kernel is a `kernel` event with the op's id and a flow from it.

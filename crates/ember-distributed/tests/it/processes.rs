@@ -159,35 +159,55 @@ fn ddp_between_processes_under_ember_run() {
     }
 }
 
-#[test]
-fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
+/// Runs the worker `scenario` as `n` processes started directly (no launcher, so nothing
+/// stops the others when one dies), each with its rank and a free port in the environment;
+/// their outputs in rank order and how long the slowest took.
+fn run_ranks_directly(scenario: &str, n: usize) -> (Vec<std::process::Output>, Duration) {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let n = 3;
     let args = worker_args();
     let start = Instant::now();
     let children: Vec<_> = (0..n)
         .map(|r| {
             Command::new(&args[0])
                 .args(&args[1..])
-                .env(SCENARIO, "dead_peer")
+                .env(SCENARIO, scenario)
                 .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env("NCCL_NVLS_ENABLE", "0")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect();
-    let outs: Vec<_> = children
+    let outs = children
         .into_iter()
         .map(|c| c.wait_with_output().unwrap())
         .collect();
-    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    (outs, start.elapsed())
+}
+
+/// Panics unless this machine has two CUDA devices.
+fn need_two_gpus() {
+    let gpus = if ember_core::cuda::is_available() {
+        ember_core::cuda::device_count()
+    } else {
+        0
+    };
+    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
+}
+
+#[test]
+fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
+    let n = 3;
+    let (outs, took) = run_ranks_directly("dead_peer", n);
+    assert!(took < Duration::from_secs(20), "{took:?}");
     assert!(!outs[n - 1].status.success(), "the last rank aborts");
     for out in &outs[..n - 1] {
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -203,12 +223,7 @@ fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
-    let gpus = if ember_core::cuda::is_available() {
-        ember_core::cuda::device_count()
-    } else {
-        0
-    };
-    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
+    need_two_gpus();
     for (scenario, line) in [
         ("nccl_collectives", "nccl worker"),
         ("nccl_ddp", "nccl ddp worker"),
@@ -220,40 +235,9 @@ fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
-    let gpus = if ember_core::cuda::is_available() {
-        ember_core::cuda::device_count()
-    } else {
-        0
-    };
-    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    need_two_gpus();
     let n = 2;
-    let args = worker_args();
-    let start = Instant::now();
-    let children: Vec<_> = (0..n)
-        .map(|r| {
-            Command::new(&args[0])
-                .args(&args[1..])
-                .env(SCENARIO, "nccl_dead_peer")
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("NCCL_NVLS_ENABLE", "0")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outs: Vec<_> = children
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let (outs, took) = run_ranks_directly("nccl_dead_peer", n);
     let said = |o: &std::process::Output| {
         format!(
             "{}{}",
@@ -262,9 +246,8 @@ fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
         )
     };
     assert!(
-        start.elapsed() < Duration::from_secs(60),
-        "{:?}; rank 0 said: {}",
-        start.elapsed(),
+        took < Duration::from_secs(60),
+        "{took:?}; rank 0 said: {}",
         said(&outs[0])
     );
     assert!(!outs[n - 1].status.success(), "the last rank exits with an error");
