@@ -22,10 +22,13 @@
 //! long-lived worker per extra device, started on the first parallel forward and stopped
 //! (joined) when the wrapper is dropped, and runs the first device's replica (the module
 //! itself) on the caller's thread. Each replica's nodes are numbered from 0, as on a fresh
-//! thread (`autograd::with_fresh_sequence_nr`): with the workers' and the caller's long-running
-//! numbering instead, one replica's whole backward ran before the other's, and the copy of the
-//! second replica's output gradient waited behind the first's kernels on the first device
-//! (dp_mlp_large took 4.75 ms per step instead of 3.96 on two H100s).
+//! thread (`autograd::with_fresh_sequence_nr`, see `apply`).
+//!
+//! Backward needs nothing of the wrapper: the engine runs each other device's share of the
+//! graph on that device's thread (Note [Device threads] in ember-core's `autograd/engine.rs`),
+//! the first device's on the calling thread, so the replicas' backward passes overlap on the
+//! host as their forward passes do. Before, one thread ran every replica's backward, and
+//! dp_cnn's step on two H100s was host-bound at about 1.3 ms against 0.55 ms on one.
 
 use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::amp;
@@ -239,7 +242,8 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
 /// `module.forward(x)` under grad mode `grad` and the autocast states `autocast` (this
 /// thread's own state is put back afterwards), its nodes numbered from 0 as on the fresh thread
 /// PyTorch's `parallel_apply` would start (`autograd::with_fresh_sequence_nr`): every replica's
-/// nodes then interleave in backward, which alternates between the devices.
+/// backward then runs in one order, after the calling thread's later nodes (the copies that
+/// carry its parameters' gradients back), whatever the worker recorded before.
 fn apply<M: Forward>(
     module: &M,
     x: &Tensor,

@@ -2,16 +2,36 @@
 //! node before calling its backward closure once, then accumulates into leaves. Ready entries
 //! run in the order of Note [Ready order] (`ready_queue.rs`); leaves' post-accumulate hooks and
 //! the final callbacks run as `callbacks.rs` says.
+//!
+//! Note [Device threads]: as in PyTorch's engine, the part of a graph that lies on another GPU
+//! runs on a thread of that GPU, so that the host work of launching each device's kernels
+//! overlaps (`nn::DataParallel`: every replica's backward at once, not one after the other).
+//! - The calling thread runs the nodes whose gradient lies on the device of the first root's
+//!   gradient (the "home" device) or on the CPU, every leaf (so `.grad`, post-accumulate
+//!   hooks and final callbacks stay where Note [Final callbacks] wants them), and every node
+//!   whose output has hooks or retains its gradient.
+//! - A node whose incoming gradient lies on another GPU goes to that GPU's queue, drained by
+//!   the GPU's thread (`device_threads.rs`: one per GPU, started on first use, kept for the
+//!   life of the process) under `no_grad` and with the caller's current streams; each queue
+//!   runs in Note [Ready order]. A graph on one device never leaves the calling thread, so
+//!   its order and cost are those of a single-threaded walk.
+//! - Dependencies and pending gradients live behind one lock per pass; summing two
+//!   gradients of one entry happens under it, a backward function runs outside it.
+//! - A backward started on a device thread (a checkpoint recomputing inside a node) runs
+//!   entirely on that thread, so device threads never wait for one another.
+//! - The first error, or a panic on a device thread, stops every thread from taking new
+//!   entries; backward returns it once the entries already running have finished.
 
 use super::callbacks::{
     post_accumulate_grad_hooks, run_post_accumulate_grad_hooks, Frame, PostAccumulateGradHook,
 };
+use super::device_threads;
 use super::ready_queue::ReadyQueue;
 use super::{Edge, Node};
 use crate::tensor::TensorImpl;
-use crate::{Error, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Gradients of `outputs` (weighted by `grad_outputs`) with respect to `inputs`, without
 /// touching any `.grad` (as `torch.autograd.grad`). An input that the outputs do not depend on
@@ -98,25 +118,211 @@ pub(crate) fn run_backward(
         root_edges.push((edge, g));
     }
     count_dependencies(root_edges.iter().map(|(e, _)| e.clone()), &mut pending);
-    let mut ready = ReadyQueue::default();
-    let mut ready_roots = Vec::new();
-    for (edge, g) in root_edges {
-        let p = pending.get_mut(&edge.key()).expect("counted above");
-        p.grad = Some(accumulate(p.grad.take(), g)?);
-        if p.deps == 0 && !ready_roots.contains(&edge.key()) {
-            ready_roots.push(edge.key());
-            ready.push(edge.priority(), edge.key());
+    let task = Arc::new(GraphTask {
+        retain_graph,
+        capture: capture.map(<[usize]>::to_vec),
+        home: root_edges.first().map(|(_, g)| g.device()),
+        offload: !device_threads::on_device_thread(),
+        streams: crate::cuda::current_streams(),
+        state: Mutex::new(TaskState {
+            pending,
+            queues: vec![DeviceQueue::new(None)],
+            captured: HashMap::new(),
+            error: None,
+        }),
+        wake: Condvar::new(),
+    });
+    let mut start = Vec::new();
+    {
+        let mut st = task.lock();
+        let mut ready_roots = Vec::new();
+        for (edge, g) in root_edges {
+            let p = st.pending.get_mut(&edge.key()).expect("counted above");
+            p.grad = Some(accumulate(p.grad.take(), g)?);
+            if p.deps == 0 && !ready_roots.contains(&edge.key()) {
+                ready_roots.push(edge.key());
+                start.extend(task.make_ready(&mut st, edge.key()));
+            }
         }
     }
-    let mut captured: HashMap<usize, Tensor> = HashMap::new();
-    while let Some(key) = ready.pop() {
-        let p = pending.remove(&key).expect("ready keys are pending");
-        match (p.edge, p.grad) {
+    for q in start.into_iter().filter(|&q| q != 0) {
+        task.start_drain(q);
+    }
+    task.run_calling_thread()?;
+    frame.finish()?;
+    let mut st = task.lock();
+    Ok(match capture {
+        Some(c) => c.iter().map(|k| st.captured.remove(k)).collect(),
+        None => Vec::new(),
+    })
+}
+
+/// One backward pass, shared by the calling thread and the device threads it hands work to
+/// (Note [Device threads]).
+struct GraphTask {
+    retain_graph: bool,
+    /// The keys whose gradients `grad` returns; `None`: accumulate into `.grad`.
+    capture: Option<Vec<usize>>,
+    /// The device of the first root's gradient: its nodes run on the calling thread.
+    home: Option<Device>,
+    /// False when backward was called on a device thread: everything runs there.
+    offload: bool,
+    /// The calling thread's current streams, made current on the device threads.
+    streams: Vec<Option<crate::cuda::Stream>>,
+    state: Mutex<TaskState>,
+    /// Signalled by the device threads when they queue work for the calling thread or stop.
+    wake: Condvar,
+}
+
+struct TaskState {
+    pending: HashMap<usize, Pending>,
+    /// `queues[0]` is the calling thread's; then one per other GPU reached.
+    queues: Vec<DeviceQueue>,
+    captured: HashMap<usize, Tensor>,
+    /// The first error; no thread takes new entries once it is set.
+    error: Option<Error>,
+}
+
+struct DeviceQueue {
+    /// The GPU whose thread drains the queue; `None` for the calling thread's.
+    device: Option<usize>,
+    ready: ReadyQueue,
+    /// A device thread is draining the queue (set before its job is sent, cleared by the
+    /// thread when it finds the queue empty).
+    draining: bool,
+}
+
+impl DeviceQueue {
+    fn new(device: Option<usize>) -> DeviceQueue {
+        DeviceQueue {
+            device,
+            ready: ReadyQueue::default(),
+            draining: false,
+        }
+    }
+}
+
+impl GraphTask {
+    fn lock(&self) -> MutexGuard<'_, TaskState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues the entry `key`, whose dependencies are all in; returns 0 when it went to the
+    /// calling thread's queue, a device queue whose thread must be started, or nothing.
+    fn make_ready(&self, st: &mut TaskState, key: usize) -> Option<usize> {
+        let p = &st.pending[&key];
+        let device = match (&p.edge, &p.grad) {
+            (Edge::Node(node), Some(g)) if self.offload => match g.device() {
+                Device::Cuda(d) if self.home != Some(Device::Cuda(d)) && !runs_hooks(node) => Some(d),
+                _ => None,
+            },
+            _ => None,
+        };
+        let priority = p.edge.priority();
+        let q = match device {
+            None => 0,
+            Some(d) => match st.queues.iter().position(|q| q.device == Some(d)) {
+                Some(q) => q,
+                None => {
+                    st.queues.push(DeviceQueue::new(Some(d)));
+                    st.queues.len() - 1
+                }
+            },
+        };
+        let queue = &mut st.queues[q];
+        queue.ready.push(priority, key);
+        (q == 0 || !std::mem::replace(&mut queue.draining, true)).then_some(q)
+    }
+
+    /// Hands queue `q` to its device's thread.
+    fn start_drain(self: &Arc<Self>, q: usize) {
+        let device = self.lock().queues[q]
+            .device
+            .expect("queue 0 is the calling thread's");
+        let task = self.clone();
+        if let Err(e) = device_threads::run(device, Box::new(move || task.drain(q))) {
+            let mut st = self.lock();
+            st.queues[q].draining = false;
+            st.error.get_or_insert(e);
+        }
+    }
+
+    /// The calling thread's loop: runs its own queue, waiting while the device threads work,
+    /// until nothing is left anywhere; then the first error, if any.
+    fn run_calling_thread(self: &Arc<Self>) -> Result<()> {
+        loop {
+            let key = {
+                let mut st = self.lock();
+                loop {
+                    if st.error.is_none() {
+                        if let Some(key) = st.queues[0].ready.pop() {
+                            break Some(key);
+                        }
+                    }
+                    if st.queues[1..].iter().all(|q| !q.draining) {
+                        break None;
+                    }
+                    st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let Some(key) = key else { break };
+            if let Err(e) = self.run_entry(key, false) {
+                self.lock().error.get_or_insert(e);
+            }
+        }
+        match self.lock().error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// A device thread's job: runs queue `q` until it is empty (or an error stopped the pass).
+    fn drain(self: Arc<Self>, q: usize) {
+        let _no_grad = super::no_grad();
+        let _streams = crate::cuda::use_streams(&self.streams);
+        loop {
+            let key = {
+                let mut st = self.lock();
+                let next = match st.error {
+                    None => st.queues[q].ready.pop(),
+                    Some(_) => None,
+                };
+                match next {
+                    Some(key) => key,
+                    None => {
+                        st.queues[q].ready = ReadyQueue::default();
+                        st.queues[q].draining = false;
+                        drop(st);
+                        self.wake.notify_all();
+                        return;
+                    }
+                }
+            };
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_entry(key, true)));
+            let error = match ran {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e),
+                Err(_) => Some(Error::Autograd(
+                    "a backward function panicked on a device thread of the autograd engine".into(),
+                )),
+            };
+            if let Some(e) = error {
+                self.lock().error.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Runs one ready entry: a leaf takes its gradient, a node computes its inputs'
+    /// gradients, which go on to the entries they reach.
+    fn run_entry(self: &Arc<Self>, key: usize, on_device_thread: bool) -> Result<()> {
+        let p = self.lock().pending.remove(&key).expect("ready keys are pending");
+        let capture = self.capture.as_deref();
+        let (node, grad) = match (p.edge, p.grad) {
             (Edge::Leaf(leaf), Some(grad)) => {
                 let grad = apply_hooks(&leaf, grad)?;
                 match capture {
                     Some(c) if c.contains(&key) => {
-                        captured.insert(key, grad);
+                        self.lock().captured.insert(key, grad);
                     }
                     Some(_) => {}
                     None => {
@@ -126,6 +332,7 @@ pub(crate) fn run_backward(
                         }
                     }
                 }
+                return Ok(());
             }
             // Reached, but every path's gradient was left out as zero: the hooks still run.
             (Edge::Leaf(leaf), None) if capture.is_none() => {
@@ -133,48 +340,78 @@ pub(crate) fn run_backward(
                 if !hooks.is_empty() {
                     run_post_accumulate_grad_hooks(&Tensor(leaf), hooks)?;
                 }
+                return Ok(());
             }
-            (Edge::Leaf(_), None) => {}
-            (Edge::Node(node), grad) => {
-                // A node that no gradient reached still releases its inputs' dependencies.
-                let input_grads = match grad {
-                    Some(grad) => {
-                        let grad = match node.output() {
-                            Some(out) => {
-                                let grad = apply_hooks(&out.0, grad)?;
-                                if capture.is_none() && out.retains_grad() {
-                                    accumulate_leaf(&out.0, grad.clone())?;
-                                }
-                                grad
-                            }
-                            None => grad,
-                        };
-                        if capture.is_some_and(|c| c.contains(&key)) {
-                            captured.insert(key, grad.clone());
+            (Edge::Leaf(_), None) => return Ok(()),
+            (Edge::Node(node), grad) => (node, grad),
+        };
+        // A node that no gradient reached still releases its inputs' dependencies.
+        let input_grads = match grad {
+            Some(grad) => {
+                let grad = match node.output() {
+                    Some(out) => {
+                        let grad = apply_hooks(&out.0, grad)?;
+                        if capture.is_none() && out.retains_grad() {
+                            accumulate_leaf(&out.0, grad.clone())?;
                         }
-                        call_backward(&node, &grad, retain_graph)?
+                        grad
                     }
-                    None => vec![None; node.edges.len()],
+                    None => grad,
                 };
-                for (edge, g) in node.edges.iter().zip(input_grads) {
-                    let Some(edge) = edge else { continue };
-                    let p = pending.get_mut(&edge.key()).expect("counted above");
-                    if let Some(g) = g {
-                        p.grad = Some(accumulate(p.grad.take(), g)?);
-                    }
-                    p.deps -= 1;
-                    if p.deps == 0 {
-                        ready.push(edge.priority(), edge.key());
-                    }
+                if capture.is_some_and(|c| c.contains(&key)) {
+                    self.lock().captured.insert(key, grad.clone());
+                }
+                call_backward(&node, &grad, self.retain_graph)?
+            }
+            None => vec![None; node.edges.len()],
+        };
+        let (mut home, mut start) = (false, Vec::new());
+        let delivered = self.deliver(&node, input_grads, &mut home, &mut start);
+        if on_device_thread && home {
+            self.wake.notify_all();
+        }
+        // Also after an error: a queue marked as draining must get its thread.
+        for q in start {
+            self.start_drain(q);
+        }
+        delivered
+    }
+
+    /// Adds `node`'s input gradients to the entries they reach and queues those whose
+    /// dependencies are now all in; sets `home` when the calling thread's queue got one, and
+    /// adds to `start` the device queues whose thread must be started.
+    fn deliver(
+        &self,
+        node: &Node,
+        input_grads: Vec<Option<Tensor>>,
+        home: &mut bool,
+        start: &mut Vec<usize>,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        for (edge, g) in node.edges.iter().zip(input_grads) {
+            let Some(edge) = edge else { continue };
+            let p = st.pending.get_mut(&edge.key()).expect("counted above");
+            if let Some(g) = g {
+                p.grad = Some(accumulate(p.grad.take(), g)?);
+            }
+            p.deps -= 1;
+            if p.deps == 0 {
+                match self.make_ready(&mut st, edge.key()) {
+                    Some(0) => *home = true,
+                    Some(q) => start.push(q),
+                    None => {}
                 }
             }
         }
+        Ok(())
     }
-    frame.finish()?;
-    Ok(match capture {
-        Some(c) => c.iter().map(|k| captured.remove(k)).collect(),
-        None => Vec::new(),
-    })
+}
+
+/// Whether running `node` runs code attached to its output (tensor hooks, `retain_grad`),
+/// which stays on the calling thread (Note [Device threads]).
+fn runs_hooks(node: &Node) -> bool {
+    node.output()
+        .is_some_and(|out| out.retains_grad() || !out.0.meta().hooks.is_empty())
 }
 
 /// Fills `pending` with every node and leaf reachable from `roots` and the number of edges

@@ -16,6 +16,7 @@
 
 mod callbacks;
 mod checkpoint;
+mod device_threads;
 mod engine;
 mod grad_mode;
 mod ready_queue;
@@ -114,11 +115,11 @@ fn next_sequence_nr() -> u64 {
 /// and puts the numbering back afterwards (also when `f` panics).
 ///
 /// Backward runs the ready node recorded last first (Note [Ready order] in `ready_queue.rs`),
-/// and the numbering is per thread, as PyTorch's `sequence_nr`. Code that records the same
-/// graph on several threads at once and wants their nodes to interleave in backward, as
-/// PyTorch's `parallel_apply` gets from starting a thread per device on every call, runs each
-/// share in here: `nn::DataParallel` does, so that backward alternates between the replicas'
-/// devices instead of running one replica's backward after the other's.
+/// and the numbering is per thread, as PyTorch's `sequence_nr`. Code that records shares of
+/// one graph on long-lived threads and wants each share numbered as PyTorch's
+/// `parallel_apply` gets from starting a thread per device on every call runs each share in
+/// here: `nn::DataParallel` does, so that every replica's nodes rank below the nodes the
+/// calling thread recorded after starting them, whatever the worker recorded before.
 pub fn with_fresh_sequence_nr<R>(f: impl FnOnce() -> R) -> R {
     struct Restore(u64);
     impl Drop for Restore {

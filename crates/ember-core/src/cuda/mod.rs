@@ -88,6 +88,7 @@ pub use stream::{
     current_device, current_stream, default_stream, host_sync_count, set_device, set_stream, stream,
     synchronize, DeviceGuard, Event, Stream, StreamGuard,
 };
+pub(crate) use stream::{current_streams, use_streams};
 
 /// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
 /// file at once (`-DEMBER_ALL_UNITS`, Note [Kernel units]), without a GPU: what CI runs so that

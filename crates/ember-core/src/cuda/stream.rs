@@ -245,6 +245,33 @@ fn swap_current(device: usize, stream: Option<Stream>) -> Option<Stream> {
     })
 }
 
+/// The calling thread's current streams, indexed by device (`None`: the default stream), for
+/// running work on another thread as if on this one ([`use_streams`]).
+pub(crate) fn current_streams() -> Vec<Option<Stream>> {
+    CURRENT_STREAMS.with(|s| s.borrow().clone())
+}
+
+/// Makes `streams` (from [`current_streams`]) the calling thread's current streams until the
+/// guard is dropped.
+pub(crate) fn use_streams(streams: &[Option<Stream>]) -> StreamsGuard {
+    StreamsGuard {
+        previous: CURRENT_STREAMS.with(|s| std::mem::replace(&mut *s.borrow_mut(), streams.to_vec())),
+    }
+}
+
+/// Puts back the current streams [`use_streams`] replaced.
+#[must_use = "the streams are current only while the guard lives"]
+pub(crate) struct StreamsGuard {
+    previous: Vec<Option<Stream>>,
+}
+
+impl Drop for StreamsGuard {
+    fn drop(&mut self) {
+        let previous = std::mem::take(&mut self.previous);
+        CURRENT_STREAMS.with(|s| *s.borrow_mut() = previous);
+    }
+}
+
 /// Makes a stream current for its device until dropped (`with torch.cuda.stream(s):`).
 #[must_use = "the stream is current only while the guard lives"]
 pub struct StreamGuard {

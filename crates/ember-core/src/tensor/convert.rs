@@ -79,8 +79,27 @@ impl Tensor {
         }
         let src = self.device();
         Ok(autograd::record("to_device", &[self], out, move |g, _| {
-            Ok(vec![Some(g.to(src)?)])
+            Ok(vec![Some(g.gradient_to(src)?)])
         }))
+    }
+
+    /// `to(device)` for a gradient in backward: when nothing but the engine holds it (its
+    /// handle and its memory), nothing reads or writes it after the copy, and a copy between
+    /// GPUs runs on a side stream (`to_device_private`, Note [Peer copies]).
+    fn gradient_to(&self, device: Device) -> Result<Tensor> {
+        let private = std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique();
+        match (private, self.device(), device) {
+            (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {
+                dispatch::call_with(&policy::TO, [self], |[x]| {
+                    let storage = match &*x.storage().read() {
+                        Storage::Cuda(s) => Storage::Cuda(s.to_device_private(x.layout(), to)?),
+                        other => other.to_device(x.layout(), device)?,
+                    };
+                    Ok(Tensor::from_storage(storage, x.shape()))
+                })
+            }
+            _ => self.to(device),
+        }
     }
 
     /// A copy in page-locked host memory (`Tensor.pin_memory()`), from which copies to a GPU

@@ -4,6 +4,7 @@ mod common;
 
 mod amp_scaling;
 mod autograd;
+mod autograd_devices;
 mod bad_input;
 mod binary;
 mod checkpoint;
