@@ -763,3 +763,50 @@ fn tied_parameters_are_reduced_once_and_frozen_ones_not_at_all() {
         assert_close(&got[..n], &expected[..n], "tied and free parameters");
     }
 }
+
+/// Note [DDP one-parameter buckets]: with every parameter in a bucket of its own, backward
+/// averages each `.grad` where it lies: no gradient is copied into a bucket or back, while one
+/// shared bucket copies every gradient both ways.
+#[test]
+fn one_parameter_buckets_average_grad_where_it_lies() {
+    use ember_core::profiler::{self, ProfilerActivity};
+    // The `copy_` ops backward runs on the calling thread (the CPU backend writes each
+    // collective's result back on a thread of its own), and the gradients.
+    let copies = |options: DdpOptions| {
+        run_ranks(1, TIMEOUT, |pg| {
+            let ddp = DistributedDataParallel::new(mlp(), options.clone().process_group(pg)).unwrap();
+            fill_params(&ddp, 0.0);
+            let (x, y) = data(4);
+            let loss = mse_loss(&ddp.forward(&x).unwrap(), &y, Reduction::Mean).unwrap();
+            let mut prof = profiler::profile()
+                .activities([ProfilerActivity::Cpu])
+                .start()
+                .unwrap();
+            {
+                let _r = profiler::record_function("backward under test");
+                loss.backward().unwrap();
+            }
+            prof.stop().unwrap();
+            // This thread's ops inside the range: other tests run beside this one.
+            let events = prof.events();
+            let range = events.iter().find(|e| e.name == "backward under test").unwrap();
+            let copies = events
+                .iter()
+                .filter(|e| e.name == "copy_" && e.thread == range.thread)
+                .filter(|e| e.start_ns >= range.start_ns && e.end_ns <= range.end_ns)
+                .count();
+            (copies, grads(&ddp))
+        })
+        .remove(0)
+    };
+    let (shared, expected) = copies(DdpOptions::new());
+    let (own, got) = copies(DdpOptions::new().bucket_cap_mb(1e-6));
+    let n = mlp().parameters().len();
+    assert_eq!(
+        shared,
+        2 * n,
+        "one shared bucket: a copy in and out per parameter"
+    );
+    assert_eq!(own, 0, "one-parameter buckets copy nothing");
+    assert_eq!(got, expected);
+}
