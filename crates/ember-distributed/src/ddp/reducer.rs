@@ -7,7 +7,8 @@
 //! collectives and the first ones start while backward still runs.
 //! - Assignment (PyTorch's `compute_bucket_assignment_by_size`): parameters are taken in an
 //!   order and put into the open bucket of their (dtype, device); a bucket closes when it holds
-//!   at least its size limit. The limits are 1 MiB for the first bucket of each kind and
+//!   at least its size limit. A parameter as large as the limit by itself goes into a bucket of
+//!   its own (PyTorch would add it to the open bucket). The limits are 1 MiB for the first bucket of each kind and
 //!   25 MiB after it (with `bucket_cap_mb` set by the user: that size for every bucket).
 //! - The first assignment takes the parameters in reverse order (backward usually produces the
 //!   gradients of the last layers first), buckets sorted by their first parameter in that order.
@@ -394,9 +395,11 @@ fn reset_iteration(st: &mut State) {
 
 /// PyTorch's `compute_bucket_assignment_by_size`: the parameters of `order` grouped into
 /// buckets by (dtype, device), each closed once it holds `limits[k]` bytes (`k`: the bucket's
-/// rank among its kind, the last limit repeating). With `sort`, the buckets are ordered by
-/// their first parameter's position in `order`; without it, closed buckets come in the order
-/// they closed, the still-open ones last.
+/// rank among its kind, the last limit repeating). Unlike PyTorch's, a parameter of at least
+/// the limit by itself closes the open bucket before it and gets a bucket of its own, which it
+/// all-reduces without copies (Note [DDP one-parameter buckets]). With `sort`, the buckets are
+/// ordered by their first parameter's position in `order`; without it, closed buckets come in
+/// the order they closed, the still-open ones last.
 pub(crate) fn compute_bucket_assignment_by_size(
     params: &[Tensor],
     order: &[usize],
@@ -427,8 +430,15 @@ pub(crate) fn compute_bucket_assignment_by_size(
             }
         };
         let o = &mut open[k];
+        let bytes = p.numel() * p.dtype().size_in_bytes();
+        if bytes >= limits[o.limit.min(limits.len() - 1)] && !o.indices.is_empty() {
+            // A parameter that fills a bucket by itself gets one of its own.
+            result.push(std::mem::take(&mut o.indices));
+            o.bytes = 0;
+            o.limit += 1;
+        }
         o.indices.push(i);
-        o.bytes += p.numel() * p.dtype().size_in_bytes();
+        o.bytes += bytes;
         if o.bytes >= limits[o.limit.min(limits.len() - 1)] {
             result.push(std::mem::take(&mut o.indices));
             o.bytes = 0;
@@ -502,6 +512,17 @@ mod tests {
         let b = compute_bucket_assignment_by_size(&p, &order, &[16, 40], true);
         // 5 (16 B) closes the first bucket; then 4,3,2 (9 el = 36 B) + 1 = 44 B >= 40.
         assert_eq!(b, vec![vec![5], vec![4, 3, 2, 1], vec![0]]);
+    }
+
+    #[test]
+    fn a_parameter_as_large_as_the_limit_gets_a_bucket_of_its_own() {
+        // Limits 16 B then 40 B: 5 and 4 (8 B + 12 B) fill the first bucket; 3 (8 B) opens the
+        // next; 2 (48 B) is over the limit alone, so it closes [3] and goes alone; 1 and 0
+        // share the last.
+        let p = params(&[1, 1, 12, 2, 3, 2], DType::F32);
+        let order: Vec<usize> = (0..p.len()).rev().collect();
+        let b = compute_bucket_assignment_by_size(&p, &order, &[16, 40], true);
+        assert_eq!(b, vec![vec![5, 4], vec![3], vec![2], vec![1, 0]]);
     }
 
     #[test]
