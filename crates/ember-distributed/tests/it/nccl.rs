@@ -192,6 +192,29 @@ fn an_nccl_group_without_a_usable_gpu_or_library_is_a_typed_error() {
     }
 }
 
+/// A group of one rank: every reduction leaves the tensor as it is (the backend skips NCCL's
+/// kernel there), and work still orders the current stream.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn nccl_all_reduce_over_one_rank_leaves_the_tensor() {
+    assert!(cuda::is_available(), "this test needs a CUDA device");
+    run_nccl_ranks(1, |pg, dev| {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Product,
+        ] {
+            let x = on(vec![1.5f32, -2.0, 3.25], dev);
+            let y = x.mul_scalar(2.0).unwrap(); // queued before: the reduction comes after it
+            let work = pg.all_reduce_async(&y, op).unwrap();
+            work.wait().unwrap();
+            assert_eq!(y.to_vec::<f32>().unwrap(), [3.0, -4.0, 6.5], "{op:?}");
+        }
+    });
+}
+
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_collectives_on_two_gpus_as_threads() {
