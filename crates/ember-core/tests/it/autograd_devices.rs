@@ -25,6 +25,12 @@ fn doubled_noting_thread(x: &Tensor, seen: &Arc<Mutex<Vec<String>>>) -> Tensor {
     )
 }
 
+/// Backward from the sum of `t` moved to the CPU: the root lies on the CPU, so every GPU node
+/// of the graph runs on the GPU's engine thread.
+fn backward_from_the_cpu(t: &Tensor) -> ember_core::Result<()> {
+    t.to(Device::Cpu)?.sum_all()?.backward()
+}
+
 fn host(v: &[f32]) -> Tensor {
     Tensor::from_slice(v, [v.len()], Device::Cpu).unwrap()
 }
@@ -61,8 +67,7 @@ fn a_gpu_share_of_a_cpu_rooted_graph_runs_on_the_gpu_thread() {
         })
         .unwrap();
     let z = doubled_noting_thread(&z, &seen);
-    // The root lies on the CPU: every GPU node runs on the GPU's thread.
-    z.to(Device::Cpu).unwrap().sum_all().unwrap().backward().unwrap();
+    backward_from_the_cpu(&z).unwrap();
 
     let gpu_thread = format!("autograd cuda:{ordinal}");
     assert_eq!(*seen.lock().unwrap(), [gpu_thread.clone(), gpu_thread]);
@@ -89,13 +94,7 @@ fn an_error_or_panic_on_a_gpu_thread_fails_backward_and_the_thread_lives_on() {
         Tensor::zeros([2], DType::F32, d).unwrap(),
         |_, _| Err(Error::Autograd("failing's backward gave up".into())),
     );
-    let err = failing
-        .to(Device::Cpu)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap_err();
+    let err = backward_from_the_cpu(&failing).unwrap_err();
     assert!(err.to_string().contains("failing's backward gave up"), "{err}");
 
     let panicking = autograd::custom_op(
@@ -104,19 +103,13 @@ fn an_error_or_panic_on_a_gpu_thread_fails_backward_and_the_thread_lives_on() {
         Tensor::zeros([2], DType::F32, d).unwrap(),
         |_, _| panic!("panicking's backward"),
     );
-    let err = panicking
-        .to(Device::Cpu)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap_err();
+    let err = backward_from_the_cpu(&panicking).unwrap_err();
     assert!(err.to_string().contains("panicked on a device thread"), "{err}");
 
     // The GPU's thread still serves the next backward.
     let seen = Arc::new(Mutex::new(Vec::new()));
     let y = doubled_noting_thread(&x.to(d).unwrap(), &seen);
-    y.to(Device::Cpu).unwrap().sum_all().unwrap().backward().unwrap();
+    backward_from_the_cpu(&y).unwrap();
     assert_eq!(seen.lock().unwrap().len(), 1);
     assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), [2.0, 2.0]);
 }
@@ -140,13 +133,7 @@ fn a_checkpoint_recomputed_on_a_gpu_thread_gives_the_plain_gradients() {
     // The checkpoint's node lies on the GPU, so its recomputation and inner backward run on
     // the GPU's thread, entirely there.
     let checkpointed = autograd::checkpoint(segment, &[x.to(d).unwrap()]).unwrap();
-    checkpointed
-        .to(Device::Cpu)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    backward_from_the_cpu(&checkpointed).unwrap();
     let (got, want) = (
         x.grad().unwrap().to_vec::<f32>().unwrap(),
         expected.to_vec::<f32>().unwrap(),
