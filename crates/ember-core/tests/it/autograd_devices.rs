@@ -2,8 +2,8 @@
 //! the calling thread keeps its own device's nodes, the leaves, hooks and callbacks (Note
 //! [Device threads] in `autograd/engine.rs`).
 
-use crate::common::gpu;
-use ember_core::{autograd, cuda, DType, Device, Error, Tensor};
+use crate::common::{gpu, two_gpus};
+use ember_core::{autograd, DType, Device, Error, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// The name of the thread running the caller.
@@ -147,9 +147,7 @@ fn a_checkpoint_recomputed_on_a_gpu_thread_gives_the_plain_gradients() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn backward_over_two_gpus_runs_the_second_gpus_nodes_on_its_thread() {
-    gpu();
-    assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
-    let (d0, d1) = (Device::Cuda(0), Device::Cuda(1));
+    let (d0, d1) = two_gpus();
     let caller = here();
     let seen0 = Arc::new(Mutex::new(Vec::new()));
     let seen1 = Arc::new(Mutex::new(Vec::new()));

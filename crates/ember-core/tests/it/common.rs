@@ -58,6 +58,16 @@ pub fn gpu() -> Device {
     Device::Cuda(0)
 }
 
+/// The first two GPUs, for a test marked `#[ignore = "needs two CUDA devices"]` (whose name
+/// contains `two_gpus` where single-GPU runs skip it): fails, never passes silently, on a
+/// machine with fewer.
+pub fn two_gpus() -> (Device, Device) {
+    gpu();
+    let n = ember_core::cuda::device_count();
+    assert!(n >= 2, "this test needs two CUDA devices, found {n}");
+    (Device::Cuda(0), Device::Cuda(1))
+}
+
 /// Runs `body` in a process of its own: this test binary re-run filtered to the test `path`
 /// (`module::test_name`, the caller's own path) with `EMBER_TEST_CHILD` set to it, where the
 /// call runs `body`; the parent asserts the child passed. For tests that need what concurrent

@@ -530,9 +530,7 @@ fn a_captured_optimizer_step_follows_the_lr_between_replays_body() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn peer_copies_between_two_gpus_do_not_wait() {
-    common::gpu();
-    assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
-    let (d0, d1) = (Device::Cuda(0), Device::Cuda(1));
+    let (d0, d1) = common::two_gpus();
     let host = iota(300, 200, Device::Cpu);
     let a = host.to(d0).unwrap().mul_scalar(2.0).unwrap();
     cuda::synchronize(0).unwrap();

@@ -4,7 +4,7 @@
 //! so `allocator_statistics_in_a_fresh_process` runs its body in a process of its own
 //! (`common::in_own_process`).
 
-use crate::common::gpu;
+use crate::common::{gpu, two_gpus};
 use ember_core::cuda::{self, Event, Stream};
 use ember_core::{DType, Device, Error, Tensor};
 
@@ -287,9 +287,7 @@ fn events_record_query_and_time() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn copies_between_two_gpus() {
-    gpu();
-    assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
-    let (d0, d1) = (Device::Cuda(0), Device::Cuda(1));
+    let (d0, d1) = two_gpus();
     let host = Tensor::arange(0.0, 60_000.0, 1.0, DType::F32, Device::Cpu)
         .unwrap()
         .reshape(&[300, 200])
