@@ -5,6 +5,9 @@
 //   cast_contig_S_D(const S* src, D* dst, i64 n)            both row-major
 //   cast_strided_S_D(const S* src, D* dst, Strided s, i64 n) s.stride[0] = src, s.stride[1] = dst
 //   fill_u64(u64* dst, u64 word, i64 n)
+//   multi_copy(CopyList l)  for every t < l.n: l.bytes[t] bytes from l.src[t] to l.dst[t]; no
+//       destination overlaps another destination or any source; chunk_start[t] is the prefix
+//       count of bytes[t].div_ceil(EMBER_COPY_CHUNK); blockDim.x a multiple of 32
 // Casts follow the CPU backend: float -> int truncates toward zero, anything -> bool is != 0,
 // f16/bf16 round to nearest even.
 
@@ -39,5 +42,53 @@ EMBER_FOR_ALL_DTYPES(EMBER_CAST_FROM)
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_fill_u64)
 extern "C" __global__ void fill_u64(u64* dst, u64 word, i64 n) {
     EMBER_KERNEL_LOOP(i, n) { dst[i] = word; }
+}
+#endif
+
+// `foreach_copy_` (`ops/foreach.rs`, launched by `cuda/multi_copy.rs`): up to
+// EMBER_COPY_MAX_TENSORS copies of contiguous byte ranges in one launch. Every range is cut into
+// chunks of EMBER_COPY_CHUNK bytes; blocks take chunks grid-stride, and a chunk whose ends and
+// length are 16-byte aligned moves in 16-byte words, one aligned to 4 bytes in 4-byte words,
+// any other byte by byte.
+#define EMBER_COPY_MAX_TENSORS 64
+#define EMBER_COPY_CHUNK 16384
+
+// Same layout as `CopyList` in `cuda/multi_copy.rs` (2064 bytes).
+struct CopyList {
+    i32 n;
+    i32 pad;
+    u64 dst[EMBER_COPY_MAX_TENSORS];
+    u64 src[EMBER_COPY_MAX_TENSORS];
+    i64 bytes[EMBER_COPY_MAX_TENSORS];
+    i64 chunk_start[EMBER_COPY_MAX_TENSORS + 1];
+};
+
+template <typename W>
+__device__ __forceinline__ void copy_words(char* d, const char* s, i64 len) {
+    W* dw = reinterpret_cast<W*>(d);
+    const W* sw = reinterpret_cast<const W*>(s);
+    for (i64 i = threadIdx.x; i < len / (i64)sizeof(W); i += blockDim.x) dw[i] = sw[i];
+}
+
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_multi_copy)
+extern "C" __global__ void multi_copy(CopyList l) {
+    const i64 chunks = l.chunk_start[l.n];
+    for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+        int t = 0;
+        while (t + 1 < l.n && l.chunk_start[t + 1] <= c) ++t;
+        const i64 off = (c - l.chunk_start[t]) * EMBER_COPY_CHUNK;
+        const i64 rest = l.bytes[t] - off;
+        const i64 len = rest < EMBER_COPY_CHUNK ? rest : EMBER_COPY_CHUNK;
+        char* d = reinterpret_cast<char*>(l.dst[t]) + off;
+        const char* s = reinterpret_cast<const char*>(l.src[t]) + off;
+        const u64 bits = reinterpret_cast<u64>(d) | reinterpret_cast<u64>(s) | (u64)len;
+        if ((bits & 15) == 0) {
+            copy_words<uint4>(d, s, len);
+        } else if ((bits & 3) == 0) {
+            copy_words<u32>(d, s, len);
+        } else {
+            copy_words<u8>(d, s, len);
+        }
+    }
 }
 #endif

@@ -38,6 +38,7 @@ pub use error::{Error, Result};
 /// GradScaler's device-side ops (`ember_core::amp_scaling::{non_finite_check_and_unscale_,
 /// update_scale_}`).
 pub use ops::amp_scaling;
+pub use ops::foreach::foreach_copy_;
 /// Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`).
 pub use ops::fused_optim as fused;
 pub use random::{

@@ -171,6 +171,7 @@ impl Module {
                     }
                 }
                 units.push(Unit::new(m, "fill_u64"));
+                units.push(Unit::new(m, "multi_copy"));
             }
             Module::Elementwise => {
                 for base in BINARY_KERNELS.iter().chain(&COMPARE_KERNELS) {

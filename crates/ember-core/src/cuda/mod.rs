@@ -42,6 +42,7 @@ mod kernels;
 mod libraries;
 mod loss;
 mod memory;
+pub(crate) mod multi_copy;
 mod nvrtc;
 pub mod nvtx;
 pub(crate) mod optim;

@@ -198,6 +198,7 @@ table! {
     LSTM_RECURRENCE = "lstm_recurrence", Inputs, None;
     FUSED_ADAM = "_fused_adam_", Inputs, None;
     FUSED_SGD = "_fused_sgd_", Inputs, None;
+    FOREACH_COPY = "_foreach_copy_", Inputs, None;
 }
 
 /// The line named `name`, if the table has one.

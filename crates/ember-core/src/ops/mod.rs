@@ -9,6 +9,7 @@ pub mod amp_scaling;
 pub mod binary;
 pub mod conv;
 mod conv_composite;
+pub mod foreach;
 pub mod fused_optim;
 pub mod index;
 pub mod inplace;

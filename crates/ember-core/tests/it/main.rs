@@ -23,6 +23,7 @@ mod cuda_unary;
 mod cudnn;
 mod display;
 mod errors;
+mod foreach;
 mod fused_optim;
 mod index;
 mod inplace;

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 static LOCK: Mutex<()> = Mutex::new(());
 
-fn lock() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn lock() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -469,7 +469,7 @@ fn cuda_backward_kernels_are_under_backward_nodes() {
 // ---- GPU: CUDA time by CUPTI, each kernel attributed through correlation ids ----
 
 /// Profiles `body` on the GPU with the default timing (CUPTI), asserting CUPTI ran.
-fn cupti_profile(body: impl FnOnce()) -> profiler::Profiler {
+pub(crate) fn cupti_profile(body: impl FnOnce()) -> profiler::Profiler {
     let mut prof = profiler::profile()
         .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
         .start()

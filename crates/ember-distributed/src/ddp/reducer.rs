@@ -18,7 +18,8 @@
 //!   one iteration to the next), as in PyTorch.
 //!
 //! Note [DDP reduction order]: during backward, each parameter's post-accumulate-grad hook
-//! copies its new `.grad` into its slot of its bucket ("marks it ready"). A bucket whose slots
+//! takes its new `.grad` for its slot of its bucket ("marks it ready"; Note [DDP bucket
+//! copies]). A bucket whose slots
 //! are all ready is all-reduced (averaged) asynchronously, but only in bucket order: bucket
 //! `i + 1` starts after bucket `i` started, so every rank issues the same collectives in the
 //! same order whatever order its hooks ran in. The first hook of a backward pass queues the
@@ -42,6 +43,17 @@
 //! and 200 MB weights: ddp_mlp_large on two H100s went from 3.25 to 3.04 ms per step). Not with `find_unused_parameters`, whose globally unused parameters must keep their
 //! `.grad` untouched. With `gradient_as_bucket_view`, such a `.grad` stays a tensor of its own
 //! rather than becoming a view of the bucket: no copy is made either way.
+//!
+//! Note [DDP bucket copies]: PyTorch copies each gradient into its bucket slot in the
+//! gradient's hook and each average back into `.grad` after the all-reduce: two copies per
+//! parameter per step, each a launch on the host (16 `copy_` calls per step of the bench's
+//! eight-parameter cnn). Here the hook only records the gradient; when the bucket starts, its
+//! gradients go into their slots with one `foreach_copy_`, and the averages come back with
+//! another: one launch each way per bucket on a GPU (Note [Foreach copies] in ember-core), the
+//! same copies pair by pair elsewhere. The stream order is unchanged for the bucket's last
+//! gradient, and the earlier ones could not be all-reduced sooner anyway. A hook registered
+//! after DDP's that changes `.grad` in place before the bucket starts changes what is reduced
+//! (PyTorch would reduce the value the gradient had at DDP's hook).
 //!
 //! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
 //! thread running backward) and by forward; never held while calling into autograd.
@@ -73,6 +85,9 @@ struct Bucket {
     /// What this pass all-reduces instead of `flat`: the one parameter's own `.grad` (Note
     /// [DDP one-parameter buckets]).
     in_place: Option<Tensor>,
+    /// Per slot: the gradient to copy into the slot when the bucket starts (Note [DDP bucket
+    /// copies]).
+    gathered: Vec<Option<Tensor>>,
 }
 
 /// What changes while training.
@@ -226,7 +241,7 @@ impl Reducer {
         self.mark_variable_ready(&mut st, index)
     }
 
-    /// Copies parameter `index`'s gradient (zeros without one) into its slot and starts the
+    /// Takes parameter `index`'s gradient for its slot (zeros the slot without one) and starts the
     /// buckets that are complete, in order (Note [DDP reduction order]).
     fn mark_variable_ready(&self, st: &mut State, index: usize) -> Result<()> {
         if std::mem::replace(&mut st.ready[index], true) {
@@ -252,7 +267,7 @@ impl Reducer {
                 bucket.in_place = Some(g);
             }
             Some(g) => {
-                view.copy_(&g)?;
+                bucket.gathered[slot] = Some(g);
             }
             None => {
                 view.zero_()?;
@@ -261,6 +276,13 @@ impl Reducer {
         bucket.pending -= 1;
         while st.next_bucket < st.buckets.len() && st.buckets[st.next_bucket].pending == 0 {
             let next = &mut st.buckets[st.next_bucket];
+            let (views, grads): (Vec<Tensor>, Vec<Tensor>) = next
+                .gathered
+                .iter_mut()
+                .zip(&next.views)
+                .filter_map(|(g, v)| g.take().map(|g| (v.clone(), g)))
+                .unzip();
+            ember_core::foreach_copy_(&views, &grads)?;
             let work = self
                 .group
                 .all_reduce_async(next.in_place.as_ref().unwrap_or(&next.flat), ReduceOp::Avg)?;
@@ -321,12 +343,22 @@ impl Reducer {
                 }
                 continue;
             }
+            // The averages go back into the gradients as one copy (Note [DDP bucket copies]).
+            let (mut grads, mut views) = (Vec::new(), Vec::new());
             for (slot, &i) in bucket.params.iter().enumerate() {
                 if globally_used.as_ref().is_some_and(|u| !u[i]) {
                     continue; // no rank used it: its .grad stays as it was
                 }
-                self.copy_bucket_to_grad(i, &bucket.views[slot])?;
+                let view = &bucket.views[slot];
+                match self.params[i].grad() {
+                    Some(g) if !self.gradient_as_bucket_view && !g.shares_storage_with(view) => {
+                        grads.push(g);
+                        views.push(view.clone());
+                    }
+                    _ => self.set_grad_from_bucket(i, view)?,
+                }
             }
+            ember_core::foreach_copy_(&grads, &views)?;
         }
         let rebuild = !st.has_rebuilt_buckets && !self.find_unused_parameters;
         let order = std::mem::take(&mut st.rebuilt_param_order);
@@ -337,18 +369,15 @@ impl Reducer {
         Ok(())
     }
 
-    fn copy_bucket_to_grad(&self, index: usize, view: &Tensor) -> Result<()> {
+    /// Sets `.grad` of a parameter whose average the batched copy back does not cover: the
+    /// bucket's view with `gradient_as_bucket_view`, else a copy of it (no `.grad` to copy into,
+    /// or one that is itself a view of the bucket).
+    fn set_grad_from_bucket(&self, index: usize, view: &Tensor) -> Result<()> {
         let p = &self.params[index];
         if self.gradient_as_bucket_view {
             return p.set_grad(Some(view.clone()));
         }
-        match p.grad() {
-            Some(g) if !(g.shares_storage_with(view)) => {
-                g.copy_(view)?;
-                Ok(())
-            }
-            _ => p.set_grad(Some(view.deep_clone()?)),
-        }
+        p.set_grad(Some(view.deep_clone()?))
     }
 
     /// Rebuilds the buckets from the order the gradients became ready in, rank 0's order for
@@ -390,6 +419,7 @@ fn reset_iteration(st: &mut State) {
         b.pending = b.params.len();
         b.work = None;
         b.in_place = None;
+        b.gathered.iter_mut().for_each(|g| *g = None);
     }
 }
 
@@ -488,6 +518,7 @@ fn build_buckets(params: &[Tensor], assignment: &[Vec<usize>]) -> Result<(Vec<Bu
             pending: indices.len(),
             work: None,
             in_place: None,
+            gathered: vec![None; indices.len()],
         });
     }
     Ok((buckets, locator))

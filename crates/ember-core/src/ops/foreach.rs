@@ -1,0 +1,154 @@
+//! Ops over lists of tensors (PyTorch's `torch._foreach_*`): [`foreach_copy_`].
+//!
+//! Note [Foreach copies]: `foreach_copy_(dst, src)` is `dst[i].copy_(src[i])` for every `i`,
+//! with `copy_`'s semantics (broadcasting, dtype and device conversion, autograd's rules for
+//! in-place writes). Where every pair is plain (one CUDA device for all, the same dtype and
+//! shape within a pair, both contiguous, nothing requiring grad, no two destinations
+//! overlapping, no storage both written and read) the copies run as one kernel launch per 64
+//! pairs (`cuda/multi_copy.rs`) under one pass through the dispatch point; any other list takes
+//! `copy_` pair by pair. A launch costs the host about what one `copy_` costs, so gathering a
+//! bucket of gradients (DistributedDataParallel) costs one copy instead of one per parameter.
+//! Each written storage's version is bumped once.
+
+use crate::cuda::multi_copy::{multi_copy, ByteCopy};
+use crate::dispatch::{self, policy};
+use crate::storage::Storage;
+use crate::{Device, Error, Result, Tensor};
+use std::sync::{RwLockReadGuard, RwLockWriteGuard};
+
+/// Copies `src[i]` into `dst[i]` for every `i` (`torch._foreach_copy_`), as one launch where
+/// the list allows (Note [Foreach copies]); an error when the lists differ in length or a pair
+/// cannot be copied (as `copy_` would report it).
+pub fn foreach_copy_(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(Error::invalid(
+            "_foreach_copy_",
+            format!(
+                "expected lists of the same length, got {} destinations and {} sources",
+                dst.len(),
+                src.len()
+            ),
+        ));
+    }
+    match fused_device(dst, src) {
+        Some(ordinal) => {
+            let observed: Vec<&Tensor> = dst.iter().collect();
+            dispatch::call_list(&policy::FOREACH_COPY, &observed, |_| {
+                copy_fused(ordinal, dst, src)
+            })
+        }
+        None => {
+            for (d, s) in dst.iter().zip(src) {
+                d.copy_(s)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The CUDA device of a list that takes the one-launch path (Note [Foreach copies]), or `None`.
+fn fused_device(dst: &[Tensor], src: &[Tensor]) -> Option<usize> {
+    let Some(Device::Cuda(ordinal)) = dst.first().map(Tensor::device) else {
+        return None;
+    };
+    let plain = |t: &Tensor| t.device() == Device::Cuda(ordinal) && t.is_contiguous() && !t.requires_grad();
+    let pairs_plain = dst
+        .iter()
+        .zip(src)
+        .all(|(d, s)| plain(d) && plain(s) && d.dtype() == s.dtype() && d.dims() == s.dims());
+    if !pairs_plain {
+        return None;
+    }
+    // Written ranges, as (storage, first element, end), must not overlap one another, and no
+    // storage may be both written and read.
+    let mut written: Vec<(usize, usize, usize)> = dst
+        .iter()
+        .filter(|t| t.numel() > 0)
+        .map(|t| {
+            (
+                t.storage().id(),
+                t.storage_offset(),
+                t.storage_offset() + t.numel(),
+            )
+        })
+        .collect();
+    written.sort_unstable();
+    if written.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
+        return None;
+    }
+    let mut written_ids: Vec<usize> = written.iter().map(|w| w.0).collect();
+    written_ids.dedup();
+    let read_from_written = src
+        .iter()
+        .any(|s| written_ids.binary_search(&s.storage().id()).is_ok());
+    (!read_from_written).then_some(ordinal)
+}
+
+/// A held lock on one storage of a fused copy.
+enum Held<'a> {
+    Read(RwLockReadGuard<'a, Storage>),
+    Write(RwLockWriteGuard<'a, Storage>),
+}
+
+impl Held<'_> {
+    fn storage(&self) -> &Storage {
+        match self {
+            Held::Read(g) => g,
+            Held::Write(g) => g,
+        }
+    }
+}
+
+/// The one-launch path: locks every storage once (written ones for writing, which bumps their
+/// versions), in the order of their ids so that two calls never wait on each other, then hands
+/// the byte ranges to the kernel.
+fn copy_fused(ordinal: usize, dst: &[Tensor], src: &[Tensor]) -> Result<()> {
+    let mut order: Vec<(usize, bool, &Tensor)> = dst
+        .iter()
+        .map(|t| (t.storage().id(), true, t))
+        .chain(src.iter().map(|t| (t.storage().id(), false, t)))
+        .collect();
+    order.sort_by_key(|&(id, write, _)| (id, !write));
+    order.dedup_by_key(|&mut (id, _, _)| id);
+    let held: Vec<(usize, Held<'_>)> = order
+        .iter()
+        .map(|&(id, write, t)| {
+            let guard = if write {
+                Held::Write(t.storage().write())
+            } else {
+                Held::Read(t.storage().read())
+            };
+            (id, guard)
+        })
+        .collect();
+    let address = |t: &Tensor| -> Result<u64> {
+        let id = t.storage().id();
+        let at = held
+            .binary_search_by_key(&id, |(i, _)| *i)
+            .map_err(|_| Error::invalid("_foreach_copy_", "a storage of the list was not locked"))?;
+        match held[at].1.storage() {
+            Storage::Cuda(c) => Ok(c.ptr_at(t.storage_offset())),
+            Storage::Cpu(_) => Err(Error::invalid(
+                "_foreach_copy_",
+                "a tensor moved off the GPU while the copy was prepared; retry the copy",
+            )),
+        }
+    };
+    let copies = dst
+        .iter()
+        .zip(src)
+        .map(|(d, s)| {
+            Ok(ByteCopy {
+                dst: address(d)?,
+                src: address(s)?,
+                bytes: d.numel() * d.dtype().size_in_bytes(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let _device = crate::cuda::DeviceGuard::new(ordinal)?;
+    // SAFETY: every address is that of a contiguous tensor's first element in a storage locked
+    // above (written ones exclusively) for `bytes` bytes on device `ordinal`; destinations do not
+    // overlap each other or any source (checked by `fused_device`); the storages are freed
+    // through the caching allocator, in stream order.
+    unsafe { multi_copy(ordinal, &copies) }
+}
