@@ -531,9 +531,6 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     // Rank 0 (or the only process) prints, profiles and writes checkpoints.
     let lead = dist.is_none_or(|d| d.rank == 0);
     if let Some(d) = dist {
-        if args.cuda_graph {
-            return Err("--cuda-graph is not supported together with --nproc-per-node yet".into());
-        }
         d.init(device)?;
     }
     let kind = args.model.unwrap_or(match device {

@@ -236,6 +236,31 @@ fn train_data_parallel_on_two_gpus() {
     assert!(v["test_acc"].as_f64().unwrap() > 0.75, "{v}");
 }
 
+/// `--cuda-graph` with `--nproc-per-node`: each rank captures its step, DDP's all-reduces
+/// included (Note [NCCL under capture] in ember-distributed), and replays it.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn train_data_parallel_with_cuda_graph_on_two_gpus() {
+    let out = ember(&[
+        "train",
+        "--device",
+        "cuda",
+        "--nproc-per-node",
+        "2",
+        "--cuda-graph",
+        "--json",
+        "--epochs",
+        "2",
+        "--model",
+        "cnn",
+    ]);
+    let v = rank0_report(&out);
+    assert_eq!(v["world_size"], 2, "{v}");
+    assert_eq!(v["cuda_graph"], true, "{v}");
+    assert!(v["graphed_steps"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["test_acc"].as_f64().unwrap() > 0.75, "{v}");
+}
+
 #[test]
 fn train_checkpoint_is_written_and_resumed_at_the_next_epoch() {
     let dir = scratch("train_checkpoint");

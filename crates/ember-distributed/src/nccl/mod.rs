@@ -46,6 +46,15 @@
 //!   Limit: an enqueue blocked inside NCCL (the first send/recv to a peer connects to it) holds
 //!   the communicator's lock and is bounded by NCCL's own socket timeouts, not ours (Note
 //!   [Communicator locking] in `comm.rs`).
+//! - CUDA graphs, Note [NCCL under capture]: an operation issued while the caller's current
+//!   stream captures a graph is captured with it (NCCL supports capture since 2.9.6): the NCCL
+//!   stream joins the capture through the event it waits on, and the caller's stream joins it
+//!   back when the work is waited on, as every captured fork must be before the capture ends.
+//!   Such an operation only runs when the graph is replayed, and its end event was recorded in
+//!   a capturing stream, which the driver refuses to query; so it is not handed to the
+//!   watchdog (it would never see it finish and would abort the communicator after the
+//!   timeout), as PyTorch's `ProcessGroupNCCL` leaves captured work out of its watchdog. A
+//!   captured `barrier` is an error: its wait blocks the host, which a capture cannot.
 
 pub mod comm;
 pub mod library;
@@ -357,6 +366,14 @@ impl NcclBackend {
         }
         let _device = DeviceGuard::new(self.shared.device)?;
         let current = cuda::current_stream(self.shared.device)?;
+        // Note [NCCL under capture].
+        let captured = cuda::is_current_stream_capturing();
+        if captured && blocking {
+            return Err(Error::invalid(
+                op,
+                "a barrier blocks the host until every rank reached it, which a CUDA graph capture cannot; call it outside the captured region",
+            ));
+        }
         self.stream.wait_stream(&current)?;
         {
             let _on_nccl = cuda::stream(&self.stream);
@@ -366,15 +383,17 @@ impl NcclBackend {
             t.record_stream(&self.stream)?;
         }
         let end = Arc::new(self.stream.record_event()?);
-        self.shared
-            .inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(InFlight {
-                op,
-                end: end.clone(),
-                started: Instant::now(),
-            });
+        if !captured {
+            self.shared
+                .inflight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(InFlight {
+                    op,
+                    end: end.clone(),
+                    started: Instant::now(),
+                });
+        }
         Ok(Work::new(Arc::new(NcclWork {
             shared: self.shared.clone(),
             end,

@@ -165,6 +165,69 @@ pub(crate) fn ddp_run_on(
     sgd_steps(&ddp, &mut opt, &x, &y, steps)
 }
 
+/// [`ddp_run_on`] with the step captured into a CUDA graph (Note [NCCL under capture]): `warmup`
+/// eager steps on a side stream (the first one rebuilds the buckets), then forward, loss and
+/// backward captured once with the gradients released before, so the graph makes them in its
+/// pool and every replay writes them again; each of the `replays` steps replays the graph and
+/// takes the SGD step eagerly. The gradients each rank holds after each backward, warm-up
+/// steps first.
+pub(crate) fn ddp_graph_run_on(
+    pg: ProcessGroup,
+    options: DdpOptions,
+    (warmup, replays): (usize, usize),
+    rows: usize,
+    device: usize,
+) -> Vec<Vec<Option<Vec<f64>>>> {
+    use ember_core::cuda::{self, CUDAGraph, CaptureErrorMode, GraphOptions};
+    let (r, n) = (pg.rank(), pg.size());
+    let _guard = cuda::DeviceGuard::new(device).unwrap();
+    let mut m = mlp();
+    fill_params(&m, r as f64);
+    m.to_device(Device::Cuda(device)).unwrap();
+    let ddp = DistributedDataParallel::new(m, options.process_group(pg)).unwrap();
+    let mut opt = SGD::new(
+        ddp.parameters(),
+        SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (x, y) = data(rows);
+    let share = rows / n;
+    let on = |t: &Tensor| {
+        t.narrow(0, r * share, share)
+            .unwrap()
+            .to(Device::Cuda(device))
+            .unwrap()
+    };
+    let (x, y) = (on(&x), on(&y));
+    let side = cuda::Stream::new(device).unwrap();
+    side.wait_stream(&cuda::current_stream(device).unwrap()).unwrap();
+    let mut out = {
+        let _side = cuda::stream(&side);
+        sgd_steps(&ddp, &mut opt, &x, &y, warmup)
+    };
+    cuda::current_stream(device).unwrap().wait_stream(&side).unwrap();
+    ddp.zero_grad().unwrap();
+    let mut graph = CUDAGraph::new();
+    // Thread-local: the other rank is a thread of this process, capturing or running beside.
+    let options = GraphOptions {
+        capture_error_mode: CaptureErrorMode::ThreadLocal,
+        ..Default::default()
+    };
+    let capture = cuda::graph_with(&mut graph, options).unwrap();
+    let captured = mse_loss(&ddp.forward(&x).unwrap(), &y, Reduction::Mean).and_then(|l| l.backward());
+    capture.end().unwrap();
+    captured.unwrap();
+    for _ in 0..replays {
+        graph.replay().unwrap();
+        out.push(grads(&ddp));
+        opt.step().unwrap();
+    }
+    out
+}
+
 #[test]
 fn ddp_gradients_equal_single_process_full_batch_gradients() {
     let steps = 3;

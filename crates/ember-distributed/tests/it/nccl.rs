@@ -275,3 +275,55 @@ fn nccl_ddp_gradients_equal_single_process_full_batch_gradients() {
         }
     }
 }
+
+/// Note [NCCL under capture]: a DDP step captured into a CUDA graph on each of two GPUs (its
+/// bucket all-reduces captured with it) gives, replay after replay, the gradients of one
+/// process on the full batch. The captured operations are not the watchdog's: after waiting
+/// past the group's timeout, the group still runs an eager all-reduce (a watchdog waiting
+/// for a captured operation to finish would have aborted it).
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
+    require_two_gpus();
+    let (warmup, replays) = (2, 3);
+    let expected = crate::ddp::reference(warmup + replays, 12);
+    let timeout = Duration::from_secs(10);
+    for (k, options) in [DdpOptions::new as fn() -> DdpOptions, || {
+        DdpOptions::new().bucket_cap_mb(1e-4)
+    }]
+    .into_iter()
+    .enumerate()
+    {
+        let per_rank = crate::common::run_ranks_with(
+            2,
+            timeout,
+            |store, rank| ProcessGroup::on_device(BackendKind::Nccl, store, rank, 2, timeout, rank),
+            |pg, dev| {
+                let got = crate::ddp::ddp_graph_run_on(pg.clone(), options(), (warmup, replays), 12, dev);
+                if k == 0 {
+                    std::thread::sleep(timeout + Duration::from_secs(1));
+                }
+                let one = Tensor::ones([3usize], DType::F32, Device::Cuda(dev)).unwrap();
+                pg.all_reduce(&one, ReduceOp::Sum).unwrap();
+                (got, one.to_vec::<f32>().unwrap())
+            },
+        );
+        for (rank, (got, sum)) in per_rank.iter().enumerate() {
+            assert_eq!(
+                sum,
+                &vec![2.0f32; 3],
+                "rank {rank}: an eager all_reduce after the graph"
+            );
+            assert_eq!(got.len(), warmup + replays);
+            for s in 0..warmup + replays {
+                crate::ddp::assert_close_tol(
+                    &got[s],
+                    &expected[s],
+                    1e-10,
+                    1e-7,
+                    &format!("rank {rank}, step {s}"),
+                );
+            }
+        }
+    }
+}

@@ -27,6 +27,11 @@
 //!   are handed back to the parameters after it, so the parameters always hold the tensors the
 //!   replays write.
 //! - Evaluation, checkpoints and the schedule stay outside the graph, between replays.
+//! - Under `--nproc-per-node` the model is DistributedDataParallel: the warm-up's first step
+//!   rebuilds its buckets, and the captured backward holds the bucket copies and the NCCL
+//!   all-reduces, which every replay runs (Note [NCCL under capture] in ember-distributed).
+//!   Every rank captures the same step and replays it as often, in the same order as its eager
+//!   steps: the DistributedSampler gives each rank as many batches of each size.
 
 use super::Step;
 use ember::cuda::{self, CUDAGraph, CaptureErrorMode, GraphOptions, Stream};
