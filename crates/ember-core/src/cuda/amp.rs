@@ -14,10 +14,6 @@ use crate::{DType, Result};
 const MAX_TENSORS: usize = 128;
 /// Elements per chunk, the unit of work of one block (`EMBER_AMP_CHUNK`).
 const CHUNK: usize = 4096;
-/// Threads per block.
-const BLOCK: u32 = 256;
-/// Resident blocks per SM to aim for (256-thread blocks: 8 fill an H100 SM's 2048 threads).
-const BLOCKS_PER_SM: usize = 8;
 
 /// The kernel's `AmpTensorList`: the address, size and chunk prefix count of up to
 /// [`MAX_TENSORS`] tensors. Same field order and size (3088 bytes) as the C struct.
@@ -65,12 +61,7 @@ pub(crate) fn non_finite_check_and_unscale(
             chunks += numel.div_ceil(CHUNK);
         }
         list.chunk_start[group.len()] = chunks as i64;
-        let blocks = chunks.clamp(1, rt.sm_count as usize * BLOCKS_PER_SM);
-        let grid = Grid {
-            grid: (blocks as u32, 1, 1),
-            block: (BLOCK, 1, 1),
-            shared_bytes: 0,
-        };
+        let grid = Grid::multi_tensor(rt, chunks);
         // SAFETY: `non_finite_check_and_unscale_T(AmpTensorList l, float* found_inf, const
         // float* inv_scale)`; the caller guarantees each pointer of `list` is valid for its
         // `numel` elements of `dtype` on this device, that `found_inf` and `inv_scale` each

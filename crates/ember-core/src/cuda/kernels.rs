@@ -268,6 +268,17 @@ impl Grid {
 }
 
 impl Grid {
+    /// The launch of a multi-tensor kernel (the fused optimizer steps, GradScaler's unscale,
+    /// `multi_copy`): 256-thread blocks taking the list's `chunks` grid-stride, at most 8 per
+    /// SM (8 such blocks fill an H100 SM's 2048 threads).
+    pub fn multi_tensor(rt: &DeviceRuntime, chunks: usize) -> Grid {
+        Grid {
+            grid: (chunks.clamp(1, rt.sm_count as usize * 8) as u32, 1, 1),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+
     /// A 1-D launch of exactly enough `block`-thread blocks for `n` threads (for kernels whose
     /// threads each take a fixed share of the work, e.g. the vectorized elementwise loops).
     pub fn exact(n: usize, block: u32) -> Grid {

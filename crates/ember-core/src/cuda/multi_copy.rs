@@ -13,10 +13,6 @@ use crate::Result;
 const MAX_TENSORS: usize = 64;
 /// Bytes per chunk, the unit of work of one block (`EMBER_COPY_CHUNK`).
 const CHUNK: usize = 16384;
-/// Threads per block.
-const BLOCK: u32 = 256;
-/// Resident blocks per SM to aim for.
-const BLOCKS_PER_SM: usize = 8;
 
 /// The kernel's `CopyList`. Same field order and size (2064 bytes) as the C struct.
 #[repr(C)]
@@ -71,12 +67,7 @@ pub(crate) unsafe fn multi_copy(ordinal: usize, copies: &[ByteCopy]) -> Result<(
             chunks += c.bytes.div_ceil(CHUNK);
         }
         list.chunk_start[group.len()] = chunks as i64;
-        let blocks = chunks.clamp(1, rt.sm_count as usize * BLOCKS_PER_SM);
-        let grid = Grid {
-            grid: (blocks as u32, 1, 1),
-            block: (BLOCK, 1, 1),
-            shared_bytes: 0,
-        };
+        let grid = Grid::multi_tensor(rt, chunks);
         // SAFETY: `multi_copy(CopyList l)`; the caller guarantees the ranges (see above);
         // `chunk_start` is the prefix count of `bytes.div_ceil(CHUNK)`, so no block reads or
         // writes past a range's end.

@@ -24,10 +24,6 @@ use crate::{DType, Result};
 pub(crate) const MAX_TENSORS: usize = 48;
 /// Elements per chunk, the unit of work of one block (`EMBER_OPTIM_CHUNK`).
 const CHUNK: usize = 4096;
-/// Threads per block.
-const BLOCK: u32 = 256;
-/// Resident blocks per SM to aim for (256-thread blocks: 8 fill an H100 SM's 2048 threads).
-const BLOCKS_PER_SM: usize = 8;
 
 /// The kernel's `TensorList`: pointers, sizes, chunk prefix counts and per-tensor scalars of up
 /// to [`MAX_TENSORS`] tensors. Same field order and size (3856 bytes) as the C struct.
@@ -153,12 +149,7 @@ pub(crate) fn multi_tensor_step(
             chunks += x.numel.div_ceil(CHUNK);
         }
         list.chunk_start[group.len()] = chunks as i64;
-        let blocks = chunks.clamp(1, rt.sm_count as usize * BLOCKS_PER_SM);
-        let grid = Grid {
-            grid: (blocks as u32, 1, 1),
-            block: (BLOCK, 1, 1),
-            shared_bytes: 0,
-        };
+        let grid = Grid::multi_tensor(rt, chunks);
         match kernel {
             OptimKernel::Adam {
                 lr,

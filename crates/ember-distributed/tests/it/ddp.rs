@@ -135,20 +135,17 @@ pub(crate) fn ddp_run(
     ddp_run_on(pg, options, steps, rows, CPU)
 }
 
-/// [`ddp_run`] with the model and each rank's data on `device`.
-pub(crate) fn ddp_run_on(
-    pg: ProcessGroup,
-    options: DdpOptions,
-    steps: usize,
-    rows: usize,
-    device: Device,
-) -> Vec<Vec<Option<Vec<f64>>>> {
+/// One rank's share of a DDP run on `device`: the wrapped [`mlp`] (its weights differ per rank
+/// until DDP broadcasts rank 0's), SGD over it, and the rank's rows of [`data`].
+type RankSetup = (DistributedDataParallel<Sequential>, SGD, Tensor, Tensor);
+
+fn ddp_setup(pg: ProcessGroup, options: DdpOptions, rows: usize, device: Device) -> RankSetup {
     let (r, n) = (pg.rank(), pg.size());
     let mut m = mlp();
-    fill_params(&m, r as f64); // differs per rank until DDP broadcasts rank 0's
+    fill_params(&m, r as f64);
     m.to_device(device).unwrap();
     let ddp = DistributedDataParallel::new(m, options.process_group(pg)).unwrap();
-    let mut opt = SGD::new(
+    let opt = SGD::new(
         ddp.parameters(),
         SgdConfig {
             lr: 0.1,
@@ -158,10 +155,19 @@ pub(crate) fn ddp_run_on(
     .unwrap();
     let (x, y) = data(rows);
     let share = rows / n;
-    let (x, y) = (
-        x.narrow(0, r * share, share).unwrap().to(device).unwrap(),
-        y.narrow(0, r * share, share).unwrap().to(device).unwrap(),
-    );
+    let mine = |t: Tensor| t.narrow(0, r * share, share).unwrap().to(device).unwrap();
+    (ddp, opt, mine(x), mine(y))
+}
+
+/// [`ddp_run`] with the model and each rank's data on `device`.
+pub(crate) fn ddp_run_on(
+    pg: ProcessGroup,
+    options: DdpOptions,
+    steps: usize,
+    rows: usize,
+    device: Device,
+) -> Vec<Vec<Option<Vec<f64>>>> {
+    let (ddp, mut opt, x, y) = ddp_setup(pg, options, rows, device);
     sgd_steps(&ddp, &mut opt, &x, &y, steps)
 }
 
@@ -179,29 +185,8 @@ pub(crate) fn ddp_graph_run_on(
     device: usize,
 ) -> Vec<Vec<Option<Vec<f64>>>> {
     use ember_core::cuda::{self, CUDAGraph, CaptureErrorMode, GraphOptions};
-    let (r, n) = (pg.rank(), pg.size());
     let _guard = cuda::DeviceGuard::new(device).unwrap();
-    let mut m = mlp();
-    fill_params(&m, r as f64);
-    m.to_device(Device::Cuda(device)).unwrap();
-    let ddp = DistributedDataParallel::new(m, options.process_group(pg)).unwrap();
-    let mut opt = SGD::new(
-        ddp.parameters(),
-        SgdConfig {
-            lr: 0.1,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let (x, y) = data(rows);
-    let share = rows / n;
-    let on = |t: &Tensor| {
-        t.narrow(0, r * share, share)
-            .unwrap()
-            .to(Device::Cuda(device))
-            .unwrap()
-    };
-    let (x, y) = (on(&x), on(&y));
+    let (ddp, mut opt, x, y) = ddp_setup(pg, options, rows, Device::Cuda(device));
     let side = cuda::Stream::new(device).unwrap();
     side.wait_stream(&cuda::current_stream(device).unwrap()).unwrap();
     let mut out = {
