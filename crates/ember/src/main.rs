@@ -30,7 +30,8 @@ enum Command {
     Info,
     /// Run the shared benchmark workloads and print one JSON line each (shared/bench/WORKLOADS.md).
     Bench {
-        /// cpu, cuda or cuda:N (default: cuda when a GPU is present).
+        /// cpu, cuda or cuda:N (default: cuda:LOCAL_RANK in a launched job, else cuda:0, when a
+        /// GPU is present).
         #[arg(long)]
         device: Option<String>,
         /// Comma-separated workload names (default: all).
@@ -64,7 +65,15 @@ fn main() {
                     eprintln!("ember bench: {e}");
                     std::process::exit(2);
                 }
-                None if ember::cuda::is_available() => ember::Device::Cuda(0),
+                // In a launched job each rank takes its own GPU (torchrun's LOCAL_RANK), as the
+                // ddp_* workloads do, so no two ranks time a workload on one GPU.
+                None if ember::cuda::is_available() => ember::Device::Cuda(
+                    std::env::var("LOCAL_RANK")
+                        .ok()
+                        .and_then(|r| r.parse::<usize>().ok())
+                        .filter(|&r| r < ember::cuda::device_count())
+                        .unwrap_or(0),
+                ),
                 None => ember::Device::Cpu,
             };
             if let Err(e) = bench::bench(device, &only, profile.as_deref()) {

@@ -5,8 +5,9 @@
 //! in-place writes). Where every pair is plain (one CUDA device for all, the same dtype and
 //! shape within a pair, both contiguous, nothing requiring grad, no two destinations
 //! overlapping, no storage both written and read) the copies run as one kernel launch per 64
-//! pairs (`cuda/multi_copy.rs`) under one pass through the dispatch point; any other list takes
-//! `copy_` pair by pair. A launch costs the host about what one `copy_` costs, so gathering a
+//! pairs (`cuda/multi_copy.rs`); any other list takes `copy_` pair by pair. A list whose
+//! destinations share a device passes the dispatch point once as `_foreach_copy_` (the
+//! profiler's op), either way. A launch costs the host about what one `copy_` costs, so gathering a
 //! bucket of gradients (DistributedDataParallel) costs one copy instead of one per parameter.
 //! Each written storage's version is bumped once.
 
@@ -30,20 +31,26 @@ pub fn foreach_copy_(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
             ),
         ));
     }
-    match fused_device(dst, src) {
-        Some(ordinal) => {
-            let observed: Vec<&Tensor> = dst.iter().collect();
-            dispatch::call_list(&policy::FOREACH_COPY, &observed, |_| {
-                copy_fused(ordinal, dst, src)
-            })
+    let pairwise = || {
+        for (d, s) in dst.iter().zip(src) {
+            d.copy_(s)?;
         }
-        None => {
-            for (d, s) in dst.iter().zip(src) {
-                d.copy_(s)?;
-            }
-            Ok(())
-        }
+        Ok(())
+    };
+    let one_device = dst
+        .iter()
+        .all(|d| Some(d.device()) == dst.first().map(Tensor::device));
+    if dst.is_empty() || !one_device {
+        // Nothing to observe as one list: each copy passes the dispatch point by itself.
+        return pairwise();
     }
+    let observed: Vec<&Tensor> = dst.iter().collect();
+    dispatch::call_list(&policy::FOREACH_COPY, &observed, |_| {
+        match fused_device(dst, src) {
+            Some(ordinal) => copy_fused(ordinal, dst, src),
+            None => pairwise(),
+        }
+    })
 }
 
 /// The CUDA device of a list that takes the one-launch path (Note [Foreach copies]), or `None`.

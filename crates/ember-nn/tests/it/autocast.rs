@@ -300,6 +300,11 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
         // A cast to another dtype (a cast to the same one returns the tensor untouched).
         "to" => x.to_dtype(if d == DType::F64 { DType::F32 } else { DType::F64 }),
         "copy_" => Tensor::zeros([2, 4], d2, dev)?.copy_(&x),
+        "_foreach_copy_" => {
+            let dst = Tensor::zeros([2, 4], d2, dev)?;
+            ember_core::foreach_copy_(std::slice::from_ref(&dst), std::slice::from_ref(&x))?;
+            Ok(dst)
+        }
         "fill_" => x.fill_(1.0),
         "view" => x.view(&[8]),
         "reshape" => x.reshape(&[4, 2]),
