@@ -7,9 +7,9 @@
 //! overlapping, no storage both written and read) the copies run as one kernel launch per 64
 //! pairs (`cuda/multi_copy.rs`); any other list takes `copy_` pair by pair. A list whose
 //! destinations share a device passes the dispatch point once as `_foreach_copy_` (the
-//! profiler's op), either way. A launch costs the host about what one `copy_` costs, so gathering a
-//! bucket of gradients (DistributedDataParallel) costs one copy instead of one per parameter.
-//! Each written storage's version is bumped once.
+//! profiler's op), either way. A launch costs the host about what one `copy_` costs, so
+//! gathering a bucket of gradients (DistributedDataParallel) costs one copy instead of one per
+//! parameter. Each written storage's version is bumped once.
 
 use crate::cuda::multi_copy::{multi_copy, ByteCopy};
 use crate::dispatch::{self, policy};
