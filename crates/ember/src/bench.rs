@@ -413,10 +413,7 @@ fn multi_gpu(name: &str) -> Result<Map<String, Value>> {
             format!("{name} runs in a launched job: ember-run --standalone --nproc-per-node N ember bench --only {name}"),
         ));
     };
-    let local = std::env::var("LOCAL_RANK")
-        .ok()
-        .and_then(|r| r.parse::<usize>().ok())
-        .unwrap_or(0);
+    let local = launched_local_rank().unwrap_or(0);
     if !dist::is_initialized() {
         dist::init_process_group(InitOptions::new(BackendKind::Nccl))?;
     }
@@ -512,6 +509,11 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
         _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
     };
     outcome.map_err(|e| e.to_string())
+}
+
+/// `LOCAL_RANK` as a launcher (ember-run, torchrun) sets it; None outside a launched job.
+pub fn launched_local_rank() -> Option<usize> {
+    std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok())
 }
 
 /// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each

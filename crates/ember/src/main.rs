@@ -68,9 +68,7 @@ fn main() {
                 // In a launched job each rank takes its own GPU (torchrun's LOCAL_RANK), as the
                 // ddp_* workloads do, so no two ranks time a workload on one GPU.
                 None if ember::cuda::is_available() => ember::Device::Cuda(
-                    std::env::var("LOCAL_RANK")
-                        .ok()
-                        .and_then(|r| r.parse::<usize>().ok())
+                    bench::launched_local_rank()
                         .filter(|&r| r < ember::cuda::device_count())
                         .unwrap_or(0),
                 ),

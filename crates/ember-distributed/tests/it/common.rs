@@ -20,6 +20,17 @@ pub fn ember_run() -> std::path::PathBuf {
         .join("ember-run")
 }
 
+/// Fails (never skips) when the machine has fewer than two GPUs: the first line of every test
+/// marked `#[ignore = "needs two CUDA devices"]`.
+pub fn require_two_gpus() {
+    let n = if ember_core::cuda::is_available() {
+        ember_core::cuda::device_count()
+    } else {
+        0
+    };
+    assert!(n >= 2, "this test needs two CUDA devices, found {n}");
+}
+
 /// Runs `f` as `n` ranks, each a thread with its own store client and process group.
 pub fn run_ranks<T: Send>(n: usize, timeout: Duration, f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
     run_ranks_with(

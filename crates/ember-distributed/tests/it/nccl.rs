@@ -12,16 +12,6 @@ use half::{bf16, f16};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Fails (never skips) when the machine has fewer than two GPUs.
-fn require_two_gpus() {
-    let n = if cuda::is_available() {
-        cuda::device_count()
-    } else {
-        0
-    };
-    assert!(n >= 2, "this test needs two CUDA devices, found {n}");
-}
-
 /// Runs `f` as `n` ranks, each a thread with its own NCCL group on `cuda:{rank}`.
 pub fn run_nccl_ranks<T: Send>(n: usize, f: impl Fn(ProcessGroup, usize) -> T + Sync) -> Vec<T> {
     crate::common::run_ranks_with(
@@ -218,7 +208,7 @@ fn nccl_all_reduce_over_one_rank_leaves_the_tensor() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_collectives_on_two_gpus_as_threads() {
-    require_two_gpus();
+    crate::common::require_two_gpus();
     run_nccl_ranks(2, |pg, dev| {
         check_nccl_collectives(&pg, dev);
         // A subgroup of both ranks, on the parent's device.
@@ -232,7 +222,7 @@ fn nccl_collectives_on_two_gpus_as_threads() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_work_wait_orders_the_current_stream_without_a_host_wait() {
-    require_two_gpus();
+    crate::common::require_two_gpus();
     run_nccl_ranks(2, |pg, dev| {
         let x = Tensor::full(1usize << 20, 1.0, DType::F32, Device::Cuda(dev)).unwrap();
         let before = cuda::host_sync_count();
@@ -256,7 +246,7 @@ fn assert_steps_close(got: &[Vec<Option<Vec<f64>>>], expected: &[Vec<Option<Vec<
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_ddp_gradients_equal_single_process_full_batch_gradients() {
-    require_two_gpus();
+    crate::common::require_two_gpus();
     let steps = 3;
     let expected = crate::ddp::reference(steps, 12);
     for options in [
@@ -285,7 +275,7 @@ fn nccl_ddp_gradients_equal_single_process_full_batch_gradients() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
-    require_two_gpus();
+    crate::common::require_two_gpus();
     let (warmup, replays) = (2, 3);
     let expected = crate::ddp::reference(warmup + replays, 12);
     let timeout = Duration::from_secs(10);

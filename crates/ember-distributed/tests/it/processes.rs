@@ -193,16 +193,6 @@ fn run_ranks_directly(scenario: &str, n: usize) -> (Vec<std::process::Output>, D
     (outs, start.elapsed())
 }
 
-/// Panics unless this machine has two CUDA devices.
-fn need_two_gpus() {
-    let gpus = if ember_core::cuda::is_available() {
-        ember_core::cuda::device_count()
-    } else {
-        0
-    };
-    assert!(gpus >= 2, "this test needs two CUDA devices, found {gpus}");
-}
-
 #[test]
 fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
     let n = 3;
@@ -223,7 +213,7 @@ fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
-    need_two_gpus();
+    crate::common::require_two_gpus();
     for (scenario, line) in [
         ("nccl_collectives", "nccl worker"),
         ("nccl_ddp", "nccl ddp worker"),
@@ -235,7 +225,7 @@ fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
-    need_two_gpus();
+    crate::common::require_two_gpus();
     let n = 2;
     let (outs, took) = run_ranks_directly("nccl_dead_peer", n);
     let said = |o: &std::process::Output| {
