@@ -11,11 +11,11 @@
 //! gathering a bucket of gradients (DistributedDataParallel) costs one copy instead of one per
 //! parameter. Each written storage's version is bumped once.
 
+use super::fused_optim::Guard;
 use crate::cuda::multi_copy::{multi_copy, ByteCopy};
 use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{Device, Error, Result, Tensor};
-use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 /// Copies `src[i]` into `dst[i]` for every `i` (`torch._foreach_copy_`), as one launch where
 /// the list allows (Note [Foreach copies]); an error when the lists differ in length or a pair
@@ -91,21 +91,6 @@ fn fused_device(dst: &[Tensor], src: &[Tensor]) -> Option<usize> {
     (!read_from_written).then_some(ordinal)
 }
 
-/// A held lock on one storage of a fused copy.
-enum Held<'a> {
-    Read(RwLockReadGuard<'a, Storage>),
-    Write(RwLockWriteGuard<'a, Storage>),
-}
-
-impl Held<'_> {
-    fn storage(&self) -> &Storage {
-        match self {
-            Held::Read(g) => g,
-            Held::Write(g) => g,
-        }
-    }
-}
-
 /// The one-launch path: locks every storage once (written ones for writing, which bumps their
 /// versions), in the order of their ids so that two calls never wait on each other, then hands
 /// the byte ranges to the kernel.
@@ -117,13 +102,13 @@ fn copy_fused(ordinal: usize, dst: &[Tensor], src: &[Tensor]) -> Result<()> {
         .collect();
     order.sort_by_key(|&(id, write, _)| (id, !write));
     order.dedup_by_key(|&mut (id, _, _)| id);
-    let held: Vec<(usize, Held<'_>)> = order
+    let held: Vec<(usize, Guard<'_>)> = order
         .iter()
         .map(|&(id, write, t)| {
             let guard = if write {
-                Held::Write(t.storage().write())
+                Guard::Write(t.storage().write())
             } else {
-                Held::Read(t.storage().read())
+                Guard::Read(t.storage().read())
             };
             (id, guard)
         })

@@ -159,14 +159,14 @@ fn check(op: &'static str, lists: &[List<'_>]) -> Result<Option<Device>> {
     Ok(Some(device))
 }
 
-/// A held lock on one storage.
-enum Guard<'a> {
+/// A held lock on one storage (also `foreach.rs`'s).
+pub(super) enum Guard<'a> {
     Read(RwLockReadGuard<'a, Storage>),
     Write(RwLockWriteGuard<'a, Storage>),
 }
 
 impl Guard<'_> {
-    fn storage(&self) -> &Storage {
+    pub(super) fn storage(&self) -> &Storage {
         match self {
             Guard::Read(g) => g,
             Guard::Write(g) => g,
