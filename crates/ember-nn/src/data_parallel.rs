@@ -156,19 +156,53 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
         &self.devices
     }
 
-    /// A copy of the module on `device` whose parameters are differentiable copies of the
-    /// module's (their gradients flow back into the originals) and whose buffers are plain
-    /// copies.
-    fn replicate(&self, device: Device) -> Result<M> {
-        let mut replica = self.module.clone();
-        replica.visit_mut("", &mut |_, t, kind| {
-            *t = match kind {
-                TensorKind::Parameter => t.to(device)?,
-                TensorKind::Buffer => t.detach().to(device)?,
-            };
-            Ok(())
-        })?;
-        Ok(replica)
+    /// Copies of the module on `devices` (`nn.parallel.replicate`) whose parameters are
+    /// differentiable copies of the module's (their gradients flow back into the originals)
+    /// and whose buffers are plain copies. Between GPUs every tensor travels in one
+    /// `broadcast_coalesced` (Note [Coalesced broadcast] in ember-core's `cuda/comm.rs`),
+    /// elsewhere (the CPU "devices" of tests) through `to`.
+    fn replicate(&self, devices: &[Device]) -> Result<Vec<M>> {
+        let mut sources = Vec::new();
+        self.module.visit("", &mut |_, t, kind| {
+            sources.push(match kind {
+                TensorKind::Parameter => t.clone(),
+                TensorKind::Buffer => t.detach(),
+            })
+        });
+        let ordinals: Option<Vec<usize>> = std::iter::once(&self.devices[0])
+            .chain(devices)
+            .map(|d| match d {
+                Device::Cuda(i) => Some(*i),
+                Device::Cpu => None,
+            })
+            .collect();
+        let copies: Vec<Vec<Tensor>> = match ordinals {
+            Some(ordinals) => {
+                let mut lists =
+                    cuda::comm::broadcast_coalesced(&sources, &ordinals, cuda::comm::DEFAULT_BUFFER_SIZE)?;
+                lists.remove(0);
+                lists
+            }
+            None => devices
+                .iter()
+                .map(|&d| sources.iter().map(|t| t.to(d)).collect())
+                .collect::<Result<_>>()?,
+        };
+        copies
+            .into_iter()
+            .map(|list| {
+                let mut replica = self.module.clone();
+                let mut list = list.into_iter();
+                replica.visit_mut("", &mut |name, t, _| {
+                    *t = list.next().ok_or_else(|| mismatch(name))?;
+                    Ok(())
+                })?;
+                match list.next() {
+                    Some(_) => Err(mismatch("fewer tensors")),
+                    None => Ok(replica),
+                }
+            })
+            .collect()
     }
 
     /// Scatter, replicate, run the replicas in parallel, gather (see the module docs).
@@ -181,10 +215,7 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
             .zip(&self.devices)
             .map(|(c, &d)| c.to(d))
             .collect::<Result<Vec<_>>>()?;
-        let replicas = self.devices[1..used]
-            .iter()
-            .map(|&d| self.replicate(d))
-            .collect::<Result<Vec<_>>>()?;
+        let replicas = self.replicate(&self.devices[1..used])?;
         // Each thread starts with the defaults of thread-local state: carry the caller's.
         let grad = ember_core::is_grad_enabled();
         let autocast: Vec<(DeviceType, ember_core::DType)> = [DeviceType::Cuda, DeviceType::Cpu]
@@ -239,6 +270,15 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&gathered, 0)
     }
+}
+
+/// The error for a module whose `visit` and `visit_mut` disagree on its tensors: a hand-written
+/// `Module` impl must reach the same tensors in the same order in both.
+fn mismatch(at: &str) -> Error {
+    Error::invalid(
+        "DataParallel",
+        format!("the module's visit and visit_mut reach different tensors (at {at}); they must reach the same ones in the same order"),
+    )
 }
 
 /// `module.forward(x)` under grad mode `grad` and the autocast states `autocast` (this

@@ -25,6 +25,7 @@ pub(crate) mod amp;
 mod backend;
 mod blas;
 mod capture;
+pub mod comm;
 mod cubins;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_pool;

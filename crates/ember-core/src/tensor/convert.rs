@@ -86,7 +86,7 @@ impl Tensor {
     /// `to(device)` for a gradient in backward: when nothing but the engine holds it (its
     /// handle and its memory), nothing reads or writes it after the copy, and a copy between
     /// GPUs runs on a side stream (`to_device_private`, Note [Peer copies]).
-    fn gradient_to(&self, device: Device) -> Result<Tensor> {
+    pub(crate) fn gradient_to(&self, device: Device) -> Result<Tensor> {
         let private = std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique();
         match (private, self.device(), device) {
             (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {

@@ -8,6 +8,7 @@ mod autograd_devices;
 mod bad_input;
 mod binary;
 mod checkpoint;
+mod comm;
 mod conformance;
 mod conv;
 mod cuda;

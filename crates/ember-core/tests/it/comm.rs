@@ -1,0 +1,140 @@
+//! `cuda::comm::broadcast_coalesced`: the copies on every device equal the sources, the
+//! source device's list is the sources themselves, small tensors cross in one copy per dtype
+//! and bucket, and gradients flow back to the sources as through `to`.
+
+use crate::common::two_gpus;
+use ember_core::cuda::comm::{broadcast_coalesced, DEFAULT_BUFFER_SIZE};
+use ember_core::{DType, Device, Tensor};
+
+#[test]
+fn broadcast_coalesced_argument_errors() {
+    let cpu = Tensor::ones([3], DType::F32, Device::Cpu).unwrap();
+    let e = broadcast_coalesced(&[cpu.clone()], &[], DEFAULT_BUFFER_SIZE).unwrap_err();
+    assert!(e.to_string().contains("at least one device"), "{e}");
+    let e = broadcast_coalesced(&[cpu], &[0, 1], DEFAULT_BUFFER_SIZE).unwrap_err();
+    assert!(e.to_string().contains("devices[0] (cuda:0)"), "{e}");
+    assert!(e.to_string().contains("cpu"), "{e}");
+}
+
+/// Five f32 tensors of odd sizes, one f64, one i64 and one large f32, on `device`; the float
+/// ones require grad.
+fn sources(device: Device) -> Vec<Tensor> {
+    let f32s = [vec![3usize, 5], vec![7], vec![2, 3, 3], vec![1], vec![13, 1]];
+    let mut out: Vec<Tensor> = f32s
+        .iter()
+        .map(|d| Tensor::randn(d.as_slice(), DType::F32, device).unwrap())
+        .collect();
+    out.push(Tensor::randn([4, 2], DType::F64, device).unwrap());
+    out.push(Tensor::randint(0, 100, [6], device).unwrap());
+    out.push(Tensor::randn([64, 64], DType::F32, device).unwrap());
+    out.into_iter()
+        .map(|t| match t.dtype().is_floating_point() {
+            true => t.requires_grad_(true).unwrap(),
+            false => t,
+        })
+        .collect()
+}
+
+fn host(t: &Tensor) -> Vec<f64> {
+    t.to(Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap()
+}
+
+/// Runs on a two-GPU machine (`--skip two_gpus` elsewhere).
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn broadcast_coalesced_over_two_gpus_copies_in_one_transfer_per_bucket() {
+    let (d0, d1) = two_gpus();
+    let src = sources(d0);
+    // 1 KiB buffers: the small f32 tensors (under 1 KiB together) make one bucket; the 16
+    // KiB one, and the f64 and i64 ones that have no company of their dtype, go alone.
+    let buffer = 1024;
+    let _l = crate::profiler::lock();
+    let mut lists = Vec::new();
+    let prof = crate::profiler::cupti_profile(|| {
+        let _r = ember_core::profiler::record_function("broadcast under test");
+        lists = broadcast_coalesced(&src, &[0, 1], buffer).unwrap();
+        ember_core::cuda::synchronize(0).unwrap();
+        ember_core::cuda::synchronize(1).unwrap();
+    });
+    assert_eq!(lists.len(), 2);
+    for (s, same) in src.iter().zip(&lists[0]) {
+        assert_eq!(
+            s.data_ptr(),
+            same.data_ptr(),
+            "the source device's list holds the sources"
+        );
+    }
+    for (s, copy) in src.iter().zip(&lists[1]) {
+        assert_eq!(copy.device(), d1);
+        assert_eq!((copy.dims(), copy.dtype()), (s.dims(), s.dtype()));
+        assert_eq!(host(copy), host(s));
+        assert_eq!(copy.requires_grad(), s.requires_grad());
+    }
+    // The call's own ops: the crossings are its `to` ops (CUPTI's copy records leave out
+    // copies between GPUs), the gather its `_foreach_copy_` and that op's kernels (other
+    // tests' kernels may run meanwhile).
+    let events = prof.events();
+    let call = events.iter().find(|e| e.name == "broadcast under test").unwrap();
+    let inside: Vec<_> = events
+        .iter()
+        .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
+        .collect();
+    assert_eq!(
+        inside.iter().filter(|e| e.name == "to").count(),
+        4,
+        "one crossing for the bucket and one per tensor alone"
+    );
+    let gathers: Vec<u64> = inside
+        .iter()
+        .filter(|e| e.name == "_foreach_copy_")
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(gathers.len(), 1, "one gather, for the bucket");
+    let kernels = prof
+        .trace()
+        .unwrap()
+        .gpu_activities()
+        .iter()
+        .filter(|a| a.external_id == Some(gathers[0]))
+        .map(|a| a.name.as_str())
+        .collect::<Vec<_>>();
+    assert_eq!(kernels, ["multi_copy"], "the gather is one launch");
+
+    // Gradients flow back as through `to`: d/ds sum(k * copy) = k.
+    let mut loss = None::<Tensor>;
+    for (k, copy) in lists[1].iter().enumerate().filter(|(_, c)| c.requires_grad()) {
+        let term = copy
+            .mul_scalar(k as f64 + 1.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        loss = Some(match loss {
+            Some(l) => l.add(&term).unwrap(),
+            None => term,
+        });
+    }
+    loss.unwrap().backward().unwrap();
+    for (k, s) in src.iter().enumerate().filter(|(_, s)| s.requires_grad()) {
+        let g = s.grad().unwrap();
+        assert_eq!(g.device(), d0);
+        assert!(
+            host(&g).iter().all(|&v| v == k as f64 + 1.0),
+            "tensor {k}: {:?}",
+            host(&g)
+        );
+    }
+
+    // Without grad mode, or from tensors that do not require grad, the copies are plain.
+    let plain = {
+        let _no_grad = ember_core::no_grad();
+        broadcast_coalesced(&src, &[0, 1], buffer).unwrap()
+    };
+    assert!(plain[1].iter().all(|t| !t.requires_grad()));
+}
