@@ -194,11 +194,13 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
                 let mut replica = self.module.clone();
                 let mut list = list.into_iter();
                 replica.visit_mut("", &mut |name, t, _| {
-                    *t = list.next().ok_or_else(|| mismatch(name))?;
+                    *t = list.next().ok_or_else(|| {
+                        mismatch(&format!("visit_mut reaches {name}, which visit does not"))
+                    })?;
                     Ok(())
                 })?;
                 match list.next() {
-                    Some(_) => Err(mismatch("fewer tensors")),
+                    Some(_) => Err(mismatch("visit_mut reaches fewer tensors than visit")),
                     None => Ok(replica),
                 }
             })
@@ -272,12 +274,12 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
     }
 }
 
-/// The error for a module whose `visit` and `visit_mut` disagree on its tensors: a hand-written
-/// `Module` impl must reach the same tensors in the same order in both.
-fn mismatch(at: &str) -> Error {
+/// The error for a module whose `visit` and `visit_mut` disagree on its tensors (`what`): a
+/// hand-written `Module` impl must reach the same tensors in the same order in both.
+fn mismatch(what: &str) -> Error {
     Error::invalid(
         "DataParallel",
-        format!("the module's visit and visit_mut reach different tensors (at {at}); they must reach the same ones in the same order"),
+        format!("cannot replicate the module: {what}; a Module's visit and visit_mut must reach the same tensors in the same order"),
     )
 }
 

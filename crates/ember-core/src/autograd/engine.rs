@@ -391,7 +391,7 @@ impl GraphTask {
     /// entry's dependency count drops only once its gradient is back, so it cannot become
     /// ready in between, and a gradient another thread stored meanwhile is summed in on the
     /// next try. Timed in a diagnostic build (dp_cnn's model on two H100s), acquiring the lock
-    /// took 13 to 17 µs per step in all, against 24 to 26 µs before; the step time did not
+    /// took 13 to 17 µs per step in all, against 24 to 33 µs before; the step time did not
     /// change measurably. PyTorch sums under its graph task's mutex.
     fn deliver(
         &self,
