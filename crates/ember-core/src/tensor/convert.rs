@@ -73,20 +73,26 @@ impl Tensor {
     /// [`Tensor::to`]'s body, behind the dispatch point.
     fn move_to(&self, device: Device) -> Result<Tensor> {
         let storage = self.storage().read().to_device(self.layout(), device)?;
-        let out = Tensor::from_storage(storage, self.shape());
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
+        Ok(Tensor::from_storage(storage, self.shape()).into_copy_of(self))
+    }
+
+    /// `self`, a copy of `source` on another device, as [`Tensor::to`] returns it: under grad
+    /// mode and when `source` requires grad, with the node that carries its gradient back to
+    /// `source`'s device (also the copies of `cuda::comm::broadcast_coalesced`).
+    pub(crate) fn into_copy_of(self, source: &Tensor) -> Tensor {
+        if !autograd::needs_grad(&[source]) {
+            return self;
         }
-        let src = self.device();
-        Ok(autograd::record("to_device", &[self], out, move |g, _| {
+        let src = source.device();
+        autograd::record("to_device", &[source], self, move |g, _| {
             Ok(vec![Some(g.gradient_to(src)?)])
-        }))
+        })
     }
 
     /// `to(device)` for a gradient in backward: when nothing but the engine holds it (its
     /// handle and its memory), nothing reads or writes it after the copy, and a copy between
     /// GPUs runs on a side stream (`to_device_private`, Note [Peer copies]).
-    pub(crate) fn gradient_to(&self, device: Device) -> Result<Tensor> {
+    fn gradient_to(&self, device: Device) -> Result<Tensor> {
         let private = std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique();
         match (private, self.device(), device) {
             (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {
