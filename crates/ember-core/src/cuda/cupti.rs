@@ -45,9 +45,10 @@ const BUFFER_LAYOUT: Layout = match Layout::from_size_align(BUFFER_BYTES, 8) {
 };
 /// The activity kinds a session enables: device work, and the driver and runtime API records
 /// that the external correlation records come with.
-const KINDS: [u32; 6] = [
+const KINDS: [u32; 7] = [
     records::KIND_CONCURRENT_KERNEL,
     records::KIND_MEMCPY,
+    records::KIND_MEMCPY2,
     records::KIND_MEMSET,
     records::KIND_DRIVER,
     records::KIND_RUNTIME,

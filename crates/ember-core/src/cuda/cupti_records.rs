@@ -6,7 +6,8 @@
 //! Layouts: the structs of `cupti_activity.h` of CUDA 13.0 (PyPI `nvidia-cuda-cupti`
 //! 13.0.85, `CUPTI_API_VERSION` 130001) for the record versions CUPTI 13 emits:
 //! `CUpti_ActivityKernel10` (`CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL`),
-//! `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemset4`, `CUpti_ActivityExternalCorrelation` and
+//! `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemcpyPtoP4` (`CUPTI_ACTIVITY_KIND_MEMCPY2`: copies
+//! between GPUs), `CUpti_ActivityMemset4`, `CUpti_ActivityExternalCorrelation` and
 //! `CUpti_ActivityAPI` (`CUPTI_ACTIVITY_KIND_DRIVER` and `_RUNTIME`).
 //! The header declares them `__attribute__((packed, aligned(8)))`: no padding between
 //! fields, the size a multiple of 8. The mirrors below are `#[repr(C, packed)]` (align 1:
@@ -24,6 +25,7 @@ pub(crate) const KIND_MEMSET: u32 = 2;
 pub(crate) const KIND_DRIVER: u32 = 4;
 pub(crate) const KIND_RUNTIME: u32 = 5;
 pub(crate) const KIND_CONCURRENT_KERNEL: u32 = 10;
+pub(crate) const KIND_MEMCPY2: u32 = 22;
 pub(crate) const KIND_EXTERNAL_CORRELATION: u32 = 39;
 
 /// `CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0`: the kind ember pushes op ids under (Kineto
@@ -110,6 +112,35 @@ pub(crate) struct ActivityMemcpy6 {
     pub is_device_launched: u8,
     pub pad2: [u8; 3],
     pub copy_count: u64,
+}
+
+/// `CUpti_ActivityMemcpyPtoP4`, 96 bytes: a copy between two devices (`cuMemcpyPeerAsync`),
+/// which CUPTI reports under `CUPTI_ACTIVITY_KIND_MEMCPY2`, not `_MEMCPY`.
+#[repr(C, packed)]
+#[derive(Clone, Copy)]
+pub(crate) struct ActivityMemcpyPtoP4 {
+    pub kind: u32,
+    pub copy_kind: u8,
+    pub src_kind: u8,
+    pub dst_kind: u8,
+    pub flags: u8,
+    pub bytes: u64,
+    pub start: u64,
+    pub end: u64,
+    pub device_id: u32,
+    pub context_id: u32,
+    pub stream_id: u32,
+    pub src_device_id: u32,
+    pub src_context_id: u32,
+    pub dst_device_id: u32,
+    pub dst_context_id: u32,
+    pub correlation_id: u32,
+    pub reserved0: *mut u8,
+    pub graph_node_id: u64,
+    pub graph_id: u32,
+    pub channel_id: u32,
+    pub channel_type: i32,
+    pub pad: u32,
 }
 
 /// `CUpti_ActivityMemset4`, 88 bytes.
@@ -204,6 +235,21 @@ const _: () = {
     assert!(offset_of!(ActivityMemcpy6, graph_node_id) == 64);
     assert!(offset_of!(ActivityMemcpy6, copy_count) == 88);
 
+    assert!(size_of::<ActivityMemcpyPtoP4>() == 96);
+    assert!(offset_of!(ActivityMemcpyPtoP4, copy_kind) == 4);
+    assert!(offset_of!(ActivityMemcpyPtoP4, bytes) == 8);
+    assert!(offset_of!(ActivityMemcpyPtoP4, start) == 16);
+    assert!(offset_of!(ActivityMemcpyPtoP4, end) == 24);
+    assert!(offset_of!(ActivityMemcpyPtoP4, device_id) == 32);
+    assert!(offset_of!(ActivityMemcpyPtoP4, context_id) == 36);
+    assert!(offset_of!(ActivityMemcpyPtoP4, stream_id) == 40);
+    assert!(offset_of!(ActivityMemcpyPtoP4, src_device_id) == 44);
+    assert!(offset_of!(ActivityMemcpyPtoP4, dst_device_id) == 52);
+    assert!(offset_of!(ActivityMemcpyPtoP4, correlation_id) == 60);
+    assert!(offset_of!(ActivityMemcpyPtoP4, graph_node_id) == 72);
+    assert!(offset_of!(ActivityMemcpyPtoP4, graph_id) == 80);
+    assert!(offset_of!(ActivityMemcpyPtoP4, channel_type) == 88);
+
     assert!(size_of::<ActivityMemset4>() == 88);
     assert!(offset_of!(ActivityMemset4, value) == 4);
     assert!(offset_of!(ActivityMemset4, bytes) == 8);
@@ -233,6 +279,8 @@ unsafe impl Plain for ActivityKernel10 {}
 unsafe impl Plain for ActivityMemcpy6 {}
 // SAFETY: as above.
 unsafe impl Plain for ActivityMemset4 {}
+// SAFETY: as above.
+unsafe impl Plain for ActivityMemcpyPtoP4 {}
 // SAFETY: as above.
 unsafe impl Plain for ActivityExternalCorrelation {}
 // SAFETY: as above.
@@ -351,6 +399,25 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Record> {
         }
         KIND_MEMCPY => {
             let m: ActivityMemcpy6 = read(bytes)?;
+            Record::Activity(RawActivity {
+                kind: GpuActivityKind::Memcpy,
+                start: m.start,
+                end: m.end,
+                device: m.device_id,
+                context: m.context_id,
+                stream: m.stream_id,
+                correlation: m.correlation_id,
+                name_ptr: 0,
+                grid: [0; 3],
+                block: [0; 3],
+                registers_per_thread: 0,
+                shared_memory: 0,
+                bytes: m.bytes,
+                memory: (m.copy_kind, m.src_kind, m.dst_kind),
+            })
+        }
+        KIND_MEMCPY2 => {
+            let m: ActivityMemcpyPtoP4 = read(bytes)?;
             Record::Activity(RawActivity {
                 kind: GpuActivityKind::Memcpy,
                 start: m.start,
@@ -508,6 +575,19 @@ pub(crate) mod tests {
         m
     }
 
+    pub(crate) fn memcpy_peer(correlation: u32, bytes: u64) -> ActivityMemcpyPtoP4 {
+        // SAFETY: as in `kernel`.
+        let mut m: ActivityMemcpyPtoP4 = unsafe { std::mem::zeroed() };
+        m.kind = KIND_MEMCPY2;
+        (m.copy_kind, m.src_kind, m.dst_kind) = (10, 3, 3);
+        m.bytes = bytes;
+        (m.start, m.end) = (100, 200);
+        (m.device_id, m.src_device_id, m.dst_device_id) = (0, 0, 1);
+        m.stream_id = 9;
+        m.correlation_id = correlation;
+        m
+    }
+
     pub(crate) fn memset(correlation: u32, start: u64, end: u64) -> ActivityMemset4 {
         // SAFETY: as in `kernel`.
         let mut m: ActivityMemset4 = unsafe { std::mem::zeroed() };
@@ -588,6 +668,17 @@ pub(crate) mod tests {
         };
         assert_eq!((m.kind, m.bytes), (GpuActivityKind::Memcpy, 4096));
         assert_eq!(m.transfer_name().unwrap(), "Memcpy HtoD (Pinned -> Device)");
+        let peer = bytes_of(&memcpy_peer(47, 1280));
+        assert_eq!(peer.len(), 96);
+        assert_eq!(u32::from_ne_bytes(peer[60..64].try_into().unwrap()), 47);
+        let Some(Record::Activity(p)) = decode(&peer) else {
+            panic!()
+        };
+        assert_eq!(
+            (p.kind, p.bytes, p.correlation, p.stream, p.start, p.end),
+            (GpuActivityKind::Memcpy, 1280, 47, 9, 100, 200)
+        );
+        assert_eq!(p.transfer_name().unwrap(), "Memcpy PtoP (Device -> Device)");
         let Some(Record::Activity(s)) = decode(&bytes_of(&memset(44, 10, 20))) else {
             panic!()
         };

@@ -433,6 +433,7 @@ impl CudaStorage {
         let dst_ready = dst_stream.record_event()?;
         copy_stream.wait_event(&dst_ready)?;
         src_rt.bind()?;
+        super::kernel_timing::note_work(copy_stream.as_raw());
         // SAFETY: both ranges hold `bytes`. The copy runs on `copy_stream`, after the work
         // queued on the target's stream (waited above), and after the staging copy that wrote
         // `staged` or the work that wrote a contiguous source: the source's current stream

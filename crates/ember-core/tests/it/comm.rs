@@ -76,35 +76,44 @@ fn broadcast_coalesced_over_two_gpus_copies_in_one_transfer_per_bucket() {
         assert_eq!(host(copy), host(s));
         assert_eq!(copy.requires_grad(), s.requires_grad());
     }
-    // The call's own ops: the crossings are its `to` ops (CUPTI's copy records leave out
-    // copies between GPUs), the gather its `_foreach_copy_` and that op's kernels (other
-    // tests' kernels may run meanwhile).
+    // The call's own ops: the crossings are its `to` ops, each one peer copy on the GPU
+    // (CUPTI's MEMCPY2 record, correlated to the op), the gather its `_foreach_copy_` and
+    // that op's kernels (other tests' kernels may run meanwhile).
     let events = prof.events();
     let call = events.iter().find(|e| e.name == "broadcast under test").unwrap();
     let inside: Vec<_> = events
         .iter()
         .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
         .collect();
+    let crossings: Vec<u64> = inside.iter().filter(|e| e.name == "to").map(|e| e.id).collect();
     assert_eq!(
-        inside.iter().filter(|e| e.name == "to").count(),
+        crossings.len(),
         4,
         "one crossing for the bucket and one per tensor alone"
     );
+    let trace = prof.trace().unwrap();
+    let work_of = |op: u64| -> Vec<&str> {
+        trace
+            .gpu_activities()
+            .iter()
+            .filter(|a| a.external_id == Some(op))
+            .map(|a| a.name.as_str())
+            .collect()
+    };
+    for &op in &crossings {
+        assert_eq!(
+            work_of(op),
+            ["Memcpy PtoP (Device -> Device)"],
+            "each crossing is one copy between the GPUs, under its `to` op"
+        );
+    }
     let gathers: Vec<u64> = inside
         .iter()
         .filter(|e| e.name == "_foreach_copy_")
         .map(|e| e.id)
         .collect();
     assert_eq!(gathers.len(), 1, "one gather, for the bucket");
-    let kernels = prof
-        .trace()
-        .unwrap()
-        .gpu_activities()
-        .iter()
-        .filter(|a| a.external_id == Some(gathers[0]))
-        .map(|a| a.name.as_str())
-        .collect::<Vec<_>>();
-    assert_eq!(kernels, ["multi_copy"], "the gather is one launch");
+    assert_eq!(work_of(gathers[0]), ["multi_copy"], "the gather is one launch");
 
     // Gradients flow back as through `to`: d/ds sum(k * copy) = k.
     let mut loss = None::<Tensor>;
