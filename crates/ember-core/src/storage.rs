@@ -357,6 +357,27 @@ impl StorageRef {
     pub fn same_storage(&self, other: &StorageRef) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
+
+    /// A handle that does not keep the storage alive (nor count in [`StorageRef::is_unique`]).
+    pub(crate) fn downgrade(&self) -> WeakStorageRef {
+        WeakStorageRef(Arc::downgrade(&self.0))
+    }
+}
+
+/// A [`StorageRef`] that does not keep its storage alive.
+#[derive(Debug, Clone)]
+pub(crate) struct WeakStorageRef(std::sync::Weak<StorageCell>);
+
+impl WeakStorageRef {
+    /// Whether this is a handle of `storage` (false once the storage is gone).
+    pub(crate) fn is(&self, storage: &StorageRef) -> bool {
+        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(&storage.0))
+    }
+
+    /// Whether the storage is gone.
+    pub(crate) fn is_dead(&self) -> bool {
+        self.0.strong_count() == 0
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -574,6 +595,24 @@ impl Storage {
     pub(crate) fn matmul(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         let (a, b) = (self, rhs);
         on_backend!("matmul", (a, b), wrap => Ok(wrap(BackendStorage::matmul(a, al, b, bl)?)))
+    }
+
+    /// [`Storage::matmul`] of two matrices in row blocks of the output, with the events that
+    /// mark each block done (GPU only; Note [Gradients in row blocks] in `cuda/row_blocks.rs`).
+    pub(crate) fn matmul_row_blocks(
+        &self,
+        al: &Layout,
+        rhs: &Storage,
+        bl: &Layout,
+        blocks: usize,
+    ) -> Result<(Storage, Vec<(std::ops::Range<usize>, crate::cuda::Event)>)> {
+        match (self, rhs) {
+            (Storage::Cuda(a), Storage::Cuda(b)) => {
+                let (out, events) = a.matmul_row_blocks(al, b, bl, blocks)?;
+                Ok((Storage::Cuda(out), events))
+            }
+            _ => Ok((self.matmul(al, rhs, bl)?, Vec::new())),
+        }
     }
 
     /// [`Storage::matmul`] plus `bias` (`[n]` at `bias_l`) added to every row, in the product's

@@ -512,6 +512,145 @@ fn alignment(ptr: u64) -> u32 {
     (1u32 << ptr.trailing_zeros().min(8)).min(256)
 }
 
+/// One cuBLASLt product into `d` on `stream` (Note [Row-major GEMM through cuBLASLt]): our
+/// `[m, k]` lhs (`b`, cuBLASLt's B, given per call so that row blocks of it can be multiplied
+/// one by one) times the `[k, n]` rhs (`a`, cuBLASLt's A).
+struct Gemm<'a> {
+    rt: &'a DeviceRuntime,
+    blas: &'static DeviceBlas,
+    dtype: DType,
+    stream: u64,
+    a: &'a Operand,
+    k: usize,
+    n: usize,
+    batch: i32,
+}
+
+impl Gemm<'_> {
+    /// The product of the `m` rows at `b`, with the bias epilogue reading the bias at `fused`,
+    /// or added to `d`'s contents (beta = 1) with `add_to_d`. Ok(false): the heuristic has no
+    /// algorithm with the epilogue.
+    fn run(
+        &self,
+        thread: &mut ThreadBlas,
+        b: &Operand,
+        m: usize,
+        d: u64,
+        fused: Option<u64>,
+        add_to_d: bool,
+    ) -> Result<bool> {
+        let Gemm {
+            rt,
+            dtype,
+            stream,
+            a,
+            k,
+            n,
+            batch,
+            ..
+        } = *self;
+        let handle = thread.handle(self.rt, self.blas)?;
+        let (workspace_ptr, workspace) = thread
+            .workspaces
+            .entry((rt.ordinal, stream))
+            .or_insert_with(|| CudaStorage::alloc_on(rt, DType::U8, WORKSPACE_BYTES).ok())
+            .as_ref()
+            .map_or((0, 0), |w| (w.ptr_at(0), w.len()));
+        let key = PlanKey {
+            dtype,
+            precision: if dtype == DType::F32 {
+                PRECISION.load(Ordering::Relaxed)
+            } else {
+                0
+            },
+            trans_a: a.trans,
+            trans_b: b.trans,
+            m: n as u64,
+            n: m as u64,
+            k: k as u64,
+            lda: a.ld,
+            ldb: b.ld,
+            ldd: n as i64,
+            batch,
+            stride_a: a.batch_stride,
+            stride_b: b.batch_stride,
+            stride_d: (m * n) as i64,
+            align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
+            workspace,
+            epilogue: if fused.is_some() {
+                Epilogue::Bias
+            } else {
+                Epilogue::Default
+            },
+        };
+        if thread.unplanned.contains(&(rt.ordinal, key)) {
+            return Ok(false);
+        }
+        let plans = &mut thread.plans;
+        if plans.len() >= MAX_PLANS && !plans.contains_key(&(rt.ordinal, key)) {
+            plans.clear();
+            thread.unplanned.clear();
+        }
+        let plan = match plans.entry((rt.ordinal, key)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => match Plan::new(handle, &key, fused) {
+                Ok(plan) => e.insert(plan),
+                Err(_) if key.epilogue == Epilogue::Bias => {
+                    thread.unplanned.insert((rt.ordinal, key));
+                    return Ok(false);
+                }
+                Err(err) => return Err(err),
+            },
+        };
+        if let Some(ptr) = fused {
+            set_bias_pointer(plan.desc, ptr)?;
+        }
+        let beta = if add_to_d { 1.0 } else { 0.0 };
+        super::kernel_timing::note_work(stream);
+        let (alpha32, beta32, alpha64, beta64) = (1.0f32, beta as f32, 1.0f64, beta);
+        let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+            ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
+        } else {
+            ((&alpha32 as *const f32).cast(), (&beta32 as *const f32).cast())
+        };
+        let [la, lb, ld] = plan.layouts;
+        // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
+        // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
+        // alive in `a` until the call is queued and then released to the allocator on this
+        // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
+        // `batch * m * n` elements of `out`, read (beta = 1) only where they hold the bias
+        // written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
+        // of D's type at the pointer set above (the caller's bias, 16-byte aligned, alive until
+        // the call is queued and then ordered by the allocator as A and B are). alpha/beta point to host
+        // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
+        // call (host pointer mode reads them before it returns). The workspace holds `workspace`
+        // bytes and is used only on `stream`, the stream of every other op here. The handle and
+        // the plan are this thread's alone (Note [cuBLASLt state]).
+        unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                alpha,
+                beta,
+                a.ptr as *const c_void,
+                la,
+                b.ptr as *const c_void,
+                lb,
+                d as *const c_void,
+                ld,
+                d as *mut c_void,
+                ld,
+                &plan.algo,
+                workspace_ptr as *mut c_void,
+                workspace,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(blas_error("cublasLtMatmul"))?;
+        Ok(true)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The product.
 
@@ -646,112 +785,19 @@ impl CudaStorage {
             _ => CudaStorage::alloc_on(rt, dtype, out_len)?,
         };
         // cuBLASLt's A is our rhs, its B our lhs (Note [Row-major GEMM through cuBLASLt]).
-        let a = Operand::new(rhs, bl)?;
-        let b = Operand::new(self, al)?;
-        let stream = current_raw(rt.ordinal);
-        // One product into `d`, with the bias epilogue reading the bias at `fused`, or added to
-        // `d`'s contents (beta = 1) with `add_to_d`. Ok(false): the heuristic has no algorithm
-        // with the epilogue.
-        let product = |thread: &mut ThreadBlas, d: u64, fused: Option<u64>, add_to_d: bool| -> Result<bool> {
-            let handle = thread.handle(rt, blas)?;
-            let (workspace_ptr, workspace) = thread
-                .workspaces
-                .entry((rt.ordinal, stream))
-                .or_insert_with(|| CudaStorage::alloc_on(rt, DType::U8, WORKSPACE_BYTES).ok())
-                .as_ref()
-                .map_or((0, 0), |w| (w.ptr_at(0), w.len()));
-            let key = PlanKey {
-                dtype,
-                precision: if dtype == DType::F32 {
-                    PRECISION.load(Ordering::Relaxed)
-                } else {
-                    0
-                },
-                trans_a: a.trans,
-                trans_b: b.trans,
-                m: n as u64,
-                n: m as u64,
-                k: k as u64,
-                lda: a.ld,
-                ldb: b.ld,
-                ldd: n as i64,
-                batch,
-                stride_a: a.batch_stride,
-                stride_b: b.batch_stride,
-                stride_d: (m * n) as i64,
-                align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
-                workspace,
-                epilogue: if fused.is_some() {
-                    Epilogue::Bias
-                } else {
-                    Epilogue::Default
-                },
-            };
-            if thread.unplanned.contains(&(rt.ordinal, key)) {
-                return Ok(false);
-            }
-            let plans = &mut thread.plans;
-            if plans.len() >= MAX_PLANS && !plans.contains_key(&(rt.ordinal, key)) {
-                plans.clear();
-                thread.unplanned.clear();
-            }
-            let plan = match plans.entry((rt.ordinal, key)) {
-                Entry::Occupied(e) => e.into_mut(),
-                Entry::Vacant(e) => match Plan::new(handle, &key, fused) {
-                    Ok(plan) => e.insert(plan),
-                    Err(_) if key.epilogue == Epilogue::Bias => {
-                        thread.unplanned.insert((rt.ordinal, key));
-                        return Ok(false);
-                    }
-                    Err(err) => return Err(err),
-                },
-            };
-            if let Some(ptr) = fused {
-                set_bias_pointer(plan.desc, ptr)?;
-            }
-            let beta = if add_to_d { 1.0 } else { 0.0 };
-            super::kernel_timing::note_work(stream);
-            let (alpha32, beta32, alpha64, beta64) = (1.0f32, beta as f32, 1.0f64, beta);
-            let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
-                ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
-            } else {
-                ((&alpha32 as *const f32).cast(), (&beta32 as *const f32).cast())
-            };
-            let [la, lb, ld] = plan.layouts;
-            // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
-            // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
-            // alive in `a` until the call is queued and then released to the allocator on this
-            // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
-            // `batch * m * n` elements of `out`, read (beta = 1) only where they hold the bias
-            // written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
-            // of D's type at the pointer set above (the caller's bias, 16-byte aligned, alive until
-            // the call is queued and then ordered by the allocator as A and B are). alpha/beta point to host
-            // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
-            // call (host pointer mode reads them before it returns). The workspace holds `workspace`
-            // bytes and is used only on `stream`, the stream of every other op here. The handle and
-            // the plan are this thread's alone (Note [cuBLASLt state]).
-            unsafe {
-                lt::matmul(
-                    handle,
-                    plan.desc,
-                    alpha,
-                    beta,
-                    a.ptr as *const c_void,
-                    la,
-                    b.ptr as *const c_void,
-                    lb,
-                    d as *const c_void,
-                    ld,
-                    d as *mut c_void,
-                    ld,
-                    &plan.algo,
-                    workspace_ptr as *mut c_void,
-                    workspace,
-                    stream as sys::cudaStream_t,
-                )
-            }
-            .map_err(blas_error("cublasLtMatmul"))?;
-            Ok(true)
+        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
+        let gemm = Gemm {
+            rt,
+            blas,
+            dtype,
+            stream: current_raw(rt.ordinal),
+            a: &a,
+            k,
+            n,
+            batch,
+        };
+        let product = |t: &mut ThreadBlas, d: u64, fused: Option<u64>, add_to_d: bool| {
+            gemm.run(t, &b, m, d, fused, add_to_d)
         };
         let add_to_d = bias.is_some() && epilogue_bias.is_none();
         if !with_thread_blas(|t| product(t, out.ptr_at(0), epilogue_bias, add_to_d))? {
@@ -760,6 +806,59 @@ impl CudaStorage {
             with_thread_blas(|t| product(t, out.ptr_at(0), None, true))?;
         }
         Ok(out)
+    }
+
+    /// The float product of `[m, k]` (`al`) and `[k, n]` (`bl`) as a new row-major `[m, n]`
+    /// storage, computed in the row blocks of `row_block_ranges(m, blocks)`, each product
+    /// followed by an event recorded on the current stream: the event of rows `r` completes once those rows are written (Note
+    /// [Gradients in row blocks] in `cuda/row_blocks.rs`).
+    pub(crate) fn matmul_row_blocks(
+        &self,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        blocks: usize,
+    ) -> Result<(CudaStorage, Vec<(std::ops::Range<usize>, super::Event)>)> {
+        let dtype = self.dtype();
+        let plain = al.dims().len() == 2 && bl.dims().len() == 2 && dtype.is_floating_point();
+        let (m, k, n) = (
+            al.dims()[0],
+            al.dims()[al.dims().len() - 1],
+            bl.dims()[bl.dims().len() - 1],
+        );
+        if !plain || dtype != rhs.dtype() || self.ordinal() != rhs.ordinal() || m * k * n == 0 {
+            return Ok((self.lt_matmul(al, rhs, bl, None)?, Vec::new()));
+        }
+        let rt = self.runtime()?;
+        let blas = device_blas(rt)?;
+        let out = CudaStorage::alloc_on(rt, dtype, m * n)?;
+        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
+        let gemm = Gemm {
+            rt,
+            blas,
+            dtype,
+            stream: current_raw(rt.ordinal),
+            a: &a,
+            k,
+            n,
+            batch: 1,
+        };
+        let current = super::stream::current_stream(rt.ordinal)?;
+        let ranges = super::row_blocks::row_block_ranges(m, blocks);
+        let mut events = Vec::with_capacity(ranges.len());
+        for std::ops::Range { start: r0, end: r1 } in ranges {
+            // Row r0 of the lhs: at r0 * ld read as op N (rows are ld apart), at r0 as op T
+            // (rows are adjacent, columns ld apart).
+            let skip = if b.trans { r0 } else { r0 * b.ld as usize };
+            let part = Operand {
+                ptr: b.ptr + (skip * dtype.size_in_bytes()) as u64,
+                _copy: None,
+                ..b
+            };
+            with_thread_blas(|t| gemm.run(t, &part, r1 - r0, out.ptr_at(r0 * n), None, false))?;
+            events.push((r0..r1, current.record_event()?));
+        }
+        Ok((out, events))
     }
 
     /// Integer products with `matmul.cu`'s tiled kernel (wrapping, as the CPU).

@@ -11,7 +11,8 @@
 //! replay), `graphed` (`make_graphed_callables`), `capture` (the captures underway and the operations refused during them), `nvrtc`
 //! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
 //! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
-//! `blas` (matrix products through cuBLASLt, the TF32 switch), `cupti` and `cupti_records`
+//! `blas` (matrix products through cuBLASLt, the TF32 switch), `row_blocks` (weight gradients
+//! computed in row blocks, for DDP to reduce the first rows early), `cupti` and `cupti_records`
 //! (CUPTI's activity API loaded at run time, and its record layouts: the profiler's kernel
 //! timing), `kernel_timing` (the profiler's CUDA-events fallback), `cudnn` (convolution through
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
@@ -51,6 +52,7 @@ mod pinned;
 mod random;
 mod reduce;
 mod rnn;
+pub(crate) mod row_blocks;
 mod runtime;
 mod softmax;
 mod storage;
@@ -82,6 +84,7 @@ pub use memory::{
 pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
 pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
 pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
+pub use row_blocks::{row_block_ranges, set_gradient_row_blocks, take_gradient_row_events, RowBlockEvent};
 pub(crate) use storage::host_bytes;
 pub use storage::CudaStorage;
 #[cfg(test)]

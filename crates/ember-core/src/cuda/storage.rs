@@ -372,7 +372,7 @@ impl CudaStorage {
     /// The elements of `layout` as a row-major storage on GPU `device`: a peer copy when it is
     /// another GPU, enqueued without waiting (Note [Peer copies]).
     pub fn to_device(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
-        self.copy_to_device(layout, device, false)
+        self.copy_to_device(layout, device, Source::Shared)
     }
 
     /// As [`CudaStorage::to_device`], for a source that nothing reads or writes after this
@@ -380,10 +380,25 @@ impl CudaStorage {
     /// stream of the source's device, so the source's current stream does not wait for the
     /// target's queued work (Note [Peer copies]).
     pub fn to_device_private(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
-        self.copy_to_device(layout, device, true)
+        self.copy_to_device(layout, device, Source::Private)
     }
 
-    fn copy_to_device(&self, layout: &Layout, device: usize, private: bool) -> Result<CudaStorage> {
+    /// [`CudaStorage::to_device_private`] of a contiguous gradient computed in row blocks
+    /// (Note [Gradients in row blocks]): the rows of each block are copied once its event has
+    /// completed, while the later blocks are still being computed. `blocks` are the gradient's
+    /// events, rows of `row_len` elements.
+    pub(crate) fn to_device_private_in_blocks(
+        &self,
+        layout: &Layout,
+        device: usize,
+        blocks: &[super::RowBlockEvent],
+        row_len: usize,
+    ) -> Result<CudaStorage> {
+        self.copy_to_device(layout, device, Source::Blocks { blocks, row_len })
+    }
+
+    fn copy_to_device(&self, layout: &Layout, device: usize, source: Source<'_>) -> Result<CudaStorage> {
+        let private = !matches!(source, Source::Shared);
         if device != self.buf.device {
             super::capture::refuse_during_capture(self.buf.device, "a copy between GPUs")?;
             super::capture::refuse_during_capture(device, "a copy between GPUs")?;
@@ -404,7 +419,28 @@ impl CudaStorage {
         let n = layout.numel();
         let src_rt = self.runtime()?;
         let rt = runtime(device)?;
-        let out = CudaStorage::alloc_on(rt, self.dtype, n)?;
+        // Blocks cover a contiguous source from its start; anything else is copied whole once
+        // the source's stream has written it.
+        let blocks = match source {
+            Source::Blocks { blocks, row_len }
+                if staged.is_none() && layout.offset() == 0 && tile(blocks, row_len, n) =>
+            {
+                Some((blocks, row_len))
+            }
+            _ => None,
+        };
+        // A copy in blocks must not wait for the target's queued work (the target's own share
+        // of the same GEMM, say), which a block of the target stream's pool may still be used
+        // by: its output comes from the pool of a side stream of the target that runs nothing
+        // but such copies, and is then recorded on the target's stream that reads it.
+        let alloc_stream = match blocks {
+            Some(_) => Some(peer_copy_stream(device, 1)?),
+            None => None,
+        };
+        let out = {
+            let _on_side = alloc_stream.as_ref().map(super::stream::stream);
+            CudaStorage::alloc_on(rt, self.dtype, n)?
+        };
         let bytes = n * self.dtype.size_in_bytes();
         if bytes == 0 {
             return Ok(out);
@@ -418,8 +454,10 @@ impl CudaStorage {
         let copy_stream = match private {
             false => src_stream.clone(),
             true => {
-                let side = peer_copy_stream(src_rt.ordinal)?;
-                side.wait_event(&src_stream.record_event()?)?;
+                let side = peer_copy_stream(src_rt.ordinal, usize::from(blocks.is_some()))?;
+                if blocks.is_none() {
+                    side.wait_event(&src_stream.record_event()?)?;
+                }
                 // The source (or its staging copy) returns to its pool on the source's stream
                 // when dropped: not reused before the side stream has read it.
                 match &staged {
@@ -429,29 +467,56 @@ impl CudaStorage {
                 side
             }
         };
-        // `out` may be a block whose previous use on the target's stream is still queued.
-        let dst_ready = dst_stream.record_event()?;
+        // `out` may be a block whose previous use on the stream it was allocated for is still
+        // queued.
+        let dst_ready = alloc_stream.as_ref().unwrap_or(&dst_stream).record_event()?;
         copy_stream.wait_event(&dst_ready)?;
+        if alloc_stream.is_some() {
+            out.record_stream(&dst_stream)?;
+        }
         src_rt.bind()?;
         super::kernel_timing::note_work(copy_stream.as_raw());
-        // SAFETY: both ranges hold `bytes`. The copy runs on `copy_stream`, after the work
-        // queued on the target's stream (waited above), and after the staging copy that wrote
-        // `staged` or the work that wrote a contiguous source: the source's current stream
-        // itself, or a side stream that waited for it. Neither source block is reused while the
-        // copy reads it: on the source's stream, its later work comes after the copy; on a side
-        // stream, `record_stream` keeps the blocks from their pool until the copy has run, and
-        // a private source is written by nothing after this call.
-        unsafe {
-            result::memcpy_peer_async(
-                rt.context(),
-                out.buf.ptr,
-                src_rt.context(),
-                src_ptr,
-                bytes,
-                copy_stream.as_raw() as sys::CUstream,
-            )
+        // The byte ranges copied, each after the event that says it is written (None: after
+        // the source's stream, waited above).
+        let size = self.dtype.size_in_bytes();
+        let ranges: Vec<(usize, usize, Option<&super::Event>)> = match blocks {
+            Some((blocks, row_len)) => blocks
+                .iter()
+                .map(|b| {
+                    (
+                        b.rows.start * row_len * size,
+                        b.rows.end * row_len * size,
+                        Some(&b.event),
+                    )
+                })
+                .collect(),
+            None => vec![(0, bytes, None)],
+        };
+        for (start, end, ready) in ranges {
+            if let Some(event) = ready {
+                copy_stream.wait_event(event)?;
+            }
+            // SAFETY: both ranges hold `end <= bytes` bytes from `start`. The copy runs on
+            // `copy_stream`, after the work queued on the stream `out` was allocated for (the
+            // target's, or the target's side stream; waited above), and
+            // after what wrote its bytes: the staging copy that wrote `staged`, or the work that
+            // wrote a contiguous source (the source's current stream itself, or a side stream
+            // that waited for it or for the event of this block's rows). Neither source block is
+            // reused while the copy reads it: on the source's stream, its later work comes after
+            // the copy; on a side stream, `record_stream` keeps the blocks from their pool until
+            // the copy has run, and a private source is written by nothing after this call.
+            unsafe {
+                result::memcpy_peer_async(
+                    rt.context(),
+                    out.buf.ptr + start as u64,
+                    src_rt.context(),
+                    src_ptr + start as u64,
+                    end - start,
+                    copy_stream.as_raw() as sys::CUstream,
+                )
+            }
+            .map_err(cuda_error("peer copy"))?;
         }
-        .map_err(cuda_error("peer copy"))?;
         let copied = copy_stream.record_event()?;
         dst_stream.wait_event(&copied)?;
         rt.bind()?;
@@ -459,17 +524,48 @@ impl CudaStorage {
     }
 }
 
+/// What a copy to another GPU may assume of its source.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Read on the source's current stream, after its queued work.
+    Shared,
+    /// Written by nothing after the call: read on a side stream once the current stream has
+    /// written it.
+    Private,
+    /// As `Private`, written in row blocks of `row_len` elements, each done at its event.
+    Blocks {
+        blocks: &'a [super::RowBlockEvent],
+        row_len: usize,
+    },
+}
+
+/// Whether `blocks` are consecutive row ranges of `row_len` elements covering all `n`.
+fn tile(blocks: &[super::RowBlockEvent], row_len: usize, n: usize) -> bool {
+    let mut next = 0;
+    for b in blocks {
+        if b.rows.start != next || b.rows.end <= b.rows.start {
+            return false;
+        }
+        next = b.rows.end;
+    }
+    row_len > 0 && next.checked_mul(row_len) == Some(n)
+}
+
 /// The side stream of `device` that private peer copies run on
 /// ([`CudaStorage::to_device_private`]): one per device, from the stream pool.
-fn peer_copy_stream(device: usize) -> Result<super::Stream> {
-    static STREAMS: std::sync::Mutex<Vec<Option<super::Stream>>> = std::sync::Mutex::new(Vec::new());
+/// `lane` 1 is a second such stream, for the copies of gradients in row blocks: each of those
+/// waits for its rows alone, and behind another private copy (which waits for everything its
+/// source's stream had queued, such as the rest of the blocked GEMM) it would wait for that.
+fn peer_copy_stream(device: usize, lane: usize) -> Result<super::Stream> {
+    type Lanes = [Option<super::Stream>; 2];
+    static STREAMS: std::sync::Mutex<Vec<Lanes>> = std::sync::Mutex::new(Vec::new());
     let mut streams = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
     if streams.len() <= device {
-        streams.resize(device + 1, None);
+        streams.resize(device + 1, [None, None]);
     }
-    match &streams[device] {
+    match &streams[device][lane] {
         Some(s) => Ok(s.clone()),
-        None => Ok(streams[device].insert(super::Stream::new(device)?).clone()),
+        None => Ok(streams[device][lane].insert(super::Stream::new(device)?).clone()),
     }
 }
 

@@ -91,7 +91,7 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
         let gb = if needs[1] {
             let (a, b) = (xa.get()?, xb.get()?);
             Some(if matrices(&a, &b) && column_major(&b) {
-                weight_grad(op, g, &a)?
+                weight_grad(op, g, &a, &b)?
             } else {
                 let at = a.transpose(-1, -2)?;
                 sum_to_shape(&product(op, &at, g, (&at, g))?, &sb)?
@@ -120,10 +120,28 @@ fn column_major(t: &Tensor) -> bool {
 }
 
 /// The gradient of the column-major `b` in `a @ b` (`b: [k, n]`): `(gᵀ @ a)ᵀ`, a `[k, n]`
-/// view of a dense `[n, k]` product.
-fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor) -> Result<Tensor> {
+/// view of a dense `[n, k]` product; in row blocks of that product when `b` views a tensor
+/// registered for it (Note [Gradients in row blocks] in `cuda/row_blocks.rs`).
+fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let gt = g.t()?;
-    product(op, &gt, a, (&gt, a))?.t()
+    let blocks = crate::cuda::row_blocks::requested(b.storage())
+        .filter(|_| !autograd::needs_grad(&[&gt, a]) && !crate::cuda::is_current_stream_capturing());
+    let Some(blocks) = blocks else {
+        return product(op, &gt, a, (&gt, a))?.t();
+    };
+    let (storage, events) = {
+        let (sg, sa) = (gt.storage().read(), a.storage().read());
+        sg.matmul_row_blocks(gt.layout(), &sa, a.layout(), blocks)?
+    };
+    let out = Tensor::from_storage(storage, Shape::from([gt.dims()[0], a.dims()[1]]));
+    if !events.is_empty() {
+        let events = events
+            .into_iter()
+            .map(|(rows, event)| crate::cuda::RowBlockEvent { rows, event })
+            .collect();
+        crate::cuda::row_blocks::record(out.storage(), events);
+    }
+    out.t()
 }
 
 /// `x @ wt + bias` for `x: [m, k]`, `wt: [k, n]` and `bias: [n]`, with the bias added before
@@ -152,7 +170,7 @@ fn product_bias(op: &'static str, x: &Tensor, wt: &Tensor, bias: &Tensor) -> Res
         let gw = if needs[1] {
             let (x, wt) = (saved_x.get()?, saved_wt.get()?);
             Some(if column_major(&wt) {
-                weight_grad(op, g, &x)?
+                weight_grad(op, g, &x, &wt)?
             } else {
                 let xt = x.t()?;
                 product(op, &xt, g, (&xt, g))?

@@ -97,10 +97,18 @@ impl Tensor {
         match (private, self.device(), device) {
             (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {
                 dispatch::call_with(&policy::TO, [self], |[x]| {
-                    let storage = match &*x.storage().read() {
-                        Storage::Cuda(s) => Storage::Cuda(s.to_device_private(x.layout(), to)?),
-                        other => other.to_device(x.layout(), device)?,
-                    };
+                    let storage =
+                        match &*x.storage().read() {
+                            // A weight gradient computed in row blocks crosses block by block
+                            // (Note [Gradients in row blocks]).
+                            Storage::Cuda(s) => match crate::cuda::take_gradient_row_events(x) {
+                                Some(blocks) if x.rank() == 2 => Storage::Cuda(
+                                    s.to_device_private_in_blocks(x.layout(), to, &blocks, x.dims()[1])?,
+                                ),
+                                _ => Storage::Cuda(s.to_device_private(x.layout(), to)?),
+                            },
+                            other => other.to_device(x.layout(), device)?,
+                        };
                     Ok(Tensor::from_storage(storage, x.shape()))
                 })
             }

@@ -445,3 +445,78 @@ fn tf32_is_close_to_but_not_f32() {
     let c = a64.matmul(&b64).unwrap().to_vec_f64().unwrap();
     assert!(max_diff(&g, &c) <= 1e-10 * scale);
 }
+
+/// Note [Gradients in row blocks]: a weight registered with `set_gradient_row_blocks` gets,
+/// through `linear` (with and without a bias) and through `matmul` with its transpose, the
+/// gradient an unregistered copy gets, computed in the blocks `row_block_ranges` gives, each
+/// with an event that has completed once the device is synchronized; the events are taken
+/// once; after unregistering, a gradient comes with none.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn weight_gradients_in_row_blocks_equal_the_whole_product() {
+    let _l = lock();
+    let dev = gpu();
+    let (rows, cols, batch) = (1000usize, 96usize, 40usize);
+    let leaf = |v: Vec<f64>, dims: &[usize]| {
+        Tensor::from_vec(v, dims, Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to(dev)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap()
+    };
+    let x = Tensor::from_vec(values(batch * cols, 3), [batch, cols], Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to(dev)
+        .unwrap();
+    let w_values = values(rows * cols, 4);
+    let (w, plain) = (
+        leaf(w_values.clone(), &[rows, cols]),
+        leaf(w_values, &[rows, cols]),
+    );
+    let b = leaf(values(rows, 5), &[rows]);
+    cuda::set_gradient_row_blocks(&w, 4).unwrap();
+    let forwards: [(&str, &dyn Fn(&Tensor) -> Tensor); 3] = [
+        ("linear with a bias", &|w| x.linear(w, Some(&b)).unwrap()),
+        ("linear", &|w| x.linear(w, None).unwrap()),
+        ("matmul", &|w| x.matmul(&w.t().unwrap()).unwrap()),
+    ];
+    let host = |t: &Tensor| t.to(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
+    for (what, f) in forwards {
+        for t in [&w, &plain] {
+            t.set_grad(None).unwrap();
+            f(t).square().unwrap().sum_all().unwrap().backward().unwrap();
+        }
+        let g = w.grad().unwrap();
+        let events = cuda::take_gradient_row_events(&g).unwrap_or_else(|| panic!("{what}: no block events"));
+        let blocks: Vec<_> = events.iter().map(|e| e.rows.clone()).collect();
+        assert_eq!(blocks, cuda::row_block_ranges(rows, 4), "{what}");
+        assert_eq!(blocks, [0..256, 256..512, 512..768, 768..1000], "{what}");
+        cuda::synchronize(0).unwrap();
+        assert!(events.iter().all(|e| e.event.query().unwrap()), "{what}");
+        assert!(cuda::take_gradient_row_events(&g).is_none(), "{what}: taken once");
+        for (got, want) in host(&g).iter().zip(host(&plain.grad().unwrap())) {
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{what}: {got} vs {want}"
+            );
+        }
+        assert!(cuda::take_gradient_row_events(&plain.grad().unwrap()).is_none());
+    }
+    cuda::set_gradient_row_blocks(&w, 0).unwrap();
+    w.set_grad(None).unwrap();
+    x.linear(&w, None).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(cuda::take_gradient_row_events(&w.grad().unwrap()).is_none());
+}
+
+#[test]
+fn gradient_row_blocks_are_for_gpu_weights() {
+    let w = Tensor::zeros([4, 4], DType::F32, Device::Cpu).unwrap();
+    let e = cuda::set_gradient_row_blocks(&w, 4).unwrap_err();
+    assert!(e.to_string().contains("a 2-D weight on a GPU"), "{e}");
+    assert!(e.to_string().contains("cpu"), "{e}");
+}

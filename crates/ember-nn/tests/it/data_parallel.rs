@@ -169,3 +169,61 @@ fn data_parallel_refuses_a_module_whose_visits_disagree() {
         "{e}"
     );
 }
+
+/// Note [DataParallel row blocks]: the replica's copy of a 128 MiB weight gets its gradient in
+/// 4 row blocks, and each block crosses back to the first GPU on its own, once written: the
+/// step moves the weight out in one 128 MiB copy and its gradient back in four 32 MiB ones
+/// (CUPTI's records of copies between GPUs). The gradients equal one GPU's on the full batch.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn data_parallel_copies_a_large_weight_gradient_back_in_row_blocks() {
+    use ember_core::profiler::{self, CudaTimingSource, ProfilerActivity};
+    assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
+    let wide = |device: Device| {
+        let w: Vec<f32> = (0..8192 * 4096)
+            .map(|i| ((i * 7) % 13) as f32 / 1300.0 - 0.005)
+            .collect();
+        let mut fc = Linear::new(4096, 8192, Device::Cpu).unwrap();
+        {
+            let _g = ember_core::no_grad();
+            fc.weight
+                .copy_(&Tensor::from_vec(w, [8192usize, 4096], Device::Cpu).unwrap())
+                .unwrap();
+            fc.bias.as_ref().unwrap().zero_().unwrap();
+        }
+        fc.to_device(device).unwrap();
+        fc
+    };
+    let x: Vec<f32> = (0..16 * 4096)
+        .map(|i| ((i * 5) % 17) as f32 / 8.0 - 1.0)
+        .collect();
+    let x = Tensor::from_vec(x, [16usize, 4096], Device::Cpu)
+        .unwrap()
+        .to(Device::Cuda(0))
+        .unwrap();
+    let (_, expected) = run(&wide(Device::Cuda(0)), &x);
+    let dp = DataParallel::with_devices(wide(Device::Cuda(0)), [Device::Cuda(0), Device::Cuda(1)]).unwrap();
+    run(&dp, &x); // warm-up: the workers start, the plans are made
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .start()
+        .unwrap();
+    let (_, got) = run(&dp, &x);
+    cuda::synchronize(0).unwrap();
+    cuda::synchronize(1).unwrap();
+    prof.stop().unwrap();
+    for (g, e) in got.iter().zip(&expected) {
+        assert_close(g, e, 1e-4, 1e-5);
+    }
+    assert_eq!(prof.cuda_timing_source(), Some(CudaTimingSource::Cupti));
+    let trace = prof.trace().unwrap();
+    let crossings: Vec<u64> = trace
+        .gpu_activities()
+        .iter()
+        .filter(|a| a.name == "Memcpy PtoP (Device -> Device)")
+        .map(|a| a.bytes)
+        .collect();
+    let count = |bytes: u64| crossings.iter().filter(|&&b| b == bytes).count();
+    assert_eq!(count(128 << 20), 1, "the weight out, whole: {crossings:?}");
+    assert_eq!(count(32 << 20), 4, "its gradient back, in blocks: {crossings:?}");
+}
