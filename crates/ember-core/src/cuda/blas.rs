@@ -617,9 +617,10 @@ impl Gemm<'_> {
         // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
         // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
         // alive in `a` until the call is queued and then released to the allocator on this
-        // stream, which orders its reuse after the product), B likewise from lhs, and D = C the
-        // `batch * m * n` elements of `out`, read (beta = 1) only where they hold the bias
-        // written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
+        // stream, which orders its reuse after the product), B likewise from lhs (for a row
+        // block, its `m` rows from `b.ptr`, inside the lhs), and D = C the `batch * m * n`
+        // elements at `d` (the caller's output, or its rows of a block), read (beta = 1) only
+        // where they hold the bias written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
         // of D's type at the pointer set above (the caller's bias, 16-byte aligned, alive until
         // the call is queued and then ordered by the allocator as A and B are). alpha/beta point to host
         // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
@@ -810,8 +811,8 @@ impl CudaStorage {
 
     /// The float product of `[m, k]` (`al`) and `[k, n]` (`bl`) as a new row-major `[m, n]`
     /// storage, computed in the row blocks of `row_block_ranges(m, blocks)`, each product
-    /// followed by an event recorded on the current stream: the event of rows `r` completes once those rows are written (Note
-    /// [Gradients in row blocks] in `cuda/row_blocks.rs`).
+    /// followed by an event recorded on the current stream: the event of rows `r` completes
+    /// once those rows are written (Note [Gradients in row blocks] in `cuda/row_blocks.rs`).
     pub(crate) fn matmul_row_blocks(
         &self,
         al: &Layout,

@@ -23,6 +23,13 @@
 //! whole replica's backward when the copy is issued, and waiting for it on the source's stream
 //! stalled the other replica's backward behind it (dp_mlp_large on two H100s: 4.64 to 4.70 ms
 //! per step, against 3.93 with the side stream and 3.95 to 3.97 with one thread for backward).
+//!
+//! A private copy of a gradient computed in row blocks (`to_device_private_in_blocks`, Note
+//! [Gradients in row blocks]) waits for neither current stream: each block waits for its own
+//! event, on a second side stream (behind the first one's copies it would wait for whatever
+//! they wait for), and its output comes from the pool of that second side stream of the target
+//! (recorded on the target's current stream, which reads it), so no block of the target's own
+//! queued work can be reused under it.
 
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::{runtime, DeviceRuntime};
