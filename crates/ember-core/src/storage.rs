@@ -365,7 +365,7 @@ impl StorageRef {
 }
 
 /// A [`StorageRef`] that does not keep its storage alive.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct WeakStorageRef(std::sync::Weak<StorageCell>);
 
 impl WeakStorageRef {
@@ -605,7 +605,7 @@ impl Storage {
         rhs: &Storage,
         bl: &Layout,
         blocks: usize,
-    ) -> Result<(Storage, Vec<(std::ops::Range<usize>, crate::cuda::Event)>)> {
+    ) -> Result<(Storage, Vec<crate::cuda::RowBlockEvent>)> {
         match (self, rhs) {
             (Storage::Cuda(a), Storage::Cuda(b)) => {
                 let (out, events) = a.matmul_row_blocks(al, b, bl, blocks)?;

@@ -549,7 +549,7 @@ impl Gemm<'_> {
             batch,
             ..
         } = *self;
-        let handle = thread.handle(self.rt, self.blas)?;
+        let handle = thread.handle(rt, self.blas)?;
         let (workspace_ptr, workspace) = thread
             .workspaces
             .entry((rt.ordinal, stream))
@@ -819,15 +819,13 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
         blocks: usize,
-    ) -> Result<(CudaStorage, Vec<(std::ops::Range<usize>, super::Event)>)> {
+    ) -> Result<(CudaStorage, Vec<super::RowBlockEvent>)> {
         let dtype = self.dtype();
-        let plain = al.dims().len() == 2 && bl.dims().len() == 2 && dtype.is_floating_point();
-        let (m, k, n) = (
-            al.dims()[0],
-            al.dims()[al.dims().len() - 1],
-            bl.dims()[bl.dims().len() - 1],
-        );
-        if !plain || dtype != rhs.dtype() || self.ordinal() != rhs.ordinal() || m * k * n == 0 {
+        let (&[m, k], &[_, n]) = (al.dims(), bl.dims()) else {
+            return Ok((self.lt_matmul(al, rhs, bl, None)?, Vec::new()));
+        };
+        let plain = dtype.is_floating_point() && dtype == rhs.dtype() && self.ordinal() == rhs.ordinal();
+        if !plain || m == 0 || k == 0 || n == 0 {
             return Ok((self.lt_matmul(al, rhs, bl, None)?, Vec::new()));
         }
         let rt = self.runtime()?;
@@ -857,7 +855,10 @@ impl CudaStorage {
                 ..b
             };
             with_thread_blas(|t| gemm.run(t, &part, r1 - r0, out.ptr_at(r0 * n), None, false))?;
-            events.push((r0..r1, current.record_event()?));
+            events.push(super::RowBlockEvent {
+                rows: r0..r1,
+                event: current.record_event()?,
+            });
         }
         Ok((out, events))
     }

@@ -84,15 +84,17 @@ pub fn row_block_ranges(rows: usize, blocks: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// The block count registered for the tensor whose storage `weight` views.
+/// The block count registered for the tensor whose storage `weight` views. Registrations of
+/// tensors that are gone are dropped here too, so that once none is left the check is one
+/// load again.
 pub(crate) fn requested(weight: &StorageRef) -> Option<usize> {
     if !ANY_REQUEST.load(Ordering::Relaxed) {
         return None;
     }
-    lock(&REQUESTS)
-        .iter()
-        .find(|(w, _)| w.is(weight))
-        .map(|&(_, b)| b)
+    let mut requests = lock(&REQUESTS);
+    requests.retain(|(w, _)| !w.is_dead());
+    ANY_REQUEST.store(!requests.is_empty(), Ordering::Relaxed);
+    requests.iter().find(|(w, _)| w.is(weight)).map(|&(_, b)| b)
 }
 
 /// Keeps the events of a gradient just computed in blocks into `grad`.

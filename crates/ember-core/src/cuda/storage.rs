@@ -483,35 +483,17 @@ impl CudaStorage {
         }
         src_rt.bind()?;
         super::kernel_timing::note_work(copy_stream.as_raw());
-        // The byte ranges copied, each after the event that says it is written (None: after
-        // the source's stream, waited above).
-        let size = self.dtype.size_in_bytes();
-        let ranges: Vec<(usize, usize, Option<&super::Event>)> = match blocks {
-            Some((blocks, row_len)) => blocks
-                .iter()
-                .map(|b| {
-                    (
-                        b.rows.start * row_len * size,
-                        b.rows.end * row_len * size,
-                        Some(&b.event),
-                    )
-                })
-                .collect(),
-            None => vec![(0, bytes, None)],
-        };
-        for (start, end, ready) in ranges {
-            if let Some(event) = ready {
-                copy_stream.wait_event(event)?;
-            }
+        // Bytes `start..end` of the source into the same bytes of `out`, on `copy_stream`.
+        let copy = |start: usize, end: usize| {
             // SAFETY: both ranges hold `end <= bytes` bytes from `start`. The copy runs on
             // `copy_stream`, after the work queued on the stream `out` was allocated for (the
-            // target's, or the target's side stream; waited above), and
-            // after what wrote its bytes: the staging copy that wrote `staged`, or the work that
-            // wrote a contiguous source (the source's current stream itself, or a side stream
-            // that waited for it or for the event of this block's rows). Neither source block is
-            // reused while the copy reads it: on the source's stream, its later work comes after
-            // the copy; on a side stream, `record_stream` keeps the blocks from their pool until
-            // the copy has run, and a private source is written by nothing after this call.
+            // target's, or the target's side stream; waited above), and after what wrote its
+            // bytes: the staging copy that wrote `staged`, or the work that wrote a contiguous
+            // source (the source's current stream itself, or a side stream that waited for it
+            // or for the event of this block's rows). Neither source block is reused while the
+            // copy reads it: on the source's stream, its later work comes after the copy; on a
+            // side stream, `record_stream` keeps the blocks from their pool until the copy has
+            // run, and a private source is written by nothing after this call.
             unsafe {
                 result::memcpy_peer_async(
                     rt.context(),
@@ -522,7 +504,18 @@ impl CudaStorage {
                     copy_stream.as_raw() as sys::CUstream,
                 )
             }
-            .map_err(cuda_error("peer copy"))?;
+            .map_err(cuda_error("peer copy"))
+        };
+        match blocks {
+            // Each block once the event that says it is written has completed.
+            Some((blocks, row_len)) => {
+                let row_bytes = row_len * self.dtype.size_in_bytes();
+                for b in blocks {
+                    copy_stream.wait_event(&b.event)?;
+                    copy(b.rows.start * row_bytes, b.rows.end * row_bytes)?;
+                }
+            }
+            None => copy(0, bytes)?,
         }
         let copied = copy_stream.record_event()?;
         dst_stream.wait_event(&copied)?;

@@ -135,10 +135,6 @@ fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<T
     };
     let out = Tensor::from_storage(storage, Shape::from([gt.dims()[0], a.dims()[1]]));
     if !events.is_empty() {
-        let events = events
-            .into_iter()
-            .map(|(rows, event)| crate::cuda::RowBlockEvent { rows, event })
-            .collect();
         crate::cuda::row_blocks::record(out.storage(), events);
     }
     out.t()
