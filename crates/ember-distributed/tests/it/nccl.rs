@@ -3,7 +3,7 @@
 //! against expected values, with ranks as threads and as processes under `ember-run`, and DDP's
 //! gradients against one process's full-batch gradients.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ember_core::{cuda, DType, Device, Error, Tensor};
@@ -12,8 +12,21 @@ use half::{bf16, f16};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// One test at a time makes NCCL groups in this process. NCCL's kernels wait on the device for
+/// their peers, so the operations of two communicators on the same GPUs, issued concurrently
+/// from several threads, can deadlock: NCCL's guide ("Using multiple NCCL communicators
+/// concurrently") asks for a lock. The test harness runs tests on parallel threads; two of these
+/// tests at once hung until the harness's timeout on two H100s.
+static ONE_NCCL_TEST: Mutex<()> = Mutex::new(());
+
+/// Holds [`ONE_NCCL_TEST`] (a test that failed while holding it does not poison the others).
+fn one_nccl_test() -> MutexGuard<'static, ()> {
+    ONE_NCCL_TEST.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs `f` as `n` ranks, each a thread with its own NCCL group on `cuda:{rank}`.
 pub fn run_nccl_ranks<T: Send>(n: usize, f: impl Fn(ProcessGroup, usize) -> T + Sync) -> Vec<T> {
+    let _one = one_nccl_test();
     crate::common::run_ranks_with(
         n,
         TIMEOUT,
@@ -279,6 +292,7 @@ fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
     let (warmup, replays) = (2, 3);
     let expected = crate::ddp::reference(warmup + replays, 12);
     let timeout = Duration::from_secs(10);
+    let _one = one_nccl_test();
     for (k, options) in [DdpOptions::new as fn() -> DdpOptions, || {
         DdpOptions::new().bucket_cap_mb(1e-4)
     }]
