@@ -8,6 +8,10 @@
 //! cudarc's bindings target cuDNN 9.2; the calls used here (`cudnnConvolutionForward`,
 //! `cudnnConvolutionBackwardData/Filter`, `cudnnGet*Algorithm_v7`, `cudnnFind*AlgorithmEx`)
 //! are cuDNN's legacy API, deprecated in cuDNN 9 but present and supported (libcudnn_cnn).
+//! They choose the algorithms in benchmark mode and run the problems the graph API takes no
+//! engine for; otherwise a convolution runs through an execution plan of the graph API, made
+//! once per problem (Note [cuDNN execution plans] in `cudnn_graph.rs`), whose calls cost the
+//! host a quarter of the legacy ones.
 //!
 //! Note [cuDNN state]: as cuBLASLt's (Note [cuBLASLt state] in `blas.rs`), and for the same
 //! reason: a handle must never be used by two threads at once. Each thread has its own handle
@@ -26,6 +30,7 @@
 //! cached in the plan. Math types follow PyTorch: tensor-op math for f16/bf16, FMA only for f32
 //! without TF32 (`allow_tf32` off), otherwise cuDNN's default, then the chosen algorithm's own.
 
+use super::cudnn_graph;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
@@ -240,6 +245,9 @@ struct ConvKey {
     tf32: bool,
     deterministic: bool,
     benchmark: bool,
+    /// Whether every data pointer of the call is 16-byte aligned (an execution plan is made
+    /// for the alignment it will see, Note [cuDNN execution plans]).
+    aligned: bool,
 }
 
 /// Which of the three convolution calls.
@@ -265,6 +273,16 @@ struct Choice {
     workspace: usize,
 }
 
+/// Where a direction of a problem runs (Note [cuDNN execution plans]).
+enum Graph {
+    /// Not tried yet.
+    Untried,
+    /// Through this execution plan.
+    Ready(cudnn_graph::ExecPlan),
+    /// Through the legacy calls: the graph API took no engine for it.
+    Legacy,
+}
+
 /// Descriptors of one problem and the algorithm chosen per direction.
 struct Plan {
     x: sys::cudnnTensorDescriptor_t,
@@ -272,6 +290,7 @@ struct Plan {
     w: sys::cudnnFilterDescriptor_t,
     conv: sys::cudnnConvolutionDescriptor_t,
     chosen: [Option<Choice>; 3],
+    graph: [Graph; 3],
 }
 
 impl Drop for Plan {
@@ -324,6 +343,7 @@ impl Plan {
             w: std::ptr::null_mut(),
             conv: std::ptr::null_mut(),
             chosen: [None; 3],
+            graph: [Graph::Untried, Graph::Untried, Graph::Untried],
         };
         // SAFETY: out-pointers to this plan's fields; whatever was created is freed by Drop.
         unsafe {
@@ -629,6 +649,7 @@ fn run(rt: &DeviceRuntime, params: ConvParams, dir: Direction, bufs: Buffers) ->
         tf32: allow_tf32(),
         deterministic: deterministic(),
         benchmark: benchmark(),
+        aligned: [bufs.a, bufs.b, bufs.out].iter().all(|p| p % 16 == 0),
     };
     let stream = current_raw(rt.ordinal);
     let body = |t: &mut ThreadDnn| -> Result<()> {
@@ -638,6 +659,9 @@ fn run(rt: &DeviceRuntime, params: ConvParams, dir: Direction, bufs: Buffers) ->
         }
         if !t.plans.contains_key(&(rt.ordinal, key)) {
             t.plans.insert((rt.ordinal, key), Plan::new(&key)?);
+        }
+        if !key.benchmark && run_graph(t, rt, stream, handle, &key, dir, bufs)? {
+            return Ok(());
         }
         let slot = dir as usize;
         let chosen = t.plans[&(rt.ordinal, key)].chosen[slot];
@@ -736,6 +760,81 @@ fn run(rt: &DeviceRuntime, params: ConvParams, dir: Direction, bufs: Buffers) ->
             op: "conv",
             msg: "called while the thread is exiting (its cuDNN state is gone)".into(),
         })?
+}
+
+/// Runs `dir` of the key's problem through its execution plan, made on first use (Note [cuDNN
+/// execution plans]); false where the problem runs through the legacy calls instead.
+fn run_graph(
+    t: &mut ThreadDnn,
+    rt: &DeviceRuntime,
+    stream: u64,
+    handle: sys::cudnnHandle_t,
+    key: &ConvKey,
+    dir: Direction,
+    bufs: Buffers,
+) -> Result<bool> {
+    let (slot, at) = (dir as usize, (rt.ordinal, *key));
+    if matches!(t.plans[&at].graph[slot], Graph::Untried) {
+        let p = &key.params;
+        let problem = cudnn_graph::Problem {
+            dtype: p.dtype,
+            input: p.input,
+            weight: p.weight,
+            output: p.output().expect("checked by supported()"),
+            stride: p.stride,
+            padding: p.padding,
+            dilation: p.dilation,
+            alignment: if key.aligned {
+                16
+            } else {
+                p.dtype.size_in_bytes() as i64
+            },
+            deterministic: key.deterministic,
+            tf32: key.tf32,
+        };
+        let op = match dir {
+            Direction::Forward => cudnn_graph::Op::Forward,
+            Direction::BackwardData => cudnn_graph::Op::BackwardData,
+            Direction::BackwardFilter => cudnn_graph::Op::BackwardFilter,
+        };
+        let built = cudnn_graph::plan(handle, op, &problem, |bytes| {
+            t.workspace(rt, stream, bytes).is_ok()
+        });
+        let state = match built {
+            Ok(Some(plan)) => Graph::Ready(plan),
+            // No engine, or the graph API refused the problem: the legacy calls run it.
+            Ok(None) | Err(_) => Graph::Legacy,
+        };
+        if let Some(plan) = t.plans.get_mut(&at) {
+            plan.graph[slot] = state;
+        }
+    }
+    let bytes = match &t.plans[&at].graph[slot] {
+        Graph::Ready(plan) => plan.workspace,
+        _ => return Ok(false),
+    };
+    let (wp, _) = t.workspace(rt, stream, bytes)?;
+    let Graph::Ready(plan) = &t.plans[&at].graph[slot] else {
+        return Ok(false);
+    };
+    // The three tensors by their role in the convolution: input, weight, output.
+    let (x, w, y) = match dir {
+        Direction::Forward => (bufs.a, bufs.b, bufs.out),
+        Direction::BackwardData => (bufs.out, bufs.a, bufs.b),
+        Direction::BackwardFilter => (bufs.a, bufs.out, bufs.b),
+    };
+    super::kernel_timing::note_work(stream);
+    // SAFETY: the buffers hold the direction's operand shapes of the key's problem (the
+    // caller's contract), aligned as `key.aligned` says, which the plan was made for; the
+    // workspace holds at least the plan's bytes and is used only on `stream`, the handle's
+    // stream; handle and plan are this thread's alone (Note [cuDNN state]).
+    match unsafe { cudnn_graph::execute(handle, plan, x, w, y, wp) } {
+        Ok(()) => Ok(true),
+        Err(e) => Err(Error::Cuda {
+            op: "conv",
+            msg: format!("cuDNN {e}"),
+        }),
+    }
 }
 
 /// Picks the algorithm for `dir` (Note [cuDNN algorithm choice]).

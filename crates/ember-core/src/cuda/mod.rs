@@ -12,10 +12,11 @@
 //! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
 //! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `row_blocks` (weight gradients
-//! computed in row blocks, for DDP to reduce the first rows early), `cupti` and `cupti_records`
+//! computed in row blocks, for DataParallel to copy the first rows back early), `cupti` and `cupti_records`
 //! (CUPTI's activity API loaded at run time, and its record layouts: the profiler's kernel
 //! timing), `kernel_timing` (the profiler's CUDA-events fallback), `cudnn` (convolution through
-//! cuDNN and the state behind `backends::cudnn`), `cudnn_pool` (pooling through cuDNN), `optim`
+//! cuDNN and the state behind `backends::cudnn`), `cudnn_graph` (its execution plans through
+//! cuDNN's graph API), `cudnn_pool` (pooling through cuDNN), `optim`
 //! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn`
 //! (the fused LSTM step), and one file per op family beside the CPU backend's; `backend`
 //! implements the backend traits (`crate::backend`) for [`CudaStorage`] and [`CudaDevice`] on
@@ -29,6 +30,7 @@ mod capture;
 pub mod comm;
 mod cubins;
 pub(crate) mod cudnn;
+mod cudnn_graph;
 pub(crate) mod cudnn_pool;
 pub(crate) mod cupti;
 pub(crate) mod cupti_records;
