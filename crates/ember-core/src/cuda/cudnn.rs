@@ -8,27 +8,27 @@
 //! cudarc's bindings target cuDNN 9.2; the calls used here (`cudnnConvolutionForward`,
 //! `cudnnConvolutionBackwardData/Filter`, `cudnnGet*Algorithm_v7`, `cudnnFind*AlgorithmEx`)
 //! are cuDNN's legacy API, deprecated in cuDNN 9 but present and supported (libcudnn_cnn).
-//! They choose the algorithms in benchmark mode and run the problems the graph API takes no
-//! engine for; otherwise a convolution runs through an execution plan of the graph API, made
-//! once per problem (Note [cuDNN execution plans] in `cudnn_graph.rs`), whose calls cost the
-//! host a quarter of the legacy ones.
+//! They only run the problems the graph API takes no engine for: a convolution runs through an
+//! execution plan of the graph API, made once per problem (Note [cuDNN execution plans] in
+//! `cudnn_graph.rs`), whose calls cost the host a quarter of the legacy ones.
 //!
 //! Note [cuDNN state]: as cuBLASLt's (Note [cuBLASLt state] in `blas.rs`), and for the same
 //! reason: a handle must never be used by two threads at once. Each thread has its own handle
 //! per device (from a per-device pool, returned to it when the thread exits), bound with
 //! `cudnnSetStream` to the current stream before every call; its own plans (tensor, filter and
-//! convolution descriptors plus the algorithm chosen per direction, keyed by everything the
-//! choice depends on: shapes, geometry, dtype and the switches), and its own workspace per
-//! (device, stream) from the caching allocator, grown to the largest size asked for and kept
-//! until the thread exits.
+//! convolution descriptors plus the execution plan or algorithm chosen per direction, keyed
+//! by everything the choice depends on: shapes, geometry, dtype, pointer alignment and the
+//! switches), and its own workspace per (device, stream) from the caching allocator, grown to
+//! the largest size asked for and kept until the thread exits.
 //!
-//! Note [cuDNN algorithm choice]: with `benchmark` off, `cudnnGet*Algorithm_v7` ranks the
-//! algorithms by heuristics; with it on, `cudnnFind*AlgorithmEx` runs them all once on the
-//! call's own buffers (the output is overwritten by the real call right after) and ranks them by
-//! time. Either way the first candidate that succeeded, is deterministic when `deterministic` is
-//! set, does not use TF32 when float32 must be exact, and whose workspace can be allocated, is
-//! cached in the plan. Math types follow PyTorch: tensor-op math for f16/bf16, FMA only for f32
-//! without TF32 (`allow_tf32` off), otherwise cuDNN's default, then the chosen algorithm's own.
+//! Note [cuDNN algorithm choice], for the legacy calls: with `benchmark` off,
+//! `cudnnGet*Algorithm_v7` ranks the algorithms by heuristics; with it on,
+//! `cudnnFind*AlgorithmEx` runs them all once on the call's own buffers (the output is
+//! overwritten by the real call right after) and ranks them by time. Either way the first
+//! candidate that succeeded, is deterministic when `deterministic` is set, does not use TF32
+//! when float32 must be exact, and whose workspace can be allocated, is cached in the plan.
+//! Math types follow PyTorch: tensor-op math for f16/bf16, FMA only for f32 without TF32
+//! (`allow_tf32` off), otherwise cuDNN's default, then the chosen algorithm's own.
 
 use super::cudnn_graph;
 use super::runtime::DeviceRuntime;
@@ -660,7 +660,7 @@ fn run(rt: &DeviceRuntime, params: ConvParams, dir: Direction, bufs: Buffers) ->
         if !t.plans.contains_key(&(rt.ordinal, key)) {
             t.plans.insert((rt.ordinal, key), Plan::new(&key)?);
         }
-        if !key.benchmark && run_graph(t, rt, stream, handle, &key, dir, bufs)? {
+        if run_graph(t, rt, stream, handle, &key, dir, bufs)? {
             return Ok(());
         }
         let slot = dir as usize;
@@ -797,14 +797,22 @@ fn run_graph(
             Direction::BackwardData => cudnn_graph::Op::BackwardData,
             Direction::BackwardFilter => cudnn_graph::Op::BackwardFilter,
         };
-        let built = cudnn_graph::plan(handle, op, &problem, |bytes| {
-            t.workspace(rt, stream, bytes).is_ok()
-        });
-        let state = match built {
-            Ok(Some(plan)) => Graph::Ready(plan),
-            // No engine, or the graph API refused the problem: the legacy calls run it.
-            Ok(None) | Err(_) => Graph::Legacy,
+        let limit = if key.benchmark {
+            cudnn_graph::BENCHMARK_LIMIT
+        } else {
+            1
         };
+        let built = cudnn_graph::plans(handle, op, &problem, limit, |bytes| {
+            (!key.benchmark || bytes <= MAX_FIND_WORKSPACE) && t.workspace(rt, stream, bytes).is_ok()
+        });
+        let chosen = match built {
+            Ok(plans) if key.benchmark => fastest(t, rt, stream, handle, plans, dir, bufs)?,
+            Ok(plans) => plans.into_iter().next(),
+            // The graph API refused the problem.
+            Err(_) => None,
+        };
+        // Without a plan the legacy calls run the problem.
+        let state = chosen.map_or(Graph::Legacy, Graph::Ready);
         if let Some(plan) = t.plans.get_mut(&at) {
             plan.graph[slot] = state;
         }
@@ -817,6 +825,20 @@ fn run_graph(
     let Graph::Ready(plan) = &t.plans[&at].graph[slot] else {
         return Ok(false);
     };
+    execute(handle, plan, stream, dir, bufs, wp)?;
+    Ok(true)
+}
+
+/// Runs `plan` for `dir` on `bufs` with the workspace at `wp` (at least the plan's bytes, used
+/// only on `stream`, the handle's stream).
+fn execute(
+    handle: sys::cudnnHandle_t,
+    plan: &cudnn_graph::ExecPlan,
+    stream: u64,
+    dir: Direction,
+    bufs: Buffers,
+    wp: u64,
+) -> Result<()> {
     // The three tensors by their role in the convolution: input, weight, output.
     let (x, w, y) = match dir {
         Direction::Forward => (bufs.a, bufs.b, bufs.out),
@@ -824,17 +846,50 @@ fn run_graph(
         Direction::BackwardFilter => (bufs.a, bufs.out, bufs.b),
     };
     super::kernel_timing::note_work(stream);
-    // SAFETY: the buffers hold the direction's operand shapes of the key's problem (the
-    // caller's contract), aligned as `key.aligned` says, which the plan was made for; the
-    // workspace holds at least the plan's bytes and is used only on `stream`, the handle's
-    // stream; handle and plan are this thread's alone (Note [cuDNN state]).
-    match unsafe { cudnn_graph::execute(handle, plan, x, w, y, wp) } {
-        Ok(()) => Ok(true),
-        Err(e) => Err(Error::Cuda {
-            op: "conv",
-            msg: format!("cuDNN {e}"),
-        }),
+    // SAFETY: the buffers hold the direction's operand shapes of the problem the plan was made
+    // for, aligned as its key says (the callers' contract with `run`); the workspace is as the
+    // caller says; handle and plan are this thread's alone (Note [cuDNN state]).
+    unsafe { cudnn_graph::execute(handle, plan, x, w, y, wp) }.map_err(|e| Error::Cuda {
+        op: "conv",
+        msg: format!("cuDNN {e}"),
+    })
+}
+
+/// The fastest of `plans` on the call's own buffers (Note [cuDNN execution plans]: each runs
+/// once to warm up, then once between two timing events); None when none ran. The output is
+/// overwritten by the real call right after. The workspace grown for the candidates is let go.
+fn fastest(
+    t: &mut ThreadDnn,
+    rt: &DeviceRuntime,
+    stream: u64,
+    handle: sys::cudnnHandle_t,
+    plans: Vec<cudnn_graph::ExecPlan>,
+    dir: Direction,
+    bufs: Buffers,
+) -> Result<Option<cudnn_graph::ExecPlan>> {
+    let on = super::stream::current_stream(rt.ordinal)?;
+    let mut best: Option<(f32, cudnn_graph::ExecPlan)> = None;
+    for plan in plans {
+        let Ok((wp, _)) = t.workspace(rt, stream, plan.workspace) else {
+            continue;
+        };
+        let (start, end) = (super::Event::new(true), super::Event::new(true));
+        let timed = execute(handle, &plan, stream, dir, bufs, wp)
+            .and_then(|()| start.record_on(&on))
+            .and_then(|()| execute(handle, &plan, stream, dir, bufs, wp))
+            .and_then(|()| end.record_on(&on))
+            .and_then(|()| end.synchronize())
+            .and_then(|()| start.elapsed_time(&end));
+        if let Ok(ms) = timed {
+            if best.as_ref().is_none_or(|(b, _)| ms < *b) {
+                best = Some((ms, plan));
+            }
+        }
     }
+    // Keep no more than the chosen plan needs (the allocator orders the reuse of this memory
+    // after the timing runs queued on `stream`).
+    t.workspaces.remove(&(rt.ordinal, stream));
+    Ok(best.map(|(_, plan)| plan))
 }
 
 /// Picks the algorithm for `dir` (Note [cuDNN algorithm choice]).

@@ -15,12 +15,15 @@
 //! Engines are filtered as PyTorch's `filterEngineConfigs` does: never one that converts its
 //! inputs down, none marked nondeterministic under `deterministic`, and for float32 none on
 //! tensor cores (TF32) unless `allow_tf32`. The first configuration of heuristics mode A that
-//! finalizes and whose workspace can be allocated is kept; where none does (or the graph API
-//! refuses the problem), the caller keeps the legacy calls for it.
+//! finalizes and whose workspace can be allocated is kept; in benchmark mode the first
+//! [`BENCHMARK_LIMIT`] such plans each run once on the call's own buffers, timed by events after
+//! a warm-up run, and the fastest is kept (PyTorch's `benchmark_limit` is 10). Where no plan
+//! is made (or the graph API refuses the problem), the caller keeps the legacy calls for it.
 
 use crate::DType;
 use cudarc::cudnn::sys;
 use std::ffi::c_void;
+use std::rc::Rc;
 
 use sys::cudnnBackendAttributeName_t as A;
 use sys::cudnnBackendAttributeType_t as T;
@@ -28,6 +31,8 @@ use sys::cudnnBackendDescriptorType_t as D;
 
 /// Engine configurations asked of the heuristics at most.
 const MAX_CONFIGS: i64 = 16;
+/// Plans timed in benchmark mode at most.
+pub(super) const BENCHMARK_LIMIT: usize = 10;
 
 /// Tensor ids in the variant pack: the convolution's input, weight and output, whichever is
 /// the direction's result.
@@ -163,7 +168,8 @@ pub(super) struct Problem {
 /// A finalized execution plan and the descriptors it was built from (kept alive with it).
 pub(super) struct ExecPlan {
     plan: Desc,
-    _parts: Vec<Desc>,
+    _config: Desc,
+    _graph: Rc<Vec<Desc>>,
     /// Workspace bytes a call needs.
     pub workspace: usize,
 }
@@ -221,15 +227,16 @@ fn acceptable(config: &Desc, p: &Problem) -> Result<bool, String> {
         && !(p.dtype == DType::F32 && !p.tf32 && has(N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)))
 }
 
-/// Builds the execution plan of `op` on `p` for `handle` (Note [cuDNN execution plans]):
-/// `Ok(None)` where no engine takes it; `workspace_ok` says whether a workspace of so many
-/// bytes can be had (a plan that needs more gives way to the next one).
-pub(super) fn plan(
+/// Builds up to `limit` execution plans of `op` on `p` for `handle`, in the heuristics' order
+/// (Note [cuDNN execution plans]): none where no engine takes it; `workspace_ok` says whether
+/// a workspace of so many bytes can be had (a plan that needs more gives way to the next one).
+pub(super) fn plans(
     handle: sys::cudnnHandle_t,
     op: Op,
     p: &Problem,
+    limit: usize,
     mut workspace_ok: impl FnMut(usize) -> bool,
-) -> Result<Option<ExecPlan>, String> {
+) -> Result<Vec<ExecPlan>, String> {
     let dt = super::cudnn::data_type(p.dtype);
     let (compute, double) = match p.dtype {
         DType::F64 => (sys::cudnnDataType_t::CUDNN_DATA_DOUBLE, true),
@@ -349,7 +356,12 @@ pub(super) fn plan(
             handles.as_mut_ptr().cast(),
         )
     })?;
+    let shared = Rc::new(vec![x, w, y, conv, operation, graph, heur]);
+    let mut made = Vec::new();
     for config in configs.into_iter().take(found.clamp(0, MAX_CONFIGS) as usize) {
+        if made.len() == limit {
+            break;
+        }
         if !acceptable(&config, p)? {
             continue;
         }
@@ -378,13 +390,14 @@ pub(super) fn plan(
         if !workspace_ok(workspace) {
             continue;
         }
-        return Ok(Some(ExecPlan {
+        made.push(ExecPlan {
             plan,
-            _parts: vec![x, w, y, conv, operation, graph, heur, config],
+            _config: config,
+            _graph: shared.clone(),
             workspace,
-        }));
+        });
     }
-    Ok(None)
+    Ok(made)
 }
 
 /// Runs `plan` with `handle` (bound to the stream to run on) on the device buffers `x`, `w`,
