@@ -129,8 +129,10 @@ struct ThreadDnn {
 
 impl Drop for ThreadDnn {
     fn drop(&mut self) {
-        // Plans destroy their descriptors; workspaces go back to the caching allocator on their
-        // streams (which orders reuse after the work queued there); handles go to the pool.
+        // Plans destroy their descriptors (execution plans before their handle can pass to
+        // another thread); workspaces go back to the caching allocator on their streams (which
+        // orders reuse after the work queued there); handles go to the pool.
+        self.plans.clear();
         let mut pools = pools().lock().unwrap_or_else(|e| e.into_inner());
         for (ordinal, handle) in self.handles.drain() {
             pools.entry(ordinal).or_default().push(handle);

@@ -94,7 +94,8 @@ pub fn in_own_process(path: &str, body: impl FnOnce()) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("EMBER_TEST_CHILD_PASSED"),
-        "child {path} failed:\n{stdout}\n{}",
+        "child {path} failed ({}):\n{stdout}\n{}",
+        out.status,
         String::from_utf8_lossy(&out.stderr)
     );
 }
