@@ -52,8 +52,9 @@ impl Drop for Desc {
     }
 }
 
-/// The graph API's status as a result; `Err` carries the call and the status for the caller's
-/// fallback decision (never shown to users: the legacy path takes over).
+/// The graph API's status as a result; `Err` names the call and the status. While a plan is
+/// made, an error only sends the problem to the legacy calls; from [`execute`] it becomes the
+/// convolution's error.
 fn ok(what: &'static str, status: sys::cudnnStatus_t) -> Result<(), String> {
     match status {
         sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS => Ok(()),
