@@ -285,7 +285,8 @@ enum Graph {
     Legacy,
 }
 
-/// Descriptors of one problem and the algorithm chosen per direction.
+/// Descriptors of one problem, and per direction its execution plan (or that the legacy calls
+/// run it) and the legacy algorithm chosen.
 struct Plan {
     x: sys::cudnnTensorDescriptor_t,
     y: sys::cudnnTensorDescriptor_t,
