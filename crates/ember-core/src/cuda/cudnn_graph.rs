@@ -11,6 +11,10 @@
 //! thread's plan (Note [cuDNN state] in `cudnn.rs`); a call then only makes a variant pack (the
 //! three data pointers and the workspace) and executes: 23 µs per call on average there. The
 //! CNN workload's eager step went from 1.16 to 0.54 ms (0.50 ms as one CUDA graph replay).
+//! Making the plans costs more than the legacy calls' first use, though: `ember train`'s first
+//! epoch (its CNN, on an H100) took 2.2 s against 0.5 s, its whole run 3.9 s against 1.3 s.
+//! Engines compiled at run time (`CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION`) are the suspect;
+//! leaving them out is not yet measured.
 //!
 //! Engines are filtered as PyTorch's `filterEngineConfigs` does: never one that converts its
 //! inputs down, none marked nondeterministic under `deterministic`, and for float32 none on
