@@ -629,6 +629,23 @@ impl Storage {
         on_backend!("linear", (a, b, c), wrap => Ok(wrap(BackendStorage::matmul_bias(a, al, b, bl, c, bias_l)?)))
     }
 
+    /// [`Storage::matmul_bias`] of a `linear` whose weight rows are still arriving on a GPU,
+    /// block by block at `arrivals` (Note [Copies in row blocks] in `cuda/row_blocks.rs`).
+    pub(crate) fn matmul_bias_in_column_blocks(
+        &self,
+        al: &Layout,
+        (rhs, bl): (&Storage, &Layout),
+        (bias, bias_l): (&Storage, &Layout),
+        arrivals: &[crate::cuda::RowBlockEvent],
+    ) -> Result<Storage> {
+        match (self, rhs, bias) {
+            (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => Ok(Storage::Cuda(
+                a.matmul_bias_in_column_blocks(al, (b, bl), (c, bias_l), arrivals)?,
+            )),
+            _ => self.matmul_bias(al, rhs, bl, bias, bias_l),
+        }
+    }
+
     /// `self` (at `layout`) read at `index` along `dim`, as a new row-major storage; `op`
     /// (`name` in errors) says how the index maps to positions.
     pub(crate) fn index_read(

@@ -48,6 +48,12 @@
 //! four blocks' GEMMs take 0.60 ms against 0.55 ms for one. (The same split under DDP, where
 //! NCCL's all-reduce kernels compete with the GEMM for the SMs, made ddp_mlp_large slower:
 //! 3.08 to 3.16 ms per step against 2.95.)
+//!
+//! The same weights go out in row blocks too (`cuda::comm::to_in_row_blocks`, Note [Copies in
+//! row blocks] in ember-core): the copies run on a side stream, so the first device's own
+//! replica starts at once, and each other device's `linear` computes the columns of each
+//! block as soon as its rows have arrived, so the first layer's product overlaps the copy
+//! instead of following it.
 
 use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::amp;
@@ -68,6 +74,21 @@ fn row_blocks(copy: &Tensor) -> usize {
     let bytes = copy.numel() * copy.dtype().size_in_bytes();
     match copy.rank() == 2 && copy.dtype().is_floating_point() && copy.requires_grad() {
         true => (bytes / ROW_BLOCK_BYTES).min(MAX_ROW_BLOCKS),
+        false => 0,
+    }
+}
+
+/// The size of one row block of a weight going out to a replica (Note [DataParallel row
+/// blocks]): small enough that the replica's first product starts early, large enough that
+/// each block's product still fills the GPU.
+const OUT_BLOCK_BYTES: usize = 8 << 20;
+
+/// The row blocks a parameter crosses to a replica in: 2-D float weights of at least two
+/// blocks that require grad (at most [`MAX_ROW_BLOCKS`]); 0 for the others.
+fn out_blocks(source: &Tensor) -> usize {
+    let bytes = source.numel() * source.dtype().size_in_bytes();
+    match source.rank() == 2 && source.dtype().is_floating_point() && source.requires_grad() {
+        true => (bytes / OUT_BLOCK_BYTES).min(MAX_ROW_BLOCKS),
         false => 0,
     }
 }
@@ -211,16 +232,41 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
             .collect();
         let copies: Vec<Vec<Tensor>> = match ordinals {
             Some(ordinals) => {
+                // The small tensors cross together first (a replica needs its biases before
+                // its first product), then the large weights, each in row blocks that the
+                // replica's `linear` reads as they arrive (Note [DataParallel row blocks]).
+                let blocks: Vec<usize> = sources.iter().map(out_blocks).collect();
+                let small: Vec<Tensor> = sources
+                    .iter()
+                    .zip(&blocks)
+                    .filter(|(_, &b)| b <= 1)
+                    .map(|(t, _)| t.clone())
+                    .collect();
                 let mut lists =
-                    cuda::comm::broadcast_coalesced(&sources, &ordinals, cuda::comm::DEFAULT_BUFFER_SIZE)?;
+                    cuda::comm::broadcast_coalesced(&small, &ordinals, cuda::comm::DEFAULT_BUFFER_SIZE)?;
                 lists.remove(0);
-                for copy in lists.iter().flatten() {
-                    let blocks = row_blocks(copy);
-                    if blocks > 1 {
-                        cuda::set_gradient_row_blocks(copy, blocks)?;
+                let mut large: Vec<Vec<Tensor>> = vec![Vec::new(); devices.len()];
+                for (t, &b) in sources.iter().zip(&blocks).filter(|(_, &b)| b > 1) {
+                    for (list, &d) in large.iter_mut().zip(&ordinals[1..]) {
+                        list.push(cuda::comm::to_in_row_blocks(t, d, b)?);
                     }
                 }
-                lists
+                let mut merged = Vec::with_capacity(lists.len());
+                for (small, large) in lists.into_iter().zip(large) {
+                    let (mut small, mut large) = (small.into_iter(), large.into_iter());
+                    let list: Vec<Tensor> = blocks
+                        .iter()
+                        .filter_map(|&b| if b > 1 { large.next() } else { small.next() })
+                        .collect();
+                    for copy in &list {
+                        let blocks = row_blocks(copy);
+                        if blocks > 1 {
+                            cuda::set_gradient_row_blocks(copy, blocks)?;
+                        }
+                    }
+                    merged.push(list);
+                }
+                merged
             }
             None => devices
                 .iter()

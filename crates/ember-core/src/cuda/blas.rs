@@ -514,7 +514,8 @@ fn alignment(ptr: u64) -> u32 {
 
 /// One cuBLASLt product into `d` on `stream` (Note [Row-major GEMM through cuBLASLt]): our
 /// `[m, k]` lhs (`b`, cuBLASLt's B, given per call so that row blocks of it can be multiplied
-/// one by one) times the `[k, n]` rhs (`a`, cuBLASLt's A).
+/// one by one) times the `[k, n]` rhs (`a`, cuBLASLt's A), written `ldd` elements apart per
+/// row of `d` (`n` for a whole product, more for a block of its columns).
 struct Gemm<'a> {
     rt: &'a DeviceRuntime,
     blas: &'static DeviceBlas,
@@ -523,6 +524,7 @@ struct Gemm<'a> {
     a: &'a Operand,
     k: usize,
     n: usize,
+    ldd: usize,
     batch: i32,
 }
 
@@ -546,6 +548,7 @@ impl Gemm<'_> {
             a,
             k,
             n,
+            ldd,
             batch,
             ..
         } = *self;
@@ -570,11 +573,11 @@ impl Gemm<'_> {
             k: k as u64,
             lda: a.ld,
             ldb: b.ld,
-            ldd: n as i64,
+            ldd: ldd as i64,
             batch,
             stride_a: a.batch_stride,
             stride_b: b.batch_stride,
-            stride_d: (m * n) as i64,
+            stride_d: (m * ldd) as i64,
             align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
             workspace,
             epilogue: if fused.is_some() {
@@ -618,8 +621,9 @@ impl Gemm<'_> {
         // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
         // alive in `a` until the call is queued and then released to the allocator on this
         // stream, which orders its reuse after the product), B likewise from lhs (for a row
-        // block, its `m` rows from `b.ptr`, inside the lhs), and D = C the `batch * m * n`
-        // elements at `d` (the caller's output, or its rows of a block), read (beta = 1) only
+        // block, its `m` rows from `b.ptr`, inside the lhs), and D = C the `batch * m` rows of
+        // `n` elements, `ldd` apart, at `d` (the caller's output, or its rows or columns of a
+        // block, inside it), read (beta = 1) only
         // where they hold the bias written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
         // of D's type at the pointer set above (the caller's bias, 16-byte aligned, alive until
         // the call is queued and then ordered by the allocator as A and B are). alpha/beta point to host
@@ -795,6 +799,7 @@ impl CudaStorage {
             a: &a,
             k,
             n,
+            ldd: n,
             batch,
         };
         let product = |t: &mut ThreadBlas, d: u64, fused: Option<u64>, add_to_d: bool| {
@@ -840,6 +845,7 @@ impl CudaStorage {
             a: &a,
             k,
             n,
+            ldd: n,
             batch: 1,
         };
         let current = super::stream::current_stream(rt.ordinal)?;
@@ -861,6 +867,87 @@ impl CudaStorage {
             });
         }
         Ok((out, events))
+    }
+
+    /// [`CudaStorage::matmul_bias`] of `[m, k]` (`al`) and the column-major `[k, n]` (`bl`, a
+    /// transposed `[n, k]` weight, as in `linear`) whose weight rows are still arriving:
+    /// `arrivals` are the events of its row blocks, which are blocks of columns of the
+    /// product. Each block of columns is computed on the current stream once its rows have
+    /// arrived (Note [Copies in row blocks] in `row_blocks.rs`); where the blocks cannot be
+    /// multiplied one by one, the stream waits for all of them and the product is one.
+    pub(crate) fn matmul_bias_in_column_blocks(
+        &self,
+        al: &Layout,
+        (rhs, bl): (&CudaStorage, &Layout),
+        (bias, bias_l): (&CudaStorage, &Layout),
+        arrivals: &[super::RowBlockEvent],
+    ) -> Result<CudaStorage> {
+        let rt = self.runtime()?;
+        let current = super::stream::current_stream(rt.ordinal)?;
+        let dtype = self.dtype();
+        let plain = dtype.is_floating_point()
+            && dtype == rhs.dtype()
+            && dtype == bias.dtype()
+            && self.ordinal() == rhs.ordinal()
+            && self.ordinal() == bias.ordinal();
+        let whole = || -> Result<CudaStorage> {
+            for block in arrivals {
+                current.wait_event(&block.event)?;
+            }
+            self.matmul_bias(al, rhs, bl, bias, bias_l)
+        };
+        let (&[m, k], &[_, n]) = (al.dims(), bl.dims()) else {
+            return whole();
+        };
+        let packed_bias = bias_l.strides() == [1] && alignment(bias.ptr(bias_l)) >= BIAS_ALIGNMENT;
+        let tiled = arrivals.last().is_some_and(|b| b.rows.end == n)
+            && arrivals.first().is_some_and(|b| b.rows.start == 0)
+            && arrivals.windows(2).all(|w| w[0].rows.end == w[1].rows.start);
+        if !plain || m == 0 || k == 0 || !packed_bias || !tiled {
+            return whole();
+        }
+        let blas = device_blas(rt)?;
+        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
+        if !a.trans {
+            return whole();
+        }
+        let out = CudaStorage::alloc_on(rt, dtype, m * n)?;
+        let size = dtype.size_in_bytes() as u64;
+        for (i, block) in arrivals.iter().enumerate() {
+            let (c0, c1) = (block.rows.start, block.rows.end);
+            current.wait_event(&block.event)?;
+            // Columns c0..c1 of our product are rows c0..c1 of cuBLASLt's D (our weight's rows,
+            // cuBLASLt's op(A) = Aᵀ rows, `ld` apart in the stored A).
+            let part = Operand {
+                ptr: a.ptr + c0 as u64 * a.ld as u64 * size,
+                _copy: None,
+                ..a
+            };
+            let gemm = Gemm {
+                rt,
+                blas,
+                dtype,
+                stream: current.as_raw(),
+                a: &part,
+                k,
+                n: c1 - c0,
+                ldd: n,
+                batch: 1,
+            };
+            let bias_at = bias.ptr(bias_l) + c0 as u64 * size;
+            let d = out.ptr_at(0) + c0 as u64 * size;
+            if !with_thread_blas(|t| gemm.run(t, &b, m, d, Some(bias_at), false))? {
+                if i == 0 {
+                    return whole(); // no algorithm takes the bias epilogue here
+                }
+                return Err(Error::Cuda {
+                    op: "linear",
+                    msg: "cuBLASLt took the bias epilogue for one block of columns and not for the next"
+                        .into(),
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// Integer products with `matmul.cu`'s tiled kernel (wrapping, as the CPU).

@@ -94,6 +94,35 @@ pub fn broadcast_coalesced(
         .collect())
 }
 
+/// `tensor.to(cuda:device)` for a 2-D tensor on another GPU, copied in `blocks` row blocks
+/// that later ops may read as they arrive (Note [Copies in row blocks] in ember-core's
+/// `cuda/row_blocks.rs`): `linear` with the copy as its weight computes each block of its
+/// output's columns once that block's rows are there, so the copy overlaps the product, and
+/// the source's own `linear` does not wait for the copy either. Every other op on the copy
+/// or the source waits for the whole copy first. Differentiable as [`Tensor::to`] is. A
+/// tensor of another rank, not contiguous, on the CPU or already on `device`, or `blocks`
+/// below 2, is copied as `to` copies it.
+pub fn to_in_row_blocks(tensor: &Tensor, device: usize, blocks: usize) -> Result<Tensor> {
+    crate::dispatch::call_with(&crate::dispatch::policy::TO, [tensor], |[x]| {
+        let ranges = super::row_block_ranges(x.dims().first().copied().unwrap_or(0), blocks);
+        let Device::Cuda(from) = x.device() else {
+            return x.to(Device::Cuda(device));
+        };
+        if from == device || x.rank() != 2 || !x.is_contiguous() || ranges.len() < 2 {
+            return x.to(Device::Cuda(device));
+        }
+        let (storage, events, done) = match &*x.storage().read() {
+            crate::storage::Storage::Cuda(s) => {
+                s.to_device_in_row_blocks(x.layout(), device, &ranges, x.dims()[1])?
+            }
+            _ => return x.to(Device::Cuda(device)),
+        };
+        let copy = Tensor::from_storage(crate::storage::Storage::Cuda(storage), x.shape());
+        super::row_blocks::record_copy((x.storage(), from), (copy.storage(), device), events, done);
+        Ok(copy.into_copy_of(x))
+    })
+}
+
 fn bucket_bytes(tensors: &[Tensor], bucket: &[usize]) -> usize {
     bucket
         .iter()

@@ -780,13 +780,8 @@ fn run_graph(
     if matches!(t.plans[&at].graph[slot], Graph::Untried) {
         let p = &key.params;
         let problem = cudnn_graph::Problem {
-            dtype: p.dtype,
-            input: p.input,
-            weight: p.weight,
+            conv: *p,
             output: p.output().expect("checked by supported()"),
-            stride: p.stride,
-            padding: p.padding,
-            dilation: p.dilation,
             alignment: if key.aligned {
                 16
             } else {

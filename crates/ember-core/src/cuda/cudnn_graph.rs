@@ -11,10 +11,12 @@
 //! thread's plan (Note [cuDNN state] in `cudnn.rs`); a call then only makes a variant pack (the
 //! three data pointers and the workspace) and executes: 23 µs per call on average there. The
 //! CNN workload's eager step went from 1.16 to 0.54 ms (0.50 ms as one CUDA graph replay).
-//! Making the plans costs more than the legacy calls' first use, though: `ember train`'s first
-//! epoch (its CNN, on an H100) took 2.2 s against 0.5 s, its whole run 3.9 s against 1.3 s.
-//! Engines compiled at run time (`CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION`) are the suspect;
-//! leaving them out is not yet measured.
+//! The first process on a fresh machine pays for loading the libraries whichever path runs:
+//! `ember train`'s first epoch (its CNN, on an H100) took 1.7 to 2.9 s in that process and
+//! 0.4 to 0.9 s in the next ones, with plans or with the legacy calls alike (the build that
+//! ran first was the slow one each time; an earlier 2.2 against 0.5 s comparison of the two
+//! paths was this order, not the plans). Leaving out engines compiled at run time changed
+//! neither the first epoch nor the steady step (0.552 against 0.545 ms), so they stay in.
 //!
 //! Engines are filtered as PyTorch's `filterEngineConfigs` does: never one that converts its
 //! inputs down, none marked nondeterministic under `deterministic`, and for float32 none on
@@ -24,6 +26,7 @@
 //! a warm-up run, and the fastest is kept (PyTorch's `benchmark_limit` is 10). Where no plan
 //! is made (or the graph API refuses the problem), the caller keeps the legacy calls for it.
 
+use crate::backend::geometry::ConvParams;
 use crate::DType;
 use cudarc::cudnn::sys;
 use std::ffi::c_void;
@@ -153,17 +156,13 @@ pub(super) enum Op {
     BackwardFilter,
 }
 
-/// A problem and what its plan is chosen under. Groups need no field: the graph API reads
-/// them from the input's channels and the weight's (`C / (C / groups)`).
+/// A problem and what its plan is chosen under. The graph API reads the groups from the
+/// input's channels and the weight's (`C / (C / groups)`).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Problem {
-    pub dtype: DType,
-    pub input: [usize; 4],
-    pub weight: [usize; 4],
+    pub conv: ConvParams,
+    /// `conv.output()`, which the caller has checked.
     pub output: [usize; 4],
-    pub stride: [usize; 2],
-    pub padding: [usize; 2],
-    pub dilation: [usize; 2],
     /// The byte alignment every data pointer of the calls has (16, or the element size).
     pub alignment: i64,
     pub deterministic: bool,
@@ -229,7 +228,7 @@ fn acceptable(config: &Desc, p: &Problem) -> Result<bool, String> {
     let has = |n: N| notes.contains(&n);
     Ok(!has(N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS)
         && !(p.deterministic && has(N::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC))
-        && !(p.dtype == DType::F32 && !p.tf32 && has(N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)))
+        && !(p.conv.dtype == DType::F32 && !p.tf32 && has(N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)))
 }
 
 /// Builds up to `limit` execution plans of `op` on `p` for `handle`, in the heuristics' order
@@ -242,14 +241,14 @@ pub(super) fn plans(
     limit: usize,
     mut workspace_ok: impl FnMut(usize) -> bool,
 ) -> Result<Vec<ExecPlan>, String> {
-    let dt = super::cudnn::data_type(p.dtype);
-    let (compute, double) = match p.dtype {
+    let dt = super::cudnn::data_type(p.conv.dtype);
+    let (compute, double) = match p.conv.dtype {
         DType::F64 => (sys::cudnnDataType_t::CUDNN_DATA_DOUBLE, true),
         _ => (sys::cudnnDataType_t::CUDNN_DATA_FLOAT, false),
     };
     let (x, w, y) = (
-        tensor(X, dt, p.input, p.alignment)?,
-        tensor(W, dt, p.weight, p.alignment)?,
+        tensor(X, dt, p.conv.input, p.alignment)?,
+        tensor(W, dt, p.conv.weight, p.alignment)?,
         tensor(Y, dt, p.output, p.alignment)?,
     );
     let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
@@ -266,10 +265,10 @@ pub(super) fn plans(
     };
     let two = |v: [usize; 2]| v.map(|e| e as i64);
     conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, &[2])?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_DILATIONS, &two(p.dilation))?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, &two(p.stride))?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, &two(p.padding))?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, &two(p.padding))?;
+    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_DILATIONS, &two(p.conv.dilation))?;
+    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, &two(p.conv.stride))?;
+    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, &two(p.conv.padding))?;
+    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, &two(p.conv.padding))?;
     conv.finalize()?;
 
     let (kind, [a_x, a_w, a_y, a_conv, a_alpha, a_beta]) = match op {

@@ -4,7 +4,8 @@
 //! order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
 //!
 //! 1. **device check**: every tensor operand on one device ([`check_devices`], the one
-//!    builder of `Error::DeviceMismatch` above the backends);
+//!    builder of `Error::DeviceMismatch` above the backends), and an operand that a copy
+//!    between GPUs in row blocks still reads or writes waits for it (`settle_copies`);
 //! 2. **autocast**: the op's line in the policy table ([`policy`]) casts floating inputs when
 //!    an [`crate::amp::autocast`] region is open for their device type (`autocast::apply`);
 //! 3. **dtype promotion**: the op's [`Promotion`] brings the operands to one dtype;
@@ -54,6 +55,29 @@ pub fn device_mismatch(op: &'static str, lhs: Device, rhs: Device) -> Error {
     Error::DeviceMismatch { op, lhs, rhs }
 }
 
+/// Step 1b: an input that a copy between GPUs in row blocks still reads or writes orders this
+/// thread's stream after the copy, except where the op uses it as the copy allows: views (they
+/// read no element; ops on them wait instead), `linear`'s weight (the source is only read; a
+/// target `linear` reads block by block itself) and the source of another copy (Note [Copies
+/// in row blocks] in `cuda/row_blocks.rs`). One load while no such copy is in flight.
+fn settle_copies(op: &'static Op, inputs: &[&Tensor]) -> Result<()> {
+    const VIEWS: [&Op; 10] = [
+        &policy::VIEW,
+        &policy::RESHAPE,
+        &policy::PERMUTE,
+        &policy::TRANSPOSE,
+        &policy::NARROW,
+        &policy::SLICE,
+        &policy::SELECT,
+        &policy::UNSQUEEZE,
+        &policy::SQUEEZE,
+        &policy::EXPAND,
+    ];
+    let is = |other: &Op| std::ptr::eq(op, other);
+    let (linear, to, view) = (is(&policy::LINEAR), is(&policy::TO), VIEWS.iter().any(|v| is(v)));
+    crate::cuda::row_blocks::settle(inputs, |i, source| view || (linear && i == 1) || (to && source))
+}
+
 /// Step 3: the operands of `op` cast to the dtype its [`Promotion`] asks for.
 fn promote(op: &Op, inputs: &mut [Tensor]) -> Result<()> {
     let operands = match op.promotion {
@@ -92,6 +116,7 @@ pub struct Prepared<const N: usize> {
 pub fn prepare<const N: usize>(op: &'static Op, inputs: [&Tensor; N]) -> Result<Prepared<N>> {
     crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, &inputs)?;
+    settle_copies(op, &inputs)?;
     let mut inputs = inputs.map(Tensor::clone);
     autocast::apply(op, device, &mut inputs)?;
     promote(op, &mut inputs)?;
@@ -178,6 +203,7 @@ pub fn composite_list<T>(
     crate::memory::set_current_op(op.name);
     let present: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
     let device = check_devices(op.name, &present)?;
+    settle_copies(op, &present)?;
     let mut prepared: Vec<Tensor> = present.into_iter().cloned().collect();
     autocast::apply(op, device, &mut prepared)?;
     promote(op, &mut prepared)?;
@@ -197,6 +223,7 @@ pub(crate) fn call_list<T>(
 ) -> Result<T> {
     crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, inputs)?;
+    settle_copies(op, inputs)?;
     let mut prepared: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
     autocast::apply(op, device, &mut prepared)?;
     promote(op, &mut prepared)?;

@@ -143,12 +143,25 @@ fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<T
 /// `x @ wt + bias` for `x: [m, k]`, `wt: [k, n]` and `bias: [n]`, with the bias added before
 /// the product rounds (PyTorch's `addmm`), and its backward rule: the product's, plus the
 /// bias's gradient (the output gradient summed over the rows).
-fn product_bias(op: &'static str, x: &Tensor, wt: &Tensor, bias: &Tensor) -> Result<Tensor> {
+/// With `arrivals`, `wt`'s rows (the weight's) are still arriving in those blocks (Note
+/// [Copies in row blocks] in `cuda/row_blocks.rs`).
+fn product_bias(
+    op: &'static str,
+    x: &Tensor,
+    wt: &Tensor,
+    bias: &Tensor,
+    arrivals: Option<&[crate::cuda::RowBlockEvent]>,
+) -> Result<Tensor> {
     debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
     let (m, n) = (x.dims()[0], wt.dims()[1]);
     let storage = {
         let (sx, sw, sb) = (x.storage().read(), wt.storage().read(), bias.storage().read());
-        sx.matmul_bias(x.layout(), &sw, wt.layout(), &sb, bias.layout())?
+        match arrivals {
+            Some(blocks) => {
+                sx.matmul_bias_in_column_blocks(x.layout(), (&sw, wt.layout()), (&sb, bias.layout()), blocks)?
+            }
+            None => sx.matmul_bias(x.layout(), &sw, wt.layout(), &sb, bias.layout())?,
+        }
     };
     let out = Tensor::from_storage(storage, Shape::from([m, n]));
     if !autograd::needs_grad(&[x, wt, bias]) {
@@ -317,6 +330,23 @@ impl Tensor {
     }
 
     fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        // A weight still arriving in row blocks is read here before any other op touches it
+        // (an op on it would wait for the whole copy; Note [Copies in row blocks]).
+        let mut arrivals = crate::cuda::row_blocks::take_arrivals(weight.storage());
+        let result = self.linear_checked(weight, bias, &mut arrivals);
+        if let Some(blocks) = arrivals {
+            // Not read block by block (an error, or another path): ordered after the whole.
+            crate::cuda::row_blocks::wait_for(weight.device(), &blocks)?;
+        }
+        result
+    }
+
+    fn linear_checked(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        arrivals: &mut Option<Vec<crate::cuda::RowBlockEvent>>,
+    ) -> Result<Tensor> {
         const OP: &str = "linear";
         check_operands(OP, self, weight)?;
         if let Some(b) = bias {
@@ -350,8 +380,11 @@ impl Tensor {
                 && self.dtype().is_floating_point()
                 && (self.rank() == 2 || (self.is_contiguous() && b.is_contiguous()));
             if fused {
-                return self.linear_with_bias(weight, b);
+                return self.linear_with_bias(weight, b, arrivals);
             }
+        }
+        if let Some(blocks) = arrivals.take() {
+            crate::cuda::row_blocks::wait_for(weight.device(), &blocks)?;
         }
         let out = self.matmul_prepared(&weight.t()?)?;
         match bias {
@@ -373,11 +406,19 @@ impl Tensor {
     /// `linear` with a 2-D weight and a bias of `[out_features]` (checked by the caller): the
     /// input's leading dims fold into the rows of one product with a bias, whose sum rounds
     /// once, as PyTorch's `addmm` (Note [Bias epilogue] in `cuda/blas.rs`).
-    fn linear_with_bias(&self, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    /// With `arrivals` (taken), the weight's rows are still arriving in those blocks.
+    fn linear_with_bias(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        arrivals: &mut Option<Vec<crate::cuda::RowBlockEvent>>,
+    ) -> Result<Tensor> {
         let lead = &self.dims()[..self.rank() - 1];
         let rows = lead.iter().product::<usize>() as isize;
         let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
-        let out = product_bias("linear", &x, &weight.t()?, bias)?;
+        let out = product_bias("linear", &x, &weight.t()?, bias, arrivals.as_deref())?;
+        // Every block was waited for on the way.
+        *arrivals = None;
         let mut dims = isize_dims(lead);
         dims.push(weight.dims()[0] as isize);
         out.reshape(&dims)

@@ -3,7 +3,7 @@
 //! and bucket, and gradients flow back to the sources as through `to`.
 
 use crate::common::two_gpus;
-use ember_core::cuda::comm::{broadcast_coalesced, DEFAULT_BUFFER_SIZE};
+use ember_core::cuda::comm::{broadcast_coalesced, to_in_row_blocks, DEFAULT_BUFFER_SIZE};
 use ember_core::{DType, Device, Tensor};
 
 #[test]
@@ -147,4 +147,79 @@ fn broadcast_coalesced_over_two_gpus_copies_in_one_transfer_per_bucket() {
         broadcast_coalesced(&src, &[0, 1], buffer).unwrap()
     };
     assert!(plain[1].iter().all(|t| !t.requires_grad()));
+}
+
+/// Note [Copies in row blocks]: a copy made by `to_in_row_blocks` holds the source's values,
+/// as `linear`'s weight gives the product of a plain copy (block by block), carries its
+/// gradient back to the source, and orders other ops after it on both sides: a sum of the
+/// copy taken at once sees every row, and a write to the source made at once is not seen by
+/// the copy. 64 MiB, so the copy is still running when those ops are queued.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn to_in_row_blocks_over_two_gpus_is_read_as_it_arrives_and_ordered_elsewhere() {
+    let (d0, d1) = two_gpus();
+    let (rows, cols, batch) = (4096usize, 4096usize, 64usize);
+    let w = Tensor::randn([rows, cols], DType::F32, d0)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let b = Tensor::randn([rows], DType::F32, d1).unwrap();
+    let x = Tensor::randn([batch, cols], DType::F32, d1).unwrap();
+    let want_rows = host(&w.detach().sum_dim(1, false).unwrap());
+
+    // The target: `linear` reads it block by block; another op waits for all of it.
+    let copy = to_in_row_blocks(&w, 1, 4).unwrap();
+    assert_eq!((copy.device(), copy.dims()), (d1, w.dims()));
+    let y = x.linear(&copy, Some(&b)).unwrap();
+    let plain = x.linear(&w.detach().to(d1).unwrap(), Some(&b)).unwrap();
+    // Sums of 4096 products of N(0, 1) values: the blocks' kernels may sum in another order
+    // (differences near 1e-4 seen); a misplaced block would be off by O(1).
+    for (got, want) in host(&y).iter().zip(host(&plain)) {
+        assert!((got - want).abs() <= 2e-3, "{got} vs {want}");
+    }
+    let again = to_in_row_blocks(&w, 1, 4).unwrap();
+    let sums = host(&again.detach().sum_dim(1, false).unwrap());
+    for (got, want) in sums.iter().zip(&want_rows) {
+        assert!(
+            (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+            "row sum {got} vs {want}"
+        );
+    }
+
+    // The source: a write queued right after the copy comes after it.
+    let before = host(&w.detach());
+    let third = to_in_row_blocks(&w, 1, 4).unwrap();
+    w.detach().fill_(7.0).unwrap();
+    assert_eq!(
+        host(&third.detach()),
+        before,
+        "the copy holds the values before the write"
+    );
+
+    // Gradients flow back to the source: d/dw sum(x @ copyᵀ) = column sums of x, per row.
+    let copy = to_in_row_blocks(&w, 1, 4).unwrap();
+    x.linear(&copy, Some(&b))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let g = w.grad().unwrap();
+    assert_eq!(g.device(), d0);
+    let col_sums = host(&x.sum_dim(0, false).unwrap());
+    let g = host(&g);
+    for r in [0, rows / 2, rows - 1] {
+        for c in [0, cols - 1] {
+            let (got, want) = (g[r * cols + c], col_sums[c]);
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "grad[{r}, {c}]: {got} vs {want}"
+            );
+        }
+    }
+
+    // Not a case for blocks: a 1-D tensor, or one block, is copied as `to` copies it.
+    let v = Tensor::randn([100], DType::F32, d0).unwrap();
+    assert_eq!(host(&to_in_row_blocks(&v, 1, 4).unwrap()), host(&v));
+    assert_eq!(host(&to_in_row_blocks(&w, 1, 1).unwrap()), host(&w.detach()));
 }
