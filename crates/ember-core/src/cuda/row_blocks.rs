@@ -37,11 +37,6 @@
 //! and forgotten once waited for, or when its storage is gone.
 //! - The copy's memory comes from the pool of a side stream of the target that waits for the
 //!   whole copy, so it is not handed out again before the copy has written it.
-//! - The gradients coming back in blocks (Note [Gradients in row blocks]) arrive the same way
-//!   ([`record_arrivals`]): the first device's stream does not wait for the whole copy, and
-//!   the engine sums the replica's gradient into the first device's own block by block as the
-//!   blocks arrive ([`sum_arriving`]); every other op on it waits for the whole at the
-//!   dispatch point. (mlp_large: the 200 MB sum took 0.20 ms after the last block.)
 //! - Only ops that pass the dispatch point are ordered: code reading a storage behind it
 //!   (none in ember outside the ops themselves) would have to wait itself.
 
@@ -173,75 +168,6 @@ pub(crate) fn record_copy(
     ));
     in_flight.push((target.downgrade(), Side::Target, to, events));
     ANY_IN_FLIGHT.store(true, Ordering::Relaxed);
-}
-
-/// Records a copy into `target` (on GPU `device`) whose rows arrive in blocks at `events`,
-/// recorded in order on one stream, from a source nothing else uses (a gradient).
-pub(crate) fn record_arrivals(target: &StorageRef, device: usize, events: Vec<RowBlockEvent>) {
-    let mut in_flight = lock(&IN_FLIGHT);
-    in_flight.retain(|(w, ..)| !w.is_dead());
-    in_flight.push((target.downgrade(), Side::Target, device, events));
-    ANY_IN_FLIGHT.store(true, Ordering::Relaxed);
-}
-
-/// `a + b` for two gradients of one dense 2-D shape on a GPU of which one is still arriving in
-/// row blocks (the engine summing a replica's gradient that crossed back in blocks into the
-/// first device's own): each block of rows is summed as soon as it has arrived, into a new
-/// tensor (Note [Copies in row blocks]). `None` where that does not apply (the caller adds as
-/// usual, after the whole copy), or where the sum must be recorded for a higher-order graph.
-pub(crate) fn sum_arriving(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
-    if !ANY_IN_FLIGHT.load(Ordering::Relaxed) {
-        return None;
-    }
-    let Device::Cuda(device) = a.device() else {
-        return None;
-    };
-    let plain = |t: &Tensor| t.rank() == 2 && t.is_contiguous() && t.storage_offset() == 0;
-    if b.device() != a.device()
-        || a.dims() != b.dims()
-        || a.dtype() != b.dtype()
-        || !a.dtype().is_floating_point()
-        || !plain(a)
-        || !plain(b)
-        || crate::autograd::needs_grad(&[a, b])
-    {
-        return None;
-    }
-    let (arriving, also) = match take_arrivals(a.storage()) {
-        Some(events) => (events, take_arrivals(b.storage())),
-        None => (take_arrivals(b.storage())?, None),
-    };
-    let sum = || -> Result<Tensor> {
-        if let Some(both) = also {
-            wait_for(a.device(), &both)?; // both arriving: one is waited for whole
-        }
-        let rows = a.dims()[0];
-        let tiled = arriving.first().is_some_and(|e| e.rows.start == 0)
-            && arriving.last().is_some_and(|e| e.rows.end == rows)
-            && arriving.windows(2).all(|w| w[0].rows.end == w[1].rows.start);
-        let stream = super::stream::current_stream(device)?;
-        if !tiled {
-            wait_for(a.device(), &arriving)?;
-            return a.add(b);
-        }
-        let out = Tensor::empty(a.shape().clone(), a.dtype(), a.device())?;
-        {
-            let (sa, sb) = (a.storage().read(), b.storage().read());
-            let mut so = out.storage().write();
-            for block in &arriving {
-                stream.wait_event(&block.event)?;
-                let len = block.rows.end - block.rows.start;
-                let (la, lb, lo) = (
-                    a.layout().narrow(0, block.rows.start, len)?,
-                    b.layout().narrow(0, block.rows.start, len)?,
-                    out.layout().narrow(0, block.rows.start, len)?,
-                );
-                sa.binary_into(crate::backend::op::BinaryOp::Add, &la, &sb, &lb, &mut so, &lo)?;
-            }
-        }
-        Ok(out)
-    };
-    Some(sum())
 }
 
 /// The dispatch point's step 1b (Note [Copies in row blocks]): every input that is the source

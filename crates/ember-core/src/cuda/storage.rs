@@ -18,12 +18,7 @@
 //!
 //! A copy whose source nothing touches afterwards (a gradient on its way back to another
 //! device in backward: `to_device_private`) runs on a side stream of the source device
-//! instead, which waits for the source's current stream only: its output comes from the pool
-//! of a side stream of the target (recorded on the target's current stream, which reads it),
-//! so no block of the target's own queued work can be reused under it, and the copy does not
-//! wait for that work (from the target stream's pool, dp_mlp_large's 40 MB second-layer
-//! gradient waited for the first GPU's whole 0.56 ms first-layer GEMM). The source's stream
-//! then goes on at once:
+//! instead, which waits for both current streams. The source's stream then goes on at once:
 //! with the engine's device threads (Note [Device threads]) the target's queue often holds a
 //! whole replica's backward when the copy is issued, and waiting for it on the source's stream
 //! stalled the other replica's backward behind it (dp_mlp_large on two H100s: 4.64 to 4.70 ms
@@ -32,7 +27,9 @@
 //! A private copy of a gradient computed in row blocks (`to_device_private_in_blocks`, Note
 //! [Gradients in row blocks]) waits for neither current stream: each block waits for its own
 //! event, on a second side stream (behind the first one's copies it would wait for whatever
-//! they wait for), and its output comes from the same pool of the target's side stream.
+//! they wait for), and its output comes from the pool of that second side stream of the target
+//! (recorded on the target's current stream, which reads it), so no block of the target's own
+//! queued work can be reused under it.
 
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::runtime::{runtime, DeviceRuntime};
@@ -382,7 +379,7 @@ impl CudaStorage {
     /// The elements of `layout` as a row-major storage on GPU `device`: a peer copy when it is
     /// another GPU, enqueued without waiting (Note [Peer copies]).
     pub fn to_device(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
-        Ok(self.copy_to_device(layout, device, Source::Shared)?.0)
+        self.copy_to_device(layout, device, Source::Shared)
     }
 
     /// As [`CudaStorage::to_device`], for a source that nothing reads or writes after this
@@ -390,41 +387,31 @@ impl CudaStorage {
     /// stream of the source's device, so the source's current stream does not wait for the
     /// target's queued work (Note [Peer copies]).
     pub fn to_device_private(&self, layout: &Layout, device: usize) -> Result<CudaStorage> {
-        Ok(self.copy_to_device(layout, device, Source::Private)?.0)
+        self.copy_to_device(layout, device, Source::Private)
     }
 
     /// [`CudaStorage::to_device_private`] of a contiguous gradient computed in row blocks
     /// (Note [Gradients in row blocks]): the rows of each block are copied once its event has
     /// completed, while the later blocks are still being computed. `blocks` are the gradient's
-    /// events, rows of `row_len` elements. When the copy went in blocks, the target's stream
-    /// does not wait for it: the events say when each block has arrived, and the caller records
-    /// them (`row_blocks::record_arrivals`) so that the dispatch point orders later uses after
-    /// the copy (Note [Copies in row blocks]); otherwise no events, and the stream waits.
+    /// events, rows of `row_len` elements.
     pub(crate) fn to_device_private_in_blocks(
         &self,
         layout: &Layout,
         device: usize,
         blocks: &[super::RowBlockEvent],
         row_len: usize,
-    ) -> Result<(CudaStorage, Vec<super::RowBlockEvent>)> {
+    ) -> Result<CudaStorage> {
         self.copy_to_device(layout, device, Source::Blocks { blocks, row_len })
     }
 
-    /// The copy, with the events of the blocks that arrive on their own (see
-    /// [`CudaStorage::to_device_private_in_blocks`]; none for the other sources).
-    fn copy_to_device(
-        &self,
-        layout: &Layout,
-        device: usize,
-        source: Source<'_>,
-    ) -> Result<(CudaStorage, Vec<super::RowBlockEvent>)> {
+    fn copy_to_device(&self, layout: &Layout, device: usize, source: Source<'_>) -> Result<CudaStorage> {
         let private = !matches!(source, Source::Shared);
         if device != self.buf.device {
             super::capture::refuse_during_capture(self.buf.device, "a copy between GPUs")?;
             super::capture::refuse_during_capture(device, "a copy between GPUs")?;
         }
         if device == self.buf.device {
-            return Ok((self.to_dtype(layout, self.dtype)?, Vec::new()));
+            return self.to_dtype(layout, self.dtype);
         }
         // A strided source is first made contiguous on its own device; a contiguous one is
         // copied from where it lies.
@@ -449,13 +436,13 @@ impl CudaStorage {
             }
             _ => None,
         };
-        // A private copy must not wait for the target's queued work, which a block of the
-        // target stream's pool may still be used by: its output comes from the pool of a side
-        // stream of the target that runs nothing but such copies, and is then recorded on the
-        // target's stream that reads it (Note [Peer copies]).
-        let alloc_stream = match private {
-            true => Some(peer_copy_stream(device, 1)?),
-            false => None,
+        // A copy in blocks must not wait for the target's queued work (the target's own share
+        // of the same GEMM, say), which a block of the target stream's pool may still be used
+        // by: its output comes from the pool of a side stream of the target that runs nothing
+        // but such copies, and is then recorded on the target's stream that reads it.
+        let alloc_stream = match blocks {
+            Some(_) => Some(peer_copy_stream(device, 1)?),
+            None => None,
         };
         let out = {
             let _on_side = alloc_stream.as_ref().map(super::stream::stream);
@@ -463,7 +450,7 @@ impl CudaStorage {
         };
         let bytes = n * self.dtype.size_in_bytes();
         if bytes == 0 {
-            return Ok((out, Vec::new()));
+            return Ok(out);
         }
         super::runtime::enable_peer_access(rt, src_rt);
         super::runtime::enable_peer_access(src_rt, rt);
@@ -519,33 +506,21 @@ impl CudaStorage {
             }
             .map_err(cuda_error("peer copy"))
         };
-        let mut arrivals = Vec::new();
         match blocks {
-            // Each block once the event that says it is written has completed; the target's
-            // stream orders its reads after each block's arrival itself.
+            // Each block once the event that says it is written has completed.
             Some((blocks, row_len)) => {
                 let row_bytes = row_len * self.dtype.size_in_bytes();
                 for b in blocks {
                     copy_stream.wait_event(&b.event)?;
                     copy(b.rows.start * row_bytes, b.rows.end * row_bytes)?;
-                    arrivals.push(super::RowBlockEvent {
-                        rows: b.rows.clone(),
-                        event: copy_stream.record_event()?,
-                    });
                 }
             }
             None => copy(0, bytes)?,
         }
         let copied = copy_stream.record_event()?;
-        if arrivals.is_empty() {
-            dst_stream.wait_event(&copied)?;
-        }
-        // `out` goes back to its pool only after the copy has written it.
-        if let Some(pool) = &alloc_stream {
-            pool.wait_event(&copied)?;
-        }
+        dst_stream.wait_event(&copied)?;
         rt.bind()?;
-        Ok((out, arrivals))
+        Ok(out)
     }
 }
 
@@ -664,7 +639,6 @@ fn tile(blocks: &[super::RowBlockEvent], row_len: usize, n: usize) -> bool {
 /// `lane` 1 is a second such stream, for the copies of gradients in row blocks: each of those
 /// waits for its rows alone, and behind another private copy (which waits for everything its
 /// source's stream had queued, such as the rest of the blocked GEMM) it would wait for that.
-/// On a private copy's target, lane 1's pool gives the copy's memory.
 /// `lane` 2 runs the copies of [`CudaStorage::to_device_in_row_blocks`] (on the source's
 /// device) and gives their targets' memory (on the target's).
 fn peer_copy_stream(device: usize, lane: usize) -> Result<super::Stream> {
