@@ -161,8 +161,6 @@ pub(super) enum Op {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Problem {
     pub conv: ConvParams,
-    /// `conv.output()`, which the caller has checked.
-    pub output: [usize; 4],
     /// The byte alignment every data pointer of the calls has (16, or the element size).
     pub alignment: i64,
     pub deterministic: bool,
@@ -241,6 +239,10 @@ pub(super) fn plans(
     limit: usize,
     mut workspace_ok: impl FnMut(usize) -> bool,
 ) -> Result<Vec<ExecPlan>, String> {
+    let output = p
+        .conv
+        .output()
+        .ok_or("the kernel does not fit the padded input")?;
     let dt = super::cudnn::data_type(p.conv.dtype);
     let (compute, double) = match p.conv.dtype {
         DType::F64 => (sys::cudnnDataType_t::CUDNN_DATA_DOUBLE, true),
@@ -249,7 +251,7 @@ pub(super) fn plans(
     let (x, w, y) = (
         tensor(X, dt, p.conv.input, p.alignment)?,
         tensor(W, dt, p.conv.weight, p.alignment)?,
-        tensor(Y, dt, p.output, p.alignment)?,
+        tensor(Y, dt, output, p.alignment)?,
     );
     let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
     conv.set_data_type(A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE, compute)?;

@@ -74,8 +74,10 @@ fn settle_copies(op: &'static Op, inputs: &[&Tensor]) -> Result<()> {
         &policy::EXPAND,
     ];
     let is = |other: &Op| std::ptr::eq(op, other);
-    let (linear, to, view) = (is(&policy::LINEAR), is(&policy::TO), VIEWS.iter().any(|v| is(v)));
-    crate::cuda::row_blocks::settle(inputs, |i, source| view || (linear && i == 1) || (to && source))
+    // Asked only while a copy is in flight.
+    crate::cuda::row_blocks::settle(inputs, |i, source| {
+        VIEWS.iter().any(|v| is(v)) || (is(&policy::LINEAR) && i == 1) || (is(&policy::TO) && source)
+    })
 }
 
 /// Step 3: the operands of `op` cast to the dtype its [`Promotion`] asks for.
