@@ -337,6 +337,10 @@ pub struct AdamTensor<'a, S> {
     pub exp_avg_sq: Elems<&'a mut S>,
     pub max_exp_avg_sq: Option<Elems<&'a mut S>>,
     pub step: StepCount<'a, S>,
+    /// Ranges of the run whose gradient is written once an event completes, tiling the run
+    /// (Note [Arrivals in row blocks] in `cuda/row_blocks.rs`): each range is updated after
+    /// its event. Empty: the gradient is complete. GPU operands only.
+    pub arrivals: Vec<&'a crate::cuda::row_blocks::ArrivingElements>,
 }
 
 impl<'a, S> AdamTensor<'a, S> {
@@ -354,6 +358,7 @@ impl<'a, S> AdamTensor<'a, S> {
                 StepCount::Host(n) => StepCount::Host(n),
                 StepCount::Device(e) => StepCount::Device(e.cast()?),
             },
+            arrivals: self.arrivals,
         })
     }
 }
@@ -615,6 +620,7 @@ mod tests {
             exp_avg_sq: run(v, 0, len),
             max_exp_avg_sq: None,
             step,
+            arrivals: Vec::new(),
         }
     }
 

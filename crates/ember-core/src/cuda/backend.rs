@@ -10,7 +10,9 @@
 //! The switch is read by the forward calls only: the backward of a problem cuDNN ran forward
 //! runs on cuDNN too, as in PyTorch.
 
-use super::optim::{multi_tensor_step, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS};
+use super::optim::{
+    multi_tensor_step, multi_tensor_step_arriving, Arrival, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS,
+};
 use super::{amp, cudnn, cudnn_pool, CudaStorage};
 use crate::backend::{
     AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
@@ -378,8 +380,20 @@ impl BackendStorage for CudaStorage {
             lr_ptr: amp.lr.as_ref().map_or(0, ptr),
             flags,
         };
+        let arrivals: Vec<Arrival<'_>> = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(tensor, t)| {
+                t.arrivals.iter().map(move |a| Arrival {
+                    tensor,
+                    elements: a.elements.clone(),
+                    event: &a.event,
+                    order: a.order,
+                })
+            })
+            .collect();
         // The operands stay borrowed (their storages locked) until every launch is enqueued.
-        multi_tensor_step(ordinal, dtype, &list, kernel)
+        multi_tensor_step_arriving(ordinal, dtype, &list, &arrivals, kernel)
     }
 
     fn sgd_step(

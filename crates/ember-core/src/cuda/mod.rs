@@ -86,7 +86,10 @@ pub use memory::{
 pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
 pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
 pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
-pub use row_blocks::{row_block_ranges, set_gradient_row_blocks, take_gradient_row_events, RowBlockEvent};
+pub use row_blocks::{
+    arriving_in_row_blocks, row_block_ranges, set_gradient_row_blocks, take_gradient_row_events,
+    RowBlockEvent,
+};
 pub(crate) use storage::host_bytes;
 pub use storage::CudaStorage;
 #[cfg(test)]

@@ -15,9 +15,11 @@
 //! the lr on the device changes no bits: the kernel forms `lr / bias_correction1` and
 //! `1 - lr * weight_decay` with the same correctly rounded f64 operations the host used.
 
-use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
-use super::runtime::runtime;
-use super::stream::current_raw;
+use std::ops::Range;
+
+use super::kernels::{launch, Function, Grid, KernelKey, KernelParam, Module};
+use super::runtime::{runtime, DeviceRuntime};
+use super::stream::{current_raw, current_stream, Event};
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_OPTIM_MAX_TENSORS` in the kernel file).
@@ -106,6 +108,44 @@ pub(crate) fn multi_tensor_step(
     tensors: &[OptimTensor],
     kernel: OptimKernel,
 ) -> Result<()> {
+    multi_tensor_step_arriving(ordinal, dtype, tensors, &[], kernel)
+}
+
+/// Elements `elements` of tensor `tensor` of a step's list, whose gradient is written once
+/// `event` completes; `order`: its place among the arrivals (Note [Arrivals in row blocks] in
+/// `row_blocks.rs`).
+pub(crate) struct Arrival<'a> {
+    pub tensor: usize,
+    pub elements: Range<usize>,
+    pub event: &'a Event,
+    pub order: u64,
+}
+
+impl OptimTensor {
+    /// The same update restricted to `elements` (the step count is the whole tensor's).
+    fn part(&self, elements: &Range<usize>, elem_bytes: usize) -> OptimTensor {
+        let mut ptrs = self.ptrs;
+        for p in ptrs.iter_mut().take(5).filter(|p| **p != 0) {
+            *p += (elements.start * elem_bytes) as u64;
+        }
+        OptimTensor {
+            ptrs,
+            numel: elements.len(),
+            scalars: self.scalars,
+        }
+    }
+}
+
+/// [`multi_tensor_step`] where the gradients of some tensors arrive in blocks (`arrivals`,
+/// which tile each such tensor): the step counts advance first, then one update over the other
+/// tensors, then each block's update after its event.
+pub(crate) fn multi_tensor_step_arriving(
+    ordinal: usize,
+    dtype: DType,
+    tensors: &[OptimTensor],
+    arrivals: &[Arrival<'_>],
+    kernel: OptimKernel,
+) -> Result<()> {
     let rt = runtime(ordinal)?;
     let base = match kernel {
         OptimKernel::Adam { .. } => "adam",
@@ -134,6 +174,40 @@ pub(crate) fn multi_tensor_step(
             }
         }
     }
+    let arriving = |i: usize| arrivals.iter().any(|a| a.tensor == i);
+    let whole: Vec<OptimTensor> = (0..tensors.len())
+        .filter(|&i| !arriving(i))
+        .map(|i| tensors[i])
+        .collect();
+    update(rt, f, stream, &whole, kernel)?;
+    // In the order they arrive: the tensors that arrive whole one after another share a
+    // launch after all their events; each block of one arriving in several has its own.
+    let mut order: Vec<&Arrival<'_>> = arrivals.iter().collect();
+    order.sort_by_key(|a| a.order);
+    let current = current_stream(rt.ordinal)?;
+    let mut batch = Vec::new();
+    for (k, a) in order.iter().enumerate() {
+        current.wait_event(a.event)?;
+        let t = &tensors[a.tensor];
+        batch.push(t.part(&a.elements, dtype.size_in_bytes()));
+        let is_whole = |a: &Arrival<'_>| a.elements.len() == tensors[a.tensor].numel;
+        if !is_whole(a) || order.get(k + 1).map_or(true, |next| !is_whole(next)) {
+            update(rt, f, stream, &batch, kernel)?;
+            batch.clear();
+        }
+    }
+    Ok(())
+}
+
+/// The update launches of [`multi_tensor_step`]: `kernel` over `tensors` on `stream`,
+/// [`MAX_TENSORS`] at a time.
+fn update(
+    rt: &DeviceRuntime,
+    f: Function,
+    stream: u64,
+    tensors: &[OptimTensor],
+    kernel: OptimKernel,
+) -> Result<()> {
     let nonempty: Vec<&OptimTensor> = tensors.iter().filter(|t| t.numel > 0).collect();
     for group in nonempty.chunks(MAX_TENSORS) {
         let mut list = empty_list(group.len());

@@ -37,11 +37,23 @@
 //! and forgotten once waited for, or when its storage is gone.
 //! - The copy's memory comes from the pool of a side stream of the target that waits for the
 //!   whole copy, so it is not handed out again before the copy has written it.
-//! - Only ops that pass the dispatch point are ordered: code reading a storage behind it
-//!   (none in ember outside the ops themselves) would have to wait itself.
+//! - Only ops that pass the dispatch point are ordered, and host reads (`to_vec`, `item`):
+//!   other code reading a storage behind it (none in ember outside the ops themselves) would
+//!   have to wait itself.
+//!
+//! Note [Arrivals in row blocks]: the same ordering for a tensor written in place in row
+//! blocks by another stream, such as a gradient that DistributedDataParallel all-reduces block
+//! by block (Note [DDP row blocks] in ember-distributed): [`arriving_in_row_blocks`] records it
+//! as the target of a copy with no source. Every op through the dispatch point that takes it
+//! waits for the whole (so does a host read), except views and the fused Adam step, which
+//! takes the blocks' events: one launch over the parameters whose gradients are complete, then,
+//! in the order the arrivals were handed on, each block's rows after its event (tensors that
+//! arrive whole one after another share a launch), so the optimizer step of the first rows
+//! runs while the last ones are still being all-reduced. The fused SGD step waits for the
+//! whole. Every arrival is taken once: whoever waits for it or takes it removes it.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::storage::{StorageRef, WeakStorageRef};
@@ -143,11 +155,30 @@ enum Side {
     Source,
 }
 
-/// Copies in row blocks still in flight: the storage, its side, its device and the copy's
-/// block events (the last one completes after all the others: one stream records them all).
-static IN_FLIGHT: Mutex<Vec<(WeakStorageRef, Side, usize, Vec<RowBlockEvent>)>> = Mutex::new(Vec::new());
+/// A copy in row blocks still in flight, seen from one side: the storage, its side, its
+/// device and the copy's block events (the last one completes after all the others: one
+/// stream records them all), and for an arrival the order it was recorded in.
+struct InFlight {
+    storage: WeakStorageRef,
+    side: Side,
+    device: usize,
+    blocks: Vec<RowBlockEvent>,
+    order: u64,
+}
+
+static IN_FLIGHT: Mutex<Vec<InFlight>> = Mutex::new(Vec::new());
 /// Whether `IN_FLIGHT` may hold an entry: the dispatch point's check is one load otherwise.
 static ANY_IN_FLIGHT: AtomicBool = AtomicBool::new(false);
+/// The next arrival's order (Note [Arrivals in row blocks]).
+static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
+
+/// Adds `entries` to the copies in flight.
+fn push_in_flight(entries: impl IntoIterator<Item = InFlight>) {
+    let mut in_flight = lock(&IN_FLIGHT);
+    in_flight.retain(|f| !f.storage.is_dead());
+    in_flight.extend(entries);
+    ANY_IN_FLIGHT.store(true, Ordering::Relaxed);
+}
 
 /// Records a copy in row blocks from `source` (on GPU `from`) into `target` (on GPU `to`),
 /// whose blocks are done at `events` and the whole at `done`, all recorded on one stream.
@@ -158,16 +189,22 @@ pub(crate) fn record_copy(
     done: Event,
 ) {
     let rows = events.first().map_or(0, |b| b.rows.start)..events.last().map_or(0, |b| b.rows.end);
-    let mut in_flight = lock(&IN_FLIGHT);
-    in_flight.retain(|(w, ..)| !w.is_dead());
-    in_flight.push((
-        source.downgrade(),
-        Side::Source,
-        from,
-        vec![RowBlockEvent { rows, event: done }],
-    ));
-    in_flight.push((target.downgrade(), Side::Target, to, events));
-    ANY_IN_FLIGHT.store(true, Ordering::Relaxed);
+    push_in_flight([
+        InFlight {
+            storage: source.downgrade(),
+            side: Side::Source,
+            device: from,
+            blocks: vec![RowBlockEvent { rows, event: done }],
+            order: 0,
+        },
+        InFlight {
+            storage: target.downgrade(),
+            side: Side::Target,
+            device: to,
+            blocks: events,
+            order: 0,
+        },
+    ]);
 }
 
 /// The dispatch point's step 1b (Note [Copies in row blocks]): every input that is the source
@@ -179,34 +216,131 @@ pub(crate) fn settle(inputs: &[&Tensor], allowed: impl Fn(usize, bool) -> bool) 
         return Ok(());
     }
     let mut in_flight = lock(&IN_FLIGHT);
-    in_flight.retain(|(w, ..)| !w.is_dead());
+    in_flight.retain(|f| !f.storage.is_dead());
     for (i, t) in inputs.iter().enumerate() {
-        let waits = |(w, side, ..): &(WeakStorageRef, Side, usize, Vec<RowBlockEvent>)| {
-            w.is(t.storage()) && !allowed(i, *side == Side::Source)
-        };
+        let waits = |f: &InFlight| f.storage.is(t.storage()) && !allowed(i, f.side == Side::Source);
         while let Some(at) = in_flight.iter().position(waits) {
-            let (_, _, device, events) = in_flight.swap_remove(at);
-            wait_for(Device::Cuda(device), &events)?;
+            let f = in_flight.swap_remove(at);
+            wait_for(Device::Cuda(f.device), &f.blocks)?;
         }
     }
     ANY_IN_FLIGHT.store(!in_flight.is_empty(), Ordering::Relaxed);
     Ok(())
 }
 
+/// Hands `t` on as arriving in row blocks (Note [Arrivals in row blocks]): the rows (indices
+/// of dim 0) of each block of `blocks` are written by the time its event completes, the
+/// events recorded in block order on one stream. `t` must be a dense tensor of at least one
+/// dimension on a GPU, from the start of its storage (a gradient), and the blocks must
+/// tile its rows in order. Arrivals are taken in the order they were handed on.
+pub fn arriving_in_row_blocks(t: &Tensor, blocks: Vec<RowBlockEvent>) -> Result<()> {
+    let Device::Cuda(device) = t.device() else {
+        return Err(Error::invalid(
+            "arriving_in_row_blocks",
+            format!("expected a tensor on a GPU, got one on {}", t.device()),
+        ));
+    };
+    let rows = t.dims().first().copied().unwrap_or(0);
+    let tiled = blocks.first().map_or(rows == 0, |b| b.rows.start == 0)
+        && blocks.windows(2).all(|w| w[0].rows.end == w[1].rows.start)
+        && blocks.last().map_or(true, |b| b.rows.end == rows);
+    if t.rank() == 0 || !t.is_contiguous() || t.storage_offset() != 0 || !tiled {
+        return Err(Error::invalid(
+            "arriving_in_row_blocks",
+            format!(
+                "expected a dense tensor of at least one dimension from the start of its storage and blocks that tile its {rows} rows in order, \
+                 got dims {:?} at offset {} and blocks {:?}",
+                t.dims(),
+                t.storage_offset(),
+                blocks.iter().map(|b| b.rows.clone()).collect::<Vec<_>>()
+            ),
+        ));
+    }
+    let order = NEXT_ORDER.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+    push_in_flight([InFlight {
+        storage: t.storage().downgrade(),
+        side: Side::Target,
+        device,
+        blocks,
+        order,
+    }]);
+    Ok(())
+}
+
+/// One block of a tensor arriving in row blocks, taken by its reader: a range of the tensor's
+/// elements, the event after which they are written, and the block's place in the order
+/// arrivals were handed on.
+#[derive(Debug)]
+pub struct ArrivingElements {
+    pub elements: Range<usize>,
+    pub event: Event,
+    pub order: u64,
+}
+
+/// The blocks of `t`, arriving in row blocks, taken (the caller orders its reads of each range
+/// after its event); `None` when nothing arrives into `t`'s storage. When `t` is not the whole
+/// tensor that arrives (a view of part of it), the current stream waits for every block
+/// instead and `None` is returned.
+pub(crate) fn take_arriving_elements(t: &Tensor) -> Result<Option<Vec<ArrivingElements>>> {
+    let Some((blocks, order)) = take_target(t.storage()) else {
+        return Ok(None);
+    };
+    let whole = t.rank() >= 1 && t.is_contiguous() && t.storage_offset() == 0;
+    let rows = blocks.last().map_or(0, |b| b.rows.end);
+    if !whole || t.dims()[0] != rows || rows == 0 {
+        wait_for(t.device(), &blocks)?;
+        return Ok(None);
+    }
+    let row_len = t.numel() / rows;
+    Ok(Some(
+        blocks
+            .into_iter()
+            .zip(order..)
+            .map(|(b, order)| ArrivingElements {
+                elements: b.rows.start * row_len..b.rows.end * row_len,
+                event: b.event,
+                order,
+            })
+            .collect(),
+    ))
+}
+
+/// Orders the current stream after any copy or arrival in flight into or out of `t`'s
+/// storage, before the host reads it.
+pub(crate) fn settle_read(t: &Tensor) -> Result<()> {
+    settle(&[t], |_, _| false)
+}
+
 /// The block events of a copy in flight into `target`, taken (the caller now orders its reads
 /// after them); `None` when no copy into it is in flight.
 pub(crate) fn take_arrivals(target: &StorageRef) -> Option<Vec<RowBlockEvent>> {
+    take_target(target).map(|(blocks, _)| blocks)
+}
+
+/// [`take_arrivals`] with the arrival's order.
+fn take_target(target: &StorageRef) -> Option<(Vec<RowBlockEvent>, u64)> {
     if !ANY_IN_FLIGHT.load(Ordering::Relaxed) {
         return None;
     }
     let mut in_flight = lock(&IN_FLIGHT);
-    in_flight.retain(|(w, ..)| !w.is_dead());
+    in_flight.retain(|f| !f.storage.is_dead());
     let at = in_flight
         .iter()
-        .position(|(w, side, ..)| *side == Side::Target && w.is(target))?;
-    let events = in_flight.swap_remove(at).3;
+        .position(|f| f.side == Side::Target && f.storage.is(target))?;
+    let f = in_flight.swap_remove(at);
     ANY_IN_FLIGHT.store(!in_flight.is_empty(), Ordering::Relaxed);
-    Some(events)
+    Some((f.blocks, f.order))
+}
+
+/// Orders the current stream of `device` after every one of `events`.
+pub(crate) fn wait_for_events<'e>(device: Device, events: impl Iterator<Item = &'e Event>) -> Result<()> {
+    if let Device::Cuda(d) = device {
+        let stream = super::stream::current_stream(d)?;
+        for e in events {
+            stream.wait_event(e)?;
+        }
+    }
+    Ok(())
 }
 
 /// Orders the current stream of `device` after all of `blocks` (the last one completes last).

@@ -355,6 +355,14 @@ fn check_distinct(op: &'static str, lists: &[List<'_>]) -> Result<()> {
     Ok(())
 }
 
+/// Orders the current stream after every copy or arrival in row blocks still in flight into an
+/// operand (Note [Copies in row blocks] in `cuda/row_blocks.rs`): the dispatch point saw only
+/// the parameters.
+fn settle_operands(lists: &[List<'_>]) -> Result<()> {
+    let all: Vec<&Tensor> = lists.iter().flat_map(|l| l.tensors.iter()).collect();
+    crate::cuda::row_blocks::settle(&all, |_, _| false)
+}
+
 /// One Adam (or, with `decoupled_weight_decay`, AdamW) step of every `params[i]` in place,
 /// updating `exp_avgs[i]`, `exp_avg_sqs[i]` and, with `amsgrad`, `max_exp_avg_sqs[i]`;
 /// `steps[i]` is parameter i's step count after this step (1 on the first). See the module docs
@@ -511,6 +519,13 @@ fn adam_scaled_prepared(
     };
     scalar_lists(OP, &scaling, lr, device, &mut lists)?;
     check_distinct(OP, &lists)?;
+    // Gradients arriving in row blocks are updated block by block (Note [Arrivals in row
+    // blocks] in `cuda/row_blocks.rs`); anything else in flight is waited for.
+    let arrivals = grads
+        .iter()
+        .map(|g| Ok(crate::cuda::row_blocks::take_arriving_elements(g)?.unwrap_or_default()))
+        .collect::<Result<Vec<_>>>()?;
+    settle_operands(&lists)?;
     let mut guards = lock_all(&lists);
     // The operands borrow the guards: every storage stays locked until the backend has run
     // (on CUDA, until every launch is enqueued).
@@ -541,9 +556,17 @@ fn adam_scaled_prepared(
                 }
                 (AdamSteps::Device(_), None) => unreachable!("device steps are locked"),
             },
+            arrivals: arrivals[i].iter().collect(),
         })
         .collect();
-    Storage::adam_step(cfg, tensors, amp)
+    let stepped = Storage::adam_step(cfg, tensors, amp);
+    if stepped.is_err() {
+        // Nothing read the arriving blocks: whatever comes next waits for them.
+        for blocks in &arrivals {
+            crate::cuda::row_blocks::wait_for_events(device, blocks.iter().map(|b| &b.event))?;
+        }
+    }
+    stepped
 }
 
 /// One SGD step of every `params[i]` in place from `grads[i]`, updating
@@ -625,6 +648,7 @@ fn sgd_scaled_prepared(
     };
     scalar_lists(OP, &scaling, lr, device, &mut lists)?;
     check_distinct(OP, &lists)?;
+    settle_operands(&lists)?;
     let mut guards = lock_all(&lists);
     let mut ops = Operands::new(&mut guards, &lists);
     let p = ops.written();

@@ -226,6 +226,7 @@ impl Tensor {
 
     /// The elements converted to f64, in row-major order (any dtype).
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        crate::cuda::row_blocks::settle_read(self)?;
         let cpu = self.storage().read().to_cpu(self.layout());
         let cpu = cpu.map_err(|e| e.in_op("Tensor::to_vec_f64"))?;
         let cpu = cpu.to_dtype(&Layout::contiguous(self.shape()), DType::F64);
@@ -265,6 +266,7 @@ impl Tensor {
 
     /// Row-major host copy of the elements.
     pub(crate) fn to_cpu_storage(&self) -> Result<CpuStorage> {
+        crate::cuda::row_blocks::settle_read(self)?;
         self.storage().read().to_cpu(self.layout())
     }
 }

@@ -520,3 +520,11 @@ fn gradient_row_blocks_are_for_gpu_weights() {
     assert!(e.to_string().contains("a 2-D weight on a GPU"), "{e}");
     assert!(e.to_string().contains("cpu"), "{e}");
 }
+
+#[test]
+fn arrivals_in_row_blocks_are_for_gpu_tensors() {
+    let g = Tensor::zeros([4, 4], DType::F32, Device::Cpu).unwrap();
+    let e = cuda::arriving_in_row_blocks(&g, Vec::new()).unwrap_err();
+    assert!(e.to_string().contains("expected a tensor on a GPU"), "{e}");
+    assert!(e.to_string().contains("cpu"), "{e}");
+}

@@ -580,3 +580,121 @@ fn cuda_fused_steps_reject_mixed_devices() {
     ));
     assert!(!can_fuse(&[&pc[0], &gg[0]]));
 }
+
+/// A `[rows, cols]` f32 gradient on GPU 0 whose row blocks a side stream writes from
+/// `values`, each after a long product so that the host has queued what follows well before,
+/// handed on as arriving in those blocks (Note [Arrivals in row blocks]).
+fn arriving_late(values: &Tensor, blocks: usize) -> Tensor {
+    use ember_core::cuda::{self, RowBlockEvent};
+    let (rows, cols) = (values.dims()[0], values.dims()[1]);
+    let g = Tensor::zeros([rows, cols], DType::F32, values.device()).unwrap();
+    let side = cuda::Stream::new(0).unwrap();
+    side.wait_stream(&cuda::current_stream(0).unwrap()).unwrap();
+    let mut events = Vec::new();
+    {
+        let _on_side = cuda::stream(&side);
+        let a = Tensor::ones([4096usize, 4096], DType::F32, values.device()).unwrap();
+        for r in cuda::row_block_ranges(rows, blocks) {
+            a.matmul(&a).unwrap();
+            g.narrow(0, r.start, r.len())
+                .unwrap()
+                .copy_(&values.narrow(0, r.start, r.len()).unwrap())
+                .unwrap();
+            events.push(RowBlockEvent {
+                rows: r,
+                event: side.record_event().unwrap(),
+            });
+        }
+    }
+    cuda::arriving_in_row_blocks(&g, events).unwrap();
+    g
+}
+
+/// Note [Arrivals in row blocks]: a gradient arriving late in row blocks is read only after
+/// its rows are written: the fused Adam step (block by block) and SGD give, bit for bit, the
+/// step from the complete gradient; a reduction through the dispatch point and a host read
+/// see every row. An arrival that is not a dense 2-D GPU tensor is a typed error.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_steps_and_reads_wait_for_a_gradient_arriving_in_row_blocks() {
+    let gpu = common::gpu();
+    let (rows, cols) = (1000usize, 300usize);
+    let values = tensor(rows * cols, 7, DType::F32, gpu)
+        .view(&[rows as isize, cols as isize])
+        .unwrap();
+    let params = || {
+        vec![
+            tensor(rows * cols, 1, DType::F32, gpu)
+                .view(&[rows as isize, cols as isize])
+                .unwrap(),
+            tensor(33, 2, DType::F32, gpu),
+        ]
+    };
+    let small_grad = tensor(33, 3, DType::F32, gpu);
+    for c in [adam_configs()[0], adam_configs()[8]] {
+        let (got, expected) = (params(), params());
+        let state = |ps: &[Tensor]| (zeros(ps), zeros(ps), zeros(ps));
+        let ((m1, v1, x1), (m2, v2, x2)) = (state(&got), state(&expected));
+        let _g = no_grad();
+        let arriving = arriving_late(&values, 4);
+        adam_(
+            &got,
+            &[arriving, small_grad.clone()],
+            &m1,
+            &v1,
+            Some(&x1),
+            &[1.0, 1.0],
+            &c,
+        )
+        .unwrap();
+        adam_(
+            &expected,
+            &[values.clone(), small_grad.clone()],
+            &m2,
+            &v2,
+            Some(&x2),
+            &[1.0, 1.0],
+            &c,
+        )
+        .unwrap();
+        assert_same(&format!("adam {c:?}: parameters"), &got, &expected, 0.0);
+        assert_same(&format!("adam {c:?}: exp_avg"), &m1, &m2, 0.0);
+    }
+    for c in [sgd_configs()[0]] {
+        let (got, expected) = (params(), params());
+        let _g = no_grad();
+        let buf = |ps: &[Tensor]| zeros(ps);
+        sgd_(
+            &got,
+            &[arriving_late(&values, 3), small_grad.clone()],
+            Some(&buf(&got)),
+            &c,
+        )
+        .unwrap();
+        sgd_(
+            &expected,
+            &[values.clone(), small_grad.clone()],
+            Some(&buf(&expected)),
+            &c,
+        )
+        .unwrap();
+        assert_same(&format!("sgd {c:?}"), &got, &expected, 0.0);
+    }
+    let sum = arriving_late(&values, 4)
+        .sum_all()
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()[0];
+    let expected = values.sum_all().unwrap().to_vec::<f32>().unwrap()[0];
+    assert_eq!(sum, expected, "a sum through the dispatch point sees every row");
+    assert_eq!(
+        arriving_late(&values, 2).to_vec::<f32>().unwrap(),
+        values.to_vec::<f32>().unwrap(),
+        "a host read sees every row"
+    );
+    let flat = tensor(10, 4, DType::F32, gpu);
+    assert!(matches!(
+        ember_core::cuda::arriving_in_row_blocks(&flat, Vec::new()),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
