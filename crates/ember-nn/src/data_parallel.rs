@@ -45,9 +45,8 @@
 //! the whole GEMM), into memory from the pool of a side stream of the first device (from the
 //! first device's own stream, it would wait for that device's share of the same GEMM). On two
 //! H100s dp_mlp_large went from 3.91 to 3.52 ms per step (one GPU: 2.20 ms either way); the
-//! four blocks' GEMMs take 0.60 ms against 0.55 ms for one. (The same split under DDP, where
-//! NCCL's all-reduce kernels compete with the GEMM for the SMs, made ddp_mlp_large slower:
-//! 3.08 to 3.16 ms per step against 2.95.)
+//! four blocks' GEMMs take 0.60 ms against 0.55 ms for one. (DDP all-reduces such a gradient
+//! block by block too: Note [DDP row blocks] in ember-distributed.)
 //!
 //! The same weights go out in row blocks too (`cuda::comm::to_in_row_blocks`, Note [Copies in
 //! row blocks] in ember-core): the copies run on a side stream, so the first device's own

@@ -332,6 +332,7 @@ impl<M: Module> Drop for DistributedDataParallel<M> {
         for h in hooks {
             h.remove();
         }
+        self.reducer.release_row_blocks();
     }
 }
 

@@ -323,3 +323,111 @@ fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
         }
     }
 }
+
+/// Note [DDP row blocks]: a 128 MiB weight's gradient is computed and all-reduced in four row
+/// blocks, its bucket before the bias's, and the fused Adam step updates each block once its
+/// all-reduce is done. Every step, on each rank: the averaged `.grad` equals one process's
+/// full-batch gradient, and the parameters equal, bit for bit, those of a twin updated by the
+/// same Adam from that complete gradient (an update that did not wait for a block would have
+/// read the rank's own, unaveraged rows).
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_ddp_all_reduces_a_large_weight_in_row_blocks_that_adam_updates_as_they_arrive() {
+    use ember_nn::optim::{Adam, AdamConfig, Optimizer};
+    use ember_nn::{Forward, Linear, ModuleExt};
+    crate::common::require_two_gpus();
+    let (inputs, outputs, batch, steps) = (4096usize, 8192usize, 8usize, 3);
+    let linear = |dev: usize| {
+        let w: Vec<f32> = (0..outputs * inputs)
+            .map(|i| ((i * 7) % 13) as f32 / 1300.0 - 0.005)
+            .collect();
+        let mut fc = Linear::new(inputs, outputs, Device::Cpu).unwrap();
+        {
+            let _g = ember_core::no_grad();
+            fc.weight
+                .copy_(&Tensor::from_vec(w, [outputs, inputs], Device::Cpu).unwrap())
+                .unwrap();
+            fc.bias.as_ref().unwrap().fill_(0.01).unwrap();
+        }
+        fc.to_device(Device::Cuda(dev)).unwrap();
+        fc
+    };
+    let data = |rank: usize, dev: usize| {
+        let x: Vec<f32> = (0..batch * inputs)
+            .map(|i| (((i + 3 * rank) * 5) % 17) as f32 / 8.0 - 1.0)
+            .collect();
+        Tensor::from_vec(x, [batch, inputs], Device::Cpu)
+            .unwrap()
+            .to(Device::Cuda(dev))
+            .unwrap()
+    };
+    let config = || AdamConfig {
+        lr: 1e-3,
+        ..Default::default()
+    };
+    let loss = |y: Tensor| y.pow_scalar(2.0).unwrap().mean_all().unwrap();
+    let per_rank = run_nccl_ranks(2, |pg, dev| {
+        let _device = cuda::DeviceGuard::new(dev).unwrap();
+        let rank = pg.rank();
+        let ddp =
+            ember_distributed::DistributedDataParallel::new(linear(dev), DdpOptions::new().process_group(pg))
+                .unwrap();
+        let mut opt = Adam::new(ddp.parameters(), config()).unwrap();
+        let twin = linear(dev);
+        let mut twin_opt = Adam::new(twin.parameters(), config()).unwrap();
+        let full = linear(dev);
+        let (x, x_full) = (
+            data(rank, dev),
+            Tensor::cat(&[&data(0, dev), &data(1, dev)], 0).unwrap(),
+        );
+        for step in 0..steps {
+            opt.zero_grad().unwrap();
+            loss(ddp.forward(&x).unwrap()).backward().unwrap();
+            opt.step().unwrap();
+            // One process's full-batch gradient, from the same weights.
+            full.zero_grad().unwrap();
+            {
+                let _g = ember_core::no_grad();
+                for (f, t) in full.parameters().iter().zip(twin.parameters()) {
+                    f.copy_(&t).unwrap();
+                }
+            }
+            loss(full.forward(&x_full).unwrap()).backward().unwrap();
+            // The twin takes the same Adam step from the complete averaged gradient.
+            for (t, d) in twin.parameters().iter().zip(ddp.parameters()) {
+                t.set_grad(Some(d.grad().unwrap().deep_clone().unwrap())).unwrap();
+            }
+            twin_opt.step().unwrap();
+            for ((d, t), f) in ddp
+                .parameters()
+                .iter()
+                .zip(twin.parameters())
+                .zip(full.parameters())
+            {
+                let (g, e) = (
+                    d.grad().unwrap().to_vec::<f32>().unwrap(),
+                    f.grad().unwrap().to_vec::<f32>().unwrap(),
+                );
+                let worst = g
+                    .iter()
+                    .zip(&e)
+                    .map(|(a, b)| (a - b).abs() / (1e-3 + b.abs()))
+                    .fold(0f32, f32::max);
+                assert!(
+                    worst < 1e-3,
+                    "rank {rank}, step {step}: gradient off by {worst} (relative)"
+                );
+                assert!(
+                    d.to_vec::<f32>().unwrap() == t.to_vec::<f32>().unwrap(),
+                    "rank {rank}, step {step}: the parameters differ from the twin's"
+                );
+            }
+        }
+        assert!(ddp.has_rebuilt_buckets());
+        ddp.bucket_indices()
+    });
+    for buckets in per_rank {
+        // The weight's bucket goes before the bias's, which it closed.
+        assert_eq!(buckets, vec![vec![0], vec![1]]);
+    }
+}
