@@ -673,8 +673,12 @@ fn build_buckets(
             [i] => row_blocks[i],
             _ => 0,
         };
-        if matches!(first.device(), Device::Cuda(_)) && first.rank() == 2 {
-            cuda::set_gradient_row_blocks(first, blocks)?;
+        // Registered for gradients in row blocks exactly when alone in a bucket that uses them.
+        for &i in indices {
+            let p = &params[i];
+            if matches!(p.device(), Device::Cuda(_)) && p.rank() == 2 {
+                cuda::set_gradient_row_blocks(p, blocks)?;
+            }
         }
         buckets.push(Bucket {
             params: indices.clone(),
