@@ -174,6 +174,9 @@ pub(crate) fn multi_tensor_step_arriving(
             }
         }
     }
+    if arrivals.is_empty() {
+        return update(rt, f, stream, tensors, kernel);
+    }
     let arriving = |i: usize| arrivals.iter().any(|a| a.tensor == i);
     let whole: Vec<OptimTensor> = (0..tensors.len())
         .filter(|&i| !arriving(i))

@@ -305,6 +305,12 @@ pub(crate) fn take_arriving_elements(t: &Tensor) -> Result<Option<Vec<ArrivingEl
     ))
 }
 
+/// Whether a copy or an arrival in row blocks may be in flight (one load): callers that gather
+/// operands for [`settle`] skip the gathering otherwise.
+pub(crate) fn any_in_flight() -> bool {
+    ANY_IN_FLIGHT.load(Ordering::Relaxed)
+}
+
 /// Orders the current stream after any copy or arrival in flight into or out of `t`'s
 /// storage, before the host reads it.
 pub(crate) fn settle_read(t: &Tensor) -> Result<()> {

@@ -359,6 +359,9 @@ fn check_distinct(op: &'static str, lists: &[List<'_>]) -> Result<()> {
 /// operand (Note [Copies in row blocks] in `cuda/row_blocks.rs`): the dispatch point saw only
 /// the parameters.
 fn settle_operands(lists: &[List<'_>]) -> Result<()> {
+    if !crate::cuda::row_blocks::any_in_flight() {
+        return Ok(());
+    }
     let all: Vec<&Tensor> = lists.iter().flat_map(|l| l.tensors.iter()).collect();
     crate::cuda::row_blocks::settle(&all, |_, _| false)
 }
