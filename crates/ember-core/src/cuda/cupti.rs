@@ -278,6 +278,56 @@ pub fn cupti_version() -> crate::Result<(u32, String)> {
         })
 }
 
+/// Live registrations per device index (Note [CUPTI and ranks as threads] in
+/// `profiler/mod.rs`).
+static COLLECTIVES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// A device whose kernels wait on the GPU for other ranks (an NCCL communicator's), registered
+/// by [`register_collectives`] until dropped.
+#[must_use = "the device is registered only while the registration lives"]
+#[derive(Debug)]
+pub struct CollectivesRegistration {
+    device: usize,
+}
+
+/// Registers `device` as running collectives whose kernels wait on the GPU for other ranks,
+/// for as long as the returned value lives (a communicator holds it). While such devices of
+/// this process are several (ranks as threads of one process), the profiler times CUDA by
+/// events instead of starting CUPTI (Note [CUPTI and ranks as threads] in `profiler/mod.rs`).
+pub fn register_collectives(device: usize) -> CollectivesRegistration {
+    let mut counts = COLLECTIVES.lock().unwrap_or_else(|e| e.into_inner());
+    if counts.len() <= device {
+        counts.resize(device + 1, 0);
+    }
+    counts[device] += 1;
+    CollectivesRegistration { device }
+}
+
+impl Drop for CollectivesRegistration {
+    fn drop(&mut self) {
+        let mut counts = COLLECTIVES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = counts.get_mut(self.device) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// Why a profiler must not start CUPTI now (Note [CUPTI and ranks as threads]); None when it
+/// may.
+pub(crate) fn refusal() -> Option<String> {
+    let counts = COLLECTIVES.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<String> = (0..counts.len())
+        .filter(|&d| counts[d] > 0)
+        .map(|d| format!("cuda:{d}"))
+        .collect();
+    (devices.len() > 1).then(|| {
+        format!(
+            "collectives of several ranks of this process run on {} (ranks as threads): CUPTI is not started there, as starting or stopping it hung while one rank's collective waited on its GPU for another's; run one rank per process (ember-run) for CUPTI's kernel records",
+            devices.join(", ")
+        )
+    })
+}
+
 /// A CUPTI timestamp and the host instant taken with it: converts activity times to the
 /// trace's host clock.
 #[derive(Debug, Clone, Copy)]
@@ -326,6 +376,9 @@ impl Collected {
             Record::Activity(raw) => {
                 if raw.start == 0 && raw.end == 0 {
                     return; // no timing collected (CUPTI's documented marker)
+                }
+                if raw.end < raw.start {
+                    return; // still running when a forced flush took it (another thread's work)
                 }
                 let name = match raw.transfer_name() {
                     Some(n) => Arc::from(n),
@@ -416,6 +469,9 @@ unsafe extern "C" fn buffer_completed(
 /// when CUPTI is missing or refuses (the profiler then falls back to CUDA events).
 pub(crate) fn start() -> Result<ClockRef, String> {
     let c = cupti().map_err(str::to_string)?;
+    // Records of work an earlier session did not wait for are dropped here, not absorbed.
+    // SAFETY: the callbacks were registered when CUPTI was loaded.
+    unsafe { (c.api.flush_all)(FLUSH_FORCED) };
     *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Collected::default());
     for (i, &kind) in KINDS.iter().enumerate() {
         // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
@@ -451,31 +507,21 @@ pub(crate) fn start() -> Result<ClockRef, String> {
         }
     }
     let Some((_, clock)) = best else {
-        stop(&[]);
+        stop();
         return Err("cuptiGetTimestamp failed".to_string());
     };
     ACTIVE.store(true, Ordering::Release);
     Ok(clock)
 }
 
-/// Ends the session: waits for `devices`, disables the kinds, flushes every buffer and
-/// returns what they held.
-pub(crate) fn stop(devices: &[usize]) -> Collected {
+/// Ends the session: disables the kinds, flushes every buffer and returns what they held.
+/// Records are complete once the work they describe finished: the caller waited for the
+/// devices whose records it needs.
+pub(crate) fn stop() -> Collected {
     ACTIVE.store(false, Ordering::Release);
     let Ok(c) = cupti() else {
         return Collected::default();
     };
-    for &d in devices {
-        // Records are complete once the work they describe finished. A device that cannot be
-        // waited for (a CUDA graph capture underway there, which a device-wide wait would
-        // invalidate) gives what finished.
-        if super::capture::refuse_device_wide(d, "the profiler's wait for CUPTI's records").is_ok()
-            && super::runtime::runtime(d).is_ok()
-        {
-            super::stream::note_host_sync();
-            let _ = cudarc::driver::result::ctx::synchronize();
-        }
-    }
     for &kind in &KINDS {
         // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
         unsafe { (c.api.disable)(kind) };
@@ -520,6 +566,26 @@ mod tests {
     use super::super::cupti_records::tests::{api, bytes_of, external, kernel, memcpy};
     use super::*;
 
+    /// Note [CUPTI and ranks as threads]: CUPTI is refused exactly while collectives are
+    /// registered on more than one device, and the reason names them.
+    #[test]
+    fn cupti_is_refused_while_collectives_run_on_several_devices() {
+        assert_eq!(refusal(), None);
+        let first = register_collectives(0);
+        let same_device = register_collectives(0);
+        assert_eq!(refusal(), None, "two communicators on one device");
+        let other = register_collectives(3);
+        let why = refusal().expect("refused with cuda:0 and cuda:3");
+        assert!(
+            why.contains("cuda:0, cuda:3") && why.contains("ember-run"),
+            "{why}"
+        );
+        drop((first, same_device));
+        assert_eq!(refusal(), None, "only cuda:3 left");
+        drop(other);
+        assert_eq!(refusal(), None);
+    }
+
     #[test]
     fn buffers_are_absorbed_with_names_and_correlations() {
         let name = c"gemm_kernel";
@@ -529,6 +595,7 @@ mod tests {
             bytes_of(&kernel(10, 100, 200, 7, name.as_ptr())),
             bytes_of(&kernel(11, 300, 400, 7, name.as_ptr())),
             bytes_of(&memcpy(12, 0, 0, 64)), // no timing: left out
+            bytes_of(&kernel(13, 500, 0, 7, name.as_ptr())), // still running: left out
             bytes_of(&api(10, 90, 95)),
         ];
         for b in &buffer {

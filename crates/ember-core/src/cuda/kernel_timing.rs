@@ -44,6 +44,22 @@ pub(crate) fn note_work(stream: u64) {
     }
 }
 
+/// Waits for all work on `devices`, so that what the profiler timed there is complete (Note
+/// [Profiler waits] in `profiler/mod.rs`); then makes the calling thread's current device's
+/// context current again. A device that cannot be waited for (a CUDA graph capture underway
+/// there, which a device-wide wait would invalidate) gives what finished.
+pub(crate) fn wait_for(devices: &[usize]) {
+    for &d in devices {
+        if super::capture::refuse_device_wide(d, "the profiler's wait for the GPU").is_ok()
+            && runtime(d).is_ok()
+        {
+            super::stream::note_host_sync();
+            let _ = result::ctx::synchronize();
+        }
+    }
+    let _ = runtime(super::current_device());
+}
+
 fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda {
         op,
@@ -89,6 +105,15 @@ impl TimingEvent {
     /// The device it was recorded on.
     pub(crate) fn device(&self) -> usize {
         self.device
+    }
+
+    /// True once the work before it finished (never waits).
+    pub(crate) fn is_complete(&self) -> bool {
+        if runtime(self.device).is_err() {
+            return false;
+        }
+        // SAFETY: a live timing event of this device, recorded (above).
+        unsafe { result::event::query(self.raw as sys::CUevent) }.is_ok()
     }
 
     /// Milliseconds from `self` to `later` (both recorded on one device), waiting for `later`

@@ -64,7 +64,7 @@ mod unary;
 pub use allocator::MempoolId;
 pub use backend::CudaDevice;
 pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
-pub use cupti::cupti_version;
+pub use cupti::{cupti_version, register_collectives, CollectivesRegistration};
 pub use device::{
     device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
     get_device_properties, is_available, DeviceProperties,

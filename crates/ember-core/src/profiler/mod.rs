@@ -49,7 +49,7 @@
 //!   meanwhile, a record linking the call's correlation id to the op's id, and for every
 //!   kernel, memcpy and memset a record with its device start and end and the correlation id
 //!   of the call that launched it. At the end of the session the recorder waits for the
-//!   devices that got work, flushes CUPTI's buffers and attributes each activity to its op
+//!   GPU (Note [Profiler waits]), flushes CUPTI's buffers and attributes each activity to its op
 //!   (correlation id → external id → event): an op's self CUDA time is the sum of its own
 //!   activities' durations, its total that plus its children's totals, and a range (no
 //!   device work of its own) gets its children's totals. Activity timestamps are put on the
@@ -77,6 +77,28 @@
 //!   load), `record_function` and the backward range (one each), the hook before device work
 //!   (one), and storage creation and drop (one). Nothing of CUPTI is loaded or called
 //!   until a profiler that records CUDA starts.
+//!
+//! Note [Profiler waits]: the thread that stops a profiler waits for its current device and
+//! for the devices it launched work on itself during the cycle (as PyTorch's exit waits for
+//! the current device), never for a device that only other threads used. Another thread's
+//! work is read as far as it finished: its CUPTI records arrive when complete (an unfinished
+//! kernel's is dropped), its timing events are queried, not waited for. History: the stop
+//! waited for every device that got work. With DDP ranks as threads of one process, rank 0
+//! stopping its profiler then waited for cuda:1, whose queue could hold rank 1's next
+//! all-reduce, which waits on the GPU for rank 0's matching one, issued only after the stop:
+//! a deadlock until NCCL's timeout aborted the communicators, and the step's gradients came
+//! out wrong (rank 1's its own, unaveraged). On two H100s it struck in 5 of 12 runs.
+//!
+//! Note [CUPTI and ranks as threads]: CUPTI is process-wide, so with ranks as threads one
+//! rank's profiler turns it on and off under the other ranks' running collectives. On two
+//! H100s, a test where rank 0 starts and later stops a CUPTI profiler, each time while rank
+//! 1's all-reduce waits on cuda:1 for rank 0's, hung for good (past NCCL's timeout), even with
+//! the waits above; which CUPTI call blocks was not pinned down.
+//! So while collectives whose kernels wait on the GPU for peers run on several devices of
+//! this process (NCCL communicators register theirs: `cuda::register_collectives`), a
+//! profiler does not start CUPTI: it times CUDA by events and says why
+//! ([`Trace::cupti_unavailable`]). One rank per process (`ember-run`, as `torchrun` runs
+//! PyTorch's) keeps CUPTI's kernel records.
 
 mod chrome_trace;
 mod key_averages;
@@ -690,8 +712,9 @@ impl Trace {
         self.timing
     }
 
-    /// Why CUPTI was not used although preferred (library missing or refused), when CUDA
-    /// events timed the cycle instead.
+    /// Why CUPTI was not used although preferred (library missing or refused, or collectives
+    /// of several ranks on several GPUs of this process: Note [CUPTI and ranks as threads]),
+    /// when CUDA events timed the cycle instead.
     pub fn cupti_unavailable(&self) -> Option<&str> {
         self.cupti_unavailable.as_deref()
     }

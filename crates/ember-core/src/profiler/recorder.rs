@@ -62,10 +62,8 @@ pub(crate) struct Session {
     /// when it was preferred.
     pub(crate) timing: Option<CudaTimingSource>,
     pub(crate) cupti_unavailable: Option<String>,
-    /// With CUPTI: the clock reference of its timestamps, and the devices that got work (a
-    /// bit per device index, capped at 63), waited for at the end.
+    /// With CUPTI: the clock reference of its timestamps.
     cupti_clock: Option<ClockRef>,
-    cupti_devices: AtomicU64,
     _observer: Option<ObserverHandle>,
 }
 
@@ -107,6 +105,9 @@ impl Open {
 
 thread_local! {
     static STACK: RefCell<Vec<Open>> = const { RefCell::new(Vec::new()) };
+    /// The devices this thread launched work on while a session timed CUDA: (the session's
+    /// id, a bit per device index, capped at 63). Note [Profiler waits].
+    static LAUNCHED: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
     /// This thread's number in traces (0 until first recorded) and the session it was last
     /// announced to.
     static THREAD: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
@@ -140,7 +141,6 @@ impl Session {
             timing: None,
             cupti_unavailable: None,
             cupti_clock: None,
-            cupti_devices: AtomicU64::new(0),
             _observer: None,
         };
         let recorder = Arc::new(Recorder {
@@ -154,7 +154,7 @@ impl Session {
         if options.cuda {
             session.timing = Some(CudaTimingSource::CudaEvents);
             if options.cuda_timing == CudaTimingSource::Cupti {
-                match cupti::start() {
+                match cupti::refusal().map_or_else(cupti::start, Err) {
                     Ok(clock) => {
                         session.timing = Some(CudaTimingSource::Cupti);
                         session.cupti_clock = Some(clock);
@@ -186,11 +186,10 @@ impl Session {
         if self.options.cuda {
             kernel_timing::stop();
         }
-        let collected = self.cupti_clock.map(|_| {
-            let mask = self.cupti_devices.load(Ordering::Relaxed);
-            let devices: Vec<usize> = (0..64).filter(|d| mask & (1u64 << d) != 0).collect();
-            cupti::stop(&devices)
-        });
+        if self.options.cuda {
+            kernel_timing::wait_for(&self.devices_to_wait_for());
+        }
+        let collected = self.cupti_clock.map(|_| cupti::stop());
         let finished = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
         let refs = std::mem::take(&mut *self.gpu_refs.lock().unwrap_or_else(|e| e.into_inner()));
         let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -205,6 +204,17 @@ impl Session {
             api_calls,
             threads,
         }
+    }
+
+    /// The devices the stopping thread waits for (Note [Profiler waits]): its current device
+    /// and those it launched work on during the session.
+    fn devices_to_wait_for(&self) -> Vec<usize> {
+        let (session, launched) = LAUNCHED.with(Cell::get);
+        let mask = if session == self.id { launched } else { 0 };
+        let current = crate::cuda::current_device();
+        (0..64)
+            .filter(|&d| d == current || mask & (1u64 << d) != 0)
+            .collect()
     }
 
     fn ns(&self, t: Instant) -> u64 {
@@ -233,11 +243,16 @@ fn build_events(
 ) -> Vec<FunctionEvent> {
     finished.sort_by_key(|f| (f.start, std::cmp::Reverse(f.end)));
     let index: HashMap<u64, usize> = finished.iter().enumerate().map(|(i, f)| (f.id, i)).collect();
+    let me = THREAD.with(Cell::get).0;
     let mut events: Vec<FunctionEvent> = finished
         .iter()
         .map(|f| {
             let gpu = f.gpu.as_ref().and_then(|(start, end)| {
                 let (reference, host) = refs.get(&start.device())?;
+                // Another thread's work is not waited for (Note [Profiler waits]).
+                if f.thread != me && ![reference, &**start, end].iter().all(|e| e.is_complete()) {
+                    return None;
+                }
                 let from_ref = reference.elapsed_ms(start).ok()?;
                 let dur = start.elapsed_ms(end).ok()?;
                 let ref_ns = session.ns(*host) as f64;
@@ -396,6 +411,15 @@ pub(crate) fn attribute(
         .collect();
     calls.sort_by_key(|c| (c.start_ns, c.correlation));
     (out, calls)
+}
+
+/// Notes that this thread launched work on `device` during session `id`.
+fn note_launch(id: u64, device: usize) {
+    LAUNCHED.with(|l| {
+        let (session, mask) = l.get();
+        let mask = if session == id { mask } else { 0 };
+        l.set((id, mask | 1u64 << device.min(63)));
+    });
 }
 
 /// This thread's number in the session's traces, announcing it (with its name) on first use.
@@ -609,9 +633,7 @@ pub(crate) fn on_device_work(stream: u64) {
                 Some(Device::Cuda(d)) => d,
                 _ => crate::cuda::current_device(),
             };
-            session
-                .cupti_devices
-                .fetch_or(1u64 << device.min(63), Ordering::Relaxed);
+            note_launch(session.id, device);
             if !e.cupti_pushed {
                 e.cupti_pushed = cupti::push(e.id);
             }
@@ -625,6 +647,7 @@ pub(crate) fn on_device_work(stream: u64) {
         let Some(Device::Cuda(device)) = s[inner].device else {
             return;
         };
+        note_launch(session.id, device);
         if s.iter().all(|e| !ours(e) || e.gpu_start.is_some()) {
             return;
         }

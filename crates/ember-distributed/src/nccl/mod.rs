@@ -167,6 +167,9 @@ struct Shared {
     broken: Mutex<Option<Error>>,
     inflight: Mutex<Vec<InFlight>>,
     stop: AtomicBool,
+    /// NCCL's kernels on `device` wait on the GPU for the peers (the profiler reads this:
+    /// Note [CUPTI and ranks as threads] in ember-core's `profiler`).
+    _collectives: cuda::CollectivesRegistration,
 }
 
 impl Shared {
@@ -279,6 +282,7 @@ impl NcclBackend {
             broken: Mutex::new(None),
             inflight: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            _collectives: cuda::register_collectives(device),
         });
         let watched = shared.clone();
         let watchdog = std::thread::Builder::new()

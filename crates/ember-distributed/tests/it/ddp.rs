@@ -110,18 +110,19 @@ fn sgd_steps<M: Forward>(
     y: &Tensor,
     steps: usize,
 ) -> Vec<Vec<Option<Vec<f64>>>> {
-    (0..steps)
-        .map(|_| {
-            m.zero_grad().unwrap();
-            mse_loss(&m.forward(x).unwrap(), y, Reduction::Mean)
-                .unwrap()
-                .backward()
-                .unwrap();
-            let g = grads(m);
-            opt.step().unwrap();
-            g
-        })
-        .collect()
+    (0..steps).map(|_| sgd_step(m, opt, x, y)).collect()
+}
+
+/// One SGD step of `m` on the MSE of (`x`, `y`): the gradients before the step.
+pub(crate) fn sgd_step<M: Forward>(m: &M, opt: &mut SGD, x: &Tensor, y: &Tensor) -> Vec<Option<Vec<f64>>> {
+    m.zero_grad().unwrap();
+    mse_loss(&m.forward(x).unwrap(), y, Reduction::Mean)
+        .unwrap()
+        .backward()
+        .unwrap();
+    let g = grads(m);
+    opt.step().unwrap();
+    g
 }
 
 /// DDP training on `n` ranks, each on its shard of the same batch; the gradients each rank
@@ -137,9 +138,9 @@ pub(crate) fn ddp_run(
 
 /// One rank's share of a DDP run on `device`: the wrapped [`mlp`] (its weights differ per rank
 /// until DDP broadcasts rank 0's), SGD over it, and the rank's rows of [`data`].
-type RankSetup = (DistributedDataParallel<Sequential>, SGD, Tensor, Tensor);
+pub(crate) type RankSetup = (DistributedDataParallel<Sequential>, SGD, Tensor, Tensor);
 
-fn ddp_setup(pg: ProcessGroup, options: DdpOptions, rows: usize, device: Device) -> RankSetup {
+pub(crate) fn ddp_setup(pg: ProcessGroup, options: DdpOptions, rows: usize, device: Device) -> RankSetup {
     let (r, n) = (pg.rank(), pg.size());
     let mut m = mlp();
     fill_params(&m, r as f64);

@@ -324,6 +324,76 @@ fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
     }
 }
 
+/// Note [Profiler waits] and Note [CUPTI and ranks as threads]: with DDP ranks as threads of
+/// one process, rank 0 profiles two steps while rank 1 runs ahead: when rank 0 starts and when
+/// it stops the profiler, rank 1 has already queued its next all-reduce on cuda:1, which waits
+/// on the GPU for rank 0's. Nothing hangs, every step's gradients on both ranks are one
+/// process's full-batch ones, and rank 0's trace says why CUPTI did not run and times its
+/// linear layers on cuda:0 by events. Before, the stop waited for cuda:1 as well, and CUPTI
+/// was started and stopped under rank 1's all-reduce: both hung.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_ddp_rank_profiles_while_the_other_runs_ahead() {
+    use ember_core::profiler::{self, CudaTimingSource, ProfilerActivity};
+    crate::common::require_two_gpus();
+    let steps = 5;
+    let expected = crate::ddp::reference(steps, 12);
+    let timeout = Duration::from_secs(20);
+    let _one = one_nccl_test();
+    let per_rank = crate::common::run_ranks_with(
+        2,
+        timeout,
+        |store, rank| ProcessGroup::on_device(BackendKind::Nccl, store, rank, 2, timeout, rank),
+        |pg, dev| {
+            let _device = cuda::DeviceGuard::new(dev).unwrap();
+            let rank = pg.rank();
+            let (ddp, mut opt, x, y) = crate::ddp::ddp_setup(pg, DdpOptions::new(), 12, Device::Cuda(dev));
+            // Rank 1 reaches its next all-reduce meanwhile and waits in reading its gradients.
+            let let_rank_1_run_ahead = || std::thread::sleep(Duration::from_millis(500));
+            let (mut prof, mut timing, mut got) = (None, None, Vec::new());
+            for step in 0..steps {
+                if rank == 0 && step == 1 {
+                    let_rank_1_run_ahead();
+                    prof = Some(
+                        profiler::profile()
+                            .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+                            .start()
+                            .unwrap(),
+                    );
+                }
+                got.push(crate::ddp::sgd_step(&ddp, &mut opt, &x, &y));
+                if let (2, Some(mut p)) = (step, prof.take()) {
+                    let_rank_1_run_ahead();
+                    p.stop().unwrap();
+                    let trace = p.trace().unwrap();
+                    let timed_products = trace
+                        .events()
+                        .iter()
+                        .filter(|e| e.name == "linear" && e.gpu.as_ref().is_some_and(|g| g.device == dev))
+                        .count();
+                    timing = Some((
+                        trace.cuda_timing_source(),
+                        trace.cupti_unavailable().map(str::to_string),
+                        timed_products,
+                    ));
+                }
+            }
+            (got, timing)
+        },
+    );
+    for (rank, (got, timing)) in per_rank.iter().enumerate() {
+        assert_steps_close(got, &expected, rank);
+        if rank == 0 {
+            let (source, why, timed_products) = timing.as_ref().expect("rank 0 profiled");
+            assert_eq!(*source, Some(CudaTimingSource::CudaEvents));
+            let why = why.as_deref().unwrap_or("");
+            assert!(why.contains("cuda:0, cuda:1"), "why CUPTI did not run: {why}");
+            // Three linear layers forward in each of the two steps.
+            assert_eq!(*timed_products, 6, "linear ops timed on cuda:0");
+        }
+    }
+}
+
 /// Note [DDP row blocks]: a 128 MiB weight's gradient is computed and all-reduced in four row
 /// blocks, its bucket before the bias's, and the fused Adam step updates each block once its
 /// all-reduce is done. Every step, on each rank: the averaged `.grad` equals one process's
