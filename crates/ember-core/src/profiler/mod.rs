@@ -87,7 +87,8 @@
 //! stopping its profiler then waited for cuda:1, whose queue could hold rank 1's next
 //! all-reduce, which waits on the GPU for rank 0's matching one, issued only after the stop:
 //! a deadlock until NCCL's timeout aborted the communicators, and the step's gradients came
-//! out wrong (rank 1's its own, unaveraged). On two H100s it struck in 5 of 12 runs.
+//! out wrong (rank 1's its own, unaveraged). On two H100s 5 of 12 profiled runs hung or went
+//! wrong (some perhaps in CUPTI itself: the next note).
 //!
 //! Note [CUPTI and ranks as threads]: CUPTI is process-wide, so with ranks as threads one
 //! rank's profiler turns it on and off under the other ranks' running collectives. On two
