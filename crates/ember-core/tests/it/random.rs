@@ -2,8 +2,9 @@
 //! index) mapping, determinism per seed and per thread count, statistics of each distribution,
 //! generator state, in-place fills on views, and errors.
 //!
-//! Tests that touch the process-wide default generators hold `DEFAULT_GEN_LOCK`; the others
-//! use their own `Generator`, so they can run in parallel.
+//! Tests that seed and read the process-wide default generators run in a process of their own
+//! (other modules' tests draw from them concurrently); tests here that only draw from them hold
+//! `DEFAULT_GEN_LOCK`; the others use their own `Generator`, so they can run in parallel.
 
 use crate::common::{self, ReadBack};
 use ember_core::random::philox::{block, philox4x32_10};
@@ -435,9 +436,17 @@ fn concurrent_draws_reserve_distinct_blocks() {
     );
 }
 
+/// It seeds and reads the process-wide default generators, which tests of other modules draw
+/// from concurrently, so the body runs in a process of its own.
 #[test]
 fn default_generators_follow_manual_seed() {
-    let _guard = lock_defaults();
+    common::in_own_process(
+        "random::default_generators_follow_manual_seed",
+        default_generators_follow_manual_seed_body,
+    );
+}
+
+fn default_generators_follow_manual_seed_body() {
     for device in common::devices() {
         ember_core::manual_seed(42).unwrap();
         assert_eq!(ember_core::initial_seed(), 42);
