@@ -874,9 +874,9 @@ impl Storage {
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, Storage>>,
         amp: StepScalars<'_, Storage>,
-    ) -> Result<()> {
+    ) -> Result<Vec<crate::backend::UpdatedBlock>> {
         let Some(first) = tensors.first() else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let device = first.param.storage.device();
         on_backend_type!(device, B => {
