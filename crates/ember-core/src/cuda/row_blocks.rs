@@ -293,15 +293,21 @@ pub(crate) fn written_on_stream(t: &Tensor, event: Event) -> Result<()> {
     Ok(())
 }
 
-/// Whether something is written into `t`'s storage in row blocks, still in flight (a copy or
-/// an arrival); nothing is taken.
-pub(crate) fn is_arriving(t: &Tensor) -> bool {
+/// For each of `tensors`, whether something is written into its storage in row blocks, still
+/// in flight (a copy or an arrival); nothing is taken.
+pub(crate) fn arriving(tensors: &[Tensor]) -> Vec<bool> {
     if !ANY_IN_FLIGHT.load(Ordering::Relaxed) {
-        return false;
+        return vec![false; tensors.len()];
     }
-    lock(&IN_FLIGHT)
+    let in_flight = lock(&IN_FLIGHT);
+    tensors
         .iter()
-        .any(|f| f.side == Side::Target && !f.storage.is_dead() && f.storage.is(t.storage()))
+        .map(|t| {
+            in_flight
+                .iter()
+                .any(|f| f.side == Side::Target && !f.storage.is_dead() && f.storage.is(t.storage()))
+        })
+        .collect()
 }
 
 /// One block of a tensor arriving in row blocks, taken by its reader: a range of the tensor's
