@@ -494,17 +494,7 @@ impl CudaStorage {
             // copy reads it: on the source's stream, its later work comes after the copy; on a
             // side stream, `record_stream` keeps the blocks from their pool until the copy has
             // run, and a private source is written by nothing after this call.
-            unsafe {
-                result::memcpy_peer_async(
-                    rt.context(),
-                    out.buf.ptr + start as u64,
-                    src_rt.context(),
-                    src_ptr + start as u64,
-                    end - start,
-                    copy_stream.as_raw() as sys::CUstream,
-                )
-            }
-            .map_err(cuda_error("peer copy"))
+            unsafe { peer_copy_bytes((rt, out.buf.ptr), (src_rt, src_ptr), start..end, &copy_stream) }
         };
         match blocks {
             // Each block once the event that says it is written has completed.
@@ -584,17 +574,7 @@ impl CudaStorage {
             // (`record_stream`), `out` is given back to its pool only after the copy (the pool
             // stream waits for it below), and every other reader or writer of either storage
             // waits for the copy at the dispatch point (the caller records the copy).
-            unsafe {
-                result::memcpy_peer_async(
-                    rt.context(),
-                    out.buf.ptr + start as u64,
-                    src_rt.context(),
-                    src_ptr + start as u64,
-                    end - start,
-                    copy_stream.as_raw() as sys::CUstream,
-                )
-            }
-            .map_err(cuda_error("peer copy"))?;
+            unsafe { peer_copy_bytes((rt, out.buf.ptr), (src_rt, src_ptr), start..end, &copy_stream)? };
             events.push(super::RowBlockEvent {
                 rows: rows.clone(),
                 event: copy_stream.record_event()?,
@@ -605,6 +585,32 @@ impl CudaStorage {
         rt.bind()?;
         Ok((out, events, done))
     }
+}
+
+/// Copies bytes `bytes` from `src` (a device address of `src_rt`'s GPU) into the same bytes
+/// from `dst` (of `rt`'s GPU), on `stream`.
+///
+/// # Safety
+/// Both byte ranges lie inside live allocations of their devices, and the caller orders the
+/// copy after what writes the source and before what else reads or writes either range.
+unsafe fn peer_copy_bytes(
+    (rt, dst): (&DeviceRuntime, u64),
+    (src_rt, src): (&DeviceRuntime, u64),
+    bytes: std::ops::Range<usize>,
+    stream: &super::Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract; the contexts are the devices' primary contexts.
+    unsafe {
+        result::memcpy_peer_async(
+            rt.context(),
+            dst + bytes.start as u64,
+            src_rt.context(),
+            src + bytes.start as u64,
+            bytes.len(),
+            stream.as_raw() as sys::CUstream,
+        )
+    }
+    .map_err(cuda_error("peer copy"))
 }
 
 /// What a copy to another GPU may assume of its source.
