@@ -65,9 +65,7 @@
 //! the one-parameter buckets from the first such bucket on are handed on as they arrive
 //! (`cuda::arriving_in_row_blocks`, Note [Arrivals in row blocks] in ember-core): the current
 //! stream does not wait for them, the fused Adam step updates each block once its all-reduce
-//! is done, on a side stream beside the other parameters' updates, and hands the parameter on
-//! to the next forward block by block (Note [Adam beside backward] in ember-core), and every
-//! other op waits for the whole.
+//! is done (and the other parameters first), and every other op waits for the whole.
 //! - The blocks are always all-reduced separately, events or not (a gradient summed from two
 //!   uses, one computed under capture), so every rank issues the same collectives.
 //! - A block's all-reduce is issued from a side stream that waits for the block's event: the
