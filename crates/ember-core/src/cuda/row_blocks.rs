@@ -293,21 +293,15 @@ pub(crate) fn written_on_stream(t: &Tensor, event: Event) -> Result<()> {
     Ok(())
 }
 
-/// For each of `tensors`, whether something is written into its storage in row blocks, still
-/// in flight (a copy or an arrival); nothing is taken.
-pub(crate) fn arriving(tensors: &[Tensor]) -> Vec<bool> {
+/// Whether something is written into `t`'s storage in row blocks, still in flight (a copy or
+/// an arrival); nothing is taken.
+pub(crate) fn is_arriving(t: &Tensor) -> bool {
     if !ANY_IN_FLIGHT.load(Ordering::Relaxed) {
-        return vec![false; tensors.len()];
+        return false;
     }
-    let in_flight = lock(&IN_FLIGHT);
-    tensors
+    lock(&IN_FLIGHT)
         .iter()
-        .map(|t| {
-            in_flight
-                .iter()
-                .any(|f| f.side == Side::Target && !f.storage.is_dead() && f.storage.is(t.storage()))
-        })
-        .collect()
+        .any(|f| f.side == Side::Target && !f.storage.is_dead() && f.storage.is(t.storage()))
 }
 
 /// One block of a tensor arriving in row blocks, taken by its reader: a range of the tensor's

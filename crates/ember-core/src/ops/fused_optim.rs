@@ -485,7 +485,7 @@ fn adam_scaled_prepared(
                 && lists_match(params.len())
                 && !crate::cuda::is_current_stream_capturing() =>
         {
-            let arriving = crate::cuda::row_blocks::arriving(grads);
+            let arriving: Vec<bool> = grads.iter().map(crate::cuda::row_blocks::is_arriving).collect();
             arriving.contains(&true).then_some((d, arriving))
         }
         _ => None,
