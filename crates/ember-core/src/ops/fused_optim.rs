@@ -524,30 +524,14 @@ fn adam_scaled_prepared(
         let _on_side = crate::cuda::stream(&side);
         subset.step(&late)
     };
-    let handed_on = stepped.and_then(|updated| hand_on_from(&side, &subset, &late, updated));
-    if handed_on.is_err() {
-        // What the side stream took or wrote is not (all) handed on: what comes next waits.
-        current.wait_stream(&side)?;
-    }
-    handed_on
-}
-
-/// Hands on what the side stream `side` wrote for the parameters `late` of `subset` (Note
-/// [Adam beside backward]): the parameters in the row blocks of `updated`, the rest whole.
-fn hand_on_from(
-    side: &crate::cuda::Stream,
-    subset: &AdamSubset<'_>,
-    late: &[usize],
-    mut updated: Vec<UpdatedBlock>,
-) -> Result<()> {
-    let AdamSubset {
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        steps,
-        ..
-    } = *subset;
+    let mut updated = match stepped {
+        Ok(updated) => updated,
+        Err(e) => {
+            // The side stream waited for whatever it took: so does what comes next.
+            current.wait_stream(&side)?;
+            return Err(e);
+        }
+    };
     for (k, &i) in late.iter().enumerate() {
         let mut written = vec![&grads[i], &exp_avgs[i], &exp_avg_sqs[i]];
         written.extend(subset.max_exp_avg_sqs.map(|m| &m[i]));
@@ -555,7 +539,7 @@ fn hand_on_from(
             written.push(&s[i]);
         }
         for t in written.iter().chain([&&params[i]]) {
-            t.record_stream(side)?;
+            t.record_stream(&side)?;
         }
         for t in written {
             crate::cuda::row_blocks::written_on_stream(t, side.record_event()?)?;
