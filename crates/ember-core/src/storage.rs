@@ -874,9 +874,9 @@ impl Storage {
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, Storage>>,
         amp: StepScalars<'_, Storage>,
-    ) -> Result<Vec<crate::backend::UpdatedBlock>> {
+    ) -> Result<()> {
         let Some(first) = tensors.first() else {
-            return Ok(Vec::new());
+            return Ok(());
         };
         let device = first.param.storage.device();
         on_backend_type!(device, B => {

@@ -34,7 +34,7 @@ pub use op::{
 };
 pub use step::{
     AdamStep, AdamTensor, Elems, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate, SgdStep,
-    SgdTensor, StepCount, StepScalars, UnscaleGrads, UpdatedBlock, Variant,
+    SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
 };
 
 use crate::cpu::CpuStorage;
@@ -247,13 +247,12 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     /// One fused Adam/AdamW step of every tensor of `tensors` (`torch._fused_adam_`; the
     /// formula is in `ops/fused_optim.rs`), under GradScaler's `amp` scalars. Device step
     /// counts are incremented before the update that reads them, all in stream order; nothing
-    /// is read back to the host. Returns the blocks updated after arriving ones, each with the
-    /// event after its update (none off the GPU).
+    /// is read back to the host.
     fn adam_step(
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, Self>>,
         amp: StepScalars<'_, Self>,
-    ) -> Result<Vec<UpdatedBlock>>;
+    ) -> Result<()>;
     /// One fused SGD step of every tensor of `tensors` (`torch._fused_sgd_`).
     fn sgd_step(step: &SgdStep, tensors: Vec<SgdTensor<'_, Self>>, amp: StepScalars<'_, Self>) -> Result<()>;
     /// Multiplies every gradient by the f32 at `inv_scale` (not at all when it is 1) and sets

@@ -326,16 +326,6 @@ pub enum StepCount<'a, S> {
     Device(Elems<&'a mut S>),
 }
 
-/// Elements `elements` of tensor `tensor` of an Adam step's list, updated after an arriving
-/// block once `event` completes (recorded on the stream that ran the update); the CUDA backend
-/// returns one per arriving block (Note [Adam beside backward] in `ops/fused_optim.rs`).
-#[derive(Debug)]
-pub struct UpdatedBlock {
-    pub tensor: usize,
-    pub elements: std::ops::Range<usize>,
-    pub event: crate::cuda::Event,
-}
-
 /// The operands of one parameter of an Adam step: parameter, gradient and state runs of equal
 /// length (`max_exp_avg_sq` exactly with amsgrad) and the step count; every step count of one
 /// call is of one kind.

@@ -9,7 +9,7 @@ use crate::backend::{
     AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
     GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp,
     RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, StepScalars, UnaryOp,
-    UnscaleGrads, UpdatedBlock,
+    UnscaleGrads,
 };
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
@@ -378,10 +378,10 @@ impl BackendStorage for CpuStorage {
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, CpuStorage>>,
         amp: StepScalars<'_, CpuStorage>,
-    ) -> Result<Vec<UpdatedBlock>> {
+    ) -> Result<()> {
         // The host reads the flag, the scale and the counts from host memory directly.
         if amp.found_inf.as_ref().is_some_and(|f| scalar::<f32>(f) != 0.0) {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let grad_scale = amp.grad_scale.as_ref().map(|s| scalar::<f32>(s) as f64);
         let step = &AdamStep {
@@ -389,11 +389,11 @@ impl BackendStorage for CpuStorage {
             ..*step
         };
         let Some(first) = tensors.first() else {
-            return Ok(Vec::new());
+            return Ok(());
         };
         let dtype = first.param.storage.dtype();
         with_float_type!(dtype, adam_slices(step, tensors, grad_scale));
-        Ok(Vec::new())
+        Ok(())
     }
 
     fn sgd_step(

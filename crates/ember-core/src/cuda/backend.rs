@@ -18,7 +18,7 @@ use crate::backend::{
     AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
     GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp,
     RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, StepScalars, UnaryOp,
-    UnscaleGrads, UpdatedBlock,
+    UnscaleGrads,
 };
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
@@ -336,9 +336,9 @@ impl BackendStorage for CudaStorage {
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, CudaStorage>>,
         amp: StepScalars<'_, CudaStorage>,
-    ) -> Result<Vec<UpdatedBlock>> {
+    ) -> Result<()> {
         let Some(first) = tensors.first() else {
-            return Ok(Vec::new());
+            return Ok(());
         };
         let (ordinal, dtype) = (first.param.storage.ordinal(), first.param.storage.dtype());
         let device_steps = matches!(first.step, StepCount::Device(_));

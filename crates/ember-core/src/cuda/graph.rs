@@ -186,7 +186,6 @@ impl CUDAGraph {
         if capture::capture_status(stream).is_some() {
             return Err(Error::invalid(OP, "the current stream is already capturing"));
         }
-        super::row_blocks::settle_device(device)?;
         let pool = pool.unwrap_or_else(|| MempoolId(GRAPH_POOLS.fetch_add(1, Ordering::Relaxed), 0));
         if pool == MempoolId(0, 0) {
             return Err(Error::invalid(

@@ -20,7 +20,6 @@ use std::ops::Range;
 use super::kernels::{launch, Function, Grid, KernelKey, KernelParam, Module};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::{current_raw, current_stream, Event};
-use crate::backend::UpdatedBlock;
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_OPTIM_MAX_TENSORS` in the kernel file).
@@ -109,7 +108,7 @@ pub(crate) fn multi_tensor_step(
     tensors: &[OptimTensor],
     kernel: OptimKernel,
 ) -> Result<()> {
-    multi_tensor_step_arriving(ordinal, dtype, tensors, &[], kernel).map(drop)
+    multi_tensor_step_arriving(ordinal, dtype, tensors, &[], kernel)
 }
 
 /// Elements `elements` of tensor `tensor` of a step's list, whose gradient is written once
@@ -139,15 +138,14 @@ impl OptimTensor {
 
 /// [`multi_tensor_step`] where the gradients of some tensors arrive in blocks (`arrivals`,
 /// which tile each such tensor): the step counts advance first, then one update over the other
-/// tensors, then each block's update after its event. Returns each arriving block with an
-/// event recorded after its update (Note [Adam beside backward] in `ops/fused_optim.rs`).
+/// tensors, then each block's update after its event.
 pub(crate) fn multi_tensor_step_arriving(
     ordinal: usize,
     dtype: DType,
     tensors: &[OptimTensor],
     arrivals: &[Arrival<'_>],
     kernel: OptimKernel,
-) -> Result<Vec<UpdatedBlock>> {
+) -> Result<()> {
     let rt = runtime(ordinal)?;
     let base = match kernel {
         OptimKernel::Adam { .. } => "adam",
@@ -177,7 +175,7 @@ pub(crate) fn multi_tensor_step_arriving(
         }
     }
     if arrivals.is_empty() {
-        return update(rt, f, stream, tensors, kernel).map(|()| Vec::new());
+        return update(rt, f, stream, tensors, kernel);
     }
     let arriving = |i: usize| arrivals.iter().any(|a| a.tensor == i);
     let whole: Vec<OptimTensor> = (0..tensors.len())
@@ -190,27 +188,18 @@ pub(crate) fn multi_tensor_step_arriving(
     let mut order: Vec<&Arrival<'_>> = arrivals.iter().collect();
     order.sort_by_key(|a| a.order);
     let current = current_stream(rt.ordinal)?;
-    let (mut batch, mut pending, mut updated) = (Vec::new(), Vec::new(), Vec::new());
+    let mut batch = Vec::new();
     for (k, a) in order.iter().enumerate() {
         current.wait_event(a.event)?;
         let t = &tensors[a.tensor];
         batch.push(t.part(&a.elements, dtype.size_in_bytes()));
-        pending.push((a.tensor, a.elements.clone()));
         let is_whole = |a: &Arrival<'_>| a.elements.len() == tensors[a.tensor].numel;
         if !is_whole(a) || order.get(k + 1).map_or(true, |next| !is_whole(next)) {
             update(rt, f, stream, &batch, kernel)?;
             batch.clear();
-            for (tensor, elements) in pending.drain(..) {
-                let event = current.record_event()?;
-                updated.push(UpdatedBlock {
-                    tensor,
-                    elements,
-                    event,
-                });
-            }
         }
     }
-    Ok(updated)
+    Ok(())
 }
 
 /// The update launches of [`multi_tensor_step`]: `kernel` over `tensors` on `stream`,

@@ -49,8 +49,7 @@
 //! takes the blocks' events: one launch over the parameters whose gradients are complete, then,
 //! in the order the arrivals were handed on, each block's rows after its event (tensors that
 //! arrive whole one after another share a launch), so the optimizer step of the first rows
-//! runs while the last ones are still being all-reduced; those updates run on a side stream
-//! and the parameter is handed on in turn (Note [Adam beside backward] in `ops/fused_optim.rs`). The fused SGD step waits for the
+//! runs while the last ones are still being all-reduced. The fused SGD step waits for the
 //! whole. Every arrival is taken once: whoever waits for it or takes it removes it.
 
 use std::ops::Range;
@@ -268,42 +267,6 @@ pub fn arriving_in_row_blocks(t: &Tensor, blocks: Vec<RowBlockEvent>) -> Result<
     Ok(())
 }
 
-/// Records `t` as written on another stream until `event`, recorded there, completes (Note
-/// [Adam beside backward] in `ops/fused_optim.rs`): an arrival of one block (all its rows; a
-/// 0-d tensor's one element), so every op through the dispatch point that takes it waits for
-/// the event first, `linear` with it as its weight takes the event itself, and a host read
-/// waits too. A tensor that is not dense from the start of its storage makes the current
-/// stream wait for the event at once instead.
-pub(crate) fn written_on_stream(t: &Tensor, event: Event) -> Result<()> {
-    let Device::Cuda(device) = t.device() else {
-        return Ok(());
-    };
-    if !t.is_contiguous() || t.storage_offset() != 0 {
-        return super::stream::current_stream(device)?.wait_event(&event);
-    }
-    let rows = t.dims().first().copied().unwrap_or(1);
-    let order = NEXT_ORDER.fetch_add(1, Ordering::Relaxed);
-    push_in_flight([InFlight {
-        storage: t.storage().downgrade(),
-        side: Side::Target,
-        device,
-        blocks: vec![RowBlockEvent { rows: 0..rows, event }],
-        order,
-    }]);
-    Ok(())
-}
-
-/// Whether something is written into `t`'s storage in row blocks, still in flight (a copy or
-/// an arrival); nothing is taken.
-pub(crate) fn is_arriving(t: &Tensor) -> bool {
-    if !ANY_IN_FLIGHT.load(Ordering::Relaxed) {
-        return false;
-    }
-    lock(&IN_FLIGHT)
-        .iter()
-        .any(|f| f.side == Side::Target && !f.storage.is_dead() && f.storage.is(t.storage()))
-}
-
 /// One block of a tensor arriving in row blocks, taken by its reader: a range of the tensor's
 /// elements, the event after which they are written, and the block's place in the order
 /// arrivals were handed on.
@@ -340,27 +303,6 @@ pub(crate) fn take_arriving_elements(t: &Tensor) -> Result<Option<Vec<ArrivingEl
             })
             .collect(),
     ))
-}
-
-/// Orders the current stream of `device` after every copy or arrival in flight on that device,
-/// and forgets them: a CUDA graph capture about to begin on that stream could not wait for
-/// events recorded before it began (a step's writes handed on by Note [Adam beside backward]
-/// are still in flight when a training loop warmed up eagerly starts its capture).
-pub(crate) fn settle_device(device: usize) -> Result<()> {
-    if !ANY_IN_FLIGHT.load(Ordering::Relaxed) {
-        return Ok(());
-    }
-    let stream = super::stream::current_stream(device)?;
-    let mut in_flight = lock(&IN_FLIGHT);
-    in_flight.retain(|f| !f.storage.is_dead());
-    while let Some(at) = in_flight.iter().position(|f| f.device == device) {
-        if let Some(last) = in_flight[at].blocks.last() {
-            stream.wait_event(&last.event)?;
-        }
-        in_flight.swap_remove(at);
-    }
-    ANY_IN_FLIGHT.store(!in_flight.is_empty(), Ordering::Relaxed);
-    Ok(())
 }
 
 /// Whether a copy or an arrival in row blocks may be in flight (one load): callers that gather

@@ -50,7 +50,7 @@
 use super::amp_scaling::{check_scalar, check_writable};
 use crate::autograd;
 pub use crate::backend::{AdamStep, SgdStep};
-use crate::backend::{AdamTensor, Elems, GradElems, SgdTensor, StepCount, StepScalars, UpdatedBlock};
+use crate::backend::{AdamTensor, Elems, GradElems, SgdTensor, StepCount, StepScalars};
 use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -431,29 +431,6 @@ pub fn adam_scaled_(
     })
 }
 
-/// Note [Adam beside backward]: the update of a parameter whose gradient arrives in row blocks
-/// (DDP's all-reduce, DataParallel's copies: Note [Arrivals in row blocks] in
-/// `cuda/row_blocks.rs`) runs on a side stream, which waits for what the current stream had
-/// queued when the step was called (backward, whose products may still read the parameter;
-/// state tensors made for the step) and then for each block's event; the other parameters are
-/// updated on the current stream meanwhile. The side stream's writes are then handed on: the
-/// parameter as arriving in row blocks, each block at the event recorded after its update
-/// (so the next forward's `linear` computes each block of its output as that block's update
-/// lands), and its gradient, state tensors and step count as written there until one event
-/// (`row_blocks::written_on_stream`). Every op through the dispatch point that takes one of
-/// them, and a host read, waits first; their memory is used on the side stream until then
-/// (`record_stream`). So the current stream goes on at once with the other updates and the
-/// next forward. Before, the other parameters' updates and then each block's ran one after
-/// the other on the current stream, and the next forward after all of them: in a CUPTI trace
-/// of ddp_mlp_large on two H100s the optimizer took ~0.81 ms after the last weight-gradient
-/// block, against ~0.60 ms on one GPU.
-/// - Only on a GPU, outside a CUDA graph capture, and without GradScaler scalars or a device
-///   lr: those are rewritten by ops on the current stream right after the step (the scaler's
-///   update, an LR scheduler) while the side stream could still read them; such steps stay on
-///   the current stream.
-/// - While such writes are in flight, every op pays the dispatch point's check of them (a
-///   lock and a short scan) instead of one load; the state tensors' entries last until the
-///   next step takes them.
 #[allow(clippy::too_many_arguments)]
 fn adam_scaled_prepared(
     params: &[Tensor],
@@ -466,167 +443,6 @@ fn adam_scaled_prepared(
     scaling: GradScaling<'_>,
     lr: Option<&Tensor>,
 ) -> Result<()> {
-    let lists_match = |n: usize| {
-        let max_ok = !cfg.amsgrad || max_exp_avg_sqs.is_some_and(|m| m.len() == n);
-        let steps_ok = match steps {
-            AdamSteps::Host(s) => s.len() == n,
-            AdamSteps::Device(s) => s.len() == n,
-        };
-        grads.len() == n && exp_avgs.len() == n && exp_avg_sqs.len() == n && max_ok && steps_ok
-    };
-    let beside = match (
-        params.first().map(Tensor::device),
-        scaling.grad_scale,
-        scaling.found_inf,
-        lr,
-    ) {
-        (Some(Device::Cuda(d)), None, None, None)
-            if crate::cuda::row_blocks::any_in_flight()
-                && lists_match(params.len())
-                && !crate::cuda::is_current_stream_capturing() =>
-        {
-            let arriving: Vec<bool> = grads.iter().map(crate::cuda::row_blocks::is_arriving).collect();
-            arriving.contains(&true).then_some((d, arriving))
-        }
-        _ => None,
-    };
-    let Some((device, arriving)) = beside else {
-        return adam_in_stream_order(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            steps,
-            cfg,
-            scaling,
-            lr,
-        )
-        .map(drop);
-    };
-    let subset = AdamSubset {
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs: max_exp_avg_sqs.filter(|_| cfg.amsgrad),
-        steps,
-        cfg,
-    };
-    let (late, now): (Vec<usize>, Vec<usize>) = (0..params.len()).partition(|&i| arriving[i]);
-    // The side stream starts after everything queued so far (backward, which may still read
-    // the parameters; state tensors made for this step), not after the other updates.
-    let current = crate::cuda::current_stream(device)?;
-    let side = crate::cuda::Stream::new(device)?;
-    side.wait_stream(&current)?;
-    subset.step(&now)?;
-    let stepped = {
-        let _on_side = crate::cuda::stream(&side);
-        subset.step(&late)
-    };
-    let mut updated = match stepped {
-        Ok(updated) => updated,
-        Err(e) => {
-            // The side stream waited for whatever it took: so does what comes next.
-            current.wait_stream(&side)?;
-            return Err(e);
-        }
-    };
-    for (k, &i) in late.iter().enumerate() {
-        let mut written = vec![&grads[i], &exp_avgs[i], &exp_avg_sqs[i]];
-        written.extend(subset.max_exp_avg_sqs.map(|m| &m[i]));
-        if let AdamSteps::Device(s) = steps {
-            written.push(&s[i]);
-        }
-        for t in written.iter().chain([&&params[i]]) {
-            t.record_stream(&side)?;
-        }
-        for t in written {
-            crate::cuda::row_blocks::written_on_stream(t, side.record_event()?)?;
-        }
-        // The parameter block by block, each after its update, for the next forward's product.
-        let (mine, rest): (Vec<UpdatedBlock>, Vec<UpdatedBlock>) =
-            updated.into_iter().partition(|b| b.tensor == k);
-        updated = rest;
-        let p = &params[i];
-        let rows = p.dims().first().copied().unwrap_or(0);
-        let row_len = if rows == 0 { 0 } else { p.numel() / rows };
-        let in_rows = row_len > 0
-            && mine
-                .iter()
-                .all(|b| b.elements.start % row_len == 0 && b.elements.end % row_len == 0);
-        let blocks: Vec<crate::cuda::RowBlockEvent> = mine
-            .into_iter()
-            .filter(|_| in_rows)
-            .map(|b| crate::cuda::RowBlockEvent {
-                rows: b.elements.start / row_len..b.elements.end / row_len,
-                event: b.event,
-            })
-            .collect();
-        if blocks.is_empty() || crate::cuda::arriving_in_row_blocks(p, blocks).is_err() {
-            crate::cuda::row_blocks::written_on_stream(p, side.record_event()?)?;
-        }
-    }
-    Ok(())
-}
-
-/// The operands of an [`adam_scaled_`] call without GradScaler scalars or a device lr, whose
-/// lists all have one entry per parameter.
-struct AdamSubset<'a> {
-    params: &'a [Tensor],
-    grads: &'a [Tensor],
-    exp_avgs: &'a [Tensor],
-    exp_avg_sqs: &'a [Tensor],
-    max_exp_avg_sqs: Option<&'a [Tensor]>,
-    steps: AdamSteps<'a>,
-    cfg: &'a AdamStep,
-}
-
-impl AdamSubset<'_> {
-    /// The step of the parameters `idx`, in stream order on the current stream; the blocks
-    /// updated after arriving ones, numbered by their place in `idx`.
-    fn step(&self, idx: &[usize]) -> Result<Vec<UpdatedBlock>> {
-        if idx.is_empty() {
-            return Ok(Vec::new());
-        }
-        let pick = |ts: &[Tensor]| -> Vec<Tensor> { idx.iter().map(|&i| ts[i].clone()).collect() };
-        let max = self.max_exp_avg_sqs.map(pick);
-        let (host, device) = match self.steps {
-            AdamSteps::Host(s) => (idx.iter().map(|&i| s[i]).collect(), Vec::new()),
-            AdamSteps::Device(s) => (Vec::new(), pick(s)),
-        };
-        let steps = match self.steps {
-            AdamSteps::Host(_) => AdamSteps::Host(&host),
-            AdamSteps::Device(_) => AdamSteps::Device(&device),
-        };
-        adam_in_stream_order(
-            &pick(self.params),
-            &pick(self.grads),
-            &pick(self.exp_avgs),
-            &pick(self.exp_avg_sqs),
-            max.as_deref(),
-            steps,
-            self.cfg,
-            GradScaling::default(),
-            None,
-        )
-    }
-}
-
-/// The step itself, every update on the current stream; the blocks updated after arriving
-/// ones, each with the event after its update.
-#[allow(clippy::too_many_arguments)]
-fn adam_in_stream_order(
-    params: &[Tensor],
-    grads: &[Tensor],
-    exp_avgs: &[Tensor],
-    exp_avg_sqs: &[Tensor],
-    max_exp_avg_sqs: Option<&[Tensor]>,
-    steps: AdamSteps<'_>,
-    cfg: &AdamStep,
-    scaling: GradScaling<'_>,
-    lr: Option<&Tensor>,
-) -> Result<Vec<UpdatedBlock>> {
     const OP: &str = "adam_";
     let steps_len = match steps {
         AdamSteps::Host(s) => s.len(),
@@ -687,7 +503,7 @@ fn adam_in_stream_order(
         });
     }
     let Some(device) = check(OP, &lists)? else {
-        return Ok(Vec::new());
+        return Ok(());
     };
     let device_steps = match steps {
         AdamSteps::Host(_) => false,
