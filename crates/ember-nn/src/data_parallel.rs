@@ -36,23 +36,34 @@
 //! through their copies' backward (`to`), each once complete. The gradient of an MLP's first
 //! layer is the last one backward makes, so its copy runs after its whole GEMM with nothing
 //! left to overlap: mlp_large's 200 MB weight leaves a 0.53 ms copy after a 0.56 ms GEMM on two
-//! H100s. A replica's copy of a 2-D weight of at least two blocks of 32 MiB (at most 4 blocks)
-//! has its gradient computed in row blocks, an event after each (Note [Gradients in row
-//! blocks] in ember-core), and the gradient crosses back block by block, each copy started
-//! once its rows are written, on the copy engines, so the first blocks travel while the last
-//! ones are computed. Each block's copy runs on a side stream of its own (behind another
-//! private copy, which waits for everything its source's stream had queued, it would wait for
-//! the whole GEMM), into memory from the pool of a side stream of the first device (from the
-//! first device's own stream, it would wait for that device's share of the same GEMM). On two
-//! H100s dp_mlp_large went from 3.91 to 3.52 ms per step (one GPU: 2.20 ms either way); the
-//! four blocks' GEMMs take 0.60 ms against 0.55 ms for one. (DDP all-reduces such a gradient
-//! block by block too: Note [DDP row blocks] in ember-distributed.)
+//! H100s. A replica's copy of a 2-D float weight of at least 16 MiB has its gradient
+//! computed in row blocks of 32 MiB (at least one, at most 4), an event after each (Note
+//! [Gradients in row blocks] in ember-core), and the gradient crosses back block by block,
+//! each copy started once its rows are written, on the copy engines, so the first blocks
+//! travel while the last ones are computed. Each block's copy runs on a side stream of its own
+//! (behind another private copy, which waits for everything its source's stream had queued,
+//! it would wait for the whole GEMM), into memory from the pool of a side stream of the first
+//! device (from the first device's own stream, it would wait for that device's share of the
+//! same GEMM). On two H100s dp_mlp_large went from 3.91 to 3.52 ms per step (one GPU: 2.20 ms
+//! either way); the four blocks' GEMMs take 0.60 ms against 0.55 ms for one. (DDP all-reduces
+//! such a gradient block by block too: Note [DDP row blocks] in ember-distributed.)
+//! A weight of one block (mlp_large's 40 MB second layer) gets its one event too. Without it,
+//! its gradient crossed when the copy's backward ran, which the engine reaches only after the
+//! first layer's backward is queued (the copy was made before the forward), so the copy
+//! waited for the first layer's whole GEMM: in a trace on two H200s the second layer's
+//! gradient was written 1.28 ms into the step and crossed at 2.06 ms, and the first device
+//! waited for it before the optimizer step. With the event, dp_mlp_large on two H200s went
+//! from 2.905 to 2.801 ms per step (one GPU: 2.07 ms).
 //!
-//! The same weights go out in row blocks too (`cuda::comm::to_in_row_blocks`, Note [Copies in
-//! row blocks] in ember-core): the copies run on a side stream, so the first device's own
+//! The same weights go out in the same row blocks (`cuda::comm::to_in_row_blocks`, Note
+//! [Copies in row blocks] in ember-core), after the small tensors (a replica needs its biases
+//! before its first product): the copies run on a side stream, so the first device's own
 //! replica starts at once, and each other device's `linear` computes the columns of each
 //! block as soon as its rows have arrived, so the first layer's product overlaps the copy
-//! instead of following it.
+//! instead of following it. Blocks going out were 8 MiB before: mlp_large's 40 MB second
+//! layer crossed in four, and on two H200s the replica's four products took 176 us against
+//! 107 us for one, while that copy was done before the replica reached it; with one block,
+//! dp_mlp_large on two H200s went from 2.801 to 2.739 ms per step.
 
 use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::amp;
@@ -61,33 +72,23 @@ use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
 
-/// The size of one row block of a large replica weight's gradient (Note [DataParallel row
-/// blocks]).
+/// The size of one row block of a large weight, going out to a replica and its gradient
+/// coming back (Note [DataParallel row blocks]).
 const ROW_BLOCK_BYTES: usize = 32 << 20;
-/// At most this many row blocks per gradient.
+/// At most this many row blocks per weight.
 const MAX_ROW_BLOCKS: usize = 4;
+/// Weights from this size on cross on their own, after the small tensors.
+const LARGE_BYTES: usize = 16 << 20;
 
-/// The row blocks of a replica's copy of a parameter (Note [DataParallel row blocks]): 2-D
-/// float weights of at least two blocks that require grad; 0 for the others.
-fn row_blocks(copy: &Tensor) -> usize {
-    let bytes = copy.numel() * copy.dtype().size_in_bytes();
-    match copy.rank() == 2 && copy.dtype().is_floating_point() && copy.requires_grad() {
-        true => (bytes / ROW_BLOCK_BYTES).min(MAX_ROW_BLOCKS),
-        false => 0,
-    }
-}
-
-/// The size of one row block of a weight going out to a replica (Note [DataParallel row
-/// blocks]): small enough that the replica's first product starts early, large enough that
-/// each block's product still fills the GPU.
-const OUT_BLOCK_BYTES: usize = 8 << 20;
-
-/// The row blocks a parameter crosses to a replica in: 2-D float weights of at least two
-/// blocks that require grad (at most [`MAX_ROW_BLOCKS`]); 0 for the others.
-fn out_blocks(source: &Tensor) -> usize {
+/// The row blocks a parameter crosses to a replica in, and the replica's gradient of it is
+/// computed and crosses back in (Note [DataParallel row blocks]): for 2-D float weights of at
+/// least [`LARGE_BYTES`] that require grad, one per [`ROW_BLOCK_BYTES`], at least one, at most
+/// [`MAX_ROW_BLOCKS`]; 0 for the others, which cross together.
+fn row_blocks(source: &Tensor) -> usize {
     let bytes = source.numel() * source.dtype().size_in_bytes();
-    match source.rank() == 2 && source.dtype().is_floating_point() && source.requires_grad() {
-        true => (bytes / OUT_BLOCK_BYTES).min(MAX_ROW_BLOCKS),
+    let large = source.rank() == 2 && source.dtype().is_floating_point() && source.requires_grad();
+    match large && bytes >= LARGE_BYTES {
+        true => (bytes / ROW_BLOCK_BYTES).clamp(1, MAX_ROW_BLOCKS),
         false => 0,
     }
 }
@@ -234,18 +235,18 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
                 // The small tensors cross together first (a replica needs its biases before
                 // its first product), then the large weights, each in row blocks that the
                 // replica's `linear` reads as they arrive (Note [DataParallel row blocks]).
-                let blocks: Vec<usize> = sources.iter().map(out_blocks).collect();
+                let blocks: Vec<usize> = sources.iter().map(row_blocks).collect();
                 let small: Vec<Tensor> = sources
                     .iter()
                     .zip(&blocks)
-                    .filter(|(_, &b)| b <= 1)
+                    .filter(|(_, &b)| b == 0)
                     .map(|(t, _)| t.clone())
                     .collect();
                 let mut lists =
                     cuda::comm::broadcast_coalesced(&small, &ordinals, cuda::comm::DEFAULT_BUFFER_SIZE)?;
                 lists.remove(0);
                 let mut large: Vec<Vec<Tensor>> = vec![Vec::new(); devices.len()];
-                for (t, &b) in sources.iter().zip(&blocks).filter(|(_, &b)| b > 1) {
+                for (t, &b) in sources.iter().zip(&blocks).filter(|(_, &b)| b > 0) {
                     for (list, &d) in large.iter_mut().zip(&ordinals[1..]) {
                         list.push(cuda::comm::to_in_row_blocks(t, d, b)?);
                     }
@@ -255,13 +256,10 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
                     let (mut small, mut large) = (small.into_iter(), large.into_iter());
                     let list: Vec<Tensor> = blocks
                         .iter()
-                        .filter_map(|&b| if b > 1 { large.next() } else { small.next() })
+                        .filter_map(|&b| if b > 0 { large.next() } else { small.next() })
                         .collect();
-                    for copy in &list {
-                        let blocks = row_blocks(copy);
-                        if blocks > 1 {
-                            cuda::set_gradient_row_blocks(copy, blocks)?;
-                        }
+                    for (copy, &b) in list.iter().zip(&blocks).filter(|(_, &b)| b > 0) {
+                        cuda::set_gradient_row_blocks(copy, b)?;
                     }
                     merged.push(list);
                 }

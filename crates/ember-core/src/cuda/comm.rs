@@ -99,16 +99,17 @@ pub fn broadcast_coalesced(
 /// `cuda/row_blocks.rs`): `linear` with the copy as its weight computes each block of its
 /// output's columns once that block's rows are there, so the copy overlaps the product, and
 /// the source's own `linear` does not wait for the copy either. Every other op on the copy
-/// or the source waits for the whole copy first. Differentiable as [`Tensor::to`] is. A
-/// tensor of another rank, not contiguous, on the CPU or already on `device`, or `blocks`
-/// below 2, is copied as `to` copies it.
+/// or the source waits for the whole copy first. Differentiable as [`Tensor::to`] is. One
+/// block is one such copy, read once it is complete, with neither device's stream waiting for
+/// it. A tensor of another rank, not contiguous, without rows, on the CPU or already on
+/// `device`, or `blocks` of 0, is copied as `to` copies it.
 pub fn to_in_row_blocks(tensor: &Tensor, device: usize, blocks: usize) -> Result<Tensor> {
     crate::dispatch::call_with(&crate::dispatch::policy::TO, [tensor], |[x]| {
         let ranges = super::row_block_ranges(x.dims().first().copied().unwrap_or(0), blocks);
         let Device::Cuda(from) = x.device() else {
             return x.to(Device::Cuda(device));
         };
-        if from == device || x.rank() != 2 || !x.is_contiguous() || ranges.len() < 2 {
+        if from == device || x.rank() != 2 || !x.is_contiguous() || ranges.is_empty() || blocks == 0 {
             return x.to(Device::Cuda(device));
         }
         let (storage, events, done) = match &*x.storage().read() {

@@ -83,7 +83,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Computes the gradient of `weight` (a 2-D tensor on a GPU) in `blocks` row blocks from now
-/// on (Note [Gradients in row blocks]); `blocks` of 0 or 1 turns it off.
+/// on (Note [Gradients in row blocks]); `blocks` of 1 keeps the product whole with one event
+/// after it (its consumer starts once it is written, not once backward reaches the consumer);
+/// 0 turns it off.
 pub fn set_gradient_row_blocks(weight: &Tensor, blocks: usize) -> Result<()> {
     if !matches!(weight.device(), Device::Cuda(_)) || weight.rank() != 2 {
         return Err(Error::invalid(
@@ -97,7 +99,7 @@ pub fn set_gradient_row_blocks(weight: &Tensor, blocks: usize) -> Result<()> {
     }
     let mut requests = lock(&REQUESTS);
     requests.retain(|(w, _)| !w.is_dead() && !w.is(weight.storage()));
-    if blocks > 1 {
+    if blocks > 0 {
         requests.push((weight.storage().downgrade(), blocks));
     }
     ANY_REQUEST.store(!requests.is_empty(), Ordering::Relaxed);

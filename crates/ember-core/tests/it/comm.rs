@@ -165,36 +165,16 @@ fn to_in_row_blocks_over_two_gpus_is_read_as_it_arrives_and_ordered_elsewhere() 
         .unwrap();
     let b = Tensor::randn([rows], DType::F32, d1).unwrap();
     let x = Tensor::randn([batch, cols], DType::F32, d1).unwrap();
-    let want_rows = host(&w.detach().sum_dim(1, false).unwrap());
 
-    // The target: `linear` reads it block by block; another op waits for all of it.
-    let copy = to_in_row_blocks(&w, 1, 4).unwrap();
-    assert_eq!((copy.device(), copy.dims()), (d1, w.dims()));
-    let y = x.linear(&copy, Some(&b)).unwrap();
-    let plain = x.linear(&w.detach().to(d1).unwrap(), Some(&b)).unwrap();
-    // Sums of 4096 products of N(0, 1) values: the blocks' kernels may sum in another order
-    // (differences near 1e-4 seen); a misplaced block would be off by O(1).
-    for (got, want) in host(&y).iter().zip(host(&plain)) {
-        assert!((got - want).abs() <= 2e-3, "{got} vs {want}");
-    }
-    let again = to_in_row_blocks(&w, 1, 4).unwrap();
-    let sums = host(&again.detach().sum_dim(1, false).unwrap());
-    for (got, want) in sums.iter().zip(&want_rows) {
-        assert!(
-            (got - want).abs() <= 1e-3 * want.abs().max(1.0),
-            "row sum {got} vs {want}"
+    // One block is one copy on the side stream, read the same ways.
+    for blocks in [4, 1] {
+        check_copy_in_row_blocks(
+            &Tensor::randn([rows, cols], DType::F32, d0).unwrap(),
+            &x,
+            &b,
+            blocks,
         );
     }
-
-    // The source: a write queued right after the copy comes after it.
-    let before = host(&w.detach());
-    let third = to_in_row_blocks(&w, 1, 4).unwrap();
-    w.detach().fill_(7.0).unwrap();
-    assert_eq!(
-        host(&third.detach()),
-        before,
-        "the copy holds the values before the write"
-    );
 
     // Gradients flow back to the source: d/dw sum(x @ copyᵀ) = column sums of x, per row.
     let copy = to_in_row_blocks(&w, 1, 4).unwrap();
@@ -218,8 +198,44 @@ fn to_in_row_blocks_over_two_gpus_is_read_as_it_arrives_and_ordered_elsewhere() 
         }
     }
 
-    // Not a case for blocks: a 1-D tensor, or one block, is copied as `to` copies it.
+    // Not a case for blocks: a 1-D tensor, or no blocks, is copied as `to` copies it.
     let v = Tensor::randn([100], DType::F32, d0).unwrap();
     assert_eq!(host(&to_in_row_blocks(&v, 1, 4).unwrap()), host(&v));
-    assert_eq!(host(&to_in_row_blocks(&w, 1, 1).unwrap()), host(&w.detach()));
+    assert_eq!(host(&to_in_row_blocks(&w, 1, 0).unwrap()), host(&w.detach()));
+}
+
+/// The target and source checks of the test above for copies in `blocks` row blocks of the
+/// 64 MiB `w` (on the first GPU) to the second, where `x` and `b` are; `w` is left filled
+/// with 7.
+fn check_copy_in_row_blocks(w: &Tensor, x: &Tensor, b: &Tensor, blocks: usize) {
+    let d1 = x.device();
+    let want_rows = host(&w.detach().sum_dim(1, false).unwrap());
+    // The target: `linear` reads it block by block; another op waits for all of it.
+    let copy = to_in_row_blocks(w, 1, blocks).unwrap();
+    assert_eq!((copy.device(), copy.dims()), (d1, w.dims()));
+    let y = x.linear(&copy, Some(b)).unwrap();
+    let plain = x.linear(&w.detach().to(d1).unwrap(), Some(b)).unwrap();
+    // Sums of 4096 products of N(0, 1) values: the blocks' kernels may sum in another order
+    // (differences near 1e-4 seen); a misplaced block would be off by O(1).
+    for (got, want) in host(&y).iter().zip(host(&plain)) {
+        assert!((got - want).abs() <= 2e-3, "{got} vs {want}");
+    }
+    let again = to_in_row_blocks(w, 1, blocks).unwrap();
+    let sums = host(&again.detach().sum_dim(1, false).unwrap());
+    for (got, want) in sums.iter().zip(&want_rows) {
+        assert!(
+            (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+            "row sum {got} vs {want}"
+        );
+    }
+
+    // The source: a write queued right after the copy comes after it.
+    let before = host(&w.detach());
+    let third = to_in_row_blocks(w, 1, blocks).unwrap();
+    w.detach().fill_(7.0).unwrap();
+    assert_eq!(
+        host(&third.detach()),
+        before,
+        "the copy holds the values before the write"
+    );
 }

@@ -450,7 +450,8 @@ fn tf32_is_close_to_but_not_f32() {
 /// through `linear` (with and without a bias) and through `matmul` with its transpose, the
 /// gradient an unregistered copy gets, computed in the blocks `row_block_ranges` gives, each
 /// with an event that has completed once the device is synchronized; the events are taken
-/// once; after unregistering, a gradient comes with none.
+/// once; one block is the whole product with one event; after unregistering, a gradient
+/// comes with none.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn weight_gradients_in_row_blocks_equal_the_whole_product() {
@@ -506,6 +507,30 @@ fn weight_gradients_in_row_blocks_equal_the_whole_product() {
             );
         }
         assert!(cuda::take_gradient_row_events(&plain.grad().unwrap()).is_none());
+    }
+    // One block: the product whole, with one event after it (the last forward above, `matmul`,
+    // left `plain`'s gradient of the same loss).
+    cuda::set_gradient_row_blocks(&w, 1).unwrap();
+    w.set_grad(None).unwrap();
+    x.linear(&w, None)
+        .unwrap()
+        .square()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let g = w.grad().unwrap();
+    let events = cuda::take_gradient_row_events(&g).expect("one block: its event");
+    assert_eq!(
+        events.iter().map(|e| e.rows.clone()).collect::<Vec<_>>(),
+        [0..rows]
+    );
+    for (got, want) in host(&g).iter().zip(host(&plain.grad().unwrap())) {
+        assert!(
+            (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "one block: {got} vs {want}"
+        );
     }
     cuda::set_gradient_row_blocks(&w, 0).unwrap();
     w.set_grad(None).unwrap();
