@@ -83,6 +83,21 @@
 //!   product (ddp_mlp_large at N=1: 2.31 against 2.22 ms per step).
 //! - Two H100s, ddp_mlp_large at N=2: 2.96 ms per step before; blocks alone (the end of
 //!   backward waiting for them) 2.80; blocks handed on to Adam 2.66 (N=1 2.22: 83% scaling).
+//! - Where the rest goes (two H200s, CUPTI traces of one rank per process): at N=2 the
+//!   compute stream is busy 2.41-2.43 ms of a 2.49-2.51 ms step, with no gap over 20 us; the
+//!   all-reduces end ~50 us before the Adam block that reads them. The step is longer than one
+//!   GPU's (2.09 ms) because its kernels run beside NCCL's, which take SMs and memory
+//!   bandwidth: the first layer's four gradient blocks 785 us against 550 us for the whole
+//!   product alone, the Adam updates 662 against 492 us. Other block counts and NCCL settings
+//!   (ms per step at N=2, two runs on one machine, four blocks 2.486-2.489 in both): 3 blocks
+//!   2.440-2.442, 2 blocks 2.455-2.465, 1 block 2.827-2.830, 8 blocks of 16 MiB 2.634-2.638;
+//!   NCCL_MAX_NCHANNELS=8 3.03-3.04 and =4 4.48 (the all-reduces no longer hidden);
+//!   NCCL_MIN_NCHANNELS=16 or 32, NCCL_ALGO=Ring, NCCL_PROTO=Simple or LL128,
+//!   NCCL_CTA_POLICY=1 all 2.48-2.49; NCCL_NTHREADS=256 2.76. Three blocks were measured in
+//!   one of the two runs only, so four stay until another run confirms them.
+//!   Updating the first layer's blocks on a side stream as they arrive (tried, reverted)
+//!   slowed the step to 2.62 ms: the updates ran beside the all-reduces and products and were
+//!   slowed by them.
 //!
 //! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
 //! thread running backward) and by forward; never held while calling into autograd.
