@@ -89,7 +89,7 @@
 //!   GPU's (2.09 ms) because its kernels run beside NCCL's, which take SMs and memory
 //!   bandwidth: the first layer's four gradient blocks 785 us against 550 us for the whole
 //!   product alone, the Adam updates 662 against 492 us. Other block counts and NCCL settings
-//!   (ms per step at N=2, two runs on one machine, four blocks 2.486-2.489 in both): 3 blocks
+//!   (ms per step at N=2, two runs, four blocks 2.486-2.489 in both): 3 blocks
 //!   2.440-2.442, 2 blocks 2.455-2.465, 1 block 2.827-2.830, 8 blocks of 16 MiB 2.634-2.638;
 //!   NCCL_MAX_NCHANNELS=8 3.03-3.04 and =4 4.48 (the all-reduces no longer hidden);
 //!   NCCL_MIN_NCHANNELS=16 or 32, NCCL_ALGO=Ring, NCCL_PROTO=Simple or LL128,
