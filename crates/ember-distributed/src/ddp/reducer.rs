@@ -121,10 +121,18 @@ const MAX_ROW_BLOCKS: usize = 4;
 /// The row blocks a one-parameter bucket's gradient is computed and all-reduced in (Note [DDP
 /// row blocks]): 2-D float weights on a GPU of at least two blocks; 0 for the others.
 fn row_blocks(p: &Tensor) -> usize {
-    let bytes = p.numel() * p.dtype().size_in_bytes();
     match p.rank() == 2 && p.dtype().is_floating_point() && matches!(p.device(), Device::Cuda(_)) {
-        true => (bytes / ROW_BLOCK_BYTES).min(MAX_ROW_BLOCKS),
+        true => row_blocks_of(p.numel() * p.dtype().size_in_bytes()),
         false => 0,
+    }
+}
+
+/// [`row_blocks`] of a weight of `bytes`: 0 below two blocks (one block would still ask
+/// `set_gradient_row_blocks` for an event after the product, which nothing here takes).
+fn row_blocks_of(bytes: usize) -> usize {
+    match (bytes / ROW_BLOCK_BYTES).min(MAX_ROW_BLOCKS) {
+        b if b >= 2 => b,
+        _ => 0,
     }
 }
 
@@ -739,6 +747,17 @@ mod tests {
         let order: Vec<usize> = (0..p.len()).rev().collect();
         let b = compute_bucket_assignment_by_size(&p, &order, &[16, 40], true, |_| false);
         assert_eq!(b, vec![vec![5, 4], vec![3], vec![2], vec![1, 0]]);
+    }
+
+    #[test]
+    fn only_weights_of_two_blocks_or_more_are_reduced_in_row_blocks() {
+        const MIB: usize = 1 << 20;
+        // mlp_large: the 40 MB second layer stays whole, the 200 MB first one takes four.
+        assert_eq!(row_blocks_of(40_000_000), 0);
+        assert_eq!(row_blocks_of(200_000_000), 4);
+        assert_eq!(row_blocks_of(64 * MIB - 1), 0);
+        assert_eq!(row_blocks_of(64 * MIB), 2);
+        assert_eq!(row_blocks_of(100 * MIB), 3);
     }
 
     #[test]
