@@ -528,7 +528,16 @@ fn adam_scaled_prepared(
         .iter()
         .map(|g| Ok(crate::cuda::row_blocks::take_arriving_elements(g)?.unwrap_or_default()))
         .collect::<Result<Vec<_>>>()?;
-    settle_operands(&lists)?;
+    // Nothing read the arriving blocks (an error below): whatever comes next waits for them.
+    let release = |arrivals: &[Vec<crate::cuda::row_blocks::ArrivingElements>]| {
+        arrivals.iter().try_for_each(|blocks| {
+            crate::cuda::row_blocks::wait_for_events(device, blocks.iter().map(|b| &b.event))
+        })
+    };
+    if let Err(e) = settle_operands(&lists) {
+        release(&arrivals)?;
+        return Err(e);
+    }
     let mut guards = lock_all(&lists);
     // The operands borrow the guards: every storage stays locked until the backend has run
     // (on CUDA, until every launch is enqueued).
@@ -564,10 +573,7 @@ fn adam_scaled_prepared(
         .collect();
     let stepped = Storage::adam_step(cfg, tensors, amp);
     if stepped.is_err() {
-        // Nothing read the arriving blocks: whatever comes next waits for them.
-        for blocks in &arrivals {
-            crate::cuda::row_blocks::wait_for_events(device, blocks.iter().map(|b| &b.event))?;
-        }
+        release(&arrivals)?;
     }
     stepped
 }
