@@ -394,7 +394,7 @@ fn nccl_ddp_rank_profiles_while_the_other_runs_ahead() {
     }
 }
 
-/// Note [DDP row blocks]: a 128 MiB weight's gradient is computed and all-reduced in four row
+/// Note [DDP row blocks]: a 128 MiB weight's gradient is computed and all-reduced in three row
 /// blocks, its bucket before the bias's, and the fused Adam step updates each block once its
 /// all-reduce is done. Every step, on each rank: the averaged `.grad` equals one process's
 /// full-batch gradient, and the parameters equal, bit for bit, those of a twin updated by the
