@@ -5,7 +5,9 @@
 //!
 //! Note [Device threads]: as in PyTorch's engine, the part of a graph that lies on another GPU
 //! runs on a thread of that GPU, so that the host work of launching each device's kernels
-//! overlaps (`nn::DataParallel`: every replica's backward at once, not one after the other).
+//! overlaps (a model whose layers are spread over GPUs). `nn::DataParallel` used these
+//! threads for its replicas' backward; it now runs each replica's pass on its own worker
+//! (Note [DataParallel backward] in ember-nn).
 //! - The calling thread runs the nodes whose gradient lies on the device of the first root's
 //!   gradient (the "home" device) or on the CPU, every leaf (so `.grad`, post-accumulate
 //!   hooks and final callbacks stay where Note [Final callbacks] wants them), and every node
@@ -479,6 +481,7 @@ fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<
     let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
     let grads = {
         let _range = crate::profiler::backward_range(node.name, grad.device());
+        let _retaining = Retaining::enter(retain_graph);
         backward(grad, &needs)?
     };
     if grads.len() != node.edges.len() {
@@ -493,6 +496,36 @@ fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<
         *slot = None;
     }
     Ok(grads)
+}
+
+thread_local! {
+    /// Whether the backward function running on this thread belongs to a pass that keeps the
+    /// graph ([`retains_graph`]).
+    static RETAINING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Sets [`RETAINING`] for the backward function being called; puts the previous value back
+/// (a backward function may run a pass of its own).
+struct Retaining(bool);
+
+impl Retaining {
+    fn enter(retain_graph: bool) -> Retaining {
+        Retaining(RETAINING.with(|r| r.replace(retain_graph)))
+    }
+}
+
+impl Drop for Retaining {
+    fn drop(&mut self) {
+        RETAINING.with(|r| r.set(self.0));
+    }
+}
+
+/// Inside a backward function: whether the pass running it keeps the graph (`retain_graph`),
+/// so that a function running a backward pass of its own over a graph it holds (the replicas
+/// of `nn::DataParallel`) keeps that graph too, and a second pass through the function finds
+/// it. False outside backward functions.
+pub fn retains_graph() -> bool {
+    RETAINING.with(std::cell::Cell::get)
 }
 
 fn apply_hooks(t: &Arc<TensorImpl>, mut grad: Tensor) -> Result<Tensor> {

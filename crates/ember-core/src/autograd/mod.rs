@@ -24,7 +24,7 @@ mod ready_queue;
 pub use callbacks::{queue_callback, PostAccumulateGradHook};
 pub use checkpoint::checkpoint;
 
-pub use engine::grad;
+pub use engine::{grad, retains_graph};
 pub(crate) use engine::{roots_with_grads as engine_roots, run_backward};
 pub use grad_mode::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
 

@@ -426,12 +426,10 @@ impl CudaStorage {
         let n = layout.numel();
         let src_rt = self.runtime()?;
         let rt = runtime(device)?;
-        // Blocks cover a contiguous source from its start; anything else is copied whole once
-        // the source's stream has written it.
+        // Blocks cover a contiguous source, their rows counted from its first; anything else
+        // is copied whole once the source's stream has written it.
         let blocks = match source {
-            Source::Blocks { blocks, row_len }
-                if staged.is_none() && layout.offset() == 0 && tile(blocks, row_len, n) =>
-            {
+            Source::Blocks { blocks, row_len } if staged.is_none() && tile(blocks, row_len, n) => {
                 Some((blocks, row_len))
             }
             _ => None,

@@ -92,9 +92,8 @@ impl Tensor {
     /// `to(device)` for a gradient in backward: when nothing but the engine holds it (its
     /// handle and its memory), nothing reads or writes it after the copy, and a copy between
     /// GPUs runs on a side stream (`to_device_private`, Note [Peer copies]).
-    fn gradient_to(&self, device: Device) -> Result<Tensor> {
-        let private = std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique();
-        match (private, self.device(), device) {
+    pub(crate) fn gradient_to(&self, device: Device) -> Result<Tensor> {
+        match (self.is_private(), self.device(), device) {
             (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {
                 dispatch::call_with(&policy::TO, [self], |[x]| {
                     let storage =
@@ -114,6 +113,40 @@ impl Tensor {
             }
             _ => self.to(device),
         }
+    }
+
+    /// Whether nothing but this handle holds the tensor and its memory.
+    pub(crate) fn is_private(&self) -> bool {
+        std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique()
+    }
+
+    /// The rows of a gradient computed in row blocks (`self`, a contiguous 2-D view of some of
+    /// its rows on a GPU) on GPU `device`, copied once `written` (the event of the block that
+    /// wrote them) has completed, on a side stream: neither device's current stream waits for
+    /// the rest of the gradient's product (Note [Gradients in row blocks]). The caller holds
+    /// the whole gradient privately, so nothing else writes these rows.
+    pub(crate) fn gradient_rows_to(&self, device: usize, written: crate::cuda::Event) -> Result<Tensor> {
+        dispatch::call_with(&policy::TO, [self], |[x]| {
+            let rows = crate::cuda::RowBlockEvent {
+                rows: 0..x.dims()[0],
+                event: written,
+            };
+            let storage = match &*x.storage().read() {
+                Storage::Cuda(s) if x.rank() == 2 && x.is_contiguous() => s.to_device_private_in_blocks(
+                    x.layout(),
+                    device,
+                    std::slice::from_ref(&rows),
+                    x.dims()[1],
+                )?,
+                _ => {
+                    return Err(Error::invalid(
+                        "gradient_rows_to",
+                        "expected a contiguous 2-D tensor on a GPU",
+                    ))
+                }
+            };
+            Ok(Tensor::from_storage(Storage::Cuda(storage), x.shape()))
+        })
     }
 
     /// A copy in page-locked host memory (`Tensor.pin_memory()`), from which copies to a GPU

@@ -1,9 +1,13 @@
 //! `cuda::comm::broadcast_coalesced`: the copies on every device equal the sources, the
 //! source device's list is the sources themselves, small tensors cross in one copy per dtype
 //! and bucket, and gradients flow back to the sources as through `to`.
+//! `cuda::comm::reduce_add_coalesced`: the sums equal the host's, in fresh tensors on the
+//! destination, with one crossing per bucket.
 
 use crate::common::two_gpus;
-use ember_core::cuda::comm::{broadcast_coalesced, to_in_row_blocks, DEFAULT_BUFFER_SIZE};
+use ember_core::cuda::comm::{
+    broadcast_coalesced, reduce_add_coalesced, to_in_row_blocks, DEFAULT_BUFFER_SIZE,
+};
 use ember_core::{DType, Device, Tensor};
 
 #[test]
@@ -14,6 +18,122 @@ fn broadcast_coalesced_argument_errors() {
     let e = broadcast_coalesced(&[cpu], &[0, 1], DEFAULT_BUFFER_SIZE).unwrap_err();
     assert!(e.to_string().contains("devices[0] (cuda:0)"), "{e}");
     assert!(e.to_string().contains("cpu"), "{e}");
+}
+
+#[test]
+fn reduce_add_coalesced_argument_errors() {
+    let cpu = || Tensor::ones([3], DType::F32, Device::Cpu).unwrap();
+    let e = reduce_add_coalesced(Vec::new(), 0, DEFAULT_BUFFER_SIZE).unwrap_err();
+    assert!(e.to_string().contains("at least one list"), "{e}");
+    let e = reduce_add_coalesced(vec![vec![cpu(), cpu()], vec![cpu()]], 0, DEFAULT_BUFFER_SIZE).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("list 1 holds 1 tensors but list 0 holds 2"),
+        "{e}"
+    );
+    let e = reduce_add_coalesced(vec![vec![cpu()], vec![cpu()]], 0, DEFAULT_BUFFER_SIZE).unwrap_err();
+    assert!(e.to_string().contains("same GPU"), "{e}");
+    assert!(e.to_string().contains("cpu"), "{e}");
+}
+
+/// Runs on a two-GPU machine (`--skip two_gpus` elsewhere).
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn reduce_add_coalesced_over_two_gpus_sums_in_one_transfer_per_bucket() {
+    let (d0, d1) = two_gpus();
+    let detached = |device| sources(device).iter().map(Tensor::detach).collect::<Vec<_>>();
+    let (a, b) = (detached(d0), detached(d1));
+    let expected: Vec<Vec<f64>> = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| host(x).iter().zip(host(y)).map(|(p, q)| p + q).collect())
+        .collect();
+    // 1 KiB buffers, as in the broadcast test: one bucket of the small f32 tensors, and the
+    // f64, i64 and large f32 tensors alone. The second GPU's list comes first: the sums do
+    // not depend on the order.
+    let _l = crate::profiler::lock();
+    let mut sums = Vec::new();
+    let prof = crate::profiler::cupti_profile(|| {
+        let _r = ember_core::profiler::record_function("reduce under test");
+        sums = reduce_add_coalesced(vec![b, a], 0, 1024).unwrap();
+        ember_core::cuda::synchronize(0).unwrap();
+        ember_core::cuda::synchronize(1).unwrap();
+    });
+    assert_eq!(sums.len(), expected.len());
+    for (k, (s, e)) in sums.iter().zip(&expected).enumerate() {
+        assert_eq!(s.device(), d0, "tensor {k}");
+        assert!(s.is_contiguous(), "tensor {k}");
+        assert_eq!(
+            s.storage_offset(),
+            0,
+            "tensor {k}: a tensor of its own, not a view of a buffer"
+        );
+        crate::common::assert_close_slice(&host(s), e, 1e-6, 1e-6);
+    }
+    let events = prof.events();
+    let call = events.iter().find(|e| e.name == "reduce under test").unwrap();
+    let inside = |name: &str| {
+        events
+            .iter()
+            .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
+            .filter(|e| e.name == name)
+            .count()
+    };
+    assert_eq!(
+        inside("to"),
+        4,
+        "one crossing for the bucket and one per tensor alone"
+    );
+    assert_eq!(
+        inside("_foreach_copy_"),
+        3,
+        "the bucket gathered on each GPU and copied out once"
+    );
+    assert_eq!(inside("add"), 4, "one add per bucket and per tensor alone");
+}
+
+/// Note [Coalesced reduce]: a gradient computed in row blocks on the second GPU is added to
+/// the first GPU's tensor block by block, once each block has crossed: one add per block and
+/// none of the whole; the sum equals the host's.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn reduce_add_coalesced_adds_a_gradient_in_row_blocks_block_by_block_over_two_gpus() {
+    let (d0, d1) = two_gpus();
+    let (rows, cols) = (1000usize, 96usize);
+    let w = Tensor::randn([rows, cols], DType::F32, d1)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    ember_core::cuda::set_gradient_row_blocks(&w, 4).unwrap();
+    let x = Tensor::randn([40, cols], DType::F32, d1).unwrap();
+    let loss = x.linear(&w, None).unwrap().square().unwrap().sum_all().unwrap();
+    let g = ember_core::autograd::grad(&[loss], &[w], None, false)
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    let own = Tensor::randn([rows, cols], DType::F32, d0).unwrap();
+    let expected: Vec<f64> = host(&own).iter().zip(host(&g)).map(|(a, b)| a + b).collect();
+    let _l = crate::profiler::lock();
+    let mut sums = Vec::new();
+    let prof = crate::profiler::cupti_profile(|| {
+        let _r = ember_core::profiler::record_function("reduce under test");
+        sums = reduce_add_coalesced(vec![vec![g], vec![own]], 0, DEFAULT_BUFFER_SIZE).unwrap();
+        ember_core::cuda::synchronize(0).unwrap();
+        ember_core::cuda::synchronize(1).unwrap();
+    });
+    assert_eq!(sums[0].device(), d0);
+    crate::common::assert_close_slice(&host(&sums[0]), &expected, 1e-6, 1e-6);
+    let events = prof.events();
+    let call = events.iter().find(|e| e.name == "reduce under test").unwrap();
+    let inside = |name: &str| {
+        events
+            .iter()
+            .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
+            .filter(|e| e.name == name)
+            .count()
+    };
+    assert_eq!(inside("add"), 4, "one add per block, none of the whole");
+    assert_eq!(inside("to"), 4, "one crossing per block");
 }
 
 /// Five f32 tensors of odd sizes, one f64, one i64 and one large f32, on `device`; the float

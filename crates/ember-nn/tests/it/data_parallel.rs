@@ -70,8 +70,92 @@ fn check(devices: Vec<Device>, rows: usize) {
     assert_eq!(dp.named_parameters()[0].0, "module.fc1.weight");
 }
 
+/// Through DataParallel the batch gets the module's own gradient when it requires one, and a
+/// second backward through a retained graph adds the same gradients again (Note
+/// [DataParallel backward]: each replica's pass keeps its graph too).
+fn check_input_gradient_and_retained_graph(devices: Vec<Device>, rows: usize) {
+    let x = Tensor::randn([rows, 6], DType::F32, Device::Cpu).unwrap();
+    let loss =
+        |model: &dyn Forward, x: &Tensor| model.forward(x).unwrap().square().unwrap().mean_all().unwrap();
+    let single = net(devices[0]);
+    // Fresh leaves each (on the CPU `to` hands back the tensor itself).
+    let x0 = x
+        .to(devices[0])
+        .unwrap()
+        .deep_clone()
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    loss(&single, &x0).backward().unwrap();
+    let dp = DataParallel::with_devices(net(devices[0]), devices.clone()).unwrap();
+    let x1 = x
+        .to(devices[0])
+        .unwrap()
+        .deep_clone()
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let l = loss(&dp, &x1);
+    l.backward_with(None, true).unwrap();
+    assert_close(&x1.grad().unwrap(), &x0.grad().unwrap(), 1e-5, 1e-6);
+    l.backward_with(None, false).unwrap();
+    assert_close(
+        &x1.grad().unwrap(),
+        &x0.grad().unwrap().mul_scalar(2.0).unwrap(),
+        1e-5,
+        1e-6,
+    );
+    for (p, q) in dp.parameters().iter().zip(single.parameters()) {
+        let twice = q.grad().unwrap().mul_scalar(2.0).unwrap();
+        assert_close(&p.grad().unwrap(), &twice, 1e-5, 1e-6);
+    }
+    // The graph is gone after a backward that did not retain it.
+    assert!(l.backward().is_err());
+}
+
+#[derive(Module, Clone)]
+struct Partly {
+    used: Linear,
+    unused: Linear,
+}
+
+impl Forward for Partly {
+    fn forward(&self, x: &Tensor) -> ember_core::Result<Tensor> {
+        self.used.forward(x)
+    }
+}
+
+/// A parameter the forward never reads gets no gradient, the others theirs; a frozen one
+/// neither, and no replica needs it to.
+fn check_unused_and_frozen_parameters(devices: Vec<Device>) {
+    let dp = DataParallel::with_devices(
+        Partly {
+            used: Linear::new(6, 3, devices[0]).unwrap(),
+            unused: Linear::new(6, 3, devices[0]).unwrap(),
+        },
+        devices.clone(),
+    )
+    .unwrap();
+    dp.module()
+        .used
+        .bias
+        .as_ref()
+        .unwrap()
+        .requires_grad_(false)
+        .unwrap();
+    let x = Tensor::randn([8, 6], DType::F32, devices[0]).unwrap();
+    dp.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    let m = dp.module();
+    let expected = x.sum_dim(0, true).unwrap().expand(&[3, 6]).unwrap();
+    assert_close(&m.used.weight.grad().unwrap(), &expected, 1e-5, 1e-5);
+    assert!(m.used.bias.as_ref().unwrap().grad().is_none(), "frozen");
+    assert!(m.unused.weight.grad().is_none(), "never read");
+}
+
 #[test]
 fn data_parallel_over_cpu_replicas_gives_the_full_batch_gradients() {
+    check_input_gradient_and_retained_graph(vec![Device::Cpu; 3], 10);
+    check_unused_and_frozen_parameters(vec![Device::Cpu; 2]);
     check(vec![Device::Cpu; 3], 10);
     // Fewer rows than devices: as many chunks as rows.
     check(vec![Device::Cpu; 3], 2);
@@ -106,6 +190,8 @@ fn data_parallel_over_two_gpus_gives_the_full_batch_gradients() {
     assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
     check(vec![Device::Cuda(0), Device::Cuda(1)], 64);
     check(vec![Device::Cuda(0), Device::Cuda(1)], 1);
+    check_input_gradient_and_retained_graph(vec![Device::Cuda(0), Device::Cuda(1)], 10);
+    check_unused_and_frozen_parameters(vec![Device::Cuda(0), Device::Cuda(1)]);
     // Module on cuda:1, devices [1, 0]: gathered on cuda:1.
     check(vec![Device::Cuda(1), Device::Cuda(0)], 9);
     // The module not on device_ids[0] is an error naming it.
