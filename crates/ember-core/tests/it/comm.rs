@@ -70,15 +70,7 @@ fn reduce_add_coalesced_over_two_gpus_sums_in_one_transfer_per_bucket() {
         );
         crate::common::assert_close_slice(&host(s), e, 1e-6, 1e-6);
     }
-    let events = prof.events();
-    let call = events.iter().find(|e| e.name == "reduce under test").unwrap();
-    let inside = |name: &str| {
-        events
-            .iter()
-            .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
-            .filter(|e| e.name == name)
-            .count()
-    };
+    let inside = |name: &str| ops_inside(&prof, "reduce under test", name);
     assert_eq!(
         inside("to"),
         4,
@@ -123,17 +115,20 @@ fn reduce_add_coalesced_adds_a_gradient_in_row_blocks_block_by_block_over_two_gp
     });
     assert_eq!(sums[0].device(), d0);
     crate::common::assert_close_slice(&host(&sums[0]), &expected, 1e-6, 1e-6);
-    let events = prof.events();
-    let call = events.iter().find(|e| e.name == "reduce under test").unwrap();
-    let inside = |name: &str| {
-        events
-            .iter()
-            .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
-            .filter(|e| e.name == name)
-            .count()
-    };
+    let inside = |name: &str| ops_inside(&prof, "reduce under test", name);
     assert_eq!(inside("add"), 4, "one add per block, none of the whole");
     assert_eq!(inside("to"), 4, "one crossing per block");
+}
+
+/// How many ops named `name` ran on the thread of the range `range`, inside it.
+fn ops_inside(prof: &ember_core::profiler::Profiler, range: &str, name: &str) -> usize {
+    let events = prof.events();
+    let call = events.iter().find(|e| e.name == range).unwrap();
+    events
+        .iter()
+        .filter(|e| e.thread == call.thread && e.start_ns >= call.start_ns && e.end_ns <= call.end_ns)
+        .filter(|e| e.name == name)
+        .count()
 }
 
 /// Five f32 tensors of odd sizes, one f64, one i64 and one large f32, on `device`; the float

@@ -79,22 +79,14 @@ fn check_input_gradient_and_retained_graph(devices: Vec<Device>, rows: usize) {
         |model: &dyn Forward, x: &Tensor| model.forward(x).unwrap().square().unwrap().mean_all().unwrap();
     let single = net(devices[0]);
     // Fresh leaves each (on the CPU `to` hands back the tensor itself).
-    let x0 = x
-        .to(devices[0])
-        .unwrap()
-        .deep_clone()
-        .unwrap()
-        .requires_grad_(true)
-        .unwrap();
+    let leaf = || {
+        let t = x.to(devices[0]).unwrap().deep_clone().unwrap();
+        t.requires_grad_(true).unwrap()
+    };
+    let x0 = leaf();
     loss(&single, &x0).backward().unwrap();
     let dp = DataParallel::with_devices(net(devices[0]), devices.clone()).unwrap();
-    let x1 = x
-        .to(devices[0])
-        .unwrap()
-        .deep_clone()
-        .unwrap()
-        .requires_grad_(true)
-        .unwrap();
+    let x1 = leaf();
     let l = loss(&dp, &x1);
     l.backward_with(None, true).unwrap();
     assert_close(&x1.grad().unwrap(), &x0.grad().unwrap(), 1e-5, 1e-6);
