@@ -182,8 +182,10 @@ fn memory_and_shapes_are_recorded_when_asked() {
     );
     // The kept sum was made and freed inside the range's time; the mul's output too.
     assert_eq!(range.cpu_memory_usage, 0, "{range:?}");
+    // Every row: the profiler records every thread's ops (as PyTorch's), and tests running
+    // beside this one can fill the first rows with larger allocations.
     let by_shape = prof.key_averages_by_input_shape();
-    let table = by_shape.table("cpu_memory_usage", 5).unwrap();
+    let table = by_shape.table("cpu_memory_usage", usize::MAX).unwrap();
     let header = table.lines().nth(1).unwrap();
     for h in ["CPU Mem", "Self CPU Mem", "# of Calls", "Input Shapes"] {
         assert!(header.contains(h), "{header}");
