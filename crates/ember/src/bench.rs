@@ -5,6 +5,7 @@ use crate::models;
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::{CrossEntropyLoss, Forward, ModuleExt};
+use ember::profiler::ProfilerActivity;
 use ember::{cuda, DType, Device, Result, Tensor};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
@@ -12,8 +13,9 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 /// `--profile DIR`: where the workload being timed writes its profile (`DIR/NAME.txt` and
-/// `DIR/NAME.json`); None without the flag. Set by [`bench`] around each workload.
-static PROFILE_TO: Mutex<Option<(PathBuf, String)>> = Mutex::new(None);
+/// `DIR/NAME.json`), and what it records (`--profile-activities`; empty: the default); None
+/// without the flag. Set by [`bench`] around each workload.
+static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mutex::new(None);
 
 /// Steps profiled after the timed ones.
 const PROFILED_STEPS: usize = 3;
@@ -105,8 +107,8 @@ fn time_steps(
         Device::Cpu => None,
     };
     let target = PROFILE_TO.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    if let Some((dir, name)) = target {
-        profile_steps(device, &dir, &name, &mut step)?;
+    if let Some((dir, name, activities)) = target {
+        profile_steps(device, &dir, &name, &activities, &mut step)?;
     }
     Ok(Timing {
         median,
@@ -116,18 +118,23 @@ fn time_steps(
     })
 }
 
-/// Runs [`PROFILED_STEPS`] steps under the profiler and writes `dir/name.txt` (the op table,
-/// sorted by self CPU time: where the host's time goes) and `dir/name.json` (the trace).
+/// Runs [`PROFILED_STEPS`] steps under the profiler, recording `activities` (none given: the
+/// CPU, and CUDA on a GPU), and writes `dir/name.txt` (the op table, sorted by self CPU time:
+/// where the host's time goes) and `dir/name.json` (the trace).
 fn profile_steps(
     device: Device,
     dir: &Path,
     name: &str,
+    activities: &[ProfilerActivity],
     step: &mut impl FnMut() -> Result<()>,
 ) -> Result<()> {
-    use ember::profiler::{self, ProfilerActivity};
-    let mut activities = vec![ProfilerActivity::Cpu];
-    if device.is_cuda() {
-        activities.push(ProfilerActivity::Cuda);
+    use ember::profiler;
+    let mut activities = activities.to_vec();
+    if activities.is_empty() {
+        activities.push(ProfilerActivity::Cpu);
+        if device.is_cuda() {
+            activities.push(ProfilerActivity::Cuda);
+        }
     }
     let mut prof = profiler::profile().activities(activities).start()?;
     for _ in 0..PROFILED_STEPS {
@@ -517,10 +524,20 @@ pub fn launched_local_rank() -> Option<usize> {
 }
 
 /// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each
-/// (and with `profile`, writing each one's profile there); an error naming the known
-/// workloads, before anything runs, when `only` names an unknown one.
-pub fn bench(device: Device, only: &[String], profile: Option<&Path>) -> std::result::Result<(), String> {
-    if let Some(dir) = profile {
+/// (and with `profile`, a folder and what to record there, none meaning the default, writing
+/// each one's profile there); an error naming the known workloads, before anything runs, when
+/// `only` names an unknown one, and one when CUDA activity is asked for on the CPU.
+pub fn bench(
+    device: Device,
+    only: &[String],
+    profile: Option<(&Path, &[ProfilerActivity])>,
+) -> std::result::Result<(), String> {
+    if let Some((dir, activities)) = profile {
+        if !device.is_cuda() && activities.contains(&ProfilerActivity::Cuda) {
+            return Err(format!(
+                "--profile-activities cuda needs a GPU, but the workloads run on {device}; leave cuda out or pass --device cuda"
+            ));
+        }
         std::fs::create_dir_all(dir).map_err(|e| format!("--profile: cannot make {}: {e}", dir.display()))?;
     }
     if let Some(bad) = only.iter().find(|n| !WORKLOADS.contains(&n.as_str())) {
@@ -554,7 +571,8 @@ pub fn bench(device: Device, only: &[String], profile: Option<&Path>) -> std::re
             0 => name.to_string(),
             r => format!("{name}.rank{r}"),
         };
-        *PROFILE_TO.lock().unwrap_or_else(|e| e.into_inner()) = profile.map(|d| (d.to_path_buf(), file));
+        *PROFILE_TO.lock().unwrap_or_else(|e| e.into_inner()) =
+            profile.map(|(dir, activities)| (dir.to_path_buf(), file, activities.to_vec()));
         let mut line = run(name, device).unwrap_or_else(|e| {
             let mut m = Map::new();
             m.insert("workload".into(), json!(name));

@@ -42,10 +42,28 @@ enum Command {
         /// (DIR/WORKLOAD.json) into DIR.
         #[arg(long, value_name = "DIR")]
         profile: Option<std::path::PathBuf>,
+        /// With --profile: what the profile records, `cpu` and/or `cuda` (PyTorch's
+        /// `activities`; default: both on a GPU). CUPTI's records about double the host time
+        /// of every op, so `cpu` alone shows a host-bound workload's host time as it is.
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            requires = "profile",
+            value_name = "cpu,cuda"
+        )]
+        profile_activities: Vec<Activity>,
     },
     /// Draw a memory snapshot (`cuda::dump_snapshot`, or PyTorch's `_dump_snapshot`) as one
     /// self-contained HTML page: the active-memory timeline and the segment map.
     Memviz(memviz::MemvizArgs),
+}
+
+/// `--profile-activities` values.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Activity {
+    Cpu,
+    Cuda,
 }
 
 fn main() {
@@ -58,6 +76,7 @@ fn main() {
             device,
             only,
             profile,
+            profile_activities,
         } => {
             let device = match device.as_deref().map(ember::Device::parse) {
                 Some(Ok(d)) => d,
@@ -74,7 +93,16 @@ fn main() {
                 ),
                 None => ember::Device::Cpu,
             };
-            if let Err(e) = bench::bench(device, &only, profile.as_deref()) {
+            use ember::profiler::ProfilerActivity;
+            let activities: Vec<ProfilerActivity> = profile_activities
+                .iter()
+                .map(|a| match a {
+                    Activity::Cpu => ProfilerActivity::Cpu,
+                    Activity::Cuda => ProfilerActivity::Cuda,
+                })
+                .collect();
+            let profile = profile.as_deref().map(|dir| (dir, activities.as_slice()));
+            if let Err(e) = bench::bench(device, &only, profile) {
                 eprintln!("ember bench: {e}");
                 std::process::exit(2);
             }

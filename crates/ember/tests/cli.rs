@@ -559,6 +559,40 @@ fn bench_profile_writes_each_workloads_op_table_and_trace() {
     assert_eq!(steps, 3);
 }
 
+/// `--profile-activities`: `cpu` profiles as the default does on the CPU; `cuda` on the CPU
+/// is an error that says what to do, before any workload runs; an unknown activity, or the
+/// flag without `--profile`, is refused by the argument parser.
+#[test]
+fn bench_profile_activities_choose_what_is_recorded() {
+    let dir = scratch("bench_profile_activities");
+    let arg = dir.to_str().unwrap();
+    let base = ["bench", "--device", "cpu", "--only", "mlp_small"];
+    let out = ember(&[&base[..], &["--profile", arg, "--profile-activities", "cpu"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = std::fs::read_to_string(dir.join("mlp_small.txt")).unwrap();
+    assert!(table.contains("bench_step") && !table.contains("CUDA"), "{table}");
+    let out = ember(&[&base[..], &["--profile", arg, "--profile-activities", "cpu,cuda"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("needs a GPU") && err.contains("--device cuda"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "nothing ran");
+    for bad in [
+        &["--profile", arg, "--profile-activities", "gpu"][..],
+        &["--profile-activities", "cpu"][..],
+    ] {
+        let out = ember(&[&base[..], bad].concat());
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--profile"),
+            "{bad:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 // Note [Graphed training step] of `train/graph.rs`: two epochs of the CNN on the embedded data
 // (70 full batches of 128 and one of 40 per epoch), eagerly and with --cuda-graph, in float32
 // and with --amp fp16 (the GradScaler inside the graph). The graphed runs replay every full
