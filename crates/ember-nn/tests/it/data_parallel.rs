@@ -163,6 +163,65 @@ fn data_parallel_over_cpu_replicas_gives_the_full_batch_gradients() {
     );
 }
 
+/// How [`Faulty`]'s backward behaves: 0 as the identity, 1 an error, 2 a panic on the
+/// replicas' worker threads (Note [DataParallel workers]) and the identity elsewhere.
+static FAULT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+#[derive(Module, Clone)]
+struct Faulty {
+    fc: Linear,
+}
+
+impl Forward for Faulty {
+    fn forward(&self, x: &Tensor) -> ember_core::Result<Tensor> {
+        let y = self.fc.forward(x)?;
+        let fault = FAULT.load(std::sync::atomic::Ordering::SeqCst);
+        Ok(ember_core::autograd::custom_op(
+            "faulty",
+            &[&y],
+            y.detach(),
+            move |g, _| {
+                let on_worker = std::thread::current()
+                    .name()
+                    .is_some_and(|n| n.starts_with("DataParallel"));
+                match fault {
+                    1 => Err(Error::invalid("faulty", "backward refused")),
+                    2 if on_worker => panic!("a replica's backward panics on purpose"),
+                    _ => Ok(vec![Some(g.clone())]),
+                }
+            },
+        ))
+    }
+}
+
+/// Note [DataParallel backward]: an error in a replica's backward pass is backward's error,
+/// a panic on a worker's thread is an error that names the replica's device, and the wrapper
+/// and its workers go on: the next step gets the full batch's gradients.
+#[test]
+fn data_parallel_backward_errors_and_panics_fail_backward_and_the_wrapper_lives_on() {
+    let dp = DataParallel::with_devices(
+        Faulty {
+            fc: Linear::new(6, 3, Device::Cpu).unwrap(),
+        },
+        vec![Device::Cpu; 2],
+    )
+    .unwrap();
+    let x = Tensor::randn([8, 6], DType::F32, Device::Cpu).unwrap();
+    let step = |fault: u8| {
+        FAULT.store(fault, std::sync::atomic::Ordering::SeqCst);
+        dp.zero_grad().unwrap();
+        dp.forward(&x).unwrap().sum_all().unwrap().backward()
+    };
+    let e = step(1).unwrap_err();
+    assert!(e.to_string().contains("backward refused"), "{e}");
+    let e = step(2).unwrap_err();
+    assert!(e.to_string().contains("panicked in its backward"), "{e}");
+    assert!(e.to_string().contains("cpu"), "{e}");
+    step(0).unwrap();
+    let expected = x.sum_dim(0, true).unwrap().expand(&[3, 6]).unwrap();
+    assert_close(&dp.module().fc.weight.grad().unwrap(), &expected, 1e-5, 1e-5);
+}
+
 #[test]
 fn data_parallel_argument_errors() {
     // The module must be on the first device.
