@@ -109,7 +109,9 @@ pub fn broadcast_coalesced(
 /// tensors cross per dtype in flat buffers of at most `buffer_size` bytes, as in
 /// [`broadcast_coalesced`]: a gather per list, a copy per other GPU, an add per list after
 /// the first and one copy out into the results; a larger tensor, or one left without company,
-/// crosses alone (Note [Coalesced reduce]). The results are fresh tensors of their own.
+/// crosses alone (Note [Coalesced reduce]). The results are tensors of their own, not views
+/// of a buffer: sums are new tensors, and an entry with a single input already on the
+/// destination is that input.
 ///
 /// The inputs are taken: a tensor nothing else holds (a gradient handed on in backward) is
 /// read by a copy on a side stream of its device, as [`Tensor::to`] does with a gradient in
