@@ -5,7 +5,9 @@
 //! Invariants: at most one session is current (`CURRENT`); entries on a thread's stack carry
 //! the id of the session that opened them, and an entry of another session is never closed
 //! into the current one (an op that entered before a session began, or leaves after it ended,
-//! is dropped, as PyTorch drops ops that straddle a profiler's start or stop).
+//! is dropped, as PyTorch drops ops that straddle a profiler's start or stop). Only the
+//! session that opened an entry closes or drops it: an ended session's observer stays
+//! installed while a range of it is open somewhere, and sees the next session's ops.
 
 use super::{CudaApiCall, CudaTimingSource, EventKind, FunctionEvent, GpuActivity, GpuInterval};
 use crate::cuda::cupti::{self, ClockRef, Collected};
@@ -490,7 +492,7 @@ fn close(session: &Session, key: u64, is_op: bool) {
         let mut s = s.borrow_mut();
         let Some(at) = s
             .iter()
-            .rposition(|e| e.key == key && (e.kind == EventKind::Op) == is_op)
+            .rposition(|e| e.key == key && (e.kind == EventKind::Op) == is_op && e.session == session.id)
         else {
             return;
         };
@@ -564,12 +566,15 @@ impl Observer for Recorder {
 
     fn on_exit(&self, event: &OpExit) {
         let Some(session) = current().filter(|s| s.id == self.session) else {
-            // The session ended while the op ran: drop its entry.
+            // The session ended while the op ran: drop its entry, if it opened one. Every
+            // installed observer sees every op, and this one stays installed while anything
+            // holds its session (a range left open on some thread): the op's entry of the
+            // session now current is not ours to drop.
             STACK.with(|s| {
                 let mut s = s.borrow_mut();
                 if let Some(at) = s
                     .iter()
-                    .rposition(|e| e.kind == EventKind::Op && e.key == event.id)
+                    .rposition(|e| e.kind == EventKind::Op && e.key == event.id && e.session == self.session)
                 {
                     s.remove(at).release();
                 }

@@ -72,6 +72,48 @@ fn known_ops_appear_with_their_call_counts() {
     assert!(prof.trace().unwrap().gpu_timing().is_none());
 }
 
+/// A range of an earlier session that is still open (a guard on another thread, a backward
+/// node that straddles the stop) keeps that session alive, and its observer installed: the
+/// next session still records every op (the earlier one's observer once took the new
+/// session's ops off the stack as they left, and they were lost).
+#[test]
+fn a_range_left_open_by_an_earlier_session_loses_no_op_of_the_next() {
+    let _l = lock();
+    let cpu = || profiler::profile().activities([ProfilerActivity::Cpu]);
+    let mut first = cpu().start().unwrap();
+    let (open_tx, open_rx) = std::sync::mpsc::channel();
+    let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
+    let straddling = std::thread::spawn(move || {
+        let _r = profiler::record_function("straddles the stop");
+        open_tx.send(()).unwrap();
+        close_rx.recv().unwrap();
+    });
+    open_rx.recv().unwrap();
+    first.stop().unwrap();
+    let x = Tensor::ones([4], DType::F32, Device::Cpu).unwrap();
+    let mut second = cpu().start().unwrap();
+    {
+        let _r = profiler::record_function("the next session");
+        for _ in 0..3 {
+            x.add(&x).unwrap();
+        }
+    }
+    second.stop().unwrap();
+    close_tx.send(()).unwrap();
+    straddling.join().unwrap();
+    let (_, ops) = children_of(second.events(), "the next session");
+    assert_eq!(
+        count(&ops, "add"),
+        3,
+        "{:?}",
+        ops.iter().map(|e| &e.name).collect::<Vec<_>>()
+    );
+    assert!(
+        second.events().iter().all(|e| e.name != "straddles the stop"),
+        "a range of the first session is not the second's"
+    );
+}
+
 #[test]
 fn ranges_contain_their_ops_and_self_time_is_at_most_total() {
     let _l = lock();
