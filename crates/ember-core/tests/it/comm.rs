@@ -118,7 +118,8 @@ fn reduce_add_coalesced_adds_a_gradient_in_row_blocks_block_by_block_over_two_gp
 
 /// Asserts that `expected` ops named `name` ran on the thread of the range `range`, inside it;
 /// on a miscount the message lists what the range held and every `name` op of the session
-/// (a miscount was seen once per fresh H100 machine, twice, and never reproduced since).
+/// (on two fresh H100 machines the profiler lost two crossings here: an ended session's
+/// observer, kept by a backward range on another test's thread, dropped the ops, since fixed).
 fn assert_ops_inside(
     prof: &ember_core::profiler::Profiler,
     range: &str,
