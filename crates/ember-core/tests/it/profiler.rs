@@ -114,6 +114,57 @@ fn a_range_left_open_by_an_earlier_session_loses_no_op_of_the_next() {
     );
 }
 
+/// Profiling cycles started and stopped while two other threads run forward and backward
+/// passes over `devices` (the second device's share crossing with `to`) in a loop: every cycle
+/// records each of the profiling thread's own ops. The workers' backward nodes open ranges
+/// that straddle the cycles' stops (on the engine's device threads on a GPU), and an ended
+/// session's observer once took the next session's ops as they left.
+fn cycles_beside_backward_passes(devices: [Device; 2], profile: impl Fn(&dyn Fn()) -> profiler::Profiler) {
+    let _l = lock();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || -> Result<usize> {
+                let [d0, d1] = devices;
+                let w = Tensor::randn([64, 64], DType::F32, d0)?.requires_grad_(true)?;
+                let mut passes = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let far = w.to(d1)?;
+                    let b = far.matmul(&far)?.sin()?.to(d0)?;
+                    w.matmul(&w)?.sin()?.add(&b)?.sum_all()?.backward()?;
+                    passes += 1;
+                }
+                Ok(passes)
+            })
+        })
+        .collect();
+    for cycle in 0..20 {
+        let device = devices[cycle % 2];
+        let prof = profile(&|| known_ops(device).unwrap());
+        let (_, ops) = children_of(prof.events(), "known_ops");
+        let counts = ["add", "matmul", "relu"].map(|n| count(&ops, n));
+        assert_eq!(counts, [3, 2, 1], "cycle {cycle} on {device}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in workers {
+        assert!(w.join().unwrap().unwrap() > 0, "a worker made no pass");
+    }
+}
+
+#[test]
+fn cycles_beside_backward_passes_on_other_threads_record_every_op() {
+    cycles_beside_backward_passes([Device::Cpu; 2], |body| {
+        let mut prof = profiler::profile()
+            .activities([ProfilerActivity::Cpu])
+            .start()
+            .unwrap();
+        body();
+        prof.stop().unwrap();
+        prof
+    });
+}
+
 #[test]
 fn ranges_contain_their_ops_and_self_time_is_at_most_total() {
     let _l = lock();
@@ -736,4 +787,15 @@ fn under(events: &[FunctionEvent], mut i: usize, name: &str) -> bool {
             None => return false,
         }
     }
+}
+
+/// As `cycles_beside_backward_passes_on_other_threads_record_every_op`, with CUPTI turned on
+/// and off by every cycle while the workers launch on two GPUs and their backward passes run
+/// the second GPU's nodes on the engine's device thread. Runs on a two-GPU machine (`--skip
+/// two_gpus` elsewhere).
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn cuda_cupti_cycles_beside_backward_passes_over_two_gpus_record_every_op() {
+    let (d0, d1) = common::two_gpus();
+    cycles_beside_backward_passes([d0, d1], |body| cupti_profile(body));
 }
