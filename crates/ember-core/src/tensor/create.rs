@@ -55,9 +55,15 @@ impl Tensor {
         Tensor::full(shape, 1.0, dtype, device)
     }
 
-    /// A tensor whose contents are unspecified (zero-filled on the CPU).
+    /// A tensor whose contents are unspecified (`torch.empty`): on a GPU, memory from the
+    /// caching allocator with whatever it held (no fill is queued, as PyTorch queues none);
+    /// zeros on the CPU, where safe Rust reads only initialized memory.
     pub fn empty(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::zeros(shape, dtype, device)
+        let shape = shape.into();
+        let numel = shape.checked_elements("empty")?;
+        crate::shape::checked_bytes("empty", numel, dtype)?;
+        crate::memory::set_current_op("empty");
+        Ok(Tensor::from_storage(Storage::alloc(device, dtype, numel)?, shape))
     }
 
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
@@ -72,8 +78,9 @@ impl Tensor {
         self.full_like(1.0)
     }
 
+    /// [`Tensor::empty`] of this tensor's shape, dtype and device (`torch.empty_like`).
     pub fn empty_like(&self) -> Result<Tensor> {
-        self.full_like(0.0)
+        Tensor::empty(self.shape(), self.dtype(), self.device())
     }
 
     /// Values `start, start + step, ...` below `end` (`torch.arange`).

@@ -799,3 +799,43 @@ fn cuda_cupti_cycles_beside_backward_passes_over_two_gpus_record_every_op() {
     let (d0, d1) = common::two_gpus();
     cycles_beside_backward_passes([d0, d1], |body| cupti_profile(body));
 }
+
+/// `Tensor::empty` on a GPU takes memory from the caching allocator and queues no work (as
+/// `torch.empty`); `zeros` queues its fill, which CUPTI reports under the range that made it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_empty_queues_no_fill_and_zeros_one() {
+    let dev = common::gpu();
+    let _l = lock();
+    let mut made = Vec::new();
+    let prof = cupti_profile(|| {
+        for (name, value) in [("empty", None), ("zeros", Some(0.0))] {
+            let _r = profiler::record_function(name);
+            made.push(match value {
+                None => Tensor::empty([1 << 20], DType::F32, dev).unwrap(),
+                Some(v) => Tensor::full([1 << 20], v, DType::F32, dev).unwrap(),
+            });
+        }
+    });
+    for t in &made {
+        assert_eq!(
+            (t.dims(), t.dtype(), t.device()),
+            (&[1usize << 20][..], DType::F32, dev)
+        );
+    }
+    let trace = prof.trace().unwrap();
+    let (events, activities) = (trace.events(), trace.gpu_activities());
+    let work_under = |range: &str| -> Vec<GpuActivityKind> {
+        activities
+            .iter()
+            .filter(|a| a.event.is_some_and(|i| under(events, i, range)))
+            .map(|a| a.kind)
+            .collect()
+    };
+    assert_eq!(work_under("empty"), vec![], "empty queued work");
+    assert_eq!(
+        work_under("zeros"),
+        vec![GpuActivityKind::Memset],
+        "zeros' one fill"
+    );
+}
