@@ -259,14 +259,7 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
         true => super::take_gradient_row_events(&t),
         false => None,
     };
-    let tiled = |blocks: &[super::RowBlockEvent]| {
-        let mut next = 0;
-        blocks
-            .iter()
-            .all(|b| std::mem::replace(&mut next, b.rows.end) == b.rows.start)
-            && next == t.dims()[0]
-    };
-    let Some(blocks) = blocks.filter(|b| tiled(b)) else {
+    let Some(blocks) = blocks.filter(|b| super::storage::tile(b, t.dims()[1], t.numel())) else {
         return acc.add(&cross(t, dest)?);
     };
     let _no_grad = crate::no_grad();

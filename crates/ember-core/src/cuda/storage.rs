@@ -627,7 +627,7 @@ enum Source<'a> {
 }
 
 /// Whether `blocks` are consecutive row ranges of `row_len` elements covering all `n`.
-fn tile(blocks: &[super::RowBlockEvent], row_len: usize, n: usize) -> bool {
+pub(super) fn tile(blocks: &[super::RowBlockEvent], row_len: usize, n: usize) -> bool {
     let mut next = 0;
     for b in blocks {
         if b.rows.start != next || b.rows.end <= b.rows.start {

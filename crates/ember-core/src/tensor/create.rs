@@ -39,12 +39,23 @@ impl Tensor {
     }
 
     pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        let shape = shape.into();
-        let numel = shape.checked_elements("full")?;
-        crate::shape::checked_bytes("full", numel, dtype)?;
-        crate::memory::set_current_op("full");
-        let storage = Storage::full(device, dtype, numel, value)?;
-        Ok(Tensor::from_storage(storage, shape))
+        Tensor::made("full", shape.into(), dtype, |n| {
+            Storage::full(device, dtype, n, value)
+        })
+    }
+
+    /// A tensor of `shape` over the storage `make` gives for its element count, once `shape`
+    /// and its bytes pass `op`'s checks; the storage is listed as made by `op`.
+    fn made(
+        op: &'static str,
+        shape: Shape,
+        dtype: DType,
+        make: impl FnOnce(usize) -> Result<Storage>,
+    ) -> Result<Tensor> {
+        let numel = shape.checked_elements(op)?;
+        crate::shape::checked_bytes(op, numel, dtype)?;
+        crate::memory::set_current_op(op);
+        Ok(Tensor::from_storage(make(numel)?, shape))
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
@@ -59,11 +70,7 @@ impl Tensor {
     /// caching allocator with whatever it held (no fill is queued, as PyTorch queues none);
     /// zeros on the CPU, where safe Rust reads only initialized memory.
     pub fn empty(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        let shape = shape.into();
-        let numel = shape.checked_elements("empty")?;
-        crate::shape::checked_bytes("empty", numel, dtype)?;
-        crate::memory::set_current_op("empty");
-        Ok(Tensor::from_storage(Storage::alloc(device, dtype, numel)?, shape))
+        Tensor::made("empty", shape.into(), dtype, |n| Storage::alloc(device, dtype, n))
     }
 
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
