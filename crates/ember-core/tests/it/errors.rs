@@ -1,7 +1,7 @@
 //! Every error variant, produced by real misuse where this build can produce it, with the
 //! message a user sees.
 
-use ember_core::{DType, Device, Error, Tensor};
+use ember_core::{memory, DType, Device, Error, Tensor};
 
 fn x() -> Tensor {
     Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3], Device::Cpu).unwrap()
@@ -141,5 +141,31 @@ fn oversized_allocations_are_errors_not_aborts() {
         err.to_string()
             .starts_with("CPU out of memory: tried to allocate 1.00 EiB"),
         "{err}"
+    );
+}
+
+/// The host byte count is kept per thread (Note [Host byte shards]): a storage made on one
+/// thread and dropped on another leaves one shard up and another down, and the total must
+/// still follow it.
+#[test]
+fn host_memory_allocated_follows_a_storage_made_and_dropped_on_different_threads() {
+    const BYTES: usize = 256 << 20;
+    // Other tests make and drop CPU tensors meanwhile: they are allowed BYTES / 2 either way.
+    let slack = BYTES / 2;
+    let before = memory::host_memory_allocated();
+    let t = std::thread::spawn(|| Tensor::zeros([BYTES], DType::U8, Device::Cpu))
+        .join()
+        .unwrap()
+        .unwrap();
+    let held = memory::host_memory_allocated();
+    assert!(
+        held.abs_diff(before + BYTES) < slack,
+        "before {before}, holding {BYTES} more: {held}"
+    );
+    drop(t);
+    let after = memory::host_memory_allocated();
+    assert!(
+        after.abs_diff(before) < slack,
+        "before {before}, after the drop on another thread: {after}"
     );
 }
