@@ -101,9 +101,9 @@
 //! starts (the batch's scatter and the replicate: module clone, broadcast, leaves), 50 us in
 //! the gather, 100 us in the coalesced sum after backward, plus the waits for the worker's
 //! results. Tried and left out: mimalloc as the global allocator (dp_cnn at N=2 within the
-//! noise of glibc's), jemalloc (1.93-1.98 ms per step against glibc's 0.83-0.90), and the threads
-//! waiting by spinning or asleep instead of yielding (no difference above the machine's
-//! noise, which is about 30% between runs at N=2).
+//! noise of glibc's), jemalloc (1.93-1.98 ms per step against glibc's 0.83-0.90), and the
+//! threads waiting by spinning or asleep instead of yielding (no difference above the
+//! machine's noise, which is about 30% between runs at N=2).
 
 use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{amp, autograd};
