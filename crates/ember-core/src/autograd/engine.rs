@@ -160,13 +160,13 @@ pub(crate) fn run_backward(
     })
 }
 
-/// One backward pass, shared by the calling thread and the device threads it hands work to
-/// (Note [Device threads]).
 /// A map keyed by node or leaf ([`Edge::key`]): looked up several times per node of every
 /// backward pass, so hashed with foldhash rather than SipHash (in a perf profile of small CPU
 /// training steps, SipHash and rehashing these maps took about 5% of the time).
 type KeyMap<V> = HashMap<usize, V, foldhash::fast::FixedState>;
 
+/// One backward pass, shared by the calling thread and the device threads it hands work to
+/// (Note [Device threads]).
 struct GraphTask {
     retain_graph: bool,
     /// The keys whose gradients `grad` returns; `None`: accumulate into `.grad`.
