@@ -20,15 +20,38 @@
 //! per-thread stack inside CUPTI: every push is popped on the thread that pushed it, in
 //! reverse order (the recorder pushes the innermost open op's id before its first device
 //! work and pops when the op closes).
+//!
+//! Note [CUPTI beside other threads' CUDA work]: CUPTI is turned on and off while other
+//! threads launch, so two rules:
+//! - A stop disables the activity kinds only once no thread has a correlation id pushed
+//!   (every op that pushed one while the session recorded has closed; the recorder pops its
+//!   own thread's before it stops), waiting at most five seconds: an op that blocks longer
+//!   (a read of a busy GPU's result) is not waited for past that.
+//! - Starting and stopping (flush, enable, disable) never overlap the load of a kernel unit:
+//!   loads hold [`GATE`] shared, [`start`] and [`stop`] exclusive.
+//!
+//! Why: turning the kinds on and off while other threads load kernel units and launch made
+//! libcupti crash or hang. On two H100s (driver 580, CUPTI 13.0), the test
+//! `cuda_cupti_sessions_cycle_while_other_threads_load_kernels`, one process per run, builds
+//! alternating: neither rule, 15 of 89 runs died (a SIGSEGV, mostly on CUPTI's own thread,
+//! or a hang past 30 s); the wait alone, 7 of 89; both rules, 1 of 47 and no hang. Several
+//! fault addresses looked like glibc's mangled free-list pointers (a heap address shifted
+//! right by 12): CUPTI reading memory already freed. The core suite had died once in
+//! libcupti too, inside `cuLaunchKernel` on a test thread just after a profiler test stopped.
+//!
+//! Left: the libraries' own loads (cuBLAS, cuDNN) are not gated. Keeping the kinds enabled
+//! from the first start on (a stop only flushing) died in 0 of 47 runs, but then CUPTI would
+//! record every launch and API call of the process for good, a cost not yet measured.
 
 use super::cupti_records::{self as records, RawActivity, RawApi, Record};
 use std::alloc::Layout;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 type CuptiResult = u32;
 const CUPTI_SUCCESS: CuptiResult = 0;
@@ -85,6 +108,21 @@ static CUPTI: OnceLock<Result<Cupti, String>> = OnceLock::new();
 
 /// True between [`start`] and [`stop`]: while the recorder pushes correlation ids.
 static ACTIVE: AtomicBool = AtomicBool::new(false);
+
+/// Held shared while a kernel unit loads, exclusively while CUPTI starts or stops (Note
+/// [CUPTI beside other threads' CUDA work]).
+pub(crate) static GATE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Correlation ids pushed and not yet popped, on all threads.
+static PUSHED: AtomicUsize = AtomicUsize::new(0);
+
+/// How long [`stop`] waits for other threads' pushed ids to be popped.
+const PUSH_WAIT: Duration = Duration::from_secs(5);
+
+thread_local! {
+    /// This thread's share of [`PUSHED`].
+    static OWN_PUSHES: Cell<usize> = const { Cell::new(0) };
+}
 
 /// What the completion callback gathered since [`start`].
 static COLLECTED: Mutex<Option<Collected>> = Mutex::new(None);
@@ -469,24 +507,27 @@ unsafe extern "C" fn buffer_completed(
 /// when CUPTI is missing or refuses (the profiler then falls back to CUDA events).
 pub(crate) fn start() -> Result<ClockRef, String> {
     let c = cupti().map_err(str::to_string)?;
-    // Records of work an earlier session did not wait for are dropped here, not absorbed.
-    // SAFETY: the callbacks were registered when CUPTI was loaded.
-    unsafe { (c.api.flush_all)(FLUSH_FORCED) };
-    *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Collected::default());
-    for (i, &kind) in KINDS.iter().enumerate() {
-        // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
-        let r = unsafe { (c.api.enable)(kind) };
-        if r != CUPTI_SUCCESS {
-            for &k in &KINDS[..i] {
-                // SAFETY: as above.
-                unsafe { (c.api.disable)(k) };
+    {
+        let _gate = GATE.write().unwrap_or_else(|e| e.into_inner());
+        // Records of work an earlier session did not wait for are dropped here, not absorbed.
+        // SAFETY: the callbacks were registered when CUPTI was loaded.
+        unsafe { (c.api.flush_all)(FLUSH_FORCED) };
+        *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Collected::default());
+        for (i, &kind) in KINDS.iter().enumerate() {
+            // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
+            let r = unsafe { (c.api.enable)(kind) };
+            if r != CUPTI_SUCCESS {
+                for &k in &KINDS[..i] {
+                    // SAFETY: as above.
+                    unsafe { (c.api.disable)(k) };
+                }
+                *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                return Err(format!(
+                    "cuptiActivityEnable({kind}): {} (CUPTI at {})",
+                    c.error_string(r),
+                    c.path
+                ));
             }
-            *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            return Err(format!(
-                "cuptiActivityEnable({kind}): {} (CUPTI at {})",
-                c.error_string(r),
-                c.path
-            ));
         }
     }
     // The tightest of a few (host, CUPTI, host) samples, at the host midpoint.
@@ -514,20 +555,31 @@ pub(crate) fn start() -> Result<ClockRef, String> {
     Ok(clock)
 }
 
-/// Ends the session: disables the kinds, flushes every buffer and returns what they held.
+/// Ends the session: disables the kinds once no thread has a correlation id pushed (Note
+/// [CUPTI beside other threads' CUDA work]), flushes every buffer and returns what they held.
 /// Records are complete once the work they describe finished: the caller waited for the
 /// devices whose records it needs.
 pub(crate) fn stop() -> Collected {
-    ACTIVE.store(false, Ordering::Release);
+    // SeqCst with `push`'s count-then-check: a push either sees the session over or is
+    // counted here.
+    ACTIVE.store(false, Ordering::SeqCst);
     let Ok(c) = cupti() else {
         return Collected::default();
     };
-    for &kind in &KINDS {
-        // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
-        unsafe { (c.api.disable)(kind) };
+    let own = OWN_PUSHES.with(Cell::get);
+    let since = Instant::now();
+    while PUSHED.load(Ordering::SeqCst) > own && since.elapsed() < PUSH_WAIT {
+        std::thread::yield_now();
     }
-    // SAFETY: the callbacks were registered when CUPTI was loaded.
-    unsafe { (c.api.flush_all)(FLUSH_FORCED) };
+    {
+        let _gate = GATE.write().unwrap_or_else(|e| e.into_inner());
+        for &kind in &KINDS {
+            // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
+            unsafe { (c.api.disable)(kind) };
+        }
+        // SAFETY: the callbacks were registered when CUPTI was loaded.
+        unsafe { (c.api.flush_all)(FLUSH_FORCED) };
+    }
     let mut collected = COLLECTED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -548,8 +600,16 @@ pub(crate) fn push(id: u64) -> bool {
         return false;
     }
     let Ok(c) = cupti() else { return false };
+    PUSHED.fetch_add(1, Ordering::SeqCst);
     // SAFETY: CUSTOM0 is a valid external correlation kind.
-    unsafe { (c.api.push_external)(records::EXTERNAL_KIND_CUSTOM0, id) == CUPTI_SUCCESS }
+    if !ACTIVE.load(Ordering::SeqCst)
+        || unsafe { (c.api.push_external)(records::EXTERNAL_KIND_CUSTOM0, id) } != CUPTI_SUCCESS
+    {
+        PUSHED.fetch_sub(1, Ordering::SeqCst);
+        return false;
+    }
+    OWN_PUSHES.with(|n| n.set(n.get() + 1));
+    true
 }
 
 /// Pops this thread's last pushed external correlation id (one [`push`] that returned true).
@@ -558,6 +618,8 @@ pub(crate) fn pop() {
         let mut last = 0u64;
         // SAFETY: `last` is a valid out-pointer.
         unsafe { (c.api.pop_external)(records::EXTERNAL_KIND_CUSTOM0, &mut last) };
+        OWN_PUSHES.with(|n| n.set(n.get().saturating_sub(1)));
+        PUSHED.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -142,6 +142,9 @@ impl DeviceRuntime {
             return Ok(*f);
         }
         let unit = Unit::of(&key);
+        // No CUPTI start or stop while a unit loads (Note [CUPTI beside other threads' CUDA
+        // work] in `cupti.rs`).
+        let _gate = super::cupti::GATE.read().unwrap_or_else(|e| e.into_inner());
         let module = self.unit(&unit, key)?;
         let symbol = key.symbol();
         let name = std::ffi::CString::new(symbol.clone()).expect("kernel names have no NUL");

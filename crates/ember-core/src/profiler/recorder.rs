@@ -191,7 +191,12 @@ impl Session {
         if self.options.cuda {
             kernel_timing::wait_for(&self.devices_to_wait_for());
         }
-        let collected = self.cupti_clock.map(|_| cupti::stop());
+        let collected = self.cupti_clock.map(|_| {
+            // This thread's pushed ids come off before CUPTI stops (Note [CUPTI beside other
+            // threads' CUDA work] in `cuda/cupti.rs`); the entries stay open and push no more.
+            STACK.with(|s| s.borrow_mut().iter_mut().rev().for_each(Open::release));
+            cupti::stop()
+        });
         let finished = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
         let refs = std::mem::take(&mut *self.gpu_refs.lock().unwrap_or_else(|e| e.into_inner()));
         let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -11,7 +11,7 @@ use ember_core::{DType, Device, Error, Result, Tensor};
 const DTYPES: [DType; 8] = crate::common::ALL_DTYPES;
 
 /// Every op, parametrized ones with PyTorch's defaults and with other parameters.
-fn all_ops() -> Vec<UnaryOp> {
+pub(crate) fn all_ops() -> Vec<UnaryOp> {
     use UnaryOp::*;
     vec![
         Neg,

@@ -796,6 +796,62 @@ fn under(events: &[FunctionEvent], mut i: usize, name: &str) -> bool {
     }
 }
 
+/// CUPTI sessions start and stop while four other threads launch kernels for the first time
+/// in the process (every unary op on every dtype, contiguous and transposed: units loaded
+/// and functions first launched under the sessions' starts and stops). Before Note [CUPTI
+/// beside other threads' CUDA work] (`cuda/cupti.rs`), 15 of 89 processes of this test died
+/// in libcupti or hung.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_cupti_sessions_cycle_while_other_threads_load_kernels() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let dev = common::gpu();
+    let _l = lock();
+    let done = Arc::new(AtomicUsize::new(0));
+    let launched = Arc::new(AtomicUsize::new(0));
+    let go = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = common::ALL_DTYPES
+        .chunks(2)
+        .map(|dtypes| {
+            let dtypes = dtypes.to_vec();
+            let (done, launched, go) = (done.clone(), launched.clone(), go.clone());
+            std::thread::spawn(move || -> Result<()> {
+                let flat = Tensor::from_vec(common::values(9 * 13, 5), [9, 13], Device::Cpu)?;
+                while !go.load(Relaxed) {
+                    std::thread::yield_now();
+                }
+                for dtype in dtypes {
+                    let x = flat.to_dtype(dtype)?.to(dev)?;
+                    for op in super::cuda_unary::all_ops() {
+                        if op.result_dtype(dtype).is_err() {
+                            continue;
+                        }
+                        x.unary_op(op)?;
+                        x.t()?.unary_op(op)?;
+                        launched.fetch_add(2, Relaxed);
+                    }
+                }
+                done.fetch_add(1, Relaxed);
+                Ok(())
+            })
+        })
+        .collect();
+    known_ops(dev).unwrap(); // the cycles' own kernels are loaded before the workers start
+    go.store(true, Relaxed);
+    let mut cycle = 0;
+    while done.load(Relaxed) < workers.len() || cycle < 20 {
+        let prof = cupti_profile(|| known_ops(dev).unwrap());
+        let (_, ops) = children_of(prof.events(), "known_ops");
+        let counts = ["add", "matmul", "relu"].map(|n| count(&ops, n));
+        assert_eq!(counts, [3, 2, 1], "cycle {cycle}");
+        cycle += 1;
+    }
+    for w in workers {
+        w.join().unwrap().unwrap();
+    }
+    assert!(launched.load(Relaxed) > 100, "{} ops", launched.load(Relaxed));
+}
+
 /// As `cycles_beside_backward_passes_on_other_threads_record_every_op`, with CUPTI turned on
 /// and off by every cycle while the workers launch on two GPUs and their backward passes run
 /// the second GPU's nodes on the engine's device thread. Runs on a two-GPU machine (`--skip
