@@ -807,14 +807,13 @@ fn cuda_cupti_sessions_cycle_while_other_threads_load_kernels() {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     let dev = common::gpu();
     let _l = lock();
-    let done = Arc::new(AtomicUsize::new(0));
     let launched = Arc::new(AtomicUsize::new(0));
     let go = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = common::ALL_DTYPES
         .chunks(2)
         .map(|dtypes| {
             let dtypes = dtypes.to_vec();
-            let (done, launched, go) = (done.clone(), launched.clone(), go.clone());
+            let (launched, go) = (launched.clone(), go.clone());
             std::thread::spawn(move || -> Result<()> {
                 let flat = Tensor::from_vec(common::values(9 * 13, 5), [9, 13], Device::Cpu)?;
                 while !go.load(Relaxed) {
@@ -831,7 +830,6 @@ fn cuda_cupti_sessions_cycle_while_other_threads_load_kernels() {
                         launched.fetch_add(2, Relaxed);
                     }
                 }
-                done.fetch_add(1, Relaxed);
                 Ok(())
             })
         })
@@ -839,7 +837,8 @@ fn cuda_cupti_sessions_cycle_while_other_threads_load_kernels() {
     known_ops(dev).unwrap(); // the cycles' own kernels are loaded before the workers start
     go.store(true, Relaxed);
     let mut cycle = 0;
-    while done.load(Relaxed) < workers.len() || cycle < 20 {
+    // Until every worker has ended (done, failed or panicked: the joins below say which).
+    while !workers.iter().all(|w| w.is_finished()) || cycle < 20 {
         let prof = cupti_profile(|| known_ops(dev).unwrap());
         let (_, ops) = children_of(prof.events(), "known_ops");
         let counts = ["add", "matmul", "relu"].map(|n| count(&ops, n));
