@@ -45,7 +45,6 @@
 
 use super::cupti_records::{self as records, RawActivity, RawApi, Record};
 use std::alloc::Layout;
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -113,16 +112,12 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 /// [CUPTI beside other threads' CUDA work]).
 pub(crate) static GATE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
-/// Correlation ids pushed and not yet popped, on all threads.
+/// Correlation ids pushed and not yet popped, on all threads. A stop comes after the stopping
+/// thread popped its own (the recorder releases them first), so it waits for this to be 0.
 static PUSHED: AtomicUsize = AtomicUsize::new(0);
 
 /// How long [`stop`] waits for other threads' pushed ids to be popped.
 const PUSH_WAIT: Duration = Duration::from_secs(5);
-
-thread_local! {
-    /// This thread's share of [`PUSHED`].
-    static OWN_PUSHES: Cell<usize> = const { Cell::new(0) };
-}
 
 /// What the completion callback gathered since [`start`].
 static COLLECTED: Mutex<Option<Collected>> = Mutex::new(None);
@@ -566,9 +561,8 @@ pub(crate) fn stop() -> Collected {
     let Ok(c) = cupti() else {
         return Collected::default();
     };
-    let own = OWN_PUSHES.with(Cell::get);
     let since = Instant::now();
-    while PUSHED.load(Ordering::SeqCst) > own && since.elapsed() < PUSH_WAIT {
+    while PUSHED.load(Ordering::SeqCst) > 0 && since.elapsed() < PUSH_WAIT {
         std::thread::yield_now();
     }
     {
@@ -608,7 +602,6 @@ pub(crate) fn push(id: u64) -> bool {
         PUSHED.fetch_sub(1, Ordering::SeqCst);
         return false;
     }
-    OWN_PUSHES.with(|n| n.set(n.get() + 1));
     true
 }
 
@@ -618,7 +611,6 @@ pub(crate) fn pop() {
         let mut last = 0u64;
         // SAFETY: `last` is a valid out-pointer.
         unsafe { (c.api.pop_external)(records::EXTERNAL_KIND_CUSTOM0, &mut last) };
-        OWN_PUSHES.with(|n| n.set(n.get().saturating_sub(1)));
         PUSHED.fetch_sub(1, Ordering::SeqCst);
     }
 }
