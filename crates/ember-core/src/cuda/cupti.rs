@@ -22,26 +22,46 @@
 //! work and pops when the op closes).
 //!
 //! Note [CUPTI beside other threads' CUDA work]: CUPTI is turned on and off while other
-//! threads launch, so two rules:
-//! - A stop disables the activity kinds only once no thread has a correlation id pushed
-//!   (every op that pushed one while the session recorded has closed; the recorder pops its
-//!   own thread's before it stops), waiting at most five seconds: an op that blocks longer
-//!   (a read of a busy GPU's result) is not waited for past that.
+//! threads launch and copy, so three rules:
+//! - The copy and fill kinds ([`KEPT`]: MEMCPY, MEMCPY2, MEMSET) stay enabled from the first
+//!   start on; a stop disables only the others. Between sessions CUPTI keeps recording copies
+//!   and fills, and their records are dropped (no session collects them).
+//! - A stop disables the other kinds only once no thread has a correlation id pushed (every
+//!   op that pushed one while the session recorded has closed; the recorder pops its own
+//!   thread's before it stops), waiting at most five seconds: an op that blocks longer (a
+//!   read of a busy GPU's result) is not waited for past that.
 //! - Starting and stopping (flush, enable, disable) never overlap the load of a kernel unit:
 //!   loads hold [`GATE`] shared, [`start`] and [`stop`] exclusive.
 //!
-//! Why: turning the kinds on and off while other threads load kernel units and launch made
-//! libcupti crash or hang. On two H100s (driver 580, CUPTI 13.0), the test
+//! Why: turning the kinds on and off while other threads load kernel units, launch and copy
+//! made libcupti crash or hang. Measured on two H100s (driver 580, CUPTI 13.0) with the test
 //! `cuda_cupti_sessions_cycle_while_other_threads_load_kernels`, one process per run, builds
-//! alternating: neither rule, 15 of 89 runs died (a SIGSEGV, mostly on CUPTI's own thread,
-//! or a hang past 30 s); the wait alone, 7 of 89; both rules, 1 of 47 and no hang. Several
-//! fault addresses looked like glibc's mangled free-list pointers (a heap address shifted
-//! right by 12): CUPTI reading memory already freed. The core suite had died once in
-//! libcupti too, inside `cuLaunchKernel` on a test thread just after a profiler test stopped.
+//! alternating in each run ("died": a SIGSEGV, always in the same libcupti code, mostly on a
+//! thread CUPTI started, or a hang past 30 s):
+//! - No rule: 15 of 89 died. The wait alone: 7 of 89. The wait and the gate: 1 of 47, and 6
+//!   of 100 in a later run.
+//! - No wait and no gate, one group of kinds kept enabled after the first start, 29 runs
+//!   each: none kept, 6 died; the API kinds, 10; the kernel kind, 9; the external correlation
+//!   kind, 7; the copy and fill kinds, 1 (a hang, the build's first run; no crash). A second
+//!   run, 24 each: none kept, 5; the copy kinds, 1 (a crash, its first run); the fill kind, 5.
+//!   All kinds kept: 0 of 47.
+//! - All three rules: 0 crashes in 57 runs, and a hang on the first run on a fresh machine
+//!   (which compiles every kernel the test loads); the wait and the gate alone, 1 of 57.
 //!
-//! Left: the libraries' own loads (cuBLAS, cuDNN) are not gated. Keeping the kinds enabled
-//! from the first start on (a stop only flushing) died in 0 of 47 runs, but then CUPTI would
-//! record every launch and API call of the process for good, a cost not yet measured.
+//! Several fault addresses looked like glibc's mangled free-list pointers (a heap address
+//! shifted right by 12): CUPTI reading memory it had freed, it seems its state of a copy in
+//! flight when the copy kinds were disabled. The core suite had died once in libcupti too,
+//! inside `cuLaunchKernel` on a test thread just after a profiler test stopped.
+//!
+//! The cost, once a session has started (host time, min of five rounds, two runs): a 1 KiB
+//! round trip to the GPU and back 12.8-13.3 us before, 17.1-18.2 after; a 1 KiB zero fill
+//! 1.44-1.64 against 3.14-3.15; a small MLP's training step that reads its loss 413-472
+//! against 476-553. Keeping every kind enabled cost more: that step without the read, 565-757
+//! against 790-995 us.
+//!
+//! Left: the fill kind is kept because the build that passed the GPU suites kept it, though
+//! keeping it alone did not help above: dropping it from [`KEPT`] would spare the fills their
+//! 1.7 us, to be run on a GPU first. The libraries' own loads (cuBLAS, cuDNN) are not gated.
 
 use super::cupti_records::{self as records, RawActivity, RawApi, Record};
 use std::alloc::Layout;
@@ -76,6 +96,13 @@ const KINDS: [u32; 7] = [
     records::KIND_RUNTIME,
     records::KIND_EXTERNAL_CORRELATION,
 ];
+
+/// The kinds that stay enabled once a session enabled them (Note [CUPTI beside other threads'
+/// CUDA work]).
+const KEPT: [u32; 3] = [records::KIND_MEMCPY, records::KIND_MEMCPY2, records::KIND_MEMSET];
+
+/// True once a start enabled [`KEPT`]: later starts do not enable them again.
+static KEPT_ENABLED: AtomicBool = AtomicBool::new(false);
 
 type BufferRequested = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
 type BufferCompleted = unsafe extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
@@ -498,6 +525,16 @@ unsafe extern "C" fn buffer_completed(
     unsafe { std::alloc::dealloc(buffer, BUFFER_LAYOUT) };
 }
 
+/// The kinds a start enables: all the first time, then those a stop disabled.
+fn kinds_to_enable(kept_on: bool) -> impl Iterator<Item = u32> {
+    KINDS.into_iter().filter(move |k| !(kept_on && KEPT.contains(k)))
+}
+
+/// The kinds a stop disables: all but [`KEPT`].
+fn kinds_to_disable() -> impl Iterator<Item = u32> {
+    KINDS.into_iter().filter(|k| !KEPT.contains(k))
+}
+
 /// Starts a session: enables the activity kinds and takes the clock reference. The reason
 /// when CUPTI is missing or refuses (the profiler then falls back to CUDA events).
 pub(crate) fn start() -> Result<ClockRef, String> {
@@ -508,11 +545,12 @@ pub(crate) fn start() -> Result<ClockRef, String> {
         // SAFETY: the callbacks were registered when CUPTI was loaded.
         unsafe { (c.api.flush_all)(FLUSH_FORCED) };
         *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Collected::default());
-        for (i, &kind) in KINDS.iter().enumerate() {
+        let kept_on = KEPT_ENABLED.load(Ordering::Relaxed);
+        for (i, kind) in kinds_to_enable(kept_on).enumerate() {
             // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
             let r = unsafe { (c.api.enable)(kind) };
             if r != CUPTI_SUCCESS {
-                for &k in &KINDS[..i] {
+                for k in kinds_to_enable(kept_on).take(i) {
                     // SAFETY: as above.
                     unsafe { (c.api.disable)(k) };
                 }
@@ -524,6 +562,7 @@ pub(crate) fn start() -> Result<ClockRef, String> {
                 ));
             }
         }
+        KEPT_ENABLED.store(true, Ordering::Relaxed);
     }
     // The tightest of a few (host, CUPTI, host) samples, at the host midpoint.
     let mut best: Option<(std::time::Duration, ClockRef)> = None;
@@ -550,10 +589,10 @@ pub(crate) fn start() -> Result<ClockRef, String> {
     Ok(clock)
 }
 
-/// Ends the session: disables the kinds once no thread has a correlation id pushed (Note
-/// [CUPTI beside other threads' CUDA work]), flushes every buffer and returns what they held.
-/// Records are complete once the work they describe finished: the caller waited for the
-/// devices whose records it needs.
+/// Ends the session: disables the kinds but [`KEPT`] once no thread has a correlation id
+/// pushed (Note [CUPTI beside other threads' CUDA work]), flushes every buffer and returns
+/// what they held. Records are complete once the work they describe finished: the caller
+/// waited for the devices whose records it needs.
 pub(crate) fn stop() -> Collected {
     // SeqCst with `push`'s count-then-check: a push either sees the session over or is
     // counted here.
@@ -567,7 +606,7 @@ pub(crate) fn stop() -> Collected {
     }
     {
         let _gate = GATE.write().unwrap_or_else(|e| e.into_inner());
-        for &kind in &KINDS {
+        for kind in kinds_to_disable() {
             // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
             unsafe { (c.api.disable)(kind) };
         }
@@ -619,6 +658,24 @@ pub(crate) fn pop() {
 mod tests {
     use super::super::cupti_records::tests::{api, bytes_of, external, kernel, memcpy};
     use super::*;
+
+    /// Note [CUPTI beside other threads' CUDA work]: the copy kinds are session kinds that a
+    /// first start enables, later starts leave as they are and no stop disables; every other
+    /// kind is enabled by each start and disabled by each stop.
+    #[test]
+    fn copy_kinds_stay_enabled_after_the_first_start() {
+        for kind in [records::KIND_MEMCPY, records::KIND_MEMCPY2] {
+            assert!(KEPT.contains(&kind), "{kind}");
+        }
+        let first: Vec<u32> = kinds_to_enable(false).collect();
+        assert_eq!(first, KINDS);
+        let later: Vec<u32> = kinds_to_enable(true).collect();
+        let disabled: Vec<u32> = kinds_to_disable().collect();
+        assert_eq!(later, disabled, "a later start enables what a stop disabled");
+        assert!(disabled.iter().all(|k| !KEPT.contains(k)));
+        assert_eq!(disabled.len() + KEPT.len(), KINDS.len(), "KEPT is part of KINDS");
+        assert!(disabled.contains(&records::KIND_CONCURRENT_KERNEL));
+    }
 
     /// Note [CUPTI and ranks as threads]: CUPTI is refused exactly while collectives are
     /// registered on more than one device, and the reason names them.
