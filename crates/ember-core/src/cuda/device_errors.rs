@@ -253,6 +253,7 @@ impl DeviceErrors {
             if let Some((host, _)) = self.doorbell {
                 std::ptr::write_volatile((host as *mut u32).add(slot), 0);
             }
+            let _copy = super::cupti::copy_guard();
             result::memcpy_dtoh_async(&mut record[..], at, s)
                 .and_then(|_| result::memset_d8_async(at, 0, std::mem::size_of::<Record>(), s))
                 .and_then(|_| result::stream::synchronize(s))

@@ -72,11 +72,27 @@ fn driver_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Err
     }
 }
 
+static RUNTIMES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceRuntime, Error>>>> =
+    OnceLock::new();
+
+/// EXPERIMENT (copy gate): waits for all work on every device whose runtime exists; the
+/// calling thread is left bound to the last of them.
+pub(crate) fn synchronize_initialized() {
+    let Some(slots) = RUNTIMES.get() else { return };
+    for rt in slots
+        .iter()
+        .filter_map(|s| s.get())
+        .filter_map(|r| r.as_ref().ok())
+    {
+        if rt.bind().is_ok() {
+            let _ = result::ctx::synchronize();
+        }
+    }
+}
+
 /// The runtime of device `ordinal`, created on first use; a typed error without CUDA or when
 /// the ordinal is out of range.
 pub(crate) fn runtime(ordinal: usize) -> Result<&'static DeviceRuntime> {
-    static RUNTIMES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceRuntime, Error>>>> =
-        OnceLock::new();
     let count = super::device_count();
     if count == 0 {
         // Goes through the same probe as `is_available` for the reason.

@@ -174,6 +174,7 @@ impl CudaStorage {
             super::kernel_timing::note_work(current_raw(device));
             // SAFETY: `out` holds exactly `bytes.len()` bytes; pageable host memory is copied to
             // a staging buffer before cuMemcpyHtoDAsync returns, so `cpu` may go away after.
+            let _copy = super::cupti::copy_guard();
             unsafe { result::memcpy_htod_async(out.buf.ptr, bytes, current_raw(device) as sys::CUstream) }
                 .map_err(cuda_error("copy to device"))?;
         }
@@ -196,6 +197,7 @@ impl CudaStorage {
             return Ok(());
         }
         super::kernel_timing::note_work(current_raw(rt.ordinal));
+        let _copy = super::cupti::copy_guard();
         // SAFETY: the destination range holds `bytes.len()` bytes (checked above); the caller
         // keeps the host buffer alive until the stream has run the copy.
         unsafe {
@@ -239,6 +241,7 @@ impl CudaStorage {
                 super::stream::note_host_sync();
                 super::kernel_timing::note_work(current_raw(src.buf.device));
                 let stream = current_raw(src.buf.device) as sys::CUstream;
+                let _copy = super::cupti::copy_guard();
                 // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
                 // stream is synchronized before `host` is read.
                 unsafe {
@@ -324,6 +327,7 @@ impl CudaStorage {
         let (dst, srcp) = (self.ptr(dst_layout), src.ptr(src_layout));
         if src.dtype == self.dtype && dst_layout.is_contiguous() && src_layout.is_contiguous() {
             super::kernel_timing::note_work(stream);
+            let _copy = super::cupti::copy_guard();
             // SAFETY: both ranges hold `n` elements of one dtype inside their storages.
             return unsafe {
                 result::memcpy_dtod_async(dst, srcp, n * self.dtype.size_in_bytes(), stream as sys::CUstream)
@@ -597,6 +601,7 @@ unsafe fn peer_copy_bytes(
     bytes: std::ops::Range<usize>,
     stream: &super::Stream,
 ) -> Result<()> {
+    let _copy = super::cupti::copy_guard();
     // SAFETY: the caller's contract; the contexts are the devices' primary contexts.
     unsafe {
         result::memcpy_peer_async(
