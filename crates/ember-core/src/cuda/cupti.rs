@@ -23,15 +23,17 @@
 //!
 //! Note [CUPTI beside other threads' CUDA work]: CUPTI is turned on and off while other
 //! threads launch and copy, so three rules:
-//! - The copy and fill kinds ([`KEPT`]: MEMCPY, MEMCPY2, MEMSET) stay enabled from the first
-//!   start on; a stop disables only the others. Between sessions CUPTI keeps recording copies
-//!   and fills, and their records are dropped (no session collects them).
-//! - A stop disables the other kinds only once no thread has a correlation id pushed (every
-//!   op that pushed one while the session recorded has closed; the recorder pops its own
+//! - No copy is enqueued or in flight while the kinds change. Once CUPTI has started, every
+//!   copy is enqueued under [`GATE`] held shared ([`copy_guard`]); [`start`] and [`stop`]
+//!   hold it exclusively, and inside wait for every device ember has a runtime on (but one
+//!   capturing a CUDA graph, where a wait would end the capture) before they enable or
+//!   disable the kinds.
+//! - A stop disables the kinds only once no thread has a correlation id pushed (every op
+//!   that pushed one while the session recorded has closed; the recorder pops its own
 //!   thread's before it stops), waiting at most five seconds: an op that blocks longer (a
 //!   read of a busy GPU's result) is not waited for past that.
-//! - Starting and stopping (flush, enable, disable) never overlap the load of a kernel unit:
-//!   loads hold [`GATE`] shared, [`start`] and [`stop`] exclusive.
+//! - Starting and stopping never overlap the load of a kernel unit: loads hold [`GATE`]
+//!   shared too.
 //!
 //! Why: turning the kinds on and off while other threads load kernel units, launch and copy
 //! made libcupti crash or hang. Measured on two H100s (driver 580, CUPTI 13.0) with the test
@@ -45,23 +47,26 @@
 //!   kind, 7; the copy and fill kinds, 1 (a hang, the build's first run; no crash). A second
 //!   run, 24 each: none kept, 5; the copy kinds, 1 (a crash, its first run); the fill kind, 5.
 //!   All kinds kept: 0 of 47.
-//! - All three rules: 0 crashes in 57 runs, and a hang on the first run on a fresh machine
-//!   (which compiles every kernel the test loads); the wait and the gate alone, 1 of 57.
+//! - The wait and the gate, and the copy and fill kinds kept enabled after the first start
+//!   instead of the first rule: 0 crashes in 57 runs (and a hang on the first run on a fresh
+//!   machine, which compiles every kernel the test loads); without the copy kinds kept, 1 of
+//!   57.
 //!
 //! Several fault addresses looked like glibc's mangled free-list pointers (a heap address
 //! shifted right by 12): CUPTI reading memory it had freed, it seems its state of a copy in
 //! flight when the copy kinds were disabled. The core suite had died once in libcupti too,
 //! inside `cuLaunchKernel` on a test thread just after a profiler test stopped.
 //!
-//! The cost, once a session has started (host time, min of five rounds, two runs): a 1 KiB
-//! round trip to the GPU and back 12.8-13.3 us before, 17.1-18.2 after; a 1 KiB zero fill
-//! 1.44-1.64 against 3.14-3.15; a small MLP's training step that reads its loss 413-472
-//! against 476-553. Keeping every kind enabled cost more: that step without the read, 565-757
-//! against 790-995 us.
+//! Why not keep the copy kinds enabled: then CUPTI keeps recording after the session, at a
+//! cost to every copy and fill, and to the steps around them (host time on an H100, min of
+//! five rounds, two runs, before a profile and after one): a 1 KiB round trip 12.8-13.3 us
+//! against 17.1-18.2; a 1 KiB zero fill 1.44-1.64 against 3.14-3.15; a small MLP's step that
+//! reads its loss 413-472 against 476-553. The first rule costs one atomic load per copy
+//! before CUPTI ever started and an uncontended shared lock after, and each start and stop a
+//! wait for the devices (the profiler waits for the devices it used at a stop anyway).
 //!
-//! Left: the fill kind is kept because the build that passed the GPU suites kept it, though
-//! keeping it alone did not help above: dropping it from [`KEPT`] would spare the fills their
-//! 1.7 us, to be run on a GPU first. The libraries' own loads (cuBLAS, cuDNN) are not gated.
+//! Left: the libraries' own loads and copies (cuBLAS, cuDNN, NCCL) are not gated, and a
+//! device capturing a graph is not waited for.
 
 use super::cupti_records::{self as records, RawActivity, RawApi, Record};
 use std::alloc::Layout;
@@ -97,24 +102,28 @@ const KINDS: [u32; 7] = [
     records::KIND_EXTERNAL_CORRELATION,
 ];
 
-/// The kinds that stay enabled once a session enabled them (Note [CUPTI beside other threads'
-/// CUDA work]).
-const KEPT: [u32; 0] = [];
+/// True once a session started: copies then hold [`GATE`] shared while they are enqueued
+/// (Note [CUPTI beside other threads' CUDA work]).
+static COPIES_GATED: AtomicBool = AtomicBool::new(false);
 
-/// EXPERIMENT (copy gate): true once a session started; copies then hold [`GATE`] shared
-/// while they are enqueued, and a stop waits for every initialized device before it disables
-/// the kinds, so no copy is in flight then.
-static STARTED_ONCE: AtomicBool = AtomicBool::new(false);
-
-/// Held by a copy while it is enqueued, once CUPTI was started (EXPERIMENT).
+/// Held by a copy while it is enqueued, once CUPTI has started (Note [CUPTI beside other
+/// threads' CUDA work]); None before, at the cost of one atomic load.
 pub(crate) fn copy_guard() -> Option<std::sync::RwLockReadGuard<'static, ()>> {
-    STARTED_ONCE
+    COPIES_GATED
         .load(Ordering::Acquire)
         .then(|| GATE.read().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// True once a start enabled [`KEPT`]: later starts do not enable them again.
-static KEPT_ENABLED: AtomicBool = AtomicBool::new(false);
+/// Waits for all work on every device ember has a runtime on, but those capturing a CUDA
+/// graph; under [`GATE`] held exclusively, no copy is in flight after.
+fn quiesce_copies() {
+    for rt in super::runtime::initialized() {
+        if !super::capture::any_on_device(rt.ordinal) && rt.bind().is_ok() {
+            // An error here (a device fault) is reported by the next op on that device.
+            let _ = cudarc::driver::result::ctx::synchronize();
+        }
+    }
+}
 
 type BufferRequested = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
 type BufferCompleted = unsafe extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
@@ -537,32 +546,23 @@ unsafe extern "C" fn buffer_completed(
     unsafe { std::alloc::dealloc(buffer, BUFFER_LAYOUT) };
 }
 
-/// The kinds a start enables: all the first time, then those a stop disabled.
-fn kinds_to_enable(kept_on: bool) -> impl Iterator<Item = u32> {
-    KINDS.into_iter().filter(move |k| !(kept_on && KEPT.contains(k)))
-}
-
-/// The kinds a stop disables: all but [`KEPT`].
-fn kinds_to_disable() -> impl Iterator<Item = u32> {
-    KINDS.into_iter().filter(|k| !KEPT.contains(k))
-}
-
 /// Starts a session: enables the activity kinds and takes the clock reference. The reason
 /// when CUPTI is missing or refuses (the profiler then falls back to CUDA events).
 pub(crate) fn start() -> Result<ClockRef, String> {
     let c = cupti().map_err(str::to_string)?;
     {
         let _gate = GATE.write().unwrap_or_else(|e| e.into_inner());
+        COPIES_GATED.store(true, Ordering::Release);
+        quiesce_copies();
         // Records of work an earlier session did not wait for are dropped here, not absorbed.
         // SAFETY: the callbacks were registered when CUPTI was loaded.
         unsafe { (c.api.flush_all)(FLUSH_FORCED) };
         *COLLECTED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Collected::default());
-        let kept_on = KEPT_ENABLED.load(Ordering::Relaxed);
-        for (i, kind) in kinds_to_enable(kept_on).enumerate() {
+        for (i, &kind) in KINDS.iter().enumerate() {
             // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
             let r = unsafe { (c.api.enable)(kind) };
             if r != CUPTI_SUCCESS {
-                for k in kinds_to_enable(kept_on).take(i) {
+                for &k in &KINDS[..i] {
                     // SAFETY: as above.
                     unsafe { (c.api.disable)(k) };
                 }
@@ -574,8 +574,6 @@ pub(crate) fn start() -> Result<ClockRef, String> {
                 ));
             }
         }
-        KEPT_ENABLED.store(true, Ordering::Relaxed);
-        STARTED_ONCE.store(true, Ordering::Release);
     }
     // The tightest of a few (host, CUPTI, host) samples, at the host midpoint.
     let mut best: Option<(std::time::Duration, ClockRef)> = None;
@@ -602,9 +600,9 @@ pub(crate) fn start() -> Result<ClockRef, String> {
     Ok(clock)
 }
 
-/// Ends the session: disables the kinds but [`KEPT`] once no thread has a correlation id
-/// pushed (Note [CUPTI beside other threads' CUDA work]), flushes every buffer and returns
-/// what they held. Records are complete once the work they describe finished: the caller
+/// Ends the session: disables the kinds once no thread has a correlation id pushed and no
+/// copy is in flight (Note [CUPTI beside other threads' CUDA work]), flushes every buffer and
+/// returns what they held. Records are complete once the work they describe finished: the caller
 /// waited for the devices whose records it needs.
 pub(crate) fn stop() -> Collected {
     // SeqCst with `push`'s count-then-check: a push either sees the session over or is
@@ -619,10 +617,8 @@ pub(crate) fn stop() -> Collected {
     }
     {
         let _gate = GATE.write().unwrap_or_else(|e| e.into_inner());
-        super::runtime::synchronize_initialized();
-        // SAFETY: the callbacks were registered when CUPTI was loaded.
-        unsafe { (c.api.flush_all)(FLUSH_FORCED) };
-        for kind in kinds_to_disable() {
+        quiesce_copies();
+        for &kind in &KINDS {
             // SAFETY: `kind` is a valid `CUpti_ActivityKind`.
             unsafe { (c.api.disable)(kind) };
         }
@@ -674,21 +670,6 @@ pub(crate) fn pop() {
 mod tests {
     use super::super::cupti_records::tests::{api, bytes_of, external, kernel, memcpy};
     use super::*;
-
-    /// Note [CUPTI beside other threads' CUDA work]: the copy kinds are session kinds that a
-    /// first start enables, later starts leave as they are and no stop disables; every other
-    /// kind is enabled by each start and disabled by each stop.
-    #[test]
-    fn copy_kinds_stay_enabled_after_the_first_start() {
-        let first: Vec<u32> = kinds_to_enable(false).collect();
-        assert_eq!(first, KINDS);
-        let later: Vec<u32> = kinds_to_enable(true).collect();
-        let disabled: Vec<u32> = kinds_to_disable().collect();
-        assert_eq!(later, disabled, "a later start enables what a stop disabled");
-        assert!(disabled.iter().all(|k| !KEPT.contains(k)));
-        assert_eq!(disabled.len() + KEPT.len(), KINDS.len(), "KEPT is part of KINDS");
-        assert!(disabled.contains(&records::KIND_CONCURRENT_KERNEL));
-    }
 
     /// Note [CUPTI and ranks as threads]: CUPTI is refused exactly while collectives are
     /// registered on more than one device, and the reason names them.

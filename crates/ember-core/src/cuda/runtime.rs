@@ -72,22 +72,17 @@ fn driver_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Err
     }
 }
 
+/// One slot per device, filled on its first use.
 static RUNTIMES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceRuntime, Error>>>> =
     OnceLock::new();
 
-/// EXPERIMENT (copy gate): waits for all work on every device whose runtime exists; the
-/// calling thread is left bound to the last of them.
-pub(crate) fn synchronize_initialized() {
-    let Some(slots) = RUNTIMES.get() else { return };
-    for rt in slots
-        .iter()
-        .filter_map(|s| s.get())
-        .filter_map(|r| r.as_ref().ok())
-    {
-        if rt.bind().is_ok() {
-            let _ = result::ctx::synchronize();
-        }
-    }
+/// The devices' runtimes created so far.
+pub(crate) fn initialized() -> impl Iterator<Item = &'static DeviceRuntime> {
+    RUNTIMES
+        .get()
+        .into_iter()
+        .flatten()
+        .filter_map(|slot| slot.get()?.as_ref().ok().copied())
 }
 
 /// The runtime of device `ordinal`, created on first use; a typed error without CUDA or when

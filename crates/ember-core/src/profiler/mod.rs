@@ -76,9 +76,8 @@
 //! - *Cost without a profiler:* the dispatch point's observer check (one relaxed atomic
 //!   load), `record_function` and the backward range (one each), the hook before device work
 //!   (one), and storage creation and drop (one). Nothing of CUPTI is loaded or called
-//!   until a profiler that records CUDA starts. After one has started, CUPTI keeps recording
-//!   the process's copies and fills (Note [CUPTI beside other threads' CUDA work] in
-//!   `cuda/cupti.rs`): on an H100, about 2 us more host time per copy and 1.7 per fill.
+//!   until a profiler that records CUDA starts; after one has, each copy takes a shared lock
+//!   (Note [CUPTI beside other threads' CUDA work] in `cuda/cupti.rs`).
 //!
 //! Note [Profiler waits]: the thread that stops a profiler waits for its current device and
 //! for the devices it launched work on itself during the cycle (as PyTorch's exit waits for
