@@ -72,8 +72,13 @@
 //! 1.57-2.28 against 1.83-2.41, one small launch 4.2-5.5 against 5.1-6.1, the MLP step
 //! 440-566 against 519-702. That is CUPTI itself staying attached to the driver; the kept
 //! copy and fill kinds cost more on top (round trip 14.1-16.7 against 19.0-20.6). Only
-//! `cuptiFinalize` detaches it, and it must be called where no other thread is inside CUPTI
-//! (Kineto calls it from an API callback's exit, on a thread of its own; kineto PR 686).
+//! `cuptiFinalize` detaches it. Tried (branch `cupti-detach`): each stop finalized CUPTI from
+//! a driver API call's exit callback, as CUPTI's sample and Kineto (PR 686) do, and the next
+//! start attached it again. On two H200s the cost went away (the MLP step 542 against 554 us,
+//! 524 against 515; one launch 5.5 against 5.5), and the kernel-loading stress test passed 63
+//! of 63 runs; but the core GPU suite (four test threads) died in libcupti inside another
+//! thread's `cuCtxSetCurrent`, just after a CUPTI test's stop had detached. Finalizing safely
+//! would need every driver call of every thread held off, not only copies and loads.
 //!
 //! Left: the libraries' own loads and copies (cuBLAS, cuDNN, NCCL) are not gated, and a
 //! device capturing a graph is not waited for.
