@@ -104,6 +104,17 @@
 //! noise of glibc's), jemalloc (1.93-1.98 ms per step against glibc's 0.83-0.90), and the
 //! threads waiting by spinning or asleep instead of yielding (no difference above the
 //! machine's noise, which is about 30% between runs at N=2).
+//! That noise is per process: each process keeps its pace, and processes differ. dp_cnn at
+//! N=2 (`ember bench --only dp_cnn`, one process per run): ten runs on two H200s 0.655,
+//! 0.659, 0.660, 0.763, 0.786, 0.866, 0.870, 0.917, 1.146 and 1.264 ms per step, each run's
+//! min and max within 15% of its median; 21 runs on two H100s, 1.00-1.44 ms. Fast and slow
+//! processes queue the same GPU work (CUPTI: 65 and 51 kernels, 513-523 and 467-471 us busy on
+//! the two devices); in slow ones the worker thread's ops take about 45% more host time
+//! (conv2d 163 against 110 us, profiled), the caller's the same. Not CPU placement: the guest
+//! has one NUMA node and no SMT, and pinning the caller and the worker to two CPUs left five
+//! of six runs slow. Not glibc's allocator: one arena, or no heap trimming, ran as the default
+//! did (1.03-1.44 against 1.00-1.23 ms, interleaved), with the same page faults and context
+//! switches. The machines are virtual; what slows a whole thread is below what the guest sees.
 
 use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{amp, autograd};
