@@ -107,7 +107,7 @@
 //! That noise is per process: each process keeps its pace, and processes differ. dp_cnn at
 //! N=2 (`ember bench --only dp_cnn`, one process per run): ten runs on two H200s 0.655,
 //! 0.659, 0.660, 0.763, 0.786, 0.866, 0.870, 0.917, 1.146 and 1.264 ms per step, each run's
-//! min and max within 15% of its median; 21 runs on two H100s, 1.00-1.44 ms. Fast and slow
+//! min and max within 18% of its median; 21 runs on two H100s, 1.00-1.44 ms. Fast and slow
 //! processes queue the same GPU work (CUPTI: 65 and 51 kernels, 513-523 and 467-471 us busy on
 //! the two devices); in slow ones the worker thread's ops take about 45% more host time
 //! (conv2d 163 against 110 us, profiled), the caller's the same. Not CPU placement: the guest
