@@ -114,7 +114,10 @@
 //! has one NUMA node and no SMT, and pinning the caller and the worker to two CPUs left five
 //! of six runs slow. Not glibc's allocator: one arena, or no heap trimming, ran as the default
 //! did (1.03-1.44 against 1.00-1.23 ms, interleaved), with the same page faults and context
-//! switches. The machines are virtual; what slows a whole thread is below what the guest sees.
+//! switches. Not the waits' polling either: polling with PAUSE hints instead of yielding (ten
+//! processes each, interleaved, two H100s) ran 0.907-1.107 ms against 0.863-1.202, medians
+//! 1.07 both. The machines are virtual; what slows a whole thread is below what the guest
+//! sees.
 
 use crate::module::{join_name, Forward, Module, TensorKind};
 use ember_core::{amp, autograd};
