@@ -78,7 +78,9 @@
 //!   (one), and storage creation and drop (one). Nothing of CUPTI is loaded or called
 //!   until a profiler that records CUDA starts; after one has, each copy takes a shared lock,
 //!   and CUPTI, still attached to the driver, adds about 1 us to each launch and copy (Note
-//!   [CUPTI beside other threads' CUDA work] in `cuda/cupti.rs`).
+//!   [CUPTI beside other threads' CUDA work] in `cuda/cupti.rs`). A profile timed by CUDA
+//!   events (`cuda_timing(CudaTimingSource::CudaEvents)`) never loads CUPTI, so a program
+//!   that profiles a few steps of a long run can keep the rest of the run free of that cost.
 //!
 //! Note [Profiler waits]: the thread that stops a profiler waits for its current device and
 //! for the devices it launched work on itself during the cycle (as PyTorch's exit waits for
@@ -285,7 +287,9 @@ impl ProfileBuilder {
     }
 
     /// How to time CUDA: [`CudaTimingSource::Cupti`] (the default, falling back to CUDA events
-    /// where libcupti cannot be loaded or started) or [`CudaTimingSource::CudaEvents`].
+    /// where libcupti cannot be loaded or started) or [`CudaTimingSource::CudaEvents`]. CUPTI
+    /// stays attached after the profile, at about 1 us per later launch and copy; CUDA events
+    /// leave nothing behind (see "Cost without a profiler" in the module docs).
     pub fn cuda_timing(mut self, source: CudaTimingSource) -> Self {
         self.cuda_timing = source;
         self
