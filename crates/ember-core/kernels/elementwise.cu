@@ -1,29 +1,26 @@
 // Elementwise ops over two or three operands already broadcast to one shape: arithmetic,
 // comparisons, logical ops and `where`. The output is always row-major.
 //
-// Arithmetic and comparisons have one kernel per op and dtype (`binary_add_f32`), each its own
-// compile unit, so a program compiles only the ops it uses; the logical ops share one kernel
-// that switches once on the op (a runtime argument, the same for all threads).
+// Arithmetic, comparisons and logical ops have one kernel per op and dtype
+// (`binary_add_f32`, `compare_lt_i64`, `logical_and`), each its own compile unit, so a program
+// compiles only the ops it uses. The ops and their names come from the op tables
+// (`backend/table.rs`): each is one line below; which dtypes an arithmetic op has follows the
+// table's `ints` and `bools` columns, and CI's NVRTC compile checks that the two agree.
 // The `mode` argument picks the loop shape the host found:
 //   0: every operand row-major (vectorized 16-byte loads and stores when aligned)
 //   1: `a` row-major, `b` one broadcast element      2: `a` one broadcast element, `b` row-major
 //   3: any strides (Strided: stride[0] = a, stride[1] = b, stride[2] = cond for `where`)
 //
 // Launch contract:
-//   binary_<op>_T(const T* a, const T* b, T* out, Strided s, i64 n, i32 op, i32 mode)
-//       <op> (code): add (0) sub (1) mul (2) div (3) pow (4) maximum (5) minimum (6)
-//       (ops::binary::BinaryOp order); `op` is the code, unused (the kernel is the op's own);
-//       integers: div is not launched (true division promotes to float on the host), pow takes
-//       non-negative exponents (a negative one gives an unspecified element; the host launches
-//       check_pow_exponent_I first); bool: add/maximum are `or`, the others `and`
+//   binary_<op>_T(const T* a, const T* b, T* out, Strided s, i64 n, i32 mode)
+//       integers: pow takes non-negative exponents (a negative one gives an unspecified
+//       element; the host launches check_pow_exponent_I first)
 //   check_pow_exponent_I(const I* b, Strided s, i64 n, ErrorCheck check)        I in i64 i32
 //       records the first negative exponent (s.stride[0] = the exponents' strides) in the
 //       device's error record (Note [Deferred device errors] in `cuda/device_errors.rs`);
 //       blockDim.x a multiple of 32
-//   compare_<op>_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
-//       <op> (code): eq (0) ne (1) lt (2) le (3) gt (4) ge (5); `op` unused as above
-//   logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode)
-//       op: 0 and 1 or 2 xor
+//   compare_<op>_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 mode)
+//   logical_<op>(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 mode)
 //   where_T(const bool* cond, const T* a, const T* b, T* out, Strided s, i64 n)
 
 template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
@@ -94,22 +91,6 @@ __device__ __forceinline__ void for_each2(const In* __restrict__ a, const In* __
     }
 }
 
-// Arithmetic in Acc<T>, stored back as T.
-#define EMBER_ARITH(name, expr)                                                                  \
-    template <typename T> struct name {                                                          \
-        __device__ __forceinline__ T operator()(T xs, T ys) const {                              \
-            typedef typename Acc<T>::type A;                                                     \
-            A x = load(xs), y = load(ys);                                                        \
-            return cast<T>((A)(expr));                                                           \
-        }                                                                                        \
-    };
-EMBER_ARITH(AddOp, x + y)
-EMBER_ARITH(SubOp, x - y)
-EMBER_ARITH(MulOp, x * y)
-EMBER_ARITH(DivOp, x / y)
-EMBER_ARITH(MaxOp, (x != x || x > y) ? x : y)
-EMBER_ARITH(MinOp, (x != x || x < y) ? x : y)
-
 template <typename A> __device__ __forceinline__ A power(A x, A y) {
     // Integers: exponentiation by squaring with wrapping, exponent >= 0 (checked by
     // check_pow_exponent_I, which runs before).
@@ -124,69 +105,70 @@ template <typename A> __device__ __forceinline__ A power(A x, A y) {
 }
 template <> __device__ __forceinline__ float power<float>(float x, float y) { return powf(x, y); }
 template <> __device__ __forceinline__ double power<double>(double x, double y) { return pow(x, y); }
-EMBER_ARITH(PowOp, power<A>(x, y))
 
-// One kernel per op and dtype (its own compile unit, Note [Kernel units] in `kernel_units.rs`):
-// `binary_<op>_T` runs op OP only (`if constexpr`, so the other ops are not even instantiated).
-template <typename T, int OP>
-__device__ __forceinline__ void binary(const T* a, const T* b, T* out, const Strided& s, i64 n, int mode) {
-    if constexpr (OP == 0) for_each2(a, b, out, s, n, mode, AddOp<T>());
-    if constexpr (OP == 1) for_each2(a, b, out, s, n, mode, SubOp<T>());
-    if constexpr (OP == 2) for_each2(a, b, out, s, n, mode, MulOp<T>());
-    if constexpr (OP == 3) for_each2(a, b, out, s, n, mode, DivOp<T>());
-    if constexpr (OP == 4) for_each2(a, b, out, s, n, mode, PowOp<T>());
-    if constexpr (OP == 5) for_each2(a, b, out, s, n, mode, MaxOp<T>());
-    if constexpr (OP == 6) for_each2(a, b, out, s, n, mode, MinOp<T>());
-}
+__device__ __forceinline__ float log_of(float x) { return logf(x); }
+__device__ __forceinline__ double log_of(double x) { return log(x); }
+
+// An arithmetic op: `expr` of `x` and `y` in the arithmetic type A = Acc<T>, stored back as T,
+// with its kernel in the float dtypes (`EMBER_BINARY_FLOAT`) or in every dtype but bool
+// (`EMBER_BINARY`); `EMBER_BINARY_BOOL(op, f)` adds the bool kernel, `f` the bool functor.
+#define EMBER_BINARY_OP(op, expr)                                                                   \
+    template <typename T> struct Binary_##op {                                                      \
+        __device__ __forceinline__ T operator()(T xs, T ys) const {                                 \
+            typedef typename Acc<T>::type A;                                                        \
+            A x = load(xs), y = load(ys);                                                           \
+            return cast<T>((A)(expr));                                                              \
+        }                                                                                           \
+    };
+#define EMBER_BINARY_KERNEL(op, T, name, F)                                                         \
+    EMBER_IN_UNIT(binary_##op##_##name,                                                             \
+    extern "C" __global__ void binary_##op##_##name(const T* a, const T* b, T* out, Strided s,      \
+                                                    i64 n, i32 mode) {                              \
+        for_each2(a, b, out, s, n, mode, F());                                                      \
+    })
+#define EMBER_BINARY_FLOAT(op, expr)                                                                \
+    EMBER_BINARY_OP(op, expr)                                                                       \
+    EMBER_BINARY_KERNEL(op, float, f32, Binary_##op<float>)                                         \
+    EMBER_BINARY_KERNEL(op, double, f64, Binary_##op<double>)                                       \
+    EMBER_BINARY_KERNEL(op, f16, f16, Binary_##op<f16>)                                             \
+    EMBER_BINARY_KERNEL(op, bf16, bf16, Binary_##op<bf16>)
+#define EMBER_BINARY(op, expr)                                                                      \
+    EMBER_BINARY_FLOAT(op, expr)                                                                    \
+    EMBER_BINARY_KERNEL(op, i64, i64, Binary_##op<i64>)                                             \
+    EMBER_BINARY_KERNEL(op, i32, i32, Binary_##op<i32>)                                             \
+    EMBER_BINARY_KERNEL(op, u8, u8, Binary_##op<u8>)
+#define EMBER_BINARY_BOOL(op, F) EMBER_BINARY_KERNEL(op, bool, bool, F)
 
 struct OrOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x | y; } };
 struct AndOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x & y; } };
 struct XorOp { __device__ __forceinline__ bool operator()(bool x, bool y) const { return x ^ y; } };
 
-// bool: add and maximum are `or`, the others `and`.
-template <int OP>
-__device__ __forceinline__ void binary_bool(const bool* a, const bool* b, bool* out, const Strided& s, i64 n,
-                                            int mode) {
-    if constexpr (OP == 0 || OP == 5) for_each2(a, b, out, s, n, mode, OrOp());
-    else for_each2(a, b, out, s, n, mode, AndOp());
-}
+EMBER_BINARY(add, x + y)
+EMBER_BINARY_BOOL(add, OrOp)
+EMBER_BINARY(sub, x - y)
+EMBER_BINARY(mul, x * y)
+EMBER_BINARY_BOOL(mul, AndOp)
+// Integers never reach div (true division promotes them to float on the host).
+EMBER_BINARY_FLOAT(div, x / y)
+EMBER_BINARY(pow, power<A>(x, y))
+// NaN propagates, as in PyTorch.
+EMBER_BINARY(maximum, (x != x || x > y) ? x : y)
+EMBER_BINARY_BOOL(maximum, OrOp)
+EMBER_BINARY(minimum, (x != x || x < y) ? x : y)
+EMBER_BINARY_BOOL(minimum, AndOp)
+// 0 where x == 0 unless y is NaN (PyTorch's `xlogy`).
+EMBER_BINARY_FLOAT(xlogy, y != y ? y : (x == (A)0 ? (A)0 : x * log_of(y)))
 
-// M(T, name, code, op) for each binary op, in `BinaryOp` order (the `op` codes above).
-#define EMBER_BINARY_OPS(M, T, name)                                                                \
-    M(T, name, 0, add) M(T, name, 1, sub) M(T, name, 2, mul) M(T, name, 3, div) M(T, name, 4, pow) \
-    M(T, name, 5, maximum) M(T, name, 6, minimum)
-
-#define EMBER_BINARY_OP(T, name, code, opname)                                                      \
-    EMBER_IN_UNIT(binary_##opname##_##name,                                                         \
-    extern "C" __global__ void binary_##opname##_##name(const T* a, const T* b, T* out, Strided s, \
-                                                        i64 n, i32 op, i32 mode) {                  \
-        binary<T, code>(a, b, out, s, n, mode);                                                     \
+// The logical ops of two bool operands.
+#define EMBER_LOGICAL(op, F)                                                                        \
+    EMBER_IN_UNIT(logical_##op,                                                                     \
+    extern "C" __global__ void logical_##op(const bool* a, const bool* b, bool* out, Strided s,     \
+                                            i64 n, i32 mode) {                                      \
+        for_each2(a, b, out, s, n, mode, F());                                                      \
     })
-#define EMBER_BINARY_BOOL_OP(T, name, code, opname)                                                 \
-    EMBER_IN_UNIT(binary_##opname##_##name,                                                         \
-    extern "C" __global__ void binary_##opname##_##name(const T* a, const T* b, T* out, Strided s, \
-                                                        i64 n, i32 op, i32 mode) {                  \
-        binary_bool<code>(a, b, out, s, n, mode);                                                   \
-    })
-#define EMBER_BINARY(T, name) EMBER_BINARY_OPS(EMBER_BINARY_OP, T, name)
-EMBER_BINARY(float, f32)
-EMBER_BINARY(double, f64)
-EMBER_BINARY(f16, f16)
-EMBER_BINARY(bf16, bf16)
-EMBER_BINARY(i64, i64)
-EMBER_BINARY(i32, i32)
-EMBER_BINARY(u8, u8)
-EMBER_BINARY_OPS(EMBER_BINARY_BOOL_OP, bool, bool)
-
-#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_logical)
-extern "C" __global__ void logical(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 op, i32 mode) {
-    switch (op) {
-        case 0: for_each2(a, b, out, s, n, mode, AndOp()); break;
-        case 1: for_each2(a, b, out, s, n, mode, OrOp()); break;
-        case 2: for_each2(a, b, out, s, n, mode, XorOp()); break;
-    }
-}
-#endif
+EMBER_LOGICAL(and, AndOp)
+EMBER_LOGICAL(or, OrOp)
+EMBER_LOGICAL(xor, XorOp)
 
 #define EMBER_CMP(name, expr)                                                                     \
     template <typename T> struct name {                                                           \
@@ -203,18 +185,24 @@ EMBER_CMP(LeOp, x <= y)
 EMBER_CMP(GtOp, x > y)
 EMBER_CMP(GeOp, x >= y)
 
-// M(T, name, code, op, functor) for each comparison (the `op` codes above).
-#define EMBER_COMPARE_OPS(M, T, name) \
-    M(T, name, 0, eq, EqOp) M(T, name, 1, ne, NeOp) M(T, name, 2, lt, LtOp) M(T, name, 3, le, LeOp) \
-    M(T, name, 4, gt, GtOp) M(T, name, 5, ge, GeOp)
-#define EMBER_COMPARE_OP(T, name, code, opname, Op)                                                    \
-    EMBER_IN_UNIT(compare_##opname##_##name,                                                           \
-    extern "C" __global__ void compare_##opname##_##name(const T* a, const T* b, bool* out, Strided s, \
-                                                         i64 n, i32 op, i32 mode) {                    \
-        for_each2(a, b, out, s, n, mode, Op<T>());                                                     \
+// A comparison: its functor (above) and its kernel in every dtype.
+#define EMBER_COMPARE_KERNEL(op, F, T, name)                                                        \
+    EMBER_IN_UNIT(compare_##op##_##name,                                                            \
+    extern "C" __global__ void compare_##op##_##name(const T* a, const T* b, bool* out, Strided s,  \
+                                                     i64 n, i32 mode) {                             \
+        for_each2(a, b, out, s, n, mode, F<T>());                                                   \
     })
-#define EMBER_COMPARE(T, name) EMBER_COMPARE_OPS(EMBER_COMPARE_OP, T, name)
-EMBER_FOR_ALL_DTYPES(EMBER_COMPARE)
+#define EMBER_COMPARE(op, F)                                                                        \
+    EMBER_COMPARE_KERNEL(op, F, float, f32) EMBER_COMPARE_KERNEL(op, F, double, f64)                \
+    EMBER_COMPARE_KERNEL(op, F, f16, f16) EMBER_COMPARE_KERNEL(op, F, bf16, bf16)                   \
+    EMBER_COMPARE_KERNEL(op, F, i64, i64) EMBER_COMPARE_KERNEL(op, F, i32, i32)                     \
+    EMBER_COMPARE_KERNEL(op, F, u8, u8) EMBER_COMPARE_KERNEL(op, F, bool, bool)
+EMBER_COMPARE(eq, EqOp)
+EMBER_COMPARE(ne, NeOp)
+EMBER_COMPARE(lt, LtOp)
+EMBER_COMPARE(le, LeOp)
+EMBER_COMPARE(gt, GtOp)
+EMBER_COMPARE(ge, GeOp)
 
 #define EMBER_WHERE(T, name)                                                                                  \
     EMBER_IN_UNIT(where_##name,                                                                               \

@@ -541,6 +541,18 @@ impl Storage {
         on_backend!(op.name(), (a, b, o), _wrap => BackendStorage::binary_into(a, op, al, b, bl, o, ol))
     }
 
+    /// `self op rhs` over `self`'s elements at `al` (see [`BackendStorage::binary_inplace`]).
+    pub(crate) fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        al: &Layout,
+        rhs: &Storage,
+        bl: &Layout,
+    ) -> Result<()> {
+        let (a, b) = (self, rhs);
+        on_backend!(op.name(), (a, b), _wrap => BackendStorage::binary_inplace(a, op, al, b, bl))
+    }
+
     pub(crate) fn compare(&self, op: CmpOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         let (a, b) = (self, rhs);
         on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::compare(a, op, al, b, bl)?)))

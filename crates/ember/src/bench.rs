@@ -476,11 +476,20 @@ fn small_adds(device: Device) -> Result<Map<String, Value>> {
     }
     let host_us = t0.elapsed().as_secs_f64() * 1e6 / ops as f64;
     sync(device)?;
+    // The in-place form beside it (`a.add_(b)`, one kernel writing `a`, no allocation).
+    let acc = Tensor::zeros([n], DType::F32, device)?;
+    let inplace = time_steps(device, 2, 1, 5, || {
+        for _ in 0..ops {
+            acc.add_(&b)?;
+        }
+        Ok(())
+    })?;
+    let inplace_us = inplace.median * 1000.0 / ops as f64;
     Ok(row(
         "op_overhead_add",
         &t,
         ops as f64,
-        json!({ "us_per_op": us, "host_us_per_op": host_us }),
+        json!({ "us_per_op": us, "host_us_per_op": host_us, "inplace_us_per_op": inplace_us }),
     ))
 }
 

@@ -26,6 +26,7 @@
 pub mod geometry;
 pub mod op;
 pub mod step;
+pub mod table;
 
 pub use geometry::{ConvParams, PoolParams};
 pub use op::{
@@ -79,6 +80,16 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         rhs_layout: &Layout,
         out: &mut Self,
         out_layout: &Layout,
+    ) -> Result<()>;
+    /// `self op rhs` written over `self`'s elements at `layout` (row-major from its offset),
+    /// `rhs` at `rhs_layout` broadcast to that shape, one dtype: the in-place ops (`add_`) as
+    /// one kernel and no new buffer; `rhs` is not `self`'s storage.
+    fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &Self,
+        rhs_layout: &Layout,
     ) -> Result<()>;
     /// Comparison giving bool.
     fn compare(&self, op: CmpOp, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;

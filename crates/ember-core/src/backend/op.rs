@@ -2,79 +2,140 @@
 //! with the names errors report and the dtype rules every backend shares. Defined here, below
 //! both backends, so that `cpu/` and `cuda/` depend on nothing above the backend boundary; the
 //! op layer re-exports each one from its family's file (`ops::binary::BinaryOp`, ...).
+//!
+//! The elementwise families' enums, names and kernel names are expanded from their op table
+//! ([`super::table`]): an op is added there, not here.
 
+use super::table::{binary_table, compare_table, logical_table, unary_table};
 use crate::{DType, Error, Result};
 
 // ---------------------------------------------------------------------------------------------
 // Elementwise (`ops/binary.rs`).
 
-/// Arithmetic on two operands of one dtype.
+/// Which integer dtypes an elementwise op keeps (the table's `ints` column).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Pow,
-    Maximum,
-    Minimum,
+pub enum Ints {
+    /// Integer and bool inputs compute in float32 (or never arrive: a `CommonFloat` promotion).
+    Float,
+    /// Integer dtypes are kept, with wrapping integer kernels.
+    Int,
+    /// Integer dtypes are kept and the op is the identity on them (the rounding ops: a copy).
+    Whole,
 }
 
-impl BinaryOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::Pow => "pow",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-        }
-    }
-}
-
-/// Comparisons producing bool tensors.
+/// What a binary op is on two bool operands (the table's `bools` column).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CmpOp {
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
-impl CmpOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            CmpOp::Eq => "eq",
-            CmpOp::Ne => "ne",
-            CmpOp::Lt => "lt",
-            CmpOp::Le => "le",
-            CmpOp::Gt => "gt",
-            CmpOp::Ge => "ge",
-        }
-    }
-}
-
-/// Logical ops on bool tensors (other dtypes are converted with `!= 0` first).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogicalOp {
-    And,
+pub enum Bools {
     Or,
-    Xor,
+    And,
+    /// Refused: PyTorch has no such op on bool tensors.
+    No,
 }
 
-impl LogicalOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            LogicalOp::And => "logical_and",
-            LogicalOp::Or => "logical_or",
-            LogicalOp::Xor => "logical_xor",
+macro_rules! define_binary {
+    ($( ($v:ident, $stem:ident, $scalar:ident, $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+        |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
+        /// Arithmetic on two operands of one dtype (the op table's binary family).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum BinaryOp {
+            $(#[doc = $doc] $v,)*
         }
-    }
+
+        impl BinaryOp {
+            /// Every op of the family, in table order.
+            pub const ALL: &'static [BinaryOp] = &[$(BinaryOp::$v),*];
+
+            /// PyTorch's name of the op.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(BinaryOp::$v => stringify!($stem),)*
+                }
+            }
+
+            /// The op's kernels' base name: `binary_<name>` (then `_<dtype>`).
+            pub fn kernel(self) -> &'static str {
+                match self {
+                    $(BinaryOp::$v => concat!("binary_", stringify!($stem)),)*
+                }
+            }
+
+            /// Whether integer operands reach a kernel.
+            pub fn ints(self) -> Ints {
+                match self {
+                    $(BinaryOp::$v => Ints::$ints,)*
+                }
+            }
+
+            /// What the op is on bool operands.
+            pub fn bools(self) -> Bools {
+                match self {
+                    $(BinaryOp::$v => Bools::$bools,)*
+                }
+            }
+        }
+    };
 }
+binary_table!(define_binary);
+
+macro_rules! define_compare {
+    ($( ($v:ident, $stem:ident, $scalar:ident); )*) => {
+        /// Comparisons producing bool tensors (the op table's compare family).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum CmpOp {
+            $($v,)*
+        }
+
+        impl CmpOp {
+            /// Every op of the family, in table order.
+            pub const ALL: &'static [CmpOp] = &[$(CmpOp::$v),*];
+
+            /// PyTorch's name of the op.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(CmpOp::$v => stringify!($stem),)*
+                }
+            }
+
+            /// The op's kernels' base name: `compare_<name>` (then `_<dtype>`).
+            pub fn kernel(self) -> &'static str {
+                match self {
+                    $(CmpOp::$v => concat!("compare_", stringify!($stem)),)*
+                }
+            }
+        }
+    };
+}
+compare_table!(define_compare);
+
+macro_rules! define_logical {
+    ($( ($v:ident, $stem:ident, $short:ident); )*) => {
+        /// Logical ops on bool tensors (the op table's logical family).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum LogicalOp {
+            $($v,)*
+        }
+
+        impl LogicalOp {
+            /// Every op of the family, in table order.
+            pub const ALL: &'static [LogicalOp] = &[$(LogicalOp::$v),*];
+
+            /// PyTorch's name of the op.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(LogicalOp::$v => stringify!($stem),)*
+                }
+            }
+
+            /// The op's kernel: `logical_<and|or|xor>`.
+            pub fn kernel(self) -> &'static str {
+                match self {
+                    $(LogicalOp::$v => concat!("logical_", stringify!($short)),)*
+                }
+            }
+        }
+    };
+}
+logical_table!(define_logical);
 
 // ---------------------------------------------------------------------------------------------
 // Elementwise of one operand (`ops/unary.rs`).
@@ -82,153 +143,77 @@ impl LogicalOp {
 /// `κ` of the tanh approximation of GELU.
 pub const GELU_TANH_KAPPA: f64 = 0.044_715;
 
-/// An elementwise function of one operand; parameters of parametrized activations ride along.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum UnaryOp {
-    Neg,
-    Abs,
-    Sign,
-    Square,
-    Reciprocal,
-    Sqrt,
-    Rsqrt,
-    Exp,
-    Exp2,
-    Expm1,
-    Log,
-    Log2,
-    Log10,
-    Log1p,
-    Sin,
-    Cos,
-    Tan,
-    Asin,
-    Acos,
-    Atan,
-    Sinh,
-    Cosh,
-    Tanh,
-    Erf,
-    Erfc,
-    Floor,
-    Ceil,
-    /// Round half to even, as `torch.round`.
-    Round,
-    Trunc,
-    Sigmoid,
-    LogSigmoid,
-    Relu,
-    /// `x > 0 ? x : negative_slope * x`.
-    LeakyRelu {
-        negative_slope: f64,
-    },
-    /// `x > 0 ? scale * x : scale * alpha * (exp(input_scale * x) - 1)` (ELU, SELU, CELU).
-    Elu {
-        alpha: f64,
-        scale: f64,
-        input_scale: f64,
-    },
-    /// `x` clamped to `[min, max]` (hardtanh, relu6).
-    Hardtanh {
-        min: f64,
-        max: f64,
-    },
-    Hardsigmoid,
-    Hardswish,
-    /// `x * Φ(x)` with the exact normal CDF (PyTorch's default GELU).
-    Gelu,
-    /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` (`approximate='tanh'`).
-    GeluTanh,
-    Silu,
-    Mish,
-    /// `βx > threshold ? x : log(1 + exp(βx)) / β`.
-    Softplus {
-        beta: f64,
-        threshold: f64,
-    },
-    Softsign,
-    /// `x + value` for a float tensor and a scalar (`add_scalar`); the scalar is rounded once
-    /// to the compute type (float32 for half dtypes), as PyTorch computes a tensor with a
-    /// Python number: never rounded to the tensor's half dtype first.
-    AddScalar {
-        value: f64,
-    },
-    /// `x - value` (see [`UnaryOp::AddScalar`]).
-    SubScalar {
-        value: f64,
-    },
-    /// `x * value` (see [`UnaryOp::AddScalar`]).
-    MulScalar {
-        value: f64,
-    },
-    /// `x / value` (see [`UnaryOp::AddScalar`]).
-    DivScalar {
-        value: f64,
-    },
+/// The name of a unary op: its stem, or the binary op it is the scalar form of.
+macro_rules! unary_name {
+    ($stem:ident) => {
+        stringify!($stem)
+    };
+    ($stem:ident as $bin:ident) => {
+        BinaryOp::$bin.name()
+    };
 }
 
-impl UnaryOp {
-    /// PyTorch's name of the op.
-    pub fn name(self) -> &'static str {
-        use UnaryOp::*;
-        match self {
-            Neg => "neg",
-            Abs => "abs",
-            Sign => "sign",
-            Square => "square",
-            Reciprocal => "reciprocal",
-            Sqrt => "sqrt",
-            Rsqrt => "rsqrt",
-            Exp => "exp",
-            Exp2 => "exp2",
-            Expm1 => "expm1",
-            Log => "log",
-            Log2 => "log2",
-            Log10 => "log10",
-            Log1p => "log1p",
-            Sin => "sin",
-            Cos => "cos",
-            Tan => "tan",
-            Asin => "asin",
-            Acos => "acos",
-            Atan => "atan",
-            Sinh => "sinh",
-            Cosh => "cosh",
-            Tanh => "tanh",
-            Erf => "erf",
-            Erfc => "erfc",
-            Floor => "floor",
-            Ceil => "ceil",
-            Round => "round",
-            Trunc => "trunc",
-            Sigmoid => "sigmoid",
-            LogSigmoid => "logsigmoid",
-            Relu => "relu",
-            LeakyRelu { .. } => "leaky_relu",
-            Elu { .. } => "elu",
-            Hardtanh { .. } => "hardtanh",
-            Hardsigmoid => "hardsigmoid",
-            Hardswish => "hardswish",
-            Gelu => "gelu",
-            GeluTanh => "gelu_tanh",
-            Silu => "silu",
-            Mish => "mish",
-            Softplus { .. } => "softplus",
-            Softsign => "softsign",
-            AddScalar { .. } => "add",
-            SubScalar { .. } => "sub",
-            MulScalar { .. } => "mul",
-            DivScalar { .. } => "div",
-        }
-    }
+/// Up to three kernel parameters, zero-padded.
+fn params<const N: usize>(p: [f64; N]) -> [f64; 3] {
+    let mut out = [0.0; 3];
+    out[..N].copy_from_slice(&p);
+    out
+}
 
+macro_rules! define_unary {
+    ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+        /// An elementwise function of one operand (the op table's unary family); parameters of
+        /// parametrized activations ride along.
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub enum UnaryOp {
+            $(#[doc = $doc] $v $({ $($f: f64),* })?,)*
+        }
+
+        impl UnaryOp {
+            /// Every op of the family in table order, parametrized ones with parameters 0.
+            pub const ALL: &'static [UnaryOp] = &[$(UnaryOp::$v $({ $($f: 0.0),* })?),*];
+
+            /// Every kernel of the family and its integer rule, in table order.
+            pub const KERNELS: &'static [(&'static str, Ints)] =
+                &[$((concat!("unary_", stringify!($stem)), Ints::$ints)),*];
+
+            /// PyTorch's name of the op.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(UnaryOp::$v { .. } => unary_name!($stem $(as $bin)?),)*
+                }
+            }
+
+            /// The op's kernels' base name: `unary_<stem>` (then `_<dtype>`).
+            pub fn kernel(self) -> &'static str {
+                match self {
+                    $(UnaryOp::$v { .. } => concat!("unary_", stringify!($stem)),)*
+                }
+            }
+
+            /// The op's integer rule (Note [Unary dtypes] in `ops/unary.rs`).
+            pub fn ints(self) -> Ints {
+                match self {
+                    $(UnaryOp::$v { .. } => Ints::$ints,)*
+                }
+            }
+
+            /// The kernel's parameters `c0..c2`, from the op's fields.
+            pub fn kernel_params(self) -> [f64; 3] {
+                match self {
+                    $(UnaryOp::$v { $($($f),*)? } => params([$($($p),*)?]),)*
+                }
+            }
+        }
+    };
+}
+unary_table!(define_unary);
+
+impl UnaryOp {
     /// True for the ops that keep integer dtypes (see Note [Unary dtypes] in `ops/unary.rs`).
     pub fn keeps_integers(self) -> bool {
-        use UnaryOp::*;
-        matches!(
-            self,
-            Neg | Abs | Sign | Relu | Square | Floor | Ceil | Round | Trunc
-        )
+        self.ints() != Ints::Float
     }
 
     /// The dtype of `op(x)` for `x` of dtype `input`, or the error PyTorch raises.
@@ -248,7 +233,7 @@ impl UnaryOp {
                 dtype: DType::Bool,
                 hint: "to invert a mask, use logical_not()",
             }),
-            Relu | Floor | Ceil | Round | Trunc => Err(Error::UnsupportedDType {
+            _ if self.keeps_integers() => Err(Error::UnsupportedDType {
                 op: self.name(),
                 dtype: DType::Bool,
                 hint: "convert with to_dtype() first",

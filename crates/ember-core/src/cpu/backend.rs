@@ -158,6 +158,16 @@ impl BackendStorage for CpuStorage {
         Ok(())
     }
 
+    fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+    ) -> Result<()> {
+        CpuStorage::binary_inplace(self, op, layout, rhs, rhs_layout)
+    }
+
     fn compare(
         &self,
         op: CmpOp,

@@ -2,7 +2,7 @@
 //! broadcast to one shape: arithmetic, comparisons, logical ops and `where`.
 
 use super::{map_strided, CpuStorage, PAR_CHUNK, PAR_THRESHOLD};
-use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
+use crate::backend::op::{BinaryOp, Bools, CmpOp, LogicalOp};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
@@ -52,47 +52,51 @@ where
         .collect()
 }
 
-macro_rules! float_arith {
-    ($op:expr, $a:expr, $al:expr, $b:expr, $bl:expr) => {
+/// Runs `$run!(args; formula)` with the CPU formula of float op `$op`, a closure over the compute
+/// type `$R` (f64 for f64, f32 for the other floats): one monomorphized loop per op.
+macro_rules! with_float_formula {
+    ($op:expr, $R:ty, $run:ident($($args:tt)*)) => {
         match $op {
-            BinaryOp::Add => binary_map($a, $al, $b, $bl, |x, y| x + y),
-            BinaryOp::Sub => binary_map($a, $al, $b, $bl, |x, y| x - y),
-            BinaryOp::Mul => binary_map($a, $al, $b, $bl, |x, y| x * y),
-            BinaryOp::Div => binary_map($a, $al, $b, $bl, |x, y| x / y),
-            BinaryOp::Pow => binary_map($a, $al, $b, $bl, |x, y| x.powf(y)),
+            BinaryOp::Add => $run!($($args)*; |x: $R, y: $R| x + y),
+            BinaryOp::Sub => $run!($($args)*; |x: $R, y: $R| x - y),
+            BinaryOp::Mul => $run!($($args)*; |x: $R, y: $R| x * y),
+            BinaryOp::Div => $run!($($args)*; |x: $R, y: $R| x / y),
+            BinaryOp::Pow => $run!($($args)*; |x: $R, y: $R| x.powf(y)),
             // NaN propagates, as in PyTorch.
-            BinaryOp::Maximum => binary_map($a, $al, $b, $bl, |x, y| if x.is_nan() || x > y { x } else { y }),
-            BinaryOp::Minimum => binary_map($a, $al, $b, $bl, |x, y| if x.is_nan() || x < y { x } else { y }),
+            BinaryOp::Maximum => $run!($($args)*; |x: $R, y: $R| if x.is_nan() || x > y { x } else { y }),
+            BinaryOp::Minimum => $run!($($args)*; |x: $R, y: $R| if x.is_nan() || x < y { x } else { y }),
+            // 0 where x == 0 unless y is NaN (PyTorch's `xlogy`).
+            BinaryOp::Xlogy => $run!($($args)*; |x: $R, y: $R| if y.is_nan() {
+                y
+            } else if x == 0.0 {
+                0.0
+            } else {
+                x * y.ln()
+            }),
         }
     };
 }
 
-macro_rules! int_arith {
-    ($t:ty, $op:expr, $a:expr, $al:expr, $b:expr, $bl:expr) => {
-        match $op {
-            BinaryOp::Add => Ok(binary_map($a, $al, $b, $bl, |x: $t, y: $t| x.wrapping_add(y))),
-            BinaryOp::Sub => Ok(binary_map($a, $al, $b, $bl, |x: $t, y: $t| x.wrapping_sub(y))),
-            BinaryOp::Mul => Ok(binary_map($a, $al, $b, $bl, |x: $t, y: $t| x.wrapping_mul(y))),
-            BinaryOp::Maximum => Ok(binary_map($a, $al, $b, $bl, |x: $t, y: $t| x.max(y))),
-            BinaryOp::Minimum => Ok(binary_map($a, $al, $b, $bl, |x: $t, y: $t| x.min(y))),
-            BinaryOp::Pow => {
-                #[allow(unused_comparisons)]
-                let negative = $bl.offsets().any(|i| $b[i] < 0);
-                if negative {
-                    return Err(Error::invalid(
-                        "pow",
-                        "integers to negative integer powers are not allowed",
-                    ));
-                }
-                Ok(binary_map($a, $al, $b, $bl, |x: $t, y: $t| {
-                    x.wrapping_pow(y as u32)
-                }))
-            }
-            // Division of integers is promoted to float by the caller (true division).
-            BinaryOp::Div => Err(Error::dtype("div", <$t as crate::Element>::DTYPE)),
-        }
-    };
+/// f32 and f64: floats that compute in their own type.
+trait FloatFormula: Sized {
+    fn arith(op: BinaryOp, a: &[Self], al: &Layout, b: &[Self], bl: &Layout) -> Vec<Self>;
 }
+
+macro_rules! float_formula {
+    ($($t:ty),*) => {$(
+        impl FloatFormula for $t {
+            fn arith(op: BinaryOp, a: &[$t], al: &Layout, b: &[$t], bl: &Layout) -> Vec<$t> {
+                macro_rules! run {
+                    (; $f:expr) => {
+                        binary_map(a, al, b, bl, $f)
+                    };
+                }
+                with_float_formula!(op, $t, run())
+            }
+        }
+    )*};
+}
+float_formula!(f32, f64);
 
 /// Half types compute in f32 and round once.
 fn half_arith<T: Copy + Send + Sync>(
@@ -104,48 +108,93 @@ fn half_arith<T: Copy + Send + Sync>(
     to: fn(T) -> f32,
     from: fn(f32) -> T,
 ) -> Vec<T> {
-    let f = |x: f32, y: f32| -> f32 {
-        match op {
-            BinaryOp::Add => x + y,
-            BinaryOp::Sub => x - y,
-            BinaryOp::Mul => x * y,
-            BinaryOp::Div => x / y,
-            BinaryOp::Pow => x.powf(y),
-            BinaryOp::Maximum => {
-                if x.is_nan() || x > y {
-                    x
-                } else {
-                    y
+    macro_rules! run {
+        (; $f:expr) => {{
+            let f = $f;
+            binary_map(a, al, b, bl, |x, y| from(f(to(x), to(y))))
+        }};
+    }
+    with_float_formula!(op, f32, run())
+}
+
+/// Runs `$run!(args; formula)` with the integer formula of `$op` on `$t` (wrapping, as PyTorch),
+/// or returns the error for an op whose integers compute as floats (true division, xlogy: the
+/// caller promotes them, so they never arrive here). Integer pow's exponents `$b` at `$bl` are
+/// checked first: a negative one is an error, as on every device.
+macro_rules! with_int_formula {
+    ($t:ty, $op:expr, $b:expr, $bl:expr, $run:ident($($args:tt)*)) => {
+        match $op {
+            BinaryOp::Add => Ok($run!($($args)*; |x: $t, y: $t| x.wrapping_add(y))),
+            BinaryOp::Sub => Ok($run!($($args)*; |x: $t, y: $t| x.wrapping_sub(y))),
+            BinaryOp::Mul => Ok($run!($($args)*; |x: $t, y: $t| x.wrapping_mul(y))),
+            BinaryOp::Maximum => Ok($run!($($args)*; |x: $t, y: $t| x.max(y))),
+            BinaryOp::Minimum => Ok($run!($($args)*; |x: $t, y: $t| x.min(y))),
+            BinaryOp::Pow => {
+                #[allow(unused_comparisons)]
+                let negative = $bl.offsets().any(|i| $b[i] < 0);
+                if negative {
+                    return Err(Error::invalid(
+                        "pow",
+                        "integers to negative integer powers are not allowed",
+                    ));
                 }
+                Ok($run!($($args)*; |x: $t, y: $t| x.wrapping_pow(y as u32)))
             }
-            BinaryOp::Minimum => {
-                if x.is_nan() || x < y {
-                    x
-                } else {
-                    y
-                }
-            }
+            op => Err(Error::dtype(op.name(), <$t as crate::Element>::DTYPE)),
         }
     };
-    binary_map(a, al, b, bl, |x, y| from(f(to(x), to(y))))
+}
+
+/// `a[i] = f(a[i], b[j])` over the elements of `a` (row-major) and the offsets of `bl` (of
+/// `a`'s shape): an in-place binary op, in parallel above `PAR_THRESHOLD`.
+fn apply_map<T, F>(a: &mut [T], b: &[T], bl: &Layout, f: F)
+where
+    T: Copy + Send + Sync,
+    F: Fn(T, T) -> T + Send + Sync,
+{
+    if let Some(rb) = bl.contiguous_range() {
+        let b = &b[rb];
+        if a.len() >= PAR_THRESHOLD {
+            a.par_iter_mut()
+                .zip(b.par_iter())
+                .for_each(|(x, &y)| *x = f(*x, y));
+        } else {
+            a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
+        }
+    } else if a.len() >= PAR_THRESHOLD {
+        a.par_chunks_mut(PAR_CHUNK).enumerate().for_each(|(c, chunk)| {
+            for (x, j) in chunk.iter_mut().zip(bl.offsets_from(c * PAR_CHUNK)) {
+                *x = f(*x, b[j]);
+            }
+        });
+    } else {
+        for (x, j) in a.iter_mut().zip(bl.offsets()) {
+            *x = f(*x, b[j]);
+        }
+    }
 }
 
 impl CpuStorage {
     /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
     pub fn binary(&self, op: BinaryOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
         use CpuStorage::*;
+        macro_rules! run {
+            ($a:expr, $b:expr; $f:expr) => {
+                binary_map($a, al, $b, bl, $f)
+            };
+        }
         Ok(match (self, rhs) {
-            (F32(a), F32(b)) => F32(float_arith!(op, a, al, b, bl)),
-            (F64(a), F64(b)) => F64(float_arith!(op, a, al, b, bl)),
+            (F32(a), F32(b)) => F32(f32::arith(op, a, al, b, bl)),
+            (F64(a), F64(b)) => F64(f64::arith(op, a, al, b, bl)),
             (F16(a), F16(b)) => F16(half_arith(op, a, al, b, bl, f16::to_f32, f16::from_f32)),
             (BF16(a), BF16(b)) => BF16(half_arith(op, a, al, b, bl, bf16::to_f32, bf16::from_f32)),
-            (I64(a), I64(b)) => I64(int_arith!(i64, op, a, al, b, bl)?),
-            (I32(a), I32(b)) => I32(int_arith!(i32, op, a, al, b, bl)?),
-            (U8(a), U8(b)) => U8(int_arith!(u8, op, a, al, b, bl)?),
-            (Bool(a), Bool(b)) => Bool(match op {
-                BinaryOp::Add | BinaryOp::Maximum => binary_map(a, al, b, bl, |x, y| x | y),
-                BinaryOp::Mul | BinaryOp::Minimum => binary_map(a, al, b, bl, |x, y| x & y),
-                _ => {
+            (I64(a), I64(b)) => I64(with_int_formula!(i64, op, b, bl, run(a, b))?),
+            (I32(a), I32(b)) => I32(with_int_formula!(i32, op, b, bl, run(a, b))?),
+            (U8(a), U8(b)) => U8(with_int_formula!(u8, op, b, bl, run(a, b))?),
+            (Bool(a), Bool(b)) => Bool(match op.bools() {
+                Bools::Or => binary_map(a, al, b, bl, |x, y| x | y),
+                Bools::And => binary_map(a, al, b, bl, |x, y| x & y),
+                Bools::No => {
                     return Err(Error::UnsupportedDType {
                         op: op.name(),
                         dtype: DType::Bool,
@@ -161,6 +210,61 @@ impl CpuStorage {
                 })
             }
         })
+    }
+
+    /// `self op rhs` written over `self`'s elements at `al` (row-major, any offset), `rhs` at
+    /// `bl` broadcast to `al`'s shape, both of one dtype: the in-place ops (`add_`), with no
+    /// new buffer.
+    pub fn binary_inplace(&mut self, op: BinaryOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<()> {
+        use CpuStorage::*;
+        let range = al.contiguous_range().ok_or_else(|| {
+            Error::invalid(
+                op.name(),
+                "in-place binary kernels write a row-major destination; this is a bug",
+            )
+        })?;
+        macro_rules! run {
+            ($a:expr, $b:expr; $f:expr) => {
+                apply_map(&mut $a[range], $b, bl, $f)
+            };
+        }
+        macro_rules! run_half {
+            ($a:expr, $b:expr, $half_of:expr; $f:expr) => {{
+                let (f, half_of) = ($f, $half_of);
+                apply_map(&mut $a[range], $b, bl, |x, y| {
+                    half_of(f(x.to_f32(), y.to_f32()))
+                })
+            }};
+        }
+        let dtype = self.dtype();
+        match (self, rhs) {
+            (F32(a), F32(b)) => with_float_formula!(op, f32, run(a, b)),
+            (F64(a), F64(b)) => with_float_formula!(op, f64, run(a, b)),
+            (F16(a), F16(b)) => with_float_formula!(op, f32, run_half(a, b, f16::from_f32)),
+            (BF16(a), BF16(b)) => with_float_formula!(op, f32, run_half(a, b, bf16::from_f32)),
+            (I64(a), I64(b)) => with_int_formula!(i64, op, b, bl, run(a, b))?,
+            (I32(a), I32(b)) => with_int_formula!(i32, op, b, bl, run(a, b))?,
+            (U8(a), U8(b)) => with_int_formula!(u8, op, b, bl, run(a, b))?,
+            (Bool(a), Bool(b)) => match op.bools() {
+                Bools::Or => apply_map(&mut a[range], b, bl, |x, y| x | y),
+                Bools::And => apply_map(&mut a[range], b, bl, |x, y| x & y),
+                Bools::No => {
+                    return Err(Error::UnsupportedDType {
+                        op: op.name(),
+                        dtype: DType::Bool,
+                        hint: "use logical_xor / logical_not for booleans, or convert with to_dtype",
+                    })
+                }
+            },
+            (_, rhs) => {
+                return Err(Error::DTypeMismatch {
+                    op: op.name(),
+                    expected: dtype,
+                    found: rhs.dtype(),
+                })
+            }
+        }
+        Ok(())
     }
 
     /// Elementwise comparison producing booleans.

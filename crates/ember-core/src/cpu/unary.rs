@@ -11,7 +11,7 @@
 //! rational approximations, under 1 ulp in f64).
 
 use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
-use crate::backend::op::{UnaryOp, GELU_TANH_KAPPA};
+use crate::backend::op::{Ints, UnaryOp, GELU_TANH_KAPPA};
 use crate::layout::Layout;
 use crate::{DType, Element, Result};
 use half::{bf16, f16};
@@ -24,6 +24,7 @@ trait Real: num_traits::Float + Send + Sync + 'static {
     fn c(v: f64) -> Self;
     fn erf(self) -> Self;
     fn erfc(self) -> Self;
+    fn erfinv(self) -> Self;
     /// Round half to even (`torch.round`).
     fn round_even(self) -> Self;
 }
@@ -40,6 +41,11 @@ impl Real for f32 {
     #[inline]
     fn erfc(self) -> Self {
         libm::erfcf(self)
+    }
+    /// In f64, rounded once (as the CUDA kernel computes f32 transcendentals).
+    #[inline]
+    fn erfinv(self) -> Self {
+        erfinv(self as f64) as f32
     }
     #[inline]
     fn round_even(self) -> Self {
@@ -61,9 +67,45 @@ impl Real for f64 {
         libm::erfc(self)
     }
     #[inline]
+    fn erfinv(self) -> Self {
+        erfinv(self)
+    }
+    #[inline]
     fn round_even(self) -> Self {
         self.round_ties_even()
     }
+}
+
+/// The inverse error function (PyTorch's `calc_erfinv`): a rational approximation (Pavlis's
+/// MATLAB `erfinv` 2.0 coefficients) refined by two Newton steps on `erf(x) - y`; NaN outside
+/// [-1, 1], ±inf at ±1.
+fn erfinv(y: f64) -> f64 {
+    const A: [f64; 4] = [0.886226899, -1.645349621, 0.914624893, -0.140543331];
+    const B: [f64; 4] = [-2.118377725, 1.442710462, -0.329097515, 0.012229801];
+    const C: [f64; 4] = [-1.970840454, -1.624906493, 3.429567803, 1.641345311];
+    const D: [f64; 2] = [3.543889200, 1.637067800];
+    let y_abs = y.abs();
+    if y_abs.is_nan() || y_abs > 1.0 {
+        return f64::NAN;
+    }
+    if y_abs == 1.0 {
+        return f64::INFINITY.copysign(y);
+    }
+    let mut x = if y_abs <= 0.7 {
+        let z = y * y;
+        let num = ((A[3] * z + A[2]) * z + A[1]) * z + A[0];
+        let dem = (((B[3] * z + B[2]) * z + B[1]) * z + B[0]) * z + 1.0;
+        y * num / dem
+    } else {
+        let z = (-((1.0 - y_abs) / 2.0).ln()).sqrt();
+        let num = ((C[3] * z + C[2]) * z + C[1]) * z + C[0];
+        let dem = (D[1] * z + D[0]) * z + 1.0;
+        num.copysign(y) / dem
+    };
+    for _ in 0..2 {
+        x -= (libm::erf(x) - y) / (std::f64::consts::FRAC_2_SQRT_PI * (-x * x).exp());
+    }
+    x
 }
 
 /// An element that converts to the compute type `R` (integers convert directly, not via f64).
@@ -224,6 +266,7 @@ where
         Tanh => map!(|x| x.tanh()),
         Erf => map!(|x| x.erf()),
         Erfc => map!(|x| x.erfc()),
+        Erfinv => map!(|x| x.erfinv()),
         Floor => map!(|x| x.floor()),
         Ceil => map!(|x| x.ceil()),
         Round => map!(|x| x.round_even()),
@@ -383,7 +426,7 @@ fn int_map<T: IntElem>(src: &[T], l: &Layout, op: UnaryOp) -> Vec<T> {
         Relu => map!(T::relu),
         Square => map!(T::square),
         // Integers are already whole: a copy, as PyTorch.
-        Floor | Ceil | Round | Trunc => gather_strided(src, l),
+        _ if op.ints() == Ints::Whole => gather_strided(src, l),
         _ => unreachable!("{} does not keep integer dtypes", op.name()),
     }
 }

@@ -115,6 +115,16 @@ impl BackendStorage for CudaStorage {
         CudaStorage::binary_into(self, op, layout, rhs, rhs_layout, out, out_layout)
     }
 
+    fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<()> {
+        CudaStorage::binary_inplace(self, op, layout, rhs, rhs_layout)
+    }
+
     #[inline]
     fn compare(
         &self,

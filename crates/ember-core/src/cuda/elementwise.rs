@@ -2,11 +2,10 @@
 //! `where` on operands whose layouts were already broadcast to one shape.
 
 use super::device_errors::Kind;
-use super::kernel_units::{BINARY_KERNELS, COMPARE_KERNELS};
 use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
 use super::storage::CudaStorage;
 use super::stream::current_raw;
-use crate::backend::op::{BinaryOp, CmpOp, LogicalOp};
+use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
@@ -46,7 +45,6 @@ impl CudaStorage {
         &self,
         name: &'static str,
         key: KernelKey,
-        op: i32,
         al: &Layout,
         rhs: &CudaStorage,
         bl: &Layout,
@@ -54,7 +52,7 @@ impl CudaStorage {
     ) -> Result<CudaStorage> {
         let rt = self.runtime()?;
         let out = CudaStorage::alloc_on(rt, out_dtype, al.numel())?;
-        self.two_operand_into(name, key, op, al, rhs, bl, out.ptr_at(0))?;
+        self.two_operand_into(name, key, al, rhs, bl, out.ptr_at(0))?;
         Ok(out)
     }
 
@@ -65,7 +63,6 @@ impl CudaStorage {
         &self,
         name: &'static str,
         key: KernelKey,
-        op: i32,
         al: &Layout,
         rhs: &CudaStorage,
         bl: &Layout,
@@ -88,17 +85,10 @@ impl CudaStorage {
             let per_thread = 4 * (16 / self.dtype().size_in_bytes()).min(16);
             Grid::exact(n.div_ceil(per_thread), 256)
         };
-        // SAFETY: signature `(const T* a, const T* b, Out* out, Strided s, i64 n, i32 op, i32 mode)`;
+        // SAFETY: signature `(const T* a, const T* b, Out* out, Strided s, i64 n, i32 mode)`;
         // `a` and `b` reach only elements inside their storages through `shape`'s strides
         // (valid layouts), `out` holds `n` elements.
-        unsafe {
-            launch(
-                f,
-                grid,
-                current_raw(rt.ordinal),
-                &[&a, &b, &o, &shape, &n64, &op, &m],
-            )
-        }
+        unsafe { launch(f, grid, current_raw(rt.ordinal), &[&a, &b, &o, &shape, &n64, &m]) }
     }
 
     /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
@@ -109,8 +99,8 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
     ) -> Result<CudaStorage> {
-        let (key, code) = self.binary_kernel(op, rhs, bl)?;
-        self.two_operand(op.name(), key, code, al, rhs, bl, self.dtype())
+        let key = self.binary_kernel(op, rhs, bl)?;
+        self.two_operand(op.name(), key, al, rhs, bl, self.dtype())
     }
 
     /// `lhs op rhs` written into the contiguous `out` at `ol` (same dtype, shape `al`'s).
@@ -123,41 +113,53 @@ impl CudaStorage {
         out: &mut CudaStorage,
         ol: &Layout,
     ) -> Result<()> {
-        let (key, code) = self.binary_kernel(op, rhs, bl)?;
+        let key = self.binary_kernel(op, rhs, bl)?;
         same_dtype(op.name(), self, out)?;
         debug_assert!(ol.is_contiguous() && ol.numel() == al.numel());
-        self.two_operand_into(op.name(), key, code, al, rhs, bl, out.ptr(ol))
+        self.two_operand_into(op.name(), key, al, rhs, bl, out.ptr(ol))
     }
 
-    /// The kernel and op code of `op` on this dtype, or the CPU backend's error for it.
-    fn binary_kernel(&self, op: BinaryOp, rhs: &CudaStorage, bl: &Layout) -> Result<(KernelKey, i32)> {
+    /// `self op rhs` over `self`'s elements at `al` (row-major from its offset): the binary
+    /// kernel with `self` as both the first operand and the output. Each element is read
+    /// before it is written by the same thread, and no two indices share an element.
+    pub(crate) fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<()> {
+        let key = self.binary_kernel(op, rhs, bl)?;
+        if !al.is_contiguous() {
+            return Err(Error::invalid(
+                op.name(),
+                "in-place binary kernels write a row-major destination; this is a bug",
+            ));
+        }
+        let o = self.ptr(al);
+        self.two_operand_into(op.name(), key, al, rhs, bl, o)
+    }
+
+    /// The kernel of `op` on this dtype, or the CPU backend's error for it.
+    fn binary_kernel(&self, op: BinaryOp, rhs: &CudaStorage, bl: &Layout) -> Result<KernelKey> {
         same_dtype(op.name(), self, rhs)?;
         let dtype = self.dtype();
-        match (dtype, op) {
-            (DType::Bool, BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow) => {
+        match dtype {
+            DType::Bool if op.bools() == Bools::No => {
                 return Err(Error::UnsupportedDType {
                     op: op.name(),
                     dtype,
                     hint: "use logical_xor / logical_not for booleans, or convert with to_dtype",
                 })
             }
-            (d, BinaryOp::Div) if !d.is_floating_point() => return Err(Error::dtype("div", d)),
-            (d, BinaryOp::Pow) if !d.is_floating_point() && d != DType::U8 => {
+            DType::Bool => {}
+            d if !d.is_floating_point() && op.ints() != Ints::Int => return Err(Error::dtype(op.name(), d)),
+            d if op == BinaryOp::Pow && !d.is_floating_point() && d != DType::U8 => {
                 rhs.check_pow_exponents(bl)?;
             }
             _ => {}
         }
-        let code = match op {
-            BinaryOp::Add => 0,
-            BinaryOp::Sub => 1,
-            BinaryOp::Mul => 2,
-            BinaryOp::Div => 3,
-            BinaryOp::Pow => 4,
-            BinaryOp::Maximum => 5,
-            BinaryOp::Minimum => 6,
-        };
-        let base = BINARY_KERNELS[code as usize];
-        Ok((KernelKey::new(Module::Elementwise, base, dtype), code))
+        Ok(KernelKey::new(Module::Elementwise, op.kernel(), dtype))
     }
 
     /// Enqueues `check_pow_exponent_I` over the integer exponents at `bl`: a negative one is
@@ -199,16 +201,8 @@ impl CudaStorage {
         bl: &Layout,
     ) -> Result<CudaStorage> {
         same_dtype(op.name(), self, rhs)?;
-        let code = match op {
-            CmpOp::Eq => 0,
-            CmpOp::Ne => 1,
-            CmpOp::Lt => 2,
-            CmpOp::Le => 3,
-            CmpOp::Gt => 4,
-            CmpOp::Ge => 5,
-        };
-        let key = KernelKey::new(Module::Elementwise, COMPARE_KERNELS[code as usize], self.dtype());
-        self.two_operand(op.name(), key, code, al, rhs, bl, DType::Bool)
+        let key = KernelKey::new(Module::Elementwise, op.kernel(), self.dtype());
+        self.two_operand(op.name(), key, al, rhs, bl, DType::Bool)
     }
 
     /// Logical op on two boolean storages.
@@ -225,13 +219,8 @@ impl CudaStorage {
             }
         }
         same_dtype(op.name(), self, rhs)?;
-        let code = match op {
-            LogicalOp::And => 0,
-            LogicalOp::Or => 1,
-            LogicalOp::Xor => 2,
-        };
-        let key = KernelKey::plain(Module::Elementwise, "logical");
-        self.two_operand(op.name(), key, code, al, rhs, bl, DType::Bool)
+        let key = KernelKey::plain(Module::Elementwise, op.kernel());
+        self.two_operand(op.name(), key, al, rhs, bl, DType::Bool)
     }
 
     /// `cond ? a : b` elementwise; `self` is the boolean condition; all layouts share a shape.

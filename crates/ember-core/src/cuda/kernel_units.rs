@@ -14,6 +14,7 @@
 //! it launches (Note [Loading kernel units] in `runtime.rs`).
 
 use super::kernels::{dtype_suffix, KernelKey, Module};
+use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp, UnaryOp};
 use crate::DType;
 
 /// One compile unit: a source file and the unit's name in it.
@@ -35,6 +36,7 @@ const ALL: [DType; 8] = [
     DType::Bool,
 ];
 const INDEX: [DType; 2] = [DType::I64, DType::I32];
+const INTS: [DType; 3] = [DType::I64, DType::I32, DType::U8];
 
 impl Unit {
     fn new(module: Module, name: impl Into<String>) -> Unit {
@@ -83,78 +85,6 @@ fn each<'a>(module: Module, base: &'a str, dtypes: &'a [DType]) -> impl Iterator
         .map(move |&d| Unit::new(module, format!("{base}_{}", dtype_suffix(d))))
 }
 
-/// The float unary kernels by op code (`unary.cu`'s `EMBER_UNARY_OPS`): `unary_<op>_T`.
-pub(crate) const UNARY_KERNELS: [&str; 47] = [
-    "unary_neg",
-    "unary_abs",
-    "unary_sign",
-    "unary_square",
-    "unary_reciprocal",
-    "unary_sqrt",
-    "unary_rsqrt",
-    "unary_exp",
-    "unary_exp2",
-    "unary_expm1",
-    "unary_log",
-    "unary_log2",
-    "unary_log10",
-    "unary_log1p",
-    "unary_sin",
-    "unary_cos",
-    "unary_tan",
-    "unary_asin",
-    "unary_acos",
-    "unary_atan",
-    "unary_sinh",
-    "unary_cosh",
-    "unary_tanh",
-    "unary_erf",
-    "unary_erfc",
-    "unary_floor",
-    "unary_ceil",
-    "unary_round",
-    "unary_trunc",
-    "unary_sigmoid",
-    "unary_logsigmoid",
-    "unary_relu",
-    "unary_leaky_relu",
-    "unary_elu",
-    "unary_hardtanh",
-    "unary_hardsigmoid",
-    "unary_hardswish",
-    "unary_gelu",
-    "unary_gelu_tanh",
-    "unary_silu",
-    "unary_mish",
-    "unary_softplus",
-    "unary_softsign",
-    "unary_add_scalar",
-    "unary_sub_scalar",
-    "unary_mul_scalar",
-    "unary_div_scalar",
-];
-
-/// The binary arithmetic kernels by op code (`elementwise.cu`'s `EMBER_BINARY_OPS`).
-pub(crate) const BINARY_KERNELS: [&str; 7] = [
-    "binary_add",
-    "binary_sub",
-    "binary_mul",
-    "binary_div",
-    "binary_pow",
-    "binary_maximum",
-    "binary_minimum",
-];
-
-/// The comparison kernels by op code (`elementwise.cu`'s `EMBER_COMPARE_OPS`).
-pub(crate) const COMPARE_KERNELS: [&str; 6] = [
-    "compare_eq",
-    "compare_ne",
-    "compare_lt",
-    "compare_le",
-    "compare_gt",
-    "compare_ge",
-];
-
 impl Module {
     /// Every compile unit of the module's source, as its instantiations list them
     /// (Note [Kernel units]; CI checks the two agree).
@@ -174,18 +104,33 @@ impl Module {
                 units.push(Unit::new(m, "multi_copy"));
             }
             Module::Elementwise => {
-                for base in BINARY_KERNELS.iter().chain(&COMPARE_KERNELS) {
-                    units.extend(each(m, base, &ALL));
+                // The op tables' families (`backend/table.rs`): every binary op in the float
+                // dtypes, in the integer ones where it keeps them, on bool where it has a form.
+                for &op in BinaryOp::ALL {
+                    units.extend(each(m, op.kernel(), &FLOATS));
+                    if op.ints() == Ints::Int {
+                        units.extend(each(m, op.kernel(), &INTS));
+                    }
+                    if op.bools() != Bools::No {
+                        units.extend(each(m, op.kernel(), &[DType::Bool]));
+                    }
                 }
-                units.push(Unit::new(m, "logical"));
+                for &op in CmpOp::ALL {
+                    units.extend(each(m, op.kernel(), &ALL));
+                }
+                units.extend(LogicalOp::ALL.iter().map(|op| Unit::new(m, op.kernel())));
                 units.extend(each(m, "where", &ALL));
                 units.extend(each(m, "check_pow_exponent", &INDEX));
             }
             Module::Unary => {
-                for base in UNARY_KERNELS {
-                    units.extend(each(m, base, &FLOATS));
+                // The unary table: every op in the float dtypes, and in the integer ones where
+                // an integer kernel keeps them (`Ints::Int`).
+                for &(kernel, ints) in UnaryOp::KERNELS {
+                    units.extend(each(m, kernel, &FLOATS));
+                    if ints == Ints::Int {
+                        units.extend(each(m, kernel, &INTS));
+                    }
                 }
-                units.extend(each(m, "unary_int", &[DType::I64, DType::I32, DType::U8]));
             }
             Module::Reduce => {
                 for op in ["sum", "prod"] {

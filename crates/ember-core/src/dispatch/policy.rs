@@ -6,9 +6,14 @@
 //! does not have.
 //!
 //! A line is read by `dispatch::call` and friends, never by the ops themselves: an op names its
-//! line (`policy::MATMUL`) and the dispatch point applies it. The table lists the ops ember
-//! has; PyTorch's lists hold more (group_norm, kl_div, addcmul, index_put, ...), to be added
-//! here with the op.
+//! line (`policy::MATMUL`, `UnaryOp::line`) and the dispatch point applies it. The elementwise
+//! families (unary, binary, comparisons, logical ops) keep their lines in their op table
+//! (`backend/table.rs`, beside each op's dtype and backward rules), expanded here; [`all`]
+//! lists every line. The table lists the ops ember has; PyTorch's lists hold more
+//! (group_norm, kl_div, addcmul, index_put, ...), to be added here with the op.
+
+use crate::backend::op::{BinaryOp, CmpOp, LogicalOp, UnaryOp};
+use crate::backend::table::{binary_table, compare_table, logical_table, unary_table};
 
 /// How autocast treats an op's floating-point inputs (PyTorch's `CastPolicy`). Only CUDA (or
 /// CPU) floating tensors that are not float64 are ever cast.
@@ -56,8 +61,8 @@ macro_rules! table {
             #[doc = concat!("`", $name, "`: autocast `", stringify!($cast), "`, promotion `", stringify!($promote), "`.")]
             pub static $id: Op = Op { name: $name, autocast: CastPolicy::$cast, promotion: Promotion::$promote };
         )*
-        /// Every line of the table, in order.
-        pub static ALL: &[&Op] = &[$(&$id),*];
+        /// Every line of this table, in order (the families' lines are in [`all`]).
+        static TABLE: &[&Op] = &[$(&$id),*];
     };
 }
 
@@ -80,21 +85,6 @@ table! {
     RNN_RELU_CELL = "rnn_relu_cell", LowerPrecision, None;
 
     // ---- fp32: precision-sensitive pointwise ops, reductions, normalization, losses ----
-    EXP = "exp", Fp32, None;
-    EXPM1 = "expm1", Fp32, None;
-    LOG = "log", Fp32, None;
-    LOG2 = "log2", Fp32, None;
-    LOG10 = "log10", Fp32, None;
-    LOG1P = "log1p", Fp32, None;
-    RECIPROCAL = "reciprocal", Fp32, None;
-    RSQRT = "rsqrt", Fp32, None;
-    TAN = "tan", Fp32, None;
-    ASIN = "asin", Fp32, None;
-    ACOS = "acos", Fp32, None;
-    SINH = "sinh", Fp32, None;
-    COSH = "cosh", Fp32, None;
-    POW = "pow", Fp32, Common;
-    SOFTPLUS = "softplus", Fp32, None;
     SOFTMAX = "softmax", Fp32, None;
     LOG_SOFTMAX = "log_softmax", Fp32, None;
     SUM = "sum", Fp32, None;
@@ -112,52 +102,8 @@ table! {
     SCATTER_ADD = "scatter_add", Promote, None;
 
     // ---- not in PyTorch's lists: the inputs' dtypes ----
-    ADD = "add", Inputs, Common;
-    SUB = "sub", Inputs, Common;
-    MUL = "mul", Inputs, Common;
-    DIV = "div", Inputs, CommonFloat;
-    MAXIMUM = "maximum", Inputs, Common;
-    MINIMUM = "minimum", Inputs, Common;
-    EQ = "eq", Inputs, Common;
-    NE = "ne", Inputs, Common;
-    LT = "lt", Inputs, Common;
-    LE = "le", Inputs, Common;
-    GT = "gt", Inputs, Common;
-    GE = "ge", Inputs, Common;
-    LOGICAL_AND = "logical_and", Inputs, None;
-    LOGICAL_OR = "logical_or", Inputs, None;
-    LOGICAL_XOR = "logical_xor", Inputs, None;
     WHERE = "where", Inputs, CommonAfterFirst;
     CLAMP = "clamp", Inputs, None;
-    NEG = "neg", Inputs, None;
-    ABS = "abs", Inputs, None;
-    SIGN = "sign", Inputs, None;
-    SQUARE = "square", Inputs, None;
-    SQRT = "sqrt", Inputs, None;
-    EXP2 = "exp2", Inputs, None;
-    SIN = "sin", Inputs, None;
-    COS = "cos", Inputs, None;
-    ATAN = "atan", Inputs, None;
-    TANH = "tanh", Inputs, None;
-    ERF = "erf", Inputs, None;
-    ERFC = "erfc", Inputs, None;
-    FLOOR = "floor", Inputs, None;
-    CEIL = "ceil", Inputs, None;
-    ROUND = "round", Inputs, None;
-    TRUNC = "trunc", Inputs, None;
-    SIGMOID = "sigmoid", Inputs, None;
-    LOGSIGMOID = "logsigmoid", Inputs, None;
-    RELU = "relu", Inputs, None;
-    LEAKY_RELU = "leaky_relu", Inputs, None;
-    ELU = "elu", Inputs, None;
-    HARDTANH = "hardtanh", Inputs, None;
-    HARDSIGMOID = "hardsigmoid", Inputs, None;
-    HARDSWISH = "hardswish", Inputs, None;
-    GELU = "gelu", Inputs, None;
-    GELU_TANH = "gelu_tanh", Inputs, None;
-    SILU = "silu", Inputs, None;
-    MISH = "mish", Inputs, None;
-    SOFTSIGN = "softsign", Inputs, None;
     MEAN = "mean", Inputs, None;
     MAX = "max", Inputs, None;
     MIN = "min", Inputs, None;
@@ -201,9 +147,113 @@ table! {
     FOREACH_COPY = "_foreach_copy_", Inputs, None;
 }
 
+/// A family op's line: a static of its own, made where the family's table is expanded.
+macro_rules! family_line {
+    ($name:expr, $cast:ident, $promote:ident) => {{
+        static LINE: Op = Op {
+            name: $name,
+            autocast: CastPolicy::$cast,
+            promotion: Promotion::$promote,
+        };
+        &LINE
+    }};
+}
+
+macro_rules! binary_lines {
+    ($( ($v:ident, $stem:ident, $scalar:ident, $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+        |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
+        impl BinaryOp {
+            /// The op's policy line.
+            pub fn line(self) -> &'static Op {
+                match self {
+                    $(BinaryOp::$v => family_line!(stringify!($stem), $cast, $promote),)*
+                }
+            }
+
+            /// The line of the op's in-place form (`add_`): never cast or promoted, as
+            /// PyTorch's autocast leaves in-place ops alone; the op converts `other` itself.
+            pub fn inplace_line(self) -> &'static Op {
+                match self {
+                    $(BinaryOp::$v => family_line!(concat!(stringify!($stem), "_"), Inputs, None),)*
+                }
+            }
+        }
+    };
+}
+binary_table!(binary_lines);
+
+/// A unary op's line: its own, or (a scalar form) its binary op's.
+macro_rules! unary_line {
+    ($stem:ident, $cast:ident) => {
+        family_line!(stringify!($stem), $cast, None)
+    };
+    ($stem:ident as $bin:ident, $cast:ident) => {
+        BinaryOp::$bin.line()
+    };
+}
+
+macro_rules! unary_lines {
+    ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+        impl UnaryOp {
+            /// The op's policy line.
+            pub fn line(self) -> &'static Op {
+                match self {
+                    $(UnaryOp::$v { .. } => unary_line!($stem $(as $bin)?, $cast),)*
+                }
+            }
+        }
+    };
+}
+unary_table!(unary_lines);
+
+macro_rules! compare_lines {
+    ($( ($v:ident, $stem:ident, $scalar:ident); )*) => {
+        impl CmpOp {
+            /// The op's policy line.
+            pub fn line(self) -> &'static Op {
+                match self {
+                    $(CmpOp::$v => family_line!(stringify!($stem), Inputs, Common),)*
+                }
+            }
+        }
+    };
+}
+compare_table!(compare_lines);
+
+macro_rules! logical_lines {
+    ($( ($v:ident, $stem:ident, $short:ident); )*) => {
+        impl LogicalOp {
+            /// The op's policy line.
+            pub fn line(self) -> &'static Op {
+                match self {
+                    $(LogicalOp::$v => family_line!(stringify!($stem), Inputs, None),)*
+                }
+            }
+        }
+    };
+}
+logical_table!(logical_lines);
+
+/// Every line: this file's table, then the elementwise families' (each line once).
+pub fn all() -> Vec<&'static Op> {
+    let mut lines: Vec<&'static Op> = TABLE.to_vec();
+    let family = (UnaryOp::ALL.iter().map(|op| op.line()))
+        .chain(BinaryOp::ALL.iter().map(|op| op.line()))
+        .chain(BinaryOp::ALL.iter().map(|op| op.inplace_line()))
+        .chain(CmpOp::ALL.iter().map(|op| op.line()))
+        .chain(LogicalOp::ALL.iter().map(|op| op.line()));
+    for line in family {
+        if !lines.iter().any(|l| std::ptr::eq(*l, line)) {
+            lines.push(line);
+        }
+    }
+    lines
+}
+
 /// The line named `name`, if the table has one.
 pub fn lookup(name: &str) -> Option<&'static Op> {
-    ALL.iter().copied().find(|op| op.name == name)
+    all().into_iter().find(|op| op.name == name)
 }
 
 #[cfg(test)]
@@ -212,7 +262,7 @@ mod tests {
 
     #[test]
     fn names_are_unique() {
-        let mut names: Vec<&str> = ALL.iter().map(|op| op.name).collect();
+        let mut names: Vec<&str> = all().iter().map(|op| op.name).collect();
         names.sort_unstable();
         let n = names.len();
         names.dedup();
@@ -227,5 +277,13 @@ mod tests {
         );
         assert_eq!(lookup("layer_norm").map(|op| op.autocast), Some(CastPolicy::Fp32));
         assert!(lookup("no_such_op").is_none());
+        // Family lines: the scalar forms share their binary op's line.
+        assert!(std::ptr::eq(
+            UnaryOp::MulScalar { value: 2.0 }.line(),
+            BinaryOp::Mul.line()
+        ));
+        assert_eq!(lookup("erfinv").map(|op| op.autocast), Some(CastPolicy::Fp32));
+        assert_eq!(lookup("div").map(|op| op.promotion), Some(Promotion::CommonFloat));
+        assert_eq!(lookup("pow").map(|op| op.autocast), Some(CastPolicy::Fp32));
     }
 }

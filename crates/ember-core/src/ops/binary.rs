@@ -7,7 +7,8 @@
 //! shape with `sum_to_shape` (broadcasting in reverse).
 
 use crate::autograd::{self, SavedTensor};
-use crate::dispatch::{self, policy, Op};
+use crate::backend::table::{binary_table, compare_table, logical_table};
+use crate::dispatch::{self, policy, Promotion};
 use crate::dtype::Scalar;
 use crate::layout::Layout;
 use crate::storage::Storage;
@@ -38,11 +39,11 @@ fn with_broadcast<R>(
 }
 
 /// The dtype `op` computes in for operands of dtypes `a` and `b`.
-fn result_dtype(op: BinaryOp, a: DType, b: DType) -> DType {
+pub(crate) fn result_dtype(op: BinaryOp, a: DType, b: DType) -> DType {
     let d = a.promote(b);
-    match op {
-        // True division: integers divide as floats (the default float dtype).
-        BinaryOp::Div if !d.is_floating_point() => DType::F32,
+    match op.line().promotion {
+        // True division and the like: integers compute as floats (the default float dtype).
+        Promotion::CommonFloat if !d.is_floating_point() => DType::F32,
         _ => d,
     }
 }
@@ -68,23 +69,10 @@ pub(crate) fn sum_to_shape(g: &Tensor, shape: &Shape) -> Result<Tensor> {
     summed.reshape(&dims)
 }
 
-/// The op table's line for `op`.
-fn line(op: BinaryOp) -> &'static Op {
-    match op {
-        BinaryOp::Add => &policy::ADD,
-        BinaryOp::Sub => &policy::SUB,
-        BinaryOp::Mul => &policy::MUL,
-        BinaryOp::Div => &policy::DIV,
-        BinaryOp::Pow => &policy::POW,
-        BinaryOp::Maximum => &policy::MAXIMUM,
-        BinaryOp::Minimum => &policy::MINIMUM,
-    }
-}
-
 /// `a op b` with broadcasting, promotion and autograd, through the dispatch point.
 pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     dispatch::call(
-        line(op),
+        op.line(),
         [a, b],
         |[a, b]| {
             let (shape, storage) =
@@ -92,14 +80,14 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             Ok(Tensor::from_storage(storage, shape))
         },
         |[a, b], out| {
-            let saves = !matches!(op, BinaryOp::Add | BinaryOp::Sub);
-            let save = |t: &Tensor| saves.then(|| SavedTensor::new(op.name(), t));
+            let saves = saves(op);
+            let save = |t: &Tensor, when: bool| when.then(|| SavedTensor::new(op.name(), t));
             let saved = BinarySaved {
                 a_shape: a.shape().clone(),
                 b_shape: b.shape().clone(),
-                a: save(a),
-                b: save(b),
-                out: (op == BinaryOp::Pow).then(|| SavedTensor::new(op.name(), out)),
+                a: save(a, saves != Saves::Nothing),
+                b: save(b, saves != Saves::Nothing),
+                out: save(out, saves == Saves::All),
             };
             Ok(move |g: &Tensor, needs: &[bool]| binary_backward(op, &saved, g, needs))
         },
@@ -122,77 +110,81 @@ fn saved(s: &Option<SavedTensor>) -> Result<&Tensor> {
         .get()
 }
 
-/// The gradients of `a op b` for the output gradient `g`.
-fn binary_backward(op: BinaryOp, s: &BinarySaved, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
-    let (sa, sb) = (&s.a_shape, &s.b_shape);
-    // Each input's gradient, computed only when needed and reduced to the input's shape.
-    let grad = |i: usize, f: &dyn Fn() -> Result<Tensor>, shape: &Shape| -> Result<Option<Tensor>> {
-        if needs[i] {
-            Ok(Some(sum_to_shape(&f()?, shape)?))
-        } else {
-            Ok(None)
+/// What backward of a binary op keeps (the table's `saves` column).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Saves {
+    Nothing,
+    Operands,
+    All,
+}
+
+/// The methods, `saves` and backward of each op: the binary table (`backend/table.rs`)
+/// expanded in the op layer.
+macro_rules! binary_ops {
+    ($( ($v:ident, $stem:ident, $scalar:ident, $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+        |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
+        impl Tensor {$(
+            #[doc = $doc]
+            pub fn $stem(&self, other: &Tensor) -> Result<Tensor> {
+                binary(BinaryOp::$v, self, other)
+            }
+
+            #[doc = $doc]
+            #[doc = " With a scalar operand, which does not widen the tensor's dtype."]
+            pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                binary_scalar(BinaryOp::$v, self, other.into())
+            }
+        )*}
+
+        fn saves(op: BinaryOp) -> Saves {
+            match op {
+                $(BinaryOp::$v => Saves::$saves,)*
+            }
+        }
+
+        /// The gradients of `a op b` for the output gradient `g`: each computed only when its
+        /// input needs one, and reduced to the input's shape.
+        #[allow(unused_variables)]
+        fn binary_backward(op: BinaryOp, s: &BinarySaved, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+            let (a, b, out) = (|| saved(&s.a), || saved(&s.b), || saved(&s.out));
+            let grad = |i: usize, f: &dyn Fn() -> Result<Tensor>, shape: &Shape| -> Result<Option<Tensor>> {
+                if needs[i] {
+                    Ok(Some(sum_to_shape(&f()?, shape)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            Ok(match op {
+                $(BinaryOp::$v => {
+                    let ($g, $a, $b, $out) = (g, a, b, out);
+                    vec![grad(0, &|| Ok($da), &s.a_shape)?, grad(1, &|| Ok($db), &s.b_shape)?]
+                })*
+            })
         }
     };
-    Ok(match op {
-        BinaryOp::Add => vec![grad(0, &|| Ok(g.clone()), sa)?, grad(1, &|| Ok(g.clone()), sb)?],
-        BinaryOp::Sub => vec![grad(0, &|| Ok(g.clone()), sa)?, grad(1, &|| g.neg(), sb)?],
-        BinaryOp::Mul => vec![
-            grad(0, &|| g.mul(saved(&s.b)?), sa)?,
-            grad(1, &|| g.mul(saved(&s.a)?), sb)?,
-        ],
-        BinaryOp::Div => vec![
-            grad(0, &|| g.div(saved(&s.b)?), sa)?,
-            // d(a/b)/db = -a / b²
-            grad(
-                1,
-                &|| {
-                    let b = saved(&s.b)?;
-                    g.mul(saved(&s.a)?)?.div(&b.mul(b)?)?.neg()
-                },
-                sb,
-            )?,
-        ],
-        BinaryOp::Pow => {
-            let (a, b) = (saved(&s.a)?, saved(&s.b)?);
-            vec![
-                // b · a^(b-1), with 0 where b == 0 (PyTorch's convention for 0^0).
-                grad(
-                    0,
-                    &|| {
-                        let d = b.mul(&a.pow(&b.sub_scalar(1)?)?)?;
-                        g.mul(&d.masked_fill(&b.eq_scalar(0)?, 0.0)?)
-                    },
-                    sa,
-                )?,
-                // a^b · ln a, with 0 where a == 0 and b >= 0.
-                grad(
-                    1,
-                    &|| {
-                        let d = saved(&s.out)?.mul(&a.log()?)?;
-                        let zero = a.eq_scalar(0)?.logical_and(&b.ge_scalar(0)?)?;
-                        g.mul(&d.masked_fill(&zero, 0.0)?)
-                    },
-                    sb,
-                )?,
-            ]
-        }
-        BinaryOp::Maximum | BinaryOp::Minimum => {
-            // The gradient goes to the selected operand, split in half on ties.
-            let (a, b) = (saved(&s.a)?, saved(&s.b)?);
-            let (a_wins, b_wins) = match op {
-                BinaryOp::Maximum => (a.gt(b)?, a.lt(b)?),
-                _ => (a.lt(b)?, a.gt(b)?),
-            };
-            let tie = a.eq(b)?;
-            let half = g.mul_scalar(0.5)?;
-            let zero = g.zeros_like()?;
-            let share = Tensor::where_cond(&tie, &half, &zero)?;
-            vec![
-                grad(0, &|| Tensor::where_cond(&a_wins, g, &share), sa)?,
-                grad(1, &|| Tensor::where_cond(&b_wins, g, &share), sb)?,
-            ]
-        }
-    })
+}
+binary_table!(binary_ops);
+
+/// The gradient of `a ** b` for `a`: `b · a^(b-1)`, with 0 where b == 0 (PyTorch's convention
+/// for 0^0).
+fn pow_grad_base(g: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let d = b.mul(&a.pow(&b.sub_scalar(1)?)?)?;
+    g.mul(&d.masked_fill(&b.eq_scalar(0)?, 0.0)?)
+}
+
+/// The gradient of `a ** b` for `b`: `a^b · ln a`, with 0 where a == 0 and b >= 0.
+fn pow_grad_exponent(g: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<Tensor> {
+    let d = out.mul(&a.log()?)?;
+    let zero = a.eq_scalar(0)?.logical_and(&b.ge_scalar(0)?)?;
+    g.mul(&d.masked_fill(&zero, 0.0)?)
+}
+
+/// The gradient of maximum (`max`) or minimum for its operand `x` against the other, `y`: `g`
+/// where `x` is selected, half of it on ties, 0 elsewhere.
+fn select_grad(g: &Tensor, x: &Tensor, y: &Tensor, max: bool) -> Result<Tensor> {
+    let wins = if max { x.gt(y)? } else { x.lt(y)? };
+    let share = Tensor::where_cond(&x.eq(y)?, &g.mul_scalar(0.5)?, &g.zeros_like()?)?;
+    Tensor::where_cond(&wins, g, &share)
 }
 
 /// A 0-d tensor of `value` in the dtype `t op value` computes in, on `t`'s device.
@@ -238,59 +230,19 @@ fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<Tensor> {
 }
 
 fn compare(op: CmpOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let line = match op {
-        CmpOp::Eq => &policy::EQ,
-        CmpOp::Ne => &policy::NE,
-        CmpOp::Lt => &policy::LT,
-        CmpOp::Le => &policy::LE,
-        CmpOp::Gt => &policy::GT,
-        CmpOp::Ge => &policy::GE,
-    };
-    dispatch::call_with(line, [a, b], |[a, b]| {
+    dispatch::call_with(op.line(), [a, b], |[a, b]| {
         let (shape, storage) = with_broadcast(op.name(), a, b, |sa, al, sb, bl| sa.compare(op, al, sb, bl))?;
         Ok(Tensor::from_storage(storage, shape))
     })
 }
 
 fn logical(op: LogicalOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let line = match op {
-        LogicalOp::And => &policy::LOGICAL_AND,
-        LogicalOp::Or => &policy::LOGICAL_OR,
-        LogicalOp::Xor => &policy::LOGICAL_XOR,
-    };
-    dispatch::call_with(line, [a, b], |[a, b]| {
+    dispatch::call_with(op.line(), [a, b], |[a, b]| {
         let (a, b) = (a.to_dtype(DType::Bool)?, b.to_dtype(DType::Bool)?);
         let (shape, storage) =
             with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.logical(op, al, sb, bl))?;
         Ok(Tensor::from_storage(storage, shape))
     })
-}
-
-macro_rules! binary_methods {
-    ($($name:ident, $scalar_name:ident => $op:expr, $doc:literal;)*) => {
-        impl Tensor {$(
-            #[doc = $doc]
-            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
-                binary($op, self, other)
-            }
-
-            #[doc = $doc]
-            #[doc = " With a scalar operand, which does not widen the tensor's dtype."]
-            pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
-                binary_scalar($op, self, other.into())
-            }
-        )*}
-    };
-}
-
-binary_methods! {
-    add, add_scalar => BinaryOp::Add, "Elementwise `self + other` with broadcasting.";
-    sub, sub_scalar => BinaryOp::Sub, "Elementwise `self - other` with broadcasting.";
-    mul, mul_scalar => BinaryOp::Mul, "Elementwise `self * other` with broadcasting.";
-    div, div_scalar => BinaryOp::Div, "Elementwise true division `self / other` (integers divide as floats).";
-    pow, pow_scalar => BinaryOp::Pow, "Elementwise `self ** other`.";
-    maximum, maximum_scalar => BinaryOp::Maximum, "Elementwise maximum (NaN propagates).";
-    minimum, minimum_scalar => BinaryOp::Minimum, "Elementwise minimum (NaN propagates).";
 }
 
 impl Tensor {
@@ -300,7 +252,7 @@ impl Tensor {
     pub fn binary_out(&self, op: BinaryOp, other: &Tensor, out: &Tensor) -> Result<Tensor> {
         // The operands pass the dispatch point (device check, autocast, promotion, observers)
         // as the plain op's do; `out` is checked against the result here.
-        dispatch::call_with(line(op), [self, other], |[a, b]| binary_into_out(op, a, b, out))
+        dispatch::call_with(op.line(), [self, other], |[a, b]| binary_into_out(op, a, b, out))
     }
 }
 
@@ -362,43 +314,35 @@ impl Tensor {
 }
 
 macro_rules! compare_methods {
-    ($($name:ident, $scalar_name:ident => $op:expr;)*) => {
+    ($( ($v:ident, $stem:ident, $scalar:ident); )*) => {
         impl Tensor {$(
-            #[doc = concat!("Elementwise `", stringify!($name), "` comparison, giving a bool tensor.")]
-            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
-                compare($op, self, other)
+            #[doc = concat!("Elementwise `", stringify!($stem), "` comparison, giving a bool tensor.")]
+            pub fn $stem(&self, other: &Tensor) -> Result<Tensor> {
+                compare(CmpOp::$v, self, other)
             }
 
-            #[doc = concat!("Elementwise `", stringify!($name), "` comparison with a scalar, giving a bool tensor.")]
-            pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
-                compare($op, self, &scalar_operand(self, other.into())?)
+            #[doc = concat!("Elementwise `", stringify!($stem), "` comparison with a scalar, giving a bool tensor.")]
+            pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                compare(CmpOp::$v, self, &scalar_operand(self, other.into())?)
             }
         )*}
     };
 }
+compare_table!(compare_methods);
 
-compare_methods! {
-    eq, eq_scalar => CmpOp::Eq;
-    ne, ne_scalar => CmpOp::Ne;
-    lt, lt_scalar => CmpOp::Lt;
-    le, le_scalar => CmpOp::Le;
-    gt, gt_scalar => CmpOp::Gt;
-    ge, ge_scalar => CmpOp::Ge;
+macro_rules! logical_methods {
+    ($( ($v:ident, $stem:ident, $short:ident); )*) => {
+        impl Tensor {$(
+            #[doc = concat!("Elementwise `", stringify!($stem), "` of two tensors taken as bool (nonzero is true).")]
+            pub fn $stem(&self, other: &Tensor) -> Result<Tensor> {
+                logical(LogicalOp::$v, self, other)
+            }
+        )*}
+    };
 }
+logical_table!(logical_methods);
 
 impl Tensor {
-    pub fn logical_and(&self, other: &Tensor) -> Result<Tensor> {
-        logical(LogicalOp::And, self, other)
-    }
-
-    pub fn logical_or(&self, other: &Tensor) -> Result<Tensor> {
-        logical(LogicalOp::Or, self, other)
-    }
-
-    pub fn logical_xor(&self, other: &Tensor) -> Result<Tensor> {
-        logical(LogicalOp::Xor, self, other)
-    }
-
     /// Elementwise `!self` (nonzero is true).
     pub fn logical_not(&self) -> Result<Tensor> {
         self.to_dtype(DType::Bool)?.eq_scalar(false)

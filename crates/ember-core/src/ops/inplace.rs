@@ -8,8 +8,10 @@
 //! error instead of computing a wrong gradient.
 
 use crate::autograd;
+use crate::backend::op::BinaryOp;
 use crate::dispatch::{self, policy};
 use crate::dtype::Scalar;
+use crate::ops::binary;
 use crate::{Error, Result, Tensor};
 
 impl Tensor {
@@ -182,15 +184,46 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    /// `self op other` written over `self` (`add_`, `mul_`, ...): through the dispatch point
+    /// under the op's in-place name. Where the op computes in `self`'s dtype and `self` is
+    /// row-major, one kernel reads and writes `self` and nothing is allocated (PyTorch's
+    /// `add_`); otherwise the out-of-place result is written back.
+    fn binary_(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
+        let name = op.inplace_line().name;
+        dispatch::call_with(op.inplace_line(), [self, other], |_| {
+            self.check_inplace(name, &[other])?;
+            let dtype = binary::result_dtype(op, self.dtype(), other.dtype());
+            let direct = dtype == self.dtype() && self.is_contiguous() && !other.shares_storage_with(self);
+            if !direct {
+                let _g = autograd::no_grad();
+                return self.assign_result(name, &binary::binary(op, self, other)?);
+            }
+            let other = other.to_dtype(dtype)?;
+            if &self.shape().broadcast(other.shape(), name)? != self.shape() {
+                return Err(Error::ShapeMismatch {
+                    op: name,
+                    lhs: self.shape().clone(),
+                    rhs: other.shape().clone(),
+                    hint: "the other operand must broadcast to the destination's shape",
+                });
+            }
+            let bl = other.layout().broadcast_as(self.shape(), name)?;
+            let rhs = other.storage().read();
+            self.storage()
+                .write()
+                .binary_inplace(op, self.layout(), &rhs, &bl)?;
+            Ok(self.clone())
+        })
+    }
+}
+
 macro_rules! inplace_binary {
     ($($name:ident, $scalar_name:ident => $op:ident, $scalar_op:ident;)*) => {
         impl Tensor {$(
             #[doc = concat!("In-place `", stringify!($op), "` with broadcasting of `other`; returns `self`.")]
             pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
-                self.check_inplace(stringify!($name), &[other])?;
-                let _g = autograd::no_grad();
-                let r = self.$op(other)?;
-                self.assign_result(stringify!($name), &r)
+                self.binary_(BinaryOp::$op, other)
             }
 
             #[doc = concat!("In-place `", stringify!($op), "` with a scalar; returns `self`.")]
@@ -205,11 +238,12 @@ macro_rules! inplace_binary {
 }
 
 inplace_binary! {
-    add_, add_scalar_ => add, add_scalar;
-    sub_, sub_scalar_ => sub, sub_scalar;
-    mul_, mul_scalar_ => mul, mul_scalar;
-    div_, div_scalar_ => div, div_scalar;
-    pow_, pow_scalar_ => pow, pow_scalar;
-    maximum_, maximum_scalar_ => maximum, maximum_scalar;
-    minimum_, minimum_scalar_ => minimum, minimum_scalar;
+    add_, add_scalar_ => Add, add_scalar;
+    sub_, sub_scalar_ => Sub, sub_scalar;
+    mul_, mul_scalar_ => Mul, mul_scalar;
+    div_, div_scalar_ => Div, div_scalar;
+    pow_, pow_scalar_ => Pow, pow_scalar;
+    maximum_, maximum_scalar_ => Maximum, maximum_scalar;
+    minimum_, minimum_scalar_ => Minimum, minimum_scalar;
+    xlogy_, xlogy_scalar_ => Xlogy, xlogy_scalar;
 }

@@ -11,7 +11,8 @@
 //! rounding ops are errors.
 
 use crate::autograd::SavedTensor;
-use crate::dispatch::{self, policy, Op};
+use crate::backend::table::unary_table;
+use crate::dispatch;
 use crate::{Error, Result, Tensor};
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI, LN_10, LN_2, PI};
 
@@ -21,19 +22,6 @@ pub const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
 pub const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
 pub use crate::backend::op::{UnaryOp, GELU_TANH_KAPPA};
 
-impl UnaryOp {
-    /// Whether backward needs the op's input, its output, or neither.
-    fn saves(self) -> Saves {
-        use UnaryOp::*;
-        match self {
-            Neg | Sign | Floor | Ceil | Round | Trunc => Saves::Nothing,
-            AddScalar { .. } | SubScalar { .. } | MulScalar { .. } | DivScalar { .. } => Saves::Nothing,
-            Exp | Exp2 | Expm1 | Sqrt | Rsqrt | Tan | Tanh | Sigmoid | Relu | Reciprocal => Saves::Output,
-            _ => Saves::Input,
-        }
-    }
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Saves {
     Input,
@@ -41,64 +29,56 @@ enum Saves {
     Nothing,
 }
 
-/// The op table's line for `op`.
-fn line(op: UnaryOp) -> &'static Op {
-    use UnaryOp::*;
-    match op {
-        Neg => &policy::NEG,
-        Abs => &policy::ABS,
-        Sign => &policy::SIGN,
-        Square => &policy::SQUARE,
-        Reciprocal => &policy::RECIPROCAL,
-        Sqrt => &policy::SQRT,
-        Rsqrt => &policy::RSQRT,
-        Exp => &policy::EXP,
-        Exp2 => &policy::EXP2,
-        Expm1 => &policy::EXPM1,
-        Log => &policy::LOG,
-        Log2 => &policy::LOG2,
-        Log10 => &policy::LOG10,
-        Log1p => &policy::LOG1P,
-        Sin => &policy::SIN,
-        Cos => &policy::COS,
-        Tan => &policy::TAN,
-        Asin => &policy::ASIN,
-        Acos => &policy::ACOS,
-        Atan => &policy::ATAN,
-        Sinh => &policy::SINH,
-        Cosh => &policy::COSH,
-        Tanh => &policy::TANH,
-        Erf => &policy::ERF,
-        Erfc => &policy::ERFC,
-        Floor => &policy::FLOOR,
-        Ceil => &policy::CEIL,
-        Round => &policy::ROUND,
-        Trunc => &policy::TRUNC,
-        Sigmoid => &policy::SIGMOID,
-        LogSigmoid => &policy::LOGSIGMOID,
-        Relu => &policy::RELU,
-        LeakyRelu { .. } => &policy::LEAKY_RELU,
-        Elu { .. } => &policy::ELU,
-        Hardtanh { .. } => &policy::HARDTANH,
-        Hardsigmoid => &policy::HARDSIGMOID,
-        Hardswish => &policy::HARDSWISH,
-        Gelu => &policy::GELU,
-        GeluTanh => &policy::GELU_TANH,
-        Silu => &policy::SILU,
-        Mish => &policy::MISH,
-        Softplus { .. } => &policy::SOFTPLUS,
-        Softsign => &policy::SOFTSIGN,
-        AddScalar { .. } => &policy::ADD,
-        SubScalar { .. } => &policy::SUB,
-        MulScalar { .. } => &policy::MUL,
-        DivScalar { .. } => &policy::DIV,
-    }
+/// A method per op without parameters, and each op's backward: the unary table
+/// (`backend/table.rs`) expanded in the op layer.
+macro_rules! unary_ops {
+    ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+        $(unary_method!([$({ $($f),* })?] $v, $stem, $doc);)*
+
+        /// Whether backward needs the op's input, its output, or neither.
+        fn saves(op: UnaryOp) -> Saves {
+            match op {
+                $(UnaryOp::$v { .. } => Saves::$saves,)*
+            }
+        }
+
+        /// The gradient of `op` given the output gradient `g` and the saved tensor (its input
+        /// or output, see [`saves`]), with PyTorch's conventions at kinks: abs'(0) = 0,
+        /// relu'(0) = 0, leaky_relu'(0) = slope, and zero gradient for sign and the rounding
+        /// ops.
+        #[allow(unused_variables)]
+        fn grad_rule(op: UnaryOp, g: &Tensor, saved: Option<&Tensor>) -> Result<Tensor> {
+            let saved = || saved.ok_or_else(|| Error::Autograd(format!("{} saved no tensor", op.name())));
+            Ok(match op {
+                $(UnaryOp::$v { $($($f),*)? } => {
+                    let ($g, $s) = (g, saved);
+                    $rule
+                })*
+            })
+        }
+    };
 }
+
+/// The `Tensor` method of an op without parameters (parametrized ones are written below).
+macro_rules! unary_method {
+    ([] $v:ident, $stem:ident, $doc:literal) => {
+        impl Tensor {
+            #[doc = $doc]
+            pub fn $stem(&self) -> Result<Tensor> {
+                unary(UnaryOp::$v, self)
+            }
+        }
+    };
+    ([$($fields:tt)+] $v:ident, $stem:ident, $doc:literal) => {};
+}
+
+unary_table!(unary_ops);
 
 /// `op(x)` with PyTorch's dtype rules and autograd, through the dispatch point.
 pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
     dispatch::call(
-        line(op),
+        op.line(),
         [x],
         |[x]| {
             let dtype = op.result_dtype(x.dtype())?;
@@ -112,7 +92,7 @@ pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
             Ok(Tensor::from_storage(storage, x.shape()))
         },
         |[x], out| {
-            let saved = match op.saves() {
+            let saved = match saves(op) {
                 Saves::Input => Some(SavedTensor::new(op.name(), x)),
                 Saves::Output => Some(SavedTensor::new(op.name(), out)),
                 Saves::Nothing => None,
@@ -125,9 +105,6 @@ pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
     )
 }
 
-/// The gradient of `op` at the saved tensor `s` (its input or output, see [`UnaryOp::saves`])
-/// given the output gradient `g`, with PyTorch's conventions at kinks: abs'(0) = 0,
-/// relu'(0) = 0, leaky_relu'(0) = slope, and zero gradient for sign and the rounding ops.
 /// ReLU's input gradient from its output `y` (PyTorch's `threshold_backward`): the backend's
 /// one-kernel rule where it has one and both operands are plain contiguous buffers of one dtype
 /// (cuDNN's activation backward), else a select.
@@ -148,143 +125,62 @@ fn relu_backward(g: &Tensor, y: &Tensor) -> Result<Tensor> {
     Tensor::where_cond(&y.gt_scalar(0.0)?, g, &zero)
 }
 
-fn grad_rule(op: UnaryOp, g: &Tensor, s: Option<&Tensor>) -> Result<Tensor> {
-    use UnaryOp::*;
-    let s = || s.ok_or_else(|| Error::Autograd(format!("{} saved no tensor", op.name())));
-    let zeros = || g.zeros_like();
-    // The zero a `where` selects: one element, broadcast, so the select reads no zeros tensor
-    // (and none is filled) beside the gradient.
-    let zero = || Tensor::scalar(0.0, g.dtype(), g.device());
-    Ok(match op {
-        Neg => g.neg()?,
-        Sign | Floor | Ceil | Round | Trunc => zeros()?,
-        Abs => g.mul(&s()?.sign()?)?,
-        Square => g.mul(s()?)?.mul_scalar(2.0)?,
-        // y = 1/x: dy/dx = -y².
-        Reciprocal => g.mul(&s()?.square()?)?.neg()?,
-        Sqrt => g.div(&s()?.mul_scalar(2.0)?)?,
-        // y = x^(-1/2): dy/dx = -y³/2.
-        Rsqrt => g.mul(&s()?.square()?.mul(s()?)?)?.mul_scalar(-0.5)?,
-        Exp => g.mul(s()?)?,
-        Exp2 => g.mul(s()?)?.mul_scalar(LN_2)?,
-        Expm1 => g.mul(&s()?.add_scalar(1.0)?)?,
-        Log => g.div(s()?)?,
-        Log2 => g.div(&s()?.mul_scalar(LN_2)?)?,
-        Log10 => g.div(&s()?.mul_scalar(LN_10)?)?,
-        Log1p => g.div(&s()?.add_scalar(1.0)?)?,
-        Sin => g.mul(&s()?.cos()?)?,
-        Cos => g.mul(&s()?.sin()?)?.neg()?,
-        Tan => g.mul(&s()?.square()?.add_scalar(1.0)?)?,
-        Asin => g.div(&one_minus_square_sqrt(s()?)?)?,
-        Acos => g.div(&one_minus_square_sqrt(s()?)?)?.neg()?,
-        Atan => g.div(&s()?.square()?.add_scalar(1.0)?)?,
-        Sinh => g.mul(&s()?.cosh()?)?,
-        Cosh => g.mul(&s()?.sinh()?)?,
-        Tanh => g.mul(&s()?.square()?.neg()?.add_scalar(1.0)?)?,
-        Erf => g.mul(&s()?.square()?.neg()?.exp()?)?.mul_scalar(FRAC_2_SQRT_PI)?,
-        Erfc => g
-            .mul(&s()?.square()?.neg()?.exp()?)?
-            .mul_scalar(-FRAC_2_SQRT_PI)?,
-        Sigmoid => {
-            let y = s()?;
-            g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)?
-        }
-        // d/dx log σ(x) = σ(-x).
-        LogSigmoid => g.mul(&s()?.neg()?.sigmoid()?)?,
-        // Saves the output: y > 0 exactly where x > 0 (PyTorch's threshold_backward).
-        Relu => relu_backward(g, s()?)?,
-        LeakyRelu { negative_slope } => {
-            Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &g.mul_scalar(negative_slope)?)?
-        }
-        Elu {
-            alpha,
-            scale,
-            input_scale,
-        } => {
-            let x = s()?;
-            let neg = g
-                .mul(&x.mul_scalar(input_scale)?.exp()?)?
-                .mul_scalar(alpha * scale * input_scale)?;
-            Tensor::where_cond(&x.le_scalar(0.0)?, &neg, &g.mul_scalar(scale)?)?
-        }
-        Hardtanh { min, max } => {
-            let x = s()?;
-            let inside = x.gt_scalar(min)?.logical_and(&x.lt_scalar(max)?)?;
-            Tensor::where_cond(&inside, g, &zero()?)?
-        }
-        Hardsigmoid => {
-            let x = s()?;
-            let inside = x.gt_scalar(-3.0)?.logical_and(&x.lt_scalar(3.0)?)?;
-            Tensor::where_cond(&inside, &g.mul_scalar(1.0 / 6.0)?, &zero()?)?
-        }
-        Hardswish => {
-            // 0 below -3, x/3 + 1/2 on [-3, 3], 1 above (PyTorch's hardswish_backward).
-            let x = s()?;
-            let mid = g.mul(&x.mul_scalar(1.0 / 3.0)?.add_scalar(0.5)?)?;
-            let upper = Tensor::where_cond(&x.le_scalar(3.0)?, &mid, g)?;
-            Tensor::where_cond(&x.lt_scalar(-3.0)?, &zero()?, &upper)?
-        }
-        Gelu => {
-            // Φ(x) + x φ(x), φ(x) = exp(-x²/2) / √(2π).
-            let x = s()?;
-            let cdf = x
-                .mul_scalar(FRAC_1_SQRT_2)?
-                .erf()?
-                .add_scalar(1.0)?
-                .mul_scalar(0.5)?;
-            let pdf = x
-                .square()?
-                .mul_scalar(-0.5)?
-                .exp()?
-                .mul_scalar(1.0 / (2.0 * PI).sqrt())?;
-            g.mul(&cdf.add(&x.mul(&pdf)?)?)?
-        }
-        GeluTanh => {
-            // With u = k(x + κx³), t = tanh u: 0.5(1 + t) + 0.5x(1 - t²) k(1 + 3κx²).
-            let x = s()?;
-            let k = (2.0 / PI).sqrt();
-            let x2 = x.square()?;
-            let t = x2
-                .mul_scalar(GELU_TANH_KAPPA)?
-                .add_scalar(1.0)?
-                .mul(x)?
-                .mul_scalar(k)?
-                .tanh()?;
-            let left = t.add_scalar(1.0)?.mul_scalar(0.5)?;
-            let du = x2
-                .mul_scalar(3.0 * GELU_TANH_KAPPA)?
-                .add_scalar(1.0)?
-                .mul_scalar(k)?;
-            let right = x
-                .mul_scalar(0.5)?
-                .mul(&t.square()?.neg()?.add_scalar(1.0)?)?
-                .mul(&du)?;
-            g.mul(&left.add(&right)?)?
-        }
-        Silu => {
-            // σ(x) (1 + x (1 - σ(x))).
-            let x = s()?;
-            let sig = x.sigmoid()?;
-            let inner = x.mul(&sig.neg()?.add_scalar(1.0)?)?.add_scalar(1.0)?;
-            g.mul(&sig.mul(&inner)?)?
-        }
-        Mish => {
-            // tanh(sp) + x σ(x) (1 - tanh²(sp)), sp = log(1 + eˣ).
-            let x = s()?;
-            let t = x.softplus_with(1.0, f64::INFINITY)?.tanh()?;
-            let right = x.mul(&x.sigmoid()?)?.mul(&t.square()?.neg()?.add_scalar(1.0)?)?;
-            g.mul(&t.add(&right)?)?
-        }
-        Softplus { beta, threshold } => {
-            let bx = s()?.mul_scalar(beta)?;
-            Tensor::where_cond(&bx.gt_scalar(threshold)?, g, &g.mul(&bx.sigmoid()?)?)?
-        }
-        // 1 / (1 + |x|)².
-        Softsign => g.div(&s()?.abs()?.add_scalar(1.0)?.square()?)?,
-        AddScalar { .. } | SubScalar { .. } => g.clone(),
-        MulScalar { value } => g.mul_scalar(value)?,
-        DivScalar { value } => g.div_scalar(value)?,
-    })
+/// ELU's input gradient (SELU and CELU too) from the input `x`.
+fn elu_backward(g: &Tensor, x: &Tensor, alpha: f64, scale: f64, input_scale: f64) -> Result<Tensor> {
+    let neg = g
+        .mul(&x.mul_scalar(input_scale)?.exp()?)?
+        .mul_scalar(alpha * scale * input_scale)?;
+    Tensor::where_cond(&x.le_scalar(0.0)?, &neg, &g.mul_scalar(scale)?)
+}
+
+/// `g` where `inside`, else 0 (one zero, broadcast by the select: no zeros tensor is filled).
+fn pass_inside(g: &Tensor, inside: &Tensor) -> Result<Tensor> {
+    Tensor::where_cond(inside, g, &Tensor::scalar(0.0, g.dtype(), g.device())?)
+}
+
+/// 0 below -3, x/3 + 1/2 on [-3, 3], 1 above (PyTorch's hardswish_backward).
+fn hardswish_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let mid = g.mul(&x.mul_scalar(1.0 / 3.0)?.add_scalar(0.5)?)?;
+    let upper = Tensor::where_cond(&x.le_scalar(3.0)?, &mid, g)?;
+    let zero = Tensor::scalar(0.0, g.dtype(), g.device())?;
+    Tensor::where_cond(&x.lt_scalar(-3.0)?, &zero, &upper)
+}
+
+/// Φ(x) + x φ(x), φ(x) = exp(-x²/2) / √(2π).
+fn gelu_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let cdf = x
+        .mul_scalar(FRAC_1_SQRT_2)?
+        .erf()?
+        .add_scalar(1.0)?
+        .mul_scalar(0.5)?;
+    let pdf = x
+        .square()?
+        .mul_scalar(-0.5)?
+        .exp()?
+        .mul_scalar(1.0 / (2.0 * PI).sqrt())?;
+    g.mul(&cdf.add(&x.mul(&pdf)?)?)
+}
+
+/// With u = k(x + κx³), t = tanh u: 0.5(1 + t) + 0.5x(1 - t²) k(1 + 3κx²).
+fn gelu_tanh_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let k = (2.0 / PI).sqrt();
+    let x2 = x.square()?;
+    let t = x2
+        .mul_scalar(GELU_TANH_KAPPA)?
+        .add_scalar(1.0)?
+        .mul(x)?
+        .mul_scalar(k)?
+        .tanh()?;
+    let left = t.add_scalar(1.0)?.mul_scalar(0.5)?;
+    let du = x2
+        .mul_scalar(3.0 * GELU_TANH_KAPPA)?
+        .add_scalar(1.0)?
+        .mul_scalar(k)?;
+    let right = x
+        .mul_scalar(0.5)?
+        .mul(&t.square()?.neg()?.add_scalar(1.0)?)?
+        .mul(&du)?;
+    g.mul(&left.add(&right)?)
 }
 
 /// `√(1 - x²)`, the denominator of asin' and acos'.
@@ -292,59 +188,23 @@ fn one_minus_square_sqrt(x: &Tensor) -> Result<Tensor> {
     x.square()?.neg()?.add_scalar(1.0)?.sqrt()
 }
 
-macro_rules! unary_methods {
-    ($($name:ident => $op:expr, $doc:literal;)*) => {
-        impl Tensor {$(
-            #[doc = $doc]
-            pub fn $name(&self) -> Result<Tensor> {
-                unary($op, self)
-            }
-        )*}
-    };
-}
+impl Tensor {
+    /// Elementwise `min(max(x, 0), 6)`.
+    pub fn relu6(&self) -> Result<Tensor> {
+        unary(UnaryOp::Hardtanh { min: 0.0, max: 6.0 }, self)
+    }
 
-unary_methods! {
-    neg => UnaryOp::Neg, "Elementwise `-x` (integers wrap; an error for bool).";
-    abs => UnaryOp::Abs, "Elementwise `|x|`.";
-    sign => UnaryOp::Sign, "Elementwise sign: -1, 0 or 1 (0 for NaN, as PyTorch).";
-    square => UnaryOp::Square, "Elementwise `x²` (bool gives int64).";
-    reciprocal => UnaryOp::Reciprocal, "Elementwise `1 / x` (integers compute in float32).";
-    sqrt => UnaryOp::Sqrt, "Elementwise square root.";
-    rsqrt => UnaryOp::Rsqrt, "Elementwise `1 / √x`.";
-    exp => UnaryOp::Exp, "Elementwise `eˣ`.";
-    exp2 => UnaryOp::Exp2, "Elementwise `2ˣ`.";
-    expm1 => UnaryOp::Expm1, "Elementwise `eˣ - 1`, accurate near 0.";
-    log => UnaryOp::Log, "Elementwise natural logarithm.";
-    log2 => UnaryOp::Log2, "Elementwise base-2 logarithm.";
-    log10 => UnaryOp::Log10, "Elementwise base-10 logarithm.";
-    log1p => UnaryOp::Log1p, "Elementwise `ln(1 + x)`, accurate near 0.";
-    sin => UnaryOp::Sin, "Elementwise sine.";
-    cos => UnaryOp::Cos, "Elementwise cosine.";
-    tan => UnaryOp::Tan, "Elementwise tangent.";
-    asin => UnaryOp::Asin, "Elementwise arcsine.";
-    acos => UnaryOp::Acos, "Elementwise arccosine.";
-    atan => UnaryOp::Atan, "Elementwise arctangent.";
-    sinh => UnaryOp::Sinh, "Elementwise hyperbolic sine.";
-    cosh => UnaryOp::Cosh, "Elementwise hyperbolic cosine.";
-    tanh => UnaryOp::Tanh, "Elementwise hyperbolic tangent.";
-    erf => UnaryOp::Erf, "Elementwise Gauss error function.";
-    erfc => UnaryOp::Erfc, "Elementwise complementary error function `1 - erf(x)`.";
-    floor => UnaryOp::Floor, "Elementwise floor (integers: a copy).";
-    ceil => UnaryOp::Ceil, "Elementwise ceiling (integers: a copy).";
-    round => UnaryOp::Round, "Elementwise rounding, half to even as `torch.round` (integers: a copy).";
-    trunc => UnaryOp::Trunc, "Elementwise rounding toward zero (integers: a copy).";
-    sigmoid => UnaryOp::Sigmoid, "Elementwise logistic `1 / (1 + e⁻ˣ)`.";
-    logsigmoid => UnaryOp::LogSigmoid, "Elementwise `log σ(x)`, computed stably (`F.logsigmoid`).";
-    relu => UnaryOp::Relu, "Elementwise `max(x, 0)` (NaN propagates; an error for bool).";
-    relu6 => UnaryOp::Hardtanh { min: 0.0, max: 6.0 }, "Elementwise `min(max(x, 0), 6)`.";
-    selu => UnaryOp::Elu { alpha: SELU_ALPHA, scale: SELU_SCALE, input_scale: 1.0 }, "Elementwise SELU.";
-    hardsigmoid => UnaryOp::Hardsigmoid, "Elementwise `clamp(x / 6 + 1/2, 0, 1)`.";
-    hardswish => UnaryOp::Hardswish, "Elementwise `x · hardsigmoid(x)`.";
-    gelu => UnaryOp::Gelu, "Elementwise GELU `x Φ(x)` with the exact normal CDF (PyTorch's default).";
-    gelu_tanh => UnaryOp::GeluTanh, "Elementwise GELU, tanh approximation (`approximate='tanh'`).";
-    silu => UnaryOp::Silu, "Elementwise SiLU (swish) `x σ(x)`.";
-    mish => UnaryOp::Mish, "Elementwise Mish `x tanh(softplus(x))`.";
-    softsign => UnaryOp::Softsign, "Elementwise `x / (1 + |x|)`.";
+    /// Elementwise SELU.
+    pub fn selu(&self) -> Result<Tensor> {
+        unary(
+            UnaryOp::Elu {
+                alpha: SELU_ALPHA,
+                scale: SELU_SCALE,
+                input_scale: 1.0,
+            },
+            self,
+        )
+    }
 }
 
 impl Tensor {

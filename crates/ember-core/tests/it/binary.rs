@@ -213,6 +213,69 @@ fn gradients_of_arithmetic() {
     );
 }
 
+/// `torch.xlogy`: `x · log(y)`, 0 where x is 0 unless y is NaN; integers compute as float32;
+/// its gradient is `log y` (0 where x is 0) and `x / y`.
+#[test]
+fn xlogy_follows_pytorch() {
+    let ln = f64::ln;
+    for dev in devices() {
+        let x = t64(&[0.0, 0.0, 2.0, -1.0, 3.0, 0.0, 1.5], &[7], dev);
+        let y = t64(&[0.0, f64::NAN, 3.0, 2.0, 0.0, -1.0, 0.5], &[7], dev);
+        let expected = [
+            0.0,
+            f64::NAN,
+            2.0 * ln(3.0),
+            -ln(2.0),
+            f64::NEG_INFINITY,
+            0.0,
+            1.5 * ln(0.5),
+        ];
+        let got = x.xlogy(&y).unwrap().to_vec::<f64>().unwrap();
+        for (g, e) in got.iter().zip(expected) {
+            assert!(
+                g == &e || (g.is_nan() && e.is_nan()) || (g - e).abs() < 1e-15,
+                "{got:?}"
+            );
+        }
+        // Broadcast scalar form, and integers as float32 (PyTorch: int64 xlogy gives float32).
+        let xi = Tensor::from_vec(vec![0i64, 2, 5], [3], dev).unwrap();
+        let yi = Tensor::from_vec(vec![7i64, 3, 1], [3], dev).unwrap();
+        let r = xi.xlogy(&yi).unwrap();
+        assert_eq!(r.dtype(), DType::F32);
+        let r = r.to_vec::<f32>().unwrap();
+        assert_eq!(r[0], 0.0);
+        assert!((r[1] - 2.0 * 3f32.ln()).abs() < 1e-6 && r[2] == 0.0, "{r:?}");
+        let s = xi.xlogy_scalar(2.0).unwrap().to_vec::<f32>().unwrap();
+        assert!((s[2] - 5.0 * 2f32.ln()).abs() < 1e-5, "{s:?}");
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let r = x
+                .to_dtype(dtype)
+                .unwrap()
+                .xlogy(&y.to_dtype(dtype).unwrap())
+                .unwrap();
+            assert_eq!(r.dtype(), dtype);
+            let r = r.to_vec_f64().unwrap();
+            assert!(
+                (r[2] - 2.0 * ln(3.0)).abs() < 1e-2 && r[0] == 0.0 && r[1].is_nan(),
+                "{r:?}"
+            );
+        }
+    }
+    let a = t64(&values(6, 7), &[2, 3], Device::Cpu);
+    let pos = t64(
+        &values(6, 8).iter().map(|v| v.abs() + 0.5).collect::<Vec<_>>(),
+        &[2, 3],
+        Device::Cpu,
+    );
+    gradcheck(|x| x[0].xlogy(&x[1]), &[a, pos]);
+    // At x = 0 the gradient for x is 0 (PyTorch's `xlogy(x != 0, y)`), for y it is 0 / y.
+    let x = t64(&[0.0, 2.0], &[2], Device::Cpu).requires_grad_(true).unwrap();
+    let y = t64(&[0.5, 4.0], &[2], Device::Cpu).requires_grad_(true).unwrap();
+    x.xlogy(&y).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![0.0, 4f64.ln()]);
+    assert_eq!(y.grad().unwrap().to_vec::<f64>().unwrap(), vec![0.0, 0.5]);
+}
+
 #[test]
 fn gradients_reduce_over_broadcast_dims() {
     let a = t64(&values(12, 4), &[3, 1, 4], Device::Cpu);

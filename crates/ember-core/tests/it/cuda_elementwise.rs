@@ -2,6 +2,7 @@
 //! strided, broadcast and offset views, sizes that do not divide the vector width.
 
 use crate::common::{cpu_vs_cuda, gpu, tolerance, values, ReadBack};
+use ember_core::backend::op::Bools;
 use ember_core::ops::binary::BinaryOp;
 use ember_core::{DType, Device, Error, Result, Tensor};
 
@@ -180,20 +181,12 @@ fn strided_copies_and_fills() {
 #[ignore = "needs a CUDA device"]
 fn arithmetic_matches_the_cpu_on_every_dtype_and_layout() {
     gpu();
-    let ops = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Pow,
-        BinaryOp::Maximum,
-        BinaryOp::Minimum,
-    ];
+    let ops = BinaryOp::ALL.iter().copied();
     for dtype in ALL {
         let (rtol, atol) = tolerance(dtype);
         for (case, make) in operand_cases(dtype) {
-            for op in ops {
-                if dtype == DType::Bool && matches!(op, BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow) {
+            for op in ops.clone() {
+                if dtype == DType::Bool && op.bools() == Bools::No {
                     continue; // an error on both devices, checked below
                 }
                 let what = format!("{} {dtype} {case}", op.name());
@@ -212,6 +205,7 @@ fn arithmetic_matches_the_cpu_on_every_dtype_and_layout() {
                         BinaryOp::Pow => a.pow(&b),
                         BinaryOp::Maximum => a.maximum(&b),
                         BinaryOp::Minimum => a.minimum(&b),
+                        BinaryOp::Xlogy => a.xlogy(&b),
                     }
                 });
             }

@@ -13,39 +13,26 @@ const DTYPES: [DType; 8] = crate::common::ALL_DTYPES;
 /// Every op, parametrized ones with PyTorch's defaults and with other parameters.
 pub(crate) fn all_ops() -> Vec<UnaryOp> {
     use UnaryOp::*;
-    vec![
-        Neg,
-        Abs,
-        Sign,
-        Square,
-        Reciprocal,
-        Sqrt,
-        Rsqrt,
-        Exp,
-        Exp2,
-        Expm1,
-        Log,
-        Log2,
-        Log10,
-        Log1p,
-        Sin,
-        Cos,
-        Tan,
-        Asin,
-        Acos,
-        Atan,
-        Sinh,
-        Cosh,
-        Tanh,
-        Erf,
-        Erfc,
-        Floor,
-        Ceil,
-        Round,
-        Trunc,
-        Sigmoid,
-        LogSigmoid,
-        Relu,
+    // Every op of the table without parameters, then the parametrized ones.
+    let parametrized = |op: &UnaryOp| {
+        matches!(
+            op,
+            LeakyRelu { .. }
+                | Elu { .. }
+                | Hardtanh { .. }
+                | Softplus { .. }
+                | AddScalar { .. }
+                | SubScalar { .. }
+                | MulScalar { .. }
+                | DivScalar { .. }
+        )
+    };
+    let mut ops: Vec<UnaryOp> = UnaryOp::ALL
+        .iter()
+        .copied()
+        .filter(|op| !parametrized(op))
+        .collect();
+    ops.extend([
         LeakyRelu { negative_slope: 0.01 },
         LeakyRelu { negative_slope: -1.7 },
         Elu {
@@ -66,12 +53,6 @@ pub(crate) fn all_ops() -> Vec<UnaryOp> {
         },
         Hardtanh { min: -1.0, max: 1.0 },
         Hardtanh { min: 0.0, max: 6.0 },
-        Hardsigmoid,
-        Hardswish,
-        Gelu,
-        GeluTanh,
-        Silu,
-        Mish,
         Softplus {
             beta: 1.0,
             threshold: 20.0,
@@ -80,8 +61,12 @@ pub(crate) fn all_ops() -> Vec<UnaryOp> {
             beta: 2.5,
             threshold: 3.0,
         },
-        Softsign,
-    ]
+        AddScalar { value: 0.1 },
+        SubScalar { value: -2.5 },
+        MulScalar { value: 0.3 },
+        DivScalar { value: 7.0 },
+    ]);
+    ops
 }
 
 /// Special values first, then `n` deterministic values in [-6, 6).

@@ -187,6 +187,56 @@ fn values_match_references_bf16() {
     check_table_in(DType::BF16, 8e-3, 8e-3);
 }
 
+/// `torch.erfinv`: the inverse of erf on (-1, 1), ±inf at ±1, NaN outside; float32 and the
+/// half dtypes compute through float64 and round once.
+#[test]
+fn erfinv_inverts_erf() {
+    // Known values (erfinv(0.5), erfinv(0.9), erfinv(-0.999)) and the special values.
+    let xs = [0.5, 0.9, -0.999, 0.0, 1.0, -1.0, 1.5, -2.0, f64::NAN];
+    let expected = [
+        0.4769362762044699,
+        1.1630871536766743,
+        -2.3267537655135246,
+        0.0,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+        f64::NAN,
+        f64::NAN,
+    ];
+    for dev in devices() {
+        let x = t64(&xs, &[xs.len()], dev);
+        assert_close_slice(&x.erfinv().unwrap().to_vec_f64().unwrap(), &expected, 1e-13, 0.0);
+        // erf(erfinv(y)) = y across the open interval, in f64 and f32.
+        let ys = points(Domain::Unit, 64, 41);
+        let y = t64(&ys, &[ys.len()], dev);
+        let back = y.erfinv().unwrap().erf().unwrap().to_vec_f64().unwrap();
+        assert_close_slice(&back, &ys, 1e-14, 1e-15);
+        for (dtype, tol) in [(DType::F32, 2e-6), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+            let r = y.to_dtype(dtype).unwrap().erfinv().unwrap();
+            assert_eq!(r.dtype(), dtype);
+            let want = y
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .erfinv()
+                .unwrap();
+            assert_close_slice(&r.to_vec_f64().unwrap(), &want.to_vec_f64().unwrap(), tol, tol);
+        }
+        // Integers compute in float32 (a float op).
+        let i = Tensor::from_vec(vec![0i64, 1, -1], [3], dev)
+            .unwrap()
+            .erfinv()
+            .unwrap();
+        assert_eq!(i.dtype(), DType::F32);
+        assert_eq!(
+            i.to_vec::<f32>().unwrap(),
+            vec![0.0, f32::INFINITY, f32::NEG_INFINITY]
+        );
+    }
+}
+
 #[test]
 fn erf_family_matches_known_values() {
     // Reference values of erf, erfc and exact GELU (x Φ(x)) to full f64 precision.
@@ -517,6 +567,7 @@ fn gradients_match_finite_differences() {
         ("tanh", Tensor::tanh, wide(22)),
         ("erf", Tensor::erf, wide(23)),
         ("erfc", Tensor::erfc, wide(24)),
+        ("erfinv", Tensor::erfinv, unit(40)),
         ("sigmoid", Tensor::sigmoid, wide(25)),
         ("logsigmoid", Tensor::logsigmoid, wide(26)),
         ("relu", Tensor::relu, wide(27)),
