@@ -33,7 +33,7 @@ pub enum Bools {
 }
 
 macro_rules! define_binary {
-    ($( ($v:ident, $stem:ident, $scalar:ident, $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+    ($( ($v:ident, [$stem:ident $scalar:ident $inplace:ident $inplace_scalar:ident], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
         |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
         /// Arithmetic on two operands of one dtype (the op table's binary family).
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]

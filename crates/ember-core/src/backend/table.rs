@@ -179,11 +179,12 @@ pub(crate) use unary_table;
 
 /// The binary arithmetic family: two operands of one dtype after promotion. A line is
 ///
-/// `(Variant, stem, scalar method, autocast, promotion, ints, bools, saves)
+/// `(Variant, [stem scalar stem_ scalar_], autocast, promotion, ints, bools, saves)
 ///  |g, a, b, out| (grad of a, grad of b), "doc";`
 ///
 /// - `stem`: PyTorch's name, the kernel's (`binary_<stem>_<dtype>`) and the `Tensor` method's;
-///   the scalar method takes a number as the other operand.
+///   the scalar method takes a number as the other operand; `stem_` and `scalar_` are the
+///   in-place forms (`add_`, PyTorch's name of the in-place op too).
 /// - ints: `Int` has integer kernels; `Float` never sees integers (its promotion,
 ///   `CommonFloat`, computes them in float32).
 /// - bools: `Or` or `And` is the op on bool operands; `No` refuses them.
@@ -193,30 +194,30 @@ pub(crate) use unary_table;
 macro_rules! binary_table {
     ($expand:ident) => {
         $expand! {
-            (Add, add, add_scalar, Inputs, Common, Int, Or, Nothing)
+            (Add, [add add_scalar add_ add_scalar_], Inputs, Common, Int, Or, Nothing)
                 |g, a, b, out| (g.clone(), g.clone()),
                 "Elementwise `self + other` with broadcasting.";
-            (Sub, sub, sub_scalar, Inputs, Common, Int, No, Nothing)
+            (Sub, [sub sub_scalar sub_ sub_scalar_], Inputs, Common, Int, No, Nothing)
                 |g, a, b, out| (g.clone(), g.neg()?),
                 "Elementwise `self - other` with broadcasting.";
-            (Mul, mul, mul_scalar, Inputs, Common, Int, And, Operands)
+            (Mul, [mul mul_scalar mul_ mul_scalar_], Inputs, Common, Int, And, Operands)
                 |g, a, b, out| (g.mul(b()?)?, g.mul(a()?)?),
                 "Elementwise `self * other` with broadcasting.";
             // d(a/b)/db = -a / b².
-            (Div, div, div_scalar, Inputs, CommonFloat, Float, No, Operands)
+            (Div, [div div_scalar div_ div_scalar_], Inputs, CommonFloat, Float, No, Operands)
                 |g, a, b, out| (g.div(b()?)?, g.mul(a()?)?.div(&b()?.mul(b()?)?)?.neg()?),
                 "Elementwise true division `self / other` (integers divide as floats).";
-            (Pow, pow, pow_scalar, Fp32, Common, Int, No, All)
+            (Pow, [pow pow_scalar pow_ pow_scalar_], Fp32, Common, Int, No, All)
                 |g, a, b, out| (pow_grad_base(g, a()?, b()?)?, pow_grad_exponent(g, a()?, b()?, out()?)?),
                 "Elementwise `self ** other`.";
-            (Maximum, maximum, maximum_scalar, Inputs, Common, Int, Or, Operands)
+            (Maximum, [maximum maximum_scalar maximum_ maximum_scalar_], Inputs, Common, Int, Or, Operands)
                 |g, a, b, out| (select_grad(g, a()?, b()?, true)?, select_grad(g, b()?, a()?, true)?),
                 "Elementwise maximum (NaN propagates); the gradient goes to the larger, halved on ties.";
-            (Minimum, minimum, minimum_scalar, Inputs, Common, Int, And, Operands)
+            (Minimum, [minimum minimum_scalar minimum_ minimum_scalar_], Inputs, Common, Int, And, Operands)
                 |g, a, b, out| (select_grad(g, a()?, b()?, false)?, select_grad(g, b()?, a()?, false)?),
                 "Elementwise minimum (NaN propagates); the gradient goes to the smaller, halved on ties.";
             // d/da = log b where a != 0 (0 elsewhere, as PyTorch's `xlogy(a != 0, b)`); d/db = a / b.
-            (Xlogy, xlogy, xlogy_scalar, Inputs, CommonFloat, Float, No, Operands)
+            (Xlogy, [xlogy xlogy_scalar xlogy_ xlogy_scalar_], Inputs, CommonFloat, Float, No, Operands)
                 |g, a, b, out| (g.mul(&a()?.ne_scalar(0.0)?.to_dtype(g.dtype())?.xlogy(b()?)?)?, g.mul(a()?)?.div(b()?)?),
                 "Elementwise `self · log(other)`, 0 where `self` is 0 (NaN `other` gives NaN), as `torch.xlogy`.";
         }

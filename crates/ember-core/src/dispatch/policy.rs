@@ -160,7 +160,7 @@ macro_rules! family_line {
 }
 
 macro_rules! binary_lines {
-    ($( ($v:ident, $stem:ident, $scalar:ident, $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+    ($( ($v:ident, [$stem:ident $scalar:ident $inplace:ident $inplace_scalar:ident], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
         |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
         impl BinaryOp {
             /// The op's policy line.
@@ -174,7 +174,7 @@ macro_rules! binary_lines {
             /// PyTorch's autocast leaves in-place ops alone; the op converts `other` itself.
             pub fn inplace_line(self) -> &'static Op {
                 match self {
-                    $(BinaryOp::$v => family_line!(concat!(stringify!($stem), "_"), Inputs, None),)*
+                    $(BinaryOp::$v => family_line!(stringify!($inplace), Inputs, None),)*
                 }
             }
         }

@@ -121,7 +121,7 @@ enum Saves {
 /// The methods, `saves` and backward of each op: the binary table (`backend/table.rs`)
 /// expanded in the op layer.
 macro_rules! binary_ops {
-    ($( ($v:ident, $stem:ident, $scalar:ident, $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+    ($( ($v:ident, [$stem:ident $scalar:ident $inplace:ident $inplace_scalar:ident], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
         |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
         impl Tensor {$(
             #[doc = $doc]
@@ -133,6 +133,18 @@ macro_rules! binary_ops {
             #[doc = " With a scalar operand, which does not widen the tensor's dtype."]
             pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
                 binary_scalar(BinaryOp::$v, self, other.into())
+            }
+
+            #[doc = $doc]
+            #[doc = " In place: written over `self` (other broadcast to its shape); returns `self`."]
+            pub fn $inplace(&self, other: &Tensor) -> Result<Tensor> {
+                self.binary_(BinaryOp::$v, other)
+            }
+
+            #[doc = $doc]
+            #[doc = " In place, with a scalar operand; returns `self`."]
+            pub fn $inplace_scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                self.binary_scalar_(BinaryOp::$v, other.into())
             }
         )*}
 
@@ -199,7 +211,7 @@ fn scalar_operand(t: &Tensor, value: Scalar) -> Result<Tensor> {
 /// 0.1 rounded to bfloat16 first, and no device tensor is made for the scalar (a launch and an
 /// allocation saved). Other ops (pow, maximum, minimum) and integer results take the tensor
 /// path.
-fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<Tensor> {
+pub(crate) fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<Tensor> {
     let v = value.to_f64();
     if op == BinaryOp::Pow
         && v < 0.0

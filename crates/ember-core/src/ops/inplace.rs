@@ -189,7 +189,7 @@ impl Tensor {
     /// under the op's in-place name. Where the op computes in `self`'s dtype and `self` is
     /// row-major, one kernel reads and writes `self` and nothing is allocated (PyTorch's
     /// `add_`); otherwise the out-of-place result is written back.
-    fn binary_(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
+    pub(crate) fn binary_(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
         let name = op.inplace_line().name;
         dispatch::call_with(op.inplace_line(), [self, other], |_| {
             self.check_inplace(name, &[other])?;
@@ -216,34 +216,16 @@ impl Tensor {
             Ok(self.clone())
         })
     }
-}
 
-macro_rules! inplace_binary {
-    ($($name:ident, $scalar_name:ident => $op:ident, $scalar_op:ident;)*) => {
-        impl Tensor {$(
-            #[doc = concat!("In-place `", stringify!($op), "` with broadcasting of `other`; returns `self`.")]
-            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
-                self.binary_(BinaryOp::$op, other)
-            }
-
-            #[doc = concat!("In-place `", stringify!($op), "` with a scalar; returns `self`.")]
-            pub fn $scalar_name(&self, other: impl Into<Scalar>) -> Result<Tensor> {
-                self.check_inplace(stringify!($scalar_name), &[])?;
-                let _g = autograd::no_grad();
-                let r = self.$scalar_op(other)?;
-                self.assign_result(stringify!($scalar_name), &r)
-            }
-        )*}
-    };
-}
-
-inplace_binary! {
-    add_, add_scalar_ => Add, add_scalar;
-    sub_, sub_scalar_ => Sub, sub_scalar;
-    mul_, mul_scalar_ => Mul, mul_scalar;
-    div_, div_scalar_ => Div, div_scalar;
-    pow_, pow_scalar_ => Pow, pow_scalar;
-    maximum_, maximum_scalar_ => Maximum, maximum_scalar;
-    minimum_, minimum_scalar_ => Minimum, minimum_scalar;
-    xlogy_, xlogy_scalar_ => Xlogy, xlogy_scalar;
+    /// `self op value` written over `self` (`add_scalar_`): the out-of-place scalar op's
+    /// result written back.
+    pub(crate) fn binary_scalar_(&self, op: BinaryOp, value: Scalar) -> Result<Tensor> {
+        let name = op.inplace_line().name;
+        dispatch::call_with(op.inplace_line(), [self], |_| {
+            self.check_inplace(name, &[])?;
+            let _g = autograd::no_grad();
+            let r = binary::binary_scalar(op, self, value)?;
+            self.assign_result(name, &r)
+        })
+    }
 }
