@@ -10,8 +10,12 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! The layers and how to add an op: [`architecture`].
 
 pub mod amp;
+#[doc = include_str!("architecture.md")]
+pub mod architecture {}
 pub mod autograd;
 pub mod backend;
 pub mod backends;

@@ -18,9 +18,11 @@
 //! registration belongs to the host buffer).
 
 use crate::backend::{
-    AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
-    IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp, RngState,
-    ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepScalars, UnaryOp, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, AmpOps, BackendDevice, BinaryOp, CmpOp, ConvOps, ConvParams, CopyOps, Distribution,
+    ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LogicalOp, LossOps, LstmBackwardStep,
+    LstmForwardStep, MatmulOps, OptimOps, PhiloxState, PoolOps, PoolParams, RandomOps, ReduceOp, ReduceOps,
+    RngState, RnnOps, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, SoftmaxOps, StepScalars,
+    UnaryOp, UnaryOps, UnscaleGrads, Variant,
 };
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda::{CudaDevice, CudaStorage};
@@ -424,13 +426,13 @@ impl Storage {
     /// The elements of `layout` in a new row-major storage of `dtype` on the same device.
     pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
         let s = self;
-        on_backend!("to_dtype", (s), wrap => Ok(wrap(BackendStorage::to_dtype(s, layout, dtype)?)))
+        on_backend!("to_dtype", (s), wrap => Ok(wrap(CopyOps::to_dtype(s, layout, dtype)?)))
     }
 
     /// The elements of `layout` copied to host memory, row-major.
     pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
         let s = self;
-        on_backend!("to_cpu", (s), _wrap => BackendStorage::to_cpu(s, layout))
+        on_backend!("to_cpu", (s), _wrap => CopyOps::to_cpu(s, layout))
     }
 
     /// Writes `src` viewed through `src_layout` into `self` at `dst_layout` (same shapes),
@@ -443,19 +445,15 @@ impl Storage {
     ) -> Result<()> {
         let packed = || Layout::contiguous(src_layout.shape().clone());
         match (self, src) {
-            (Storage::Cpu(d), Storage::Cpu(s)) => {
-                BackendStorage::copy_strided_from(d, dst_layout, s, src_layout)
-            }
-            (Storage::Cuda(d), Storage::Cuda(s)) => {
-                BackendStorage::copy_strided_from(d, dst_layout, s, src_layout)
-            }
+            (Storage::Cpu(d), Storage::Cpu(s)) => CopyOps::copy_strided_from(d, dst_layout, s, src_layout),
+            (Storage::Cuda(d), Storage::Cuda(s)) => CopyOps::copy_strided_from(d, dst_layout, s, src_layout),
             (Storage::Cuda(d), Storage::Cpu(s)) => {
                 let staged = CudaDevice(d.ordinal()).storage_from_cpu(s.contiguous(src_layout))?;
-                BackendStorage::copy_strided_from(d, dst_layout, &staged, &packed())
+                CopyOps::copy_strided_from(d, dst_layout, &staged, &packed())
             }
             (Storage::Cpu(d), Storage::Cuda(s)) => {
-                let host = BackendStorage::to_cpu(s, src_layout)?;
-                BackendStorage::copy_strided_from(d, dst_layout, &host, &packed())
+                let host = CopyOps::to_cpu(s, src_layout)?;
+                CopyOps::copy_strided_from(d, dst_layout, &host, &packed())
             }
         }
     }
@@ -524,10 +522,10 @@ impl StorageRef {
 impl Storage {
     pub(crate) fn binary(&self, op: BinaryOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         let (a, b) = (self, rhs);
-        on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::binary(a, op, al, b, bl)?)))
+        on_backend!(op.name(), (a, b), wrap => Ok(wrap(ElementwiseOps::binary(a, op, al, b, bl)?)))
     }
 
-    /// `self op rhs` written into `out` at `ol` (see [`BackendStorage::binary_into`]).
+    /// `self op rhs` written into `out` at `ol` (see [`ElementwiseOps::binary_into`]).
     pub(crate) fn binary_into(
         &self,
         op: BinaryOp,
@@ -538,10 +536,10 @@ impl Storage {
         ol: &Layout,
     ) -> Result<()> {
         let (a, b, o) = (self, rhs, out);
-        on_backend!(op.name(), (a, b, o), _wrap => BackendStorage::binary_into(a, op, al, b, bl, o, ol))
+        on_backend!(op.name(), (a, b, o), _wrap => ElementwiseOps::binary_into(a, op, al, b, bl, o, ol))
     }
 
-    /// `self op rhs` over `self`'s elements at `al` (see [`BackendStorage::binary_inplace`]).
+    /// `self op rhs` over `self`'s elements at `al` (see [`ElementwiseOps::binary_inplace`]).
     pub(crate) fn binary_inplace(
         &mut self,
         op: BinaryOp,
@@ -550,17 +548,17 @@ impl Storage {
         bl: &Layout,
     ) -> Result<()> {
         let (a, b) = (self, rhs);
-        on_backend!(op.name(), (a, b), _wrap => BackendStorage::binary_inplace(a, op, al, b, bl))
+        on_backend!(op.name(), (a, b), _wrap => ElementwiseOps::binary_inplace(a, op, al, b, bl))
     }
 
     pub(crate) fn compare(&self, op: CmpOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         let (a, b) = (self, rhs);
-        on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::compare(a, op, al, b, bl)?)))
+        on_backend!(op.name(), (a, b), wrap => Ok(wrap(ElementwiseOps::compare(a, op, al, b, bl)?)))
     }
 
     pub(crate) fn logical(&self, op: LogicalOp, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         let (a, b) = (self, rhs);
-        on_backend!(op.name(), (a, b), wrap => Ok(wrap(BackendStorage::logical(a, op, al, b, bl)?)))
+        on_backend!(op.name(), (a, b), wrap => Ok(wrap(ElementwiseOps::logical(a, op, al, b, bl)?)))
     }
 
     pub(crate) fn where_cond(
@@ -572,20 +570,20 @@ impl Storage {
         bl: &Layout,
     ) -> Result<Storage> {
         let c = self;
-        on_backend!("where", (c, a, b), wrap => Ok(wrap(BackendStorage::where_cond(c, cl, a, al, b, bl)?)))
+        on_backend!("where", (c, a, b), wrap => Ok(wrap(ElementwiseOps::where_cond(c, cl, a, al, b, bl)?)))
     }
 
     /// `op` applied to the elements of `layout`, in a new row-major storage of
     /// `op.result_dtype(self.dtype())`.
     pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Storage> {
         let s = self;
-        on_backend!(op.name(), (s), wrap => Ok(wrap(BackendStorage::unary(s, op, layout)?)))
+        on_backend!(op.name(), (s), wrap => Ok(wrap(UnaryOps::unary(s, op, layout)?)))
     }
 
     /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
     pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Storage> {
         let s = self;
-        on_backend!(op.name(), (s), wrap => Ok(wrap(BackendStorage::reduce(s, layout, op, dims)?)))
+        on_backend!(op.name(), (s), wrap => Ok(wrap(ReduceOps::reduce(s, layout, op, dims)?)))
     }
 
     /// Max or min over `dims` and the i64 index of its first occurrence.
@@ -597,7 +595,7 @@ impl Storage {
     ) -> Result<(Storage, Storage)> {
         let s = self;
         on_backend!(op.name(), (s), wrap => {
-            let (v, i) = BackendStorage::reduce_with_indices(s, layout, op, dims)?;
+            let (v, i) = ReduceOps::reduce_with_indices(s, layout, op, dims)?;
             Ok((wrap(v), wrap(i)))
         })
     }
@@ -606,7 +604,7 @@ impl Storage {
     /// the same batch dims, as a new row-major storage of shape `[B.., m, n]`.
     pub(crate) fn matmul(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Storage> {
         let (a, b) = (self, rhs);
-        on_backend!("matmul", (a, b), wrap => Ok(wrap(BackendStorage::matmul(a, al, b, bl)?)))
+        on_backend!("matmul", (a, b), wrap => Ok(wrap(MatmulOps::matmul(a, al, b, bl)?)))
     }
 
     /// [`Storage::matmul`] of two matrices in row blocks of the output, with the events that
@@ -638,7 +636,7 @@ impl Storage {
         bias_l: &Layout,
     ) -> Result<Storage> {
         let (a, b, c) = (self, rhs, bias);
-        on_backend!("linear", (a, b, c), wrap => Ok(wrap(BackendStorage::matmul_bias(a, al, b, bl, c, bias_l)?)))
+        on_backend!("linear", (a, b, c), wrap => Ok(wrap(MatmulOps::matmul_bias(a, al, b, bl, c, bias_l)?)))
     }
 
     /// [`Storage::matmul_bias`] of a `linear` whose weight rows are still arriving on a GPU,
@@ -670,7 +668,7 @@ impl Storage {
         il: &Layout,
     ) -> Result<Storage> {
         let (s, i) = (self, index);
-        on_backend!(name, (s, i), wrap => Ok(wrap(BackendStorage::index_read(s, op, name, layout, dim, i, il)?)))
+        on_backend!(name, (s, i), wrap => Ok(wrap(IndexOps::index_read(s, op, name, layout, dim, i, il)?)))
     }
 
     /// A row-major copy of `self` (at `layout`) with `src` (at `sl`) written at `index` along
@@ -688,7 +686,7 @@ impl Storage {
     ) -> Result<Storage> {
         let (s, i, x) = (self, index, src);
         on_backend!(op.name(), (s, i, x), wrap => {
-            Ok(wrap(BackendStorage::index_write(s, op, layout, dim, i, il, x, sl)?))
+            Ok(wrap(IndexOps::index_write(s, op, layout, dim, i, il, x, sl)?))
         })
     }
 
@@ -697,13 +695,13 @@ impl Storage {
     pub(crate) fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(Storage, usize)> {
         let s = self;
         on_backend!("one_hot", (s), wrap => {
-            let (out, n) = BackendStorage::one_hot(s, layout, num_classes)?;
+            let (out, n) = IndexOps::one_hot(s, layout, num_classes)?;
             Ok((wrap(out), n))
         })
     }
 
     /// `(loss, total_weight)` of the contiguous `[m, c]` log-probability rows `self` at the
-    /// class indices `target` (`BackendStorage::nll_loss_forward`).
+    /// class indices `target` (`LossOps::nll_loss_forward`).
     pub(crate) fn nll_loss_forward(
         &self,
         target: &Storage,
@@ -715,11 +713,11 @@ impl Storage {
         let (x, t) = (self, target);
         match weight {
             None => on_backend!("nll_loss", (x, t), wrap => {
-                let (l, tw) = BackendStorage::nll_loss_forward(x, t, None, mc, ignore_index, mean)?;
+                let (l, tw) = LossOps::nll_loss_forward(x, t, None, mc, ignore_index, mean)?;
                 Ok((wrap(l), wrap(tw)))
             }),
             Some(w) => on_backend!("nll_loss", (x, t, w), wrap => {
-                let (l, tw) = BackendStorage::nll_loss_forward(x, t, Some(w), mc, ignore_index, mean)?;
+                let (l, tw) = LossOps::nll_loss_forward(x, t, Some(w), mc, ignore_index, mean)?;
                 Ok((wrap(l), wrap(tw)))
             }),
         }
@@ -738,10 +736,10 @@ impl Storage {
         let (g, t, tw) = (self, target, total_weight);
         match weight {
             None => on_backend!("nll_loss_backward", (g, t, tw), wrap => {
-                Ok(wrap(BackendStorage::nll_loss_backward(g, t, None, tw, mc, ignore_index, mean)?))
+                Ok(wrap(LossOps::nll_loss_backward(g, t, None, tw, mc, ignore_index, mean)?))
             }),
             Some(w) => on_backend!("nll_loss_backward", (g, t, tw, w), wrap => {
-                Ok(wrap(BackendStorage::nll_loss_backward(g, t, Some(w), tw, mc, ignore_index, mean)?))
+                Ok(wrap(LossOps::nll_loss_backward(g, t, Some(w), tw, mc, ignore_index, mean)?))
             }),
         }
     }
@@ -749,7 +747,7 @@ impl Storage {
     /// `op` along `dim` of `layout`, as a row-major storage of the same shape.
     pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Storage> {
         let s = self;
-        on_backend!(op.name(), (s), wrap => Ok(wrap(BackendStorage::softmax(s, layout, op, dim)?)))
+        on_backend!(op.name(), (s), wrap => Ok(wrap(SoftmaxOps::softmax(s, layout, op, dim)?)))
     }
 
     /// The input gradient of `op` along `dim` from its output (`self`) and output gradient.
@@ -763,7 +761,7 @@ impl Storage {
     ) -> Result<Storage> {
         let (y, g) = (self, grad);
         on_backend!(op.name(), (y, g), wrap => {
-            Ok(wrap(BackendStorage::softmax_backward(y, yl, g, gl, op, dim)?))
+            Ok(wrap(SoftmaxOps::softmax_backward(y, yl, g, gl, op, dim)?))
         })
     }
 
@@ -771,21 +769,21 @@ impl Storage {
     /// fails when a probability is outside [0, 1].
     pub(crate) fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<Storage> {
         let s = self;
-        on_backend!("bernoulli", (s), wrap => Ok(wrap(BackendStorage::bernoulli(s, layout, state)?)))
+        on_backend!("bernoulli", (s), wrap => Ok(wrap(RandomOps::bernoulli(s, layout, state)?)))
     }
 
     /// The convolution of the input `self` with `weight` (both contiguous from their first
     /// element), or `None` where the backend does not run the problem.
     pub(crate) fn conv_forward(&self, weight: &Storage, p: &ConvParams) -> Result<Option<Storage>> {
         let (x, w) = (self, weight);
-        on_backend!("convolution", (x, w), wrap => Ok(BackendStorage::conv_forward(x, w, p)?.map(wrap)))
+        on_backend!("convolution", (x, w), wrap => Ok(ConvOps::conv_forward(x, w, p)?.map(wrap)))
     }
 
     /// The input gradient of a convolution from its weight (`self`) and output gradient.
     pub(crate) fn conv_backward_data(&self, grad_out: &Storage, p: &ConvParams) -> Result<Option<Storage>> {
         let (w, g) = (self, grad_out);
         on_backend!("convolution_backward", (w, g), wrap => {
-            Ok(BackendStorage::conv_backward_data(w, g, p)?.map(wrap))
+            Ok(ConvOps::conv_backward_data(w, g, p)?.map(wrap))
         })
     }
 
@@ -793,7 +791,7 @@ impl Storage {
     pub(crate) fn conv_backward_filter(&self, grad_out: &Storage, p: &ConvParams) -> Result<Option<Storage>> {
         let (x, g) = (self, grad_out);
         on_backend!("convolution_backward", (x, g), wrap => {
-            Ok(BackendStorage::conv_backward_filter(x, g, p)?.map(wrap))
+            Ok(ConvOps::conv_backward_filter(x, g, p)?.map(wrap))
         })
     }
 
@@ -801,21 +799,21 @@ impl Storage {
     /// backend leaves it to the broadcast addition.
     pub(crate) fn conv_bias_add(&self, bias: &Storage, p: &ConvParams) -> Result<bool> {
         let (y, b) = (self, bias);
-        on_backend!("convolution", (y, b), wrap => BackendStorage::conv_bias_add(y, b, p))
+        on_backend!("convolution", (y, b), wrap => ConvOps::conv_bias_add(y, b, p))
     }
 
     /// ReLU's input gradient from its output `self` and the output gradient (contiguous
     /// `len`-element storages), or `None` where the backend leaves it to the tensor ops.
     pub(crate) fn relu_backward(&self, grad_out: &Storage, len: usize) -> Result<Option<Storage>> {
         let (y, g) = (self, grad_out);
-        on_backend!("relu_backward", (y, g), wrap => Ok(BackendStorage::relu_backward(y, g, len)?.map(wrap)))
+        on_backend!("relu_backward", (y, g), wrap => Ok(UnaryOps::relu_backward(y, g, len)?.map(wrap)))
     }
 
     /// Pooling of the input `self` (contiguous from its first element), or `None` where the
     /// backend does not run the problem.
     pub(crate) fn pool_forward(&self, p: &PoolParams) -> Result<Option<Storage>> {
         let x = self;
-        on_backend!("pool2d", (x), wrap => Ok(BackendStorage::pool_forward(x, p)?.map(wrap)))
+        on_backend!("pool2d", (x), wrap => Ok(PoolOps::pool_forward(x, p)?.map(wrap)))
     }
 
     /// The input gradient of pooling from its input (`self`), output and output gradient.
@@ -827,7 +825,7 @@ impl Storage {
     ) -> Result<Option<Storage>> {
         let (x, y, g) = (self, output, grad_out);
         on_backend!("pool2d_backward", (x, y, g), wrap => {
-            Ok(BackendStorage::pool_backward(x, y, g, p)?.map(wrap))
+            Ok(PoolOps::pool_backward(x, y, g, p)?.map(wrap))
         })
     }
 
@@ -843,7 +841,7 @@ impl Storage {
     ) -> Result<()> {
         s.check(gi.len(), hh.len(), h.len(), c.len(), gates.len())?;
         on_backend!("lstm_recurrence", (gi, hh, h, c, gates), _wrap => {
-            BackendStorage::lstm_forward_step(s, gi, hh, h, c, gates)
+            RnnOps::lstm_forward_step(s, gi, hh, h, c, gates)
         })
     }
 
@@ -868,10 +866,10 @@ impl Storage {
         const OP: &str = "lstm_recurrence_backward";
         match dh_rec {
             None => on_backend!(OP, (dh_out, gates, c, dc, dgates), _wrap => {
-                BackendStorage::lstm_backward_step(s, dh_out, None, gates, c, dc, dgates)
+                RnnOps::lstm_backward_step(s, dh_out, None, gates, c, dc, dgates)
             }),
             Some(r) => on_backend!(OP, (dh_out, r, gates, c, dc, dgates), _wrap => {
-                BackendStorage::lstm_backward_step(s, dh_out, Some(r), gates, c, dc, dgates)
+                RnnOps::lstm_backward_step(s, dh_out, Some(r), gates, c, dc, dgates)
             }),
         }
     }
@@ -899,7 +897,7 @@ impl Storage {
                 .map_err(list_mismatch("adam_", device))?;
             let amp = amp.cast::<B>().map_err(list_mismatch("adam_", device))?;
             step.check(&tensors, &amp)?;
-            <B as BackendStorage>::adam_step(step, tensors, amp)
+            <B as OptimOps>::adam_step(step, tensors, amp)
         })
     }
 
@@ -921,7 +919,7 @@ impl Storage {
                 .map_err(list_mismatch("sgd_", device))?;
             let amp = amp.cast::<B>().map_err(list_mismatch("sgd_", device))?;
             step.check(&tensors, &amp)?;
-            <B as BackendStorage>::sgd_step(step, tensors, amp)
+            <B as OptimOps>::sgd_step(step, tensors, amp)
         })
     }
 
@@ -938,7 +936,21 @@ impl Storage {
             let found_inf = found_inf.cast::<B>().map_err(list_mismatch(OP, device))?;
             let inv_scale = inv_scale.cast::<B>().map_err(list_mismatch(OP, device))?;
             grads.check(&found_inf, &inv_scale)?;
-            <B as BackendStorage>::non_finite_check_and_unscale(grads, found_inf, inv_scale)
+            <B as AmpOps>::non_finite_check_and_unscale(grads, found_inf, inv_scale)
+        })
+    }
+
+    /// `_foreach_copy_`'s plain list (see [`ForeachCopy`]) on the device of its first written
+    /// storage.
+    pub(crate) fn foreach_copy(list: ForeachCopy<'_, Storage>) -> Result<()> {
+        const OP: &str = "_foreach_copy_";
+        let Some(device) = list.written.first().map(|s| s.device()) else {
+            return Ok(());
+        };
+        on_backend_type!(device, B => {
+            let list = list.cast::<B>().map_err(list_mismatch(OP, device))?;
+            list.check()?;
+            <B as CopyOps>::foreach_copy(list)
         })
     }
 
@@ -956,7 +968,7 @@ impl Storage {
             let growth_tracker = growth_tracker.cast::<B>().map_err(list_mismatch(OP, device))?;
             let found_inf = found_inf.cast::<B>().map_err(list_mismatch(OP, device))?;
             u.check(&scale, &growth_tracker, &found_inf)?;
-            <B as BackendStorage>::update_scale(u, scale, growth_tracker, found_inf)
+            <B as AmpOps>::update_scale(u, scale, growth_tracker, found_inf)
         })
     }
 }

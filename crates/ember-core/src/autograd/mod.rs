@@ -14,6 +14,8 @@
 //! remembers the storage version at record time; if an in-place op changed the storage since,
 //! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
 
+#![deny(unsafe_code)]
+
 mod callbacks;
 mod checkpoint;
 mod device_threads;

@@ -34,17 +34,38 @@ pub use op::{
     SoftmaxOp, UnaryOp,
 };
 pub use step::{
-    AdamStep, AdamTensor, Elems, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate, SgdStep,
-    SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, Elems, ForeachCopy, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate,
+    SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
 };
 
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
 use crate::{DType, Device, Result};
 
-/// A tensor's elements on one backend, and every op family on them. Method names and
-/// arguments mirror the op layer's; `self` is the first operand.
-pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
+/// A tensor's elements on one backend, and every op family on them (one trait per family,
+/// implemented by `cpu/<family>.rs` and `cuda/<family>.rs`). Method names and arguments mirror
+/// the op layer's; `self` is the first operand.
+pub trait BackendStorage:
+    Sized
+    + Clone
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + CopyOps
+    + ElementwiseOps
+    + UnaryOps
+    + ReduceOps
+    + MatmulOps
+    + IndexOps
+    + SoftmaxOps
+    + RandomOps
+    + LossOps
+    + ConvOps
+    + PoolOps
+    + RnnOps
+    + OptimOps
+    + AmpOps
+{
     /// The device the elements live on.
     fn device(&self) -> Device;
     fn dtype(&self) -> DType;
@@ -53,9 +74,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
 
-    // Copies, casts and fills ------------------------------------------------------------------
-
+/// Copies, casts and fills between storages of one backend.
+pub trait CopyOps: Sized {
     /// The elements of `layout` in a new row-major storage of `dtype` (a copy when `dtype` is
     /// the storage's own).
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self>;
@@ -64,12 +86,16 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     /// Writes `src` at `src_layout` into `self` at `dst_layout` (equal shapes), converting the
     /// dtype. Both on this backend (across the devices of one backend where it has several).
     fn copy_strided_from(&mut self, dst_layout: &Layout, src: &Self, src_layout: &Layout) -> Result<()>;
+    /// Every copy of `list` (`_foreach_copy_`'s plain pairs), in as few launches as the
+    /// backend can (one per 64 pairs on a GPU).
+    fn foreach_copy(list: ForeachCopy<'_, Self>) -> Result<()>;
+}
 
-    // Elementwise ------------------------------------------------------------------------------
-
+/// Elementwise ops of two or three operands broadcast to one shape (`cpu/binary.rs`, `cuda/elementwise.rs`).
+pub trait ElementwiseOps: Sized {
     /// `self op rhs` elementwise over two layouts of one broadcast shape and one dtype.
     fn binary(&self, op: BinaryOp, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
-    /// As [`BackendStorage::binary`], written into `out` at `out_layout` (contiguous, the
+    /// As [`ElementwiseOps::binary`], written into `out` at `out_layout` (contiguous, the
     /// broadcast shape, the dtype of the operands); `out` is no operand's storage.
     #[allow(clippy::too_many_arguments)]
     fn binary_into(
@@ -104,15 +130,30 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         on_false: &Self,
         false_layout: &Layout,
     ) -> Result<Self>;
+}
+
+/// Elementwise functions of one operand.
+pub trait UnaryOps: Sized {
     /// `op` applied to each element, in `op.result_dtype(self.dtype())`.
     fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Self>;
+    /// ReLU's input gradient from its output (`self`) and the output gradient, both contiguous
+    /// `len`-element storages of one float dtype: the gradient where the output is positive,
+    /// else 0; `None` where the backend leaves it to the comparison and select ops.
+    fn relu_backward(&self, _grad_out: &Self, _len: usize) -> Result<Option<Self>> {
+        Ok(None)
+    }
+}
 
-    // Reductions and products ------------------------------------------------------------------
-
+/// Reductions over dims.
+pub trait ReduceOps: Sized {
     /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
     fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self>;
     /// Max or min over `dims` and the i64 index of its first occurrence.
     fn reduce_with_indices(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<(Self, Self)>;
+}
+
+/// Matrix products.
+pub trait MatmulOps: Sized {
     /// The batched product of `[B.., m, k]` and `[B.., k, n]` (batch dims already broadcast).
     fn matmul(&self, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
     /// [`BackendStorage::matmul`] plus `bias` (`[n]`) added to every row in the product's
@@ -125,9 +166,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         bias: &Self,
         bias_layout: &Layout,
     ) -> Result<Self>;
+}
 
-    // Indexing ---------------------------------------------------------------------------------
-
+/// Reads and writes at index tensors.
+pub trait IndexOps: Sized {
     /// `self` read at `index` along `dim` as `op` says (`name` in errors).
     #[allow(clippy::too_many_arguments)]
     fn index_read(
@@ -153,9 +195,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     ) -> Result<Self>;
     /// int64 one-hot rows of the class indices, and the number of classes used.
     fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(Self, usize)>;
+}
 
-    // Softmax ----------------------------------------------------------------------------------
-
+/// Softmax and log-softmax along a dim.
+pub trait SoftmaxOps: Sized {
     /// `op` along `dim`, as a row-major storage of the same shape.
     fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<Self>;
     /// The input gradient of `op` from its output (`self`) and the output gradient.
@@ -167,15 +210,17 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         op: SoftmaxOp,
         dim: usize,
     ) -> Result<Self>;
+}
 
-    // Random -----------------------------------------------------------------------------------
-
+/// Random draws that read a storage (Note [Philox stream] in `random/mod.rs`).
+pub trait RandomOps: Sized {
     /// Bernoulli draws with the probabilities of `layout`, in the same dtype (Note [Philox
     /// stream] in `random/mod.rs`); an error naming a probability outside [0, 1].
     fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<Self>;
+}
 
-    // Losses (contiguous operands from their first element) ----------------------------------
-
+/// Losses over contiguous operands from their first element.
+pub trait LossOps: Sized {
     /// The negative log-likelihood of the `[m, c]` log-probability rows `self` at the `[m]`
     /// class indices `target` (int64 or int32), weighted by the `[c]` class `weight` when given
     /// (same dtype as `self`): `(loss, total_weight)`, one element each in `self`'s dtype, where
@@ -202,9 +247,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         ignore_index: i64,
         mean: bool,
     ) -> Result<Self>;
+}
 
-    // Convolution and pooling (contiguous NCHW operands from their first element) -------------
-
+/// Convolutions over contiguous NCHW operands from their first element; `None` where the backend does not run the problem.
+pub trait ConvOps: Sized {
     /// `conv(input = self, weight)` as a new `[N, O, OH, OW]` storage; `None` where this
     /// backend does not run the problem.
     fn conv_forward(&self, weight: &Self, p: &ConvParams) -> Result<Option<Self>>;
@@ -218,20 +264,19 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     fn conv_bias_add(&self, _bias: &Self, _p: &ConvParams) -> Result<bool> {
         Ok(false)
     }
-    /// ReLU's input gradient from its output (`self`) and the output gradient, both contiguous
-    /// `len`-element storages of one float dtype: the gradient where the output is positive,
-    /// else 0; `None` where the backend leaves it to the comparison and select ops.
-    fn relu_backward(&self, _grad_out: &Self, _len: usize) -> Result<Option<Self>> {
-        Ok(None)
-    }
+}
+
+/// Pooling over contiguous NCHW operands from their first element; `None` where the backend does not run the problem.
+pub trait PoolOps: Sized {
     /// `pool(input = self)` as a new `[N, C, OH, OW]` storage; `None` where this backend does
     /// not run the problem.
     fn pool_forward(&self, p: &PoolParams) -> Result<Option<Self>>;
     /// The input gradient from the forward's input (`self`), its output and the output gradient.
     fn pool_backward(&self, output: &Self, grad_out: &Self, p: &PoolParams) -> Result<Option<Self>>;
+}
 
-    // Fused steps (in place) -------------------------------------------------------------------
-
+/// The fused LSTM recurrence's steps (in place; offsets checked by the caller).
+pub trait RnnOps: Sized {
     /// One forward step of the fused LSTM recurrence (offsets checked by the caller).
     fn lstm_forward_step(
         s: &LstmForwardStep,
@@ -252,9 +297,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
         dc: &mut Self,
         dgates: &mut Self,
     ) -> Result<()>;
+}
 
-    // Multi-tensor steps (in place; `step.rs` describes the operands) -------------------------
-
+/// Fused multi-tensor optimizer steps (in place; `step.rs` describes the operands).
+pub trait OptimOps: Sized {
     /// One fused Adam/AdamW step of every tensor of `tensors` (`torch._fused_adam_`; the
     /// formula is in `ops/fused_optim.rs`), under GradScaler's `amp` scalars. Device step
     /// counts are incremented before the update that reads them, all in stream order; nothing
@@ -266,6 +312,10 @@ pub trait BackendStorage: Sized + Clone + std::fmt::Debug + Send + Sync {
     ) -> Result<()>;
     /// One fused SGD step of every tensor of `tensors` (`torch._fused_sgd_`).
     fn sgd_step(step: &SgdStep, tensors: Vec<SgdTensor<'_, Self>>, amp: StepScalars<'_, Self>) -> Result<()>;
+}
+
+/// GradScaler's device-side steps (in place; `step.rs` describes the operands).
+pub trait AmpOps: Sized {
     /// Multiplies every gradient by the f32 at `inv_scale` (not at all when it is 1) and sets
     /// the f32 at `found_inf` to 1 when any of them held an inf or NaN before
     /// (`torch._amp_foreach_non_finite_check_and_unscale_`); `found_inf` is never cleared.

@@ -508,6 +508,58 @@ impl SgdStep {
 
 // GradScaler ------------------------------------------------------------------------------------
 
+/// `_foreach_copy_`'s plain list on one device (Note [Foreach copies] in `ops/foreach.rs`):
+/// the distinct storages written and read, and each copy as a run of `written[dst.storage]`
+/// and a run of the same length of `read[src.storage]`, of one dtype. No two written runs
+/// overlap and no storage is both written and read (the op layer checked both, [`ForeachCopy::check`]
+/// checks the rest).
+#[derive(Debug)]
+pub struct ForeachCopy<'a, S> {
+    pub written: Vec<&'a mut S>,
+    pub read: Vec<&'a S>,
+    /// `(destination, source)` runs.
+    pub copies: Vec<(Elems<usize>, Elems<usize>)>,
+}
+
+impl<'a, S> ForeachCopy<'a, S> {
+    pub(crate) fn cast<B>(self) -> Cast<ForeachCopy<'a, B>>
+    where
+        S: Variant<B>,
+    {
+        Ok(ForeachCopy {
+            written: self
+                .written
+                .into_iter()
+                .map(Variant::variant_mut)
+                .collect::<Cast<_>>()?,
+            read: self.read.into_iter().map(Variant::variant).collect::<Cast<_>>()?,
+            copies: self.copies,
+        })
+    }
+}
+
+impl<B: BackendStorage> ForeachCopy<'_, B> {
+    /// Every run inside its storage, the two runs of a copy of one length and dtype.
+    pub(crate) fn check(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::invalid("_foreach_copy_", what));
+        for (d, s) in &self.copies {
+            let (Some(dst), Some(src)) = (self.written.get(d.storage), self.read.get(s.storage)) else {
+                return bad(format!(
+                    "a copy names storage {} or {} of a shorter list",
+                    d.storage, s.storage
+                ));
+            };
+            if d.len != s.len || dst.dtype() != src.dtype() {
+                return bad("a copy's runs differ in length or dtype".into());
+            }
+            if d.offset + d.len > dst.len() || s.offset + s.len > src.len() {
+                return bad("a copy's run lies outside its storage".into());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The gradients of GradScaler's unscale (`torch._amp_foreach_non_finite_check_and_unscale_`):
 /// the distinct storages they live in, written, and each gradient's run, whose `storage` is
 /// an index into `storages` (several gradients may be views of one buffer; no two runs

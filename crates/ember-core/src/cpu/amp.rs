@@ -5,8 +5,13 @@
 //! when it is exactly 1) and rounded once on store; the scale update multiplies in f64 and
 //! rounds to f32.
 
-use super::optim::{OptimAcc, OptimElement};
+use super::optim::{scalar, scalar_mut, OptimAcc, OptimElement};
+use super::CpuStorage;
 use super::{PAR_CHUNK, PAR_THRESHOLD};
+use crate::backend::{AmpOps, Elems, ScaleUpdate, UnscaleGrads};
+use crate::DType;
+use crate::Result;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Multiplies every element of `values` by `inv_scale` in place; true when any element was inf
@@ -113,5 +118,51 @@ mod tests {
         let (mut s, mut t) = (f32::MAX, 0);
         update_scale(&mut s, &mut t, 0.0, 2.0, 0.5, 1);
         assert_eq!((s, t), (f32::MAX, 0));
+    }
+}
+
+impl AmpOps for CpuStorage {
+    fn non_finite_check_and_unscale(
+        mut grads: UnscaleGrads<'_, CpuStorage>,
+        found_inf: Elems<&mut CpuStorage>,
+        inv_scale: Elems<&CpuStorage>,
+    ) -> Result<()> {
+        fn run<T: OptimElement>(storage: &mut CpuStorage, g: &Elems<usize>, inv: f32) -> bool {
+            let values = &mut T::slice_mut(storage).expect("dtype checked")[g.offset..g.offset + g.len];
+            self::non_finite_check_and_unscale(values, inv)
+        }
+        let inv = scalar::<f32>(&inv_scale);
+        let mut found = false;
+        for g in &grads.grads {
+            let s = &mut *grads.storages[g.storage];
+            found |= match s.dtype() {
+                DType::F32 => run::<f32>(s, g, inv),
+                DType::F64 => run::<f64>(s, g, inv),
+                DType::F16 => run::<f16>(s, g, inv),
+                DType::BF16 => run::<bf16>(s, g, inv),
+                _ => unreachable!("floating dtype checked"),
+            };
+        }
+        if found {
+            *scalar_mut::<f32>(found_inf) = 1.0;
+        }
+        Ok(())
+    }
+
+    fn update_scale(
+        u: &ScaleUpdate,
+        scale: Elems<&mut CpuStorage>,
+        growth_tracker: Elems<&mut CpuStorage>,
+        found_inf: Elems<&CpuStorage>,
+    ) -> Result<()> {
+        self::update_scale(
+            scalar_mut::<f32>(scale),
+            scalar_mut::<i32>(growth_tracker),
+            scalar::<f32>(&found_inf),
+            u.growth_factor,
+            u.backoff_factor,
+            u.growth_interval,
+        );
+        Ok(())
     }
 }

@@ -3,7 +3,9 @@
 
 use super::{map_strided, CpuStorage, PAR_CHUNK, PAR_THRESHOLD};
 use crate::backend::op::{BinaryOp, Bools, CmpOp, LogicalOp};
+use crate::backend::ElementwiseOps;
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -372,5 +374,79 @@ impl CpuStorage {
                 })
             }
         })
+    }
+}
+
+impl ElementwiseOps for CpuStorage {
+    #[inline]
+    fn binary(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
+        CpuStorage::binary(self, op, layout, rhs, rhs_layout)
+    }
+
+    fn binary_into(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+        out: &mut CpuStorage,
+        out_layout: &Layout,
+    ) -> Result<()> {
+        // The kernels write new buffers; the result is copied into place.
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
+        let r = CpuStorage::binary(self, op, layout, rhs, rhs_layout)?;
+        CpuStorage::copy_strided_from(out, out_layout, &r, &Layout::contiguous(layout.shape().clone()));
+        Ok(())
+    }
+
+    fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+    ) -> Result<()> {
+        CpuStorage::binary_inplace(self, op, layout, rhs, rhs_layout)
+    }
+
+    fn compare(
+        &self,
+        op: CmpOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), DType::Bool)?;
+        CpuStorage::compare(self, op, layout, rhs, rhs_layout)
+    }
+
+    fn logical(
+        &self,
+        op: LogicalOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), DType::Bool)?;
+        CpuStorage::logical(self, op, layout, rhs, rhs_layout)
+    }
+
+    fn where_cond(
+        &self,
+        layout: &Layout,
+        on_true: &CpuStorage,
+        true_layout: &Layout,
+        on_false: &CpuStorage,
+        false_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc("where", layout.numel(), on_true.dtype())?;
+        CpuStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
     }
 }

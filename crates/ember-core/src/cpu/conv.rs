@@ -17,7 +17,9 @@
 //! and bf16 widen to f32 once and round once; other dtypes answer `None`.
 
 use super::{CpuElement, CpuStorage};
+use crate::backend::ConvOps;
 use crate::backend::ConvParams;
+use crate::memory::check_host_alloc;
 use crate::Result;
 use gemm::Parallelism;
 use half::{bf16, f16};
@@ -521,5 +523,23 @@ mod tests {
             close(&backward_data_t(&d, &w, &gy), &rdx);
             close(&backward_filter_t(&d, &x, &gy), &rdw);
         }
+    }
+}
+
+impl ConvOps for CpuStorage {
+    fn conv_forward(&self, weight: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
+        if let Some(out) = p.output() {
+            check_host_alloc("convolution", out.iter().product(), p.dtype)?;
+        }
+        self::forward(self, weight, p)
+    }
+
+    fn conv_backward_data(&self, grad_out: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
+        check_host_alloc("convolution_backward", p.input.iter().product(), p.dtype)?;
+        self::backward_data(self, grad_out, p)
+    }
+
+    fn conv_backward_filter(&self, grad_out: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
+        self::backward_filter(self, grad_out, p)
     }
 }

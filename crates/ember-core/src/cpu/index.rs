@@ -13,7 +13,9 @@
 
 use super::{gather_strided, map_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{IndexOp, ScatterOp};
+use crate::backend::IndexOps;
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::{with_cpu_storage, Error, Result, Shape};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -311,4 +313,57 @@ impl CpuStorage {
         }
         Ok((CpuStorage::I64(out), n))
     }
+}
+
+impl IndexOps for CpuStorage {
+    fn index_read(
+        &self,
+        op: IndexOp,
+        name: &'static str,
+        layout: &Layout,
+        dim: usize,
+        index: &CpuStorage,
+        index_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc(
+            name,
+            with_dim_len(name, layout, dim, index_layout.numel())?,
+            self.dtype(),
+        )?;
+        CpuStorage::index_read(self, op, name, layout, dim, index, index_layout)
+    }
+
+    fn index_write(
+        &self,
+        op: ScatterOp,
+        layout: &Layout,
+        dim: usize,
+        index: &CpuStorage,
+        index_layout: &Layout,
+        src: &CpuStorage,
+        src_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
+        CpuStorage::index_write(self, op, layout, dim, index, index_layout, src, src_layout)
+    }
+
+    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CpuStorage, usize)> {
+        CpuStorage::one_hot(self, layout, num_classes)
+    }
+}
+
+/// Elements of `layout` with `dim` replaced by `len` (an index op's output), checked.
+fn with_dim_len(op: &'static str, layout: &Layout, dim: usize, len: usize) -> Result<usize> {
+    let others = layout
+        .dims()
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != dim)
+        .try_fold(1usize, |acc, (_, &d)| acc.checked_mul(d));
+    others.and_then(|o| o.checked_mul(len)).ok_or_else(|| {
+        Error::invalid(
+            op,
+            format!("the output of {:?} with {len} indices overflows", layout.dims()),
+        )
+    })
 }

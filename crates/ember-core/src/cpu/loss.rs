@@ -3,6 +3,8 @@
 //! weighted sum accumulates in f64 over the rows in order, then rounds once to the dtype.
 
 use super::{CpuElement, CpuStorage};
+use crate::backend::LossOps;
+use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
 
@@ -132,4 +134,30 @@ fn same_dtype<T>(s: Option<&[T]>, dtype: DType) -> Result<&[T]> {
         dtype,
         hint: "the class weights and the log-probabilities must have one dtype",
     })
+}
+
+impl LossOps for CpuStorage {
+    fn nll_loss_forward(
+        &self,
+        target: &CpuStorage,
+        weight: Option<&CpuStorage>,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<(CpuStorage, CpuStorage)> {
+        CpuStorage::nll_loss_forward(self, target, weight, mc, ignore_index, mean)
+    }
+
+    fn nll_loss_backward(
+        &self,
+        target: &CpuStorage,
+        weight: Option<&CpuStorage>,
+        total_weight: &CpuStorage,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<CpuStorage> {
+        check_host_alloc("nll_loss_backward", mc.0.saturating_mul(mc.1), self.dtype())?;
+        CpuStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
+    }
 }

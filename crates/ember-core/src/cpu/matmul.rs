@@ -12,7 +12,9 @@
 //! calling thread.
 
 use super::{CpuElement, CpuStorage, PAR_THRESHOLD};
+use crate::backend::MatmulOps;
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result, Shape};
 use gemm::Parallelism;
 use half::{bf16, f16};
@@ -415,4 +417,36 @@ mod tests {
         let want = naive(&af, &al, &bf, &bl);
         assert_eq!(got.iter().map(|&v| v as f64).collect::<Vec<_>>(), want);
     }
+}
+
+impl MatmulOps for CpuStorage {
+    fn matmul(&self, layout: &Layout, rhs: &CpuStorage, rhs_layout: &Layout) -> Result<CpuStorage> {
+        check_host_alloc("matmul", matmul_out_len(layout, rhs_layout)?, self.dtype())?;
+        CpuStorage::matmul(self, layout, rhs, rhs_layout)
+    }
+
+    fn matmul_bias(
+        &self,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<CpuStorage> {
+        check_host_alloc("linear", matmul_out_len(layout, rhs_layout)?, self.dtype())?;
+        CpuStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
+    }
+}
+
+/// Elements of the `[B.., m, n]` product of `[B.., m, k]` at `a` and `[B.., k, n]` at `b`.
+fn matmul_out_len(a: &Layout, b: &Layout) -> Result<usize> {
+    let rows = a.dims()[..a.dims().len().saturating_sub(1)]
+        .iter()
+        .product::<usize>();
+    crate::shape::checked_mul(
+        "matmul",
+        "the output rows × columns",
+        rows,
+        *b.dims().last().unwrap_or(&1),
+    )
 }

@@ -6,14 +6,16 @@
 //! `pool`, `random`, `optim`, `rnn`); `backend.rs` implements the backend traits
 //! (`crate::backend`) for [`CpuStorage`] and [`CpuDevice`] on top of them.
 
+use crate::backend::{BackendDevice, BackendStorage, Distribution, ForeachCopy, PhiloxState, RngState};
 use crate::dtype::Element;
 use crate::layout::Layout;
-use crate::DType;
+use crate::memory::check_host_alloc;
+use crate::Shape;
+use crate::{DType, Device, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 pub(crate) mod amp;
-mod backend;
 mod binary;
 mod conv;
 mod index;
@@ -26,8 +28,6 @@ mod reduce;
 mod rnn;
 mod softmax;
 mod unary;
-
-pub use backend::CpuDevice;
 
 /// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
 pub const PAR_THRESHOLD: usize = 1 << 15;
@@ -66,6 +66,7 @@ macro_rules! with_cpu_storage {
         }
     };
 }
+use crate::backend::CopyOps;
 pub use with_cpu_storage;
 
 /// A Rust element type that a [`CpuStorage`] variant holds.
@@ -250,4 +251,87 @@ where
         return out;
     }
     layout.offsets().map(|o| f(data[o])).collect()
+}
+
+impl CopyOps for CpuStorage {
+    fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
+        check_host_alloc("to_dtype", layout.numel(), dtype)?;
+        Ok(CpuStorage::to_dtype(self, layout, dtype))
+    }
+
+    fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        check_host_alloc("contiguous", layout.numel(), self.dtype())?;
+        Ok(self.contiguous(layout))
+    }
+
+    fn copy_strided_from(
+        &mut self,
+        dst_layout: &Layout,
+        src: &CpuStorage,
+        src_layout: &Layout,
+    ) -> Result<()> {
+        CpuStorage::copy_strided_from(self, dst_layout, src, src_layout);
+        Ok(())
+    }
+
+    fn foreach_copy(mut list: ForeachCopy<'_, CpuStorage>) -> Result<()> {
+        let run = |e: &crate::backend::Elems<usize>| Layout::new(Shape::from(vec![e.len]), vec![1], e.offset);
+        for (d, s) in &list.copies {
+            CpuStorage::copy_strided_from(list.written[d.storage], &run(d), list.read[s.storage], &run(s));
+        }
+        Ok(())
+    }
+}
+
+/// The host, as a backend device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuDevice;
+
+impl BackendDevice for CpuDevice {
+    type Storage = CpuStorage;
+
+    fn storage_from_cpu(&self, cpu: CpuStorage) -> Result<CpuStorage> {
+        Ok(cpu)
+    }
+
+    fn full(&self, dtype: DType, n: usize, value: f64) -> Result<CpuStorage> {
+        CpuStorage::full(dtype, n, value)
+    }
+
+    fn alloc(&self, dtype: DType, n: usize) -> Result<CpuStorage> {
+        self.full(dtype, n, 0.0)
+    }
+
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState) -> Result<CpuStorage> {
+        let state = state.value("random")?;
+        // Bernoulli draws through an f64 buffer of `n`.
+        let widest = match dist {
+            Distribution::Bernoulli { .. } => DType::F64,
+            _ => dtype,
+        };
+        check_host_alloc("random", n, widest)?;
+        random::random(dtype, n, dist, state)
+    }
+
+    fn randperm(&self, n: usize, state: RngState) -> Result<CpuStorage> {
+        check_host_alloc("randperm", n.saturating_mul(3), DType::I64)?; // (key, index) pairs, then the result
+        Ok(random::randperm(n, state))
+    }
+}
+
+impl BackendStorage for CpuStorage {
+    #[inline]
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    #[inline]
+    fn dtype(&self) -> DType {
+        CpuStorage::dtype(self)
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        CpuStorage::len(self)
+    }
 }

@@ -12,7 +12,14 @@
 //! the update and the quotient stored back, as in the CUDA kernels; the found-inf skip is
 //! decided by the caller (`cpu/backend.rs`), which reads the flag from host memory.
 
+use super::CpuStorage;
 use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};
+use crate::backend::Elems;
+use crate::backend::GradElems;
+use crate::backend::StepCount;
+use crate::backend::{AdamStep, AdamTensor, OptimOps, SgdStep, SgdTensor, StepScalars};
+use crate::DType;
+use crate::Result;
 use half::{bf16, f16};
 use rayon::prelude::*;
 use std::ops::{Add, Div, Mul, Neg, Sub};
@@ -321,4 +328,160 @@ fn sgd_piece<T: OptimElement>(t: SgdSlices<'_, T>, s: &SgdScalars) {
         }
         t.param[i] = T::store(p + g * neg_lr);
     }
+}
+
+/// Calls `$f::<T>(...)` with `T` the Rust type of the floating dtype `$dtype`.
+macro_rules! with_float_type {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            _ => unreachable!("floating dtype checked"),
+        }
+    };
+}
+
+impl OptimOps for CpuStorage {
+    fn adam_step(
+        step: &AdamStep,
+        tensors: Vec<AdamTensor<'_, CpuStorage>>,
+        amp: StepScalars<'_, CpuStorage>,
+    ) -> Result<()> {
+        // The host reads the flag, the scale and the counts from host memory directly.
+        if amp.found_inf.as_ref().is_some_and(|f| scalar::<f32>(f) != 0.0) {
+            return Ok(());
+        }
+        let grad_scale = amp.grad_scale.as_ref().map(|s| scalar::<f32>(s) as f64);
+        let step = &AdamStep {
+            lr: amp.lr.as_ref().map_or(step.lr, scalar::<f64>),
+            ..*step
+        };
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let dtype = first.param.storage.dtype();
+        with_float_type!(dtype, adam_slices(step, tensors, grad_scale));
+        Ok(())
+    }
+
+    fn sgd_step(
+        step: &SgdStep,
+        tensors: Vec<SgdTensor<'_, CpuStorage>>,
+        amp: StepScalars<'_, CpuStorage>,
+    ) -> Result<()> {
+        if amp.found_inf.as_ref().is_some_and(|f| scalar::<f32>(f) != 0.0) {
+            return Ok(());
+        }
+        let grad_scale = amp.grad_scale.as_ref().map(|s| scalar::<f32>(s) as f64);
+        let step = &SgdStep {
+            lr: amp.lr.as_ref().map_or(step.lr, scalar::<f64>),
+            ..*step
+        };
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let dtype = first.param.storage.dtype();
+        with_float_type!(dtype, sgd_slices(step, tensors, grad_scale));
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-tensor steps: from the backend-neutral operands (`backend/step.rs`, checked by
+// `storage.rs`) to the slices of `cpu/optim.rs`'s and `cpu/amp.rs`'s kernels.
+
+/// The element of a one-element operand.
+pub(super) fn scalar<T: CpuElement>(e: &Elems<&CpuStorage>) -> T {
+    T::slice(e.storage).expect("dtype checked")[e.offset]
+}
+
+/// The element of a one-element operand, writable.
+pub(super) fn scalar_mut<T: CpuElement>(e: Elems<&mut CpuStorage>) -> &mut T {
+    &mut T::slice_mut(e.storage).expect("dtype checked")[e.offset]
+}
+
+/// The elements of a written operand.
+fn slice_mut<T: CpuElement>(e: Elems<&mut CpuStorage>) -> &mut [T] {
+    &mut T::slice_mut(e.storage).expect("dtype checked")[e.offset..e.offset + e.len]
+}
+
+/// A gradient as the kernels take it: unscaled and written back under a grad scale, else read.
+fn grad_in<T: CpuElement>(g: GradElems<'_, CpuStorage>, grad_scale: Option<f64>) -> GradIn<'_, T> {
+    match (g, grad_scale) {
+        (GradElems::Unscaled(e), Some(s)) => GradIn::Scaled(slice_mut(e), s),
+        (GradElems::Read(e), None) => {
+            GradIn::Plain(&T::slice(e.storage).expect("dtype checked")[e.offset..e.offset + e.len])
+        }
+        _ => unreachable!("a gradient is written exactly under a grad scale (checked)"),
+    }
+}
+
+/// Adam over the tensors of `T`: each device step count is incremented here, then the bias
+/// corrections of every tensor come from its count.
+fn adam_slices<T: OptimElement>(
+    step: &AdamStep,
+    tensors: Vec<AdamTensor<'_, CpuStorage>>,
+    grad_scale: Option<f64>,
+) {
+    let s = AdamScalars {
+        one_minus_beta1: 1.0 - step.beta1,
+        beta2: step.beta2,
+        one_minus_beta2: 1.0 - step.beta2,
+        eps: step.eps,
+        weight_decay: step.weight_decay,
+        decay: 1.0 - step.lr * step.weight_decay,
+        maximize: step.maximize,
+        decoupled: step.decoupled_weight_decay,
+    };
+    let slices = tensors
+        .into_iter()
+        .map(|t| {
+            let [step_size, bias_correction2_sqrt] = match t.step {
+                StepCount::Host(n) => step.bias_corrections(n),
+                StepCount::Device(c) => {
+                    let n = scalar_mut::<f32>(c);
+                    *n += 1.0;
+                    step.bias_corrections(*n as f64)
+                }
+            };
+            AdamSlices {
+                param: slice_mut(t.param),
+                grad: grad_in(t.grad, grad_scale),
+                exp_avg: slice_mut(t.exp_avg),
+                exp_avg_sq: slice_mut(t.exp_avg_sq),
+                max_exp_avg_sq: t.max_exp_avg_sq.map(slice_mut),
+                step_size,
+                bias_correction2_sqrt,
+            }
+        })
+        .collect();
+    self::adam::<T>(slices, &s);
+}
+
+/// SGD over the tensors of `T`.
+fn sgd_slices<T: OptimElement>(
+    step: &SgdStep,
+    tensors: Vec<SgdTensor<'_, CpuStorage>>,
+    grad_scale: Option<f64>,
+) {
+    let s = SgdScalars {
+        lr: step.lr,
+        momentum: step.momentum,
+        one_minus_dampening: 1.0 - step.dampening,
+        weight_decay: step.weight_decay,
+        nesterov: step.nesterov,
+        maximize: step.maximize,
+        first_step: step.first_step,
+    };
+    let slices = tensors
+        .into_iter()
+        .map(|t| SgdSlices {
+            param: slice_mut(t.param),
+            grad: grad_in(t.grad, grad_scale),
+            momentum_buffer: t.momentum_buffer.map(slice_mut),
+        })
+        .collect();
+    self::sgd::<T>(slices, &s);
 }

@@ -13,7 +13,9 @@
 
 use super::conv::{in_compute_type, ConvFloat};
 use super::{CpuStorage, PAR_THRESHOLD};
+use crate::backend::PoolOps;
 use crate::backend::{PoolMode, PoolParams};
+use crate::memory::check_host_alloc;
 use crate::Result;
 use rayon::prelude::*;
 
@@ -196,4 +198,23 @@ pub(crate) fn backward(x: &CpuStorage, dy: &CpuStorage, p: &PoolParams) -> Resul
 
 fn d_len(dims: [usize; 4]) -> usize {
     dims.iter().product()
+}
+
+impl PoolOps for CpuStorage {
+    fn pool_forward(&self, p: &PoolParams) -> Result<Option<CpuStorage>> {
+        if let Some(out) = p.output() {
+            check_host_alloc("pool2d", out.iter().product(), p.dtype)?;
+        }
+        self::forward(self, p)
+    }
+
+    fn pool_backward(
+        &self,
+        _output: &CpuStorage,
+        grad_out: &CpuStorage,
+        p: &PoolParams,
+    ) -> Result<Option<CpuStorage>> {
+        check_host_alloc("pool2d_backward", p.input.iter().product(), p.dtype)?;
+        self::backward(self, grad_out, p)
+    }
 }

@@ -4,7 +4,9 @@
 
 use super::{CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{randint_range, Distribution, RngState, RANDPERM_PER_BLOCK};
+use crate::backend::{PhiloxState, RandomOps};
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::random::philox::{
     block_counter, box_muller, join_u64, philox4x32_10, seed_key, uniform_bits_f32, uniform_f32, uniform_f64,
     uniform_open0_f32, uniform_open0_f64,
@@ -233,5 +235,13 @@ mod tests {
                 -5 + (join_u64(w[2 * s], w[2 * s + 1]) % ((1 << 40) + 5)) as i64
             );
         }
+    }
+}
+
+impl RandomOps for CpuStorage {
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CpuStorage> {
+        let state = state.value("bernoulli")?;
+        check_host_alloc("bernoulli", layout.numel(), DType::F64)?;
+        self::bernoulli(self, layout, state)
     }
 }

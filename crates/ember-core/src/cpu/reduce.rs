@@ -18,6 +18,7 @@
 
 use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::ReduceOp;
+use crate::backend::ReduceOps;
 use crate::layout::Layout;
 use crate::{Error, Result};
 use half::{bf16, f16};
@@ -649,5 +650,20 @@ mod tests {
         assert!(v.is_nan());
         assert_eq!(i, 1);
         assert_eq!(arg_row::<i32, false>(&[4, 2, 2, 9]), (2, 1));
+    }
+}
+
+impl ReduceOps for CpuStorage {
+    fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CpuStorage> {
+        CpuStorage::reduce(self, layout, op, dims)
+    }
+
+    fn reduce_with_indices(
+        &self,
+        layout: &Layout,
+        op: ReduceOp,
+        dims: &[usize],
+    ) -> Result<(CpuStorage, CpuStorage)> {
+        CpuStorage::reduce_with_indices(self, layout, op, dims)
     }
 }

@@ -7,6 +7,7 @@
 use super::reduce::FloatElem;
 use super::{CpuStorage, PAR_THRESHOLD};
 use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
+use crate::backend::RnnOps;
 use crate::{Error, Result};
 use num_traits::Float;
 use rayon::prelude::*;
@@ -234,5 +235,30 @@ impl CpuStorage {
             CpuStorage::BF16(d) => run!(BF16, d),
             other => Err(Error::dtype(OP, other.dtype())),
         }
+    }
+}
+
+impl RnnOps for CpuStorage {
+    fn lstm_forward_step(
+        s: &LstmForwardStep,
+        gi: &CpuStorage,
+        hh: &CpuStorage,
+        h: &mut CpuStorage,
+        c: &mut CpuStorage,
+        gates: &mut CpuStorage,
+    ) -> Result<()> {
+        CpuStorage::lstm_forward_step(s, gi, hh, h, c, gates)
+    }
+
+    fn lstm_backward_step(
+        s: &LstmBackwardStep,
+        dh_out: &CpuStorage,
+        dh_rec: Option<&CpuStorage>,
+        gates: &CpuStorage,
+        c: &CpuStorage,
+        dc: &mut CpuStorage,
+        dgates: &mut CpuStorage,
+    ) -> Result<()> {
+        CpuStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
     }
 }

@@ -13,7 +13,9 @@
 use super::reduce::{fold, max_nan, Acc, Float, FloatElem};
 use super::{gather_strided, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::SoftmaxOp;
+use crate::backend::SoftmaxOps;
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::{Error, Result};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -267,5 +269,24 @@ mod tests {
         for (a, b) in mid.iter().zip(&back) {
             assert!((a - b).abs() < 1e-15, "{a} vs {b}");
         }
+    }
+}
+
+impl SoftmaxOps for CpuStorage {
+    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
+        CpuStorage::softmax(self, layout, op, dim)
+    }
+
+    fn softmax_backward(
+        &self,
+        layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+        op: SoftmaxOp,
+        dim: usize,
+    ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
+        CpuStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
     }
 }

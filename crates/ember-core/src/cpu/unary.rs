@@ -12,7 +12,9 @@
 
 use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{Ints, UnaryOp, GELU_TANH_KAPPA};
+use crate::backend::UnaryOps;
 use crate::layout::Layout;
+use crate::memory::check_host_alloc;
 use crate::{DType, Element, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -481,4 +483,20 @@ pub(crate) fn relu_backward(y: &CpuStorage, g: &CpuStorage, len: usize) -> Optio
         (BF16(y), BF16(g)) => BF16(run(&y[..len], &g[..len])),
         _ => return None,
     })
+}
+
+impl UnaryOps for CpuStorage {
+    fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CpuStorage> {
+        check_host_alloc(
+            op.name(),
+            layout.numel(),
+            op.result_dtype(self.dtype()).unwrap_or(self.dtype()),
+        )?;
+        CpuStorage::unary(self, op, layout)
+    }
+
+    fn relu_backward(&self, grad_out: &CpuStorage, len: usize) -> Result<Option<CpuStorage>> {
+        check_host_alloc("relu_backward", len, self.dtype())?;
+        Ok(self::relu_backward(self, grad_out, len))
+    }
 }

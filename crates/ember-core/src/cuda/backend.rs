@@ -10,15 +10,17 @@
 //! The switch is read by the forward calls only: the backward of a problem cuDNN ran forward
 //! runs on cuDNN too, as in PyTorch.
 
+use super::multi_copy::{multi_copy, ByteCopy};
 use super::optim::{
     multi_tensor_step, multi_tensor_step_arriving, Arrival, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS,
 };
 use super::{amp, cudnn, cudnn_pool, CudaStorage};
 use crate::backend::{
-    AdamStep, AdamTensor, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvParams, Distribution, Elems,
-    GradElems, IndexOp, LogicalOp, LstmBackwardStep, LstmForwardStep, PhiloxState, PoolParams, ReduceOp,
-    RngState, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, StepCount, StepScalars, UnaryOp,
-    UnscaleGrads,
+    AdamStep, AdamTensor, AmpOps, BackendDevice, BackendStorage, BinaryOp, CmpOp, ConvOps, ConvParams,
+    CopyOps, Distribution, ElementwiseOps, Elems, ForeachCopy, GradElems, IndexOp, IndexOps, LogicalOp,
+    LossOps, LstmBackwardStep, LstmForwardStep, MatmulOps, OptimOps, PhiloxState, PoolOps, PoolParams,
+    RandomOps, ReduceOp, ReduceOps, RngState, RnnOps, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp,
+    SoftmaxOps, StepCount, StepScalars, UnaryOp, UnaryOps, UnscaleGrads,
 };
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
@@ -73,7 +75,9 @@ impl BackendStorage for CudaStorage {
     fn len(&self) -> usize {
         CudaStorage::len(self)
     }
+}
 
+impl CopyOps for CudaStorage {
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
         CudaStorage::to_dtype(self, layout, dtype)
     }
@@ -91,6 +95,46 @@ impl BackendStorage for CudaStorage {
         CudaStorage::copy_strided_from(self, dst_layout, src, src_layout)
     }
 
+    fn foreach_copy(list: ForeachCopy<'_, CudaStorage>) -> Result<()> {
+        let Some(first) = list.written.first() else {
+            return Ok(());
+        };
+        let ordinal = first.ordinal();
+        if let Some(other) = list
+            .written
+            .iter()
+            .map(|s| s.ordinal())
+            .chain(list.read.iter().map(|s| s.ordinal()))
+            .find(|&o| o != ordinal)
+        {
+            return Err(crate::Error::DeviceMismatch {
+                op: "_foreach_copy_",
+                lhs: Device::Cuda(ordinal),
+                rhs: Device::Cuda(other),
+            });
+        }
+        let copies: Vec<ByteCopy> = list
+            .copies
+            .iter()
+            .map(|(d, s)| {
+                let dst = &list.written[d.storage];
+                ByteCopy {
+                    dst: dst.ptr_at(d.offset),
+                    src: list.read[s.storage].ptr_at(s.offset),
+                    bytes: d.len * dst.dtype().size_in_bytes(),
+                }
+            })
+            .collect();
+        let _device = super::DeviceGuard::new(ordinal)?;
+        // SAFETY: each run lies inside its storage (`ForeachCopy::check`), the written storages
+        // are borrowed mutably and the read ones shared for the call, all on device `ordinal`;
+        // no two written runs overlap and no storage is both written and read (the list's
+        // contract); the storages are freed through the caching allocator, in stream order.
+        unsafe { multi_copy(ordinal, &copies) }
+    }
+}
+
+impl ElementwiseOps for CudaStorage {
     #[inline]
     fn binary(
         &self,
@@ -158,12 +202,23 @@ impl BackendStorage for CudaStorage {
     ) -> Result<CudaStorage> {
         CudaStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
     }
+}
 
+impl UnaryOps for CudaStorage {
     #[inline]
     fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
         CudaStorage::unary(self, op, layout)
     }
 
+    fn relu_backward(&self, grad_out: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() {
+            return Ok(None);
+        }
+        cudnn::relu_backward(self, grad_out, len)
+    }
+}
+
+impl ReduceOps for CudaStorage {
     #[inline]
     fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
         CudaStorage::reduce(self, layout, op, dims)
@@ -177,7 +232,9 @@ impl BackendStorage for CudaStorage {
     ) -> Result<(CudaStorage, CudaStorage)> {
         CudaStorage::reduce_with_indices(self, layout, op, dims)
     }
+}
 
+impl MatmulOps for CudaStorage {
     #[inline]
     fn matmul(&self, layout: &Layout, rhs: &CudaStorage, rhs_layout: &Layout) -> Result<CudaStorage> {
         CudaStorage::matmul(self, layout, rhs, rhs_layout)
@@ -193,7 +250,9 @@ impl BackendStorage for CudaStorage {
     ) -> Result<CudaStorage> {
         CudaStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
     }
+}
 
+impl IndexOps for CudaStorage {
     fn index_read(
         &self,
         op: IndexOp,
@@ -222,7 +281,32 @@ impl BackendStorage for CudaStorage {
     fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CudaStorage, usize)> {
         CudaStorage::one_hot(self, layout, num_classes)
     }
+}
 
+impl SoftmaxOps for CudaStorage {
+    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
+        CudaStorage::softmax(self, layout, op, dim)
+    }
+
+    fn softmax_backward(
+        &self,
+        layout: &Layout,
+        grad: &CudaStorage,
+        grad_layout: &Layout,
+        op: SoftmaxOp,
+        dim: usize,
+    ) -> Result<CudaStorage> {
+        CudaStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
+    }
+}
+
+impl RandomOps for CudaStorage {
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
+        CudaStorage::bernoulli(self, layout, state)
+    }
+}
+
+impl LossOps for CudaStorage {
     fn nll_loss_forward(
         &self,
         target: &CudaStorage,
@@ -245,26 +329,9 @@ impl BackendStorage for CudaStorage {
     ) -> Result<CudaStorage> {
         CudaStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
     }
+}
 
-    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
-        CudaStorage::softmax(self, layout, op, dim)
-    }
-
-    fn softmax_backward(
-        &self,
-        layout: &Layout,
-        grad: &CudaStorage,
-        grad_layout: &Layout,
-        op: SoftmaxOp,
-        dim: usize,
-    ) -> Result<CudaStorage> {
-        CudaStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
-    }
-
-    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
-        CudaStorage::bernoulli(self, layout, state)
-    }
-
+impl ConvOps for CudaStorage {
     fn conv_forward(&self, weight: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
         if !cudnn_on() || !cudnn::supported(p) {
             return Ok(None);
@@ -292,14 +359,9 @@ impl BackendStorage for CudaStorage {
         }
         cudnn::conv_bias_add(self, bias, p)
     }
+}
 
-    fn relu_backward(&self, grad_out: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {
-        if !cudnn_on() {
-            return Ok(None);
-        }
-        cudnn::relu_backward(self, grad_out, len)
-    }
-
+impl PoolOps for CudaStorage {
     fn pool_forward(&self, p: &PoolParams) -> Result<Option<CudaStorage>> {
         if !cudnn_on() || !cudnn_pool::supported(p) {
             return Ok(None);
@@ -318,7 +380,9 @@ impl BackendStorage for CudaStorage {
         }
         cudnn_pool::pool_backward(self, output, grad_out, p).map(Some)
     }
+}
 
+impl RnnOps for CudaStorage {
     fn lstm_forward_step(
         s: &LstmForwardStep,
         gi: &CudaStorage,
@@ -341,7 +405,9 @@ impl BackendStorage for CudaStorage {
     ) -> Result<()> {
         CudaStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
     }
+}
 
+impl OptimOps for CudaStorage {
     fn adam_step(
         step: &AdamStep,
         tensors: Vec<AdamTensor<'_, CudaStorage>>,
@@ -443,7 +509,9 @@ impl BackendStorage for CudaStorage {
         };
         multi_tensor_step(ordinal, dtype, &list, kernel)
     }
+}
 
+impl AmpOps for CudaStorage {
     fn non_finite_check_and_unscale(
         grads: UnscaleGrads<'_, CudaStorage>,
         found_inf: Elems<&mut CudaStorage>,

@@ -27,6 +27,8 @@
 //! `BackendStorage` method for a new kernel (`backend/mod.rs`, forwarded by `storage.rs`), and
 //! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
 
+#![deny(unsafe_code)]
+
 pub mod autocast;
 pub mod observer;
 pub mod policy;

@@ -12,7 +12,7 @@
 //! parameter. Each written storage's version is bumped once.
 
 use super::fused_optim::Guard;
-use crate::cuda::multi_copy::{multi_copy, ByteCopy};
+use crate::backend::{Elems, ForeachCopy};
 use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{Device, Error, Result, Tensor};
@@ -47,7 +47,7 @@ pub fn foreach_copy_(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
     let observed: Vec<&Tensor> = dst.iter().collect();
     dispatch::call_list(&policy::FOREACH_COPY, &observed, |_| {
         match fused_device(dst, src) {
-            Some(ordinal) => copy_fused(ordinal, dst, src),
+            Some(_) => copy_fused(dst, src),
             None => pairwise(),
         }
     })
@@ -93,8 +93,8 @@ fn fused_device(dst: &[Tensor], src: &[Tensor]) -> Option<usize> {
 
 /// The one-launch path: locks every storage once (written ones for writing, which bumps their
 /// versions), in the order of their ids so that two calls never wait on each other, then hands
-/// the byte ranges to the kernel.
-fn copy_fused(ordinal: usize, dst: &[Tensor], src: &[Tensor]) -> Result<()> {
+/// the element runs to the backend's multi-tensor copy.
+fn copy_fused(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
     let mut order: Vec<(usize, bool, &Tensor)> = dst
         .iter()
         .map(|t| (t.storage().id(), true, t))
@@ -102,7 +102,7 @@ fn copy_fused(ordinal: usize, dst: &[Tensor], src: &[Tensor]) -> Result<()> {
         .collect();
     order.sort_by_key(|&(id, write, _)| (id, !write));
     order.dedup_by_key(|&mut (id, _, _)| id);
-    let held: Vec<(usize, Guard<'_>)> = order
+    let mut held: Vec<(usize, Guard<'_>)> = order
         .iter()
         .map(|&(id, write, t)| {
             let guard = if write {
@@ -113,34 +113,39 @@ fn copy_fused(ordinal: usize, dst: &[Tensor], src: &[Tensor]) -> Result<()> {
             (id, guard)
         })
         .collect();
-    let address = |t: &Tensor| -> Result<u64> {
-        let id = t.storage().id();
-        let at = held
-            .binary_search_by_key(&id, |(i, _)| *i)
-            .map_err(|_| Error::invalid("_foreach_copy_", "a storage of the list was not locked"))?;
-        match held[at].1.storage() {
-            Storage::Cuda(c) => Ok(c.ptr_at(t.storage_offset())),
-            Storage::Cpu(_) => Err(Error::invalid(
-                "_foreach_copy_",
-                "a tensor moved off the GPU while the copy was prepared; retry the copy",
-            )),
+    // Each locked storage's place in the written or the read list, by id.
+    let (mut written_ids, mut read_ids) = (Vec::new(), Vec::new());
+    for (id, guard) in &held {
+        match guard {
+            Guard::Write(_) => written_ids.push(*id),
+            Guard::Read(_) => read_ids.push(*id),
         }
+    }
+    let place = |ids: &[usize], t: &Tensor| {
+        ids.binary_search(&t.storage().id())
+            .map_err(|_| Error::invalid("_foreach_copy_", "a storage of the list was not locked"))
+    };
+    let run = |storage: usize, t: &Tensor| Elems {
+        storage,
+        offset: t.storage_offset(),
+        len: t.numel(),
     };
     let copies = dst
         .iter()
         .zip(src)
-        .map(|(d, s)| {
-            Ok(ByteCopy {
-                dst: address(d)?,
-                src: address(s)?,
-                bytes: d.numel() * d.dtype().size_in_bytes(),
-            })
-        })
+        .filter(|(d, _)| d.numel() > 0)
+        .map(|(d, s)| Ok((run(place(&written_ids, d)?, d), run(place(&read_ids, s)?, s))))
         .collect::<Result<Vec<_>>>()?;
-    let _device = crate::cuda::DeviceGuard::new(ordinal)?;
-    // SAFETY: every address is that of a contiguous tensor's first element in a storage locked
-    // above (written ones exclusively) for `bytes` bytes on device `ordinal`; destinations do not
-    // overlap each other or any source (checked by `fused_device`); the storages are freed
-    // through the caching allocator, in stream order.
-    unsafe { multi_copy(ordinal, &copies) }
+    let (mut written, mut read) = (Vec::new(), Vec::new());
+    for (_, guard) in held.iter_mut() {
+        match guard {
+            Guard::Write(g) => written.push(&mut **g),
+            Guard::Read(g) => read.push(&**g),
+        }
+    }
+    Storage::foreach_copy(ForeachCopy {
+        written,
+        read,
+        copies,
+    })
 }

@@ -5,6 +5,8 @@
 //! (`ops::binary::BinaryOp`, ...). `conv_composite` is the composite sliding-window path that
 //! convolution and pooling take where a backend does not run them.
 
+#![deny(unsafe_code)]
+
 pub mod amp_scaling;
 pub mod binary;
 pub mod conv;

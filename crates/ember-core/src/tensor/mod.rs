@@ -6,6 +6,8 @@
 //! tensors; in-place ops (`add_`, `copy_`, ...) write through to the shared storage and bump
 //! its version counter.
 
+#![deny(unsafe_code)]
+
 mod convert;
 mod create;
 mod display;
