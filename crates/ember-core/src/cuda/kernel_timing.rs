@@ -17,16 +17,22 @@ use super::runtime::runtime;
 use crate::{Error, Result};
 use cudarc::driver::{result, sys};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// Profilers timing CUDA now.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 
+/// What [`note_work`] calls while a profiler times CUDA: registered by the profiler (the
+/// layer above), so the backend never names it.
+static HOOK: OnceLock<fn(u64)> = OnceLock::new();
+
 /// Idle timing events per device (raw `CUevent` handles).
 static POOL: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
 
-/// Makes [`note_work`] report to the profiler from now on (one call per profiler).
-pub(crate) fn start() {
+/// Makes [`note_work`] call `hook` with each stream from now on (one call per profiler; the
+/// first hook registered is the one called).
+pub(crate) fn start(hook: fn(u64)) {
+    HOOK.get_or_init(|| hook);
     ACTIVE.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -40,7 +46,9 @@ pub(crate) fn stop() {
 #[inline]
 pub(crate) fn note_work(stream: u64) {
     if ACTIVE.load(Ordering::Relaxed) != 0 {
-        crate::profiler::on_device_work(stream);
+        if let Some(hook) = HOOK.get() {
+            hook(stream);
+        }
     }
 }
 

@@ -41,7 +41,8 @@
 //!   the dispatch point as its children.
 //! - *GPU time: CUPTI (the default).* While CUDA is profiled, every place that enqueues
 //!   device work (kernel launches, cuBLASLt and cuDNN calls, device copies and fills) first
-//!   calls `kernel_timing::note_work(stream)`, which tells the recorder. With CUPTI's activity
+//!   calls `kernel_timing::note_work(stream)`, which calls the hook the recorder registered at
+//!   the session's start (the backend never names the profiler). With CUPTI's activity
 //!   API loaded (`cuda::cupti`: kinds CONCURRENT_KERNEL, MEMCPY, MEMSET, DRIVER, RUNTIME and
 //!   EXTERNAL_CORRELATION enabled for the session), the recorder pushes the innermost open
 //!   CUDA op's id as the thread's external correlation id (`CUSTOM0`) before its first device
@@ -119,8 +120,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-
-pub(crate) use recorder::on_device_work;
 
 /// What a profiler records (`torch.profiler.ProfilerActivity`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -164,7 +164,7 @@ impl Session {
                     Err(reason) => session.cupti_unavailable = Some(reason),
                 }
             }
-            kernel_timing::start();
+            kernel_timing::start(on_device_work);
         }
         let session = Arc::new(session);
         *CURRENT.write().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
@@ -618,7 +618,7 @@ impl Drop for OpenRange {
     }
 }
 
-/// Called by `cuda::kernel_timing::note_work` before device work is enqueued on `stream`
+/// The hook `cuda::kernel_timing::note_work` calls (registered at a session's start) before device work is enqueued on `stream`
 /// while CUDA is timed (Note [Profiler timing and attribution]): with CUPTI, counts a launch
 /// for the innermost open entry and pushes its id as CUPTI's correlation id if not yet done;
 /// with CUDA events, counts a launch for the innermost open CUDA op and records a start event
