@@ -77,9 +77,11 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
     const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
     const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4, device_steps = flags & 8;
     const A scale = grad_scale ? (A)*grad_scale : (A)1;
+    // Device steps: the step size and sqrt(bias_correction2) of tensor `prev_t`, computed by
+    // thread 0 into `s_scalars` and copied by every thread into `dev_scalars` (see below).
     __shared__ double s_scalars[2];
-    __shared__ int s_tensor;
-    if (threadIdx.x == 0) s_tensor = -1;
+    double dev_scalars[2] = {0.0, 0.0};
+    int prev_t = -1;
     const i64 total = l.chunk_start[l.n];
     for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
         const int t = tensor_of_chunk(l, c);
@@ -95,17 +97,24 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
             // As the host computes them (`ops/fused_optim.rs`), from the device step count:
             // two double-precision pows, computed once per tensor by one thread and shared
             // through shared memory (per thread and chunk they cost more than the update).
-            // The loop over chunks is uniform across the block, so the barriers are too.
-            __syncthreads();  // every thread has read the previous values
-            if (threadIdx.x == 0 && t != s_tensor) {
-                const double step = (double)*(const float*)l.ptr[5][t];
-                s_scalars[0] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
-                s_scalars[1] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
-                s_tensor = t;
+            // Every thread knows `t` (the loop over chunks is uniform across the block), so the
+            // test, and with it the barriers, is uniform; `s_scalars` is read only between the
+            // second barrier and the first one of the next tensor, and written only between
+            // the two (a flag in shared memory written there too raced with its reads).
+            if (t != prev_t) {
+                __syncthreads();  // every thread has read the previous values
+                if (threadIdx.x == 0) {
+                    const double step = (double)*(const float*)l.ptr[5][t];
+                    s_scalars[0] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
+                    s_scalars[1] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+                }
+                __syncthreads();
+                dev_scalars[0] = s_scalars[0];
+                dev_scalars[1] = s_scalars[1];
+                prev_t = t;
             }
-            __syncthreads();
-            step_size = s_scalars[0];
-            bc2_sqrt_ = s_scalars[1];
+            step_size = dev_scalars[0];
+            bc2_sqrt_ = dev_scalars[1];
         }
         const A neg_step_size = (A)(-step_size);
         const A bc2_sqrt = (A)bc2_sqrt_;
