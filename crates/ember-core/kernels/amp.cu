@@ -15,17 +15,12 @@
 // rounded once on store. Many threads may store 1.0f into found_inf at once: they all store
 // the same value, so the outcome does not depend on their order.
 //
-// Launch contract:
-//   non_finite_check_and_unscale_T(AmpTensorList l, float* found_inf, const float* inv_scale)
-//       T in f32 f64 f16 bf16; ptr[t] the first of numel[t] row-major elements of tensor t,
-//       updated in place; found_inf and inv_scale one f32 each on the same device. Any grid,
-//       blockDim.x a multiple of 32 (the host uses 256).
-//   update_scale(float* scale, i32* growth_tracker, const float* found_inf,
-//                double growth_factor, double backoff_factor, i32 growth_interval)
-//       one thread: found_inf != 0 -> scale *= backoff_factor, growth_tracker = 0; otherwise
-//       growth_tracker += 1, and when it reaches growth_interval scale *= growth_factor (kept
-//       only when the result is finite) and growth_tracker = 0. The products are taken in f64
-//       and rounded to f32, as `(*current_scale) * growth_factor` in PyTorch's kernel.
+// Scale update (one thread): found_inf != 0 -> scale *= backoff_factor, growth_tracker = 0;
+// otherwise growth_tracker += 1, and when it reaches growth_interval scale *= growth_factor
+// (kept only when the result is finite) and growth_tracker = 0. The products are taken in f64
+// and rounded to f32, as `(*current_scale) * growth_factor` in PyTorch's kernel.
+//
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 #define EMBER_AMP_MAX_TENSORS 128
 #define EMBER_AMP_CHUNK 4096
@@ -76,15 +71,14 @@ __device__ __forceinline__ void non_finite_check_and_unscale(const AmpTensorList
 
 #define EMBER_AMP_UNSCALE(T, name)                                                                   \
     EMBER_IN_UNIT(non_finite_check_and_unscale_##name,                                               \
-    extern "C" __global__ void non_finite_check_and_unscale_##name(AmpTensorList l, float* found_inf, \
-                                                                   const float* inv_scale) {          \
+    extern "C" __global__ void non_finite_check_and_unscale_##name                                   \
+        EMBER_PARAMS_non_finite_check_and_unscale(T) {                                               \
         non_finite_check_and_unscale<T>(l, found_inf, inv_scale);                                    \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_AMP_UNSCALE)
 
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_update_scale)
-extern "C" __global__ void update_scale(float* scale, i32* growth_tracker, const float* found_inf,
-                                        double growth_factor, double backoff_factor, i32 growth_interval) {
+extern "C" __global__ void update_scale EMBER_PARAMS_update_scale {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     if (*found_inf != 0.0f) {  // NaN counts as found, as `if (*found_inf)` in PyTorch
         *scale = (float)__dmul_rn((double)*scale, backoff_factor);

@@ -1,15 +1,9 @@
 // Copies, casts and fills: the kernels `.contiguous()`, `.to_dtype()`, `copy_` and fills of
-// 8-byte dtypes go through (fills of 1-, 2- and 4-byte dtypes use cuMemset).
+// 8-byte dtypes go through (fills of 1-, 2- and 4-byte dtypes use cuMemset). All grid-stride,
+// any grid. Casts follow the CPU backend: float -> int truncates toward zero, anything -> bool
+// is != 0, f16/bf16 round to nearest even.
 //
-// Launch contract (all grid-stride, any grid):
-//   cast_contig_S_D(const S* src, D* dst, i64 n)            both row-major
-//   cast_strided_S_D(const S* src, D* dst, Strided s, i64 n) s.stride[0] = src, s.stride[1] = dst
-//   fill_u64(u64* dst, u64 word, i64 n)
-//   multi_copy(CopyList l)  for every t < l.n: l.bytes[t] bytes from l.src[t] to l.dst[t]; no
-//       destination overlaps another destination or any source; chunk_start[t] is the prefix
-//       count of bytes[t].div_ceil(EMBER_COPY_CHUNK); blockDim.x a multiple of 32
-// Casts follow the CPU backend: float -> int truncates toward zero, anything -> bool is != 0,
-// f16/bf16 round to nearest even.
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 template <typename S, typename D>
 __device__ __forceinline__ void cast_contig(const S* __restrict__ src, D* __restrict__ dst, i64 n) {
@@ -26,11 +20,11 @@ __device__ __forceinline__ void cast_strided(const S* __restrict__ src, D* __res
 
 #define EMBER_CAST_TO(D, dname, S, sname)                                                                \
     EMBER_IN_UNIT(cast_contig_##sname##_##dname,                                                         \
-    extern "C" __global__ void cast_contig_##sname##_##dname(const S* src, D* dst, i64 n) {             \
+    extern "C" __global__ void cast_contig_##sname##_##dname EMBER_PARAMS_cast_contig(S, D) {           \
         cast_contig<S, D>(src, dst, n);                                                                  \
     })                                                                                                   \
     EMBER_IN_UNIT(cast_strided_##sname##_##dname,                                                        \
-    extern "C" __global__ void cast_strided_##sname##_##dname(const S* src, D* dst, Strided s, i64 n) { \
+    extern "C" __global__ void cast_strided_##sname##_##dname EMBER_PARAMS_cast_strided(S, D) {         \
         cast_strided<S, D>(src, dst, s, n);                                                              \
     })
 #define EMBER_CAST_FROM(S, sname)                                                                        \
@@ -40,7 +34,7 @@ __device__ __forceinline__ void cast_strided(const S* __restrict__ src, D* __res
 EMBER_FOR_ALL_DTYPES(EMBER_CAST_FROM)
 
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_fill_u64)
-extern "C" __global__ void fill_u64(u64* dst, u64 word, i64 n) {
+extern "C" __global__ void fill_u64 EMBER_PARAMS_fill_u64 {
     EMBER_KERNEL_LOOP(i, n) { dst[i] = word; }
 }
 #endif
@@ -71,7 +65,7 @@ __device__ __forceinline__ void copy_words(char* d, const char* s, i64 len) {
 }
 
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_multi_copy)
-extern "C" __global__ void multi_copy(CopyList l) {
+extern "C" __global__ void multi_copy EMBER_PARAMS_multi_copy {
     const i64 chunks = l.chunk_start[l.n];
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         int t = 0;

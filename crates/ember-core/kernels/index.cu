@@ -22,38 +22,10 @@
 // scatter_add / index_add accumulate with atomics, so with repeated indices the float sums are
 // in an unspecified order (equal to the CPU up to rounding; exact for integers).
 //
-// Launch contract (grid-stride loops, any grid; I is the index type, i64 or i32; B the element
-// width in bytes for dtype-agnostic copies, 1 2 4 8 (16 for select_rows)):
-//   check_index_I(const I* idx, Strided s, i64 n, ErrorCheck check)
-//       s.stride[0] = the index's strides over its own shape, n its numel; the valid range is
-//       [0, check.size); records the first bad index (row-major position in the index)
-//   gather_wB_I(const E* x, const I* idx, E* out, Strided s, i64 n, i64 dim_stride, i64 size)
-//       W = the output shape (row-major out); s.stride[0] = x base, s.stride[1] = index position
-//   select_rows_wB_I(const E* x, const I* idx, E* out, i64 outer, i64 nidx, i64 size,
-//                    i64 inner, i64 istride)
-//       index_select of a row-major x viewed as [outer, size, inner] (inner in B-byte units)
-//       into out [outer, nidx, inner]; the index is 1-D with stride istride
-//   scatter_mark_I(const I* idx, u32* winner, Strided s, i64 n, i64 dim_stride, i64 size)
-//   scatter_wB_I(E* out, const I* idx, const E* src, const u32* winner, Strided s, i64 n,
-//                i64 dim_stride, i64 size)
-//   scatter_add_T_I(T* out, const I* idx, const T* src, Strided s, i64 n, i64 dim_stride, i64 size)
-//       W = the index shape (scatter, scatter_add) or the source shape (index_add);
-//       s.stride[0] = out base (row-major strides, dim's set to 0), [1] index, [2] source
-//   one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out, ErrorCheck check)
-//       out: n * classes int64 zeros (set by the host); records the first index outside
-//       [0, classes)
-//   nll_loss_T_I(const T* logp, const I* target, const T* weight, i64 m, i64 c, i64 ignore_index,
-//                i32 mean, T* loss, T* total_weight, ErrorCheck check)
-//       one block (blockDim.x a multiple of 32, <= 1024): loss = Σ -w[t] logp[i, t] over the rows
-//       i of the contiguous [m, c] logp whose target t is not ignore_index (divided by
-//       total_weight = Σ w[t] when `mean`), accumulated in Acc<T> in a fixed order (each thread's
-//       rows in turn, then the warps' sums in order); weight may be null (every class weighs 1);
-//       records the first target outside [0, c) other than ignore_index (those rows count for
-//       nothing)
-//   nll_loss_backward_T_I(const T* g, const I* target, const T* weight, const T* total_weight,
-//                         i64 m, i64 c, i64 ignore_index, i32 mean, T* grad)
-//       grad: m * c zeros (set by the host); each counted row's target element gets
-//       -w[t] g[0] (/ total_weight[0] when `mean`)
+// Grid-stride loops, any grid; I is the index type, i64 or i32; B the element width in bytes of
+// the dtype-agnostic moves, 1 2 4 8 (16 for select_rows).
+//
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 // An opaque element of B bytes, for kernels that only move elements.
 struct __align__(16) U128 { u64 lo, hi; };
@@ -261,15 +233,11 @@ __device__ __forceinline__ void nll_loss_backward(const T* __restrict__ g, const
 
 #define EMBER_NLL_LOSS(T, name, I, iname)                                                                       \
     EMBER_IN_UNIT(nll_loss_##name##_##iname,                                                                    \
-    extern "C" __global__ void nll_loss_##name##_##iname(const T* logp, const I* target, const T* weight, i64 m, \
-                                                         i64 c, i64 ignore_index, i32 mean, T* loss,             \
-                                                         T* total_weight, ErrorCheck check) {                    \
+    extern "C" __global__ void nll_loss_##name##_##iname EMBER_PARAMS_nll_loss(T, I) {                          \
         nll_loss<T, I>(logp, target, weight, m, c, ignore_index, mean, loss, total_weight, check);               \
     })                                                                                                          \
     EMBER_IN_UNIT(nll_loss_backward_##name##_##iname,                                                           \
-    extern "C" __global__ void nll_loss_backward_##name##_##iname(const T* g, const I* target, const T* weight,  \
-                                                                  const T* total_weight, i64 m, i64 c,          \
-                                                                  i64 ignore_index, i32 mean, T* grad) {         \
+    extern "C" __global__ void nll_loss_backward_##name##_##iname EMBER_PARAMS_nll_loss_backward(T, I) {        \
         nll_loss_backward<T, I>(g, target, weight, total_weight, m, c, ignore_index, mean, grad);                \
     })
 #define EMBER_NLL_LOSS_I64(T, name) EMBER_NLL_LOSS(T, name, i64, i64)
@@ -277,45 +245,37 @@ __device__ __forceinline__ void nll_loss_backward(const T* __restrict__ g, const
 
 #define EMBER_INDEX_KERNELS(I, iname)                                                                         \
     EMBER_IN_UNIT(check_index_##iname,                                                                        \
-    extern "C" __global__ void check_index_##iname(const I* idx, Strided s, i64 n, ErrorCheck check) {         \
+    extern "C" __global__ void check_index_##iname EMBER_PARAMS_check_index(I) {                               \
         check_index<I>(idx, s, n, check);                                                                       \
     })                                                                                                          \
     EMBER_IN_UNIT(scatter_mark_##iname,                                                                         \
-    extern "C" __global__ void scatter_mark_##iname(const I* idx, u32* winner, Strided s, i64 n, i64 dim_stride, \
-                                                    i64 size) {                                                 \
+    extern "C" __global__ void scatter_mark_##iname EMBER_PARAMS_scatter_mark(I) {                              \
         scatter_mark<I>(idx, winner, s, n, dim_stride, size);                                                   \
     })                                                                                                          \
     EMBER_IN_UNIT(one_hot_##iname,                                                                              \
-    extern "C" __global__ void one_hot_##iname(const I* idx, Strided s, i64 n, i64 classes, i64* out,         \
-                                               ErrorCheck check) {                                              \
+    extern "C" __global__ void one_hot_##iname EMBER_PARAMS_one_hot(I) {                                        \
         one_hot<I>(idx, s, n, classes, out, check);                                                             \
     })
 
 #define EMBER_MOVE_KERNELS(B, I, iname)                                                                         \
     EMBER_IN_UNIT(gather_w##B##_##iname,                                                                        \
-    extern "C" __global__ void gather_w##B##_##iname(const Bytes<B>::type* x, const I* idx, Bytes<B>::type* out, \
-                                                     Strided s, i64 n, i64 dim_stride, i64 size) {              \
+    extern "C" __global__ void gather_w##B##_##iname EMBER_PARAMS_gather(Bytes<B>::type, I) {                 \
         gather<Bytes<B>::type, I>(x, idx, out, s, n, dim_stride, size);                                         \
     })                                                                                                          \
     EMBER_IN_UNIT(scatter_w##B##_##iname,                                                                       \
-    extern "C" __global__ void scatter_w##B##_##iname(Bytes<B>::type* out, const I* idx,                        \
-                                                      const Bytes<B>::type* src, const u32* winner, Strided s,  \
-                                                      i64 n, i64 dim_stride, i64 size) {                        \
+    extern "C" __global__ void scatter_w##B##_##iname EMBER_PARAMS_scatter(Bytes<B>::type, I) {               \
         scatter<Bytes<B>::type, I>(out, idx, src, winner, s, n, dim_stride, size);                              \
     })
 
 #define EMBER_SELECT_ROWS(B, I, iname)                                                                          \
     EMBER_IN_UNIT(select_rows_w##B##_##iname,                                                                   \
-    extern "C" __global__ void select_rows_w##B##_##iname(const Bytes<B>::type* x, const I* idx,                \
-                                                          Bytes<B>::type* out, i64 outer, i64 nidx, i64 size,   \
-                                                          i64 inner, i64 istride) {                             \
+    extern "C" __global__ void select_rows_w##B##_##iname EMBER_PARAMS_select_rows(Bytes<B>::type, I) {       \
         select_rows<Bytes<B>::type, I>(x, idx, out, outer, nidx, size, inner, istride);                         \
     })
 
 #define EMBER_SCATTER_ADD(T, name, I, iname)                                                                    \
     EMBER_IN_UNIT(scatter_add_##name##_##iname,                                                                 \
-    extern "C" __global__ void scatter_add_##name##_##iname(T* out, const I* idx, const T* src, Strided s,      \
-                                                            i64 n, i64 dim_stride, i64 size) {                  \
+    extern "C" __global__ void scatter_add_##name##_##iname EMBER_PARAMS_scatter_add(T, I) {                  \
         scatter_add<T, I>(out, idx, src, s, n, dim_stride, size);                                               \
     })
 #define EMBER_SCATTER_ADD_I64(T, name) EMBER_SCATTER_ADD(T, name, i64, i64)

@@ -5,14 +5,9 @@
 //
 // A plain shared-memory tiled kernel: each 16x16 block computes one 16x16 output tile, walking
 // k in 16-wide steps; blocks stride over tiles in x (columns), y (rows) and z (batches), so any
-// grid works. k = 0 writes zeros.
+// grid works. k = 0 writes zeros. T in i64 i32 u8.
 //
-// Launch contract:
-//   matmul_T(const T* a, const T* b, T* out, Strided s, i64 batch, i64 m, i64 k, i64 n,
-//            i64 a_rs, i64 a_cs, i64 b_rs, i64 b_cs)
-//       T in i64 i32 u8; block (16, 16, 1); s: the batch dims (ndim 0 when there are none),
-//       s.stride[0] = a's batch strides, s.stride[1] = b's; a_rs/a_cs (b_rs/b_cs) are the row
-//       and column strides of one matrix of a (b), in elements.
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 #define EMBER_MM_TILE 16
 
@@ -56,8 +51,7 @@ __device__ __forceinline__ void matmul_tiled(const T* __restrict__ a, const T* _
 
 #define EMBER_MATMUL(T, name)                                                                             \
     EMBER_IN_UNIT(matmul_##name,                                                                          \
-    extern "C" __global__ void matmul_##name(const T* a, const T* b, T* out, Strided s, i64 batch, i64 m, \
-                                             i64 k, i64 n, i64 a_rs, i64 a_cs, i64 b_rs, i64 b_cs) {     \
+    extern "C" __global__ void matmul_##name EMBER_PARAMS_matmul(T) {                                     \
         matmul_tiled<T>(a, b, out, s, batch, m, k, n, a_rs, a_cs, b_rs, b_cs);                            \
     })
 EMBER_MATMUL(i64, i64)

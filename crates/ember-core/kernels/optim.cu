@@ -25,24 +25,13 @@
 // lr (Adam's step size lr / bias_correction1, AdamW's factor 1 - lr * weight_decay, SGD's -lr)
 // is formed here in f64, with the host's operations and rounding.
 //
-// Launch contract (T in f32 f64 f16 bf16; every pointer row-major, `numel[t]` elements):
-//   adam_T(TensorList l, f64 lr, f64 beta1, f64 one_minus_beta1, f64 beta2, f64 one_minus_beta2,
-//          f64 eps, f64 weight_decay, const float* grad_scale, const float* found_inf,
-//          const double* lr_ptr, i32 flags)
-//       ptr[0] param, ptr[1] grad, ptr[2] exp_avg, ptr[3] exp_avg_sq, ptr[4] max_exp_avg_sq
-//       (read only with amsgrad), ptr[5] the step count, one f32 (read only with device steps);
-//       host steps: scalar[0][t] = bias_correction1, scalar[1][t] = sqrt(bias_correction2);
-//       device steps: both computed in f64 from *ptr[5][t] (already incremented by
-//       `increment_steps`) with the device's pow; step size = lr / bias_correction1; flags:
-//       1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW), 8 device steps
-//   increment_steps(TensorList l, const float* found_inf)
-//       *ptr[5][t] += 1 for every t < l.n, unless *found_inf is nonzero; launched before the
-//       adam_T launches of the same tensors, on the same stream
-//   sgd_T(TensorList l, f64 lr, f64 momentum, f64 one_minus_dampening, f64 weight_decay,
-//         const float* grad_scale, const float* found_inf, const double* lr_ptr, i32 flags)
-//       ptr[0] param, ptr[1] grad, ptr[2] momentum_buffer (used when momentum != 0);
-//       flags: 1 nesterov, 2 maximize, 4 first step (the buffer is set to the gradient)
-//   Any grid, blockDim.x a multiple of 32 (the host uses 256).
+// Tensors of a list (`TensorList`): ptr[0] param, ptr[1] grad, then the state tensors (Adam:
+// exp_avg, exp_avg_sq, max_exp_avg_sq; SGD: momentum_buffer), every pointer row-major with
+// `numel[t]` elements; Adam's f32 step count in ptr[5]. Any grid, blockDim.x a multiple of 32
+// (the host uses 256). T in f32 f64 f16 bf16.
+//
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs` (with the
+// meaning of every pointer, scalar and flag).
 
 #define EMBER_OPTIM_MAX_TENSORS 48
 #define EMBER_OPTIM_CHUNK 4096
@@ -88,9 +77,11 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
     const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
     const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4, device_steps = flags & 8;
     const A scale = grad_scale ? (A)*grad_scale : (A)1;
+    // Device steps: the step size and sqrt(bias_correction2) of tensor `prev_t`, computed by
+    // thread 0 into `s_scalars` and copied by every thread into `dev_scalars` (see below).
     __shared__ double s_scalars[2];
-    __shared__ int s_tensor;
-    if (threadIdx.x == 0) s_tensor = -1;
+    double dev_scalars[2] = {0.0, 0.0};
+    int prev_t = -1;
     const i64 total = l.chunk_start[l.n];
     for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
         const int t = tensor_of_chunk(l, c);
@@ -106,17 +97,24 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
             // As the host computes them (`ops/fused_optim.rs`), from the device step count:
             // two double-precision pows, computed once per tensor by one thread and shared
             // through shared memory (per thread and chunk they cost more than the update).
-            // The loop over chunks is uniform across the block, so the barriers are too.
-            __syncthreads();  // every thread has read the previous values
-            if (threadIdx.x == 0 && t != s_tensor) {
-                const double step = (double)*(const float*)l.ptr[5][t];
-                s_scalars[0] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
-                s_scalars[1] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
-                s_tensor = t;
+            // Every thread knows `t` (the loop over chunks is uniform across the block), so the
+            // test, and with it the barriers, is uniform; `s_scalars` is read only between the
+            // second barrier and the first one of the next tensor, and written only between
+            // the two (a flag in shared memory written there too raced with its reads).
+            if (t != prev_t) {
+                __syncthreads();  // every thread has read the previous values
+                if (threadIdx.x == 0) {
+                    const double step = (double)*(const float*)l.ptr[5][t];
+                    s_scalars[0] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
+                    s_scalars[1] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+                }
+                __syncthreads();
+                dev_scalars[0] = s_scalars[0];
+                dev_scalars[1] = s_scalars[1];
+                prev_t = t;
             }
-            __syncthreads();
-            step_size = s_scalars[0];
-            bc2_sqrt_ = s_scalars[1];
+            step_size = dev_scalars[0];
+            bc2_sqrt_ = dev_scalars[1];
         }
         const A neg_step_size = (A)(-step_size);
         const A bc2_sqrt = (A)bc2_sqrt_;
@@ -220,22 +218,19 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_arg, double m
 
 #define EMBER_OPTIM(T, name)                                                                               \
     EMBER_IN_UNIT(adam_##name,                                                                             \
-    extern "C" __global__ void adam_##name(TensorList l, double lr, double beta1, double omb1, double beta2,   \
-                                           double omb2, double eps, double wd, const float* grad_scale,      \
-                                           const float* found_inf, const double* lr_ptr, i32 flags) {        \
+    extern "C" __global__ void adam_##name EMBER_PARAMS_adam(T) {                                           \
         adam<T>(l, lr, beta1, omb1, beta2, omb2, eps, wd, grad_scale, found_inf, lr_ptr, flags);            \
     })                                                                                                     \
     EMBER_IN_UNIT(sgd_##name,                                                                              \
-    extern "C" __global__ void sgd_##name(TensorList l, double lr, double momentum, double omd, double wd, \
-                                          const float* grad_scale, const float* found_inf,                 \
-                                          const double* lr_ptr, i32 flags) {                               \
+    extern "C" __global__ void sgd_##name EMBER_PARAMS_sgd(T) {                                            \
         sgd<T>(l, lr, momentum, omd, wd, grad_scale, found_inf, lr_ptr, flags);                            \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_OPTIM)
 
-// Adam's device step counts: one thread per tensor (see the launch contract).
+// Adam's device step counts: one thread per tensor, `*ptr[5][t] += 1` unless *found_inf is
+// nonzero; launched before the adam_T launches of the same tensors, on the same stream.
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_increment_steps)
-extern "C" __global__ void increment_steps(TensorList l, const float* found_inf) {
+extern "C" __global__ void increment_steps EMBER_PARAMS_increment_steps {
     if (found_inf && *found_inf != 0.0f) return;
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < l.n; t += blockDim.x * gridDim.x) {
         float* step = (float*)l.ptr[5][t];

@@ -17,18 +17,15 @@
 // recorded into a CUDA graph (Note [Philox under graph capture] in `random/mod.rs`), so a replay
 // draws from the offset the generator set before it. Below, `seed` and `offset` are those values.
 //
-// Launch contract (grid-stride over counter blocks, any grid; outputs row-major, n elements):
-//   uniform_T(T* out, i64 n, PhiloxArgs rng, f64 low, f64 high, i32 f16_mode)   T float
-//   normal_T(T* out, i64 n, PhiloxArgs rng, f64 mean, f64 std, i32 f16_mode)    T float
-//       E = 2 for f64, 4 otherwise; f16_mode says how the CPU's half::f16::from_f64 rounds:
-//       0 correctly (one rounding), 1 through f32 (x86 F16C), 2 half's software routine
-//   bernoulli_p_T(T* out, i64 n, PhiloxArgs rng, f64 p)                          any T, E = 4
-//   bernoulli_T(const T* prob, Strided s, T* out, i64 n, PhiloxArgs rng, ErrorCheck check)
-//       probabilities at s.stride[0]; records the first one outside [0, 1] (or NaN), its f64
-//       bits as the value (Note [Deferred device errors] in `cuda/device_errors.rs`)
-//   randint_i64(i64* out, i64 n, PhiloxArgs rng, i64 low, u64 range)
-//       E = 4 when range <= 2^32, else 2
-//   Any grid with blockDim.x a multiple of 32 (bernoulli_T reports warp-collectively).
+// Grid-stride over counter blocks, any grid with blockDim.x a multiple of 32 (bernoulli_T reports
+// warp-collectively); outputs row-major, n elements. E (elements per counter block): uniform and
+// normal 2 for f64, 4 otherwise (float T only); bernoulli_p and bernoulli 4 (any T); randint_i64
+// 4 when range <= 2^32, else 2. f16_mode says how the CPU's half::f16::from_f64 rounds: 0
+// correctly (one rounding), 1 through f32 (x86 F16C), 2 half's software routine. bernoulli_T
+// records the first probability outside [0, 1] (or NaN), its f64 bits as the value (Note
+// [Deferred device errors] in `cuda/device_errors.rs`).
+//
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -317,15 +314,13 @@ __device__ __forceinline__ void normal_wide(double* out, i64 n, u64 seed, u64 of
 
 #define EMBER_FLOAT_DRAWS(T, name)                                                                            \
     EMBER_IN_UNIT(uniform_##name,                                                                             \
-    extern "C" __global__ void uniform_##name(T* out, i64 n, PhiloxArgs rng, double low, double high,         \
-                                              i32 f16_mode) {                                                 \
+    extern "C" __global__ void uniform_##name EMBER_PARAMS_uniform(T) {                                       \
         u64 seed, offset;                                                                                     \
         philox_seed_offset(rng, seed, offset);                                                                \
         uniform_narrow<T>(out, n, seed, offset, low, high, f16_mode);                                         \
     })                                                                                                        \
     EMBER_IN_UNIT(normal_##name,                                                                              \
-    extern "C" __global__ void normal_##name(T* out, i64 n, PhiloxArgs rng, double mean, double stdev,          \
-                                             i32 f16_mode) {                                                  \
+    extern "C" __global__ void normal_##name EMBER_PARAMS_normal(T) {                                         \
         u64 seed, offset;                                                                                     \
         philox_seed_offset(rng, seed, offset);                                                                \
         normal_narrow<T>(out, n, seed, offset, mean, stdev, f16_mode);                                          \
@@ -335,14 +330,14 @@ EMBER_FLOAT_DRAWS(f16, f16)
 EMBER_FLOAT_DRAWS(bf16, bf16)
 
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_uniform_f64)
-extern "C" __global__ void uniform_f64(double* out, i64 n, PhiloxArgs rng, double low, double high, i32) {
+extern "C" __global__ void uniform_f64 EMBER_PARAMS_uniform(double) {  // f16_mode unused
     u64 seed, offset;
     philox_seed_offset(rng, seed, offset);
     uniform_wide(out, n, seed, offset, low, high);
 }
 #endif
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_normal_f64)
-extern "C" __global__ void normal_f64(double* out, i64 n, PhiloxArgs rng, double mean, double stdev, i32) {
+extern "C" __global__ void normal_f64 EMBER_PARAMS_normal(double) {  // f16_mode unused
     u64 seed, offset;
     philox_seed_offset(rng, seed, offset);
     normal_wide(out, n, seed, offset, mean, stdev);
@@ -384,14 +379,13 @@ __device__ __forceinline__ void bernoulli(const T* __restrict__ prob, const Stri
 
 #define EMBER_BERNOULLI(T, name)                                                                              \
     EMBER_IN_UNIT(bernoulli_p_##name,                                                                         \
-    extern "C" __global__ void bernoulli_p_##name(T* out, i64 n, PhiloxArgs rng, double p) {                 \
+    extern "C" __global__ void bernoulli_p_##name EMBER_PARAMS_bernoulli_p(T) {                             \
         u64 seed, offset;                                                                                     \
         philox_seed_offset(rng, seed, offset);                                                                \
         bernoulli_p<T>(out, n, seed, offset, p);                                                              \
     })                                                                                                        \
     EMBER_IN_UNIT(bernoulli_##name,                                                                           \
-    extern "C" __global__ void bernoulli_##name(const T* prob, Strided s, T* out, i64 n, PhiloxArgs rng,       \
-                                                ErrorCheck check) {                                           \
+    extern "C" __global__ void bernoulli_##name EMBER_PARAMS_bernoulli(T) {                                   \
         u64 seed, offset;                                                                                     \
         philox_seed_offset(rng, seed, offset);                                                                \
         bernoulli<T>(prob, s, out, n, seed, offset, check);                                                   \
@@ -401,7 +395,7 @@ EMBER_FOR_ALL_DTYPES(EMBER_BERNOULLI)
 // `cpu.rs::randint`: low + (x mod range) with wrapping, one word per element when the range fits
 // in 32 bits, else one 64-bit pair.
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_randint_i64)
-extern "C" __global__ void randint_i64(i64* out, i64 n, PhiloxArgs rng, i64 low, u64 range) {
+extern "C" __global__ void randint_i64 EMBER_PARAMS_randint {
     u64 seed, offset;
     philox_seed_offset(rng, seed, offset);
     if (range <= (1ull << 32)) {

@@ -19,15 +19,10 @@
 // the partials of each output in a fixed order (deterministic, no atomics).
 // Dynamic shared memory: bx * by * sizeof(State) bytes (State <= 32 bytes).
 //
-// Launch contract (T is the input dtype; Out is T, or i64 for integer sums/products; State
-// is the op's accumulator; variant/param as below):
-//   reduce_<op>_T(const T* x, Strided outer, Strided inner, i64 m, i64 k, i64 chunk, i32 row,
-//                 i32 variant, double param, Out* out, i64* idx, State* partial)
-//       partial == 0: writes the final result (out[o], and idx[o] for arg ops); else only
-//       partials. out / idx may be 0 for arg ops (values or indices not wanted).
-//   reduce_<op>_final_T(const State* partial, i64 m, i64 splits, i32 variant, double param,
-//                       Out* out, i64* idx)   row mode, by = 1, grid.y = 1.
-// Ops and dtypes:
+// Parameters: `EMBER_PARAMS_reduce(T, R, S)` and `EMBER_PARAMS_reduce_final(R, S)`, declared in
+// `kernels!` in `cuda/launch.rs`: T the input dtype, R the result type (`OP::Out`: T, or i64
+// for integer sums/products), S the op's accumulator (`OP::State`). Ops, dtypes, `variant` and
+// `param`:
 //   sum  (all dtypes)  float variant: 0 sum, 1 mean (param = K), 2 L2 norm, 3 L1 norm,
 //                      4 L0 norm (count of nonzeros), 5 Lp norm (param = p); ints: sum
 //   prod (all dtypes)
@@ -369,9 +364,7 @@ __device__ __forceinline__ void reduce_body(const Op& op, const Src& src, const 
 
 #define EMBER_REDUCE(opname, OP, T, name)                                                                        \
     EMBER_IN_UNIT(reduce_##opname##_##name,                                                                      \
-    extern "C" __global__ void reduce_##opname##_##name(const T* x, Strided outer, Strided inner, i64 m, i64 k,     \
-                                                        i64 chunk, i32 row, i32 variant, double param,                \
-                                                        OP::Out* out, i64* idx, OP::State* partial) {              \
+    extern "C" __global__ void reduce_##opname##_##name EMBER_PARAMS_reduce(T, OP::Out, OP::State) {                \
         OP op;                                                                                                     \
         op.variant = variant;                                                                                      \
         op.param = param;                                                                                          \
@@ -380,8 +373,7 @@ __device__ __forceinline__ void reduce_body(const Op& op, const Src& src, const 
         reduce_body(op, src, outer, inner, m, k, chunk, row, out, idx, partial);                                   \
     })                                                                                                             \
     EMBER_IN_UNIT(reduce_##opname##_##name,                                                                        \
-    extern "C" __global__ void reduce_##opname##_final_##name(const OP::State* partial, i64 m, i64 splits,         \
-                                                              i32 variant, double param, OP::Out* out, i64* idx) {    \
+    extern "C" __global__ void reduce_##opname##_final_##name EMBER_PARAMS_reduce_final(OP::Out, OP::State) {     \
         OP op;                                                                                                     \
         op.variant = variant;                                                                                      \
         op.param = param;                                                                                          \

@@ -18,13 +18,11 @@
 //   da_i = dct * g * i (1 - i);  da_f = dct * c_prev * f (1 - f);  da_g = dct * i * (1 - g^2)
 //   da_o = dh * tc * o (1 - o);  dc_prev = dct * f
 //
-// Launch contract (grid-stride, any 1-D grid; T in f32 f64 f16 bf16; i64 n = N, i64 h = H):
-//   lstm_forward_T(const T* gi, const T* hh, const T* c_prev, T* h, T* c, T* c_copy,
-//                  T* gates, i64 n, i64 h)
-//   lstm_backward_T(const T* dh_out, const T* dh_rec, const T* gates, const T* c,
-//                   const T* c_prev, T* dc, T* dgates, i64 n, i64 h)
-// Aliasing: c and c_prev are different rows of one buffer; dc is read and written by the same
-// thread only; no other operands overlap.
+// Grid-stride, any 1-D grid; T in f32 f64 f16 bf16; n = N, hidden = H. Aliasing: c and c_prev
+// are different rows of one buffer; dc is read and written by the same thread only; no other
+// operands overlap.
+//
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 __device__ __forceinline__ float rnn_exp(float x) { return expf(x); }
 __device__ __forceinline__ double rnn_exp(double x) { return exp(x); }
@@ -88,14 +86,11 @@ __device__ __forceinline__ void lstm_backward(const T* __restrict__ dh_out, cons
 
 #define EMBER_RNN(T, name)                                                                             \
     EMBER_IN_UNIT(lstm_forward_##name,                                                                 \
-    extern "C" __global__ void lstm_forward_##name(const T* gi, const T* hh, const T* c_prev, T* h,  \
-                                                   T* c, T* c_copy, T* gates, i64 n, i64 hidden) {   \
+    extern "C" __global__ void lstm_forward_##name EMBER_PARAMS_lstm_forward(T) {                   \
         lstm_forward<T>(gi, hh, c_prev, h, c, c_copy, gates, n, hidden);                             \
     })                                                                                               \
     EMBER_IN_UNIT(lstm_backward_##name,                                                              \
-    extern "C" __global__ void lstm_backward_##name(const T* dh_out, const T* dh_rec, const T* gates, \
-                                                    const T* c, const T* c_prev, T* dc, T* dgates,    \
-                                                    i64 n, i64 hidden) {                              \
+    extern "C" __global__ void lstm_backward_##name EMBER_PARAMS_lstm_backward(T) {                  \
         lstm_backward<T>(dh_out, dh_rec, gates, c, c_prev, dc, dgates, n, hidden);                    \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_RNN)

@@ -15,14 +15,9 @@
 //       softmax over dim 0), by lanes (y, a power of two) per row.
 // blockIdx.x strides over groups of rows. The forward reads each row three times (max, Σ exp,
 // outputs) and the backward twice; the rereads of a row come from L1/L2.
-// Dynamic shared memory: bx * by * sizeof(A) bytes (A = f32 or f64).
+// Dynamic shared memory: bx * by * sizeof(A) bytes (A = f32 or f64). T in f32 f64 f16 bf16.
 //
-// Launch contract (T in f32 f64 f16 bf16):
-//   softmax_T(const T* x, T* out, Strided rows, i64 nrows, i64 k, i64 xs, i64 os, i32 log, i32 row)
-//       rows.stride[0] = x, rows.stride[1] = out
-//   softmax_backward_T(const T* y, const T* g, T* out, Strided rows, i64 nrows, i64 k,
-//                      i64 ys, i64 gs, i64 os, i32 log, i32 row)
-//       rows.stride[0] = y, rows.stride[1] = g, rows.stride[2] = out
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda/launch.rs`.
 
 __device__ __forceinline__ float sm_exp(float x) { return expf(x); }
 __device__ __forceinline__ double sm_exp(double x) { return exp(x); }
@@ -147,13 +142,11 @@ __device__ void softmax_bwd(const T* y, const T* g, T* out, const Strided& rows,
 
 #define EMBER_SOFTMAX(T, name)                                                                                   \
     EMBER_IN_UNIT(softmax_##name,                                                                                \
-    extern "C" __global__ void softmax_##name(const T* x, T* out, Strided rows, i64 nrows, i64 k, i64 xs, i64 os, \
-                                              i32 log, i32 row) {                                                \
+    extern "C" __global__ void softmax_##name EMBER_PARAMS_softmax(T) {                                          \
         softmax_fwd<T>(x, out, rows, nrows, k, xs, os, log, row);                                                \
     })                                                                                                           \
     EMBER_IN_UNIT(softmax_backward_##name,                                                                       \
-    extern "C" __global__ void softmax_backward_##name(const T* y, const T* g, T* out, Strided rows, i64 nrows,   \
-                                                       i64 k, i64 ys, i64 gs, i64 os, i32 log, i32 row) {        \
+    extern "C" __global__ void softmax_backward_##name EMBER_PARAMS_softmax_backward(T) {                        \
         softmax_bwd<T>(y, g, out, rows, nrows, k, ys, gs, os, log, row);                                         \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_SOFTMAX)

@@ -5,9 +5,9 @@
 //! (the chunked geometry of `cuda/optim.rs`); every launch goes on the current stream and the
 //! host never waits.
 
-use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
+use super::kernels::{Grid, KernelParam};
+use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::runtime;
-use super::stream::current_raw;
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_AMP_MAX_TENSORS` in the kernel file).
@@ -19,7 +19,7 @@ const CHUNK: usize = 4096;
 /// [`MAX_TENSORS`] tensors. Same field order and size (3088 bytes) as the C struct.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct AmpTensorList {
+pub(super) struct AmpTensorList {
     n: i32,
     pad: i32,
     ptr: [u64; MAX_TENSORS],
@@ -30,21 +30,19 @@ struct AmpTensorList {
 // SAFETY: repr(C) with the field order, types and size of the kernel file's `AmpTensorList`.
 unsafe impl KernelParam for AmpTensorList {}
 
-/// Multiplies every element of each tensor in `tensors` (device address of its first element,
-/// element count; all of floating `dtype`, on device `ordinal`, no two overlapping) by the f32
-/// at `inv_scale` and stores 1.0 into the f32 at `found_inf` when any element was inf or NaN
+/// Multiplies every element of each tensor in `tensors` (its first element, element count; all
+/// of floating `dtype`, on device `ordinal`, no two overlapping) by the f32 at `inv_scale` and
+/// stores 1.0 into the f32 at `found_inf` when any element was inf or NaN
 /// (`torch._amp_foreach_non_finite_check_and_unscale_`). Empty tensors are skipped.
 pub(crate) fn non_finite_check_and_unscale(
     ordinal: usize,
     dtype: DType,
-    tensors: &[(u64, usize)],
-    found_inf: u64,
-    inv_scale: u64,
+    tensors: &[(DevPtrMut<'_>, usize)],
+    found_inf: DevPtrMut<'_>,
+    inv_scale: DevPtr<'_>,
 ) -> Result<()> {
     let rt = runtime(ordinal)?;
-    let f = rt.function(KernelKey::new(Module::Amp, "non_finite_check_and_unscale", dtype))?;
-    let stream = current_raw(rt.ordinal);
-    let nonempty: Vec<&(u64, usize)> = tensors.iter().filter(|t| t.1 > 0).collect();
+    let nonempty: Vec<&(DevPtrMut<'_>, usize)> = tensors.iter().filter(|t| t.1 > 0).collect();
     for group in nonempty.chunks(MAX_TENSORS) {
         let mut list = AmpTensorList {
             n: group.len() as i32,
@@ -55,59 +53,49 @@ pub(crate) fn non_finite_check_and_unscale(
         };
         let mut chunks = 0usize;
         for (t, &&(ptr, numel)) in group.iter().enumerate() {
-            list.ptr[t] = ptr;
+            list.ptr[t] = ptr.addr();
             list.numel[t] = numel as i64;
             list.chunk_start[t] = chunks as i64;
             chunks += numel.div_ceil(CHUNK);
         }
         list.chunk_start[group.len()] = chunks as i64;
         let grid = Grid::multi_tensor(rt, chunks);
-        // SAFETY: `non_finite_check_and_unscale_T(AmpTensorList l, float* found_inf, const
-        // float* inv_scale)`; the caller guarantees each pointer of `list` is valid for its
-        // `numel` elements of `dtype` on this device, that `found_inf` and `inv_scale` each
-        // point at one f32 there, and that the storages stay alive in stream order (freed
-        // through the caching allocator on this stream); `chunk_start` is the prefix count of
+        // The caller's part: each pointer of `list` reaches its `numel` elements of `dtype`, and
+        // `found_inf` and `inv_scale` one f32 each; `chunk_start` is the prefix count of
         // `numel.div_ceil(CHUNK)`, so no block indexes past a tensor's end.
-        unsafe { launch(f, grid, stream, &[&list, &found_inf, &inv_scale])? };
+        launch::non_finite_check_and_unscale(rt, &[dtype], grid, &list, found_inf, inv_scale)?;
     }
     Ok(())
 }
 
 /// Updates the f32 scale at `scale` and the i32 at `growth_tracker` from the f32 at
 /// `found_inf` in one single-thread kernel (`torch._amp_update_scale_`; the rule is in the
-/// kernel file's launch contract).
+/// kernel file).
 pub(crate) fn update_scale(
     ordinal: usize,
-    [scale, growth_tracker, found_inf]: [u64; 3],
+    [scale, growth_tracker]: [DevPtrMut<'_>; 2],
+    found_inf: DevPtr<'_>,
     growth_factor: f64,
     backoff_factor: f64,
     growth_interval: i32,
 ) -> Result<()> {
     let rt = runtime(ordinal)?;
-    let f = rt.function(KernelKey::plain(Module::Amp, "update_scale"))?;
     let grid = Grid {
         grid: (1, 1, 1),
         block: (1, 1, 1),
         shared_bytes: 0,
     };
-    // SAFETY: `update_scale(float* scale, i32* growth_tracker, const float* found_inf, f64
-    // growth_factor, f64 backoff_factor, i32 growth_interval)`; the caller guarantees the three
-    // pointers address one f32, one i32 and one f32 on this device, alive in stream order.
-    unsafe {
-        launch(
-            f,
-            grid,
-            current_raw(rt.ordinal),
-            &[
-                &scale,
-                &growth_tracker,
-                &found_inf,
-                &growth_factor,
-                &backoff_factor,
-                &growth_interval,
-            ],
-        )
-    }
+    launch::update_scale(
+        rt,
+        &[],
+        grid,
+        scale,
+        growth_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+    )
 }
 
 #[cfg(test)]

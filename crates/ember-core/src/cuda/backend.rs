@@ -10,6 +10,7 @@
 //! The switch is read by the forward calls only: the backward of a problem cuDNN ran forward
 //! runs on cuDNN too, as in PyTorch.
 
+use super::launch::{DevPtr, DevPtrMut};
 use super::multi_copy::{multi_copy, ByteCopy};
 use super::optim::{
     multi_tensor_step, multi_tensor_step_arriving, Arrival, OptimKernel, OptimTensor, ADAM_DEVICE_STEPS,
@@ -422,14 +423,14 @@ impl OptimOps for CudaStorage {
             .iter()
             .map(|t| OptimTensor {
                 ptrs: [
-                    ptr(&t.param),
-                    grad_ptr(&t.grad),
-                    ptr(&t.exp_avg),
-                    ptr(&t.exp_avg_sq),
-                    t.max_exp_avg_sq.as_ref().map_or(0, ptr),
+                    Some(ptr_mut(&t.param)),
+                    Some(grad_ptr(&t.grad)),
+                    Some(ptr_mut(&t.exp_avg)),
+                    Some(ptr_mut(&t.exp_avg_sq)),
+                    t.max_exp_avg_sq.as_ref().map(ptr_mut),
                     match &t.step {
-                        StepCount::Device(c) => ptr(c),
-                        StepCount::Host(_) => 0,
+                        StepCount::Device(c) => Some(ptr_mut(c)),
+                        StepCount::Host(_) => None,
                     },
                 ],
                 numel: t.param.len,
@@ -451,9 +452,9 @@ impl OptimOps for CudaStorage {
             one_minus_beta2: 1.0 - step.beta2,
             eps: step.eps,
             weight_decay: step.weight_decay,
-            grad_scale: amp.grad_scale.as_ref().map_or(0, ptr),
-            found_inf: amp.found_inf.as_ref().map_or(0, ptr),
-            lr_ptr: amp.lr.as_ref().map_or(0, ptr),
+            grad_scale: amp.grad_scale.as_ref().map(ptr),
+            found_inf: amp.found_inf.as_ref().map(ptr),
+            lr_ptr: amp.lr.as_ref().map(ptr),
             flags,
         };
         let arrivals: Vec<Arrival<'_>> = tensors
@@ -485,12 +486,12 @@ impl OptimOps for CudaStorage {
             .iter()
             .map(|t| OptimTensor {
                 ptrs: [
-                    ptr(&t.param),
-                    grad_ptr(&t.grad),
-                    t.momentum_buffer.as_ref().map_or(0, ptr),
-                    0,
-                    0,
-                    0,
+                    Some(ptr_mut(&t.param)),
+                    Some(grad_ptr(&t.grad)),
+                    t.momentum_buffer.as_ref().map(ptr_mut),
+                    None,
+                    None,
+                    None,
                 ],
                 numel: t.param.len,
                 scalars: [0.0; 2],
@@ -502,9 +503,9 @@ impl OptimOps for CudaStorage {
             momentum: step.momentum,
             one_minus_dampening: 1.0 - step.dampening,
             weight_decay: step.weight_decay,
-            grad_scale: amp.grad_scale.as_ref().map_or(0, ptr),
-            found_inf: amp.found_inf.as_ref().map_or(0, ptr),
-            lr_ptr: amp.lr.as_ref().map_or(0, ptr),
+            grad_scale: amp.grad_scale.as_ref().map(ptr),
+            found_inf: amp.found_inf.as_ref().map(ptr),
+            lr_ptr: amp.lr.as_ref().map(ptr),
             flags,
         };
         multi_tensor_step(ordinal, dtype, &list, kernel)
@@ -518,15 +519,15 @@ impl AmpOps for CudaStorage {
         inv_scale: Elems<&CudaStorage>,
     ) -> Result<()> {
         let ordinal = found_inf.storage.ordinal();
-        let (found_ptr, inv_ptr) = (ptr(&found_inf), ptr(&inv_scale));
+        let (found_ptr, inv_ptr) = (ptr_mut(&found_inf), ptr(&inv_scale));
         // One multi-tensor kernel per dtype, in this order.
         for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
-            let group: Vec<(u64, usize)> = grads
+            let group: Vec<(DevPtrMut<'_>, usize)> = grads
                 .grads
                 .iter()
                 .map(|g| (&*grads.storages[g.storage], g))
                 .filter(|(s, _)| s.dtype() == dtype)
-                .map(|(s, g)| (s.ptr_at(g.offset), g.len))
+                .map(|(s, g)| (s.dev_ptr_mut_at(g.offset), g.len))
                 .collect();
             if !group.is_empty() {
                 amp::non_finite_check_and_unscale(ordinal, dtype, &group, found_ptr, inv_ptr)?;
@@ -543,7 +544,8 @@ impl AmpOps for CudaStorage {
     ) -> Result<()> {
         amp::update_scale(
             scale.storage.ordinal(),
-            [ptr(&scale), ptr(&growth_tracker), ptr(&found_inf)],
+            [ptr_mut(&scale), ptr_mut(&growth_tracker)],
+            ptr(&found_inf),
             u.growth_factor,
             u.backoff_factor,
             u.growth_interval,
@@ -551,15 +553,20 @@ impl AmpOps for CudaStorage {
     }
 }
 
-/// The device address of an operand's first element.
-fn ptr<S: Deref<Target = CudaStorage>>(e: &Elems<S>) -> u64 {
-    e.storage.ptr_at(e.offset)
+/// An operand's first element, read by the kernel.
+fn ptr<S: Deref<Target = CudaStorage>>(e: &Elems<S>) -> DevPtr<'_> {
+    e.storage.dev_ptr_at(e.offset)
 }
 
-/// The device address of a gradient's first element (read or written).
-fn grad_ptr(g: &GradElems<'_, CudaStorage>) -> u64 {
+/// An operand's first element, written by the kernel.
+fn ptr_mut<S: Deref<Target = CudaStorage>>(e: &Elems<S>) -> DevPtrMut<'_> {
+    e.storage.dev_ptr_mut_at(e.offset)
+}
+
+/// A gradient's first element (read, or written back unscaled with a grad scale).
+fn grad_ptr<'a>(g: &'a GradElems<'_, CudaStorage>) -> DevPtrMut<'a> {
     match g {
-        GradElems::Read(e) => ptr(e),
-        GradElems::Unscaled(e) => ptr(e),
+        GradElems::Read(e) => ptr_mut(e),
+        GradElems::Unscaled(e) => ptr_mut(e),
     }
 }

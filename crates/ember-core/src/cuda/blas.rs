@@ -42,7 +42,8 @@
 //! beta = 1 path missed on 3 to 6 of 16 results (PyTorch's fallback, which it takes where
 //! k or n is 1, on 3 or 4) and the epilogue on none, so ember takes the epilogue there too.
 
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::kernels::{Grid, KernelShape};
+use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
@@ -969,7 +970,6 @@ impl CudaStorage {
             &al.dims()[..rank - 2],
             &[&al.strides()[..rank - 2], &bl.strides()[..rank - 2]],
         )?;
-        let f = rt.function(KernelKey::new(Module::Matmul, "matmul", self.dtype()))?;
         const TILE: usize = 16;
         const MAX_GRID_YZ: usize = 65535;
         let grid = Grid {
@@ -981,23 +981,17 @@ impl CudaStorage {
             block: (TILE as u32, TILE as u32, 1),
             shared_bytes: 0,
         };
-        let (a, b, o) = (self.ptr(al), rhs.ptr(bl), out.ptr_at(0));
+        let (a, b, o) = (self.dev_ptr(al), rhs.dev_ptr(bl), out.dev_ptr_mut_at(0));
         let (batch, m, k, n) = (batch as i64, m as i64, k as i64, n as i64);
         let s = |l: &Layout, d: usize| l.strides()[d] as i64;
         let (ars, acs, brs, bcs) = (s(al, rank - 2), s(al, rank - 1), s(bl, rank - 2), s(bl, rank - 1));
-        // SAFETY: `matmul_T(const T* a, const T* b, T* out, Strided s, i64 batch, i64 m, i64 k,
-        // i64 n, i64 a_rs, i64 a_cs, i64 b_rs, i64 b_cs)`, arguments in that order and of those
-        // types; `a` and `b` are read only at offsets their valid layouts reach (batch offsets
-        // through `shape`, matrix elements through their strides, indices bounded by m, k, n),
-        // `out` holds `batch * m * n` elements. Block (16, 16, 1) as the kernel requires.
-        unsafe {
-            launch(
-                f,
-                grid,
-                current_raw(rt.ordinal),
-                &[&a, &b, &o, &shape, &batch, &m, &k, &n, &ars, &acs, &brs, &bcs],
-            )?;
-        }
+        // `a` and `b` are read only at offsets their valid layouts reach (batch offsets through
+        // `shape`, matrix elements through their strides, indices bounded by m, k, n), `out`
+        // holds `batch * m * n` elements. Block (16, 16, 1) as the kernel requires.
+        let dtypes = [self.dtype()];
+        launch::matmul(
+            rt, &dtypes, grid, a, b, o, &shape, batch, m, k, n, ars, acs, brs, bcs,
+        )?;
         Ok(out)
     }
 }

@@ -17,10 +17,10 @@
 //! deterministic scheme (see the top of `index.cu`); scatter_add and index_add use atomics.
 
 use super::device_errors::Kind;
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::kernels::{Grid, KernelShape};
+use super::launch::{self, gather, scatter, select_rows};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::backend::op::{IndexOp, ScatterOp};
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
@@ -49,17 +49,23 @@ fn same_device(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()>
     Ok(())
 }
 
-/// The name of the dtype-agnostic kernel moving elements of `dtype` (`gather_w4`, ...).
-fn by_width(base: &'static str, dtype: DType) -> &'static str {
-    match (base, dtype.size_in_bytes()) {
-        ("gather", 1) => "gather_w1",
-        ("gather", 2) => "gather_w2",
-        ("gather", 4) => "gather_w4",
-        ("gather", _) => "gather_w8",
-        ("scatter", 1) => "scatter_w1",
-        ("scatter", 2) => "scatter_w2",
-        ("scatter", 4) => "scatter_w4",
-        _ => "scatter_w8",
+/// The dtype-agnostic gather kernel moving elements of `dtype` (`gather_w4`, ...).
+fn gather_kernel(dtype: DType) -> gather::Name {
+    match dtype.size_in_bytes() {
+        1 => gather::gather_w1,
+        2 => gather::gather_w2,
+        4 => gather::gather_w4,
+        _ => gather::gather_w8,
+    }
+}
+
+/// The dtype-agnostic scatter kernel writing elements of `dtype` (`scatter_w4`, ...).
+fn scatter_kernel(dtype: DType) -> scatter::Name {
+    match dtype.size_in_bytes() {
+        1 => scatter::scatter_w1,
+        2 => scatter::scatter_w2,
+        4 => scatter::scatter_w4,
+        _ => scatter::scatter_w8,
     }
 }
 
@@ -103,19 +109,17 @@ fn check_range(
 ) -> Result<()> {
     let n = il.numel();
     let shape = KernelShape::new(op, il.dims(), &[il.strides()])?;
-    let f = rt.function(KernelKey::new(Module::Index, "check_index", index.dtype()))?;
-    let (p, n64) = (index.ptr(il), n as i64);
     let check = rt.errors.check_args(op, Kind::Index, dim, size);
-    // SAFETY: `check_index_I(const I* idx, Strided s, i64 n, ErrorCheck check)`; `idx` reaches
-    // the `n` elements of a valid layout of `index`; `check` addresses the device's error record.
-    unsafe {
-        launch(
-            f,
-            Grid::linear(rt, n, 256),
-            current_raw(rt.ordinal),
-            &[&p, &shape, &n64, &check],
-        )
-    }
+    // `idx` reaches the `n` elements of a valid layout of `index`.
+    launch::check_index(
+        rt,
+        &[index.dtype()],
+        Grid::linear(rt, n, 256),
+        index.dev_ptr(il),
+        &shape,
+        n as i64,
+        &check,
+    )
 }
 
 /// Runs `body` after enqueueing the range check of the (possibly empty) index.
@@ -173,24 +177,24 @@ impl CudaStorage {
             let mut xs = layout.strides().to_vec();
             xs[dim] = 0;
             let shape = KernelShape::new(name, &w, &[&xs, &istrides])?;
-            let f = rt.function(KernelKey::new(
-                Module::Index,
-                by_width("gather", self.dtype()),
-                idt,
-            ))?;
-            let (x, i, o) = (self.ptr(layout), index.ptr(il), out.ptr_at(0));
+            let (x, i, o) = (self.dev_ptr(layout), index.dev_ptr(il), out.dev_ptr_mut_at(0));
             let (n64, ds, size64) = (n as i64, layout.strides()[dim] as i64, size as i64);
-            // SAFETY: `gather_wB_I(const E* x, const I* idx, E* out, Strided s, i64 n,
-            // i64 dim_stride, i64 size)` with B the dtype's size; `x` reaches its layout's
-            // elements (indices outside 0..size are skipped), `idx` its layout's, `out` holds n.
-            unsafe {
-                launch(
-                    f,
-                    Grid::linear(rt, n, 256),
-                    current_raw(rt.ordinal),
-                    &[&x, &i, &o, &shape, &n64, &ds, &size64],
-                )
-            }
+            // `x` reaches its layout's elements (indices outside 0..size are skipped), `idx` its
+            // layout's, `out` holds n; the kernel moves elements of the dtype's size.
+            let kernel = gather_kernel(self.dtype());
+            launch::gather(
+                rt,
+                kernel,
+                &[idt],
+                Grid::linear(rt, n, 256),
+                x,
+                i,
+                o,
+                &shape,
+                n64,
+                ds,
+                size64,
+            )
         })?;
         Ok(out)
     }
@@ -209,19 +213,19 @@ impl CudaStorage {
         let dims = layout.dims();
         let outer: usize = dims[..dim].iter().product();
         let row_bytes = dims[dim + 1..].iter().product::<usize>() * self.dtype().size_in_bytes();
-        let (x, i, o) = (self.ptr(layout), index.ptr(il), out.ptr_at(0));
+        let (x, i, o) = (self.dev_ptr(layout), index.dev_ptr(il), out.dev_ptr_mut_at(0));
+        let aligned = |b: usize| row_bytes % b == 0 && x.addr() % b as u64 == 0 && o.addr() % b as u64 == 0;
         let unit = [16usize, 8, 4, 2, 1]
             .into_iter()
-            .find(|&b| row_bytes % b == 0 && x % b as u64 == 0 && o % b as u64 == 0)
+            .find(|&b| aligned(b))
             .unwrap_or(1);
-        let base = match unit {
-            16 => "select_rows_w16",
-            8 => "select_rows_w8",
-            4 => "select_rows_w4",
-            2 => "select_rows_w2",
-            _ => "select_rows_w1",
+        let kernel = match unit {
+            16 => select_rows::select_rows_w16,
+            8 => select_rows::select_rows_w8,
+            4 => select_rows::select_rows_w4,
+            2 => select_rows::select_rows_w2,
+            _ => select_rows::select_rows_w1,
         };
-        let f = rt.function(KernelKey::new(Module::Index, base, index.dtype()))?;
         let nidx = il.numel();
         let inner = row_bytes / unit;
         let units = outer * nidx * inner;
@@ -232,18 +236,24 @@ impl CudaStorage {
             inner as i64,
             il.strides()[0] as i64,
         );
-        // SAFETY: `select_rows_wB_I(const E* x, const I* idx, E* out, i64 outer, i64 nidx,
-        // i64 size, i64 inner, i64 istride)`; `x` is row-major [outer, size, inner units] from
-        // its offset (indices outside 0..size are skipped), `idx` holds nidx elements at
-        // stride istride, `out` holds outer * nidx * inner units; all B-aligned (checked above).
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, units, 256),
-                current_raw(rt.ordinal),
-                &[&x, &i, &o, &outer64, &nidx64, &size64, &inner64, &istride],
-            )
-        }
+        // `x` is row-major [outer, size, inner units] from its offset (indices outside 0..size
+        // are skipped), `idx` holds nidx elements at stride istride, `out` holds outer * nidx *
+        // inner units; all B-aligned (checked above).
+        let grid = Grid::linear(rt, units, 256);
+        launch::select_rows(
+            rt,
+            kernel,
+            &[index.dtype()],
+            grid,
+            x,
+            i,
+            o,
+            outer64,
+            nidx64,
+            size64,
+            inner64,
+            istride,
+        )
     }
 
     /// A row-major copy of `self` at `layout` with `src` at `sl` written at `index` along `dim`
@@ -291,17 +301,15 @@ impl CudaStorage {
                 return Ok(());
             }
             let shape = KernelShape::new(name, &w, &[&base, &istrides, sl.strides()])?;
-            let (o, i, s) = (out.ptr_at(0), index.ptr(il), src.ptr(sl));
+            let (o, i, s) = (out.dev_ptr_mut_at(0), index.dev_ptr(il), src.dev_ptr(sl));
             let (n64, ds, size64) = (n as i64, cs[dim] as i64, size as i64);
             let grid = Grid::linear(rt, n, 256);
-            let stream = current_raw(rt.ordinal);
+            // `out` is row-major with `layout`'s shape and the base strides are its own with
+            // dim's zeroed, so base + v * dim_stride is inside it for v in 0..size (others are
+            // skipped); idx and src reach their layouts.
             if op != ScatterOp::Scatter {
-                let f = rt.function(KernelKey::with2(Module::Index, "scatter_add", self.dtype(), idt))?;
-                // SAFETY: `scatter_add_T_I(T* out, const I* idx, const T* src, Strided s, i64 n,
-                // i64 dim_stride, i64 size)`; `out` is row-major with `layout`'s shape and the
-                // base strides are its own with dim's zeroed, so base + v * dim_stride is inside
-                // it for v in 0..size (others are skipped); idx and src reach their layouts.
-                return unsafe { launch(f, grid, stream, &[&o, &i, &s, &shape, &n64, &ds, &size64]) };
+                let dtypes = [self.dtype(), idt];
+                return launch::scatter_add(rt, &dtypes, grid, o, i, s, &shape, n64, ds, size64);
             }
             // Last write wins: mark the winning position of each target, then let it write.
             let winner = if n < u32::MAX as usize {
@@ -309,24 +317,15 @@ impl CudaStorage {
             } else {
                 None
             };
-            let wp = winner.as_ref().map_or(0, |w| w.ptr_at(0));
             if let Some(winner) = &winner {
-                let f = rt.function(KernelKey::new(Module::Index, "scatter_mark", idt))?;
-                let wp = winner.ptr_at(0);
-                // SAFETY: `scatter_mark_I(const I* idx, u32* winner, Strided s, i64 n,
-                // i64 dim_stride, i64 size)`; `winner` has one u32 per element of `out`, so it
-                // is reached exactly where `out` would be (see scatter_add above).
-                unsafe { launch(f, grid, stream, &[&i, &wp, &shape, &n64, &ds, &size64])? };
+                // One u32 per element of `out`, so reached exactly where `out` would be.
+                let wp = winner.dev_ptr_mut_at(0);
+                launch::scatter_mark(rt, &[idt], grid, i, wp, &shape, n64, ds, size64)?;
             }
-            let f = rt.function(KernelKey::new(
-                Module::Index,
-                by_width("scatter", self.dtype()),
-                idt,
-            ))?;
-            // SAFETY: `scatter_wB_I(E* out, const I* idx, const E* src, const u32* winner,
-            // Strided s, i64 n, i64 dim_stride, i64 size)`; as above, `winner` null or one u32
-            // per element of `out`, written by the previous launch on the same stream.
-            unsafe { launch(f, grid, stream, &[&o, &i, &s, &wp, &shape, &n64, &ds, &size64]) }
+            // `winner` null or as marked by the previous launch on the same stream.
+            let wp = winner.as_ref().map(|w| w.dev_ptr_at(0));
+            let kernel = scatter_kernel(self.dtype());
+            launch::scatter(rt, kernel, &[idt], grid, o, i, s, wp, &shape, n64, ds, size64)
         })?;
         Ok(out)
     }
@@ -367,24 +366,24 @@ impl CudaStorage {
             return Ok((out, classes));
         }
         let shape = KernelShape::new(OP, layout.dims(), &[layout.strides()])?;
-        let f = rt.function(KernelKey::new(Module::Index, "one_hot", idt))?;
-        let (i, o) = (self.ptr(layout), out.ptr_at(0));
+        let (i, o) = (self.dev_ptr(layout), out.dev_ptr_mut_at(0));
         let (n64, c64) = (rows as i64, classes as i64);
         // With num_classes = None the host checked the indices above; the kernel then finds
         // nothing to report.
         let check = rt.errors.check_args(OP, Kind::Index, dim, classes);
-        // SAFETY: `one_hot_I(const I* idx, Strided s, i64 n, i64 classes, i64* out,
-        // ErrorCheck check)`; `idx` reaches the `rows` elements of its layout, `out` holds
-        // rows * classes i64 and is written only at in-range classes, `check` addresses the
-        // device's error record.
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, rows, 256),
-                current_raw(rt.ordinal),
-                &[&i, &shape, &n64, &c64, &o, &check],
-            )?;
-        }
+        // `idx` reaches the `rows` elements of its layout, `out` holds rows * classes i64 and
+        // is written only at in-range classes.
+        launch::one_hot(
+            rt,
+            &[idt],
+            Grid::linear(rt, rows, 256),
+            i,
+            &shape,
+            n64,
+            c64,
+            o,
+            &check,
+        )?;
         Ok((out, classes))
     }
 }

@@ -242,8 +242,9 @@ unsafe impl KernelParam for u8 {}
 unsafe impl KernelParam for f32 {}
 unsafe impl KernelParam for f64 {}
 unsafe impl KernelParam for KernelShape {}
-// `cuda/optim.rs` implements it for its repr(C) `TensorList` (the fused optimizer steps),
-// `cuda/amp.rs` for its `AmpTensorList` (GradScaler's unscale).
+// The repr(C) structs kernels take implement it beside their definitions: `TensorList`
+// (`optim.rs`), `AmpTensorList` (`amp.rs`), `CopyList` (`multi_copy.rs`), `PhiloxArgs`
+// (`random.rs`), `ErrorCheck` (`device_errors.rs`); `launch.rs` names them under their C names.
 
 /// Grid and block sizes and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy)]
@@ -299,7 +300,9 @@ const PARAM_BYTES: usize = 8192;
 struct ParamBuffer([std::mem::MaybeUninit<u8>; PARAM_BYTES]);
 
 /// Launches `f` on `stream` with `params`, each a reference to one kernel parameter in the
-/// order the kernel declares them.
+/// order the kernel declares them. Ops reach it through the typed launchers of `launch.rs`
+/// (Note [Typed launchers]), which build `params` from a kernel's one declaration; `unary.rs`
+/// and `elementwise.rs` still call it directly.
 ///
 /// Note [Launch parameters]: the parameters are packed into one buffer as the kernel's C
 /// signature lays them out (each at the next multiple of its alignment) and handed to

@@ -6,18 +6,18 @@
 //! captured into a CUDA graph.
 
 use super::device_errors::Kind;
-use super::kernels::{launch, Grid, KernelKey, Module};
+use super::kernels::Grid;
+use super::launch::{self, DevPtr};
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::{DType, Error, Result};
 
 const OP: &str = "nll_loss";
 
-/// The device pointer of the optional class weights (0 for none), checked to be of `dtype`.
-fn weight_ptr(weight: Option<&CudaStorage>, dtype: DType, c: usize) -> Result<u64> {
+/// The optional class weights (`c` of them), checked to be of `dtype`.
+fn weight_ptr(weight: Option<&CudaStorage>, dtype: DType, c: usize) -> Result<Option<DevPtr<'_>>> {
     match weight {
-        None => Ok(0),
-        Some(w) if w.dtype() == dtype && w.len() >= c => Ok(w.ptr_at(0)),
+        None => Ok(None),
+        Some(w) if w.dtype() == dtype && w.len() >= c => Ok(Some(w.dev_ptr_at(0))),
         Some(w) => Err(Error::DTypeMismatch {
             op: OP,
             expected: dtype,
@@ -56,28 +56,36 @@ impl CudaStorage {
         let w = weight_ptr(weight, dtype, c)?;
         let loss = CudaStorage::alloc_on(rt, dtype, 1)?;
         let total = CudaStorage::alloc_on(rt, dtype, 1)?;
-        let f = rt.function(KernelKey::with2(Module::Index, "nll_loss", dtype, idt))?;
-        let (x, t, l, tw) = (self.ptr_at(0), target.ptr_at(0), loss.ptr_at(0), total.ptr_at(0));
+        let (x, t) = (self.dev_ptr_at(0), target.dev_ptr_at(0));
+        let (l, tw) = (loss.dev_ptr_mut_at(0), total.dev_ptr_mut_at(0));
         let (m64, c64, mean32) = (m as i64, c as i64, i32::from(mean));
         let check = rt.errors.check_args(OP, Kind::Index, 1, c);
         let block = (m.next_multiple_of(32)).clamp(32, 1024) as u32;
-        // SAFETY: `nll_loss_T_I(const T* logp, const I* target, const T* weight, i64 m, i64 c,
-        // i64 ignore_index, i32 mean, T* loss, T* total_weight, ErrorCheck check)`; the caller
-        // passes contiguous storages of m·c log-probabilities and m targets (the weight, when
-        // given, holds c values of T, checked above); `loss` and `total` hold one T each; the
-        // kernel reads logp only at in-range targets; one block of a multiple of 32 threads.
-        unsafe {
-            launch(
-                f,
-                Grid {
-                    grid: (1, 1, 1),
-                    block: (block, 1, 1),
-                    shared_bytes: 0,
-                },
-                current_raw(rt.ordinal),
-                &[&x, &t, &w, &m64, &c64, &ignore_index, &mean32, &l, &tw, &check],
-            )?;
-        }
+        // The caller passes contiguous storages of m·c log-probabilities and m targets (the
+        // weight, when given, holds c values of T, checked above); `loss` and `total` hold one
+        // T each; the kernel reads logp only at in-range targets; one block of a multiple of 32
+        // threads.
+        let grid = Grid {
+            grid: (1, 1, 1),
+            block: (block, 1, 1),
+            shared_bytes: 0,
+        };
+        let dtypes = [dtype, idt];
+        launch::nll_loss(
+            rt,
+            &dtypes,
+            grid,
+            x,
+            t,
+            w,
+            m64,
+            c64,
+            ignore_index,
+            mean32,
+            l,
+            tw,
+            &check,
+        )?;
         Ok((loss, total))
     }
 
@@ -104,26 +112,13 @@ impl CudaStorage {
         if m == 0 {
             return Ok(grad);
         }
-        let f = rt.function(KernelKey::with2(Module::Index, "nll_loss_backward", dtype, idt))?;
-        let (g, t, tw, o) = (
-            self.ptr_at(0),
-            target.ptr_at(0),
-            total_weight.ptr_at(0),
-            grad.ptr_at(0),
-        );
+        let (g, t) = (self.dev_ptr_at(0), target.dev_ptr_at(0));
+        let (tw, o) = (total_weight.dev_ptr_at(0), grad.dev_ptr_mut_at(0));
         let (m64, c64, mean32) = (m as i64, c as i64, i32::from(mean));
-        // SAFETY: `nll_loss_backward_T_I(const T* g, const I* target, const T* weight,
-        // const T* total_weight, i64 m, i64 c, i64 ignore_index, i32 mean, T* grad)`; `g` and
-        // `total_weight` hold one T each, `target` m indices, the weight (when given) c values;
-        // `grad` holds m·c zeros and is written only at in-range targets.
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, m, 256),
-                current_raw(rt.ordinal),
-                &[&g, &t, &w, &tw, &m64, &c64, &ignore_index, &mean32, &o],
-            )?;
-        }
+        // `g` and `total_weight` hold one T each, `target` m indices, the weight (when given) c
+        // values; `grad` holds m·c zeros and is written only at in-range targets.
+        let (dtypes, grid) = ([dtype, idt], Grid::linear(rt, m, 256));
+        launch::nll_loss_backward(rt, &dtypes, grid, g, t, w, tw, m64, c64, ignore_index, mean32, o)?;
         Ok(grad)
     }
 }

@@ -10,7 +10,7 @@
 //! `stream` (streams, events, current device and stream), `graph` (CUDA graphs: capture and
 //! replay), `graphed` (`make_graphed_callables`), `capture` (the captures underway and the operations refused during them), `nvrtc`
 //! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
-//! units of the process and their background compiles), `kernels` (kernel sources and launching), `storage` (device tensors and copies),
+//! units of the process and their background compiles), `kernels` (kernel sources and launching), `launch` (every kernel's parameter list and its typed launcher), `storage` (device tensors and copies),
 //! `blas` (matrix products through cuBLASLt, the TF32 switch), `row_blocks` (weight gradients
 //! computed in row blocks, for DataParallel to copy the first rows back early), `cupti` and `cupti_records`
 //! (CUPTI's activity API loaded at run time, and its record layouts: the profiler's kernel
@@ -43,6 +43,7 @@ mod index;
 pub(crate) mod kernel_timing;
 mod kernel_units;
 mod kernels;
+mod launch;
 mod libraries;
 mod loss;
 mod memory;

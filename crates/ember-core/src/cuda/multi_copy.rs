@@ -4,9 +4,9 @@
 //! `cuMemcpyDtoDAsync`, so a bucket of DDP gradients or a module's parameters move for the
 //! price of one copy instead of one per tensor.
 
-use super::kernels::{launch, Grid, KernelKey, KernelParam, Module};
+use super::kernels::{Grid, KernelParam};
+use super::launch;
 use super::runtime::runtime;
-use super::stream::current_raw;
 use crate::Result;
 
 /// Copies per launch (`EMBER_COPY_MAX_TENSORS` in the kernel file).
@@ -17,7 +17,7 @@ const CHUNK: usize = 16384;
 /// The kernel's `CopyList`. Same field order and size (2064 bytes) as the C struct.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct CopyList {
+pub(super) struct CopyList {
     n: i32,
     pad: i32,
     dst: [u64; MAX_TENSORS],
@@ -46,8 +46,6 @@ pub(crate) struct ByteCopy {
 /// destination or any source.
 pub(crate) unsafe fn multi_copy(ordinal: usize, copies: &[ByteCopy]) -> Result<()> {
     let rt = runtime(ordinal)?;
-    let f = rt.function(KernelKey::plain(Module::Copy, "multi_copy"))?;
-    let stream = current_raw(rt.ordinal);
     let nonempty: Vec<&ByteCopy> = copies.iter().filter(|c| c.bytes > 0).collect();
     for group in nonempty.chunks(MAX_TENSORS) {
         let mut list = CopyList {
@@ -68,10 +66,9 @@ pub(crate) unsafe fn multi_copy(ordinal: usize, copies: &[ByteCopy]) -> Result<(
         }
         list.chunk_start[group.len()] = chunks as i64;
         let grid = Grid::multi_tensor(rt, chunks);
-        // SAFETY: `multi_copy(CopyList l)`; the caller guarantees the ranges (see above);
-        // `chunk_start` is the prefix count of `bytes.div_ceil(CHUNK)`, so no block reads or
-        // writes past a range's end.
-        unsafe { launch(f, grid, stream, &[&list])? };
+        // The ranges are the caller's part (see above); `chunk_start` is the prefix count of
+        // `bytes.div_ceil(CHUNK)`, so no block reads or writes past a range's end.
+        launch::multi_copy(rt, &[], grid, &list)?;
     }
     Ok(())
 }

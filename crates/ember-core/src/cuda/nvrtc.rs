@@ -5,7 +5,8 @@
 //! Note [Kernel cache]: each unit's cubin is written to `$EMBER_KERNEL_CACHE` (default
 //! `$XDG_CACHE_HOME/ember/kernels`, else `~/.cache/ember/kernels`) under a name made of the
 //! source file, the unit, the architecture, the NVRTC version and a 64-bit FNV-1a hash of the
-//! full source text and the compile options. A changed source, another GPU generation or another
+//! full source text (the prelude, the parameter lists of `launch.rs` and the file) and the
+//! compile options. A changed source or parameter list, another GPU generation or another
 //! NVRTC gives another name, so stale entries are never loaded. Entries are written to a
 //! temporary file and renamed into place, so a crash or two processes compiling at once never
 //! leave a half-written cubin behind. A cache that cannot be written (read-only home) only costs
@@ -13,6 +14,7 @@
 
 use super::kernel_units::Unit;
 use super::kernels::Module;
+use super::launch::PARAMS_HEADER;
 use crate::{Error, Result};
 use cudarc::nvrtc::{result, sys};
 use std::ffi::CString;
@@ -46,7 +48,8 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
         .map_err(|reason| Error::CudaUnavailable { reason })
 }
 
-/// Compiles `source` (prelude prepended) for `arch` (e.g. `"sm_90"`) into a cubin, or a
+/// Compiles `source` (the prelude and the kernels' parameter lists, `launch::PARAMS_HEADER`,
+/// prepended) for `arch` (e.g. `"sm_90"`) into a cubin, or a
 /// [`Error::Cuda`] carrying NVRTC's log. The kernel sources emit their kernels only for the
 /// units asked for (Note [Kernel units]): see [`compile_units`].
 pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
@@ -56,7 +59,7 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
 /// Compiles `source` as [`compile`] does, with extra NVRTC options (`-D...`).
 pub(crate) fn compile_with(name: &str, source: &str, arch: &str, extra: &[String]) -> Result<Vec<u8>> {
     nvrtc_version()?;
-    let text = format!("{PRELUDE}\n#line 1 \"{name}.cu\"\n{source}");
+    let text = format!("{PRELUDE}\n{PARAMS_HEADER}\n#line 1 \"{name}.cu\"\n{source}");
     let fail = |what: &str, e: &dyn std::fmt::Debug| Error::Cuda {
         op: "nvrtc",
         msg: format!("{what} of kernel source {name}.cu failed: {e:?}"),
@@ -123,6 +126,7 @@ pub(crate) fn compile_unit_cached(unit: &Unit, arch: &str, on_miss: impl FnOnce(
     let source = unit.module.source();
     let extra = [unit.define()];
     let mut hash = fnv1a(PRELUDE.as_bytes(), 0xcbf2_9ce4_8422_2325);
+    hash = fnv1a(PARAMS_HEADER.as_bytes(), hash);
     hash = fnv1a(source.as_bytes(), hash);
     for option in options(arch, &extra) {
         hash = fnv1a(option.as_bytes(), fnv1a(b"\0", hash));

@@ -17,9 +17,10 @@
 
 use std::ops::Range;
 
-use super::kernels::{launch, Function, Grid, KernelKey, KernelParam, Module};
+use super::kernels::{Grid, KernelKey, KernelParam, Module};
+use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::{runtime, DeviceRuntime};
-use super::stream::{current_raw, current_stream, Event};
+use super::stream::{current_stream, Event};
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_OPTIM_MAX_TENSORS` in the kernel file).
@@ -31,7 +32,7 @@ const CHUNK: usize = 4096;
 /// to [`MAX_TENSORS`] tensors. Same field order and size (3856 bytes) as the C struct.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct TensorList {
+pub(super) struct TensorList {
     n: i32,
     pad: i32,
     ptr: [[u64; MAX_TENSORS]; 6],
@@ -43,22 +44,21 @@ struct TensorList {
 // SAFETY: repr(C) with the field order, types and size of the kernel file's `TensorList`.
 unsafe impl KernelParam for TensorList {}
 
-/// One tensor of a fused step: device addresses of its first elements (param, grad, then the
-/// state tensors in the kernel's order, 0 where unused; Adam's device step count last), its
-/// element count, and its per-tensor scalars (Adam with host steps: `bias_correction1` and
-/// `sqrt(bias_correction2)`).
+/// One tensor of a fused step: its first elements (param, grad, then the state tensors in the
+/// kernel's order, `None` where unused; Adam's device step count last), its element count, and
+/// its per-tensor scalars (Adam with host steps: `bias_correction1` and `sqrt(bias_correction2)`).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct OptimTensor {
-    pub ptrs: [u64; 6],
+pub(crate) struct OptimTensor<'a> {
+    pub ptrs: [Option<DevPtrMut<'a>>; 6],
     pub numel: usize,
     pub scalars: [f64; 2],
 }
 
-/// Which update, with the scalars every tensor shares (see the kernel file's launch contract).
-/// `grad_scale` and `found_inf` are device addresses of one f32 each, or 0; `lr_ptr` the device
-/// address of one f64 that replaces `lr`, or 0.
+/// Which update, with the scalars every tensor shares (see `adam` and `sgd` in `launch.rs`).
+/// `grad_scale` and `found_inf` are one f32 each, or `None`; `lr_ptr` one f64 that replaces
+/// `lr`, or `None`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum OptimKernel {
+pub(crate) enum OptimKernel<'a> {
     Adam {
         lr: f64,
         beta1: f64,
@@ -67,9 +67,9 @@ pub(crate) enum OptimKernel {
         one_minus_beta2: f64,
         eps: f64,
         weight_decay: f64,
-        grad_scale: u64,
-        found_inf: u64,
-        lr_ptr: u64,
+        grad_scale: Option<DevPtr<'a>>,
+        found_inf: Option<DevPtr<'a>>,
+        lr_ptr: Option<DevPtr<'a>>,
         flags: i32,
     },
     Sgd {
@@ -77,14 +77,14 @@ pub(crate) enum OptimKernel {
         momentum: f64,
         one_minus_dampening: f64,
         weight_decay: f64,
-        grad_scale: u64,
-        found_inf: u64,
-        lr_ptr: u64,
+        grad_scale: Option<DevPtr<'a>>,
+        found_inf: Option<DevPtr<'a>>,
+        lr_ptr: Option<DevPtr<'a>>,
         flags: i32,
     },
 }
 
-/// Flag of `adam_T`: the step counts are read from `ptrs[5]` (see the kernel file).
+/// Flag of `adam_T`: the step counts are read from `ptrs[5]` (see `adam` in `launch.rs`).
 pub(crate) const ADAM_DEVICE_STEPS: i32 = 8;
 
 /// An empty list for `n` tensors, for the launches to fill.
@@ -105,8 +105,8 @@ fn empty_list(n: usize) -> TensorList {
 pub(crate) fn multi_tensor_step(
     ordinal: usize,
     dtype: DType,
-    tensors: &[OptimTensor],
-    kernel: OptimKernel,
+    tensors: &[OptimTensor<'_>],
+    kernel: OptimKernel<'_>,
 ) -> Result<()> {
     multi_tensor_step_arriving(ordinal, dtype, tensors, &[], kernel)
 }
@@ -121,12 +121,12 @@ pub(crate) struct Arrival<'a> {
     pub order: u64,
 }
 
-impl OptimTensor {
+impl<'a> OptimTensor<'a> {
     /// The same update restricted to `elements` (the step count is the whole tensor's).
-    fn part(&self, elements: &Range<usize>, elem_bytes: usize) -> OptimTensor {
+    fn part(&self, elements: &Range<usize>, elem_bytes: usize) -> OptimTensor<'a> {
         let mut ptrs = self.ptrs;
-        for p in ptrs.iter_mut().take(5).filter(|p| **p != 0) {
-            *p += (elements.start * elem_bytes) as u64;
+        for p in ptrs.iter_mut().take(5).flatten() {
+            *p = p.add_bytes(elements.start * elem_bytes);
         }
         OptimTensor {
             ptrs,
@@ -142,47 +142,45 @@ impl OptimTensor {
 pub(crate) fn multi_tensor_step_arriving(
     ordinal: usize,
     dtype: DType,
-    tensors: &[OptimTensor],
+    tensors: &[OptimTensor<'_>],
     arrivals: &[Arrival<'_>],
-    kernel: OptimKernel,
+    kernel: OptimKernel<'_>,
 ) -> Result<()> {
     let rt = runtime(ordinal)?;
+    // The update's kernel is loaded first, so that one that cannot be loaded fails the step
+    // before the step counts advance.
     let base = match kernel {
         OptimKernel::Adam { .. } => "adam",
         OptimKernel::Sgd { .. } => "sgd",
     };
-    let f = rt.function(KernelKey::new(Module::Optim, base, dtype))?;
-    let stream = current_raw(rt.ordinal);
+    rt.function(KernelKey::new(Module::Optim, base, dtype))?;
     if let OptimKernel::Adam { flags, found_inf, .. } = kernel {
         if flags & ADAM_DEVICE_STEPS != 0 {
             // Every tensor's count, empty ones included, before the updates that read them.
-            let inc = rt.function(KernelKey::plain(Module::Optim, "increment_steps"))?;
             for group in tensors.chunks(MAX_TENSORS) {
                 let mut list = empty_list(group.len());
                 for (t, x) in group.iter().enumerate() {
-                    list.ptr[5][t] = x.ptrs[5];
+                    list.ptr[5][t] = address(x.ptrs[5]);
                 }
                 let grid = Grid {
                     grid: (1, 1, 1),
                     block: (64, 1, 1),
                     shared_bytes: 0,
                 };
-                // SAFETY: `increment_steps(TensorList l, const float* found_inf)`; the caller
-                // guarantees each `ptrs[5]` addresses one f32 on this device and `found_inf` one
-                // f32 or is 0, alive in stream order.
-                unsafe { launch(inc, grid, stream, &[&list, &found_inf])? };
+                // Each `ptrs[5]` addresses one f32 (the caller's part).
+                launch::increment_steps(rt, &[], grid, &list, found_inf)?;
             }
         }
     }
     if arrivals.is_empty() {
-        return update(rt, f, stream, tensors, kernel);
+        return update(rt, dtype, tensors, kernel);
     }
     let arriving = |i: usize| arrivals.iter().any(|a| a.tensor == i);
-    let whole: Vec<OptimTensor> = (0..tensors.len())
+    let whole: Vec<OptimTensor<'_>> = (0..tensors.len())
         .filter(|&i| !arriving(i))
         .map(|i| tensors[i])
         .collect();
-    update(rt, f, stream, &whole, kernel)?;
+    update(rt, dtype, &whole, kernel)?;
     // In the order they arrive: the tensors that arrive whole one after another share a
     // launch after all their events; each block of one arriving in several has its own.
     let mut order: Vec<&Arrival<'_>> = arrivals.iter().collect();
@@ -195,29 +193,33 @@ pub(crate) fn multi_tensor_step_arriving(
         batch.push(t.part(&a.elements, dtype.size_in_bytes()));
         let is_whole = |a: &Arrival<'_>| a.elements.len() == tensors[a.tensor].numel;
         if !is_whole(a) || order.get(k + 1).map_or(true, |next| !is_whole(next)) {
-            update(rt, f, stream, &batch, kernel)?;
+            update(rt, dtype, &batch, kernel)?;
             batch.clear();
         }
     }
     Ok(())
 }
 
-/// The update launches of [`multi_tensor_step`]: `kernel` over `tensors` on `stream`,
-/// [`MAX_TENSORS`] at a time.
+/// The device address in a [`TensorList`] of an optional operand (0 for none).
+fn address(p: Option<DevPtrMut<'_>>) -> u64 {
+    p.map_or(0, DevPtrMut::addr)
+}
+
+/// The update launches of [`multi_tensor_step`]: `kernel` over `tensors` (of `dtype`) on the
+/// current stream, [`MAX_TENSORS`] at a time.
 fn update(
     rt: &DeviceRuntime,
-    f: Function,
-    stream: u64,
-    tensors: &[OptimTensor],
-    kernel: OptimKernel,
+    dtype: DType,
+    tensors: &[OptimTensor<'_>],
+    kernel: OptimKernel<'_>,
 ) -> Result<()> {
-    let nonempty: Vec<&OptimTensor> = tensors.iter().filter(|t| t.numel > 0).collect();
+    let nonempty: Vec<&OptimTensor<'_>> = tensors.iter().filter(|t| t.numel > 0).collect();
     for group in nonempty.chunks(MAX_TENSORS) {
         let mut list = empty_list(group.len());
         let mut chunks = 0usize;
         for (t, x) in group.iter().enumerate() {
             for (k, &p) in x.ptrs.iter().enumerate() {
-                list.ptr[k][t] = p;
+                list.ptr[k][t] = address(p);
             }
             list.numel[t] = x.numel as i64;
             list.scalar[0][t] = x.scalars[0];
@@ -241,38 +243,27 @@ fn update(
                 lr_ptr,
                 flags,
             } => {
-                // SAFETY: `adam_T(TensorList l, f64 lr, f64 beta1, f64 omb1, f64 beta2, f64 omb2,
-                // f64 eps, f64 wd, const float* grad_scale, const float* found_inf,
-                // const double* lr_ptr, i32 flags)`; the caller guarantees every pointer of
-                // `list` is valid for its tensor's `numel` elements of `dtype` on this device
-                // (the state pointer 4 only when the amsgrad flag is set; the step pointer 5 one
-                // f32, only with device steps; the gradient is written only with a grad scale),
-                // that `grad_scale` and `found_inf` are 0 or address one f32 there, `lr_ptr` 0
-                // or one f64, and that the storages stay alive
-                // in stream order (they are freed through the caching allocator on this stream);
-                // `chunk_start` is the prefix count of `numel.div_ceil(CHUNK)`, so no block
-                // indexes past a tensor's end.
-                unsafe {
-                    launch(
-                        f,
-                        grid,
-                        stream,
-                        &[
-                            &list,
-                            &lr,
-                            &beta1,
-                            &one_minus_beta1,
-                            &beta2,
-                            &one_minus_beta2,
-                            &eps,
-                            &weight_decay,
-                            &grad_scale,
-                            &found_inf,
-                            &lr_ptr,
-                            &flags,
-                        ],
-                    )?;
-                }
+                // The caller's part: every pointer of `list` reaches its tensor's `numel`
+                // elements of `dtype` (the state pointer 4 when the amsgrad flag is set; the
+                // step pointer 5 one f32, with device steps); `chunk_start` is the prefix count
+                // of `numel.div_ceil(CHUNK)`, so no block indexes past a tensor's end.
+                launch::adam(
+                    rt,
+                    &[dtype],
+                    grid,
+                    &list,
+                    lr,
+                    beta1,
+                    one_minus_beta1,
+                    beta2,
+                    one_minus_beta2,
+                    eps,
+                    weight_decay,
+                    grad_scale,
+                    found_inf,
+                    lr_ptr,
+                    flags,
+                )?;
             }
             OptimKernel::Sgd {
                 lr,
@@ -284,28 +275,22 @@ fn update(
                 lr_ptr,
                 flags,
             } => {
-                // SAFETY: `sgd_T(TensorList l, f64 lr, f64 momentum, f64 omd, f64 wd, const
-                // float* grad_scale, const float* found_inf, const double* lr_ptr, i32 flags)`;
-                // pointers as for Adam above (the buffer pointer 2 is read and written only when
+                // Pointers as for Adam above (the buffer pointer 2 is read and written only when
                 // momentum != 0, and then the caller set it).
-                unsafe {
-                    launch(
-                        f,
-                        grid,
-                        stream,
-                        &[
-                            &list,
-                            &lr,
-                            &momentum,
-                            &one_minus_dampening,
-                            &weight_decay,
-                            &grad_scale,
-                            &found_inf,
-                            &lr_ptr,
-                            &flags,
-                        ],
-                    )?;
-                }
+                launch::sgd(
+                    rt,
+                    &[dtype],
+                    grid,
+                    &list,
+                    lr,
+                    momentum,
+                    one_minus_dampening,
+                    weight_decay,
+                    grad_scale,
+                    found_inf,
+                    lr_ptr,
+                    flags,
+                )?;
             }
         }
     }

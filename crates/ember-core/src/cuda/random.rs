@@ -17,10 +17,10 @@
 //!   copied to the device: the simplest way to give exactly the CPU's permutation.
 
 use super::device_errors::Kind;
-use super::kernels::{launch, Grid, KernelKey, KernelParam, KernelShape, Module};
+use super::kernels::{Grid, KernelParam, KernelShape};
+use super::launch;
 use super::runtime::{runtime, DeviceRuntime};
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::backend::op::{randint_range, Distribution, PhiloxState, RngState};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
@@ -128,36 +128,22 @@ impl CudaStorage {
         }
         let per_block = dist.per_block(dtype);
         let grid = Grid::linear(rt, n.div_ceil(per_block), 256);
-        let stream = current_raw(rt.ordinal);
-        let (o, n64) = (out.ptr_at(0), n as i64);
+        let (o, n64) = (out.dev_ptr_mut_at(0), n as i64);
+        // Device pointers in `rng` are the generator's live capture slots on this device.
         let rng = PhiloxArgs::new("random", rt, state)?;
+        // `out` holds `n` elements of `dtype`.
         match dist {
-            Distribution::Uniform { low: a, high: b } | Distribution::Normal { mean: a, std: b } => {
-                let base = if matches!(dist, Distribution::Uniform { .. }) {
-                    "uniform"
-                } else {
-                    "normal"
-                };
-                let f = rt.function(KernelKey::new(Module::Random, base, dtype))?;
-                let mode = f16_mode();
-                // SAFETY: `uniform_T` / `normal_T(T* out, i64 n, PhiloxArgs rng, f64, f64,
-                // i32 f16_mode)`; `out` holds `n` elements of T; device pointers in `rng` are
-                // the generator's live capture slots on this device.
-                unsafe { launch(f, grid, stream, &[&o, &n64, &rng, &a, &b, &mode])? };
+            Distribution::Uniform { low, high } => {
+                launch::uniform(rt, &[dtype], grid, o, n64, &rng, low, high, f16_mode())?
             }
-            Distribution::Bernoulli { p } => {
-                let f = rt.function(KernelKey::new(Module::Random, "bernoulli_p", dtype))?;
-                // SAFETY: `bernoulli_p_T(T* out, i64 n, PhiloxArgs rng, f64 p)`; `out` holds `n`
-                // elements of T; `rng` as above.
-                unsafe { launch(f, grid, stream, &[&o, &n64, &rng, &p])? };
+            Distribution::Normal { mean, std } => {
+                launch::normal(rt, &[dtype], grid, o, n64, &rng, mean, std, f16_mode())?
             }
+            Distribution::Bernoulli { p } => launch::bernoulli_p(rt, &[dtype], grid, o, n64, &rng, p)?,
             Distribution::RandInt { low, high } => {
+                // `range` >= 1: the caller checks low < high.
                 let range = randint_range(low, high);
-                let f = rt.function(KernelKey::new(Module::Random, "randint", DType::I64))?;
-                // SAFETY: `randint_i64(i64* out, i64 n, PhiloxArgs rng, i64 low, u64 range)`;
-                // `out` holds `n` i64 and `range` >= 1 (the caller checks low < high); `rng` as
-                // above.
-                unsafe { launch(f, grid, stream, &[&o, &n64, &rng, &low, &range])? };
+                launch::randint(rt, &[DType::I64], grid, o, n64, &rng, low, range)?
             }
         }
         Ok(out)
@@ -180,21 +166,13 @@ impl CudaStorage {
             return Ok(out);
         }
         let shape = KernelShape::new("bernoulli", layout.dims(), &[layout.strides()])?;
-        let f = rt.function(KernelKey::new(Module::Random, "bernoulli", self.dtype()))?;
-        let (p, o, n64) = (self.ptr(layout), out.ptr_at(0), n as i64);
+        let (p, o, n64) = (self.dev_ptr(layout), out.dev_ptr_mut_at(0), n as i64);
         let rng = PhiloxArgs::new("bernoulli", rt, state)?;
         let check = rt.errors.check_args("bernoulli", Kind::Probability, 0, 0);
-        // SAFETY: `bernoulli_T(const T* prob, Strided s, T* out, i64 n, PhiloxArgs rng,
-        // ErrorCheck check)`; `prob` reaches the `n` elements of a valid layout, `out` holds `n`
-        // elements; `rng` as in `random`, `check` addresses the device's error record.
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, n.div_ceil(4), 256),
-                current_raw(rt.ordinal),
-                &[&p, &shape, &o, &n64, &rng, &check],
-            )?;
-        }
+        // `prob` reaches the `n` elements of a valid layout, `out` holds `n` elements; `rng` as
+        // in `random`.
+        let (dtypes, grid) = ([self.dtype()], Grid::linear(rt, n.div_ceil(4), 256));
+        launch::bernoulli(rt, &dtypes, grid, p, &shape, o, n64, &rng, &check)?;
         Ok(out)
     }
 }

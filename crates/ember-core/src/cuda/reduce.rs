@@ -12,10 +12,10 @@
 //! writes a partial state, and a second launch combines each output's partials in a fixed
 //! order: results are deterministic and no atomics are used.
 
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::kernels::{Grid, KernelShape};
+use super::launch::{self, reduce, reduce_final, DevPtrMut};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::backend::op::ReduceOp;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
@@ -35,10 +35,11 @@ const MIN_PER_LANE: usize = 8;
 /// or 784 elements, a convolution bias gradient's spatial sums, takes 32 or 64 lanes, not 256).
 const ROW_PER_LANE: usize = 16;
 
-/// The kernel family, its `variant` and `param` arguments and the output dtype of `op` on `dtype`.
+/// The kernels of the two passes, their `variant` and `param` arguments and the output dtype
+/// of `op` on `dtype`.
 struct Kernel {
-    base: &'static str,
-    final_base: &'static str,
+    base: reduce::Name,
+    final_base: reduce_final::Name,
     variant: i32,
     param: f64,
     out_dtype: DType,
@@ -54,20 +55,30 @@ fn kernel_for(op: ReduceOp, dtype: DType, k: usize) -> Result<Kernel> {
         param,
         out_dtype,
     };
-    let sum = |variant, param| kernel("reduce_sum", "reduce_sum_final", variant, param, dtype);
-    let minmax = |variant| kernel("reduce_minmax", "reduce_minmax_final", variant, 0.0, dtype);
+    let (sum_k, sum_final) = (reduce::reduce_sum, reduce_final::reduce_sum_final);
+    let (minmax_k, minmax_final) = (reduce::reduce_minmax, reduce_final::reduce_minmax_final);
+    let (arg_k, arg_final) = (reduce::reduce_arg, reduce_final::reduce_arg_final);
+    let (var_k, var_final) = (reduce::reduce_var, reduce_final::reduce_var_final);
+    let sum = |variant, param| kernel(sum_k, sum_final, variant, param, dtype);
+    let minmax = |variant| kernel(minmax_k, minmax_final, variant, 0.0, dtype);
     Ok(match op {
-        ReduceOp::Sum => kernel("reduce_sum", "reduce_sum_final", 0, 0.0, sum_dtype),
-        ReduceOp::Prod => kernel("reduce_prod", "reduce_prod_final", 0, 0.0, sum_dtype),
+        ReduceOp::Sum => kernel(sum_k, sum_final, 0, 0.0, sum_dtype),
+        ReduceOp::Prod => kernel(
+            reduce::reduce_prod,
+            reduce_final::reduce_prod_final,
+            0,
+            0.0,
+            sum_dtype,
+        ),
         ReduceOp::Max => minmax(0),
         ReduceOp::Min => minmax(1),
-        ReduceOp::ArgMax => kernel("reduce_arg", "reduce_arg_final", 0, 0.0, DType::I64),
-        ReduceOp::ArgMin => kernel("reduce_arg", "reduce_arg_final", 1, 0.0, DType::I64),
+        ReduceOp::ArgMax => kernel(arg_k, arg_final, 0, 0.0, DType::I64),
+        ReduceOp::ArgMin => kernel(arg_k, arg_final, 1, 0.0, DType::I64),
         _ if !float => return Err(Error::dtype(op.name(), dtype)),
         ReduceOp::Mean => sum(1, k as f64),
-        ReduceOp::LogSumExp => kernel("reduce_lse", "reduce_lse_final", 0, 0.0, dtype),
-        ReduceOp::Var { correction } => kernel("reduce_var", "reduce_var_final", 0, correction, dtype),
-        ReduceOp::Std { correction } => kernel("reduce_var", "reduce_var_final", 1, correction, dtype),
+        ReduceOp::LogSumExp => kernel(reduce::reduce_lse, reduce_final::reduce_lse_final, 0, 0.0, dtype),
+        ReduceOp::Var { correction } => kernel(var_k, var_final, 0, correction, dtype),
+        ReduceOp::Std { correction } => kernel(var_k, var_final, 1, correction, dtype),
         ReduceOp::Norm { p } if p == 2.0 => sum(2, 0.0),
         ReduceOp::Norm { p } if p == 1.0 => sum(3, 0.0),
         ReduceOp::Norm { p } if p == f64::INFINITY => minmax(2),
@@ -183,13 +194,19 @@ fn plan(rt: &DeviceRuntime, g: &Geometry) -> Plan {
 }
 
 impl CudaStorage {
-    /// Runs the reduction kernel `kernel` over `g`, writing `out` (values, may be 0 for
-    /// argmax/argmin) and `idx` (i64 indices, 0 unless an arg kernel); needs M, K > 0.
-    fn run_reduce(&self, layout: &Layout, kernel: &Kernel, g: &Geometry, out: u64, idx: u64) -> Result<()> {
+    /// Runs the reduction kernel `kernel` over `g`, writing `out` (values, may be `None` for
+    /// argmax/argmin) and `idx` (i64 indices, `None` unless an arg kernel); needs M, K > 0.
+    fn run_reduce(
+        &self,
+        layout: &Layout,
+        kernel: &Kernel,
+        g: &Geometry,
+        out: Option<DevPtrMut<'_>>,
+        idx: Option<DevPtrMut<'_>>,
+    ) -> Result<()> {
         let rt = self.runtime()?;
         let p = plan(rt, g);
         let dtype = self.dtype();
-        let stream = current_raw(rt.ordinal);
         let partials = if p.splits > 1 {
             Some(CudaStorage::alloc_on(
                 rt,
@@ -199,46 +216,41 @@ impl CudaStorage {
         } else {
             None
         };
-        let part = partials.as_ref().map_or(0, |s| s.ptr_at(0));
-        let f = rt.function(KernelKey::new(Module::Reduce, kernel.base, dtype))?;
-        let (x, m, k, chunk) = (self.ptr(layout), g.m as i64, g.k as i64, p.chunk as i64);
+        let part = partials.as_ref().map(|s| s.dev_ptr_mut_at(0));
+        let (x, m, k, chunk) = (self.dev_ptr(layout), g.m as i64, g.k as i64, p.chunk as i64);
         let (row, variant, param) = (p.row as i32, kernel.variant, kernel.param);
         let grid = Grid {
             grid: (p.grid_x as u32, p.splits as u32, 1),
             block: (p.bx as u32, p.by as u32, 1),
             shared_bytes: (p.bx * p.by * STATE_BYTES) as u32,
         };
-        // SAFETY: `reduce_<op>_T(const T* x, Strided outer, Strided inner, i64 m, i64 k,
-        // i64 chunk, i32 row, i32 variant, double param, Out* out, i64* idx, State* partial)`.
         // `outer`/`inner` come from the valid `layout` of this storage, so every offset the
         // kernel forms (outputs < m, elements < k) is inside it; `out`/`idx` hold m elements
-        // of the kernel's Out / i64 (or are 0 where the kernel skips them); `partial` holds
-        // m * gridDim.y states of at most STATE_BYTES each; shared memory is bx * by states.
-        unsafe {
-            launch(
-                f,
-                grid,
-                stream,
-                &[
-                    &x,
-                    &g.outer,
-                    &g.inner,
-                    &m,
-                    &k,
-                    &chunk,
-                    &row,
-                    &variant,
-                    &param,
-                    &(if p.splits > 1 { 0u64 } else { out }),
-                    &(if p.splits > 1 { 0u64 } else { idx }),
-                    &part,
-                ],
-            )?;
-        }
-        if p.splits == 1 {
+        // of the kernel's result type / i64 (or are null where the kernel skips them);
+        // `partial` holds m * gridDim.y states of at most STATE_BYTES each; shared memory is
+        // bx * by states.
+        let (first_out, first_idx) = if p.splits > 1 { (None, None) } else { (out, idx) };
+        launch::reduce(
+            rt,
+            kernel.base,
+            &[dtype],
+            grid,
+            x,
+            &g.outer,
+            &g.inner,
+            m,
+            k,
+            chunk,
+            row,
+            variant,
+            param,
+            first_out,
+            first_idx,
+            part,
+        )?;
+        let Some(part) = part else {
             return Ok(());
-        }
-        let f = rt.function(KernelKey::new(Module::Reduce, kernel.final_base, dtype))?;
+        };
         let lanes = p.splits.next_power_of_two().clamp(32, BLOCK);
         let splits = p.splits as i64;
         let grid = Grid {
@@ -246,17 +258,23 @@ impl CudaStorage {
             block: (lanes as u32, 1, 1),
             shared_bytes: (lanes * STATE_BYTES) as u32,
         };
-        // SAFETY: `reduce_<op>_final_T(const State* partial, i64 m, i64 splits, i32 variant,
-        // double param, Out* out, i64* idx)`; `partial` holds m * splits states written by the
-        // first pass earlier on this stream; `out`/`idx` as above.
-        unsafe {
-            launch(
-                f,
-                grid,
-                stream,
-                &[&part, &m, &splits, &variant, &param, &out, &idx],
-            )?;
-        }
+        // `partial` holds m * splits states written by the first pass earlier on this stream;
+        // `out`/`idx` as above.
+        let part = part.read_only();
+        let kernel = kernel.final_base;
+        launch::reduce_final(
+            rt,
+            kernel,
+            &[dtype],
+            grid,
+            part,
+            m,
+            splits,
+            variant,
+            param,
+            out,
+            idx,
+        )?;
         // `partials` returns to the allocator's pool of this stream, where no later work can
         // reuse it before the kernels above have run.
         drop(partials);
@@ -280,8 +298,8 @@ impl CudaStorage {
             return Ok(out);
         }
         let (o, idx) = match op {
-            ReduceOp::ArgMax | ReduceOp::ArgMin => (0, out.ptr_at(0)),
-            _ => (out.ptr_at(0), 0),
+            ReduceOp::ArgMax | ReduceOp::ArgMin => (None, Some(out.dev_ptr_mut_at(0))),
+            _ => (Some(out.dev_ptr_mut_at(0)), None),
         };
         self.run_reduce(layout, &kernel, &g, o, idx)?;
         Ok(out)
@@ -311,13 +329,14 @@ impl CudaStorage {
             return Ok((values, indices));
         }
         let kernel = Kernel {
-            base: "reduce_arg",
-            final_base: "reduce_arg_final",
+            base: reduce::reduce_arg,
+            final_base: reduce_final::reduce_arg_final,
             variant,
             param: 0.0,
             out_dtype: self.dtype(),
         };
-        self.run_reduce(layout, &kernel, &g, values.ptr_at(0), indices.ptr_at(0))?;
+        let (v, i) = (values.dev_ptr_mut_at(0), indices.dev_ptr_mut_at(0));
+        self.run_reduce(layout, &kernel, &g, Some(v), Some(i))?;
         Ok((values, indices))
     }
 }

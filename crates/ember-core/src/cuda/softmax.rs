@@ -4,10 +4,10 @@
 //! read a row together; rows along another dim are taken a row per thread column, so that
 //! neighbouring threads read neighbouring memory (see the kernel file's geometry notes).
 
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::kernels::{Grid, KernelShape};
+use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::backend::op::SoftmaxOp;
 use crate::layout::Layout;
 use crate::{Error, Result};
@@ -104,22 +104,12 @@ impl CudaStorage {
         let os = contiguous_strides(layout.dims());
         let rows = Rows::new(op.name(), layout.dims(), dim, &[layout.strides(), &os])?;
         let (grid, row) = rows.grid(rt);
-        let f = rt.function(KernelKey::new(Module::Softmax, "softmax", dtype))?;
-        let (x, o) = (self.ptr(layout), out.ptr_at(0));
+        let (x, o) = (self.dev_ptr(layout), out.dev_ptr_mut_at(0));
         let (nrows, k, xs, ost) = (rows.nrows as i64, rows.k as i64, rows.along[0], rows.along[1]);
         let log = (op == SoftmaxOp::LogSoftmax) as i32;
-        // SAFETY: `softmax_T(const T* x, T* out, Strided rows, i64 nrows, i64 k, i64 xs, i64 os,
-        // i32 log, i32 row)`; row bases and strides come from `layout` (valid for this storage)
-        // and from the row-major strides of `out`, which holds `n` elements; shared memory is
-        // bx * by doubles.
-        unsafe {
-            launch(
-                f,
-                grid,
-                current_raw(rt.ordinal),
-                &[&x, &o, &rows.shape, &nrows, &k, &xs, &ost, &log, &row],
-            )?;
-        }
+        // Row bases and strides come from `layout` (valid for this storage) and from the
+        // row-major strides of `out`, which holds `n` elements; shared memory is bx * by doubles.
+        launch::softmax(rt, &[dtype], grid, x, o, &rows.shape, nrows, k, xs, ost, log, row)?;
         Ok(out)
     }
 
@@ -157,22 +147,28 @@ impl CudaStorage {
         let os = contiguous_strides(yl.dims());
         let rows = Rows::new(op.name(), yl.dims(), dim, &[yl.strides(), gl.strides(), &os])?;
         let (grid, row) = rows.grid(rt);
-        let f = rt.function(KernelKey::new(Module::Softmax, "softmax_backward", dtype))?;
-        let (y, g, o) = (self.ptr(yl), grad.ptr(gl), out.ptr_at(0));
+        let (y, g, o) = (self.dev_ptr(yl), grad.dev_ptr(gl), out.dev_ptr_mut_at(0));
         let (nrows, k) = (rows.nrows as i64, rows.k as i64);
         let (ys, gs, ost) = (rows.along[0], rows.along[1], rows.along[2]);
         let log = (op == SoftmaxOp::LogSoftmax) as i32;
-        // SAFETY: `softmax_backward_T(const T* y, const T* g, T* out, Strided rows, i64 nrows,
-        // i64 k, i64 ys, i64 gs, i64 os, i32 log, i32 row)`; `y` and `g` are read through
-        // their valid layouts (same shape), `out` holds `n` row-major elements.
-        unsafe {
-            launch(
-                f,
-                grid,
-                current_raw(rt.ordinal),
-                &[&y, &g, &o, &rows.shape, &nrows, &k, &ys, &gs, &ost, &log, &row],
-            )?;
-        }
+        // `y` and `g` are read through their valid layouts (same shape), `out` holds `n`
+        // row-major elements.
+        launch::softmax_backward(
+            rt,
+            &[dtype],
+            grid,
+            y,
+            g,
+            o,
+            &rows.shape,
+            nrows,
+            k,
+            ys,
+            gs,
+            ost,
+            log,
+            row,
+        )?;
         Ok(out)
     }
 }

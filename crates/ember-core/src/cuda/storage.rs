@@ -31,7 +31,8 @@
 //! (recorded on the target's current stream, which reads it), so no block of the target's own
 //! queued work can be reused under it.
 
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::kernels::{Grid, KernelShape};
+use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::current_raw;
 use crate::cpu::{with_cpu_storage, CpuElement, CpuStorage};
@@ -134,6 +135,38 @@ impl CudaStorage {
     #[inline]
     pub(crate) fn ptr(&self, layout: &Layout) -> u64 {
         self.ptr_at(layout.offset())
+    }
+
+    /// Element `offset` (a layout's offset, or one checked against the storage) as an operand
+    /// a kernel reads (Note [Typed launchers] in `launch.rs`).
+    #[inline]
+    pub(crate) fn dev_ptr_at(&self, offset: usize) -> DevPtr<'_> {
+        // SAFETY: the address is element `offset` of this storage's block: inside it, or past
+        // its end only for a view with no elements (the offset of `narrow` on a tensor with a
+        // zero dim); the block stays allocated while `self` is borrowed (the `Arc` holds it)
+        // and the caching allocator reuses it after its free only in stream order.
+        unsafe { DevPtr::new(self.ptr_at(offset)) }
+    }
+
+    /// The first element of `layout` as an operand a kernel reads.
+    #[inline]
+    pub(crate) fn dev_ptr(&self, layout: &Layout) -> DevPtr<'_> {
+        self.dev_ptr_at(layout.offset())
+    }
+
+    /// Element `offset` as an operand a kernel writes. Takes `&self`, as every CUDA op that
+    /// writes a storage does: the caller holds the storage's write access (a fresh output, or
+    /// the write lock of the dispatch point).
+    #[inline]
+    pub(crate) fn dev_ptr_mut_at(&self, offset: usize) -> DevPtrMut<'_> {
+        // SAFETY: as in `dev_ptr_at`.
+        unsafe { DevPtrMut::new(self.ptr_at(offset)) }
+    }
+
+    /// The first element of `layout` as an operand a kernel writes.
+    #[inline]
+    pub(crate) fn dev_ptr_mut(&self, layout: &Layout) -> DevPtrMut<'_> {
+        self.dev_ptr_mut_at(layout.offset())
     }
 
     /// The runtime of this storage's device, bound to the calling thread.
@@ -288,6 +321,10 @@ impl CudaStorage {
         let mut pattern = [0u8; 8];
         let bytes = host_bytes(&one);
         pattern[..bytes.len()].copy_from_slice(bytes);
+        if bytes.len() == 8 {
+            let (dst, word) = (self.dev_ptr_mut_at(start), u64::from_ne_bytes(pattern));
+            return launch::fill_u64(rt, &[], Grid::linear(rt, n, 256), dst, word, n as i64);
+        }
         let dst = self.ptr_at(start);
         super::kernel_timing::note_work(stream);
         let s = stream as sys::CUstream;
@@ -296,12 +333,7 @@ impl CudaStorage {
             match bytes.len() {
                 1 => sys::cuMemsetD8Async(dst, pattern[0], n, s),
                 2 => sys::cuMemsetD16Async(dst, u16::from_ne_bytes([pattern[0], pattern[1]]), n, s),
-                4 => sys::cuMemsetD32Async(dst, u32::from_ne_bytes(pattern[..4].try_into().unwrap()), n, s),
-                _ => {
-                    let f = rt.function(KernelKey::plain(Module::Copy, "fill_u64"))?;
-                    let (n64, word) = (n as i64, u64::from_ne_bytes(pattern));
-                    return launch(f, Grid::linear(rt, n, 256), stream, &[&dst, &word, &n64]);
-                }
+                _ => sys::cuMemsetD32Async(dst, u32::from_ne_bytes(pattern[..4].try_into().unwrap()), n, s),
             }
         };
         r.result().map_err(cuda_error("fill"))
@@ -339,26 +371,13 @@ impl CudaStorage {
             dst_layout.dims(),
             &[src_layout.strides(), dst_layout.strides()],
         )?;
-        let n64 = n as i64;
+        let (dtypes, grid, n64) = ([src.dtype, self.dtype], Grid::linear(rt, n, 256), n as i64);
+        let (srcp, dst) = (src.dev_ptr(src_layout), self.dev_ptr_mut(dst_layout));
+        // Both hold `n` elements; the strides come from valid layouts of each.
         if shape.is_contiguous(0) && shape.is_contiguous(1) {
-            let f = rt.function(KernelKey::with2(
-                Module::Copy,
-                "cast_contig",
-                src.dtype,
-                self.dtype,
-            ))?;
-            // SAFETY: `cast_contig_S_D(const S* src, D* dst, i64 n)`; both hold `n` elements.
-            return unsafe { launch(f, Grid::linear(rt, n, 256), stream, &[&srcp, &dst, &n64]) };
+            return launch::cast_contig(rt, &dtypes, grid, srcp, dst, n64);
         }
-        let f = rt.function(KernelKey::with2(
-            Module::Copy,
-            "cast_strided",
-            src.dtype,
-            self.dtype,
-        ))?;
-        // SAFETY: `cast_strided_S_D(const S* src, D* dst, Strided s, i64 n)`; the strides of
-        // both operands stay inside their storages (they come from valid layouts).
-        unsafe { launch(f, Grid::linear(rt, n, 256), stream, &[&srcp, &dst, &shape, &n64]) }
+        launch::cast_strided(rt, &dtypes, grid, srcp, dst, &shape, n64)
     }
 
     /// Writes `src` at `src_layout` (on any GPU) into `self` at `dst_layout`; a source on another
