@@ -11,17 +11,8 @@
 //   1: `a` row-major, `b` one broadcast element      2: `a` one broadcast element, `b` row-major
 //   3: any strides (Strided: stride[0] = a, stride[1] = b, stride[2] = cond for `where`)
 //
-// Launch contract:
-//   binary_<op>_T(const T* a, const T* b, T* out, Strided s, i64 n, i32 mode)
-//       integers: pow takes non-negative exponents (a negative one gives an unspecified
-//       element; the host launches check_pow_exponent_I first)
-//   check_pow_exponent_I(const I* b, Strided s, i64 n, ErrorCheck check)        I in i64 i32
-//       records the first negative exponent (s.stride[0] = the exponents' strides) in the
-//       device's error record (Note [Deferred device errors] in `cuda/device_errors.rs`);
-//       blockDim.x a multiple of 32
-//   compare_<op>_T(const T* a, const T* b, bool* out, Strided s, i64 n, i32 mode)
-//   logical_<op>(const bool* a, const bool* b, bool* out, Strided s, i64 n, i32 mode)
-//   where_T(const bool* cond, const T* a, const T* b, T* out, Strided s, i64 n)
+// Parameters: `binary`, `compare`, `logical`, `where_select` and `check_pow_exponent` in
+// `cuda/launch.rs`.
 
 template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
@@ -122,8 +113,7 @@ __device__ __forceinline__ double log_of(double x) { return log(x); }
     };
 #define EMBER_BINARY_KERNEL(op, T, name, F)                                                         \
     EMBER_IN_UNIT(binary_##op##_##name,                                                             \
-    extern "C" __global__ void binary_##op##_##name(const T* a, const T* b, T* out, Strided s,      \
-                                                    i64 n, i32 mode) {                              \
+    extern "C" __global__ void binary_##op##_##name EMBER_PARAMS_binary(T) {                        \
         for_each2(a, b, out, s, n, mode, F());                                                      \
     })
 #define EMBER_BINARY_FLOAT(op, expr)                                                                \
@@ -162,8 +152,7 @@ EMBER_BINARY_FLOAT(xlogy, y != y ? y : (x == (A)0 ? (A)0 : x * log_of(y)))
 // The logical ops of two bool operands.
 #define EMBER_LOGICAL(op, F)                                                                        \
     EMBER_IN_UNIT(logical_##op,                                                                     \
-    extern "C" __global__ void logical_##op(const bool* a, const bool* b, bool* out, Strided s,     \
-                                            i64 n, i32 mode) {                                      \
+    extern "C" __global__ void logical_##op EMBER_PARAMS_logical {                                  \
         for_each2(a, b, out, s, n, mode, F());                                                      \
     })
 EMBER_LOGICAL(and, AndOp)
@@ -188,8 +177,7 @@ EMBER_CMP(GeOp, x >= y)
 // A comparison: its functor (above) and its kernel in every dtype.
 #define EMBER_COMPARE_KERNEL(op, F, T, name)                                                        \
     EMBER_IN_UNIT(compare_##op##_##name,                                                            \
-    extern "C" __global__ void compare_##op##_##name(const T* a, const T* b, bool* out, Strided s,  \
-                                                     i64 n, i32 mode) {                             \
+    extern "C" __global__ void compare_##op##_##name EMBER_PARAMS_compare(T) {                      \
         for_each2(a, b, out, s, n, mode, F<T>());                                                   \
     })
 #define EMBER_COMPARE(op, F)                                                                        \
@@ -205,11 +193,11 @@ EMBER_COMPARE(gt, GtOp)
 EMBER_COMPARE(ge, GeOp)
 
 #define EMBER_WHERE(T, name)                                                                                  \
-    EMBER_IN_UNIT(where_##name,                                                                               \
-    extern "C" __global__ void where_##name(const bool* c, const T* a, const T* b, T* out, Strided s, i64 n) { \
+    EMBER_IN_UNIT(where_select_##name,                                                                        \
+    extern "C" __global__ void where_select_##name EMBER_PARAMS_where_select(T) {                             \
         EMBER_KERNEL_LOOP(i, n) {                                                                             \
             Offsets<3> o = strided_offsets<3>(s, i);                                                          \
-            out[i] = c[o.v[2]] ? a[o.v[0]] : b[o.v[1]];                                                       \
+            out[i] = cond[o.v[2]] ? a[o.v[0]] : b[o.v[1]];                                                    \
         }                                                                                                     \
     })
 EMBER_FOR_ALL_DTYPES(EMBER_WHERE)
@@ -218,7 +206,7 @@ EMBER_FOR_ALL_DTYPES(EMBER_WHERE)
 // recorded for the host to report at its next synchronizing call, so the op never reads back.
 #define EMBER_POW_CHECK(I, name)                                                                              \
     EMBER_IN_UNIT(check_pow_exponent_##name,                                                                  \
-    extern "C" __global__ void check_pow_exponent_##name(const I* b, Strided s, i64 n, ErrorCheck check) {    \
+    extern "C" __global__ void check_pow_exponent_##name EMBER_PARAMS_check_pow_exponent(I) {                 \
         FirstBad first = no_bad();                                                                            \
         EMBER_KERNEL_LOOP(i, n) {                                                                             \
             I e = b[strided_offset(s, 0, i)];                                                                 \

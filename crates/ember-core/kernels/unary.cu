@@ -12,10 +12,7 @@
 //   0: input row-major (16-byte vector loads and stores when both pointers are aligned)
 //   1: input of any strides (s.stride[0]); the output is always row-major
 //
-// Launch contract (grid-stride, any 1-D grid):
-//   unary_<op>_T(const T* x, T* out, Strided s, i64 n, f64 c0, f64 c1, f64 c2, i32 mode)
-//       c0..c2 are the op's parameters (`UnaryOp::kernel_params`), rounded to the compute type
-//       once, as the CPU's `R::c(v)` does; integer kernels ignore them.
+// Parameters: `unary` in `cuda/launch.rs`.
 
 // Math functions by compute type: the f32 and f64 entry points of CUDA's math library.
 template <typename R> struct Math;
@@ -112,8 +109,7 @@ template <typename R> __device__ __forceinline__ R hardsigmoid(R x) {
     EMBER_UNARY_KERNEL(op, f16, f16) EMBER_UNARY_KERNEL(op, bf16, bf16)
 #define EMBER_UNARY_KERNEL(op, T, name)                                                             \
     EMBER_IN_UNIT(unary_##op##_##name,                                                              \
-    extern "C" __global__ void unary_##op##_##name(const T* x, T* out, Strided s, i64 n, double c0, \
-                                                   double c1, double c2, i32 mode) {                \
+    extern "C" __global__ void unary_##op##_##name EMBER_PARAMS_unary(T) {                         \
         typedef typename Acc<T>::type R;                                                            \
         run(x, out, s, n, mode, Unary_##op<R>{(R)c0, (R)c1, (R)c2});                                \
     })
@@ -192,8 +188,7 @@ template <> struct Wrap<u8> { typedef u32 type; };
     EMBER_UNARY_INT_KERNEL(op, i64) EMBER_UNARY_INT_KERNEL(op, i32) EMBER_UNARY_INT_KERNEL(op, u8)
 #define EMBER_UNARY_INT_KERNEL(op, T)                                                               \
     EMBER_IN_UNIT(unary_##op##_##T,                                                                 \
-    extern "C" __global__ void unary_##op##_##T(const T* x, T* out, Strided s, i64 n, double c0,    \
-                                                double c1, double c2, i32 mode) {                   \
+    extern "C" __global__ void unary_##op##_##T EMBER_PARAMS_unary(T) {                            \
         map1(x, out, s, n, mode, UnaryInt_##op<T>());                                               \
     })
 

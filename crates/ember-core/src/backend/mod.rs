@@ -1,6 +1,7 @@
-//! The backend boundary: the op vocabulary ([`op`], [`geometry`], [`step`]) and the one
-//! interface every backend implements for every op family ([`BackendStorage`] for a backend's
-//! storage, [`BackendDevice`] for what is made from nothing on a device).
+//! The backend boundary: the op vocabulary ([`table`], [`op`], [`geometry`], [`step`]) and the
+//! interface every backend implements: one trait per op family ([`ElementwiseOps`],
+//! [`ReduceOps`], ...), gathered by [`BackendStorage`] for a backend's storage, and
+//! [`BackendDevice`] for what is made from nothing on a device.
 //!
 //! Layers: the op layer (`ops/`, `tensor/`, `autograd/`, `random/`) calls the enum
 //! [`Storage`](crate::storage::Storage), which forwards each call to the trait on matching
@@ -19,9 +20,10 @@
 //! failure is a typed [`Error`](crate::Error), never a panic.
 //!
 //! Adding an op family: its enum or parameter struct goes in [`op`] (or [`geometry`] /
-//! [`step`]), one method here, one forwarding method on `Storage` (`storage.rs`), and the
-//! kernels in `cpu/<family>.rs` and `cuda/<family>.rs` (+ `kernels/<family>.cu`), reached
-//! from `cpu/backend.rs` and `cuda/backend.rs`.
+//! [`step`]), its trait here (a supertrait of [`BackendStorage`]), one forwarding method on
+//! `Storage` (`storage.rs`), and the trait's implementations in `cpu/<family>.rs` and
+//! `cuda/<family>.rs` (+ `kernels/<family>.cu`). An elementwise op is one line of its table
+//! ([`table`]; the crate's `architecture` page).
 
 pub mod geometry;
 pub mod op;
@@ -156,7 +158,7 @@ pub trait ReduceOps: Sized {
 pub trait MatmulOps: Sized {
     /// The batched product of `[B.., m, k]` and `[B.., k, n]` (batch dims already broadcast).
     fn matmul(&self, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
-    /// [`BackendStorage::matmul`] plus `bias` (`[n]`) added to every row in the product's
+    /// [`MatmulOps::matmul`] plus `bias` (`[n]`) added to every row in the product's
     /// accumulator, rounded once to the output dtype (floats only; `linear`'s addmm).
     fn matmul_bias(
         &self,

@@ -1,5 +1,5 @@
 //! CPU kernels of GradScaler's device side (`ops/amp_scaling.rs`, reached through
-//! `cpu/backend.rs`): the inf/NaN check and unscale of one gradient, and the scale update. The
+//! its `AmpOps` below): the inf/NaN check and unscale of one gradient, and the scale update. The
 //! arithmetic is `kernels/amp.cu`'s: each element is loaded to its arithmetic type (f32 for
 //! f16/bf16/f32, f64 for f64), checked, then multiplied by the f32 inverse scale (not at all
 //! when it is exactly 1) and rounded once on store; the scale update multiplies in f64 and

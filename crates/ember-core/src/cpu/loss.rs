@@ -90,7 +90,7 @@ macro_rules! float_rows {
 
 impl CpuStorage {
     /// `(loss, total_weight)` of the contiguous `[m, c]` log-probability rows `self` at
-    /// `target` (see `BackendStorage::nll_loss_forward`).
+    /// `target` (see `LossOps::nll_loss_forward`).
     pub(crate) fn nll_loss_forward(
         &self,
         target: &CpuStorage,

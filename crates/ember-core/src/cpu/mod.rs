@@ -3,8 +3,9 @@
 //! general strided path. f16 and bf16 compute through f32.
 //!
 //! One file per op family (`binary`, `unary`, `reduce`, `matmul`, `index`, `softmax`, `conv`,
-//! `pool`, `random`, `optim`, `rnn`); `backend.rs` implements the backend traits
-//! (`crate::backend`) for [`CpuStorage`] and [`CpuDevice`] on top of them.
+//! `pool`, `random`, `optim`, `rnn`, `loss`, `amp`), each implementing its family's backend
+//! trait (`crate::backend`) for [`CpuStorage`]; this file implements the copies, the base
+//! trait and [`CpuDevice`].
 
 use crate::backend::{BackendDevice, BackendStorage, Distribution, ForeachCopy, PhiloxState, RngState};
 use crate::dtype::Element;

@@ -1,5 +1,5 @@
 //! CPU kernels of the fused optimizer steps (`ops/fused_optim.rs`, reached through
-//! `cpu/backend.rs`): each tensor's row-major elements are cut into [`PAR_CHUNK`]-element
+//! its `OptimOps` below): each tensor's row-major elements are cut into [`PAR_CHUNK`]-element
 //! pieces, and the pieces of all tensors run as one rayon loop once the step is bigger than
 //! [`PAR_THRESHOLD`] elements.
 //!
@@ -10,7 +10,7 @@
 //!
 //! Under a GradScaler ([`GradIn::Scaled`]) each gradient is divided by the grad scale before
 //! the update and the quotient stored back, as in the CUDA kernels; the found-inf skip is
-//! decided by the caller (`cpu/backend.rs`), which reads the flag from host memory.
+//! decided by its `OptimOps` below, which reads the flag from host memory.
 
 use super::CpuStorage;
 use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};

@@ -1,13 +1,16 @@
 //! CUDA launcher for `kernels/amp.cu`: GradScaler's fused inf check and unscale of many
 //! gradients ([`non_finite_check_and_unscale`]) and its scale update ([`update_scale`]), for
-//! `ops/amp_scaling.rs` (reached through `cuda/backend.rs`). The tensors of the multi-tensor
+//! `ops/amp_scaling.rs` (reached through its `AmpOps` below). The tensors of the multi-tensor
 //! kernel travel in an [`AmpTensorList`] passed by value, at most [`MAX_TENSORS`] per launch
 //! (the chunked geometry of `cuda/optim.rs`); every launch goes on the current stream and the
 //! host never waits.
 
 use super::kernels::{Grid, KernelParam};
 use super::launch::{self, DevPtr, DevPtrMut};
+use super::optim::{ptr, ptr_mut};
 use super::runtime::runtime;
+use super::CudaStorage;
+use crate::backend::{AmpOps, Elems, ScaleUpdate, UnscaleGrads};
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_AMP_MAX_TENSORS` in the kernel file).
@@ -108,5 +111,46 @@ mod tests {
         assert_eq!(std::mem::size_of::<AmpTensorList>(), 3088);
         assert_eq!(std::mem::align_of::<AmpTensorList>(), 8);
         assert!(std::mem::size_of::<AmpTensorList>() + 2 * 8 <= 4096);
+    }
+}
+
+impl AmpOps for CudaStorage {
+    fn non_finite_check_and_unscale(
+        grads: UnscaleGrads<'_, CudaStorage>,
+        found_inf: Elems<&mut CudaStorage>,
+        inv_scale: Elems<&CudaStorage>,
+    ) -> Result<()> {
+        let ordinal = found_inf.storage.ordinal();
+        let (found_ptr, inv_ptr) = (ptr_mut(&found_inf), ptr(&inv_scale));
+        // One multi-tensor kernel per dtype, in this order.
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let group: Vec<(DevPtrMut<'_>, usize)> = grads
+                .grads
+                .iter()
+                .map(|g| (&*grads.storages[g.storage], g))
+                .filter(|(s, _)| s.dtype() == dtype)
+                .map(|(s, g)| (s.dev_ptr_mut_at(g.offset), g.len))
+                .collect();
+            if !group.is_empty() {
+                self::non_finite_check_and_unscale(ordinal, dtype, &group, found_ptr, inv_ptr)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn update_scale(
+        u: &ScaleUpdate,
+        scale: Elems<&mut CudaStorage>,
+        growth_tracker: Elems<&mut CudaStorage>,
+        found_inf: Elems<&CudaStorage>,
+    ) -> Result<()> {
+        self::update_scale(
+            scale.storage.ordinal(),
+            [ptr_mut(&scale), ptr_mut(&growth_tracker)],
+            ptr(&found_inf),
+            u.growth_factor,
+            u.backoff_factor,
+            u.growth_interval,
+        )
     }
 }

@@ -47,6 +47,7 @@ use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::MatmulOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result, Shape};
 use cudarc::cublaslt::result::{self as lt, CublasError};
@@ -1033,5 +1034,23 @@ mod tests {
         assert_eq!(alignment(0x1004), 4);
         assert_eq!(alignment(0x1002), 2);
         assert_eq!(alignment(0x1080), 128);
+    }
+}
+
+impl MatmulOps for CudaStorage {
+    #[inline]
+    fn matmul(&self, layout: &Layout, rhs: &CudaStorage, rhs_layout: &Layout) -> Result<CudaStorage> {
+        CudaStorage::matmul(self, layout, rhs, rhs_layout)
+    }
+
+    fn matmul_bias(
+        &self,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+        bias: &CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
     }
 }

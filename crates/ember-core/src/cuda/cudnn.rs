@@ -3,7 +3,7 @@
 //! deterministic, allow_tf32}` (public as [`crate::backends::cudnn`]).
 //!
 //! cuDNN is loaded dynamically (`libcudnn.so.9`): where it is missing, [`is_available`] is false,
-//! the CUDA backend's convolution answers `None` (`cuda/backend.rs`), and
+//! the CUDA backend's convolution answers `None` (its `ConvOps` below), and
 //! `ops::conv::convolution` takes its composite im2col + GEMM path.
 //! cudarc's bindings target cuDNN 9.2; the calls used here (`cudnnConvolutionForward`,
 //! `cudnnConvolutionBackwardData/Filter`, `cudnnGet*Algorithm_v7`, `cudnnFind*AlgorithmEx`)
@@ -34,6 +34,7 @@ use super::cudnn_graph;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::ConvOps;
 use crate::backend::ConvParams;
 use crate::{DType, Error, Result};
 use cudarc::cudnn::sys;
@@ -1220,5 +1221,45 @@ mod tests {
             0,
             1
         )));
+    }
+}
+
+/// Whether cuDNN may run convolutions and pooling now (loadable and switched on).
+pub(super) fn cudnn_on() -> bool {
+    self::enabled() && self::is_available()
+}
+
+// Convolution and pooling run through cuDNN and answer `None` (so that the op layer takes its
+// composite path) where cuDNN cannot be loaded, is switched off
+// (`crate::backends::cudnn::set_enabled`), or cannot take the problem (`supported`). The
+// switch is read by the forward calls only: the backward of a problem cuDNN ran forward runs
+// on cuDNN too, as in PyTorch.
+impl ConvOps for CudaStorage {
+    fn conv_forward(&self, weight: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() || !self::supported(p) {
+            return Ok(None);
+        }
+        self::conv_forward(self, weight, p).map(Some)
+    }
+
+    fn conv_backward_data(&self, grad_out: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !self::is_available() || !self::supported(p) {
+            return Ok(None);
+        }
+        self::conv_backward_data(self, grad_out, p).map(Some)
+    }
+
+    fn conv_backward_filter(&self, grad_out: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !self::is_available() || !self::supported(p) {
+            return Ok(None);
+        }
+        self::conv_backward_filter(self, grad_out, p).map(Some)
+    }
+
+    fn conv_bias_add(&self, bias: &CudaStorage, p: &ConvParams) -> Result<bool> {
+        if !cudnn_on() || !self::supported(p) {
+            return Ok(false);
+        }
+        self::conv_bias_add(self, bias, p)
     }
 }

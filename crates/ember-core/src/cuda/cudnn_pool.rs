@@ -12,9 +12,12 @@
 //! divides by `KH·KW` whatever part of the window is padding
 //! (`CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING`).
 
+use super::cudnn;
+use super::cudnn::cudnn_on;
 use super::cudnn::{data_type, with_handle};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
+use crate::backend::PoolOps;
 use crate::backend::{PoolMode, PoolParams};
 use crate::{DType, Error, Result};
 use cudarc::cudnn::sys;
@@ -234,5 +237,26 @@ mod tests {
         p.dtype = DType::I64;
         assert!(!supported(&p));
         assert!(!supported(&params([1, 1, 1 << 16, 1 << 16], 1, 1, 0)));
+    }
+}
+
+impl PoolOps for CudaStorage {
+    fn pool_forward(&self, p: &PoolParams) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() || !self::supported(p) {
+            return Ok(None);
+        }
+        self::pool_forward(self, p)
+    }
+
+    fn pool_backward(
+        &self,
+        output: &CudaStorage,
+        grad_out: &CudaStorage,
+        p: &PoolParams,
+    ) -> Result<Option<CudaStorage>> {
+        if !cudnn::is_available() || !self::supported(p) {
+            return Ok(None);
+        }
+        self::pool_backward(self, output, grad_out, p).map(Some)
     }
 }

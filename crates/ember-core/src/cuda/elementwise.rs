@@ -2,10 +2,12 @@
 //! `where` on operands whose layouts were already broadcast to one shape.
 
 use super::device_errors::Kind;
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::kernels::{Grid, KernelShape};
+use super::launch::{self, DevPtr, DevPtrMut};
+use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp};
+use crate::backend::ElementwiseOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
@@ -37,14 +39,66 @@ fn same_dtype(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> 
     Ok(())
 }
 
+/// Which two-operand kernel family a launch runs.
+#[derive(Debug, Clone, Copy)]
+enum TwoOperand {
+    Binary(BinaryOp),
+    Compare(CmpOp),
+    Logical(LogicalOp),
+}
+
+impl TwoOperand {
+    fn name(self) -> &'static str {
+        match self {
+            TwoOperand::Binary(op) => op.name(),
+            TwoOperand::Compare(op) => op.name(),
+            TwoOperand::Logical(op) => op.name(),
+        }
+    }
+}
+
+/// Launches `kind`'s kernel for operands of `dtype`: `a` at `al` and `b` at `bl` (layouts of one
+/// broadcast shape) into `o`, row-major with room for `al.numel()` elements of the output
+/// dtype; `o` overlaps no operand, or is exactly `a` (in place).
+#[allow(clippy::too_many_arguments)]
+fn launch_two(
+    kind: TwoOperand,
+    dtype: DType,
+    a: DevPtr<'_>,
+    al: &Layout,
+    b: DevPtr<'_>,
+    bl: &Layout,
+    o: DevPtrMut<'_>,
+    rt: &DeviceRuntime,
+) -> Result<()> {
+    let n = al.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let shape = KernelShape::new(kind.name(), al.dims(), &[al.strides(), bl.strides()])?;
+    let (n64, m) = (n as i64, mode(&shape));
+    // The vectorized modes move 4 packs of 16 bytes per thread (elementwise.cu's UNROLL):
+    // one thread per 4 packs, as many blocks as that takes, so no thread loops.
+    let grid = if m == 3 {
+        Grid::linear(rt, n, 256)
+    } else {
+        let per_thread = 4 * (16 / dtype.size_in_bytes()).min(16);
+        Grid::exact(n.div_ceil(per_thread), 256)
+    };
+    // `a` and `b` reach only elements inside their storages through `shape`'s strides (valid
+    // layouts), `o` holds `n` elements.
+    match kind {
+        TwoOperand::Binary(op) => launch::binary(rt, op, &[dtype], grid, a, b, o, &shape, n64, m),
+        TwoOperand::Compare(op) => launch::compare(rt, op, &[dtype], grid, a, b, o, &shape, n64, m),
+        TwoOperand::Logical(op) => launch::logical(rt, op, &[], grid, a, b, o, &shape, n64, m),
+    }
+}
+
 impl CudaStorage {
-    /// Launches the two-operand kernel `key` (`binary`, `compare` or `logical` form) writing a
-    /// new row-major storage of `out_dtype`.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches `kind`'s kernel writing a new row-major storage of `out_dtype`.
     fn two_operand(
         &self,
-        name: &'static str,
-        key: KernelKey,
+        kind: TwoOperand,
         al: &Layout,
         rhs: &CudaStorage,
         bl: &Layout,
@@ -52,43 +106,9 @@ impl CudaStorage {
     ) -> Result<CudaStorage> {
         let rt = self.runtime()?;
         let out = CudaStorage::alloc_on(rt, out_dtype, al.numel())?;
-        self.two_operand_into(name, key, al, rhs, bl, out.ptr_at(0))?;
+        let (a, b) = (self.dev_ptr(al), rhs.dev_ptr(bl));
+        launch_two(kind, self.dtype(), a, al, b, bl, out.dev_ptr_mut_at(0), rt)?;
         Ok(out)
-    }
-
-    /// As `two_operand`, writing row-major into device memory at `o` (room for `al.numel()`
-    /// elements of the output dtype, not overlapping either operand).
-    #[allow(clippy::too_many_arguments)]
-    fn two_operand_into(
-        &self,
-        name: &'static str,
-        key: KernelKey,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-        o: u64,
-    ) -> Result<()> {
-        let rt = self.runtime()?;
-        let n = al.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        let shape = KernelShape::new(name, al.dims(), &[al.strides(), bl.strides()])?;
-        let f = rt.function(key)?;
-        let (a, b) = (self.ptr(al), rhs.ptr(bl));
-        let (n64, m) = (n as i64, mode(&shape));
-        // The vectorized modes move 4 packs of 16 bytes per thread (elementwise.cu's UNROLL):
-        // one thread per 4 packs, as many blocks as that takes, so no thread loops.
-        let grid = if m == 3 {
-            Grid::linear(rt, n, 256)
-        } else {
-            let per_thread = 4 * (16 / self.dtype().size_in_bytes()).min(16);
-            Grid::exact(n.div_ceil(per_thread), 256)
-        };
-        // SAFETY: signature `(const T* a, const T* b, Out* out, Strided s, i64 n, i32 mode)`;
-        // `a` and `b` reach only elements inside their storages through `shape`'s strides
-        // (valid layouts), `out` holds `n` elements.
-        unsafe { launch(f, grid, current_raw(rt.ordinal), &[&a, &b, &o, &shape, &n64, &m]) }
     }
 
     /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
@@ -99,8 +119,8 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
     ) -> Result<CudaStorage> {
-        let key = self.binary_kernel(op, rhs, bl)?;
-        self.two_operand(op.name(), key, al, rhs, bl, self.dtype())
+        self.check_binary(op, rhs, bl)?;
+        self.two_operand(TwoOperand::Binary(op), al, rhs, bl, self.dtype())
     }
 
     /// `lhs op rhs` written into the contiguous `out` at `ol` (same dtype, shape `al`'s).
@@ -113,10 +133,21 @@ impl CudaStorage {
         out: &mut CudaStorage,
         ol: &Layout,
     ) -> Result<()> {
-        let key = self.binary_kernel(op, rhs, bl)?;
+        self.check_binary(op, rhs, bl)?;
         same_dtype(op.name(), self, out)?;
         debug_assert!(ol.is_contiguous() && ol.numel() == al.numel());
-        self.two_operand_into(op.name(), key, al, rhs, bl, out.ptr(ol))
+        let rt = self.runtime()?;
+        let (a, b) = (self.dev_ptr(al), rhs.dev_ptr(bl));
+        launch_two(
+            TwoOperand::Binary(op),
+            self.dtype(),
+            a,
+            al,
+            b,
+            bl,
+            out.dev_ptr_mut(ol),
+            rt,
+        )
     }
 
     /// `self op rhs` over `self`'s elements at `al` (row-major from its offset): the binary
@@ -129,37 +160,45 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
     ) -> Result<()> {
-        let key = self.binary_kernel(op, rhs, bl)?;
+        self.check_binary(op, rhs, bl)?;
         if !al.is_contiguous() {
             return Err(Error::invalid(
                 op.name(),
                 "in-place binary kernels write a row-major destination; this is a bug",
             ));
         }
-        let o = self.ptr(al);
-        self.two_operand_into(op.name(), key, al, rhs, bl, o)
+        let rt = self.runtime()?;
+        let o = self.dev_ptr_mut(al);
+        launch_two(
+            TwoOperand::Binary(op),
+            self.dtype(),
+            o.read_only(),
+            al,
+            rhs.dev_ptr(bl),
+            bl,
+            o,
+            rt,
+        )
     }
 
-    /// The kernel of `op` on this dtype, or the CPU backend's error for it.
-    fn binary_kernel(&self, op: BinaryOp, rhs: &CudaStorage, bl: &Layout) -> Result<KernelKey> {
+    /// Checks `op` on this dtype (the CPU backend's errors), and for integer pow enqueues the
+    /// exponents' check.
+    fn check_binary(&self, op: BinaryOp, rhs: &CudaStorage, bl: &Layout) -> Result<()> {
         same_dtype(op.name(), self, rhs)?;
         let dtype = self.dtype();
         match dtype {
-            DType::Bool if op.bools() == Bools::No => {
-                return Err(Error::UnsupportedDType {
-                    op: op.name(),
-                    dtype,
-                    hint: "use logical_xor / logical_not for booleans, or convert with to_dtype",
-                })
-            }
-            DType::Bool => {}
-            d if !d.is_floating_point() && op.ints() != Ints::Int => return Err(Error::dtype(op.name(), d)),
+            DType::Bool if op.bools() == Bools::No => Err(Error::UnsupportedDType {
+                op: op.name(),
+                dtype,
+                hint: "use logical_xor / logical_not for booleans, or convert with to_dtype",
+            }),
+            DType::Bool => Ok(()),
+            d if !d.is_floating_point() && op.ints() != Ints::Int => Err(Error::dtype(op.name(), d)),
             d if op == BinaryOp::Pow && !d.is_floating_point() && d != DType::U8 => {
-                rhs.check_pow_exponents(bl)?;
+                rhs.check_pow_exponents(bl)
             }
-            _ => {}
+            _ => Ok(()),
         }
-        Ok(KernelKey::new(Module::Elementwise, op.kernel(), dtype))
     }
 
     /// Enqueues `check_pow_exponent_I` over the integer exponents at `bl`: a negative one is
@@ -172,24 +211,18 @@ impl CudaStorage {
         }
         let rt = self.runtime()?;
         let shape = KernelShape::new("pow", bl.dims(), &[bl.strides()])?;
-        let f = rt.function(KernelKey::new(
-            Module::Elementwise,
-            "check_pow_exponent",
-            self.dtype(),
-        ))?;
-        let (b, n64) = (self.ptr(bl), n as i64);
         let check = rt.errors.check_args("pow", Kind::NegativePower, 0, 0);
-        // SAFETY: `check_pow_exponent_I(const I* b, Strided s, i64 n, ErrorCheck check)` with I
-        // this storage's dtype (i64 or i32); `b` reaches the `n` elements of a valid layout;
-        // `check` addresses the device's error record.
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, n, 256),
-                current_raw(rt.ordinal),
-                &[&b, &shape, &n64, &check],
-            )
-        }
+        // `b` reaches the `n` elements of a valid layout; `check` addresses the device's
+        // error record.
+        launch::check_pow_exponent(
+            rt,
+            &[self.dtype()],
+            Grid::linear(rt, n, 256),
+            self.dev_ptr(bl),
+            &shape,
+            n as i64,
+            &check,
+        )
     }
 
     /// Elementwise comparison producing booleans.
@@ -201,8 +234,7 @@ impl CudaStorage {
         bl: &Layout,
     ) -> Result<CudaStorage> {
         same_dtype(op.name(), self, rhs)?;
-        let key = KernelKey::new(Module::Elementwise, op.kernel(), self.dtype());
-        self.two_operand(op.name(), key, al, rhs, bl, DType::Bool)
+        self.two_operand(TwoOperand::Compare(op), al, rhs, bl, DType::Bool)
     }
 
     /// Logical op on two boolean storages.
@@ -219,8 +251,7 @@ impl CudaStorage {
             }
         }
         same_dtype(op.name(), self, rhs)?;
-        let key = KernelKey::plain(Module::Elementwise, op.kernel());
-        self.two_operand(op.name(), key, al, rhs, bl, DType::Bool)
+        self.two_operand(TwoOperand::Logical(op), al, rhs, bl, DType::Bool)
     }
 
     /// `cond ? a : b` elementwise; `self` is the boolean condition; all layouts share a shape.
@@ -254,18 +285,88 @@ impl CudaStorage {
             return Ok(out);
         }
         let shape = KernelShape::new("where", al.dims(), &[al.strides(), bl.strides(), cl.strides()])?;
-        let f = rt.function(KernelKey::new(Module::Elementwise, "where", a.dtype()))?;
-        let (c, ap, bp, o, n64) = (self.ptr(cl), a.ptr(al), b.ptr(bl), out.ptr_at(0), n as i64);
-        // SAFETY: `where_T(const bool* c, const T* a, const T* b, T* out, Strided s, i64 n)`;
-        // strides come from valid layouts of each storage, `out` holds `n` elements.
-        unsafe {
-            launch(
-                f,
-                Grid::linear(rt, n, 256),
-                current_raw(rt.ordinal),
-                &[&c, &ap, &bp, &o, &shape, &n64],
-            )?;
-        }
+        // Strides come from valid layouts of each storage, `out` holds `n` elements.
+        launch::where_select(
+            rt,
+            &[a.dtype()],
+            Grid::linear(rt, n, 256),
+            self.dev_ptr(cl),
+            a.dev_ptr(al),
+            b.dev_ptr(bl),
+            out.dev_ptr_mut_at(0),
+            &shape,
+            n as i64,
+        )?;
         Ok(out)
+    }
+}
+
+impl ElementwiseOps for CudaStorage {
+    #[inline]
+    fn binary(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::binary(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn binary_into(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+        out: &mut CudaStorage,
+        out_layout: &Layout,
+    ) -> Result<()> {
+        CudaStorage::binary_into(self, op, layout, rhs, rhs_layout, out, out_layout)
+    }
+
+    fn binary_inplace(
+        &mut self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<()> {
+        CudaStorage::binary_inplace(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn compare(
+        &self,
+        op: CmpOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::compare(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn logical(
+        &self,
+        op: LogicalOp,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::logical(self, op, layout, rhs, rhs_layout)
+    }
+
+    #[inline]
+    fn where_cond(
+        &self,
+        layout: &Layout,
+        on_true: &CudaStorage,
+        true_layout: &Layout,
+        on_false: &CudaStorage,
+        false_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
     }
 }

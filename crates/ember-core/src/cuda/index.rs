@@ -22,6 +22,7 @@ use super::launch::{self, gather, scatter, select_rows};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::{IndexOp, ScatterOp};
+use crate::backend::IndexOps;
 use crate::cpu::CpuStorage;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
@@ -385,5 +386,36 @@ impl CudaStorage {
             &check,
         )?;
         Ok((out, classes))
+    }
+}
+
+impl IndexOps for CudaStorage {
+    fn index_read(
+        &self,
+        op: IndexOp,
+        name: &'static str,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        index_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::index_read(self, op, name, layout, dim, index, index_layout)
+    }
+
+    fn index_write(
+        &self,
+        op: ScatterOp,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        index_layout: &Layout,
+        src: &CudaStorage,
+        src_layout: &Layout,
+    ) -> Result<CudaStorage> {
+        CudaStorage::index_write(self, op, layout, dim, index, index_layout, src, src_layout)
+    }
+
+    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CudaStorage, usize)> {
+        CudaStorage::one_hot(self, layout, num_classes)
     }
 }

@@ -119,7 +119,7 @@ impl Module {
                     units.extend(each(m, op.kernel(), &ALL));
                 }
                 units.extend(LogicalOp::ALL.iter().map(|op| Unit::new(m, op.kernel())));
-                units.extend(each(m, "where", &ALL));
+                units.extend(each(m, "where_select", &ALL));
                 units.extend(each(m, "check_pow_exponent", &INDEX));
             }
             Module::Unary => {
@@ -216,8 +216,8 @@ pub(crate) fn likely_units(dtype: DType) -> Vec<Unit> {
         u(Module::Index, format!("nll_loss_{t}_i64")),
         u(Module::Index, format!("nll_loss_backward_{t}_i64")),
         u(Module::Elementwise, format!("compare_gt_{t}")),
-        u(Module::Elementwise, format!("where_{t}")),
-        u(Module::Elementwise, "where_i64".to_string()),
+        u(Module::Elementwise, format!("where_select_{t}")),
+        u(Module::Elementwise, "where_select_i64".to_string()),
         u(Module::Elementwise, format!("binary_sub_{t}")),
         u(Module::Elementwise, format!("binary_div_{t}")),
         u(Module::Unary, format!("unary_mul_scalar_{t}")),

@@ -318,7 +318,7 @@ struct ParamBuffer([std::mem::MaybeUninit<u8>; PARAM_BYTES]);
 /// stream takes to run it (the caching allocator keeps freed blocks for reuse only on their own
 /// stream, so buffers used on the current stream satisfy this); `f` must belong to the context
 /// of the device `stream` is on, and that context must be current on this thread.
-pub(crate) unsafe fn launch(f: Function, grid: Grid, stream: u64, params: &[&dyn KernelParam]) -> Result<()> {
+pub(super) unsafe fn launch(f: Function, grid: Grid, stream: u64, params: &[&dyn KernelParam]) -> Result<()> {
     super::kernel_timing::note_work(stream);
     let mut buf = ParamBuffer([std::mem::MaybeUninit::uninit(); PARAM_BYTES]);
     let mut size = 0usize;

@@ -51,6 +51,7 @@ use super::optim::TensorList;
 use super::random::PhiloxArgs;
 use super::runtime::DeviceRuntime;
 use super::stream::current_raw;
+use crate::backend::op::{BinaryOp, CmpOp, LogicalOp, UnaryOp};
 use crate::{DType, Error, Result};
 use std::marker::PhantomData;
 
@@ -247,6 +248,25 @@ macro_rules! launcher {
     };
 }
 
+/// The launcher of a family whose kernels an op table names: `op.kernel()`, for `op` of
+/// the table's enum (`UnaryOp`, `BinaryOp`, ...), so only that family's kernels are reachable.
+macro_rules! op_launcher {
+    ($module:ident; $(#[$attr:meta])* $name:ident ($($p:ident : $k:ident $(<$e:ident>)?),+) $op:ident) => {
+        $(#[$attr])*
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) fn $name(
+            rt: &DeviceRuntime,
+            op: $op,
+            dtypes: &[DType],
+            grid: Grid,
+            $($p: rust_type!($k $(<$e>)?)),+
+        ) -> Result<()> {
+            let key = kernel_key(Module::$module, op.kernel(), dtypes)?;
+            launch_with!(rt, key, grid, $($k $p),+)
+        }
+    };
+}
+
 /// The body of every launcher: its parameters, packed, to kernel `key` of its family.
 macro_rules! launch_with {
     ($rt:ident, $key:ident, $grid:ident, $($k:ident $p:ident),+) => {
@@ -266,8 +286,19 @@ macro_rules! launch_with {
 /// The kernel names of a family, for the tests.
 #[cfg(test)]
 macro_rules! names {
-    ($name:ident) => { &[stringify!($name)] };
-    ($name:ident [$($kernel:ident),+]) => { &[$(stringify!($kernel)),+] };
+    ($name:ident) => { vec![stringify!($name)] };
+    ($name:ident [$($kernel:ident),+]) => { vec![$(stringify!($kernel)),+] };
+    ($name:ident by $op:ident) => { $op::ALL.iter().map(|op| op.kernel()).collect() };
+}
+
+/// A family's launcher: of one kernel, of a list, or of an op table's kernels.
+macro_rules! family_launcher {
+    ($module:ident; $(#[$attr:meta])* $name:ident ($($params:tt)+) by $op:ident) => {
+        op_launcher! { $module; $(#[$attr])* $name ($($params)+) $op }
+    };
+    ($module:ident; $(#[$attr:meta])* $name:ident ($($params:tt)+) $($list:tt)?) => {
+        launcher! { $module; $(#[$attr])* $name ($($params)+) $($list)? }
+    };
 }
 
 /// Declares kernel families, grouped by module (kernel source): see Note [Typed launchers].
@@ -277,12 +308,12 @@ macro_rules! kernels {
             $(
                 $(#[$attr:meta])*
                 $name:ident $(<$($tp:ident),+>)? ($($p:ident : $k:ident $(<$e:ident>)?),+ $(,)?)
-                    $(in [$($kernel:ident),+ $(,)?])?;
+                    $(in [$($kernel:ident),+ $(,)?])? $(by $op:ident)?;
             )*
         }
     )*) => {
         $($(
-            launcher! { $module; $(#[$attr])* $name ($($p : $k $(<$e>)?),+) $([$($kernel),+])? }
+            family_launcher! { $module; $(#[$attr])* $name ($($p : $k $(<$e>)?),+) $([$($kernel),+])? $(by $op)? }
         )*)*
 
         /// The C parameter list of every kernel family as a macro `EMBER_PARAMS_<family>`,
@@ -294,13 +325,41 @@ macro_rules! kernels {
 
         /// Every family: its module, name and kernel names.
         #[cfg(test)]
-        const FAMILIES: &[(Module, &str, &[&str])] = &[
-            $($((Module::$module, stringify!($name), names!($name $([$($kernel),+])?)),)*)*
-        ];
+        fn families() -> Vec<(Module, &'static str, Vec<&'static str>)> {
+            vec![$($((Module::$module, stringify!($name), names!($name $([$($kernel),+])? $(by $op)?)),)*)*]
+        }
     };
 }
 
 kernels! {
+    Unary {
+        /// `out[i] = op(x[i])` for the `n` elements of the view `s` (`s.stride[0]` x's strides),
+        /// out row-major; `c0..c2` the op's parameters (`UnaryOp::kernel_params`, rounded to
+        /// the compute type once; integer kernels ignore them); `mode` 0 for a row-major x
+        /// (16-byte vector loads and stores where both are aligned), 1 for any strides.
+        /// Grid-stride, any grid. One kernel per op of the unary table and dtype.
+        unary<T>(x: In<T>, out: Out<T>, s: Strided, n: i64, c0: f64, c1: f64, c2: f64, mode: i32) by UnaryOp;
+    }
+    Elementwise {
+        /// `out[i] = op(a[i], b[i])` over the `n` elements of the broadcast shape `s`
+        /// (`s.stride[0]` a's strides, `[1]` b's), out row-major; `out` may be `a` itself
+        /// (in-place ops: each element is read before the same thread writes it). `mode`: 0
+        /// both row-major, 1 `b` one broadcast element, 2 `a` one broadcast element (16-byte
+        /// vectors where aligned, one thread per 4 vectors), 3 any strides (grid-stride).
+        /// Integer pow takes non-negative exponents (checked first by `check_pow_exponent`).
+        binary<T>(a: In<T>, b: In<T>, out: Out<T>, s: Strided, n: i64, mode: i32) by BinaryOp;
+        /// As `binary`, giving bool.
+        compare<T>(a: In<T>, b: In<T>, out: Out<bool>, s: Strided, n: i64, mode: i32) by CmpOp;
+        /// As `binary`, on bool operands.
+        logical(a: In<bool>, b: In<bool>, out: Out<bool>, s: Strided, n: i64, mode: i32) by LogicalOp;
+        /// `out[i] = cond[i] ? a[i] : b[i]` over the `n` elements of `s` (`stride[0]` a,
+        /// `[1]` b, `[2]` cond), out row-major. Grid-stride.
+        where_select<T>(cond: In<bool>, a: In<T>, b: In<T>, out: Out<T>, s: Strided, n: i64);
+        /// Records the first negative of the `n` integer exponents at `s.stride[0]` in the
+        /// device's error record (Note [Deferred device errors] in `device_errors.rs`);
+        /// blockDim.x a multiple of 32.
+        check_pow_exponent<I>(b: In<I>, s: Strided, n: i64, check: ErrorCheck);
+    }
     Copy {
         /// `dst[i] = cast(src[i])` for `i < n`, both row-major (casts as the CPU backend's: float
         /// to int truncates toward zero, anything to bool is `!= 0`, f16/bf16 round to nearest
@@ -575,10 +634,11 @@ mod tests {
     use super::*;
     use crate::cuda::kernels::dtype_suffix;
 
-    /// The modules whose kernels are all declared here. `unary.cu` and `elementwise.cu` still
-    /// write their parameter lists by hand (their launchers call `kernels::launch` directly).
-    const CONVERTED: [Module; 9] = [
+    /// The modules whose kernels are all declared here: every module.
+    const CONVERTED: [Module; 11] = [
         Module::Copy,
+        Module::Elementwise,
+        Module::Unary,
         Module::Reduce,
         Module::Softmax,
         Module::Index,
@@ -622,7 +682,9 @@ mod tests {
     #[test]
     fn every_family_names_kernels_of_its_module_and_covers_converted_ones() {
         let mut seen = std::collections::HashSet::new();
-        for &(module, family, names) in FAMILIES {
+        let families = families();
+        for (module, family, names) in &families {
+            let (module, family) = (*module, *family);
             assert!(seen.insert(family), "family {family} declared twice");
             let symbols: Vec<String> = module.units().iter().flat_map(|u| u.symbols()).collect();
             for name in names {
@@ -635,7 +697,7 @@ mod tests {
         }
         for module in CONVERTED {
             for symbol in module.units().iter().flat_map(|u| u.symbols()) {
-                let declared = FAMILIES
+                let declared = families
                     .iter()
                     .filter(|(m, _, _)| *m == module)
                     .flat_map(|(_, _, names)| names.iter())

@@ -9,6 +9,7 @@ use super::device_errors::Kind;
 use super::kernels::Grid;
 use super::launch::{self, DevPtr};
 use super::storage::CudaStorage;
+use crate::backend::LossOps;
 use crate::{DType, Error, Result};
 
 const OP: &str = "nll_loss";
@@ -39,7 +40,7 @@ fn target_dtype(target: &CudaStorage) -> Result<DType> {
 
 impl CudaStorage {
     /// `(loss, total_weight)` of the contiguous `[m, c]` log-probability rows `self` at
-    /// `target` (see `BackendStorage::nll_loss_forward`).
+    /// `target` (see `LossOps::nll_loss_forward`).
     pub(crate) fn nll_loss_forward(
         &self,
         target: &CudaStorage,
@@ -120,5 +121,30 @@ impl CudaStorage {
         let (dtypes, grid) = ([dtype, idt], Grid::linear(rt, m, 256));
         launch::nll_loss_backward(rt, &dtypes, grid, g, t, w, tw, m64, c64, ignore_index, mean32, o)?;
         Ok(grad)
+    }
+}
+
+impl LossOps for CudaStorage {
+    fn nll_loss_forward(
+        &self,
+        target: &CudaStorage,
+        weight: Option<&CudaStorage>,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        CudaStorage::nll_loss_forward(self, target, weight, mc, ignore_index, mean)
+    }
+
+    fn nll_loss_backward(
+        &self,
+        target: &CudaStorage,
+        weight: Option<&CudaStorage>,
+        total_weight: &CudaStorage,
+        mc: (usize, usize),
+        ignore_index: i64,
+        mean: bool,
+    ) -> Result<CudaStorage> {
+        CudaStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
     }
 }

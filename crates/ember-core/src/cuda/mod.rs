@@ -18,13 +18,12 @@
 //! cuDNN and the state behind `backends::cudnn`), `cudnn_graph` (its execution plans through
 //! cuDNN's graph API), `cudnn_pool` (pooling through cuDNN), `optim`
 //! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn`
-//! (the fused LSTM step), and one file per op family beside the CPU backend's; `backend`
-//! implements the backend traits (`crate::backend`) for [`CudaStorage`] and [`CudaDevice`] on
-//! top of them.
+//! (the fused LSTM step), and one file per op family beside the CPU backend's: each implements
+//! its family's backend trait (`crate::backend`) for [`CudaStorage`]; `storage` implements the
+//! base trait and [`CudaDevice`].
 
 mod allocator;
 pub(crate) mod amp;
-mod backend;
 mod blas;
 mod capture;
 pub mod comm;
@@ -63,7 +62,6 @@ mod stream;
 mod unary;
 
 pub use allocator::MempoolId;
-pub use backend::CudaDevice;
 pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
 pub use cupti::{cupti_version, register_collectives, CollectivesRegistration};
 pub use device::{
@@ -92,6 +90,7 @@ pub use row_blocks::{
     RowBlockEvent,
 };
 pub(crate) use storage::host_bytes;
+pub use storage::CudaDevice;
 pub use storage::CudaStorage;
 #[cfg(test)]
 pub(crate) use stream::set_current_device_unchecked;

@@ -1,5 +1,5 @@
 //! CUDA launcher for `kernels/optim.cu`: the fused multi-tensor Adam/AdamW and SGD steps of
-//! `ops/fused_optim.rs` (reached through `cuda/backend.rs`). The tensors go to the kernel in a [`TensorList`] passed by value, at
+//! `ops/fused_optim.rs` (reached through its `OptimOps` below). The tensors go to the kernel in a [`TensorList`] passed by value, at
 //! most [`MAX_TENSORS`] per launch; a step over more tensors is a few launches, all on the
 //! current stream, with no host synchronization (the GradScaler's grad scale and found-inf
 //! flag, the learning rate when it lives in a device tensor, and Adam's device step counts are
@@ -21,7 +21,12 @@ use super::kernels::{Grid, KernelKey, KernelParam, Module};
 use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::{current_stream, Event};
+use super::CudaStorage;
+use crate::backend::Elems;
+use crate::backend::GradElems;
+use crate::backend::{AdamStep, AdamTensor, OptimOps, SgdStep, SgdTensor, StepCount, StepScalars};
 use crate::{DType, Result};
+use std::ops::Deref;
 
 /// Tensors per launch (`EMBER_OPTIM_MAX_TENSORS` in the kernel file).
 pub(crate) const MAX_TENSORS: usize = 48;
@@ -308,5 +313,127 @@ mod tests {
         assert_eq!(std::mem::size_of::<TensorList>(), 3856);
         assert_eq!(std::mem::align_of::<TensorList>(), 8);
         assert!(std::mem::size_of::<TensorList>() + 7 * 8 + 3 * 8 + 4 <= 4096);
+    }
+}
+
+impl OptimOps for CudaStorage {
+    fn adam_step(
+        step: &AdamStep,
+        tensors: Vec<AdamTensor<'_, CudaStorage>>,
+        amp: StepScalars<'_, CudaStorage>,
+    ) -> Result<()> {
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let (ordinal, dtype) = (first.param.storage.ordinal(), first.param.storage.dtype());
+        let device_steps = matches!(first.step, StepCount::Device(_));
+        let list: Vec<OptimTensor> = tensors
+            .iter()
+            .map(|t| OptimTensor {
+                ptrs: [
+                    Some(ptr_mut(&t.param)),
+                    Some(grad_ptr(&t.grad)),
+                    Some(ptr_mut(&t.exp_avg)),
+                    Some(ptr_mut(&t.exp_avg_sq)),
+                    t.max_exp_avg_sq.as_ref().map(ptr_mut),
+                    match &t.step {
+                        StepCount::Device(c) => Some(ptr_mut(c)),
+                        StepCount::Host(_) => None,
+                    },
+                ],
+                numel: t.param.len,
+                scalars: match t.step {
+                    StepCount::Host(n) => step.bias_correction_terms(n),
+                    StepCount::Device(_) => [0.0; 2],
+                },
+            })
+            .collect();
+        let flags = step.amsgrad as i32
+            | (step.maximize as i32) << 1
+            | (step.decoupled_weight_decay as i32) << 2
+            | if device_steps { ADAM_DEVICE_STEPS } else { 0 };
+        let kernel = OptimKernel::Adam {
+            lr: step.lr,
+            beta1: step.beta1,
+            one_minus_beta1: 1.0 - step.beta1,
+            beta2: step.beta2,
+            one_minus_beta2: 1.0 - step.beta2,
+            eps: step.eps,
+            weight_decay: step.weight_decay,
+            grad_scale: amp.grad_scale.as_ref().map(ptr),
+            found_inf: amp.found_inf.as_ref().map(ptr),
+            lr_ptr: amp.lr.as_ref().map(ptr),
+            flags,
+        };
+        let arrivals: Vec<Arrival<'_>> = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(tensor, t)| {
+                t.arrivals.iter().map(move |a| Arrival {
+                    tensor,
+                    elements: a.elements.clone(),
+                    event: &a.event,
+                    order: a.order,
+                })
+            })
+            .collect();
+        // The operands stay borrowed (their storages locked) until every launch is enqueued.
+        multi_tensor_step_arriving(ordinal, dtype, &list, &arrivals, kernel)
+    }
+
+    fn sgd_step(
+        step: &SgdStep,
+        tensors: Vec<SgdTensor<'_, CudaStorage>>,
+        amp: StepScalars<'_, CudaStorage>,
+    ) -> Result<()> {
+        let Some(first) = tensors.first() else {
+            return Ok(());
+        };
+        let (ordinal, dtype) = (first.param.storage.ordinal(), first.param.storage.dtype());
+        let list: Vec<OptimTensor> = tensors
+            .iter()
+            .map(|t| OptimTensor {
+                ptrs: [
+                    Some(ptr_mut(&t.param)),
+                    Some(grad_ptr(&t.grad)),
+                    t.momentum_buffer.as_ref().map(ptr_mut),
+                    None,
+                    None,
+                    None,
+                ],
+                numel: t.param.len,
+                scalars: [0.0; 2],
+            })
+            .collect();
+        let flags = step.nesterov as i32 | (step.maximize as i32) << 1 | (step.first_step as i32) << 2;
+        let kernel = OptimKernel::Sgd {
+            lr: step.lr,
+            momentum: step.momentum,
+            one_minus_dampening: 1.0 - step.dampening,
+            weight_decay: step.weight_decay,
+            grad_scale: amp.grad_scale.as_ref().map(ptr),
+            found_inf: amp.found_inf.as_ref().map(ptr),
+            lr_ptr: amp.lr.as_ref().map(ptr),
+            flags,
+        };
+        multi_tensor_step(ordinal, dtype, &list, kernel)
+    }
+}
+
+/// An operand's first element, read by the kernel.
+pub(super) fn ptr<S: Deref<Target = CudaStorage>>(e: &Elems<S>) -> DevPtr<'_> {
+    e.storage.dev_ptr_at(e.offset)
+}
+
+/// An operand's first element, written by the kernel.
+pub(super) fn ptr_mut<S: Deref<Target = CudaStorage>>(e: &Elems<S>) -> DevPtrMut<'_> {
+    e.storage.dev_ptr_mut_at(e.offset)
+}
+
+/// A gradient's first element (read, or written back unscaled with a grad scale).
+pub(super) fn grad_ptr<'a>(g: &'a GradElems<'_, CudaStorage>) -> DevPtrMut<'a> {
+    match g {
+        GradElems::Read(e) => ptr_mut(e),
+        GradElems::Unscaled(e) => ptr_mut(e),
     }
 }

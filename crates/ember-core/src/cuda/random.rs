@@ -22,6 +22,7 @@ use super::launch;
 use super::runtime::{runtime, DeviceRuntime};
 use super::storage::CudaStorage;
 use crate::backend::op::{randint_range, Distribution, PhiloxState, RngState};
+use crate::backend::RandomOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 use std::sync::OnceLock;
@@ -174,5 +175,11 @@ impl CudaStorage {
         let (dtypes, grid) = ([self.dtype()], Grid::linear(rt, n.div_ceil(4), 256));
         launch::bernoulli(rt, &dtypes, grid, p, &shape, o, n64, &rng, &check)?;
         Ok(out)
+    }
+}
+
+impl RandomOps for CudaStorage {
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
+        CudaStorage::bernoulli(self, layout, state)
     }
 }

@@ -17,6 +17,7 @@ use super::launch::{self, reduce, reduce_final, DevPtrMut};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::ReduceOp;
+use crate::backend::ReduceOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
@@ -338,5 +339,21 @@ impl CudaStorage {
         let (v, i) = (values.dev_ptr_mut_at(0), indices.dev_ptr_mut_at(0));
         self.run_reduce(layout, &kernel, &g, Some(v), Some(i))?;
         Ok((values, indices))
+    }
+}
+
+impl ReduceOps for CudaStorage {
+    #[inline]
+    fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
+        CudaStorage::reduce(self, layout, op, dims)
+    }
+
+    fn reduce_with_indices(
+        &self,
+        layout: &Layout,
+        op: ReduceOp,
+        dims: &[usize],
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        CudaStorage::reduce_with_indices(self, layout, op, dims)
     }
 }

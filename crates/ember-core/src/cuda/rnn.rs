@@ -8,6 +8,7 @@ use super::kernels::Grid;
 use super::launch;
 use super::storage::CudaStorage;
 use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
+use crate::backend::RnnOps;
 use crate::{Error, Result};
 
 /// Threads per block.
@@ -109,5 +110,30 @@ impl CudaStorage {
         // written by the same thread only.
         let (dtypes, grid) = ([dh_out.dtype()], Grid::linear(rt, nh, BLOCK));
         launch::lstm_backward(rt, &dtypes, grid, pdh, prec, pg, pc, pcp, pdc, pdg, n, hidden)
+    }
+}
+
+impl RnnOps for CudaStorage {
+    fn lstm_forward_step(
+        s: &LstmForwardStep,
+        gi: &CudaStorage,
+        hh: &CudaStorage,
+        h: &mut CudaStorage,
+        c: &mut CudaStorage,
+        gates: &mut CudaStorage,
+    ) -> Result<()> {
+        CudaStorage::lstm_forward_step(s, gi, hh, h, c, gates)
+    }
+
+    fn lstm_backward_step(
+        s: &LstmBackwardStep,
+        dh_out: &CudaStorage,
+        dh_rec: Option<&CudaStorage>,
+        gates: &CudaStorage,
+        c: &CudaStorage,
+        dc: &mut CudaStorage,
+        dgates: &mut CudaStorage,
+    ) -> Result<()> {
+        CudaStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
     }
 }

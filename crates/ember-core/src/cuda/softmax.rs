@@ -9,6 +9,7 @@ use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::SoftmaxOp;
+use crate::backend::SoftmaxOps;
 use crate::layout::Layout;
 use crate::{Error, Result};
 
@@ -192,5 +193,22 @@ mod tests {
         assert_eq!(r.shape.stride[0][0], 7);
         let r = Rows::new("t", &[], 0, &[&[], &[]]).unwrap();
         assert_eq!((r.nrows, r.k, r.shape.ndim), (1, 1, 0));
+    }
+}
+
+impl SoftmaxOps for CudaStorage {
+    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
+        CudaStorage::softmax(self, layout, op, dim)
+    }
+
+    fn softmax_backward(
+        &self,
+        layout: &Layout,
+        grad: &CudaStorage,
+        grad_layout: &Layout,
+        op: SoftmaxOp,
+        dim: usize,
+    ) -> Result<CudaStorage> {
+        CudaStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
     }
 }

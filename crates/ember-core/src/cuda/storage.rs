@@ -33,8 +33,11 @@
 
 use super::kernels::{Grid, KernelShape};
 use super::launch::{self, DevPtr, DevPtrMut};
+use super::multi_copy::{multi_copy, ByteCopy};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::current_raw;
+use crate::backend::{BackendDevice, BackendStorage, Distribution, PhiloxState, RngState};
+use crate::backend::{CopyOps, ForeachCopy};
 use crate::cpu::{with_cpu_storage, CpuElement, CpuStorage};
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
@@ -696,5 +699,107 @@ pub(crate) fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverErro
     move |e| Error::Cuda {
         op,
         msg: format!("{e:?}"),
+    }
+}
+
+impl CopyOps for CudaStorage {
+    fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
+        CudaStorage::to_dtype(self, layout, dtype)
+    }
+
+    fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
+        CudaStorage::to_cpu(self, layout)
+    }
+
+    fn copy_strided_from(
+        &mut self,
+        dst_layout: &Layout,
+        src: &CudaStorage,
+        src_layout: &Layout,
+    ) -> Result<()> {
+        CudaStorage::copy_strided_from(self, dst_layout, src, src_layout)
+    }
+
+    fn foreach_copy(list: ForeachCopy<'_, CudaStorage>) -> Result<()> {
+        let Some(first) = list.written.first() else {
+            return Ok(());
+        };
+        let ordinal = first.ordinal();
+        if let Some(other) = list
+            .written
+            .iter()
+            .map(|s| s.ordinal())
+            .chain(list.read.iter().map(|s| s.ordinal()))
+            .find(|&o| o != ordinal)
+        {
+            return Err(crate::Error::DeviceMismatch {
+                op: "_foreach_copy_",
+                lhs: Device::Cuda(ordinal),
+                rhs: Device::Cuda(other),
+            });
+        }
+        let copies: Vec<ByteCopy> = list
+            .copies
+            .iter()
+            .map(|(d, s)| {
+                let dst = &list.written[d.storage];
+                ByteCopy {
+                    dst: dst.ptr_at(d.offset),
+                    src: list.read[s.storage].ptr_at(s.offset),
+                    bytes: d.len * dst.dtype().size_in_bytes(),
+                }
+            })
+            .collect();
+        let _device = super::DeviceGuard::new(ordinal)?;
+        // SAFETY: each run lies inside its storage (`ForeachCopy::check`), the written storages
+        // are borrowed mutably and the read ones shared for the call, all on device `ordinal`;
+        // no two written runs overlap and no storage is both written and read (the list's
+        // contract); the storages are freed through the caching allocator, in stream order.
+        unsafe { multi_copy(ordinal, &copies) }
+    }
+}
+
+/// GPU `.0` (its ordinal), as a backend device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaDevice(pub usize);
+
+impl BackendDevice for CudaDevice {
+    type Storage = CudaStorage;
+
+    fn storage_from_cpu(&self, cpu: CpuStorage) -> Result<CudaStorage> {
+        CudaStorage::from_cpu(&cpu, self.0)
+    }
+
+    fn full(&self, dtype: DType, n: usize, value: f64) -> Result<CudaStorage> {
+        CudaStorage::full(self.0, dtype, n, value)
+    }
+
+    fn alloc(&self, dtype: DType, n: usize) -> Result<CudaStorage> {
+        CudaStorage::alloc(self.0, dtype, n)
+    }
+
+    fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState) -> Result<CudaStorage> {
+        CudaStorage::random(self.0, dtype, n, dist, state)
+    }
+
+    fn randperm(&self, n: usize, state: RngState) -> Result<CudaStorage> {
+        CudaStorage::randperm(self.0, n, state)
+    }
+}
+
+impl BackendStorage for CudaStorage {
+    #[inline]
+    fn device(&self) -> Device {
+        CudaStorage::device(self)
+    }
+
+    #[inline]
+    fn dtype(&self) -> DType {
+        CudaStorage::dtype(self)
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        CudaStorage::len(self)
     }
 }

@@ -8,10 +8,13 @@
 //! and the rounding ops on integers, abs/sign of bool and square of bool are plain (casting)
 //! copies.
 
-use super::kernels::{launch, Grid, KernelKey, KernelShape, Module};
+use super::cudnn;
+use super::cudnn::cudnn_on;
+use super::kernels::{Grid, KernelShape};
+use super::launch;
 use super::storage::CudaStorage;
-use super::stream::current_raw;
 use crate::backend::op::{Ints, UnaryOp};
+use crate::backend::UnaryOps;
 use crate::layout::Layout;
 use crate::{DType, Result};
 
@@ -57,16 +60,38 @@ impl CudaStorage {
         } else {
             n
         };
-        let [p0, p1, p2] = op.kernel_params();
-        let f = rt.function(KernelKey::new(Module::Unary, op.kernel(), dtype))?;
-        let (x, o, n64) = (self.ptr(layout), out.ptr_at(0), n as i64);
-        let stream = current_raw(rt.ordinal);
+        let [c0, c1, c2] = op.kernel_params();
         let grid = Grid::linear(rt, items, 256);
-        // SAFETY: `unary_<op>_T(const T* x, T* out, Strided s, i64 n, f64 c0, f64 c1, f64 c2,
-        // i32 mode)`, arguments in that order and of those types; `x` reaches only elements of
-        // this storage through `shape` (the strides of a valid layout), `out` holds `n`
-        // elements of T.
-        unsafe { launch(f, grid, stream, &[&x, &o, &shape, &n64, &p0, &p1, &p2, &mode])? };
+        // `x` reaches only elements of this storage through `shape` (the strides of a valid
+        // layout); `out` holds `n` elements.
+        launch::unary(
+            rt,
+            op,
+            &[dtype],
+            grid,
+            self.dev_ptr(layout),
+            out.dev_ptr_mut_at(0),
+            &shape,
+            n as i64,
+            c0,
+            c1,
+            c2,
+            mode,
+        )?;
         Ok(out)
+    }
+}
+
+impl UnaryOps for CudaStorage {
+    #[inline]
+    fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
+        CudaStorage::unary(self, op, layout)
+    }
+
+    fn relu_backward(&self, grad_out: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() {
+            return Ok(None);
+        }
+        cudnn::relu_backward(self, grad_out, len)
     }
 }

@@ -22,9 +22,11 @@
 //! suspended, so the inner ops keep the dtypes the policy chose (as PyTorch redispatches
 //! below its Autocast key).
 //!
-//! Adding an op: its line in [`policy`] (name, autocast policy, promotion), its `Tensor` method
-//! in `ops/<family>.rs` calling `call` with the kernel and backward rule, a
-//! `BackendStorage` method for a new kernel (`backend/mod.rs`, forwarded by `storage.rs`), and
+//! Adding an op: an elementwise op is one line of its family's table (`backend/table.rs`),
+//! its CPU formula and its CUDA expression (the crate's `architecture` page). Another op: its
+//! line in [`policy`] (name, autocast policy, promotion), its `Tensor` method in
+//! `ops/<family>.rs` calling `call` with the kernel and backward rule, a method of its
+//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by `storage.rs`), and
 //! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
 
 #![deny(unsafe_code)]

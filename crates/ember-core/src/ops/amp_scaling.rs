@@ -3,7 +3,7 @@
 //! place by an inverse scale and raises a found-inf flag when any value is inf or NaN (one
 //! multi-tensor kernel per dtype on CUDA), and [`update_scale_`] backs the scale off or grows
 //! it from that flag (one single-thread kernel). This file checks the tensors and locks their
-//! storages; the backends run the kernels (`BackendStorage::non_finite_check_and_unscale` /
+//! storages; the backends run the kernels (`AmpOps::non_finite_check_and_unscale` /
 //! `update_scale`, operands described in `backend/step.rs`).
 //!
 //! Note [AMP scalars live on the device]: the scale, inverse scale and found-inf flag are 0-d

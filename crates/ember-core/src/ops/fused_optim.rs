@@ -3,7 +3,7 @@
 //! few kernel launches (48 tensors a launch on CUDA) or one rayon loop on the CPU, instead of
 //! several tensor ops per parameter. This file checks the tensors, locks their storages and
 //! hands them to the backend as one list of operands ([`AdamTensor`], [`SgdTensor`] in
-//! `backend/step.rs`; `BackendStorage::adam_step` / `sgd_step`).
+//! `backend/step.rs`; `OptimOps::adam_step` / `sgd_step`).
 //!
 //! Semantics are those of PyTorch's `_single_tensor_adam` / `_single_tensor_sgd` (and of
 //! ember-nn's per-tensor `optim::adam` / `optim::sgd`), op for op, per element:
