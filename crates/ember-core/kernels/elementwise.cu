@@ -97,7 +97,9 @@ template <typename A> __device__ __forceinline__ A power(A x, A y) {
 template <> __device__ __forceinline__ float power<float>(float x, float y) { return powf(x, y); }
 template <> __device__ __forceinline__ double power<double>(double x, double y) { return pow(x, y); }
 
-__device__ __forceinline__ float log_of(float x) { return logf(x); }
+// f32's logarithm in f64, rounded once: CUDA's logf is up to 1 ulp off, the CPU's (glibc) is
+// correctly rounded in nearly all cases, and this reproduces it (as `unary.cu`'s f32 math).
+__device__ __forceinline__ float log_of(float x) { return (float)log((double)x); }
 __device__ __forceinline__ double log_of(double x) { return log(x); }
 
 // An arithmetic op: `expr` of `x` and `y` in the arithmetic type A = Acc<T>, stored back as T,
