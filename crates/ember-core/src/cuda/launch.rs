@@ -20,7 +20,7 @@
 //! So a launch site with a wrong count, order or type of arguments does not compile, and a
 //! kernel body that uses a parameter the declaration does not have does not compile with NVRTC
 //! (CI compiles every source: `every_kernel_source_compiles_with_nvrtc`). A test below checks
-//! that every kernel of a converted source is declared with its family's macro and that every
+//! that every kernel of every source is declared with its family's macro and that every
 //! family names kernels its module has.
 //!
 //! Parameter kinds (a closed set): `In<P>` / `Out<P>` a pointer to elements of `P` the kernel
@@ -634,21 +634,6 @@ mod tests {
     use super::*;
     use crate::cuda::kernels::dtype_suffix;
 
-    /// The modules whose kernels are all declared here: every module.
-    const CONVERTED: [Module; 11] = [
-        Module::Copy,
-        Module::Elementwise,
-        Module::Unary,
-        Module::Reduce,
-        Module::Softmax,
-        Module::Index,
-        Module::Random,
-        Module::Matmul,
-        Module::Rnn,
-        Module::Optim,
-        Module::Amp,
-    ];
-
     #[test]
     fn the_header_spells_each_parameter_list_in_c() {
         assert!(PARAMS_HEADER
@@ -680,7 +665,7 @@ mod tests {
     }
 
     #[test]
-    fn every_family_names_kernels_of_its_module_and_covers_converted_ones() {
+    fn every_family_names_kernels_of_its_module_and_covers_every_kernel() {
         let mut seen = std::collections::HashSet::new();
         let families = families();
         for (module, family, names) in &families {
@@ -695,7 +680,7 @@ mod tests {
                 );
             }
         }
-        for module in CONVERTED {
+        for module in Module::ALL {
             for symbol in module.units().iter().flat_map(|u| u.symbols()) {
                 let declared = families
                     .iter()
@@ -708,8 +693,8 @@ mod tests {
     }
 
     #[test]
-    fn converted_sources_define_every_kernel_with_its_family_macro() {
-        for module in CONVERTED {
+    fn sources_define_every_kernel_with_its_family_macro() {
+        for module in Module::ALL {
             let source = module.source();
             let mut kernels = 0;
             for (at, _) in source.match_indices("__global__ void ") {
