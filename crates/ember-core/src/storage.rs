@@ -1,9 +1,10 @@
 //! [`Storage`]: the enum over backends that the op layer calls, and the one place where a call
 //! meets a backend. Each op family is one method here that forwards to the backend traits of
-//! `backend/` ([`BackendStorage`], [`BackendDevice`]) on matching variants, with one
-//! device-mismatch error path (`on_backend!`); everything above (`ops/`, `tensor/`,
-//! `autograd/`, `random/`) calls these methods and never names a backend. Copies between
-//! backends (host ↔ GPU) are the only methods that match on two different variants.
+//! `backend/` (one per family, gathered by
+//! [`BackendStorage`](crate::backend::BackendStorage); [`BackendDevice`]) on matching
+//! variants, with one device-mismatch error path (`on_backend!`); everything above (`ops/`,
+//! `tensor/`, `autograd/`, `random/`) calls these methods and never names a backend. Copies
+//! between backends (host ↔ GPU) are the only methods that match on two different variants.
 //!
 //! Storage is shared between views through [`StorageRef`], which also carries the version
 //! counter that autograd checks for in-place modification (see `autograd::SavedTensor`).

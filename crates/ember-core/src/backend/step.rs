@@ -506,13 +506,13 @@ impl SgdStep {
     }
 }
 
-// GradScaler ------------------------------------------------------------------------------------
+// Foreach copies ---------------------------------------------------------------------------------
 
 /// `_foreach_copy_`'s plain list on one device (Note [Foreach copies] in `ops/foreach.rs`):
 /// the distinct storages written and read, and each copy as a run of `written[dst.storage]`
 /// and a run of the same length of `read[src.storage]`, of one dtype. No two written runs
-/// overlap and no storage is both written and read (the op layer checked both, [`ForeachCopy::check`]
-/// checks the rest).
+/// overlap and no storage is both written and read (the op layer checks both; `check` the
+/// rest).
 #[derive(Debug)]
 pub struct ForeachCopy<'a, S> {
     pub written: Vec<&'a mut S>,
@@ -559,6 +559,8 @@ impl<B: BackendStorage> ForeachCopy<'_, B> {
         Ok(())
     }
 }
+
+// GradScaler ------------------------------------------------------------------------------------
 
 /// The gradients of GradScaler's unscale (`torch._amp_foreach_non_finite_check_and_unscale_`):
 /// the distinct storages they live in, written, and each gradient's run, whose `storage` is
