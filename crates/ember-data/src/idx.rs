@@ -13,7 +13,8 @@
 //!
 //! Element types map to ember dtypes: u8 → `U8`, i32 → `I32`, f32 → `F32`, f64 → `F64`; i8
 //! and i16, which ember has no dtype for, widen to `I32` exactly. Input that starts with the
-//! gzip header (`1f 8b`) is decompressed first, so `.gz` files read as they are. Anything
+//! gzip header (`1f 8b`) is decompressed first, so `.gz` files read as they are (as far as the
+//! header's dimensions say and one byte more, so a stream never inflates past them). Anything
 //! malformed (bad magic, unknown type, a truncated header or data, dimensions whose product
 //! overflows, bytes after the data, a broken gzip stream) is an
 //! [`Error::InvalidArgument`] naming the file and what is wrong, never a panic.
@@ -79,57 +80,106 @@ pub fn parse_idx(bytes: &[u8]) -> Result<Tensor> {
 pub fn parse_idx_named(bytes: &[u8], name: &str) -> Result<Tensor> {
     let bad = |what: String| Error::invalid(OP, format!("{name}: {what}"));
     if bytes.starts_with(&GZIP_MAGIC) {
+        // Decompressed as far as the header says and one byte more (to find trailing bytes):
+        // a stream that inflates past what its header claims is never held whole.
+        let mut gz = flate2::read::MultiGzDecoder::new(bytes);
         let mut raw = Vec::new();
-        flate2::read::MultiGzDecoder::new(bytes)
-            .read_to_end(&mut raw)
-            .map_err(|e| bad(format!("not a valid gzip stream: {e}")))?;
+        let mut more = |raw: &mut Vec<u8>, n: u64| {
+            (&mut gz)
+                .take(n)
+                .read_to_end(raw)
+                .map_err(|e| bad(format!("not a valid gzip stream: {e}")))
+        };
+        more(&mut raw, 4)?;
+        if let Some(&ndims) = raw.get(3) {
+            more(&mut raw, 4 * ndims as u64)?;
+            if let Ok(h) = Header::parse(&raw, name) {
+                more(&mut raw, (h.data_len as u64).saturating_add(1))?;
+                if raw.len() > h.len + h.data_len {
+                    return Err(bad(format!(
+                        "trailing garbage: the decompressed data runs past the {} bytes that dimensions {:?} need",
+                        h.data_len, h.dims
+                    )));
+                }
+            }
+        }
         return parse_raw(&raw, name);
     }
     parse_raw(bytes, name)
 }
 
-fn parse_raw(bytes: &[u8], name: &str) -> Result<Tensor> {
-    let bad = |what: String| Error::invalid(OP, format!("{name}: {what}"));
-    let Some(magic) = bytes.get(..4) else {
-        return Err(bad(format!(
-            "truncated header: an IDX file starts with 4 magic bytes, found {} bytes",
-            bytes.len()
-        )));
-    };
-    if magic[0] != 0 || magic[1] != 0 {
-        return Err(bad(format!(
-            "bad magic {:02x} {:02x} {:02x} {:02x}: an IDX file starts with two zero bytes",
-            magic[0], magic[1], magic[2], magic[3]
-        )));
-    }
-    let ty = IdxType::from_code(magic[2]).ok_or_else(|| {
-        bad(format!(
-            "bad magic: unknown element type 0x{:02x} (expected 08, 09, 0b, 0c, 0d or 0e)",
-            magic[2]
-        ))
-    })?;
-    let ndims = magic[3] as usize;
-    let header = 4 + 4 * ndims;
-    let Some(dim_bytes) = bytes.get(4..header) else {
-        return Err(bad(format!(
-            "truncated header: {ndims} dimensions need {header} header bytes, found {}",
-            bytes.len()
-        )));
-    };
-    let dims: Vec<usize> = dim_bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize)
-        .collect();
-    let data_len = dims
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .and_then(|n| n.checked_mul(ty.size()))
-        .filter(|&b| b <= isize::MAX as usize)
-        .ok_or_else(|| {
+/// An IDX header: element type, dimensions, and the bytes it takes and announces.
+struct Header {
+    ty: IdxType,
+    dims: Vec<usize>,
+    /// Bytes of the header itself (4 + 4 per dimension).
+    len: usize,
+    /// Bytes of data the dimensions need.
+    data_len: usize,
+}
+
+impl Header {
+    /// The header at the start of `bytes` (which may hold more); an error when it is cut short
+    /// or malformed.
+    fn parse(bytes: &[u8], name: &str) -> Result<Header> {
+        let bad = |what: String| Error::invalid(OP, format!("{name}: {what}"));
+        let Some(magic) = bytes.get(..4) else {
+            return Err(bad(format!(
+                "truncated header: an IDX file starts with 4 magic bytes, found {} bytes",
+                bytes.len()
+            )));
+        };
+        if magic[0] != 0 || magic[1] != 0 {
+            return Err(bad(format!(
+                "bad magic {:02x} {:02x} {:02x} {:02x}: an IDX file starts with two zero bytes",
+                magic[0], magic[1], magic[2], magic[3]
+            )));
+        }
+        let ty = IdxType::from_code(magic[2]).ok_or_else(|| {
             bad(format!(
-                "dimensions {dims:?} overflow: their product cannot be addressed"
+                "bad magic: unknown element type 0x{:02x} (expected 08, 09, 0b, 0c, 0d or 0e)",
+                magic[2]
             ))
         })?;
+        let ndims = magic[3] as usize;
+        let len = 4 + 4 * ndims;
+        let Some(dim_bytes) = bytes.get(4..len) else {
+            return Err(bad(format!(
+                "truncated header: {ndims} dimensions need {len} header bytes, found {}",
+                bytes.len()
+            )));
+        };
+        let dims: Vec<usize> = dim_bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize)
+            .collect();
+        let data_len = dims
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .and_then(|n| n.checked_mul(ty.size()))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                bad(format!(
+                    "dimensions {dims:?} overflow: their product cannot be addressed"
+                ))
+            })?;
+        Ok(Header {
+            ty,
+            dims,
+            len,
+            data_len,
+        })
+    }
+}
+
+fn parse_raw(bytes: &[u8], name: &str) -> Result<Tensor> {
+    let bad = |what: String| Error::invalid(OP, format!("{name}: {what}"));
+    let Header {
+        ty,
+        dims,
+        len: header,
+        data_len,
+    } = Header::parse(bytes, name)?;
     let data = &bytes[header..];
     if data.len() < data_len {
         return Err(bad(format!(

@@ -179,13 +179,18 @@ impl TcpStore {
         op: &'static str,
         request: &[u8],
         wait: Duration,
-        read: impl FnOnce(&TcpStream, &Deadline) -> Result<T>,
+        read: impl FnOnce(&mut dyn wire::Source) -> Result<T>,
     ) -> Result<T> {
         let conn = self.lock_conn();
-        let deadline = Deadline::after(wait + Duration::from_secs(1), op);
+        let deadline = Deadline::after(wait.saturating_add(Duration::from_secs(1)), op);
         wire::write_all(&conn, request, &deadline, &self.peer)?;
-        match wire::read_u8(&conn, &deadline, &self.peer)? {
-            OK => read(&conn, &deadline),
+        let mut src = wire::Conn {
+            stream: &conn,
+            deadline: &deadline,
+            peer: &self.peer,
+        };
+        match wire::read_u8(&mut src)? {
+            OK => read(&mut src),
             TIMED_OUT => Err(wire::timeout_error(op, wait, "keys in the store")),
             other => Err(Error::Io {
                 kind: ErrorKind::InvalidData,
@@ -215,16 +220,14 @@ fn with_millis(mut req: Vec<u8>, d: Duration) -> Vec<u8> {
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let req = with_millis(request(SET, &[key.as_bytes(), value]), Duration::ZERO);
-        self.call("Store::set", &req, Duration::ZERO, |_, _| Ok(()))
+        self.call("Store::set", &req, Duration::ZERO, |_| Ok(()))
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>> {
         let t = self.timeout();
         let req = with_millis(request(GET, &[key.as_bytes()]), t);
-        self.call("Store::get", &req, t, |c, d| {
-            wire::read_bytes(c, d, &self.peer, MAX_VALUE)
-        })
-        .map_err(|e| name_keys(e, &[key]))
+        self.call("Store::get", &req, t, answer::get)
+            .map_err(|e| name_keys(e, &[key]))
     }
 
     fn add(&self, key: &str, amount: i64) -> Result<i64> {
@@ -232,9 +235,7 @@ impl Store for TcpStore {
             request(ADD, &[key.as_bytes(), &amount.to_le_bytes()]),
             Duration::ZERO,
         );
-        self.call("Store::add", &req, Duration::ZERO, |c, d| {
-            Ok(wire::read_u64(c, d, &self.peer)? as i64)
-        })
+        self.call("Store::add", &req, Duration::ZERO, answer::add)
     }
 
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
@@ -242,38 +243,30 @@ impl Store for TcpStore {
             request(COMPARE_SET, &[key.as_bytes(), expected, desired]),
             Duration::ZERO,
         );
-        self.call("Store::compare_set", &req, Duration::ZERO, |c, d| {
-            wire::read_bytes(c, d, &self.peer, MAX_VALUE)
-        })
+        self.call("Store::compare_set", &req, Duration::ZERO, answer::compare_set)
     }
 
     fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let strings: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         let req = with_millis(request(WAIT, &strings), timeout);
-        self.call("Store::wait", &req, timeout, |_, _| Ok(()))
+        self.call("Store::wait", &req, timeout, |_| Ok(()))
             .map_err(|e| name_keys(e, keys))
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {
         let strings: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         let req = with_millis(request(CHECK, &strings), Duration::ZERO);
-        self.call("Store::check", &req, Duration::ZERO, |c, d| {
-            Ok(wire::read_u8(c, d, &self.peer)? != 0)
-        })
+        self.call("Store::check", &req, Duration::ZERO, answer::flag)
     }
 
     fn delete_key(&self, key: &str) -> Result<bool> {
         let req = with_millis(request(DELETE, &[key.as_bytes()]), Duration::ZERO);
-        self.call("Store::delete_key", &req, Duration::ZERO, |c, d| {
-            Ok(wire::read_u8(c, d, &self.peer)? != 0)
-        })
+        self.call("Store::delete_key", &req, Duration::ZERO, answer::flag)
     }
 
     fn num_keys(&self) -> Result<usize> {
         let req = with_millis(request(NUM_KEYS, &[]), Duration::ZERO);
-        self.call("Store::num_keys", &req, Duration::ZERO, |c, d| {
-            Ok(wire::read_u64(c, d, &self.peer)? as usize)
-        })
+        self.call("Store::num_keys", &req, Duration::ZERO, answer::num_keys)
     }
 
     fn timeout(&self) -> Duration {
@@ -466,105 +459,242 @@ fn serve_one(conn: &TcpStream, shared: &Shared) -> Result<()> {
         }
     };
     let d = Deadline::after(REQUEST_READ_TIMEOUT, "store server");
-    let n = wire::read_u32(conn, &d, peer)? as usize;
-    if n > 1 << 20 {
-        return Err(Error::invalid("store server", "too many keys"));
-    }
-    let mut strings = Vec::with_capacity(n);
-    for _ in 0..n {
-        strings.push(wire::read_bytes(conn, &d, peer, MAX_VALUE)?);
-    }
-    let wait = Duration::from_millis(wire::read_u64(conn, &d, peer)?);
-    let key = |i: usize| -> Result<String> {
-        let s = strings
-            .get(i)
-            .ok_or_else(|| Error::invalid("store server", "missing argument"))?;
-        String::from_utf8(s.clone()).map_err(|_| Error::invalid("store server", "key is not UTF-8"))
-    };
-    let mut out = vec![OK];
-    let mut map = shared.map.lock().unwrap_or_else(|p| p.into_inner());
-    match cmd {
-        SET => {
-            let value = strings.get(1).cloned().unwrap_or_default();
-            map.insert(key(0)?, value);
-            shared.changed.notify_all();
-        }
-        GET | WAIT => {
-            let keys: Vec<String> = (0..strings.len()).map(key).collect::<Result<_>>()?;
-            let until = Instant::now() + wait;
-            loop {
-                if keys.iter().all(|k| map.contains_key(k)) {
-                    if cmd == GET {
-                        wire::put_bytes(&mut out, &map[&keys[0]]);
-                    }
-                    break;
-                }
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    out = vec![TIMED_OUT];
-                    break;
-                }
-                map = shared
-                    .changed
-                    .wait_timeout(map, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-        }
-        ADD => {
-            let k = key(0)?;
-            let amount = strings
-                .get(1)
-                .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
-                .map(i64::from_le_bytes)
-                .ok_or_else(|| Error::invalid("store server", "bad add amount"))?;
-            let current = map
-                .get(&k)
-                .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<i64>().ok())
-                .unwrap_or(0);
-            let new = current.wrapping_add(amount);
-            map.insert(k, new.to_string().into_bytes());
-            shared.changed.notify_all();
-            out.extend_from_slice(&(new as u64).to_le_bytes());
-        }
-        COMPARE_SET => {
-            let k = key(0)?;
-            let (expected, desired) = (
-                strings.get(1).cloned().unwrap_or_default(),
-                strings.get(2).cloned().unwrap_or_default(),
-            );
-            let value = match map.get(&k) {
-                None if expected.is_empty() => {
-                    map.insert(k, desired.clone());
-                    shared.changed.notify_all();
-                    desired
-                }
-                None => expected,
-                Some(v) if *v == expected => {
-                    map.insert(k, desired.clone());
-                    shared.changed.notify_all();
-                    desired
-                }
-                Some(v) => v.clone(),
-            };
-            wire::put_bytes(&mut out, &value);
-        }
-        CHECK => {
-            let keys: Vec<String> = (0..strings.len()).map(key).collect::<Result<_>>()?;
-            out.push(keys.iter().all(|k| map.contains_key(k)) as u8);
-        }
-        DELETE => {
-            let existed = map.remove(&key(0)?).is_some();
-            out.push(existed as u8);
-        }
-        NUM_KEYS => out.extend_from_slice(&(map.len() as u64).to_le_bytes()),
-        _ => return Err(Error::invalid("store server", "unknown command")),
-    }
-    drop(map);
+    let request = Request::read(
+        cmd,
+        &mut wire::Conn {
+            stream: conn,
+            deadline: &d,
+            peer,
+        },
+    )?;
+    let out = shared.answer(&request)?;
     wire::write_all(
         conn,
         &out,
         &Deadline::after(REQUEST_READ_TIMEOUT, "store server"),
         peer,
     )
+}
+
+/// The most strings one request may carry (keys of a `wait`).
+const MAX_STRINGS: usize = 1 << 20;
+
+/// A request as the server reads it: the command byte, its strings, and how long the server
+/// may block on it.
+#[derive(Debug)]
+struct Request {
+    cmd: u8,
+    strings: Vec<Vec<u8>>,
+    wait: Duration,
+}
+
+impl Request {
+    /// The rest of a request whose command byte `cmd` came. Counts and lengths are checked
+    /// before use, and storage grows with the bytes that arrive, never with a claimed size.
+    fn read(cmd: u8, src: &mut impl wire::Source) -> Result<Request> {
+        let n = wire::read_u32(src)? as usize;
+        if n > MAX_STRINGS {
+            return Err(Error::invalid(
+                "store server",
+                format!("a request of {n} strings, more than {MAX_STRINGS}"),
+            ));
+        }
+        let mut strings = Vec::new();
+        for _ in 0..n {
+            strings.push(wire::read_bytes(src, MAX_VALUE)?);
+        }
+        let wait = Duration::from_millis(wire::read_u64(src)?);
+        Ok(Request { cmd, strings, wait })
+    }
+
+    /// Argument `i` as a key.
+    fn key(&self, i: usize) -> Result<String> {
+        let s = self
+            .strings
+            .get(i)
+            .ok_or_else(|| Error::invalid("store server", format!("missing argument {i}")))?;
+        String::from_utf8(s.clone()).map_err(|_| Error::invalid("store server", "key is not UTF-8"))
+    }
+
+    /// Every argument as a key.
+    fn keys(&self) -> Result<Vec<String>> {
+        (0..self.strings.len()).map(|i| self.key(i)).collect()
+    }
+}
+
+impl Shared {
+    /// The answer to `req` (status byte, then the command's result), after applying it; a
+    /// `get` or `wait` blocks until its keys are set or its wait passed.
+    fn answer(&self, req: &Request) -> Result<Vec<u8>> {
+        let mut out = vec![OK];
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        match req.cmd {
+            SET => {
+                let value = req.strings.get(1).cloned().unwrap_or_default();
+                map.insert(req.key(0)?, value);
+                self.changed.notify_all();
+            }
+            GET | WAIT => {
+                let keys = req.keys()?;
+                if req.cmd == GET && keys.is_empty() {
+                    return Err(Error::invalid("store server", "a get of no key"));
+                }
+                let now = Instant::now();
+                // A wait past what `Instant` holds waits "forever": a century.
+                let until = now
+                    .checked_add(req.wait)
+                    .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
+                loop {
+                    if keys.iter().all(|k| map.contains_key(k)) {
+                        if req.cmd == GET {
+                            wire::put_bytes(&mut out, &map[&keys[0]]);
+                        }
+                        break;
+                    }
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        out = vec![TIMED_OUT];
+                        break;
+                    }
+                    map = self
+                        .changed
+                        .wait_timeout(map, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+            ADD => {
+                let k = req.key(0)?;
+                let amount = req
+                    .strings
+                    .get(1)
+                    .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+                    .map(i64::from_le_bytes)
+                    .ok_or_else(|| Error::invalid("store server", "bad add amount"))?;
+                let current = map
+                    .get(&k)
+                    .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<i64>().ok())
+                    .unwrap_or(0);
+                let new = current.wrapping_add(amount);
+                map.insert(k, new.to_string().into_bytes());
+                self.changed.notify_all();
+                out.extend_from_slice(&(new as u64).to_le_bytes());
+            }
+            COMPARE_SET => {
+                let k = req.key(0)?;
+                let (expected, desired) = (
+                    req.strings.get(1).cloned().unwrap_or_default(),
+                    req.strings.get(2).cloned().unwrap_or_default(),
+                );
+                let value = match map.get(&k) {
+                    None if expected.is_empty() => {
+                        map.insert(k, desired.clone());
+                        self.changed.notify_all();
+                        desired
+                    }
+                    None => expected,
+                    Some(v) if *v == expected => {
+                        map.insert(k, desired.clone());
+                        self.changed.notify_all();
+                        desired
+                    }
+                    Some(v) => v.clone(),
+                };
+                wire::put_bytes(&mut out, &value);
+            }
+            CHECK => {
+                let keys = req.keys()?;
+                out.push(keys.iter().all(|k| map.contains_key(k)) as u8);
+            }
+            DELETE => {
+                let existed = map.remove(&req.key(0)?).is_some();
+                out.push(existed as u8);
+            }
+            NUM_KEYS => out.extend_from_slice(&(map.len() as u64).to_le_bytes()),
+            _ => return Err(Error::invalid("store server", "unknown command")),
+        }
+        Ok(out)
+    }
+}
+
+/// The client's decoders of each command's result (after the status byte).
+mod answer {
+    use super::{wire, Result, MAX_VALUE};
+
+    pub(super) fn get(src: &mut dyn wire::Source) -> Result<Vec<u8>> {
+        wire::read_bytes(src, MAX_VALUE)
+    }
+
+    pub(super) fn compare_set(src: &mut dyn wire::Source) -> Result<Vec<u8>> {
+        wire::read_bytes(src, MAX_VALUE)
+    }
+
+    pub(super) fn add(src: &mut dyn wire::Source) -> Result<i64> {
+        Ok(wire::read_u64(src)? as i64)
+    }
+
+    pub(super) fn flag(src: &mut dyn wire::Source) -> Result<bool> {
+        Ok(wire::read_u8(src)? != 0)
+    }
+
+    pub(super) fn num_keys(src: &mut dyn wire::Source) -> Result<usize> {
+        usize::try_from(wire::read_u64(src)?)
+            .map_err(|_| ember_core::Error::invalid("Store::num_keys", "a count past usize"))
+    }
+}
+
+/// Entry points for the fuzz target `store` (`fuzz/`): the wire format's decoders run on bytes
+/// in memory. Not an API: hidden, and free to change with the protocol.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Serves every request in `client_bytes` (as a server reads them off one connection)
+    /// against a fresh store whose `get`/`wait` never block (each request's wait is taken as
+    /// zero), then decodes `server_bytes` as each command's answer; returns the answers served.
+    /// Bad bytes must give errors, never panics, hangs or allocations beyond the bytes given.
+    pub fn decode(client_bytes: &[u8], server_bytes: &[u8]) -> Vec<Vec<u8>> {
+        let shared = Shared::default();
+        let mut src = client_bytes;
+        let mut answers = Vec::new();
+        while let Ok(cmd) = wire::read_u8(&mut src) {
+            let Ok(mut req) = Request::read(cmd, &mut src) else {
+                break;
+            };
+            req.wait = Duration::ZERO;
+            match shared.answer(&req) {
+                Ok(a) => answers.push(a),
+                Err(_) => break,
+            }
+        }
+        for cmd in [GET, ADD, COMPARE_SET, CHECK, DELETE, NUM_KEYS] {
+            let mut src = server_bytes;
+            let _ = match wire::read_u8(&mut src) {
+                Ok(OK) => match cmd {
+                    GET => answer::get(&mut src).map(drop),
+                    COMPARE_SET => answer::compare_set(&mut src).map(drop),
+                    ADD => answer::add(&mut src).map(drop),
+                    NUM_KEYS => answer::num_keys(&mut src).map(drop),
+                    _ => answer::flag(&mut src).map(drop),
+                },
+                _ => Ok(()),
+            };
+        }
+        answers
+    }
+
+    /// A request of each command as the client encodes it, for seed inputs.
+    pub fn client_requests() -> Vec<Vec<u8>> {
+        let ms = |r, ms| with_millis(r, Duration::from_millis(ms));
+        vec![
+            ms(request(SET, &[b"addr/0", b"127.0.0.1:29500"]), 0),
+            ms(request(GET, &[b"addr/0"]), 10),
+            ms(request(ADD, &[b"count", &2i64.to_le_bytes()]), 0),
+            ms(request(COMPARE_SET, &[b"k", b"", b"v"]), 0),
+            ms(request(WAIT, &[b"addr/0", b"count"]), 10),
+            ms(request(CHECK, &[b"addr/0", b"missing"]), 0),
+            ms(request(DELETE, &[b"k"]), 0),
+            ms(request(NUM_KEYS, &[]), 0),
+        ]
+    }
 }

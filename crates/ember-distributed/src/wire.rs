@@ -24,8 +24,13 @@ pub struct Deadline {
 impl Deadline {
     /// `timeout` from now, for the operation `op` (named in errors).
     pub fn after(timeout: Duration, op: &'static str) -> Deadline {
+        let now = Instant::now();
         Deadline {
-            at: Instant::now() + timeout,
+            // A timeout past what `Instant` holds (`Duration::MAX`) means "no deadline": a
+            // century stands for it.
+            at: now
+                .checked_add(timeout)
+                .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600)),
             timeout,
             op,
         }
@@ -180,42 +185,96 @@ pub fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
+/// Where a message is read from: a connection ([`Conn`]), or bytes already in memory (a
+/// `&[u8]`, for tests and the fuzz targets). The message decoders below take either.
+pub trait Source {
+    /// Fills `buf` entirely, or fails: the deadline passed, the peer closed, the bytes ended.
+    fn fill(&mut self, buf: &mut [u8]) -> ember_core::Result<()>;
+
+    /// "op: peer" for errors about the data read.
+    fn context(&self) -> String;
+}
+
+/// A connection read within a deadline, for the decoders.
+pub struct Conn<'a> {
+    pub stream: &'a TcpStream,
+    pub deadline: &'a Deadline,
+    pub peer: &'a str,
+}
+
+impl Source for Conn<'_> {
+    fn fill(&mut self, buf: &mut [u8]) -> ember_core::Result<()> {
+        read_exact(self.stream, buf, self.deadline, self.peer)
+    }
+
+    fn context(&self) -> String {
+        format!("{}: {}", self.deadline.op, self.peer)
+    }
+}
+
+impl Source for &[u8] {
+    fn fill(&mut self, buf: &mut [u8]) -> ember_core::Result<()> {
+        if self.len() < buf.len() {
+            return Err(Error::Io {
+                kind: ErrorKind::UnexpectedEof,
+                msg: format!(
+                    "the message ends after {} more bytes, {} needed",
+                    self.len(),
+                    buf.len()
+                ),
+            });
+        }
+        let (head, rest) = self.split_at(buf.len());
+        buf.copy_from_slice(head);
+        *self = rest;
+        Ok(())
+    }
+
+    fn context(&self) -> String {
+        "bytes in memory".into()
+    }
+}
+
+/// Bytes a length-prefixed string grows by at a time: its buffer follows the bytes that came,
+/// never a length merely claimed (a peer that announces 256 MiB and sends nothing costs
+/// nothing).
+const READ_CHUNK: usize = 64 << 10;
+
 /// Reads a u32-length-prefixed byte string (at most `max` bytes).
-pub fn read_bytes(
-    stream: &TcpStream,
-    deadline: &Deadline,
-    peer: &str,
-    max: usize,
-) -> ember_core::Result<Vec<u8>> {
-    let len = read_u32(stream, deadline, peer)? as usize;
+pub fn read_bytes(src: &mut (impl Source + ?Sized), max: usize) -> ember_core::Result<Vec<u8>> {
+    let len = read_u32(src)? as usize;
     if len > max {
         return Err(Error::Io {
             kind: ErrorKind::InvalidData,
             msg: format!(
-                "{}: {peer} sent a {len}-byte string, more than {max}; is it an ember peer?",
-                deadline.op
+                "{} sent a {len}-byte string, more than {max}; is it an ember peer?",
+                src.context()
             ),
         });
     }
-    let mut buf = vec![0; len];
-    read_exact(stream, &mut buf, deadline, peer)?;
+    let mut buf = Vec::with_capacity(len.min(READ_CHUNK));
+    while buf.len() < len {
+        let start = buf.len();
+        buf.resize(start + (len - start).min(READ_CHUNK), 0);
+        src.fill(&mut buf[start..])?;
+    }
     Ok(buf)
 }
 
-pub fn read_u32(stream: &TcpStream, deadline: &Deadline, peer: &str) -> ember_core::Result<u32> {
+pub fn read_u32(src: &mut (impl Source + ?Sized)) -> ember_core::Result<u32> {
     let mut b = [0; 4];
-    read_exact(stream, &mut b, deadline, peer)?;
+    src.fill(&mut b)?;
     Ok(u32::from_le_bytes(b))
 }
 
-pub fn read_u64(stream: &TcpStream, deadline: &Deadline, peer: &str) -> ember_core::Result<u64> {
+pub fn read_u64(src: &mut (impl Source + ?Sized)) -> ember_core::Result<u64> {
     let mut b = [0; 8];
-    read_exact(stream, &mut b, deadline, peer)?;
+    src.fill(&mut b)?;
     Ok(u64::from_le_bytes(b))
 }
 
-pub fn read_u8(stream: &TcpStream, deadline: &Deadline, peer: &str) -> ember_core::Result<u8> {
+pub fn read_u8(src: &mut (impl Source + ?Sized)) -> ember_core::Result<u8> {
     let mut b = [0; 1];
-    read_exact(stream, &mut b, deadline, peer)?;
+    src.fill(&mut b)?;
     Ok(b[0])
 }

@@ -203,13 +203,30 @@ pub fn load_tensors(path: impl AsRef<Path>, device: Device) -> StateDictResult<V
         path: path.to_owned(),
         msg: e.to_string(),
     })?;
+    parse(&bytes, path, device)
+}
+
+/// [`load_tensors`] of a safetensors file's bytes (`safetensors.torch.load(data)`). Every
+/// size and offset the header claims is checked against the bytes present before anything is
+/// allocated for it; malformed bytes are [`StateDictError::Format`], never a panic.
+pub fn load_tensors_from_bytes(bytes: &[u8], device: Device) -> StateDictResult<Vec<(String, Tensor)>> {
+    parse(bytes, Path::new("<bytes>"), device)
+}
+
+/// The tensors of safetensors `bytes` read from `path` (named in errors).
+fn parse(bytes: &[u8], path: &Path, device: Device) -> StateDictResult<Vec<(String, Tensor)>> {
     let format = |msg: String| StateDictError::Format {
         path: path.to_owned(),
         msg,
     };
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| format(e.to_string()))?;
-    let mut out = Vec::with_capacity(st.len());
-    for (name, view) in st.iter() {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| format(e.to_string()))?;
+    // The file's order: `SafeTensors::iter` walks a hash map, so two reads of one file gave
+    // two orders. The views borrow `bytes`, so their addresses are their offsets (empty
+    // tensors may share one; their names order them).
+    let mut views: Vec<_> = st.iter().collect();
+    views.sort_by_key(|(name, view)| (view.data().as_ptr() as usize, *name));
+    let mut out = Vec::with_capacity(views.len());
+    for (name, view) in views {
         let t = decode(view.dtype(), view.shape(), view.data(), device).map_err(|e| match e {
             StateDictError::Format { msg, .. } => format(format!("tensor {name}: {msg}")),
             e => e,

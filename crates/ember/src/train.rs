@@ -32,9 +32,12 @@
 //! deterministic; on a GPU, with deterministic algorithms). `tests/cli.rs` kills runs with
 //! SIGKILL at random points and checks this.
 
+mod checkpoint;
 mod dist;
 mod graph;
 mod profile;
+
+use checkpoint::{load_checkpoint, save_checkpoint, Position};
 
 use crate::models;
 use clap::{Args, ValueEnum};
@@ -43,7 +46,6 @@ use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, DistributedSampler, TensorDataset};
 use ember::distributed::{DdpOptions, DistributedDataParallel};
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::state_dict::{load_tensors, save_tensors};
 use ember::nn::{CrossEntropyLoss, Forward, ModuleExt};
 use ember::{cuda, DType, Device, Generator, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -339,167 +341,6 @@ fn evaluate(
     Ok(correct.item_f64()? / ds.tensors()[1].dims()[0] as f64)
 }
 
-/// Where a run stands: what a checkpoint holds besides model, optimizer and scaler.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Position {
-    /// Completed epochs.
-    epoch: usize,
-    /// Completed steps of epoch `epoch + 1`.
-    step: usize,
-    /// The running loss sum and sample count of that partly done epoch.
-    loss_sum: f64,
-    seen: usize,
-}
-
-/// The (seed, offset) of a generator as a 2-element i64 tensor (the bits of the two u64).
-fn rng_tensor(state: ember::RngState) -> ember::Result<Tensor> {
-    Tensor::from_vec(vec![state.seed as i64, state.offset as i64], [2], Device::Cpu)
-}
-
-fn rng_from_tensor(t: &Tensor) -> Option<ember::RngState> {
-    match t.to_vec::<i64>().ok()?.as_slice() {
-        &[seed, offset] => Some(ember::RngState {
-            seed: seed as u64,
-            offset: offset as u64,
-        }),
-        _ => None,
-    }
-}
-
-/// Writes model, optimizer, scaler, RNG states and `pos` into one safetensors file
-/// (atomically).
-fn save_checkpoint(
-    path: &Path,
-    model: &dyn Forward,
-    opt: &Adam,
-    scaler: &GradScaler,
-    pos: Position,
-) -> CliResult<()> {
-    let mut state: Vec<(String, Tensor)> = model
-        .state_dict()
-        .into_iter()
-        // A DistributedDataParallel wrapper names its module's tensors `module.*`: the file
-        // holds the module's own names, as PyTorch's `model.module.state_dict()`, so any run
-        // (one process or several) resumes from it.
-        .map(|(k, t)| (format!("model.{}", k.strip_prefix("module.").unwrap_or(&k)), t))
-        .collect();
-    state.extend(
-        opt.state_dict()
-            .into_iter()
-            .map(|(k, t)| (format!("optimizer.{k}"), t)),
-    );
-    if scaler.is_enabled() {
-        state.extend(
-            scaler
-                .state_dict()?
-                .into_iter()
-                .map(|(k, t)| (format!("scaler.{k}"), t)),
-        );
-    }
-    let i64_scalar = |v: usize| Tensor::scalar(v as f64, DType::I64, Device::Cpu);
-    state.push(("epoch".into(), i64_scalar(pos.epoch)?));
-    state.push(("step".into(), i64_scalar(pos.step)?));
-    state.push(("epoch_seen".into(), i64_scalar(pos.seen)?));
-    state.push((
-        "epoch_loss_sum".into(),
-        Tensor::scalar(pos.loss_sum, DType::F64, Device::Cpu)?,
-    ));
-    state.push(("rng.cpu".into(), rng_tensor(ember::get_rng_state())?));
-    for i in 0..cuda::device_count() {
-        let g = ember::default_generator(Device::Cuda(i));
-        state.push((format!("rng.cuda.{i}"), rng_tensor(g.get_state())?));
-    }
-    save_tensors(&state, path).map_err(|e| format!("saving checkpoint: {e}"))?;
-    Ok(())
-}
-
-/// Loads a checkpoint of [`save_checkpoint`] into `model`, `opt`, `scaler` and the default
-/// generators; returns its position. Checkpoints of older versions (model, optimizer and
-/// `epoch` only) load as epoch boundaries.
-fn load_checkpoint(
-    path: &Path,
-    kind: ModelKind,
-    model: &mut dyn Forward,
-    opt: &mut Adam,
-    scaler: &mut GradScaler,
-) -> CliResult<Position> {
-    let bad = |what: String| format!("--resume: checkpoint {}: {what}", path.display());
-    if !path.is_file() {
-        return Err(bad("no such file (run once without --resume to create it)".into()).into());
-    }
-    let state = load_tensors(path, Device::Cpu).map_err(|e| bad(e.to_string()))?;
-    let (mut model_state, mut opt_state, mut scaler_state) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut epoch, mut step, mut seen, mut loss_sum) = (None, 0.0, 0.0, 0.0);
-    let mut rngs = Vec::new();
-    let number = |t: &Tensor| t.item_f64().map_err(|e| bad(e.to_string()));
-    for (k, t) in state {
-        if let Some(k) = k.strip_prefix("model.") {
-            model_state.push((k.to_owned(), t));
-        } else if let Some(k) = k.strip_prefix("optimizer.") {
-            opt_state.push((k.to_owned(), t));
-        } else if let Some(k) = k.strip_prefix("scaler.") {
-            scaler_state.push((k.to_owned(), t));
-        } else if let Some(which) = k.strip_prefix("rng.") {
-            let device = match which {
-                "cpu" => Device::Cpu,
-                _ => match which.strip_prefix("cuda.").and_then(|i| i.parse().ok()) {
-                    Some(i) => Device::Cuda(i),
-                    None => return Err(bad(format!("unexpected entry {k:?}")).into()),
-                },
-            };
-            let rng = rng_from_tensor(&t).ok_or_else(|| bad(format!("bad {k}")))?;
-            rngs.push((device, rng));
-        } else {
-            match k.as_str() {
-                "epoch" => epoch = Some(number(&t)?),
-                "step" => step = number(&t)?,
-                "epoch_seen" => seen = number(&t)?,
-                "epoch_loss_sum" => loss_sum = number(&t)?,
-                _ => {
-                    return Err(
-                        bad(format!("unexpected entry {k:?}: not an `ember train` checkpoint")).into(),
-                    )
-                }
-            }
-        }
-    }
-    let epoch = epoch.ok_or_else(|| bad("no `epoch` entry: not an `ember train` checkpoint".into()))?;
-    model.load_state_dict(&model_state, true).map_err(|e| {
-        bad(format!(
-            "does not hold a --model {} of this shape (trained with another --model?): {e}",
-            kind.name()
-        ))
-    })?;
-    opt.load_state_dict(&opt_state)
-        .map_err(|e| bad(format!("optimizer state: {e}")))?;
-    if scaler.is_enabled() && !scaler_state.is_empty() {
-        scaler
-            .load_state_dict(&scaler_state)
-            .map_err(|e| bad(format!("scaler state: {e}")))?;
-    }
-    for (device, rng) in rngs {
-        match device {
-            Device::Cpu => ember::set_rng_state(rng),
-            Device::Cuda(i) if i < cuda::device_count() => ember::default_generator(device).set_state(rng),
-            // Saved on a machine with more GPUs: those generators are not used here.
-            Device::Cuda(_) => {}
-        }
-    }
-    let count = |v: f64, what: &str| {
-        if v >= 0.0 && v.fract() == 0.0 {
-            Ok(v as usize)
-        } else {
-            Err(bad(format!("bad {what} {v}")))
-        }
-    };
-    Ok(Position {
-        epoch: count(epoch, "epoch")?,
-        step: count(step, "step")?,
-        seen: count(seen, "epoch_seen")?,
-        loss_sum,
-    })
-}
-
 /// A progress bar on stderr, hidden when `hidden`.
 fn progress_bar(len: usize, hidden: bool) -> ProgressBar {
     if hidden {
@@ -571,7 +412,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
             .checkpoint
             .as_deref()
             .expect("clap requires --checkpoint with --resume");
-        resumed = load_checkpoint(path, kind, &mut model, &mut opt, &mut scaler)?;
+        resumed = load_checkpoint(path, kind.name(), &mut model, &mut opt, &mut scaler)?;
     }
     let done = resumed.epoch;
 

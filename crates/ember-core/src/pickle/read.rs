@@ -6,6 +6,12 @@
 //! nodes and turned into [`Value`]s, copying what is shared, once `STOP` is reached. The copy is
 //! bounded ([`MAX_VALUES`], [`MAX_DEPTH`]), so a small file whose memo references nest or repeat
 //! cannot make it run away, and a container that contains itself is an error.
+//!
+//! Whatever the bytes, reading costs time and memory in proportion to them: a node is dropped
+//! without recursion (a file of a million nested lists must not overflow the stack when its
+//! nodes are freed), the memo's containers are emptied at the end (so one that contains itself
+//! is freed too), and a dict finds a repeated key through a hash of the key, not a scan of its
+//! items (a dict of a million keys is not a trillion comparisons).
 
 use super::*;
 use std::cell::RefCell;
@@ -13,6 +19,10 @@ use std::rc::Rc;
 
 /// Most values one pickle may expand to (copies of shared parts included).
 const MAX_VALUES: usize = 1 << 24;
+/// Most bytes of strings one pickle may expand to (copies of shared strings included): a
+/// string read once and referenced a million times through nested memo references would
+/// otherwise be copied a million times.
+const MAX_STRING_BYTES: usize = 1 << 30;
 /// Deepest nesting of containers.
 const MAX_DEPTH: usize = 1000;
 
@@ -21,15 +31,71 @@ enum Node {
     Leaf(Value),
     List(Rc<RefCell<Vec<Node>>>),
     Tuple(Rc<Vec<Node>>),
-    Dict(Rc<RefCell<Vec<(Node, Node)>>>),
+    Dict(Rc<RefCell<DictNode>>),
+}
+
+/// A dict's items in insertion order, and the items of each key hash ([`key_hash`]).
+#[derive(Default)]
+struct DictNode {
+    items: Vec<(Node, Node)>,
+    by_hash: HashMap<u64, Vec<usize>>,
+}
+
+impl Node {
+    /// Moves the children of a container that nothing else holds into `out`, leaving it empty.
+    fn take_children(&mut self, out: &mut Vec<Node>) {
+        match self {
+            Node::Leaf(_) => {}
+            Node::List(items) => {
+                if let Some(items) = Rc::get_mut(items) {
+                    out.append(items.get_mut());
+                }
+            }
+            Node::Tuple(items) => {
+                if let Some(items) = Rc::get_mut(items) {
+                    out.append(items);
+                }
+            }
+            Node::Dict(dict) => {
+                if let Some(dict) = Rc::get_mut(dict) {
+                    for (k, v) in dict.get_mut().items.drain(..) {
+                        out.push(k);
+                        out.push(v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    /// Frees a tree of nodes with a loop instead of recursion (the nesting is the file's).
+    fn drop(&mut self) {
+        let mut pending = Vec::new();
+        self.take_children(&mut pending);
+        while let Some(mut node) = pending.pop() {
+            node.take_children(&mut pending);
+        }
+    }
 }
 
 pub(super) fn loads(data: &[u8]) -> Result<Value, PickleError> {
-    loads_limited(data, MAX_VALUES)
+    loads_limited(data, MAX_VALUES, MAX_STRING_BYTES)
 }
 
-/// [`loads`] expanding to at most `max_values` values.
-pub(super) fn loads_limited(data: &[u8], max_values: usize) -> Result<Value, PickleError> {
+/// What copying the nodes into values may still spend.
+struct Budget {
+    values: usize,
+    string_bytes: usize,
+}
+
+/// [`loads`] expanding to at most `max_values` values holding at most `max_string_bytes` of
+/// strings.
+pub(super) fn loads_limited(
+    data: &[u8],
+    max_values: usize,
+    max_string_bytes: usize,
+) -> Result<Value, PickleError> {
     let mut r = Reader {
         data,
         at: 0,
@@ -38,30 +104,42 @@ pub(super) fn loads_limited(data: &[u8], max_values: usize) -> Result<Value, Pic
         memo: HashMap::new(),
     };
     let node = r.run()?;
-    let mut budget = max_values;
+    let mut budget = Budget {
+        values: max_values,
+        string_bytes: max_string_bytes,
+    };
     to_value(&node, 0, &mut budget).map_err(|what| PickleError::Malformed {
         offset: data.len(),
         what: what.into(),
     })
 }
 
-fn to_value(node: &Node, depth: usize, budget: &mut usize) -> Result<Value, &'static str> {
+fn to_value(node: &Node, depth: usize, budget: &mut Budget) -> Result<Value, &'static str> {
     if depth > MAX_DEPTH {
         return Err("containers nest too deep (or contain themselves)");
     }
-    *budget = budget
+    budget.values = budget
+        .values
         .checked_sub(1)
         .ok_or("the data expands to too many values (shared parts repeated)")?;
-    let seq = |items: &[Node], budget: &mut usize| -> Result<Vec<Value>, &'static str> {
+    let seq = |items: &[Node], budget: &mut Budget| -> Result<Vec<Value>, &'static str> {
         items.iter().map(|n| to_value(n, depth + 1, budget)).collect()
     };
     Ok(match node {
-        Node::Leaf(v) => v.clone(),
+        Node::Leaf(v) => {
+            if let Value::Str(s) = v {
+                budget.string_bytes = budget
+                    .string_bytes
+                    .checked_sub(s.len())
+                    .ok_or("the data expands to too many bytes of strings (shared strings repeated)")?;
+            }
+            v.clone()
+        }
         Node::List(items) => Value::List(seq(&items.borrow(), budget)?),
         Node::Tuple(items) => Value::Tuple(seq(items, budget)?),
-        Node::Dict(items) => Value::Dict(
-            items
-                .borrow()
+        Node::Dict(dict) => Value::Dict(
+            dict.borrow()
+                .items
                 .iter()
                 .map(|(k, v)| Ok((to_value(k, depth + 1, budget)?, to_value(v, depth + 1, budget)?)))
                 .collect::<Result<_, &'static str>>()?,
@@ -69,15 +147,45 @@ fn to_value(node: &Node, depth: usize, budget: &mut usize) -> Result<Value, &'st
     })
 }
 
-/// Whether two dict keys are equal (keys are strings, numbers or tuples of them).
-fn same_key(a: &Node, b: &Node) -> bool {
+/// Whether two dict keys are equal (keys are strings, numbers or tuples of them; a key nested
+/// deeper than [`MAX_DEPTH`] equals nothing, and the file is refused when it is copied).
+fn same_key(a: &Node, b: &Node, depth: usize) -> bool {
     match (a, b) {
         (Node::Leaf(x), Node::Leaf(y)) => x == y,
         (Node::Tuple(x), Node::Tuple(y)) => {
-            x.len() == y.len() && x.iter().zip(y.iter()).all(|(p, q)| same_key(p, q))
+            depth < MAX_DEPTH
+                && x.len() == y.len()
+                && x.iter().zip(y.iter()).all(|(p, q)| same_key(p, q, depth + 1))
         }
         _ => false,
     }
+}
+
+/// A hash equal for keys that [`same_key`] finds equal.
+fn key_hash(key: &Node) -> u64 {
+    use std::hash::{Hash, Hasher};
+    fn feed(node: &Node, depth: usize, h: &mut std::collections::hash_map::DefaultHasher) {
+        match node {
+            Node::Leaf(v) => match v {
+                Value::None => 0u8.hash(h),
+                Value::Bool(b) => (1u8, b).hash(h),
+                Value::Int(i) => (2u8, i).hash(h),
+                // 0.0 == -0.0; NaN equals nothing, so its bits may hash as they are.
+                Value::Float(f) => (3u8, if *f == 0.0 { 0 } else { f.to_bits() }).hash(h),
+                Value::Str(s) => (4u8, s).hash(h),
+                // Containers are never equal keys: any hash will do.
+                Value::List(_) | Value::Tuple(_) | Value::Dict(_) => 5u8.hash(h),
+            },
+            Node::Tuple(items) if depth < MAX_DEPTH => {
+                (6u8, items.len()).hash(h);
+                items.iter().for_each(|n| feed(n, depth + 1, h));
+            }
+            _ => 7u8.hash(h),
+        }
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    feed(key, 0, &mut h);
+    h.finish()
 }
 
 struct Reader<'a> {
@@ -87,6 +195,24 @@ struct Reader<'a> {
     /// Stack heights at each `MARK`.
     marks: Vec<usize>,
     memo: HashMap<u64, Node>,
+}
+
+impl Drop for Reader<'_> {
+    /// Empties every memoized container: a container that contains itself (through a memo
+    /// reference) is then freed like any other. Its value, if any, was copied out before.
+    fn drop(&mut self) {
+        for node in self.memo.values() {
+            let children = match node {
+                Node::List(items) => std::mem::take(&mut *items.borrow_mut()),
+                Node::Dict(dict) => {
+                    let items = std::mem::take(&mut dict.borrow_mut().items);
+                    items.into_iter().flat_map(|(k, v)| [k, v]).collect()
+                }
+                Node::Leaf(_) | Node::Tuple(_) => continue,
+            };
+            drop(children);
+        }
+    }
 }
 
 impl<'a> Reader<'a> {
@@ -185,12 +311,17 @@ impl<'a> Reader<'a> {
             return Err(self.malformed("SETITEM on a value that is not a dict"));
         };
         let mut dict = dict.borrow_mut();
+        let dict = &mut *dict;
         let mut it = items.into_iter();
         while let (Some(k), Some(v)) = (it.next(), it.next()) {
             // A repeated key replaces the value in place, as Python's dict does.
-            match dict.iter_mut().rev().find(|(key, _)| same_key(key, &k)) {
-                Some(slot) => slot.1 = v,
-                None => dict.push((k, v)),
+            let same = dict.by_hash.entry(key_hash(&k)).or_default();
+            match same.iter().find(|&&i| same_key(&dict.items[i].0, &k, 0)) {
+                Some(&i) => dict.items[i].1 = v,
+                None => {
+                    same.push(dict.items.len());
+                    dict.items.push((k, v));
+                }
             }
         }
         Ok(())

@@ -281,7 +281,7 @@ fn self_containing_and_exploding_data_is_an_error() {
         .collect();
     assert_eq!(p.len(), 286);
     // The copy stops at the budget (10,000 values here) instead of running away.
-    let r = read::loads_limited(&p, 10_000);
+    let r = read::loads_limited(&p, 10_000, usize::MAX);
     assert!(matches!(r, Err(PickleError::Malformed { .. })), "{r:?}");
 }
 
@@ -376,4 +376,95 @@ fn dumps_writes_only_opcodes_pytorchs_memory_viz_page_reads() {
         );
     }
     assert!(used.contains(&LONG_BINGET) && used.contains(&LONG1) && used.contains(&SETITEM));
+}
+
+/// Nesting as deep as the file is long (100,000 levels): refused when copied (past 1,000), and the
+/// nodes already built are freed without recursing, so the reader's stack (a test thread's
+/// 2 MiB here) does not overflow.
+#[test]
+fn deeply_nested_containers_are_refused_without_overflowing_the_stack() {
+    const N: usize = 100_000;
+    // [[[...]]]: N empty lists, each appended into the one below it.
+    let mut lists = vec![PROTO, 2];
+    lists.extend(std::iter::repeat_n(EMPTY_LIST, N));
+    lists.extend(std::iter::repeat_n(APPEND, N - 1));
+    lists.push(STOP);
+    // (((None,),),...): N one-tuples.
+    let mut tuples = vec![PROTO, 2, NONE];
+    tuples.extend(std::iter::repeat_n(TUPLE1, N));
+    tuples.push(STOP);
+    // {((...),): 1}: the same tuple as a dict key, hashed and compared to a bounded depth.
+    let mut key = vec![PROTO, 2, EMPTY_DICT, NONE];
+    key.extend(std::iter::repeat_n(TUPLE1, N));
+    key.extend([BININT1, 1, SETITEM, STOP]);
+    for (what, bytes) in [("lists", lists), ("tuples", tuples), ("dict key", key)] {
+        match loads(&bytes) {
+            Err(PickleError::Malformed { what: w, .. }) => assert!(w.contains("too deep"), "{what}: {w}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+}
+
+/// A dict finds repeated keys by hash: twenty thousand keys read in a moment (the scan per
+/// key it replaces grew with the square of the keys), and a repeated key still replaces the
+/// value in place, as in Python.
+#[test]
+fn a_dict_of_many_keys_reads_in_linear_time() {
+    let n = 20_000;
+    let mut items: Vec<(Value, Value)> = (0..n)
+        .map(|i| (Value::Str(format!("key{i}")), Value::Int(i as i128)))
+        .collect();
+    items.push((Value::Tuple(vec![1.into(), "a".into()]), Value::None));
+    let bytes = dumps(&Value::Dict(items.clone()));
+    assert_eq!(loads(&bytes), Ok(Value::Dict(items.clone())));
+    // {"key0": 0, ..., (1, "a"): None} then d["key7"] = -1; d[(1, "a")] = True; d[0.0] = 1; d[-0.0] = 2
+    let mut again = bytes[..bytes.len() - 1].to_vec();
+    again.extend([SHORT_BINUNICODE, 4]);
+    again.extend(b"key7");
+    again.extend([BININT, 0xff, 0xff, 0xff, 0xff, SETITEM]);
+    again.extend([BININT1, 1, SHORT_BINUNICODE, 1, b'a', TUPLE2, NEWTRUE, SETITEM]);
+    again.push(BINFLOAT);
+    again.extend(0.0f64.to_be_bytes());
+    again.extend([BININT1, 1, SETITEM, BINFLOAT]);
+    again.extend((-0.0f64).to_be_bytes());
+    again.extend([BININT1, 2, SETITEM, STOP]);
+    items[7].1 = Value::Int(-1);
+    items[n].1 = Value::Bool(true);
+    items.push((Value::Float(0.0), Value::Int(2)));
+    assert_eq!(loads(&again), Ok(Value::Dict(items)));
+}
+
+/// A list of `n` references to a list of `n` references to the string `s`.
+fn nested_references(s: &str, n: usize) -> Vec<u8> {
+    let mut p = vec![PROTO, 2, EMPTY_LIST, BINPUT, 2, MARK, EMPTY_LIST, BINPUT, 1, MARK];
+    p.push(BINUNICODE);
+    p.extend((s.len() as u32).to_le_bytes());
+    p.extend(s.as_bytes());
+    p.extend([BINPUT, 0]);
+    for _ in 1..n {
+        p.extend([BINGET, 0]);
+    }
+    p.push(APPENDS);
+    for _ in 1..n {
+        p.extend([BINGET, 1]);
+    }
+    p.extend([APPENDS, STOP]);
+    p
+}
+
+/// One string referenced through nested memo references (a thousand lists of a thousand
+/// references to 64 KiB: 64 GB of copies) stops at the string budget instead.
+#[test]
+fn a_string_repeated_through_the_memo_stops_at_the_byte_budget() {
+    let p = nested_references(&"x".repeat(64 << 10), 1000);
+    match read::loads_limited(&p, usize::MAX, 16 << 20) {
+        Err(PickleError::Malformed { what, .. }) => assert!(what.contains("bytes of strings"), "{what}"),
+        other => panic!("{:?}", other.map(|_| "a value")),
+    }
+    // Within the budget, the copies are made.
+    let inner = Value::List(vec!["abc".into(); 10]);
+    assert_eq!(
+        loads(&nested_references("abc", 10)),
+        Ok(Value::List(vec![inner; 10]))
+    );
 }

@@ -148,6 +148,22 @@ fn trailing_garbage() {
     assert!(msg.contains("4 bytes of trailing garbage"), "{msg}");
 }
 
+/// A gzipped file inflating far past what its header announces (50 MiB of zeros after 6 bytes
+/// of data, 50 KiB compressed) is refused after the announced bytes and one more, never
+/// inflated whole.
+#[test]
+fn gzip_inflating_past_its_header_is_refused_early() {
+    let mut b = u8_file();
+    b.extend(std::iter::repeat_n(0u8, 50 << 20));
+    let g = gzip(&b);
+    assert!(g.len() < 100 << 10);
+    let msg = invalid_msg(parse_idx(&g));
+    assert!(
+        msg.contains("trailing garbage") && msg.contains("runs past"),
+        "{msg}"
+    );
+}
+
 #[test]
 fn broken_gzip() {
     let g = gzip(&u8_file());

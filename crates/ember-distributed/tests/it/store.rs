@@ -117,3 +117,54 @@ fn no_server_and_dead_server_are_errors() {
     assert!(!timed_out(&e), "closed, not timed out: {e}");
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
 }
+
+/// One request as the client writes it: command byte, string count, u32-prefixed strings,
+/// then the wait in milliseconds.
+fn raw_request(cmd: u8, strings: &[&[u8]], wait_ms: u64) -> Vec<u8> {
+    let mut out = vec![cmd];
+    out.extend_from_slice(&(strings.len() as u32).to_le_bytes());
+    for s in strings {
+        out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        out.extend_from_slice(s);
+    }
+    out.extend_from_slice(&wait_ms.to_le_bytes());
+    out
+}
+
+/// Bytes a peer sends are checked, never trusted: a `get` of no key, and requests cut short
+/// (a string's length claimed, its bytes missing) are refused, not a panic of the server.
+#[test]
+fn malformed_requests_are_refused_by_the_server() {
+    use ember_distributed::store::fuzzing::decode;
+    const GET: u8 = 2;
+    const SET: u8 = 1;
+    // A get of no key: the server indexed its first key (a panic, found by reading).
+    assert!(decode(&raw_request(GET, &[], 0), &[]).is_empty());
+    // A set claiming a 200 MiB value and sending 3 bytes: refused when the bytes end.
+    let mut cut = vec![SET, 2, 0, 0, 0, 1, 0, 0, 0, b'k'];
+    cut.extend_from_slice(&(200u32 << 20).to_le_bytes());
+    cut.extend_from_slice(b"abc");
+    assert!(decode(&cut, &[]).is_empty());
+    // Well-formed requests after each other are all answered.
+    let ok = [raw_request(SET, &[b"k", b"v"], 0), raw_request(GET, &[b"k"], 0)].concat();
+    let answers = decode(&ok, &[]);
+    assert_eq!(answers, vec![vec![0], vec![0, 1, 0, 0, 0, b'v']]);
+}
+
+/// A wait of u64::MAX milliseconds (past what `Instant` holds) is "wait as long as it takes"
+/// on the server, and a store with a timeout of `Duration::MAX` works: both overflowed an
+/// `Instant` and panicked (found by reading).
+#[test]
+fn waits_and_timeouts_past_what_an_instant_holds() {
+    use std::io::{Read, Write};
+    let master = TcpStore::new("127.0.0.1", 0, true, Duration::MAX).unwrap();
+    master.set("k", b"v").unwrap();
+    assert_eq!(master.get("k").unwrap(), b"v");
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", master.port())).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    conn.write_all(&raw_request(2, &[b"k"], u64::MAX)).unwrap();
+    let mut answer = [0u8; 6];
+    conn.read_exact(&mut answer)
+        .expect("the server answers instead of dying");
+    assert_eq!(answer, [0, 1, 0, 0, 0, b'v']);
+}

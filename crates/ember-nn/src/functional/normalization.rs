@@ -32,6 +32,10 @@ fn per_channel(op: &'static str, name: &str, t: &Tensor, c: usize, rank: usize) 
 /// given, updates `running_mean` and `running_var` in place (under `no_grad`) as
 /// `(1 - momentum)·running + momentum·batch`, with the unbiased variance for `running_var`.
 /// Evaluation normalizes with the running stats, which must then be given.
+///
+/// The input must be floating point, as PyTorch's: an integer or bool input is
+/// [`Error::UnsupportedDType`] (convert it first, e.g. `x.to_dtype(DType::F32)`), even where
+/// float32 statistics or affine parameters would otherwise promote it.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm(
     input: &Tensor,
@@ -43,6 +47,14 @@ pub fn batch_norm(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
+    if !input.dtype().is_floating_point() {
+        return Err(Error::UnsupportedDType {
+            op: "batch_norm",
+            dtype: input.dtype(),
+            hint: "batch_norm normalizes floating-point inputs; convert the input first, e.g. \
+                   x.to_dtype(DType::F32)",
+        });
+    }
     let inputs = [Some(input), running_mean, running_var, weight, bias];
     dispatch::composite_list(&policy::BATCH_NORM, &inputs, |ins| {
         let [Some(input), rm, rv, w, b] = ins else {

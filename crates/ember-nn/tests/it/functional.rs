@@ -374,6 +374,44 @@ fn layer_norm_values_and_errors() {
     assert!(F::batch_norm(&x, Some(&rand(&[2], 1)), None, None, None, true, 0.1, 1e-5).is_err());
 }
 
+/// PyTorch refuses integer inputs to batch norm; so does ember, with a typed error, also
+/// where float32 statistics and affine parameters would promote the input, and through the
+/// `BatchNorm1d` layer.
+#[test]
+fn batch_norm_refuses_integer_and_bool_inputs() {
+    let stats = |v: f64| Tensor::full([2], v, DType::F32, CPU).unwrap();
+    for dtype in [DType::I64, DType::I32, DType::U8, DType::Bool] {
+        let x = Tensor::ones([3, 2], dtype, CPU).unwrap();
+        for affine in [false, true] {
+            let (w, b) = (stats(1.0), stats(0.0));
+            let (w, b) = if affine {
+                (Some(&w), Some(&b))
+            } else {
+                (None, None)
+            };
+            for training in [true, false] {
+                let (rm, rv) = (stats(0.0), stats(1.0));
+                let err = F::batch_norm(&x, Some(&rm), Some(&rv), w, b, training, 0.1, 1e-5)
+                    .expect_err("an integer input is refused");
+                match &err {
+                    Error::UnsupportedDType { op, dtype: d, hint } => {
+                        assert_eq!((*op, *d), ("batch_norm", dtype));
+                        assert!(hint.contains("to_dtype"), "the hint says what to do: {hint}");
+                    }
+                    other => panic!("expected UnsupportedDType, got {other:?}"),
+                }
+                assert_eq!(rm.to_vec::<f32>().unwrap(), [0.0, 0.0], "nothing was updated");
+            }
+        }
+    }
+    let bn = ember_nn::BatchNorm1d::new(2, CPU).unwrap();
+    let x = Tensor::ones([3, 2], DType::I64, CPU).unwrap();
+    assert!(matches!(
+        ember_nn::Forward::forward(&bn, &x),
+        Err(Error::UnsupportedDType { op: "batch_norm", .. })
+    ));
+}
+
 #[test]
 fn attention_matches_its_definition() {
     let (q, k, v) = (rand(&[2, 3, 4], 20), rand(&[2, 5, 4], 21), rand(&[2, 5, 2], 22));

@@ -8,6 +8,7 @@ mod attention_mha;
 mod attention_modules;
 mod autocast;
 mod checkpoint_modules;
+mod concurrency;
 mod conformance;
 mod data_parallel;
 mod derive;

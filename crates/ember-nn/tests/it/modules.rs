@@ -781,6 +781,45 @@ fn loads_a_checkpoint_written_as_pytorch_writes_it() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `load_tensors_from_bytes` reads what `load_tensors` reads from a file, and every prefix of
+/// a valid file (a truncated download) is a Format error, never a panic.
+#[test]
+fn safetensors_bytes_read_like_the_file_and_truncations_are_format_errors() {
+    use ember_nn::state_dict::{load_tensors, load_tensors_from_bytes, save_tensors};
+    let dir = std::env::temp_dir().join(format!("ember-st-bytes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.safetensors");
+    let tensors = vec![
+        (
+            "a".to_string(),
+            Tensor::from_vec(vec![1.5f32, -2.0, 3.0], [3], CPU).unwrap(),
+        ),
+        (
+            "b".to_string(),
+            Tensor::from_vec(vec![7i64, 8], [2, 1], CPU).unwrap(),
+        ),
+    ];
+    save_tensors(&tensors, &path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let from_file = load_tensors(&path, CPU).unwrap();
+    let from_bytes = load_tensors_from_bytes(&bytes, CPU).unwrap();
+    assert_eq!(from_file.len(), 2);
+    for ((n1, t1), (n2, t2)) in from_file.iter().zip(&from_bytes) {
+        assert_eq!(n1, n2);
+        assert_eq!(t1.to_vec_f64().unwrap(), t2.to_vec_f64().unwrap());
+    }
+    for cut in 0..bytes.len() {
+        match load_tensors_from_bytes(&bytes[..cut], CPU) {
+            Err(StateDictError::Format { .. }) => {}
+            other => panic!(
+                "{cut} bytes: expected a Format error, got {:?}",
+                other.map(|t| t.len())
+            ),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn load_state_dict_reports_missing_unexpected_and_mismatched_keys() {
     let mut model = Sequential::new().with(Linear::new(3, 2, CPU).unwrap());

@@ -150,10 +150,9 @@ fn device_summary(h: &mut String, t: &Timeline, segs: &[&Segment], events: usize
         segs.iter()
             .flat_map(|s| &s.blocks)
             .filter(|b| keep(b.state))
-            .map(|b| b.size)
-            .sum()
+            .fold(0u64, |sum, b| sum.saturating_add(b.size))
     };
-    let reserved: u64 = segs.iter().map(|s| s.total_size).sum();
+    let reserved = segs.iter().fold(0u64, |sum, s| sum.saturating_add(s.total_size));
     let allocated = bytes(|s| s == BlockState::ActiveAllocated);
     let active = bytes(|s| s != BlockState::Inactive);
     let _ = write!(
@@ -201,7 +200,7 @@ fn decimal_step(span: f64, n: f64) -> f64 {
 
 /// A byte step (1, 2 or 5 times a power of 1024 unit... as 2^k) giving at most about `n` ticks.
 fn byte_step(span: u64, n: u64) -> u64 {
-    (span / n).max(1).next_power_of_two()
+    (span / n).max(1).checked_next_power_of_two().unwrap_or(1 << 63)
 }
 
 fn timeline_svg(h: &mut String, t: &Timeline, device: usize, events: usize) {
@@ -232,7 +231,10 @@ fn timeline_svg(h: &mut String, t: &Timeline, device: usize, events: usize) {
             yy + 4.0,
             format_bytes(y).replace(".00 ", " ")
         );
-        y += step;
+        match y.checked_add(step) {
+            Some(next) => y = next,
+            None => break,
+        }
     }
     let xstep = decimal_step(t.x_max, 10.0);
     let mut x = 0.0;
@@ -324,7 +326,7 @@ fn band(h: &mut String, b: &Band, i: usize, px: &dyn Fn(f64) -> f64, py: &dyn Fn
     }
     let mut s = String::new();
     for &(x, off) in &pts {
-        let _ = write!(s, "{:.1},{:.1} ", px(x), py(off + b.size));
+        let _ = write!(s, "{:.1},{:.1} ", px(x), py(off.saturating_add(b.size)));
     }
     for &(x, off) in pts.iter().rev() {
         let _ = write!(s, "{:.1},{:.1} ", px(x), py(off));

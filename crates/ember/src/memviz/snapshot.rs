@@ -206,7 +206,7 @@ impl Segment {
                     Some(_) => uint(b, "address", &at)?,
                     None => next,
                 };
-                next = address + size;
+                next = address.saturating_add(size);
                 let state = match field(b, "state", &at)?.as_str() {
                     Some("active_allocated") => BlockState::ActiveAllocated,
                     Some("active_pending_free") => BlockState::ActivePendingFree,

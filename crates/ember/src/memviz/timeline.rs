@@ -9,6 +9,10 @@
 //! and the rest are summed into one band on top of them. Reserved memory (segments) is a step line from `segment_alloc` /
 //! `segment_free` (and `segment_map` / `segment_unmap`), its start derived from the snapshot's
 //! segments; `oom` events are marks.
+//!
+//! Sizes come from the file, which may be corrupt: sums and differences of them saturate at
+//! `u64::MAX` and 0 rather than overflow (such a file draws wrong, never panics), and the work
+//! is linear in the trace.
 
 use super::snapshot::{BlockState, Event, Snapshot};
 use std::collections::HashMap;
@@ -84,9 +88,10 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
             _ => {}
         }
     }
+    let mut freed_before: std::collections::HashSet<u64> = before.iter().map(|&(a, _, _)| a).collect();
     for seg in snap.segments.iter().filter(|s| s.device == device) {
         for b in seg.blocks.iter().filter(|b| b.state != BlockState::Inactive) {
-            if !open.contains_key(&b.address) && !before.iter().any(|&(a, _, _)| a == b.address) {
+            if !open.contains_key(&b.address) && freed_before.insert(b.address) {
                 before.push((b.address, b.size, events.len()));
             }
         }
@@ -138,10 +143,10 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
                 end_x: 0.0,
                 frames: Vec::new(),
             });
-            big += size;
+            big = big.saturating_add(size);
         } else {
             live.insert(addr, Live::Small(size));
-            small += size;
+            small = small.saturating_add(size);
             t.summarized_count += 1;
         }
     }
@@ -149,8 +154,7 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
         .segments
         .iter()
         .filter(|s| s.device == device)
-        .map(|s| s.total_size)
-        .sum();
+        .fold(0u64, |sum, s| sum.saturating_add(s.total_size));
     let net: i128 = events
         .iter()
         .map(|e| match e.action.as_str() {
@@ -159,11 +163,12 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
             _ => 0,
         })
         .sum();
-    let mut reserved = (segment_bytes as i128 - net).max(0) as u64;
+    let mut reserved = (segment_bytes as i128 - net).clamp(0, u64::MAX as i128) as u64;
     t.reserved.push((0.0, reserved));
-    t.summarized.push((0.0, big, big + small));
-    t.peak_active = big + small;
-    let mut y_max = reserved.max(big + small);
+    let active = |big: u64, small: u64| big.saturating_add(small);
+    t.summarized.push((0.0, big, active(big, small)));
+    t.peak_active = active(big, small);
+    let mut y_max = reserved.max(active(big, small));
     for (i, e) in events.iter().enumerate() {
         match e.action.as_str() {
             "alloc" => {
@@ -180,13 +185,13 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
                         end_x: x,
                         frames: e.frames.clone(),
                     });
-                    big += e.size;
+                    big = big.saturating_add(e.size);
                 } else {
                     live.insert(e.addr, Live::Small(e.size));
-                    small += e.size;
+                    small = small.saturating_add(e.size);
                     t.summarized_count += 1;
                 }
-                t.summarized.push((x, big, big + small));
+                t.summarized.push((x, big, active(big, small)));
                 x += 1.0;
             }
             "free_completed" => match live.remove(&e.addr) {
@@ -203,23 +208,23 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
                         let off = offsets[above];
                         let band = &mut t.bands[above];
                         band.points.push((x, off));
-                        band.points.push((x + 1.0, off - size));
-                        offsets[above] = off - size;
+                        band.points.push((x + 1.0, off.saturating_sub(size)));
+                        offsets[above] = off.saturating_sub(size);
                     }
-                    t.summarized.push((x, big, big + small));
-                    big -= size;
-                    t.summarized.push((x + 1.0, big, big + small));
+                    t.summarized.push((x, big, active(big, small)));
+                    big = big.saturating_sub(size);
+                    t.summarized.push((x + 1.0, big, active(big, small)));
                     x += 1.0;
                 }
                 Some(Live::Small(size)) => {
-                    small -= size;
-                    t.summarized.push((x, big, big + small));
+                    small = small.saturating_sub(size);
+                    t.summarized.push((x, big, active(big, small)));
                     x += 1.0;
                 }
                 None => {}
             },
             "segment_alloc" | "segment_map" => {
-                reserved += e.size;
+                reserved = reserved.saturating_add(e.size);
                 t.reserved.push((x, reserved));
             }
             "segment_free" | "segment_unmap" => {
@@ -229,14 +234,14 @@ pub fn timeline(snap: &Snapshot, device: usize) -> Timeline {
             "oom" => t.ooms.push((x, e.size)),
             _ => {}
         }
-        t.peak_active = t.peak_active.max(big + small);
-        y_max = y_max.max(big + small).max(reserved);
+        t.peak_active = t.peak_active.max(active(big, small));
+        y_max = y_max.max(active(big, small)).max(reserved);
     }
     t.x_max = x.max(1.0);
     for &id in &stack {
         t.bands[id].end_x = t.x_max;
     }
-    t.summarized.push((t.x_max, big, big + small));
+    t.summarized.push((t.x_max, big, active(big, small)));
     t.reserved.push((t.x_max, reserved));
     t.y_max = y_max.max(1);
     t
