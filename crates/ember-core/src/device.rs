@@ -22,12 +22,12 @@ impl Device {
     }
 
     /// The calling thread's current CUDA device (`torch.device("cuda")`): cuda:0 unless
-    /// [`crate::cuda::set_device`] or a [`crate::cuda::DeviceGuard`] chose another, so that
+    /// [`crate::cuda_backend::set_device`] or a [`crate::cuda_backend::DeviceGuard`] chose another, so that
     /// under `let _g = DeviceGuard::new(1)?` a tensor made on `Device::cuda()` lands on cuda:1
     /// as under PyTorch's `with torch.cuda.device(1):`. The device is resolved now: the value
     /// stays `Cuda(i)` after the guard is gone. Needs no GPU to call.
     pub fn cuda() -> Device {
-        Device::Cuda(crate::cuda::current_device())
+        Device::Cuda(crate::cuda_backend::current_device())
     }
 
     pub fn is_cpu(self) -> bool {
@@ -133,12 +133,12 @@ mod tests {
     #[test]
     fn plain_cuda_means_the_current_device() {
         // The current device is per thread; this test's thread is its own.
-        crate::cuda::set_current_device_unchecked(3);
+        crate::cuda_backend::set_current_device_unchecked(3);
         assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(3));
         assert_eq!(" cuda ".parse::<Device>().unwrap(), Device::Cuda(3));
         assert_eq!(Device::cuda(), Device::Cuda(3));
         assert_eq!(Device::parse("cuda:1").unwrap(), Device::Cuda(1));
-        crate::cuda::set_current_device_unchecked(0);
+        crate::cuda_backend::set_current_device_unchecked(0);
         assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
     }
 }

@@ -101,7 +101,7 @@ pub enum Error {
     /// host memory, a wait for the device) ran while its stream, or for a device-wide wait its
     /// device, was capturing one. When the calling thread had begun that capture, it was ended so
     /// that the program goes on eagerly (Note [Operations refused during capture] in
-    /// `cuda/capture.rs`).
+    /// `cuda_backend/capture.rs`).
     #[error("{op} cannot run while a CUDA graph is being captured on {device}: a capture records device work to replay it later, so reads into host memory, copies from host memory and waits for the device belong before capture_begin or after replay(){}", capture_suffix(*.ended))]
     IllegalDuringCapture {
         op: &'static str,

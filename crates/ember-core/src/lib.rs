@@ -21,6 +21,7 @@ pub mod backend;
 pub mod backends;
 pub mod cpu;
 pub mod cuda;
+pub(crate) mod cuda_backend;
 pub mod device;
 pub mod dispatch;
 pub mod dtype;

@@ -24,7 +24,6 @@
 //! forward against 8.4-8.7 before (one thread alone: 7.2-7.4).
 
 use crate::error::fmt_bytes;
-use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Shape};
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -155,10 +154,9 @@ pub(crate) struct Tracking {
 }
 
 impl Tracking {
-    /// Enters `storage` in the accounting.
-    pub(crate) fn new(storage: &Storage) -> Tracking {
-        let (device, dtype) = (storage.device(), storage.dtype());
-        let bytes = storage.len().saturating_mul(dtype.size_in_bytes());
+    /// Enters a storage of `len` elements of `dtype` on `device` in the accounting.
+    pub(crate) fn new(device: Device, dtype: DType, len: usize) -> Tracking {
+        let bytes = len.saturating_mul(dtype.size_in_bytes());
         let host_bytes = if device == Device::Cpu { bytes } else { 0 };
         note_profiled(device, bytes as i64);
         if host_bytes > 0 {

@@ -26,6 +26,7 @@
 //! ([`table`]; the crate's `architecture` page).
 
 pub mod geometry;
+pub mod host;
 pub mod op;
 pub mod step;
 pub mod table;
@@ -40,9 +41,9 @@ pub use step::{
     SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
 };
 
-use crate::cpu::CpuStorage;
 use crate::layout::Layout;
 use crate::{DType, Device, Result};
+pub use host::CpuStorage;
 
 /// A tensor's elements on one backend, and every op family on them (one trait per family,
 /// implemented by `cpu/<family>.rs` and `cuda/<family>.rs`). Method names and arguments mirror
@@ -93,7 +94,7 @@ pub trait CopyOps: Sized {
     fn foreach_copy(list: ForeachCopy<'_, Self>) -> Result<()>;
 }
 
-/// Elementwise ops of two or three operands broadcast to one shape (`cpu/binary.rs`, `cuda/elementwise.rs`).
+/// Elementwise ops of two or three operands broadcast to one shape (`cpu/binary.rs`, `cuda_backend/elementwise.rs`).
 pub trait ElementwiseOps: Sized {
     /// `self op rhs` elementwise over two layouts of one broadcast shape and one dtype.
     fn binary(&self, op: BinaryOp, layout: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
@@ -350,6 +351,4 @@ pub trait BackendDevice {
     /// `n` elements of `dtype` drawn from `dist` at `state`, row-major (Note [Philox stream]).
     fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState)
         -> Result<Self::Storage>;
-    /// A random permutation of `0..n` as i64.
-    fn randperm(&self, n: usize, state: RngState) -> Result<Self::Storage>;
 }

@@ -338,9 +338,9 @@ pub struct AdamTensor<'a, S> {
     pub max_exp_avg_sq: Option<Elems<&'a mut S>>,
     pub step: StepCount<'a, S>,
     /// Ranges of the run whose gradient is written once an event completes, tiling the run
-    /// (Note [Arrivals in row blocks] in `cuda/row_blocks.rs`): each range is updated after
+    /// (Note [Arrivals in row blocks] in `storage/row_blocks.rs`): each range is updated after
     /// its event. Empty: the gradient is complete. GPU operands only.
-    pub arrivals: Vec<&'a crate::cuda::row_blocks::ArrivingElements>,
+    pub arrivals: Vec<&'a crate::cuda_backend::ArrivingElements>,
 }
 
 impl<'a, S> AdamTensor<'a, S> {
@@ -638,7 +638,7 @@ impl ScaleUpdate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::CpuStorage;
+    use crate::backend::CpuStorage;
 
     fn run(storage: &mut CpuStorage, offset: usize, len: usize) -> Elems<&mut CpuStorage> {
         Elems { storage, offset, len }

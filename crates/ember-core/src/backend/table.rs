@@ -8,7 +8,7 @@
 //!   integer code) and their dtype rules;
 //! - `dispatch/policy.rs`: the op's policy line (autocast, promotion), part of `policy::ALL`;
 //! - `ops/unary.rs`, `ops/binary.rs`: the `Tensor` methods and the backward rules;
-//! - `cuda/kernel_units.rs`: the compile units (one kernel per op and dtype).
+//! - `cuda_backend/kernel_units.rs`: the compile units (one kernel per op and dtype).
 //!
 //! What the table cannot say is written once per backend: the CPU formula (a match arm in
 //! `cpu/unary.rs` or `cpu/binary.rs`) and the CUDA expression (a line of `kernels/unary.cu` or

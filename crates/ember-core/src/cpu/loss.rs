@@ -1,5 +1,5 @@
 //! The negative log-likelihood of class-index targets (`nll_loss_forward` /
-//! `nll_loss_backward`, the fused end of `cross_entropy`), as `cuda/loss.rs` computes it: the
+//! `nll_loss_backward`, the fused end of `cross_entropy`), as `cuda_backend/loss.rs` computes it: the
 //! weighted sum accumulates in f64 over the rows in order, then rounds once to the dtype.
 
 use super::{CpuElement, CpuStorage};

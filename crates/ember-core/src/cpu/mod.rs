@@ -7,7 +7,9 @@
 //! trait (`crate::backend`) for [`CpuStorage`]; this file implements the copies, the base
 //! trait and [`CpuDevice`].
 
-use crate::backend::{BackendDevice, BackendStorage, Distribution, ForeachCopy, PhiloxState, RngState};
+pub use crate::backend::host::{with_cpu_storage, CpuElement, CpuStorage};
+use crate::backend::CopyOps;
+use crate::backend::{BackendDevice, BackendStorage, Distribution, ForeachCopy, PhiloxState};
 use crate::dtype::Element;
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
@@ -23,6 +25,7 @@ mod index;
 mod loss;
 mod matmul;
 pub(crate) mod optim;
+pub mod philox;
 mod pool;
 pub(crate) mod random;
 mod reduce;
@@ -36,122 +39,7 @@ pub const PAR_THRESHOLD: usize = 1 << 15;
 /// Elements per task when a strided kernel splits its output across threads.
 pub const PAR_CHUNK: usize = 1 << 14;
 
-/// Elements of one CPU tensor storage.
-#[derive(Debug, Clone)]
-pub enum CpuStorage {
-    Bool(Vec<bool>),
-    U8(Vec<u8>),
-    I32(Vec<i32>),
-    I64(Vec<i64>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-}
-
-/// Applies `$body` with `$v` bound to the typed `Vec` (or slice) inside a [`CpuStorage`];
-/// every arm must produce the same type.
-#[macro_export]
-#[doc(hidden)]
-macro_rules! with_cpu_storage {
-    ($s:expr, $v:ident => $body:expr) => {
-        match $s {
-            $crate::cpu::CpuStorage::Bool($v) => $body,
-            $crate::cpu::CpuStorage::U8($v) => $body,
-            $crate::cpu::CpuStorage::I32($v) => $body,
-            $crate::cpu::CpuStorage::I64($v) => $body,
-            $crate::cpu::CpuStorage::F16($v) => $body,
-            $crate::cpu::CpuStorage::BF16($v) => $body,
-            $crate::cpu::CpuStorage::F32($v) => $body,
-            $crate::cpu::CpuStorage::F64($v) => $body,
-        }
-    };
-}
-use crate::backend::CopyOps;
-pub use with_cpu_storage;
-
-/// A Rust element type that a [`CpuStorage`] variant holds.
-pub trait CpuElement: Element {
-    fn wrap(v: Vec<Self>) -> CpuStorage;
-    fn slice(s: &CpuStorage) -> Option<&[Self]>;
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
-}
-
-macro_rules! cpu_element {
-    ($t:ty, $variant:ident) => {
-        impl CpuElement for $t {
-            #[inline]
-            fn wrap(v: Vec<Self>) -> CpuStorage {
-                CpuStorage::$variant(v)
-            }
-            #[inline]
-            fn slice(s: &CpuStorage) -> Option<&[Self]> {
-                match s {
-                    CpuStorage::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            #[inline]
-            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
-                match s {
-                    CpuStorage::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-        }
-    };
-}
-cpu_element!(bool, Bool);
-cpu_element!(u8, U8);
-cpu_element!(i32, I32);
-cpu_element!(i64, I64);
-cpu_element!(f16, F16);
-cpu_element!(bf16, BF16);
-cpu_element!(f32, F32);
-cpu_element!(f64, F64);
-
 impl CpuStorage {
-    pub fn dtype(&self) -> DType {
-        match self {
-            CpuStorage::Bool(_) => DType::Bool,
-            CpuStorage::U8(_) => DType::U8,
-            CpuStorage::I32(_) => DType::I32,
-            CpuStorage::I64(_) => DType::I64,
-            CpuStorage::F16(_) => DType::F16,
-            CpuStorage::BF16(_) => DType::BF16,
-            CpuStorage::F32(_) => DType::F32,
-            CpuStorage::F64(_) => DType::F64,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        with_cpu_storage!(self, v => v.len())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// `n` copies of `value` converted to `dtype`; `Error::OutOfMemory` when host memory for
-    /// them cannot be reserved (Note [Fallible host allocation] in `memory.rs`), so that an
-    /// oversized request is an error, not an abort.
-    pub fn full(dtype: DType, n: usize, value: f64) -> crate::Result<CpuStorage> {
-        fn fill<T: CpuElement>(n: usize, value: f64) -> crate::Result<CpuStorage> {
-            let v = crate::memory::try_filled("full", n, T::DTYPE, T::from_f64(value))?;
-            Ok(T::wrap(v))
-        }
-        match dtype {
-            DType::Bool => fill::<bool>(n, value),
-            DType::U8 => fill::<u8>(n, value),
-            DType::I32 => fill::<i32>(n, value),
-            DType::I64 => fill::<i64>(n, value),
-            DType::F16 => fill::<f16>(n, value),
-            DType::BF16 => fill::<bf16>(n, value),
-            DType::F32 => fill::<f32>(n, value),
-            DType::F64 => fill::<f64>(n, value),
-        }
-    }
-
     /// The elements of `layout` copied into a new row-major storage.
     pub fn contiguous(&self, layout: &Layout) -> CpuStorage {
         with_cpu_storage!(self, v => CpuElement::wrap(gather_strided(v, layout)))
@@ -312,11 +200,6 @@ impl BackendDevice for CpuDevice {
         };
         check_host_alloc("random", n, widest)?;
         random::random(dtype, n, dist, state)
-    }
-
-    fn randperm(&self, n: usize, state: RngState) -> Result<CpuStorage> {
-        check_host_alloc("randperm", n.saturating_mul(3), DType::I64)?; // (key, index) pairs, then the result
-        Ok(random::randperm(n, state))
     }
 }
 

@@ -2,15 +2,15 @@
 //! [Philox stream] (`random/mod.rs`, with the block function of `random/philox.rs`), in parallel over chunks of whole counter blocks above
 //! [`PAR_THRESHOLD`] elements, so the result does not depend on the number of threads.
 
+use super::philox::{
+    block_counter, box_muller, join_u64, philox4x32_10, seed_key, uniform_bits_f32, uniform_f32, uniform_f64,
+    uniform_open0_f32, uniform_open0_f64,
+};
 use super::{CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{randint_range, Distribution, RngState, RANDPERM_PER_BLOCK};
 use crate::backend::{PhiloxState, RandomOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
-use crate::random::philox::{
-    block_counter, box_muller, join_u64, philox4x32_10, seed_key, uniform_bits_f32, uniform_f32, uniform_f64,
-    uniform_open0_f32, uniform_open0_f64,
-};
 use crate::{DType, Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;

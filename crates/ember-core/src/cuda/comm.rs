@@ -256,10 +256,11 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
         && acc.dims() == t.dims()
         && acc.dtype() == t.dtype();
     let blocks = match blockwise {
-        true => super::take_gradient_row_events(&t),
+        true => crate::dispatch::row_blocks::take_gradient_row_events(&t),
         false => None,
     };
-    let Some(blocks) = blocks.filter(|b| super::storage::tile(b, t.dims()[1], t.numel())) else {
+    let Some(blocks) = blocks.filter(|b| crate::cuda_backend::storage::tile(b, t.dims()[1], t.numel()))
+    else {
         return acc.add(&cross(t, dest)?);
     };
     let _no_grad = crate::no_grad();
@@ -275,7 +276,7 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
 
 /// `tensor.to(cuda:device)` for a 2-D tensor on another GPU, copied in `blocks` row blocks
 /// that later ops may read as they arrive (Note [Copies in row blocks] in ember-core's
-/// `cuda/row_blocks.rs`): `linear` with the copy as its weight computes each block of its
+/// `cuda_backend/row_blocks.rs`): `linear` with the copy as its weight computes each block of its
 /// output's columns once that block's rows are there, so the copy overlaps the product, and
 /// the source's own `linear` does not wait for the copy either. Every other op on the copy
 /// or the source waits for the whole copy first. Differentiable as [`Tensor::to`] is. One
@@ -284,7 +285,7 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
 /// `device`, or `blocks` of 0, is copied as `to` copies it.
 pub fn to_in_row_blocks(tensor: &Tensor, device: usize, blocks: usize) -> Result<Tensor> {
     crate::dispatch::call_with(&crate::dispatch::policy::TO, [tensor], |[x]| {
-        let ranges = super::row_block_ranges(x.dims().first().copied().unwrap_or(0), blocks);
+        let ranges = crate::cuda_backend::row_block_ranges(x.dims().first().copied().unwrap_or(0), blocks);
         let Device::Cuda(from) = x.device() else {
             return x.to(Device::Cuda(device));
         };
@@ -298,7 +299,7 @@ pub fn to_in_row_blocks(tensor: &Tensor, device: usize, blocks: usize) -> Result
             _ => return x.to(Device::Cuda(device)),
         };
         let copy = Tensor::from_storage(crate::storage::Storage::Cuda(storage), x.shape());
-        super::row_blocks::record_copy((x.storage(), from), (copy.storage(), device), events, done);
+        crate::storage::row_blocks::record_copy((x.storage(), from), (copy.storage(), device), events, done);
         Ok(copy.into_copy_of(x))
     })
 }

@@ -25,10 +25,12 @@
 //! the generator past the draws, so each replay draws new numbers, the ones an eager run from
 //! the same state would (Note [Philox under graph capture] in `random/mod.rs`).
 
-use super::allocator::MempoolId;
-use super::capture;
-use super::runtime::runtime;
-use super::stream::{current_device, current_raw, current_stream, DeviceGuard, Stream, StreamGuard};
+use crate::cuda_backend::allocator::MempoolId;
+use crate::cuda_backend::capture;
+use crate::cuda_backend::runtime::runtime;
+use crate::cuda_backend::stream::{
+    current_device, current_raw, current_stream, DeviceGuard, Stream, StreamGuard,
+};
 use crate::random::default_generator;
 use crate::{Device, Error, Result};
 use cudarc::driver::sys;
@@ -76,16 +78,6 @@ static SERIALS: AtomicU64 = AtomicU64::new(1);
 /// graph uses it.
 pub fn graph_pool_handle() -> MempoolId {
     MempoolId(0, USER_POOLS.fetch_add(1, Ordering::Relaxed))
-}
-
-/// True when the calling thread's current stream on the current device is capturing a CUDA
-/// graph (`torch.cuda.is_current_stream_capturing`).
-pub fn is_current_stream_capturing() -> bool {
-    if !capture::any_underway() {
-        return false;
-    }
-    let device = current_device();
-    runtime(device).is_ok() && capture::capture_status(current_raw(device)).is_some()
 }
 
 /// An instantiated graph (`CUgraphExec`).
@@ -210,6 +202,9 @@ impl CUDAGraph {
             rt.allocator.release_pool(pool);
             return Err(e);
         }
+        capture::set_end_hook(|device| {
+            let _ = default_generator(Device::Cuda(device)).end_capture();
+        });
         capture::register(self.serial, device, stream, pool);
         let undo = || {
             capture::unregister(self.serial);
@@ -493,7 +488,11 @@ impl Drop for GraphCapture<'_> {
 /// `torch.cuda.graph.default_capture_stream`), so graphs sharing a pool reuse its blocks.
 fn default_capture_stream(device: usize) -> Result<Stream> {
     static STREAMS: OnceLock<Vec<OnceLock<Stream>>> = OnceLock::new();
-    let slots = STREAMS.get_or_init(|| (0..super::device_count()).map(|_| OnceLock::new()).collect());
+    let slots = STREAMS.get_or_init(|| {
+        (0..crate::cuda_backend::device_count())
+            .map(|_| OnceLock::new())
+            .collect()
+    });
     let slot = slots
         .get(device)
         .ok_or_else(|| Error::invalid("cuda::graph", format!("device ordinal {device} is out of range")))?;
@@ -521,7 +520,7 @@ pub fn graph_with(g: &mut CUDAGraph, options: GraphOptions) -> Result<GraphCaptu
     let rt = runtime(device)?;
     let previous = current_stream(device)?;
     if !capture::any_on_device(device) {
-        super::synchronize(device)?;
+        crate::cuda_backend::synchronize(device)?;
         rt.allocator.empty_cache();
     }
     let capture_stream = match options.stream {
@@ -534,7 +533,7 @@ pub fn graph_with(g: &mut CUDAGraph, options: GraphOptions) -> Result<GraphCaptu
     } else {
         None
     };
-    let stream_guard = super::stream(&capture_stream);
+    let stream_guard = crate::cuda_backend::stream(&capture_stream);
     g.capture_begin_with_mode(options.pool, options.capture_error_mode)?;
     Ok(GraphCapture {
         graph: g,

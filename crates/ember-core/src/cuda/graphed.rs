@@ -24,10 +24,10 @@
 //! it. Clone it to keep it. Calls must use arguments of the sample arguments' shapes, dtypes
 //! and device; anything else is an error.
 
-use super::allocator::MempoolId;
 use super::graph::{graph_pool_handle, graph_with, CUDAGraph, GraphOptions};
-use super::stream::{current_stream, stream, Stream};
 use crate::autograd::{self, custom_op};
+use crate::cuda_backend::allocator::MempoolId;
+use crate::cuda_backend::stream::{current_stream, stream, Stream};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -333,7 +333,7 @@ pub fn make_graphed_callables(
     }
 
     // Warm up on a side stream (PyTorch synchronizes around it).
-    super::synchronize(device)?;
+    crate::cuda_backend::synchronize(device)?;
     {
         let previous = current_stream(device)?;
         let side = Stream::new(device)?;
@@ -348,7 +348,7 @@ pub fn make_graphed_callables(
         }
         previous.wait_stream(&side)?;
     }
-    super::synchronize(device)?;
+    crate::cuda_backend::synchronize(device)?;
 
     let pool = options.pool.unwrap_or_else(graph_pool_handle);
     let capture = |g: &mut CUDAGraph, body: &mut dyn FnMut() -> Result<()>| -> Result<()> {

@@ -4,14 +4,16 @@
 //! Statistics of a device that was never used (or of a machine without CUDA) are zero, as in
 //! PyTorch before the first allocation.
 
-use super::allocator::{memory_stats_map, memory_summary as summary_table, snapshot_json, snapshot_value};
-use super::runtime::runtime;
-use super::stream::current_raw;
+use crate::cuda_backend::allocator::{
+    memory_stats_map, memory_summary as summary_table, snapshot_json, snapshot_value,
+};
+use crate::cuda_backend::runtime::runtime;
+use crate::cuda_backend::stream::current_raw;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-pub use super::allocator::{MemoryStats, Stat, StatArray};
+pub use crate::cuda_backend::allocator::{MemoryStats, Stat, StatArray};
 
 fn with_stats<R: Default>(device: usize, f: impl FnOnce(&MemoryStats) -> R) -> R {
     match runtime(device) {
@@ -80,11 +82,11 @@ pub fn reset_accumulated_memory_stats(device: usize) {
 /// An error, releasing nothing, while a CUDA graph capture is underway on a device: releasing
 /// memory waits for the device (Note [Operations refused during capture]).
 pub fn empty_cache() -> Result<()> {
-    for device in 0..super::device_count() {
-        super::capture::refuse_device_wide(device, "empty_cache")?;
+    for device in 0..crate::cuda_backend::device_count() {
+        crate::cuda_backend::capture::refuse_device_wide(device, "empty_cache")?;
     }
-    super::pinned::empty_host_cache();
-    for device in 0..super::device_count() {
+    crate::cuda_backend::pinned::empty_host_cache();
+    for device in 0..crate::cuda_backend::device_count() {
         if let Ok(rt) = runtime(device) {
             rt.allocator.empty_cache();
         }
@@ -121,7 +123,7 @@ pub fn memory_snapshot(device: usize) -> Result<String> {
 /// per device with `device`'s events in its own. [`dump_snapshot`] writes it to a file.
 pub fn snapshot(device: usize) -> Result<crate::pickle::Value> {
     let rt = runtime(device)?;
-    let devices = super::device_count().max(device + 1);
+    let devices = crate::cuda_backend::device_count().max(device + 1);
     Ok(snapshot_value(
         device,
         devices,

@@ -1,112 +1,43 @@
-//! The CUDA backend, as `torch.cuda`. Everything here goes through `cudarc` with dynamic
-//! loading, so one binary runs on machines with and without a GPU: without a driver or a
-//! device, [`is_available`] is false and every call that needs a GPU returns
+//! `torch.cuda`: the user API of the CUDA backend. Everything here goes through `cudarc` with
+//! dynamic loading, so one binary runs on machines with and without a GPU: without a driver or
+//! a device, [`is_available`] is false and every call that needs a GPU returns
 //! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), never a panic.
 //!
-//! One file per concept: `device` (discovery, properties), `runtime` (per-device context and
-//! loaded kernels), `allocator` (the caching allocator), `memory` (its statistics API),
-//! `pinned` (page-locked host memory and its cache), `device_errors` (errors kernels find,
-//! reported at the next synchronizing call),
-//! `stream` (streams, events, current device and stream), `graph` (CUDA graphs: capture and
-//! replay), `graphed` (`make_graphed_callables`), `capture` (the captures underway and the operations refused during them), `nvrtc`
-//! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is in), `cubins` (the compiled
-//! units of the process and their background compiles), `kernels` (kernel sources and launching), `launch` (every kernel's parameter list and its typed launcher), `storage` (device tensors and copies),
-//! `blas` (matrix products through cuBLASLt, the TF32 switch), `row_blocks` (weight gradients
-//! computed in row blocks, for DataParallel to copy the first rows back early), `cupti` and `cupti_records`
-//! (CUPTI's activity API loaded at run time, and its record layouts: the profiler's kernel
-//! timing), `kernel_timing` (the profiler's CUDA-events fallback), `cudnn` (convolution through
-//! cuDNN and the state behind `backends::cudnn`), `cudnn_graph` (its execution plans through
-//! cuDNN's graph API), `cudnn_pool` (pooling through cuDNN), `optim`
-//! (fused optimizer steps), `amp` (GradScaler's inf check, unscale and scale update), `rnn`
-//! (the fused LSTM step), and one file per op family beside the CPU backend's: each implements
-//! its family's backend trait (`crate::backend`) for [`CudaStorage`]; `storage` implements the
-//! base trait and [`CudaDevice`].
+//! Two layers (Note [Two layers for CUDA] in `crate::architecture`): the backend (devices, the
+//! allocator, streams and events, kernels, cuBLASLt, cuDNN, device storage) lies below the ops
+//! and imports none of them; this module lies above the ops and holds what is built from
+//! tensors, autograd and the generators: `graph` (CUDA graphs: capture and replay), `graphed`
+//! (`make_graphed_callables`), `comm` (`torch.cuda.comm`'s broadcast, scatter, gather), `memory`
+//! (the allocator's statistics and snapshots under PyTorch's names) and `nvtx`. The backend's
+//! user-facing items (devices, streams, events, the TF32 switch, pinned memory, the row-block
+//! hooks of DataParallel) are re-exported here, so `ember_core::cuda` is the one path users need.
 
-mod allocator;
-pub(crate) mod amp;
-mod blas;
-mod capture;
 pub mod comm;
-mod cubins;
-pub(crate) mod cudnn;
-mod cudnn_graph;
-pub(crate) mod cudnn_pool;
-pub(crate) mod cupti;
-pub(crate) mod cupti_records;
-mod device;
-mod device_errors;
-mod elementwise;
 mod graph;
 mod graphed;
-mod index;
-pub(crate) mod kernel_timing;
-mod kernel_units;
-mod kernels;
-mod launch;
-mod libraries;
-mod loss;
 mod memory;
-pub(crate) mod multi_copy;
-mod nvrtc;
 pub mod nvtx;
-pub(crate) mod optim;
-mod pinned;
-mod random;
-mod reduce;
-mod rnn;
-pub(crate) mod row_blocks;
-mod runtime;
-mod softmax;
-mod storage;
-mod stream;
-mod unary;
 
-pub use allocator::MempoolId;
-pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
-pub use cupti::{cupti_version, register_collectives, CollectivesRegistration};
-pub use device::{
-    device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
-    get_device_properties, is_available, DeviceProperties,
+pub use crate::cuda_backend::{
+    allow_tf32, compile_all_kernels, compile_units, cupti_version, current_device, current_stream,
+    default_stream, device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
+    get_device_properties, get_float32_matmul_precision, host_memory_stats, host_sync_count, is_available,
+    is_current_stream_capturing, library_report, nccl_candidates, nvrtc_compile, nvrtc_version,
+    register_collectives, row_block_ranges, set_allow_tf32, set_device, set_float32_matmul_precision,
+    set_stream, stream, synchronize, CollectivesRegistration, CudaDevice, CudaStorage, DeviceGuard,
+    DeviceProperties, Event, HostMemoryStats, HostPin, LibraryStatus, MempoolId, Module, RowBlockEvent,
+    Stream, StreamGuard, Unit,
+};
+pub use crate::dispatch::row_blocks::{
+    arriving_in_row_blocks, set_gradient_row_blocks, take_gradient_row_events,
 };
 pub use graph::{
-    graph, graph_pool_handle, graph_with, is_current_stream_capturing, CUDAGraph, CaptureErrorMode,
-    GraphCapture, GraphOptions,
+    graph, graph_pool_handle, graph_with, CUDAGraph, CaptureErrorMode, GraphCapture, GraphOptions,
 };
 pub use graphed::{make_graphed_callables, Callable, GraphedCallable, GraphedOptions};
-pub use kernel_units::Unit;
-pub use kernels::Module;
-pub use libraries::{library_report, nccl_candidates, LibraryStatus};
 pub use memory::{
     caching_allocator_alloc, caching_allocator_delete, dump_snapshot, empty_cache, max_memory_allocated,
     max_memory_reserved, mem_get_info, memory_allocated, memory_reserved, memory_snapshot, memory_stats,
     memory_stats_struct, memory_summary, record_memory_history, reset_accumulated_memory_stats,
     reset_peak_memory_stats, snapshot, MemoryStats, Stat, StatArray,
 };
-pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
-pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
-pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
-pub use row_blocks::{
-    arriving_in_row_blocks, row_block_ranges, set_gradient_row_blocks, take_gradient_row_events,
-    RowBlockEvent,
-};
-pub(crate) use storage::host_bytes;
-pub use storage::CudaDevice;
-pub use storage::CudaStorage;
-#[cfg(test)]
-pub(crate) use stream::set_current_device_unchecked;
-pub use stream::{
-    current_device, current_stream, default_stream, host_sync_count, set_device, set_stream, stream,
-    synchronize, DeviceGuard, Event, Stream, StreamGuard,
-};
-pub(crate) use stream::{current_streams, use_streams};
-
-/// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
-/// file at once (`-DEMBER_ALL_UNITS`, Note [Kernel units]), without a GPU: what CI runs so that
-/// a kernel that does not compile fails the build, not a user.
-pub fn compile_all_kernels(arch: &str) -> crate::Result<Vec<(&'static str, Vec<u8>)>> {
-    let all = ["-DEMBER_ALL_UNITS".to_string()];
-    Module::ALL
-        .iter()
-        .map(|m| nvrtc::compile_with(m.name(), m.source(), arch, &all).map(|cubin| (m.name(), cubin)))
-        .collect()
-}

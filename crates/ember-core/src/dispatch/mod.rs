@@ -4,7 +4,7 @@
 //! order (PyTorch keeps the same list in `c10/core/DispatchKey.h`):
 //!
 //! 1. **device check**: every tensor operand on one device ([`check_devices`], the one
-//!    builder of `Error::DeviceMismatch` above the backends), and an operand that a copy
+//!    builder of `Error::DeviceMismatch` for ops above the backends), and an operand that a copy
 //!    between GPUs in row blocks still reads or writes waits for it (`settle_copies`);
 //! 2. **autocast**: the op's line in the policy table ([`policy`]) casts floating inputs when
 //!    an [`crate::amp::autocast`] region is open for their device type (`autocast::apply`);
@@ -34,6 +34,7 @@
 pub mod autocast;
 pub mod observer;
 pub mod policy;
+pub(crate) mod row_blocks;
 
 pub use policy::{CastPolicy, Op, Promotion};
 
@@ -63,7 +64,7 @@ pub fn device_mismatch(op: &'static str, lhs: Device, rhs: Device) -> Error {
 /// thread's stream after the copy, except where the op uses it as the copy allows: views (they
 /// read no element; ops on them wait instead), `linear`'s weight (the source is only read; a
 /// target `linear` reads block by block itself) and the source of another copy (Note [Copies
-/// in row blocks] in `cuda/row_blocks.rs`). One load while no such copy is in flight.
+/// in row blocks] in `storage/row_blocks.rs`). One load while no such copy is in flight.
 fn settle_copies(op: &'static Op, inputs: &[&Tensor]) -> Result<()> {
     const VIEWS: [&Op; 10] = [
         &policy::VIEW,
@@ -79,7 +80,7 @@ fn settle_copies(op: &'static Op, inputs: &[&Tensor]) -> Result<()> {
     ];
     let is = |other: &Op| std::ptr::eq(op, other);
     // Asked only while a copy is in flight.
-    crate::cuda::row_blocks::settle(inputs, |i, source| {
+    row_blocks::settle(inputs, |i, source| {
         VIEWS.iter().any(|v| is(v)) || (is(&policy::LINEAR) && i == 1) || (is(&policy::TO) && source)
     })
 }

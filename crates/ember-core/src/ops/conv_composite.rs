@@ -17,7 +17,7 @@
 //! flat input. Pooling reduces the window dim: `max_dim` (whose gradient goes to the first
 //! maximum in row-major window order) or `mean_dims` (the padding's zeros counted, as
 //! `count_include_pad=True`). CUDA's `index_select` checks its index on the device (one small
-//! host synchronization per call, see `cuda/index.rs`), which a fused im2col kernel would not.
+//! host synchronization per call, see `cuda_backend/index.rs`), which a fused im2col kernel would not.
 
 use crate::backend::{ConvParams, PoolMode, PoolParams};
 use crate::{Device, Result, Tensor};

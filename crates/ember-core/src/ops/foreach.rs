@@ -5,7 +5,7 @@
 //! in-place writes). Where every pair is plain (one CUDA device for all, the same dtype and
 //! shape within a pair, both contiguous, nothing requiring grad, no two destinations
 //! overlapping, no storage both written and read) the copies run as one kernel launch per 64
-//! pairs (`cuda/multi_copy.rs`); any other list takes `copy_` pair by pair. A list whose
+//! pairs (`cuda_backend/multi_copy.rs`); any other list takes `copy_` pair by pair. A list whose
 //! destinations share a device passes the dispatch point once as `_foreach_copy_` (the
 //! profiler's op), either way. A launch costs the host about what one `copy_` costs, so
 //! gathering a bucket of gradients (DistributedDataParallel) costs one copy instead of one per

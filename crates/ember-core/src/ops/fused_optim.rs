@@ -31,7 +31,7 @@
 //! PyTorch's `_fused_adam_(..., grad_scale=, found_inf=)`; both are read on the device. The
 //! learning rate may live in a device tensor too (the `lr` argument of the `_scaled_` forms,
 //! PyTorch's tensor `lr=`), read by the kernels at every step, which makes a CUDA graph of the
-//! step follow an LR scheduler (Note [Capturable optimizer steps] in `cuda/optim.rs`); the
+//! step follow an LR scheduler (Note [Capturable optimizer steps] in `cuda_backend/optim.rs`); the
 //! results are the same bits as with `cfg.lr`. Hyperparameters are cast to the
 //! arithmetic type (f32 for f32/f16/bf16, f64 for f64); f16/bf16 are computed in f32 and rounded
 //! once on store, as PyTorch's fused kernels do. For f32 and f64 the results are the same bits
@@ -356,14 +356,14 @@ fn check_distinct(op: &'static str, lists: &[List<'_>]) -> Result<()> {
 }
 
 /// Orders the current stream after every copy or arrival in row blocks still in flight into an
-/// operand (Note [Copies in row blocks] in `cuda/row_blocks.rs`): the dispatch point saw only
+/// operand (Note [Copies in row blocks] in `storage/row_blocks.rs`): the dispatch point saw only
 /// the parameters.
 fn settle_operands(lists: &[List<'_>]) -> Result<()> {
-    if !crate::cuda::row_blocks::any_in_flight() {
+    if !crate::storage::row_blocks::any_in_flight() {
         return Ok(());
     }
     let all: Vec<&Tensor> = lists.iter().flat_map(|l| l.tensors.iter()).collect();
-    crate::cuda::row_blocks::settle(&all, |_, _| false)
+    crate::dispatch::row_blocks::settle(&all, |_, _| false)
 }
 
 /// One Adam (or, with `decoupled_weight_decay`, AdamW) step of every `params[i]` in place,
@@ -401,7 +401,7 @@ pub fn adam_(
 /// to the host, so a skipped step is decided on the device; with device steps and a device lr
 /// nothing that changes between steps is passed by value, so the step can be recorded into a
 /// CUDA graph whose replays follow the lr (Note [Capturable optimizer steps] in
-/// `cuda/optim.rs`). The step tensors, grad scale, found-inf flag and lr are locked with the
+/// `cuda_backend/optim.rs`). The step tensors, grad scale, found-inf flag and lr are locked with the
 /// others and must be in storages of their own.
 #[allow(clippy::too_many_arguments)]
 pub fn adam_scaled_(
@@ -523,15 +523,15 @@ fn adam_scaled_prepared(
     scalar_lists(OP, &scaling, lr, device, &mut lists)?;
     check_distinct(OP, &lists)?;
     // Gradients arriving in row blocks are updated block by block (Note [Arrivals in row
-    // blocks] in `cuda/row_blocks.rs`); anything else in flight is waited for.
+    // blocks] in `storage/row_blocks.rs`); anything else in flight is waited for.
     let arrivals = grads
         .iter()
-        .map(|g| Ok(crate::cuda::row_blocks::take_arriving_elements(g)?.unwrap_or_default()))
+        .map(|g| Ok(crate::dispatch::row_blocks::take_arriving_elements(g)?.unwrap_or_default()))
         .collect::<Result<Vec<_>>>()?;
     // Nothing read the arriving blocks (an error below): whatever comes next waits for them.
-    let release = |arrivals: &[Vec<crate::cuda::row_blocks::ArrivingElements>]| {
+    let release = |arrivals: &[Vec<crate::cuda_backend::ArrivingElements>]| {
         arrivals.iter().try_for_each(|blocks| {
-            crate::cuda::row_blocks::wait_for_events(device, blocks.iter().map(|b| &b.event))
+            crate::cuda_backend::row_blocks::wait_for_events(device, blocks.iter().map(|b| &b.event))
         })
     };
     if let Err(e) = settle_operands(&lists) {

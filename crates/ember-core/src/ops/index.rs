@@ -6,7 +6,7 @@
 //! panic (none of these ops wraps negative indices, as in PyTorch). On the CPU the op returns
 //! it; on CUDA the indices are checked on the device and the error is returned by the next call
 //! that waits for the device (`to_vec`, `item`, a synchronize), as PyTorch reports its
-//! device-side asserts (Note [Deferred device errors] in `cuda/device_errors.rs`). The backend sees two op
+//! device-side asserts (Note [Deferred device errors] in `cuda_backend/device_errors.rs`). The backend sees two op
 //! families: reads ([`IndexOp`]: the output takes elements of `self` at the indices) and writes
 //! ([`ScatterOp`]: a copy of `self` receives `src` at the indices). All writes are out of place.
 

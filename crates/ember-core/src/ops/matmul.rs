@@ -121,11 +121,13 @@ fn column_major(t: &Tensor) -> bool {
 
 /// The gradient of the column-major `b` in `a @ b` (`b: [k, n]`): `(gᵀ @ a)ᵀ`, a `[k, n]`
 /// view of a dense `[n, k]` product; in row blocks of that product when `b` views a tensor
-/// registered for it (Note [Gradients in row blocks] in `cuda/row_blocks.rs`).
+/// registered for it (Note [Gradients in row blocks] in `storage/row_blocks.rs`).
 fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let gt = g.t()?;
-    let blocks = crate::cuda::row_blocks::requested(b.storage())
-        .filter(|_| !autograd::needs_grad(&[&gt, a]) && !crate::cuda::is_current_stream_capturing());
+    let blocks = b
+        .storage()
+        .requested_row_blocks()
+        .filter(|_| !autograd::needs_grad(&[&gt, a]) && !crate::cuda_backend::is_current_stream_capturing());
     let Some(blocks) = blocks else {
         return product(op, &gt, a, (&gt, a))?.t();
     };
@@ -135,7 +137,7 @@ fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<T
     };
     let out = Tensor::from_storage(storage, Shape::from([gt.dims()[0], a.dims()[1]]));
     if !events.is_empty() {
-        crate::cuda::row_blocks::record(out.storage(), events);
+        out.storage().record_row_block_events(events);
     }
     out.t()
 }
@@ -144,13 +146,13 @@ fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<T
 /// the product rounds (PyTorch's `addmm`), and its backward rule: the product's, plus the
 /// bias's gradient (the output gradient summed over the rows).
 /// With `arrivals`, `wt`'s rows (the weight's) are still arriving in those blocks (Note
-/// [Copies in row blocks] in `cuda/row_blocks.rs`).
+/// [Copies in row blocks] in `storage/row_blocks.rs`).
 fn product_bias(
     op: &'static str,
     x: &Tensor,
     wt: &Tensor,
     bias: &Tensor,
-    arrivals: Option<&[crate::cuda::RowBlockEvent]>,
+    arrivals: Option<&[crate::cuda_backend::RowBlockEvent]>,
 ) -> Result<Tensor> {
     debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
     let (m, n) = (x.dims()[0], wt.dims()[1]);
@@ -332,11 +334,11 @@ impl Tensor {
     fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         // A weight still arriving in row blocks is read here before any other op touches it
         // (an op on it would wait for the whole copy; Note [Copies in row blocks]).
-        let mut arrivals = crate::cuda::row_blocks::take_arrivals(weight.storage());
+        let mut arrivals = weight.storage().take_arrivals().map(|(blocks, _)| blocks);
         let result = self.linear_checked(weight, bias, &mut arrivals);
         if let Some(blocks) = arrivals {
             // Not read block by block (an error, or another path): ordered after the whole.
-            crate::cuda::row_blocks::wait_for(weight.device(), &blocks)?;
+            crate::cuda_backend::row_blocks::wait_for(weight.device(), &blocks)?;
         }
         result
     }
@@ -345,7 +347,7 @@ impl Tensor {
         &self,
         weight: &Tensor,
         bias: Option<&Tensor>,
-        arrivals: &mut Option<Vec<crate::cuda::RowBlockEvent>>,
+        arrivals: &mut Option<Vec<crate::cuda_backend::RowBlockEvent>>,
     ) -> Result<Tensor> {
         const OP: &str = "linear";
         check_operands(OP, self, weight)?;
@@ -384,7 +386,7 @@ impl Tensor {
             }
         }
         if let Some(blocks) = arrivals.take() {
-            crate::cuda::row_blocks::wait_for(weight.device(), &blocks)?;
+            crate::cuda_backend::row_blocks::wait_for(weight.device(), &blocks)?;
         }
         let out = self.matmul_prepared(&weight.t()?)?;
         match bias {
@@ -405,13 +407,13 @@ impl Tensor {
 
     /// `linear` with a 2-D weight and a bias of `[out_features]` (checked by the caller): the
     /// input's leading dims fold into the rows of one product with a bias, whose sum rounds
-    /// once, as PyTorch's `addmm` (Note [Bias epilogue] in `cuda/blas.rs`).
+    /// once, as PyTorch's `addmm` (Note [Bias epilogue] in `cuda_backend/blas.rs`).
     /// With `arrivals` (taken), the weight's rows are still arriving in those blocks.
     fn linear_with_bias(
         &self,
         weight: &Tensor,
         bias: &Tensor,
-        arrivals: &mut Option<Vec<crate::cuda::RowBlockEvent>>,
+        arrivals: &mut Option<Vec<crate::cuda_backend::RowBlockEvent>>,
     ) -> Result<Tensor> {
         let lead = &self.dims()[..self.rank() - 1];
         let rows = lead.iter().product::<usize>() as isize;

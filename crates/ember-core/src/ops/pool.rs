@@ -1,5 +1,5 @@
 //! 2-d max and average pooling on every device: [`pool2d`] runs through the backend's pooling
-//! calls (CPU: `cpu/pool.rs`; CUDA: cuDNN, `cuda/cudnn_pool.rs`) and records a backward that
+//! calls (CPU: `cpu/pool.rs`; CUDA: cuDNN, `cuda_backend/cudnn_pool.rs`) and records a backward that
 //! uses the backend's pooling backward. Where the backend does not run the problem (cuDNN
 //! missing or switched off with [`crate::backends::cudnn::set_enabled`], an empty tensor, sizes
 //! past cuDNN's limits) the composite path of `conv_composite.rs` (a window gather, then

@@ -21,7 +21,7 @@
 //!
 //! Both backends share this loop; only the pointwise steps are backend kernels
 //! (`Storage::lstm_forward_step` and `Storage::lstm_backward_step`, whose step descriptions
-//! live in `backend/step.rs`; kernels in `cpu/rnn.rs`, `cuda/rnn.rs` + `kernels/rnn.cu`).
+//! live in `backend/step.rs`; kernels in `cpu/rnn.rs`, `cuda_backend/rnn.rs` + `kernels/rnn.cu`).
 
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};

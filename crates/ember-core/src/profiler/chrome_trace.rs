@@ -249,7 +249,7 @@ pub(super) fn to_json(trace: &Trace) -> String {
     let props: Vec<String> = devices
         .iter()
         .filter_map(|&d| {
-            let p = crate::cuda::get_device_properties(d).ok()?;
+            let p = crate::cuda_backend::get_device_properties(d).ok()?;
             Some(format!(
                 "\n    {{\"id\": {d}, \"name\": {}, \"totalGlobalMem\": {}, \"computeMajor\": {}, \"computeMinor\": {}, \"maxThreadsPerMultiprocessor\": {}, \"warpSize\": {}, \"numSms\": {}, \"l2CacheSize\": {}}}",
                 quoted(&p.name),
@@ -435,8 +435,8 @@ mod tests {
     /// `matmul` (id 5) launched two kernels, its child `fill` (id 6) a memset, `copy` (id 7)
     /// a memcpy; one kernel ran outside any op.
     fn cupti_trace() -> Trace {
-        use crate::cuda::cupti::Collected;
-        use crate::cuda::cupti_records::{decode, tests as rec};
+        use crate::cuda_backend::cupti::Collected;
+        use crate::cuda_backend::cupti_records::{decode, tests as rec};
         let gemm = c"sm90_xmma_gemm_f32f32_tn";
         let stray = c"stray_kernel";
         let mut matmul = event(5, "matmul", 1_000, 20_000, None);

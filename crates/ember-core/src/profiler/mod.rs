@@ -79,7 +79,7 @@
 //!   (one), and storage creation and drop (one). Nothing of CUPTI is loaded or called
 //!   until a profiler that records CUDA starts; after one has, each copy takes a shared lock,
 //!   and CUPTI, still attached to the driver, adds about 1 us to each launch and copy (Note
-//!   [CUPTI beside other threads' CUDA work] in `cuda/cupti.rs`). A profile timed by CUDA
+//!   [CUPTI beside other threads' CUDA work] in `cuda_backend/cupti.rs`). A profile timed by CUDA
 //!   events (`cuda_timing(CudaTimingSource::CudaEvents)`) never loads CUPTI, so a program
 //!   that profiles a few steps of a long run can keep the rest of the run free of that cost.
 //!
@@ -110,7 +110,7 @@ mod chrome_trace;
 mod key_averages;
 pub(crate) mod recorder;
 
-pub use crate::cuda::cupti_records::GpuActivityKind;
+pub use crate::cuda_backend::cupti_records::GpuActivityKind;
 pub use key_averages::{EventAvg, KeyAverages};
 
 use crate::{Device, Error, Result};
@@ -243,7 +243,7 @@ pub struct ProfileBuilder {
 /// present; no shapes, no memory, no schedule (every step recorded).
 pub fn profile() -> ProfileBuilder {
     let mut activities = vec![ProfilerActivity::Cpu];
-    if crate::cuda::is_available() {
+    if crate::cuda_backend::is_available() {
         activities.push(ProfilerActivity::Cuda);
     }
     ProfileBuilder {
@@ -320,7 +320,7 @@ impl ProfileBuilder {
         let options = Options {
             record_shapes: self.record_shapes,
             profile_memory: self.profile_memory,
-            cuda: self.activities.contains(&ProfilerActivity::Cuda) && crate::cuda::is_available(),
+            cuda: self.activities.contains(&ProfilerActivity::Cuda) && crate::cuda_backend::is_available(),
             cuda_timing: self.cuda_timing,
             emit_nvtx: self.emit_nvtx,
         };

@@ -10,8 +10,8 @@
 //! installed while a range of it is open somewhere, and sees the next session's ops.
 
 use super::{CudaApiCall, CudaTimingSource, EventKind, FunctionEvent, GpuActivity, GpuInterval};
-use crate::cuda::cupti::{self, ClockRef, Collected};
-use crate::cuda::kernel_timing::{self, TimingEvent};
+use crate::cuda_backend::cupti::{self, ClockRef, Collected};
+use crate::cuda_backend::kernel_timing::{self, TimingEvent};
 use crate::dispatch::observer::{self, Observer, ObserverHandle, OpEnter, OpExit};
 use crate::{memory, Device};
 use std::borrow::Cow;
@@ -193,7 +193,7 @@ impl Session {
         }
         let collected = self.cupti_clock.map(|_| {
             // This thread's pushed ids come off before CUPTI stops (Note [CUPTI beside other
-            // threads' CUDA work] in `cuda/cupti.rs`); the entries stay open and push no more.
+            // threads' CUDA work] in `cuda_backend/cupti.rs`); the entries stay open and push no more.
             STACK.with(|s| s.borrow_mut().iter_mut().rev().for_each(Open::release));
             cupti::stop()
         });
@@ -218,7 +218,7 @@ impl Session {
     fn devices_to_wait_for(&self) -> Vec<usize> {
         let (session, launched) = LAUNCHED.with(Cell::get);
         let mask = if session == self.id { launched } else { 0 };
-        let current = crate::cuda::current_device();
+        let current = crate::cuda_backend::current_device();
         (0..64)
             .filter(|&d| d == current || mask & (1u64 << d) != 0)
             .collect()
@@ -641,7 +641,7 @@ pub(crate) fn on_device_work(stream: u64) {
             e.launches += 1;
             let device = match e.device {
                 Some(Device::Cuda(d)) => d,
-                _ => crate::cuda::current_device(),
+                _ => crate::cuda_backend::current_device(),
             };
             note_launch(session.id, device);
             if !e.cupti_pushed {

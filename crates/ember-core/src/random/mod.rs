@@ -4,7 +4,7 @@
 //! [`set_rng_state`]). Random tensor creation and in-place fills are in `random/tensor.rs` and
 //! the block function in `random/philox.rs`; the op enum ([`Distribution`]) and the generator
 //! state ([`RngState`]) are the backends' vocabulary (`backend/op.rs`), the kernels are
-//! `cpu/random.rs` and `cuda/random.rs` + `kernels/random.cu`.
+//! `cpu/random.rs` and `cuda_backend/random.rs` + `kernels/random.cu`.
 //!
 //! Note [Philox stream]: how `(seed, offset, element index i)` becomes a value. Any backend
 //! (the CPU kernels here, a CUDA kernel later) must compute exactly this, so that one seed
@@ -78,12 +78,13 @@
 //! they share the offset base; `randperm` (computed on the host) and [`Generator::reserve`]
 //! (the state by value, for custom kernels run eagerly) cannot be captured.
 
-pub mod philox;
+/// The counter-based generator itself, computed by the CPU backend (`cpu/philox.rs`).
+pub use crate::cpu::philox;
 mod tensor;
 
 pub use crate::backend::op::{Distribution, PhiloxState};
 
-use crate::cuda::CudaStorage;
+use crate::storage::Storage;
 use crate::{DType, Device, Error, Result};
 use std::collections::HashMap;
 use std::fmt;
@@ -110,7 +111,7 @@ struct GenState {
     rng: RngState,
     capture: Option<Capture>,
     /// Per GPU captured on: the seed and the offset base, two u64 (as i64) in device memory.
-    slots: Vec<(usize, CudaStorage)>,
+    slots: Vec<(usize, Storage)>,
 }
 
 /// A capture in progress.
@@ -285,19 +286,12 @@ fn write_slots(st: &mut GenState, device: usize) -> Result<CapturePhilox> {
         Some(i) => i,
         None => {
             st.slots
-                .push((device, CudaStorage::alloc(device, DType::I64, 2)?));
+                .push((device, Storage::alloc(Device::Cuda(device), DType::I64, 2)?));
             st.slots.len() - 1
         }
     };
-    let slot = &st.slots[i].1;
-    let mut bytes = [0u8; 16];
-    bytes[..8].copy_from_slice(&st.rng.seed.to_ne_bytes());
-    bytes[8..].copy_from_slice(&st.rng.offset.to_ne_bytes());
-    slot.write_pageable(0, &bytes)?;
-    Ok(CapturePhilox {
-        seed_ptr: slot.ptr_at(0),
-        offset_ptr: slot.ptr_at(1),
-    })
+    let (seed_ptr, offset_ptr) = st.slots[i].1.write_philox_slot(st.rng)?;
+    Ok(CapturePhilox { seed_ptr, offset_ptr })
 }
 
 impl Default for Generator {

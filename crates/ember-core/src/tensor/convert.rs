@@ -1,7 +1,7 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
 use crate::autograd;
-use crate::cpu::{CpuElement, CpuStorage};
+use crate::backend::host::{CpuElement, CpuStorage};
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
@@ -96,18 +96,15 @@ impl Tensor {
         match (self.is_private(), self.device(), device) {
             (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {
                 dispatch::call_with(&policy::TO, [self], |[x]| {
+                    // A weight gradient computed in row blocks crosses block by block
+                    // (Note [Gradients in row blocks]).
+                    let blocks =
+                        crate::dispatch::row_blocks::take_gradient_row_events(x).filter(|_| x.rank() == 2);
+                    let row_len = x.dims().get(1).copied().unwrap_or(0);
                     let storage =
-                        match &*x.storage().read() {
-                            // A weight gradient computed in row blocks crosses block by block
-                            // (Note [Gradients in row blocks]).
-                            Storage::Cuda(s) => match crate::cuda::take_gradient_row_events(x) {
-                                Some(blocks) if x.rank() == 2 => Storage::Cuda(
-                                    s.to_device_private_in_blocks(x.layout(), to, &blocks, x.dims()[1])?,
-                                ),
-                                _ => Storage::Cuda(s.to_device_private(x.layout(), to)?),
-                            },
-                            other => other.to_device(x.layout(), device)?,
-                        };
+                        x.storage()
+                            .read()
+                            .to_device_private(x.layout(), to, blocks.as_deref(), row_len)?;
                     Ok(Tensor::from_storage(storage, x.shape()))
                 })
             }
@@ -125,27 +122,28 @@ impl Tensor {
     /// wrote them) has completed, on a side stream: neither device's current stream waits for
     /// the rest of the gradient's product (Note [Gradients in row blocks]). The caller holds
     /// the whole gradient privately, so nothing else writes these rows.
-    pub(crate) fn gradient_rows_to(&self, device: usize, written: crate::cuda::Event) -> Result<Tensor> {
+    pub(crate) fn gradient_rows_to(
+        &self,
+        device: usize,
+        written: crate::cuda_backend::Event,
+    ) -> Result<Tensor> {
         dispatch::call_with(&policy::TO, [self], |[x]| {
-            let rows = crate::cuda::RowBlockEvent {
+            let rows = crate::cuda_backend::RowBlockEvent {
                 rows: 0..x.dims()[0],
                 event: written,
             };
-            let storage = match &*x.storage().read() {
-                Storage::Cuda(s) if x.rank() == 2 && x.is_contiguous() => s.to_device_private_in_blocks(
-                    x.layout(),
-                    device,
-                    std::slice::from_ref(&rows),
-                    x.dims()[1],
-                )?,
-                _ => {
-                    return Err(Error::invalid(
-                        "gradient_rows_to",
-                        "expected a contiguous 2-D tensor on a GPU",
-                    ))
-                }
-            };
-            Ok(Tensor::from_storage(Storage::Cuda(storage), x.shape()))
+            if x.rank() != 2 || !x.is_contiguous() || !matches!(x.device(), Device::Cuda(_)) {
+                return Err(Error::invalid(
+                    "gradient_rows_to",
+                    "expected a contiguous 2-D tensor on a GPU",
+                ));
+            }
+            let blocks = Some(std::slice::from_ref(&rows));
+            let storage = x
+                .storage()
+                .read()
+                .to_device_private(x.layout(), device, blocks, x.dims()[1])?;
+            Ok(Tensor::from_storage(storage, x.shape()))
         })
     }
 
@@ -213,7 +211,7 @@ impl Tensor {
     /// (`Tensor.record_stream`): when the tensor is freed, the caching allocator does not reuse
     /// the memory until that work has finished. Needed when a tensor allocated on one stream is
     /// used on another; a no-op for CPU tensors, as PyTorch ignores it there.
-    pub fn record_stream(&self, stream: &crate::cuda::Stream) -> Result<()> {
+    pub fn record_stream(&self, stream: &crate::cuda_backend::Stream) -> Result<()> {
         self.storage().read().record_stream(stream)
     }
 
@@ -259,7 +257,7 @@ impl Tensor {
 
     /// The elements converted to f64, in row-major order (any dtype).
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        crate::cuda::row_blocks::settle_read(self)?;
+        crate::dispatch::row_blocks::settle_read(self)?;
         let cpu = self.storage().read().to_cpu(self.layout());
         let cpu = cpu.map_err(|e| e.in_op("Tensor::to_vec_f64"))?;
         let cpu = cpu.to_dtype(&Layout::contiguous(self.shape()), DType::F64);
@@ -299,7 +297,7 @@ impl Tensor {
 
     /// Row-major host copy of the elements.
     pub(crate) fn to_cpu_storage(&self) -> Result<CpuStorage> {
-        crate::cuda::row_blocks::settle_read(self)?;
+        crate::dispatch::row_blocks::settle_read(self)?;
         self.storage().read().to_cpu(self.layout())
     }
 }

@@ -1,7 +1,7 @@
 //! Tensor creation: from host data, constant fills, ranges and `*_like` forms
 //! (random creation is in `random/tensor.rs`).
 
-use crate::cpu::{CpuElement, CpuStorage};
+use crate::backend::host::{CpuElement, CpuStorage};
 use crate::memory::try_vec;
 use crate::shape::MAX_ELEMENTS;
 use crate::storage::Storage;

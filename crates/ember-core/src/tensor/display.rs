@@ -15,7 +15,7 @@
 //! `requires_grad=True`. A precision in the format string (`{:.2}`) replaces the 4 decimals.
 //! `Debug` stays short: shape, dtype and device.
 
-use crate::cpu::CpuStorage;
+use crate::backend::CpuStorage;
 use crate::{DType, Device, Tensor};
 use std::fmt;
 

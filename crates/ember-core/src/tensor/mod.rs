@@ -268,11 +268,11 @@ impl Tensor {
                 });
             }
             if g.device() != self.device() {
-                return Err(crate::dispatch::device_mismatch(
-                    "set_grad",
-                    self.device(),
-                    g.device(),
-                ));
+                return Err(Error::DeviceMismatch {
+                    op: "set_grad",
+                    lhs: self.device(),
+                    rhs: g.device(),
+                });
             }
         }
         self.0.meta().grad = grad;

@@ -20,7 +20,7 @@ pub const ALL_DTYPES: [DType; 8] = [
 /// Reads a result back to the host, for tests of errors that CUDA finds on the device (an index
 /// out of range, a bad probability, a negative integer exponent): there the op returns `Ok` and
 /// the error comes from the next call that waits for the device (Note [Deferred device errors]
-/// in ember-core's `cuda/device_errors.rs`), while the CPU returns it from the op itself.
+/// in ember-core's `cuda_backend/device_errors.rs`), while the CPU returns it from the op itself.
 /// `r.read_back()` is the op's own error, or the error of reading its result back.
 pub trait ReadBack {
     fn read_back(self) -> Result<Tensor>;

@@ -3,7 +3,7 @@
 //! rounds twice; f32 and f64 results are unchanged; other biases, integer dtypes and the
 //! inputs PyTorch's `linear` does not flatten (non-contiguous, rank other than 2) keep matmul
 //! then add; gradients. On CUDA (cuBLASLt's bias epilogue, or the product added to the bias
-//! where the epilogue does not apply: Note [Bias epilogue] in `cuda/blas.rs`): the CPU's bits
+//! where the epilogue does not apply: Note [Bias epilogue] in `cuda_backend/blas.rs`): the CPU's bits
 //! where the sums are exact in f32 (except one bf16 shape where cuBLASLt does not round once,
 //! whose differences are printed), and one rounding of the f32 sum on arbitrary inputs.
 

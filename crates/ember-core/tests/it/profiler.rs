@@ -799,7 +799,7 @@ fn under(events: &[FunctionEvent], mut i: usize, name: &str) -> bool {
 /// CUPTI sessions start and stop while four other threads launch kernels for the first time
 /// in the process (every unary op on every dtype, contiguous and transposed: units loaded
 /// and functions first launched under the sessions' starts and stops). Before Note [CUPTI
-/// beside other threads' CUDA work] (`cuda/cupti.rs`), 15 of 89 processes of this test died
+/// beside other threads' CUDA work] (`cuda_backend/cupti.rs`), 15 of 89 processes of this test died
 /// in libcupti or hung.
 #[test]
 #[ignore = "needs a CUDA device"]

@@ -38,7 +38,7 @@
 //! `ember_core::fused::{adam_scaled_, sgd_scaled_}`). [`Optimizer::set_lr`] (what LR schedulers
 //! call) writes the new value into that tensor on the current stream, so a step recorded into a
 //! CUDA graph uses the lr of the moment it is replayed, and an eager step uses the same bits as
-//! before (Note [Capturable optimizer steps] in ember-core's `cuda/optim.rs`). Adam's step
+//! before (Note [Capturable optimizer steps] in ember-core's `cuda_backend/optim.rs`). Adam's step
 //! counts live on the parameter's device for the same reason (see `adam.rs`). CPU parameters
 //! read the host value, as before.
 //!

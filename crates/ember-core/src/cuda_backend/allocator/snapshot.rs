@@ -128,7 +128,7 @@ fn allocator_settings() -> Value {
 }
 
 /// The snapshot as JSON, in the same shape with fewer fields (no device, requested sizes, pool
-/// ids, frames or settings; one device's trace); what [`crate::cuda::memory_snapshot`] returns.
+/// ids, frames or settings; one device's trace); what [`crate::cuda_backend::memory_snapshot`] returns.
 pub fn snapshot_json(segments: &[SegmentInfo], trace: &[TraceEntry]) -> String {
     let segs: Vec<String> = segments
         .iter()

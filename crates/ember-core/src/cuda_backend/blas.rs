@@ -819,7 +819,7 @@ impl CudaStorage {
     /// The float product of `[m, k]` (`al`) and `[k, n]` (`bl`) as a new row-major `[m, n]`
     /// storage, computed in the row blocks of `row_block_ranges(m, blocks)`, each product
     /// followed by an event recorded on the current stream: the event of rows `r` completes
-    /// once those rows are written (Note [Gradients in row blocks] in `cuda/row_blocks.rs`).
+    /// once those rows are written (Note [Gradients in row blocks] in `storage/row_blocks.rs`).
     pub(crate) fn matmul_row_blocks(
         &self,
         al: &Layout,
@@ -875,7 +875,7 @@ impl CudaStorage {
     /// transposed `[n, k]` weight, as in `linear`) whose weight rows are still arriving:
     /// `arrivals` are the events of its row blocks, which are blocks of columns of the
     /// product. Each block of columns is computed on the current stream once its rows have
-    /// arrived (Note [Copies in row blocks] in `row_blocks.rs`); where the blocks cannot be
+    /// arrived (Note [Copies in row blocks] in `storage/row_blocks.rs`); where the blocks cannot be
     /// multiplied one by one, the stream waits for all of them and the product is one.
     pub(crate) fn matmul_bias_in_column_blocks(
         &self,

@@ -2,7 +2,7 @@
 //! gradients ([`non_finite_check_and_unscale`]) and its scale update ([`update_scale`]), for
 //! `ops/amp_scaling.rs` (reached through its `AmpOps` below). The tensors of the multi-tensor
 //! kernel travel in an [`AmpTensorList`] passed by value, at most [`MAX_TENSORS`] per launch
-//! (the chunked geometry of `cuda/optim.rs`); every launch goes on the current stream and the
+//! (the chunked geometry of `cuda_backend/optim.rs`); every launch goes on the current stream and the
 //! host never waits.
 
 use super::kernels::{Grid, KernelParam};

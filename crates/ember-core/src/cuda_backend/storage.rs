@@ -36,9 +36,9 @@ use super::launch::{self, DevPtr, DevPtrMut};
 use super::multi_copy::{multi_copy, ByteCopy};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::current_raw;
-use crate::backend::{BackendDevice, BackendStorage, Distribution, PhiloxState, RngState};
+use crate::backend::host::{with_cpu_storage, CpuElement, CpuStorage};
+use crate::backend::{BackendDevice, BackendStorage, Distribution, PhiloxState};
 use crate::backend::{CopyOps, ForeachCopy};
-use crate::cpu::{with_cpu_storage, CpuElement, CpuStorage};
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
 use cudarc::driver::{result, sys};
@@ -219,7 +219,7 @@ impl CudaStorage {
 
     /// Enqueues a copy of `bytes` from host memory into this storage from element `offset` on,
     /// on the current stream, without waiting. The caller keeps `bytes` alive and unchanged
-    /// until the copy has finished (see `cuda/pinned.rs`).
+    /// until the copy has finished (see `cuda_backend/pinned.rs`).
     pub(crate) fn copy_from_host_async(&self, offset: usize, bytes: &[u8]) -> Result<()> {
         let rt = self.runtime()?;
         super::capture::refuse_during_capture(rt.ordinal, "a copy from host memory to the device")?;
@@ -320,7 +320,7 @@ impl CudaStorage {
             return Ok(());
         }
         let stream = current_raw(rt.ordinal);
-        let one = CpuStorage::F64(vec![value]).to_dtype(&Layout::contiguous([1]), self.dtype);
+        let one = CpuStorage::full(self.dtype, 1, value)?;
         let mut pattern = [0u8; 8];
         let bytes = host_bytes(&one);
         pattern[..bytes.len()].copy_from_slice(bytes);
@@ -541,7 +541,7 @@ impl CudaStorage {
 impl CudaStorage {
     /// The contiguous `self` (at `layout`, rows of `row_len` elements) copied to GPU `device` in
     /// the row blocks `ranges`, each followed by an event, with the event of the whole copy
-    /// (Note [Copies in row blocks] in `row_blocks.rs`). Neither device's current stream waits
+    /// (Note [Copies in row blocks] in `storage/row_blocks.rs`). Neither device's current stream waits
     /// for the copy: the caller records it (`row_blocks::record_copy`) so that the dispatch
     /// point orders every other use of either storage after it. The copy runs on a side
     /// stream of the source's device once the source's current stream has written it, into
@@ -654,7 +654,7 @@ enum Source<'a> {
 }
 
 /// Whether `blocks` are consecutive row ranges of `row_len` elements covering all `n`.
-pub(super) fn tile(blocks: &[super::RowBlockEvent], row_len: usize, n: usize) -> bool {
+pub(crate) fn tile(blocks: &[super::RowBlockEvent], row_len: usize, n: usize) -> bool {
     let mut next = 0;
     for b in blocks {
         if b.rows.start != next || b.rows.end <= b.rows.start {
@@ -780,10 +780,6 @@ impl BackendDevice for CudaDevice {
 
     fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState) -> Result<CudaStorage> {
         CudaStorage::random(self.0, dtype, n, dist, state)
-    }
-
-    fn randperm(&self, n: usize, state: RngState) -> Result<CudaStorage> {
-        CudaStorage::randperm(self.0, n, state)
     }
 }
 

@@ -1,6 +1,6 @@
 //! CUDA launchers for `kernels/random.cu`: uniform, normal, bernoulli and randint draws that
 //! reproduce the CPU backend bit for bit (Note [Philox stream] in `random/mod.rs`; the caveat on
-//! f64 `ln`/`sin`/`cos` there applies to normals), and randperm.
+//! f64 `ln`/`sin`/`cos` there applies to normals).
 //!
 //! - f16 results go through `half::f16::from_f64` on the CPU, which rounds differently depending
 //!   on the host (through f32 with x86 F16C, or a software routine that ignores the low 32 bits
@@ -13,8 +13,8 @@
 //!   generator capturing a CUDA graph, as device pointers (Note [Philox under graph capture] in
 //!   `random/mod.rs`); `philox_seed_offset` in the prelude reads either, so both paths share
 //!   every kernel.
-//! - `randperm` is computed on the host with the CPU kernel (O(n) host work plus a sort) and
-//!   copied to the device: the simplest way to give exactly the CPU's permutation.
+//! - `randperm` is not here: on every device it is the CPU's permutation, computed on the host
+//!   and copied (`Storage::randperm`), the simplest way to give exactly the CPU's permutation.
 
 use super::device_errors::Kind;
 use super::kernels::{Grid, KernelParam, KernelShape};
@@ -148,12 +148,6 @@ impl CudaStorage {
             }
         }
         Ok(out)
-    }
-
-    /// A random permutation of `0..n` as i64 on GPU `device`: the CPU's, computed on the host
-    /// and copied (see the module docs).
-    pub(crate) fn randperm(device: usize, n: usize, state: RngState) -> Result<CudaStorage> {
-        CudaStorage::from_cpu(&crate::cpu::random::randperm(n, state), device)
     }
 
     /// Bernoulli draws with the probabilities at `layout`, in this storage's dtype; the first

@@ -319,7 +319,7 @@ macro_rules! kernels {
         /// The C parameter list of every kernel family as a macro `EMBER_PARAMS_<family>`,
         /// compiled between the prelude and every kernel source (Note [Typed launchers]).
         pub(crate) const PARAMS_HEADER: &str = concat!(
-            "// Kernel parameter lists, generated from `kernels!` in `cuda/launch.rs`.\n",
+            "// Kernel parameter lists, generated from `kernels!` in `cuda_backend/launch.rs`.\n",
             $($(c_define!($name $(<$($tp),+>)? ($($p : $k $(<$e>)?),+)),)*)*
         );
 
@@ -632,7 +632,7 @@ kernels! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::kernels::dtype_suffix;
+    use crate::cuda_backend::kernels::dtype_suffix;
 
     #[test]
     fn the_header_spells_each_parameter_list_in_c() {

@@ -19,8 +19,7 @@
 
 use super::runtime::runtime;
 use super::stream::{Event, Stream};
-use crate::cpu::{with_cpu_storage, CpuStorage};
-use crate::storage::StorageRef;
+use crate::backend::host::{with_cpu_storage, CpuStorage};
 use crate::{DType, Error, Result};
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -104,7 +103,7 @@ pub(crate) fn pinned_copy(src: &CpuStorage) -> Result<(CpuStorage, HostPin)> {
         }
         return Ok((buf, pin));
     }
-    let buf = with_cpu_storage!(src, s => crate::cpu::CpuElement::wrap(fresh(s, class)));
+    let buf = with_cpu_storage!(src, s => crate::backend::host::CpuElement::wrap(fresh(s, class)));
     let ptr = with_cpu_storage!(&buf, v => v.as_ptr() as *const u8);
     let pin = HostPin::register(ptr, class * dtype_size(dtype))?;
     Ok((buf, pin))
@@ -168,15 +167,20 @@ impl Drop for HostPin {
     }
 }
 
-static IN_FLIGHT: Mutex<Vec<(Event, StorageRef)>> = Mutex::new(Vec::new());
+/// What a copy still reads (a storage handle, which this backend file does not name), with the
+/// event after the copy.
+type Kept = (Event, Box<dyn std::any::Any + Send>);
 
-/// Keeps `storage` alive until the work queued on `stream` so far has finished.
-pub(crate) fn keep_alive_until_done(stream: &Stream, storage: StorageRef) -> Result<()> {
+static IN_FLIGHT: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
+
+/// Keeps `storage` (a handle of the host storage a copy reads) alive until the work queued on
+/// `stream` so far has finished.
+pub(crate) fn keep_alive_until_done(stream: &Stream, storage: impl std::any::Any + Send) -> Result<()> {
     let event = Event::new(false);
     event.record_on(stream)?;
     let mut in_flight = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
     in_flight.retain(|(e, _)| !e.query().unwrap_or(true));
-    in_flight.push((event, storage));
+    in_flight.push((event, Box::new(storage)));
     Ok(())
 }
 

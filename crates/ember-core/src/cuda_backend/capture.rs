@@ -182,6 +182,16 @@ impl Drop for RelaxedCaptureMode {
     }
 }
 
+/// True when the calling thread's current stream on the current device is capturing a CUDA
+/// graph (`torch.cuda.is_current_stream_capturing`).
+pub fn is_current_stream_capturing() -> bool {
+    if !any_underway() {
+        return false;
+    }
+    let device = super::stream::current_device();
+    runtime(device).is_ok() && capture_status(current_raw(device)).is_some()
+}
+
 /// Ends the capture `a` now: cuStreamEndCapture on the stream it began on (the graph, if any,
 /// destroyed), the allocator's routing and the default generator's capture ended. The caller
 /// removed `a` from the registry.
@@ -197,7 +207,20 @@ fn end_now(a: &Active) {
         rt.allocator.end_allocate_to_pool(a.pool);
     }
     // Eager draws on the device read their seed and offset by value again.
-    let _ = crate::random::default_generator(crate::Device::Cuda(a.device)).end_capture();
+    if let Some(hook) = END_HOOK.get() {
+        hook(a.device);
+    }
+}
+
+/// What else ends with a capture ended here (a refused op's or an abandoned graph's): the
+/// default generator's capture, which the graph layer above registers before its first capture
+/// begins (`crate::cuda::graph`), so that this backend file imports nothing of the generators.
+static END_HOOK: std::sync::OnceLock<fn(usize)> = std::sync::OnceLock::new();
+
+/// Registers `hook(device)` to run whenever a capture on `device` is ended by this module; the
+/// first registration stays.
+pub(crate) fn set_end_hook(hook: fn(usize)) {
+    let _ = END_HOOK.set(hook);
 }
 
 /// Ends graph `graph`'s capture without a graph (its `reset` or drop while capturing); true

@@ -26,8 +26,10 @@ use crate::backend::{
     UnaryOp, UnaryOps, UnscaleGrads, Variant,
 };
 use crate::cpu::{CpuDevice, CpuStorage};
-use crate::cuda::{CudaDevice, CudaStorage};
+use crate::cuda_backend::{CudaDevice, CudaStorage};
 use crate::layout::Layout;
+
+pub(crate) mod row_blocks;
 use crate::{DType, Device, Error, Result};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -195,8 +197,8 @@ pub struct StorageRef(Arc<StorageCell>);
 #[derive(Debug)]
 struct StorageCell {
     /// The page-lock registration of a pinned host buffer; declared before `data` so it is
-    /// undone before the buffer is freed (Note [Pinned host memory] in `cuda/pinned.rs`).
-    pin: Option<crate::cuda::HostPin>,
+    /// undone before the buffer is freed (Note [Pinned host memory] in `cuda_backend/pinned.rs`).
+    pin: Option<crate::cuda_backend::HostPin>,
     data: RwLock<Storage>,
     /// Bumped by every in-place write; autograd compares it with the version saved at record time.
     version: AtomicU64,
@@ -206,6 +208,10 @@ struct StorageCell {
     /// The storage's entry in the memory accounting (Note [Live allocation list]); replaced
     /// when the storage moves to another device.
     tracking: Mutex<crate::memory::Tracking>,
+    /// Row-block state: a block count asked for a weight's gradient, the block events of a
+    /// gradient computed in blocks, copies and arrivals in row blocks in flight
+    /// (`storage/row_blocks.rs`).
+    row_blocks: Mutex<row_blocks::RowBlocks>,
 }
 
 /// `device` as one word: 0 for the host, `1 + ordinal` for a GPU.
@@ -225,13 +231,14 @@ fn decode_device(code: usize) -> Device {
 
 impl Drop for StorageCell {
     fn drop(&mut self) {
+        row_blocks::forget(self.row_blocks.get_mut().unwrap_or_else(|e| e.into_inner()));
         // A pinned buffer goes back to the pinned host cache, registration and all
-        // (Note [Pinned host cache] in `cuda/pinned.rs`).
+        // (Note [Pinned host cache] in `cuda_backend/pinned.rs`).
         if let Some(pin) = self.pin.take() {
             let empty = Storage::Cpu(CpuStorage::Bool(Vec::new()));
             let data = std::mem::replace(self.data.get_mut().unwrap_or_else(|e| e.into_inner()), empty);
             match data {
-                Storage::Cpu(cpu) => crate::cuda::recycle_pinned(cpu, pin),
+                Storage::Cpu(cpu) => crate::cuda_backend::recycle_pinned(cpu, pin),
                 other => {
                     drop(pin);
                     drop(other);
@@ -244,22 +251,32 @@ impl Drop for StorageCell {
 impl StorageRef {
     pub fn new(storage: Storage) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
-            tracking: Mutex::new(crate::memory::Tracking::new(&storage)),
+            tracking: Mutex::new(crate::memory::Tracking::new(
+                storage.device(),
+                storage.dtype(),
+                storage.len(),
+            )),
             device: AtomicUsize::new(encode_device(storage.device())),
             pin: None,
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
+            row_blocks: Mutex::default(),
         }))
     }
 
     /// A host storage whose buffer `pin` has page-locked.
-    pub(crate) fn new_pinned(storage: Storage, pin: crate::cuda::HostPin) -> StorageRef {
+    pub(crate) fn new_pinned(storage: Storage, pin: crate::cuda_backend::HostPin) -> StorageRef {
         StorageRef(Arc::new(StorageCell {
-            tracking: Mutex::new(crate::memory::Tracking::new(&storage)),
+            tracking: Mutex::new(crate::memory::Tracking::new(
+                storage.device(),
+                storage.dtype(),
+                storage.len(),
+            )),
             device: AtomicUsize::new(encode_device(storage.device())),
             pin: Some(pin),
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
+            row_blocks: Mutex::default(),
         }))
     }
 
@@ -267,7 +284,7 @@ impl StorageRef {
     /// first tensor made over it (a no-op for storages too small to be listed). Noted before
     /// the entry goes behind its lock, so creating a tensor takes no lock for it.
     pub(crate) fn with_shape(storage: Storage, shape: &crate::Shape) -> StorageRef {
-        let tracking = crate::memory::Tracking::new(&storage);
+        let tracking = crate::memory::Tracking::new(storage.device(), storage.dtype(), storage.len());
         tracking.note_shape(shape);
         StorageRef(Arc::new(StorageCell {
             tracking: Mutex::new(tracking),
@@ -275,6 +292,7 @@ impl StorageRef {
             pin: None,
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
+            row_blocks: Mutex::default(),
         }))
     }
 
@@ -306,7 +324,7 @@ impl StorageRef {
         let mut data = self.0.data.write().unwrap_or_else(|e| e.into_inner());
         let new = f(&data)?;
         debug_assert!(new.dtype() == data.dtype() && new.len() == data.len());
-        let tracking = crate::memory::Tracking::new(&new);
+        let tracking = crate::memory::Tracking::new(new.device(), new.dtype(), new.len());
         self.0
             .device
             .store(encode_device(new.device()), Ordering::Release);
@@ -360,27 +378,6 @@ impl StorageRef {
     pub fn same_storage(&self, other: &StorageRef) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
-
-    /// A handle that does not keep the storage alive (nor count in [`StorageRef::is_unique`]).
-    pub(crate) fn downgrade(&self) -> WeakStorageRef {
-        WeakStorageRef(Arc::downgrade(&self.0))
-    }
-}
-
-/// A [`StorageRef`] that does not keep its storage alive.
-#[derive(Debug)]
-pub(crate) struct WeakStorageRef(std::sync::Weak<StorageCell>);
-
-impl WeakStorageRef {
-    /// Whether this is a handle of `storage` (false once the storage is gone).
-    pub(crate) fn is(&self, storage: &StorageRef) -> bool {
-        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(&storage.0))
-    }
-
-    /// Whether the storage is gone.
-    pub(crate) fn is_dead(&self) -> bool {
-        self.0.strong_count() == 0
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -416,7 +413,10 @@ impl Storage {
 
     /// A random permutation of `0..n` as i64 on `device`.
     pub(crate) fn randperm(device: Device, n: usize, state: RngState) -> Result<Storage> {
-        on_device!(device, d, wrap => Ok(wrap(d.randperm(n, state)?)))
+        // On every device the permutation is the CPU's, computed on the host and copied: a
+        // sort of n random keys, rare and small beside the ops (`cuda_backend/random.rs`).
+        crate::memory::check_host_alloc("randperm", n.saturating_mul(3), DType::I64)?; // (key, index) pairs, then the result
+        Storage::from_cpu(crate::cpu::random::randperm(n, state), device)
     }
 }
 
@@ -467,8 +467,48 @@ impl Storage {
         }
     }
 
+    /// Writes a generator's `state` into this two-element I64 GPU storage (seed, then offset) on
+    /// the current stream and returns the device addresses of both: the slot a captured graph's
+    /// random kernels read (Note [Philox under graph capture] in `random/mod.rs`).
+    pub(crate) fn write_philox_slot(&self, state: RngState) -> Result<(u64, u64)> {
+        match self {
+            Storage::Cuda(slot) if slot.dtype() == DType::I64 && slot.len() == 2 => {
+                let mut bytes = [0u8; 16];
+                bytes[..8].copy_from_slice(&state.seed.to_ne_bytes());
+                bytes[8..].copy_from_slice(&state.offset.to_ne_bytes());
+                slot.write_pageable(0, &bytes)?;
+                Ok((slot.ptr_at(0), slot.ptr_at(1)))
+            }
+            _ => Err(Error::invalid(
+                "Generator::begin_capture",
+                "a generator's capture slot is two I64 elements in GPU memory",
+            )),
+        }
+    }
+
+    /// The elements of `layout` on GPU `device`, for a source that nothing reads or writes
+    /// after this call (a gradient the autograd engine hands on; Note [Peer copies]): from a
+    /// GPU on a side stream, and when `blocks` are given (a contiguous gradient computed in row
+    /// blocks of `row_len` elements, Note [Gradients in row blocks]) block by block, each once
+    /// its event has completed. From the host, an ordinary copy.
+    pub(crate) fn to_device_private(
+        &self,
+        layout: &Layout,
+        device: usize,
+        blocks: Option<&[crate::cuda_backend::RowBlockEvent]>,
+        row_len: usize,
+    ) -> Result<Storage> {
+        match (self, blocks) {
+            (Storage::Cuda(s), Some(blocks)) => Ok(Storage::Cuda(
+                s.to_device_private_in_blocks(layout, device, blocks, row_len)?,
+            )),
+            (Storage::Cuda(s), None) => Ok(Storage::Cuda(s.to_device_private(layout, device)?)),
+            (s, _) => s.to_device(layout, Device::Cuda(device)),
+        }
+    }
+
     /// Marks GPU memory as used on `stream` (`Tensor.record_stream`); a no-op for host memory.
-    pub(crate) fn record_stream(&self, stream: &crate::cuda::Stream) -> Result<()> {
+    pub(crate) fn record_stream(&self, stream: &crate::cuda_backend::Stream) -> Result<()> {
         match self {
             Storage::Cuda(s) => s.record_stream(stream),
             Storage::Cpu(_) => Ok(()),
@@ -479,7 +519,7 @@ impl Storage {
 impl StorageRef {
     /// A page-locked copy of host elements (`Tensor.pin_memory()`); needs a CUDA driver.
     pub(crate) fn pinned_copy(cpu: &CpuStorage) -> Result<StorageRef> {
-        let (pinned, pin) = crate::cuda::pinned_copy(cpu)?;
+        let (pinned, pin) = crate::cuda_backend::pinned_copy(cpu)?;
         // The Vec moves into the storage without reallocating, so the pinned range stays its own.
         Ok(StorageRef::new_pinned(Storage::Cpu(pinned), pin))
     }
@@ -509,11 +549,11 @@ impl StorageRef {
                 ));
             };
             let size = cpu.dtype().size_in_bytes();
-            let bytes = &crate::cuda::host_bytes(cpu)[offset * size..(offset + numel) * size];
+            let bytes = &crate::cuda_backend::host_bytes(cpu)[offset * size..(offset + numel) * size];
             dst.copy_from_host_async(dst_offset, bytes)?;
         }
-        let stream = crate::cuda::current_stream(dst.ordinal())?;
-        crate::cuda::keep_alive_until_done(&stream, self.clone())
+        let stream = crate::cuda_backend::current_stream(dst.ordinal())?;
+        crate::cuda_backend::keep_alive_until_done(&stream, self.clone())
     }
 }
 
@@ -609,14 +649,14 @@ impl Storage {
     }
 
     /// [`Storage::matmul`] of two matrices in row blocks of the output, with the events that
-    /// mark each block done (GPU only; Note [Gradients in row blocks] in `cuda/row_blocks.rs`).
+    /// mark each block done (GPU only; Note [Gradients in row blocks] in `storage/row_blocks.rs`).
     pub(crate) fn matmul_row_blocks(
         &self,
         al: &Layout,
         rhs: &Storage,
         bl: &Layout,
         blocks: usize,
-    ) -> Result<(Storage, Vec<crate::cuda::RowBlockEvent>)> {
+    ) -> Result<(Storage, Vec<crate::cuda_backend::RowBlockEvent>)> {
         match (self, rhs) {
             (Storage::Cuda(a), Storage::Cuda(b)) => {
                 let (out, events) = a.matmul_row_blocks(al, b, bl, blocks)?;
@@ -641,13 +681,13 @@ impl Storage {
     }
 
     /// [`Storage::matmul_bias`] of a `linear` whose weight rows are still arriving on a GPU,
-    /// block by block at `arrivals` (Note [Copies in row blocks] in `cuda/row_blocks.rs`).
+    /// block by block at `arrivals` (Note [Copies in row blocks] in `storage/row_blocks.rs`).
     pub(crate) fn matmul_bias_in_column_blocks(
         &self,
         al: &Layout,
         (rhs, bl): (&Storage, &Layout),
         (bias, bias_l): (&Storage, &Layout),
-        arrivals: &[crate::cuda::RowBlockEvent],
+        arrivals: &[crate::cuda_backend::RowBlockEvent],
     ) -> Result<Storage> {
         match (self, rhs, bias) {
             (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => Ok(Storage::Cuda(

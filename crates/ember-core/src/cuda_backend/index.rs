@@ -22,8 +22,8 @@ use super::launch::{self, gather, scatter, select_rows};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::{IndexOp, ScatterOp};
+use crate::backend::CpuStorage;
 use crate::backend::IndexOps;
-use crate::cpu::CpuStorage;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 

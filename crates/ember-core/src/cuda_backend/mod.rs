@@ -1,0 +1,100 @@
+//! The CUDA backend: devices, the caching allocator, streams and events, kernels (NVRTC, the
+//! typed launchers), cuBLASLt, cuDNN and one file per op family implementing its family's
+//! backend trait (`crate::backend`) for [`CudaStorage`]. Everything goes through `cudarc` with
+//! dynamic loading, so one binary runs on machines with and without a GPU: without a driver or
+//! a device, [`is_available`] is false and every call that needs a GPU returns
+//! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), never a panic.
+//!
+//! This layer imports only the backend vocabulary (`crate::backend`) and the base modules
+//! (dtype, shape, layout, error, memory, pickle); the `torch.cuda` user API built on it (graphs,
+//! graphed callables, comm, memory statistics, NVTX) is [`crate::cuda`], above the ops.
+//!
+//! One file per concept: `device` (discovery, properties), `runtime` (per-device context and
+//! loaded kernels), `allocator` (the caching allocator and its statistics),
+//! `pinned` (page-locked host memory and its cache), `device_errors` (errors kernels find,
+//! reported at the next synchronizing call), `stream` (streams, events, current device and
+//! stream), `capture` (the captures underway and the operations refused during them), `nvrtc`
+//! (kernel compilation and its disk cache), `kernel_units` (which compile unit each kernel is
+//! in), `cubins` (the compiled units of the process and their background compiles), `kernels`
+//! (kernel sources and launching), `launch` (every kernel's parameter list and its typed
+//! launcher), `storage` (device tensors and copies), `blas` (matrix products through cuBLASLt,
+//! the TF32 switch), `row_blocks` (weight gradients computed in row blocks, for DataParallel to
+//! copy the first rows back early), `cupti` and `cupti_records` (CUPTI's activity API loaded at
+//! run time, and its record layouts: the profiler's kernel timing), `kernel_timing` (the
+//! profiler's CUDA-events fallback), `cudnn` (convolution through cuDNN and the state behind
+//! `backends::cudnn`), `cudnn_graph` (its execution plans through cuDNN's graph API),
+//! `cudnn_pool` (pooling through cuDNN), `optim` (fused optimizer steps), `amp` (GradScaler's
+//! inf check, unscale and scale update), `rnn` (the fused LSTM step), and the op families
+//! (`elementwise`, `unary`, `reduce`, `index`, `softmax`, `loss`, `random`); `storage`
+//! implements the base trait and [`CudaDevice`].
+
+pub(crate) mod allocator;
+pub(crate) mod amp;
+mod blas;
+pub(crate) mod capture;
+mod cubins;
+pub(crate) mod cudnn;
+mod cudnn_graph;
+pub(crate) mod cudnn_pool;
+pub(crate) mod cupti;
+pub(crate) mod cupti_records;
+pub(crate) mod device;
+mod device_errors;
+mod elementwise;
+mod index;
+pub(crate) mod kernel_timing;
+mod kernel_units;
+mod kernels;
+mod launch;
+mod libraries;
+mod loss;
+pub(crate) mod multi_copy;
+mod nvrtc;
+pub(crate) mod optim;
+pub(crate) mod pinned;
+mod random;
+mod reduce;
+mod rnn;
+pub(crate) mod row_blocks;
+pub(crate) mod runtime;
+mod softmax;
+pub(crate) mod storage;
+pub(crate) mod stream;
+mod unary;
+
+pub use allocator::MempoolId;
+pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
+pub use capture::is_current_stream_capturing;
+pub use cupti::{cupti_version, register_collectives, CollectivesRegistration};
+pub use device::{
+    device_count, driver_version, get_arch_list, get_device_capability, get_device_name,
+    get_device_properties, is_available, DeviceProperties,
+};
+pub use kernel_units::Unit;
+pub use kernels::Module;
+pub use libraries::{library_report, nccl_candidates, LibraryStatus};
+pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
+pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
+pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
+pub use row_blocks::{row_block_ranges, ArrivingElements, RowBlockEvent};
+pub(crate) use storage::host_bytes;
+pub use storage::CudaDevice;
+pub use storage::CudaStorage;
+#[cfg(test)]
+pub(crate) use stream::set_current_device_unchecked;
+pub use stream::{
+    current_device, current_stream, default_stream, host_sync_count, set_device, set_stream, stream,
+    synchronize, DeviceGuard, Event, Stream, StreamGuard,
+};
+pub(crate) use stream::{current_streams, use_streams};
+
+/// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
+/// file at once (`-DEMBER_ALL_UNITS`, Note [Kernel units]), without a GPU: what CI runs so that
+/// a kernel that does not compile fails the build, not a user.
+pub fn compile_all_kernels(arch: &str) -> crate::Result<Vec<(&'static str, Vec<u8>)>> {
+    let all = ["-DEMBER_ALL_UNITS".to_string()];
+    Module::ALL
+        .iter()
+        .map(|m| nvrtc::compile_with(m.name(), m.source(), arch, &all).map(|cubin| (m.name(), cubin)))
+        .collect()
+}
