@@ -221,6 +221,32 @@ pub fn composite_list<T>(
     body(&inputs)
 }
 
+/// An op built from other ops that has no policy of its own (PyTorch's
+/// `CompositeImplicitAutograd`: `flatten`, `masked_fill`, `split`, ...): the device check and
+/// the observers (steps 1 and 4) see it under its name, then `body` runs, and its inner ops pass
+/// every step themselves, autocast included (as PyTorch's implicit composites decompose below
+/// the Autocast key). No observer: one device loop and one relaxed load.
+pub(crate) fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Result<T>) -> Result<T> {
+    crate::memory::set_current_op(op.name);
+    let device = check_devices(op.name, inputs)?;
+    let _scope = if observer::is_active() {
+        let seen: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        observer::Scope::enter(op, device, &seen)
+    } else {
+        observer::Scope::enter(op, device, &[])
+    };
+    body()
+}
+
+/// An op with no tensor input (a factory or a random draw: `zeros`, `arange`, `randn`, ...),
+/// or one that checks its operands' devices itself with its own errors (GradScaler's steps), on
+/// `device`: the observers see it under its name, then `body` runs.
+pub(crate) fn enter<T>(op: &'static Op, device: Device, body: impl FnOnce() -> Result<T>) -> Result<T> {
+    crate::memory::set_current_op(op.name);
+    let _scope = observer::Scope::enter(op, device, &[]);
+    body()
+}
+
 /// Steps 1–4 for an op over a list of tensors (`cat`, the fused optimizer steps), then
 /// `body` on the prepared list.
 pub(crate) fn call_list<T>(

@@ -147,6 +147,83 @@ table! {
     FOREACH_COPY = "_foreach_copy_", Inputs, None;
 }
 
+/// Ops that enter the dispatch point under their own name without a policy of their own
+/// (PyTorch's `CompositeImplicitAutograd` ops, the factories and the random draws): the
+/// observers see them, their inner ops do the work and take the autocast and promotion policy
+/// of their own lines. [`all`] leaves them out; [`named`] lists them.
+macro_rules! named_table {
+    ($($id:ident = $name:literal;)*) => {
+        $(
+            #[doc = concat!("`", $name, "`: seen by the observers, no policy of its own.")]
+            pub static $id: Op = Op { name: $name, autocast: CastPolicy::Inputs, promotion: Promotion::None };
+        )*
+        static NAMED: &[&Op] = &[$(&$id),*];
+    };
+}
+
+named_table! {
+    EMPTY = "empty";
+    ZEROS = "zeros";
+    ONES = "ones";
+    FULL = "full";
+    SCALAR_TENSOR = "scalar_tensor";
+    TENSOR = "tensor";
+    ARANGE = "arange";
+    LINSPACE = "linspace";
+    EYE = "eye";
+    EMPTY_LIKE = "empty_like";
+    ZEROS_LIKE = "zeros_like";
+    ONES_LIKE = "ones_like";
+    FULL_LIKE = "full_like";
+
+    RAND = "rand";
+    RANDN = "randn";
+    NORMAL = "normal";
+    RANDINT = "randint";
+    RANDPERM = "randperm";
+    RAND_LIKE = "rand_like";
+    RANDN_LIKE = "randn_like";
+    BERNOULLI = "bernoulli";
+    UNIFORM_ = "uniform_";
+    NORMAL_ = "normal_";
+    BERNOULLI_ = "bernoulli_";
+
+    CONTIGUOUS = "contiguous";
+    CLONE = "clone";
+    PIN_MEMORY = "pin_memory";
+    ITEM = "item";
+    DETACH = "detach";
+
+    LOGICAL_NOT = "logical_not";
+    MASKED_FILL = "masked_fill";
+    CLAMP_MIN = "clamp_min";
+    CLAMP_MAX = "clamp_max";
+    CLAMP_ = "clamp_";
+    ZERO_ = "zero_";
+    ADDCMUL_ = "addcmul_";
+    ADDCDIV_ = "addcdiv_";
+    LERP_ = "lerp_";
+    RELU6 = "relu6";
+    SELU = "selu";
+    CELU = "celu";
+    T = "t";
+    FLATTEN = "flatten";
+    SPLIT = "split";
+    SPLIT_WITH_SIZES = "split_with_sizes";
+    CHUNK = "chunk";
+    STACK = "stack";
+    UNBIND = "unbind";
+    BROADCAST_TO = "broadcast_to";
+    IM2COL = "im2col";
+    AMP_NON_FINITE_CHECK_AND_UNSCALE_ = "_amp_foreach_non_finite_check_and_unscale_";
+    AMP_UPDATE_SCALE_ = "_amp_update_scale_";
+}
+
+/// Every op that enters under its own name without a policy of its own ([`named_table`]).
+pub fn named() -> &'static [&'static Op] {
+    NAMED
+}
+
 /// A family op's line: a static of its own, made where the family's table is expanded.
 macro_rules! family_line {
     ($name:expr, $cast:ident, $promote:ident) => {{

@@ -18,6 +18,7 @@
 
 use crate::autograd;
 use crate::backend::{Elems, ScaleUpdate, UnscaleGrads};
+use crate::dispatch::{self, policy};
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
@@ -168,6 +169,13 @@ fn scalar<S>(storage: S, t: &Tensor) -> Elems<S> {
 /// synchronization. They may be views of one buffer as long as no two overlap; a view whose
 /// elements do not fill one range of its storage is unscaled through a contiguous copy.
 pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    let line = &policy::AMP_NON_FINITE_CHECK_AND_UNSCALE_;
+    dispatch::enter(line, found_inf.device(), || {
+        unscale_checked(grads, found_inf, inv_scale)
+    })
+}
+
+fn unscale_checked(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
     const OP: &str = "non_finite_check_and_unscale_";
     let device = found_inf.device();
     check_scalar(OP, "found_inf", found_inf, DType::F32, device)?;
@@ -247,6 +255,26 @@ pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_s
 /// tensor, all on one device (Note [AMP scalars live on the device]); on CUDA this is one
 /// single-thread kernel and the host never waits.
 pub fn update_scale_(
+    scale: &Tensor,
+    growth_tracker: &Tensor,
+    found_inf: &Tensor,
+    growth_factor: f64,
+    backoff_factor: f64,
+    growth_interval: i64,
+) -> Result<()> {
+    dispatch::enter(&policy::AMP_UPDATE_SCALE_, scale.device(), || {
+        update_scale_checked(
+            scale,
+            growth_tracker,
+            found_inf,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+        )
+    })
+}
+
+fn update_scale_checked(
     scale: &Tensor,
     growth_tracker: &Tensor,
     found_inf: &Tensor,

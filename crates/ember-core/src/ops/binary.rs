@@ -357,7 +357,9 @@ logical_table!(logical_methods);
 impl Tensor {
     /// Elementwise `!self` (nonzero is true).
     pub fn logical_not(&self) -> Result<Tensor> {
-        self.to_dtype(DType::Bool)?.eq_scalar(false)
+        dispatch::named(&policy::LOGICAL_NOT, &[self], || {
+            self.to_dtype(DType::Bool)?.eq_scalar(false)
+        })
     }
 
     /// `cond ? a : b` elementwise with broadcasting (`torch.where(cond, a, b)`).
@@ -411,7 +413,14 @@ impl Tensor {
 
     /// `value` where `mask` is true, `self` elsewhere (`masked_fill`).
     pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
-        let v = Tensor::scalar(value.into().to_f64(), self.dtype(), self.device())?;
+        let value = value.into().to_f64();
+        dispatch::named(&policy::MASKED_FILL, &[self, mask], || {
+            self.masked_fill_composite(mask, value)
+        })
+    }
+
+    fn masked_fill_composite(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        let v = Tensor::scalar(value, self.dtype(), self.device())?;
         let out = Tensor::where_cond(mask, &v, self)?;
         if out.shape() != self.shape() {
             return Err(Error::ShapeMismatch {
@@ -466,11 +475,11 @@ impl Tensor {
 
     /// `clamp(min=value)`.
     pub fn clamp_min(&self, min: f64) -> Result<Tensor> {
-        self.clamp(Some(min), None)
+        dispatch::named(&policy::CLAMP_MIN, &[self], || self.clamp(Some(min), None))
     }
 
     /// `clamp(max=value)`.
     pub fn clamp_max(&self, max: f64) -> Result<Tensor> {
-        self.clamp(None, Some(max))
+        dispatch::named(&policy::CLAMP_MAX, &[self], || self.clamp(None, Some(max)))
     }
 }

@@ -12,6 +12,7 @@
 use super::conv_composite::{self, Window};
 use crate::autograd::{self, SavedTensor};
 use crate::backend::ConvParams;
+use crate::dispatch::{self, policy};
 use crate::shape::checked_mul;
 use crate::{Error, Result, Shape, Tensor};
 
@@ -35,7 +36,33 @@ pub(crate) fn as_isize(dims: &[usize]) -> Vec<isize> {
 /// without transposition; `stride`, `padding` and `dilation` hold one value per spatial dim.
 /// Errors for bad arguments: ranks, groups, dtypes or devices that differ, a zero stride or
 /// dilation, a (dilated) kernel larger than the padded input.
+///
+/// It enters the dispatch point as `conv1d` or `conv2d` (by the input's rank: autocast runs it
+/// in the lower precision, as PyTorch's list does), the backend's kernels or the composite
+/// fallback running inside.
 pub fn convolution(
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    stride: &[usize],
+    padding: &[usize],
+    dilation: &[usize],
+    groups: usize,
+) -> Result<Tensor> {
+    let line = if input.rank() == 3 {
+        &policy::CONV1D
+    } else {
+        &policy::CONV2D
+    };
+    dispatch::composite_list(line, &[Some(input), Some(weight), bias], |ins| {
+        let [Some(input), Some(weight), bias] = ins else {
+            unreachable!("the input and weight are always given")
+        };
+        convolution_prepared(input, weight, bias.as_ref(), stride, padding, dilation, groups)
+    })
+}
+
+fn convolution_prepared(
     input: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
@@ -63,11 +90,6 @@ pub fn convolution(
                 "stride {stride:?}, padding {padding:?} and dilation {dilation:?} must hold one value per spatial dim ({spatial})"
             ),
         ));
-    }
-    for t in std::iter::once(weight).chain(bias) {
-        if t.device() != input.device() {
-            return Err(crate::dispatch::device_mismatch(OP, input.device(), t.device()));
-        }
     }
     if weight.dtype() != input.dtype() {
         return Err(Error::DTypeMismatch {
@@ -294,6 +316,18 @@ fn composite_grads(
 /// im2col), zero padded; `L` is the number of window positions. Differentiable (the gather's
 /// backward); see Note [im2col by gather] in `conv_composite.rs`.
 pub fn unfold(
+    input: &Tensor,
+    kernel: [usize; 2],
+    dilation: [usize; 2],
+    padding: [usize; 2],
+    stride: [usize; 2],
+) -> Result<Tensor> {
+    dispatch::named(&policy::IM2COL, &[input], || {
+        unfold_composite(input, kernel, dilation, padding, stride)
+    })
+}
+
+fn unfold_composite(
     input: &Tensor,
     kernel: [usize; 2],
     dilation: [usize; 2],

@@ -121,35 +121,40 @@ impl Tensor {
 
     /// Sets every element to zero; returns `self`.
     pub fn zero_(&self) -> Result<Tensor> {
-        self.fill_(0.0)
+        dispatch::named(&policy::ZERO_, &[self], || self.fill_(0.0))
     }
 
     /// `self += alpha * other`, the optimizer form of `add_(other, alpha=...)`.
     pub fn add_scaled_(&self, other: &Tensor, alpha: f64) -> Result<Tensor> {
-        self.check_inplace("add_", &[other])?;
-        let _g = autograd::no_grad();
-        let r = if alpha == 1.0 {
-            self.add(other)?
-        } else {
-            self.add(&other.mul_scalar(alpha)?)?
-        };
-        self.assign_result("add_", &r)
+        if alpha == 1.0 {
+            return self.add_(other);
+        }
+        dispatch::named(BinaryOp::Add.inplace_line(), &[self, other], || {
+            self.check_inplace("add_", &[other])?;
+            let _g = autograd::no_grad();
+            let r = self.add(&other.mul_scalar(alpha)?)?;
+            self.assign_result("add_", &r)
+        })
     }
 
     /// `self += value * t1 * t2` (`addcmul_`).
     pub fn addcmul_(&self, t1: &Tensor, t2: &Tensor, value: f64) -> Result<Tensor> {
-        self.check_inplace("addcmul_", &[t1, t2])?;
-        let _g = autograd::no_grad();
-        let r = self.add(&t1.mul(t2)?.mul_scalar(value)?)?;
-        self.assign_result("addcmul_", &r)
+        dispatch::named(&policy::ADDCMUL_, &[self, t1, t2], || {
+            self.check_inplace("addcmul_", &[t1, t2])?;
+            let _g = autograd::no_grad();
+            let r = self.add(&t1.mul(t2)?.mul_scalar(value)?)?;
+            self.assign_result("addcmul_", &r)
+        })
     }
 
     /// `self += value * t1 / t2` (`addcdiv_`).
     pub fn addcdiv_(&self, t1: &Tensor, t2: &Tensor, value: f64) -> Result<Tensor> {
-        self.check_inplace("addcdiv_", &[t1, t2])?;
-        let _g = autograd::no_grad();
-        let r = self.add(&t1.div(t2)?.mul_scalar(value)?)?;
-        self.assign_result("addcdiv_", &r)
+        dispatch::named(&policy::ADDCDIV_, &[self, t1, t2], || {
+            self.check_inplace("addcdiv_", &[t1, t2])?;
+            let _g = autograd::no_grad();
+            let r = self.add(&t1.div(t2)?.mul_scalar(value)?)?;
+            self.assign_result("addcdiv_", &r)
+        })
     }
 
     /// Linear interpolation in place: `self += weight * (end - self)` (`lerp_`).
@@ -170,17 +175,21 @@ impl Tensor {
                 hint: "lerp needs floating point tensors",
             });
         }
-        let _g = autograd::no_grad();
-        let r = self.add(&end.sub(self)?.mul_scalar(weight)?)?;
-        self.assign_result("lerp_", &r)
+        dispatch::named(&policy::LERP_, &[self, end], || {
+            let _g = autograd::no_grad();
+            let r = self.add(&end.sub(self)?.mul_scalar(weight)?)?;
+            self.assign_result("lerp_", &r)
+        })
     }
 
     /// Clamps in place (`clamp_`).
     pub fn clamp_(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
-        self.check_inplace("clamp_", &[])?;
-        let _g = autograd::no_grad();
-        let r = self.clamp(min, max)?;
-        self.assign_result("clamp_", &r)
+        dispatch::named(&policy::CLAMP_, &[self], || {
+            self.check_inplace("clamp_", &[])?;
+            let _g = autograd::no_grad();
+            let r = self.clamp(min, max)?;
+            self.assign_result("clamp_", &r)
+        })
     }
 }
 

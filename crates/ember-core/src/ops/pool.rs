@@ -9,6 +9,7 @@ use super::conv::{as_isize, packed};
 use super::conv_composite;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::PoolParams;
+use crate::dispatch::{self, policy};
 use crate::{Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::PoolMode;
@@ -29,7 +30,25 @@ fn op_name(mode: PoolMode) -> &'static str {
 /// which one of tied maxima is cuDNN's choice. Errors for a rank other than 4, an integer
 /// dtype, a zero kernel or stride, padding over half the kernel, or a window larger than the
 /// padded input.
+///
+/// It enters the dispatch point as `max_pool2d` or `avg_pool2d`.
 pub fn pool2d(
+    input: &Tensor,
+    mode: PoolMode,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+) -> Result<Tensor> {
+    let line = match mode {
+        PoolMode::Max => &policy::MAX_POOL2D,
+        PoolMode::Avg => &policy::AVG_POOL2D,
+    };
+    dispatch::composite(line, [input], |[input]| {
+        pool2d_prepared(input, mode, kernel, stride, padding)
+    })
+}
+
+fn pool2d_prepared(
     input: &Tensor,
     mode: PoolMode,
     kernel: [usize; 2],

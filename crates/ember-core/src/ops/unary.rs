@@ -12,7 +12,7 @@
 
 use crate::autograd::SavedTensor;
 use crate::backend::table::unary_table;
-use crate::dispatch;
+use crate::dispatch::{self, policy};
 use crate::{Error, Result, Tensor};
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI, LN_10, LN_2, PI};
 
@@ -191,19 +191,19 @@ fn one_minus_square_sqrt(x: &Tensor) -> Result<Tensor> {
 impl Tensor {
     /// Elementwise `min(max(x, 0), 6)`.
     pub fn relu6(&self) -> Result<Tensor> {
-        unary(UnaryOp::Hardtanh { min: 0.0, max: 6.0 }, self)
+        dispatch::named(&policy::RELU6, &[self], || {
+            unary(UnaryOp::Hardtanh { min: 0.0, max: 6.0 }, self)
+        })
     }
 
     /// Elementwise SELU.
     pub fn selu(&self) -> Result<Tensor> {
-        unary(
-            UnaryOp::Elu {
-                alpha: SELU_ALPHA,
-                scale: SELU_SCALE,
-                input_scale: 1.0,
-            },
-            self,
-        )
+        let op = UnaryOp::Elu {
+            alpha: SELU_ALPHA,
+            scale: SELU_SCALE,
+            input_scale: 1.0,
+        };
+        dispatch::named(&policy::SELU, &[self], || unary(op, self))
     }
 }
 
@@ -246,14 +246,12 @@ impl Tensor {
         if alpha == 0.0 {
             return Err(Error::invalid("celu", "alpha cannot be 0 for CELU"));
         }
-        unary(
-            UnaryOp::Elu {
-                alpha,
-                scale: 1.0,
-                input_scale: 1.0 / alpha,
-            },
-            self,
-        )
+        let op = UnaryOp::Elu {
+            alpha,
+            scale: 1.0,
+            input_scale: 1.0 / alpha,
+        };
+        dispatch::named(&policy::CELU, &[self], || unary(op, self))
     }
 
     /// Elementwise clamp to `[min_val, max_val]` with hardtanh's gradient (`F.hardtanh`;

@@ -162,7 +162,7 @@ impl Tensor {
     pub fn t(&self) -> Result<Tensor> {
         match self.rank() {
             0 | 1 => Ok(self.clone()),
-            2 => self.transpose(0, 1),
+            2 => dispatch::named(&policy::T, &[self], || self.transpose(0, 1)),
             r => Err(Error::invalid(
                 "t",
                 format!("t() expects a tensor with <= 2 dimensions, but self is {r}D; use transpose()"),
@@ -268,7 +268,7 @@ impl Tensor {
             .filter(|&&d| d != 1)
             .map(|&d| d as isize)
             .collect();
-        self.reshape(&dims)
+        dispatch::named(&policy::SQUEEZE, &[self], || self.reshape(&dims))
     }
 
     /// A broadcast view with `sizes`; -1 keeps a dim's size (`expand`).
@@ -296,11 +296,19 @@ impl Tensor {
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
-        self.broadcast_to(&Shape::new(dims))
+        self.broadcast_view(&Shape::new(dims))
     }
 
     /// A broadcast view with `shape` (`broadcast_to`).
     pub fn broadcast_to(&self, shape: &Shape) -> Result<Tensor> {
+        if shape == self.shape() {
+            return Ok(self.clone());
+        }
+        dispatch::named(&policy::BROADCAST_TO, &[self], || self.broadcast_view(shape))
+    }
+
+    /// [`Tensor::broadcast_to`] as `expand`'s view.
+    pub(crate) fn broadcast_view(&self, shape: &Shape) -> Result<Tensor> {
         if shape == self.shape() {
             return Ok(self.clone());
         }
@@ -312,6 +320,12 @@ impl Tensor {
     /// Dims `start..=end` merged into one (`flatten`).
     /// A 0-d tensor accepts dims -1 and 0 and becomes `[1]`, as in PyTorch.
     pub fn flatten(&self, start_dim: isize, end_dim: isize) -> Result<Tensor> {
+        dispatch::named(&policy::FLATTEN, &[self], || {
+            self.flatten_composite(start_dim, end_dim)
+        })
+    }
+
+    fn flatten_composite(&self, start_dim: isize, end_dim: isize) -> Result<Tensor> {
         let (s, e) = (
             self.shape().dim("flatten", start_dim)?,
             self.shape().dim("flatten", end_dim)?,
@@ -330,6 +344,10 @@ impl Tensor {
 
     /// Pieces of `split_size` along `dim` (the last may be smaller), as views (`split`).
     pub fn split(&self, split_size: usize, dim: isize) -> Result<Vec<Tensor>> {
+        dispatch::named(&policy::SPLIT, &[self], || self.split_composite(split_size, dim))
+    }
+
+    fn split_composite(&self, split_size: usize, dim: isize) -> Result<Vec<Tensor>> {
         self.require_dims("split", dim)?;
         let d = self.shape().dim("split", dim)?;
         if split_size == 0 {
@@ -348,6 +366,12 @@ impl Tensor {
 
     /// Pieces of the given sizes along `dim` (`split` with a list of sizes).
     pub fn split_with_sizes(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
+        dispatch::named(&policy::SPLIT_WITH_SIZES, &[self], || {
+            self.split_with_sizes_composite(sizes, dim)
+        })
+    }
+
+    fn split_with_sizes_composite(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         self.require_dims("split_with_sizes", dim)?;
         let d = self.shape().dim("split_with_sizes", dim)?;
         let total = sizes.iter().try_fold(0usize, |acc, &s| acc.checked_add(s));
@@ -379,7 +403,9 @@ impl Tensor {
             return Err(Error::invalid("chunk", "chunks must be positive"));
         }
         let size = self.dims()[d];
-        self.split(size.div_ceil(chunks).max(1), dim)
+        dispatch::named(&policy::CHUNK, &[self], || {
+            self.split_composite(size.div_ceil(chunks).max(1), dim)
+        })
     }
 
     /// Tensors joined along an existing `dim` (`torch.cat`); shapes must agree elsewhere.
@@ -460,15 +486,19 @@ impl Tensor {
 
     /// Tensors of one shape joined along a new `dim` (`torch.stack`).
     pub fn stack<T: Borrow<Tensor>>(tensors: &[T], dim: isize) -> Result<Tensor> {
+        let ts: Vec<&Tensor> = tensors.iter().map(|t| t.borrow()).collect();
+        dispatch::named(&policy::STACK, &ts, || Tensor::stack_composite(&ts, dim))
+    }
+
+    fn stack_composite(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
         let first = tensors
             .first()
             .ok_or_else(|| Error::invalid("stack", "expected a non-empty list of tensors"))?;
-        let first_shape = first.borrow().shape().clone();
+        let first_shape = first.shape().clone();
         let d = normalize_dim("stack", dim, first_shape.rank() + 1)? as isize;
         let parts = tensors
             .iter()
             .map(|t| {
-                let t = t.borrow();
                 if t.shape() != &first_shape {
                     return Err(Error::ShapeMismatch {
                         op: "stack",
@@ -487,8 +517,10 @@ impl Tensor {
     pub fn unbind(&self, dim: isize) -> Result<Vec<Tensor>> {
         self.require_dims("unbind", dim)?;
         let d = self.shape().dim("unbind", dim)?;
-        (0..self.dims()[d])
-            .map(|i| self.select(dim, i as isize))
-            .collect()
+        dispatch::named(&policy::UNBIND, &[self], || {
+            (0..self.dims()[d])
+                .map(|i| self.select(dim, i as isize))
+                .collect()
+        })
     }
 }

@@ -10,6 +10,7 @@
 //! under `no_grad`, as `nn.init` does).
 
 use super::{default_generator, Distribution, Generator};
+use crate::dispatch::{self, policy, Op};
 use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{autograd, DType, Device, Error, Result, Shape, Tensor};
@@ -55,20 +56,22 @@ fn check_probability(op: &'static str, p: f64) -> Result<Distribution> {
     Ok(Distribution::Bernoulli { p })
 }
 
-/// A new tensor of `shape` drawn from `dist` with `gen`.
-fn draw(shape: Shape, dtype: DType, device: Device, dist: Distribution, gen: &Generator) -> Result<Tensor> {
-    let op = match dist {
-        Distribution::Uniform { .. } => "rand",
-        Distribution::Normal { .. } => "randn",
-        Distribution::Bernoulli { .. } => "bernoulli",
-        Distribution::RandInt { .. } => "randint",
-    };
-    let n = shape.checked_elements(op)?;
-    crate::shape::checked_bytes(op, n, dtype)?;
-    crate::memory::set_current_op(op);
-    let state = gen.reserve_draw(dist.blocks(n, dtype));
-    let storage = Storage::random(device, dtype, n, dist, state)?;
-    Ok(Tensor::from_storage(storage, shape))
+/// A new tensor of `shape` drawn from `dist` with `gen`, entering the dispatch point as `op`.
+fn draw(
+    op: &'static Op,
+    shape: Shape,
+    dtype: DType,
+    device: Device,
+    dist: Distribution,
+    gen: &Generator,
+) -> Result<Tensor> {
+    let n = shape.checked_elements(op.name)?;
+    crate::shape::checked_bytes(op.name, n, dtype)?;
+    dispatch::enter(op, device, || {
+        let state = gen.reserve_draw(dist.blocks(n, dtype));
+        let storage = Storage::random(device, dtype, n, dist, state)?;
+        Ok(Tensor::from_storage(storage, shape))
+    })
 }
 
 impl Tensor {
@@ -86,7 +89,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         check_float("rand", dtype)?;
         let dist = Distribution::Uniform { low: 0.0, high: 1.0 };
-        draw(shape.into(), dtype, device, dist, gen)
+        draw(&policy::RAND, shape.into(), dtype, device, dist, gen)
     }
 
     /// Standard normal values (`torch.randn`); floating dtypes only.
@@ -101,7 +104,9 @@ impl Tensor {
         device: Device,
         gen: &Generator,
     ) -> Result<Tensor> {
-        Tensor::normal_with(0.0, 1.0, shape, dtype, device, gen)
+        check_float("randn", dtype)?;
+        let dist = Distribution::Normal { mean: 0.0, std: 1.0 };
+        draw(&policy::RANDN, shape.into(), dtype, device, dist, gen)
     }
 
     /// Normal values with mean `mean` and standard deviation `std` (`torch.normal(mean, std,
@@ -127,7 +132,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         check_float("normal", dtype)?;
         let dist = check_normal("normal", mean, std)?;
-        draw(shape.into(), dtype, device, dist, gen)
+        draw(&policy::NORMAL, shape.into(), dtype, device, dist, gen)
     }
 
     /// Integers uniform on `[low, high)` as i64 (`torch.randint(low, high, size)`).
@@ -150,6 +155,7 @@ impl Tensor {
             ));
         }
         draw(
+            &policy::RANDINT,
             shape.into(),
             DType::I64,
             device,
@@ -167,24 +173,29 @@ impl Tensor {
     pub fn randperm_with(n: usize, device: Device, gen: &Generator) -> Result<Tensor> {
         Shape::from(n).checked_elements("randperm")?;
         crate::shape::checked_bytes("randperm", n, DType::I64)?;
-        crate::memory::set_current_op("randperm");
-        let state = gen
-            .reserve_draw(crate::backend::op::blocks_for(
-                n,
-                crate::backend::op::RANDPERM_PER_BLOCK,
-            ))
-            .value("randperm")?;
-        Ok(Tensor::from_storage(Storage::randperm(device, n, state)?, [n]))
+        dispatch::enter(&policy::RANDPERM, device, || {
+            let state = gen
+                .reserve_draw(crate::backend::op::blocks_for(
+                    n,
+                    crate::backend::op::RANDPERM_PER_BLOCK,
+                ))
+                .value("randperm")?;
+            Ok(Tensor::from_storage(Storage::randperm(device, n, state)?, [n]))
+        })
     }
 
     /// Uniform values on [0, 1) with this tensor's shape, dtype and device (`torch.rand_like`).
     pub fn rand_like(&self) -> Result<Tensor> {
-        Tensor::rand(self.shape(), self.dtype(), self.device())
+        dispatch::named(&policy::RAND_LIKE, &[self], || {
+            Tensor::rand(self.shape(), self.dtype(), self.device())
+        })
     }
 
     /// Standard normal values with this tensor's shape, dtype and device (`torch.randn_like`).
     pub fn randn_like(&self) -> Result<Tensor> {
-        Tensor::randn(self.shape(), self.dtype(), self.device())
+        dispatch::named(&policy::RANDN_LIKE, &[self], || {
+            Tensor::randn(self.shape(), self.dtype(), self.device())
+        })
     }
 
     /// 1 with probability given by each element of this tensor, else 0, in its dtype
@@ -196,10 +207,12 @@ impl Tensor {
     /// [`Tensor::bernoulli`] drawing from `gen`.
     pub fn bernoulli_with(&self, gen: &Generator) -> Result<Tensor> {
         check_float("bernoulli", self.dtype())?;
-        let n = self.numel();
-        let state = gen.reserve_draw(Distribution::Bernoulli { p: 0.0 }.blocks(n, self.dtype()));
-        let storage = self.storage().read().bernoulli(self.layout(), state)?;
-        Ok(Tensor::from_storage(storage, self.shape()))
+        dispatch::named(&policy::BERNOULLI, &[self], || {
+            let n = self.numel();
+            let state = gen.reserve_draw(Distribution::Bernoulli { p: 0.0 }.blocks(n, self.dtype()));
+            let storage = self.storage().read().bernoulli(self.layout(), state)?;
+            Ok(Tensor::from_storage(storage, self.shape()))
+        })
     }
 
     /// A tensor of this shape, dtype and device with 1 drawn with probability `p`, else 0
@@ -207,7 +220,14 @@ impl Tensor {
     pub fn bernoulli_p(&self, p: f64) -> Result<Tensor> {
         let dist = check_probability("bernoulli", p)?;
         let gen = default_generator(self.device());
-        draw(self.shape().clone(), self.dtype(), self.device(), dist, gen)
+        draw(
+            &policy::BERNOULLI,
+            self.shape().clone(),
+            self.dtype(),
+            self.device(),
+            dist,
+            gen,
+        )
     }
 
     /// Fills with uniform values on `[low, high)` in place (`Tensor.uniform_`).
@@ -219,7 +239,7 @@ impl Tensor {
     pub fn uniform_with_(&self, low: f64, high: f64, gen: &Generator) -> Result<Tensor> {
         check_float("uniform_", self.dtype())?;
         let dist = check_uniform("uniform_", low, high)?;
-        self.fill_random_("uniform_", dist, gen)
+        self.fill_random_(&policy::UNIFORM_, dist, gen)
     }
 
     /// Fills with normal values of mean `mean` and standard deviation `std` in place
@@ -232,7 +252,7 @@ impl Tensor {
     pub fn normal_with_(&self, mean: f64, std: f64, gen: &Generator) -> Result<Tensor> {
         check_float("normal_", self.dtype())?;
         let dist = check_normal("normal_", mean, std)?;
-        self.fill_random_("normal_", dist, gen)
+        self.fill_random_(&policy::NORMAL_, dist, gen)
     }
 
     /// Fills with 1 drawn with probability `p`, else 0, in place (`Tensor.bernoulli_(p)`); any
@@ -244,12 +264,13 @@ impl Tensor {
     /// [`Tensor::bernoulli_`] drawing from `gen`.
     pub fn bernoulli_with_(&self, p: f64, gen: &Generator) -> Result<Tensor> {
         let dist = check_probability("bernoulli_", p)?;
-        self.fill_random_("bernoulli_", dist, gen)
+        self.fill_random_(&policy::BERNOULLI_, dist, gen)
     }
 
     /// Draws `numel` values contiguously, then writes them into this view's layout through the
     /// storage's write lock (which bumps the version counter).
-    fn fill_random_(&self, op: &'static str, dist: Distribution, gen: &Generator) -> Result<Tensor> {
+    fn fill_random_(&self, line: &'static Op, dist: Distribution, gen: &Generator) -> Result<Tensor> {
+        let op = line.name;
         if autograd::is_grad_enabled() && self.requires_grad() {
             return Err(Error::Autograd(format!(
                 "{op}: a tensor that requires grad is being used in an in-place operation; \
@@ -268,13 +289,15 @@ impl Tensor {
                  single memory location; call .contiguous() on it first",
             ));
         }
-        let n = self.numel();
-        let state = gen.reserve_draw(dist.blocks(n, self.dtype()));
-        let fresh = Storage::random(self.device(), self.dtype(), n, dist, state)?;
-        let src = Layout::contiguous(self.shape().clone());
-        self.storage()
-            .write()
-            .copy_strided_from(self.layout(), &fresh, &src)?;
-        Ok(self.clone())
+        dispatch::named(line, &[self], || {
+            let n = self.numel();
+            let state = gen.reserve_draw(dist.blocks(n, self.dtype()));
+            let fresh = Storage::random(self.device(), self.dtype(), n, dist, state)?;
+            let src = Layout::contiguous(self.shape().clone());
+            self.storage()
+                .write()
+                .copy_strided_from(self.layout(), &fresh, &src)?;
+            Ok(self.clone())
+        })
     }
 }

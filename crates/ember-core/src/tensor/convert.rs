@@ -159,11 +159,13 @@ impl Tensor {
         if self.is_pinned() && self.is_contiguous() && self.storage_offset() == 0 {
             return Ok(self.clone());
         }
-        let storage = StorageRef::pinned_copy(&self.to_cpu_storage()?)?;
-        Ok(Tensor::from_parts(
-            storage,
-            crate::layout::Layout::contiguous(self.shape().clone()),
-        ))
+        dispatch::named(&policy::PIN_MEMORY, &[self], || {
+            let storage = StorageRef::pinned_copy(&self.to_cpu_storage()?)?;
+            Ok(Tensor::from_parts(
+                storage,
+                crate::layout::Layout::contiguous(self.shape().clone()),
+            ))
+        })
     }
 
     /// True when the tensor's memory is page-locked host memory (`Tensor.is_pinned()`).
@@ -181,10 +183,12 @@ impl Tensor {
         if !(self.is_pinned() && self.is_contiguous()) || autograd::needs_grad(&[self]) {
             return self.to(device);
         }
-        let out = Storage::alloc(Device::Cuda(ordinal), self.dtype(), self.numel())?;
-        self.storage()
-            .copy_pinned_async(self.storage_offset(), self.numel(), &out, 0)?;
-        Ok(Tensor::from_storage(out, self.shape().clone()))
+        dispatch::call_with(&policy::TO, [self], |[x]| {
+            let out = Storage::alloc(Device::Cuda(ordinal), x.dtype(), x.numel())?;
+            x.storage()
+                .copy_pinned_async(x.storage_offset(), x.numel(), &out, 0)?;
+            Ok(Tensor::from_storage(out, x.shape().clone()))
+        })
     }
 
     /// Copies `src` into `self` as [`Tensor::copy_`] does, asynchronously when `src` is pinned
@@ -201,10 +205,16 @@ impl Tensor {
         if !direct {
             return self.copy_(src);
         }
-        let dst = self.storage().write();
-        src.storage()
-            .copy_pinned_async(src.storage_offset(), src.numel(), &dst, self.storage_offset())?;
-        Ok(self.clone())
+        dispatch::call_with(&policy::COPY_, [self, src], |[this, src]| {
+            let dst = this.storage().write();
+            src.storage().copy_pinned_async(
+                src.storage_offset(),
+                src.numel(),
+                &dst,
+                this.storage_offset(),
+            )?;
+            Ok(self.clone())
+        })
     }
 
     /// Marks the tensor's GPU memory as used by work queued on `stream`
@@ -220,26 +230,25 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        let storage = self.storage().read().to_dtype(self.layout(), self.dtype())?;
-        let out = Tensor::from_storage(storage, self.shape());
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        Ok(autograd::record("contiguous", &[self], out, |g, _| {
-            Ok(vec![Some(g.clone())])
-        }))
+        self.copy_out(&policy::CONTIGUOUS)
     }
 
     /// A copy with its own storage (`Tensor.clone()` in PyTorch; gradients flow through).
     pub fn deep_clone(&self) -> Result<Tensor> {
-        let storage = self.storage().read().to_dtype(self.layout(), self.dtype())?;
-        let out = Tensor::from_storage(storage, self.shape());
-        if !autograd::needs_grad(&[self]) {
-            return Ok(out);
-        }
-        Ok(autograd::record("clone", &[self], out, |g, _| {
-            Ok(vec![Some(g.clone())])
-        }))
+        self.copy_out(&policy::CLONE)
+    }
+
+    /// A row-major copy into new storage, entering as `op`; the gradient passes unchanged.
+    fn copy_out(&self, op: &'static dispatch::Op) -> Result<Tensor> {
+        dispatch::call(
+            op,
+            [self],
+            |[x]| {
+                let storage = x.storage().read().to_dtype(x.layout(), x.dtype())?;
+                Ok(Tensor::from_storage(storage, x.shape()))
+            },
+            |_, _| Ok(|g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])),
+        )
     }
 
     /// The elements in row-major order; `T` must match the dtype (see [`Tensor::to_dtype`]).
@@ -278,7 +287,9 @@ impl Tensor {
                 ),
             ));
         }
-        Ok(self.to_vec::<T>().map_err(|e| e.in_op("Tensor::item"))?[0])
+        dispatch::named(&policy::ITEM, &[self], || {
+            Ok(self.to_vec::<T>().map_err(|e| e.in_op("Tensor::item"))?[0])
+        })
     }
 
     /// The value of a one-element tensor of any dtype, as f64.

@@ -2,6 +2,7 @@
 //! (random creation is in `random/tensor.rs`).
 
 use crate::backend::host::{CpuElement, CpuStorage};
+use crate::dispatch::{self, policy, Op};
 use crate::memory::try_vec;
 use crate::shape::MAX_ELEMENTS;
 use crate::storage::Storage;
@@ -21,11 +22,12 @@ impl Tensor {
                 ),
             ));
         }
-        crate::memory::set_current_op("from_vec");
-        Ok(Tensor::from_storage(
-            Storage::from_cpu(T::wrap(data), device)?,
-            shape,
-        ))
+        dispatch::enter(&policy::TENSOR, device, || {
+            Ok(Tensor::from_storage(
+                Storage::from_cpu(T::wrap(data), device)?,
+                shape,
+            ))
+        })
     }
 
     /// Like [`Tensor::from_vec`], copying from a slice.
@@ -35,59 +37,71 @@ impl Tensor {
 
     /// A 0-d tensor holding `value` converted to `dtype`.
     pub fn scalar(value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::full((), value, dtype, device)
+        dispatch::enter(&policy::SCALAR_TENSOR, device, || {
+            Tensor::full((), value, dtype, device)
+        })
     }
 
     pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::made("full", shape.into(), dtype, |n| {
+        Tensor::made(&policy::FULL, shape.into(), dtype, device, |n| {
             Storage::full(device, dtype, n, value)
         })
     }
 
     /// A tensor of `shape` over the storage `make` gives for its element count, once `shape`
-    /// and its bytes pass `op`'s checks; the storage is listed as made by `op`.
+    /// and its bytes pass `op`'s checks; `op` enters the dispatch point as a factory on `device`.
     fn made(
-        op: &'static str,
+        op: &'static Op,
         shape: Shape,
         dtype: DType,
+        device: Device,
         make: impl FnOnce(usize) -> Result<Storage>,
     ) -> Result<Tensor> {
-        let numel = shape.checked_elements(op)?;
-        crate::shape::checked_bytes(op, numel, dtype)?;
-        crate::memory::set_current_op(op);
-        Ok(Tensor::from_storage(make(numel)?, shape))
+        let numel = shape.checked_elements(op.name)?;
+        crate::shape::checked_bytes(op.name, numel, dtype)?;
+        dispatch::enter(op, device, || Ok(Tensor::from_storage(make(numel)?, shape)))
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::full(shape, 0.0, dtype, device)
+        dispatch::enter(&policy::ZEROS, device, || Tensor::full(shape, 0.0, dtype, device))
     }
 
     pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::full(shape, 1.0, dtype, device)
+        dispatch::enter(&policy::ONES, device, || Tensor::full(shape, 1.0, dtype, device))
     }
 
     /// A tensor whose contents are unspecified (`torch.empty`): on a GPU, memory from the
     /// caching allocator with whatever it held (no fill is queued, as PyTorch queues none);
     /// zeros on the CPU, where safe Rust reads only initialized memory.
     pub fn empty(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::made("empty", shape.into(), dtype, |n| Storage::alloc(device, dtype, n))
+        Tensor::made(&policy::EMPTY, shape.into(), dtype, device, |n| {
+            Storage::alloc(device, dtype, n)
+        })
     }
 
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
-        Tensor::full(self.shape(), value, self.dtype(), self.device())
+        dispatch::named(&policy::FULL_LIKE, &[self], || {
+            Tensor::full(self.shape(), value, self.dtype(), self.device())
+        })
     }
 
     pub fn zeros_like(&self) -> Result<Tensor> {
-        self.full_like(0.0)
+        dispatch::named(&policy::ZEROS_LIKE, &[self], || {
+            Tensor::full(self.shape(), 0.0, self.dtype(), self.device())
+        })
     }
 
     pub fn ones_like(&self) -> Result<Tensor> {
-        self.full_like(1.0)
+        dispatch::named(&policy::ONES_LIKE, &[self], || {
+            Tensor::full(self.shape(), 1.0, self.dtype(), self.device())
+        })
     }
 
     /// [`Tensor::empty`] of this tensor's shape, dtype and device (`torch.empty_like`).
     pub fn empty_like(&self) -> Result<Tensor> {
-        Tensor::empty(self.shape(), self.dtype(), self.device())
+        dispatch::named(&policy::EMPTY_LIKE, &[self], || {
+            Tensor::empty(self.shape(), self.dtype(), self.device())
+        })
     }
 
     /// Values `start, start + step, ...` below `end` (`torch.arange`).
@@ -112,7 +126,7 @@ impl Tensor {
             ));
         }
         let n = count as usize;
-        Tensor::from_fn("arange", [n], dtype, device, |i| start + i as f64 * step)
+        Tensor::from_fn(&policy::ARANGE, [n], dtype, device, |i| start + i as f64 * step)
     }
 
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
@@ -124,7 +138,7 @@ impl Tensor {
         };
         // PyTorch fills the second half backwards from `end` so that the last value is exact.
         let half = steps / 2;
-        Tensor::from_fn("linspace", [steps], dtype, device, |i| {
+        Tensor::from_fn(&policy::LINSPACE, [steps], dtype, device, |i| {
             if i < half {
                 start + step * i as f64
             } else {
@@ -135,7 +149,7 @@ impl Tensor {
 
     /// The `n`×`n` identity matrix (`torch.eye`).
     pub fn eye(n: usize, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::from_fn("eye", [n, n], dtype, device, |i| {
+        Tensor::from_fn(&policy::EYE, [n, n], dtype, device, |i| {
             if i % n == i / n {
                 1.0
             } else {
@@ -147,30 +161,33 @@ impl Tensor {
     /// A tensor of `shape` whose element `i` (row-major) is `f(i)` converted to `dtype`, made on
     /// the host with fallible allocation (Note [Fallible host allocation]) and moved to `device`.
     fn from_fn(
-        op: &'static str,
+        op: &'static Op,
         shape: impl Into<Shape>,
         dtype: DType,
         device: Device,
         f: impl Fn(usize) -> f64,
     ) -> Result<Tensor> {
+        let name = op.name;
         fn fill<T: CpuElement>(op: &'static str, n: usize, f: impl Fn(usize) -> f64) -> Result<CpuStorage> {
             let mut v = try_vec::<T>(op, n, T::DTYPE)?;
             v.extend((0..n).map(|i| T::from_f64(f(i))));
             Ok(T::wrap(v))
         }
         let shape = shape.into();
-        let n = shape.checked_elements(op)?;
-        crate::memory::set_current_op(op);
-        let cpu = match dtype {
-            DType::Bool => fill::<bool>(op, n, f),
-            DType::U8 => fill::<u8>(op, n, f),
-            DType::I32 => fill::<i32>(op, n, f),
-            DType::I64 => fill::<i64>(op, n, f),
-            DType::F16 => fill::<half::f16>(op, n, f),
-            DType::BF16 => fill::<half::bf16>(op, n, f),
-            DType::F32 => fill::<f32>(op, n, f),
-            DType::F64 => fill::<f64>(op, n, f),
-        }?;
-        Ok(Tensor::from_storage(Storage::from_cpu(cpu, device)?, shape))
+        let n = shape.checked_elements(name)?;
+        dispatch::enter(op, device, || {
+            let op = name;
+            let cpu = match dtype {
+                DType::Bool => fill::<bool>(op, n, f),
+                DType::U8 => fill::<u8>(op, n, f),
+                DType::I32 => fill::<i32>(op, n, f),
+                DType::I64 => fill::<i64>(op, n, f),
+                DType::F16 => fill::<half::f16>(op, n, f),
+                DType::BF16 => fill::<half::bf16>(op, n, f),
+                DType::F32 => fill::<f32>(op, n, f),
+                DType::F64 => fill::<f64>(op, n, f),
+            }?;
+            Ok(Tensor::from_storage(Storage::from_cpu(cpu, device)?, shape))
+        })
     }
 }

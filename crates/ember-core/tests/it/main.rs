@@ -23,6 +23,7 @@ mod cuda_reduce;
 mod cuda_unary;
 mod cudnn;
 mod display;
+mod door;
 mod errors;
 mod foreach;
 mod fused_optim;

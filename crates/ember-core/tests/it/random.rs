@@ -593,7 +593,7 @@ fn bad_arguments_are_errors() {
             ));
             assert!(matches!(
                 Tensor::randn_with([2], dt, device, &g),
-                Err(Error::UnsupportedDType { op: "normal", .. })
+                Err(Error::UnsupportedDType { op: "randn", .. })
             ));
             let x = Tensor::zeros([2], dt, device).unwrap();
             assert!(matches!(

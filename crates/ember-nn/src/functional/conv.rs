@@ -6,7 +6,6 @@
 //! unbatched inputs and `Pair` geometry.
 
 use super::Pair;
-use ember_core::dispatch::{self, policy};
 use ember_core::ops::conv as core_conv;
 use ember_core::{Error, Result, Tensor};
 
@@ -76,28 +75,6 @@ pub fn conv1d(
 /// The convolution of `spatial` (1 or 2) dims, batched or not; `geometry` is stride, padding
 /// and dilation.
 fn convolution(
-    op: &'static str,
-    input: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    geometry: [Vec<usize>; 3],
-    groups: usize,
-    spatial: usize,
-) -> Result<Tensor> {
-    let line = if spatial == 1 {
-        &policy::CONV1D
-    } else {
-        &policy::CONV2D
-    };
-    dispatch::composite_list(line, &[Some(input), Some(weight), bias], |ins| {
-        let [Some(input), Some(weight), bias] = ins else {
-            unreachable!("the input and weight are always given")
-        };
-        convolution_prepared(op, input, weight, bias.as_ref(), geometry, groups, spatial)
-    })
-}
-
-fn convolution_prepared(
     op: &'static str,
     input: &Tensor,
     weight: &Tensor,

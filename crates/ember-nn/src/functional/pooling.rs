@@ -11,7 +11,6 @@
 //! as well.
 
 use super::Pair;
-use ember_core::dispatch::{self, policy};
 use ember_core::ops::pool::{pool2d, PoolMode};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
@@ -51,9 +50,7 @@ pub fn max_pool2d(
     padding: impl Into<Pair>,
 ) -> Result<Tensor> {
     let (k, s, p) = (kernel_size.into().0, stride.into().0, padding.into().0);
-    dispatch::composite(&policy::MAX_POOL2D, [input], |[input]| {
-        batched("max_pool2d", input, |x| pool2d(x, PoolMode::Max, k, s, p))
-    })
+    batched("max_pool2d", input, |x| pool2d(x, PoolMode::Max, k, s, p))
 }
 
 /// `[rows, size]` matrix averaging `size` positions into `rows` windows: row `i` holds
@@ -91,9 +88,7 @@ pub fn avg_pool2d(
     padding: impl Into<Pair>,
 ) -> Result<Tensor> {
     let (k, s, p) = (kernel_size.into().0, stride.into().0, padding.into().0);
-    dispatch::composite(&policy::AVG_POOL2D, [input], |[input]| {
-        batched("avg_pool2d", input, |x| pool2d(x, PoolMode::Avg, k, s, p))
-    })
+    batched("avg_pool2d", input, |x| pool2d(x, PoolMode::Avg, k, s, p))
 }
 
 /// Mean over the `output_size` windows that PyTorch's adaptive pooling uses: output `i` of a

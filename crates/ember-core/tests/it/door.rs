@@ -1,0 +1,670 @@
+//! The door: every public op of ember-core passes the dispatch point under its PyTorch name.
+//!
+//! The public functions of the op layer are read from the sources (`pub fn` of `ops/`,
+//! `tensor/` and `random/tensor.rs`), so a new one fails here until it is listed: either in
+//! [`runs`], with the op name an observer must see when it runs, or in [`NOT_OPS`], with the
+//! reason it is no op (an accessor, the autograd API, a read of the elements). The methods the
+//! elementwise tables generate (`exp`, `add`, `add_`, `eq`, ...) are not written as `pub fn`;
+//! each of their lines is run under an observer by ember-nn's autocast test, and their unary
+//! entry point is run here for every line of the unary table.
+
+use ember_core::backend::UnaryOp;
+use ember_core::dispatch::observer::{self, Observer, OpEnter, OpExit};
+use ember_core::ops::{conv, pool};
+use ember_core::{amp_scaling, fused, DType, Device, Result, Tensor};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+
+/// The sources whose `pub fn`s are the op layer's public functions.
+const SOURCES: &[(&str, &str)] = &[
+    ("ops/amp_scaling.rs", include_str!("../../src/ops/amp_scaling.rs")),
+    ("ops/binary.rs", include_str!("../../src/ops/binary.rs")),
+    ("ops/conv.rs", include_str!("../../src/ops/conv.rs")),
+    (
+        "ops/conv_composite.rs",
+        include_str!("../../src/ops/conv_composite.rs"),
+    ),
+    ("ops/foreach.rs", include_str!("../../src/ops/foreach.rs")),
+    ("ops/fused_optim.rs", include_str!("../../src/ops/fused_optim.rs")),
+    ("ops/index.rs", include_str!("../../src/ops/index.rs")),
+    ("ops/inplace.rs", include_str!("../../src/ops/inplace.rs")),
+    ("ops/loss.rs", include_str!("../../src/ops/loss.rs")),
+    ("ops/matmul.rs", include_str!("../../src/ops/matmul.rs")),
+    ("ops/mod.rs", include_str!("../../src/ops/mod.rs")),
+    ("ops/operators.rs", include_str!("../../src/ops/operators.rs")),
+    ("ops/pool.rs", include_str!("../../src/ops/pool.rs")),
+    ("ops/reduce.rs", include_str!("../../src/ops/reduce.rs")),
+    ("ops/rnn.rs", include_str!("../../src/ops/rnn.rs")),
+    ("ops/softmax.rs", include_str!("../../src/ops/softmax.rs")),
+    ("ops/unary.rs", include_str!("../../src/ops/unary.rs")),
+    ("ops/view.rs", include_str!("../../src/ops/view.rs")),
+    ("tensor/convert.rs", include_str!("../../src/tensor/convert.rs")),
+    ("tensor/create.rs", include_str!("../../src/tensor/create.rs")),
+    ("tensor/display.rs", include_str!("../../src/tensor/display.rs")),
+    ("tensor/mod.rs", include_str!("../../src/tensor/mod.rs")),
+    ("random/tensor.rs", include_str!("../../src/random/tensor.rs")),
+];
+
+/// Public functions that are no ops, and why.
+const NOT_OPS: &[(&str, &str)] = &[
+    ("shape", "an accessor"),
+    ("dims", "an accessor"),
+    ("rank", "an accessor"),
+    ("size", "an accessor"),
+    ("numel", "an accessor"),
+    ("dtype", "an accessor"),
+    ("device", "an accessor"),
+    ("stride", "an accessor"),
+    ("storage_offset", "an accessor"),
+    ("is_contiguous", "an accessor"),
+    ("data_ptr", "an accessor"),
+    ("shares_storage_with", "an accessor"),
+    ("version", "an accessor"),
+    ("is_pinned", "an accessor"),
+    ("is_leaf", "an accessor"),
+    ("grad_fn_name", "an accessor"),
+    ("requires_grad", "an accessor"),
+    ("retains_grad", "an accessor"),
+    ("can_fuse", "a predicate on tensors, no op"),
+    ("requires_grad_", "the autograd API: sets a flag"),
+    ("grad", "the autograd API"),
+    ("set_grad", "the autograd API"),
+    ("retain_grad", "the autograd API"),
+    ("register_hook", "the autograd API"),
+    ("register_post_accumulate_grad_hook", "the autograd API"),
+    ("remove", "the autograd API (a hook handle's)"),
+    (
+        "backward",
+        "the autograd API: runs the recorded ops' backward rules, which pass the door",
+    ),
+    ("backward_with", "the autograd API"),
+    ("detach", "a new handle cut from the graph: no kernel, no data"),
+    ("record_stream", "the allocator's bookkeeping, no kernel"),
+    (
+        "to_device_",
+        "moves the storage under every handle (Module::to); its copy is `to`'s",
+    ),
+    (
+        "to_vec",
+        "a read of the elements to the host (`tolist`, no aten op)",
+    ),
+    ("to_vec_f64", "a read of the elements to the host"),
+    ("item_f64", "`item` converted to f64"),
+    ("scatter_value", "`scatter` with a value"),
+];
+
+/// Records the names of the ops entering the dispatch point on this thread.
+struct Seen {
+    thread: ThreadId,
+    names: Mutex<Vec<&'static str>>,
+}
+
+impl Observer for Seen {
+    fn on_enter(&self, e: &OpEnter<'_>) {
+        if e.thread == self.thread {
+            self.names.lock().unwrap().push(e.op.name);
+        }
+    }
+    fn on_exit(&self, _: &OpExit) {}
+}
+
+/// The op names entering while `f` runs, and `f`'s result.
+fn seen(f: impl FnOnce() -> Result<()>) -> (Result<()>, Vec<&'static str>) {
+    let rec = Arc::new(Seen {
+        thread: std::thread::current().id(),
+        names: Mutex::new(Vec::new()),
+    });
+    let handle = observer::add_observer(rec.clone());
+    let out = f();
+    drop(handle);
+    let names = rec.names.lock().unwrap().clone();
+    (out, names)
+}
+
+type Run = Box<dyn Fn() -> Result<()>>;
+
+fn x() -> Result<Tensor> {
+    Tensor::from_vec(vec![0.5f32, -1.0, 2.0, 3.0, -0.25, 1.5], [2, 3], Device::Cpu)
+}
+
+fn run(f: impl Fn() -> Result<Tensor> + 'static) -> Run {
+    Box::new(move || f().map(drop))
+}
+
+fn run_list(f: impl Fn() -> Result<Vec<Tensor>> + 'static) -> Run {
+    Box::new(move || f().map(drop))
+}
+
+/// Every public op: its function's name, the op name an observer must see, and a run of it.
+fn runs() -> Vec<(&'static str, &'static str, Run)> {
+    let d = Device::Cpu;
+    let f32 = DType::F32;
+    let idx = || Tensor::from_vec(vec![1i64, 0], [2], Device::Cpu);
+    let mask = || Tensor::from_vec(vec![true, false, true, false, false, true], [2, 3], Device::Cpu);
+    vec![
+        // Factories and random draws.
+        (
+            "from_vec",
+            "tensor",
+            run(|| Tensor::from_vec(vec![1.0f32, 2.0], [2], Device::Cpu)),
+        ),
+        (
+            "from_slice",
+            "tensor",
+            run(|| Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)),
+        ),
+        (
+            "scalar",
+            "scalar_tensor",
+            run(move || Tensor::scalar(1.0, f32, d)),
+        ),
+        ("full", "full", run(move || Tensor::full([2], 3.0, f32, d))),
+        ("zeros", "zeros", run(move || Tensor::zeros([2], f32, d))),
+        ("ones", "ones", run(move || Tensor::ones([2], f32, d))),
+        ("empty", "empty", run(move || Tensor::empty([2], f32, d))),
+        ("full_like", "full_like", run(|| x()?.full_like(2.0))),
+        ("zeros_like", "zeros_like", run(|| x()?.zeros_like())),
+        ("ones_like", "ones_like", run(|| x()?.ones_like())),
+        ("empty_like", "empty_like", run(|| x()?.empty_like())),
+        (
+            "arange",
+            "arange",
+            run(move || Tensor::arange(0.0, 4.0, 1.0, f32, d)),
+        ),
+        (
+            "linspace",
+            "linspace",
+            run(move || Tensor::linspace(0.0, 1.0, 5, f32, d)),
+        ),
+        ("eye", "eye", run(move || Tensor::eye(3, f32, d))),
+        ("rand", "rand", run(move || Tensor::rand([2], f32, d))),
+        (
+            "rand_with",
+            "rand",
+            run(move || Tensor::rand_with([2], f32, d, &ember_core::Generator::new(1))),
+        ),
+        ("randn", "randn", run(move || Tensor::randn([2], f32, d))),
+        (
+            "randn_with",
+            "randn",
+            run(move || Tensor::randn_with([2], f32, d, &ember_core::Generator::new(1))),
+        ),
+        (
+            "normal",
+            "normal",
+            run(move || Tensor::normal(1.0, 2.0, [2], f32, d)),
+        ),
+        (
+            "normal_with",
+            "normal",
+            run(move || Tensor::normal_with(1.0, 2.0, [2], f32, d, &ember_core::Generator::new(1))),
+        ),
+        ("randint", "randint", run(move || Tensor::randint(0, 5, [2], d))),
+        (
+            "randint_with",
+            "randint",
+            run(move || Tensor::randint_with(0, 5, [2], d, &ember_core::Generator::new(1))),
+        ),
+        ("randperm", "randperm", run(move || Tensor::randperm(5, d))),
+        (
+            "randperm_with",
+            "randperm",
+            run(move || Tensor::randperm_with(5, d, &ember_core::Generator::new(1))),
+        ),
+        ("rand_like", "rand_like", run(|| x()?.rand_like())),
+        ("randn_like", "randn_like", run(|| x()?.randn_like())),
+        (
+            "bernoulli",
+            "bernoulli",
+            run(|| x()?.clamp(Some(0.0), Some(1.0))?.bernoulli()),
+        ),
+        (
+            "bernoulli_with",
+            "bernoulli",
+            run(|| {
+                x()?.clamp(Some(0.0), Some(1.0))?
+                    .bernoulli_with(&ember_core::Generator::new(1))
+            }),
+        ),
+        ("bernoulli_p", "bernoulli", run(|| x()?.bernoulli_p(0.5))),
+        ("uniform_", "uniform_", run(|| x()?.uniform_(0.0, 1.0))),
+        (
+            "uniform_with_",
+            "uniform_",
+            run(|| x()?.uniform_with_(0.0, 1.0, &ember_core::Generator::new(1))),
+        ),
+        ("normal_", "normal_", run(|| x()?.normal_(0.0, 1.0))),
+        (
+            "normal_with_",
+            "normal_",
+            run(|| x()?.normal_with_(0.0, 1.0, &ember_core::Generator::new(1))),
+        ),
+        ("bernoulli_", "bernoulli_", run(|| x()?.bernoulli_(0.5))),
+        (
+            "bernoulli_with_",
+            "bernoulli_",
+            run(|| x()?.bernoulli_with_(0.5, &ember_core::Generator::new(1))),
+        ),
+        // Copies and casts.
+        ("to_dtype", "to", run(|| x()?.to_dtype(DType::F64))),
+        (
+            "to",
+            "to",
+            run(|| x()?.to(Device::Cpu).and_then(|t| t.to_dtype(DType::F16))),
+        ),
+        (
+            "to_non_blocking",
+            "to",
+            run(|| {
+                x()?.to_dtype(DType::F64)?
+                    .to_non_blocking(Device::Cpu)?
+                    .to_dtype(DType::F32)
+            }),
+        ),
+        ("copy_", "copy_", run(|| x()?.copy_(&x()?))),
+        (
+            "copy_non_blocking_",
+            "copy_",
+            run(|| x()?.copy_non_blocking_(&x()?)),
+        ),
+        ("fill_", "fill_", run(|| x()?.fill_(1.0))),
+        ("zero_", "zero_", run(|| x()?.zero_())),
+        ("contiguous", "contiguous", run(|| x()?.t()?.contiguous())),
+        ("deep_clone", "clone", run(|| x()?.deep_clone())),
+        (
+            "item",
+            "item",
+            Box::new(|| {
+                Tensor::scalar(1.0, DType::F32, Device::Cpu)?
+                    .item::<f32>()
+                    .map(drop)
+            }),
+        ),
+        // pin_memory needs a CUDA driver: `pin_memory_and_the_gpu_copies_pass_the_dispatch_point`.
+        // Views and shapes.
+        ("reshape", "reshape", run(|| x()?.reshape(&[3, 2]))),
+        ("view", "view", run(|| x()?.view(&[3, 2]))),
+        ("permute", "permute", run(|| x()?.permute(&[1, 0]))),
+        ("transpose", "transpose", run(|| x()?.transpose(0, 1))),
+        ("t", "t", run(|| x()?.t())),
+        ("narrow", "narrow", run(|| x()?.narrow(1, 0, 2))),
+        ("slice", "slice", run(|| x()?.slice(1, 0, 3, 2))),
+        ("select", "select", run(|| x()?.select(0, 1))),
+        ("unsqueeze", "unsqueeze", run(|| x()?.unsqueeze(0))),
+        ("squeeze", "squeeze", run(|| x()?.unsqueeze(0)?.squeeze())),
+        (
+            "squeeze_dim",
+            "squeeze",
+            run(|| x()?.unsqueeze(0)?.squeeze_dim(0)),
+        ),
+        ("expand", "expand", run(|| x()?.unsqueeze(0)?.expand(&[2, 2, 3]))),
+        (
+            "broadcast_to",
+            "broadcast_to",
+            run(|| x()?.broadcast_to(&[2, 2, 3].into())),
+        ),
+        ("flatten", "flatten", run(|| x()?.flatten(0, 1))),
+        ("split", "split", run_list(|| x()?.split(2, 1))),
+        (
+            "split_with_sizes",
+            "split_with_sizes",
+            run_list(|| x()?.split_with_sizes(&[1, 2], 1)),
+        ),
+        ("chunk", "chunk", run_list(|| x()?.chunk(2, 1))),
+        ("unbind", "unbind", run_list(|| x()?.unbind(0))),
+        ("cat", "cat", run(|| Tensor::cat(&[x()?, x()?], 0))),
+        ("stack", "stack", run(|| Tensor::stack(&[x()?, x()?], 0))),
+        // Elementwise ops written out (the tables' methods are run by ember-nn's autocast test).
+        ("unary_op", "exp", run(|| x()?.unary_op(UnaryOp::Exp))),
+        ("relu6", "relu6", run(|| x()?.relu6())),
+        ("selu", "selu", run(|| x()?.selu())),
+        ("celu", "celu", run(|| x()?.celu(1.0))),
+        ("elu", "elu", run(|| x()?.elu(1.0))),
+        ("leaky_relu", "leaky_relu", run(|| x()?.leaky_relu(0.01))),
+        ("hardtanh", "hardtanh", run(|| x()?.hardtanh(-1.0, 1.0))),
+        ("softplus", "softplus", run(|| x()?.softplus())),
+        ("softplus_with", "softplus", run(|| x()?.softplus_with(2.0, 20.0))),
+        (
+            "binary_out",
+            "add",
+            run(|| x()?.binary_out(ember_core::backend::BinaryOp::Add, &x()?, &x()?)),
+        ),
+        ("add_out", "add", run(|| x()?.add_out(&x()?, &x()?))),
+        ("mul_out", "mul", run(|| x()?.mul_out(&x()?, &x()?))),
+        ("logical_not", "logical_not", run(move || mask()?.logical_not())),
+        (
+            "where_cond",
+            "where",
+            run(move || Tensor::where_cond(&mask()?, &x()?, &x()?)),
+        ),
+        (
+            "masked_fill",
+            "masked_fill",
+            run(move || x()?.masked_fill(&mask()?, 0.0)),
+        ),
+        ("clamp", "clamp", run(|| x()?.clamp(Some(0.0), None))),
+        ("clamp_min", "clamp_min", run(|| x()?.clamp_min(0.0))),
+        ("clamp_max", "clamp_max", run(|| x()?.clamp_max(0.0))),
+        ("clamp_", "clamp_", run(|| x()?.clamp_(Some(0.0), None))),
+        ("add_scaled_", "add_", run(|| x()?.add_scaled_(&x()?, 2.0))),
+        ("addcmul_", "addcmul_", run(|| x()?.addcmul_(&x()?, &x()?, 0.5))),
+        (
+            "addcdiv_",
+            "addcdiv_",
+            run(|| x()?.addcdiv_(&x()?, &x()?.exp()?, 0.5)),
+        ),
+        ("lerp_", "lerp_", run(|| x()?.lerp_(&x()?, 0.5))),
+        // Reductions.
+        ("sum_all", "sum", run(|| x()?.sum_all())),
+        ("sum_dims", "sum", run(|| x()?.sum_dims(&[0], false))),
+        ("sum_dim", "sum", run(|| x()?.sum_dim(0, true))),
+        ("mean_all", "mean", run(|| x()?.mean_all())),
+        ("mean_dims", "mean", run(|| x()?.mean_dims(&[1], false))),
+        ("prod_all", "prod", run(|| x()?.prod_all())),
+        ("prod_dim", "prod", run(|| x()?.prod_dim(0, false))),
+        ("prod_dims", "prod", run(|| x()?.prod_dims(&[0], false))),
+        ("max_dim", "max", Box::new(|| x()?.max_dim(1, false).map(drop))),
+        ("min_dim", "min", Box::new(|| x()?.min_dim(1, false).map(drop))),
+        ("max_all", "max", run(|| x()?.max_all())),
+        ("min_all", "min", run(|| x()?.min_all())),
+        ("amax", "amax", run(|| x()?.amax(&[1], false))),
+        ("amin", "amin", run(|| x()?.amin(&[1], false))),
+        ("argmax", "argmax", run(|| x()?.argmax(Some(1), false))),
+        ("argmin", "argmin", run(|| x()?.argmin(None, false))),
+        ("var", "var", run(|| x()?.var(&[1], 1.0, false))),
+        ("std", "std", run(|| x()?.std(&[1], 1.0, false))),
+        ("logsumexp", "logsumexp", run(|| x()?.logsumexp(&[1], false))),
+        ("norm", "norm", run(|| x()?.norm(2.0, &[1], false))),
+        ("softmax", "softmax", run(|| x()?.softmax(1))),
+        ("log_softmax", "log_softmax", run(|| x()?.log_softmax(1))),
+        // Indexing.
+        (
+            "index_select",
+            "index_select",
+            run(move || x()?.index_select(0, &idx()?)),
+        ),
+        (
+            "gather",
+            "gather",
+            run(|| {
+                x()?.gather(
+                    1,
+                    &Tensor::from_vec(vec![0i64, 2, 1, 0, 1, 2], [2, 3], Device::Cpu)?,
+                )
+            }),
+        ),
+        (
+            "scatter",
+            "scatter",
+            run(|| {
+                x()?.scatter(
+                    1,
+                    &Tensor::from_vec(vec![0i64, 2, 1, 0, 1, 2], [2, 3], Device::Cpu)?,
+                    &x()?,
+                )
+            }),
+        ),
+        (
+            "scatter_add",
+            "scatter_add",
+            run(|| {
+                x()?.scatter_add(
+                    1,
+                    &Tensor::from_vec(vec![0i64, 2, 1, 0, 1, 2], [2, 3], Device::Cpu)?,
+                    &x()?,
+                )
+            }),
+        ),
+        (
+            "index_add",
+            "index_add",
+            run(move || x()?.index_add(0, &idx()?, &x()?)),
+        ),
+        (
+            "embedding",
+            "embedding",
+            run(move || Tensor::embedding(&idx()?, &x()?)),
+        ),
+        ("one_hot", "one_hot", run(move || idx()?.one_hot(3))),
+        (
+            "nll_loss_forward",
+            "nll_loss_forward",
+            Box::new(move || {
+                x()?.log_softmax(1)?
+                    .nll_loss_forward(&idx()?, None, true, -100)
+                    .map(drop)
+            }),
+        ),
+        // Products, convolution, pooling, the LSTM recurrence.
+        ("matmul", "matmul", run(|| x()?.matmul(&x()?.t()?))),
+        ("mm", "mm", run(|| x()?.mm(&x()?.t()?))),
+        (
+            "bmm",
+            "bmm",
+            run(|| x()?.unsqueeze(0)?.bmm(&x()?.t()?.unsqueeze(0)?)),
+        ),
+        ("linear", "linear", run(|| x()?.linear(&x()?, None))),
+        (
+            "convolution",
+            "conv2d",
+            run(|| {
+                conv::convolution(
+                    &x()?.reshape(&[1, 1, 2, 3])?,
+                    &Tensor::ones([1, 1, 1, 2], DType::F32, Device::Cpu)?,
+                    None,
+                    &[1, 1],
+                    &[0, 0],
+                    &[1, 1],
+                    1,
+                )
+            }),
+        ),
+        (
+            "unfold",
+            "im2col",
+            run(|| conv::unfold(&x()?.reshape(&[1, 1, 2, 3])?, [1, 2], [1, 1], [0, 0], [1, 1])),
+        ),
+        (
+            "pool2d",
+            "max_pool2d",
+            run(|| {
+                pool::pool2d(
+                    &x()?.reshape(&[1, 1, 2, 3])?,
+                    pool::PoolMode::Max,
+                    [1, 2],
+                    [1, 1],
+                    [0, 0],
+                )
+            }),
+        ),
+        (
+            "lstm_recurrence",
+            "lstm_recurrence",
+            run(|| {
+                let gi = Tensor::zeros([2, 1, 8], DType::F32, Device::Cpu)?;
+                let w = Tensor::zeros([8, 2], DType::F32, Device::Cpu)?;
+                let h = Tensor::zeros([1, 2], DType::F32, Device::Cpu)?;
+                ember_core::ops::rnn::lstm_recurrence(&gi, &w, &h, &h)
+            }),
+        ),
+        // Multi-tensor steps.
+        (
+            "foreach_copy_",
+            "_foreach_copy_",
+            Box::new(|| ember_core::foreach_copy_(&[x()?], &[x()?])),
+        ),
+        ("adam_", "_fused_adam_", Box::new(|| adam(false))),
+        ("adam_scaled_", "_fused_adam_", Box::new(|| adam(true))),
+        ("sgd_", "_fused_sgd_", Box::new(|| sgd(false))),
+        ("sgd_scaled_", "_fused_sgd_", Box::new(|| sgd(true))),
+        (
+            "non_finite_check_and_unscale_",
+            "_amp_foreach_non_finite_check_and_unscale_",
+            Box::new(|| {
+                let found = Tensor::zeros([1], DType::F32, Device::Cpu)?;
+                let inv = Tensor::ones([1], DType::F32, Device::Cpu)?;
+                amp_scaling::non_finite_check_and_unscale_(&[x()?], &found, &inv)
+            }),
+        ),
+        (
+            "update_scale_",
+            "_amp_update_scale_",
+            Box::new(|| {
+                let scale = Tensor::ones([1], DType::F32, Device::Cpu)?;
+                let tracker = Tensor::zeros([1], DType::I32, Device::Cpu)?;
+                let found = Tensor::zeros([1], DType::F32, Device::Cpu)?;
+                amp_scaling::update_scale_(&scale, &tracker, &found, 2.0, 0.5, 2000)
+            }),
+        ),
+    ]
+}
+
+fn adam(scaled: bool) -> Result<()> {
+    let (p, g, m, v) = (x()?, x()?, x()?.zeros_like()?, x()?.zeros_like()?);
+    let cfg = fused::AdamStep {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        amsgrad: false,
+        maximize: false,
+        decoupled_weight_decay: false,
+    };
+    if scaled {
+        let step = Tensor::zeros([], DType::F32, Device::Cpu)?;
+        let steps = fused::AdamSteps::Device(std::slice::from_ref(&step));
+        fused::adam_scaled_(
+            &[p],
+            &[g],
+            &[m],
+            &[v],
+            None,
+            steps,
+            &cfg,
+            fused::GradScaling::default(),
+            None,
+        )
+    } else {
+        fused::adam_(&[p], &[g], &[m], &[v], None, &[1.0], &cfg)
+    }
+}
+
+fn sgd(scaled: bool) -> Result<()> {
+    let (p, g) = (x()?, x()?);
+    let cfg = fused::SgdStep {
+        lr: 0.1,
+        momentum: 0.0,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+        maximize: false,
+        first_step: false,
+    };
+    if scaled {
+        fused::sgd_scaled_(&[p], &[g], None, &cfg, fused::GradScaling::default(), None)
+    } else {
+        fused::sgd_(&[p], &[g], None, &cfg)
+    }
+}
+
+/// The names of the `pub fn`s of the op layer's sources (methods at one indent, free functions
+/// at none), outside test modules.
+fn public_functions() -> BTreeSet<&'static str> {
+    let mut names = BTreeSet::new();
+    for (_, src) in SOURCES {
+        let body = src.split("\n#[cfg(test)]").next().unwrap_or(src);
+        for line in body.lines() {
+            let rest = line
+                .strip_prefix("    pub fn ")
+                .or_else(|| line.strip_prefix("pub fn "));
+            if let Some(rest) = rest {
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(rest.len());
+                names.insert(&rest[..end]);
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn every_public_function_of_the_op_layer_is_listed() {
+    let listed: BTreeSet<&str> = runs()
+        .iter()
+        .map(|(f, _, _)| *f)
+        .chain(NOT_OPS.iter().map(|(f, _)| *f))
+        .chain(["pin_memory"])
+        .collect();
+    let public = public_functions();
+    assert!(
+        public.len() > 150,
+        "the scan found only {} functions",
+        public.len()
+    );
+    let unlisted: Vec<_> = public.difference(&listed).collect();
+    assert!(
+        unlisted.is_empty(),
+        "public functions of the op layer neither run through the door in `runs` nor listed in NOT_OPS: {unlisted:?}"
+    );
+    let gone: Vec<_> = listed.difference(&public).collect();
+    assert!(
+        gone.is_empty(),
+        "listed but not public functions of the op layer: {gone:?}"
+    );
+}
+
+#[test]
+fn every_public_op_passes_the_dispatch_point_under_its_name() {
+    let mut missed = Vec::new();
+    for (function, op, f) in runs() {
+        let (result, names) = seen(f);
+        if let Err(e) = result {
+            missed.push(format!("{function}: failed ({e})"));
+        } else if !names.contains(&op) {
+            missed.push(format!("{function}: `{op}` not seen (saw {names:?})"));
+        }
+    }
+    assert!(
+        missed.is_empty(),
+        "ops that went round the door:\n{}",
+        missed.join("\n")
+    );
+}
+
+#[test]
+fn every_unary_table_line_passes_the_dispatch_point_under_its_name() -> Result<()> {
+    let x = Tensor::from_vec(vec![0.25f64, 0.5, 0.75], [3], Device::Cpu)?;
+    for &op in UnaryOp::ALL {
+        let (result, names) = seen(|| x.unary_op(op).map(drop));
+        result?;
+        let name = op.line().name;
+        assert!(names.contains(&name), "{name}: not seen (saw {names:?})");
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pin_memory_and_the_gpu_copies_pass_the_dispatch_point() -> Result<()> {
+    let gpu = crate::common::gpu();
+    let mut pinned = None;
+    let (result, names) = seen(|| {
+        pinned = Some(x()?.pin_memory()?);
+        Ok(())
+    });
+    result?;
+    assert!(names.contains(&"pin_memory"), "saw {names:?}");
+    let pinned = pinned.expect("pinned above");
+    let (result, names) = seen(|| pinned.to_non_blocking(gpu).map(drop));
+    result?;
+    assert!(names.contains(&"to"), "saw {names:?}");
+    let dst = Tensor::zeros([2, 3], DType::F32, gpu)?;
+    let (result, names) = seen(|| dst.copy_non_blocking_(&pinned).map(drop));
+    result?;
+    assert!(names.contains(&"copy_"), "saw {names:?}");
+    assert_eq!(dst.to_vec::<f32>()?, x()?.to_vec::<f32>()?);
+    Ok(())
+}
