@@ -21,15 +21,16 @@
 //
 // Parameters: `EMBER_PARAMS_reduce(T, R, S)` and `EMBER_PARAMS_reduce_final(R, S)`, declared in
 // `kernels!` in `cuda/launch.rs`: T the input dtype, R the result type (`OP::Out`: T, or i64
-// for integer sums/products), S the op's accumulator (`OP::State`). Ops, dtypes, `variant` and
-// `param`:
-//   sum  (all dtypes)  float variant: 0 sum, 1 mean (param = K), 2 L2 norm, 3 L1 norm,
-//                      4 L0 norm (count of nonzeros), 5 Lp norm (param = p); ints: sum
+// for integer sums/products), S the op's accumulator (`OP::State`). Ops, dtypes, `variant` (its
+// names are `reduce_variants!` in `cuda_backend/launch.rs`, defined before this file) and `param`:
+//   sum  (all dtypes)  float variant: SUM_PLAIN, SUM_MEAN (param = K), SUM_L2, SUM_L1, SUM_L0
+//                      (count of nonzeros), SUM_LP (param = p); ints: sum
 //   prod (all dtypes)
-//   minmax (all)       variant: 0 max, 1 min, 2 max |x| (inf norm), 3 min |x| (-inf norm)
-//   arg  (all)         variant: 0 max, 1 min; Out = T values and i64 indices
+//   minmax (all)       variant: MINMAX_MAX, MINMAX_MIN, MINMAX_MAX_ABS (inf norm),
+//                      MINMAX_MIN_ABS (-inf norm)
+//   arg  (all)         variant: ARG_MAX, ARG_MIN; Out = T values and i64 indices
 //   lse  (floats)      log Σ exp(x), shifted by the running max
-//   var  (floats)      Welford/Chan; variant 0 var, 1 std; param = correction
+//   var  (floats)      Welford/Chan; variant VAR_VAR, VAR_STD; param = correction
 
 template <typename T> struct IsFloat { static const bool value = false; };
 template <> struct IsFloat<float> { static const bool value = true; };
@@ -102,19 +103,19 @@ template <typename T> struct FloatSumOp {
     __device__ __forceinline__ void add(State& s, T xs, i64) const {
         A x = load(xs);
         switch (variant) {
-            case 2: s += x * x; break;
-            case 3: s += m_abs(x); break;
-            case 4: s += x != (A)0 ? (A)1 : (A)0; break;
-            case 5: s += m_pow(m_abs(x), (A)param); break;
+            case SUM_L2: s += x * x; break;
+            case SUM_L1: s += m_abs(x); break;
+            case SUM_L0: s += x != (A)0 ? (A)1 : (A)0; break;
+            case SUM_LP: s += m_pow(m_abs(x), (A)param); break;
             default: s += x;
         }
     }
     __device__ __forceinline__ void merge(State& s, State o) const { s += o; }
     __device__ void store(State s, Out* out, i64*, i64 o) const {
         A r = s;
-        if (variant == 1) r = s / (A)param;
-        else if (variant == 2) r = m_sqrt(s);
-        else if (variant == 5) r = m_pow(s, (A)(1.0 / param));
+        if (variant == SUM_MEAN) r = s / (A)param;
+        else if (variant == SUM_L2) r = m_sqrt(s);
+        else if (variant == SUM_LP) r = m_pow(s, (A)(1.0 / param));
         out[o] = cast<T>(r);
     }
 };
@@ -147,16 +148,17 @@ template <typename T> struct MinMaxOp {
     typedef typename Acc<T>::type A;
     typedef A State;
     typedef T Out;
-    int variant;  // 0 max, 1 min, 2 max |x|, 3 min |x|
+    int variant;  // MINMAX_*
     double param;
-    __device__ State init() const { return (variant & 1) ? Limits<T>::highest() : Limits<T>::lowest(); }
+    __device__ State init() const { return is_min() ? Limits<T>::highest() : Limits<T>::lowest(); }
+    __device__ __forceinline__ bool is_min() const { return variant == MINMAX_MIN || variant == MINMAX_MIN_ABS; }
     __device__ __forceinline__ void add(State& s, T xs, i64) const {
         A x = load(xs);
-        if (variant >= 2) x = m_abs(x);
+        if (variant == MINMAX_MAX_ABS || variant == MINMAX_MIN_ABS) x = m_abs(x);
         merge(s, x);
     }
     __device__ __forceinline__ void merge(State& s, State o) const {
-        if (better(o, s, (variant & 1) == 0)) s = o;
+        if (better(o, s, !is_min())) s = o;
     }
     __device__ void store(State s, Out* out, i64*, i64 o) const { out[o] = cast<T>(s); }
 };
@@ -170,11 +172,11 @@ template <typename T> struct ArgOp {
     typedef typename Acc<T>::type A;
     typedef ArgState<A> State;
     typedef T Out;
-    int variant;  // 0 max, 1 min
+    int variant;  // ARG_MAX or ARG_MIN
     double param;
     __device__ State init() const {
         State s;
-        s.v = variant ? Limits<T>::highest() : Limits<T>::lowest();
+        s.v = variant == ARG_MIN ? Limits<T>::highest() : Limits<T>::lowest();
         s.i = Limits<i64>::highest();  // "no element yet": loses every tie
         return s;
     }
@@ -186,7 +188,7 @@ template <typename T> struct ArgOp {
     }
     // Better value wins; equal values (or two NaNs) keep the lower index.
     __device__ __forceinline__ void merge(State& s, State o) const {
-        bool max = variant == 0;
+        bool max = variant == ARG_MAX;
         if (better(o.v, s.v, max) || (!better(s.v, o.v, max) && o.i < s.i)) s = o;
     }
     __device__ void store(State s, Out* out, i64* idx, i64 o) const {
@@ -252,7 +254,7 @@ template <typename T> struct VarOp {
     typedef typename Acc<T>::type A;
     typedef VarState<A> State;
     typedef T Out;
-    int variant;  // 0 var, 1 std
+    int variant;  // VAR_VAR or VAR_STD
     double param;  // correction
     __device__ State init() const {
         State s;
@@ -284,7 +286,7 @@ template <typename T> struct VarOp {
     __device__ void store(State s, Out* out, i64*, i64 o) const {
         double denom = (double)s.n - param;
         A v = s.m2 / (A)(denom > 0.0 ? denom : 0.0);
-        out[o] = cast<T>(variant ? m_sqrt(v) : v);
+        out[o] = cast<T>(variant == VAR_STD ? m_sqrt(v) : v);
     }
 };
 

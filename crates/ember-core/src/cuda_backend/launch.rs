@@ -331,6 +331,52 @@ macro_rules! kernels {
     };
 }
 
+/// Declares the `variant` argument of a reduction kernel, once: a Rust enum per op kind, and
+/// the C names of its values in [`VARIANTS_HEADER`], compiled after the parameter lists, so
+/// `reduce.cu` says `SUM_MEAN` where it reads the variant and no number is written twice.
+macro_rules! reduce_variants {
+    ($($enum:ident { $($v:ident = $n:literal $c:literal,)* })*) => {
+        $(
+            #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+            #[repr(i32)]
+            pub(crate) enum $enum {
+                $($v = $n,)*
+            }
+        )*
+
+        /// The C names of every reduction variant (`#define SUM_MEAN 1`, ...).
+        pub(crate) const VARIANTS_HEADER: &str = concat!(
+            "// Reduction variants, generated from `reduce_variants!` in `cuda_backend/launch.rs`.\n",
+            $($("#define ", $c, " ", $n, "\n",)*)*
+        );
+    };
+}
+
+reduce_variants! {
+    SumVariant {
+        Sum = 0 "SUM_PLAIN",
+        Mean = 1 "SUM_MEAN",
+        L2 = 2 "SUM_L2",
+        L1 = 3 "SUM_L1",
+        L0 = 4 "SUM_L0",
+        Lp = 5 "SUM_LP",
+    }
+    MinmaxVariant {
+        Max = 0 "MINMAX_MAX",
+        Min = 1 "MINMAX_MIN",
+        MaxAbs = 2 "MINMAX_MAX_ABS",
+        MinAbs = 3 "MINMAX_MIN_ABS",
+    }
+    ArgVariant {
+        Max = 0 "ARG_MAX",
+        Min = 1 "ARG_MIN",
+    }
+    VarVariant {
+        Var = 0 "VAR_VAR",
+        Std = 1 "VAR_STD",
+    }
+}
+
 kernels! {
     Unary {
         /// `out[i] = op(x[i])` for the `n` elements of the view `s` (`s.stride[0]` x's strides),
@@ -643,6 +689,10 @@ mod tests {
              double growth_factor, double backoff_factor, i32 growth_interval)\n"
         ));
         assert!(PARAMS_HEADER.contains("(TensorList l, const float* found_inf)"));
+        // The reduction variants: one C name per Rust value.
+        assert!(VARIANTS_HEADER.contains("#define SUM_MEAN 1\n"));
+        assert!(VARIANTS_HEADER.contains("#define MINMAX_MIN_ABS 3\n"));
+        assert_eq!(VARIANTS_HEADER.matches("#define ").count(), 14);
     }
 
     /// `symbol` is kernel `name` followed by dtype suffixes (`softmax_f32`, `scatter_add_f32_i64`).

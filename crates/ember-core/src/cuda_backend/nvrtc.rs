@@ -14,7 +14,7 @@
 
 use super::kernel_units::Unit;
 use super::kernels::Module;
-use super::launch::PARAMS_HEADER;
+use super::launch::{PARAMS_HEADER, VARIANTS_HEADER};
 use crate::{Error, Result};
 use cudarc::nvrtc::{result, sys};
 use std::ffi::CString;
@@ -59,7 +59,7 @@ pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
 /// Compiles `source` as [`compile`] does, with extra NVRTC options (`-D...`).
 pub(crate) fn compile_with(name: &str, source: &str, arch: &str, extra: &[String]) -> Result<Vec<u8>> {
     nvrtc_version()?;
-    let text = format!("{PRELUDE}\n{PARAMS_HEADER}\n#line 1 \"{name}.cu\"\n{source}");
+    let text = format!("{PRELUDE}\n{PARAMS_HEADER}\n{VARIANTS_HEADER}\n#line 1 \"{name}.cu\"\n{source}");
     let fail = |what: &str, e: &dyn std::fmt::Debug| Error::Cuda {
         op: "nvrtc",
         msg: format!("{what} of kernel source {name}.cu failed: {e:?}"),
@@ -127,6 +127,7 @@ pub(crate) fn compile_unit_cached(unit: &Unit, arch: &str, on_miss: impl FnOnce(
     let extra = [unit.define()];
     let mut hash = fnv1a(PRELUDE.as_bytes(), 0xcbf2_9ce4_8422_2325);
     hash = fnv1a(PARAMS_HEADER.as_bytes(), hash);
+    hash = fnv1a(VARIANTS_HEADER.as_bytes(), hash);
     hash = fnv1a(source.as_bytes(), hash);
     for option in options(arch, &extra) {
         hash = fnv1a(option.as_bytes(), fnv1a(b"\0", hash));

@@ -13,7 +13,9 @@
 //! order: results are deterministic and no atomics are used.
 
 use super::kernels::{Grid, KernelShape};
-use super::launch::{self, reduce, reduce_final, DevPtrMut};
+use super::launch::{
+    self, reduce, reduce_final, ArgVariant, DevPtrMut, MinmaxVariant, SumVariant, VarVariant,
+};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::ReduceOp;
@@ -60,10 +62,10 @@ fn kernel_for(op: ReduceOp, dtype: DType, k: usize) -> Result<Kernel> {
     let (minmax_k, minmax_final) = (reduce::reduce_minmax, reduce_final::reduce_minmax_final);
     let (arg_k, arg_final) = (reduce::reduce_arg, reduce_final::reduce_arg_final);
     let (var_k, var_final) = (reduce::reduce_var, reduce_final::reduce_var_final);
-    let sum = |variant, param| kernel(sum_k, sum_final, variant, param, dtype);
+    let sum = |variant: SumVariant, param| kernel(sum_k, sum_final, variant as i32, param, dtype);
     let minmax = |variant| kernel(minmax_k, minmax_final, variant, 0.0, dtype);
     Ok(match op {
-        ReduceOp::Sum => kernel(sum_k, sum_final, 0, 0.0, sum_dtype),
+        ReduceOp::Sum => kernel(sum_k, sum_final, SumVariant::Sum as i32, 0.0, sum_dtype),
         ReduceOp::Prod => kernel(
             reduce::reduce_prod,
             reduce_final::reduce_prod_final,
@@ -71,21 +73,21 @@ fn kernel_for(op: ReduceOp, dtype: DType, k: usize) -> Result<Kernel> {
             0.0,
             sum_dtype,
         ),
-        ReduceOp::Max => minmax(0),
-        ReduceOp::Min => minmax(1),
-        ReduceOp::ArgMax => kernel(arg_k, arg_final, 0, 0.0, DType::I64),
-        ReduceOp::ArgMin => kernel(arg_k, arg_final, 1, 0.0, DType::I64),
+        ReduceOp::Max => minmax(MinmaxVariant::Max as i32),
+        ReduceOp::Min => minmax(MinmaxVariant::Min as i32),
+        ReduceOp::ArgMax => kernel(arg_k, arg_final, ArgVariant::Max as i32, 0.0, DType::I64),
+        ReduceOp::ArgMin => kernel(arg_k, arg_final, ArgVariant::Min as i32, 0.0, DType::I64),
         _ if !float => return Err(Error::dtype(op.name(), dtype)),
-        ReduceOp::Mean => sum(1, k as f64),
+        ReduceOp::Mean => sum(SumVariant::Mean, k as f64),
         ReduceOp::LogSumExp => kernel(reduce::reduce_lse, reduce_final::reduce_lse_final, 0, 0.0, dtype),
-        ReduceOp::Var { correction } => kernel(var_k, var_final, 0, correction, dtype),
-        ReduceOp::Std { correction } => kernel(var_k, var_final, 1, correction, dtype),
-        ReduceOp::Norm { p } if p == 2.0 => sum(2, 0.0),
-        ReduceOp::Norm { p } if p == 1.0 => sum(3, 0.0),
-        ReduceOp::Norm { p } if p == f64::INFINITY => minmax(2),
-        ReduceOp::Norm { p } if p == f64::NEG_INFINITY => minmax(3),
-        ReduceOp::Norm { p } if p == 0.0 => sum(4, 0.0),
-        ReduceOp::Norm { p } => sum(5, p),
+        ReduceOp::Var { correction } => kernel(var_k, var_final, VarVariant::Var as i32, correction, dtype),
+        ReduceOp::Std { correction } => kernel(var_k, var_final, VarVariant::Std as i32, correction, dtype),
+        ReduceOp::Norm { p } if p == 2.0 => sum(SumVariant::L2, 0.0),
+        ReduceOp::Norm { p } if p == 1.0 => sum(SumVariant::L1, 0.0),
+        ReduceOp::Norm { p } if p == f64::INFINITY => minmax(MinmaxVariant::MaxAbs as i32),
+        ReduceOp::Norm { p } if p == f64::NEG_INFINITY => minmax(MinmaxVariant::MinAbs as i32),
+        ReduceOp::Norm { p } if p == 0.0 => sum(SumVariant::L0, 0.0),
+        ReduceOp::Norm { p } => sum(SumVariant::Lp, p),
     })
 }
 
@@ -315,8 +317,8 @@ impl CudaStorage {
         dims: &[usize],
     ) -> Result<(CudaStorage, CudaStorage)> {
         let variant = match op {
-            ReduceOp::Max => 0,
-            ReduceOp::Min => 1,
+            ReduceOp::Max => ArgVariant::Max as i32,
+            ReduceOp::Min => ArgVariant::Min as i32,
             _ => return Err(Error::invalid(op.name(), "only max and min return indices")),
         };
         let g = Geometry::new(op.name(), layout, dims)?;

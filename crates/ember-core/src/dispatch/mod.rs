@@ -22,6 +22,12 @@
 //! suspended, so the inner ops keep the dtypes the policy chose (as PyTorch redispatches
 //! below its Autocast key).
 //!
+//! Ops with no policy of their own enter more lightly, still under their PyTorch name:
+//! [`named`] for PyTorch's implicit composites (`flatten`, `masked_fill`, `split`, ...), whose
+//! inner ops pass every step themselves, and [`enter`] for ops with no tensor input (the
+//! factories, the random draws) or whose operands the op checks itself. `tests/it/door.rs`
+//! reads every public function of the op layer and fails on one that no observer sees.
+//!
 //! Adding an op: an elementwise op is one line of its family's table (`backend/table.rs`),
 //! its CPU formula and its CUDA expression (the crate's `architecture` page). Another op: its
 //! line in [`policy`] (name, autocast policy, promotion), its `Tensor` method in

@@ -205,7 +205,8 @@ impl Tensor {
         if !direct {
             return self.copy_(src);
         }
-        dispatch::call_with(&policy::COPY_, [self, src], |[this, src]| {
+        // Only the destination enters the dispatch point (as `copy_`): the source is on the host.
+        dispatch::call_with(&policy::COPY_, [self], |[this]| {
             let dst = this.storage().write();
             src.storage().copy_pinned_async(
                 src.storage_offset(),
