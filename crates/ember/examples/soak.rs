@@ -7,17 +7,18 @@
 //!   pinned host cache, the autograd graphs and the kernel cache all draw on;
 //! - `host_tensors`: bytes in CPU tensor storages, and the pinned host cache's counters.
 //!
-//! The loader makes new worker threads every epoch (as PyTorch's without
-//! `persistent_workers`), so a run of 10^5 steps also starts and ends some 800 sets of workers.
+//! The loader starts new worker threads every epoch (as PyTorch's without
+//! `persistent_workers`), so a run of 10^5 steps (256 batches an epoch) also starts and ends
+//! some 390 sets of 4 workers.
 //!
 //! Run: `cargo run --release -p ember --example soak -- --steps 100000 --every 1000 > soak.csv`
 //!
-//! Options: `--steps N` (default 100: a check that runs in seconds), `--every K` rows (default 20), `--device cpu|cuda`
-//! (default cuda when there is one), `--max-seconds S` (stop early, saying so, when the time is
-//! up: the curves up to there are still printed), `--warmup-fraction F` (default 0.1: where the
-//! flatness check starts), `--rss-slack-mib M` (default 64). It ends with a summary on stderr
-//! and fails (exit status 1) when `reserved` grew after warm-up or the resident memory grew by
-//! more than the slack.
+//! Options: `--steps N` (default 100: a check that runs in seconds), `--every K` steps between
+//! rows (default 20), `--device cpu|cuda` (default cuda when there is one), `--max-seconds S`
+//! (stop early, saying so, when the time is up: the curves up to there are still printed and
+//! checked), `--warmup-fraction F` (default 0.1: where the flatness check starts),
+//! `--rss-slack-mib M` (default 64). It ends with a summary on stderr and fails (exit status 1)
+//! when `reserved` grew after warm-up or the resident memory grew by more than the slack.
 
 use ember::data::{DataLoader, TensorDataset};
 use ember::nn::functional::{self as F, Reduction};

@@ -898,7 +898,17 @@ mod tests {
                 });
             }
             for cycle in 0..cycles {
-                let mut p = profile().activities([ProfilerActivity::Cpu]).start().unwrap();
+                // `profile()` without asking whether there is a GPU (Miri cannot load libcuda).
+                let cpu_only = ProfileBuilder {
+                    activities: vec![ProfilerActivity::Cpu],
+                    record_shapes: false,
+                    profile_memory: false,
+                    emit_nvtx: false,
+                    cuda_timing: CudaTimingSource::CudaEvents,
+                    schedule: None,
+                    on_trace_ready: None,
+                };
+                let mut p = cpu_only.start().unwrap();
                 let mine = {
                     let _r = record_function(format!("main {cycle}"));
                     work()
