@@ -880,7 +880,7 @@ mod tests {
     #[test]
     fn sessions_begun_and_ended_while_threads_run_ops_record_well_formed_traces() {
         use crate::{DType, Device, Tensor};
-        use std::sync::atomic::AtomicBool;
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
         let (threads, cycles) = if cfg!(miri) { (3, 3) } else { (8, 30) };
         let work = || {
             let _r = record_function("stress");
@@ -888,12 +888,15 @@ mod tests {
             x.add(&x).unwrap().mul(&x).unwrap()
         };
         let done = AtomicBool::new(false);
-        let mut worker_ranges = 0;
+        // Ranges each worker completed so far.
+        let completed: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
         std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|| {
+            for c in &completed {
+                let done = &done;
+                s.spawn(move || {
                     while !done.load(Ordering::Relaxed) {
                         work();
+                        c.fetch_add(1, Ordering::Relaxed);
                     }
                 });
             }
@@ -909,11 +912,26 @@ mod tests {
                     on_trace_ready: None,
                 };
                 let mut p = cpu_only.start().unwrap();
+                let begun: Vec<usize> = completed.iter().map(|c| c.load(Ordering::Relaxed)).collect();
                 let mine = {
                     let _r = record_function(format!("main {cycle}"));
                     work()
                 };
                 assert_eq!(mine.to_vec::<f32>().unwrap(), [2.0; 4]);
+                // Until a worker has completed two ranges since the session began: its second
+                // began and ended inside the session.
+                let waited = std::time::Instant::now();
+                while !completed
+                    .iter()
+                    .zip(&begun)
+                    .any(|(c, &b)| c.load(Ordering::Relaxed) >= b + 2)
+                {
+                    assert!(
+                        waited.elapsed().as_secs() < 60,
+                        "cycle {cycle}: no worker made progress in 60 s"
+                    );
+                    std::thread::yield_now();
+                }
                 p.stop().unwrap();
                 let events = p.events();
                 for (i, e) in events.iter().enumerate() {
@@ -959,14 +977,17 @@ mod tests {
                         .all(|e| !e.name.starts_with("main ") || e.name == main.name),
                     "cycle {cycle}: another session's range leaked in"
                 );
-                worker_ranges += events
+                let worker_ranges = events
                     .iter()
                     .filter(|e| e.name == "stress" && e.thread != main.thread)
                     .count();
+                assert!(
+                    worker_ranges > 0,
+                    "cycle {cycle}: the session missed the other threads' ranges"
+                );
             }
             done.store(true, Ordering::Relaxed);
         });
-        assert!(worker_ranges > 0, "no session saw the other threads' work");
     }
 
     #[test]
