@@ -65,18 +65,19 @@ fn parse() -> Result<Options, Failure> {
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        if flag == "-h" || flag == "--help" {
+            println!("soak [--steps N] [--every K] [--device cpu|cuda] [--max-seconds S] [--warmup-fraction F] [--rss-slack-mib M]");
+            std::process::exit(0);
+        }
+        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
         match flag.as_str() {
-            "--steps" => o.steps = value()?.parse()?,
-            "--every" => o.every = value()?.parse()?,
-            "--device" => o.device = value()?.parse()?,
-            "--max-seconds" => o.max_seconds = value()?.parse()?,
-            "--warmup-fraction" => o.warmup_fraction = value()?.parse()?,
-            "--rss-slack-mib" => o.rss_slack_mib = value()?.parse()?,
-            "-h" | "--help" => {
-                println!("soak [--steps N] [--every K] [--device cpu|cuda] [--max-seconds S] [--warmup-fraction F] [--rss-slack-mib M]");
-                std::process::exit(0);
-            }
+            "--steps" => o.steps = value.parse().map_err(|e| bad(&e))?,
+            "--every" => o.every = value.parse().map_err(|e| bad(&e))?,
+            "--device" => o.device = value.parse().map_err(|e| bad(&e))?,
+            "--max-seconds" => o.max_seconds = value.parse().map_err(|e| bad(&e))?,
+            "--warmup-fraction" => o.warmup_fraction = value.parse().map_err(|e| bad(&e))?,
+            "--rss-slack-mib" => o.rss_slack_mib = value.parse().map_err(|e| bad(&e))?,
             _ => return Err(format!("unknown argument {flag} (try --help)").into()),
         }
     }
