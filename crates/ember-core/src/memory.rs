@@ -72,17 +72,39 @@ const HOST_SHARDS: usize = 64;
 #[repr(align(128))]
 struct HostShard(AtomicIsize);
 
+/// A count added to from many threads at once (Note [Host byte shards]): each thread adds to
+/// its own shard, picked once per thread in turn; the count is the shards' sum. A shard may go
+/// below zero (a value added on one thread and taken away on another); the sum stays exact once
+/// the adding threads are done, or joined.
+struct ShardedCount([HostShard; HOST_SHARDS]);
+
+impl ShardedCount {
+    const fn new() -> ShardedCount {
+        ShardedCount([const { HostShard(AtomicIsize::new(0)) }; HOST_SHARDS])
+    }
+
+    /// Adds `delta` to the calling thread's shard.
+    fn add(&self, delta: isize) {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % HOST_SHARDS;
+        }
+        let shard = SHARD.try_with(|s| *s).unwrap_or(0);
+        self.0[shard].0.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// The sum of the shards.
+    fn sum(&self) -> isize {
+        self.0.iter().map(|s| s.0.load(Ordering::Relaxed)).sum()
+    }
+}
+
 /// Bytes of every live host storage (tracked or not), spread over shards: their sum.
-static HOST_BYTES: [HostShard; HOST_SHARDS] = [const { HostShard(AtomicIsize::new(0)) }; HOST_SHARDS];
+static HOST_BYTES: ShardedCount = ShardedCount::new();
 
 /// Adds `bytes` to the calling thread's shard of [`HOST_BYTES`].
 fn add_host_bytes(bytes: isize) {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % HOST_SHARDS;
-    }
-    let shard = SHARD.try_with(|s| *s).unwrap_or(0);
-    HOST_BYTES[shard].0.fetch_add(bytes, Ordering::Relaxed);
+    HOST_BYTES.add(bytes);
 }
 
 thread_local! {
@@ -209,8 +231,7 @@ impl Drop for Tracking {
 
 /// Bytes held in host (CPU) tensor storages now.
 pub fn host_memory_allocated() -> usize {
-    let sum: isize = HOST_BYTES.iter().map(|s| s.0.load(Ordering::Relaxed)).sum();
-    sum.max(0) as usize
+    HOST_BYTES.sum().max(0) as usize
 }
 
 /// The `n` largest live allocations on `device` (storages of at least [`TRACK_MIN_BYTES`]),
@@ -379,4 +400,63 @@ pub(crate) fn oom_message(
     }
     msg += ", train in mixed precision (ember::amp::autocast with bfloat16 or float16), or recompute activations with gradient checkpointing (ember::autograd::checkpoint)";
     msg
+}
+
+// Note [Concurrency checks]: the parts of ember that threads share without a lock (the sharded
+// host byte count here, the dispatch point's observer count and list, the profiler's current
+// session) and the caching allocator's bookkeeping (one lock, taken by every thread that
+// allocates) have tests that run them from many threads at once and check the books balance
+// afterwards. They are sized down under Miri, whose data-race detector runs them too:
+//   MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test -p ember-core --lib -- \
+//     across_threads while_threads
+// (README, "Checking concurrency").
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sharded_count_sums_exactly_across_threads() {
+        let (threads, per_thread) = if cfg!(miri) { (4, 60) } else { (8, 20_000) };
+        let count = ShardedCount::new();
+        // Each thread adds values and hands every other one to the next thread, which takes it
+        // away again (a storage made on one thread and dropped on another).
+        let (senders, receivers): (Vec<_>, Vec<_>) =
+            (0..threads).map(|_| std::sync::mpsc::channel::<isize>()).unzip();
+        let kept: isize = std::thread::scope(|s| {
+            let handles: Vec<_> = receivers
+                .into_iter()
+                .enumerate()
+                .map(|(t, rx)| {
+                    let next = senders[(t + 1) % threads].clone();
+                    let count = &count;
+                    s.spawn(move || {
+                        let mut kept = 0;
+                        for i in 0..per_thread {
+                            let v = (t * per_thread + i) as isize + 1;
+                            count.add(v);
+                            if i % 2 == 0 {
+                                kept += v;
+                            } else {
+                                next.send(v).unwrap();
+                            }
+                        }
+                        drop(next);
+                        // Take away what the previous thread handed over, as it arrives.
+                        for _ in 0..per_thread / 2 {
+                            count.add(-rx.recv().unwrap());
+                        }
+                        kept
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(count.sum(), kept);
+        let total: isize = (1..=(threads * per_thread) as isize).sum();
+        assert!(
+            kept > 0 && kept < total,
+            "some values were kept and some taken away"
+        );
+    }
 }

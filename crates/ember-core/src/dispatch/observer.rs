@@ -178,3 +178,91 @@ impl Drop for Scope {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The observer list is swapped under a lock while ops enter and leave on other threads,
+    //! whose fast path reads only the `ACTIVE` count (Note [Concurrency checks] in
+    //! `memory.rs`: these tests also run under Miri).
+    use super::*;
+    use crate::dispatch::policy;
+    use std::collections::HashSet;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+
+    /// Counts the ops it sees and checks each one it saw enter leaves once, with its id.
+    #[derive(Default)]
+    struct Pairing {
+        open: Mutex<HashSet<u64>>,
+        enters: AtomicUsize,
+        exits: AtomicUsize,
+        unmatched: AtomicUsize,
+    }
+
+    impl Observer for Pairing {
+        fn on_enter(&self, e: &OpEnter<'_>) {
+            self.enters.fetch_add(1, Ordering::Relaxed);
+            if !self.open.lock().unwrap().insert(e.id) {
+                self.unmatched.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        fn on_exit(&self, e: &OpExit) {
+            self.exits.fetch_add(1, Ordering::Relaxed);
+            if !self.open.lock().unwrap().remove(&e.id) {
+                self.unmatched.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    #[test]
+    fn observers_added_and_removed_while_threads_run_ops_see_each_op_enter_and_leave() {
+        let (threads, ops) = if cfg!(miri) { (3, 40) } else { (8, 20_000) };
+        let done = AtomicBool::new(false);
+        let mut seen = Vec::new();
+        std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        for _ in 0..ops {
+                            let _outer = Scope::enter(&policy::ONE_HOT, Device::Cpu, &[]);
+                            let _inner = Scope::enter(&policy::INDEX_ADD, Device::Cpu, &[]);
+                        }
+                        // Every scope closed: the thread's depth is back where it began.
+                        DEPTH.with(|d| d.get())
+                    })
+                })
+                .collect();
+            let adder = s.spawn(|| {
+                let mut seen = Vec::new();
+                while !done.load(Ordering::Relaxed) || seen.is_empty() {
+                    let o = Arc::new(Pairing::default());
+                    let handle = add_observer(o.clone());
+                    std::thread::yield_now();
+                    drop(handle);
+                    seen.push(o);
+                }
+                seen
+            });
+            for w in workers {
+                assert_eq!(
+                    w.join().unwrap(),
+                    0,
+                    "a thread's op depth after all its ops closed"
+                );
+            }
+            done.store(true, Ordering::Relaxed);
+            seen = adder.join().unwrap();
+        });
+        assert!(!seen.is_empty());
+        for (i, o) in seen.iter().enumerate() {
+            let (enters, exits) = (o.enters.load(Ordering::Relaxed), o.exits.load(Ordering::Relaxed));
+            assert_eq!(enters, exits, "observer {i}: ops entered and left");
+            assert_eq!(
+                o.unmatched.load(Ordering::Relaxed),
+                0,
+                "observer {i}: an exit without its enter"
+            );
+            assert!(o.open.lock().unwrap().is_empty(), "observer {i}: ops still open");
+        }
+    }
+}

@@ -872,6 +872,124 @@ mod tests {
         assert_eq!(s.action(100), RecordAndSave);
     }
 
+    /// Sessions begun and ended while other threads run ops and ranges: the current session
+    /// is swapped under a lock while those threads read its id without one (Note
+    /// [Concurrency checks] in `memory.rs`: this also runs under Miri). Every trace is well
+    /// formed (each event inside its parent, on its parent's thread, listed among its
+    /// children), and what the main thread did inside each session is in that session's trace.
+    #[test]
+    fn sessions_begun_and_ended_while_threads_run_ops_record_well_formed_traces() {
+        use crate::{DType, Device, Tensor};
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        let (threads, cycles) = if cfg!(miri) { (3, 3) } else { (8, 30) };
+        let work = || {
+            let _r = record_function("stress");
+            let x = Tensor::ones([4], DType::F32, Device::Cpu).unwrap();
+            x.add(&x).unwrap().mul(&x).unwrap()
+        };
+        let done = AtomicBool::new(false);
+        // Ranges each worker completed so far.
+        let completed: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+        std::thread::scope(|s| {
+            for c in &completed {
+                let done = &done;
+                s.spawn(move || {
+                    while !done.load(Ordering::Relaxed) {
+                        work();
+                        c.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+            for cycle in 0..cycles {
+                // `profile()` without asking whether there is a GPU (Miri cannot load libcuda).
+                let cpu_only = ProfileBuilder {
+                    activities: vec![ProfilerActivity::Cpu],
+                    record_shapes: false,
+                    profile_memory: false,
+                    emit_nvtx: false,
+                    cuda_timing: CudaTimingSource::CudaEvents,
+                    schedule: None,
+                    on_trace_ready: None,
+                };
+                let mut p = cpu_only.start().unwrap();
+                let begun: Vec<usize> = completed.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+                let mine = {
+                    let _r = record_function(format!("main {cycle}"));
+                    work()
+                };
+                assert_eq!(mine.to_vec::<f32>().unwrap(), [2.0; 4]);
+                // Until a worker has completed two ranges since the session began: its second
+                // began and ended inside the session.
+                let waited = std::time::Instant::now();
+                while !completed
+                    .iter()
+                    .zip(&begun)
+                    .any(|(c, &b)| c.load(Ordering::Relaxed) >= b + 2)
+                {
+                    assert!(
+                        waited.elapsed().as_secs() < 60,
+                        "cycle {cycle}: no worker made progress in 60 s"
+                    );
+                    std::thread::yield_now();
+                }
+                p.stop().unwrap();
+                let events = p.events();
+                for (i, e) in events.iter().enumerate() {
+                    assert!(
+                        e.start_ns <= e.end_ns,
+                        "cycle {cycle}: {} ends before it starts",
+                        e.name
+                    );
+                    if let Some(pi) = e.parent {
+                        let parent = &events[pi];
+                        assert!(
+                            parent.start_ns <= e.start_ns && e.end_ns <= parent.end_ns,
+                            "cycle {cycle}: {} lies outside its parent {}",
+                            e.name,
+                            parent.name
+                        );
+                        assert_eq!(
+                            parent.thread, e.thread,
+                            "cycle {cycle}: {} on another thread than its parent",
+                            e.name
+                        );
+                        assert!(
+                            parent.children.contains(&i),
+                            "cycle {cycle}: {} not among its parent's children",
+                            e.name
+                        );
+                    }
+                }
+                let main = events
+                    .iter()
+                    .find(|e| e.name == format!("main {cycle}"))
+                    .unwrap_or_else(|| panic!("cycle {cycle}: the main thread's range is missing"));
+                let stress = &events[main.children[0]];
+                assert_eq!(stress.name, "stress");
+                let ops: Vec<&str> = stress.children.iter().map(|&c| events[c].name.as_str()).collect();
+                assert!(
+                    ops.contains(&"add") && ops.contains(&"mul"),
+                    "cycle {cycle}: {ops:?}"
+                );
+                assert!(
+                    events
+                        .iter()
+                        .all(|e| !e.name.starts_with("main ") || e.name == main.name),
+                    "cycle {cycle}: another session's range leaked in"
+                );
+                let worker_ranges = events
+                    .iter()
+                    .filter(|e| e.name == "stress" && e.thread != main.thread)
+                    .count();
+                assert!(
+                    worker_ranges > 0,
+                    "cycle {cycle}: the session missed the other threads' ranges"
+                );
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+    }
+
     #[test]
     fn backward_names() {
         assert_eq!(backward_name("mul"), "MulBackward0");

@@ -1032,3 +1032,93 @@ fn graphs_share_a_pool_until_the_last_releases_it() {
 }
 
 mod snapshot;
+
+/// Many threads allocating and freeing on their own streams at once, some blocks used on
+/// another thread's stream too (`record_stream`): no two live blocks overlap, a block is
+/// always the caller's stream's, and once all is freed the books balance (Note [Concurrency
+/// checks] in `memory.rs`: this also runs under Miri).
+#[test]
+fn threads_allocating_at_once_never_share_a_block_and_balance_the_books() {
+    let (threads, steps) = if cfg!(miri) { (4, 40) } else { (8, 4000) };
+    let a = allocator(1 << 40);
+    // Live blocks of every thread: start address -> (end, thread).
+    let live: Mutex<BTreeMap<u64, (u64, usize)>> = Mutex::new(BTreeMap::new());
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (a, live) = (&a, &live);
+            s.spawn(move || {
+                let stream = t as StreamId + 1;
+                let mut mine: Vec<Allocation> = Vec::new();
+                let mut x = t as u64 * 0x9e37_79b9 + 1;
+                for _ in 0..steps {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if mine.len() < 6 && x % 3 != 0 || mine.is_empty() {
+                        // Small and large pools, split and whole segments.
+                        let bytes = [700, 64 * KIB, MIB, 3 * MIB + 5, 12 * MIB][(x >> 8) as usize % 5];
+                        let b = a.malloc(bytes, stream).unwrap();
+                        assert_eq!(b.stream, stream, "a block of another stream was handed out");
+                        let end = b.ptr + b.size as u64;
+                        let mut l = live.lock().unwrap();
+                        let before = l.range(..end).next_back().map(|(&p, &(e, o))| (p, e, o));
+                        if let Some((p, e, owner)) = before {
+                            assert!(
+                                e <= b.ptr,
+                                "[{:#x}, {end:#x}) of thread {t} overlaps [{p:#x}, {e:#x}) of thread {owner}",
+                                b.ptr
+                            );
+                        }
+                        l.insert(b.ptr, (end, t));
+                        drop(l);
+                        if x % 5 == 0 {
+                            // Used on the next thread's stream as well.
+                            a.record_stream(b.ptr, (t + 1) as StreamId % threads as StreamId + 1);
+                        }
+                        mine.push(b);
+                    } else {
+                        let b = mine.swap_remove((x >> 16) as usize % mine.len());
+                        assert_eq!(
+                            live.lock().unwrap().remove(&b.ptr),
+                            Some((b.ptr + b.size as u64, t))
+                        );
+                        assert!(a.free(b.ptr));
+                    }
+                }
+                for b in mine {
+                    live.lock().unwrap().remove(&b.ptr);
+                    assert!(a.free(b.ptr));
+                }
+            });
+        }
+        // Meanwhile another thread reads the statistics and completes events.
+        s.spawn(|| {
+            for _ in 0..steps / 4 {
+                let st = a.stats();
+                assert!(st.allocated_bytes.all.current <= st.reserved_bytes.all.current);
+                a.with_driver(|d| d.complete_all());
+            }
+        });
+    });
+    let st = a.stats();
+    assert_eq!(st.allocation.all.current, 0);
+    assert_eq!(st.allocated_bytes.all.current, 0);
+    assert!(
+        st.allocation.all.allocated >= (threads * steps / 2) as i64,
+        "{st:?}"
+    );
+    assert!(a.empty_cache());
+    let st = a.stats();
+    assert_eq!(
+        (
+            st.active.all.current,
+            st.reserved_bytes.all.current,
+            st.segment.all.current
+        ),
+        (0, 0, 0)
+    );
+    a.with_driver(|d| {
+        assert_eq!(d.used, 0, "every segment went back to the driver");
+        assert!(d.events.is_empty(), "every event was destroyed");
+    });
+}

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Runs NVIDIA compute-sanitizer's four tools (memcheck, racecheck, synccheck, initcheck) over
+# prebuilt ember binaries on a GPU machine (no Rust toolchain needed there) and prints one line
+# per tool with the errors and warnings it reported.
+#
+#   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [--no-warm] [COMMAND ...]
+#
+# COMMAND   a program and its arguments as one string, split at spaces (no quoting), e.g.
+#           ".gpu/bin/it-0123abcd --include-ignored --test-threads=1 cuda_" or
+#           ".gpu/bin/tutorial_mlp". A libtest binary runs its ignored (GPU) tests only when
+#           given --include-ignored (or --ignored).
+# -d BUNDLE without COMMANDs: every test binary named in BUNDLE/tests.txt (the layout of
+#           ../shared/tools/gpu-bundle: binaries in BUNDLE/bin, default .gpu) with
+#           "--include-ignored --test-threads=1 $SANITIZE_TEST_ARGS", then the examples named in
+#           $SANITIZE_EXAMPLES that are in BUNDLE/bin (default: tutorial_mlp tutorial_cnn
+#           tutorial_lstm tutorial_transformer mixed_precision cuda_streams cuda_graphs_training
+#           pinned_loader gradient_accumulation activation_checkpointing).
+# -t TOOLS  comma-separated subset of memcheck,racecheck,synccheck,initcheck (default all four).
+# -o LOGDIR where each tool's logs go (default sanitize-logs): LOGDIR/TOOL-N.PID.log per
+#           process, LOGDIR/TOOL-N.out the program's own output; LOGDIR/summary.txt the lines below.
+# --no-warm skip the first plain run of each command (it fills the kernel cache, so that no
+#           kernel is compiled under a tool, and shows which commands fail without one).
+#
+# Environment of every run: CUDA_TESTS_REQUIRED=1 (a GPU test that finds no GPU fails);
+# EMBER_KERNEL_PREFETCH=0 (no background threads compiling kernel units: every kernel is
+# compiled on the thread that needs it, before its first launch, and the tool sees only the
+# launches); EMBER_KERNEL_CACHE=LOGDIR/kernel-cache unless set (warmed by the plain run).
+# COMPUTE_SANITIZER (default /usr/local/cuda/bin/compute-sanitizer, else on PATH),
+# SANITIZE_TIMEOUT seconds per run (default 3600), SANITIZE_ARGS extra arguments for the tool.
+#
+# Output: one line per tool,
+#   memcheck: 0 errors, 0 warnings (12 runs, 0 failed)
+# where errors are the tools' "ERROR SUMMARY" counts (racecheck: the errors of its "RACECHECK
+# SUMMARY"), warnings the "Warning" lines of the logs (racecheck: its summary's warnings), and a
+# failed run is one that exited non-zero for another reason than a reported error (a test
+# failure, a time-out: its output is in LOGDIR/TOOL-N.out). The exit status is 0 only when
+# every tool reported 0 errors and 0 warnings and no run failed.
+#
+# Notes: the tools slow kernels 10-100x (racecheck most), so choose what to run (a test filter,
+# --test-threads=1 keeps the logs in order). The profiler's CUPTI tests cannot take CUPTI while
+# a tool holds it (the profiler falls back to CUDA events and says so); skip them with
+# SANITIZE_TEST_ARGS="--skip cupti".
+set -uo pipefail
+
+tools=memcheck,racecheck,synccheck,initcheck
+logdir=sanitize-logs
+bundle=.gpu
+warm=1
+commands=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -t) tools="$2"; shift 2 ;;
+    -o) logdir="$2"; shift 2 ;;
+    -d) bundle="$2"; shift 2 ;;
+    --no-warm) warm=0; shift ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    --) shift; commands+=("$@"); break ;;
+    -*) echo "sanitize.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
+    *) commands+=("$1"); shift ;;
+  esac
+done
+
+sanitizer=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+if [ ! -x "$sanitizer" ]; then
+  sanitizer=$(command -v compute-sanitizer) || {
+    echo "sanitize.sh: no compute-sanitizer at /usr/local/cuda/bin or on PATH (set COMPUTE_SANITIZER)" >&2
+    exit 2
+  }
+fi
+IFS=, read -ra tool_list <<< "$tools"
+for t in "${tool_list[@]}"; do
+  case "$t" in
+    memcheck|racecheck|synccheck|initcheck) ;;
+    *) echo "sanitize.sh: unknown tool $t (memcheck, racecheck, synccheck, initcheck)" >&2; exit 2 ;;
+  esac
+done
+
+if [ ${#commands[@]} = 0 ]; then
+  if [ ! -f "$bundle/tests.txt" ]; then
+    echo "sanitize.sh: no COMMAND given and no $bundle/tests.txt (see --help)" >&2
+    exit 2
+  fi
+  while read -r name; do
+    [ -n "$name" ] && commands+=("$bundle/bin/$name --include-ignored --test-threads=1 ${SANITIZE_TEST_ARGS:-}")
+  done < "$bundle/tests.txt"
+  for ex in ${SANITIZE_EXAMPLES:-tutorial_mlp tutorial_cnn tutorial_lstm tutorial_transformer mixed_precision cuda_streams cuda_graphs_training pinned_loader gradient_accumulation activation_checkpointing}; do
+    [ -x "$bundle/bin/$ex" ] && commands+=("$bundle/bin/$ex")
+  done
+fi
+
+mkdir -p "$logdir"
+logdir=$(cd "$logdir" && pwd)
+export CUDA_TESTS_REQUIRED=1 EMBER_KERNEL_PREFETCH=0
+export EMBER_KERNEL_CACHE=${EMBER_KERNEL_CACHE:-$logdir/kernel-cache}
+limit=${SANITIZE_TIMEOUT:-3600}
+summary="$logdir/summary.txt"
+: > "$summary"
+"$sanitizer" --version | tail -1 | tee -a "$summary"
+
+for i in "${!commands[@]}"; do
+  echo "command $i: ${commands[$i]}" | tee -a "$summary"
+done
+
+if [ $warm = 1 ]; then
+  for i in "${!commands[@]}"; do
+    read -ra cmd <<< "${commands[$i]}"
+    start=$SECONDS
+    timeout "$limit" "${cmd[@]}" > "$logdir/plain-$i.out" 2>&1
+    status=$?
+    echo "plain run of command $i: exit status $status ($((SECONDS - start)) s)" | tee -a "$summary"
+  done
+fi
+
+overall=0
+lines=()
+for tool in "${tool_list[@]}"; do
+  errors=0 warnings=0 runs=0 failed=0 secs=0
+  for i in "${!commands[@]}"; do
+    read -ra cmd <<< "${commands[$i]}"
+    rm -f "$logdir/$tool-$i".*.log
+    start=$SECONDS
+    # shellcheck disable=SC2086
+    timeout "$limit" "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
+      --print-limit 1000 --log-file "$logdir/$tool-$i.%p.log" ${SANITIZE_ARGS:-} \
+      "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
+    status=$?
+    secs=$((secs + SECONDS - start))
+    runs=$((runs + 1))
+    e=0 w=0
+    for log in "$logdir/$tool-$i".*.log; do
+      [ -f "$log" ] || continue
+      # "ERROR SUMMARY: 3 errors" (memcheck, synccheck, initcheck; racecheck too);
+      # "RACECHECK SUMMARY: 5 hazards displayed (3 errors, 2 warnings)".
+      le=$(sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
+      re=$(sed -n 's/.*RACECHECK SUMMARY:.*(\([0-9][0-9]*\) error.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
+      rw=$(sed -n 's/.*RACECHECK SUMMARY:.*, \([0-9][0-9]*\) warning.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
+      lw=$(grep -c '^========= Warning' "$log")
+      # racecheck prints each warning as a "Warning" line and counts it in its summary too.
+      [ "$re" -gt "$le" ] && le=$re
+      [ "$rw" -gt "$lw" ] && lw=$rw
+      e=$((e + le)) w=$((w + lw))
+    done
+    errors=$((errors + e)) warnings=$((warnings + w))
+    if [ "$status" != 0 ] && ! { [ "$status" = 86 ] && [ $e -gt 0 ]; }; then
+      failed=$((failed + 1))
+      why="exit status $status"
+      [ "$status" = 124 ] && why="timed out after $limit s"
+      echo "$tool: command $i failed ($why; output in $logdir/$tool-$i.out)" | tee -a "$summary"
+    fi
+    [ $e -gt 0 ] || [ $w -gt 0 ] && echo "$tool: command $i: $e errors, $w warnings" | tee -a "$summary"
+  done
+  line="$tool: $errors errors, $warnings warnings ($runs runs, $failed failed, $secs s)"
+  echo "$line"
+  lines+=("$line")
+  if [ $errors != 0 ] || [ $warnings != 0 ] || [ $failed != 0 ]; then
+    overall=1
+  fi
+done
+echo "== compute-sanitizer, one line per tool" | tee -a "$summary"
+printf '%s\n' "${lines[@]}" | tee -a "$summary"
+exit $overall
