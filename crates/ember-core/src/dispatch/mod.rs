@@ -23,8 +23,8 @@
 //! below its Autocast key).
 //!
 //! Ops with no policy of their own enter more lightly, still under their PyTorch name:
-//! [`named`] for PyTorch's implicit composites (`flatten`, `masked_fill`, `split`, ...), whose
-//! inner ops pass every step themselves, and [`enter`] for ops with no tensor input (the
+//! `named` for PyTorch's implicit composites (`flatten`, `masked_fill`, `split`, ...), whose
+//! inner ops pass every step themselves, and `enter` for ops with no tensor input (the
 //! factories, the random draws) or whose operands the op checks itself. `tests/it/door.rs`
 //! reads every public function of the op layer and fails on one that no observer sees.
 //!

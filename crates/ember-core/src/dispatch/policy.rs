@@ -219,7 +219,7 @@ named_table! {
     AMP_UPDATE_SCALE_ = "_amp_update_scale_";
 }
 
-/// Every op that enters under its own name without a policy of its own ([`named_table`]).
+/// Every op that enters under its own name without a policy of its own (`named_table!`).
 pub fn named() -> &'static [&'static Op] {
     NAMED
 }
