@@ -35,6 +35,7 @@ mod profiler;
 mod props;
 mod random;
 mod reduce;
+mod threads;
 mod rnn;
 mod unary;
 mod view;

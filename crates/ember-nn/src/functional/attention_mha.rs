@@ -10,7 +10,7 @@
 //! [`multi_head_attention_forward_with`] adds the key padding mask and the dropout on the
 //! attention weights ([`MhaOptions`]), which `nn.MultiheadAttention` uses.
 
-use super::attention::scaled_dot_product_attention;
+use super::attention::scaled_dot_product_attention_with;
 use super::dropout::dropout;
 use super::idims;
 use ember_core::{DType, Error, Result, Tensor};
@@ -343,12 +343,12 @@ pub fn multi_head_attention_forward_with(
     } else if is_causal {
         // PyTorch's hint: attn_mask is the causal mask, so sdpa applies it itself.
         (
-            scaled_dot_product_attention(&q, &k, &v, None, dropout_p, true, None)?,
+            scaled_dot_product_attention_with(&q, &k, &v, super::SdpaOptions { attn_mask: None, dropout_p, is_causal: true, scale: None })?,
             None,
         )
     } else {
         (
-            scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), dropout_p, false, None)?,
+            scaled_dot_product_attention_with(&q, &k, &v, super::SdpaOptions { attn_mask: mask.as_ref(), dropout_p, is_causal: false, scale: None })?,
             None,
         )
     };

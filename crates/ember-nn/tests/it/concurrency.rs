@@ -112,7 +112,7 @@ fn train(job: usize, steps: usize) -> Trained {
         let (x, y) = batch(6, job * 1000 + step);
         opt.zero_grad().unwrap();
         let loss =
-            F::cross_entropy(&model.forward(&x).unwrap(), &y, None, -100, Reduction::Mean, 0.0).unwrap();
+            F::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
         loss.backward().unwrap();
         opt.step().unwrap();
         losses.push(loss.item::<f32>().unwrap().to_bits());
@@ -148,7 +148,7 @@ fn infer(model: &Net, seed: usize) -> (Vec<u32>, Vec<u32>) {
     let (x, y) = batch(5, seed);
     let x = x.requires_grad_(true).unwrap();
     let out = model.forward(&x).unwrap();
-    let loss = F::cross_entropy(&out, &y, None, -100, Reduction::Mean, 0.0).unwrap();
+    let loss = F::cross_entropy(&out, &y).unwrap();
     let g = autograd::grad(&[loss], &[x], None, false).unwrap();
     let g = g[0].as_ref().expect("the input's gradient");
     (bits(&out), bits(g))

@@ -59,7 +59,7 @@ fn batch(i: u64, poisoned: bool, device: Device) -> (Tensor, Tensor) {
 }
 
 fn loss_of(m: &Sequential, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-    cross_entropy(&m.forward(x)?, y, None, -100, Reduction::Mean, 0.0)
+    cross_entropy(&m.forward(x)?, y)
 }
 
 fn adam(m: &Sequential) -> Adam {
@@ -103,7 +103,7 @@ fn step(
             };
             scaler.scale(&loss)?.backward()?;
             scaler.step(opt)?;
-            scaler.update(None)?;
+            scaler.update()?;
             Ok(loss)
         }
     }
@@ -199,7 +199,7 @@ fn cuda_replayed_fp16_step_skips_a_poisoned_batch_and_backs_off() {
             // Eager: parameters and scale after each step.
             let eager = model(false, device);
             let mut opt = adam(&eager);
-            let mut scaler = GradScaler::new(config).unwrap();
+            let mut scaler = GradScaler::with_config(config).unwrap();
             let mut expected = Vec::new();
             for i in 0..10 {
                 let (x, y) = batch(i, poisoned(i), device);
@@ -210,7 +210,7 @@ fn cuda_replayed_fp16_step_skips_a_poisoned_batch_and_backs_off() {
 
             let graphed = model(false, device);
             let mut opt = adam(&graphed);
-            let mut scaler = GradScaler::new(config).unwrap();
+            let mut scaler = GradScaler::with_config(config).unwrap();
             let (x, y) = batch(0, false, device);
             let (g, _) = capture_step(&graphed, &mut opt, Some(&mut scaler), (&x, &y), warmup);
             for i in warmup..10 {
@@ -295,7 +295,7 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
                     opt.zero_grad().unwrap();
                     for k in 0..2 {
                         let (x, y) = batch(2 * s + k, false, device);
-                        let loss = cross_entropy(&forward(&x).unwrap(), &y, None, -100, Reduction::Mean, 0.0)
+                        let loss = cross_entropy(&forward(&x).unwrap(), &y)
                             .unwrap();
                         loss.backward().unwrap();
                         losses.push(loss.to_vec::<f32>().unwrap()[0].to_bits());

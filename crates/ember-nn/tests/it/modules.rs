@@ -94,7 +94,7 @@ impl Module for Mlp {
         self.fc1.visit_mut(&module::join_name(prefix, "fc1"), f)?;
         self.fc2.visit_mut(&module::join_name(prefix, "fc2"), f)
     }
-    fn set_training(&mut self, training: bool) {
+    fn set_training(&self, training: bool) {
         self.fc1.set_training(training);
         self.act.set_training(training);
         self.fc2.set_training(training);

@@ -305,6 +305,19 @@ fn encoder_layer_matches_the_functional_composition() {
             )
             .unwrap();
         assert_close(&hinted, &masked, 1e-5, 1e-6);
+        // PyTorch's two-argument `layer(src, src_mask)`, on the layer and on a stack.
+        assert_close(&layer.forward_with(&x, &mask).unwrap(), &masked, 0.0, 0.0);
+        let stack = TransformerEncoder::new(&layer, 2, None).unwrap();
+        let explicit = stack
+            .forward_with(
+                &x,
+                EncoderMasks {
+                    mask: Some(&mask),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_close(&stack.forward_with(&x, &mask).unwrap(), &explicit, 0.0, 0.0);
     }
 }
 

@@ -64,7 +64,7 @@ fn chain(x: &[Tensor]) -> Result<Vec<Tensor>, Fail> {
     };
     let mlp = || F::linear(&F::linear(x, w1, Some(b1))?.relu()?, w2, Some(b2));
     let logits = mlp()?;
-    let loss = F::cross_entropy(&mlp()?, y, None, -100, Reduction::Mean, 0.0)?;
+    let loss = F::cross_entropy(&mlp()?, y)?;
     Ok(vec![logits, loss])
 }
 
