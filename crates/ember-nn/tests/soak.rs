@@ -8,7 +8,7 @@
 //! and the tests of the `it` binary run beside each other in one process.
 
 use ember_core::{cuda, manual_seed, DType, Tensor};
-use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::functional::cross_entropy;
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
 use ember_nn::{Dropout, Forward, Linear, ModuleExt, ReLU, Sequential};
 

@@ -551,7 +551,7 @@ fn buffers_are_broadcast_from_rank_0_every_forward() {
     for broadcast in [true, false] {
         let per_rank = run_ranks(2, TIMEOUT, |pg| {
             let r = pg.rank();
-            let mut bn = Sequential::new()
+            let bn = Sequential::new()
                 .with(Linear::new(3, 2, CPU).unwrap())
                 .with(BatchNorm1d::new(2, CPU).unwrap());
             {

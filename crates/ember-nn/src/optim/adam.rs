@@ -850,6 +850,7 @@ mod tests {
                 weight_decay: 0.05,
                 amsgrad: true,
                 maximize: false,
+                fused: None,
             },
             AdamConfig {
                 lr: 0.03,

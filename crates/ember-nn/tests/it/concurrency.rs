@@ -11,7 +11,7 @@
 //!   the shared weights, whose `.grad` nobody writes).
 
 use ember_core::{autograd, Device, Tensor};
-use ember_nn::functional::{self as F, Reduction};
+use ember_nn::functional as F;
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
 use ember_nn::{Conv2d, Forward, LayerNorm, Linear, Module, ModuleExt};
 

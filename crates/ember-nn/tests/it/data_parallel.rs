@@ -272,7 +272,7 @@ fn data_parallel_over_two_gpus_gives_the_full_batch_gradients() {
     assert!(e.to_string().contains("device_ids[0]"), "{e}");
     // PyTorch's tutorial order: wrap a CPU Sequential, then move the wrapper.
     let model = Sequential::new().with(Linear::new(3, 6, Device::Cpu).unwrap()).with(ReLU::new());
-    let dp = DataParallel::new(model).unwrap();
+    let mut dp = DataParallel::new(model).unwrap();
     dp.to_device(Device::Cuda(0)).unwrap();
     let y = dp.forward(&Tensor::randn([8, 3], DType::F32, Device::Cuda(0)).unwrap()).unwrap();
     assert_eq!((y.dims(), y.device()), (&[8usize, 6][..], Device::Cuda(0)));
@@ -303,7 +303,7 @@ impl Module for Lopsided {
         )
     }
 
-    fn set_training(&mut self, _: bool) {}
+    fn set_training(&self, _: bool) {}
 
     fn is_training(&self) -> bool {
         true

@@ -3,7 +3,7 @@
 //! every child, and a module whose forward takes and returns two tensors.
 
 use ember_core::{DType, Device, Result, Tensor};
-use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::functional::cross_entropy;
 use ember_nn::{Forward, Linear, Module, ModuleExt, ReLU, Sequential, TensorKind, Training};
 
 const CPU: Device = Device::Cpu;
@@ -150,7 +150,7 @@ fn derive_names_tuple_fields_by_position() -> Result<()> {
 }
 
 /// A generic module: the derive keeps the struct's bounds.
-#[derive(Module)]
+#[derive(Module, Clone)]
 struct Residual<M: Forward> {
     inner: M,
 }

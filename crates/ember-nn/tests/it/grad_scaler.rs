@@ -7,7 +7,7 @@
 use crate::common;
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
 use ember_nn::amp::{GradScaler, GradScalerConfig, OptState};
-use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::functional::cross_entropy;
 use ember_nn::optim::{clip_grad_norm_, Adam, AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 
 fn param(values: &[f32], device: Device) -> Tensor {

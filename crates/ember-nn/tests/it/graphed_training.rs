@@ -12,7 +12,7 @@ use crate::common::{self, in_own_process};
 use ember_core::cuda::{self, make_graphed_callables, CUDAGraph, Callable, GraphedOptions, Stream};
 use ember_core::{DType, Device, Error, Result, Tensor};
 use ember_nn::amp::{GradScaler, GradScalerConfig};
-use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::functional::cross_entropy;
 use ember_nn::graphs::make_graphed_module;
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
 use ember_nn::{Dropout, Forward, Linear, ModuleExt, ReLU, Sequential};
@@ -326,7 +326,7 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
             assert_eq!(bits(&graphed_model), bits(&eager), "parameters");
 
             // The module form.
-            let mut module = make_graphed_module(model(false, device), &batch(0, false, device).0).unwrap();
+            let module = make_graphed_module(model(false, device), &batch(0, false, device).0).unwrap();
             let module_losses = train(module.module(), &|x| module.forward(x));
             assert_eq!(module_losses, eager_losses, "losses of the graphed module");
             assert_eq!(

@@ -21,7 +21,6 @@ use crate::common;
 use ember_core::amp::{self, Autocast};
 use ember_core::{DType, Device, Tensor};
 use ember_nn::functional as F;
-use ember_nn::functional::Reduction;
 
 static MANIFEST: &str = include_str!("../../fixtures/conformance_amp/manifest.json");
 static REFERENCE: &[u8] = include_bytes!("../../fixtures/conformance_amp/reference.safetensors");
