@@ -35,8 +35,8 @@ pub mod shape;
 pub mod storage;
 pub mod tensor;
 
-pub use cpu::threads::{get_num_threads, set_num_threads};
 pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
+pub use cpu::threads::{get_num_threads, set_num_threads};
 pub use device::{Device, DeviceType};
 pub use dtype::{DType, Element, Scalar, ScalarKind};
 pub use error::{Error, Result};

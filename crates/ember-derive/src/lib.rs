@@ -218,7 +218,9 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
     let visit = field_visits(false);
     let visit_mut = field_visits(true);
     let accesses: Vec<&TokenStream2> = fields.iter().map(|f| &f.access).collect();
-    let set_own = training.as_ref().map(|t| quote!(#support::Training::set(&self.#t, training);));
+    let set_own = training
+        .as_ref()
+        .map(|t| quote!(#support::Training::set(&self.#t, training);));
     let is_training = match &training {
         Some(t) => quote!(#support::Training::get(&self.#t)),
         None => quote! {

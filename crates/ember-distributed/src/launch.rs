@@ -277,7 +277,11 @@ impl LaunchConfig {
     /// file.
     fn stream_sinks(&self, local_rank: usize) -> Result<[(Stdio, Option<std::fs::File>); 2]> {
         let file = |name: &str| -> Result<std::fs::File> {
-            let dir = self.log_dir.as_ref().expect("checked by the caller").join(local_rank.to_string());
+            let dir = self
+                .log_dir
+                .as_ref()
+                .expect("checked by the caller")
+                .join(local_rank.to_string());
             let io = |e: std::io::Error, what: &std::path::Path| Error::Io {
                 kind: e.kind(),
                 msg: format!("ember-run: cannot write the log file {}: {e}", what.display()),

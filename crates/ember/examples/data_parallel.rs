@@ -7,8 +7,8 @@
 //!
 //! Run: `cargo run --release -p ember --example data_parallel`
 
-use ember::data::{DataLoader, TensorDataset};
 use ember::cuda;
+use ember::data::{DataLoader, TensorDataset};
 use ember::nn::{DataParallel, Linear};
 use ember::prelude::*;
 

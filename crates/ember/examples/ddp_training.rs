@@ -67,10 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dataset = TensorDataset::new(vec![x, y])?;
     // World size and rank from the default group, as PyTorch's DistributedSampler(dataset).
     let sampler = Arc::new(DistributedSampler::new(&dataset)?.seed(0));
-    let loader = DataLoader::builder(dataset)
-        .batch_size(BATCH_SIZE)
-        .sampler(sampler.clone())
-        .build()?;
+    let loader = DataLoader::builder(dataset).batch_size(BATCH_SIZE).sampler(sampler.clone()).build()?;
 
     // Each rank builds its model (here from its own seed): DDP broadcasts rank 0's parameters.
     ember::manual_seed(rank as u64)?;

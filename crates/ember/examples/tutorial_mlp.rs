@@ -9,9 +9,9 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_mlp`
 
+use ember::cuda;
 use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, Dataset, TensorDataset};
-use ember::cuda;
 use ember::nn::optim::{SgdConfig, SGD};
 use ember::nn::{CrossEntropyLoss, Flatten, Linear, ReLU, Sequential};
 use ember::prelude::*;

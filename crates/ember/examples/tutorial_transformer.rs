@@ -14,7 +14,9 @@
 use ember::cuda;
 use ember::nn::layers::{EncoderMasks, TransformerLayerConfig};
 use ember::nn::optim::{clip_grad_norm_, LRScheduler, SgdConfig, StepLR, SGD};
-use ember::nn::{CrossEntropyLoss, Dropout, Embedding, Linear, Transformer, TransformerEncoder, TransformerEncoderLayer};
+use ember::nn::{
+    CrossEntropyLoss, Dropout, Embedding, Linear, Transformer, TransformerEncoder, TransformerEncoderLayer,
+};
 use ember::prelude::*;
 
 #[derive(Module)]
@@ -146,8 +148,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             let (data, targets) = get_batch(eval_data, i, bptt)?;
             let seq_len = data.dims()[0];
             let output = model.forward(&data, None)?;
-            total_loss += seq_len as f64
-                * criterion.forward(&output.view((-1, ntokens))?, &targets)?.item_f64()?;
+            total_loss +=
+                seq_len as f64 * criterion.forward(&output.view((-1, ntokens))?, &targets)?.item_f64()?;
         }
         Ok(total_loss / (eval_data.dims()[0] - 1) as f64)
     };

@@ -206,7 +206,9 @@ mod tests {
             // Without a GPU the device forms are typed errors or no-ops, never panics.
             assert!(mem_get_info().is_err() && mem_get_info_on(0).is_err());
             assert!(current_stream().is_err() && current_stream_on(0).is_err());
-            assert!(record_memory_history(true, 10).is_err() && record_memory_history_on(0, true, 10).is_err());
+            assert!(
+                record_memory_history(true, 10).is_err() && record_memory_history_on(0, true, 10).is_err()
+            );
             assert!(dump_snapshot(std::env::temp_dir().join("ember-no-gpu.pickle")).is_err());
             reset_accumulated_memory_stats();
             reset_accumulated_memory_stats_on(dev);

@@ -17,17 +17,18 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub use ember_core::{
-    autograd, backends, default_generator, dispatch, enable_grad, get_num_threads, get_rng_state, initial_seed,
-    is_grad_enabled, manual_seed, no_grad, seed, set_grad_enabled, set_num_threads, set_rng_state, DType, Device, DeviceType,
-    Element, Error, Generator, Result, RngState, Scalar, Shape, Sizes, Tensor,
-};
 /// `torch.tensor(data)`: a CPU tensor of a literal (`tensor!([[1.0, 2.0], [3.0, 4.0]])`).
 pub use ember_core::tensor;
+pub use ember_core::{
+    autograd, backends, default_generator, dispatch, enable_grad, get_num_threads, get_rng_state,
+    initial_seed, is_grad_enabled, manual_seed, no_grad, seed, set_grad_enabled, set_num_threads,
+    set_rng_state, DType, Device, DeviceType, Element, Error, Generator, Result, RngState, Scalar, Shape,
+    Sizes, Tensor,
+};
 /// `torch.optim` (also `ember::nn::optim`).
 pub use ember_nn::optim;
-pub mod prelude;
 pub mod cuda;
+pub mod prelude;
 /// Python's pickle format for plain data ([`pickle::Value`]): what [`cuda::snapshot`] returns
 /// and [`cuda::dump_snapshot`] writes, readable by PyTorch's tools.
 pub use ember_core::pickle;

@@ -159,7 +159,11 @@ where
     if let Some(rb) = bl.contiguous_range() {
         let b = &b[rb];
         if a.len() >= PAR_THRESHOLD {
-            super::threads::parallel(|| a.par_iter_mut().zip(b.par_iter()).for_each(|(x, &y)| *x = f(*x, y)));
+            super::threads::parallel(|| {
+                a.par_iter_mut()
+                    .zip(b.par_iter())
+                    .for_each(|(x, &y)| *x = f(*x, y))
+            });
         } else {
             a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
         }

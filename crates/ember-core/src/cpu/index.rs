@@ -116,7 +116,11 @@ fn select_contiguous<T: CpuElement>(src: &[T], layout: &Layout, dim: usize, idx:
         dst.copy_from_slice(&src[start..start + inner]);
     };
     if out.len() >= PAR_THRESHOLD {
-        super::threads::parallel(|| out.par_chunks_mut(inner).enumerate().for_each(|(c, d)| copy(c, d)));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(inner)
+                .enumerate()
+                .for_each(|(c, d)| copy(c, d))
+        });
     } else {
         out.chunks_mut(inner).enumerate().for_each(|(c, d)| copy(c, d));
     }

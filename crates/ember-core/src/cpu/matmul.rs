@@ -281,7 +281,11 @@ fn int_matmul<T: IntElement>(a: &[T], al: &Layout, b: &[T], bl: &Layout) -> Vec<
         }
     };
     if p.batch * p.m * p.n * p.k >= PAR_THRESHOLD {
-        super::threads::parallel(|| out.par_chunks_mut(p.n).enumerate().for_each(|(r, dst)| row(r, dst)));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(p.n)
+                .enumerate()
+                .for_each(|(r, dst)| row(r, dst))
+        });
     } else {
         out.chunks_mut(p.n).enumerate().for_each(|(r, dst)| row(r, dst));
     }

@@ -505,7 +505,9 @@ fn arg_row<T: Copy + PartialOrd + Send + Sync, const MAX: bool>(r: &[T]) -> (T, 
     let better = |b: T, a: T| (if MAX { b > a } else { b < a }) || (b != b && a == a);
     if r.len() >= PAR_THRESHOLD {
         let mid = r.len() / 2;
-        let (a, b) = super::threads::parallel(|| rayon::join(|| arg_row::<T, MAX>(&r[..mid]), || arg_row::<T, MAX>(&r[mid..])));
+        let (a, b) = super::threads::parallel(|| {
+            rayon::join(|| arg_row::<T, MAX>(&r[..mid]), || arg_row::<T, MAX>(&r[mid..]))
+        });
         return if better(b.0, a.0) { (b.0, b.1 + mid) } else { a };
     }
     let mut best = (r[0], 0);

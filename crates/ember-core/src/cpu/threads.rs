@@ -23,7 +23,10 @@ static POOL: RwLock<Option<Arc<ThreadPool>>> = RwLock::new(None);
 /// (`torch.set_num_threads`). `n == 0` is an [`Error::InvalidArgument`].
 pub fn set_num_threads(n: usize) -> Result<()> {
     if n == 0 {
-        return Err(Error::invalid("set_num_threads", "the number of threads must be at least 1"));
+        return Err(Error::invalid(
+            "set_num_threads",
+            "the number of threads must be at least 1",
+        ));
     }
     if get_num_threads() == n && POOL.read().map(|p| p.is_some()).unwrap_or(false) {
         return Ok(());
@@ -65,7 +68,13 @@ mod tests {
 
     #[test]
     fn zero_threads_is_a_typed_error() {
-        assert!(matches!(set_num_threads(0), Err(Error::InvalidArgument { op: "set_num_threads", .. })));
+        assert!(matches!(
+            set_num_threads(0),
+            Err(Error::InvalidArgument {
+                op: "set_num_threads",
+                ..
+            })
+        ));
     }
 
     #[test]

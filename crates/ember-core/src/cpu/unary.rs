@@ -205,7 +205,11 @@ where
     };
     let mut out = vec![O::zero(); input.len()];
     if input.len() >= PAR_THRESHOLD {
-        super::threads::parallel(|| out.par_chunks_mut(CHUNK).zip(input.par_chunks(CHUNK)).for_each(|(o, i)| f(i, o)));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(CHUNK)
+                .zip(input.par_chunks(CHUNK))
+                .for_each(|(o, i)| f(i, o))
+        });
     } else {
         f(input, &mut out);
     }

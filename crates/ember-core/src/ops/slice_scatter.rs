@@ -13,7 +13,14 @@ impl Tensor {
     /// (`torch.slice_scatter(input, src, dim, start, end, step)`); bounds as in
     /// [`Tensor::slice`] (negative from the end, clamped; `isize::MAX` for "to the end").
     /// `src` must have the slice's shape; its dtype is converted to `self`'s, as by `copy_`.
-    pub fn slice_scatter(&self, src: &Tensor, dim: isize, start: isize, end: isize, step: usize) -> Result<Tensor> {
+    pub fn slice_scatter(
+        &self,
+        src: &Tensor,
+        dim: isize,
+        start: isize,
+        end: isize,
+        step: usize,
+    ) -> Result<Tensor> {
         let out = {
             let _g = no_grad();
             let out = self.detach().deep_clone()?;
@@ -29,16 +36,27 @@ impl Tensor {
             view.copy_(&src.detach())?;
             out
         };
-        Ok(autograd::custom_op("slice_scatter", &[self, src], out, move |g, needs| {
-            let grad_input = match needs[0] {
-                true => Some(g.slice_scatter(&g.slice(dim, start, end, step)?.zeros_like()?, dim, start, end, step)?),
-                false => None,
-            };
-            let grad_src = match needs[1] {
-                true => Some(g.slice(dim, start, end, step)?.contiguous()?),
-                false => None,
-            };
-            Ok(vec![grad_input, grad_src])
-        }))
+        Ok(autograd::custom_op(
+            "slice_scatter",
+            &[self, src],
+            out,
+            move |g, needs| {
+                let grad_input = match needs[0] {
+                    true => Some(g.slice_scatter(
+                        &g.slice(dim, start, end, step)?.zeros_like()?,
+                        dim,
+                        start,
+                        end,
+                        step,
+                    )?),
+                    false => None,
+                };
+                let grad_src = match needs[1] {
+                    true => Some(g.slice(dim, start, end, step)?.contiguous()?),
+                    false => None,
+                };
+                Ok(vec![grad_input, grad_src])
+            },
+        ))
     }
 }

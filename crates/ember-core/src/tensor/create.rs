@@ -130,12 +130,15 @@ impl Tensor {
         }
         let span = (end as i128 - start as i128).unsigned_abs();
         let n = span.div_ceil(step.unsigned_abs() as u128);
-        let n = usize::try_from(n).ok().filter(|&n| n <= MAX_ELEMENTS).ok_or_else(|| {
-            Error::invalid(
-                "arange",
-                format!("{start}..{end} by {step} has more elements than memory can address"),
-            )
-        })?;
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= MAX_ELEMENTS)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "arange",
+                    format!("{start}..{end} by {step} has more elements than memory can address"),
+                )
+            })?;
         crate::memory::check_host_alloc("arange", n, DType::I64)?;
         let values: Vec<i64> = (0..n as i64).map(|i| start + i * step).collect();
         Tensor::from_vec(values, [n], device)

@@ -144,7 +144,10 @@ mod tests {
         let v = crate::Tensor::from(vec![1.5f64, 2.5]);
         assert_eq!((v.dims(), v.dtype()), (&[2usize][..], DType::F64));
         let m = crate::Tensor::from([[1u8, 2, 3], [4, 5, 6]]);
-        assert_eq!((m.dims(), m.to_vec::<u8>().unwrap()), (&[2usize, 3][..], vec![1, 2, 3, 4, 5, 6]));
+        assert_eq!(
+            (m.dims(), m.to_vec::<u8>().unwrap()),
+            (&[2usize, 3][..], vec![1, 2, 3, 4, 5, 6])
+        );
         let empty = crate::Tensor::from(Vec::<f32>::new());
         assert_eq!(empty.dims(), [0]);
     }

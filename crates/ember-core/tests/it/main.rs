@@ -35,7 +35,7 @@ mod profiler;
 mod props;
 mod random;
 mod reduce;
-mod threads;
 mod rnn;
+mod threads;
 mod unary;
 mod view;

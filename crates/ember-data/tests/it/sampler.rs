@@ -127,7 +127,11 @@ fn distributed_sampler_partitions_and_reshuffles() {
 #[test]
 fn distributed_sampler_drives_a_loader_across_epochs() {
     use std::sync::Arc;
-    let sampler = Arc::new(ember_data::DistributedSampler::with_replicas(20, 2, 1).unwrap().seed(3));
+    let sampler = Arc::new(
+        ember_data::DistributedSampler::with_replicas(20, 2, 1)
+            .unwrap()
+            .seed(3),
+    );
     let loader = DataLoader::builder(xy(20))
         .batch_size(4)
         .sampler(sampler.clone())
@@ -148,8 +152,13 @@ fn distributed_sampler_drives_a_loader_across_epochs() {
 #[test]
 fn distributed_sampler_new_needs_the_default_group() {
     // ember-data alone has no process group: `DistributedSampler::new(&dataset)` says what to do.
-    let ds = ember_data::TensorDataset::new(vec![ember_core::Tensor::zeros([4], ember_core::DType::F32, ember_core::Device::Cpu).unwrap()])
-        .unwrap();
+    let ds = ember_data::TensorDataset::new(vec![ember_core::Tensor::zeros(
+        [4],
+        ember_core::DType::F32,
+        ember_core::Device::Cpu,
+    )
+    .unwrap()])
+    .unwrap();
     let e = ember_data::DistributedSampler::new(&ds).unwrap_err().to_string();
     assert!(e.contains("init_process_group"), "{e}");
 }

@@ -31,7 +31,15 @@ fn tee_prefixes_and_logs_and_redirects_only_log() {
     let dir = std::env::temp_dir().join(format!("ember-run-logs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let out = Command::new(crate::common::ember_run())
-        .args(["--standalone", "--nproc-per-node", "2", "--tee", "1", "--redirects", "2"])
+        .args([
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--tee",
+            "1",
+            "--redirects",
+            "2",
+        ])
         .arg(format!("--log-dir={}", dir.display()))
         .args(["sh", "-c", "echo '{\"rank\": '$RANK'}'; echo oops $RANK >&2"])
         .output()
@@ -40,7 +48,11 @@ fn tee_prefixes_and_logs_and_redirects_only_log() {
     let stdout = String::from_utf8(out.stdout).unwrap();
     let mut lines: Vec<&str> = stdout.lines().collect();
     lines.sort();
-    assert_eq!(lines, ["[rank0]: {\"rank\": 0}", "[rank1]: {\"rank\": 1}"], "{stdout}");
+    assert_eq!(
+        lines,
+        ["[rank0]: {\"rank\": 0}", "[rank1]: {\"rank\": 1}"],
+        "{stdout}"
+    );
     // stderr went to the files only.
     assert!(String::from_utf8(out.stderr).unwrap().is_empty());
     for r in 0..2 {

@@ -47,11 +47,18 @@ fn worker_entry() {
                 assert_eq!(x.to_vec::<f32>().unwrap(), [(n - 1) as f32]);
             }
             // `DistributedSampler(dataset)` takes world size and rank from the default group.
-            let ds = ember_data::TensorDataset::new(vec![Tensor::zeros([10], ember_core::DType::F32, Device::Cpu).unwrap()])
-                .unwrap();
+            let ds = ember_data::TensorDataset::new(vec![Tensor::zeros(
+                [10],
+                ember_core::DType::F32,
+                Device::Cpu,
+            )
+            .unwrap()])
+            .unwrap();
             use ember_data::Sampler;
             let implicit = ember_data::DistributedSampler::new(&ds).unwrap().shuffle(false);
-            let explicit = ember_data::DistributedSampler::with_replicas(10, n, rank).unwrap().shuffle(false);
+            let explicit = ember_data::DistributedSampler::with_replicas(10, n, rank)
+                .unwrap()
+                .shuffle(false);
             assert_eq!(implicit.indices().unwrap(), explicit.indices().unwrap());
             assert_eq!(implicit.num_samples(), 10usize.div_ceil(n));
             dist::barrier().unwrap();

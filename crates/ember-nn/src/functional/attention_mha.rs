@@ -343,12 +343,32 @@ pub fn multi_head_attention_forward_with(
     } else if is_causal {
         // PyTorch's hint: attn_mask is the causal mask, so sdpa applies it itself.
         (
-            scaled_dot_product_attention_with(&q, &k, &v, super::SdpaOptions { attn_mask: None, dropout_p, is_causal: true, scale: None })?,
+            scaled_dot_product_attention_with(
+                &q,
+                &k,
+                &v,
+                super::SdpaOptions {
+                    attn_mask: None,
+                    dropout_p,
+                    is_causal: true,
+                    scale: None,
+                },
+            )?,
             None,
         )
     } else {
         (
-            scaled_dot_product_attention_with(&q, &k, &v, super::SdpaOptions { attn_mask: mask.as_ref(), dropout_p, is_causal: false, scale: None })?,
+            scaled_dot_product_attention_with(
+                &q,
+                &k,
+                &v,
+                super::SdpaOptions {
+                    attn_mask: mask.as_ref(),
+                    dropout_p,
+                    is_causal: false,
+                    scale: None,
+                },
+            )?,
             None,
         )
     };

@@ -269,7 +269,11 @@ pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 
 /// `F.cross_entropy(input, target, weight=.., ignore_index=.., reduction=..,
 /// label_smoothing=..)`: see [`CrossEntropyOptions`]; `label_smoothing` must be in `[0, 1]`.
-pub fn cross_entropy_with(input: &Tensor, target: &Tensor, options: CrossEntropyOptions<'_>) -> Result<Tensor> {
+pub fn cross_entropy_with(
+    input: &Tensor,
+    target: &Tensor,
+    options: CrossEntropyOptions<'_>,
+) -> Result<Tensor> {
     let CrossEntropyOptions {
         weight,
         ignore_index,

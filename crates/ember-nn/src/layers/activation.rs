@@ -87,7 +87,10 @@ pub struct Softmax {
 impl Softmax {
     /// `nn.Softmax(dim)`.
     pub fn new(dim: isize) -> Softmax {
-        Softmax { dim, training: crate::module::Training::new(true) }
+        Softmax {
+            dim,
+            training: crate::module::Training::new(true),
+        }
     }
 }
 
@@ -104,7 +107,10 @@ pub struct LogSoftmax {
 impl LogSoftmax {
     /// `nn.LogSoftmax(dim)`.
     pub fn new(dim: isize) -> LogSoftmax {
-        LogSoftmax { dim, training: crate::module::Training::new(true) }
+        LogSoftmax {
+            dim,
+            training: crate::module::Training::new(true),
+        }
     }
 }
 

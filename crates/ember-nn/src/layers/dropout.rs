@@ -23,7 +23,10 @@ impl Dropout {
                 format!("dropout probability has to be between 0 and 1, but got {p}"),
             ));
         }
-        Ok(Dropout { p, training: crate::module::Training::new(true) })
+        Ok(Dropout {
+            p,
+            training: crate::module::Training::new(true),
+        })
     }
 }
 

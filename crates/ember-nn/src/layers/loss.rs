@@ -68,7 +68,16 @@ impl CrossEntropyLoss {
 
     /// The loss of the logits `input` at `target` (`loss_fn(input, target)`).
     pub fn forward(&self, input: &Tensor, target: &Tensor) -> Result<Tensor> {
-        F::cross_entropy_with(input, target, F::CrossEntropyOptions { weight: self.weight.as_ref(), ignore_index: self.ignore_index, reduction: self.reduction, label_smoothing: self.label_smoothing })
+        F::cross_entropy_with(
+            input,
+            target,
+            F::CrossEntropyOptions {
+                weight: self.weight.as_ref(),
+                ignore_index: self.ignore_index,
+                reduction: self.reduction,
+                label_smoothing: self.label_smoothing,
+            },
+        )
     }
 }
 

@@ -28,8 +28,8 @@ use super::{
     Optimizer, StateKey,
 };
 use ember_core::fused::{self, AdamStep, AdamSteps, GradScaling};
-use std::sync::atomic::{AtomicBool, Ordering};
 use ember_core::{DType, Device, Error, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Hyperparameters of [`Adam`] and [`AdamW`]. `Default` is Adam's PyTorch default
 /// (`lr = 1e-3`, `betas = (0.9, 0.999)`, `eps = 1e-8`, no weight decay);

@@ -111,8 +111,7 @@ fn train(job: usize, steps: usize) -> Trained {
     for step in 0..steps {
         let (x, y) = batch(6, job * 1000 + step);
         opt.zero_grad().unwrap();
-        let loss =
-            F::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        let loss = F::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
         loss.backward().unwrap();
         opt.step().unwrap();
         losses.push(loss.item::<f32>().unwrap().to_bits());

@@ -63,10 +63,11 @@ fn a_boxed_child_is_shared_and_replacing_its_tensors_is_a_typed_error() {
     a.push_boxed(Box::new(Linear::new(2, 2, CPU).unwrap()));
     let b = a.clone();
     assert!(a.get_mut(0).is_none(), "shared with b");
-    let e = a
-        .visit_mut("", &mut |_, _, _| Ok(()))
-        .unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("push_boxed"), "{e}");
+    let e = a.visit_mut("", &mut |_, _, _| Ok(())).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("push_boxed"),
+        "{e}"
+    );
     drop(b);
     assert!(a.get_mut(0).is_some());
     assert!(a.visit_mut("", &mut |_, _, _| Ok(())).is_ok());
@@ -75,7 +76,8 @@ fn a_boxed_child_is_shared_and_replacing_its_tensors_is_a_typed_error() {
 #[test]
 fn module_list_clones_too() {
     let mut list = ModuleList::new();
-    list.push(Linear::new(3, 3, CPU).unwrap()).push(LayerNorm::new(&[3], CPU).unwrap());
+    list.push(Linear::new(3, 3, CPU).unwrap())
+        .push(LayerNorm::new(&[3], CPU).unwrap());
     let copy = list.clone();
     assert_eq!(copy.len(), 2);
     assert_eq!(copy.parameters().len(), list.parameters().len());
@@ -103,8 +105,13 @@ fn eval_and_train_take_a_shared_reference() {
 
 #[test]
 fn a_sequential_block_can_be_checkpointed() {
-    let block = Sequential::new().with(Linear::new(4, 4, CPU).unwrap()).with(ReLU::new());
-    let x = Tensor::ones([2, 4], DType::F32, CPU).unwrap().requires_grad_(true).unwrap();
+    let block = Sequential::new()
+        .with(Linear::new(4, 4, CPU).unwrap())
+        .with(ReLU::new());
+    let x = Tensor::ones([2, 4], DType::F32, CPU)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
     let y = checkpoint(&block, &x).unwrap();
     assert_eq!(
         y.to_vec::<f32>().unwrap(),

@@ -229,8 +229,20 @@ fn data_parallel_argument_errors() {
     let dp = DataParallel::with_devices(net(Device::Cpu), [Device::Cuda(0)]).unwrap();
     let x = Tensor::randn([4, 6], DType::F32, Device::Cpu).unwrap();
     let e = dp.forward(&x).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { op: "DataParallel", .. }), "{e}");
-    assert!(e.to_string().contains("device_ids[0]") && e.to_string().contains("fc.weight"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                op: "DataParallel",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("device_ids[0]") && e.to_string().contains("fc.weight"),
+        "{e}"
+    );
     // A batch of different width is the module's own error, from the replica's thread.
     let dp = DataParallel::with_devices(net(Device::Cpu), vec![Device::Cpu; 2]).unwrap();
     let bad = Tensor::randn([4, 5], DType::F32, Device::Cpu).unwrap();
@@ -242,10 +254,14 @@ fn data_parallel_wraps_a_cpu_sequential() {
     // `nn.DataParallel(nn.Sequential(...))`: a Sequential is Clone, so it can be wrapped; on a
     // machine without GPUs the wrapper calls it as it is.
     let model = Sequential::new().with(net(Device::Cpu)).with(ReLU::new());
-    let expected = model.forward(&Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap()).unwrap();
+    let expected = model
+        .forward(&Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap())
+        .unwrap();
     let dp = DataParallel::new(model).unwrap();
     if !cuda::is_available() {
-        let y = dp.forward(&Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap()).unwrap();
+        let y = dp
+            .forward(&Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap())
+            .unwrap();
         assert_close(&y, &expected, 0.0, 0.0);
     }
     // Over two CPU "devices" the replicas are clones of the Sequential.
@@ -271,10 +287,14 @@ fn data_parallel_over_two_gpus_gives_the_full_batch_gradients() {
     let e = dp.forward(&x).unwrap_err();
     assert!(e.to_string().contains("device_ids[0]"), "{e}");
     // PyTorch's tutorial order: wrap a CPU Sequential, then move the wrapper.
-    let model = Sequential::new().with(Linear::new(3, 6, Device::Cpu).unwrap()).with(ReLU::new());
+    let model = Sequential::new()
+        .with(Linear::new(3, 6, Device::Cpu).unwrap())
+        .with(ReLU::new());
     let mut dp = DataParallel::new(model).unwrap();
     dp.to_device(Device::Cuda(0)).unwrap();
-    let y = dp.forward(&Tensor::randn([8, 3], DType::F32, Device::Cuda(0)).unwrap()).unwrap();
+    let y = dp
+        .forward(&Tensor::randn([8, 3], DType::F32, Device::Cuda(0)).unwrap())
+        .unwrap();
     assert_eq!((y.dims(), y.device()), (&[8usize, 6][..], Device::Cuda(0)));
 }
 

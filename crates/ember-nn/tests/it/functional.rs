@@ -425,11 +425,33 @@ fn attention_matches_its_definition() {
     assert_close(&y, &expected, 1e-12, 1e-12);
     // A bool mask equal to the causal one gives the causal result; a float mask is added.
     let (k, v) = (rand(&[2, 3, 4], 23), rand(&[2, 3, 2], 24));
-    let causal = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions { attn_mask: None, dropout_p: 0.0, is_causal: true, scale: None }).unwrap();
+    let causal = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: None,
+            dropout_p: 0.0,
+            is_causal: true,
+            scale: None,
+        },
+    )
+    .unwrap();
     let keep = t64(&[1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0], &[3, 3], CPU)
         .gt_scalar(0.5)
         .unwrap();
-    let masked = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions { attn_mask: Some(&keep), dropout_p: 0.0, is_causal: false, scale: None }).unwrap();
+    let masked = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&keep),
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: None,
+        },
+    )
+    .unwrap();
     assert_close(&masked, &causal, 1e-12, 1e-12);
     let additive = keep
         .to_dtype(DType::F64)
@@ -438,7 +460,18 @@ fn attention_matches_its_definition() {
         .unwrap()
         .mul_scalar(1e9)
         .unwrap();
-    let added = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions { attn_mask: Some(&additive), dropout_p: 0.0, is_causal: false, scale: None }).unwrap();
+    let added = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&additive),
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: None,
+        },
+    )
+    .unwrap();
     assert_close(&added, &causal, 1e-9, 1e-12);
     // The first query sees only the first key: its output is v[0].
     assert_close_slice(
@@ -448,7 +481,18 @@ fn attention_matches_its_definition() {
         0.0,
     );
     // A custom scale.
-    let s = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions { attn_mask: None, dropout_p: 0.0, is_causal: false, scale: Some(0.25) }).unwrap();
+    let s = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: None,
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: Some(0.25),
+        },
+    )
+    .unwrap();
     let expected = q
         .matmul(&k.transpose(1, 2).unwrap())
         .unwrap()
@@ -465,7 +509,19 @@ fn attention_matches_its_definition() {
 fn attention_gradients_and_errors() {
     let (q, k, v) = (rand(&[2, 3, 4], 25), rand(&[2, 3, 4], 26), rand(&[2, 3, 2], 27));
     gradcheck(
-        |t| F::scaled_dot_product_attention_with(&t[0], &t[1], &t[2], F::SdpaOptions { attn_mask: None, dropout_p: 0.0, is_causal: true, scale: None }),
+        |t| {
+            F::scaled_dot_product_attention_with(
+                &t[0],
+                &t[1],
+                &t[2],
+                F::SdpaOptions {
+                    attn_mask: None,
+                    dropout_p: 0.0,
+                    is_causal: true,
+                    scale: None,
+                },
+            )
+        },
         &[q.clone(), k.clone(), v.clone()],
     );
     let bad_k = rand(&[2, 3, 5], 1);
@@ -476,9 +532,31 @@ fn attention_gradients_and_errors() {
     let bad_v = rand(&[2, 4, 2], 1);
     assert!(F::scaled_dot_product_attention(&q, &k, &bad_v).is_err());
     let mask = Tensor::ones([3, 3], DType::Bool, CPU).unwrap();
-    assert!(F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions { attn_mask: Some(&mask), dropout_p: 0.0, is_causal: true, scale: None }).is_err());
+    assert!(F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&mask),
+            dropout_p: 0.0,
+            is_causal: true,
+            scale: None
+        }
+    )
+    .is_err());
     let int_mask = Tensor::ones([3, 3], DType::I64, CPU).unwrap();
-    assert!(F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions { attn_mask: Some(&int_mask), dropout_p: 0.0, is_causal: false, scale: None }).is_err());
+    assert!(F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&int_mask),
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: None
+        }
+    )
+    .is_err());
 }
 
 #[test]
@@ -630,7 +708,10 @@ fn functional_activations_and_options_forms_have_pytorchs_names_and_defaults() {
         x.gelu_tanh().unwrap().to_vec::<f32>().unwrap()
     );
     assert_eq!(
-        F::gelu(&x, F::GeluApproximate::default()).unwrap().to_vec::<f32>().unwrap(),
+        F::gelu(&x, F::GeluApproximate::default())
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
         x.gelu().unwrap().to_vec::<f32>().unwrap()
     );
     assert!("fast".parse::<F::GeluApproximate>().is_err());
@@ -651,7 +732,8 @@ fn functional_activations_and_options_forms_have_pytorchs_names_and_defaults() {
     let plain = F::scaled_dot_product_attention(&q, &q, &q).unwrap();
     let same = F::scaled_dot_product_attention_with(&q, &q, &q, F::SdpaOptions::new()).unwrap();
     assert_eq!(plain.to_vec::<f32>().unwrap(), same.to_vec::<f32>().unwrap());
-    let causal = F::scaled_dot_product_attention_with(&q, &q, &q, F::SdpaOptions::new().is_causal(true)).unwrap();
+    let causal =
+        F::scaled_dot_product_attention_with(&q, &q, &q, F::SdpaOptions::new().is_causal(true)).unwrap();
     // The first position sees only itself: its output is its own value row.
     assert_eq!(
         causal.narrow(1, 0, 1).unwrap().to_vec::<f32>().unwrap(),

@@ -118,9 +118,19 @@ fn new_takes_no_argument_and_builds_like_the_losses() {
     let mut s = GradScaler::new();
     let loss = Tensor::scalar(1.0, DType::F32, Device::Cpu).unwrap();
     assert_eq!(s.scale(&loss).unwrap().item::<f32>().unwrap(), 65536.0);
-    let mut s = GradScaler::new().init_scale(1024.0).growth_interval(1).growth_factor(4.0);
+    let mut s = GradScaler::new()
+        .init_scale(1024.0)
+        .growth_interval(1)
+        .growth_factor(4.0);
     let p = param(&[1.0], Device::Cpu);
-    let mut opt = SGD::new(vec![p.clone()], SgdConfig { lr: 0.1, ..Default::default() }).unwrap();
+    let mut opt = SGD::new(
+        vec![p.clone()],
+        SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     scaled_backward(&mut s, &p, &[1.0]);
     s.step(&mut opt).unwrap();
     s.update().unwrap(); // one clean step with growth_interval 1: x4
@@ -132,7 +142,10 @@ fn new_takes_no_argument_and_builds_like_the_losses() {
     assert_eq!(s.get_scale().unwrap(), 8.0);
     // Bad settings given builder-style are a typed error at the first scale(), not a panic.
     let mut bad = GradScaler::new().backoff_factor(2.0);
-    assert!(matches!(bad.scale(&loss), Err(Error::InvalidArgument { op: "GradScaler", .. })));
+    assert!(matches!(
+        bad.scale(&loss),
+        Err(Error::InvalidArgument { op: "GradScaler", .. })
+    ));
     // Disabled, the bad factor does not matter (PyTorch checks only when enabled).
     let mut off = GradScaler::new().growth_factor(0.5).enabled(false);
     assert_eq!(off.scale(&loss).unwrap().item::<f32>().unwrap(), 1.0);

@@ -295,8 +295,7 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
                     opt.zero_grad().unwrap();
                     for k in 0..2 {
                         let (x, y) = batch(2 * s + k, false, device);
-                        let loss = cross_entropy(&forward(&x).unwrap(), &y)
-                            .unwrap();
+                        let loss = cross_entropy(&forward(&x).unwrap(), &y).unwrap();
                         loss.backward().unwrap();
                         losses.push(loss.to_vec::<f32>().unwrap()[0].to_bits());
                     }

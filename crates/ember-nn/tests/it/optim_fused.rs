@@ -7,14 +7,29 @@ use ember_nn::optim::{AdamConfig, AdamW, Optimizer};
 /// does not take.
 fn params(strided: bool) -> Vec<Tensor> {
     let a = Tensor::from_vec((0..6).map(|i| i as f32 * 0.1).collect(), [2, 3], Device::Cpu).unwrap();
-    let b = Tensor::from_vec((0..6).map(|i| 1.0 - i as f32 * 0.1).collect(), [3, 2], Device::Cpu).unwrap();
-    let b = if strided { b.t().unwrap().detach() } else { b.t().unwrap().contiguous().unwrap() };
+    let b = Tensor::from_vec(
+        (0..6).map(|i| 1.0 - i as f32 * 0.1).collect(),
+        [3, 2],
+        Device::Cpu,
+    )
+    .unwrap();
+    let b = if strided {
+        b.t().unwrap().detach()
+    } else {
+        b.t().unwrap().contiguous().unwrap()
+    };
     vec![a.requires_grad_(true).unwrap(), b.requires_grad_(true).unwrap()]
 }
 
 fn step(fused: Option<bool>, strided: bool) -> ember_core::Result<Vec<Vec<f32>>> {
     let ps = params(strided);
-    let mut opt = AdamW::new(ps.clone(), AdamConfig { fused, ..AdamConfig::adamw() })?;
+    let mut opt = AdamW::new(
+        ps.clone(),
+        AdamConfig {
+            fused,
+            ..AdamConfig::adamw()
+        },
+    )?;
     for p in &ps {
         p.square()?.sum_all()?.backward()?;
     }
@@ -26,7 +41,10 @@ fn step(fused: Option<bool>, strided: bool) -> ember_core::Result<Vec<Vec<f32>>>
 fn fused_true_refuses_what_the_fused_step_cannot_take() {
     let e = step(Some(true), true).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { op: "adam", .. }), "{e}");
-    assert!(e.to_string().contains("parameter 1") && e.to_string().contains("fused"), "{e}");
+    assert!(
+        e.to_string().contains("parameter 1") && e.to_string().contains("fused"),
+        "{e}"
+    );
     // All contiguous: fused=True runs, and all three paths agree.
     let fused = step(Some(true), false).unwrap();
     let single = step(Some(false), false).unwrap();

@@ -359,7 +359,13 @@ mod tests {
         assert!(!seen.is_empty() && seen.iter().all(|&n| n == 1), "{seen:?}");
         assert_eq!(crate::get_num_threads(), before);
         let err = Timer::new(|| Ok(())).num_threads(0).timeit(1).unwrap_err();
-        assert!(matches!(err, crate::Error::InvalidArgument { op: "set_num_threads", .. }));
+        assert!(matches!(
+            err,
+            crate::Error::InvalidArgument {
+                op: "set_num_threads",
+                ..
+            }
+        ));
     }
 
     #[test]
