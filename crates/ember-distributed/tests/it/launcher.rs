@@ -17,7 +17,7 @@ fn sets_the_environment_and_passes_output_through() {
     let mut lines: Vec<&str> = stdout.lines().collect();
     lines.sort();
     assert_eq!(lines.len(), 3, "{stdout}");
-    let port = lines[0].split_whitespace().nth(7).unwrap().to_string();
+    let port = lines[0].split_whitespace().nth(6).unwrap().to_string();
     assert!(port.parse::<u16>().unwrap() > 0);
     for (r, line) in lines.iter().enumerate() {
         assert_eq!(*line, format!("{r} {r} 3 3 0 127.0.0.1 {port} 0"));

@@ -240,7 +240,7 @@ fn data_parallel_argument_errors() {
         "{e}"
     );
     assert!(
-        e.to_string().contains("device_ids[0]") && e.to_string().contains("fc.weight"),
+        e.to_string().contains("device_ids[0]") && e.to_string().contains("fc1.weight"),
         "{e}"
     );
     // A batch of different width is the module's own error, from the replica's thread.
