@@ -3,7 +3,7 @@
 //! (`out_proj.weight`, `out_proj.bias`), as `F.multi_head_attention_forward` computes it.
 //!
 //! The work is the q/k/v projection (one GEMM when query, key and value are the same tensor,
-//! three otherwise), a split into heads by view, [`scaled_dot_product_attention`] over
+//! three otherwise), a split into heads by view, [`scaled_dot_product_attention`](super::scaled_dot_product_attention) over
 //! `[N, heads, L, head_dim]`, a merge of the heads and the output GEMM. With `need_weights`
 //! the attention weights are computed explicitly (sdpa does not return them) and averaged over
 //! the heads, as PyTorch's default `average_attn_weights=True`.
