@@ -8,6 +8,9 @@
 //!   (`parameters()`, `to_device`, `train()`/`eval()`, `state_dict()`), [`Forward`]
 //!   (`model.forward(&x)`) and [`Optimizer`] (`opt.step()`, `opt.zero_grad()`).
 //!
+//! [`Result`] takes an optional error type (ember's by default), so a program's
+//! `fn main() -> Result<(), Box<dyn std::error::Error>>` still means what it says under the glob.
+//!
 //! ```
 //! use ember::prelude::*;
 //! # fn main() -> Result<()> {
