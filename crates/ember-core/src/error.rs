@@ -6,7 +6,7 @@
 use crate::{DType, Device, Shape};
 
 /// Result alias used throughout ember.
-pub type Result<T> = std::result::Result<T, Error>;
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in a tensor operation.
 #[derive(Debug, Clone, thiserror::Error)]

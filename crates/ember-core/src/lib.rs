@@ -37,6 +37,7 @@ pub mod storage;
 pub mod tensor;
 
 pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
+pub use cpu::threads::{get_num_threads, set_num_threads};
 pub use device::{Device, DeviceType};
 pub use dtype::{DType, Element, Scalar, ScalarKind};
 pub use error::{Error, Result};
@@ -49,5 +50,5 @@ pub use ops::fused_optim as fused;
 pub use random::{
     default_generator, get_rng_state, initial_seed, manual_seed, seed, set_rng_state, Generator, RngState,
 };
-pub use shape::Shape;
+pub use shape::{Shape, Sizes};
 pub use tensor::{HookHandle, Tensor};

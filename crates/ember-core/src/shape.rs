@@ -205,9 +205,137 @@ impl From<usize> for Shape {
     }
 }
 
+/// The sizes argument of [`reshape`](crate::Tensor::reshape), [`view`](crate::Tensor::view)
+/// and [`expand`](crate::Tensor::expand): one size per dim, where `-1` means "infer this one"
+/// (reshape, view) or "keep this one" (expand), as PyTorch's `x.view(-1, n)`.
+///
+/// Note [Size arguments]: it is built from what a program has at hand, so no cast is needed:
+/// arrays, slices and `Vec`s of `usize` (the type of creation shapes and `dims()`), of `isize`,
+/// `i64` or `i32` (so literals like `[-1, 4]` work), a [`Shape`], a single size, or a tuple of
+/// up to six sizes of mixed types for a `-1` beside `usize` sizes:
+/// `x.view((-1, ntokens))` for PyTorch's `x.view(-1, ntokens)`. A `usize` beyond `isize::MAX`
+/// cannot be a size and becomes an invalid (negative) one, reported by the op.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sizes(SmallVec<[isize; INLINE_DIMS]>);
+
+impl Sizes {
+    /// The sizes, `-1` where one is inferred or kept.
+    pub fn as_slice(&self) -> &[isize] {
+        &self.0
+    }
+}
+
+/// An integer that can be a size in [`Sizes`] (Note [Size arguments]).
+pub trait SizeInt: Copy {
+    /// The size as `isize`; out of range becomes `isize::MIN` (an invalid size).
+    fn to_size(self) -> isize;
+}
+
+macro_rules! size_ints {
+    ($($t:ty),*) => {$(
+        impl SizeInt for $t {
+            fn to_size(self) -> isize {
+                isize::try_from(self).unwrap_or(isize::MIN)
+            }
+        }
+
+        impl From<$t> for Sizes {
+            fn from(v: $t) -> Sizes {
+                Sizes(smallvec::smallvec![v.to_size()])
+            }
+        }
+    )*};
+}
+size_ints!(usize, isize, i64, i32, u32);
+
+impl<T: SizeInt> From<&[T]> for Sizes {
+    fn from(v: &[T]) -> Sizes {
+        Sizes(v.iter().map(|&d| d.to_size()).collect())
+    }
+}
+
+impl<T: SizeInt, const N: usize> From<[T; N]> for Sizes {
+    fn from(v: [T; N]) -> Sizes {
+        Sizes::from(&v[..])
+    }
+}
+
+impl<T: SizeInt, const N: usize> From<&[T; N]> for Sizes {
+    fn from(v: &[T; N]) -> Sizes {
+        Sizes::from(&v[..])
+    }
+}
+
+impl<T: SizeInt> From<Vec<T>> for Sizes {
+    fn from(v: Vec<T>) -> Sizes {
+        Sizes::from(&v[..])
+    }
+}
+
+impl<T: SizeInt> From<&Vec<T>> for Sizes {
+    fn from(v: &Vec<T>) -> Sizes {
+        Sizes::from(&v[..])
+    }
+}
+
+impl From<&Shape> for Sizes {
+    fn from(v: &Shape) -> Sizes {
+        Sizes::from(v.dims())
+    }
+}
+
+impl From<Shape> for Sizes {
+    fn from(v: Shape) -> Sizes {
+        Sizes::from(v.dims())
+    }
+}
+
+impl From<()> for Sizes {
+    /// No sizes: the 0-d shape (`x.reshape(())`, PyTorch's `x.reshape([])`).
+    fn from(_: ()) -> Sizes {
+        Sizes(SmallVec::new())
+    }
+}
+
+impl From<&Sizes> for Sizes {
+    fn from(v: &Sizes) -> Sizes {
+        v.clone()
+    }
+}
+
+macro_rules! size_tuples {
+    ($(($($t:ident $v:ident),+)),*) => {$(
+        impl<$($t: SizeInt),+> From<($($t,)+)> for Sizes {
+            fn from(($($v,)+): ($($t,)+)) -> Sizes {
+                Sizes(smallvec::smallvec![$($v.to_size()),+])
+            }
+        }
+    )*};
+}
+size_tuples!(
+    (A a),
+    (A a, B b),
+    (A a, B b, C c),
+    (A a, B b, C c, D d),
+    (A a, B b, C c, D d, E e),
+    (A a, B b, C c, D d, E e, F f)
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_come_from_every_integer_form() {
+        let want = [-1isize, 4];
+        assert_eq!(Sizes::from([-1, 4]).as_slice(), want);
+        assert_eq!(Sizes::from(&[-1i64, 4]).as_slice(), want);
+        assert_eq!(Sizes::from((-1, 4usize)).as_slice(), want);
+        assert_eq!(Sizes::from(vec![2usize, 3]).as_slice(), [2, 3]);
+        assert_eq!(Sizes::from(&Shape::new([5, 6])).as_slice(), [5, 6]);
+        assert_eq!(Sizes::from(7usize).as_slice(), [7]);
+        assert_eq!(Sizes::from([usize::MAX]).as_slice(), [isize::MIN]);
+    }
 
     #[test]
     fn broadcasting_aligns_right() {

@@ -43,5 +43,5 @@ pub mod sampler;
 
 pub use collate::{default_collate, CollateFn};
 pub use dataset::{Dataset, Sample, TensorDataset};
-pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter};
+pub use loader::{DataLoader, DataLoaderBuilder, DataLoaderIter, Unpacked};
 pub use sampler::{BatchSampler, DistributedSampler, RandomSampler, Sampler, SequentialSampler};

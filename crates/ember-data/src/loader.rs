@@ -19,7 +19,7 @@
 use crate::collate::CollateFn;
 use crate::dataset::{Dataset, Sample};
 use crate::sampler::{BatchSampler, RandomSampler, Sampler, SequentialSampler};
-use ember_core::{Device, Error, Generator, Result};
+use ember_core::{Device, Error, Generator, Result, Tensor};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -163,6 +163,39 @@ impl DataLoader {
             }
         }
         it
+    }
+}
+
+impl DataLoader {
+    /// One epoch whose batches are arrays of exactly `N` fields, to unpack as PyTorch's
+    /// `for inputs, labels in loader`:
+    /// `for batch in loader.unpacked() { let [inputs, labels] = batch?; .. }` (`N` comes from
+    /// the pattern). A batch with another number of fields is an [`Error::InvalidArgument`]
+    /// naming both counts.
+    pub fn unpacked<const N: usize>(&self) -> Unpacked<N> {
+        Unpacked { inner: self.iter() }
+    }
+}
+
+/// The iterator of [`DataLoader::unpacked`]: each batch as `[Tensor; N]`.
+pub struct Unpacked<const N: usize> {
+    inner: DataLoaderIter,
+}
+
+impl<const N: usize> Iterator for Unpacked<N> {
+    type Item = Result<[Tensor; N]>;
+
+    fn next(&mut self) -> Option<Result<[Tensor; N]>> {
+        let batch = self.inner.next()?;
+        Some(batch.and_then(|fields| {
+            let got = fields.len();
+            fields.try_into().map_err(|_| {
+                Error::invalid(
+                    "DataLoader::unpacked",
+                    format!("the batch has {got} fields, but {N} are unpacked"),
+                )
+            })
+        }))
     }
 }
 

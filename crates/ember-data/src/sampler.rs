@@ -7,7 +7,7 @@
 //! gives each of the ranks of a distributed job its own share of the dataset.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use ember_core::{default_generator, Device, Error, Generator, Result, Tensor};
 
@@ -178,6 +178,17 @@ impl std::fmt::Debug for BatchSampler {
     }
 }
 
+/// Where [`DistributedSampler::new`] reads `(world size, rank)` of the default process group
+/// (Note [Sampler and the default group]); `None` until ember-distributed registers it.
+static DEFAULT_GROUP: RwLock<Option<fn() -> Option<(usize, usize)>>> = RwLock::new(None);
+
+/// Registers how to read the default process group's `(world size, rank)`, `None` while there
+/// is none (Note [Sampler and the default group]). ember-distributed calls it from
+/// `init_process_group`; a program has no reason to.
+pub fn register_default_group(source: fn() -> Option<(usize, usize)>) {
+    *DEFAULT_GROUP.write().unwrap_or_else(|e| e.into_inner()) = Some(source);
+}
+
 /// Rank `rank`'s share of a dataset of `len` samples split among `num_replicas` ranks
 /// (`torch.utils.data.distributed.DistributedSampler`).
 ///
@@ -192,14 +203,20 @@ impl std::fmt::Debug for BatchSampler {
 /// communicating, and [`DistributedSampler::set_epoch`] must be called before each epoch for
 /// the order to change. The generator is ember's (Philox, `Tensor::randperm_with`), so the
 /// permutation for a seed differs from the one PyTorch draws; the padding and the split are
-/// the same. Unlike PyTorch, `num_replicas` and `rank` are required: ember-data sits below
-/// ember-distributed, so pass `get_world_size()` and `get_rank()`.
+/// the same.
+///
+/// Note [Sampler and the default group]: [`DistributedSampler::new`]`(&dataset)` takes the
+/// world size and rank from the default process group, as PyTorch's does. ember-data sits
+/// below ember-distributed, so it cannot ask the group itself: ember-distributed registers
+/// where to read them ([`register_default_group`]) when `init_process_group` succeeds, and
+/// without an initialized group `new` is an error saying so. [`DistributedSampler::with_replicas`]
+/// takes them explicitly (PyTorch's `num_replicas=`, `rank=`), as `new` did before.
 ///
 /// ```
 /// use std::sync::Arc;
 /// use ember_data::{DistributedSampler, Sampler};
 /// # fn main() -> ember_core::Result<()> {
-/// let sampler = Arc::new(DistributedSampler::new(10, 4, 1)?.shuffle(false));
+/// let sampler = Arc::new(DistributedSampler::with_replicas(10, 4, 1)?.shuffle(false));
 /// assert_eq!(sampler.indices()?, [1, 5, 9]); // 10 padded to 12: [0..10, 0, 1]
 /// sampler.set_epoch(1); // between epochs (a no-op for the order without shuffle)
 /// # Ok(())
@@ -217,10 +234,26 @@ pub struct DistributedSampler {
 }
 
 impl DistributedSampler {
-    /// Rank `rank` of `num_replicas` over a dataset of `len` samples, with PyTorch's defaults:
-    /// shuffled, seed 0, no `drop_last`. [`Error::InvalidArgument`] when `num_replicas` is 0
-    /// or `rank` is not below it.
-    pub fn new(len: usize, num_replicas: usize, rank: usize) -> Result<DistributedSampler> {
+    /// `DistributedSampler(dataset)`: this process's share of `dataset`, with the world size
+    /// and rank of the default process group (Note [Sampler and the default group]) and
+    /// PyTorch's defaults: shuffled, seed 0, no `drop_last` (change them builder-style). An
+    /// [`Error::InvalidArgument`] when no default group is initialized.
+    pub fn new<D: crate::Dataset + ?Sized>(dataset: &D) -> Result<DistributedSampler> {
+        let source = *DEFAULT_GROUP.read().unwrap_or_else(|e| e.into_inner());
+        let Some((num_replicas, rank)) = source.and_then(|f| f()) else {
+            return Err(Error::invalid(
+                "DistributedSampler::new",
+                "the default process group is not initialized: call init_process_group first, \
+                 or give num_replicas and rank with DistributedSampler::with_replicas",
+            ));
+        };
+        DistributedSampler::with_replicas(dataset.len(), num_replicas, rank)
+    }
+
+    /// Rank `rank` of `num_replicas` over a dataset of `len` samples (PyTorch's
+    /// `num_replicas=`, `rank=`), with PyTorch's defaults: shuffled, seed 0, no `drop_last`.
+    /// [`Error::InvalidArgument`] when `num_replicas` is 0 or `rank` is not below it.
+    pub fn with_replicas(len: usize, num_replicas: usize, rank: usize) -> Result<DistributedSampler> {
         if num_replicas == 0 || rank >= num_replicas {
             return Err(Error::invalid(
                 "DistributedSampler::new",

@@ -21,8 +21,10 @@
 //! - on the struct: `#[module(crate = ember_nn)]`, the path of ember-nn in generated code;
 //!   by default `::ember::nn` (the facade), or `::ember_nn` inside the ember-nn package.
 //!
-//! A field `training: bool` holds the mode (`module.training`); without one, `is_training` is
-//! the first child's mode (true for a module without children).
+//! A field `training: Training` (ember-nn's atomic flag) holds the mode (`module.training`,
+//! read with `self.training.get()`); without one, `is_training` is the first child's mode (true
+//! for a module without children). A `training: bool` field is a compile error saying so:
+//! `train()`/`eval()` take `&self`, which a plain `bool` cannot follow.
 //!
 //! `syn`/`quote`/`proc-macro2` are the standard tools for a derive: `syn` parses the struct and
 //! its attributes with spans for error messages, `quote` builds the impl. They are already in
@@ -153,6 +155,13 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             continue;
         }
         if name == "training" && is_bool(&f.ty) {
+            return Err(syn::Error::new_spanned(
+                &f.ty,
+                "a module's `training` field is a `Training` (ember::nn::Training), not a `bool`: \
+                 train()/eval() take &self, so the flag sits in an atomic; read it with `self.training.get()`",
+            ));
+        }
+        if name == "training" && is_training(&f.ty) {
             training = Some(access);
             continue;
         }
@@ -209,9 +218,11 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
     let visit = field_visits(false);
     let visit_mut = field_visits(true);
     let accesses: Vec<&TokenStream2> = fields.iter().map(|f| &f.access).collect();
-    let set_own = training.as_ref().map(|t| quote!(self.#t = training;));
+    let set_own = training
+        .as_ref()
+        .map(|t| quote!(#support::Training::set(&self.#t, training);));
     let is_training = match &training {
-        Some(t) => quote!(self.#t),
+        Some(t) => quote!(#support::Training::get(&self.#t)),
         None => quote! {
             ::core::option::Option::<bool>::None
                 #(.or_else(|| #support::ModuleField::is_training_field(&self.#accesses)))*
@@ -247,9 +258,9 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
                 Ok(())
             }
 
-            fn set_training(&mut self, training: bool) {
+            fn set_training(&self, training: bool) {
                 #set_own
-                #(#support::ModuleField::set_training_field(&mut self.#accesses, training);)*
+                #(#support::ModuleField::set_training_field(&self.#accesses, training);)*
             }
 
             fn is_training(&self) -> bool {
@@ -257,6 +268,11 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             }
         }
     })
+}
+
+/// True for a type named `Training` (ember-nn's mode flag, under any path).
+fn is_training(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.segments.last().is_some_and(|s| s.ident == "Training"))
 }
 
 /// True for the type `bool`.

@@ -106,6 +106,37 @@ pub struct InitOptions {
     pub device_id: Option<usize>,
 }
 
+/// What [`init_process_group`] accepts: full [`InitOptions`], a [`BackendKind`], or PyTorch's
+/// backend string (`init_process_group("nccl")`, `"gloo"`), each with PyTorch's defaults for
+/// the rest. An unknown backend string is an [`Error::InvalidArgument`].
+pub trait IntoInitOptions {
+    fn into_init_options(self) -> Result<InitOptions>;
+}
+
+impl IntoInitOptions for InitOptions {
+    fn into_init_options(self) -> Result<InitOptions> {
+        Ok(self)
+    }
+}
+
+impl IntoInitOptions for BackendKind {
+    fn into_init_options(self) -> Result<InitOptions> {
+        Ok(InitOptions::new(self))
+    }
+}
+
+impl IntoInitOptions for &str {
+    fn into_init_options(self) -> Result<InitOptions> {
+        Ok(InitOptions::new(self.parse()?))
+    }
+}
+
+impl IntoInitOptions for String {
+    fn into_init_options(self) -> Result<InitOptions> {
+        self.as_str().into_init_options()
+    }
+}
+
 impl InitOptions {
     pub fn new(backend: BackendKind) -> InitOptions {
         InitOptions {
@@ -549,13 +580,23 @@ fn default_slot() -> std::sync::MutexGuard<'static, Option<ProcessGroup>> {
 /// # Ok(())
 /// # }
 /// ```
-pub fn init_process_group(options: InitOptions) -> Result<()> {
+pub fn init_process_group(options: impl IntoInitOptions) -> Result<()> {
     let env = |k: &str| std::env::var(k).ok();
     init_process_group_with_env(options, &env)
 }
 
+/// `(world size, rank)` of the default group, for `DistributedSampler::new` (Note [Sampler and
+/// the default group] in ember-data).
+fn default_replicas() -> Option<(usize, usize)> {
+    default_slot().as_ref().map(|g| (g.size(), g.rank()))
+}
+
 /// [`init_process_group`] reading variables through `env` instead of the process environment.
-pub fn init_process_group_with_env(options: InitOptions, env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+pub fn init_process_group_with_env(
+    options: impl IntoInitOptions,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<()> {
+    let options = options.into_init_options()?;
     let already = || {
         Error::invalid(
             "init_process_group",
@@ -612,6 +653,7 @@ pub fn init_process_group_with_env(options: InitOptions, env: &dyn Fn(&str) -> O
         return Err(already());
     }
     *slot = Some(group);
+    ember_data::sampler::register_default_group(default_replicas);
     Ok(())
 }
 

@@ -1,6 +1,15 @@
 //! The launcher behind the `ember-run` program (`torchrun`): starts `nproc_per_node` workers of
-//! a program on this node with the environment `init_process_group("env://")` reads, prefixes
-//! their output with their rank, and stops them all when one fails.
+//! a program on this node with the environment `init_process_group("env://")` reads, and stops
+//! them all when one fails.
+//!
+//! Note [Launcher output]: as torchrun, the workers' output passes through unchanged by default
+//! (the workers write to the launcher's own stdout and stderr), so `ember-run ... | grep '^{'`
+//! or `| jq` sees the lines a worker printed. torchrun's options change that per stream
+//! ([`Std`]: 0 none, 1 stdout, 2 stderr, 3 both): `--tee` copies the chosen streams to the
+//! console with each line prefixed `[rankN]: ` (and into `--log-dir` when given);
+//! `--redirects` sends them to files in `--log-dir` only. The files are
+//! `LOG_DIR/<local rank>/stdout.log` and `stderr.log`, unprefixed (torchrun nests them under a
+//! run id and an attempt number, which a launcher without restarts does not have).
 //!
 //! Each worker gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the
 //! node rank), `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them, and `NCCL_NVLS_ENABLE=0`
@@ -37,11 +46,49 @@ options:
   --master-addr HOST   host of rank 0, where the store runs (default 127.0.0.1)
   --master-port PORT   the store's port (default 29500)
   --standalone         one node, on localhost, with a free port picked for the store
+  --tee STD            copy the workers' STD streams to the console with each line prefixed
+                       [rankN]: (and to --log-dir when given); STD: 0 none, 1 stdout,
+                       2 stderr, 3 both (default 0)
+  --redirects STD      send the workers' STD streams to files in --log-dir only (default 0)
+  --log-dir DIR        where --tee and --redirects write LOCAL_RANK/stdout.log, stderr.log
   -h, --help           this message
 
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
-MASTER_PORT; its output lines start with [rankN]:. When a worker fails, the others are
-stopped and ember-run exits with status 1, naming the failed rank.";
+MASTER_PORT; its output passes through unchanged unless --tee or --redirects says otherwise.
+When a worker fails, the others are stopped and ember-run exits with status 1, naming the
+failed rank.";
+
+/// Which of a worker's streams an output option applies to (torchrun's `Std`: 0, 1, 2, 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Std {
+    /// Neither stream (0).
+    #[default]
+    None,
+    /// stdout (1).
+    Out,
+    /// stderr (2).
+    Err,
+    /// Both (3).
+    All,
+}
+
+impl Std {
+    /// torchrun's spelling: `0`, `1`, `2` or `3`.
+    pub fn parse(v: &str) -> Option<Std> {
+        match v {
+            "0" => Some(Std::None),
+            "1" => Some(Std::Out),
+            "2" => Some(Std::Err),
+            "3" => Some(Std::All),
+            _ => None,
+        }
+    }
+
+    /// Whether the option covers stdout (`err == false`) or stderr (`err == true`).
+    pub fn covers(self, err: bool) -> bool {
+        matches!((self, err), (Std::All, _) | (Std::Out, false) | (Std::Err, true))
+    }
+}
 
 /// What to launch: the parsed command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +100,12 @@ pub struct LaunchConfig {
     /// 0 with `standalone` until [`LaunchConfig::resolve_port`] picks one.
     pub master_port: u16,
     pub standalone: bool,
+    /// Streams copied to the console prefixed `[rankN]: ` (Note [Launcher output]).
+    pub tee: Std,
+    /// Streams sent to files in `log_dir` only.
+    pub redirects: Std,
+    /// Where `tee` and `redirects` write their files.
+    pub log_dir: Option<std::path::PathBuf>,
     pub program: String,
     pub args: Vec<String>,
 }
@@ -71,6 +124,9 @@ impl LaunchConfig {
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
             standalone: false,
+            tee: Std::None,
+            redirects: Std::None,
+            log_dir: None,
             program: String::new(),
             args: Vec::new(),
         };
@@ -121,6 +177,20 @@ impl LaunchConfig {
                     cfg.master_port = num(&flag, &value(&flag)?)?;
                     port_set = true;
                 }
+                "--tee" | "--redirects" => {
+                    let v = value(&flag)?;
+                    let std = Std::parse(&v).ok_or_else(|| {
+                        usage_error(format!(
+                            "{flag} takes 0, 1, 2 or 3 (none, stdout, stderr, both), got {v:?}; per-rank maps are not supported"
+                        ))
+                    })?;
+                    if flag == "--tee" {
+                        cfg.tee = std;
+                    } else {
+                        cfg.redirects = std;
+                    }
+                }
+                "--log-dir" => cfg.log_dir = Some(value(&flag)?.into()),
                 _ => return Err(usage_error(format!("unknown option {arg}"))),
             }
         }
@@ -138,6 +208,9 @@ impl LaunchConfig {
                 "--node-rank {} is not below --nnodes {}",
                 cfg.node_rank, cfg.nnodes
             )));
+        }
+        if cfg.redirects != Std::None && cfg.log_dir.is_none() {
+            return Err(usage_error("--redirects writes files into --log-dir: give one"));
         }
         if cfg.standalone {
             if cfg.nnodes != 1 || addr_set {
@@ -190,6 +263,47 @@ impl LaunchConfig {
     }
 }
 
+/// Kills and reaps the workers started so far.
+fn stop_all(children: &mut [(usize, Child)]) {
+    for (_, c) in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+impl LaunchConfig {
+    /// Where worker `local_rank`'s stdout and stderr go (Note [Launcher output]): the
+    /// launcher's own streams (inherited), a pipe read by [`forward`] (with the tee file), or a
+    /// file.
+    fn stream_sinks(&self, local_rank: usize) -> Result<[(Stdio, Option<std::fs::File>); 2]> {
+        let file = |name: &str| -> Result<std::fs::File> {
+            let dir = self
+                .log_dir
+                .as_ref()
+                .expect("checked by the caller")
+                .join(local_rank.to_string());
+            let io = |e: std::io::Error, what: &std::path::Path| Error::Io {
+                kind: e.kind(),
+                msg: format!("ember-run: cannot write the log file {}: {e}", what.display()),
+            };
+            std::fs::create_dir_all(&dir).map_err(|e| io(e, &dir))?;
+            let path = dir.join(name);
+            std::fs::File::create(&path).map_err(|e| io(e, &path))
+        };
+        let sink = |err: bool, name: &str| -> Result<(Stdio, Option<std::fs::File>)> {
+            let logged = self.log_dir.is_some();
+            Ok(if self.tee.covers(err) {
+                (Stdio::piped(), if logged { Some(file(name)?) } else { None })
+            } else if self.redirects.covers(err) {
+                (Stdio::from(file(name)?), None)
+            } else {
+                (Stdio::inherit(), None)
+            })
+        };
+        Ok([sink(false, "stdout.log")?, sink(true, "stderr.log")?])
+    }
+}
+
 /// How the launch ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LaunchOutcome {
@@ -209,8 +323,15 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// Copies `from` line by line to the launcher's stdout or stderr, each line prefixed.
-fn forward(from: impl Read + Send + 'static, prefix: String, to_stderr: bool, done: mpsc::Sender<()>) {
+/// Copies `from` line by line to the launcher's stdout or stderr, each line prefixed, and
+/// unprefixed into `file` when given (`--tee`, Note [Launcher output]).
+fn forward(
+    from: impl Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    mut file: Option<std::fs::File>,
+    done: mpsc::Sender<()>,
+) {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(from);
         let mut line = Vec::new();
@@ -221,6 +342,9 @@ fn forward(from: impl Read + Send + 'static, prefix: String, to_stderr: bool, do
                 Ok(_) => {
                     if !line.ends_with(b"\n") {
                         line.push(b'\n');
+                    }
+                    if let Some(f) = &mut file {
+                        let _ = f.write_all(&line);
                     }
                     let mut out = Vec::with_capacity(prefix.len() + line.len());
                     out.extend_from_slice(prefix.as_bytes());
@@ -246,20 +370,24 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     let mut streams = 0;
     for local in 0..cfg.nproc_per_node {
         let rank = cfg.node_rank * cfg.nproc_per_node + local;
+        let [(out_stdio, out_file), (err_stdio, err_file)] = match cfg.stream_sinks(local) {
+            Ok(s) => s,
+            Err(e) => {
+                stop_all(&mut children);
+                return Err(e);
+            }
+        };
         let spawned = Command::new(&cfg.program)
             .args(&cfg.args)
             .envs(cfg.worker_env(local, &existing))
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdout(out_stdio)
+            .stderr(err_stdio)
             .spawn();
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
-                for (_, c) in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
+                stop_all(&mut children);
                 return Err(Error::Io {
                     kind: e.kind(),
                     msg: format!(
@@ -271,11 +399,11 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         };
         let prefix = format!("[rank{rank}]: ");
         if let Some(out) = child.stdout.take() {
-            forward(out, prefix.clone(), false, done_tx.clone());
+            forward(out, prefix.clone(), false, out_file, done_tx.clone());
             streams += 1;
         }
         if let Some(err) = child.stderr.take() {
-            forward(err, prefix, true, done_tx.clone());
+            forward(err, prefix, true, err_file, done_tx.clone());
             streams += 1;
         }
         children.push((rank, child));
@@ -386,7 +514,16 @@ mod tests {
         c.resolve_port().unwrap();
         assert_ne!(c.master_port, 0);
         assert_eq!(parse(&["--help"]).unwrap(), None);
+        let c = parse(&["--tee", "3", "--log-dir=/tmp/x", "p"]).unwrap().unwrap();
+        assert_eq!((c.tee, c.redirects), (Std::All, Std::None));
+        assert_eq!(c.log_dir.as_deref(), Some(std::path::Path::new("/tmp/x")));
+        let c = parse(&["p"]).unwrap().unwrap();
+        assert_eq!((c.tee, c.redirects, c.log_dir), (Std::None, Std::None, None));
+        assert!(Std::Out.covers(false) && !Std::Out.covers(true) && Std::All.covers(true));
         for bad in [
+            &["--tee", "4", "p"][..],
+            &["--tee", "0:1,1:2", "p"],
+            &["--redirects", "3", "p"],
             &["--nproc-per-node"][..],
             &["--nproc-per-node", "x", "p"],
             &["--nnodes", "1:2", "p"],

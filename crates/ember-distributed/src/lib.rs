@@ -64,7 +64,7 @@ pub use group::{
     all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,
     broadcast_async, default_group, destroy_process_group, get_rank, get_world_size, init_process_group,
     init_process_group_with_env, irecv, is_initialized, isend, new_group, recv, reduce_scatter,
-    reduce_scatter_async, send, BackendKind, InitOptions, ProcessGroup,
+    reduce_scatter_async, send, BackendKind, InitOptions, IntoInitOptions, ProcessGroup,
 };
 pub use nccl::NcclBackend;
 pub use store::{PrefixStore, Store, TcpStore};

@@ -10,13 +10,13 @@
 //! # fn main() -> ember_core::Result<()> {
 //! let w = Tensor::ones([3], DType::F32, Device::Cpu)?.requires_grad_(true)?;
 //! let mut opt = SGD::new(vec![w.clone()], SgdConfig { lr: 0.1, ..Default::default() })?;
-//! let mut scaler = GradScaler::default();
+//! let mut scaler = GradScaler::new(); // PyTorch's GradScaler(); .init_scale(..) etc. to change
 //! for _ in 0..3 {
 //!     opt.zero_grad()?;
 //!     let loss = w.mul(&w)?.sum_all()?;
 //!     scaler.scale(&loss)?.backward()?; // gradients carry the scale (65536)
 //!     scaler.step(&mut opt)?; // unscaled and checked for inf/NaN: a bad step is skipped
-//!     scaler.update(None)?; // the scale backs off after a skip, grows after clean steps
+//!     scaler.update()?; // the scale backs off after a skip, grows after clean steps
 //! }
 //! assert_eq!(scaler.get_scale()?, 65536.0);
 //! # Ok(())
@@ -144,18 +144,63 @@ fn combine(found: &[&Tensor], device: Device) -> Result<Tensor> {
 }
 
 impl GradScaler {
+    /// `GradScaler()`: PyTorch's defaults (see [`GradScalerConfig`]); change them builder-style,
+    /// `GradScaler::new().init_scale(1024.0).growth_interval(100)`, as the loss modules do.
+    /// Settings given this way are checked at the first [`GradScaler::scale`].
+    pub fn new() -> GradScaler {
+        GradScaler::from_valid(GradScalerConfig::default())
+    }
+
     /// A scaler with the settings of `config`; an error when `growth_factor <= 1` or
-    /// `backoff_factor >= 1` (checked only when enabled, as PyTorch does).
-    pub fn new(config: GradScalerConfig) -> Result<GradScaler> {
-        if config.enabled {
-            if !(config.growth_factor > 1.0) {
+    /// `backoff_factor >= 1` (checked only when enabled, as PyTorch does). This was `new` before
+    /// `new` took no argument.
+    pub fn with_config(config: GradScalerConfig) -> Result<GradScaler> {
+        let scaler = GradScaler::from_valid(config);
+        scaler.check_config()?;
+        Ok(scaler)
+    }
+
+    /// The scale to start from (`init_scale=`, 2^16).
+    pub fn init_scale(mut self, init_scale: f64) -> GradScaler {
+        self.init_scale = init_scale;
+        self
+    }
+
+    /// The factor the scale grows by (`growth_factor=`, 2.0; must be > 1).
+    pub fn growth_factor(mut self, growth_factor: f64) -> GradScaler {
+        self.growth_factor = growth_factor;
+        self
+    }
+
+    /// The factor the scale shrinks by after an overflow (`backoff_factor=`, 0.5; must be < 1).
+    pub fn backoff_factor(mut self, backoff_factor: f64) -> GradScaler {
+        self.backoff_factor = backoff_factor;
+        self
+    }
+
+    /// Clean steps in a row before the scale grows (`growth_interval=`, 2000).
+    pub fn growth_interval(mut self, growth_interval: i64) -> GradScaler {
+        self.growth_interval = growth_interval;
+        self
+    }
+
+    /// Whether scaling is on (`enabled=`, true); off, every method is a pass-through.
+    pub fn enabled(mut self, enabled: bool) -> GradScaler {
+        self.enabled = enabled;
+        self
+    }
+
+    /// PyTorch's constructor checks (only when enabled).
+    fn check_config(&self) -> Result<()> {
+        if self.enabled {
+            if !(self.growth_factor > 1.0) {
                 return Err(Error::invalid("GradScaler", "The growth factor must be > 1.0."));
             }
-            if !(config.backoff_factor < 1.0) {
+            if !(self.backoff_factor < 1.0) {
                 return Err(Error::invalid("GradScaler", "The backoff factor must be < 1.0."));
             }
         }
-        Ok(GradScaler::from_valid(config))
+        Ok(())
     }
 
     fn from_valid(config: GradScalerConfig) -> GradScaler {
@@ -181,6 +226,7 @@ impl GradScaler {
             return Ok(outputs.clone());
         }
         if self.scale.is_none() {
+            self.check_config()?;
             let device = outputs.device();
             self.scale = Some(Tensor::scalar(self.init_scale, DType::F32, device)?);
             self.growth_tracker = Some(Tensor::scalar(
@@ -374,11 +420,21 @@ impl GradScaler {
         Ok(())
     }
 
-    /// Updates the scale for the next iteration (`GradScaler.update`): with `new_scale`, sets it
-    /// to that value; otherwise backs it off if any optimizer stepped in this iteration had
-    /// inf/NaN gradients, or grows it after `growth_interval` clean iterations in a row, on the
-    /// device. Then every optimizer is READY again. Disabled: nothing.
-    pub fn update(&mut self, new_scale: Option<f64>) -> Result<()> {
+    /// Updates the scale for the next iteration (`GradScaler.update()`): backs it off if any
+    /// optimizer stepped in this iteration had inf/NaN gradients, or grows it after
+    /// `growth_interval` clean iterations in a row, on the device. Then every optimizer is
+    /// READY again. Disabled: nothing.
+    pub fn update(&mut self) -> Result<()> {
+        self.update_opt(None)
+    }
+
+    /// [`GradScaler::update`] that sets the scale to `new_scale` instead
+    /// (`GradScaler.update(new_scale)`).
+    pub fn update_with(&mut self, new_scale: f64) -> Result<()> {
+        self.update_opt(Some(new_scale))
+    }
+
+    fn update_opt(&mut self, new_scale: Option<f64>) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
@@ -436,7 +492,7 @@ impl GradScaler {
         }
         {
             let _g = ember_core::no_grad();
-            scale.copy_(&new_scale.reshape(&[])?)?;
+            scale.copy_(&new_scale.reshape(())?)?;
         }
         self.per_optimizer.clear();
         Ok(())

@@ -7,8 +7,10 @@
 //! parameters the sum of the replicas' gradients, which is the full batch's gradient when the
 //! loss sums (or averages) over the gathered batch (Note [DataParallel backward]).
 //!
-//! As in PyTorch, the module's parameters and buffers must live on the first device; with one
-//! device (or none: a machine without GPUs) the wrapper just calls the module. Replicating on
+//! As in PyTorch, the module's parameters and buffers must live on the first device when a
+//! forward runs (checked there, not at construction, so PyTorch's tutorial order
+//! `DataParallel::new(model)?` then `dp.to_device(Device::cuda())?` works); with one device (or
+//! none: a machine without GPUs) the wrapper just calls the module. Replicating on
 //! every forward costs a copy of the parameters per extra device, which is why PyTorch
 //! recommends DistributedDataParallel; buffer updates made by replicas (batch-norm running
 //! statistics) are lost, as in PyTorch.
@@ -222,27 +224,12 @@ impl<M: Forward + Clone + 'static> DataParallel<M> {
         DataParallel::with_devices(module, devices)
     }
 
-    /// Over `devices` (`device_ids`), gathering on the first. The module's parameters and
-    /// buffers must be on the first device (an error otherwise, as PyTorch's).
+    /// Over `devices` (`device_ids`), gathering on the first. The module may be anywhere now;
+    /// its parameters and buffers must be on the first device when [`Forward::forward`] runs
+    /// (an error there otherwise, as PyTorch's).
     pub fn with_devices(module: M, devices: impl IntoIterator<Item = Device>) -> Result<DataParallel<M>> {
         let devices: Vec<Device> = devices.into_iter().collect();
         let output_device = devices.first().copied().unwrap_or(Device::Cpu);
-        if let Some(&first) = devices.first() {
-            let mut misplaced = None;
-            module.visit("", &mut |name, t, _| {
-                if misplaced.is_none() && t.device() != first {
-                    misplaced = Some((name.to_string(), t.device()));
-                }
-            });
-            if let Some((name, device)) = misplaced {
-                return Err(Error::invalid(
-                    "DataParallel",
-                    format!(
-                        "module must have its parameters and buffers on device {first} (device_ids[0]) but found {name} on {device}; move it with module.to_device({first})"
-                    ),
-                ));
-            }
-        }
         Ok(DataParallel {
             module,
             devices,
@@ -669,6 +656,22 @@ fn apply<M: Forward>(
 
 impl<M: Forward + Clone + 'static> Forward for DataParallel<M> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(&first) = self.devices.first() {
+            let mut misplaced = None;
+            self.module.visit("", &mut |name, t, _| {
+                if misplaced.is_none() && t.device() != first {
+                    misplaced = Some((name.to_string(), t.device()));
+                }
+            });
+            if let Some((name, device)) = misplaced {
+                return Err(Error::invalid(
+                    "DataParallel",
+                    format!(
+                        "module must have its parameters and buffers on device {first} (device_ids[0]) but found {name} on {device}; move it with dp.to_device({first})"
+                    ),
+                ));
+            }
+        }
         match self.devices.as_slice() {
             [] => self.module.forward(x),
             [only] => self.module.forward(&x.to(*only)?),
@@ -691,7 +694,7 @@ impl<M: Module> Module for DataParallel<M> {
         self.module.visit_mut(&join_name(prefix, "module"), f)
     }
 
-    fn set_training(&mut self, training: bool) {
+    fn set_training(&self, training: bool) {
         self.module.set_training(training)
     }
 

@@ -11,7 +11,7 @@
 //!
 //! Not part of the public API: the derive is.
 
-pub use crate::module::{join_name, Module, TensorKind};
+pub use crate::module::{join_name, Module, TensorKind, Training};
 use ember_core::{DType, Device};
 pub use ember_core::{Result, Tensor};
 
@@ -43,7 +43,7 @@ pub trait ModuleField {
     ) -> Result<()>;
 
     /// Tells children the mode; nothing for tensors and data.
-    fn set_training_field(&mut self, _training: bool) {}
+    fn set_training_field(&self, _training: bool) {}
 
     /// The mode of the first child held, if any.
     fn is_training_field(&self) -> Option<bool> {
@@ -84,7 +84,7 @@ impl<M: Module + ?Sized> ModuleField for M {
         self.visit_mut(name, f)
     }
 
-    fn set_training_field(&mut self, training: bool) {
+    fn set_training_field(&self, training: bool) {
         self.set_training(training)
     }
 
@@ -114,7 +114,7 @@ impl<T: ModuleField> ModuleField for Option<T> {
         }
     }
 
-    fn set_training_field(&mut self, training: bool) {
+    fn set_training_field(&self, training: bool) {
         if let Some(t) = self {
             t.set_training_field(training)
         }
@@ -150,8 +150,8 @@ macro_rules! indexed_field {
                 Ok(())
             }
 
-            fn set_training_field(&mut self, training: bool) {
-                for t in self.iter_mut() {
+            fn set_training_field(&self, training: bool) {
+                for t in self.iter() {
                     t.set_training_field(training);
                 }
             }
@@ -188,5 +188,5 @@ macro_rules! data_field {
 data_field!(
     [] bool, [] char, [] u8, [] u16, [] u32, [] u64, [] u128, [] usize,
     [] i8, [] i16, [] i32, [] i64, [] i128, [] isize, [] f32, [] f64,
-    [] String, [] &'static str, [] Device, [] DType, [] crate::functional::Reduction, [T: ?Sized] std::marker::PhantomData<T>,
+    [] String, [] &'static str, [] Device, [] DType, [] crate::functional::Reduction, [] crate::module::Training, [T: ?Sized] std::marker::PhantomData<T>,
 );

@@ -93,7 +93,7 @@ impl<M: Module> Module for GraphedModule<M> {
         self.module.visit_mut(prefix, f)
     }
 
-    fn set_training(&mut self, training: bool) {
+    fn set_training(&self, training: bool) {
         self.module.set_training(training)
     }
 

@@ -40,5 +40,5 @@ pub use layers::{
     Softmax, Tanh, Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
     TransformerEncoderLayer, GELU, GRU, LSTM, RNN,
 };
-pub use module::{Forward, Module, ModuleExt, TensorKind};
+pub use module::{Forward, Module, ModuleExt, TensorKind, Training};
 pub use state_dict::{load_safetensors, save_safetensors, IncompatibleKeys, StateDictError};

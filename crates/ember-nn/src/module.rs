@@ -19,6 +19,7 @@
 
 use crate::state_dict::{self, IncompatibleKeys, StateDictResult};
 use ember_core::{no_grad, DType, Device, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a module's tensor is: a trainable parameter or a buffer (`register_buffer`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -27,6 +28,57 @@ pub enum TensorKind {
     Parameter,
     /// State that is saved with the module but not trained (running statistics, counters).
     Buffer,
+}
+
+/// A module's mode (`module.training`): training (the default) or evaluation.
+///
+/// It sits in an atomic so that [`ModuleExt::train`] and [`ModuleExt::eval`] take `&self`, as
+/// PyTorch's `model.eval()` needs no exclusive access: a model shared by reference with an
+/// evaluation function can be switched there. Read it with [`Training::get`] in a forward
+/// (`self.training.get()` for PyTorch's `self.training`). A clone holds its own flag with the
+/// same value (a replica or a deep copy switches on its own).
+pub struct Training(AtomicBool);
+
+impl Training {
+    /// A flag set to `training`.
+    pub fn new(training: bool) -> Training {
+        Training(AtomicBool::new(training))
+    }
+
+    /// True in training mode.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Sets the mode.
+    pub fn set(&self, training: bool) {
+        self.0.store(training, Ordering::Relaxed)
+    }
+}
+
+impl Default for Training {
+    /// Training mode, as a new PyTorch module.
+    fn default() -> Training {
+        Training::new(true)
+    }
+}
+
+impl Clone for Training {
+    fn clone(&self) -> Training {
+        Training::new(self.get())
+    }
+}
+
+impl std::fmt::Debug for Training {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.get().fmt(f)
+    }
+}
+
+impl From<bool> for Training {
+    fn from(training: bool) -> Training {
+        Training::new(training)
+    }
 }
 
 /// A layer or a model (`torch.nn.Module`): its parameters, buffers, children and mode.
@@ -49,8 +101,9 @@ pub trait Module: Send + Sync {
         f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
     ) -> Result<()>;
 
-    /// Sets training mode on this module and all its children.
-    fn set_training(&mut self, training: bool);
+    /// Sets training mode on this module and all its children (through `&self`: the flag is a
+    /// [`Training`]).
+    fn set_training(&self, training: bool);
 
     /// True in training mode (`module.training`).
     fn is_training(&self) -> bool;
@@ -91,7 +144,7 @@ impl<M: Module + ?Sized> Module for Box<M> {
         (**self).visit_mut(prefix, f)
     }
 
-    fn set_training(&mut self, training: bool) {
+    fn set_training(&self, training: bool) {
         (**self).set_training(training)
     }
 
@@ -133,13 +186,13 @@ pub trait ModuleExt: Module {
         n
     }
 
-    /// Switches to training mode (`module.train()`).
-    fn train(&mut self) {
+    /// Switches to training mode (`module.train()`); `&self` is enough (see [`Training`]).
+    fn train(&self) {
         self.set_training(true)
     }
 
     /// Switches to evaluation mode (`module.eval()`): dropout off, BatchNorm uses running stats.
-    fn eval(&mut self) {
+    fn eval(&self) {
         self.set_training(false)
     }
 

@@ -6,9 +6,10 @@
 //!
 //! Run: `cargo run --release -p ember --example activation_checkpointing`
 
-use ember::nn::{CrossEntropyLoss, Dropout, Forward, Linear, Module, ModuleExt};
+use ember::cuda;
+use ember::nn::{CrossEntropyLoss, Dropout, Linear};
+use ember::prelude::*;
 use ember::utils::checkpoint::checkpoint;
-use ember::{cuda, DType, Device, Result, Tensor};
 
 /// `fc2(dropout(relu(fc1(x)))) + x`: one residual block.
 #[derive(Module, Clone)]

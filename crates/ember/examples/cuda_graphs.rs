@@ -19,14 +19,14 @@ fn main() -> Result<()> {
 
     // Warm up on a side stream: kernels load on first use, which a capture must not do.
     let side = Stream::new(cuda::current_device())?;
-    side.wait_stream(&cuda::current_stream(cuda::current_device())?)?;
+    side.wait_stream(&cuda::current_stream()?)?;
     {
         let _s = cuda::stream(&side);
         for _ in 0..3 {
             region()?;
         }
     }
-    cuda::current_stream(cuda::current_device())?.wait_stream(&side)?;
+    cuda::current_stream()?.wait_stream(&side)?;
 
     let mut g = CUDAGraph::new();
     let static_output = {

@@ -33,7 +33,7 @@ fn whole_network(device: Device) -> Result<()> {
 
     // Warm up on a side stream.
     let side = Stream::new(cuda::current_device())?;
-    let main = cuda::current_stream(cuda::current_device())?;
+    let main = cuda::current_stream()?;
     side.wait_stream(&main)?;
     {
         let _s = cuda::stream(&side);

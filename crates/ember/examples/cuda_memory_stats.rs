@@ -40,7 +40,7 @@ fn main() -> ember::Result<()> {
         "num_device_alloc = {}, num_device_free = {}, allocation.all.current = {}",
         stats["num_device_alloc"], stats["num_device_free"], stats["allocation.all.current"]
     );
-    let (free, total) = cuda::mem_get_info(cuda::current_device())?;
+    let (free, total) = cuda::mem_get_info()?;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     println!("device: {:.1} GiB free of {:.1} GiB", gib(free), gib(total));
     println!("{}", cuda::memory_summary());

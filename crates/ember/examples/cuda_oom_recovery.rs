@@ -10,7 +10,7 @@ fn main() -> ember::Result<()> {
         println!("no CUDA device: nothing to run out of");
         return Ok(());
     }
-    let (_, total) = cuda::mem_get_info(0)?;
+    let (_, total) = cuda::mem_get_info_on(0)?;
     // Try a batch that cannot fit, then halve it until it does.
     let mut batch = 2 * total / (4 * 4096); // rows of 4096 f32: twice the device
     let x = loop {

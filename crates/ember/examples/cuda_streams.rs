@@ -11,7 +11,7 @@ fn main() -> ember::Result<()> {
         return Ok(());
     }
     let dev = Device::cuda();
-    let main = cuda::current_stream(cuda::current_device())?;
+    let main = cuda::current_stream()?;
     let side = cuda::Stream::new(cuda::current_device())?;
     let a = Tensor::randn([4096, 4096], DType::F32, dev)?;
     let b = Tensor::randn([4096, 4096], DType::F32, dev)?;

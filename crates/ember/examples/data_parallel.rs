@@ -7,9 +7,10 @@
 //!
 //! Run: `cargo run --release -p ember --example data_parallel`
 
+use ember::cuda;
 use ember::data::{DataLoader, TensorDataset};
-use ember::nn::{DataParallel, Forward, Linear, Module, ModuleExt};
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::nn::{DataParallel, Linear};
+use ember::prelude::*;
 
 const INPUT_SIZE: usize = 5;
 const OUTPUT_SIZE: usize = 2;
@@ -40,16 +41,18 @@ fn main() -> Result<()> {
     let loader =
         DataLoader::builder(TensorDataset::new(vec![data])?).batch_size(BATCH_SIZE).shuffle(true).build()?;
 
-    let mut model = Model { fc: Linear::new(INPUT_SIZE, OUTPUT_SIZE, Device::Cpu)? };
+    let model = Model { fc: Linear::new(INPUT_SIZE, OUTPUT_SIZE, Device::Cpu)? };
     if cuda::device_count() > 1 {
         println!("Let's use {} GPUs!", cuda::device_count());
+        // Every visible GPU (none on a machine without: then the model runs as it is).
     }
+    // The tutorial's order: wrap, then move (devices are checked at the forward).
+    let mut model = DataParallel::new(model)?;
     model.to_device(device)?;
-    // Every visible GPU (none on a machine without: then the model runs as it is).
-    let model = DataParallel::new(model)?;
 
-    for batch in &loader {
-        let input = batch?[0].to(device)?;
+    for batch in loader.unpacked() {
+        let [input] = batch?;
+        let input = input.to(device)?;
         let output = model.forward(&input)?;
         println!("Outside: input size {:?} output_size {:?}", input.dims(), output.dims());
         assert_eq!(output.dims(), [input.dims()[0], OUTPUT_SIZE]);

@@ -64,11 +64,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let w = Tensor::randn([10, 5], DType::F32, Device::Cpu)?;
     let noise = Tensor::randn([SAMPLES, 5], DType::F32, Device::Cpu)?.mul_scalar(0.01)?;
     let y = x.matmul(&w)?.add_scalar(0.5)?.add(&noise)?;
-    let sampler = Arc::new(DistributedSampler::new(SAMPLES, world_size, rank)?.seed(0));
-    let loader = DataLoader::builder(TensorDataset::new(vec![x, y])?)
-        .batch_size(BATCH_SIZE)
-        .sampler(sampler.clone())
-        .build()?;
+    let dataset = TensorDataset::new(vec![x, y])?;
+    // World size and rank from the default group, as PyTorch's DistributedSampler(dataset).
+    let sampler = Arc::new(DistributedSampler::new(&dataset)?.seed(0));
+    let loader = DataLoader::builder(dataset).batch_size(BATCH_SIZE).sampler(sampler.clone()).build()?;
 
     // Each rank builds its model (here from its own seed): DDP broadcasts rank 0's parameters.
     ember::manual_seed(rank as u64)?;

@@ -5,11 +5,12 @@
 //!
 //! Run: `cargo run --release -p ember --example gradient_accumulation`
 
+use ember::cuda;
 use ember::data::datasets::FashionMnist;
 use ember::data::DataLoader;
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{CrossEntropyLoss, Flatten, Forward, Linear, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Tensor};
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{CrossEntropyLoss, Flatten, Linear, ReLU, Sequential};
+use ember::prelude::*;
 
 const IMAGES: &[u8] = include_bytes!("../data/fashion-mnist/t10k-images-idx3-ubyte.gz");
 const LABELS: &[u8] = include_bytes!("../data/fashion-mnist/t10k-labels-idx1-ubyte.gz");
@@ -60,9 +61,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .pin_memory(device.is_cuda())
         .build()?;
     let (mut steps, mut loss_sum) = (0, 0.0);
-    for (i, batch) in loader.iter().enumerate() {
-        let batch = batch?;
-        let (x, y) = (batch[0].to_non_blocking(device)?, batch[1].to_non_blocking(device)?);
+    for (i, batch) in loader.unpacked().enumerate() {
+        let [x, y] = batch?;
+        let (x, y) = (x.to_non_blocking(device)?, y.to_non_blocking(device)?);
         let loss = loss_of(&model, &x, &y)?;
         loss.div_scalar(ACCUMULATE as f64)?.backward()?;
         loss_sum += loss.item_f64()?;

@@ -22,7 +22,7 @@
 //!
 //! Run: `cargo run --release -p ember --example mixed_precision`
 
-use ember::amp::{self, GradScaler, GradScalerConfig};
+use ember::amp::{self, GradScaler};
 use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, TensorDataset};
 use ember::nn::optim::{clip_grad_norm_, Adam, AdamConfig, Optimizer};
@@ -58,16 +58,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let params = model.parameters();
     let mut opt = Adam::new(params.clone(), AdamConfig::default())?;
     let loss_fn = CrossEntropyLoss::new();
-    let mut scaler =
-        GradScaler::new(GradScalerConfig { enabled: dtype == DType::F16, ..Default::default() })?;
+    let mut scaler = GradScaler::new().enabled(dtype == DType::F16); // GradScaler("cuda", enabled=..)
 
     let mut losses = Vec::new();
     for epoch in 1..=2 {
         let (mut loss_sum, mut seen) = (0.0, 0usize);
-        for batch in &loader {
-            let batch = batch?;
-            let x = batch[0].to_non_blocking(device)?;
-            let y = batch[1].to_non_blocking(device)?;
+        for batch in loader.unpacked() {
+            let [x, y] = batch?;
+            let (x, y) = (x.to_non_blocking(device)?, y.to_non_blocking(device)?);
             opt.zero_grad()?;
             let (logits, loss) = {
                 let _autocast = amp::autocast(device.device_type(), dtype)?;
@@ -82,7 +80,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             scaler.unscale_(&mut opt)?; // the gradients are true gradients from here on
             clip_grad_norm_(&params, 1.0, 2.0)?;
             scaler.step(&mut opt)?; // skipped on the device when a gradient is inf or NaN
-            scaler.update(None)?;
+            scaler.update()?;
             let n = y.dims()[0];
             loss_sum += loss.item_f64()? * n as f64;
             seen += n;

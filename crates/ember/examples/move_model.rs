@@ -4,9 +4,10 @@
 //!
 //! Run: `cargo run --release -p ember --example move_model`
 
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Forward, Linear, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Tensor};
+use ember::cuda;
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Linear, ReLU, Sequential};
+use ember::prelude::*;
 
 fn main() -> ember::Result<()> {
     ember::manual_seed(0)?;

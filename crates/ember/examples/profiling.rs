@@ -121,14 +121,14 @@ fn main() -> Result<()> {
     // history (torch.cuda.memory._record_memory_history), run, dump a snapshot in PyTorch's
     // pickle format (_dump_snapshot) for pytorch.org/memory_viz or `ember memviz`.
     if let Device::Cuda(ordinal) = device {
-        cuda::record_memory_history(ordinal, true, 100_000)?;
+        cuda::record_memory_history_on(ordinal, true, 100_000)?;
         for step in 0..3 {
             let _range = cuda::nvtx::range(&format!("step {step}"));
             train_step()?;
         }
         let snapshot = std::env::temp_dir().join("ember_memory_snapshot.pickle");
-        cuda::dump_snapshot(ordinal, &snapshot)?;
-        cuda::record_memory_history(ordinal, false, 0)?;
+        cuda::dump_snapshot_on(ordinal, &snapshot)?;
+        cuda::record_memory_history_on(ordinal, false, 0)?;
         println!(
             "memory snapshot written to {} (open it at pytorch.org/memory_viz, or `ember memviz {} -o memory.html`)",
             snapshot.display(),

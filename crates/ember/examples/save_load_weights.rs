@@ -5,9 +5,10 @@
 //!
 //! Run: `cargo run --release -p ember --example save_load_weights`
 
+use ember::cuda;
 use ember::nn::state_dict::{load_safetensors, save_safetensors};
-use ember::nn::{Forward, Linear, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Tensor};
+use ember::nn::{Linear, ReLU, Sequential};
+use ember::prelude::*;
 
 fn build(device: Device) -> ember::Result<Sequential> {
     Ok(Sequential::new()

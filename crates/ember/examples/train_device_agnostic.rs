@@ -6,9 +6,10 @@
 
 use ember::data::datasets::FashionMnist;
 use ember::data::DataLoader;
-use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::{CrossEntropyLoss, Flatten, Forward, Linear, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Generator, Tensor};
+use ember::nn::optim::{Adam, AdamConfig};
+use ember::nn::{CrossEntropyLoss, Flatten, Linear, ReLU, Sequential};
+use ember::prelude::*;
+use ember::{cuda, Generator};
 
 const IMAGES: &[u8] = include_bytes!("../data/fashion-mnist/t10k-images-idx3-ubyte.gz");
 const LABELS: &[u8] = include_bytes!("../data/fashion-mnist/t10k-labels-idx1-ubyte.gz");
@@ -39,10 +40,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut losses = Vec::new();
     for epoch in 1..=2 {
         let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0usize);
-        for batch in &loader {
-            let batch = batch?;
-            let x = batch[0].to_non_blocking(device)?;
-            let y = batch[1].to_non_blocking(device)?;
+        for batch in loader.unpacked() {
+            let [x, y] = batch?;
+            let (x, y) = (x.to_non_blocking(device)?, y.to_non_blocking(device)?);
             opt.zero_grad()?;
             let logits = model.forward(&x)?;
             let loss = loss_fn.forward(&logits, &y)?;

@@ -10,10 +10,11 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_cnn`
 
+use ember::cuda;
 use ember::data::{DataLoader, Dataset, TensorDataset};
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Conv2d, CrossEntropyLoss, Forward, Linear, MaxPool2d, Module, ModuleExt};
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Conv2d, CrossEntropyLoss, Linear, MaxPool2d};
+use ember::prelude::*;
 
 const CLASSES: [&str; 10] = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"];
 

@@ -5,9 +5,10 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_lstm`
 
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Embedding, Forward, Linear, Module, ModuleExt, NLLLoss, LSTM};
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::cuda;
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Embedding, Linear, NLLLoss, LSTM};
+use ember::prelude::*;
 
 const TRAINING_DATA: [(&str, &str); 2] =
     [("The dog ate the apple", "DET NN V DET NN"), ("Everybody read that book", "NN V DET NN")];
@@ -47,10 +48,10 @@ impl LSTMTagger {
 
     /// Tag scores `[words, tags]` for a sentence of word indices, and the final `(h, c)`.
     fn forward(&self, sentence: &Tensor, (h0, c0): &(Tensor, Tensor)) -> Result<(Tensor, (Tensor, Tensor))> {
-        let len = sentence.dims()[0] as isize;
+        let len = sentence.dims()[0];
         let embeds = self.word_embeddings.forward(sentence)?;
-        let (lstm_out, hidden) = self.lstm.forward_with(&embeds.view(&[len, 1, -1])?, Some((h0, c0)))?;
-        let tag_space = self.hidden2tag.forward(&lstm_out.view(&[len, -1])?)?;
+        let (lstm_out, hidden) = self.lstm.forward_with(&embeds.view((len, 1, -1))?, Some((h0, c0)))?;
+        let tag_space = self.hidden2tag.forward(&lstm_out.view((len, -1))?)?;
         Ok((tag_space.log_softmax(1)?, hidden))
     }
 }

@@ -9,11 +9,12 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_mlp`
 
+use ember::cuda;
 use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, Dataset, TensorDataset};
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{CrossEntropyLoss, Flatten, Forward, Linear, Module, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{CrossEntropyLoss, Flatten, Linear, ReLU, Sequential};
+use ember::prelude::*;
 
 #[derive(Module)]
 struct NeuralNetwork {
@@ -50,15 +51,15 @@ fn fashion_like(patterns: &Tensor, n: usize) -> Result<TensorDataset> {
 
 fn train(
     loader: &DataLoader,
-    model: &mut NeuralNetwork,
+    model: &NeuralNetwork,
     loss_fn: &CrossEntropyLoss,
     opt: &mut SGD,
     device: Device,
 ) -> Result<()> {
     model.train();
-    for (batch, b) in loader.iter().enumerate() {
-        let b = b?;
-        let (x, y) = (b[0].to(device)?, b[1].to(device)?);
+    for (batch, b) in loader.unpacked().enumerate() {
+        let [x, y] = b?;
+        let (x, y) = (x.to(device)?, y.to(device)?);
         let loss = loss_fn.forward(&model.forward(&x)?, &y)?;
         loss.backward()?;
         opt.step()?;
@@ -74,16 +75,16 @@ fn train(
 /// The accuracy and mean loss over `loader`.
 fn test(
     loader: &DataLoader,
-    model: &mut NeuralNetwork,
+    model: &NeuralNetwork,
     loss_fn: &CrossEntropyLoss,
     device: Device,
 ) -> Result<(f64, f64)> {
     model.eval();
     let _no_grad = ember::no_grad();
     let (mut loss, mut correct) = (0.0, 0.0);
-    for b in loader {
-        let b = b?;
-        let (x, y) = (b[0].to(device)?, b[1].to(device)?);
+    for b in loader.unpacked() {
+        let [x, y] = b?;
+        let (x, y) = (x.to(device)?, y.to(device)?);
         let pred = model.forward(&x)?;
         loss += loss_fn.forward(&pred, &y)?.item_f64()?;
         correct += pred.argmax(Some(1), false)?.eq(&y)?.to_dtype(DType::F64)?.sum_all()?.item_f64()?;
@@ -103,15 +104,15 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         DataLoader::builder(fashion_like(&patterns, 768)?).batch_size(64).shuffle(true).build()?;
     let test_dataloader = DataLoader::builder(test_data.clone()).batch_size(64).build()?;
 
-    let mut model = NeuralNetwork::new(device)?;
+    let model = NeuralNetwork::new(device)?;
     let loss_fn = CrossEntropyLoss::new();
     let mut optimizer = SGD::new(model.parameters(), SgdConfig { lr: 1e-2, ..Default::default() })?;
-    let (accuracy_before, loss_before) = test(&test_dataloader, &mut model, &loss_fn, device)?;
+    let (accuracy_before, loss_before) = test(&test_dataloader, &model, &loss_fn, device)?;
     let (mut accuracy, mut loss) = (0.0, 0.0);
     for t in 1..=2 {
         println!("Epoch {t}\n-------------------------------");
-        train(&train_dataloader, &mut model, &loss_fn, &mut optimizer, device)?;
-        (accuracy, loss) = test(&test_dataloader, &mut model, &loss_fn, device)?;
+        train(&train_dataloader, &model, &loss_fn, &mut optimizer, device)?;
+        (accuracy, loss) = test(&test_dataloader, &model, &loss_fn, device)?;
     }
     println!("Done!");
     if !(loss < loss_before && accuracy > accuracy_before + 0.2) {

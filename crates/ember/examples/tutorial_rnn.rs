@@ -10,8 +10,9 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_rnn`
 
-use ember::nn::{Forward, Linear, LogSoftmax, Module, ModuleExt, NLLLoss};
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::cuda;
+use ember::nn::{Linear, LogSoftmax, NLLLoss};
+use ember::prelude::*;
 use std::time::Instant;
 
 const LANGUAGES: [(&str, [&str; 8]); 3] = [

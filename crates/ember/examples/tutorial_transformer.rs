@@ -11,13 +11,13 @@
 //!
 //! Run: `cargo run --release -p ember --example tutorial_transformer`
 
+use ember::cuda;
 use ember::nn::layers::{EncoderMasks, TransformerLayerConfig};
-use ember::nn::optim::{clip_grad_norm_, LRScheduler, Optimizer, SgdConfig, StepLR, SGD};
+use ember::nn::optim::{clip_grad_norm_, LRScheduler, SgdConfig, StepLR, SGD};
 use ember::nn::{
-    CrossEntropyLoss, Dropout, Embedding, Forward, Linear, Module, ModuleExt, Transformer,
-    TransformerEncoder, TransformerEncoderLayer,
+    CrossEntropyLoss, Dropout, Embedding, Linear, Transformer, TransformerEncoder, TransformerEncoderLayer,
 };
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::prelude::*;
 
 #[derive(Module)]
 struct PositionalEncoding {
@@ -33,12 +33,10 @@ impl PositionalEncoding {
             .mul_scalar(-(10000f64.ln()) / d_model as f64)?
             .exp()?;
         let angle = (&position * &div_term)?;
-        // pe[:, 0, 0::2] = sin, pe[:, 0, 1::2] = cos: interleaved by stacking on a last dim.
-        let pe = Tensor::stack(&[angle.sin()?, angle.cos()?], -1)?.reshape(&[
-            max_len as isize,
-            1,
-            d_model as isize,
-        ])?;
+        // pe[:, 0, 0::2] = sin(angle); pe[:, 0, 1::2] = cos(angle)
+        let pe = Tensor::zeros([max_len, 1, d_model], DType::F32, device)?;
+        let pe = pe.slice_scatter(&angle.sin()?.unsqueeze(1)?, 2, 0, isize::MAX, 2)?;
+        let pe = pe.slice_scatter(&angle.cos()?.unsqueeze(1)?, 2, 1, isize::MAX, 2)?;
         Ok(PositionalEncoding { dropout: Dropout::new(dropout)?, pe })
     }
 }
@@ -126,7 +124,7 @@ fn batchify(data: Vec<i64>, bsz: usize, device: Device) -> Result<Tensor> {
 /// Rows `i..i + bptt` as input and the same rows one token on, flattened, as target.
 fn get_batch(source: &Tensor, i: usize, bptt: usize) -> Result<(Tensor, Tensor)> {
     let seq_len = bptt.min(source.dims()[0] - 1 - i);
-    Ok((source.narrow(0, i, seq_len)?, source.narrow(0, i + 1, seq_len)?.reshape(&[-1])?))
+    Ok((source.narrow(0, i, seq_len)?, source.narrow(0, i + 1, seq_len)?.reshape([-1])?))
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
@@ -137,12 +135,12 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let val_data = batchify(made_up_text(8 * 65, ntokens)?, 8, device)?;
 
     // emsize, d_hid, nlayers, nhead, dropout: the tutorial's 200, 200, 2, 2, 0.2, smaller.
-    let mut model = TransformerModel::new(ntokens, 32, 2, 64, 2, 0.1, device)?;
+    let model = TransformerModel::new(ntokens, 32, 2, 64, 2, 0.1, device)?;
     let criterion = CrossEntropyLoss::new();
     let mut optimizer = SGD::new(model.parameters(), SgdConfig { lr: 5.0, ..Default::default() })?;
     let mut scheduler = StepLR::new(&mut optimizer, 1, 0.95)?;
 
-    let evaluate = |model: &mut TransformerModel, eval_data: &Tensor| -> Result<f64> {
+    let evaluate = |model: &TransformerModel, eval_data: &Tensor| -> Result<f64> {
         model.eval();
         let _no_grad = ember::no_grad();
         let mut total_loss = 0.0;
@@ -150,13 +148,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             let (data, targets) = get_batch(eval_data, i, bptt)?;
             let seq_len = data.dims()[0];
             let output = model.forward(&data, None)?;
-            total_loss += seq_len as f64
-                * criterion.forward(&output.view(&[-1, ntokens as isize])?, &targets)?.item_f64()?;
+            total_loss +=
+                seq_len as f64 * criterion.forward(&output.view((-1, ntokens))?, &targets)?.item_f64()?;
         }
         Ok(total_loss / (eval_data.dims()[0] - 1) as f64)
     };
 
-    let initial = evaluate(&mut model, &val_data)?;
+    let initial = evaluate(&model, &val_data)?;
     println!("before training: valid loss {initial:5.2} | valid ppl {:8.2}", initial.exp());
     let mut val_loss = initial;
     for epoch in 1..=2 {
@@ -165,7 +163,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         for (batch, i) in (0..train_data.dims()[0] - 1).step_by(bptt).enumerate() {
             let (data, targets) = get_batch(&train_data, i, bptt)?;
             let output = model.forward(&data, None)?;
-            let loss = criterion.forward(&output.view(&[-1, ntokens as isize])?, &targets)?;
+            let loss = criterion.forward(&output.view((-1, ntokens))?, &targets)?;
             optimizer.zero_grad()?;
             loss.backward()?;
             clip_grad_norm_(&model.parameters(), 0.5, 2.0)?;
@@ -182,7 +180,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 total_loss = 0.0;
             }
         }
-        val_loss = evaluate(&mut model, &val_data)?;
+        val_loss = evaluate(&model, &val_data)?;
         println!("| end of epoch {epoch} | valid loss {val_loss:5.2} | valid ppl {:8.2}", val_loss.exp());
         scheduler.step(&mut optimizer);
     }

@@ -210,7 +210,7 @@ impl Classifier {
         let x = Tensor::randn(shape, DType::F32, device)?;
         let y = Tensor::randint(0, classes, [shape[0]], device)?;
         let opt = Adam::new(model.parameters(), AdamConfig::default())?;
-        let scaler = GradScaler::new(GradScalerConfig {
+        let scaler = GradScaler::with_config(GradScalerConfig {
             enabled: amp.is_some_and(|a| a.scaler),
             ..Default::default()
         })?;
@@ -241,7 +241,7 @@ impl Classifier {
         };
         self.scaler.scale(&loss)?.backward()?;
         self.scaler.step(&mut self.opt)?;
-        self.scaler.update(None)
+        self.scaler.update()
     }
 
     /// One eager step: `zero_grad` (set to none), then [`Classifier::forward_backward_step`].
@@ -291,14 +291,14 @@ impl Classifier {
         };
         let _device = cuda::DeviceGuard::new(i)?;
         let side = cuda::Stream::new(i)?;
-        side.wait_stream(&cuda::current_stream(i)?)?;
+        side.wait_stream(&cuda::current_stream_on(i)?)?;
         {
             let _side = cuda::stream(&side);
             for _ in 0..3 {
                 self.step()?;
             }
         }
-        cuda::current_stream(i)?.wait_stream(&side)?;
+        cuda::current_stream_on(i)?.wait_stream(&side)?;
         let mut g = cuda::CUDAGraph::new();
         self.opt.zero_grad()?;
         let capture = cuda::graph(&mut g)?;

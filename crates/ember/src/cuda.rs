@@ -55,6 +55,68 @@ current_device_forms! {
     memory_summary, memory_summary_on -> String, "A readable table of the allocator's statistics";
     memory_stats, memory_stats_on -> std::collections::BTreeMap<String, i64>, "Every allocator statistic under PyTorch's key names";
     reset_peak_memory_stats, reset_peak_memory_stats_on -> (), "Resets the peak statistics";
+    reset_accumulated_memory_stats, reset_accumulated_memory_stats_on -> (), "Resets the accumulated (count) statistics";
+    mem_get_info, mem_get_info_on -> Result<(usize, usize)>, "Free and total bytes of device memory, from the driver,";
+    memory_snapshot, memory_snapshot_on -> Result<String>, "The allocator's segments and blocks as text";
+    snapshot, snapshot_on -> Result<ember_core::pickle::Value>, "The memory snapshot in PyTorch's structure (`torch.cuda.memory._snapshot`)";
+    current_stream, current_stream_on -> Result<Stream>, "The current stream";
+}
+
+/// Starts (`enabled`) or stops recording allocation history of the current device, keeping at
+/// most `max_entries` events (`torch.cuda.memory._record_memory_history(max_entries=..)`);
+/// Note [Current-device forms].
+pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
+    ember_core::cuda::record_memory_history(current_device(), enabled, max_entries)
+}
+
+/// [`record_memory_history`] of `device`.
+pub fn record_memory_history_on(device: usize, enabled: bool, max_entries: usize) -> Result<()> {
+    ember_core::cuda::record_memory_history(device, enabled, max_entries)
+}
+
+/// Writes the current device's memory snapshot to `path` as PyTorch's pickle
+/// (`torch.cuda.memory._dump_snapshot(path)`); Note [Current-device forms].
+pub fn dump_snapshot(path: impl AsRef<std::path::Path>) -> Result<()> {
+    ember_core::cuda::dump_snapshot(current_device(), path)
+}
+
+/// [`dump_snapshot`] of `device`.
+pub fn dump_snapshot_on(device: usize, path: impl AsRef<std::path::Path>) -> Result<()> {
+    ember_core::cuda::dump_snapshot(device, path)
+}
+
+/// Whether the current device runs bfloat16 (`torch.cuda.is_bf16_supported()`, whose default
+/// `including_emulation=True` this is): `true` on any usable CUDA device, since ember's bf16
+/// kernels keep bf16 as 16-bit integers converted in software; `false` without CUDA. Choose
+/// the autocast dtype with [`is_bf16_supported_with`]`(false)`, which asks for native bf16
+/// arithmetic (Ampere, compute capability 8.0, and later), as PyTorch's
+/// `is_bf16_supported(including_emulation=False)` does.
+pub fn is_bf16_supported() -> bool {
+    is_bf16_supported_with(true)
+}
+
+/// `torch.cuda.is_bf16_supported(including_emulation)` for the current device; see
+/// [`is_bf16_supported`].
+pub fn is_bf16_supported_with(including_emulation: bool) -> bool {
+    if !is_available() {
+        return false;
+    }
+    match get_device_capability(current_device()) {
+        Ok((major, _)) => native_bf16(major) || including_emulation,
+        Err(_) => false,
+    }
+}
+
+/// Whether the current device has TF32 tensor cores (`torch.cuda.is_tf32_supported()`):
+/// compute capability 8.0 and later; `false` without CUDA. Whether matmuls use them is
+/// [`set_float32_matmul_precision`] / [`set_allow_tf32`].
+pub fn is_tf32_supported() -> bool {
+    is_bf16_supported_with(false)
+}
+
+/// Native bf16 (and TF32) arithmetic: compute capability 8.0 (Ampere) and later.
+fn native_bf16(major: u32) -> bool {
+    major >= 8
 }
 
 /// The default generator of CUDA device `device`.
@@ -141,7 +203,36 @@ mod tests {
         assert!((0..100).any(|_| memory_stats() == memory_stats_on(dev)));
         if !is_available() {
             assert!(synchronize().is_err() && synchronize_on(0).is_err());
+            // Without a GPU the device forms are typed errors or no-ops, never panics.
+            assert!(mem_get_info().is_err() && mem_get_info_on(0).is_err());
+            assert!(current_stream().is_err() && current_stream_on(0).is_err());
+            assert!(
+                record_memory_history(true, 10).is_err() && record_memory_history_on(0, true, 10).is_err()
+            );
+            assert!(dump_snapshot(std::env::temp_dir().join("ember-no-gpu.pickle")).is_err());
+            reset_accumulated_memory_stats();
+            reset_accumulated_memory_stats_on(dev);
         }
+    }
+
+    #[test]
+    fn bf16_and_tf32_support_follow_the_compute_capability() {
+        assert!(!native_bf16(7) && native_bf16(8) && native_bf16(9));
+        if !is_available() {
+            assert!(!is_bf16_supported() && !is_bf16_supported_with(false) && !is_tf32_supported());
+        } else {
+            let (major, _) = get_device_capability(current_device()).unwrap();
+            assert!(is_bf16_supported());
+            assert_eq!(is_tf32_supported(), major >= 8);
+            assert_eq!(is_bf16_supported_with(false), major >= 8);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_hopper_gpu_has_native_bf16_and_tf32() {
+        assert!(is_available(), "this test needs a CUDA device");
+        assert!(is_bf16_supported() && is_bf16_supported_with(false) && is_tf32_supported());
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! This facade re-exports the layers below it so that a program needs one dependency:
 //! tensors and autograd from `ember-core`, layers and optimizers from `ember-nn`, data loading
 //! from `ember-data`, multi-GPU training from `ember-distributed`.
-//! Coming from PyTorch: [`coming_from_pytorch`] maps torch's names to ember's.
+//! Coming from PyTorch: [`coming_from_pytorch`] maps torch's names to ember's;
+//! `use ember::prelude::*` brings the common names in one import ([`prelude`]).
 //!
 //! ```
 //! use ember::{DType, Device, Tensor};
@@ -16,12 +17,18 @@
 //! ```
 #![forbid(unsafe_code)]
 
+/// `torch.tensor(data)`: a CPU tensor of a literal (`tensor!([[1.0, 2.0], [3.0, 4.0]])`).
+pub use ember_core::tensor;
 pub use ember_core::{
-    autograd, backends, default_generator, dispatch, enable_grad, get_rng_state, initial_seed,
-    is_grad_enabled, manual_seed, no_grad, seed, set_grad_enabled, set_rng_state, DType, Device, DeviceType,
-    Element, Error, Generator, Result, RngState, Scalar, Shape, Tensor,
+    autograd, backends, default_generator, dispatch, enable_grad, get_num_threads, get_rng_state,
+    initial_seed, is_grad_enabled, manual_seed, no_grad, seed, set_grad_enabled, set_num_threads,
+    set_rng_state, DType, Device, DeviceType, Element, Error, Generator, Result, RngState, Scalar, Shape,
+    Sizes, Tensor,
 };
+/// `torch.optim` (also `ember::nn::optim`).
+pub use ember_nn::optim;
 pub mod cuda;
+pub mod prelude;
 /// Python's pickle format for plain data ([`pickle::Value`]): what [`cuda::snapshot`] returns
 /// and [`cuda::dump_snapshot`] writes, readable by PyTorch's tools.
 pub use ember_core::pickle;

@@ -233,7 +233,7 @@ impl Step<'_> {
         };
         self.scaler.scale(&loss)?.backward()?;
         self.scaler.step(self.opt)?;
-        self.scaler.update(None)?;
+        self.scaler.update()?;
         Ok(loss)
     }
 
@@ -399,7 +399,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     };
     let mut opt = Adam::new(model.parameters(), config)?;
     // float16 needs loss scaling against gradient underflow; bfloat16 has float32's range.
-    let mut scaler = GradScaler::new(GradScalerConfig {
+    let mut scaler = GradScaler::with_config(GradScalerConfig {
         enabled: args.amp == Some(AmpMode::Fp16),
         ..Default::default()
     })?;
@@ -423,7 +423,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     // is a function of (seed, epoch), so a resumed run needs no replayed draws.
     let sampler = match dist {
         Some(d) => Some(Arc::new(
-            DistributedSampler::new(n_train, d.world, d.rank)?.seed(args.seed),
+            DistributedSampler::with_replicas(n_train, d.world, d.rank)?.seed(args.seed),
         )),
         None => None,
     };

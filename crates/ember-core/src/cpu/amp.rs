@@ -30,10 +30,12 @@ pub(crate) fn non_finite_check_and_unscale<T: OptimElement>(values: &mut [T], in
         found
     };
     if values.len() > PAR_THRESHOLD {
-        values
-            .par_chunks_mut(PAR_CHUNK)
-            .map(piece)
-            .reduce(|| false, |a, b| a | b)
+        super::threads::parallel(|| {
+            values
+                .par_chunks_mut(PAR_CHUNK)
+                .map(piece)
+                .reduce(|| false, |a, b| a | b)
+        })
     } else {
         piece(values)
     }

@@ -21,7 +21,7 @@ where
     if let (Some(ra), Some(rb)) = (al.contiguous_range(), bl.contiguous_range()) {
         let (a, b) = (&a[ra], &b[rb]);
         return if n >= PAR_THRESHOLD {
-            a.par_iter().zip(b.par_iter()).map(|(&x, &y)| f(x, y)).collect()
+            super::threads::parallel(|| a.par_iter().zip(b.par_iter()).map(|(&x, &y)| f(x, y)).collect())
         } else {
             a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()
         };
@@ -35,13 +35,15 @@ where
         return map_strided(b, bl, |y| f(x, y));
     }
     if n >= PAR_THRESHOLD {
-        let parts: Vec<Vec<U>> = (0..n.div_ceil(PAR_CHUNK))
-            .into_par_iter()
-            .map(|c| {
-                let (ia, ib) = (al.offsets_from(c * PAR_CHUNK), bl.offsets_from(c * PAR_CHUNK));
-                ia.zip(ib).take(PAR_CHUNK).map(|(i, j)| f(a[i], b[j])).collect()
-            })
-            .collect();
+        let parts: Vec<Vec<U>> = super::threads::parallel(|| {
+            (0..n.div_ceil(PAR_CHUNK))
+                .into_par_iter()
+                .map(|c| {
+                    let (ia, ib) = (al.offsets_from(c * PAR_CHUNK), bl.offsets_from(c * PAR_CHUNK));
+                    ia.zip(ib).take(PAR_CHUNK).map(|(i, j)| f(a[i], b[j])).collect()
+                })
+                .collect()
+        });
         let mut out = Vec::with_capacity(n);
         for p in parts {
             out.extend(p);
@@ -157,17 +159,21 @@ where
     if let Some(rb) = bl.contiguous_range() {
         let b = &b[rb];
         if a.len() >= PAR_THRESHOLD {
-            a.par_iter_mut()
-                .zip(b.par_iter())
-                .for_each(|(x, &y)| *x = f(*x, y));
+            super::threads::parallel(|| {
+                a.par_iter_mut()
+                    .zip(b.par_iter())
+                    .for_each(|(x, &y)| *x = f(*x, y))
+            });
         } else {
             a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
         }
     } else if a.len() >= PAR_THRESHOLD {
-        a.par_chunks_mut(PAR_CHUNK).enumerate().for_each(|(c, chunk)| {
-            for (x, j) in chunk.iter_mut().zip(bl.offsets_from(c * PAR_CHUNK)) {
-                *x = f(*x, b[j]);
-            }
+        super::threads::parallel(|| {
+            a.par_chunks_mut(PAR_CHUNK).enumerate().for_each(|(c, chunk)| {
+                for (x, j) in chunk.iter_mut().zip(bl.offsets_from(c * PAR_CHUNK)) {
+                    *x = f(*x, b[j]);
+                }
+            })
         });
     } else {
         for (x, j) in a.iter_mut().zip(bl.offsets()) {

@@ -531,15 +531,16 @@ impl ConvOps for CpuStorage {
         if let Some(out) = p.output() {
             check_host_alloc("convolution", out.iter().product(), p.dtype)?;
         }
-        self::forward(self, weight, p)
+        // On the pool of `set_num_threads`: `plan` and the threaded GEMMs size themselves by it.
+        super::threads::parallel(|| self::forward(self, weight, p))
     }
 
     fn conv_backward_data(&self, grad_out: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
         check_host_alloc("convolution_backward", p.input.iter().product(), p.dtype)?;
-        self::backward_data(self, grad_out, p)
+        super::threads::parallel(|| self::backward_data(self, grad_out, p))
     }
 
     fn conv_backward_filter(&self, grad_out: &CpuStorage, p: &ConvParams) -> Result<Option<CpuStorage>> {
-        self::backward_filter(self, grad_out, p)
+        super::threads::parallel(|| self::backward_filter(self, grad_out, p))
     }
 }

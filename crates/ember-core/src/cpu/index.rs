@@ -82,16 +82,18 @@ where
     F: Fn(usize, usize) -> U + Send + Sync,
 {
     if a.numel() >= PAR_THRESHOLD && a.shape().rank() > 1 && a.dims()[0] > 1 {
-        let parts: Vec<Vec<U>> = (0..a.dims()[0])
-            .into_par_iter()
-            .map(|i| {
-                let (sa, sb) = (
-                    a.select(0, i).expect("in range"),
-                    b.select(0, i).expect("in range"),
-                );
-                sa.offsets().zip(sb.offsets()).map(|(x, y)| f(x, y)).collect()
-            })
-            .collect();
+        let parts: Vec<Vec<U>> = super::threads::parallel(|| {
+            (0..a.dims()[0])
+                .into_par_iter()
+                .map(|i| {
+                    let (sa, sb) = (
+                        a.select(0, i).expect("in range"),
+                        b.select(0, i).expect("in range"),
+                    );
+                    sa.offsets().zip(sb.offsets()).map(|(x, y)| f(x, y)).collect()
+                })
+                .collect()
+        });
         return parts.into_iter().flatten().collect();
     }
     a.offsets().zip(b.offsets()).map(|(x, y)| f(x, y)).collect()
@@ -114,9 +116,11 @@ fn select_contiguous<T: CpuElement>(src: &[T], layout: &Layout, dim: usize, idx:
         dst.copy_from_slice(&src[start..start + inner]);
     };
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(inner)
-            .enumerate()
-            .for_each(|(c, d)| copy(c, d));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(inner)
+                .enumerate()
+                .for_each(|(c, d)| copy(c, d))
+        });
     } else {
         out.chunks_mut(inner).enumerate().for_each(|(c, d)| copy(c, d));
     }

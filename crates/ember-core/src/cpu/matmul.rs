@@ -152,12 +152,21 @@ fn gemm_batched<T: GemmElement>(a: &[T], al: &Layout, b: &[T], bl: &Layout) -> V
         } else {
             Parallelism::None
         };
-        for (i, dst) in out.chunks_mut(mn).enumerate() {
-            gemm_one(&p, dst, a, p.a_offsets[i], b, p.b_offsets[i], par);
+        let run = |out: &mut [T]| {
+            for (i, dst) in out.chunks_mut(mn).enumerate() {
+                gemm_one(&p, dst, a, p.a_offsets[i], b, p.b_offsets[i], par);
+            }
+        };
+        if flops >= GEMM_PAR_FLOPS {
+            super::threads::parallel(|| run(&mut out)); // `gemm` splits over the pool it runs on
+        } else {
+            run(&mut out);
         }
     } else {
-        out.par_chunks_mut(mn).enumerate().for_each(|(i, dst)| {
-            gemm_one(&p, dst, a, p.a_offsets[i], b, p.b_offsets[i], Parallelism::None);
+        super::threads::parallel(|| {
+            out.par_chunks_mut(mn).enumerate().for_each(|(i, dst)| {
+                gemm_one(&p, dst, a, p.a_offsets[i], b, p.b_offsets[i], Parallelism::None);
+            })
         });
     }
     out
@@ -181,7 +190,7 @@ fn bf16_matmul(a: &[bf16], al: &Layout, b: &[bf16], bl: &Layout) -> Vec<bf16> {
     let (b32, bl32) = widen(b, bl);
     let out = gemm_batched(&a32, &al32, &b32, &bl32);
     if out.len() >= PAR_THRESHOLD {
-        out.par_iter().map(|&v| bf16::from_f32(v)).collect()
+        super::threads::parallel(|| out.par_iter().map(|&v| bf16::from_f32(v)).collect())
     } else {
         out.iter().map(|&v| bf16::from_f32(v)).collect()
     }
@@ -194,7 +203,7 @@ fn add_bias<T: Copy + std::ops::Add<Output = T> + Send + Sync>(out: &mut [T], bi
     }
     let row = |dst: &mut [T]| dst.iter_mut().zip(bias).for_each(|(o, &c)| *o = *o + c);
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(bias.len()).for_each(row);
+        super::threads::parallel(|| out.par_chunks_mut(bias.len()).for_each(row));
     } else {
         out.chunks_mut(bias.len()).for_each(row);
     }
@@ -227,7 +236,7 @@ fn half_matmul_bias<T: Copy + Send + Sync>(
     let mut out = gemm_batched(&a32, &al32, &b32, &bl32);
     add_bias(&mut out, &super::map_strided(bias, bias_l, widen));
     if out.len() >= PAR_THRESHOLD {
-        out.par_iter().map(|&v| narrow(v)).collect()
+        super::threads::parallel(|| out.par_iter().map(|&v| narrow(v)).collect())
     } else {
         out.iter().map(|&v| narrow(v)).collect()
     }
@@ -272,9 +281,11 @@ fn int_matmul<T: IntElement>(a: &[T], al: &Layout, b: &[T], bl: &Layout) -> Vec<
         }
     };
     if p.batch * p.m * p.n * p.k >= PAR_THRESHOLD {
-        out.par_chunks_mut(p.n)
-            .enumerate()
-            .for_each(|(r, dst)| row(r, dst));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(p.n)
+                .enumerate()
+                .for_each(|(r, dst)| row(r, dst))
+        });
     } else {
         out.chunks_mut(p.n).enumerate().for_each(|(r, dst)| row(r, dst));
     }

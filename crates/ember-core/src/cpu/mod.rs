@@ -31,6 +31,7 @@ pub(crate) mod random;
 mod reduce;
 mod rnn;
 mod softmax;
+pub(crate) mod threads;
 mod unary;
 
 /// Elements below which a kernel stays on the calling thread (rayon's fork cost is ~µs).
@@ -117,23 +118,25 @@ where
     if let Some(r) = layout.contiguous_range() {
         let src = &data[r];
         return if n >= PAR_THRESHOLD {
-            src.par_iter().map(|&x| f(x)).collect()
+            threads::parallel(|| src.par_iter().map(|&x| f(x)).collect())
         } else {
             src.iter().map(|&x| f(x)).collect()
         };
     }
     if n >= PAR_THRESHOLD {
         let mut out = Vec::with_capacity(n);
-        let parts: Vec<Vec<U>> = (0..n.div_ceil(PAR_CHUNK))
-            .into_par_iter()
-            .map(|c| {
-                layout
-                    .offsets_from(c * PAR_CHUNK)
-                    .take(PAR_CHUNK)
-                    .map(|o| f(data[o]))
-                    .collect()
-            })
-            .collect();
+        let parts: Vec<Vec<U>> = threads::parallel(|| {
+            (0..n.div_ceil(PAR_CHUNK))
+                .into_par_iter()
+                .map(|c| {
+                    layout
+                        .offsets_from(c * PAR_CHUNK)
+                        .take(PAR_CHUNK)
+                        .map(|o| f(data[o]))
+                        .collect()
+                })
+                .collect()
+        });
         for p in parts {
             out.extend(p);
         }

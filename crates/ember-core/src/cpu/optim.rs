@@ -208,7 +208,7 @@ pub(crate) fn adam<T: OptimElement>(tensors: Vec<AdamSlices<'_, T>>, s: &AdamSca
         }
     }
     if total > PAR_THRESHOLD {
-        pieces.into_par_iter().for_each(|p| adam_piece(p, s));
+        super::threads::parallel(|| pieces.into_par_iter().for_each(|p| adam_piece(p, s)));
     } else {
         pieces.into_iter().for_each(|p| adam_piece(p, s));
     }
@@ -288,7 +288,7 @@ pub(crate) fn sgd<T: OptimElement>(tensors: Vec<SgdSlices<'_, T>>, s: &SgdScalar
         }
     }
     if total > PAR_THRESHOLD {
-        pieces.into_par_iter().for_each(|p| sgd_piece(p, s));
+        super::threads::parallel(|| pieces.into_par_iter().for_each(|p| sgd_piece(p, s)));
     } else {
         pieces.into_iter().for_each(|p| sgd_piece(p, s));
     }

@@ -99,7 +99,7 @@ fn per_plane<T: Send>(out: &mut [T], plane: usize, work: usize, f: impl Fn(usize
         return;
     }
     if work >= PAR_THRESHOLD {
-        out.par_chunks_mut(plane).enumerate().for_each(|(i, o)| f(i, o));
+        super::threads::parallel(|| out.par_chunks_mut(plane).enumerate().for_each(|(i, o)| f(i, o)));
     } else {
         out.chunks_mut(plane).enumerate().for_each(|(i, o)| f(i, o));
     }

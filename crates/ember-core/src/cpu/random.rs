@@ -33,9 +33,11 @@ where
         }
     };
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(per_block * BLOCKS_PER_TASK)
-            .enumerate()
-            .for_each(|(c, chunk)| run(state.offset.wrapping_add((c * BLOCKS_PER_TASK) as u64), chunk));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(per_block * BLOCKS_PER_TASK)
+                .enumerate()
+                .for_each(|(c, chunk)| run(state.offset.wrapping_add((c * BLOCKS_PER_TASK) as u64), chunk))
+        });
     } else {
         run(state.offset, out);
     }
@@ -169,7 +171,7 @@ pub(crate) fn randperm(n: usize, state: RngState) -> CpuStorage {
     });
     // Keys paired with their index are distinct, so an unstable sort is deterministic.
     if n >= PAR_THRESHOLD {
-        keyed.par_sort_unstable();
+        super::threads::parallel(|| keyed.par_sort_unstable());
     } else {
         keyed.sort_unstable();
     }

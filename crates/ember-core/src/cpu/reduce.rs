@@ -220,7 +220,7 @@ where
     let mid = (xs.len() / 2).next_multiple_of(LANES);
     let (lo, hi) = xs.split_at(mid);
     let (a, b) = if xs.len() >= PAR_THRESHOLD {
-        rayon::join(|| fold(lo, id, map, comb), || fold(hi, id, map, comb))
+        super::threads::parallel(|| rayon::join(|| fold(lo, id, map, comb), || fold(hi, id, map, comb)))
     } else {
         (fold(lo, id, map, comb), fold(hi, id, map, comb))
     };
@@ -235,7 +235,7 @@ where
     F: Fn(&[T]) -> O + Sync + Send,
 {
     if rows.len() >= PAR_THRESHOLD && rows.len() > k {
-        rows.par_chunks(k).map(f).collect()
+        super::threads::parallel(|| rows.par_chunks(k).map(f).collect())
     } else {
         rows.chunks(k).map(f).collect()
     }
@@ -337,18 +337,22 @@ where
     const COLS: usize = 512;
     if m >= 2 * COLS {
         // Wide: independent column groups.
-        let groups: Vec<Vec<A>> = (0..m.div_ceil(COLS))
-            .into_par_iter()
-            .map(|g| part(0, k, g * COLS, ((g + 1) * COLS).min(m)))
-            .collect();
+        let groups: Vec<Vec<A>> = super::threads::parallel(|| {
+            (0..m.div_ceil(COLS))
+                .into_par_iter()
+                .map(|g| part(0, k, g * COLS, ((g + 1) * COLS).min(m)))
+                .collect()
+        });
         return groups.concat();
     }
     // Narrow and tall: row chunks of whole blocks, combined pairwise in a fixed order.
     let rows_per = (PAR_THRESHOLD / m).max(1).next_multiple_of(FAN * FAN);
-    let parts: Vec<Vec<A>> = (0..k.div_ceil(rows_per))
-        .into_par_iter()
-        .map(|c| part(c * rows_per, ((c + 1) * rows_per).min(k), 0, m))
-        .collect();
+    let parts: Vec<Vec<A>> = super::threads::parallel(|| {
+        (0..k.div_ceil(rows_per))
+            .into_par_iter()
+            .map(|c| part(c * rows_per, ((c + 1) * rows_per).min(k), 0, m))
+            .collect()
+    });
     combine_pairwise(parts, comb)
 }
 
@@ -501,7 +505,9 @@ fn arg_row<T: Copy + PartialOrd + Send + Sync, const MAX: bool>(r: &[T]) -> (T, 
     let better = |b: T, a: T| (if MAX { b > a } else { b < a }) || (b != b && a == a);
     if r.len() >= PAR_THRESHOLD {
         let mid = r.len() / 2;
-        let (a, b) = rayon::join(|| arg_row::<T, MAX>(&r[..mid]), || arg_row::<T, MAX>(&r[mid..]));
+        let (a, b) = super::threads::parallel(|| {
+            rayon::join(|| arg_row::<T, MAX>(&r[..mid]), || arg_row::<T, MAX>(&r[mid..]))
+        });
         return if better(b.0, a.0) { (b.0, b.1 + mid) } else { a };
     }
     let mut best = (r[0], 0);

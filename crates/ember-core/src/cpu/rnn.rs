@@ -26,10 +26,12 @@ fn for_rows<T: Send>(
     f: impl Fn(usize, &mut [T], &mut [T]) + Sync + Send,
 ) {
     if work >= PAR_THRESHOLD {
-        x.par_chunks_mut(a)
-            .zip(y.par_chunks_mut(b))
-            .enumerate()
-            .for_each(|(r, (x, y))| f(r, x, y));
+        super::threads::parallel(|| {
+            x.par_chunks_mut(a)
+                .zip(y.par_chunks_mut(b))
+                .enumerate()
+                .for_each(|(r, (x, y))| f(r, x, y))
+        });
     } else {
         for (r, (x, y)) in x.chunks_mut(a).zip(y.chunks_mut(b)).enumerate() {
             f(r, x, y);
@@ -46,11 +48,13 @@ fn for_rows3<T: Send>(
     f: impl Fn(usize, &mut [T], &mut [T], &mut [T]) + Sync + Send,
 ) {
     if work >= PAR_THRESHOLD {
-        x.par_chunks_mut(a)
-            .zip(y.par_chunks_mut(b))
-            .zip(z.par_chunks_mut(c))
-            .enumerate()
-            .for_each(|(r, ((x, y), z))| f(r, x, y, z));
+        super::threads::parallel(|| {
+            x.par_chunks_mut(a)
+                .zip(y.par_chunks_mut(b))
+                .zip(z.par_chunks_mut(c))
+                .enumerate()
+                .for_each(|(r, ((x, y), z))| f(r, x, y, z))
+        });
     } else {
         for (r, ((x, y), z)) in x
             .chunks_mut(a)

@@ -50,9 +50,11 @@ where
     F: Fn(&mut [U], &[T], &[T], &mut S) + Sync + Send,
 {
     if out.len() >= PAR_THRESHOLD && out.len() > k {
-        out.par_chunks_mut(k)
-            .zip(a.par_chunks(k).zip(b.par_chunks(k)))
-            .for_each_init(S::default, |s, (o, (a, b))| f(o, a, b, s));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(k)
+                .zip(a.par_chunks(k).zip(b.par_chunks(k)))
+                .for_each_init(S::default, |s, (o, (a, b))| f(o, a, b, s))
+        });
     } else {
         let mut s = S::default();
         for (o, (a, b)) in out.chunks_mut(k).zip(a.chunks(k).zip(b.chunks(k))) {
@@ -74,7 +76,7 @@ where
         unit(o, c * COLS, ((c + 1) * COLS).min(inner))
     };
     let parts: Vec<Vec<S>> = if par {
-        (0..outer * per).into_par_iter().map(run).collect()
+        super::threads::parallel(|| (0..outer * per).into_par_iter().map(run).collect())
     } else {
         (0..outer * per).map(run).collect()
     };
@@ -85,7 +87,7 @@ where
 /// Calls `f(r, chunk)` for each `len`-element chunk `r` of `out`, on rayon's pool if `par`.
 fn each_chunk<U: Send, F: Fn(usize, &mut [U]) + Send + Sync>(out: &mut [U], len: usize, par: bool, f: F) {
     if par {
-        out.par_chunks_mut(len).enumerate().for_each(|(r, o)| f(r, o));
+        super::threads::parallel(|| out.par_chunks_mut(len).enumerate().for_each(|(r, o)| f(r, o)));
     } else {
         out.chunks_mut(len).enumerate().for_each(|(r, o)| f(r, o));
     }

@@ -205,9 +205,11 @@ where
     };
     let mut out = vec![O::zero(); input.len()];
     if input.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(CHUNK)
-            .zip(input.par_chunks(CHUNK))
-            .for_each(|(o, i)| f(i, o));
+        super::threads::parallel(|| {
+            out.par_chunks_mut(CHUNK)
+                .zip(input.par_chunks(CHUNK))
+                .for_each(|(o, i)| f(i, o))
+        });
     } else {
         f(input, &mut out);
     }
@@ -470,7 +472,7 @@ pub(crate) fn relu_backward(y: &CpuStorage, g: &CpuStorage, len: usize) -> Optio
         let zero = T::zero();
         let pick = |(&y, &g): (&T, &T)| if y > zero { g } else { zero };
         if y.len() >= PAR_THRESHOLD {
-            y.par_iter().zip(g.par_iter()).map(pick).collect()
+            super::threads::parallel(|| y.par_iter().zip(g.par_iter()).map(pick).collect())
         } else {
             y.iter().zip(g).map(pick).collect()
         }

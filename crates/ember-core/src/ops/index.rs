@@ -98,7 +98,7 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
                 ),
             ));
         }
-        return index_select_as(op, &lift(x)?, 0, index)?.reshape(&[]);
+        return index_select_as(op, &lift(x)?, 0, index)?.reshape(());
     }
     let mut dims = x.dims().to_vec();
     dims[d] = index.numel();

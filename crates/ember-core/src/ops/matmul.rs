@@ -230,7 +230,7 @@ impl Tensor {
         }
         let user = (self, other);
         match (ra, rb) {
-            (1, 1) => product(OP, &self.unsqueeze(0)?, &other.unsqueeze(1)?, user)?.reshape(&[]),
+            (1, 1) => product(OP, &self.unsqueeze(0)?, &other.unsqueeze(1)?, user)?.reshape(()),
             (2, 1) => product(OP, self, &other.unsqueeze(1)?, user)?.squeeze_dim(-1),
             (1, 2) => product(OP, &self.unsqueeze(0)?, other, user)?.squeeze_dim(0),
             (2, 2) => product(OP, self, other, user),

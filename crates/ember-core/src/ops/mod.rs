@@ -21,6 +21,7 @@ pub mod operators;
 pub mod pool;
 pub mod reduce;
 pub mod rnn;
+pub mod slice_scatter;
 pub mod softmax;
 pub mod unary;
 pub mod view;

@@ -50,6 +50,17 @@ fn infer_shape(op: &'static str, dims: &[isize], numel: usize) -> Result<Shape> 
     Ok(out)
 }
 
+/// The pieces of a split as an array of exactly `N`.
+fn pieces_array<const N: usize>(op: &'static str, pieces: Vec<Tensor>) -> Result<[Tensor; N]> {
+    let got = pieces.len();
+    pieces.try_into().map_err(|_| {
+        Error::invalid(
+            op,
+            format!("the split gives {got} pieces, but {N} are destructured; check split_size against the dim's size"),
+        )
+    })
+}
+
 /// `len` elements of `dim` from `start`, every `step`-th.
 fn strided_slice(l: &Layout, d: usize, start: usize, len: usize, step: usize) -> Result<Layout> {
     let span = if len == 0 { 0 } else { (len - 1) * step + 1 };
@@ -99,17 +110,26 @@ impl Tensor {
         })
     }
 
-    /// A view with `dims` (one may be -1) if the layout allows one, else a contiguous copy.
-    pub fn reshape(&self, dims: &[isize]) -> Result<Tensor> {
+    /// A view with sizes `shape` (one may be -1) if the layout allows one, else a contiguous
+    /// copy. `shape` is any [`Sizes`](crate::shape::Sizes) form: `[2, 3]`, `[-1, 4]`, `&dims`,
+    /// `(-1, n)` with `n: usize` (Note [Size arguments]).
+    pub fn reshape(&self, shape: impl Into<crate::shape::Sizes>) -> Result<Tensor> {
+        self.reshape_sizes(shape.into().as_slice())
+    }
+
+    fn reshape_sizes(&self, dims: &[isize]) -> Result<Tensor> {
         let shape = infer_shape("reshape", dims, self.numel())?;
         match self.layout().view(&shape) {
             Some(layout) => self.reshape_view(&policy::RESHAPE, layout),
-            None => self.contiguous()?.reshape(dims),
+            None => self.contiguous()?.reshape_sizes(dims),
         }
     }
 
-    /// A view with `dims` (one may be -1); an error if the strides do not allow one.
-    pub fn view(&self, dims: &[isize]) -> Result<Tensor> {
+    /// A view with sizes `shape` (one may be -1; any [`Sizes`](crate::shape::Sizes) form); an
+    /// error if the strides do not allow one.
+    pub fn view(&self, shape: impl Into<crate::shape::Sizes>) -> Result<Tensor> {
+        let sizes = shape.into();
+        let dims = sizes.as_slice();
         let shape = infer_shape("view", dims, self.numel())?;
         let layout = self.layout().view(&shape).ok_or_else(|| {
             Error::invalid(
@@ -271,8 +291,11 @@ impl Tensor {
         dispatch::named(&policy::SQUEEZE, &[self], || self.reshape(&dims))
     }
 
-    /// A broadcast view with `sizes`; -1 keeps a dim's size (`expand`).
-    pub fn expand(&self, sizes: &[isize]) -> Result<Tensor> {
+    /// A broadcast view with `sizes`; -1 keeps a dim's size (`expand`). Any
+    /// [`Sizes`](crate::shape::Sizes) form.
+    pub fn expand(&self, sizes: impl Into<crate::shape::Sizes>) -> Result<Tensor> {
+        let sizes = sizes.into();
+        let sizes = sizes.as_slice();
         if sizes.len() < self.rank() {
             return Err(Error::invalid(
                 "expand",
@@ -362,6 +385,20 @@ impl Tensor {
             start = start.saturating_add(split_size);
         }
         Ok(out)
+    }
+
+    /// [`Tensor::split`] into exactly `N` pieces, as an array to destructure:
+    /// `let [q, k, v] = x.split_into(c, 2)?;` for PyTorch's `q, k, v = x.split(c, dim=2)`
+    /// (`N` comes from the pattern). An [`Error::InvalidArgument`] naming both counts when the
+    /// split gives another number of pieces.
+    pub fn split_into<const N: usize>(&self, split_size: usize, dim: isize) -> Result<[Tensor; N]> {
+        pieces_array("split_into", self.split(split_size, dim)?)
+    }
+
+    /// [`Tensor::chunk`] into exactly `N` pieces, as an array to destructure:
+    /// `let [a, b] = x.chunk_into(-1)?;` splits the last dim in halves (`x.chunk(2, -1)`).
+    pub fn chunk_into<const N: usize>(&self, dim: isize) -> Result<[Tensor; N]> {
+        pieces_array("chunk_into", self.chunk(N, dim)?)
     }
 
     /// Pieces of the given sizes along `dim` (`split` with a list of sizes).

@@ -129,6 +129,35 @@ impl Tensor {
         Tensor::from_fn(&policy::ARANGE, [n], dtype, device, |i| start + i as f64 * step)
     }
 
+    /// The integers `start, start + step, ...` below `end` (above it for a negative `step`) as
+    /// an `I64` tensor, exactly (`torch.arange(start, end, step)` of integers, whose dtype is
+    /// int64): `Tensor::arange_i64(0, t, 1, device)` for `torch.arange(T)` of positions.
+    pub fn arange_i64(start: i64, end: i64, step: i64, device: Device) -> Result<Tensor> {
+        if step == 0 {
+            return Err(Error::invalid("arange", "step must be nonzero"));
+        }
+        if (end as i128 - start as i128) * (step as i128) < 0 {
+            return Err(Error::invalid(
+                "arange",
+                format!("upper bound and lower bound inconsistent with step sign ({start}..{end} by {step})"),
+            ));
+        }
+        let span = (end as i128 - start as i128).unsigned_abs();
+        let n = span.div_ceil(step.unsigned_abs() as u128);
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= MAX_ELEMENTS)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "arange",
+                    format!("{start}..{end} by {step} has more elements than memory can address"),
+                )
+            })?;
+        crate::memory::check_host_alloc("arange", n, DType::I64)?;
+        let values: Vec<i64> = (0..n as i64).map(|i| start + i * step).collect();
+        Tensor::from_vec(values, [n], device)
+    }
+
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: Device) -> Result<Tensor> {
         let step = if steps > 1 {

@@ -11,6 +11,9 @@
 mod convert;
 mod create;
 mod display;
+mod literal;
+
+pub use literal::{from_literal, TensorLiteral};
 
 use crate::autograd::{self, Hook, Node};
 use crate::layout::Layout;

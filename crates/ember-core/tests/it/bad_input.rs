@@ -131,18 +131,18 @@ fn broadcasts_and_views_that_overflow_are_invalid() {
         // A [2^40, 1] tensor is 4 TiB: use an expanded view instead.
         Tensor::zeros([1, 1], DType::F32, CPU)
             .unwrap()
-            .expand(&[1 << 40, 1])
+            .expand(&[1isize << 40, 1])
             .unwrap()
     });
     let b = Tensor::zeros([1, 1], DType::F32, CPU)
         .unwrap()
-        .expand(&[1, 1 << 40])
+        .expand(&[1, 1isize << 40])
         .unwrap();
     invalid(a.add(&b), "memory can address");
     let one = Tensor::zeros([1], DType::F32, CPU).unwrap();
-    invalid(one.expand(&[1 << 40, 1 << 40]), "memory can address");
-    invalid(one.reshape(&[1 << 40, 1 << 40, 0]), "memory can address");
-    let big = one.expand(&[1 << 61]).unwrap();
+    invalid(one.expand(&[1isize << 40, 1 << 40]), "memory can address");
+    invalid(one.reshape(&[1isize << 40, 1 << 40, 0]), "memory can address");
+    let big = one.expand(&[1isize << 61]).unwrap();
     invalid(Tensor::cat(&[&big, &big, &big, &big], 0), "cat");
 }
 
@@ -195,7 +195,7 @@ fn host_requests_the_machine_cannot_hold_are_out_of_memory() {
     // A view of 2^40 × 10^6 elements made contiguous (4 EiB).
     let e = Tensor::zeros([1, 1], DType::F32, CPU)
         .unwrap()
-        .expand(&[1 << 40, 1_000_000])
+        .expand(&[1isize << 40, 1_000_000])
         .unwrap();
     host_oom(e.contiguous(), 4_398_046_511_104_000_000);
     // A broadcast matmul whose output is 400 TB.

@@ -52,11 +52,11 @@ fn operand_cases(dtype: DType) -> Vec<(&'static str, Box<dyn Fn(Device) -> Resul
         ),
         (
             "scalar rhs",
-            Box::new(move |d| Ok((input(515, 5, dtype, d)?, input(1, 6, dtype, d)?.reshape(&[])?))),
+            Box::new(move |d| Ok((input(515, 5, dtype, d)?, input(1, 6, dtype, d)?.reshape(())?))),
         ),
         (
             "scalar lhs",
-            Box::new(move |d| Ok((input(1, 5, dtype, d)?.reshape(&[])?, input(515, 6, dtype, d)?))),
+            Box::new(move |d| Ok((input(1, 5, dtype, d)?.reshape(())?, input(515, 6, dtype, d)?))),
         ),
         (
             "row broadcast",

@@ -37,5 +37,6 @@ mod props;
 mod random;
 mod reduce;
 mod rnn;
+mod threads;
 mod unary;
 mod view;

@@ -141,3 +141,125 @@ fn gradients_through_views() {
     );
     gradcheck(|t| Ok(t[0].chunk(2, 1)?[1].clone()), &[y.clone()]);
 }
+
+#[test]
+fn reshape_view_and_expand_take_usize_arrays_and_a_minus_one() {
+    let x = arange(24, &[2, 3, 4]);
+    let (b, t): (usize, usize) = (2, 12);
+    // The sizes of creation (`usize`) and `dims()`, with no cast.
+    assert_eq!(x.reshape([b, t]).unwrap().dims(), [2, 12]);
+    assert_eq!(x.view(x.dims()).unwrap().dims(), [2, 3, 4]);
+    // PyTorch's `view(-1, n)` beside a usize: a tuple of mixed integer types.
+    assert_eq!(x.view((-1, t)).unwrap().dims(), [2, 12]);
+    assert_eq!(x.reshape([-1, 4]).unwrap().dims(), [6, 4]);
+    assert_eq!(x.reshape(vec![4usize, 6]).unwrap().dims(), [4, 6]);
+    assert_eq!(x.reshape(24usize).unwrap().dims(), [24]);
+    // The old slice form still works.
+    assert_eq!(x.reshape(&[3isize, -1]).unwrap().dims(), [3, 8]);
+    let one = arange(3, &[3, 1]);
+    assert_eq!(one.expand([3usize, 5]).unwrap().dims(), [3, 5]);
+    assert_eq!(one.expand((-1, 5usize)).unwrap().dims(), [3, 5]);
+    // Bad sizes are typed errors, never panics.
+    assert!(matches!(x.reshape([-1, -1]), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        x.reshape([usize::MAX]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(x.view((5usize, -1)), Err(Error::InvalidArgument { .. })));
+}
+
+#[test]
+fn split_into_destructures_and_checks_the_count() {
+    let x = arange(12, &[2, 6]);
+    let [q, k, v] = x.split_into(2, 1).unwrap();
+    assert_eq!(
+        (q.dims(), k.dims(), v.dims()),
+        (&[2usize, 2][..], &[2usize, 2][..], &[2usize, 2][..])
+    );
+    assert_eq!(v.to_vec::<f64>().unwrap(), [4.0, 5.0, 10.0, 11.0]);
+    let [a, b] = x.chunk_into(-1).unwrap();
+    assert_eq!(
+        (a.dims(), b.to_vec::<f64>().unwrap()),
+        (&[2usize, 3][..], vec![3.0, 4.0, 5.0, 9.0, 10.0, 11.0])
+    );
+    let e = x.split_into::<2>(2, 1).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { op: "split_into", .. }) && e.to_string().contains("3 pieces"),
+        "{e}"
+    );
+}
+
+#[test]
+fn slice_scatter_replaces_a_strided_slice() {
+    for dev in devices() {
+        // The positional encoding's `pe[:, 0::2] = sin`, `pe[:, 1::2] = cos`.
+        let pe = Tensor::zeros([2, 4], DType::F32, dev).unwrap();
+        let sin = Tensor::ones([2, 2], DType::F32, dev).unwrap();
+        let cos = sin.mul_scalar(2.0).unwrap();
+        let pe = pe.slice_scatter(&sin, 1, 0, isize::MAX, 2).unwrap();
+        let pe = pe.slice_scatter(&cos, 1, 1, isize::MAX, 2).unwrap();
+        assert_eq!(
+            pe.to_vec::<f32>().unwrap(),
+            [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+        );
+        // The input is left alone; a src of the wrong shape is a shape error.
+        let base = Tensor::zeros([2, 4], DType::F32, dev).unwrap();
+        let _ = base.slice_scatter(&sin, 1, 0, isize::MAX, 2).unwrap();
+        assert_eq!(base.to_vec::<f32>().unwrap(), [0.0; 8]);
+        assert!(matches!(
+            base.slice_scatter(&cos.narrow(1, 0, 1).unwrap(), 1, 0, isize::MAX, 2),
+            Err(Error::ShapeMismatch {
+                op: "slice_scatter",
+                ..
+            })
+        ));
+    }
+    // Gradients: the input's with the slice zeroed, src's at the slice.
+    let x = t64(&values(12, 3), &[3, 4], Device::Cpu);
+    let s = t64(&values(6, 4), &[3, 2], Device::Cpu);
+    gradcheck(|t| t[0].slice_scatter(&t[1], 1, 1, 4, 2)?.square(), &[x, s]);
+}
+
+#[test]
+fn integer_arange_is_int64_and_exact() {
+    let t = Tensor::arange_i64(0, 5, 1, Device::Cpu).unwrap();
+    assert_eq!(
+        (t.dtype(), t.to_vec::<i64>().unwrap()),
+        (DType::I64, vec![0, 1, 2, 3, 4])
+    );
+    let big = (1i64 << 60) + 1;
+    assert_eq!(
+        Tensor::arange_i64(big, big + 3, 1, Device::Cpu)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
+        [big, big + 1, big + 2]
+    );
+    assert_eq!(
+        Tensor::arange_i64(5, 0, -2, Device::Cpu)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
+        [5, 3, 1]
+    );
+    assert!(Tensor::arange_i64(0, 5, 0, Device::Cpu).is_err());
+    assert!(Tensor::arange_i64(0, 5, -1, Device::Cpu).is_err());
+    assert!(Tensor::arange_i64(i64::MIN, i64::MAX, 1, Device::Cpu).is_err());
+}
+
+#[test]
+fn tensor_literals_and_from_vec() {
+    let x = ember_core::tensor!([[1.0, 2.0], [3.0, 4.0]]);
+    assert_eq!(
+        (x.dims(), x.dtype(), x.device()),
+        (&[2usize, 2][..], DType::F32, Device::Cpu)
+    );
+    let i = ember_core::tensor![1, 2, 3];
+    assert_eq!(
+        (i.dtype(), i.to_vec::<i64>().unwrap()),
+        (DType::I64, vec![1, 2, 3])
+    );
+    let v: Tensor = vec![1.0f64, 2.0].into();
+    assert_eq!((v.dims(), v.dtype()), (&[2usize][..], DType::F64));
+    assert_eq!(Tensor::from(&[1i32, 2][..]).dtype(), DType::I32);
+}

@@ -260,3 +260,28 @@ fn pin_memory_pins_with_cuda_and_continues_unpinned_without() {
     let loader = DataLoader::builder(xy(4)).pin_memory(false).build().unwrap();
     assert!(!loader.pin_memory());
 }
+
+#[test]
+fn batches_unpack_into_named_fields() {
+    // PyTorch's `for inputs, labels in loader`.
+    let x = Tensor::arange(0.0, 10.0, 1.0, DType::F32, Device::Cpu)
+        .unwrap()
+        .reshape([5, 2])
+        .unwrap();
+    let y = Tensor::arange_i64(0, 5, 1, Device::Cpu).unwrap();
+    let loader = DataLoader::new(ember_data::TensorDataset::new(vec![x, y]).unwrap(), 2).unwrap();
+    let mut seen = 0;
+    for batch in loader.unpacked() {
+        let [inputs, labels] = batch.unwrap();
+        assert_eq!(inputs.dims()[0], labels.dims()[0]);
+        assert_eq!(labels.dtype(), DType::I64);
+        seen += labels.dims()[0];
+    }
+    assert_eq!(seen, 5);
+    // Unpacking another number of fields is a typed error naming both counts.
+    let e = loader.unpacked::<3>().next().unwrap().unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("2 fields"),
+        "{e}"
+    );
+}

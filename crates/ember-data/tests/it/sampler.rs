@@ -61,7 +61,7 @@ fn default_generator_follows_manual_seed() {
 fn shares(len: usize, replicas: usize, shuffle: bool, drop_last: bool, epoch: u64) -> Vec<Vec<usize>> {
     (0..replicas)
         .map(|rank| {
-            let s = ember_data::DistributedSampler::new(len, replicas, rank)
+            let s = ember_data::DistributedSampler::with_replicas(len, replicas, rank)
                 .unwrap()
                 .shuffle(shuffle)
                 .seed(7)
@@ -93,8 +93,8 @@ fn distributed_sampler_matches_pytorch_arithmetic() {
     );
     // Fewer samples than ranks with drop_last: nothing for anyone.
     assert!(shares(3, 4, false, true, 0).iter().all(Vec::is_empty));
-    assert!(ember_data::DistributedSampler::new(10, 4, 4).is_err());
-    assert!(ember_data::DistributedSampler::new(10, 0, 0).is_err());
+    assert!(ember_data::DistributedSampler::with_replicas(10, 4, 4).is_err());
+    assert!(ember_data::DistributedSampler::with_replicas(10, 0, 0).is_err());
 }
 
 #[test]
@@ -127,7 +127,11 @@ fn distributed_sampler_partitions_and_reshuffles() {
 #[test]
 fn distributed_sampler_drives_a_loader_across_epochs() {
     use std::sync::Arc;
-    let sampler = Arc::new(ember_data::DistributedSampler::new(20, 2, 1).unwrap().seed(3));
+    let sampler = Arc::new(
+        ember_data::DistributedSampler::with_replicas(20, 2, 1)
+            .unwrap()
+            .seed(3),
+    );
     let loader = DataLoader::builder(xy(20))
         .batch_size(4)
         .sampler(sampler.clone())
@@ -143,4 +147,18 @@ fn distributed_sampler_drives_a_loader_across_epochs() {
     assert_eq!(a.len(), 10);
     assert_ne!(a, b);
     assert_eq!(a, epoch(0));
+}
+
+#[test]
+fn distributed_sampler_new_needs_the_default_group() {
+    // ember-data alone has no process group: `DistributedSampler::new(&dataset)` says what to do.
+    let ds = ember_data::TensorDataset::new(vec![ember_core::Tensor::zeros(
+        [4],
+        ember_core::DType::F32,
+        ember_core::Device::Cpu,
+    )
+    .unwrap()])
+    .unwrap();
+    let e = ember_data::DistributedSampler::new(&ds).unwrap_err().to_string();
+    assert!(e.contains("init_process_group"), "{e}");
 }

@@ -317,7 +317,7 @@ impl<M: Module> Module for DistributedDataParallel<M> {
             .visit_mut(&ember_nn::module::join_name(prefix, "module"), f)
     }
 
-    fn set_training(&mut self, training: bool) {
+    fn set_training(&self, training: bool) {
         self.module.set_training(training)
     }
 

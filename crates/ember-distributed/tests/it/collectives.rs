@@ -184,5 +184,25 @@ fn default_group_functions_need_init_and_say_so() {
     assert!(e.contains("rank 3"), "{e}");
     assert!("nccl".parse::<dist::BackendKind>().unwrap() == dist::BackendKind::Nccl);
     assert!("mpi".parse::<dist::BackendKind>().is_err());
+    // PyTorch's string form: init_process_group("gloo") reads the same environment.
+    let e = dist::init_process_group_with_env("gloo", &none)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("RANK") || e.contains("rank"), "{e}");
+    let e = dist::init_process_group("mpi").unwrap_err();
+    assert!(
+        matches!(e, ember_core::Error::InvalidArgument { .. }) && e.to_string().contains("nccl"),
+        "{e}"
+    );
+    // DistributedSampler(dataset) needs the default group for its world size and rank.
+    let ds = ember_data::TensorDataset::new(vec![
+        Tensor::zeros([10], ember_core::DType::F32, Device::Cpu).unwrap()
+    ])
+    .unwrap();
+    let e = ember_data::DistributedSampler::new(&ds).unwrap_err().to_string();
+    assert!(
+        e.contains("init_process_group") && e.contains("with_replicas"),
+        "{e}"
+    );
     assert!(!dist::is_initialized());
 }

@@ -323,7 +323,7 @@ struct TwoHeads {
     body: Linear,
     head: Linear,
     extra: Linear,
-    training: bool,
+    training: ember_nn::Training,
 }
 
 impl TwoHeads {
@@ -332,7 +332,7 @@ impl TwoHeads {
             body: Linear::new(4, 6, CPU).unwrap(),
             head: Linear::new(6, 3, CPU).unwrap(),
             extra: Linear::new(6, 3, CPU).unwrap(),
-            training: true,
+            training: ember_nn::Training::new(true),
         };
         m.to_dtype(DType::F64).unwrap();
         fill_params(&m, 0.0);
@@ -449,7 +449,7 @@ struct Shuffled {
     a: Linear,
     b: Linear,
     c: Linear,
-    training: bool,
+    training: ember_nn::Training,
 }
 
 impl Forward for Shuffled {
@@ -467,7 +467,7 @@ fn buckets_are_rebuilt_in_the_order_gradients_became_ready() {
             a: Linear::new(5, 5, CPU).unwrap(),
             b: Linear::new(5, 2, CPU).unwrap(),
             c: Linear::new(3, 5, CPU).unwrap(),
-            training: true,
+            training: ember_nn::Training::new(true),
         };
         m.to_dtype(DType::F64).unwrap();
         fill_params(&m, 0.0);
@@ -551,7 +551,7 @@ fn buffers_are_broadcast_from_rank_0_every_forward() {
     for broadcast in [true, false] {
         let per_rank = run_ranks(2, TIMEOUT, |pg| {
             let r = pg.rank();
-            let mut bn = Sequential::new()
+            let bn = Sequential::new()
                 .with(Linear::new(3, 2, CPU).unwrap())
                 .with(BatchNorm1d::new(2, CPU).unwrap());
             {
@@ -654,7 +654,7 @@ fn grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows() {
                 },
             )
             .unwrap();
-            let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+            let mut scaler = GradScaler::with_config(GradScalerConfig::default()).unwrap();
             let before = values(&ddp);
             let (mut x, y) = data(4);
             if poison && r == 1 {
@@ -663,7 +663,7 @@ fn grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows() {
             let loss = mse_loss(&ddp.forward(&x).unwrap(), &y, Reduction::Mean).unwrap();
             scaler.scale(&loss).unwrap().backward().unwrap();
             scaler.step(&mut opt).unwrap();
-            scaler.update(None).unwrap();
+            scaler.update().unwrap();
             (before == values(&ddp), scaler.get_scale().unwrap())
         });
         // The averaged gradients carry rank 1's inf/NaN to every rank, so all skip (and back
@@ -740,7 +740,7 @@ struct Tied {
     first: Linear,
     second: Linear,
     frozen: Linear,
-    training: bool,
+    training: ember_nn::Training,
 }
 
 impl Forward for Tied {
@@ -764,7 +764,7 @@ fn tied_parameters_are_reduced_once_and_frozen_ones_not_at_all() {
             first,
             second,
             frozen,
-            training: true,
+            training: ember_nn::Training::new(true),
         };
         m.to_dtype(DType::F64).unwrap();
         // to_dtype replaces tensors: tie again and refreeze.

@@ -3,14 +3,14 @@
 //! (`out_proj.weight`, `out_proj.bias`), as `F.multi_head_attention_forward` computes it.
 //!
 //! The work is the q/k/v projection (one GEMM when query, key and value are the same tensor,
-//! three otherwise), a split into heads by view, [`scaled_dot_product_attention`] over
+//! three otherwise), a split into heads by view, [`scaled_dot_product_attention`](super::scaled_dot_product_attention) over
 //! `[N, heads, L, head_dim]`, a merge of the heads and the output GEMM. With `need_weights`
 //! the attention weights are computed explicitly (sdpa does not return them) and averaged over
 //! the heads, as PyTorch's default `average_attn_weights=True`.
 //! [`multi_head_attention_forward_with`] adds the key padding mask and the dropout on the
 //! attention weights ([`MhaOptions`]), which `nn.MultiheadAttention` uses.
 
-use super::attention::scaled_dot_product_attention;
+use super::attention::scaled_dot_product_attention_with;
 use super::dropout::dropout;
 use super::idims;
 use ember_core::{DType, Error, Result, Tensor};
@@ -343,12 +343,32 @@ pub fn multi_head_attention_forward_with(
     } else if is_causal {
         // PyTorch's hint: attn_mask is the causal mask, so sdpa applies it itself.
         (
-            scaled_dot_product_attention(&q, &k, &v, None, dropout_p, true, None)?,
+            scaled_dot_product_attention_with(
+                &q,
+                &k,
+                &v,
+                super::SdpaOptions {
+                    attn_mask: None,
+                    dropout_p,
+                    is_causal: true,
+                    scale: None,
+                },
+            )?,
             None,
         )
     } else {
         (
-            scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), dropout_p, false, None)?,
+            scaled_dot_product_attention_with(
+                &q,
+                &k,
+                &v,
+                super::SdpaOptions {
+                    attn_mask: mask.as_ref(),
+                    dropout_p,
+                    is_causal: false,
+                    scale: None,
+                },
+            )?,
             None,
         )
     };

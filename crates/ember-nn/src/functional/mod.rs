@@ -2,7 +2,7 @@
 //! ember-core tensor ops, so each runs on every device and differentiates through autograd
 //! with no kernel of its own.
 //!
-//! One file per family: [`conv`] (linear, convolution, unfold), [`pooling`], [`normalization`]
+//! One file per family: [`activation`] (gelu, relu, softmax, ...), [`conv`] (linear, convolution, unfold), [`pooling`], [`normalization`]
 //! (batch and layer norm), [`dropout`](mod@dropout), [`attention`], [`attention_mha`] (multi-head
 //! attention), [`recurrent`] (RNN, LSTM, GRU and their cells) and [`loss`]. The functions are
 //! re-exported here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
@@ -13,6 +13,7 @@
 //! average pooling are ember-core ops with backend kernels (`ops::conv`, `ops::pool`); [`conv`]
 //! and [`pooling`] add PyTorch's argument forms.
 
+pub mod activation;
 pub mod attention;
 pub mod attention_mha;
 pub mod conv;
@@ -22,11 +23,15 @@ pub mod normalization;
 pub mod pooling;
 pub mod recurrent;
 
-pub use attention::scaled_dot_product_attention;
+pub use activation::{gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, GeluApproximate};
+pub use attention::{scaled_dot_product_attention, scaled_dot_product_attention_with, SdpaOptions};
 pub use attention_mha::{multi_head_attention_forward, multi_head_attention_forward_with, MhaOptions};
 pub use conv::{conv1d, conv2d, linear, unfold};
 pub use dropout::{dropout, dropout_with};
-pub use loss::{binary_cross_entropy_with_logits, cross_entropy, l1_loss, mse_loss, nll_loss, Reduction};
+pub use loss::{
+    binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, l1_loss, mse_loss, nll_loss,
+    CrossEntropyOptions, Reduction,
+};
 pub use normalization::{batch_norm, layer_norm};
 pub use pooling::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
 pub use recurrent::{gru, gru_cell, lstm, lstm_cell, rnn, rnn_relu_cell, rnn_tanh_cell, RnnNonlinearity};

@@ -8,13 +8,13 @@ macro_rules! simple_activation {
         #[$doc]
         #[derive(Debug, Clone)]
         pub struct $ty {
-            training: bool,
+            training: crate::module::Training,
         }
 
         impl $ty {
             #[doc = concat!("A new `", stringify!($ty), "`.")]
             pub fn new() -> $ty {
-                $ty { training: true }
+                $ty { training: crate::module::Training::new(true) }
             }
         }
 
@@ -39,22 +39,14 @@ simple_activation! {
     Sigmoid => sigmoid;
 }
 
-/// How [`GELU`] computes the normal CDF (`approximate='none'` or `'tanh'`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GeluApproximate {
-    /// The exact CDF with erf (PyTorch's default).
-    #[default]
-    None,
-    /// The tanh approximation.
-    Tanh,
-}
+pub use crate::functional::GeluApproximate;
 
 /// Gaussian error linear unit `x Φ(x)` (`nn.GELU(approximate=..)`).
 #[derive(Debug, Clone)]
 pub struct GELU {
     /// Exact or tanh-approximated.
     pub approximate: GeluApproximate,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl GELU {
@@ -67,7 +59,7 @@ impl GELU {
     pub fn with_approximate(approximate: GeluApproximate) -> GELU {
         GELU {
             approximate,
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 }
@@ -89,13 +81,16 @@ stateless_module!(GELU, |s, x| match s.approximate {
 pub struct Softmax {
     /// The dim the values sum to 1 over (negative counts from the end).
     pub dim: isize,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Softmax {
     /// `nn.Softmax(dim)`.
     pub fn new(dim: isize) -> Softmax {
-        Softmax { dim, training: true }
+        Softmax {
+            dim,
+            training: crate::module::Training::new(true),
+        }
     }
 }
 
@@ -106,13 +101,16 @@ stateless_module!(Softmax, |s, x| x.softmax(s.dim));
 pub struct LogSoftmax {
     /// The dim normalized over (negative counts from the end).
     pub dim: isize,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl LogSoftmax {
     /// `nn.LogSoftmax(dim)`.
     pub fn new(dim: isize) -> LogSoftmax {
-        LogSoftmax { dim, training: true }
+        LogSoftmax {
+            dim,
+            training: crate::module::Training::new(true),
+        }
     }
 }
 

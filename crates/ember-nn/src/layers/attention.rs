@@ -51,7 +51,7 @@ pub struct MultiheadAttention {
     pub dropout: f64,
     /// Whether inputs and outputs are `[N, L, E]`.
     pub batch_first: bool,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl MultiheadAttention {
@@ -102,7 +102,7 @@ impl MultiheadAttention {
             num_heads,
             dropout: config.dropout,
             batch_first: config.batch_first,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 
@@ -128,7 +128,7 @@ impl MultiheadAttention {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let options = MhaOptions {
             key_padding_mask,
-            dropout_p: if self.training { self.dropout } else { 0.0 },
+            dropout_p: if self.training.get() { self.dropout } else { 0.0 },
         };
         functional::multi_head_attention_forward_with(
             query,
@@ -193,12 +193,12 @@ impl Module for MultiheadAttention {
         self.out_proj.visit_mut(&join_name(prefix, "out_proj"), f)
     }
 
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
         self.out_proj.set_training(training);
     }
 
     fn is_training(&self) -> bool {
-        self.training
+        self.training.get()
     }
 }

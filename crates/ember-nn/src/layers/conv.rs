@@ -109,7 +109,7 @@ pub struct Conv1d {
     pub kernel_size: usize,
     /// The options the layer was built with.
     pub config: Conv1dConfig,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Conv1d {
@@ -153,7 +153,7 @@ impl Conv1d {
             out_channels,
             kernel_size,
             config,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 }
@@ -173,7 +173,7 @@ pub struct Conv2d {
     pub kernel_size: Pair,
     /// The options the layer was built with.
     pub config: Conv2dConfig,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Conv2d {
@@ -218,7 +218,7 @@ impl Conv2d {
             out_channels,
             kernel_size,
             config,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 }
@@ -255,12 +255,12 @@ macro_rules! conv_module {
                 visit_opt_mut(prefix, "bias", &mut self.bias, TensorKind::Parameter, f)
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };

@@ -11,7 +11,7 @@ use ember_core::{Error, Result};
 pub struct Dropout {
     /// Probability of zeroing an element.
     pub p: f64,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Dropout {
@@ -23,8 +23,11 @@ impl Dropout {
                 format!("dropout probability has to be between 0 and 1, but got {p}"),
             ));
         }
-        Ok(Dropout { p, training: true })
+        Ok(Dropout {
+            p,
+            training: crate::module::Training::new(true),
+        })
     }
 }
 
-stateless_module!(Dropout, |s, x| functional::dropout(x, s.p, s.training));
+stateless_module!(Dropout, |s, x| functional::dropout(x, s.p, s.training.get()));

@@ -26,7 +26,7 @@ pub struct Embedding {
     pub embedding_dim: usize,
     /// The padding row, normalized to `0..num_embeddings`.
     pub padding_idx: Option<usize>,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Embedding {
@@ -67,7 +67,7 @@ impl Embedding {
             num_embeddings,
             embedding_dim,
             padding_idx,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 }
@@ -104,11 +104,11 @@ impl Module for Embedding {
         )
     }
 
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 
     fn is_training(&self) -> bool {
-        self.training
+        self.training.get()
     }
 }

@@ -29,7 +29,7 @@ pub struct Linear {
     pub in_features: usize,
     /// Size of each output sample.
     pub out_features: usize,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Linear {
@@ -55,7 +55,7 @@ impl Linear {
             bias,
             in_features,
             out_features,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 }
@@ -85,11 +85,11 @@ impl Module for Linear {
         visit_opt_mut(prefix, "bias", &mut self.bias, TensorKind::Parameter, f)
     }
 
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 
     fn is_training(&self) -> bool {
-        self.training
+        self.training.get()
     }
 }

@@ -27,7 +27,7 @@ pub struct CrossEntropyLoss {
     pub reduction: Reduction,
     /// Mixes the target with the uniform distribution, in `[0, 1]` (`label_smoothing=`).
     pub label_smoothing: f64,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl CrossEntropyLoss {
@@ -38,7 +38,7 @@ impl CrossEntropyLoss {
             ignore_index: DEFAULT_IGNORE_INDEX,
             reduction: Reduction::Mean,
             label_smoothing: 0.0,
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 
@@ -68,13 +68,15 @@ impl CrossEntropyLoss {
 
     /// The loss of the logits `input` at `target` (`loss_fn(input, target)`).
     pub fn forward(&self, input: &Tensor, target: &Tensor) -> Result<Tensor> {
-        F::cross_entropy(
+        F::cross_entropy_with(
             input,
             target,
-            self.weight.as_ref(),
-            self.ignore_index,
-            self.reduction,
-            self.label_smoothing,
+            F::CrossEntropyOptions {
+                weight: self.weight.as_ref(),
+                ignore_index: self.ignore_index,
+                reduction: self.reduction,
+                label_smoothing: self.label_smoothing,
+            },
         )
     }
 }
@@ -96,7 +98,7 @@ pub struct NLLLoss {
     pub ignore_index: i64,
     /// How the per-element losses are reduced (`reduction=`, default mean).
     pub reduction: Reduction,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl NLLLoss {
@@ -106,7 +108,7 @@ impl NLLLoss {
             weight: None,
             ignore_index: DEFAULT_IGNORE_INDEX,
             reduction: Reduction::Mean,
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 
@@ -154,7 +156,7 @@ macro_rules! pointwise_loss {
         pub struct $ty {
             /// How the per-element losses are reduced (`reduction=`, default mean).
             pub reduction: Reduction,
-            training: bool,
+            training: crate::module::Training,
         }
 
         impl $ty {
@@ -162,7 +164,7 @@ macro_rules! pointwise_loss {
             pub fn new() -> $ty {
                 $ty {
                     reduction: Reduction::Mean,
-                    training: true,
+                    training: crate::module::Training::new(true),
                 }
             }
 
@@ -206,7 +208,7 @@ pub struct BCEWithLogitsLoss {
     pub pos_weight: Option<Tensor>,
     /// How the per-element losses are reduced (`reduction=`, default mean).
     pub reduction: Reduction,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl BCEWithLogitsLoss {
@@ -216,7 +218,7 @@ impl BCEWithLogitsLoss {
             weight: None,
             pos_weight: None,
             reduction: Reduction::Mean,
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 

@@ -139,12 +139,12 @@ macro_rules! stateless_module {
                 Ok(())
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };

@@ -57,7 +57,7 @@ macro_rules! batch_norm_layer {
             pub num_features: usize,
             /// The options the layer was built with.
             pub config: BatchNormConfig,
-            training: bool,
+            training: crate::module::Training,
         }
 
         impl $ty {
@@ -83,7 +83,7 @@ macro_rules! batch_norm_layer {
                     num_batches_tracked: stats.then(|| Tensor::zeros((), DType::I64, device)).transpose()?,
                     num_features,
                     config,
-                    training: true,
+                    training: crate::module::Training::new(true),
                 })
             }
 
@@ -107,7 +107,7 @@ macro_rules! batch_norm_layer {
                         format!(concat!("expected ", $expected, " input (got {}D input)"), x.rank()),
                     ));
                 }
-                batch_norm_forward(self.training, &self.config, [&self.weight, &self.bias],
+                batch_norm_forward(self.training.get(), &self.config, [&self.weight, &self.bias],
                     [&self.running_mean, &self.running_var, &self.num_batches_tracked], x)
             }
         }
@@ -133,12 +133,12 @@ macro_rules! batch_norm_layer {
                 visit_opt_mut(prefix, "num_batches_tracked", &mut self.num_batches_tracked, TensorKind::Buffer, f)
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };
@@ -222,7 +222,7 @@ pub struct LayerNorm {
     pub normalized_shape: Vec<usize>,
     /// The options the layer was built with.
     pub config: LayerNormConfig,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl LayerNorm {
@@ -250,7 +250,7 @@ impl LayerNorm {
                 .transpose()?,
             normalized_shape: normalized_shape.to_vec(),
             config,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 }
@@ -282,11 +282,11 @@ impl Module for LayerNorm {
         visit_opt_mut(prefix, "bias", &mut self.bias, TensorKind::Parameter, f)
     }
 
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 
     fn is_training(&self) -> bool {
-        self.training
+        self.training.get()
     }
 }

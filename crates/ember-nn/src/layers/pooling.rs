@@ -32,7 +32,7 @@ pub struct MaxPool2d {
     pub stride: Pair,
     /// Implicit -inf padding.
     pub padding: Pair,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl MaxPool2d {
@@ -48,7 +48,7 @@ impl MaxPool2d {
             kernel_size,
             stride: config.stride.unwrap_or(kernel_size),
             padding: config.padding,
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 }
@@ -69,7 +69,7 @@ pub struct AvgPool2d {
     pub stride: Pair,
     /// Implicit zero padding, counted in the divisor.
     pub padding: Pair,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl AvgPool2d {
@@ -85,7 +85,7 @@ impl AvgPool2d {
             kernel_size,
             stride: config.stride.unwrap_or(kernel_size),
             padding: config.padding,
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 }
@@ -102,7 +102,7 @@ stateless_module!(AvgPool2d, |s, x| functional::avg_pool2d(
 pub struct AdaptiveAvgPool2d {
     /// (height, width) of the output.
     pub output_size: Pair,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl AdaptiveAvgPool2d {
@@ -110,7 +110,7 @@ impl AdaptiveAvgPool2d {
     pub fn new(output_size: impl Into<Pair>) -> AdaptiveAvgPool2d {
         AdaptiveAvgPool2d {
             output_size: output_size.into(),
-            training: true,
+            training: crate::module::Training::new(true),
         }
     }
 }

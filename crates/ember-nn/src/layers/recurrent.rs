@@ -254,12 +254,12 @@ macro_rules! sequence_module_impl {
                 Ok(())
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };
@@ -282,7 +282,7 @@ macro_rules! sequence_struct {
             /// Dropout between layers while training.
             pub dropout: f64,
             $($(#[$fdoc])* pub $field: $fty,)*
-            training: bool,
+            training: crate::module::Training,
         }
     };
 }
@@ -324,7 +324,7 @@ impl RNN {
             batch_first: config.batch_first,
             dropout: config.dropout,
             nonlinearity: config.nonlinearity,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 
@@ -343,7 +343,7 @@ impl RNN {
             self.layers.len(),
             self.batch_first,
             self.dropout,
-            self.training,
+            self.training.get(),
         )
     }
 }
@@ -368,7 +368,7 @@ impl LSTM {
             hidden_size,
             batch_first: config.batch_first,
             dropout: config.dropout,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 
@@ -389,7 +389,7 @@ impl LSTM {
             self.layers.len(),
             self.batch_first,
             self.dropout,
-            self.training,
+            self.training.get(),
         )
     }
 }
@@ -414,7 +414,7 @@ impl GRU {
             hidden_size,
             batch_first: config.batch_first,
             dropout: config.dropout,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 
@@ -430,7 +430,7 @@ impl GRU {
             self.layers.len(),
             self.batch_first,
             self.dropout,
-            self.training,
+            self.training.get(),
         )
     }
 }
@@ -453,7 +453,7 @@ macro_rules! cell {
             /// Features of the hidden state.
             pub hidden_size: usize,
             $($(#[$fdoc])* pub $extra: $ety,)*
-            training: bool,
+            training: crate::module::Training,
         }
 
         impl $ty {
@@ -470,7 +470,7 @@ macro_rules! cell {
                     input_size,
                     hidden_size,
                     $($extra: config.$extra,)*
-                    training: true,
+                    training: crate::module::Training::new(true),
                 })
             }
         }
@@ -494,12 +494,12 @@ macro_rules! cell {
                 self.weights.visit_mut(prefix, "", f)
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };

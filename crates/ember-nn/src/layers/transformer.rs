@@ -99,6 +99,16 @@ pub struct EncoderMasks<'a> {
     pub is_causal: bool,
 }
 
+/// `encoder.forward_with(&src, &src_mask)`: PyTorch's two-argument `encoder(src, src_mask)`.
+impl<'a> From<&'a Tensor> for EncoderMasks<'a> {
+    fn from(mask: &'a Tensor) -> EncoderMasks<'a> {
+        EncoderMasks {
+            mask: Some(mask),
+            ..Default::default()
+        }
+    }
+}
+
 /// The masks of a decoder layer or stack; all absent by default.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DecoderMasks<'a> {
@@ -114,6 +124,16 @@ pub struct DecoderMasks<'a> {
     pub tgt_is_causal: bool,
     /// Hint that `memory_mask` is the causal mask.
     pub memory_is_causal: bool,
+}
+
+/// `decoder.forward_with(&tgt, &memory, &tgt_mask)`: PyTorch's `decoder(tgt, memory, tgt_mask)`.
+impl<'a> From<&'a Tensor> for DecoderMasks<'a> {
+    fn from(tgt_mask: &'a Tensor) -> DecoderMasks<'a> {
+        DecoderMasks {
+            tgt_mask: Some(tgt_mask),
+            ..Default::default()
+        }
+    }
 }
 
 /// The masks of [`Transformer::forward_with`]; all absent by default.
@@ -250,7 +270,7 @@ pub struct TransformerEncoderLayer {
     pub activation: TransformerActivation,
     /// Pre-norm when true.
     pub norm_first: bool,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl TransformerEncoderLayer {
@@ -278,12 +298,13 @@ impl TransformerEncoderLayer {
             dropout2: Dropout::new(c.dropout)?,
             activation: c.activation,
             norm_first: c.norm_first,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 
     /// `layer(src, src_mask, src_key_padding_mask, is_causal)`.
-    pub fn forward_with(&self, src: &Tensor, masks: EncoderMasks<'_>) -> Result<Tensor> {
+    pub fn forward_with<'m>(&self, src: &Tensor, masks: impl Into<EncoderMasks<'m>>) -> Result<Tensor> {
+        let masks = masks.into();
         let x = residual(src, &self.norm1, &self.dropout1, self.norm_first, |x| {
             self_attention(
                 &self.self_attn,
@@ -329,7 +350,7 @@ pub struct TransformerDecoderLayer {
     pub activation: TransformerActivation,
     /// Pre-norm when true.
     pub norm_first: bool,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl TransformerDecoderLayer {
@@ -362,12 +383,18 @@ impl TransformerDecoderLayer {
             dropout3: Dropout::new(c.dropout)?,
             activation: c.activation,
             norm_first: c.norm_first,
-            training: true,
+            training: crate::module::Training::new(true),
         })
     }
 
     /// `layer(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, ...)`.
-    pub fn forward_with(&self, tgt: &Tensor, memory: &Tensor, masks: DecoderMasks<'_>) -> Result<Tensor> {
+    pub fn forward_with<'m>(
+        &self,
+        tgt: &Tensor,
+        memory: &Tensor,
+        masks: impl Into<DecoderMasks<'m>>,
+    ) -> Result<Tensor> {
+        let masks = masks.into();
         let x = residual(tgt, &self.norm1, &self.dropout1, self.norm_first, |x| {
             self_attention(
                 &self.self_attn,
@@ -413,14 +440,14 @@ macro_rules! layer_module {
                 Ok(())
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
                 $(self.$child.set_training(training);)*
                 $(self.$flag.set_training(training);)*
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };
@@ -452,16 +479,16 @@ macro_rules! stack {
             pub layers: Vec<$layer>,
             /// `norm.*`: applied to the last layer's output when present.
             pub norm: Option<LayerNorm>,
-            training: bool,
+            training: crate::module::Training,
         }
 
         impl $ty {
             #[doc = concat!("`nn.", $name, "(layer, num_layers, norm)`: `num_layers` deep copies of `layer`.")]
             pub fn new(layer: &$layer, num_layers: usize, norm: Option<LayerNorm>) -> Result<$ty> {
-                let mut stack = $ty {
+                let stack = $ty {
                     layers: clones(layer, num_layers)?,
                     norm,
-                    training: true,
+                    training: crate::module::Training::new(true),
                 };
                 let training = layer.is_training();
                 stack.set_training(training);
@@ -512,18 +539,18 @@ macro_rules! stack {
                 self.visit_children_mut(prefix, f)
             }
 
-            fn set_training(&mut self, training: bool) {
-                self.training = training;
-                for l in &mut self.layers {
+            fn set_training(&self, training: bool) {
+                self.training.set(training);
+                for l in &self.layers {
                     l.set_training(training);
                 }
-                if let Some(n) = &mut self.norm {
+                if let Some(n) = &self.norm {
                     n.set_training(training);
                 }
             }
 
             fn is_training(&self) -> bool {
-                self.training
+                self.training.get()
             }
         }
     };
@@ -541,7 +568,8 @@ stack!(
 impl TransformerEncoder {
     /// `encoder(src, mask, src_key_padding_mask, is_causal)`: every layer in turn, then the
     /// norm.
-    pub fn forward_with(&self, src: &Tensor, masks: EncoderMasks<'_>) -> Result<Tensor> {
+    pub fn forward_with<'m>(&self, src: &Tensor, masks: impl Into<EncoderMasks<'m>>) -> Result<Tensor> {
+        let masks = masks.into();
         let mut x = src.clone();
         for l in &self.layers {
             x = l.forward_with(&x, masks)?;
@@ -573,7 +601,13 @@ impl TransformerDecoderLayer {
 
 impl TransformerDecoder {
     /// `decoder(tgt, memory, tgt_mask, memory_mask, ...)`: every layer in turn, then the norm.
-    pub fn forward_with(&self, tgt: &Tensor, memory: &Tensor, masks: DecoderMasks<'_>) -> Result<Tensor> {
+    pub fn forward_with<'m>(
+        &self,
+        tgt: &Tensor,
+        memory: &Tensor,
+        masks: impl Into<DecoderMasks<'m>>,
+    ) -> Result<Tensor> {
+        let masks = masks.into();
         let mut x = tgt.clone();
         for l in &self.layers {
             x = l.forward_with(&x, memory, masks)?;
@@ -655,7 +689,7 @@ pub struct Transformer {
     pub nhead: usize,
     /// Whether inputs and outputs are `[N, L, E]`.
     pub batch_first: bool,
-    training: bool,
+    training: crate::module::Training,
 }
 
 impl Transformer {
@@ -691,7 +725,7 @@ impl Transformer {
             d_model,
             nhead,
             batch_first: c.batch_first,
-            training: true,
+            training: crate::module::Training::new(true),
         };
         let mut result = Ok(());
         t.visit("", &mut |_, p, kind| {
@@ -787,13 +821,13 @@ impl Module for Transformer {
         self.decoder.visit_mut(&join_name(prefix, "decoder"), f)
     }
 
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
         self.encoder.set_training(training);
         self.decoder.set_training(training);
     }
 
     fn is_training(&self) -> bool {
-        self.training
+        self.training.get()
     }
 }

@@ -29,6 +29,7 @@ use super::{
 };
 use ember_core::fused::{self, AdamStep, AdamSteps, GradScaling};
 use ember_core::{DType, Device, Error, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Hyperparameters of [`Adam`] and [`AdamW`]. `Default` is Adam's PyTorch default
 /// (`lr = 1e-3`, `betas = (0.9, 0.999)`, `eps = 1e-8`, no weight decay);
@@ -47,6 +48,12 @@ pub struct AdamConfig {
     pub amsgrad: bool,
     /// Maximize the objective instead of minimizing it.
     pub maximize: bool,
+    /// The fused step (`fused=`): `None` (PyTorch's default) fuses every parameter it can and
+    /// takes the per-tensor path for the rest, saying so once on stderr; `Some(true)` requires
+    /// the fused step for every parameter (a typed error at `step` naming the first that cannot
+    /// take it, before anything changes); `Some(false)` takes the per-tensor path for all
+    /// (PyTorch's `foreach=False`). Note [Fused or per-tensor].
+    pub fused: Option<bool>,
 }
 
 impl Default for AdamConfig {
@@ -58,6 +65,7 @@ impl Default for AdamConfig {
             weight_decay: 0.0,
             amsgrad: false,
             maximize: false,
+            fused: None,
         }
     }
 }
@@ -177,11 +185,12 @@ pub(crate) fn adam_with_lr(
     let max_of = |i: usize| config.amsgrad.then(|| &state.max_exp_avg_sqs[i]);
     // Note [Foreach step functions]: one fused call per device and dtype, and per place of the
     // step counts.
-    let groups = super::fused_groups(n, |i| {
+    let mut groups = super::fused_groups(n, |i| {
         let mut ts = vec![&params[i], &grads[i], &state.exp_avgs[i], &state.exp_avg_sqs[i]];
         ts.extend(max_of(i));
         ts
     });
+    choose_path(&mut groups, config.fused, params, grads)?;
     let step_t = |i: usize| &state.state_steps[i];
     let device_counted = |i: usize| {
         let s = step_t(i);
@@ -267,6 +276,67 @@ pub(crate) fn adam_with_lr(
             config,
             decoupled_weight_decay,
         )?;
+    }
+    Ok(())
+}
+
+/// Set once the per-tensor fallback has been reported (Note [Fused or per-tensor]).
+static FALLBACK_REPORTED: AtomicBool = AtomicBool::new(false);
+
+/// Note [Fused or per-tensor]: PyTorch's `fused=True` raises when a parameter cannot take the
+/// fused kernel, and its default silently uses the slower path. Here `fused: Some(true)`
+/// answers the same typed error (before any parameter changes), `Some(false)` forces the
+/// per-tensor path, and the default takes the fused step where it can and prints one line on
+/// stderr the first time any parameter of the process falls back, naming it and the reason
+/// class (a device, dtype or layout the fused step does not take), since the per-tensor path
+/// costs about 10 kernels per parameter instead of one per group.
+fn choose_path(
+    groups: &mut super::FusedGroups,
+    fused: Option<bool>,
+    params: &[Tensor],
+    grads: &[Tensor],
+) -> Result<()> {
+    let describe = |i: usize| {
+        let (p, g) = (&params[i], &grads[i]);
+        format!(
+            "parameter {i} ({} {:?} on {}, contiguous {}; gradient {:?} on {}, contiguous {})",
+            p.shape(),
+            p.dtype(),
+            p.device(),
+            p.is_contiguous(),
+            g.dtype(),
+            g.device(),
+            g.is_contiguous()
+        )
+    };
+    match fused {
+        Some(true) => {
+            if let Some(&i) = groups.single.first() {
+                return Err(Error::invalid(
+                    "adam",
+                    format!(
+                        "fused=True requires every parameter, its gradient and state to be contiguous floating-point tensors of one device and dtype that the fused step takes; {} is not; make it contiguous or leave fused unset",
+                        describe(i)
+                    ),
+                ));
+            }
+        }
+        Some(false) => {
+            groups.single.extend(groups.fused.drain(..).flatten());
+            groups.single.sort_unstable();
+        }
+        None => {
+            if let Some(&i) = groups.single.first() {
+                if !FALLBACK_REPORTED.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "ember: Adam/AdamW takes the slower per-tensor step for {} of {} parameters, first {}; set fused: Some(true) to make this an error or Some(false) to silence it",
+                        groups.single.len(),
+                        params.len(),
+                        describe(i)
+                    );
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -458,7 +528,7 @@ impl AdamCore {
                                 ));
                             }
                             let _g = ember_core::no_grad();
-                            let step = value.to_dtype(DType::F32)?.to(Device::Cpu)?.reshape(&[])?;
+                            let step = value.to_dtype(DType::F32)?.to(Device::Cpu)?.reshape(())?;
                             (0, step.deep_clone()?)
                         }
                         "exp_avg" => (1, load_like_param(op, value, param)?),
@@ -780,6 +850,7 @@ mod tests {
                 weight_decay: 0.05,
                 amsgrad: true,
                 maximize: false,
+                fused: None,
             },
             AdamConfig {
                 lr: 0.03,

@@ -368,7 +368,7 @@ fn mha_gradients_match_finite_differences_for_every_parameter() {
 #[test]
 fn mha_dropout_only_in_training_mode() {
     manual_seed(9).unwrap();
-    let mut m = mha(
+    let m = mha(
         8,
         2,
         MultiheadAttentionConfig {

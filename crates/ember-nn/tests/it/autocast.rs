@@ -134,7 +134,7 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
             Pair([1, 1]),
             1,
         ),
-        "scaled_dot_product_attention" => F::scaled_dot_product_attention(&x, &y, &y, None, 0.0, false, None),
+        "scaled_dot_product_attention" => F::scaled_dot_product_attention(&x, &y, &y),
         "lstm" | "gru" | "rnn_tanh" | "rnn_relu" => {
             let gates = match name {
                 "lstm" => 4,
@@ -209,7 +209,7 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
         "norm" => x.norm(2.0, &[], false),
         "logsumexp" => x.logsumexp(&[1], false),
         "layer_norm" => F::layer_norm(&x, &[4], Some(&Tensor::ones([4], d2, dev)?), None, 1e-5),
-        "cross_entropy" => F::cross_entropy(&x, &cls, None, -100, Reduction::Mean, 0.0),
+        "cross_entropy" => F::cross_entropy(&x, &cls),
         "nll_loss" => F::nll_loss(&x, &cls, None, -100, Reduction::Mean),
         "nll_loss_forward" => x.nll_loss_forward(&cls, None, true, -100),
         "mse_loss" => F::mse_loss(&x, &y, Reduction::Mean),

@@ -23,7 +23,7 @@
 
 use ember_core::cuda::{self, Stream};
 use ember_core::{autograd, Device, Tensor};
-use ember_nn::functional::{self as F, Reduction};
+use ember_nn::functional as F;
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
 use ember_nn::{Conv2d, Forward, LayerNorm, Linear, Module, ModuleExt};
 
@@ -191,8 +191,7 @@ fn train<N: Net>(job: usize, steps: usize, device: Device) -> Trained {
     for step in 0..steps {
         let (x, y) = batch(6, job * 1000 + step, device);
         opt.zero_grad().unwrap();
-        let loss =
-            F::cross_entropy(&model.forward(&x).unwrap(), &y, None, -100, Reduction::Mean, 0.0).unwrap();
+        let loss = F::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
         loss.backward().unwrap();
         opt.step().unwrap();
         losses.push(loss.item::<f32>().unwrap().to_bits());
@@ -231,7 +230,7 @@ fn infer<N: Net>(model: &N, seed: usize, device: Device) -> (Vec<u32>, Vec<u32>)
     let (x, y) = batch(5, seed, device);
     let x = x.requires_grad_(true).unwrap();
     let out = model.forward(&x).unwrap();
-    let loss = F::cross_entropy(&out, &y, None, -100, Reduction::Mean, 0.0).unwrap();
+    let loss = F::cross_entropy(&out, &y).unwrap();
     let g = autograd::grad(&[loss], &[x], None, false).unwrap();
     let g = g[0].as_ref().expect("the input's gradient");
     (bits(&out), bits(g))

@@ -6,7 +6,7 @@
 
 use crate::common::assert_close;
 use ember_core::{cuda, DType, Device, Error, Tensor};
-use ember_nn::{DataParallel, Forward, Linear, Module, ModuleExt};
+use ember_nn::{DataParallel, Forward, Linear, Module, ModuleExt, ReLU, Sequential};
 
 #[derive(Module, Clone)]
 struct Net {
@@ -224,15 +224,51 @@ fn data_parallel_backward_errors_and_panics_fail_backward_and_the_wrapper_lives_
 
 #[test]
 fn data_parallel_argument_errors() {
-    // The module must be on the first device.
-    if cuda::is_available() {
-        let e = DataParallel::with_devices(net(Device::Cpu), [Device::Cuda(0)]).unwrap_err();
-        assert!(e.to_string().contains("device_ids[0]"), "{e}");
-    }
+    // The module may be built on the CPU (PyTorch's order: wrap, then move) but must be on
+    // the first device when the forward runs; no GPU is needed to see the error.
+    let dp = DataParallel::with_devices(net(Device::Cpu), [Device::Cuda(0)]).unwrap();
+    let x = Tensor::randn([4, 6], DType::F32, Device::Cpu).unwrap();
+    let e = dp.forward(&x).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                op: "DataParallel",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("device_ids[0]") && e.to_string().contains("fc1.weight"),
+        "{e}"
+    );
     // A batch of different width is the module's own error, from the replica's thread.
     let dp = DataParallel::with_devices(net(Device::Cpu), vec![Device::Cpu; 2]).unwrap();
     let bad = Tensor::randn([4, 5], DType::F32, Device::Cpu).unwrap();
     assert!(matches!(dp.forward(&bad), Err(Error::ShapeMismatch { .. })));
+}
+
+#[test]
+fn data_parallel_wraps_a_cpu_sequential() {
+    // `nn.DataParallel(nn.Sequential(...))`: a Sequential is Clone, so it can be wrapped; on a
+    // machine without GPUs the wrapper calls it as it is.
+    let model = Sequential::new().with(net(Device::Cpu)).with(ReLU::new());
+    let expected = model
+        .forward(&Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap())
+        .unwrap();
+    let dp = DataParallel::new(model).unwrap();
+    if !cuda::is_available() {
+        let y = dp
+            .forward(&Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap())
+            .unwrap();
+        assert_close(&y, &expected, 0.0, 0.0);
+    }
+    // Over two CPU "devices" the replicas are clones of the Sequential.
+    let dp = DataParallel::with_devices(dp.module().clone(), vec![Device::Cpu; 2]).unwrap();
+    let (y, grads) = run(&dp, &Tensor::ones([5, 6], DType::F32, Device::Cpu).unwrap());
+    assert_close(&y, &expected.detach(), 1e-6, 1e-6);
+    assert_eq!(grads.len(), 4);
 }
 
 #[test]
@@ -245,9 +281,21 @@ fn data_parallel_over_two_gpus_gives_the_full_batch_gradients() {
     check_unused_and_frozen_parameters(vec![Device::Cuda(0), Device::Cuda(1)]);
     // Module on cuda:1, devices [1, 0]: gathered on cuda:1.
     check(vec![Device::Cuda(1), Device::Cuda(0)], 9);
-    // The module not on device_ids[0] is an error naming it.
-    let e = DataParallel::with_devices(net(Device::Cuda(0)), [Device::Cuda(1), Device::Cuda(0)]).unwrap_err();
+    // The module not on device_ids[0] is an error naming it, at the forward.
+    let dp = DataParallel::with_devices(net(Device::Cuda(0)), [Device::Cuda(1), Device::Cuda(0)]).unwrap();
+    let x = Tensor::randn([4, 3], DType::F32, Device::Cuda(1)).unwrap();
+    let e = dp.forward(&x).unwrap_err();
     assert!(e.to_string().contains("device_ids[0]"), "{e}");
+    // PyTorch's tutorial order: wrap a CPU Sequential, then move the wrapper.
+    let model = Sequential::new()
+        .with(Linear::new(3, 6, Device::Cpu).unwrap())
+        .with(ReLU::new());
+    let mut dp = DataParallel::new(model).unwrap();
+    dp.to_device(Device::Cuda(0)).unwrap();
+    let y = dp
+        .forward(&Tensor::randn([8, 3], DType::F32, Device::Cuda(0)).unwrap())
+        .unwrap();
+    assert_eq!((y.dims(), y.device()), (&[8usize, 6][..], Device::Cuda(0)));
 }
 
 /// A hand-written module whose `visit_mut` reaches one tensor fewer than its `visit`.
@@ -275,7 +323,7 @@ impl Module for Lopsided {
         )
     }
 
-    fn set_training(&mut self, _: bool) {}
+    fn set_training(&self, _: bool) {}
 
     fn is_training(&self) -> bool {
         true

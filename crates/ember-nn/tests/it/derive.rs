@@ -3,8 +3,8 @@
 //! every child, and a module whose forward takes and returns two tensors.
 
 use ember_core::{DType, Device, Result, Tensor};
-use ember_nn::functional::{cross_entropy, Reduction};
-use ember_nn::{Forward, Linear, Module, ModuleExt, ReLU, Sequential, TensorKind};
+use ember_nn::functional::cross_entropy;
+use ember_nn::{Forward, Linear, Module, ModuleExt, ReLU, Sequential, TensorKind, Training};
 
 const CPU: Device = Device::Cpu;
 
@@ -32,7 +32,7 @@ struct Everything {
     #[module(name = "final")]
     last: Sequential,
     pair: [ReLU; 2],
-    training: bool,
+    training: Training,
 }
 
 fn everything() -> Result<Everything> {
@@ -51,7 +51,7 @@ fn everything() -> Result<Everything> {
         counters: vec![Tensor::zeros([1], DType::I64, CPU)?],
         last: Sequential::new().with(ReLU::new()).with(Linear::new(2, 1, CPU)?),
         pair: [ReLU::new(), ReLU::new()],
-        training: true,
+        training: Training::new(true),
     })
 }
 
@@ -121,16 +121,16 @@ fn derive_visit_mut_moves_and_loads_every_tensor() -> Result<()> {
 
 #[test]
 fn derive_tells_every_child_the_mode() -> Result<()> {
-    let mut m = everything()?;
+    let m = everything()?;
     m.eval();
-    assert!(!m.is_training() && !m.training);
+    assert!(!m.is_training() && !m.training.get());
     assert!(!m.head.is_training() && !m.blocks[1].is_training() && !m.extra.as_ref().unwrap().is_training());
     assert!(!m.last.is_training() && !m.pair[1].is_training());
     m.train();
     assert!(m.blocks[0].is_training() && m.pair[0].is_training());
 
     // Without a `training` field the mode is the first child's.
-    let mut t = Tuple(Linear::new(2, 2, CPU)?, vec![ReLU::new()]);
+    let t = Tuple(Linear::new(2, 2, CPU)?, vec![ReLU::new()]);
     assert!(t.is_training());
     t.eval();
     assert!(!t.is_training() && !t.1[0].is_training());
@@ -150,7 +150,7 @@ fn derive_names_tuple_fields_by_position() -> Result<()> {
 }
 
 /// A generic module: the derive keeps the struct's bounds.
-#[derive(Module)]
+#[derive(Module, Clone)]
 struct Residual<M: Forward> {
     inner: M,
 }
@@ -221,7 +221,7 @@ fn a_module_with_two_inputs_and_outputs_trains_through_its_own_forward() -> Resu
         output = Some(o);
     }
     let target = Tensor::from_vec(vec![2i64], [1], CPU)?;
-    let loss = cross_entropy(&output.unwrap(), &target, None, -100, Reduction::Mean, 0.0)?;
+    let loss = cross_entropy(&output.unwrap(), &target)?;
     loss.backward()?;
     let named = rnn.named_parameters();
     let names: Vec<&str> = named.iter().map(|(n, _)| n.as_str()).collect();

@@ -415,7 +415,7 @@ fn batch_norm_refuses_integer_and_bool_inputs() {
 #[test]
 fn attention_matches_its_definition() {
     let (q, k, v) = (rand(&[2, 3, 4], 20), rand(&[2, 5, 4], 21), rand(&[2, 5, 2], 22));
-    let y = F::scaled_dot_product_attention(&q, &k, &v, None, 0.0, false, None).unwrap();
+    let y = F::scaled_dot_product_attention(&q, &k, &v).unwrap();
     let scores = q
         .matmul(&k.transpose(1, 2).unwrap())
         .unwrap()
@@ -425,11 +425,33 @@ fn attention_matches_its_definition() {
     assert_close(&y, &expected, 1e-12, 1e-12);
     // A bool mask equal to the causal one gives the causal result; a float mask is added.
     let (k, v) = (rand(&[2, 3, 4], 23), rand(&[2, 3, 2], 24));
-    let causal = F::scaled_dot_product_attention(&q, &k, &v, None, 0.0, true, None).unwrap();
+    let causal = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: None,
+            dropout_p: 0.0,
+            is_causal: true,
+            scale: None,
+        },
+    )
+    .unwrap();
     let keep = t64(&[1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0], &[3, 3], CPU)
         .gt_scalar(0.5)
         .unwrap();
-    let masked = F::scaled_dot_product_attention(&q, &k, &v, Some(&keep), 0.0, false, None).unwrap();
+    let masked = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&keep),
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: None,
+        },
+    )
+    .unwrap();
     assert_close(&masked, &causal, 1e-12, 1e-12);
     let additive = keep
         .to_dtype(DType::F64)
@@ -438,7 +460,18 @@ fn attention_matches_its_definition() {
         .unwrap()
         .mul_scalar(1e9)
         .unwrap();
-    let added = F::scaled_dot_product_attention(&q, &k, &v, Some(&additive), 0.0, false, None).unwrap();
+    let added = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&additive),
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: None,
+        },
+    )
+    .unwrap();
     assert_close(&added, &causal, 1e-9, 1e-12);
     // The first query sees only the first key: its output is v[0].
     assert_close_slice(
@@ -448,7 +481,18 @@ fn attention_matches_its_definition() {
         0.0,
     );
     // A custom scale.
-    let s = F::scaled_dot_product_attention(&q, &k, &v, None, 0.0, false, Some(0.25)).unwrap();
+    let s = F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: None,
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: Some(0.25),
+        },
+    )
+    .unwrap();
     let expected = q
         .matmul(&k.transpose(1, 2).unwrap())
         .unwrap()
@@ -465,20 +509,54 @@ fn attention_matches_its_definition() {
 fn attention_gradients_and_errors() {
     let (q, k, v) = (rand(&[2, 3, 4], 25), rand(&[2, 3, 4], 26), rand(&[2, 3, 2], 27));
     gradcheck(
-        |t| F::scaled_dot_product_attention(&t[0], &t[1], &t[2], None, 0.0, true, None),
+        |t| {
+            F::scaled_dot_product_attention_with(
+                &t[0],
+                &t[1],
+                &t[2],
+                F::SdpaOptions {
+                    attn_mask: None,
+                    dropout_p: 0.0,
+                    is_causal: true,
+                    scale: None,
+                },
+            )
+        },
         &[q.clone(), k.clone(), v.clone()],
     );
     let bad_k = rand(&[2, 3, 5], 1);
     assert!(matches!(
-        F::scaled_dot_product_attention(&q, &bad_k, &v, None, 0.0, false, None),
+        F::scaled_dot_product_attention(&q, &bad_k, &v),
         Err(Error::ShapeMismatch { .. })
     ));
     let bad_v = rand(&[2, 4, 2], 1);
-    assert!(F::scaled_dot_product_attention(&q, &k, &bad_v, None, 0.0, false, None).is_err());
+    assert!(F::scaled_dot_product_attention(&q, &k, &bad_v).is_err());
     let mask = Tensor::ones([3, 3], DType::Bool, CPU).unwrap();
-    assert!(F::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, true, None).is_err());
+    assert!(F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&mask),
+            dropout_p: 0.0,
+            is_causal: true,
+            scale: None
+        }
+    )
+    .is_err());
     let int_mask = Tensor::ones([3, 3], DType::I64, CPU).unwrap();
-    assert!(F::scaled_dot_product_attention(&q, &k, &v, Some(&int_mask), 0.0, false, None).is_err());
+    assert!(F::scaled_dot_product_attention_with(
+        &q,
+        &k,
+        &v,
+        F::SdpaOptions {
+            attn_mask: Some(&int_mask),
+            dropout_p: 0.0,
+            is_causal: false,
+            scale: None
+        }
+    )
+    .is_err());
 }
 
 #[test]
@@ -618,4 +696,47 @@ fn cuda_dropout_through_device_philox_equals_eager_dropout() {
             assert_eq!(gen.get_state(), start);
         }
     }
+}
+
+#[test]
+fn functional_activations_and_options_forms_have_pytorchs_names_and_defaults() {
+    let x = Tensor::from_slice(&[-1.0f32, 0.5, 2.0], [3], Device::Cpu).unwrap();
+    // F.gelu(x, approximate="tanh") and the exact default.
+    let tanh: F::GeluApproximate = "tanh".parse().unwrap();
+    assert_eq!(
+        F::gelu(&x, tanh).unwrap().to_vec::<f32>().unwrap(),
+        x.gelu_tanh().unwrap().to_vec::<f32>().unwrap()
+    );
+    assert_eq!(
+        F::gelu(&x, F::GeluApproximate::default())
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        x.gelu().unwrap().to_vec::<f32>().unwrap()
+    );
+    assert!("fast".parse::<F::GeluApproximate>().is_err());
+    assert_eq!(F::relu(&x).unwrap().to_vec::<f32>().unwrap(), [0.0, 0.5, 2.0]);
+    assert_eq!(F::softmax(&x, -1).unwrap().dims(), [3]);
+    // cross_entropy(x, y) is the options form with PyTorch's defaults; builder-style options.
+    let logits = Tensor::from_slice(&[1.0f32, 2.0, 0.5, 0.1, 0.2, 3.0], [2, 3], Device::Cpu).unwrap();
+    let y = Tensor::from_slice(&[1i64, -1], [2], Device::Cpu).unwrap();
+    let y_ok = Tensor::from_slice(&[1i64, 2], [2], Device::Cpu).unwrap();
+    let short = F::cross_entropy(&logits, &y_ok).unwrap();
+    let full = F::cross_entropy_with(&logits, &y_ok, F::CrossEntropyOptions::default()).unwrap();
+    assert_eq!(short.item::<f32>().unwrap(), full.item::<f32>().unwrap());
+    let ignored = F::cross_entropy_with(&logits, &y, F::CrossEntropyOptions::new().ignore_index(-1)).unwrap();
+    let first = F::cross_entropy(&logits.narrow(0, 0, 1).unwrap(), &y_ok.narrow(0, 0, 1).unwrap()).unwrap();
+    assert!((ignored.item::<f32>().unwrap() - first.item::<f32>().unwrap()).abs() < 1e-6);
+    // sdpa(q, k, v) with PyTorch's defaults; is_causal builder-style.
+    let q = Tensor::randn([1, 4, 8], DType::F32, Device::Cpu).unwrap();
+    let plain = F::scaled_dot_product_attention(&q, &q, &q).unwrap();
+    let same = F::scaled_dot_product_attention_with(&q, &q, &q, F::SdpaOptions::new()).unwrap();
+    assert_eq!(plain.to_vec::<f32>().unwrap(), same.to_vec::<f32>().unwrap());
+    let causal =
+        F::scaled_dot_product_attention_with(&q, &q, &q, F::SdpaOptions::new().is_causal(true)).unwrap();
+    // The first position sees only itself: its output is its own value row.
+    assert_eq!(
+        causal.narrow(1, 0, 1).unwrap().to_vec::<f32>().unwrap(),
+        q.narrow(1, 0, 1).unwrap().to_vec::<f32>().unwrap()
+    );
 }

@@ -26,17 +26,47 @@ fn cross_entropy_reductions_with_ignore_index_and_weights() {
     let t = idx(&[2, -100, 0, 1]);
     let lp: Vec<Vec<f64>> = logits.chunks(3).map(log_softmax).collect();
     let per = [-lp[0][2], 0.0, -lp[2][0], -lp[3][1]];
-    let none = F::cross_entropy(&x, &t, None, -100, Reduction::None, 0.0).unwrap();
+    let none = F::cross_entropy_with(
+        &x,
+        &t,
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::None,
+            label_smoothing: 0.0,
+        },
+    )
+    .unwrap();
     assert_close_slice(&none.to_vec_f64().unwrap(), &per, 1e-12, 1e-12);
     let sum: f64 = per.iter().sum();
-    let s = F::cross_entropy(&x, &t, None, -100, Reduction::Sum, 0.0).unwrap();
+    let s = F::cross_entropy_with(
+        &x,
+        &t,
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::Sum,
+            label_smoothing: 0.0,
+        },
+    )
+    .unwrap();
     assert_close_slice(&[s.item_f64().unwrap()], &[sum], 1e-12, 0.0);
     // The mean is over the 3 targets that are not ignored.
-    let m = F::cross_entropy(&x, &t, None, -100, Reduction::Mean, 0.0).unwrap();
+    let m = F::cross_entropy(&x, &t).unwrap();
     assert_close_slice(&[m.item_f64().unwrap()], &[sum / 3.0], 1e-12, 0.0);
     // Class weights: the mean divides by the weights of the counted targets.
     let w = t64(&[0.5, 2.0, 3.0], &[3], CPU);
-    let wm = F::cross_entropy(&x, &t, Some(&w), -100, Reduction::Mean, 0.0).unwrap();
+    let wm = F::cross_entropy_with(
+        &x,
+        &t,
+        F::CrossEntropyOptions {
+            weight: Some(&w),
+            ignore_index: -100,
+            reduction: Reduction::Mean,
+            label_smoothing: 0.0,
+        },
+    )
+    .unwrap();
     let num = 3.0 * per[0] + 0.5 * per[2] + 2.0 * per[3];
     assert_close_slice(&[wm.item_f64().unwrap()], &[num / 5.5], 1e-12, 0.0);
     // nll_loss of log-probabilities equals cross_entropy of the logits.
@@ -60,11 +90,31 @@ fn cross_entropy_label_smoothing_and_probability_targets() {
         })
         .sum::<f64>()
         / 2.0;
-    let got = F::cross_entropy(&x, &t, None, -100, Reduction::Mean, eps).unwrap();
+    let got = F::cross_entropy_with(
+        &x,
+        &t,
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::Mean,
+            label_smoothing: eps,
+        },
+    )
+    .unwrap();
     assert_close_slice(&[got.item_f64().unwrap()], &[expected], 1e-12, 0.0);
     // The same loss from the smoothed one-hot distribution as probability targets.
     let probs = t.one_hot(4).unwrap().to_dtype(DType::F64).unwrap();
-    let soft = F::cross_entropy(&x, &probs, None, -100, Reduction::Mean, eps).unwrap();
+    let soft = F::cross_entropy_with(
+        &x,
+        &probs,
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::Mean,
+            label_smoothing: eps,
+        },
+    )
+    .unwrap();
     assert_close_slice(&[soft.item_f64().unwrap()], &[expected], 1e-12, 0.0);
 }
 
@@ -73,10 +123,30 @@ fn cross_entropy_spatial_targets() {
     // [N, C, d] logits: each (n, d) position is one row over the C classes.
     let x = t64(&values(2 * 3 * 2, 3), &[2, 3, 2], CPU);
     let t = Tensor::from_slice(&[0i64, 2, 1, 1], [2, 2], CPU).unwrap();
-    let got = F::cross_entropy(&x, &t, None, -100, Reduction::None, 0.0).unwrap();
+    let got = F::cross_entropy_with(
+        &x,
+        &t,
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::None,
+            label_smoothing: 0.0,
+        },
+    )
+    .unwrap();
     assert_eq!(got.dims(), [2, 2]);
     let flat = x.permute(&[0, 2, 1]).unwrap().reshape(&[4, 3]).unwrap();
-    let rows = F::cross_entropy(&flat, &t.reshape(&[4]).unwrap(), None, -100, Reduction::None, 0.0).unwrap();
+    let rows = F::cross_entropy_with(
+        &flat,
+        &t.reshape(&[4]).unwrap(),
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::None,
+            label_smoothing: 0.0,
+        },
+    )
+    .unwrap();
     assert_close_slice(
         &got.to_vec_f64().unwrap(),
         &rows.to_vec_f64().unwrap(),
@@ -87,10 +157,6 @@ fn cross_entropy_spatial_targets() {
     let one = F::cross_entropy(
         &t64(&[1.0, 2.0, 3.0], &[3], CPU),
         &Tensor::from_slice(&[2i64], (), CPU).unwrap(),
-        None,
-        -100,
-        Reduction::Mean,
-        0.0,
     )
     .unwrap();
     assert_close_slice(
@@ -109,18 +175,51 @@ fn loss_gradients() {
     for smoothing in [0.0, 0.1] {
         for r in [Reduction::None, Reduction::Mean, Reduction::Sum] {
             gradcheck(
-                |a| F::cross_entropy(&a[0], &t, Some(&w), -100, r, smoothing),
+                |a| {
+                    F::cross_entropy_with(
+                        &a[0],
+                        &t,
+                        F::CrossEntropyOptions {
+                            weight: Some(&w),
+                            ignore_index: -100,
+                            reduction: r,
+                            label_smoothing: smoothing,
+                        },
+                    )
+                },
                 std::slice::from_ref(&x),
             );
             gradcheck(
-                |a| F::cross_entropy(&a[0], &t, None, -100, r, smoothing),
+                |a| {
+                    F::cross_entropy_with(
+                        &a[0],
+                        &t,
+                        F::CrossEntropyOptions {
+                            weight: None,
+                            ignore_index: -100,
+                            reduction: r,
+                            label_smoothing: smoothing,
+                        },
+                    )
+                },
                 std::slice::from_ref(&x),
             );
         }
     }
     let probs = t64(&values(15, 5), &[5, 3], CPU).softmax(1).unwrap();
     gradcheck(
-        |a| F::cross_entropy(&a[0], &a[1], Some(&w), -100, Reduction::Mean, 0.1),
+        |a| {
+            F::cross_entropy_with(
+                &a[0],
+                &a[1],
+                F::CrossEntropyOptions {
+                    weight: Some(&w),
+                    ignore_index: -100,
+                    reduction: Reduction::Mean,
+                    label_smoothing: 0.1,
+                },
+            )
+        },
         &[x.clone(), probs.clone()],
     );
     gradcheck(
@@ -172,21 +271,33 @@ fn loss_argument_errors() {
     let x = t64(&values(6, 7), &[2, 3], CPU);
     let f = |t: Tensor| t.to_dtype(DType::F32).unwrap();
     assert!(matches!(
-        F::cross_entropy(&x, &idx(&[0, 1, 2]), None, -100, Reduction::Mean, 0.0),
+        F::cross_entropy(&x, &idx(&[0, 1, 2])),
         Err(Error::ShapeMismatch { .. })
     ));
     assert!(matches!(
-        F::cross_entropy(&x, &idx(&[0, 3]), None, -100, Reduction::Mean, 0.0),
+        F::cross_entropy(&x, &idx(&[0, 3])),
         Err(Error::IndexOutOfRange { .. })
     ));
-    assert!(F::cross_entropy(&x, &idx(&[0, 1]), None, -100, Reduction::Mean, 1.5).is_err());
-    assert!(F::cross_entropy(
+    assert!(F::cross_entropy_with(
         &x,
         &idx(&[0, 1]),
-        Some(&t64(&[1.0], &[1], CPU)),
-        -100,
-        Reduction::Mean,
-        0.0
+        F::CrossEntropyOptions {
+            weight: None,
+            ignore_index: -100,
+            reduction: Reduction::Mean,
+            label_smoothing: 1.5
+        }
+    )
+    .is_err());
+    assert!(F::cross_entropy_with(
+        &x,
+        &idx(&[0, 1]),
+        F::CrossEntropyOptions {
+            weight: Some(&t64(&[1.0], &[1], CPU)),
+            ignore_index: -100,
+            reduction: Reduction::Mean,
+            label_smoothing: 0.0
+        }
     )
     .is_err());
     let bool_t = Tensor::zeros([2], DType::Bool, CPU).unwrap();
@@ -206,6 +317,6 @@ fn loss_argument_errors() {
     assert!(Reduction::parse("avg").is_err());
     assert_eq!(Reduction::parse("sum").unwrap(), Reduction::Sum);
     // Every target ignored: the mean is 0/0, NaN, as PyTorch.
-    let m = F::cross_entropy(&x, &idx(&[-100, -100]), None, -100, Reduction::Mean, 0.0).unwrap();
+    let m = F::cross_entropy(&x, &idx(&[-100, -100])).unwrap();
     assert!(m.item_f64().unwrap().is_nan());
 }

@@ -7,7 +7,7 @@
 use crate::common;
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
 use ember_nn::amp::{GradScaler, GradScalerConfig, OptState};
-use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::functional::cross_entropy;
 use ember_nn::optim::{clip_grad_norm_, Adam, AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 
 fn param(values: &[f32], device: Device) -> Tensor {
@@ -108,13 +108,52 @@ fn defaults_match_pytorch() {
             ..Default::default()
         },
     ] {
-        assert!(GradScaler::new(bad).is_err());
+        assert!(GradScaler::with_config(bad).is_err());
     }
 }
 
 #[test]
+fn new_takes_no_argument_and_builds_like_the_losses() {
+    // `GradScaler()` and `GradScaler(init_scale=1024, growth_interval=1)`.
+    let mut s = GradScaler::new();
+    let loss = Tensor::scalar(1.0, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(s.scale(&loss).unwrap().item::<f32>().unwrap(), 65536.0);
+    let mut s = GradScaler::new()
+        .init_scale(1024.0)
+        .growth_interval(1)
+        .growth_factor(4.0);
+    let p = param(&[1.0], Device::Cpu);
+    let mut opt = SGD::new(
+        vec![p.clone()],
+        SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    scaled_backward(&mut s, &p, &[1.0]);
+    s.step(&mut opt).unwrap();
+    s.update().unwrap(); // one clean step with growth_interval 1: x4
+    assert_eq!(s.get_scale().unwrap(), 4096.0);
+    // `update(new_scale)` is `update_with`.
+    scaled_backward(&mut s, &p, &[1.0]);
+    s.step(&mut opt).unwrap();
+    s.update_with(8.0).unwrap();
+    assert_eq!(s.get_scale().unwrap(), 8.0);
+    // Bad settings given builder-style are a typed error at the first scale(), not a panic.
+    let mut bad = GradScaler::new().backoff_factor(2.0);
+    assert!(matches!(
+        bad.scale(&loss),
+        Err(Error::InvalidArgument { op: "GradScaler", .. })
+    ));
+    // Disabled, the bad factor does not matter (PyTorch checks only when enabled).
+    let mut off = GradScaler::new().growth_factor(0.5).enabled(false);
+    assert_eq!(off.scale(&loss).unwrap().item::<f32>().unwrap(), 1.0);
+}
+
+#[test]
 fn scale_keeps_the_output_dtype() {
-    let mut s = GradScaler::new(config(1024.0, 2000)).unwrap();
+    let mut s = GradScaler::with_config(config(1024.0, 2000)).unwrap();
     let x = Tensor::from_slice(&[0.5f64, -2.0], [2], Device::Cpu).unwrap();
     let y = s.scale(&x).unwrap();
     assert_eq!(y.dtype(), DType::F64);
@@ -139,9 +178,9 @@ fn state_rules() {
     // Before scale(): nothing to unscale, step or update with.
     assert!(message(s.unscale_(&mut opt)).contains("did not use scaler.scale"));
     assert!(message(s.step(&mut opt)).contains("_scale is None"));
-    assert!(message(s.update(None)).contains("_scale is None"));
+    assert!(message(s.update()).contains("_scale is None"));
     scaled_backward(&mut s, &p, &[1.0, 1.0]);
-    assert!(message(s.update(None)).contains("No inf checks were recorded prior to update."));
+    assert!(message(s.update()).contains("No inf checks were recorded prior to update."));
     assert_eq!(s.optimizer_state(&opt), OptState::Ready);
     s.unscale_(&mut opt).unwrap();
     assert_eq!(s.optimizer_state(&opt), OptState::Unscaled);
@@ -153,13 +192,13 @@ fn state_rules() {
     assert_eq!(s.optimizer_state(&opt), OptState::Stepped);
     assert!(message(s.step(&mut opt)).contains("step() has already been called since the last update()."));
     assert!(message(s.unscale_(&mut opt)).contains("unscale_() is being called after step()."));
-    s.update(None).unwrap();
+    s.update().unwrap();
     // update() starts a new iteration: unscale_ and step are allowed again.
     assert_eq!(s.optimizer_state(&opt), OptState::Ready);
     scaled_backward(&mut s, &p, &[1.0, 1.0]);
     s.unscale_(&mut opt).unwrap();
     s.step(&mut opt).unwrap();
-    s.update(None).unwrap();
+    s.update().unwrap();
     // An optimizer without gradients has nothing to check.
     let q = param(&[1.0], Device::Cpu);
     let mut other = SGD::new(vec![q], SgdConfig::default()).unwrap();
@@ -193,26 +232,26 @@ fn unscale_divides_the_gradients_and_step_skips_on_inf() {
         },
     )
     .unwrap();
-    let mut s = GradScaler::new(config(8.0, 2000)).unwrap();
+    let mut s = GradScaler::with_config(config(8.0, 2000)).unwrap();
     scaled_backward(&mut s, &p, &[0.5, -1.0]);
     assert_eq!(vals(&p.grad().unwrap()), [4.0, -8.0]);
     s.unscale_(&mut opt).unwrap();
     assert_eq!(vals(&p.grad().unwrap()), [0.5, -1.0]);
     s.step(&mut opt).unwrap();
     assert_eq!(vals(&p), [0.75, 2.5]);
-    s.update(None).unwrap();
+    s.update().unwrap();
     // Without unscale_, step unscales inside the fused step (and writes the gradient back).
     opt.zero_grad().unwrap();
     scaled_backward(&mut s, &p, &[1.0, 1.0]);
     s.step(&mut opt).unwrap();
     assert_eq!(vals(&p.grad().unwrap()), [1.0, 1.0]);
     assert_eq!(vals(&p), [0.25, 2.0]);
-    s.update(None).unwrap();
+    s.update().unwrap();
     opt.zero_grad().unwrap();
     scaled_backward(&mut s, &p, &[f32::INFINITY, 1.0]);
     s.step(&mut opt).unwrap();
     assert_eq!(vals(&p), [0.25, 2.0], "a step with an inf gradient is skipped");
-    s.update(None).unwrap();
+    s.update().unwrap();
     assert_eq!(s.get_scale().unwrap(), 4.0);
 }
 
@@ -220,7 +259,7 @@ fn unscale_divides_the_gradients_and_step_skips_on_inf() {
 fn scale_backs_off_on_inf_and_nan_and_grows_after_the_interval() {
     let p = param(&[1.0], Device::Cpu);
     let mut opt = SGD::new(vec![p.clone()], SgdConfig::default()).unwrap();
-    let mut s = GradScaler::new(config(1024.0, 3)).unwrap();
+    let mut s = GradScaler::with_config(config(1024.0, 3)).unwrap();
     // (gradient, scale and tracker after update)
     let script = [
         (1.0, 1024.0, 1),
@@ -238,7 +277,7 @@ fn scale_backs_off_on_inf_and_nan_and_grows_after_the_interval() {
         opt.zero_grad().unwrap();
         scaled_backward(&mut s, &p, &[g]);
         s.step(&mut opt).unwrap();
-        s.update(None).unwrap();
+        s.update().unwrap();
         assert_eq!(
             (s.get_scale().unwrap(), s.get_growth_tracker().unwrap()),
             (scale, tracker),
@@ -246,10 +285,10 @@ fn scale_backs_off_on_inf_and_nan_and_grows_after_the_interval() {
         );
     }
     // A given new scale is set as is; the tracker stays.
-    s.update(None).unwrap_err();
+    s.update().unwrap_err();
     scaled_backward(&mut s, &p, &[1.0]);
     s.step(&mut opt).unwrap();
-    s.update(Some(3.0)).unwrap();
+    s.update_with(3.0).unwrap();
     assert_eq!(s.get_scale().unwrap(), 3.0);
     let t = Tensor::scalar(5.0, DType::F32, Device::Cpu).unwrap();
     s.update_to_tensor(&t).unwrap();
@@ -353,7 +392,7 @@ fn skipped_steps_leave_everything_untouched(device: Device) {
             amp_params[0].copy_(&param(&p0, device)).unwrap();
             ref_params[0].copy_(&param(&p0, device)).unwrap();
         }
-        let mut s = GradScaler::new(config(4096.0, 2)).unwrap();
+        let mut s = GradScaler::with_config(config(4096.0, 2)).unwrap();
         for (i, g) in grads.iter().enumerate() {
             let skip = g.iter().any(|x| !x.is_finite());
             let before_params = vals(&amp_params[0]);
@@ -361,7 +400,7 @@ fn skipped_steps_leave_everything_untouched(device: Device) {
             amp_opt.zero_grad().unwrap();
             scaled_backward(&mut s, &amp_params[0], g);
             s.step(amp_opt.as_mut()).unwrap();
-            s.update(None).unwrap();
+            s.update().unwrap();
             if skip {
                 assert_eq!(vals(&amp_params[0]), before_params, "{name} step {i}: params");
                 // Every entry keeps its bits; a skipped first step may leave new state, as in
@@ -422,14 +461,14 @@ fn unscale_then_clip_grad_norm() {
         },
     )
     .unwrap();
-    let mut s = GradScaler::new(config(1024.0, 2000)).unwrap();
+    let mut s = GradScaler::with_config(config(1024.0, 2000)).unwrap();
     scaled_backward(&mut s, &p, &[3.0, 4.0]);
     s.unscale_(&mut opt).unwrap();
     assert_eq!(vals(&p.grad().unwrap()), [3.0, 4.0]);
     let total = clip_grad_norm_(&[p.clone(), q], 1.0, 2.0).unwrap();
     assert_eq!(total.item::<f32>().unwrap(), 5.0);
     s.step(&mut opt).unwrap();
-    s.update(None).unwrap();
+    s.update().unwrap();
     let coef = (1.0 / (5.0f32 + 1e-6)).min(1.0);
     let expected = [3.0 - 3.0 * coef, 4.0 - 4.0 * coef];
     common::assert_close_slice(
@@ -444,7 +483,7 @@ fn unscale_then_clip_grad_norm() {
 fn state_dict_round_trip() {
     let p = param(&[1.0], Device::Cpu);
     let mut opt = SGD::new(vec![p.clone()], SgdConfig::default()).unwrap();
-    let mut a = GradScaler::new(GradScalerConfig {
+    let mut a = GradScaler::with_config(GradScalerConfig {
         init_scale: 256.0,
         growth_factor: 4.0,
         backoff_factor: 0.25,
@@ -456,7 +495,7 @@ fn state_dict_round_trip() {
         opt.zero_grad().unwrap();
         scaled_backward(&mut a, &p, &[g]);
         a.step(&mut opt).unwrap();
-        a.update(None).unwrap();
+        a.update().unwrap();
     }
     let state = a.state_dict().unwrap();
     let keys: Vec<&str> = state.iter().map(|(k, _)| k.as_str()).collect();
@@ -520,7 +559,7 @@ fn a_disabled_scaler_passes_through() {
         },
     )
     .unwrap();
-    let mut s = GradScaler::new(GradScalerConfig {
+    let mut s = GradScaler::with_config(GradScalerConfig {
         enabled: false,
         growth_factor: 0.0, // not checked when disabled, as in PyTorch
         ..Default::default()
@@ -533,7 +572,7 @@ fn a_disabled_scaler_passes_through() {
     scaled.backward().unwrap();
     s.unscale_(&mut opt).unwrap();
     s.step(&mut opt).unwrap();
-    s.update(None).unwrap();
+    s.update().unwrap();
     assert_eq!(vals(&p), [-1.0]);
     assert_eq!(s.get_scale().unwrap(), 1.0);
     assert!(s.state_dict().unwrap().is_empty());
@@ -586,16 +625,16 @@ fn other_optimizers_take_the_host_path() {
     .unwrap();
     let mut opt = Generic(sgd);
     assert!(!opt.supports_amp_scaling());
-    let mut s = GradScaler::new(config(16.0, 2000)).unwrap();
+    let mut s = GradScaler::with_config(config(16.0, 2000)).unwrap();
     scaled_backward(&mut s, &p, &[1.0, -2.0]);
     s.step(&mut opt).unwrap();
     assert_eq!(s.optimizer_state(&opt), OptState::Stepped);
-    s.update(None).unwrap();
+    s.update().unwrap();
     assert_eq!(vals(&p), [0.5, 2.0]);
     opt.zero_grad().unwrap();
     scaled_backward(&mut s, &p, &[f32::NAN, 1.0]);
     s.step(&mut opt).unwrap();
-    s.update(None).unwrap();
+    s.update().unwrap();
     assert_eq!(vals(&p), [0.5, 2.0]);
     assert_eq!(s.get_scale().unwrap(), 8.0);
     // The trait's default step_scaled divides by the given scale.
@@ -673,7 +712,7 @@ mod reference {
 fn autocast_f16_linear_loss(x: &Tensor, w: &Tensor, b: &Tensor, y: &Tensor) -> Result<Tensor> {
     let _ac = ember_core::amp::autocast(x.device().device_type(), DType::F16)?;
     let logits = ember_nn::functional::linear(x, w, Some(b))?;
-    cross_entropy(&logits, y, None, -100, Reduction::Mean, 0.0)
+    cross_entropy(&logits, y)
 }
 
 fn close(got: f64, want: f64, rtol: f64, atol: f64) -> bool {
@@ -720,7 +759,7 @@ fn run_case(
         ),
         other => return Err(format!("{id}: optimizer {other} not mapped")),
     };
-    let mut scaler = GradScaler::new(GradScalerConfig {
+    let mut scaler = GradScaler::with_config(GradScalerConfig {
         init_scale: kw["init_scale"].as_f64().unwrap(),
         growth_factor: kw["growth_factor"].as_f64().unwrap(),
         backoff_factor: kw["backoff_factor"].as_f64().unwrap(),
@@ -747,7 +786,7 @@ fn run_case(
             clip_grad_norm_(&params, max_norm, 2.0).map_err(|err| e("clip", err))?;
         }
         scaler.step(opt.as_mut()).map_err(|err| e("step", err))?;
-        scaler.update(None).map_err(|err| e("update", err))?;
+        scaler.update().map_err(|err| e("update", err))?;
         let checks = [
             (
                 "loss",
@@ -838,7 +877,7 @@ fn a_scaled_step_does_not_synchronize() {
         if name == "sgd dampening" {
             continue; // its first step reads the flag on the host (see `optim::sgd_scaled`)
         }
-        let mut s = GradScaler::new(config(1024.0, 2)).unwrap();
+        let mut s = GradScaler::with_config(config(1024.0, 2)).unwrap();
         for (i, g) in [
             [1.0f32, 2.0, 3.0, 4.0],
             [f32::INFINITY, 0.0, 1.0, 1.0],
@@ -862,7 +901,7 @@ fn a_scaled_step_does_not_synchronize() {
             s.unscale_(opt.as_mut()).unwrap();
             clip_grad_norm_(std::slice::from_ref(&p), 10.0, 2.0).unwrap();
             s.step(opt.as_mut()).unwrap();
-            s.update(None).unwrap();
+            s.update().unwrap();
             let waits = ember_core::cuda::host_sync_count() - before;
             assert_eq!(waits, 0, "{name} step {i}: {waits} host synchronizations");
             // The same without unscale_ (the fused step divides by the scale).
@@ -870,7 +909,7 @@ fn a_scaled_step_does_not_synchronize() {
             p.set_grad(Some(gt.mul_scalar(1024.0).unwrap())).unwrap();
             let before = ember_core::cuda::host_sync_count();
             s.step(opt.as_mut()).unwrap();
-            s.update(None).unwrap();
+            s.update().unwrap();
             let waits = ember_core::cuda::host_sync_count() - before;
             assert_eq!(
                 waits, 0,
@@ -915,7 +954,7 @@ fn cuda_matches_cpu_over_many_parameters() {
                 .unwrap(),
             )
         };
-        let mut s = GradScaler::new(config(256.0, 2)).unwrap();
+        let mut s = GradScaler::with_config(config(256.0, 2)).unwrap();
         for step in 0..5u64 {
             opt.zero_grad().unwrap();
             let mut loss = Tensor::scalar(0.0, DType::F32, device).unwrap();
@@ -935,7 +974,7 @@ fn cuda_matches_cpu_over_many_parameters() {
             }
             s.scale(&loss).unwrap().backward().unwrap();
             s.step(opt.as_mut()).unwrap();
-            s.update(None).unwrap();
+            s.update().unwrap();
         }
         let mut out: Vec<Vec<f64>> = params.iter().map(|p| p.to_vec_f64().unwrap()).collect();
         out.push(vec![
@@ -989,7 +1028,7 @@ fn run_train_case(
         },
     )
     .map_err(|err| e("Adam", err))?;
-    let mut scaler = GradScaler::new(GradScalerConfig {
+    let mut scaler = GradScaler::with_config(GradScalerConfig {
         enabled: kw["grad_scaler"].as_bool().unwrap(),
         ..Default::default()
     })
@@ -1004,14 +1043,14 @@ fn run_train_case(
                 .and_then(|h| h.relu())
                 .and_then(|h| ember_nn::functional::linear(&h, &params[2], Some(&params[3])))
                 .map_err(|err| e("forward", err))?;
-            cross_entropy(&h, &y, None, -100, Reduction::Mean, 0.0).map_err(|err| e("loss", err))?
+            cross_entropy(&h, &y).map_err(|err| e("loss", err))?
         };
         scaler
             .scale(&loss)
             .and_then(|l| l.backward())
             .map_err(|err| e("backward", err))?;
         scaler.step(&mut opt).map_err(|err| e("step", err))?;
-        scaler.update(None).map_err(|err| e("update", err))?;
+        scaler.update().map_err(|err| e("update", err))?;
         let got = loss.item_f64().unwrap();
         if !close(got, *want, rtol, atol) {
             return Err(format!("{id} on {device}, step {s}: loss {got}, PyTorch {want}"));

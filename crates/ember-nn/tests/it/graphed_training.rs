@@ -12,7 +12,7 @@ use crate::common::{self, in_own_process};
 use ember_core::cuda::{self, make_graphed_callables, CUDAGraph, Callable, GraphedOptions, Stream};
 use ember_core::{DType, Device, Error, Result, Tensor};
 use ember_nn::amp::{GradScaler, GradScalerConfig};
-use ember_nn::functional::{cross_entropy, Reduction};
+use ember_nn::functional::cross_entropy;
 use ember_nn::graphs::make_graphed_module;
 use ember_nn::optim::{Adam, AdamConfig, Optimizer};
 use ember_nn::{Dropout, Forward, Linear, ModuleExt, ReLU, Sequential};
@@ -59,7 +59,7 @@ fn batch(i: u64, poisoned: bool, device: Device) -> (Tensor, Tensor) {
 }
 
 fn loss_of(m: &Sequential, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-    cross_entropy(&m.forward(x)?, y, None, -100, Reduction::Mean, 0.0)
+    cross_entropy(&m.forward(x)?, y)
 }
 
 fn adam(m: &Sequential) -> Adam {
@@ -103,7 +103,7 @@ fn step(
             };
             scaler.scale(&loss)?.backward()?;
             scaler.step(opt)?;
-            scaler.update(None)?;
+            scaler.update()?;
             Ok(loss)
         }
     }
@@ -199,7 +199,7 @@ fn cuda_replayed_fp16_step_skips_a_poisoned_batch_and_backs_off() {
             // Eager: parameters and scale after each step.
             let eager = model(false, device);
             let mut opt = adam(&eager);
-            let mut scaler = GradScaler::new(config).unwrap();
+            let mut scaler = GradScaler::with_config(config).unwrap();
             let mut expected = Vec::new();
             for i in 0..10 {
                 let (x, y) = batch(i, poisoned(i), device);
@@ -210,7 +210,7 @@ fn cuda_replayed_fp16_step_skips_a_poisoned_batch_and_backs_off() {
 
             let graphed = model(false, device);
             let mut opt = adam(&graphed);
-            let mut scaler = GradScaler::new(config).unwrap();
+            let mut scaler = GradScaler::with_config(config).unwrap();
             let (x, y) = batch(0, false, device);
             let (g, _) = capture_step(&graphed, &mut opt, Some(&mut scaler), (&x, &y), warmup);
             for i in warmup..10 {
@@ -295,8 +295,7 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
                     opt.zero_grad().unwrap();
                     for k in 0..2 {
                         let (x, y) = batch(2 * s + k, false, device);
-                        let loss = cross_entropy(&forward(&x).unwrap(), &y, None, -100, Reduction::Mean, 0.0)
-                            .unwrap();
+                        let loss = cross_entropy(&forward(&x).unwrap(), &y).unwrap();
                         loss.backward().unwrap();
                         losses.push(loss.to_vec::<f32>().unwrap()[0].to_bits());
                     }
@@ -326,7 +325,7 @@ fn cuda_graphed_callable_trains_as_the_eager_module() {
             assert_eq!(bits(&graphed_model), bits(&eager), "parameters");
 
             // The module form.
-            let mut module = make_graphed_module(model(false, device), &batch(0, false, device).0).unwrap();
+            let module = make_graphed_module(model(false, device), &batch(0, false, device).0).unwrap();
             let module_losses = train(module.module(), &|x| module.forward(x));
             assert_eq!(module_losses, eager_losses, "losses of the graphed module");
             assert_eq!(

@@ -31,17 +31,23 @@ fn cross_entropy_loss_matches_functional_with_every_option() -> Result<()> {
         (-100, Reduction::Mean, 0.0)
     );
     assert!(d.weight.is_none());
-    same(
-        &d.forward(&x, &t)?,
-        &F::cross_entropy(&x, &t, None, -100, Reduction::Mean, 0.0)?,
-    );
+    same(&d.forward(&x, &t)?, &F::cross_entropy(&x, &t)?);
     for r in REDUCTIONS {
         let m = CrossEntropyLoss::new()
             .weight(w.clone())
             .ignore_index(1)
             .label_smoothing(0.2)
             .reduction(r);
-        let f = F::cross_entropy(&x, &t, Some(&w), 1, r, 0.2)?;
+        let f = F::cross_entropy_with(
+            &x,
+            &t,
+            F::CrossEntropyOptions {
+                weight: Some(&w),
+                ignore_index: 1,
+                reduction: r,
+                label_smoothing: 0.2,
+            },
+        )?;
         same(&m.forward(&x, &t)?, &f);
         // Each option changes the result, so none is dropped on the way.
         let without = [

@@ -94,7 +94,7 @@ impl Module for Mlp {
         self.fc1.visit_mut(&module::join_name(prefix, "fc1"), f)?;
         self.fc2.visit_mut(&module::join_name(prefix, "fc2"), f)
     }
-    fn set_training(&mut self, training: bool) {
+    fn set_training(&self, training: bool) {
         self.fc1.set_training(training);
         self.act.set_training(training);
         self.fc2.set_training(training);
@@ -319,7 +319,7 @@ fn batchnorm_trains_running_stats_and_evaluates_with_them() {
     );
     assert_eq!(bn.num_batches_tracked.as_ref().unwrap().item::<i64>().unwrap(), 1);
 
-    let mut bn = bn;
+    let bn = bn;
     bn.eval();
     assert!(!bn.is_training());
     let (rm, rv) = (
@@ -359,7 +359,7 @@ fn batchnorm_trains_running_stats_and_evaluates_with_them() {
     );
 
     // Without running stats: no buffers, batch statistics in eval too.
-    let mut nostats = BatchNorm2d::with_config(
+    let nostats = BatchNorm2d::with_config(
         3,
         BatchNormConfig {
             track_running_stats: false,
@@ -408,7 +408,7 @@ fn layernorm_normalizes_the_last_dims() {
 
 #[test]
 fn dropout_is_active_only_in_training() {
-    let mut d = Dropout::new(0.5).unwrap();
+    let d = Dropout::new(0.5).unwrap();
     let x = Tensor::ones([10_000], DType::F32, CPU).unwrap();
     let y = vals(&d.forward(&x).unwrap());
     let zeros = y.iter().filter(|&&v| v == 0.0).count();
@@ -420,7 +420,7 @@ fn dropout_is_active_only_in_training() {
     d.eval();
     assert_eq!(vals(&d.forward(&x).unwrap()), vals(&x));
     // eval() reaches children.
-    let mut s = Sequential::new().with(Dropout::new(0.9).unwrap());
+    let s = Sequential::new().with(Dropout::new(0.9).unwrap());
     s.eval();
     assert!(!s.get(0).unwrap().is_training());
     assert_eq!(vals(&s.forward(&x).unwrap()), vals(&x));
@@ -627,7 +627,7 @@ fn state_dict_round_trip_through_safetensors() {
         assert_eq!(a.dtype(), b.dtype(), "{n1}");
         assert_eq!(vals(a), vals(&b), "{n1}");
     }
-    let (mut s, mut d) = (src, dst);
+    let (s, mut d) = (src, dst);
     s.eval();
     d.eval();
     let x = input(&[2, 1, 4, 4], 12);

@@ -381,7 +381,7 @@ fn recurrent_dropout_only_between_layers_in_training_mode() {
         dropout: 0.5,
         ..config(2, false)
     };
-    let mut lstm = LSTM::with_config(3, 8, cfg, CPU).unwrap();
+    let lstm = LSTM::with_config(3, 8, cfg, CPU).unwrap();
     let x = rand32(&[4, 2, 3], 1);
     let w = lists(&lstm.layers);
     let (no_dropout, _) = F::lstm(&x, None, &refs(&w), 2, false, 0.0, true).unwrap();
@@ -401,7 +401,7 @@ fn recurrent_dropout_only_between_layers_in_training_mode() {
     assert_close(&c, &no_dropout, 0.0, 0.0);
 
     // A single layer has no dropout even in training (PyTorch warns and applies none).
-    let mut gru = GRU::with_config(
+    let gru = GRU::with_config(
         3,
         4,
         RecurrentConfig {

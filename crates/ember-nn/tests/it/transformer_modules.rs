@@ -276,7 +276,7 @@ fn encoder_layer_matches_the_functional_composition() {
             activation,
             ..small(0.1, batch_first, norm_first)
         };
-        let mut layer = TransformerEncoderLayer::with_config(8, 2, config, CPU).unwrap();
+        let layer = TransformerEncoderLayer::with_config(8, 2, config, CPU).unwrap();
         layer.eval();
         let dims = if batch_first { [2, 5, 8] } else { [5, 2, 8] };
         let x = rand32(&dims, 1);
@@ -305,13 +305,26 @@ fn encoder_layer_matches_the_functional_composition() {
             )
             .unwrap();
         assert_close(&hinted, &masked, 1e-5, 1e-6);
+        // PyTorch's two-argument `layer(src, src_mask)`, on the layer and on a stack.
+        assert_close(&layer.forward_with(&x, &mask).unwrap(), &masked, 0.0, 0.0);
+        let stack = TransformerEncoder::new(&layer, 2, None).unwrap();
+        let explicit = stack
+            .forward_with(
+                &x,
+                EncoderMasks {
+                    mask: Some(&mask),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_close(&stack.forward_with(&x, &mask).unwrap(), &explicit, 0.0, 0.0);
     }
 }
 
 #[test]
 fn decoder_and_stacks_match_the_functional_composition() {
     manual_seed(3).unwrap();
-    let mut layer = TransformerDecoderLayer::with_config(8, 2, small(0.1, true, false), CPU).unwrap();
+    let layer = TransformerDecoderLayer::with_config(8, 2, small(0.1, true, false), CPU).unwrap();
     layer.eval();
     let (tgt, mem) = (rand32(&[2, 4, 8], 1), rand32(&[2, 6, 8], 2));
     let mask = Transformer::generate_square_subsequent_mask(4, CPU).unwrap();
@@ -335,7 +348,7 @@ fn decoder_and_stacks_match_the_functional_composition() {
         1e-6,
     );
 
-    let mut stack = TransformerDecoder::new(&layer, 2, Some(LayerNorm::new(&[8], CPU).unwrap())).unwrap();
+    let stack = TransformerDecoder::new(&layer, 2, Some(LayerNorm::new(&[8], CPU).unwrap())).unwrap();
     stack.eval();
     let mut expected = tgt.clone();
     for l in &stack.layers {
@@ -350,7 +363,7 @@ fn decoder_and_stacks_match_the_functional_composition() {
     );
 
     let enc_layer = TransformerEncoderLayer::with_config(8, 2, small(0.1, true, false), CPU).unwrap();
-    let mut enc = TransformerEncoder::new(&enc_layer, 2, None).unwrap();
+    let enc = TransformerEncoder::new(&enc_layer, 2, None).unwrap();
     enc.eval();
     assert!(!enc.layers[1].dropout1.is_training() && !enc.layers[0].self_attn.is_training());
     let expected = encoder_reference(
@@ -379,7 +392,7 @@ fn transformer_masks_and_causality() {
         batch_first: true,
         ..Default::default()
     };
-    let mut t = Transformer::with_config(8, 2, config, CPU).unwrap();
+    let t = Transformer::with_config(8, 2, config, CPU).unwrap();
     t.eval();
     let (src, tgt) = (rand32(&[2, 5, 8], 1), rand32(&[2, 4, 8], 2));
     let mask = Transformer::generate_square_subsequent_mask(4, CPU).unwrap();
@@ -523,7 +536,7 @@ fn transformer_gradients_reach_every_parameter() {
 #[test]
 fn transformer_dropout_only_in_training_mode() {
     manual_seed(7).unwrap();
-    let mut layer = TransformerEncoderLayer::with_config(8, 2, small(0.1, false, false), CPU).unwrap();
+    let layer = TransformerEncoderLayer::with_config(8, 2, small(0.1, false, false), CPU).unwrap();
     let x = rand32(&[6, 2, 8], 1);
     let a = layer.forward(&x).unwrap();
     let b = layer.forward(&x).unwrap();
@@ -541,7 +554,7 @@ fn transformer_dropout_only_in_training_mode() {
     );
     assert_close(&c, &encoder_reference(&layer, &x, None), 1e-5, 1e-6);
 
-    let mut t = Transformer::with_config(
+    let t = Transformer::with_config(
         8,
         2,
         TransformerConfig {

@@ -39,7 +39,7 @@ pub enum MemvizError {
     },
     /// The file is not a pickle of plain data.
     #[error(
-        "{path} is not a memory snapshot: {source}. Write one with ember::cuda::dump_snapshot(device, path) \
+        "{path} is not a memory snapshot: {source}. Write one with ember::cuda::dump_snapshot(path) \
          or torch.cuda.memory._dump_snapshot(path)"
     )]
     NotPickle {
@@ -71,8 +71,8 @@ pub enum MemvizError {
 
 fn read_hint(e: &std::io::Error) -> &'static str {
     if e.kind() == std::io::ErrorKind::NotFound {
-        ". Record one with ember::cuda::record_memory_history(device, true, max_entries) and then \
-         ember::cuda::dump_snapshot(device, path)"
+        ". Record one with ember::cuda::record_memory_history(true, max_entries) and then \
+         ember::cuda::dump_snapshot(path)"
     } else {
         ""
     }

@@ -309,7 +309,7 @@ fn timeline_svg(h: &mut String, t: &Timeline, device: usize, events: usize) {
         let _ = writeln!(
             h,
             "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\" style=\"font-size:14px\">No events recorded \
-             for cuda:{device}: call ember::cuda::record_memory_history({device}, true, max_entries) before \
+             for cuda:{device}: call ember::cuda::record_memory_history_on({device}, true, max_entries) before \
              the code to trace.</text>",
             l + pw / 2.0,
             top + ph / 2.0

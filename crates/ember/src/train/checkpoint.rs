@@ -193,7 +193,7 @@ mod tests {
     fn parts() -> (Linear, Adam, GradScaler) {
         let model = Linear::new(3, 2, Device::Cpu).unwrap();
         let opt = Adam::new(model.parameters(), Default::default()).unwrap();
-        let scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+        let scaler = GradScaler::with_config(GradScalerConfig::default()).unwrap();
         (model, opt, scaler)
     }
 

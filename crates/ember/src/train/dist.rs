@@ -1,8 +1,8 @@
 //! `ember train --nproc-per-node N`: data-parallel training in N processes on one machine, as
 //! `torchrun --nproc-per-node N train.py` runs PyTorch's DDP tutorial. Without RANK in the
 //! environment the command is the launcher: it starts N copies of itself through ember-run's
-//! machinery (each with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; output lines
-//! prefixed `[rankN]:`; when one fails the others are stopped and the command fails). A worker
+//! machinery (each with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; their output
+//! passes through unchanged, as under torchrun; when one fails the others are stopped and the command fails). A worker
 //! (WORLD_SIZE > 1 in its environment, also when started by ember-run, torchrun-style
 //! launchers or srun) joins the process group (NCCL on GPUs, each worker on `cuda:LOCAL_RANK`;
 //! the CPU backend otherwise), wraps the model in DistributedDataParallel, and reads its share
@@ -76,6 +76,9 @@ pub(super) fn launch(nproc: usize) -> CliResult<()> {
         master_addr: "127.0.0.1".into(),
         master_port: 0,
         standalone: true,
+        tee: launch::Std::None,
+        redirects: launch::Std::None,
+        log_dir: None,
         program: program.display().to_string(),
         args: worker_args(),
     };

@@ -161,7 +161,7 @@ impl GraphedSteps {
     /// while the current stream may still read it, and the side stream is idle after the last.
     fn warm_up(&mut self, step: &mut Step<'_>, x: &Tensor, y: &Tensor) -> ember::Result<Tensor> {
         let device = Device::Cuda(self.device);
-        let current = cuda::current_stream(self.device)?;
+        let current = cuda::current_stream_on(self.device)?;
         self.side.wait_stream(&current)?;
         let loss = {
             let _side = cuda::stream(&self.side);

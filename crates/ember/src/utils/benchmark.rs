@@ -36,6 +36,32 @@ pub struct Timer<F> {
     stmt: F,
     label: Option<String>,
     device: Option<Device>,
+    num_threads: Option<usize>,
+}
+
+/// Sets the CPU thread count for a measurement and restores the previous one when dropped.
+struct ThreadsScope(Option<usize>);
+
+impl ThreadsScope {
+    fn new(num_threads: Option<usize>) -> Result<ThreadsScope> {
+        match num_threads {
+            Some(n) => {
+                let before = crate::get_num_threads();
+                crate::set_num_threads(n)?;
+                Ok(ThreadsScope(Some(before)))
+            }
+            None => Ok(ThreadsScope(None)),
+        }
+    }
+}
+
+impl Drop for ThreadsScope {
+    fn drop(&mut self) {
+        if let Some(n) = self.0 {
+            // `n` was a valid count a moment ago, so this cannot fail.
+            let _ = crate::set_num_threads(n);
+        }
+    }
 }
 
 impl<F, T> Timer<F>
@@ -49,6 +75,7 @@ where
             stmt,
             label: None,
             device: None,
+            num_threads: None,
         }
     }
 
@@ -61,6 +88,15 @@ where
     /// The device synchronized around each timed block; Note [Timing on the GPU].
     pub fn device(mut self, device: Device) -> Timer<F> {
         self.device = Some(device);
+        self
+    }
+
+    /// The CPU backend's thread count while timing (`Timer(..., num_threads=1)`): set with
+    /// [`set_num_threads`](crate::set_num_threads) before the runs and restored after them.
+    /// Without it the current count is used (PyTorch's default is 1; ember keeps the setting
+    /// of the program). A count of 0 is an error of the measurement.
+    pub fn num_threads(mut self, num_threads: usize) -> Timer<F> {
+        self.num_threads = Some(num_threads);
         self
     }
 
@@ -91,6 +127,7 @@ where
     /// One block of `number` runs after a warm-up of `max(number / 100, 2)` runs
     /// (`Timer.timeit(number)`).
     pub fn timeit(&mut self, number: usize) -> Result<Measurement> {
+        let _threads = ThreadsScope::new(self.num_threads)?;
         self.time_block((number / 100).max(2))?;
         let t = self.time_block(number)?;
         Ok(self.measurement(number, vec![t]))
@@ -105,6 +142,7 @@ where
     /// time dwarfs the timer's own overhead, then times blocks of that size until their total
     /// reaches `min_run_time`. The estimate is the warm-up.
     pub fn blocked_autorange_with(&mut self, min_run_time: Duration) -> Result<Measurement> {
+        let _threads = ThreadsScope::new(self.num_threads)?;
         let min_run_time = min_run_time.as_secs_f64();
         let number = self.estimate_block_size(min_run_time)?;
         let mut times = Vec::new();
@@ -144,6 +182,7 @@ where
             label: self.label.clone(),
             number_per_run,
             raw_times,
+            num_threads: crate::get_num_threads(),
         }
     }
 }
@@ -157,6 +196,8 @@ pub struct Measurement {
     pub label: Option<String>,
     /// Runs per timed block.
     pub number_per_run: usize,
+    /// The CPU backend's thread count during the runs (`task_spec.num_threads`).
+    pub num_threads: usize,
     /// Seconds of each timed block (of `number_per_run` runs).
     pub raw_times: Vec<f64>,
 }
@@ -297,8 +338,34 @@ mod tests {
         Measurement {
             label: Some("x + y".into()),
             number_per_run,
+            num_threads: 1,
             raw_times: raw_times.to_vec(),
         }
+    }
+
+    #[test]
+    fn num_threads_holds_during_the_runs_and_is_restored() {
+        // The only test of this binary that changes the count.
+        let before = crate::get_num_threads();
+        let mut seen = Vec::new();
+        let m = Timer::new(|| {
+            seen.push(crate::get_num_threads());
+            Ok(())
+        })
+        .num_threads(1)
+        .timeit(3)
+        .unwrap();
+        assert_eq!(m.num_threads, 1);
+        assert!(!seen.is_empty() && seen.iter().all(|&n| n == 1), "{seen:?}");
+        assert_eq!(crate::get_num_threads(), before);
+        let err = Timer::new(|| Ok(())).num_threads(0).timeit(1).unwrap_err();
+        assert!(matches!(
+            err,
+            crate::Error::InvalidArgument {
+                op: "set_num_threads",
+                ..
+            }
+        ));
     }
 
     #[test]

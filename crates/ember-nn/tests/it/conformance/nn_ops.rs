@@ -174,8 +174,16 @@ pub fn forward(op: &str, _id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Ten
             arity(3)?;
             kw.only(&["is_causal"])?;
             let causal = kw.bool_or("is_causal", false)?;
-            one(F::scaled_dot_product_attention(
-                &x[0], &x[1], &x[2], None, 0.0, causal, None,
+            one(F::scaled_dot_product_attention_with(
+                &x[0],
+                &x[1],
+                &x[2],
+                F::SdpaOptions {
+                    attn_mask: None,
+                    dropout_p: 0.0,
+                    is_causal: causal,
+                    scale: None,
+                },
             ))
         }
         "cross_entropy" => {
@@ -183,13 +191,15 @@ pub fn forward(op: &str, _id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Ten
             kw.only(&["reduction", "ignore_index", "label_smoothing"])?;
             let ignore = kw.opt_dim("ignore_index")?.unwrap_or(-100) as i64;
             let smoothing = kw.opt_f64("label_smoothing")?.unwrap_or(0.0);
-            one(F::cross_entropy(
+            one(F::cross_entropy_with(
                 &x[0],
                 &x[1],
-                None,
-                ignore,
-                reduction(kw)?,
-                smoothing,
+                F::CrossEntropyOptions {
+                    weight: None,
+                    ignore_index: ignore,
+                    reduction: reduction(kw)?,
+                    label_smoothing: smoothing,
+                },
             ))
         }
         "nll_loss" => {

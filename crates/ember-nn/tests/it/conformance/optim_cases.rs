@@ -35,6 +35,7 @@ fn optimizer(case: &Case, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>, Str
             weight_decay: f(case, "weight_decay", defaults.weight_decay),
             amsgrad: b(case, "amsgrad"),
             maximize: b(case, "maximize"),
+            fused: None,
         }
     };
     let made: ember_core::Result<Box<dyn Optimizer>> = match case.op.as_str() {
