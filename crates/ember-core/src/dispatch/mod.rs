@@ -247,7 +247,7 @@ pub(crate) fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() 
 /// An op with no tensor input (a factory or a random draw: `zeros`, `arange`, `randn`, ...),
 /// or one that checks its operands' devices itself with its own errors (GradScaler's steps), on
 /// `device`: the observers see it under its name, then `body` runs.
-pub(crate) fn enter<T>(op: &'static Op, device: Device, body: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(crate) fn enter<T>(op: &'static Op, device: Device, body: impl FnOnce() -> T) -> T {
     crate::memory::set_current_op(op.name);
     let _scope = observer::Scope::enter(op, device, &[]);
     body()

@@ -215,6 +215,7 @@ named_table! {
     UNBIND = "unbind";
     BROADCAST_TO = "broadcast_to";
     IM2COL = "im2col";
+    SLICE_SCATTER = "slice_scatter";
     AMP_NON_FINITE_CHECK_AND_UNSCALE_ = "_amp_foreach_non_finite_check_and_unscale_";
     AMP_UPDATE_SCALE_ = "_amp_update_scale_";
 }

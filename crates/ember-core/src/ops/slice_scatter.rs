@@ -6,6 +6,7 @@
 //! Gradients, as PyTorch's `slice_scatter_backward`: the input's is the output's gradient with
 //! the slice zeroed, `src`'s is the output's gradient at the slice.
 
+use crate::dispatch::{self, policy};
 use crate::{autograd, no_grad, Error, Result, Tensor};
 
 impl Tensor {
@@ -14,6 +15,19 @@ impl Tensor {
     /// [`Tensor::slice`] (negative from the end, clamped; `isize::MAX` for "to the end").
     /// `src` must have the slice's shape; its dtype is converted to `self`'s, as by `copy_`.
     pub fn slice_scatter(
+        &self,
+        src: &Tensor,
+        dim: isize,
+        start: isize,
+        end: isize,
+        step: usize,
+    ) -> Result<Tensor> {
+        dispatch::named(&policy::SLICE_SCATTER, &[self, src], || {
+            self.slice_scatter_composite(src, dim, start, end, step)
+        })
+    }
+
+    fn slice_scatter_composite(
         &self,
         src: &Tensor,
         dim: isize,

@@ -154,8 +154,10 @@ impl Tensor {
                 )
             })?;
         crate::memory::check_host_alloc("arange", n, DType::I64)?;
-        let values: Vec<i64> = (0..n as i64).map(|i| start + i * step).collect();
-        Tensor::from_vec(values, [n], device)
+        dispatch::enter(&policy::ARANGE, device, || {
+            let values: Vec<i64> = (0..n as i64).map(|i| start + i * step).collect();
+            Tensor::from_vec(values, [n], device)
+        })
     }
 
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
