@@ -21,7 +21,7 @@
 //! when `reserved` grew after warm-up or the resident memory grew by more than the slack.
 
 use ember::data::{DataLoader, TensorDataset};
-use ember::nn::functional::{self as F, Reduction};
+use ember::nn::functional as F;
 use ember::nn::optim::{Adam, AdamConfig, Optimizer};
 use ember::nn::{Forward, LayerNorm, Linear, Module, ModuleExt};
 use ember::{cuda, DType, Device, Tensor};
@@ -155,7 +155,7 @@ fn main() -> Result<(), Failure> {
             let batch = batch?;
             let (xb, yb) = (batch[0].to_non_blocking(device)?, batch[1].to_non_blocking(device)?);
             opt.zero_grad()?;
-            let loss = F::cross_entropy(&model.forward(&xb)?, &yb, None, -100, Reduction::Mean, 0.0)?;
+            let loss = F::cross_entropy(&model.forward(&xb)?, &yb)?;
             loss.backward()?;
             opt.step()?;
             step += 1;
