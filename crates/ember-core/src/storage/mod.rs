@@ -28,11 +28,11 @@ use crate::backend::{
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda_backend::{CudaDevice, CudaStorage};
 use crate::layout::Layout;
-
-pub(crate) mod row_blocks;
 use crate::{DType, Device, Error, Result};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+pub(crate) mod row_blocks;
 
 /// Elements of one tensor storage on one backend.
 #[derive(Debug, Clone)]
