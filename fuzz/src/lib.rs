@@ -80,7 +80,7 @@ pub fn sgd(params: Vec<Tensor>) -> Result<SGD> {
 
 /// An enabled GradScaler (its state dict is empty when disabled).
 pub fn scaler() -> Result<GradScaler> {
-    GradScaler::new(GradScalerConfig::default())
+    GradScaler::with_config(GradScalerConfig::default())
 }
 
 /// Bytes one allocation may take without the input holding them: more than this beyond
