@@ -70,7 +70,7 @@ fn train_step(
         Some(s) => {
             s.scale(&loss)?.backward()?;
             s.step(opt)?;
-            s.update(None)?;
+            s.update()?;
         }
         None => {
             loss.backward()?;
@@ -126,7 +126,7 @@ fn checkpoint_seeds() -> Res {
         seen: 12,
     };
     checkpoint::save_checkpoint(&d.join("mlp_fp16.safetensors"), &model, &opt, &sc, pos)?;
-    let mut off = ember::amp::GradScaler::new(ember::amp::GradScalerConfig {
+    let mut off = ember::amp::GradScaler::with_config(ember::amp::GradScalerConfig {
         enabled: false,
         ..Default::default()
     })?;
