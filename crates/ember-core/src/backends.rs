@@ -10,3 +10,35 @@ pub mod cudnn {
         set_deterministic, set_enabled, version,
     };
 }
+
+/// The CUDA switches of `torch.backends.cuda` that ember has: which fused backends
+/// `F.scaled_dot_product_attention` may take (`enable_cudnn_sdp`, `enable_math_sdp`).
+/// Process-wide, read at each call. ember's fused attention is cuDNN's (`ops::attention`);
+/// PyTorch's own flash and memory-efficient kernels have no counterpart here.
+pub mod cuda {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static CUDNN_SDP: AtomicBool = AtomicBool::new(true);
+    static MATH_SDP: AtomicBool = AtomicBool::new(true);
+
+    /// Whether attention may run on cuDNN's fused kernels (`torch.backends.cuda.cudnn_sdp_enabled()`).
+    pub fn cudnn_sdp_enabled() -> bool {
+        CUDNN_SDP.load(Ordering::Relaxed)
+    }
+
+    /// Allows or forbids cuDNN's fused attention (`torch.backends.cuda.enable_cudnn_sdp`).
+    pub fn enable_cudnn_sdp(enabled: bool) {
+        CUDNN_SDP.store(enabled, Ordering::Relaxed)
+    }
+
+    /// Whether attention may take the math path (`torch.backends.cuda.math_sdp_enabled()`).
+    pub fn math_sdp_enabled() -> bool {
+        MATH_SDP.load(Ordering::Relaxed)
+    }
+
+    /// Allows or forbids the math path (`torch.backends.cuda.enable_math_sdp`); with both off,
+    /// attention is an error that says so.
+    pub fn enable_math_sdp(enabled: bool) {
+        MATH_SDP.store(enabled, Ordering::Relaxed)
+    }
+}

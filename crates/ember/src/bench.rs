@@ -21,7 +21,7 @@ static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mut
 const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 19] = [
+pub const WORKLOADS: [&str; 20] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -31,6 +31,7 @@ pub const WORKLOADS: [&str; 19] = [
     "mlp_small_graph",
     "cnn_graph",
     "gpt2_124m_bf16",
+    "sdpa_causal_bf16",
     "matmul_bf16_8192",
     "add_f32_256M",
     "h2d_pinned_1GiB",
@@ -437,6 +438,59 @@ fn multi_gpu(name: &str) -> Result<Map<String, Value>> {
     c.run_eager(name)
 }
 
+/// `gpt2_124m_bf16` (the reference's `run_gpt`): GPT-2 124M ([`models::Gpt`]) on tokens and
+/// targets `[8, 1024]` drawn once, AdamW (lr 3e-4, weight decay 0.1), each step zero_grad,
+/// forward under bfloat16 autocast, mean cross-entropy of the logits, backward and step.
+/// The loss takes the bfloat16 logits as they are: cross-entropy runs in float32 under
+/// autocast (PyTorch's policy), where the reference converts them with `.float()` first.
+fn gpt2(device: Device) -> Result<Map<String, Value>> {
+    use ember::nn::functional as F;
+    use ember::nn::optim::AdamW;
+    let (batch, seq, vocab) = (8usize, 1024usize, 50304usize);
+    ember::manual_seed(0)?;
+    let model = models::Gpt::new(vocab, seq, 768, 12, 12, device)?;
+    let config = AdamConfig {
+        lr: 3e-4,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut opt = AdamW::new(model.parameters(), config)?;
+    let idx = Tensor::randint(0, 50257, [batch, seq], device)?;
+    let tgt = Tensor::randint(0, 50257, [batch * seq], device)?;
+    let mut step = || -> Result<()> {
+        opt.zero_grad()?;
+        let loss = {
+            let _autocast = ember::amp::autocast(device.device_type(), DType::BF16)?;
+            let logits = model.forward(&idx)?;
+            F::cross_entropy(&logits.view([-1, vocab as isize])?, &tgt)?
+        };
+        loss.backward()?;
+        opt.step()
+    };
+    let t = time_steps(device, 3, 10, 5, &mut step)?;
+    let tokens = (batch * seq) as f64 * 1000.0 / t.median;
+    Ok(row("gpt2_124m_bf16", &t, 1.0, json!({ "tokens_per_s": tokens })))
+}
+
+/// `sdpa_causal_bf16` (the reference's `run_sdpa`): causal attention over q, k, v
+/// `[8, 12, 1024, 64]` bfloat16, forward and backward from a given output gradient.
+fn sdpa_causal(device: Device) -> Result<Map<String, Value>> {
+    use ember::nn::functional as F;
+    let (b, h, t, d) = (8usize, 12usize, 1024usize, 64usize);
+    ember::manual_seed(0)?;
+    let draw = || Tensor::randn([b, h, t, d], DType::BF16, device)?.requires_grad_(true);
+    let (q, k, v) = (draw()?, draw()?, draw()?);
+    let g = Tensor::randn([b, h, t, d], DType::BF16, device)?;
+    let options = F::SdpaOptions::new().is_causal(true);
+    let timing = time_steps(device, 5, 20, 5, || {
+        F::scaled_dot_product_attention_with(&q, &k, &v, options)?.backward_with(Some(&g), false)
+    })?;
+    // Forward 4·B·H·T²·D halved by the mask; backward 2.5× the forward.
+    let flops = 3.5 * 4.0 * (b * h * t * t * d) as f64 / 2.0;
+    let tflops = flops / (timing.median * 1e-3) / 1e12;
+    Ok(row("sdpa_causal_bf16", &timing, 1.0, json!({ "tflops": tflops })))
+}
+
 fn matmul_bf16(device: Device) -> Result<Map<String, Value>> {
     let n = 8192usize;
     let a = Tensor::randn([n, n], DType::BF16, device)?;
@@ -504,26 +558,38 @@ fn h2d_pinned(device: Device) -> Result<Map<String, Value>> {
 
 fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
-    let outcome = match name {
-        "mlp_small" | "mlp_large" | "cnn" | "lstm" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => {
-            training(name, device)
-        }
-        "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
-        "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
-        "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name),
-        "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
-            return Err("the multi-GPU workloads run on CUDA devices only".into())
-        }
-        "matmul_bf16_8192" if gpu => matmul_bf16(device),
-        "add_f32_256M" if gpu => add_f32(device),
-        "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
-        "op_overhead_add" if gpu => small_adds(device),
-        "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
-            return Err("kernel workloads run on CUDA devices only".into())
-        }
-        _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
-        _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
-    };
+    let outcome =
+        match name {
+            "mlp_small" | "mlp_large" | "cnn" | "lstm" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => {
+                training(name, device)
+            }
+            "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
+            "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
+            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name),
+            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
+                return Err("the multi-GPU workloads run on CUDA devices only".into())
+            }
+            "gpt2_124m_bf16" if gpu => gpt2(device),
+            "sdpa_causal_bf16" if gpu => sdpa_causal(device),
+            "gpt2_124m_bf16" | "sdpa_causal_bf16" => return Err(
+                "the transformer workloads run on CUDA devices only (GPT-2 124M is far too slow on a CPU)"
+                    .into(),
+            ),
+            "gpt2_124m_bf16_compiled" | "mlp_large_tf32" => {
+                return Err(
+                    "a PyTorch reference point (torch.compile, TF32 matmuls), not an ember workload".into(),
+                )
+            }
+            "matmul_bf16_8192" if gpu => matmul_bf16(device),
+            "add_f32_256M" if gpu => add_f32(device),
+            "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
+            "op_overhead_add" if gpu => small_adds(device),
+            "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
+                return Err("kernel workloads run on CUDA devices only".into())
+            }
+            _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
+            _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
+        };
     outcome.map_err(|e| e.to_string())
 }
 

@@ -1,13 +1,16 @@
 //! The models `ember train` and `ember bench` build: the Fashion-MNIST MLP and CNN and the
-//! benchmark classifiers of `shared/bench/WORKLOADS.md`.
+//! benchmark models of `shared/bench/WORKLOADS.md` (its classifiers and GPT-2).
 //!
 //! Layer sizes and parameter names follow the PyTorch models of `torch_reference.py` and the
 //! PyTorch tutorial CNN, so state dicts line up with theirs.
 
+use ember::nn::functional as F;
 use ember::nn::functional::Pair;
-use ember::nn::layers::{Conv2dConfig, RecurrentConfig};
-use ember::nn::{Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, ReLU, Sequential, LSTM};
-use ember::{Device, Result, Tensor};
+use ember::nn::layers::{Conv2dConfig, LinearConfig, RecurrentConfig};
+use ember::nn::{
+    Conv2d, Embedding, Flatten, Forward, LayerNorm, Linear, MaxPool2d, Module, ReLU, Sequential, LSTM,
+};
+use ember::{DType, Device, Result, Tensor};
 
 /// `Conv2d(cin, cout, 3, stride 1, padding 1)`.
 fn conv3x3(cin: usize, cout: usize, device: Device) -> Result<Conv2d> {
@@ -176,5 +179,111 @@ mod tests {
             ]
         );
         Ok(())
+    }
+}
+
+/// One pre-LayerNorm transformer block of GPT-2 (`Block` of `torch_reference.py`): causal
+/// self-attention over `h` heads from one fused `qkv` projection, then a tanh-GELU MLP (4×),
+/// each added to the residual stream.
+#[derive(Module, Clone)]
+pub struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    fc2: Linear,
+    #[module(skip)]
+    h: usize,
+}
+
+impl Block {
+    pub fn new(d: usize, h: usize, device: Device) -> Result<Block> {
+        Ok(Block {
+            ln1: LayerNorm::new(&[d], device)?,
+            qkv: Linear::new(d, 3 * d, device)?,
+            proj: Linear::new(d, d, device)?,
+            ln2: LayerNorm::new(&[d], device)?,
+            fc: Linear::new(d, 4 * d, device)?,
+            fc2: Linear::new(4 * d, d, device)?,
+            h,
+        })
+    }
+}
+
+impl Forward for Block {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let &[b, t, c] = x.dims() else {
+            return Err(ember::Error::invalid(
+                "Block",
+                format!("expected [B, T, C], got {}", x.shape()),
+            ));
+        };
+        let (b, t, c, h) = (b as isize, t as isize, c as isize, self.h as isize);
+        let qkv = self.qkv.forward(&self.ln1.forward(x)?)?.split(c as usize, 2)?;
+        let heads = |p: &Tensor| p.view([b, t, h, c / h])?.transpose(1, 2);
+        let (q, k, v) = (heads(&qkv[0])?, heads(&qkv[1])?, heads(&qkv[2])?);
+        let y = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions::new().is_causal(true))?;
+        let x = x.add(
+            &self
+                .proj
+                .forward(&y.transpose(1, 2)?.contiguous()?.view([b, t, c])?)?,
+        )?;
+        let mlp = F::gelu(
+            &self.fc.forward(&self.ln2.forward(&x)?)?,
+            F::GeluApproximate::Tanh,
+        )?;
+        x.add(&self.fc2.forward(&mlp)?)
+    }
+}
+
+/// GPT-2 (`GPT` of `torch_reference.py`): token and position embeddings, `layers` blocks, a
+/// final LayerNorm and the output head, whose weight is the token embedding's (tied).
+#[derive(Module, Clone)]
+pub struct Gpt {
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    head: Linear,
+}
+
+impl Gpt {
+    pub fn new(
+        vocab: usize,
+        seq: usize,
+        d: usize,
+        layers: usize,
+        heads: usize,
+        device: Device,
+    ) -> Result<Gpt> {
+        let wte = Embedding::new(vocab, d, device)?;
+        let wpe = Embedding::new(seq, d, device)?;
+        let blocks = (0..layers)
+            .map(|_| Block::new(d, heads, device))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&[d], device)?;
+        let mut head = Linear::with_config(d, vocab, LinearConfig { bias: false }, device)?;
+        head.weight = wte.weight.clone();
+        Ok(Gpt {
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            head,
+        })
+    }
+}
+
+impl Forward for Gpt {
+    /// Logits `[B, T, vocab]` of the token indices `idx` (`[B, T]`, int64).
+    fn forward(&self, idx: &Tensor) -> Result<Tensor> {
+        let t = idx.dims().get(1).copied().unwrap_or(0);
+        let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64, idx.device())?;
+        let mut x = self.wte.forward(idx)?.add(&self.wpe.forward(&pos)?)?;
+        for block in &self.blocks {
+            x = block.forward(&x)?;
+        }
+        self.head.forward(&self.ln_f.forward(&x)?)
     }
 }

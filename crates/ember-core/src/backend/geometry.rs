@@ -139,3 +139,32 @@ mod tests {
         assert_eq!(pool([1, 1, 8, 8], 2, 0, 0).output(), None);
     }
 }
+
+/// A fused attention problem (`ops/attention.rs`): `query` `[b, h, s_q, d]`, `key`
+/// `[b, h, s_kv, d]`, `value` `[b, h, s_kv, d_v]`, each given by its strides (in elements,
+/// the last one 1) and offset in its storage. Outputs are made in `[b, s, h, d]` memory order
+/// (the strides of `bshd_strides`), so that `out.transpose(1, 2)` is row-major, as PyTorch's
+/// fused kernels write them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SdpaParams {
+    pub dtype: DType,
+    pub b: usize,
+    pub h: usize,
+    pub s_q: usize,
+    pub s_kv: usize,
+    pub d: usize,
+    pub d_v: usize,
+    /// Strides and element offsets of query, key and value.
+    pub q: ([usize; 4], usize),
+    pub k: ([usize; 4], usize),
+    pub v: ([usize; 4], usize),
+    /// Keeps key position `j <= i` for query position `i` (the top-left causal mask).
+    pub causal: bool,
+    /// The factor of the scores.
+    pub scale: f64,
+}
+
+/// The strides of a `[b, h, s, d]` tensor laid out in `[b, s, h, d]` memory order.
+pub fn bshd_strides(h: usize, s: usize, d: usize) -> [usize; 4] {
+    [s * h * d, d, h * d, 1]
+}

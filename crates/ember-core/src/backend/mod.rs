@@ -31,7 +31,7 @@ pub mod op;
 pub mod step;
 pub mod table;
 
-pub use geometry::{ConvParams, PoolParams};
+pub use geometry::{ConvParams, PoolParams, SdpaParams};
 pub use op::{
     BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PhiloxState, PoolMode, ReduceOp, RngState, ScatterOp,
     SoftmaxOp, UnaryOp,
@@ -68,6 +68,7 @@ pub trait BackendStorage:
     + RnnOps
     + OptimOps
     + AmpOps
+    + AttentionOps
 {
     /// The device the elements live on.
     fn device(&self) -> Device;
@@ -250,6 +251,32 @@ pub trait LossOps: Sized {
         ignore_index: i64,
         mean: bool,
     ) -> Result<Self>;
+}
+
+/// Fused attention (`ops/attention.rs`); `None` where the backend does not run the problem
+/// (the op layer then computes attention from its parts, PyTorch's math backend).
+pub trait AttentionOps: Sized {
+    /// The output (`[b, s_q, h, d_v]` row-major, i.e. `[b, h, s_q, d_v]` in BSHD order) and
+    /// the float32 log-sum-exp of each score row (`[b, h, s_q]`) of attention of the query
+    /// `self` over `key` and `value`, laid out as `p` says.
+    fn sdpa_forward(&self, _key: &Self, _value: &Self, _p: &SdpaParams) -> Result<Option<(Self, Self)>> {
+        Ok(None)
+    }
+    /// The gradients of query, key and value (each in BSHD order) from the forward's operands
+    /// (`self` the query), its output and log-sum-exp, and the output's gradient `grad_out`
+    /// (both in BSHD order).
+    #[allow(clippy::too_many_arguments)]
+    fn sdpa_backward(
+        &self,
+        _key: &Self,
+        _value: &Self,
+        _out: &Self,
+        _lse: &Self,
+        _grad_out: &Self,
+        _p: &SdpaParams,
+    ) -> Result<Option<(Self, Self, Self)>> {
+        Ok(None)
+    }
 }
 
 /// Convolutions over contiguous NCHW operands from their first element; `None` where the backend does not run the problem.

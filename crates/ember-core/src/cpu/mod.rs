@@ -222,3 +222,7 @@ impl BackendStorage for CpuStorage {
         CpuStorage::len(self)
     }
 }
+
+/// No fused attention on the CPU: the op layer computes it from its parts (PyTorch's math
+/// backend, which its CPU flash kernel matches within rounding).
+impl crate::backend::AttentionOps for CpuStorage {}

@@ -48,7 +48,7 @@ const W: i64 = 2;
 const Y: i64 = 3;
 
 /// A backend descriptor, destroyed when dropped.
-struct Desc(sys::cudnnBackendDescriptor_t);
+pub(super) struct Desc(pub(super) sys::cudnnBackendDescriptor_t);
 
 impl Drop for Desc {
     fn drop(&mut self) {
@@ -62,7 +62,7 @@ impl Drop for Desc {
 /// The graph API's status as a result; `Err` names the call and the status. While a plan is
 /// made, an error only sends the problem to the legacy calls; from [`execute`] it becomes the
 /// convolution's error.
-fn ok(what: &'static str, status: sys::cudnnStatus_t) -> Result<(), String> {
+pub(super) fn ok(what: &'static str, status: sys::cudnnStatus_t) -> Result<(), String> {
     match status {
         sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS => Ok(()),
         s => Err(format!("{what}: {s:?}")),
@@ -70,7 +70,7 @@ fn ok(what: &'static str, status: sys::cudnnStatus_t) -> Result<(), String> {
 }
 
 impl Desc {
-    fn new(kind: D) -> Result<Desc, String> {
+    pub(super) fn new(kind: D) -> Result<Desc, String> {
         let mut d = std::ptr::null_mut();
         // SAFETY: `d` is a valid out-pointer.
         ok("cudnnBackendCreateDescriptor", unsafe {
@@ -83,7 +83,7 @@ impl Desc {
     ///
     /// # Safety
     /// `values` points to `n` live elements of the C type `ty` names.
-    unsafe fn set(&self, name: A, ty: T, n: i64, values: *const c_void) -> Result<(), String> {
+    pub(super) unsafe fn set(&self, name: A, ty: T, n: i64, values: *const c_void) -> Result<(), String> {
         // SAFETY: the descriptor is live; the caller vouches for `values`. cuDNN copies the
         // values (descriptors by handle) before returning.
         ok("cudnnBackendSetAttribute", unsafe {
@@ -91,7 +91,7 @@ impl Desc {
         })
     }
 
-    fn set_i64s(&self, name: A, values: &[i64]) -> Result<(), String> {
+    pub(super) fn set_i64s(&self, name: A, values: &[i64]) -> Result<(), String> {
         // SAFETY: `values` holds `len` i64s.
         unsafe {
             self.set(
@@ -103,7 +103,7 @@ impl Desc {
         }
     }
 
-    fn set_desc(&self, name: A, d: &Desc) -> Result<(), String> {
+    pub(super) fn set_desc(&self, name: A, d: &Desc) -> Result<(), String> {
         // SAFETY: one descriptor handle.
         unsafe {
             self.set(
@@ -115,7 +115,7 @@ impl Desc {
         }
     }
 
-    fn set_handle(&self, name: A, handle: sys::cudnnHandle_t) -> Result<(), String> {
+    pub(super) fn set_handle(&self, name: A, handle: sys::cudnnHandle_t) -> Result<(), String> {
         // SAFETY: one handle.
         unsafe {
             self.set(
@@ -127,7 +127,7 @@ impl Desc {
         }
     }
 
-    fn set_data_type(&self, name: A, dtype: sys::cudnnDataType_t) -> Result<(), String> {
+    pub(super) fn set_data_type(&self, name: A, dtype: sys::cudnnDataType_t) -> Result<(), String> {
         // SAFETY: one data type enum value.
         unsafe {
             self.set(
@@ -139,7 +139,7 @@ impl Desc {
         }
     }
 
-    fn finalize(&self) -> Result<(), String> {
+    pub(super) fn finalize(&self) -> Result<(), String> {
         // SAFETY: the descriptor is live and its required attributes were set by the caller
         // (cuDNN checks them and answers a status otherwise).
         ok("cudnnBackendFinalize", unsafe {

@@ -36,6 +36,7 @@ mod cubins;
 pub(crate) mod cudnn;
 mod cudnn_graph;
 pub(crate) mod cudnn_pool;
+mod cudnn_sdpa;
 pub(crate) mod cupti;
 pub(crate) mod cupti_records;
 pub(crate) mod device;

@@ -120,6 +120,7 @@ table! {
     EMBEDDING = "embedding", Inputs, None;
     ONE_HOT = "one_hot", Inputs, None;
     NLL_LOSS_FORWARD = "nll_loss_forward", Inputs, None;
+    SCALED_DOT_PRODUCT_CUDNN_ATTENTION = "_scaled_dot_product_cudnn_attention", Inputs, None;
     CAT = "cat", Inputs, Common;
     MAX_POOL2D = "max_pool2d", Inputs, None;
     AVG_POOL2D = "avg_pool2d", Inputs, None;

@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod amp_scaling;
+pub mod attention;
 pub mod binary;
 pub mod conv;
 mod conv_composite;

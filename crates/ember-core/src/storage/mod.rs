@@ -19,11 +19,11 @@
 //! registration belongs to the host buffer).
 
 use crate::backend::{
-    AdamStep, AdamTensor, AmpOps, BackendDevice, BinaryOp, CmpOp, ConvOps, ConvParams, CopyOps, Distribution,
-    ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LogicalOp, LossOps, LstmBackwardStep,
-    LstmForwardStep, MatmulOps, OptimOps, PhiloxState, PoolOps, PoolParams, RandomOps, ReduceOp, ReduceOps,
-    RngState, RnnOps, ScaleUpdate, ScatterOp, SgdStep, SgdTensor, SoftmaxOp, SoftmaxOps, StepScalars,
-    UnaryOp, UnaryOps, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, AmpOps, AttentionOps, BackendDevice, BinaryOp, CmpOp, ConvOps, ConvParams, CopyOps,
+    Distribution, ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LogicalOp, LossOps,
+    LstmBackwardStep, LstmForwardStep, MatmulOps, OptimOps, PhiloxState, PoolOps, PoolParams, RandomOps,
+    ReduceOp, ReduceOps, RngState, RnnOps, ScaleUpdate, ScatterOp, SdpaParams, SgdStep, SgdTensor, SoftmaxOp,
+    SoftmaxOps, StepScalars, UnaryOp, UnaryOps, UnscaleGrads, Variant,
 };
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda_backend::{CudaDevice, CudaStorage};
@@ -783,6 +783,37 @@ impl Storage {
                 Ok(wrap(LossOps::nll_loss_backward(g, t, Some(w), tw, mc, ignore_index, mean)?))
             }),
         }
+    }
+
+    /// Fused attention of the query `self` over `key` and `value` (`AttentionOps::sdpa_forward`):
+    /// the output and the row log-sum-exp, or `None` where the backend does not run `p`.
+    pub(crate) fn sdpa_forward(
+        &self,
+        key: &Storage,
+        value: &Storage,
+        p: &SdpaParams,
+    ) -> Result<Option<(Storage, Storage)>> {
+        let (q, k, v) = (self, key, value);
+        on_backend!("_scaled_dot_product_cudnn_attention", (q, k, v), wrap => {
+            Ok(AttentionOps::sdpa_forward(q, k, v, p)?.map(|(o, l)| (wrap(o), wrap(l))))
+        })
+    }
+
+    /// The query, key and value gradients of fused attention (`AttentionOps::sdpa_backward`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sdpa_backward(
+        &self,
+        key: &Storage,
+        value: &Storage,
+        out: &Storage,
+        lse: &Storage,
+        grad_out: &Storage,
+        p: &SdpaParams,
+    ) -> Result<Option<(Storage, Storage, Storage)>> {
+        let (q, k, v, o, l, g) = (self, key, value, out, lse, grad_out);
+        on_backend!("_scaled_dot_product_cudnn_attention_backward", (q, k, v, o, l, g), wrap => {
+            Ok(AttentionOps::sdpa_backward(q, k, v, o, l, g, p)?.map(|(a, b, c)| (wrap(a), wrap(b), wrap(c))))
+        })
     }
 
     /// `op` along `dim` of `layout`, as a row-major storage of the same shape.

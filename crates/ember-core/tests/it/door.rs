@@ -10,7 +10,7 @@
 
 use ember_core::backend::UnaryOp;
 use ember_core::dispatch::observer::{self, Observer, OpEnter, OpExit};
-use ember_core::ops::{conv, pool};
+use ember_core::ops::{attention, conv, pool};
 use ember_core::{amp_scaling, fused, DType, Device, Result, Tensor};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -19,6 +19,7 @@ use std::thread::ThreadId;
 /// The sources whose `pub fn`s are the op layer's public functions.
 const SOURCES: &[(&str, &str)] = &[
     ("ops/amp_scaling.rs", include_str!("../../src/ops/amp_scaling.rs")),
+    ("ops/attention.rs", include_str!("../../src/ops/attention.rs")),
     ("ops/binary.rs", include_str!("../../src/ops/binary.rs")),
     ("ops/conv.rs", include_str!("../../src/ops/conv.rs")),
     (
@@ -467,6 +468,14 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
                 x()?.log_softmax(1)?
                     .nll_loss_forward(&idx()?, None, true, -100)
                     .map(drop)
+            }),
+        ),
+        (
+            "scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_cudnn_attention",
+            Box::new(move || {
+                let q = x()?.unsqueeze(0)?.unsqueeze(0)?;
+                attention::scaled_dot_product_cudnn_attention(&q, &q, &q, true, 0.5).map(drop)
             }),
         ),
         // Products, convolution, pooling, the LSTM recurrence.

@@ -12,6 +12,7 @@ mod comm;
 mod conformance;
 mod conv;
 mod cuda;
+mod cuda_attention;
 mod cuda_capture;
 mod cuda_elementwise;
 mod cuda_graphs;

@@ -8,6 +8,7 @@
 
 use super::dropout::dropout;
 use ember_core::dispatch::{self, policy};
+use ember_core::ops::attention;
 use ember_core::{DType, Error, Result, Tensor};
 
 /// The keyword arguments of [`scaled_dot_product_attention_with`]; `Default` is PyTorch's
@@ -24,6 +25,9 @@ pub struct SdpaOptions<'a> {
     pub is_causal: bool,
     /// The factor of the scores (`scale=`, `1 / √E` when `None`).
     pub scale: Option<f64>,
+    /// Grouped-query attention (`enable_gqa=`, false): key and value may have fewer heads
+    /// (dim -3) than the query, a divisor of its count; each serves that many query heads.
+    pub enable_gqa: bool,
 }
 
 impl<'a> SdpaOptions<'a> {
@@ -55,6 +59,12 @@ impl<'a> SdpaOptions<'a> {
         self.scale = Some(scale);
         self
     }
+
+    /// Sets `enable_gqa=`.
+    pub fn enable_gqa(mut self, enable_gqa: bool) -> SdpaOptions<'a> {
+        self.enable_gqa = enable_gqa;
+        self
+    }
 }
 
 /// Attention of `query` `[.., L, E]` over `key` `[.., S, E]` and `value` `[.., S, Ev]`, giving
@@ -78,13 +88,19 @@ pub fn scaled_dot_product_attention_with(
         dropout_p,
         is_causal,
         scale,
+        enable_gqa,
     } = options;
     let inputs = [Some(query), Some(key), Some(value), attn_mask];
     dispatch::composite_list(&policy::SCALED_DOT_PRODUCT_ATTENTION, &inputs, |ins| {
         let [Some(q), Some(k), Some(v), mask] = ins else {
             unreachable!("query, key and value are always given")
         };
-        sdpa_prepared(q, k, v, mask.as_ref(), dropout_p, is_causal, scale)
+        let (k, v) = if enable_gqa {
+            (repeat_heads(q, k)?, repeat_heads(q, v)?)
+        } else {
+            (k.clone(), v.clone())
+        };
+        sdpa_prepared(q, &k, &v, mask.as_ref(), dropout_p, is_causal, scale)
     })
 }
 
@@ -134,6 +150,21 @@ fn sdpa_prepared(
         ));
     }
     let scale = scale.unwrap_or(1.0 / (e as f64).sqrt());
+    // The fused backend where it runs the problem (no mask but the causal one, no dropout):
+    // PyTorch's backend choice, cuDNN's kernels (`ember_core::ops::attention`).
+    if attn_mask.is_none() && dropout_p == 0.0 {
+        if let Some(out) = attention::scaled_dot_product_cudnn_attention(query, key, value, is_causal, scale)?
+        {
+            return Ok(out);
+        }
+    }
+    if !ember_core::backends::cuda::math_sdp_enabled() {
+        return Err(Error::invalid(
+            OP,
+            "no attention backend is enabled for this problem: the math path is off \
+             (ember::backends::cuda::enable_math_sdp(true)) and the fused one does not run it",
+        ));
+    }
     // Half-precision inputs: the scores and the softmax in float32 and the weights rounded to
     // the input dtype for the second product, as PyTorch's fused (flash / memory-efficient)
     // kernels keep them on chip; rounding the scores to half first moves the softmax enough to
@@ -174,4 +205,37 @@ fn sdpa_prepared(
         weights
     };
     weights.matmul(value)
+}
+
+/// Grouped-query attention: `kv` (`[.., Hkv, S, E]`) with each head repeated for the
+/// `H / Hkv` query heads it serves (`[.., H, S, E]`), as PyTorch's `enable_gqa=True`.
+fn repeat_heads(query: &Tensor, kv: &Tensor) -> Result<Tensor> {
+    const OP: &str = "scaled_dot_product_attention";
+    let (qr, kr) = (query.rank(), kv.rank());
+    if qr < 3 || kr < 3 {
+        return Err(Error::invalid(
+            OP,
+            "enable_gqa needs a heads dim: query and key/value of at least 3 dims [.., heads, seq, features]",
+        ));
+    }
+    let (h, hkv) = (query.dims()[qr - 3], kv.dims()[kr - 3]);
+    if hkv == 0 || h % hkv != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "with enable_gqa the query heads ({h}) must be a multiple of the key/value heads ({hkv})"
+            ),
+        ));
+    }
+    if h == hkv {
+        return Ok(kv.clone());
+    }
+    let mut grouped: Vec<usize> = kv.dims().to_vec();
+    grouped.insert(kr - 2, h / hkv);
+    let mut out: Vec<usize> = kv.dims().to_vec();
+    out[kr - 3] = h;
+    let to = |d: &[usize]| d.iter().map(|&x| x as isize).collect::<Vec<_>>();
+    kv.unsqueeze(kr as isize - 2)?
+        .expand(&to(&grouped))?
+        .reshape(&to(&out))
 }

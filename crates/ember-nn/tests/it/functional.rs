@@ -413,6 +413,32 @@ fn batch_norm_refuses_integer_and_bool_inputs() {
 }
 
 #[test]
+fn grouped_query_attention_repeats_each_key_value_head_for_its_query_heads() {
+    // 4 query heads over 2 key/value heads: query heads 0, 1 use kv head 0; 2, 3 use kv head 1.
+    let (q, k, v) = (
+        rand(&[1, 4, 3, 2], 30),
+        rand(&[1, 2, 5, 2], 31),
+        rand(&[1, 2, 5, 3], 32),
+    );
+    let gqa = F::SdpaOptions::new().enable_gqa(true).is_causal(true);
+    let y = F::scaled_dot_product_attention_with(&q, &k, &v, gqa).unwrap();
+    assert_eq!(y.dims(), &[1, 4, 3, 3]);
+    let causal = F::SdpaOptions::new().is_causal(true);
+    for head in 0..4isize {
+        let kv = head / 2;
+        let one = |t: &Tensor, i: isize| t.narrow(1, i as usize, 1).unwrap();
+        let want =
+            F::scaled_dot_product_attention_with(&one(&q, head), &one(&k, kv), &one(&v, kv), causal).unwrap();
+        assert_close(&one(&y, head), &want, 1e-12, 1e-12);
+    }
+    // Without the flag the head counts must agree (the product fails to broadcast 4 over 2),
+    // and with it they must divide.
+    assert!(F::scaled_dot_product_attention_with(&q, &k, &v, causal).is_err());
+    let k3 = rand(&[1, 3, 5, 2], 33);
+    assert!(F::scaled_dot_product_attention_with(&q, &k3, &k3, gqa).is_err());
+}
+
+#[test]
 fn attention_matches_its_definition() {
     let (q, k, v) = (rand(&[2, 3, 4], 20), rand(&[2, 5, 4], 21), rand(&[2, 5, 2], 22));
     let y = F::scaled_dot_product_attention(&q, &k, &v).unwrap();
@@ -434,6 +460,7 @@ fn attention_matches_its_definition() {
             dropout_p: 0.0,
             is_causal: true,
             scale: None,
+            enable_gqa: false,
         },
     )
     .unwrap();
@@ -449,6 +476,7 @@ fn attention_matches_its_definition() {
             dropout_p: 0.0,
             is_causal: false,
             scale: None,
+            enable_gqa: false,
         },
     )
     .unwrap();
@@ -469,6 +497,7 @@ fn attention_matches_its_definition() {
             dropout_p: 0.0,
             is_causal: false,
             scale: None,
+            enable_gqa: false,
         },
     )
     .unwrap();
@@ -490,6 +519,7 @@ fn attention_matches_its_definition() {
             dropout_p: 0.0,
             is_causal: false,
             scale: Some(0.25),
+            enable_gqa: false,
         },
     )
     .unwrap();
@@ -519,6 +549,7 @@ fn attention_gradients_and_errors() {
                     dropout_p: 0.0,
                     is_causal: true,
                     scale: None,
+                    enable_gqa: false,
                 },
             )
         },
@@ -540,7 +571,8 @@ fn attention_gradients_and_errors() {
             attn_mask: Some(&mask),
             dropout_p: 0.0,
             is_causal: true,
-            scale: None
+            scale: None,
+            enable_gqa: false,
         }
     )
     .is_err());
@@ -553,7 +585,8 @@ fn attention_gradients_and_errors() {
             attn_mask: Some(&int_mask),
             dropout_p: 0.0,
             is_causal: false,
-            scale: None
+            scale: None,
+            enable_gqa: false,
         }
     )
     .is_err());

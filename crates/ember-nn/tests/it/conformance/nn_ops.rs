@@ -183,6 +183,7 @@ pub fn forward(op: &str, _id: &str, kw: &Kwargs, x: &[Tensor]) -> Result<Vec<Ten
                     dropout_p: 0.0,
                     is_causal: causal,
                     scale: None,
+                    enable_gqa: false,
                 },
             ))
         }

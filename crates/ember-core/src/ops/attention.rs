@@ -1,0 +1,137 @@
+//! Fused attention: PyTorch's `_scaled_dot_product_cudnn_attention`, the fused backend of
+//! `F.scaled_dot_product_attention` that never writes the `[.., L, S]` score matrix (cuDNN's
+//! flash-attention engines on CUDA, `cuda_backend/cudnn_sdpa.rs`). ember-nn's
+//! `scaled_dot_product_attention` takes it where it runs the problem and its switches allow
+//! (`backends::cuda::enable_cudnn_sdp`), and the math path otherwise.
+
+use super::binary::same_device;
+use crate::autograd::{self, SavedTensor};
+use crate::backend::geometry::SdpaParams;
+use crate::dispatch::{self, policy};
+use crate::layout::Layout;
+use crate::{Error, Result, Tensor};
+
+const OP: &str = "_scaled_dot_product_cudnn_attention";
+
+/// The problem of `q` `[b, h, l, e]`, `k` `[b, h, s, e]`, `v` `[b, h, s, ev]` (one dtype);
+/// None for other ranks and shapes (the math path reports those).
+fn problem(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Option<SdpaParams> {
+    let (&[b, h, s_q, d], &[kb, kh, s_kv, kd], &[vb, vh, vs, d_v]) = (q.dims(), k.dims(), v.dims()) else {
+        return None;
+    };
+    if (kb, kh, kd) != (b, h, d)
+        || (vb, vh, vs) != (b, h, s_kv)
+        || k.dtype() != q.dtype()
+        || v.dtype() != q.dtype()
+    {
+        return None;
+    }
+    let at = |t: &Tensor| -> ([usize; 4], usize) {
+        let s = t.layout().strides();
+        ([s[0], s[1], s[2], s[3]], t.layout().offset())
+    };
+    Some(SdpaParams {
+        dtype: q.dtype(),
+        b,
+        h,
+        s_q,
+        s_kv,
+        d,
+        d_v,
+        q: at(q),
+        k: at(k),
+        v: at(v),
+        causal,
+        scale,
+    })
+}
+
+/// `t` (`[b, h, s, d]`) in `[b, s, h, d]` memory order from element 0 of its storage: itself
+/// when it already is, else a copy.
+fn bshd(t: &Tensor) -> Result<Tensor> {
+    let rows = t.transpose(1, 2)?;
+    let rows = if rows.is_contiguous() && rows.layout().offset() == 0 {
+        rows
+    } else {
+        rows.deep_clone()?
+    };
+    rows.transpose(1, 2)
+}
+
+/// Attention of `query` `[b, h, l, e]` over `key` `[b, h, s, e]` and `value` `[b, h, s, ev]`
+/// (one floating dtype) with scores scaled by `scale` and, with `is_causal`, key position `j`
+/// kept for query position `i` only when `j <= i`: `softmax(q kᵀ · scale) v` computed without
+/// writing the scores (PyTorch's `_scaled_dot_product_cudnn_attention`). The output is
+/// `[b, h, l, ev]` laid out in `[b, l, h, ev]` memory order, so `out.transpose(1, 2)` is
+/// contiguous. Differentiable in all three inputs.
+///
+/// `Ok(None)` where the backend does not run the problem: the CPU, cuDNN off or missing, other
+/// dtypes than bfloat16 and float16, head dims past 128, unaligned operands; callers then take
+/// the math path (`ember_nn::functional::scaled_dot_product_attention` does).
+pub fn scaled_dot_product_cudnn_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    is_causal: bool,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    dispatch::call_list(
+        &policy::SCALED_DOT_PRODUCT_CUDNN_ATTENTION,
+        &[query, key, value],
+        |p| {
+            let (q, k, v) = (&p[0], &p[1], &p[2]);
+            if !crate::backends::cuda::cudnn_sdp_enabled() {
+                return Ok(None);
+            }
+            let Some(params) = problem(q, k, v, is_causal, scale) else {
+                return Ok(None);
+            };
+            let ran = {
+                let (sq, sk, sv) = (q.storage().read(), k.storage().read(), v.storage().read());
+                sq.sdpa_forward(&sk, &sv, &params)?
+            };
+            let Some((o, lse)) = ran else {
+                return Ok(None);
+            };
+            let (b, h, l, ev) = (params.b, params.h, params.s_q, params.d_v);
+            let rows = Tensor::from_storage(o, [b, l, h, ev]);
+            let out = rows.view_with(Layout::contiguous([b, l, h, ev]).transpose(1, 2));
+            if !autograd::needs_grad(&[q, k, v]) {
+                return Ok(Some(out));
+            }
+            let lse = Tensor::from_storage(lse, [b, h, l]);
+            let saved = [q, k, v, &out].map(|t| SavedTensor::new(OP, t));
+            // The node is PyTorch's `ScaledDotProductCudnnAttentionBackward0`.
+            Ok(Some(autograd::record(OP, &[q, k, v], out, move |g, _| {
+                let [q, k, v, o] = [0, 1, 2, 3].map(|i| saved[i].get());
+                let (q, k, v, o) = (q?, k?, v?, o?);
+                same_device(OP, &[q, g])?;
+                let g = bshd(&g.to_dtype(q.dtype())?)?;
+                let grads = {
+                    let (sq, sk, sv) = (q.storage().read(), k.storage().read(), v.storage().read());
+                    let (so, sl, sg) = (o.storage().read(), lse.storage().read(), g.storage().read());
+                    sq.sdpa_backward(&sk, &sv, &so, &sl, &sg, &params)?
+                };
+                let Some((dq, dk, dv)) = grads else {
+                    return Err(Error::Cuda {
+                    op: OP,
+                    msg: "cuDNN ran this attention forward but no engine takes its backward; turn the fused \
+                          path off for training (ember::backends::cuda::enable_cudnn_sdp(false)) and report \
+                          the shapes"
+                        .into(),
+                });
+                };
+                let grad = |s, seq: usize, dim: usize| {
+                    Tensor::from_storage(s, [b, seq, h, dim])
+                        .view_with(Layout::contiguous([b, seq, h, dim]).transpose(1, 2))
+                };
+                let s = params.s_kv;
+                Ok(vec![
+                    Some(grad(dq, l, params.d)),
+                    Some(grad(dk, s, params.d)),
+                    Some(grad(dv, s, ev)),
+                ])
+            })))
+        },
+    )
+}
