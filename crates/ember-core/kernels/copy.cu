@@ -39,6 +39,12 @@ extern "C" __global__ void fill_u64 EMBER_PARAMS_fill_u64 {
 }
 #endif
 
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_arange_i64)
+extern "C" __global__ void arange_i64 EMBER_PARAMS_arange_i64 {
+    EMBER_KERNEL_LOOP(i, n) { dst[i] = start + i * step; }
+}
+#endif
+
 // `foreach_copy_` (`ops/foreach.rs`, launched by `cuda/multi_copy.rs`): up to
 // EMBER_COPY_MAX_TENSORS copies of contiguous byte ranges in one launch. Every range is cut into
 // chunks of EMBER_COPY_CHUNK bytes; blocks take chunks grid-stride, and a chunk whose ends and

@@ -378,4 +378,7 @@ pub trait BackendDevice {
     /// `n` elements of `dtype` drawn from `dist` at `state`, row-major (Note [Philox stream]).
     fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState)
         -> Result<Self::Storage>;
+    /// The `n` int64 values `start, start + step, ...`, made on the device (no host copy, so a
+    /// CUDA graph may capture it).
+    fn arange_i64(&self, start: i64, step: i64, n: usize) -> Result<Self::Storage>;
 }

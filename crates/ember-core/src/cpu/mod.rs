@@ -204,6 +204,11 @@ impl BackendDevice for CpuDevice {
         check_host_alloc("random", n, widest)?;
         random::random(dtype, n, dist, state)
     }
+
+    fn arange_i64(&self, start: i64, step: i64, n: usize) -> Result<CpuStorage> {
+        check_host_alloc("arange", n, DType::I64)?;
+        Ok(CpuStorage::I64((0..n as i64).map(|i| start + i * step).collect()))
+    }
 }
 
 impl BackendStorage for CpuStorage {

@@ -101,6 +101,7 @@ impl Module {
                     }
                 }
                 units.push(Unit::new(m, "fill_u64"));
+                units.push(Unit::new(m, "arange_i64"));
                 units.push(Unit::new(m, "multi_copy"));
             }
             Module::Elementwise => {

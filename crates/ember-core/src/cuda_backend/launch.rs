@@ -416,6 +416,8 @@ kernels! {
         cast_strided<S, D>(src: In<S>, dst: Out<D>, s: Strided, n: i64);
         /// `dst[i] = word` for `i < n` (fills of 8-byte dtypes).
         fill_u64(dst: Out<u64>, word: u64, n: i64);
+        /// `dst[i] = start + i * step` for `i < n` (`arange` of int64 on the device).
+        arange_i64(dst: Out<i64>, start: i64, step: i64, n: i64);
         /// For every `t < l.n`, `l.bytes[t]` bytes from `l.src[t]` to `l.dst[t]`; no destination
         /// overlaps another destination or any source; `chunk_start[t]` is the prefix count of
         /// `bytes[t].div_ceil(EMBER_COPY_CHUNK)`; blockDim.x a multiple of 32.

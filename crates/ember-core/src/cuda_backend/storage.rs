@@ -781,6 +781,24 @@ impl BackendDevice for CudaDevice {
     fn random(&self, dtype: DType, n: usize, dist: Distribution, state: PhiloxState) -> Result<CudaStorage> {
         CudaStorage::random(self.0, dtype, n, dist, state)
     }
+
+    fn arange_i64(&self, start: i64, step: i64, n: usize) -> Result<CudaStorage> {
+        let rt = runtime(self.0)?;
+        let out = CudaStorage::alloc_on(rt, DType::I64, n)?;
+        if n > 0 {
+            // `out` holds the `n` elements the kernel writes.
+            launch::arange_i64(
+                rt,
+                &[],
+                Grid::linear(rt, n, 256),
+                out.dev_ptr_mut_at(0),
+                start,
+                step,
+                n as i64,
+            )?;
+        }
+        Ok(out)
+    }
 }
 
 impl BackendStorage for CudaStorage {

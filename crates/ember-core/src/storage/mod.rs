@@ -411,6 +411,11 @@ impl Storage {
         on_device!(device, d, wrap => Ok(wrap(d.random(dtype, n, dist, state)?)))
     }
 
+    /// `n` int64 values `start, start + step, ...` made on `device` (`BackendDevice::arange_i64`).
+    pub(crate) fn arange_i64(device: Device, start: i64, step: i64, n: usize) -> Result<Storage> {
+        on_device!(device, d, wrap => Ok(wrap(d.arange_i64(start, step, n)?)))
+    }
+
     /// A random permutation of `0..n` as i64 on `device`.
     pub(crate) fn randperm(device: Device, n: usize, state: RngState) -> Result<Storage> {
         // On every device the permutation is the CPU's, computed on the host and copied: a

@@ -126,6 +126,16 @@ impl Tensor {
             ));
         }
         let n = count as usize;
+        let integral = |v: f64| v.fract() == 0.0 && v.abs() < (1u64 << 53) as f64;
+        if dtype == DType::I64 && integral(start) && integral(step) {
+            // Made on the device (no host copy: capture-safe), as PyTorch's `torch.arange(T)`.
+            return Tensor::arange_i64(
+                start as i64,
+                start as i64 + n as i64 * step as i64,
+                step as i64,
+                device,
+            );
+        }
         Tensor::from_fn(&policy::ARANGE, [n], dtype, device, |i| start + i as f64 * step)
     }
 
@@ -155,8 +165,10 @@ impl Tensor {
             })?;
         crate::memory::check_host_alloc("arange", n, DType::I64)?;
         dispatch::enter(&policy::ARANGE, device, || {
-            let values: Vec<i64> = (0..n as i64).map(|i| start + i * step).collect();
-            Tensor::from_vec(values, [n], device)
+            Ok(Tensor::from_storage(
+                Storage::arange_i64(device, start, step, n)?,
+                [n],
+            ))
         })
     }
 

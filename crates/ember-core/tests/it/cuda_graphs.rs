@@ -405,3 +405,22 @@ fn replays_draw_what_eager_runs_draw_from_the_default_generator() {
         },
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn arange_of_integers_is_made_on_the_device_and_captures() {
+    in_own_process("arange_of_integers_is_made_on_the_device_and_captures", || {
+        let dev = Device::Cuda(0);
+        let positions = || Tensor::arange(0.0, 1000.0, 1.0, DType::I64, dev).unwrap();
+        let backwards = || Tensor::arange_i64(7, -8, -3, dev).unwrap();
+        warm_up(|| drop((positions(), backwards())));
+        let mut g = CUDAGraph::new();
+        let capture = cuda::graph(&mut g).unwrap();
+        // A host-built tensor would need a copy from pageable memory, which a capture refuses.
+        let (a, b) = (positions(), backwards());
+        capture.end().unwrap();
+        g.replay().unwrap();
+        assert_eq!(a.to_vec::<i64>().unwrap(), (0..1000).collect::<Vec<i64>>());
+        assert_eq!(b.to_vec::<i64>().unwrap(), vec![7, 4, 1, -2, -5]);
+    });
+}
