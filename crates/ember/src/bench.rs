@@ -21,7 +21,7 @@ static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mut
 const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 20] = [
+pub const WORKLOADS: [&str; 21] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -31,6 +31,7 @@ pub const WORKLOADS: [&str; 20] = [
     "mlp_small_graph",
     "cnn_graph",
     "gpt2_124m_bf16",
+    "gpt2_124m_bf16_graph",
     "sdpa_causal_bf16",
     "matmul_bf16_8192",
     "add_f32_256M",
@@ -443,7 +444,10 @@ fn multi_gpu(name: &str) -> Result<Map<String, Value>> {
 /// forward under bfloat16 autocast, mean cross-entropy of the logits, backward and step.
 /// The loss takes the bfloat16 logits as they are: cross-entropy runs in float32 under
 /// autocast (PyTorch's policy), where the reference converts them with `.float()` first.
-fn gpt2(device: Device) -> Result<Map<String, Value>> {
+/// `gpt2_124m_bf16_graph` captures forward, backward and step into one CUDA graph, as
+/// [`Classifier::run_graphed`] does, and times its replays (ember's own: the reference has no
+/// graphed GPT-2).
+fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
     use ember::nn::functional as F;
     use ember::nn::optim::AdamW;
     let (batch, seq, vocab) = (8usize, 1024usize, 50304usize);
@@ -457,8 +461,7 @@ fn gpt2(device: Device) -> Result<Map<String, Value>> {
     let mut opt = AdamW::new(model.parameters(), config)?;
     let idx = Tensor::randint(0, 50257, [batch, seq], device)?;
     let tgt = Tensor::randint(0, 50257, [batch * seq], device)?;
-    let mut step = || -> Result<()> {
-        opt.zero_grad()?;
+    let forward_backward_step = |opt: &mut AdamW| -> Result<()> {
         let loss = {
             let _autocast = ember::amp::autocast(device.device_type(), DType::BF16)?;
             let logits = model.forward(&idx)?;
@@ -467,9 +470,45 @@ fn gpt2(device: Device) -> Result<Map<String, Value>> {
         loss.backward()?;
         opt.step()
     };
-    let t = time_steps(device, 3, 10, 5, &mut step)?;
+    let mut step = |opt: &mut AdamW| -> Result<()> {
+        opt.zero_grad()?;
+        forward_backward_step(opt)
+    };
+    let name = if graphed {
+        "gpt2_124m_bf16_graph"
+    } else {
+        "gpt2_124m_bf16"
+    };
+    let t = if graphed {
+        let Device::Cuda(i) = device else {
+            return Err(ember::Error::invalid(
+                "ember bench",
+                "CUDA graphs need a CUDA device",
+            ));
+        };
+        let _device = cuda::DeviceGuard::new(i)?;
+        let side = cuda::Stream::new(i)?;
+        side.wait_stream(&cuda::current_stream_on(i)?)?;
+        {
+            let _side = cuda::stream(&side);
+            for _ in 0..3 {
+                step(&mut opt)?;
+            }
+        }
+        cuda::current_stream_on(i)?.wait_stream(&side)?;
+        let mut g = cuda::CUDAGraph::new();
+        opt.zero_grad()?;
+        let capture = cuda::graph(&mut g)?;
+        let captured = forward_backward_step(&mut opt);
+        let ended = capture.end();
+        captured?;
+        ended?;
+        time_steps(device, 3, 10, 5, || g.replay())?
+    } else {
+        time_steps(device, 3, 10, 5, || step(&mut opt))?
+    };
     let tokens = (batch * seq) as f64 * 1000.0 / t.median;
-    Ok(row("gpt2_124m_bf16", &t, 1.0, json!({ "tokens_per_s": tokens })))
+    Ok(row(name, &t, 1.0, json!({ "tokens_per_s": tokens })))
 }
 
 /// `sdpa_causal_bf16` (the reference's `run_sdpa`): causal attention over q, k, v
@@ -569,9 +608,10 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
             "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
                 return Err("the multi-GPU workloads run on CUDA devices only".into())
             }
-            "gpt2_124m_bf16" if gpu => gpt2(device),
+            "gpt2_124m_bf16" if gpu => gpt2(device, false),
+            "gpt2_124m_bf16_graph" if gpu => gpt2(device, true),
             "sdpa_causal_bf16" if gpu => sdpa_causal(device),
-            "gpt2_124m_bf16" | "sdpa_causal_bf16" => return Err(
+            "gpt2_124m_bf16" | "gpt2_124m_bf16_graph" | "sdpa_causal_bf16" => return Err(
                 "the transformer workloads run on CUDA devices only (GPT-2 124M is far too slow on a CPU)"
                     .into(),
             ),

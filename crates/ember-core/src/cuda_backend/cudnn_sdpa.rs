@@ -262,8 +262,7 @@ impl Graph {
     }
 
     /// `S·scale` with the causal mask applied when asked: the scores as softmax sees them.
-    fn scaled_masked_scores(&mut self, s: Tn, dims: [i64; 4], causal: bool) -> Result<Tn, String> {
-        let scale = self.scalar(uid::SCALE)?;
+    fn scaled_masked_scores(&mut self, s: Tn, scale: Tn, dims: [i64; 4], causal: bool) -> Result<Tn, String> {
         let scaled = self.float_op(Pw::CUDNN_POINTWISE_MUL, s, Some(scale), dims)?;
         if !causal {
             return Ok(scaled);
@@ -350,7 +349,8 @@ fn forward_graph(p: &SdpaParams) -> Result<Graph, String> {
     let rows = [b, h, sq, 1];
     let s = g.virt(f32, scores)?;
     g.matmul(q, kt, s)?;
-    let s = g.scaled_masked_scores(s, scores, p.causal)?;
+    let scale = g.scalar(uid::SCALE)?;
+    let s = g.scaled_masked_scores(s, scale, scores, p.causal)?;
     // Softmax with statistics, as the frontend's SoftmaxNode (flash mode: no M, Zinv outputs).
     let max = g.virt(f32, rows)?;
     g.reduction(false, s, max)?;
@@ -404,6 +404,7 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     let scores_t_strides = [h * sq * skv, sq * skv, 1, skv];
     let stats = g.io(uid::STATS, f32, rows, contiguous(rows))?;
     let one = g.scalar(uid::ONE)?;
+    let scale = g.scalar(uid::SCALE)?;
 
     // Σ dO∘O per row, written for the engine.
     let prod = g.float_op(Pw::CUDNN_POINTWISE_MUL, d_o, Some(o), [b, h, sq, dv])?;
@@ -423,7 +424,7 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     // The weights again, from the saved statistics.
     let s = g.virt(f32, scores)?;
     g.matmul(q, kt, s)?;
-    let s = g.scaled_masked_scores(s, scores, p.causal)?;
+    let s = g.scaled_masked_scores(s, scale, scores, p.causal)?;
     let shifted = g.float_op(Pw::CUDNN_POINTWISE_SUB, s, Some(stats), scores)?;
     let weights = g.float_op(Pw::CUDNN_POINTWISE_EXP, shifted, None, scores)?;
 
@@ -440,7 +441,6 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     let dp = g.float_op(Pw::CUDNN_POINTWISE_MUL, dp, Some(one), scores)?;
     let dp = g.float_op(Pw::CUDNN_POINTWISE_SUB, dp, Some(row_sum), scores)?;
     let ds = g.float_op(Pw::CUDNN_POINTWISE_MUL, dp, Some(weights), scores)?;
-    let scale = g.scalar(uid::SCALE)?;
     let ds = g.float_op(Pw::CUDNN_POINTWISE_MUL, ds, Some(scale), scores)?;
 
     // dK = dSᵀ·Q.

@@ -217,6 +217,12 @@ named_table! {
     BROADCAST_TO = "broadcast_to";
     IM2COL = "im2col";
     SLICE_SCATTER = "slice_scatter";
+    SORT = "sort";
+    ARGSORT = "argsort";
+    TOPK = "topk";
+    MULTINOMIAL = "multinomial";
+    TRIL = "tril";
+    TRIU = "triu";
     AMP_NON_FINITE_CHECK_AND_UNSCALE_ = "_amp_foreach_non_finite_check_and_unscale_";
     AMP_UPDATE_SCALE_ = "_amp_update_scale_";
 }

@@ -24,5 +24,6 @@ pub mod reduce;
 pub mod rnn;
 pub mod slice_scatter;
 pub mod softmax;
+pub mod sort;
 pub mod unary;
 pub mod view;

@@ -38,6 +38,7 @@ mod props;
 mod random;
 mod reduce;
 mod rnn;
+mod sort;
 mod threads;
 mod unary;
 mod view;
