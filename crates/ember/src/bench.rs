@@ -21,7 +21,7 @@ static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mut
 const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 19] = [
+pub const WORKLOADS: [&str; 20] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -31,6 +31,7 @@ pub const WORKLOADS: [&str; 19] = [
     "mlp_small_graph",
     "cnn_graph",
     "gpt2_124m_bf16",
+    "layernorm_bf16",
     "matmul_bf16_8192",
     "add_f32_256M",
     "h2d_pinned_1GiB",
@@ -502,6 +503,23 @@ fn h2d_pinned(device: Device) -> Result<Map<String, Value>> {
     Ok(row("h2d_pinned_1GiB", &t, 1.0, json!({ "gb_per_s": gbs })))
 }
 
+/// The reference's `run_layernorm`: `nn.LayerNorm(768)` in bf16 on x [8192, 768] bf16 that
+/// requires grad, forward and backward with a bf16 output gradient (gradients accumulate into
+/// x and the parameters, as PyTorch's `.backward(g)`).
+fn layernorm_bf16(device: Device) -> Result<Map<String, Value>> {
+    let (n, c) = (8192usize, 768usize);
+    ember::manual_seed(0)?;
+    let mut ln = ember::nn::LayerNorm::new(&[c], device)?;
+    ln.to_dtype(DType::BF16)?;
+    let x = Tensor::randn([n, c], DType::BF16, device)?.requires_grad_(true)?;
+    let g = Tensor::randn([n, c], DType::BF16, device)?;
+    let t = time_steps(device, 5, 50, 5, || {
+        ln.forward(&x)?.backward_with(Some(&g), false)
+    })?;
+    let gbs = 5.0 * 2.0 * (n * c) as f64 / (t.median * 1e-3) / 1e9;
+    Ok(row("layernorm_bf16", &t, 1.0, json!({ "gb_per_s": gbs })))
+}
+
 fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
     let outcome = match name {
@@ -521,6 +539,9 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
         "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
             return Err("kernel workloads run on CUDA devices only".into())
         }
+        // The fused kernels of issue 37.
+        "layernorm_bf16" if gpu => layernorm_bf16(device),
+        "layernorm_bf16" => return Err("kernel workloads run on CUDA devices only".into()),
         _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
         _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
     };

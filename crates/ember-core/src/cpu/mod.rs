@@ -24,6 +24,7 @@ mod conv;
 mod index;
 mod loss;
 mod matmul;
+mod norm;
 pub(crate) mod optim;
 pub mod philox;
 mod pool;

@@ -49,6 +49,7 @@ mod launch;
 mod libraries;
 mod loss;
 pub(crate) mod multi_copy;
+mod norm;
 mod nvrtc;
 pub(crate) mod optim;
 pub(crate) mod pinned;
