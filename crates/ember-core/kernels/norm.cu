@@ -28,7 +28,7 @@ __device__ __forceinline__ float ln_rsqrt(float v) { return 1.0f / sqrtf(v); }
 __device__ __forceinline__ double ln_rsqrt(double v) { return 1.0 / sqrt(v); }
 
 // V consecutive elements of T, read or written as whole 16-byte words when V > 1.
-template <typename T, int V> struct LnVec { T v[V]; };
+template <typename T, int V> struct __align__(sizeof(T) * V) LnVec { T v[V]; };
 template <typename T, int V> __device__ __forceinline__ LnVec<T, V> ln_load(const T* p) {
     LnVec<T, V> r;
     if (V * sizeof(T) == 16) {

@@ -249,6 +249,8 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
         "erfc" => x.erfc(),
         "erfinv" => x.erfinv(),
         "xlogy" => x.xlogy(&y),
+        "gelu_backward" => x.gelu_backward(&y),
+        "gelu_tanh_backward" => x.gelu_tanh_backward(&y),
         // In-place forms: PyTorch's autocast leaves them alone (the result keeps x's dtype).
         "add_" => x.add_(&y),
         "sub_" => x.sub_(&y),
