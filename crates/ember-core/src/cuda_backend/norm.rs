@@ -262,7 +262,13 @@ impl NormOps for CudaStorage {
             )?;
         }
         if let Some(p) = &partial {
-            let grid = Grid::linear(rt, n, 256);
+            // Blocks of (32, 32): 32 columns each, 32 threads summing the blocks' rows
+            // (`LN_PARAM_ROWS` in `norm.cu`).
+            let grid = Grid {
+                grid: (n.div_ceil(32).clamp(1, rt.sm_count as usize * 8) as u32, 1, 1),
+                block: (32, 32, 1),
+                shared_bytes: 0,
+            };
             let blocks = if rows == 0 { 0 } else { blocks };
             // `partial` holds blocks · 2n values, dw and db n each.
             launch::layer_norm_backward_params(
