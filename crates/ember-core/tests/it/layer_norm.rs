@@ -375,3 +375,50 @@ fn cuda_norm_kernels_compile_with_nvrtc() {
     assert_eq!(gelu.len(), 8);
     cuda::compile_units(cuda::Module::Elementwise, &gelu, "sm_90").unwrap();
 }
+
+/// The GPU time of the `layernorm_bf16` bench workload's step (LayerNorm(768) in bf16 on x
+/// [8192, 768], forward and backward with gradients accumulating), from the profiler's kernel
+/// records: what the kernels cost without the host (a debug test binary's host is slow).
+#[test]
+#[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
+fn cuda_layernorm_bf16_kernel_time() {
+    use ember_core::profiler::{self, ProfilerActivity};
+    let dev = gpu();
+    let (n, c) = (8192usize, 768usize);
+    let x = Tensor::randn([n, c], DType::BF16, dev)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let w = Tensor::ones([c], DType::BF16, dev)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let b = Tensor::zeros([c], DType::BF16, dev)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let g = Tensor::randn([n, c], DType::BF16, dev).unwrap();
+    let step = || {
+        let y = x.layer_norm(&[c], Some(&w), Some(&b), 1e-5).unwrap();
+        y.backward_with(Some(&g), false).unwrap();
+    };
+    for _ in 0..5 {
+        step();
+    }
+    ember_core::cuda::synchronize(0).unwrap();
+    let steps = 20;
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .start()
+        .unwrap();
+    for _ in 0..steps {
+        step();
+    }
+    ember_core::cuda::synchronize(0).unwrap();
+    prof.stop().unwrap();
+    let avg = prof.key_averages();
+    println!("{}", avg.table("cuda_time_total", 20).unwrap());
+    let us = avg.self_cuda_time_total_us() / steps as f64;
+    let gbs = 10.0 * (n * c) as f64 / (us * 1e-6) / 1e9;
+    println!("layernorm_bf16 GPU time a step: {us:.1} us = {gbs:.0} GB/s of the workload's 10 bytes/element");
+}
