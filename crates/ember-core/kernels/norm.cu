@@ -27,12 +27,14 @@
 __device__ __forceinline__ float ln_rsqrt(float v) { return 1.0f / sqrtf(v); }
 __device__ __forceinline__ double ln_rsqrt(double v) { return 1.0 / sqrt(v); }
 
-// V consecutive elements of T, read or written as whole 16-byte words when V > 1.
+// V consecutive elements of T, read or written as whole 16-byte words when they fill some (x
+// and y: one word; f32 weights or sums beside 8 bf16: two), else element by element.
 template <typename T, int V> struct __align__(sizeof(T) * V) LnVec { T v[V]; };
 template <typename T, int V> __device__ __forceinline__ LnVec<T, V> ln_load(const T* p) {
     LnVec<T, V> r;
-    if (V * sizeof(T) == 16) {
-        *(uint4*)r.v = *(const uint4*)p;
+    if (V * sizeof(T) % 16 == 0) {
+#pragma unroll
+        for (int k = 0; k < (int)(V * sizeof(T) / 16); ++k) ((uint4*)r.v)[k] = ((const uint4*)p)[k];
     } else {
 #pragma unroll
         for (int i = 0; i < V; ++i) r.v[i] = p[i];
@@ -40,8 +42,9 @@ template <typename T, int V> __device__ __forceinline__ LnVec<T, V> ln_load(cons
     return r;
 }
 template <typename T, int V> __device__ __forceinline__ void ln_store(T* p, const LnVec<T, V>& r) {
-    if (V * sizeof(T) == 16) {
-        *(uint4*)p = *(const uint4*)r.v;
+    if (V * sizeof(T) % 16 == 0) {
+#pragma unroll
+        for (int k = 0; k < (int)(V * sizeof(T) / 16); ++k) ((uint4*)p)[k] = ((const uint4*)r.v)[k];
     } else {
 #pragma unroll
         for (int i = 0; i < V; ++i) p[i] = r.v[i];
@@ -83,11 +86,16 @@ __device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, typename Acc<T>
         for (i64 c = (i64)lane * V; c < n; c += step) {
             LnVec<T, V> v = ln_load<T, V>(xr + c);
             LnVec<T, V> o;
+            // Weight and bias as vectors too (the host checked their alignment): one load
+            // instruction per 16 bytes instead of one per element.
+            LnVec<W, V> wv, bv;
+            if (w) wv = ln_load<W, V>(w + c);
+            if (b) bv = ln_load<W, V>(b + c);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 A t = (load(v.v[i]) - m) * rs;
-                if (w) t = t * (A)load(w[c + i]);
-                if (b) t = t + (A)load(b[c + i]);
+                if (w) t = t * (A)load(wv.v[i]);
+                if (b) t = t + (A)load(bv.v[i]);
                 o.v[i] = cast<T>(t);
             }
             ln_store<T, V>(yr + c, o);
@@ -116,11 +124,13 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
         A s1 = (A)0, s2 = (A)0;
         for (i64 c = (i64)lane * V; c < n; c += step) {
             LnVec<T, V> gv = ln_load<T, V>(gr + c), xv = ln_load<T, V>(xr + c);
+            LnVec<W, V> wv;
+            if (w) wv = ln_load<W, V>(w + c);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const A xh = (load(xv.v[i]) - m) * rs;
                 A dxh = load(gv.v[i]);
-                if (w) dxh = dxh * (A)load(w[c + i]);
+                if (w) dxh = dxh * (A)load(wv.v[i]);
                 s1 += dxh;
                 s2 += dxh * xh;
             }
@@ -130,18 +140,31 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
         T* dr = dx ? dx + r * n : dx;
         for (i64 c = (i64)lane * V; c < n; c += step) {
             LnVec<T, V> gv = ln_load<T, V>(gr + c), xv = ln_load<T, V>(xr + c);
+            LnVec<W, V> wv;
+            if (w) wv = ln_load<W, V>(w + c);
             LnVec<T, V> o;
+            // The sums as vectors (a lane's V consecutive slots): scalar slots V apart across
+            // the lanes would hit a quarter of the shared-memory banks (V = 8, f32).
+            LnVec<A, V> aw, ab;
+            if (acc) {
+                aw = ln_load<A, V>(acc + c);
+                ab = ln_load<A, V>(acc + n + c);
+            }
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const A gg = load(gv.v[i]);
                 const A xh = (load(xv.v[i]) - m) * rs;
                 A dxh = gg;
-                if (w) dxh = dxh * (A)load(w[c + i]);
+                if (w) dxh = dxh * (A)load(wv.v[i]);
                 o.v[i] = cast<T>((dxh - s1 - xh * s2) * rs);
                 if (acc) {
-                    acc[c + i] += gg * xh;
-                    acc[n + c + i] += gg;
+                    aw.v[i] += gg * xh;
+                    ab.v[i] += gg;
                 }
+            }
+            if (acc) {
+                ln_store<A, V>(acc + c, aw);
+                ln_store<A, V>(acc + n + c, ab);
             }
             if (dr) ln_store<T, V>(dr + c, o);
         }

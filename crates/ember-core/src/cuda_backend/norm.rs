@@ -6,8 +6,9 @@
 //! Note [Layer norm launch]: one warp a row, 8 warps (256 threads) a block forward. Backward,
 //! each warp accumulates the parameter sums of its rows in shared memory (2n math-type values a
 //! warp), so a block holds as many warps as 48 KiB allows (at most 8: n = 768 in f32 is
-//! 6 KiB a warp); the grid is 2 blocks an SM, so `partial` has 2 · SMs rows of 2n (1.6 MiB for
-//! n = 768 on 132 SMs, 5% of the bf16 backward's traffic of g, x and dx at [8192, 768]). A row
+//! 6 KiB a warp); the grid is 4 blocks an SM (32 warps), so `partial` has 4 · SMs rows of 2n
+//! (3.2 MiB for n = 768 on 132 SMs, 8% of the bf16 backward's traffic of g, x and dx at
+//! [8192, 768]). A row
 //! too long for one warp's sums in 48 KiB (n > 6144 in f32) takes one-warp blocks that
 //! accumulate in their row of `partial` in global memory instead.
 
@@ -23,6 +24,8 @@ const OP: &str = "layer_norm";
 const FORWARD_WARPS: u32 = 8;
 /// Most warps a backward block.
 const BACKWARD_WARPS: usize = 8;
+/// Backward blocks an SM (4 blocks of 48 KiB fit an H100/H200 SM's 228 KiB).
+const BACKWARD_BLOCKS_PER_SM: usize = 4;
 /// Dynamic shared memory a backward block may use, bytes (the default limit without opting in).
 const SHARED_LIMIT: usize = 48 * 1024;
 
@@ -120,7 +123,9 @@ impl NormOps for CudaStorage {
         let x = self.dev_ptr(layout);
         let (w, b) = (weight.map(|(s, l)| s.dev_ptr(l)), bias.map(|(s, l)| s.dev_ptr(l)));
         let yp = y.dev_ptr_mut_at(0);
-        let vec = vectorized(n, dtype, &[x.addr(), yp.addr()]);
+        let mut addrs = vec![x.addr(), yp.addr()];
+        addrs.extend(w.iter().chain(b.iter()).map(|p| p.addr()));
+        let vec = vectorized(n, dtype, &addrs);
         let grid = Grid {
             grid: (
                 rows.div_ceil(FORWARD_WARPS as usize)
@@ -220,7 +225,8 @@ impl NormOps for CudaStorage {
         let blocks = if rows == 0 {
             1
         } else {
-            rows.div_ceil(warps).clamp(1, rt.sm_count as usize * 2)
+            rows.div_ceil(warps)
+                .clamp(1, rt.sm_count as usize * BACKWARD_BLOCKS_PER_SM)
         };
         let partial = sums
             .then(|| CudaStorage::alloc_on(rt, a, blocks * 2 * n))
@@ -231,6 +237,8 @@ impl NormOps for CudaStorage {
             let dxp = dx.as_ref().map(|d| d.dev_ptr_mut_at(0));
             let mut addrs = vec![g.addr(), xp.addr()];
             addrs.extend(dxp.map(|d| d.addr()));
+            addrs.extend(w.map(|d| d.addr()));
+            addrs.extend(partial.as_ref().map(|p| p.dev_ptr_at(0).addr()));
             let vec = vectorized(n, dtype, &addrs);
             let grid = Grid {
                 grid: (blocks as u32, 1, 1),
