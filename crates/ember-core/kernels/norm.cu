@@ -184,9 +184,9 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
 // dw[c] = Σ_k partial[k][c], db[c] = Σ_k partial[k][n + c] over the `blocks` rows. A block
 // (32, LN_PARAM_ROWS) takes 32 columns (blockIdx.x-strided): thread y sums rows y, y + 32, ...
 // in order, then the 32 partial sums of a column are added in order of y: the same split for
-// every run, so the result is deterministic. (One thread a column would sum all 264 rows of an
-// H200's `partial` as one chain of L2 loads: at ~300 cycles each, ~40 µs; 32 threads a column
-// cut the chain to 9 loads.)
+// every run, so the result is deterministic. (One thread a column would sum all 528 rows of an
+// H200's `partial` as one chain of L2 loads, ~300 cycles each; 32 threads a column cut the
+// chain to 17 loads.)
 #define LN_PARAM_ROWS 32
 template <typename W>
 __device__ void ln_params(const typename Acc<W>::type* partial, i64 blocks, i64 n, W* dw, W* db) {

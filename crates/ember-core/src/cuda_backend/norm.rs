@@ -10,7 +10,12 @@
 //! (3.2 MiB for n = 768 on 132 SMs, 8% of the bf16 backward's traffic of g, x and dx at
 //! [8192, 768]). A row
 //! too long for one warp's sums in 48 KiB (n > 6144 in f32) takes one-warp blocks that
-//! accumulate in their row of `partial` in global memory instead.
+//! accumulate in their row of `partial` in global memory instead. Rows, weights, bias and the
+//! sums move as 16-byte vectors when aligned: with scalar weight loads and scalar shared-memory
+//! sums (a lane's slots 8 apart: 8-way bank conflicts) and 2 blocks an SM, the bf16 [8192, 768]
+//! backward took 43.8 µs on an H200; vectorized, with 4 blocks an SM, 27.8 µs (PyTorch 2.11's
+//! two kernels: 45.9 µs), and the forward 13.5 µs (PyTorch 19.4 µs); GPU time from the
+//! profiler, `cuda_layernorm_bf16_kernel_time` in `tests/it/layer_norm.rs`.
 
 use super::kernels::Grid;
 use super::launch;
