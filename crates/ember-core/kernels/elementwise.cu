@@ -151,6 +151,31 @@ EMBER_BINARY_BOOL(minimum, AndOp)
 // 0 where x == 0 unless y is NaN (PyTorch's `xlogy`).
 EMBER_BINARY_FLOAT(xlogy, y != y ? y : (x == (A)0 ? (A)0 : x * log_of(y)))
 
+// GELU's backward, `gelu_backward(grad, self)` (x = grad, y = the GELU's input), as the CPU's
+// (`cpu/binary.rs`) and PyTorch's `GeluBackwardCUDAKernelImpl`: one kernel instead of the ~19
+// elementwise ops of the composite, computed in A and rounded once.
+//   erf:  x · (Φ(y) + y φ(y)),  Φ(y) = (1 + erf(y / √2)) / 2,  φ(y) = e^(-y²/2) / √(2π)
+//   tanh: with u = √(2/π) (y + κy³), t = tanh u:  x · (½(1 + t) + ½y (1 - t²) √(2/π) (1 + 3κy²))
+__device__ __forceinline__ float gb_erf(float v) { return erff(v); }
+__device__ __forceinline__ double gb_erf(double v) { return erf(v); }
+__device__ __forceinline__ float gb_exp(float v) { return expf(v); }
+__device__ __forceinline__ double gb_exp(double v) { return exp(v); }
+__device__ __forceinline__ float gb_tanh(float v) { return tanhf(v); }
+__device__ __forceinline__ double gb_tanh(double v) { return tanh(v); }
+template <typename A> __device__ __forceinline__ A gelu_grad(A g, A v) {
+    const A cdf = (A)0.5 * ((A)1 + gb_erf(v * (A)0.70710678118654752440));
+    const A pdf = gb_exp((A)-0.5 * v * v) * (A)0.39894228040143267794;
+    return g * (cdf + v * pdf);
+}
+template <typename A> __device__ __forceinline__ A gelu_tanh_grad(A g, A v) {
+    const A k = (A)0.7978845608028654, kappa = (A)0.044715;
+    const A v2 = v * v;
+    const A t = gb_tanh(k * (v + kappa * v2 * v));
+    return g * ((A)0.5 * ((A)1 + t) + (A)0.5 * v * ((A)1 - t * t) * k * ((A)1 + (A)3 * kappa * v2));
+}
+EMBER_BINARY_FLOAT(gelu_backward, gelu_grad<A>(x, y))
+EMBER_BINARY_FLOAT(gelu_tanh_backward, gelu_tanh_grad<A>(x, y))
+
 // The logical ops of two bool operands.
 #define EMBER_LOGICAL(op, F)                                                                        \
     EMBER_IN_UNIT(logical_##op,                                                                     \

@@ -21,7 +21,7 @@ static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mut
 const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 21] = [
+pub const WORKLOADS: [&str; 22] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -33,6 +33,7 @@ pub const WORKLOADS: [&str; 21] = [
     "gpt2_124m_bf16",
     "gpt2_124m_bf16_graph",
     "sdpa_causal_bf16",
+    "layernorm_bf16",
     "matmul_bf16_8192",
     "add_f32_256M",
     "h2d_pinned_1GiB",
@@ -595,41 +596,26 @@ fn h2d_pinned(device: Device) -> Result<Map<String, Value>> {
     Ok(row("h2d_pinned_1GiB", &t, 1.0, json!({ "gb_per_s": gbs })))
 }
 
+/// The reference's `run_layernorm`: `nn.LayerNorm(768)` in bf16 on x [8192, 768] bf16 that
+/// requires grad, forward and backward with a bf16 output gradient (gradients accumulate into
+/// x and the parameters, as PyTorch's `.backward(g)`).
+fn layernorm_bf16(device: Device) -> Result<Map<String, Value>> {
+    let (n, c) = (8192usize, 768usize);
+    ember::manual_seed(0)?;
+    let mut ln = ember::nn::LayerNorm::new(&[c], device)?;
+    ln.to_dtype(DType::BF16)?;
+    let x = Tensor::randn([n, c], DType::BF16, device)?.requires_grad_(true)?;
+    let g = Tensor::randn([n, c], DType::BF16, device)?;
+    let t = time_steps(device, 5, 50, 5, || {
+        ln.forward(&x)?.backward_with(Some(&g), false)
+    })?;
+    let gbs = 5.0 * 2.0 * (n * c) as f64 / (t.median * 1e-3) / 1e9;
+    Ok(row("layernorm_bf16", &t, 1.0, json!({ "gb_per_s": gbs })))
+}
+
 fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
-    let outcome =
-        match name {
-            "mlp_small" | "mlp_large" | "cnn" | "lstm" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => {
-                training(name, device)
-            }
-            "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
-            "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
-            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name),
-            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
-                return Err("the multi-GPU workloads run on CUDA devices only".into())
-            }
-            "gpt2_124m_bf16" if gpu => gpt2(device, false),
-            "gpt2_124m_bf16_graph" if gpu => gpt2(device, true),
-            "sdpa_causal_bf16" if gpu => sdpa_causal(device),
-            "gpt2_124m_bf16" | "gpt2_124m_bf16_graph" | "sdpa_causal_bf16" => return Err(
-                "the transformer workloads run on CUDA devices only (GPT-2 124M is far too slow on a CPU)"
-                    .into(),
-            ),
-            "gpt2_124m_bf16_compiled" | "mlp_large_tf32" => {
-                return Err(
-                    "a PyTorch reference point (torch.compile, TF32 matmuls), not an ember workload".into(),
-                )
-            }
-            "matmul_bf16_8192" if gpu => matmul_bf16(device),
-            "add_f32_256M" if gpu => add_f32(device),
-            "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
-            "op_overhead_add" if gpu => small_adds(device),
-            "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
-                return Err("kernel workloads run on CUDA devices only".into())
-            }
-            _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
-            _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
-        };
+pub const WORKLOADS: [&str; 22] = [
     outcome.map_err(|e| e.to_string())
 }
 

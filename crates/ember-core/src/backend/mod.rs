@@ -32,6 +32,7 @@ pub mod step;
 pub mod table;
 
 pub use geometry::{ConvParams, PoolParams, SdpaParams};
+pub use op::LayerNormGrads;
 pub use op::{
     BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PhiloxState, PoolMode, ReduceOp, RngState, ScatterOp,
     SoftmaxOp, UnaryOp,
@@ -69,6 +70,7 @@ pub trait BackendStorage:
     + OptimOps
     + AmpOps
     + AttentionOps
+    + NormOps
 {
     /// The device the elements live on.
     fn device(&self) -> Device;
@@ -362,6 +364,38 @@ pub trait AmpOps: Sized {
         growth_tracker: Elems<&mut Self>,
         found_inf: Elems<&Self>,
     ) -> Result<()>;
+}
+
+/// Fused layer normalization over rows of `n` elements (PyTorch's `native_layer_norm` and
+/// `native_layer_norm_backward`; `cpu/norm.rs`, `cuda_backend/norm.rs`). Every operand is
+/// contiguous at its layout (the op layer makes it so); `mean` and `rstd` are the forward's,
+/// read from their first element. x, y and their gradients share one float dtype; weight and
+/// bias have it too, or f32 for an f16/bf16 x (PyTorch's mixed-type kernels); the statistics
+/// are the math type (f32; f64 for f64).
+pub trait NormOps: Sized {
+    /// `self` normalized per row of `n` elements, times `weight`, plus `bias` (each `n`
+    /// elements): the output (row-major, x's dtype) and each row's mean and `1/√(var + eps)`.
+    fn layer_norm(
+        &self,
+        layout: &Layout,
+        weight: Option<(&Self, &Layout)>,
+        bias: Option<(&Self, &Layout)>,
+        n: usize,
+        eps: f64,
+    ) -> Result<(Self, Self, Self)>;
+    /// The gradients of [`NormOps::layer_norm`] from the output gradient `self` and the
+    /// forward's input, statistics and weight: those `want` asks for (input, weight, bias).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward(
+        &self,
+        layout: &Layout,
+        x: (&Self, &Layout),
+        mean: &Self,
+        rstd: &Self,
+        weight: Option<(&Self, &Layout)>,
+        n: usize,
+        want: LayerNormGrads,
+    ) -> Result<[Option<Self>; 3]>;
 }
 
 /// A device of one backend: the storages made from nothing there.

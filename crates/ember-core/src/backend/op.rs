@@ -33,7 +33,7 @@ pub enum Bools {
 }
 
 macro_rules! define_binary {
-    ($( ($v:ident, [$stem:ident $scalar:ident $inplace:ident $inplace_scalar:ident], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+    ($( ($v:ident, [$stem:ident $($scalar:ident $inplace:ident $inplace_scalar:ident)?], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
         |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
         /// Arithmetic on two operands of one dtype (the op table's binary family).
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -464,4 +464,13 @@ impl PhiloxState {
             )),
         }
     }
+}
+
+/// The gradients a layer normalization's backward computes: the input's (in its dtype), and
+/// the weight's and bias's in the dtype given (None: not needed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerNormGrads {
+    pub input: bool,
+    pub weight: Option<DType>,
+    pub bias: Option<DType>,
 }

@@ -184,7 +184,8 @@ pub(crate) use unary_table;
 ///
 /// - `stem`: PyTorch's name, the kernel's (`binary_<stem>_<dtype>`) and the `Tensor` method's;
 ///   the scalar method takes a number as the other operand; `stem_` and `scalar_` are the
-///   in-place forms (`add_`, PyTorch's name of the in-place op too).
+///   in-place forms (`add_`, PyTorch's name of the in-place op too). A line with the stem alone
+///   (`[gelu_backward]`) has no scalar or in-place forms.
 /// - ints: `Int` has integer kernels; `Float` never sees integers (its promotion,
 ///   `CommonFloat`, computes them in float32).
 /// - bools: `Or` or `And` is the op on bool operands; `No` refuses them.
@@ -220,6 +221,17 @@ macro_rules! binary_table {
             (Xlogy, [xlogy xlogy_scalar xlogy_ xlogy_scalar_], Inputs, CommonFloat, Float, No, Operands)
                 |g, a, b, out| (g.mul(&a()?.ne_scalar(0.0)?.to_dtype(g.dtype())?.xlogy(b()?)?)?, g.mul(a()?)?.div(b()?)?),
                 "Elementwise `self · log(other)`, 0 where `self` is 0 (NaN `other` gives NaN), as `torch.xlogy`.";
+            // GELU's backward as one kernel (PyTorch's `gelu_backward(grad_output, self,
+            // approximate)`): the output gradient `a` times GELU's derivative at its input `b`,
+            // computed in fp32 (f64 for f64) and rounded once, where the composite took ~19
+            // kernels each rounding to the tensor's dtype. No scalar or in-place forms. Its own
+            // gradient: d/da = gelu'(b), d/db = a · gelu''(b).
+            (GeluBackward, [gelu_backward], Inputs, CommonFloat, Float, No, Operands)
+                |g, a, b, out| (g.gelu_backward(b()?)?, gelu_second(g, a()?, b()?, false)?),
+                "GELU's input gradient (exact form) from the output gradient `self` and GELU's input `other`.";
+            (GeluTanhBackward, [gelu_tanh_backward], Inputs, CommonFloat, Float, No, Operands)
+                |g, a, b, out| (g.gelu_tanh_backward(b()?)?, gelu_second(g, a()?, b()?, true)?),
+                "GELU's input gradient (tanh approximation) from the output gradient `self` and GELU's input `other`.";
         }
     };
 }

@@ -2,7 +2,7 @@
 //! broadcast to one shape: arithmetic, comparisons, logical ops and `where`.
 
 use super::{map_strided, CpuStorage, PAR_CHUNK, PAR_THRESHOLD};
-use crate::backend::op::{BinaryOp, Bools, CmpOp, LogicalOp};
+use crate::backend::op::{BinaryOp, Bools, CmpOp, LogicalOp, GELU_TANH_KAPPA};
 use crate::backend::ElementwiseOps;
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
@@ -77,9 +77,46 @@ macro_rules! with_float_formula {
             } else {
                 x * y.ln()
             }),
+            BinaryOp::GeluBackward => $run!($($args)*; |x: $R, y: $R| GeluGrad::gelu_grad(x, y)),
+            BinaryOp::GeluTanhBackward => $run!($($args)*; |x: $R, y: $R| GeluGrad::gelu_tanh_grad(x, y)),
         }
     };
 }
+
+/// GELU's backward in its compute type (`kernels/elementwise.cu` has the same formulas):
+/// `g` the output gradient, `v` GELU's input.
+///   erf:  g · (Φ(v) + v φ(v)),  Φ(v) = (1 + erf(v / √2)) / 2,  φ(v) = e^(-v²/2) / √(2π)
+///   tanh: with u = √(2/π) (v + κv³), t = tanh u:  g · (½(1 + t) + ½v (1 - t²) √(2/π) (1 + 3κv²))
+trait GeluGrad: Sized {
+    fn gelu_grad(g: Self, v: Self) -> Self;
+    fn gelu_tanh_grad(g: Self, v: Self) -> Self;
+}
+
+macro_rules! gelu_grad {
+    ($t:ty, $erf:path) => {
+        impl GeluGrad for $t {
+            #[inline]
+            fn gelu_grad(g: $t, v: $t) -> $t {
+                let cdf = 0.5 * (1.0 + $erf(v * std::f64::consts::FRAC_1_SQRT_2 as $t));
+                let pdf = (-0.5 * v * v).exp() * (1.0 / (2.0 * std::f64::consts::PI).sqrt()) as $t;
+                g * (cdf + v * pdf)
+            }
+
+            #[inline]
+            fn gelu_tanh_grad(g: $t, v: $t) -> $t {
+                let (k, kappa) = (
+                    (2.0 / std::f64::consts::PI).sqrt() as $t,
+                    GELU_TANH_KAPPA as $t,
+                );
+                let v2 = v * v;
+                let t = (k * (v + kappa * v2 * v)).tanh();
+                g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k * (1.0 + 3.0 * kappa * v2))
+            }
+        }
+    };
+}
+gelu_grad!(f32, libm::erff);
+gelu_grad!(f64, libm::erf);
 
 /// f32 and f64: floats that compute in their own type.
 trait FloatFormula: Sized {

@@ -3,7 +3,7 @@
 //! general strided path. f16 and bf16 compute through f32.
 //!
 //! One file per op family (`binary`, `unary`, `reduce`, `matmul`, `index`, `softmax`, `conv`,
-//! `pool`, `random`, `optim`, `rnn`, `loss`, `amp`), each implementing its family's backend
+//! `pool`, `random`, `optim`, `rnn`, `loss`, `amp`, `norm`), each implementing its family's backend
 //! trait (`crate::backend`) for [`CpuStorage`]; this file implements the copies, the base
 //! trait and [`CpuDevice`].
 
@@ -24,6 +24,7 @@ mod conv;
 mod index;
 mod loss;
 mod matmul;
+mod norm;
 pub(crate) mod optim;
 pub mod philox;
 mod pool;

@@ -35,6 +35,15 @@ const ALL: [DType; 8] = [
     DType::U8,
     DType::Bool,
 ];
+/// The (x, weight) dtype pairs of the layer norm kernels.
+const LAYER_NORM_PAIRS: [(DType, DType); 6] = [
+    (DType::F32, DType::F32),
+    (DType::F64, DType::F64),
+    (DType::F16, DType::F16),
+    (DType::BF16, DType::BF16),
+    (DType::F16, DType::F32),
+    (DType::BF16, DType::F32),
+];
 const INDEX: [DType; 2] = [DType::I64, DType::I32];
 const INTS: [DType; 3] = [DType::I64, DType::I32, DType::U8];
 
@@ -187,6 +196,15 @@ impl Module {
             Module::Amp => {
                 units.extend(each(m, "non_finite_check_and_unscale", &FLOATS));
                 units.push(Unit::new(m, "update_scale"));
+            }
+            Module::Norm => {
+                // x's dtype with the parameters' (the same, or f32 for half inputs).
+                for (t, w) in LAYER_NORM_PAIRS {
+                    let pair = format!("{}_{}", dtype_suffix(t), dtype_suffix(w));
+                    units.push(Unit::new(m, format!("layer_norm_{pair}")));
+                    units.push(Unit::new(m, format!("layer_norm_backward_{pair}")));
+                }
+                units.extend(each(m, "layer_norm_backward_params", &FLOATS));
             }
         }
         units

@@ -675,6 +675,43 @@ kernels! {
             growth_interval: i32,
         );
     }
+    Norm {
+        /// Layer normalization of `rows` contiguous rows of `n` elements of x into y, with
+        /// optional weight and bias (`n` each, W = T or f32 for a half T), and each row's mean
+        /// and rstd (`rows` values of A, the math type) when given (`norm.cu` for the formulas
+        /// and the geometry: blockDim (32, warps), a warp a row; `vec` 1 reads 16-byte vectors).
+        layer_norm<T, W, A>(
+            x: In<T>,
+            w: OptIn<W>,
+            b: OptIn<W>,
+            y: Out<T>,
+            mean: OptOut<A>,
+            rstd: OptOut<A>,
+            rows: i64,
+            n: i64,
+            eps: f64,
+            vec: i32,
+        );
+        /// The input gradient dx (when given) of `rows` rows of `n` from the output gradient g,
+        /// x, the forward's mean and rstd, and the weight (optional); when `partial` is given,
+        /// each block writes its rows' sums of g · xhat and g into its row of `partial`
+        /// ([gridDim.x, 2n] A's), through shared memory (blockDim.y · 2n A's) when `shared`.
+        layer_norm_backward<T, W, A>(
+            g: In<T>,
+            x: In<T>,
+            mean: In<A>,
+            rstd: In<A>,
+            w: OptIn<W>,
+            dx: OptOut<T>,
+            partial: OptOut<A>,
+            rows: i64,
+            n: i64,
+            vec: i32,
+            shared: i32,
+        );
+        /// dw and db (`n` each, when given) summed in order over the `blocks` rows of `partial`.
+        layer_norm_backward_params<W, A>(partial: In<A>, blocks: i64, n: i64, dw: OptOut<W>, db: OptOut<W>);
+    }
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@
 //! `backends::cudnn`), `cudnn_graph` (its execution plans through cuDNN's graph API),
 //! `cudnn_pool` (pooling through cuDNN), `optim` (fused optimizer steps), `amp` (GradScaler's
 //! inf check, unscale and scale update), `rnn` (the fused LSTM step), and the op families
-//! (`elementwise`, `unary`, `reduce`, `index`, `softmax`, `loss`, `random`); `storage`
+//! (`elementwise`, `unary`, `reduce`, `index`, `softmax`, `loss`, `random`, `norm`); `storage`
 //! implements the base trait and [`CudaDevice`].
 
 pub(crate) mod allocator;
@@ -50,6 +50,7 @@ mod launch;
 mod libraries;
 mod loss;
 pub(crate) mod multi_copy;
+mod norm;
 mod nvrtc;
 pub(crate) mod optim;
 pub(crate) mod pinned;

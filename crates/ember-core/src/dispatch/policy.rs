@@ -244,8 +244,18 @@ macro_rules! family_line {
     }};
 }
 
+/// The line of a binary op's in-place form; an op with none (`gelu_backward`) answers its own.
+macro_rules! inplace_line {
+    ($v:ident) => {
+        BinaryOp::$v.line()
+    };
+    ($v:ident $inplace:ident) => {
+        family_line!(stringify!($inplace), Inputs, None)
+    };
+}
+
 macro_rules! binary_lines {
-    ($( ($v:ident, [$stem:ident $scalar:ident $inplace:ident $inplace_scalar:ident], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+    ($( ($v:ident, [$stem:ident $($scalar:ident $inplace:ident $inplace_scalar:ident)?], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
         |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
         impl BinaryOp {
             /// The op's policy line.
@@ -259,7 +269,7 @@ macro_rules! binary_lines {
             /// PyTorch's autocast leaves in-place ops alone; the op converts `other` itself.
             pub fn inplace_line(self) -> &'static Op {
                 match self {
-                    $(BinaryOp::$v => family_line!(stringify!($inplace), Inputs, None),)*
+                    $(BinaryOp::$v => inplace_line!($v $($inplace)?),)*
                 }
             }
         }

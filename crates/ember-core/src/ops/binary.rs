@@ -121,14 +121,14 @@ enum Saves {
 /// The methods, `saves` and backward of each op: the binary table (`backend/table.rs`)
 /// expanded in the op layer.
 macro_rules! binary_ops {
-    ($( ($v:ident, [$stem:ident $scalar:ident $inplace:ident $inplace_scalar:ident], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
+    ($( ($v:ident, [$stem:ident $($scalar:ident $inplace:ident $inplace_scalar:ident)?], $cast:ident, $promote:ident, $ints:ident, $bools:ident, $saves:ident)
         |$g:ident, $a:ident, $b:ident, $out:ident| ($da:expr, $db:expr), $doc:literal; )*) => {
         impl Tensor {$(
             #[doc = $doc]
             pub fn $stem(&self, other: &Tensor) -> Result<Tensor> {
                 binary(BinaryOp::$v, self, other)
             }
-
+            $(
             #[doc = $doc]
             #[doc = " With a scalar operand, which does not widen the tensor's dtype."]
             pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
@@ -146,6 +146,7 @@ macro_rules! binary_ops {
             pub fn $inplace_scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
                 self.binary_scalar_(BinaryOp::$v, other.into())
             }
+            )?
         )*}
 
         fn saves(op: BinaryOp) -> Saves {
@@ -197,6 +198,33 @@ fn select_grad(g: &Tensor, x: &Tensor, y: &Tensor, max: bool) -> Result<Tensor> 
     let wins = if max { x.gt(y)? } else { x.lt(y)? };
     let share = Tensor::where_cond(&x.eq(y)?, &g.mul_scalar(0.5)?, &g.zeros_like()?)?;
     Tensor::where_cond(&wins, g, &share)
+}
+
+/// The gradient of `gelu_backward(a, b)` (or the tanh form's) for `b`: `g · a · gelu''(b)`,
+/// composed of elementwise ops (a second derivative is off the hot path).
+///   erf:  gelu''(b) = φ(b) (2 - b²),  φ(b) = e^(-b²/2) / √(2π)
+///   tanh: with u' = k(1 + 3κb²), t = tanh(k(b + κb³)):  gelu''(b) = (1 - t²)(u' - b t u'² + 3kκb²)
+fn gelu_second(g: &Tensor, a: &Tensor, b: &Tensor, tanh: bool) -> Result<Tensor> {
+    use std::f64::consts::PI;
+    let b2 = b.square()?;
+    let second = if tanh {
+        let (k, kappa) = ((2.0 / PI).sqrt(), crate::backend::op::GELU_TANH_KAPPA);
+        let t = b2
+            .mul_scalar(kappa)?
+            .add_scalar(1.0)?
+            .mul(b)?
+            .mul_scalar(k)?
+            .tanh()?;
+        let du = b2.mul_scalar(3.0 * kappa * k)?.add_scalar(k)?;
+        let inner = du
+            .sub(&b.mul(&t)?.mul(&du.square()?)?)?
+            .add(&b2.mul_scalar(3.0 * k * kappa)?)?;
+        t.square()?.neg()?.add_scalar(1.0)?.mul(&inner)?
+    } else {
+        let pdf = b2.mul_scalar(-0.5)?.exp()?.mul_scalar(1.0 / (2.0 * PI).sqrt())?;
+        pdf.mul(&b2.neg()?.add_scalar(2.0)?)?
+    };
+    g.mul(a)?.mul(&second)
 }
 
 /// A 0-d tensor of `value` in the dtype `t op value` computes in, on `t`'s device.

@@ -18,6 +18,7 @@ pub mod index;
 pub mod inplace;
 pub mod loss;
 pub mod matmul;
+pub mod norm;
 pub mod operators;
 pub mod pool;
 pub mod reduce;

@@ -14,7 +14,7 @@ use crate::autograd::SavedTensor;
 use crate::backend::table::unary_table;
 use crate::dispatch::{self, policy};
 use crate::{Error, Result, Tensor};
-use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI, LN_10, LN_2, PI};
+use std::f64::consts::{FRAC_2_SQRT_PI, LN_10, LN_2, PI};
 
 /// `α` of SELU (Klambauer et al., 2017), as PyTorch.
 pub const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
@@ -146,41 +146,14 @@ fn hardswish_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
     Tensor::where_cond(&x.lt_scalar(-3.0)?, &zero, &upper)
 }
 
-/// Φ(x) + x φ(x), φ(x) = exp(-x²/2) / √(2π).
+/// GELU's backward: one kernel (the binary table's `gelu_backward`), fp32 inside.
 fn gelu_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
-    let cdf = x
-        .mul_scalar(FRAC_1_SQRT_2)?
-        .erf()?
-        .add_scalar(1.0)?
-        .mul_scalar(0.5)?;
-    let pdf = x
-        .square()?
-        .mul_scalar(-0.5)?
-        .exp()?
-        .mul_scalar(1.0 / (2.0 * PI).sqrt())?;
-    g.mul(&cdf.add(&x.mul(&pdf)?)?)
+    g.gelu_backward(x)
 }
 
-/// With u = k(x + κx³), t = tanh u: 0.5(1 + t) + 0.5x(1 - t²) k(1 + 3κx²).
+/// The tanh form's backward: one kernel (`gelu_tanh_backward`), fp32 inside.
 fn gelu_tanh_backward(g: &Tensor, x: &Tensor) -> Result<Tensor> {
-    let k = (2.0 / PI).sqrt();
-    let x2 = x.square()?;
-    let t = x2
-        .mul_scalar(GELU_TANH_KAPPA)?
-        .add_scalar(1.0)?
-        .mul(x)?
-        .mul_scalar(k)?
-        .tanh()?;
-    let left = t.add_scalar(1.0)?.mul_scalar(0.5)?;
-    let du = x2
-        .mul_scalar(3.0 * GELU_TANH_KAPPA)?
-        .add_scalar(1.0)?
-        .mul_scalar(k)?;
-    let right = x
-        .mul_scalar(0.5)?
-        .mul(&t.square()?.neg()?.add_scalar(1.0)?)?
-        .mul(&du)?;
-    g.mul(&left.add(&right)?)
+    g.gelu_tanh_backward(x)
 }
 
 /// `√(1 - x²)`, the denominator of asin' and acos'.

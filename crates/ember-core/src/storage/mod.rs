@@ -25,6 +25,7 @@ use crate::backend::{
     ReduceOp, ReduceOps, RngState, RnnOps, ScaleUpdate, ScatterOp, SdpaParams, SgdStep, SgdTensor, SoftmaxOp,
     SoftmaxOps, StepScalars, UnaryOp, UnaryOps, UnscaleGrads, Variant,
 };
+use crate::backend::{LayerNormGrads, NormOps};
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda_backend::{CudaDevice, CudaStorage};
 use crate::layout::Layout;
@@ -1047,6 +1048,108 @@ impl Storage {
             u.check(&scale, &growth_tracker, &found_inf)?;
             <B as AmpOps>::update_scale(u, scale, growth_tracker, found_inf)
         })
+    }
+}
+
+/// A storage operand of `op` as backend `B`'s, or the device-mismatch error against `first`.
+fn as_backend<'a, B>(op: &'static str, first: &Storage, s: &'a Storage) -> Result<&'a B>
+where
+    Storage: Variant<B>,
+{
+    s.variant().map_err(|_| mismatch(op, &[first, s]))
+}
+
+/// An optional operand with its layout, as backend `B`'s.
+fn opt_backend<'a, B>(
+    op: &'static str,
+    first: &Storage,
+    p: Option<(&'a Storage, &'a Layout)>,
+) -> Result<Option<(&'a B, &'a Layout)>>
+where
+    Storage: Variant<B>,
+{
+    p.map(|(s, l)| Ok((as_backend(op, first, s)?, l))).transpose()
+}
+
+/// The fused normalizations (`NormOps`): operands with optional parameters, so each is matched
+/// to the first operand's backend one by one.
+impl Storage {
+    /// Layer normalization of the rows of `n` elements of `self` (contiguous at `layout`): the
+    /// output, each row's mean and each row's `1/√(var + eps)` ([`NormOps::layer_norm`]).
+    pub(crate) fn layer_norm(
+        &self,
+        layout: &Layout,
+        weight: Option<(&Storage, &Layout)>,
+        bias: Option<(&Storage, &Layout)>,
+        n: usize,
+        eps: f64,
+    ) -> Result<(Storage, Storage, Storage)> {
+        fn run<B: NormOps>(
+            x: &Storage,
+            l: &Layout,
+            weight: Option<(&Storage, &Layout)>,
+            bias: Option<(&Storage, &Layout)>,
+            n: usize,
+            eps: f64,
+            wrap: fn(B) -> Storage,
+        ) -> Result<(Storage, Storage, Storage)>
+        where
+            Storage: Variant<B>,
+        {
+            const OP: &str = "layer_norm";
+            let xs: &B = as_backend(OP, x, x)?;
+            let (w, b) = (opt_backend(OP, x, weight)?, opt_backend(OP, x, bias)?);
+            let (y, m, r) = xs.layer_norm(l, w, b, n, eps)?;
+            Ok((wrap(y), wrap(m), wrap(r)))
+        }
+        match self {
+            Storage::Cpu(_) => run::<CpuStorage>(self, layout, weight, bias, n, eps, Storage::Cpu),
+            Storage::Cuda(_) => run::<CudaStorage>(self, layout, weight, bias, n, eps, Storage::Cuda),
+        }
+    }
+
+    /// The gradients of [`Storage::layer_norm`] from the output gradient `self`
+    /// ([`NormOps::layer_norm_backward`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layer_norm_backward(
+        &self,
+        layout: &Layout,
+        x: (&Storage, &Layout),
+        mean: &Storage,
+        rstd: &Storage,
+        weight: Option<(&Storage, &Layout)>,
+        n: usize,
+        want: LayerNormGrads,
+    ) -> Result<[Option<Storage>; 3]> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<B: NormOps>(
+            g: &Storage,
+            l: &Layout,
+            x: (&Storage, &Layout),
+            mean: &Storage,
+            rstd: &Storage,
+            weight: Option<(&Storage, &Layout)>,
+            n: usize,
+            want: LayerNormGrads,
+            wrap: fn(B) -> Storage,
+        ) -> Result<[Option<Storage>; 3]>
+        where
+            Storage: Variant<B>,
+        {
+            const OP: &str = "layer_norm_backward";
+            let gs: &B = as_backend(OP, g, g)?;
+            let xs = (as_backend(OP, g, x.0)?, x.1);
+            let (m, r) = (as_backend(OP, g, mean)?, as_backend(OP, g, rstd)?);
+            let w = opt_backend(OP, g, weight)?;
+            let grads = gs.layer_norm_backward(l, xs, m, r, w, n, want)?;
+            Ok(grads.map(|t| t.map(wrap)))
+        }
+        match self {
+            Storage::Cpu(_) => run::<CpuStorage>(self, layout, x, mean, rstd, weight, n, want, Storage::Cpu),
+            Storage::Cuda(_) => {
+                run::<CudaStorage>(self, layout, x, mean, rstd, weight, n, want, Storage::Cuda)
+            }
+        }
     }
 }
 

@@ -206,6 +206,8 @@ fn arithmetic_matches_the_cpu_on_every_dtype_and_layout() {
                         BinaryOp::Maximum => a.maximum(&b),
                         BinaryOp::Minimum => a.minimum(&b),
                         BinaryOp::Xlogy => a.xlogy(&b),
+                        BinaryOp::GeluBackward => a.gelu_backward(&b),
+                        BinaryOp::GeluTanhBackward => a.gelu_tanh_backward(&b),
                     }
                 });
             }

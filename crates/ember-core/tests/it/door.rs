@@ -32,6 +32,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("ops/inplace.rs", include_str!("../../src/ops/inplace.rs")),
     ("ops/loss.rs", include_str!("../../src/ops/loss.rs")),
     ("ops/matmul.rs", include_str!("../../src/ops/matmul.rs")),
+    ("ops/norm.rs", include_str!("../../src/ops/norm.rs")),
     ("ops/mod.rs", include_str!("../../src/ops/mod.rs")),
     ("ops/operators.rs", include_str!("../../src/ops/operators.rs")),
     ("ops/pool.rs", include_str!("../../src/ops/pool.rs")),
@@ -423,6 +424,12 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
         ("norm", "norm", run(|| x()?.norm(2.0, &[1], false))),
         ("softmax", "softmax", run(|| x()?.softmax(1))),
         ("log_softmax", "log_softmax", run(|| x()?.log_softmax(1))),
+        // The fused norms (issue 37).
+        (
+            "layer_norm",
+            "layer_norm",
+            run(|| x()?.layer_norm(&[3], None, None, 1e-5)),
+        ),
         // Indexing.
         (
             "index_select",

@@ -30,6 +30,7 @@ mod foreach;
 mod fused_optim;
 mod index;
 mod inplace;
+mod layer_norm;
 mod linear_bias;
 mod matmul;
 mod nll_loss;

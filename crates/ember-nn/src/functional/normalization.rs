@@ -1,10 +1,10 @@
 //! Normalization: `batch_norm` (training statistics with in-place running-stat updates, or
 //! evaluation with the running stats) and `layer_norm`.
 //!
-//! Both normalize as `(x - mean) · rsqrt(var + eps) · weight + bias` with the biased variance,
-//! through ember-core's `mean_dims`/`var` and elementwise ops, so autograd derives the
-//! backward. A fused kernel (one pass for the statistics, one for the normalization, and a
-//! two-reduction backward) would replace about ten elementwise and reduction kernels each way.
+//! `batch_norm` normalizes as `(x - mean) · rsqrt(var + eps) · weight + bias` with the biased
+//! variance, through ember-core's `mean_dims`/`var` and elementwise ops, so autograd derives the
+//! backward. `layer_norm` is ember-core's fused op (`Tensor::layer_norm`: one kernel forward,
+//! one backward, fp32 inside), called with PyTorch's arguments.
 
 use super::idims;
 use ember_core::dispatch::{self, policy};
@@ -168,7 +168,7 @@ fn affine(y: Tensor, weight: Option<Tensor>, bias: Option<Tensor>) -> Result<Ten
 
 /// Layer normalization over the last `normalized_shape.len()` dims, which must equal
 /// `normalized_shape`, with optional elementwise `weight` and `bias` of that shape
-/// (`F.layer_norm`).
+/// (`F.layer_norm`): ember-core's fused op ([`Tensor::layer_norm`], one kernel each way).
 pub fn layer_norm(
     input: &Tensor,
     normalized_shape: &[usize],
@@ -176,48 +176,5 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
-    dispatch::composite_list(&policy::LAYER_NORM, &[Some(input), weight, bias], |ins| {
-        let [Some(input), weight, bias] = ins else {
-            unreachable!("layer_norm's input is always given")
-        };
-        layer_norm_prepared(input, normalized_shape, weight.as_ref(), bias.as_ref(), eps)
-    })
-}
-
-fn layer_norm_prepared(
-    input: &Tensor,
-    normalized_shape: &[usize],
-    weight: Option<&Tensor>,
-    bias: Option<&Tensor>,
-    eps: f64,
-) -> Result<Tensor> {
-    const OP: &str = "layer_norm";
-    let k = normalized_shape.len();
-    if k == 0 || input.rank() < k || &input.dims()[input.rank() - k..] != normalized_shape {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "normalized_shape {normalized_shape:?} must be non-empty and equal the last dims of the input, got input shape {}",
-                input.shape()
-            ),
-        ));
-    }
-    if !input.dtype().is_floating_point() {
-        return Err(Error::dtype(OP, input.dtype()));
-    }
-    for (name, t) in [("weight", weight), ("bias", bias)] {
-        if let Some(t) = t {
-            if t.dims() != normalized_shape {
-                return Err(Error::invalid(
-                    OP,
-                    format!("{name} must have shape {normalized_shape:?}, got {}", t.shape()),
-                ));
-            }
-        }
-    }
-    let dims: Vec<isize> = (1..=k as isize).map(|i| -i).collect();
-    let mean = input.mean_dims(&dims, true)?;
-    let var = input.var(&dims, 0.0, true)?;
-    let y = input.sub(&mean)?.mul(&var.add_scalar(eps)?.rsqrt()?)?;
-    affine(y, weight.cloned(), bias.cloned())
+    input.layer_norm(normalized_shape, weight, bias, eps)
 }

@@ -249,6 +249,8 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
         "erfc" => x.erfc(),
         "erfinv" => x.erfinv(),
         "xlogy" => x.xlogy(&y),
+        "gelu_backward" => x.gelu_backward(&y),
+        "gelu_tanh_backward" => x.gelu_tanh_backward(&y),
         // In-place forms: PyTorch's autocast leaves them alone (the result keeps x's dtype).
         "add_" => x.add_(&y),
         "sub_" => x.sub_(&y),
@@ -580,16 +582,27 @@ fn regions_nest_and_restore() -> Result<()> {
 
 #[test]
 fn composite_ops_are_one_op_with_their_inner_ops_nested() -> Result<()> {
+    // mse_loss is a composite (layer_norm, once one, is a fused op of its own now).
     let x = Tensor::randn([3, 4], DType::F32, Device::Cpu)?;
-    let (y, seen) = record(|| F::layer_norm(&x, &[4], None, None, 1e-5));
+    let t = Tensor::randn([3, 4], DType::F32, Device::Cpu)?;
+    let (y, seen) = record(|| F::mse_loss(&x, &t, Reduction::Mean));
     y?;
-    assert_eq!(seen.first(), Some(&("layer_norm", 0)), "{seen:?}");
+    assert_eq!(seen.first(), Some(&("mse_loss", 0)), "{seen:?}");
     assert!(
         seen.len() > 1 && seen[1..].iter().all(|&(_, depth)| depth >= 1),
         "{seen:?}"
     );
     // Under autocast the inner ops keep float32: the composite suspends autocast for its body.
-    let h = x.to_dtype(DType::BF16)?;
+    let (h, ht) = (x.to_dtype(DType::BF16)?, t.to_dtype(DType::BF16)?);
+    let y = {
+        let _ac = amp::autocast(DeviceType::Cpu, DType::BF16)?;
+        F::mse_loss(&h, &ht, Reduction::Mean)?
+    };
+    assert_eq!(y.dtype(), DType::F32);
+    // The fused layer_norm is one op under its name, and autocast runs it in float32.
+    let (y, seen) = record(|| F::layer_norm(&x, &[4], None, None, 1e-5));
+    y?;
+    assert_eq!(seen, vec![("layer_norm", 0)]);
     let y = {
         let _ac = amp::autocast(DeviceType::Cpu, DType::BF16)?;
         F::layer_norm(&h, &[4], None, None, 1e-5)?

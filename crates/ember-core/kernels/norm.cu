@@ -1,0 +1,242 @@
+// Fused layer normalization (PyTorch's native_layer_norm / native_layer_norm_backward) over
+// rows of `n` contiguous elements, with the CPU backend's formulas (`cpu/norm.rs`):
+//   forward   mean = Σx / n, var = Σ(x - mean)² / n, rstd = 1 / sqrt(var + eps)
+//             y = (x - mean) · rstd · w + b           (w, b optional)
+//   backward  xhat = (x - mean) · rstd, dxhat = g · w
+//             dx = rstd · (dxhat - mean(dxhat) - xhat · mean(dxhat · xhat))
+//             dw = Σ_rows g · xhat, db = Σ_rows g
+// T (x, y, g, dx) in f32 f64 f16 bf16, W (weight, bias) T or, for f16/bf16 inputs, f32 (as
+// PyTorch's mixed-type kernels); A = Acc<T> (f32, f64 for f64) is the math type and the dtype
+// of mean and rstd. Each result is rounded once on store.
+//
+// Geometry: one warp per row (lanes along x, blockDim.y warps a block, grid-stride over rows).
+// A row is read with 16-byte vectors when `vec` is 1 (n a multiple of 16 / sizeof(T) and every
+// row-major operand 16-byte aligned: the host checks), else element by element. The forward
+// reads a row three times (sum, squared deviations, output) and the backward twice; the rereads
+// come from L1 (a 768-element bf16 row is 1.5 KiB).
+//
+// Parameter gradients, deterministic (no float atomics): every warp adds its rows' g · xhat and
+// g into its own accumulator of 2n A's (dynamic shared memory, blockDim.y · 2n · sizeof(A)
+// bytes), then the block sums its warps in order into its row of `partial` ([gridDim.x, 2n]);
+// with no shared memory (2n A's do not fit), the block is one warp and accumulates straight into
+// its row of `partial`. `layer_norm_backward_params` then sums the rows of `partial` in order
+// per column (dw from the first n, db from the second n).
+//
+// Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda_backend/launch.rs`.
+
+__device__ __forceinline__ float ln_rsqrt(float v) { return 1.0f / sqrtf(v); }
+__device__ __forceinline__ double ln_rsqrt(double v) { return 1.0 / sqrt(v); }
+
+// V consecutive elements of T, read or written as whole 16-byte words when they fill some (x
+// and y: one word; f32 weights or sums beside 8 bf16: two), else element by element.
+template <typename T, int V> struct __align__(sizeof(T) * V) LnVec { T v[V]; };
+template <typename T, int V> __device__ __forceinline__ LnVec<T, V> ln_load(const T* p) {
+    LnVec<T, V> r;
+    if (V * sizeof(T) % 16 == 0) {
+#pragma unroll
+        for (int k = 0; k < (int)(V * sizeof(T) / 16); ++k) ((uint4*)r.v)[k] = ((const uint4*)p)[k];
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) r.v[i] = p[i];
+    }
+    return r;
+}
+template <typename T, int V> __device__ __forceinline__ void ln_store(T* p, const LnVec<T, V>& r) {
+    if (V * sizeof(T) % 16 == 0) {
+#pragma unroll
+        for (int k = 0; k < (int)(V * sizeof(T) / 16); ++k) ((uint4*)p)[k] = ((const uint4*)r.v)[k];
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) p[i] = r.v[i];
+    }
+}
+
+extern __shared__ __align__(16) unsigned char ln_smem[];
+
+template <typename T, typename W, int V>
+__device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, typename Acc<T>::type* mean,
+                       typename Acc<T>::type* rstd, i64 rows, i64 n, double eps) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x;
+    const i64 step = (i64)32 * V;
+    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (i64)gridDim.x * blockDim.y) {
+        const T* xr = x + r * n;
+        A s = (A)0;
+        for (i64 c = (i64)lane * V; c < n; c += step) {
+            LnVec<T, V> v = ln_load<T, V>(xr + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) s += load(v.v[i]);
+        }
+        const A m = warp_sum(s) / (A)n;
+        A q = (A)0;
+        for (i64 c = (i64)lane * V; c < n; c += step) {
+            LnVec<T, V> v = ln_load<T, V>(xr + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const A d = load(v.v[i]) - m;
+                q += d * d;
+            }
+        }
+        const A rs = ln_rsqrt(warp_sum(q) / (A)n + (A)eps);
+        if (lane == 0) {
+            if (mean) mean[r] = m;
+            if (rstd) rstd[r] = rs;
+        }
+        T* yr = y + r * n;
+        for (i64 c = (i64)lane * V; c < n; c += step) {
+            LnVec<T, V> v = ln_load<T, V>(xr + c);
+            LnVec<T, V> o;
+            // Weight and bias as vectors too (the host checked their alignment): one load
+            // instruction per 16 bytes instead of one per element.
+            LnVec<W, V> wv, bv;
+            if (w) wv = ln_load<W, V>(w + c);
+            if (b) bv = ln_load<W, V>(b + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                A t = (load(v.v[i]) - m) * rs;
+                if (w) t = t * (A)load(wv.v[i]);
+                if (b) t = t + (A)load(bv.v[i]);
+                o.v[i] = cast<T>(t);
+            }
+            ln_store<T, V>(yr + c, o);
+        }
+    }
+}
+
+template <typename T, typename W, int V>
+__device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
+                       const W* w, T* dx, typename Acc<T>::type* partial, i64 rows, i64 n, int shared) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
+    const i64 step = (i64)32 * V;
+    // The warp's accumulator: its slice of shared memory, or (one warp a block) the block's row
+    // of `partial`. Each lane adds only to the columns it reads, so no two lanes touch one slot.
+    A* acc = 0;
+    if (partial) {
+        acc = shared ? (A*)ln_smem + (i64)warp * 2 * n : partial + (i64)blockIdx.x * 2 * n;
+        for (i64 c = lane; c < 2 * n; c += 32) acc[c] = (A)0;
+        __syncwarp();
+    }
+    for (i64 r = (i64)blockIdx.x * warps + warp; r < rows; r += (i64)gridDim.x * warps) {
+        const T* gr = g + r * n;
+        const T* xr = x + r * n;
+        const A m = mean[r], rs = rstd[r];
+        A s1 = (A)0, s2 = (A)0;
+        for (i64 c = (i64)lane * V; c < n; c += step) {
+            LnVec<T, V> gv = ln_load<T, V>(gr + c), xv = ln_load<T, V>(xr + c);
+            LnVec<W, V> wv;
+            if (w) wv = ln_load<W, V>(w + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const A xh = (load(xv.v[i]) - m) * rs;
+                A dxh = load(gv.v[i]);
+                if (w) dxh = dxh * (A)load(wv.v[i]);
+                s1 += dxh;
+                s2 += dxh * xh;
+            }
+        }
+        s1 = warp_sum(s1) / (A)n;
+        s2 = warp_sum(s2) / (A)n;
+        T* dr = dx ? dx + r * n : dx;
+        for (i64 c = (i64)lane * V; c < n; c += step) {
+            LnVec<T, V> gv = ln_load<T, V>(gr + c), xv = ln_load<T, V>(xr + c);
+            LnVec<W, V> wv;
+            if (w) wv = ln_load<W, V>(w + c);
+            LnVec<T, V> o;
+            // The sums as vectors (a lane's V consecutive slots): scalar slots V apart across
+            // the lanes would hit a quarter of the shared-memory banks (V = 8, f32).
+            LnVec<A, V> aw, ab;
+            if (acc) {
+                aw = ln_load<A, V>(acc + c);
+                ab = ln_load<A, V>(acc + n + c);
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const A gg = load(gv.v[i]);
+                const A xh = (load(xv.v[i]) - m) * rs;
+                A dxh = gg;
+                if (w) dxh = dxh * (A)load(wv.v[i]);
+                o.v[i] = cast<T>((dxh - s1 - xh * s2) * rs);
+                if (acc) {
+                    aw.v[i] += gg * xh;
+                    ab.v[i] += gg;
+                }
+            }
+            if (acc) {
+                ln_store<A, V>(acc + c, aw);
+                ln_store<A, V>(acc + n + c, ab);
+            }
+            if (dr) ln_store<T, V>(dr + c, o);
+        }
+    }
+    if (acc && shared) {
+        // The block's warps, summed in order into its row of `partial`.
+        __syncthreads();
+        A* out = partial + (i64)blockIdx.x * 2 * n;
+        for (i64 c = warp * 32 + lane; c < 2 * n; c += (i64)warps * 32) {
+            A s = (A)0;
+            for (int k = 0; k < warps; ++k) s += ((const A*)ln_smem)[(i64)k * 2 * n + c];
+            out[c] = s;
+        }
+    }
+}
+
+// dw[c] = Σ_k partial[k][c], db[c] = Σ_k partial[k][n + c] over the `blocks` rows. A block
+// (32, LN_PARAM_ROWS) takes 32 columns (blockIdx.x-strided): thread y sums rows y, y + 32, ...
+// in order, then the 32 partial sums of a column are added in order of y: the same split for
+// every run, so the result is deterministic. (One thread a column would sum all 528 rows of an
+// H200's `partial` as one chain of L2 loads, ~300 cycles each; 32 threads a column cut the
+// chain to 17 loads.)
+#define LN_PARAM_ROWS 32
+template <typename W>
+__device__ void ln_params(const typename Acc<W>::type* partial, i64 blocks, i64 n, W* dw, W* db) {
+    typedef typename Acc<W>::type A;
+    __shared__ A sums[2][LN_PARAM_ROWS][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (i64 c0 = (i64)blockIdx.x * 32; c0 < n; c0 += (i64)gridDim.x * 32) {
+        const i64 c = c0 + tx;
+        A sw = (A)0, sb = (A)0;
+        if (c < n)
+            for (i64 k = ty; k < blocks; k += LN_PARAM_ROWS) {
+                sw += partial[k * 2 * n + c];
+                sb += partial[k * 2 * n + n + c];
+            }
+        sums[0][ty][tx] = sw;
+        sums[1][ty][tx] = sb;
+        __syncthreads();
+        if (ty < 2 && c < n) {
+            A s = (A)0;
+            for (int k = 0; k < LN_PARAM_ROWS; ++k) s += sums[ty][k][tx];
+            W* out = ty == 0 ? dw : db;
+            if (out) out[c] = cast<W>(s);
+        }
+        __syncthreads();
+    }
+}
+
+// The kernels: `layer_norm_<T>_<W>`, `layer_norm_backward_<T>_<W>` (vector width 16 bytes when
+// `vec`, else 1) and `layer_norm_backward_params_<W>`.
+#define EMBER_LAYER_NORM(T, tn, W, wn)                                                                          \
+    EMBER_IN_UNIT(layer_norm_##tn##_##wn,                                                                       \
+    extern "C" __global__ void layer_norm_##tn##_##wn EMBER_PARAMS_layer_norm(T, W, Acc<T>::type) {             \
+        if (vec) ln_fwd<T, W, 16 / sizeof(T)>(x, w, b, y, mean, rstd, rows, n, eps);                            \
+        else ln_fwd<T, W, 1>(x, w, b, y, mean, rstd, rows, n, eps);                                             \
+    })                                                                                                          \
+    EMBER_IN_UNIT(layer_norm_backward_##tn##_##wn,                                                              \
+    extern "C" __global__ void layer_norm_backward_##tn##_##wn EMBER_PARAMS_layer_norm_backward(T, W, Acc<T>::type) { \
+        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, partial, rows, n, shared);               \
+        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, partial, rows, n, shared);                                \
+    })
+EMBER_LAYER_NORM(float, f32, float, f32)
+EMBER_LAYER_NORM(double, f64, double, f64)
+EMBER_LAYER_NORM(f16, f16, f16, f16)
+EMBER_LAYER_NORM(bf16, bf16, bf16, bf16)
+EMBER_LAYER_NORM(f16, f16, float, f32)
+EMBER_LAYER_NORM(bf16, bf16, float, f32)
+
+#define EMBER_LAYER_NORM_PARAMS(W, wn)                                                                          \
+    EMBER_IN_UNIT(layer_norm_backward_params_##wn,                                                              \
+    extern "C" __global__ void layer_norm_backward_params_##wn EMBER_PARAMS_layer_norm_backward_params(W, Acc<W>::type) { \
+        ln_params<W>(partial, blocks, n, dw, db);                                                               \
+    })
+EMBER_FOR_FLOAT_DTYPES(EMBER_LAYER_NORM_PARAMS)

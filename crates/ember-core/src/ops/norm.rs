@@ -1,0 +1,180 @@
+//! Layer normalization as one fused op (PyTorch's `native_layer_norm` and
+//! `native_layer_norm_backward`): one kernel forward, which also saves each row's mean and
+//! `rstd = 1/√(var + eps)` in the math type (f32; f64 for f64 inputs), and one kernel backward
+//! for the input's gradient plus the parameters' (per-block partial sums and a small kernel
+//! adding them in order: deterministic). fp32 math inside, one rounding at the end.
+//!
+//! Policy: PyTorch's CUDA autocast lists `layer_norm` as fp32 (its line in
+//! `dispatch/policy.rs`): under autocast the input and parameters run in float32. Outside it,
+//! the weight and bias have the input's dtype or, for an f16/bf16 input, float32 (PyTorch's
+//! mixed-type kernels); both share one dtype.
+//!
+//! Backward runs under `no_grad` (ember has no double backward), so the backward kernel's
+//! results are plain tensors; the op saves x, mean, rstd and the weight.
+
+use crate::autograd::{self, SavedTensor};
+use crate::backend::LayerNormGrads;
+use crate::dispatch::{self, policy};
+use crate::{DType, Error, Result, Shape, Tensor};
+
+const OP: &str = "layer_norm";
+
+/// The parameters' dtype allowed with an input of dtype `x`: the same, or f32 for half inputs.
+fn param_ok(x: DType, p: DType) -> bool {
+    p == x || (p == DType::F32 && matches!(x, DType::F16 | DType::BF16))
+}
+
+impl Tensor {
+    /// Layer normalization over the last `normalized_shape.len()` dims, which must equal
+    /// `normalized_shape`: `(x - mean) / √(var + eps) · weight + bias` per row, with the biased
+    /// variance and optional elementwise `weight` and `bias` of shape `normalized_shape`
+    /// (`torch.nn.functional.layer_norm`). One fused kernel each way.
+    pub fn layer_norm(
+        &self,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        dispatch::composite_list(&policy::LAYER_NORM, &[Some(self), weight, bias], |ins| {
+            let [Some(x), w, b] = ins else {
+                return Err(Error::invalid(OP, "the input is missing"));
+            };
+            layer_norm_prepared(x, normalized_shape, w.as_ref(), b.as_ref(), eps)
+        })
+    }
+}
+
+fn check(
+    x: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<()> {
+    let k = normalized_shape.len();
+    if k == 0 || x.rank() < k || &x.dims()[x.rank() - k..] != normalized_shape {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "normalized_shape {normalized_shape:?} must be non-empty and equal the last dims of the input, got input shape {}",
+                x.shape()
+            ),
+        ));
+    }
+    if !x.dtype().is_floating_point() {
+        return Err(Error::UnsupportedDType {
+            op: OP,
+            dtype: x.dtype(),
+            hint: "it needs a floating point input; convert with .to_dtype(DType::F32) first",
+        });
+    }
+    for (name, t) in [("weight", weight), ("bias", bias)] {
+        if let Some(t) = t {
+            if t.dims() != normalized_shape {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{name} must have shape {normalized_shape:?}, got {}", t.shape()),
+                ));
+            }
+            if !param_ok(x.dtype(), t.dtype()) {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: x.dtype(),
+                    found: t.dtype(),
+                });
+            }
+        }
+    }
+    if let (Some(w), Some(b)) = (weight, bias) {
+        if w.dtype() != b.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: w.dtype(),
+                found: b.dtype(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn layer_norm_prepared(
+    x: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    check(x, normalized_shape, weight, bias)?;
+    let n: usize = normalized_shape.iter().product();
+    let rows = x.numel().checked_div(n).unwrap_or(0);
+    // The kernels read contiguous rows (as PyTorch's `X.expect_contiguous()`).
+    let xc = x.contiguous()?;
+    let wc = weight.map(Tensor::contiguous).transpose()?;
+    let bc = bias.map(Tensor::contiguous).transpose()?;
+    let (y, mean, rstd) = {
+        let xs = xc.storage().read();
+        let ws = wc.as_ref().map(|t| t.storage().read());
+        let bs = bc.as_ref().map(|t| t.storage().read());
+        let w = ws.as_deref().zip(wc.as_ref().map(Tensor::layout));
+        let b = bs.as_deref().zip(bc.as_ref().map(Tensor::layout));
+        xs.layer_norm(xc.layout(), w, b, n, eps)?
+    };
+    let y = Tensor::from_storage(y, x.shape().clone());
+    let mut inputs: Vec<&Tensor> = vec![x];
+    inputs.extend(weight);
+    inputs.extend(bias);
+    if !autograd::needs_grad(&inputs) {
+        return Ok(y);
+    }
+    let mean = Tensor::from_storage(mean, Shape::from([rows]));
+    let rstd = Tensor::from_storage(rstd, Shape::from([rows]));
+    let saved_x = SavedTensor::new(OP, &xc);
+    let saved_w = wc.as_ref().map(|w| SavedTensor::new(OP, w));
+    let (has_w, has_b) = (weight.is_some(), bias.is_some());
+    let (w_dtype, b_dtype) = (weight.map(Tensor::dtype), bias.map(Tensor::dtype));
+    let x_shape = x.shape().clone();
+    let param_shape: Vec<isize> = normalized_shape.iter().map(|&d| d as isize).collect();
+    Ok(autograd::record(
+        OP,
+        &inputs,
+        y,
+        move |g: &Tensor, needs: &[bool]| {
+            let x = saved_x.get()?;
+            let w = saved_w.as_ref().map(SavedTensor::get).transpose()?;
+            dispatch::check_devices(OP, &[x, g])?;
+            let g = g.to_dtype(x.dtype())?.contiguous()?;
+            let want = LayerNormGrads {
+                input: needs[0],
+                weight: w_dtype.filter(|_| has_w && needs[1]),
+                bias: b_dtype.filter(|_| has_b && needs[1 + has_w as usize]),
+            };
+            let [dx, dw, db] = {
+                let (gs, xs) = (g.storage().read(), x.storage().read());
+                let (ms, rs) = (mean.storage().read(), rstd.storage().read());
+                let ws = w.map(|t| t.storage().read());
+                let wl = w.map(Tensor::layout);
+                gs.layer_norm_backward(
+                    g.layout(),
+                    (&xs, x.layout()),
+                    &ms,
+                    &rs,
+                    ws.as_deref().zip(wl),
+                    n,
+                    want,
+                )?
+            };
+            let param = |s: Option<crate::storage::Storage>| -> Result<Option<Tensor>> {
+                s.map(|s| Tensor::from_storage(s, Shape::from([n])).reshape(&param_shape))
+                    .transpose()
+            };
+            let mut grads = vec![dx.map(|s| Tensor::from_storage(s, x_shape.clone()))];
+            if has_w {
+                grads.push(param(dw)?);
+            }
+            if has_b {
+                grads.push(param(db)?);
+            }
+            Ok(grads)
+        },
+    ))
+}

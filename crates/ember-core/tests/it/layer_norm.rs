@@ -1,0 +1,424 @@
+//! The fused kernels of issue 37: layer_norm (forward and backward) and GELU's backward, each
+//! against float64 values computed here by hand, in f32, bf16 and f16 on the CPU (and f64);
+//! gradient checks in f64; CUDA against the CPU on odd row lengths and non-contiguous inputs.
+
+use super::common::{assert_close_slice, cpu_vs_cuda, gpu, gradcheck, values};
+use ember_core::{DType, Device, Result, Tensor};
+
+/// Layer norm of `rows` rows of `n` in f64: (y, dx, dw, db) for output gradient `g`.
+fn reference(
+    x: &[f64],
+    w: Option<&[f64]>,
+    b: Option<&[f64]>,
+    g: &[f64],
+    n: usize,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    let (mut dw, mut db) = (vec![0.0; n], vec![0.0; n]);
+    for r in 0..x.len() / n {
+        let xr = &x[r * n..(r + 1) * n];
+        let gr = &g[r * n..(r + 1) * n];
+        let m = xr.iter().sum::<f64>() / n as f64;
+        let var = xr.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / n as f64;
+        let rs = 1.0 / (var + eps).sqrt();
+        let xh: Vec<f64> = xr.iter().map(|v| (v - m) * rs).collect();
+        let wc = |c: usize| w.map_or(1.0, |w| w[c]);
+        let dxh: Vec<f64> = (0..n).map(|c| gr[c] * wc(c)).collect();
+        let s1 = dxh.iter().sum::<f64>() / n as f64;
+        let s2 = dxh.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / n as f64;
+        for c in 0..n {
+            y[r * n + c] = xh[c] * wc(c) + b.map_or(0.0, |b| b[c]);
+            dx[r * n + c] = rs * (dxh[c] - s1 - xh[c] * s2);
+            dw[c] += gr[c] * xh[c];
+            db[c] += gr[c];
+        }
+    }
+    (y, dx, dw, db)
+}
+
+/// Tolerances of a result rounded once to `dtype` (and computed in f32 for the floats below
+/// f64), against float64 values of magnitude about 1.
+fn tol(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F64 => (1e-12, 1e-12),
+        DType::F32 => (1e-5, 1e-5),
+        DType::F16 => (2e-3, 2e-3),
+        _ => (1e-2, 1e-2),
+    }
+}
+
+/// The layer norm of x [rows, n] in `dtype` (parameters in `pdtype`) on `device`, forward and
+/// backward: (y, dx, dw, db) as f64 values, with the inputs rounded to their dtypes first.
+#[allow(clippy::type_complexity)]
+fn run(
+    device: Device,
+    dtype: DType,
+    pdtype: DType,
+    rows: usize,
+    n: usize,
+    affine: (bool, bool),
+) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, [Vec<f64>; 4])> {
+    let round = |v: Vec<f64>, d: DType| -> Result<Vec<f64>> {
+        Tensor::from_slice(&v, [v.len()], Device::Cpu)?
+            .to_dtype(d)?
+            .to_vec_f64()
+    };
+    let x = round(values(rows * n, 1).iter().map(|v| 3.0 * v + 0.5).collect(), dtype)?;
+    let g = round(values(rows * n, 2), dtype)?;
+    let w = round(values(n, 3).iter().map(|v| 1.0 + v).collect(), pdtype)?;
+    let b = round(values(n, 4), pdtype)?;
+    let tx = Tensor::from_slice(&x, [rows, n], device)?
+        .to_dtype(dtype)?
+        .requires_grad_(true)?;
+    let tw = Tensor::from_slice(&w, [n], device)?
+        .to_dtype(pdtype)?
+        .requires_grad_(true)?;
+    let tb = Tensor::from_slice(&b, [n], device)?
+        .to_dtype(pdtype)?
+        .requires_grad_(true)?;
+    let y = tx.layer_norm(&[n], affine.0.then_some(&tw), affine.1.then_some(&tb), 1e-5)?;
+    assert_eq!(y.dtype(), dtype);
+    let tg = Tensor::from_slice(&g, [rows, n], device)?.to_dtype(dtype)?;
+    y.backward_with(Some(&tg), false)?;
+    let grad = |t: &Tensor| -> Result<Vec<f64>> {
+        match t.grad() {
+            Some(g) => g.to_vec_f64(),
+            None => Ok(vec![]),
+        }
+    };
+    if affine.0 {
+        assert_eq!(tw.grad().unwrap().dtype(), pdtype);
+    }
+    Ok((y.to_vec_f64()?, grad(&tx)?, grad(&tw)?, grad(&tb)?, [x, w, b, g]))
+}
+
+#[test]
+fn layer_norm_matches_float64_in_every_float_dtype() {
+    let cases = [
+        (DType::F64, DType::F64),
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F32),
+    ];
+    for (dtype, pdtype) in cases {
+        for (rows, n) in [(3, 7), (2, 1), (5, 64), (1, 33)] {
+            for affine in [(true, true), (false, false), (true, false), (false, true)] {
+                let what = format!("{dtype}/{pdtype} [{rows}, {n}] affine {affine:?}");
+                let (y, dx, dw, db, [x, w, b, g]) = run(Device::Cpu, dtype, pdtype, rows, n, affine).unwrap();
+                let (ey, edx, edw, edb) = reference(
+                    &x,
+                    affine.0.then_some(&w[..]),
+                    affine.1.then_some(&b[..]),
+                    &g,
+                    n,
+                    1e-5,
+                );
+                let (rtol, atol) = tol(dtype);
+                // Rows of one element normalize to 0 (var 0): the input gradient is 0 too.
+                eprintln!("{what}");
+                assert_close_slice(&y, &ey, rtol, atol);
+                assert_close_slice(&dx, &edx, rtol, atol * 4.0);
+                if affine.0 {
+                    let (r, a) = tol(pdtype);
+                    assert_close_slice(&dw, &edw, r.max(rtol), a.max(atol) * rows as f64);
+                }
+                if affine.1 {
+                    let (r, a) = tol(pdtype);
+                    assert_close_slice(&db, &edb, r.max(rtol), a.max(atol) * rows as f64);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn layer_norm_over_several_dims_and_strided_inputs() {
+    // normalized_shape [3, 4] of a [2, 3, 4] input equals the rows of its [2, 12] view; a
+    // transposed (non-contiguous) input equals its contiguous copy.
+    let x = Tensor::from_slice(&values(24, 5), [2, 3, 4], Device::Cpu).unwrap();
+    let a = x.layer_norm(&[3, 4], None, None, 1e-5).unwrap();
+    let b = x
+        .reshape(&[2, 12])
+        .unwrap()
+        .layer_norm(&[12], None, None, 1e-5)
+        .unwrap();
+    assert_close_slice(&a.to_vec_f64().unwrap(), &b.to_vec_f64().unwrap(), 0.0, 0.0);
+    let t = x.transpose(0, 2).unwrap();
+    assert!(!t.is_contiguous());
+    let a = t.layer_norm(&[2], None, None, 1e-5).unwrap();
+    let b = t
+        .contiguous()
+        .unwrap()
+        .layer_norm(&[2], None, None, 1e-5)
+        .unwrap();
+    assert_close_slice(&a.to_vec_f64().unwrap(), &b.to_vec_f64().unwrap(), 0.0, 0.0);
+}
+
+#[test]
+fn layer_norm_refuses_bad_arguments_with_typed_errors() {
+    let x = Tensor::zeros([2, 4], DType::F32, Device::Cpu).unwrap();
+    assert!(x.layer_norm(&[3], None, None, 1e-5).is_err());
+    assert!(x.layer_norm(&[], None, None, 1e-5).is_err());
+    let w64 = Tensor::ones([4], DType::F64, Device::Cpu).unwrap();
+    assert!(
+        x.layer_norm(&[4], Some(&w64), None, 1e-5).is_err(),
+        "f64 weight on f32 x"
+    );
+    let w = Tensor::ones([3], DType::F32, Device::Cpu).unwrap();
+    assert!(x.layer_norm(&[4], Some(&w), None, 1e-5).is_err(), "weight shape");
+    let xi = Tensor::zeros([2, 4], DType::I64, Device::Cpu).unwrap();
+    assert!(xi.layer_norm(&[4], None, None, 1e-5).is_err(), "integer input");
+    // f32 parameters with a bf16 input are PyTorch's mixed type, but not f32 with f16 bias.
+    let xb = x.to_dtype(DType::BF16).unwrap();
+    let (wf, bh) = (
+        Tensor::ones([4], DType::F32, Device::Cpu).unwrap(),
+        Tensor::zeros([4], DType::BF16, Device::Cpu).unwrap(),
+    );
+    assert!(xb.layer_norm(&[4], Some(&wf), None, 1e-5).is_ok());
+    assert!(xb.layer_norm(&[4], Some(&wf), Some(&bh), 1e-5).is_err());
+}
+
+#[test]
+fn layer_norm_gradcheck_f64() {
+    let x = Tensor::from_slice(&values(15, 7), [3, 5], Device::Cpu).unwrap();
+    let w = Tensor::from_slice(&values(5, 8), [5], Device::Cpu).unwrap();
+    let b = Tensor::from_slice(&values(5, 9), [5], Device::Cpu).unwrap();
+    gradcheck(
+        |t| t[0].layer_norm(&[5], Some(&t[1]), Some(&t[2]), 1e-5),
+        &[x.clone(), w, b],
+    );
+    gradcheck(|t| t[0].layer_norm(&[5], None, None, 1e-5), &[x]);
+}
+
+/// GELU's derivative in f64: exact (erf) or tanh form.
+fn gelu_grad(g: f64, v: f64, tanh: bool) -> f64 {
+    use std::f64::consts::PI;
+    if tanh {
+        let (k, kappa) = ((2.0 / PI).sqrt(), 0.044715);
+        let t = (k * (v + kappa * v * v * v)).tanh();
+        g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k * (1.0 + 3.0 * kappa * v * v))
+    } else {
+        let cdf = 0.5 * (1.0 + libm::erf(v / 2f64.sqrt()));
+        g * (cdf + v * (-0.5 * v * v).exp() / (2.0 * PI).sqrt())
+    }
+}
+
+#[test]
+fn gelu_backward_matches_float64_in_every_float_dtype() {
+    for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+        for tanh in [false, true] {
+            let gv: Vec<f64> = values(257, 11);
+            let xv: Vec<f64> = values(257, 12).iter().map(|v| 4.0 * v).collect();
+            let g = Tensor::from_slice(&gv, [257], Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let x = Tensor::from_slice(&xv, [257], Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let out = if tanh {
+                g.gelu_tanh_backward(&x)
+            } else {
+                g.gelu_backward(&x)
+            }
+            .unwrap();
+            assert_eq!(out.dtype(), dtype);
+            let (gr, xr) = (g.to_vec_f64().unwrap(), x.to_vec_f64().unwrap());
+            let expected: Vec<f64> = gr.iter().zip(&xr).map(|(&a, &b)| gelu_grad(a, b, tanh)).collect();
+            let (rtol, atol) = tol(dtype);
+            assert_close_slice(&out.to_vec_f64().unwrap(), &expected, rtol, atol);
+            // The GELU's autograd takes the same kernel.
+            let xg = x.requires_grad_(true).unwrap();
+            let y = if tanh { xg.gelu_tanh() } else { xg.gelu() }.unwrap();
+            y.backward_with(Some(&g), false).unwrap();
+            assert_close_slice(
+                &xg.grad().unwrap().to_vec_f64().unwrap(),
+                &out.to_vec_f64().unwrap(),
+                0.0,
+                0.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn gelu_and_gelu_backward_gradcheck_f64() {
+    let x = Tensor::from_slice(
+        &values(9, 13).iter().map(|v| 3.0 * v).collect::<Vec<_>>(),
+        [9],
+        Device::Cpu,
+    )
+    .unwrap();
+    let g = Tensor::from_slice(&values(9, 14), [9], Device::Cpu).unwrap();
+    gradcheck(|t| t[0].gelu(), std::slice::from_ref(&x));
+    gradcheck(|t| t[0].gelu_tanh(), std::slice::from_ref(&x));
+    gradcheck(|t| t[0].gelu_backward(&t[1]), &[g.clone(), x.clone()]);
+    gradcheck(|t| t[0].gelu_tanh_backward(&t[1]), &[g, x]);
+}
+
+/// Layer norm forward and backward on `device`, as one tensor: y, dx, dw and db flattened.
+fn forward_backward(
+    device: Device,
+    x: &Tensor,
+    n: usize,
+    pdtype: DType,
+    affine: bool,
+    strided: bool,
+) -> Result<Tensor> {
+    let x = x.to(device)?.detach().requires_grad_(true)?;
+    let w = Tensor::from_slice(&values(n, 3), [n], device)?
+        .add_scalar(1.0)?
+        .to_dtype(pdtype)?;
+    let b = Tensor::from_slice(&values(n, 4), [n], device)?.to_dtype(pdtype)?;
+    let (w, b) = (w.requires_grad_(true)?, b.requires_grad_(true)?);
+    let xin = if strided {
+        // The same values through a non-contiguous view.
+        x.t()?.contiguous()?.t()?
+    } else {
+        x.clone()
+    };
+    let y = xin.layer_norm(&[n], affine.then_some(&w), affine.then_some(&b), 1e-5)?;
+    let g = Tensor::from_slice(&values(y.numel(), 2), y.dims(), device)?.to_dtype(y.dtype())?;
+    y.backward_with(Some(&g), false)?;
+    let mut parts = vec![
+        y.flatten(0, -1)?.to_dtype(DType::F64)?,
+        x.grad().unwrap().flatten(0, -1)?.to_dtype(DType::F64)?,
+    ];
+    if affine {
+        parts.push(w.grad().unwrap().to_dtype(DType::F64)?);
+        parts.push(b.grad().unwrap().to_dtype(DType::F64)?);
+    }
+    Tensor::cat(&parts, 0)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_layer_norm_matches_the_cpu() {
+    gpu();
+    let cases = [
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::F32, DType::F32),
+        (DType::F64, DType::F64),
+        (DType::BF16, DType::F32),
+    ];
+    for (dtype, pdtype) in cases {
+        // Odd lengths (scalar path), 768 (16-byte vectors), past one warp's shared sums.
+        for (rows, n) in [
+            (5, 1),
+            (9, 7),
+            (33, 768),
+            (7, 769),
+            (3, 4099),
+            (65, 256),
+            (2, 6200),
+        ] {
+            for (affine, strided) in [(true, false), (false, false), (true, true)] {
+                let x = Tensor::from_slice(&values(rows * n, 1), [rows, n], Device::Cpu)
+                    .unwrap()
+                    .mul_scalar(3.0)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let what =
+                    format!("layer_norm {dtype}/{pdtype} [{rows}, {n}] affine {affine} strided {strided}");
+                let (rtol, atol) = super::common::tolerance(dtype);
+                // The parameter gradients sum `rows` rounded terms: scale the absolute slack.
+                // f32 sums over a row of thousands in another order differ by ~1e-5.
+                let atol = match dtype {
+                    DType::F64 => 1e-10,
+                    DType::F32 => 1e-4,
+                    _ => atol * (rows as f64).sqrt() * 4.0,
+                };
+                cpu_vs_cuda(&what, rtol * 4.0, atol, |d| {
+                    forward_backward(d, &x, n, pdtype, affine, strided)
+                });
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_gelu_backward_matches_the_cpu() {
+    gpu();
+    for dtype in [DType::BF16, DType::F16, DType::F32, DType::F64] {
+        for tanh in [false, true] {
+            let (rtol, atol) = super::common::tolerance(dtype);
+            cpu_vs_cuda(&format!("gelu backward {dtype} tanh {tanh}"), rtol, atol, |d| {
+                let g = Tensor::from_slice(&values(4099, 1), [4099], d)?.to_dtype(dtype)?;
+                let x = Tensor::from_slice(&values(4099, 2), [4099], d)?
+                    .mul_scalar(4.0)?
+                    .to_dtype(dtype)?;
+                if tanh {
+                    g.gelu_tanh_backward(&x)
+                } else {
+                    g.gelu_backward(&x)
+                }
+            });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (NVRTC)"]
+fn cuda_norm_kernels_compile_with_nvrtc() {
+    use ember_core::cuda;
+    let units = cuda::Module::Norm.units();
+    cuda::compile_units(cuda::Module::Norm, &units, "sm_90").unwrap();
+    let units = cuda::Module::Elementwise.units();
+    let gelu: Vec<_> = units.into_iter().filter(|u| u.name.contains("gelu")).collect();
+    assert_eq!(gelu.len(), 8);
+    cuda::compile_units(cuda::Module::Elementwise, &gelu, "sm_90").unwrap();
+}
+
+/// The GPU time of the `layernorm_bf16` bench workload's step (LayerNorm(768) in bf16 on x
+/// [8192, 768], forward and backward with gradients accumulating), from the profiler's kernel
+/// records: what the kernels cost without the host (a debug test binary's host is slow).
+#[test]
+#[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
+fn cuda_layernorm_bf16_kernel_time() {
+    use ember_core::profiler::{self, ProfilerActivity};
+    let dev = gpu();
+    let (n, c) = (8192usize, 768usize);
+    let x = Tensor::randn([n, c], DType::BF16, dev)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let w = Tensor::ones([c], DType::BF16, dev)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let b = Tensor::zeros([c], DType::BF16, dev)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let g = Tensor::randn([n, c], DType::BF16, dev).unwrap();
+    let step = || {
+        let y = x.layer_norm(&[c], Some(&w), Some(&b), 1e-5).unwrap();
+        y.backward_with(Some(&g), false).unwrap();
+    };
+    for _ in 0..5 {
+        step();
+    }
+    ember_core::cuda::synchronize(0).unwrap();
+    let steps = 20;
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .start()
+        .unwrap();
+    for _ in 0..steps {
+        step();
+    }
+    ember_core::cuda::synchronize(0).unwrap();
+    prof.stop().unwrap();
+    let avg = prof.key_averages();
+    println!("{}", avg.table("cuda_time_total", 20).unwrap());
+    let us = avg.self_cuda_time_total_us() / steps as f64;
+    let gbs = 10.0 * (n * c) as f64 / (us * 1e-6) / 1e9;
+    println!("layernorm_bf16 GPU time a step: {us:.1} us = {gbs:.0} GB/s of the workload's 10 bytes/element");
+}
