@@ -471,7 +471,7 @@ fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
         loss.backward()?;
         opt.step()
     };
-    let mut step = |opt: &mut AdamW| -> Result<()> {
+    let step = |opt: &mut AdamW| -> Result<()> {
         opt.zero_grad()?;
         forward_backward_step(opt)
     };
@@ -615,7 +615,42 @@ fn layernorm_bf16(device: Device) -> Result<Map<String, Value>> {
 
 fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
-pub const WORKLOADS: [&str; 22] = [
+    let outcome =
+        match name {
+            "mlp_small" | "mlp_large" | "cnn" | "lstm" | "mlp_large_amp_bf16" | "mlp_large_amp_fp16" => {
+                training(name, device)
+            }
+            "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
+            "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
+            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name),
+            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
+                return Err("the multi-GPU workloads run on CUDA devices only".into())
+            }
+            "gpt2_124m_bf16" if gpu => gpt2(device, false),
+            "gpt2_124m_bf16_graph" if gpu => gpt2(device, true),
+            "sdpa_causal_bf16" if gpu => sdpa_causal(device),
+            "gpt2_124m_bf16" | "gpt2_124m_bf16_graph" | "sdpa_causal_bf16" => return Err(
+                "the transformer workloads run on CUDA devices only (GPT-2 124M is far too slow on a CPU)"
+                    .into(),
+            ),
+            "gpt2_124m_bf16_compiled" | "mlp_large_tf32" => {
+                return Err(
+                    "a PyTorch reference point (torch.compile, TF32 matmuls), not an ember workload".into(),
+                )
+            }
+            "matmul_bf16_8192" if gpu => matmul_bf16(device),
+            "add_f32_256M" if gpu => add_f32(device),
+            "h2d_pinned_1GiB" if gpu => h2d_pinned(device),
+            "op_overhead_add" if gpu => small_adds(device),
+            "matmul_bf16_8192" | "add_f32_256M" | "h2d_pinned_1GiB" | "op_overhead_add" => {
+                return Err("kernel workloads run on CUDA devices only".into())
+            }
+            // The fused kernels of issue 37.
+            "layernorm_bf16" if gpu => layernorm_bf16(device),
+            "layernorm_bf16" => return Err("kernel workloads run on CUDA devices only".into()),
+            _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
+            _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
+        };
     outcome.map_err(|e| e.to_string())
 }
 
