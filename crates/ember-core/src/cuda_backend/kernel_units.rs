@@ -187,6 +187,22 @@ impl Module {
                 units.extend(each(m, "non_finite_check_and_unscale", &FLOATS));
                 units.push(Unit::new(m, "update_scale"));
             }
+            Module::Loss => {
+                for d in FLOATS {
+                    units.extend(each(m, &format!("cross_entropy_{}", dtype_suffix(d)), &INDEX));
+                    units.extend(each(
+                        m,
+                        &format!("cross_entropy_backward_{}", dtype_suffix(d)),
+                        &INDEX,
+                    ));
+                }
+                units.extend(each(m, "cross_entropy_reduce", &FLOATS));
+            }
+        }
+        if m == Module::Index {
+            // The deterministic embedding backward (issue 37).
+            units.extend(each(m, "embedding_sort", &INDEX));
+            units.extend(each(m, "embedding_backward", &FLOATS));
         }
         units
     }

@@ -20,10 +20,11 @@ pub enum Module {
     Rnn,
     Optim,
     Amp,
+    Loss,
 }
 
 impl Module {
-    pub const ALL: [Module; 11] = [
+    pub const ALL: [Module; 12] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -35,6 +36,7 @@ impl Module {
         Module::Rnn,
         Module::Optim,
         Module::Amp,
+        Module::Loss,
     ];
 
     /// The file name without `.cu`.
@@ -51,6 +53,7 @@ impl Module {
             Module::Rnn => "rnn",
             Module::Optim => "optim",
             Module::Amp => "amp",
+            Module::Loss => "loss",
         }
     }
 
@@ -68,6 +71,7 @@ impl Module {
             Module::Rnn => include_str!("../../kernels/rnn.cu"),
             Module::Optim => include_str!("../../kernels/optim.cu"),
             Module::Amp => include_str!("../../kernels/amp.cu"),
+            Module::Loss => include_str!("../../kernels/loss.cu"),
         }
     }
 }
