@@ -255,27 +255,38 @@ fn ce_weights(weight: Option<&CpuStorage>, acc: DType, c: usize) -> Result<Optio
     }
 }
 
-/// The rows of logits `x` as f64, one row at a time (no f64 copy of the whole input).
-fn with_rows<R>(x: &CpuStorage, c: usize, mut f: impl FnMut(usize, &[f64]) -> R) -> Result<Vec<R>> {
-    fn go<T: CpuElement, R>(v: &[T], c: usize, f: &mut impl FnMut(usize, &[f64]) -> R) -> Vec<R> {
+/// The first `n` rows of `c` logits of `x` as f64, one row at a time (no f64 copy of the
+/// whole input; the storage may hold more than `n` rows).
+fn with_rows<R>(x: &CpuStorage, n: usize, c: usize, mut f: impl FnMut(usize, &[f64]) -> R) -> Result<Vec<R>> {
+    fn go<T: CpuElement, R>(
+        v: &[T],
+        n: usize,
+        c: usize,
+        f: &mut impl FnMut(usize, &[f64]) -> R,
+    ) -> Result<Vec<R>> {
+        if v.len() < n.saturating_mul(c) {
+            return Err(Error::invalid(
+                CE,
+                format!("{} logits for {n} rows of {c}", v.len()),
+            ));
+        }
         let mut row = vec![0.0f64; c];
-        v.chunks_exact(c.max(1))
-            .enumerate()
-            .map(|(i, r)| {
-                for (o, x) in row.iter_mut().zip(r) {
+        Ok((0..n)
+            .map(|i| {
+                for (o, x) in row.iter_mut().zip(&v[i * c..(i + 1) * c]) {
                     *o = x.to_f64();
                 }
                 f(i, &row)
             })
-            .collect()
+            .collect())
     }
-    Ok(match x {
-        CpuStorage::F32(v) => go(v, c, &mut f),
-        CpuStorage::F64(v) => go(v, c, &mut f),
-        CpuStorage::F16(v) => go(v, c, &mut f),
-        CpuStorage::BF16(v) => go(v, c, &mut f),
-        other => return Err(Error::dtype(CE, other.dtype())),
-    })
+    match x {
+        CpuStorage::F32(v) => go(v, n, c, &mut f),
+        CpuStorage::F64(v) => go(v, n, c, &mut f),
+        CpuStorage::F16(v) => go(v, n, c, &mut f),
+        CpuStorage::BF16(v) => go(v, n, c, &mut f),
+        other => Err(Error::dtype(CE, other.dtype())),
+    }
 }
 
 /// ln Σ exp(row) in f64; NaN if any value is NaN, -inf for a row of -inf (or no class).
@@ -306,7 +317,7 @@ impl CpuStorage {
         let w = ce_weights(weight, acc, c)?;
         let big_w = w.as_ref().map_or(c as f64, |w| w.iter().sum());
         let eps = p.label_smoothing;
-        let rows = with_rows(self, c, |i, row| {
+        let rows = with_rows(self, n, c, |i, row| {
             let lse = log_sum_exp(row);
             if t[i] == p.ignore_index {
                 return (lse, 0.0, 0.0);
@@ -353,6 +364,18 @@ impl CpuStorage {
         let t = targets_named(CE, target, n, c, p.ignore_index)?;
         let w = ce_weights(weight, acc, c)?;
         let (lse, total, g) = (float_values(lse)?, float_values(total)?, float_values(grad)?);
+        let per_row_len = if p.reduction == Reduction::None { n } else { 1 };
+        if lse.len() < n || total.len() < 2 || g.len() < per_row_len {
+            return Err(Error::invalid(
+                "cross_entropy_backward",
+                format!(
+                    "the saved values hold {} and {} elements and the gradient {}, for {n} rows",
+                    lse.len(),
+                    total.len(),
+                    g.len()
+                ),
+            ));
+        }
         let eps = p.label_smoothing;
         let per_row = p.reduction == Reduction::None;
         let divisor = if p.reduction == Reduction::Mean {
@@ -362,7 +385,7 @@ impl CpuStorage {
         };
         let big_w = total[1];
         let mut out = Vec::with_capacity(n * c);
-        with_rows(self, c, |i, row| {
+        with_rows(self, n, c, |i, row| {
             if t[i] == p.ignore_index {
                 out.extend(std::iter::repeat_n(0.0, c));
                 return;
@@ -394,6 +417,12 @@ impl CpuStorage {
         const OP: &str = "embedding_backward";
         let idx = targets_named(OP, index, n, rows, i64::MIN)?;
         check_host_alloc(OP, rows.saturating_mul(d), self.dtype())?;
+        if self.len() < n.saturating_mul(d) {
+            return Err(Error::invalid(
+                OP,
+                format!("{} gradient elements for {n} rows of {d}", self.len()),
+            ));
+        }
         // f32 sums round to T as the GPU's `cast<T>(float)` does (`half`'s from_f32, round to
         // nearest even), so both devices give the same bits.
         fn go<T: CpuElement>(

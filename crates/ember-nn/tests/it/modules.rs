@@ -1061,7 +1061,7 @@ fn a_tied_weight_is_one_parameter() {
     let after = m.wte.weight.to_vec_f64().unwrap();
     // Adam's first step moves each element by at most lr (by lr·sign(g) where g is large).
     let moved: Vec<f64> = before.iter().zip(&after).map(|(b, a)| (a - b).abs()).collect();
-    assert!(moved.iter().all(|&d| d <= 0.1 + 1e-9), "{moved:?}");
+    assert!(moved.iter().all(|&d| d <= 0.1 + 1e-6), "{moved:?}");
     assert!(moved.iter().any(|&d| d > 0.09), "{moved:?}");
     assert!(m.head.weight.is_same(&m.wte.weight));
 
