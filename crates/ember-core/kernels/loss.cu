@@ -25,6 +25,7 @@
 #define CE_NONE 0
 #define CE_SUM 1
 #define CE_MEAN 2
+#define CE_BATCH 4  // 16-byte vectors each thread loads at once
 
 __device__ __forceinline__ float ce_exp(float x) { return expf(x); }
 __device__ __forceinline__ double ce_exp(double x) { return exp(x); }
@@ -126,10 +127,19 @@ __device__ __forceinline__ void ce_row(const T* xr, i64 c, bool vec, One one, Pa
     }
     for (i64 j = threadIdx.x; j < head; j += blockDim.x) one(j, xr[j]);
     const CePack<T>* xp = (const CePack<T>*)(xr + head);
-    // Unrolled so that each thread has several 16-byte loads in flight (a 1024-thread block
-    // with one each would keep too few bytes moving to fill HBM's bandwidth).
-#pragma unroll 4
-    for (i64 k = threadIdx.x; k < body; k += blockDim.x) pack(head + k * K, xp[k]);
+    // CE_BATCH vectors loaded before any is used, so each thread keeps that many 16-byte loads
+    // in flight (one at a time leaves HBM idle: Note [Classifier launch]); the order in which
+    // `pack` sees them is the same as one at a time.
+    const i64 step = blockDim.x;
+    i64 k = threadIdx.x;
+    for (; k + (CE_BATCH - 1) * step < body; k += CE_BATCH * step) {
+        CePack<T> p[CE_BATCH];
+#pragma unroll
+        for (int u = 0; u < CE_BATCH; ++u) p[u] = xp[k + u * step];
+#pragma unroll
+        for (int u = 0; u < CE_BATCH; ++u) pack(head + (k + u * step) * K, p[u]);
+    }
+    for (; k < body; k += step) pack(head + k * K, xp[k]);
     for (i64 j = head + body * K + threadIdx.x; j < c; j += blockDim.x) one(j, xr[j]);
 }
 
