@@ -294,3 +294,132 @@ EMBER_FOR_ALL_DTYPES(EMBER_SCATTER_ADD_I64)
 EMBER_FOR_ALL_DTYPES(EMBER_SCATTER_ADD_I32)
 EMBER_FOR_FLOAT_DTYPES(EMBER_NLL_LOSS_I64)
 EMBER_FOR_FLOAT_DTYPES(EMBER_NLL_LOSS_I32)
+
+// ---- Deterministic embedding backward (Note [Deterministic embedding backward] in
+// `cuda_backend/index.rs`) ----
+// The weight gradient of a read of table rows at n indices: out[r, :] = Σ g[p, :] over the
+// positions p with idx[p] = r, in the order of p, accumulated in Acc<T> and written once
+// (rows never read get 0: no zero fill, no atomics).
+//   embedding_sort_<I>      one block of EMB_CHUNK threads per chunk of EMB_CHUNK positions:
+//                           the chunk's (index << 32 | position) keys sorted (bitonic, in
+//                           shared memory), so each chunk is a run sorted by index, then
+//                           position;
+//   embedding_backward_<T>  one warp per table row (grid-stride): the row's segment in each
+//                           run by binary search (lane b searches run b), then the segments'
+//                           gradient rows summed run by run, position by position;
+//                           EMB_COLS columns per lane at a time.
+#define EMB_CHUNK 1024
+#define EMB_COLS 8
+
+template <typename I> __device__ void emb_sort(const I* idx, i64 n, u64* keys) {
+    __shared__ u64 sk[EMB_CHUNK];
+    const i64 base = (i64)blockIdx.x * EMB_CHUNK;
+    for (int i = threadIdx.x; i < EMB_CHUNK; i += blockDim.x) {
+        const i64 p = base + i;
+        sk[i] = p < n ? ((u64)(i64)idx[p] << 32) | (u64)p : ~0ull;  // padding sorts last
+    }
+    __syncthreads();
+    for (int k = 2; k <= EMB_CHUNK; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < EMB_CHUNK; i += blockDim.x) {
+                const int o = i ^ j;
+                if (o > i) {
+                    const u64 a = sk[i], b = sk[o];
+                    if ((a > b) == ((i & k) == 0)) {
+                        sk[i] = b;
+                        sk[o] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < EMB_CHUNK; i += blockDim.x)
+        if (base + i < n) keys[base + i] = sk[i];
+}
+
+// The first position in keys[lo, hi) whose key is >= `key`.
+__device__ __forceinline__ i64 emb_lower_bound(const u64* keys, i64 lo, i64 hi, u64 key) {
+    while (lo < hi) {
+        const i64 m = (lo + hi) >> 1;
+        if (keys[m] < key) lo = m + 1;
+        else hi = m;
+    }
+    return lo;
+}
+
+// Lane l's segment of row r in run b0 + l (empty past the last run).
+__device__ __forceinline__ void emb_segment(const u64* keys, i64 n, i64 r, i64 b0, i64 nruns, i64& s, i64& e) {
+    const i64 b = b0 + (threadIdx.x & 31);
+    s = e = 0;
+    if (b < nruns) {
+        const i64 lo = b * EMB_CHUNK, hi = min(n, lo + EMB_CHUNK);
+        s = emb_lower_bound(keys, lo, hi, (u64)r << 32);
+        e = emb_lower_bound(keys, s, hi, (u64)(r + 1) << 32);
+    }
+}
+
+// Adds the gradient rows of the segments held by the warp's lanes (runs b0..b0+31, in order)
+// to `acc` (columns c0 + lane + 32 k).
+template <typename T>
+__device__ __forceinline__ void emb_add(const T* g, const u64* keys, i64 d, i64 c0, i64 s, i64 e, int runs,
+                                        typename Acc<T>::type (&acc)[EMB_COLS]) {
+    const int lane = threadIdx.x & 31;
+    for (int q = 0; q < runs; ++q) {
+        const i64 qs = __shfl_sync(0xffffffffu, s, q), qe = __shfl_sync(0xffffffffu, e, q);
+        for (i64 p = qs; p < qe; ++p) {
+            const T* gr = g + (i64)(keys[p] & 0xffffffffull) * d;
+#pragma unroll
+            for (int k = 0; k < EMB_COLS; ++k) {
+                const i64 col = c0 + lane + 32 * k;
+                if (col < d) acc[k] += load(gr[col]);
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void emb_backward(const T* g, const u64* keys, i64 n, i64 d, i64 rows, T* out) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = blockDim.x >> 5;
+    const i64 nruns = (n + EMB_CHUNK - 1) / EMB_CHUNK;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        i64 s = 0, e = 0;
+        if (nruns <= 32) emb_segment(keys, n, r, 0, nruns, s, e);  // once for every column
+        for (i64 c0 = 0; c0 < d; c0 += 32 * EMB_COLS) {
+            A acc[EMB_COLS];
+#pragma unroll
+            for (int k = 0; k < EMB_COLS; ++k) acc[k] = (A)0;
+            if (nruns <= 32) {
+                emb_add<T>(g, keys, d, c0, s, e, (int)nruns, acc);
+            } else {
+                for (i64 b0 = 0; b0 < nruns; b0 += 32) {
+                    emb_segment(keys, n, r, b0, nruns, s, e);
+                    emb_add<T>(g, keys, d, c0, s, e, (int)min((i64)32, nruns - b0), acc);
+                }
+            }
+            T* orow = out + r * d;
+#pragma unroll
+            for (int k = 0; k < EMB_COLS; ++k) {
+                const i64 col = c0 + lane + 32 * k;
+                if (col < d) orow[col] = cast<T>(acc[k]);
+            }
+        }
+    }
+}
+
+#define EMBER_EMB_SORT(I, iname)                                                                                 \
+    EMBER_IN_UNIT(embedding_sort_##iname,                                                                        \
+    extern "C" __global__ void embedding_sort_##iname EMBER_PARAMS_embedding_sort(I) {                           \
+        emb_sort<I>(idx, n, keys);                                                                               \
+    })
+EMBER_EMB_SORT(i64, i64)
+EMBER_EMB_SORT(i32, i32)
+
+#define EMBER_EMB_BACKWARD(T, name)                                                                              \
+    EMBER_IN_UNIT(embedding_backward_##name,                                                                     \
+    extern "C" __global__ void embedding_backward_##name EMBER_PARAMS_embedding_backward(T) {                    \
+        emb_backward<T>(g, keys, n, d, rows, out);                                                               \
+    })
+EMBER_FOR_FLOAT_DTYPES(EMBER_EMB_BACKWARD)

@@ -37,6 +37,8 @@ pub mod storage;
 pub mod tensor;
 
 pub use autograd::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled};
+/// How a loss reduces its per-row values (`reduction=`).
+pub use backend::Reduction;
 pub use cpu::threads::{get_num_threads, set_num_threads};
 pub use device::{Device, DeviceType};
 pub use dtype::{DType, Element, Scalar, ScalarKind};

@@ -155,12 +155,15 @@ impl<M: Module + ?Sized> Module for Box<M> {
 
 /// The methods PyTorch's `nn.Module` provides, for every [`Module`] (also `dyn Module`).
 pub trait ModuleExt: Module {
-    /// The parameters in the order of Note [Visit order] (`module.parameters()`).
+    /// The parameters in the order of Note [Visit order] (`module.parameters()`), each tensor
+    /// once (Note [Tied parameters]).
     fn parameters(&self) -> Vec<Tensor> {
         self.named_parameters().into_iter().map(|(_, t)| t).collect()
     }
 
-    /// The parameters with their dotted names (`module.named_parameters()`).
+    /// The parameters with their dotted names (`module.named_parameters()`); a tensor
+    /// registered under several names (a tied weight) is listed once, under its first name
+    /// (Note [Tied parameters]).
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         named_of_kind(self, TensorKind::Parameter)
     }
@@ -175,15 +178,9 @@ pub trait ModuleExt: Module {
         named_of_kind(self, TensorKind::Buffer)
     }
 
-    /// Total number of elements over all parameters.
+    /// Total number of elements over all parameters (a tied weight counted once).
     fn num_parameters(&self) -> usize {
-        let mut n = 0;
-        self.visit("", &mut |_, t, kind| {
-            if kind == TensorKind::Parameter {
-                n += t.numel();
-            }
-        });
-        n
+        self.parameters().iter().map(Tensor::numel).sum()
     }
 
     /// Switches to training mode (`module.train()`); `&self` is enough (see [`Training`]).
@@ -221,9 +218,15 @@ pub trait ModuleExt: Module {
                 hint: "modules can only be cast to floating point dtypes",
             });
         }
+        // A tied tensor (visited under each of its names) is converted once and stays tied.
+        let mut done: Vec<(Tensor, Tensor)> = Vec::new();
         self.visit_mut("", &mut |_, t, _| {
-            if t.dtype().is_floating_point() && t.dtype() != dtype {
-                *t = convert(t, |x| x.to_dtype(dtype))?;
+            if let Some((_, new)) = done.iter().find(|(old, _)| old.is_same(t)) {
+                *t = new.clone();
+            } else if t.dtype().is_floating_point() && t.dtype() != dtype {
+                let new = convert(t, |x| x.to_dtype(dtype))?;
+                done.push((t.clone(), new.clone()));
+                *t = new;
             }
             Ok(())
         })
@@ -261,11 +264,18 @@ pub trait ModuleExt: Module {
 
 impl<M: Module + ?Sized> ModuleExt for M {}
 
-/// The tensors of `kind` with their names.
+/// The tensors of `kind` with their names, each tensor once.
+///
+/// Note [Tied parameters]: a model may register one tensor under two names (GPT-2's
+/// `lm_head.weight = transformer.wte.weight`). PyTorch's `named_parameters()` and
+/// `named_buffers()` list it once (`remove_duplicate=True`, by object identity), so an
+/// optimizer steps it once with the sum of both uses' gradients. Identity here is
+/// [`Tensor::is_same`] (clones of one handle); a view or a detached copy of a parameter is
+/// another tensor, as in PyTorch. `state_dict()` keeps every name, as PyTorch's does.
 fn named_of_kind<M: Module + ?Sized>(m: &M, kind: TensorKind) -> Vec<(String, Tensor)> {
-    let mut out = Vec::new();
+    let mut out: Vec<(String, Tensor)> = Vec::new();
     m.visit("", &mut |name, t, k| {
-        if k == kind {
+        if k == kind && !out.iter().any(|(_, seen)| seen.is_same(t)) {
             out.push((name.to_owned(), t.clone()));
         }
     });

@@ -21,7 +21,7 @@ static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mut
 const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 22] = [
+pub const WORKLOADS: [&str; 23] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -34,6 +34,7 @@ pub const WORKLOADS: [&str; 22] = [
     "gpt2_124m_bf16_graph",
     "sdpa_causal_bf16",
     "layernorm_bf16",
+    "cross_entropy_50304",
     "matmul_bf16_8192",
     "add_f32_256M",
     "h2d_pinned_1GiB",
@@ -613,6 +614,30 @@ fn layernorm_bf16(device: Device) -> Result<Map<String, Value>> {
     Ok(row("layernorm_bf16", &t, 1.0, json!({ "gb_per_s": gbs })))
 }
 
+/// `run_cross_entropy` of the reference: mean cross-entropy of bf16 logits [8192, 50304]
+/// (requires grad) against int64 targets, the loss in fp32, forward and backward. PyTorch's
+/// step is `F.cross_entropy(logits.float(), y).backward()`; ember's is the same loss as
+/// autocast computes it (cross_entropy is on the fp32 list): the fused classifier reads the
+/// bf16 logits, computes in f32 inside and gives an f32 loss, without the f32 copy. The
+/// gradient is released before each step (`zero_grad(set_to_none=True)`, as a training loop
+/// does), so each step writes it once; the reference's loop accumulates into it instead.
+fn cross_entropy_50304(device: Device) -> Result<Map<String, Value>> {
+    let (n, v) = (8192usize, 50304usize);
+    let logits = Tensor::randn([n, v], DType::BF16, device)?.requires_grad_(true)?;
+    let y = Tensor::randint(0, v as i64, [n], device)?;
+    let t = time_steps(device, 3, 20, 5, || {
+        logits.set_grad(None)?;
+        let loss = {
+            let _ac = ember::amp::autocast(device.device_type(), DType::BF16)?;
+            ember::nn::functional::cross_entropy(&logits, &y)?
+        };
+        debug_assert_eq!(loss.dtype(), DType::F32);
+        loss.backward()
+    })?;
+    let gbs = 2.0 * 2.0 * (n * v) as f64 / (t.median * 1e-3) / 1e9;
+    Ok(row("cross_entropy_50304", &t, 1.0, json!({ "gb_per_s": gbs })))
+}
+
 fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
     let outcome =
@@ -648,6 +673,8 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
             // The fused kernels of issue 37.
             "layernorm_bf16" if gpu => layernorm_bf16(device),
             "layernorm_bf16" => return Err("kernel workloads run on CUDA devices only".into()),
+            "cross_entropy_50304" if gpu => cross_entropy_50304(device),
+            "cross_entropy_50304" => return Err("kernel workloads run on CUDA devices only".into()),
             _ if WORKLOADS.contains(&name) => return Err("not implemented yet in ember bench".into()),
             _ => return Err(format!("unknown workload; known: {}", WORKLOADS.join(", "))),
         };

@@ -37,6 +37,7 @@ pub use op::{
     BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PhiloxState, PoolMode, ReduceOp, RngState, ScatterOp,
     SoftmaxOp, UnaryOp,
 };
+pub use op::{CrossEntropyParams, Reduction};
 pub use step::{
     AdamStep, AdamTensor, Elems, ForeachCopy, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate,
     SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
@@ -201,6 +202,14 @@ pub trait IndexOps: Sized {
     ) -> Result<Self>;
     /// int64 one-hot rows of the class indices, and the number of classes used.
     fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(Self, usize)>;
+
+    /// The `[rows, d]` gradient of a table read at `index` along dim 0 (embedding's weight,
+    /// index_select's source) from the contiguous `[n, d]` gradient `self` of the rows read and
+    /// the contiguous `[n]` indices (int64 or int32, checked in range by the read): each row
+    /// the sum of the gradient rows read from it, accumulated in f32 (f64 for f64) in the order
+    /// of the positions and rounded once; rows never read are 0. Deterministic: the same bits
+    /// on every run (Note [Deterministic embedding backward] in `cuda_backend/index.rs`).
+    fn embedding_backward(&self, index: &Self, n: usize, d: usize, rows: usize) -> Result<Self>;
 }
 
 /// Softmax and log-softmax along a dim.
@@ -252,6 +261,36 @@ pub trait LossOps: Sized {
         mc: (usize, usize),
         ignore_index: i64,
         mean: bool,
+    ) -> Result<Self>;
+
+    /// The fused classifier (Note [Classifier in fp32] in `ops/loss.rs`): cross-entropy of the
+    /// contiguous `[n, c]` logit rows `self` (any float dtype) at the `[n]` class indices
+    /// `target` (int64 or int32), with the optional `[c]` class `weight` and the `[2]` results
+    /// in the accumulation dtype `A` (f64 for f64 logits, else f32). Returns `(loss, lse,
+    /// total)`: the loss in `p.out_dtype` (`[n]` per row for `Reduction::None`, else one
+    /// element), each row's log-sum-exp (`[n]` of `A`) and `total = [Σ w[t], Σ_c w[c]]` (`A`;
+    /// the first over the counted rows: the mean's divisor). Rows whose target is
+    /// `ignore_index` count for nothing; another target outside `0..c` is an
+    /// [`crate::Error::IndexOutOfRange`] of `cross_entropy` (on a GPU reported at the next
+    /// synchronizing call, the row counting for nothing). Reductions in a fixed order.
+    fn cross_entropy_forward(
+        &self,
+        target: &Self,
+        weight: Option<&Self>,
+        p: &CrossEntropyParams,
+    ) -> Result<(Self, Self, Self)>;
+    /// The `[n, c]` gradient of that loss in the logits' dtype, from the logits `self`, the
+    /// forward's `lse` and `total`, and the loss's gradient `grad` (`A`, `[n]` for
+    /// `Reduction::None`, else one element), in one pass over the logits.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_backward(
+        &self,
+        target: &Self,
+        weight: Option<&Self>,
+        lse: &Self,
+        total: &Self,
+        grad: &Self,
+        p: &CrossEntropyParams,
     ) -> Result<Self>;
 }
 

@@ -474,3 +474,54 @@ pub struct LayerNormGrads {
     pub weight: Option<DType>,
     pub bias: Option<DType>,
 }
+
+/// How a loss reduces its per-row values (`reduction=` in PyTorch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// Per-row losses, shaped as the target.
+    None,
+    /// The (weighted) mean over the rows.
+    #[default]
+    Mean,
+    /// The sum over the rows.
+    Sum,
+}
+
+impl Reduction {
+    /// PyTorch's string for this reduction (`"none"`, `"mean"`, `"sum"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Reduction::None => "none",
+            Reduction::Mean => "mean",
+            Reduction::Sum => "sum",
+        }
+    }
+
+    /// Parses PyTorch's reduction strings.
+    pub fn parse(s: &str) -> crate::Result<Reduction> {
+        match s {
+            "none" => Ok(Reduction::None),
+            "mean" => Ok(Reduction::Mean),
+            "sum" => Ok(Reduction::Sum),
+            other => Err(crate::Error::invalid(
+                "reduction",
+                format!("{other:?} is not a valid value for reduction; use \"none\", \"mean\" or \"sum\""),
+            )),
+        }
+    }
+}
+
+/// The fused classifier's problem (`LossOps::cross_entropy_forward`): `n` rows of `c` logits
+/// against class indices, PyTorch's `F.cross_entropy` arguments, and the loss's dtype.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CrossEntropyParams {
+    pub n: usize,
+    pub c: usize,
+    pub ignore_index: i64,
+    /// In `[0, 1]`.
+    pub label_smoothing: f64,
+    pub reduction: Reduction,
+    /// The loss's dtype: the logits' own, or f32 for f16/bf16 logits under autocast (read
+    /// as if upcast, Note [Classifier in fp32] in `ops/loss.rs`).
+    pub out_dtype: crate::DType,
+}

@@ -354,6 +354,10 @@ impl IndexOps for CpuStorage {
     fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CpuStorage, usize)> {
         CpuStorage::one_hot(self, layout, num_classes)
     }
+
+    fn embedding_backward(&self, index: &CpuStorage, n: usize, d: usize, rows: usize) -> Result<CpuStorage> {
+        self.embedding_backward_cpu(index, n, d, rows)
+    }
 }
 
 /// Elements of `layout` with `dim` replaced by `len` (an index op's output), checked.

@@ -206,6 +206,22 @@ impl Module {
                 }
                 units.extend(each(m, "layer_norm_backward_params", &FLOATS));
             }
+            Module::Loss => {
+                for d in FLOATS {
+                    units.extend(each(m, &format!("cross_entropy_{}", dtype_suffix(d)), &INDEX));
+                    units.extend(each(
+                        m,
+                        &format!("cross_entropy_backward_{}", dtype_suffix(d)),
+                        &INDEX,
+                    ));
+                }
+                units.extend(each(m, "cross_entropy_reduce", &FLOATS));
+            }
+        }
+        if m == Module::Index {
+            // The deterministic embedding backward (issue 37).
+            units.extend(each(m, "embedding_sort", &INDEX));
+            units.extend(each(m, "embedding_backward", &FLOATS));
         }
         units
     }

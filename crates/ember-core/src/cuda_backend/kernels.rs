@@ -21,6 +21,7 @@ pub enum Module {
     Optim,
     Amp,
     Norm,
+    Loss,
 }
 
 impl Module {
@@ -37,6 +38,7 @@ impl Module {
         Module::Optim,
         Module::Amp,
         Module::Norm,
+        Module::Loss,
     ];
 
     /// The file name without `.cu`.
@@ -54,6 +56,7 @@ impl Module {
             Module::Optim => "optim",
             Module::Amp => "amp",
             Module::Norm => "norm",
+            Module::Loss => "loss",
         }
     }
 
@@ -72,6 +75,7 @@ impl Module {
             Module::Optim => include_str!("../../kernels/optim.cu"),
             Module::Amp => include_str!("../../kernels/amp.cu"),
             Module::Norm => include_str!("../../kernels/norm.cu"),
+            Module::Loss => include_str!("../../kernels/loss.cu"),
         }
     }
 }

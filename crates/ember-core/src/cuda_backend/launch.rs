@@ -712,6 +712,67 @@ kernels! {
         /// dw and db (`n` each, when given) summed in order over the `blocks` rows of `partial`.
         layer_norm_backward_params<W, A>(partial: In<A>, blocks: i64, n: i64, dw: OptOut<W>, db: OptOut<W>);
     }
+    Loss {
+        /// The fused classifier's forward (`loss.cu`): one block per row of the contiguous
+        /// `[n, c]` logits x (grid-stride over rows, blockDim.x a multiple of 32, at most 1024):
+        /// `lse[r]`, `row_loss[r]` and `row_weight[r]` (w[t], 0 for a row not counted) in A =
+        /// Acc<T>; `weight` null means every class weighs 1; records the first target outside
+        /// `[0, c)` other than `ignore_index` (that row counts for nothing).
+        cross_entropy<T, I, A>(
+            x: In<T>,
+            target: In<I>,
+            weight: OptIn<A>,
+            n: i64,
+            c: i64,
+            ignore_index: i64,
+            smoothing: f64,
+            lse: Out<A>,
+            row_loss: Out<A>,
+            row_weight: Out<A>,
+            check: ErrorCheck,
+        );
+        /// One block (blockDim.x a multiple of 32): `total = [Σ row_weight, Σ_c weight[c]]` and
+        /// the loss in O (`mode` 0 `none`: `out[r]` per row; 1 the sum; 2 the sum over
+        /// total[0]), A = Acc<O>, in a fixed order.
+        cross_entropy_reduce<O, A>(
+            row_loss: In<A>,
+            row_weight: In<A>,
+            weight: OptIn<A>,
+            n: i64,
+            c: i64,
+            mode: i32,
+            out: Out<O>,
+            total: Out<A>,
+        );
+        /// The gradient `grad` (`[n, c]` T, every element written) from the logits, the
+        /// forward's `lse` and `total`, and the loss gradient `g` (A, at `r * g_stride`);
+        /// one block per row as the forward.
+        cross_entropy_backward<T, I, A>(
+            x: In<T>,
+            target: In<I>,
+            weight: OptIn<A>,
+            lse: In<A>,
+            total: In<A>,
+            g: In<A>,
+            g_stride: i64,
+            n: i64,
+            c: i64,
+            ignore_index: i64,
+            smoothing: f64,
+            mode: i32,
+            grad: Out<T>,
+        );
+    }
+    Index {
+        /// Deterministic embedding backward, first pass (`index.cu`): one block of 1024
+        /// threads per 1024 positions writes its chunk of `keys` (`n`, u64) as
+        /// `idx[p] << 32 | p` sorted ascending.
+        embedding_sort<I>(idx: In<I>, n: i64, keys: Out<u64>);
+        /// Second pass: `out` (`[rows, d]`, every element written) row r = Σ g[p, :] over the
+        /// positions in `keys` with index r, in position order, in Acc<T>; one warp per row,
+        /// grid-stride, blockDim.x a multiple of 32.
+        embedding_backward<T>(g: In<T>, keys: In<u64>, n: i64, d: i64, rows: i64, out: Out<T>);
+    }
 }
 
 #[cfg(test)]

@@ -269,3 +269,31 @@ pub(crate) fn call_list<T>(
     let _scope = observer::Scope::enter(op, device, &prepared);
     body(&prepared)
 }
+
+/// Steps 1–4 for an `Fp32` op whose kernel reads f16/bf16 operands and computes in f32 inside
+/// (the fused classifier, Note [Classifier in fp32] in `ops/loss.rs`), then `body` on the
+/// prepared list and whether its result must be f32: under autocast the first operand is not
+/// cast (the kernel reads it as if upcast, without the copy) and `body` gets `true` when that
+/// operand is f16 or bf16; the other operands are cast as the policy says. Without autocast,
+/// as [`call_list`].
+pub(crate) fn call_list_fp32_inside<T>(
+    op: &'static Op,
+    inputs: &[&Tensor],
+    body: impl FnOnce(&[Tensor], bool) -> Result<T>,
+) -> Result<T> {
+    crate::memory::set_current_op(op.name);
+    let device = check_devices(op.name, inputs)?;
+    settle_copies(op, inputs)?;
+    let mut prepared: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+    let casting = op.autocast == CastPolicy::Fp32 && crate::amp::active_dtype(device.device_type()).is_some();
+    let f32_result = casting
+        && prepared
+            .first()
+            .is_some_and(|t| matches!(t.dtype(), DType::F16 | DType::BF16));
+    if casting && prepared.len() > 1 {
+        autocast::apply(op, device, &mut prepared[1..])?;
+    }
+    promote(op, &mut prepared)?;
+    let _scope = observer::Scope::enter(op, device, &prepared);
+    body(&prepared, f32_result)
+}

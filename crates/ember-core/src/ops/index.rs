@@ -11,6 +11,7 @@
 //! ([`ScatterOp`]: a copy of `self` receives `src` at the indices). All writes are out of place.
 
 use super::binary::same_device;
+use super::conv::packed;
 use crate::autograd::{self, SavedTensor};
 use crate::dispatch::{self, policy};
 use crate::dtype::Scalar;
@@ -118,9 +119,29 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
     let idx = SavedTensor::new(op, index);
     let shape = x.shape().clone();
     Ok(autograd::record(op, &[x], out, move |g, _| {
+        if d == 0 && g.dtype().is_floating_point() {
+            return Ok(vec![Some(rows_backward(g, idx.get()?, &shape)?)]);
+        }
         let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
         Ok(vec![Some(z.index_add(d as isize, idx.get()?, g)?)])
     }))
+}
+
+/// The gradient of a read of whole rows (`index_select` along dim 0, `embedding`) from the
+/// gradient `g` of the rows read: each row of the table the sum of the gradient rows read
+/// from it, in the order of the positions, accumulated in f32 (f64 for f64) and written once:
+/// deterministic, no zero fill, no atomics (Note [Deterministic embedding backward] in
+/// `cuda_backend/index.rs`).
+fn rows_backward(g: &Tensor, index: &Tensor, shape: &Shape) -> Result<Tensor> {
+    let rows = shape.dims()[0];
+    let n = index.numel();
+    let d: usize = shape.dims()[1..].iter().product();
+    let (g, i) = (packed(g)?, packed(index)?);
+    let storage = {
+        let (sg, si) = (g.storage().read(), i.storage().read());
+        sg.embedding_backward(&si, n, d, rows)?
+    };
+    Ok(Tensor::from_storage(storage, shape.clone()))
 }
 
 /// Rank and size checks shared by gather and the scatters: `index` has `x`'s rank, fits in

@@ -18,6 +18,7 @@
 //! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
 //! registration belongs to the host buffer).
 
+use crate::backend::CrossEntropyParams;
 use crate::backend::{
     AdamStep, AdamTensor, AmpOps, AttentionOps, BackendDevice, BinaryOp, CmpOp, ConvOps, ConvParams, CopyOps,
     Distribution, ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LogicalOp, LossOps,
@@ -1150,6 +1151,68 @@ impl Storage {
                 run::<CudaStorage>(self, layout, x, mean, rstd, weight, n, want, Storage::Cuda)
             }
         }
+    }
+}
+
+/// The fused classifier and the deterministic embedding backward (issue 37): forwarding to
+/// `LossOps` and `IndexOps`.
+impl Storage {
+    /// `(loss, lse, total)` of the contiguous `[n, c]` logits `self` at `target`
+    /// (`LossOps::cross_entropy_forward`).
+    pub(crate) fn cross_entropy_forward(
+        &self,
+        target: &Storage,
+        weight: Option<&Storage>,
+        p: &CrossEntropyParams,
+    ) -> Result<(Storage, Storage, Storage)> {
+        let (x, t) = (self, target);
+        match weight {
+            None => on_backend!("cross_entropy", (x, t), wrap => {
+                let (l, lse, tw) = LossOps::cross_entropy_forward(x, t, None, p)?;
+                Ok((wrap(l), wrap(lse), wrap(tw)))
+            }),
+            Some(w) => on_backend!("cross_entropy", (x, t, w), wrap => {
+                let (l, lse, tw) = LossOps::cross_entropy_forward(x, t, Some(w), p)?;
+                Ok((wrap(l), wrap(lse), wrap(tw)))
+            }),
+        }
+    }
+
+    /// The `[n, c]` gradient of that loss (`LossOps::cross_entropy_backward`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn cross_entropy_backward(
+        &self,
+        target: &Storage,
+        weight: Option<&Storage>,
+        lse: &Storage,
+        total: &Storage,
+        grad: &Storage,
+        p: &CrossEntropyParams,
+    ) -> Result<Storage> {
+        let (x, t, l, tw, g) = (self, target, lse, total, grad);
+        match weight {
+            None => on_backend!("cross_entropy_backward", (x, t, l, tw, g), wrap => {
+                Ok(wrap(LossOps::cross_entropy_backward(x, t, None, l, tw, g, p)?))
+            }),
+            Some(w) => on_backend!("cross_entropy_backward", (x, t, l, tw, g, w), wrap => {
+                Ok(wrap(LossOps::cross_entropy_backward(x, t, Some(w), l, tw, g, p)?))
+            }),
+        }
+    }
+
+    /// The `[rows, d]` gradient of a table read at the contiguous `[n]` `index` along dim 0,
+    /// from the contiguous `[n, d]` gradient `self` (`IndexOps::embedding_backward`).
+    pub(crate) fn embedding_backward(
+        &self,
+        index: &Storage,
+        n: usize,
+        d: usize,
+        rows: usize,
+    ) -> Result<Storage> {
+        let (g, i) = (self, index);
+        on_backend!("embedding_backward", (g, i), wrap => {
+            Ok(wrap(IndexOps::embedding_backward(g, i, n, d, rows)?))
+        })
     }
 }
 

@@ -212,6 +212,12 @@ impl Tensor {
         self.storage().read().address() + offset
     }
 
+    /// True when both are handles of one tensor (Python's `a is b` on tensors): clones of a
+    /// handle are the same tensor; a view or a detached handle of it is another.
+    pub fn is_same(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// True when both tensors view the same storage (views alias each other).
     pub fn shares_storage_with(&self, other: &Tensor) -> bool {
         self.0.storage.same_storage(&other.0.storage)

@@ -68,6 +68,7 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("is_contiguous", "an accessor"),
     ("data_ptr", "an accessor"),
     ("shares_storage_with", "an accessor"),
+    ("is_same", "an accessor (identity of two handles)"),
     ("version", "an accessor"),
     ("is_pinned", "an accessor"),
     ("is_leaf", "an accessor"),
@@ -495,6 +496,9 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
                 let q = x()?.unsqueeze(0)?.unsqueeze(0)?;
                 attention::scaled_dot_product_cudnn_attention(&q, &q, &q, true, 0.5).map(drop)
             }),
+            "cross_entropy_loss",
+            "cross_entropy",
+            run(move || x()?.cross_entropy_loss(&idx()?, None, ember_core::Reduction::Mean, -100, 0.0)),
         ),
         // Products, convolution, pooling, the LSTM recurrence.
         ("matmul", "matmul", run(|| x()?.matmul(&x()?.t()?))),

@@ -11,6 +11,7 @@ mod checkpoint;
 mod comm;
 mod conformance;
 mod conv;
+mod cross_entropy;
 mod cuda;
 mod cuda_attention;
 mod cuda_capture;

@@ -4,49 +4,19 @@
 //! Class-index losses flatten `[N, C, d1, ..]` inputs to `[M, C]` rows (class dim last) and
 //! pick each row's target log-probability with one `gather`; ignored targets (and the class
 //! weights) enter as a per-row weight, so `mean` is PyTorch's weighted mean
-//! `Σ wᵢ lossᵢ / Σ wᵢ` over the non-ignored rows. Cross-entropy is `log_softmax` followed by
-//! that; a fused kernel would compute the loss and its gradient (`softmax - one_hot`) without
-//! keeping the `[M, C]` log-probabilities.
+//! `Σ wᵢ lossᵢ / Σ wᵢ` over the non-ignored rows. Cross-entropy of `[N, C]` logits against
+//! class indices is ember-core's fused classifier ([`Tensor::cross_entropy_loss`]: the loss
+//! and its gradient `softmax - one_hot` in one pass each over the logits, computed in f32
+//! inside, never keeping the `[N, C]` log-probabilities); its other forms are `log_softmax`
+//! followed by the class-index loss.
 
 use super::idims;
 use ember_core::dispatch::{self, policy};
 use ember_core::{DType, Error, Result, Tensor};
 
-/// How a loss reduces its per-element values (`reduction=` in PyTorch).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Reduction {
-    /// Per-element losses, shaped as the target.
-    None,
-    /// The (weighted) mean over the elements.
-    #[default]
-    Mean,
-    /// The sum over the elements.
-    Sum,
-}
-
-impl Reduction {
-    /// PyTorch's string for this reduction (`"none"`, `"mean"`, `"sum"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Reduction::None => "none",
-            Reduction::Mean => "mean",
-            Reduction::Sum => "sum",
-        }
-    }
-
-    /// Parses PyTorch's reduction strings.
-    pub fn parse(s: &str) -> Result<Reduction> {
-        match s {
-            "none" => Ok(Reduction::None),
-            "mean" => Ok(Reduction::Mean),
-            "sum" => Ok(Reduction::Sum),
-            other => Err(Error::invalid(
-                "reduction",
-                format!("{other:?} is not a valid value for reduction; use \"none\", \"mean\" or \"sum\""),
-            )),
-        }
-    }
-}
+/// How a loss reduces its per-element values (`reduction=` in PyTorch): ember-core's, where
+/// the fused losses live.
+pub use ember_core::Reduction;
 
 /// `loss` reduced by `reduction`, the mean over all elements.
 fn reduce(loss: Tensor, reduction: Reduction) -> Result<Tensor> {
@@ -280,6 +250,12 @@ pub fn cross_entropy_with(
         reduction,
         label_smoothing,
     } = options;
+    // `[N, C]` logits and `[N]` class indices: the fused classifier, which enters the dispatch
+    // point as `cross_entropy` itself (f32 inside under autocast, without the upcast copy).
+    let class_rows = input.rank() == 2 && target.rank() == 1 && target.dims()[0] == input.dims()[0];
+    if class_rows && matches!(target.dtype(), DType::I64 | DType::I32) && input.dtype().is_floating_point() {
+        return input.cross_entropy_loss(target, weight, reduction, ignore_index, label_smoothing);
+    }
     dispatch::composite_list(
         &policy::CROSS_ENTROPY,
         &[Some(input), Some(target), weight],

@@ -1016,3 +1016,59 @@ fn manual_seed_makes_models_reproducible() {
     assert!(same, "the same seed gives the same model");
     assert_ne!(build(1), build(2));
 }
+
+/// GPT-2's weight tying: the head's weight is the token embedding's tensor, registered twice.
+#[derive(Module)]
+struct Tied {
+    wte: Embedding,
+    head: Linear,
+}
+
+fn tied() -> Tied {
+    let wte = Embedding::new(11, 4, CPU).unwrap();
+    let mut head = Linear::new(4, 11, CPU).unwrap();
+    head.weight = wte.weight.clone();
+    Tied { wte, head }
+}
+
+#[test]
+fn a_tied_weight_is_one_parameter() {
+    use ember_nn::optim::Optimizer;
+    let m = tied();
+    let names: Vec<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
+    // PyTorch's `remove_duplicate=True`: listed once, under its first name.
+    assert_eq!(names, ["wte.weight", "head.bias"]);
+    assert_eq!(m.parameters().len(), 2);
+    assert_eq!(m.num_parameters(), 11 * 4 + 11);
+    // The state dict keeps both names, as PyTorch's.
+    assert_eq!(m.state_dict().len(), 3);
+    // A detached handle of the same storage is another tensor.
+    assert!(m.wte.weight.is_same(&m.head.weight));
+    assert!(!m.wte.weight.is_same(&m.wte.weight.detach()));
+
+    // AdamW steps the tied weight once, with the sum of both uses' gradients.
+    let x = Tensor::from_slice(&[1i64, 4, 4, 9], [4], CPU).unwrap();
+    let y = Tensor::from_slice(&[2i64, 4, 0, 9], [4], CPU).unwrap();
+    let before = m.wte.weight.to_vec_f64().unwrap();
+    let logits = m.head.forward(&m.wte.forward(&x).unwrap()).unwrap();
+    F::cross_entropy(&logits, &y).unwrap().backward().unwrap();
+    let config = optim::AdamConfig {
+        lr: 0.1,
+        ..optim::AdamConfig::default()
+    };
+    let mut opt = optim::Adam::new(m.parameters(), config).unwrap();
+    opt.step().unwrap();
+    let after = m.wte.weight.to_vec_f64().unwrap();
+    // Adam's first step moves each element by at most lr (by lr·sign(g) where g is large).
+    let moved: Vec<f64> = before.iter().zip(&after).map(|(b, a)| (a - b).abs()).collect();
+    assert!(moved.iter().all(|&d| d <= 0.1 + 1e-6), "{moved:?}");
+    assert!(moved.iter().any(|&d| d > 0.09), "{moved:?}");
+    assert!(m.head.weight.is_same(&m.wte.weight));
+
+    // A dtype move keeps the tie.
+    let mut m = tied();
+    m.to_dtype(DType::F64).unwrap();
+    assert!(m.wte.weight.is_same(&m.head.weight));
+    assert_eq!(m.head.weight.dtype(), DType::F64);
+    assert_eq!(m.parameters().len(), 2);
+}
