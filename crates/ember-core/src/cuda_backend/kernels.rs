@@ -25,7 +25,7 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 12] = [
+    pub const ALL: [Module; 13] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
