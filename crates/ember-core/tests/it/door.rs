@@ -496,6 +496,8 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
                 let q = x()?.unsqueeze(0)?.unsqueeze(0)?;
                 attention::scaled_dot_product_cudnn_attention(&q, &q, &q, true, 0.5).map(drop)
             }),
+        ),
+        (
             "cross_entropy_loss",
             "cross_entropy",
             run(move || x()?.cross_entropy_loss(&idx()?, None, ember_core::Reduction::Mean, -100, 0.0)),
