@@ -135,6 +135,19 @@ fn run(name: &str, d: DType, d2: DType, dev: Device) -> Result<Tensor> {
             1,
         ),
         "scaled_dot_product_attention" => F::scaled_dot_product_attention(&x, &y, &y),
+        "_scaled_dot_product_cudnn_attention" => {
+            // Its line casts nothing (it runs inside `scaled_dot_product_attention`, after that
+            // line's cast). Where it does not run the problem (the CPU, float32 or mixed
+            // dtypes), the math path with autocast off stands for it, as the caller does.
+            let (q, k) = (x.reshape(&[1, 1, 2, 4])?, y.reshape(&[1, 1, 2, 4])?);
+            match ember_core::ops::attention::scaled_dot_product_cudnn_attention(&q, &k, &k, false, 0.5)? {
+                Some(out) => Ok(out),
+                None => {
+                    let _off = amp::Autocast::new(dev.device_type()).enabled(false).enter()?;
+                    F::scaled_dot_product_attention(&q, &k, &k)
+                }
+            }
+        }
         "lstm" | "gru" | "rnn_tanh" | "rnn_relu" => {
             let gates = match name {
                 "lstm" => 4,
