@@ -361,7 +361,7 @@ fn data_parallel_refuses_a_module_whose_visits_disagree() {
 /// (CUPTI's records of copies between GPUs). The gradients equal one GPU's on the full batch.
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn data_parallel_copies_a_large_weight_gradient_back_in_row_blocks() {
+fn data_parallel_copies_a_large_weight_gradient_back_in_row_blocks_two_gpus() {
     use ember_core::profiler::{self, CudaTimingSource, ProfilerActivity};
     assert!(cuda::device_count() >= 2, "this test needs two CUDA devices");
     let wide = |device: Device| {
