@@ -332,9 +332,41 @@ pub(super) fn plans(
     graph.set_handle(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, handle)?;
     graph.finalize()?;
 
+    let (heur, configs) = engine_configs(&graph, sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A)?;
+    let shared = Rc::new(vec![x, w, y, conv, operation, graph, heur]);
+    let mut made = Vec::new();
+    for config in configs {
+        if made.len() == limit {
+            break;
+        }
+        if !acceptable(&config, p)? {
+            continue;
+        }
+        let Some((plan, workspace)) = finalized_plan(handle, &config)? else {
+            continue; // this engine cannot run the problem after all: the next one
+        };
+        if !workspace_ok(workspace) {
+            continue;
+        }
+        made.push(ExecPlan {
+            plan,
+            _config: config,
+            _graph: shared.clone(),
+            workspace,
+        });
+    }
+    Ok(made)
+}
+
+/// The engine configurations the heuristics in `mode` give for the finalized operation graph
+/// `graph`, best first, at most [`MAX_CONFIGS`], with the heuristics descriptor they came from
+/// (kept alive beside the plans made from them).
+pub(super) fn engine_configs(
+    graph: &Desc,
+    mode: sys::cudnnBackendHeurMode_t,
+) -> Result<(Desc, Vec<Desc>), String> {
     let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
-    heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &graph)?;
-    let mode = sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A;
+    heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)?;
     // SAFETY: one heuristics mode value.
     unsafe {
         heur.set(
@@ -345,7 +377,7 @@ pub(super) fn plans(
         )?
     };
     heur.finalize()?;
-    let configs = (0..MAX_CONFIGS)
+    let mut configs = (0..MAX_CONFIGS)
         .map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
         .collect::<Result<Vec<_>, _>>()?;
     let mut handles: Vec<sys::cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
@@ -362,48 +394,38 @@ pub(super) fn plans(
             handles.as_mut_ptr().cast(),
         )
     })?;
-    let shared = Rc::new(vec![x, w, y, conv, operation, graph, heur]);
-    let mut made = Vec::new();
-    for config in configs.into_iter().take(found.clamp(0, MAX_CONFIGS) as usize) {
-        if made.len() == limit {
-            break;
-        }
-        if !acceptable(&config, p)? {
-            continue;
-        }
-        let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
-        plan.set_handle(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, handle)?;
-        plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &config)?;
-        if plan.finalize().is_err() {
-            continue; // this engine cannot run the problem after all: the next one
-        }
-        let (mut bytes, mut n) = (0i64, 0i64);
-        // SAFETY: one i64 to fill; `n` is a valid out-pointer.
-        ok(
-            "cudnnBackendGetAttribute(EXECUTION_PLAN_WORKSPACE_SIZE)",
-            unsafe {
-                sys::cudnnBackendGetAttribute(
-                    plan.0,
-                    A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                    T::CUDNN_TYPE_INT64,
-                    1,
-                    &mut n,
-                    (&mut bytes as *mut i64).cast(),
-                )
-            },
-        )?;
-        let workspace = bytes.max(0) as usize;
-        if !workspace_ok(workspace) {
-            continue;
-        }
-        made.push(ExecPlan {
-            plan,
-            _config: config,
-            _graph: shared.clone(),
-            workspace,
-        });
+    configs.truncate(found.clamp(0, MAX_CONFIGS) as usize);
+    Ok((heur, configs))
+}
+
+/// The execution plan of `config` for `handle` and the workspace bytes it needs; None where
+/// the engine cannot run the problem after all (its plan does not finalize).
+pub(super) fn finalized_plan(
+    handle: sys::cudnnHandle_t,
+    config: &Desc,
+) -> Result<Option<(Desc, usize)>, String> {
+    let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+    plan.set_handle(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, handle)?;
+    plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config)?;
+    if plan.finalize().is_err() {
+        return Ok(None);
     }
-    Ok(made)
+    let (mut bytes, mut n) = (0i64, 0i64);
+    // SAFETY: one i64 to fill; `n` is a valid out-pointer.
+    ok(
+        "cudnnBackendGetAttribute(EXECUTION_PLAN_WORKSPACE_SIZE)",
+        unsafe {
+            sys::cudnnBackendGetAttribute(
+                plan.0,
+                A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                T::CUDNN_TYPE_INT64,
+                1,
+                &mut n,
+                (&mut bytes as *mut i64).cast(),
+            )
+        },
+    )?;
+    Ok(Some((plan, bytes.max(0) as usize)))
 }
 
 /// Runs `plan` with `handle` (bound to the stream to run on) on the device buffers `x`, `w`,

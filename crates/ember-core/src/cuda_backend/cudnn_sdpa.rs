@@ -31,7 +31,7 @@
 //! convolutions' benchmark mode does, is the next thing to try.
 
 use super::cudnn::{self, with_handle};
-use super::cudnn_graph::{ok, Desc};
+use super::cudnn_graph::{engine_configs, finalized_plan, ok, Desc};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::geometry::{bshd_strides, SdpaParams};
@@ -67,9 +67,6 @@ mod uid {
     pub const DQ_ACCUM: i64 = 14;
 }
 const FIRST_VIRTUAL: i64 = 100;
-
-/// Engine configurations asked of the heuristics at most.
-const MAX_CONFIGS: i64 = 16;
 
 /// A graph under construction: every descriptor made for it (kept alive with the plan) and
 /// its operations in order.
@@ -498,67 +495,25 @@ fn plan(handle: sys::cudnnHandle_t, g: Graph) -> Result<Plan, String> {
         sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
         sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
     ] {
-        let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
-        heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &op_graph)?;
-        // SAFETY: one heuristics mode value.
-        unsafe {
-            heur.set(
-                A::CUDNN_ATTR_ENGINEHEUR_MODE,
-                T::CUDNN_TYPE_HEUR_MODE,
-                1,
-                (&mode as *const sys::cudnnBackendHeurMode_t).cast(),
-            )?
-        };
-        if let Err(e) = heur.finalize() {
-            last = e;
-            continue;
-        }
-        let configs = (0..MAX_CONFIGS)
-            .map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut raw: Vec<sys::cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
-        let mut found = 0i64;
-        // SAFETY: `raw` holds MAX_CONFIGS configuration descriptors for cuDNN to fill.
-        ok("cudnnBackendGetAttribute(ENGINEHEUR_RESULTS)", unsafe {
-            sys::cudnnBackendGetAttribute(
-                heur.0,
-                A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                MAX_CONFIGS,
-                &mut found,
-                raw.as_mut_ptr().cast(),
-            )
-        })?;
-        for config in configs.into_iter().take(found.clamp(0, MAX_CONFIGS) as usize) {
-            let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
-            plan.set_handle(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, handle)?;
-            plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &config)?;
-            if let Err(e) = plan.finalize() {
+        let (heur, configs) = match engine_configs(&op_graph, mode) {
+            Ok(found) => found,
+            Err(e) => {
                 last = e;
                 continue;
             }
-            let (mut bytes, mut n) = (0i64, 0i64);
-            // SAFETY: one i64 to fill.
-            ok(
-                "cudnnBackendGetAttribute(EXECUTION_PLAN_WORKSPACE_SIZE)",
-                unsafe {
-                    sys::cudnnBackendGetAttribute(
-                        plan.0,
-                        A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                        T::CUDNN_TYPE_INT64,
-                        1,
-                        &mut n,
-                        (&mut bytes as *mut i64).cast(),
-                    )
-                },
-            )?;
+        };
+        for config in configs {
+            let Some((plan, workspace)) = finalized_plan(handle, &config)? else {
+                last = "no engine configuration's plan finalizes".into();
+                continue;
+            };
             return Ok(Plan {
                 plan,
                 _config: config,
                 _graph: g,
                 _heur: heur,
                 _op_graph: op_graph,
-                workspace: bytes.max(0) as usize,
+                workspace,
             });
         }
     }
