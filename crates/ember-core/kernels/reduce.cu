@@ -414,3 +414,92 @@ EMBER_REDUCE(sum, IntSum<u8>, u8, u8)
 EMBER_REDUCE(prod, IntProd<u8>, u8, u8)
 EMBER_REDUCE(sum, IntSum<bool>, bool, bool)
 EMBER_REDUCE(prod, IntProd<bool>, bool, bool)
+
+// Column sums of a matrix whose m columns are contiguous and whose k rows are `row_stride`
+// apart: out[c] = Σ_r x[r, c] in A = Acc<T>, a plain sum over dim 0 (a linear layer's bias
+// gradient: its [rows, out_features] output gradient summed over the rows). The generic col mode
+// above reads one element per thread per load; here each thread owns V = 16 / sizeof(T) adjacent
+// columns and reads them as one 16-byte word, UNROLL rows at a time with every load issued
+// before the adds, so enough bytes are in flight to reach HBM bandwidth. Block (bx, by): x over
+// column words, y over rows (by a power of two); the chunk of rows `blockIdx.y` selects is read
+// by the block's rows r ≡ ty (mod by), the by partial sums are added in a fixed tree order, and
+// with gridDim.y > 1 each chunk's sums go to partial[blockIdx.y * m + c] for
+// `reduce_cols_sum_final` to add in chunk order (deterministic, no atomics).
+// Needs m % V == 0, row_stride % V == 0 and x 16-byte aligned (the host checks).
+// Dynamic shared memory: bx * by * V accumulators.
+template <typename T, int V> struct alignas(16) ColPack { T v[V]; };
+
+template <typename T>
+__device__ __forceinline__ void cols_sum(const T* __restrict__ x, i64 row_stride, i64 m, i64 k, i64 chunk,
+                                         T* __restrict__ out, typename Acc<T>::type* __restrict__ partial) {
+    typedef typename Acc<T>::type A;
+    constexpr int V = 16 / sizeof(T);
+    constexpr int UNROLL = 4;
+    A* sm = (A*)reduce_smem;
+    const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+    const i64 words = m / V;
+    const i64 w = (i64)blockIdx.x * bx + tx;
+    const i64 j0 = (i64)blockIdx.y * chunk;
+    const i64 j1 = j0 + chunk < k ? j0 + chunk : k;
+    A acc[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = (A)0;
+    if (w < words) {
+        const T* col = x + w * V;
+        for (i64 r = j0 + ty; r < j1; r += (i64)UNROLL * by) {
+            ColPack<T, V> p[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const i64 ru = r + (i64)u * by;
+                if (ru < j1) p[u] = *(const ColPack<T, V>*)(col + ru * row_stride);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (r + (i64)u * by < j1) {
+#pragma unroll
+                    for (int v = 0; v < V; ++v) acc[v] += load(p[u].v[v]);
+                }
+            }
+        }
+    }
+    A* mine = sm + ((i64)ty * bx + tx) * V;
+#pragma unroll
+    for (int v = 0; v < V; ++v) mine[v] = acc[v];
+    __syncthreads();
+    for (int h = by >> 1; h > 0; h >>= 1) {
+        if (ty < h) {
+            const A* other = mine + (i64)h * bx * V;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                acc[v] += other[v];
+                mine[v] = acc[v];
+            }
+        }
+        __syncthreads();
+    }
+    if (ty != 0 || w >= words) return;
+    if (partial) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) partial[(i64)blockIdx.y * m + w * V + v] = acc[v];
+    } else {
+        ColPack<T, V> r;
+#pragma unroll
+        for (int v = 0; v < V; ++v) r.v[v] = cast<T>(acc[v]);
+        *(ColPack<T, V>*)(out + w * V) = r;
+    }
+}
+
+#define EMBER_REDUCE_COLS(T, name)                                                                                \
+    EMBER_IN_UNIT(reduce_cols_sum_##name,                                                                         \
+    extern "C" __global__ void reduce_cols_sum_##name EMBER_PARAMS_reduce_cols_sum(T, Acc<T>::type) {             \
+        cols_sum<T>(x, row_stride, m, k, chunk, out, partial);                                                    \
+    })                                                                                                            \
+    EMBER_IN_UNIT(reduce_cols_sum_##name,                                                                         \
+    extern "C" __global__ void reduce_cols_sum_final_##name EMBER_PARAMS_reduce_cols_sum_final(T, Acc<T>::type) { \
+        EMBER_KERNEL_LOOP(c, m) {                                                                                 \
+            Acc<T>::type s = 0;                                                                                   \
+            for (i64 j = 0; j < splits; ++j) s += partial[j * m + c];                                             \
+            out[c] = cast<T>(s);                                                                                  \
+        }                                                                                                         \
+    })
+EMBER_FOR_FLOAT_DTYPES(EMBER_REDUCE_COLS)

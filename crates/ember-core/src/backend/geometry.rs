@@ -162,9 +162,55 @@ pub struct SdpaParams {
     pub causal: bool,
     /// The factor of the scores.
     pub scale: f64,
+    /// The backward's strides: of the output gradient it reads (at its storage's element 0,
+    /// the last stride 1), and of the query, key and value gradients it writes (each a dense
+    /// buffer of its own). [`bshd_strides`] for all four unless the caller chooses others
+    /// (`ops/attention.rs` gives each gradient its input's memory order, as PyTorch's
+    /// `empty_like`).
+    pub grads: [[usize; 4]; 4],
 }
 
 /// The strides of a `[b, h, s, d]` tensor laid out in `[b, s, h, d]` memory order.
 pub fn bshd_strides(h: usize, s: usize, d: usize) -> [usize; 4] {
     [s * h * d, d, h * d, 1]
+}
+
+/// Dense strides for `dims` in the memory order of `strides` (dims ordered by decreasing
+/// stride, ties by position), as PyTorch's `empty_like` keeps a tensor's layout; `None` unless
+/// the last dim is innermost.
+pub fn dense_like(dims: [usize; 4], strides: [usize; 4]) -> Option<[usize; 4]> {
+    let mut order = [0usize, 1, 2, 3];
+    // Size-1 dims hold no step, so they do not decide the order.
+    let key = |i: usize| if dims[i] == 1 { usize::MAX } else { strides[i] };
+    order.sort_by(|&a, &b| key(b).cmp(&key(a)).then(a.cmp(&b)));
+    if order[3] != 3 {
+        return None;
+    }
+    let mut out = [0usize; 4];
+    let mut step = 1;
+    for &i in order.iter().rev() {
+        out[i] = step;
+        step *= dims[i];
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod sdpa_tests {
+    use super::*;
+
+    #[test]
+    fn gradients_keep_their_inputs_memory_order() {
+        // Row-major [b, h, s, d] stays row-major.
+        assert_eq!(dense_like([2, 3, 5, 8], [120, 40, 8, 1]), Some([120, 40, 8, 1]));
+        // q of GPT-2's packed [b, t, 3, h, d] projection, transposed to [b, h, t, d]: dense in
+        // [b, t, h, d] order, the strides of `bshd_strides`.
+        let (t, h, d) = (16, 12, 64);
+        let q = [t * 3 * h * d, d, 3 * h * d, 1];
+        assert_eq!(dense_like([2, h, t, d], q), Some(bshd_strides(h, t, d)));
+        // A size-1 dim does not reorder the others.
+        assert_eq!(dense_like([1, 3, 5, 8], [7, 8, 24, 1]), Some([120, 8, 24, 1]));
+        // The head dim not innermost: no dense layout the kernels take.
+        assert_eq!(dense_like([2, 3, 5, 8], [120, 40, 1, 5]), None);
+    }
 }

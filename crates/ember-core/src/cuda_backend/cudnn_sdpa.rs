@@ -400,7 +400,7 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     let vt = g.io(uid::V, io, [b, h, dv, skv], transposed(i64s(p.v.0)))?;
     let o_strides = i64s(bshd_strides(p.h, p.s_q, p.d_v));
     let o = g.io(uid::O, io, [b, h, sq, dv], o_strides)?;
-    let d_o = g.io(uid::D_O, io, [b, h, sq, dv], o_strides)?;
+    let d_o = g.io(uid::D_O, io, [b, h, sq, dv], i64s(p.grads[0]))?;
     let rows = [b, h, sq, 1];
     let scores = [b, h, sq, skv];
     let scores_t = [b, h, skv, sq];
@@ -434,7 +434,7 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     // dV = Pᵀ·dO.
     let weights_t = g.virt_strided(io, scores_t, scores_t_strides)?;
     g.reshape(weights, weights_t)?;
-    let dv_strides = i64s(bshd_strides(p.h, p.s_kv, p.d_v));
+    let dv_strides = i64s(p.grads[3]);
     let d_v = g.io(uid::D_V, io, [b, h, skv, dv], dv_strides)?;
     g.matmul(weights_t, d_o, d_v)?;
 
@@ -449,7 +449,7 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     // dK = dSᵀ·Q.
     let ds_t = g.virt_strided(io, scores_t, scores_t_strides)?;
     g.reshape(ds, ds_t)?;
-    let dk_strides = i64s(bshd_strides(p.h, p.s_kv, p.d));
+    let dk_strides = i64s(p.grads[2]);
     let d_k = g.io(uid::D_K, io, [b, h, skv, d], dk_strides)?;
     g.matmul(ds_t, q, d_k)?;
 
@@ -458,7 +458,7 @@ fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
     g.reshape(kt, k)?;
     let accum = g.io(uid::DQ_ACCUM, f32, [b, h, sq, d], contiguous([b, h, sq, d]))?;
     g.matmul(ds, k, accum)?;
-    let dq_strides = i64s(bshd_strides(p.h, p.s_q, p.d));
+    let dq_strides = i64s(p.grads[1]);
     let d_q = g.io(uid::D_Q, io, [b, h, sq, d], dq_strides)?;
     g.pointwise(Pw::CUDNN_POINTWISE_IDENTITY, f32, None, accum, None, None, d_q)?;
     Ok(g)
@@ -527,6 +527,7 @@ struct Key {
     dtype: DType,
     dims: [usize; 6],
     strides: [[usize; 4]; 3],
+    grads: [[usize; 4]; 4],
     causal: bool,
     scale: u64,
 }
@@ -539,6 +540,8 @@ impl Key {
             dtype: p.dtype,
             dims: [p.b, p.h, p.s_q, p.s_kv, p.d, p.d_v],
             strides: [p.q.0, p.k.0, p.v.0],
+            // The forward does not read them: one plan whatever the backward will choose.
+            grads: if backward { p.grads } else { [[0; 4]; 4] },
             causal: p.causal,
             scale: p.scale.to_bits(),
         }
@@ -562,6 +565,7 @@ fn eligible(p: &SdpaParams, ptrs: &[u64]) -> bool {
             .all(|&n| n > 0 && n < i32::MAX as usize);
     let strides_ok = [p.q.0, p.k.0, p.v.0]
         .iter()
+        .chain(&p.grads)
         .all(|s| s[3] == 1 && s[..3].iter().all(|&x| x % 8 == 0));
     dims_ok && strides_ok && ptrs.iter().all(|&a| a % 16 == 0) && p.scale.is_finite()
 }

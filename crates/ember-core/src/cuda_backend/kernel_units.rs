@@ -152,6 +152,7 @@ impl Module {
                 for op in ["minmax", "arg"] {
                     units.extend(each(m, &format!("reduce_{op}"), &ALL));
                 }
+                units.extend(each(m, "reduce_cols_sum", &FLOATS));
             }
             Module::Softmax => {
                 units.extend(each(m, "softmax", &FLOATS));

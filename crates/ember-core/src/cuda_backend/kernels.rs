@@ -227,6 +227,31 @@ impl KernelShape {
         true
     }
 
+    /// The two-operand copy of `elem`-byte elements over this shape as a copy of 8-byte words
+    /// (Note [Copies in words]), when the innermost dim is contiguous in both operands and every
+    /// size, stride and address (`addrs`, in bytes) divides into words; else `None`.
+    pub fn in_words(&self, elem: usize, addrs: [u64; 2]) -> Option<KernelShape> {
+        if elem >= 8 || self.ndim == 0 || addrs.iter().any(|a| a % 8 != 0) {
+            return None;
+        }
+        let per = (8 / elem) as i64;
+        let last = self.ndim as usize - 1;
+        let divides = |which: usize| {
+            self.stride[which][last] == 1 && self.stride[which][..last].iter().all(|s| s % per == 0)
+        };
+        if self.size[last] % per != 0 || !divides(0) || !divides(1) {
+            return None;
+        }
+        let mut words = *self;
+        words.size[last] /= per;
+        for which in 0..2 {
+            for s in &mut words.stride[which][..last] {
+                *s /= per;
+            }
+        }
+        Some(words)
+    }
+
     /// True when operand `which` is the same element for every index (a broadcast scalar).
     pub fn is_scalar(&self, which: usize) -> bool {
         self.stride[which][..self.ndim as usize].iter().all(|&s| s == 0)

@@ -463,6 +463,22 @@ kernels! {
             reduce_lse_final,
             reduce_var_final,
         ];
+        /// Column sums (`reduce.cu`'s `cols_sum`): `m` contiguous columns of `k` rows
+        /// `row_stride` apart, summed in A = Acc<T>; rows in chunks of `chunk` over gridDim.y;
+        /// with `partial` null it writes `out[c]`, else only `partial[blockIdx.y * m + c]`.
+        /// m and row_stride multiples of 16 / sizeof(T), x 16-byte aligned, blockDim.y a power
+        /// of two; dynamic shared memory: bx * by * (16 / sizeof(T)) A's.
+        reduce_cols_sum<T, A>(
+            x: In<T>,
+            row_stride: i64,
+            m: i64,
+            k: i64,
+            chunk: i64,
+            out: OptOut<T>,
+            partial: OptOut<A>,
+        );
+        /// The second pass: `out[c]` = the `splits` partial sums of column c added in order.
+        reduce_cols_sum_final<T, A>(partial: In<A>, m: i64, splits: i64, out: Out<T>);
     }
     Softmax {
         /// Softmax (`log` 0) or log_softmax (`log` 1) of `nrows` rows of `k` elements: row r

@@ -153,6 +153,16 @@ fn unit_last(s: &KernelShape) -> bool {
     s.ndim > 0 && s.stride[0][s.ndim as usize - 1] == 1
 }
 
+/// Note [Column sums]: a sum over dim 0 of a row-major `[k, m]` half matrix (the bias
+/// gradients of a linear layer; GPT-2's step has 48) took 76 µs a launch in col mode (one
+/// 2-byte load per thread per step: 370 GB/s on an H200), 3.7 ms of a 25 ms step. The column
+/// kernel reads 16-byte words, four rows in flight per thread, with blocks of 32 words × 8 rows
+/// (`COL_BX` × `COL_BY`) and K split until the device has ~4 blocks per SM, each thread
+/// keeping at least `COL_ROWS_PER_LANE` rows. Measurements: docs/benchmarks.md.
+const COL_BX: usize = 32;
+const COL_BY: usize = 8;
+const COL_ROWS_PER_LANE: usize = 8;
+
 /// Block shape, grid and K split of the first pass.
 struct Plan {
     row: bool,
@@ -300,12 +310,97 @@ impl CudaStorage {
         if g.m == 0 {
             return Ok(out);
         }
+        if matches!(op, ReduceOp::Sum) && self.sum_columns(layout, &g, &out)? {
+            return Ok(out);
+        }
         let (o, idx) = match op {
             ReduceOp::ArgMax | ReduceOp::ArgMin => (None, Some(out.dev_ptr_mut_at(0))),
             _ => (Some(out.dev_ptr_mut_at(0)), None),
         };
         self.run_reduce(layout, &kernel, &g, o, idx)?;
         Ok(out)
+    }
+
+    /// A plain float sum whose outputs are contiguous columns and whose reduced elements are
+    /// one strided dim (a sum over dim 0 of a row-major matrix: a linear layer's bias
+    /// gradient), in 16-byte column words (`reduce.cu`'s `cols_sum`; Note [Column sums]):
+    /// writes `out` and returns true, or returns false when the view does not have that shape.
+    fn sum_columns(&self, layout: &Layout, g: &Geometry, out: &CudaStorage) -> Result<bool> {
+        let dtype = self.dtype();
+        if !dtype.is_floating_point() || g.outer.ndim != 1 || g.inner.ndim != 1 {
+            return Ok(false);
+        }
+        let v = 16 / dtype.size_in_bytes();
+        let row_stride = g.inner.stride[0][0];
+        let (m, k) = (g.m, g.k);
+        let aligned = self.ptr(layout) % 16 == 0 && m % v == 0 && row_stride % v as i64 == 0;
+        if g.outer.stride[0][0] != 1 || !aligned || k < COL_BY {
+            return Ok(false);
+        }
+        let rt = self.runtime()?;
+        let acc = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let grid_x = (m / v).div_ceil(COL_BX);
+        let target = rt.sm_count as usize * 4;
+        let splits = if grid_x < target {
+            target
+                .div_ceil(grid_x)
+                .min(k.div_ceil(COL_BY * COL_ROWS_PER_LANE))
+                .clamp(1, 65535)
+        } else {
+            1
+        };
+        let chunk = k.div_ceil(splits);
+        let splits = k.div_ceil(chunk);
+        let partials = if splits > 1 {
+            Some(CudaStorage::alloc_on(rt, acc, splits * m)?)
+        } else {
+            None
+        };
+        let grid = Grid {
+            grid: (grid_x as u32, splits as u32, 1),
+            block: (COL_BX as u32, COL_BY as u32, 1),
+            shared_bytes: (COL_BX * COL_BY * v * acc.size_in_bytes()) as u32,
+        };
+        let part = partials.as_ref().map(|p| p.dev_ptr_mut_at(0));
+        let first_out = if part.is_some() {
+            None
+        } else {
+            Some(out.dev_ptr_mut_at(0))
+        };
+        // The checks above: m contiguous columns, k rows `row_stride` apart inside this valid
+        // layout, every 16-byte word aligned; `out` holds m elements, `partial` splits * m.
+        launch::reduce_cols_sum(
+            rt,
+            &[dtype],
+            grid,
+            self.dev_ptr(layout),
+            row_stride,
+            m as i64,
+            k as i64,
+            chunk as i64,
+            first_out,
+            part,
+        )?;
+        if let Some(p) = &partials {
+            // `partial` holds splits * m sums written by the first pass on this stream.
+            launch::reduce_cols_sum_final(
+                rt,
+                &[dtype],
+                Grid::linear(rt, m, BLOCK as u32),
+                p.dev_ptr_at(0),
+                m as i64,
+                splits as i64,
+                out.dev_ptr_mut_at(0),
+            )?;
+        }
+        // `partials` returns to this stream's pool, where no later work can reuse it before
+        // the kernels above have run.
+        drop(partials);
+        Ok(true)
     }
 
     /// Max or min over `dims` with the i64 index of its first occurrence (indices into the

@@ -380,6 +380,33 @@ impl CudaStorage {
         if shape.is_contiguous(0) && shape.is_contiguous(1) {
             return launch::cast_contig(rt, &dtypes, grid, srcp, dst, n64);
         }
+        // Note [Copies in words]: a strided copy in one dtype whose rows are contiguous (a
+        // gradient written into a slice of a wider one, `narrow`'s backward: GPT-2's q, k and v
+        // into the qkv projection's gradient) moves 8-byte words, 4 bf16 a thread: the
+        // element-wise kernel spent its time on index arithmetic, 38 µs for 12.6 MB of bf16
+        // (660 GB/s on an H200). The identity cast of i64 copies the words' bits.
+        let words = (src.dtype == self.dtype)
+            .then(|| {
+                shape.in_words(
+                    self.dtype.size_in_bytes(),
+                    [src.ptr(src_layout), self.ptr(dst_layout)],
+                )
+            })
+            .flatten();
+        if let Some(words) = words {
+            let count = n * self.dtype.size_in_bytes() / 8;
+            let grid = Grid::linear(rt, count, 256);
+            // The same bytes as the element copy: every word lies inside both layouts' ranges.
+            return launch::cast_strided(
+                rt,
+                &[DType::I64, DType::I64],
+                grid,
+                srcp,
+                dst,
+                &words,
+                count as i64,
+            );
+        }
         launch::cast_strided(rt, &dtypes, grid, srcp, dst, &shape, n64)
     }
 

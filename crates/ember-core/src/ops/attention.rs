@@ -6,7 +6,7 @@
 
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};
-use crate::backend::geometry::SdpaParams;
+use crate::backend::geometry::{bshd_strides, dense_like, SdpaParams};
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::{Error, Result, Tensor};
@@ -43,6 +43,12 @@ fn problem(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Opti
         v: at(v),
         causal,
         scale,
+        grads: [
+            bshd_strides(h, s_q, d_v),
+            bshd_strides(h, s_q, d),
+            bshd_strides(h, s_kv, d),
+            bshd_strides(h, s_kv, d_v),
+        ],
     })
 }
 
@@ -106,13 +112,36 @@ pub fn scaled_dot_product_cudnn_attention(
                 let [q, k, v, o] = [0, 1, 2, 3].map(|i| saved[i].get());
                 let (q, k, v, o) = (q?, k?, v?, o?);
                 same_device(OP, &[q, g])?;
-                let g = bshd(&g.to_dtype(q.dtype())?)?;
-                let grads = {
+                let g = g.to_dtype(q.dtype())?;
+                let run = |g: &Tensor, p: &SdpaParams| {
                     let (sq, sk, sv) = (q.storage().read(), k.storage().read(), v.storage().read());
                     let (so, sl, sg) = (o.storage().read(), lse.storage().read(), g.storage().read());
-                    sq.sdpa_backward(&sk, &sv, &so, &sl, &sg, &params)?
+                    sq.sdpa_backward(&sk, &sv, &so, &sl, &sg, p)
                 };
-                let Some((dq, dk, dv)) = grads else {
+                // Note [Attention gradients in place]: the output gradient is read where it
+                // lies, and each input's gradient is written in that input's memory order (as
+                // PyTorch's `empty_like`): a row-major q gets a row-major dq, which its
+                // `.grad` keeps without a copy. Where the engine refuses those strides, the
+                // layout of the forward's output for all four (one copy of g).
+                let mut own = params;
+                let strides = |t: &Tensor| {
+                    let s = t.layout().strides();
+                    [s[0], s[1], s[2], s[3]]
+                };
+                let dims = |t: &Tensor| [t.dims()[0], t.dims()[1], t.dims()[2], t.dims()[3]];
+                let mut grads = None;
+                let gs = g.layout().strides();
+                if g.layout().offset() == 0 && gs[3] == 1 && gs.iter().all(|&s| s > 0) {
+                    own.grads[0] = strides(&g);
+                    for (slot, t) in own.grads[1..].iter_mut().zip([&q, &k, &v]) {
+                        *slot = dense_like(dims(t), strides(t)).unwrap_or(*slot);
+                    }
+                    grads = run(&g, &own)?.map(|r| (r, own.grads));
+                }
+                if grads.is_none() {
+                    grads = run(&bshd(&g)?, &params)?.map(|r| (r, params.grads));
+                }
+                let Some(((dq, dk, dv), layouts)) = grads else {
                     return Err(Error::Cuda {
                     op: OP,
                     msg: "cuDNN ran this attention forward but no engine takes its backward; turn the fused \
@@ -121,15 +150,15 @@ pub fn scaled_dot_product_cudnn_attention(
                         .into(),
                 });
                 };
-                let grad = |s, seq: usize, dim: usize| {
-                    Tensor::from_storage(s, [b, seq, h, dim])
-                        .view_with(Layout::contiguous([b, seq, h, dim]).transpose(1, 2))
+                let grad = |s, seq: usize, dim: usize, strides: [usize; 4]| {
+                    let dims = [b, h, seq, dim];
+                    Tensor::from_storage(s, dims).view_with(Layout::new(dims.into(), strides.to_vec(), 0))
                 };
                 let s = params.s_kv;
                 Ok(vec![
-                    Some(grad(dq, l, params.d)),
-                    Some(grad(dk, s, params.d)),
-                    Some(grad(dv, s, ev)),
+                    Some(grad(dq, l, params.d, layouts[1])),
+                    Some(grad(dk, s, params.d, layouts[2])),
+                    Some(grad(dv, s, ev, layouts[3])),
                 ])
             })))
         },

@@ -166,6 +166,26 @@ fn strided_copies_and_fills() {
             dst.select(0, 2)?.slice(0, 0, 10, 2)?.copy_(&src_dev)?;
             Ok(dst)
         });
+        // Note [Copies in words]: rows into a slice of wider rows move as 8-byte words when
+        // every row start and length divides into them (the first two: `narrow`'s backward),
+        // element by element otherwise (an odd start, an odd length).
+        for (start, len) in [(8, 16), (0, 24), (1, 16), (8, 15)] {
+            cpu_vs_cuda(
+                &format!("rows of {len} into a slice from {start} of rows of 40, {dtype}"),
+                0.0,
+                0.0,
+                |d| {
+                    let dst = Tensor::zeros([7, 40], dtype, d)?;
+                    let src = input(7 * len, 45, dtype, d)?.reshape(&[7, len])?;
+                    dst.narrow(1, start, len)?.copy_(&src)?;
+                    // And back out of the slice: the source strided, the destination dense.
+                    Ok(Tensor::cat(
+                        &[&dst, &dst.narrow(1, start, len)?.contiguous()?],
+                        1,
+                    )?)
+                },
+            );
+        }
         cpu_vs_cuda(&format!("full and fill_, {dtype}"), 0.0, 0.0, |d| {
             let t = Tensor::full([3, 1001], 1.0, dtype, d)?;
             t.narrow(0, 1, 1)?.fill_(0.0)?;

@@ -505,3 +505,61 @@ fn reductions_stay_on_the_gpu_and_keep_dtypes() {
         );
     }
 }
+
+/// Note [Column sums] in `cuda_backend/reduce.rs`: sums over dim 0 of matrices with
+/// contiguous rows, the bias gradients of linear layers, in every float dtype against a float64
+/// sum of the same (rounded) values; shapes that take the column kernel (whole 16-byte words,
+/// one chunk or many) and shapes that do not (an odd column count, a row start off a word, rows
+/// of a wider matrix). The result is the same bits when run twice.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn column_sums_match_float64() {
+    let gpu = common::gpu();
+    let cases: &[(usize, usize, usize, usize)] = &[
+        // (rows, columns, columns of the matrix the rows are taken from, first column)
+        (8192, 768, 768, 0),
+        (8192, 2304, 2304, 0),
+        (64, 3072, 3072, 0),
+        (9, 16, 16, 0),
+        (1000, 24, 40, 8),
+        (1000, 24, 40, 1),
+        (333, 13, 13, 0),
+    ];
+    for &(rows, cols, width, first) in cases {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let base = Tensor::from_slice(
+                &host_values(rows * width, 11, DType::F32),
+                [rows, width],
+                Device::Cpu,
+            )
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+            let x = base.narrow(1, first, cols).unwrap();
+            let exact = x.to_dtype(DType::F64).unwrap().sum_dim(0, false).unwrap();
+            let on_gpu = x.to(gpu).unwrap();
+            let got = on_gpu.sum_dim(0, false).unwrap();
+            assert_eq!(got.dtype(), dtype);
+            let again = on_gpu.sum_dim(0, false).unwrap();
+            let (got, again) = (got.to_vec_f64().unwrap(), again.to_vec_f64().unwrap());
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{dtype:?} [{rows}, {cols}] of {width} from {first}: two runs differ"
+            );
+            // One rounding of an f32 (or f64) accumulation over `rows` values of magnitude <= 3.
+            let (rtol, atol) = match dtype {
+                DType::F64 => (1e-12, 1e-12 * rows as f64),
+                DType::F32 => (1e-5, 1e-6 * rows as f64),
+                DType::F16 => (2f64.powi(-10), 1e-5 * rows as f64),
+                _ => (2f64.powi(-7), 1e-5 * rows as f64),
+            };
+            for (c, (g, e)) in got.iter().zip(exact.to_vec_f64().unwrap()).enumerate() {
+                assert!(
+                    (g - e).abs() <= atol + rtol * e.abs(),
+                    "{dtype:?} [{rows}, {cols}] of {width} from {first}, column {c}: {g} vs {e}"
+                );
+            }
+        }
+    }
+}
