@@ -489,6 +489,24 @@ __device__ __forceinline__ void cols_sum(const T* __restrict__ x, i64 row_stride
     }
 }
 
+// The second pass: a warp per column, each lane adding every 32nd chunk's sum in order, then a
+// shuffle tree (a fixed order: deterministic; no long running sum, which would lose the
+// accuracy the first pass's short chains and trees keep).
+template <typename T>
+__device__ __forceinline__ void cols_sum_final(const typename Acc<T>::type* __restrict__ partial, i64 m, i64 splits,
+                                               T* __restrict__ out) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 c = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < m; c += warps) {
+        A s = (A)0;
+        for (i64 j = lane; j < splits; j += 32) s += partial[j * m + c];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+        if (lane == 0) out[c] = cast<T>(s);
+    }
+}
+
 #define EMBER_REDUCE_COLS(T, name)                                                                                \
     EMBER_IN_UNIT(reduce_cols_sum_##name,                                                                         \
     extern "C" __global__ void reduce_cols_sum_##name EMBER_PARAMS_reduce_cols_sum(T, Acc<T>::type) {             \
@@ -496,10 +514,6 @@ __device__ __forceinline__ void cols_sum(const T* __restrict__ x, i64 row_stride
     })                                                                                                            \
     EMBER_IN_UNIT(reduce_cols_sum_##name,                                                                         \
     extern "C" __global__ void reduce_cols_sum_final_##name EMBER_PARAMS_reduce_cols_sum_final(T, Acc<T>::type) { \
-        EMBER_KERNEL_LOOP(c, m) {                                                                                 \
-            Acc<T>::type s = 0;                                                                                   \
-            for (i64 j = 0; j < splits; ++j) s += partial[j * m + c];                                             \
-            out[c] = cast<T>(s);                                                                                  \
-        }                                                                                                         \
+        cols_sum_final<T>(partial, m, splits, out);                                                               \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_REDUCE_COLS)

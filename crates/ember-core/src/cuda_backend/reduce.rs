@@ -155,13 +155,18 @@ fn unit_last(s: &KernelShape) -> bool {
 
 /// Note [Column sums]: a sum over dim 0 of a row-major `[k, m]` half matrix (the bias
 /// gradients of a linear layer; GPT-2's step has 48) took 76 µs a launch in col mode (one
-/// 2-byte load per thread per step: 370 GB/s on an H200), 3.7 ms of a 25 ms step. The column
-/// kernel reads 16-byte words, four rows in flight per thread, with blocks of 32 words × 8 rows
-/// (`COL_BX` × `COL_BY`) and K split until the device has ~4 blocks per SM, each thread
-/// keeping at least `COL_ROWS_PER_LANE` rows. Measurements: docs/benchmarks.md.
+/// 2-byte load per thread per step: 370 GB/s on an H200), 3.7 ms of a 25 ms step; the column
+/// kernel took 15 µs for both passes (0.73 ms a step; docs/benchmarks.md, session 44). It reads
+/// 16-byte words, four rows in flight per thread, with blocks of `COL_THREADS` threads: up to
+/// 32 (`COL_BX`) column words across, the rest along the rows. K is split until the device has
+/// ~4 blocks per SM, each thread keeping at least `COL_ROWS_PER_LANE` rows, and at most
+/// `COL_MAX_ROWS_PER_LANE`: a thread's rows are a running sum, and 237 of them (4 columns of
+/// a million rows, split for parallelism alone) lost the 1e-6 relative accuracy that
+/// `reduce::f32_sums_are_accurate` asks of an f32 sum of 0.1s.
+const COL_THREADS: usize = 256;
 const COL_BX: usize = 32;
-const COL_BY: usize = 8;
 const COL_ROWS_PER_LANE: usize = 8;
+const COL_MAX_ROWS_PER_LANE: usize = 32;
 
 /// Block shape, grid and K split of the first pass.
 struct Plan {
@@ -334,7 +339,7 @@ impl CudaStorage {
         let row_stride = g.inner.stride[0][0];
         let (m, k) = (g.m, g.k);
         let aligned = self.ptr(layout) % 16 == 0 && m % v == 0 && row_stride % v as i64 == 0;
-        if g.outer.stride[0][0] != 1 || !aligned || k < COL_BY {
+        if g.outer.stride[0][0] != 1 || !aligned || k < 8 {
             return Ok(false);
         }
         let rt = self.runtime()?;
@@ -343,16 +348,20 @@ impl CudaStorage {
         } else {
             DType::F32
         };
-        let grid_x = (m / v).div_ceil(COL_BX);
+        // Few column words (a sum over dim 0 of a narrow matrix) take more lanes along the rows.
+        let bx = (m / v).next_power_of_two().min(COL_BX);
+        let by = COL_THREADS / bx;
+        let grid_x = (m / v).div_ceil(bx);
         let target = rt.sm_count as usize * 4;
-        let splits = if grid_x < target {
-            target
-                .div_ceil(grid_x)
-                .min(k.div_ceil(COL_BY * COL_ROWS_PER_LANE))
-                .clamp(1, 65535)
+        let want = if grid_x < target {
+            target.div_ceil(grid_x)
         } else {
             1
         };
+        let splits = want
+            .min(k.div_ceil(by * COL_ROWS_PER_LANE))
+            .max(k.div_ceil(by * COL_MAX_ROWS_PER_LANE))
+            .clamp(1, 65535);
         let chunk = k.div_ceil(splits);
         let splits = k.div_ceil(chunk);
         let partials = if splits > 1 {
@@ -362,8 +371,8 @@ impl CudaStorage {
         };
         let grid = Grid {
             grid: (grid_x as u32, splits as u32, 1),
-            block: (COL_BX as u32, COL_BY as u32, 1),
-            shared_bytes: (COL_BX * COL_BY * v * acc.size_in_bytes()) as u32,
+            block: (bx as u32, by as u32, 1),
+            shared_bytes: (COL_THREADS * v * acc.size_in_bytes()) as u32,
         };
         let part = partials.as_ref().map(|p| p.dev_ptr_mut_at(0));
         let first_out = if part.is_some() {
@@ -390,7 +399,7 @@ impl CudaStorage {
             launch::reduce_cols_sum_final(
                 rt,
                 &[dtype],
-                Grid::linear(rt, m, BLOCK as u32),
+                Grid::linear(rt, m * 32, BLOCK as u32),
                 p.dev_ptr_at(0),
                 m as i64,
                 splits as i64,
