@@ -52,7 +52,8 @@ template <> struct Math<double> {
 // The math of f16 and bf16 kernels: CUDA's f32 functions, computed in f32 and rounded once to
 // the 8- or 11-bit mantissa. Their error (at most 2 ulp of f32) changes the rounded result only
 // for values within 2 f32 ulps of a rounding midpoint, while f64 math made GPT-2's tanh-GELU
-// (25M bf16 elements) compute-bound at 0.9 TB/s, 111 µs a call.
+// (25M bf16 elements) compute-bound at 0.9 TB/s, 111 µs a call; in f32, 37 µs (2.7 TB/s;
+// docs/benchmarks.md, session 44).
 struct MathF32 {
 #define EMBER_F32(name, fn) __device__ __forceinline__ static float name(float x) { return ::fn(x); }
     EMBER_F32(abs, fabsf) EMBER_F32(sqrt, sqrtf) EMBER_F32(floor, floorf) EMBER_F32(ceil, ceilf)

@@ -24,11 +24,14 @@
 //! that are multiples of 8 elements. Anything else, or a graph no engine takes, answers `None`
 //! and the op layer computes attention from its parts (PyTorch's math backend).
 //!
-//! Speed (`docs/benchmarks.md`, session 43, one H200): `sdpa_causal_bf16` (forward and
-//! backward, [8, 12, 1024, 64]) took 0.485 ms against PyTorch's flash kernels' 0.251 ms; in
-//! GPT-2's step the engines ran 0.61 ms (forward) and 1.51 ms (backward) of kernels for 12
-//! layers. The first configuration of heuristics mode A is taken; timing the others, as the
-//! convolutions' benchmark mode does, is the next thing to try.
+//! Speed (`docs/benchmarks.md`, sessions 43 and 44, one H200): `sdpa_causal_bf16` (forward
+//! and backward, [8, 12, 1024, 64]) took 0.485 ms against PyTorch's flash kernels' 0.251 ms
+//! while the output gradient was copied to this layout and every input gradient copied out of
+//! it; with Note [Attention gradients in place] (`ops/attention.rs`) 0.253 ms against 0.237.
+//! Of those 0.253 ms the engines' kernels are 0.203 (forward 51 µs, backward 126 µs, its
+//! `dO·O` and dQ conversion 27 µs), so the 1.2× PyTorch needs faster engines, not
+//! less around them. The first configuration of heuristics mode A is taken; timing the
+//! others, as the convolutions' benchmark mode does, is the next thing to try.
 
 use super::cudnn::{self, with_handle};
 use super::cudnn_graph::{engine_configs, finalized_plan, ok, Desc};

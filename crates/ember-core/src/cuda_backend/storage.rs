@@ -384,7 +384,8 @@ impl CudaStorage {
         // gradient written into a slice of a wider one, `narrow`'s backward: GPT-2's q, k and v
         // into the qkv projection's gradient) moves 8-byte words, 4 bf16 a thread: the
         // element-wise kernel spent its time on index arithmetic, 38 µs for 12.6 MB of bf16
-        // (660 GB/s on an H200). The identity cast of i64 copies the words' bits.
+        // (660 GB/s on an H200), in words 12 µs (docs/benchmarks.md, session 44). The identity
+        // cast of i64 copies the words' bits.
         let words = (src.dtype == self.dtype)
             .then(|| {
                 shape.in_words(
