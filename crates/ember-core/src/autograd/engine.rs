@@ -88,8 +88,129 @@ pub(crate) fn roots_with_grads(
 
 struct Pending {
     deps: usize,
-    grad: Option<Tensor>,
+    grad: Option<Grad>,
     edge: Edge,
+}
+
+/// Note [Gradients of views]: the gradient a view op (`narrow`, `slice`, `select`) hands its
+/// input is zero but for the viewed region. Written out (zeros of the input's shape, the region
+/// copied in) and summed with the other views' (`split`: q, k and v of one projection), each
+/// costs a memset and a copy of the whole input and every sum a full add; in GPT-2's step that
+/// was 1.6 of 20.4 ms (docs/benchmarks.md, session 44), where PyTorch's `split` is one node
+/// whose backward is one `cat`. So the engine carries such a gradient as the slice it is
+/// (`Grad::Slices`), sums slices by listing them, and writes the input's gradient out only when
+/// the entry runs: when the regions are blocks of one dim that tile the input (the pieces of a
+/// split), into uninitialized memory with one copy each; otherwise into zeros, adding each
+/// region in place (regions may overlap). A slice meeting a dense gradient is written out and
+/// added as before.
+enum Grad {
+    Dense(Tensor),
+    /// Zero but for `parts`: each the gradient of its region, a layout over a row-major tensor
+    /// of `shape`.
+    Slices {
+        shape: crate::Shape,
+        parts: Vec<(crate::layout::Layout, Tensor)>,
+    },
+}
+
+impl Grad {
+    fn device(&self) -> Device {
+        match self {
+            Grad::Dense(t) => t.device(),
+            Grad::Slices { parts, .. } => parts[0].1.device(),
+        }
+    }
+
+    /// The sum of two gradients of one entry.
+    fn add(self, other: Grad) -> Result<Grad> {
+        Ok(match (self, other) {
+            (Grad::Slices { shape, mut parts }, Grad::Slices { shape: s2, parts: p2 }) if shape == s2 => {
+                parts.extend(p2);
+                Grad::Slices { shape, parts }
+            }
+            (a, b) => Grad::Dense(a.into_dense()?.add(&b.into_dense()?)?),
+        })
+    }
+
+    /// The gradient as one tensor (Note [Gradients of views]).
+    fn into_dense(self) -> Result<Tensor> {
+        let (shape, parts) = match self {
+            Grad::Dense(t) => return Ok(t),
+            Grad::Slices { shape, parts } => (shape, parts),
+        };
+        let (dtype, device) = (parts[0].1.dtype(), parts[0].1.device());
+        if parts
+            .iter()
+            .any(|(_, g)| g.dtype() != dtype || g.device() != device)
+        {
+            let mut sum: Option<Tensor> = None;
+            for part in parts {
+                let one = Grad::Slices {
+                    shape: shape.clone(),
+                    parts: vec![part],
+                }
+                .into_dense()?;
+                sum = Some(match sum {
+                    Some(s) => s.add(&one)?,
+                    None => one,
+                });
+            }
+            return Ok(sum.expect("a slice gradient has parts"));
+        }
+        let tiles = tile_one_dim(&shape, &parts);
+        let out = if tiles {
+            Tensor::empty(shape, dtype, device)?
+        } else {
+            Tensor::zeros(shape, dtype, device)?
+        };
+        for (region, g) in &parts {
+            if tiles {
+                let src = g.storage().read();
+                out.storage()
+                    .write()
+                    .copy_strided_from(region, &src, g.layout())?;
+            } else {
+                out.view_with(region.clone()).add_(g)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether `parts`' regions are blocks along one dim of a row-major `shape` (every other dim
+/// whole) that cover it exactly once: the pieces of a `split` or `chunk`.
+fn tile_one_dim(shape: &crate::Shape, parts: &[(crate::layout::Layout, Tensor)]) -> bool {
+    let full = crate::layout::Layout::contiguous(shape.clone());
+    let (dims, strides) = (full.dims(), full.strides());
+    let Some(first) = parts.first() else { return false };
+    if dims.is_empty() {
+        return false;
+    }
+    // The dim the first region narrows (any dim when it is whole).
+    let d = (0..dims.len())
+        .find(|&i| first.0.dims().get(i) != Some(&dims[i]))
+        .unwrap_or(0);
+    let mut spans = Vec::with_capacity(parts.len());
+    for (region, _) in parts {
+        let (rd, rs) = (region.dims(), region.strides());
+        let same_elsewhere = rd.len() == dims.len()
+            && (0..dims.len()).all(|i| i == d || rd[i] == dims[i])
+            && (0..dims.len()).all(|i| rd[i] <= 1 || rs[i] == strides[i]);
+        if !same_elsewhere || strides[d] == 0 || region.offset() % strides[d] != 0 {
+            return false;
+        }
+        let start = region.offset() / strides[d];
+        spans.push((start, start + rd[d]));
+    }
+    spans.sort_unstable();
+    let mut at = 0;
+    for (start, end) in spans {
+        if start != at {
+            return false;
+        }
+        at = end;
+    }
+    at == dims[d]
 }
 
 /// Runs backward from `roots`. Without `capture`, gradients accumulate into the leaves'
@@ -141,7 +262,10 @@ pub(crate) fn run_backward(
         let mut ready_roots = Vec::new();
         for (edge, g) in root_edges {
             let p = st.pending.get_mut(&edge.key()).expect("counted above");
-            p.grad = Some(accumulate(p.grad.take(), g)?);
+            p.grad = Some(match p.grad.take() {
+                Some(old) => old.add(Grad::Dense(g))?,
+                None => Grad::Dense(g),
+            });
             if p.deps == 0 && !ready_roots.contains(&edge.key()) {
                 ready_roots.push(edge.key());
                 start.extend(task.make_ready(&mut st, edge.key()));
@@ -325,7 +449,8 @@ impl GraphTask {
     fn run_entry(self: &Arc<Self>, key: usize, on_device_thread: bool) -> Result<()> {
         let p = self.lock().pending.remove(&key).expect("ready keys are pending");
         let capture = self.capture.as_deref();
-        let (node, grad) = match (p.edge, p.grad) {
+        let grad = p.grad.map(Grad::into_dense).transpose()?;
+        let (node, grad) = match (p.edge, grad) {
             (Edge::Leaf(leaf), Some(grad)) => {
                 let grad = apply_hooks(&leaf, grad)?;
                 match capture {
@@ -369,9 +494,15 @@ impl GraphTask {
                 if capture.is_some_and(|c| c.contains(&key)) {
                     self.lock().captured.insert(key, grad.clone());
                 }
-                call_backward(&node, &grad, self.retain_graph)?
+                match &node.view {
+                    Some(view) => view_backward(&node, view, grad, self.retain_graph)?,
+                    None => call_backward(&node, &grad, self.retain_graph)?
+                        .into_iter()
+                        .map(|g| g.map(Grad::Dense))
+                        .collect(),
+                }
             }
-            None => vec![None; node.edges.len()],
+            None => (0..node.edges.len()).map(|_| None).collect(),
         };
         let (mut home, mut start) = (false, Vec::new());
         let delivered = self.deliver(&node, input_grads, &mut home, &mut start);
@@ -403,7 +534,7 @@ impl GraphTask {
     fn deliver(
         &self,
         node: &Node,
-        input_grads: Vec<Option<Tensor>>,
+        input_grads: Vec<Option<Grad>>,
         home: &mut bool,
         start: &mut Vec<usize>,
     ) -> Result<()> {
@@ -416,7 +547,7 @@ impl GraphTask {
                 match (g.take(), p.grad.take()) {
                     (Some(new), Some(old)) => {
                         drop(st);
-                        g = Some(old.add(&new)?);
+                        g = Some(old.add(new)?);
                     }
                     (new, old) => {
                         p.grad = new.or(old);
@@ -473,6 +604,39 @@ fn count_dependencies(roots: impl Iterator<Item = Edge>, pending: &mut KeyMap<Pe
             entry.deps += 1;
         }
     }
+}
+
+/// A view node's step (Note [Gradients of views]): its output's gradient becomes the slice of
+/// its input's; the node's backward function is released as [`call_backward`] would.
+fn view_backward(
+    node: &Arc<Node>,
+    view: &super::ViewOf,
+    grad: Tensor,
+    retain_graph: bool,
+) -> Result<Vec<Option<Grad>>> {
+    let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.is_none() {
+        return Err(Error::Autograd(format!(
+            "trying to backward through the graph a second time (through {}); pass retain_graph=true to the first backward",
+            node.name
+        )));
+    }
+    if !retain_graph {
+        *slot = None;
+    }
+    if grad.dims() != view.region.dims() {
+        return Err(Error::Autograd(format!(
+            "{}: the gradient has shape {}, the view's region {:?}",
+            node.name,
+            grad.shape(),
+            view.region.dims()
+        )));
+    }
+    let slice = Grad::Slices {
+        shape: view.shape.clone(),
+        parts: vec![(view.region.clone(), grad)],
+    };
+    Ok(vec![node.edges[0].as_ref().map(|_| slice)])
 }
 
 fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<Vec<Option<Tensor>>> {
@@ -541,13 +705,6 @@ fn apply_hooks(t: &Arc<TensorImpl>, mut grad: Tensor) -> Result<Tensor> {
         }
     }
     Ok(grad)
-}
-
-fn accumulate(acc: Option<Tensor>, g: Tensor) -> Result<Tensor> {
-    match acc {
-        None => Ok(g),
-        Some(a) => a.add(&g),
-    }
 }
 
 /// Stores `grad` into `leaf`'s `.grad` (summing with what is there); returns the leaf's

@@ -52,6 +52,17 @@ pub(crate) struct Node {
     output: OnceLock<Weak<TensorImpl>>,
     /// The order of recording on this thread; later nodes run first (Note [Ready order]).
     sequence_nr: u64,
+    /// For a view op (`narrow`, `slice`, `select`): the region of its input that the output
+    /// views, whose gradient the engine keeps as a slice (Note [Gradients of views] in
+    /// `engine.rs`) instead of calling `backward`.
+    pub(crate) view: Option<ViewOf>,
+}
+
+/// The region of a view op's input that its output views: a layout over a row-major tensor of
+/// the input's `shape`.
+pub(crate) struct ViewOf {
+    pub(crate) shape: crate::Shape,
+    pub(crate) region: crate::layout::Layout,
 }
 
 /// Where a gradient flows: into a leaf's `.grad`, or into another node.
@@ -140,12 +151,40 @@ pub(crate) fn record<F>(name: &'static str, inputs: &[&Tensor], out: Tensor, bac
 where
     F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 {
+    record_node(name, inputs, out, Box::new(backward), None)
+}
+
+/// [`record`] for a view op whose output views `view.region` of its one input: the engine
+/// hands the region's gradient on as a slice (Note [Gradients of views] in `engine.rs`);
+/// `backward` (the gradient written into zeros of the input's shape) is what
+/// [`Node::backward`] would compute, kept for the second-pass check.
+pub(crate) fn record_view<F>(
+    name: &'static str,
+    input: &Tensor,
+    out: Tensor,
+    view: ViewOf,
+    backward: F,
+) -> Tensor
+where
+    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+{
+    record_node(name, &[input], out, Box::new(backward), Some(view))
+}
+
+fn record_node(
+    name: &'static str,
+    inputs: &[&Tensor],
+    out: Tensor,
+    backward: BackwardFn,
+    view: Option<ViewOf>,
+) -> Tensor {
     let node = Arc::new(Node {
         name,
         edges: inputs.iter().map(|t| Edge::of(t)).collect(),
-        backward: Mutex::new(Some(Box::new(backward))),
+        backward: Mutex::new(Some(backward)),
         output: OnceLock::new(),
         sequence_nr: next_sequence_nr(),
+        view,
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));

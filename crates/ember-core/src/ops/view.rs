@@ -93,6 +93,30 @@ fn grad_through_view(
 }
 
 impl Tensor {
+    /// A view of `self` with `layout` that is the region `region` gives of any layout of
+    /// `self`'s shape (`narrow`, `slice`, `select`): its node tells the engine that region, so
+    /// the input's gradient travels as a slice until it is summed (Note [Gradients of views] in
+    /// `autograd/engine.rs`); its backward writes the gradient into zeros of that region.
+    fn region_view<R>(&self, op: &'static Op, layout: Layout, region: R) -> Result<Tensor>
+    where
+        R: Fn(&Layout) -> Result<Layout> + Send + Sync + 'static,
+    {
+        dispatch::call_with(op, [self], |[x]| {
+            let out = x.view_with(layout);
+            if !autograd::needs_grad(&[x]) {
+                return Ok(out);
+            }
+            let shape = x.shape().clone();
+            let view = autograd::ViewOf {
+                region: region(&Layout::contiguous(shape.clone()))?,
+                shape: shape.clone(),
+            };
+            Ok(autograd::record_view(op.name, x, out, view, move |g, _| {
+                Ok(vec![Some(grad_through_view(g, &shape, &region)?)])
+            }))
+        })
+    }
+
     /// A view of `self` with `layout`: the op `op` of the dispatch point (device check and
     /// observers; views are never cast), recorded with `backward` when autograd needs it.
     fn view_op<F>(&self, op: &'static Op, layout: Layout, backward: F) -> Result<Tensor>
@@ -200,10 +224,7 @@ impl Tensor {
             ));
         }
         let layout = self.layout().narrow(d, start, length)?;
-        let shape = self.shape().clone();
-        self.view_op(&policy::NARROW, layout, move |g| {
-            grad_through_view(g, &shape, |l| l.narrow(d, start, length))
-        })
+        self.region_view(&policy::NARROW, layout, move |l| l.narrow(d, start, length))
     }
 
     /// Elements `start..end` of `dim` taking every `step`-th (`x[:, start:end:step]`);
@@ -228,9 +249,8 @@ impl Tensor {
             return self.narrow(dim, start, len);
         }
         let layout = strided_slice(self.layout(), d, start, len, step)?;
-        let shape = self.shape().clone();
-        self.view_op(&policy::SLICE, layout, move |g| {
-            grad_through_view(g, &shape, |l| strided_slice(l, d, start, len, step))
+        self.region_view(&policy::SLICE, layout, move |l| {
+            strided_slice(l, d, start, len, step)
         })
     }
     /// Element `index` of `dim`, removing that dim (`select`, `x[:, i]`); negative `index`
@@ -255,10 +275,7 @@ impl Tensor {
         }
         let i = i as usize;
         let layout = self.layout().select(d, i)?;
-        let shape = self.shape().clone();
-        self.view_op(&policy::SELECT, layout, move |g| {
-            grad_through_view(g, &shape, |l| l.select(d, i))
-        })
+        self.region_view(&policy::SELECT, layout, move |l| l.select(d, i))
     }
 
     /// Inserts a dim of size 1 at `dim` (in `[-rank-1, rank]`).

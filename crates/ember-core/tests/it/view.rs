@@ -263,3 +263,165 @@ fn tensor_literals_and_from_vec() {
     assert_eq!((v.dims(), v.dtype()), (&[2usize][..], DType::F64));
     assert_eq!(Tensor::from(&[1i32, 2][..]).dtype(), DType::I32);
 }
+
+/// Note [Gradients of views] in `autograd/engine.rs`: the gradients of views of one tensor are
+/// summed as slices and written out once. Each case's gradient is compared with the same
+/// function computed with every view's gradient written out by hand (`index_add`-free: a
+/// one-hot mask product), on every device, in f32 and bf16.
+#[test]
+fn gradients_of_several_views_of_one_tensor() {
+    for dev in devices() {
+        for dtype in [DType::F32, DType::BF16] {
+            let base = || {
+                Tensor::from_slice(&values(4 * 3 * 12, 7), [4, 3, 12], Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to(dev)
+                    .unwrap()
+                    .requires_grad_(true)
+                    .unwrap()
+            };
+            let w = Tensor::from_slice(&values(4 * 3 * 12, 8), [4, 3, 12], Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to(dev)
+                .unwrap();
+            // (name, the loss of x, the expected gradient of x: a function of w).
+            type Case = (
+                &'static str,
+                fn(&Tensor, &Tensor) -> ember_core::Result<Tensor>,
+                fn(&Tensor) -> Vec<f64>,
+            );
+            let cases: Vec<Case> = vec![
+                // A split whose three pieces all reach the loss: they tile dim 2.
+                (
+                    "split, all used",
+                    |x, w| {
+                        let [a, b, c] = x.split_into(4, 2)?;
+                        let [wa, wb, wc] = w.split_into(4, 2)?;
+                        a.mul(&wa)?
+                            .sum_all()?
+                            .add(&b.mul(&wb)?.mul_scalar(2.0)?.sum_all()?)?
+                            .add(&c.mul(&wc)?.mul_scalar(3.0)?.sum_all()?)
+                    },
+                    |w| {
+                        let w = w.to_vec_f64().unwrap();
+                        w.iter()
+                            .enumerate()
+                            .map(|(i, v)| v * (1 + (i % 12) / 4) as f64)
+                            .collect()
+                    },
+                ),
+                // Two of the three pieces: the third's region stays zero.
+                (
+                    "split, one unused",
+                    |x, w| {
+                        let [a, _b, c] = x.split_into(4, 2)?;
+                        let [wa, _, wc] = w.split_into(4, 2)?;
+                        a.mul(&wa)?.sum_all()?.add(&c.mul(&wc)?.sum_all()?)
+                    },
+                    |w| {
+                        let w = w.to_vec_f64().unwrap();
+                        w.iter()
+                            .enumerate()
+                            .map(|(i, v)| if (4..8).contains(&(i % 12)) { 0.0 } else { *v })
+                            .collect()
+                    },
+                ),
+                // Overlapping narrows, a select and a strided slice, plus x itself (dense).
+                (
+                    "overlaps, select, slice and the whole",
+                    |x, w| {
+                        let n1 = x.narrow(2, 0, 8)?.mul(&w.narrow(2, 0, 8)?)?.sum_all()?;
+                        let n2 = x.narrow(2, 4, 8)?.mul(&w.narrow(2, 4, 8)?)?.sum_all()?;
+                        let s = x.select(1, 2)?.sum_all()?;
+                        let st = x.slice(2, 1, 12, 3)?.sum_all()?;
+                        n1.add(&n2)?.add(&s)?.add(&st)?.add(&x.sum_all()?)
+                    },
+                    |w| {
+                        let w = w.to_vec_f64().unwrap();
+                        (0..w.len())
+                            .map(|i| {
+                                let (j, k) = ((i / 12) % 3, i % 12);
+                                let mut g = 1.0;
+                                if k < 8 {
+                                    g += w[i];
+                                }
+                                if (4..12).contains(&k) {
+                                    g += w[i];
+                                }
+                                if j == 2 {
+                                    g += 1.0;
+                                }
+                                if k % 3 == 1 {
+                                    g += 1.0;
+                                }
+                                g
+                            })
+                            .collect()
+                    },
+                ),
+            ];
+            for (name, loss, expected) in cases {
+                let x = base();
+                loss(&x, &w).unwrap().backward().unwrap();
+                let got = x.grad().unwrap();
+                assert_eq!(got.dtype(), dtype);
+                assert_eq!(got.dims(), &[4, 3, 12]);
+                // The expected values from w's (rounded) elements, rounded to the dtype once.
+                let want = Tensor::from_slice(&expected(&w), [4, 3, 12], Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-6 };
+                for (i, (g, e)) in got
+                    .to_vec_f64()
+                    .unwrap()
+                    .iter()
+                    .zip(want.to_vec_f64().unwrap())
+                    .enumerate()
+                {
+                    assert!(
+                        (g - e).abs() <= tol * (1.0 + e.abs()),
+                        "{name} {dtype} on {dev}: element {i}: {g} vs {e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The gradient of split pieces reaches hooks and `autograd::grad` as one tensor, and a second
+/// backward through a view without `retain_graph` is refused as for any node.
+#[test]
+fn view_gradients_meet_hooks_grad_and_a_second_pass() {
+    let x = Tensor::from_slice(&values(6, 3), [6], Device::Cpu)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let y = x.mul_scalar(2.0).unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let _hook = y
+        .register_hook(move |g| {
+            s2.lock().unwrap().push(g.to_vec_f64()?);
+            Ok(None)
+        })
+        .unwrap();
+    let [a, b] = y.split_into(3, 0).unwrap();
+    let loss = a
+        .sum_all()
+        .unwrap()
+        .add(&b.mul_scalar(3.0).unwrap().sum_all().unwrap())
+        .unwrap();
+    let g = ember_core::autograd::grad(&[loss.clone()], &[x.clone()], None, true).unwrap();
+    assert_eq!(
+        g[0].as_ref().unwrap().to_vec_f64().unwrap(),
+        vec![2.0, 2.0, 2.0, 6.0, 6.0, 6.0]
+    );
+    assert_eq!(seen.lock().unwrap()[0], vec![1.0, 1.0, 1.0, 3.0, 3.0, 3.0]);
+    loss.backward().unwrap();
+    assert!(matches!(loss.backward(), Err(Error::Autograd(_))));
+}
