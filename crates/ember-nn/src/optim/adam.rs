@@ -24,7 +24,9 @@
 //! reads its count back to the host, one wait per step.
 
 use super::param_group::{split_state, Group, Groups, HasLr, ParamGroup};
-use super::{check_non_negative, check_params, check_state_index, load_like_param, lr_on, zero_grads, Optimizer};
+use super::{
+    check_non_negative, check_params, check_state_index, load_like_param, lr_on, zero_grads, Optimizer,
+};
 use crate::state_dict::StateDictResult;
 use ember_core::fused::{self, AdamStep, AdamSteps, GradScaling};
 use ember_core::{DType, Device, Error, Result, Tensor};

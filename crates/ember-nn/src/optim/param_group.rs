@@ -118,7 +118,9 @@ impl ParamGroup {
         match names.iter().find(|(_, set)| *set) {
             Some((name, _)) => Err(Error::invalid(
                 optimizer,
-                format!("a param group sets {name}, which {optimizer} does not have; remove it from the group"),
+                format!(
+                    "a param group sets {name}, which {optimizer} does not have; remove it from the group"
+                ),
             )),
             None => Ok(()),
         }
@@ -428,7 +430,10 @@ impl<C: HasLr> Groups<C> {
 /// The parsed keys of a state dict, split into parameter state `(index, name, value)` and
 /// param group entries `(group, name, value)`; see Note [State dict format]. Parameter
 /// indices are checked later (after the group checks, whose errors say more).
-pub(crate) type SplitState<'a> = (Vec<(usize, &'a str, &'a Tensor)>, Vec<(usize, &'a str, &'a Tensor)>);
+pub(crate) type SplitState<'a> = (
+    Vec<(usize, &'a str, &'a Tensor)>,
+    Vec<(usize, &'a str, &'a Tensor)>,
+);
 
 /// Splits `state` (see [`SplitState`]).
 pub(crate) fn split_state<'a>(op: &'static str, state: &'a [(String, Tensor)]) -> Result<SplitState<'a>> {
@@ -446,8 +451,8 @@ pub(crate) fn split_state<'a>(op: &'static str, state: &'a [(String, Tensor)]) -
 mod tests {
     use super::*;
     use crate::optim::{
-        Adam, AdamConfig, AdamW, CosineAnnealingLR, LRScheduler, LinearLR, Optimizer, SequentialLR, SgdConfig,
-        StepLR, SGD,
+        Adam, AdamConfig, AdamW, CosineAnnealingLR, LRScheduler, LinearLR, Optimizer, SequentialLR,
+        SgdConfig, StepLR, SGD,
     };
 
     fn param(values: &[f64]) -> Tensor {
@@ -514,9 +519,19 @@ mod tests {
         close(values(&a)[0], 0.999 - 0.01 * 0.5 / (0.5 + 1e-8));
         close(values(&b)[0], 2.0 + 0.1 * 2.0 / (2.0 + 1e-8));
         let groups = opt.param_groups();
-        assert_eq!((groups[0].config().lr, groups[0].config().weight_decay), (0.01, 0.1));
-        assert_eq!((groups[1].config().lr, groups[1].config().weight_decay), (0.1, 0.0));
-        assert_eq!(groups[1].config().betas, (0.9, 0.999), "a default the group keeps");
+        assert_eq!(
+            (groups[0].config().lr, groups[0].config().weight_decay),
+            (0.01, 0.1)
+        );
+        assert_eq!(
+            (groups[1].config().lr, groups[1].config().weight_decay),
+            (0.1, 0.0)
+        );
+        assert_eq!(
+            groups[1].config().betas,
+            (0.9, 0.999),
+            "a default the group keeps"
+        );
         assert_eq!((groups[0].indices(), groups[1].indices()), (0..1, 1..2));
         assert_eq!(opt.defaults().lr, 0.01);
         assert_eq!(opt.config().lr, 0.01);
@@ -532,7 +547,10 @@ mod tests {
         opt.set_lr(0.5);
         assert_eq!(opt.group_lrs(), [0.5, 0.5]);
         opt.set_initial_lr(0.25);
-        assert_eq!((opt.group_initial_lr(0), opt.group_initial_lr(1)), (Some(0.25), Some(0.25)));
+        assert_eq!(
+            (opt.group_initial_lr(0), opt.group_initial_lr(1)),
+            (Some(0.25), Some(0.25))
+        );
     }
 
     #[test]
@@ -551,8 +569,14 @@ mod tests {
         assert!((values(&c)[0] - (4.0 - 0.5 / (1.0 + 1e-6))).abs() < 1e-12);
         let state = opt.state_dict();
         assert_eq!(entry(&state, "state.2.step").to_vec::<f32>().unwrap(), [1.0]);
-        assert_eq!(entry(&state, "param_groups.1.params").to_vec::<i64>().unwrap(), [2]);
-        assert_eq!(entry(&state, "param_groups.0.params").to_vec::<i64>().unwrap(), [0, 1]);
+        assert_eq!(
+            entry(&state, "param_groups.1.params").to_vec::<i64>().unwrap(),
+            [2]
+        );
+        assert_eq!(
+            entry(&state, "param_groups.0.params").to_vec::<i64>().unwrap(),
+            [0, 1]
+        );
         assert_eq!(entry(&state, "param_groups.1.lr").item_f64().unwrap(), 0.5);
         // Already held, in another group or the same.
         assert!(opt.add_param_group(ParamGroup::new(vec![a.clone()])).is_err());
@@ -562,7 +586,8 @@ mod tests {
     #[test]
     fn groups_are_checked() {
         let p = || param(&[1.0]);
-        let adam = |g: ParamGroup| AdamW::with_groups(vec![ParamGroup::new(vec![p()]), g], AdamConfig::adamw());
+        let adam =
+            |g: ParamGroup| AdamW::with_groups(vec![ParamGroup::new(vec![p()]), g], AdamConfig::adamw());
         let sgd = |g: ParamGroup| SGD::with_groups(vec![g], SgdConfig::default());
         // What the optimizer does not have, and values its __init__ refuses.
         for g in [
@@ -578,7 +603,10 @@ mod tests {
             ParamGroup::new(vec![p()]).betas((0.9, 0.99)),
             ParamGroup::new(vec![p()]).eps(1e-6),
             ParamGroup::new(vec![p()]).nesterov(true),
-            ParamGroup::new(vec![p()]).momentum(0.9).dampening(0.1).nesterov(true),
+            ParamGroup::new(vec![p()])
+                .momentum(0.9)
+                .dampening(0.1)
+                .nesterov(true),
             ParamGroup::new(vec![p()]).momentum(-0.9),
         ] {
             assert!(sgd(g.clone()).is_err(), "{g:?} accepted by SGD");
@@ -635,7 +663,11 @@ mod tests {
         let grads = |t: usize| -> Vec<Vec<f64>> {
             ps.iter()
                 .enumerate()
-                .map(|(i, p)| (0..p.numel()).map(|j| ((t * 7 + i * 3 + j) as f64).sin()).collect())
+                .map(|(i, p)| {
+                    (0..p.numel())
+                        .map(|j| ((t * 7 + i * 3 + j) as f64).sin())
+                        .collect()
+                })
                 .collect()
         };
         let mut a = make(&ps);
@@ -648,8 +680,14 @@ mod tests {
             sched.step(&mut a);
         }
         let state = a.state_dict();
-        assert_eq!(entry(&state, "param_groups.1.params").to_vec::<i64>().unwrap(), [2]);
-        assert_eq!(entry(&state, "param_groups.1.initial_lr").item_f64().unwrap(), 0.02);
+        assert_eq!(
+            entry(&state, "param_groups.1.params").to_vec::<i64>().unwrap(),
+            [2]
+        );
+        assert_eq!(
+            entry(&state, "param_groups.1.initial_lr").item_f64().unwrap(),
+            0.02
+        );
         assert_eq!(entry(&state, "param_groups.1.lr").item_f64().unwrap(), 0.02 / 8.0);
         assert_eq!(entry(&state, "state.2.step").to_vec::<f32>().unwrap(), [3.0]);
         let mut b = make(&qs);
@@ -661,7 +699,10 @@ mod tests {
         }
         b.load_state_dict(&state).unwrap();
         assert_eq!(b.group_lrs(), [0.01 / 8.0, 0.02 / 8.0]);
-        assert_eq!((b.group_initial_lr(0), b.group_initial_lr(1)), (Some(0.01), Some(0.02)));
+        assert_eq!(
+            (b.group_initial_lr(0), b.group_initial_lr(1)),
+            (Some(0.01), Some(0.02))
+        );
         for t in 3..6 {
             for ((p, q), g) in ps.iter().zip(&qs).zip(grads(t)) {
                 set_grad(p, &g);
@@ -823,7 +864,10 @@ mod tests {
         assert_eq!(again.state_dict().len(), old.len() + 1);
         // Bad `params` entries.
         let mut state = two([2, 1]).state_dict();
-        let at = state.iter().position(|(k, _)| k == "param_groups.1.params").unwrap();
+        let at = state
+            .iter()
+            .position(|(k, _)| k == "param_groups.1.params")
+            .unwrap();
         state[at].1 = Tensor::from_vec(vec![7i64], [1], Device::Cpu).unwrap();
         assert!(two([2, 1]).load_state_dict(&state).is_err());
         state[at].1 = Tensor::from_vec(vec![2.0f32], [1], Device::Cpu).unwrap();
@@ -838,13 +882,19 @@ mod tests {
         let close = |got: &[f64], want: &[f64], what: &str| {
             assert_eq!(got.len(), want.len(), "{what}");
             for (g, w) in got.iter().zip(want) {
-                assert!((g - w).abs() <= 1e-14 * (1.0 + w.abs()), "{what}: got {got:?}, want {want:?}");
+                assert!(
+                    (g - w).abs() <= 1e-14 * (1.0 + w.abs()),
+                    "{what}: got {got:?}, want {want:?}"
+                );
             }
         };
         // StepLR(2, 0.5): lr_g = base_g * 0.5^(e / 2).
         let mut opt = sgd_groups([1.0, 0.1]);
         let mut s = StepLR::new(&mut opt, 2, 0.5).unwrap();
-        assert_eq!((opt.group_initial_lr(0), opt.group_initial_lr(1)), (Some(1.0), Some(0.1)));
+        assert_eq!(
+            (opt.group_initial_lr(0), opt.group_initial_lr(1)),
+            (Some(1.0), Some(0.1))
+        );
         for e in 0..8 {
             if e > 0 {
                 s.step(&mut opt);

@@ -14,7 +14,10 @@ fn params(device: Device) -> Vec<Tensor> {
         .enumerate()
         .map(|(i, shape)| {
             let n: usize = shape.iter().product();
-            let v: Vec<f32> = common::values(n, 100 + i as u64).iter().map(|&x| x as f32).collect();
+            let v: Vec<f32> = common::values(n, 100 + i as u64)
+                .iter()
+                .map(|&x| x as f32)
+                .collect();
             Tensor::from_vec(v, shape, Device::Cpu)
                 .unwrap()
                 .to(device)
@@ -112,10 +115,13 @@ fn cases() -> Vec<Case> {
                 Box::new(AdamW::with_groups(vec![g0, adam_group1(ps)], ADAM).unwrap())
             },
             split: |ps| {
-                Box::new(Split(vec![
-                    Box::new(AdamW::new(ps[..2].to_vec(), ADAM).unwrap()),
-                    Box::new(AdamW::new(ps[2..].to_vec(), ADAM_GROUP1).unwrap()),
-                ], ps.to_vec()))
+                Box::new(Split(
+                    vec![
+                        Box::new(AdamW::new(ps[..2].to_vec(), ADAM).unwrap()),
+                        Box::new(AdamW::new(ps[2..].to_vec(), ADAM_GROUP1).unwrap()),
+                    ],
+                    ps.to_vec(),
+                ))
             },
             defaults_only: |ps| Box::new(AdamW::new(ps.to_vec(), ADAM).unwrap()),
         },
@@ -126,10 +132,13 @@ fn cases() -> Vec<Case> {
                 Box::new(Adam::with_groups(vec![g0, adam_group1(ps)], ADAM).unwrap())
             },
             split: |ps| {
-                Box::new(Split(vec![
-                    Box::new(Adam::new(ps[..2].to_vec(), ADAM).unwrap()),
-                    Box::new(Adam::new(ps[2..].to_vec(), ADAM_GROUP1).unwrap()),
-                ], ps.to_vec()))
+                Box::new(Split(
+                    vec![
+                        Box::new(Adam::new(ps[..2].to_vec(), ADAM).unwrap()),
+                        Box::new(Adam::new(ps[2..].to_vec(), ADAM_GROUP1).unwrap()),
+                    ],
+                    ps.to_vec(),
+                ))
             },
             defaults_only: |ps| Box::new(Adam::new(ps.to_vec(), ADAM).unwrap()),
         },
@@ -145,10 +154,13 @@ fn cases() -> Vec<Case> {
                 Box::new(SGD::with_groups(vec![g0, g1], SGD_DEFAULTS).unwrap())
             },
             split: |ps| {
-                Box::new(Split(vec![
-                    Box::new(SGD::new(ps[..2].to_vec(), SGD_DEFAULTS).unwrap()),
-                    Box::new(SGD::new(ps[2..].to_vec(), SGD_GROUP1).unwrap()),
-                ], ps.to_vec()))
+                Box::new(Split(
+                    vec![
+                        Box::new(SGD::new(ps[..2].to_vec(), SGD_DEFAULTS).unwrap()),
+                        Box::new(SGD::new(ps[2..].to_vec(), SGD_GROUP1).unwrap()),
+                    ],
+                    ps.to_vec(),
+                ))
             },
             defaults_only: |ps| Box::new(SGD::new(ps.to_vec(), SGD_DEFAULTS).unwrap()),
         },
@@ -159,7 +171,10 @@ fn cases() -> Vec<Case> {
 struct Split(Vec<Box<dyn Optimizer>>, Vec<Tensor>);
 
 impl Split {
-    fn step_each(&mut self, f: impl Fn(&mut dyn Optimizer) -> ember_core::Result<()>) -> ember_core::Result<()> {
+    fn step_each(
+        &mut self,
+        f: impl Fn(&mut dyn Optimizer) -> ember_core::Result<()>,
+    ) -> ember_core::Result<()> {
         self.0.iter_mut().try_for_each(|o| f(o.as_mut()))
     }
 }
@@ -244,7 +259,11 @@ fn train(opt: &mut dyn Optimizer, ps: &[Tensor], scaled: bool) {
         let before = bits(ps);
         set_grads(ps, 6, f32::INFINITY);
         opt.step_scaled(Some(&scale), &one).unwrap();
-        assert_eq!(bits(ps), before, "a step with found_inf set changed the parameters");
+        assert_eq!(
+            bits(ps),
+            before,
+            "a step with found_inf set changed the parameters"
+        );
     }
 }
 
@@ -267,7 +286,11 @@ fn two_groups_step_as_two_optimizers() {
                 let rs = params(device);
                 train((case.defaults_only)(&rs).as_mut(), &rs, scaled);
                 assert_eq!(bits(&rs[..2]), bits(&ps[..2]), "{what}");
-                assert_ne!(bits(&rs[2..]), bits(&ps[2..]), "{what}: group 1's settings had no effect");
+                assert_ne!(
+                    bits(&rs[2..]),
+                    bits(&ps[2..]),
+                    "{what}: group 1's settings had no effect"
+                );
             }
         }
     }
