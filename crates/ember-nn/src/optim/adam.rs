@@ -465,9 +465,12 @@ impl AdamCore {
         defaults.validate(name)?;
         let groups = groups
             .into_iter()
-            .map(|g| Ok((defaults.for_group(&g, name)?, g.params)))
+            .map(|g| {
+                let config = defaults.for_group(&g, name)?;
+                Ok((g.params, config))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let groups = Groups::new(name, groups.into_iter().map(|(c, p)| (p, c)).collect())?;
+        let groups = Groups::new(name, groups)?;
         let n = groups.params.len();
         Ok(AdamCore {
             groups,

@@ -293,9 +293,12 @@ impl SGD {
         defaults.validate()?;
         let groups = groups
             .into_iter()
-            .map(|g| Ok((defaults.for_group(&g)?, g.params)))
+            .map(|g| {
+                let config = defaults.for_group(&g)?;
+                Ok((g.params, config))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let groups = Groups::new("SGD", groups.into_iter().map(|(c, p)| (p, c)).collect())?;
+        let groups = Groups::new("SGD", groups)?;
         let n = groups.params.len();
         Ok(SGD {
             groups,
