@@ -84,6 +84,26 @@ pub enum StateDictError {
     #[error("invalid safetensors file {path}: {msg}")]
     Format { path: PathBuf, msg: String },
 
+    /// An optimizer state dict has another number of param groups than the optimizer it is
+    /// loaded into (PyTorch's "loaded state dict has a different number of parameter groups").
+    #[error("{optimizer}: loaded state dict has a different number of parameter groups: {found} in the state dict, {expected} in the optimizer; build the optimizer with the param groups of the one that saved it (the same groups in the same order, e.g. AdamW::with_groups), or add the missing groups with add_param_group before loading")]
+    ParamGroupCount {
+        optimizer: &'static str,
+        expected: usize,
+        found: usize,
+    },
+
+    /// A param group of an optimizer state dict has another number of parameters than the
+    /// optimizer's group of that index (PyTorch's "loaded state dict contains a parameter group
+    /// that doesn't match the size of optimizer's group").
+    #[error("{optimizer}: loaded state dict contains a parameter group that doesn't match the size of optimizer's group: param group {group} has {found} parameters in the state dict, {expected} in the optimizer; build each group from the same parameters, in the same order, as the optimizer that saved it")]
+    ParamGroupSize {
+        optimizer: &'static str,
+        group: usize,
+        expected: usize,
+        found: usize,
+    },
+
     /// A tensor operation failed while saving or copying.
     #[error(transparent)]
     Tensor(#[from] Error),

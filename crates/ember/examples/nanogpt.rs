@@ -16,7 +16,7 @@
 //! Run: `cargo run --release -p ember --example nanogpt -- [--data FILE] [--steps N] ...`
 
 use ember::nn::layers::LinearConfig;
-use ember::nn::optim::{AdamConfig, AdamW};
+use ember::nn::optim::{AdamConfig, AdamW, ParamGroup};
 use ember::nn::{init, Dropout, Embedding, LayerNorm, Linear};
 use ember::prelude::*;
 use std::time::Instant;
@@ -174,16 +174,19 @@ impl Gpt {
         self.lm_head.forward(&self.ln_f.forward(&x)?)
     }
 
-    /// nanoGPT's `configure_optimizers`: weight decay on the parameters of 2 or more dims (the
-    /// matrices and embeddings), none on biases and LayerNorm weights; one AdamW per group.
-    fn configure_optimizers(&self, weight_decay: f64, lr: f64, device: Device) -> Result<[AdamW; 2]> {
+    /// nanoGPT's `configure_optimizers`: one AdamW of two param groups, weight decay on the
+    /// parameters of 2 or more dims (the matrices and embeddings), none on biases and LayerNorm
+    /// weights.
+    fn configure_optimizers(&self, weight_decay: f64, lr: f64, device: Device) -> Result<AdamW> {
         let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) =
             self.parameters().into_iter().partition(|p| p.rank() >= 2);
+        let optim_groups = vec![
+            ParamGroup::new(decay).weight_decay(weight_decay),
+            ParamGroup::new(no_decay).weight_decay(0.0),
+        ];
         // The fused step on a GPU (nanoGPT's `fused=True`); the CPU has only the per-tensor one.
         let fused = if device.is_cuda() { None } else { Some(false) };
-        let config =
-            |wd| AdamConfig { lr, betas: (0.9, 0.95), weight_decay: wd, fused, ..Default::default() };
-        Ok([AdamW::new(decay, config(weight_decay))?, AdamW::new(no_decay, config(0.0))?])
+        AdamW::with_groups(optim_groups, AdamConfig { lr, betas: (0.9, 0.95), fused, ..AdamConfig::adamw() })
     }
 
     /// nanoGPT's `generate`: `max_new_tokens` times, the logits of the last position (of the
@@ -317,7 +320,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         args.data.as_deref().unwrap_or("ember's README"),
         format_args!("{} layers × {} heads × {}", args.layers, args.heads, args.embd)
     );
-    let mut opts = model.configure_optimizers(0.1, args.lr, device)?;
+    let mut opt = model.configure_optimizers(0.1, args.lr, device)?;
     let autocast = |d: Device| -> Result<Option<ember::amp::AutocastGuard>> {
         Ok(if d.is_cuda() { Some(ember::amp::autocast(d.device_type(), DType::BF16)?) } else { None })
     };
@@ -352,13 +355,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             break;
         }
         let (x, y) = get_batch(train, args.batch, args.block, device)?;
-        for opt in opts.iter_mut() {
-            opt.zero_grad()?;
-        }
+        opt.zero_grad()?;
         loss_of(&x, &y)?.backward()?;
-        for opt in opts.iter_mut() {
-            opt.step()?;
-        }
+        opt.step()?;
     }
     model.eval();
     let prompt = Tensor::from_vec(vec![b'\n' as i64], [1, 1], device)?;

@@ -23,10 +23,11 @@
 //! does the same). A parameter the fused step does not take (Note [Foreach step functions])
 //! reads its count back to the host, one wait per step.
 
+use super::param_group::{split_state, Group, Groups, HasLr, ParamGroup};
 use super::{
-    check_non_negative, check_params, load_like_param, lr_on, parse_state_key, zero_grads, DeviceLr, GroupLr,
-    Optimizer, StateKey,
+    check_non_negative, check_params, check_state_index, load_like_param, lr_on, zero_grads, Optimizer,
 };
+use crate::state_dict::StateDictResult;
 use ember_core::fused::{self, AdamStep, AdamSteps, GradScaling};
 use ember_core::{DType, Device, Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,6 +71,16 @@ impl Default for AdamConfig {
     }
 }
 
+impl HasLr for AdamConfig {
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+}
+
 impl AdamConfig {
     /// PyTorch's defaults for `torch.optim.AdamW` (`weight_decay = 1e-2`).
     pub fn adamw() -> Self {
@@ -77,6 +88,27 @@ impl AdamConfig {
             weight_decay: 1e-2,
             ..AdamConfig::default()
         }
+    }
+
+    /// These defaults with the overrides of `group` (Note [Param groups]), checked.
+    fn for_group(&self, group: &ParamGroup, op: &'static str) -> Result<AdamConfig> {
+        group.refuse(
+            op,
+            &[
+                ("momentum", group.momentum.is_some()),
+                ("dampening", group.dampening.is_some()),
+                ("nesterov", group.nesterov.is_some()),
+            ],
+        )?;
+        let config = AdamConfig {
+            lr: group.lr.unwrap_or(self.lr),
+            betas: group.betas.unwrap_or(self.betas),
+            eps: group.eps.unwrap_or(self.eps),
+            weight_decay: group.weight_decay.unwrap_or(self.weight_decay),
+            ..*self
+        };
+        config.validate(op)?;
+        Ok(config)
     }
 
     /// Checks the hyperparameters as `torch.optim.Adam.__init__` does.
@@ -406,86 +438,113 @@ impl ParamState {
     }
 }
 
-/// What Adam and AdamW share: parameters, config and state; `decoupled` picks AdamW.
+/// What Adam and AdamW share: param groups, defaults and state; `decoupled` picks AdamW.
 struct AdamCore {
-    params: Vec<Tensor>,
-    config: AdamConfig,
-    group: GroupLr,
-    device_lr: DeviceLr,
+    groups: Groups<AdamConfig>,
+    /// The config given to `new`/`with_groups`: what a group does not override.
+    defaults: AdamConfig,
+    /// One entry per parameter of all groups (the optimizer-wide numbering).
     state: Vec<Option<ParamState>>,
     decoupled: bool,
+    name: &'static str,
 }
 
 impl AdamCore {
     fn new(params: Vec<Tensor>, config: AdamConfig, decoupled: bool, name: &'static str) -> Result<AdamCore> {
         config.validate(name)?;
         check_params(name, &params)?;
-        let n = params.len();
+        AdamCore::with_groups(vec![ParamGroup::new(params)], config, decoupled, name)
+    }
+
+    fn with_groups(
+        groups: Vec<ParamGroup>,
+        defaults: AdamConfig,
+        decoupled: bool,
+        name: &'static str,
+    ) -> Result<AdamCore> {
+        defaults.validate(name)?;
+        let groups = groups
+            .into_iter()
+            .map(|g| {
+                let config = defaults.for_group(&g, name)?;
+                Ok((g.params, config))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let groups = Groups::new(name, groups)?;
+        let n = groups.params.len();
         Ok(AdamCore {
-            params,
-            config,
-            group: GroupLr {
-                lr: config.lr,
-                initial_lr: None,
-            },
-            device_lr: DeviceLr::default(),
+            groups,
+            defaults,
             state: (0..n).map(|_| None).collect(),
             decoupled,
+            name,
         })
     }
 
-    fn config(&self) -> AdamConfig {
-        AdamConfig {
-            lr: self.group.lr,
-            ..self.config
-        }
+    fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+        let config = self.defaults.for_group(&group, self.name)?;
+        self.groups.push(self.name, group.params, config)?;
+        self.state.resize_with(self.groups.params.len(), || None);
+        Ok(())
     }
 
-    /// One step of every parameter with a gradient, under `scaling`. Step counts live on their
-    /// parameter's device (one loaded from a state dict is moved there on its first step).
+    fn config(&self) -> AdamConfig {
+        self.groups.groups[0].config
+    }
+
+    /// One step of every parameter with a gradient, under `scaling`: one call of the foreach
+    /// function per param group (Note [Param groups]). Step counts live on their parameter's
+    /// device (one loaded from a state dict is moved there on its first step).
     fn step_with(&mut self, scaling: GradScaling<'_>) -> Result<()> {
-        let amsgrad = self.config.amsgrad;
-        let (mut params, mut grads) = (Vec::new(), Vec::new());
-        let (mut exp_avgs, mut exp_avg_sqs, mut maxes, mut steps) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (p, slot) in self.params.iter().zip(self.state.iter_mut()) {
-            let Some(g) = p.grad() else { continue };
-            if slot.is_none() {
-                *slot = Some(ParamState::new(p, amsgrad)?);
+        let amsgrad = self.defaults.amsgrad;
+        for group in &mut self.groups.groups {
+            let (mut params, mut grads) = (Vec::new(), Vec::new());
+            let (mut exp_avgs, mut exp_avg_sqs, mut maxes, mut steps) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let slots = &mut self.state[group.indices()];
+            for (p, slot) in group.params.iter().zip(slots.iter_mut()) {
+                let Some(g) = p.grad() else { continue };
+                if slot.is_none() {
+                    *slot = Some(ParamState::new(p, amsgrad)?);
+                }
+                let s = slot.as_mut().expect("initialized above");
+                if amsgrad && s.max_exp_avg_sq.is_none() {
+                    s.max_exp_avg_sq = Some(p.zeros_like()?);
+                }
+                if s.step.device() != p.device() {
+                    // Once (a loaded count): a 4-byte copy that does not wait.
+                    s.step = s.step.to(p.device())?;
+                }
+                params.push(p.clone());
+                grads.push(g);
+                exp_avgs.push(s.exp_avg.clone());
+                exp_avg_sqs.push(s.exp_avg_sq.clone());
+                steps.push(s.step.clone());
+                if let (true, Some(m)) = (amsgrad, &s.max_exp_avg_sq) {
+                    maxes.push(m.clone());
+                }
             }
-            let s = slot.as_mut().expect("initialized above");
-            if amsgrad && s.max_exp_avg_sq.is_none() {
-                s.max_exp_avg_sq = Some(p.zeros_like()?);
+            if params.is_empty() {
+                continue;
             }
-            if s.step.device() != p.device() {
-                // Once (a loaded count): a 4-byte copy that does not wait.
-                s.step = s.step.to(p.device())?;
-            }
-            params.push(p.clone());
-            grads.push(g);
-            exp_avgs.push(s.exp_avg.clone());
-            exp_avg_sqs.push(s.exp_avg_sq.clone());
-            steps.push(s.step.clone());
-            if let (true, Some(m)) = (amsgrad, &s.max_exp_avg_sq) {
-                maxes.push(m.clone());
-            }
+            let state = AdamStateSlices {
+                exp_avgs: &exp_avgs,
+                exp_avg_sqs: &exp_avg_sqs,
+                max_exp_avg_sqs: &maxes,
+                state_steps: &steps,
+            };
+            let lrs = group.device_lr.for_params(&params, group.config.lr)?;
+            adam_with_lr(
+                &params,
+                &grads,
+                state,
+                &group.config,
+                self.decoupled,
+                scaling,
+                &lrs,
+            )?;
         }
-        let state = AdamStateSlices {
-            exp_avgs: &exp_avgs,
-            exp_avg_sqs: &exp_avg_sqs,
-            max_exp_avg_sqs: &maxes,
-            state_steps: &steps,
-        };
-        let lrs = self.device_lr.for_params(&params, self.group.lr)?;
-        adam_with_lr(
-            &params,
-            &grads,
-            state,
-            &self.config(),
-            self.decoupled,
-            scaling,
-            &lrs,
-        )
+        Ok(())
     }
 
     fn state_dict(&self) -> Vec<(String, Tensor)> {
@@ -501,61 +560,61 @@ impl AdamCore {
                 out.push((format!("state.{i}.max_exp_avg_sq"), m.clone()));
             }
         }
-        self.group.push_state(&mut out);
+        self.groups.push_state(&mut out);
         out
     }
 
-    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> StateDictResult<()> {
         let op = if self.decoupled {
             "AdamW.load_state_dict"
         } else {
             "Adam.load_state_dict"
         };
-        let n = self.params.len();
+        let (entries, group_entries) = split_state(op, state)?;
+        let groups = self.groups.load_entries(op, &group_entries)?;
+        let n = self.groups.params.len();
         // step, exp_avg, exp_avg_sq, max_exp_avg_sq of each parameter, as loaded.
         let mut loaded: Vec<[Option<Tensor>; 4]> = (0..n).map(|_| Default::default()).collect();
-        let mut group = self.group;
-        for (key, value) in state {
-            match parse_state_key(op, key, n)? {
-                StateKey::Param { index, name } => {
-                    let param = &self.params[index];
-                    let (slot, t) = match name {
-                        "step" => {
-                            if value.numel() != 1 {
-                                return Err(Error::invalid(
-                                    op,
-                                    format!("{key:?} must hold one value, it has {}", value.numel()),
-                                ));
-                            }
-                            let _g = ember_core::no_grad();
-                            let step = value.to_dtype(DType::F32)?.to(Device::Cpu)?.reshape(())?;
-                            (0, step.deep_clone()?)
-                        }
-                        "exp_avg" => (1, load_like_param(op, value, param)?),
-                        "exp_avg_sq" => (2, load_like_param(op, value, param)?),
-                        "max_exp_avg_sq" => (3, load_like_param(op, value, param)?),
-                        _ => {
-                            return Err(Error::invalid(
-                                op,
-                                format!("unexpected state {name:?} in {key:?}: expected step, exp_avg, exp_avg_sq or max_exp_avg_sq"),
-                            ))
-                        }
-                    };
-                    loaded[index][slot] = Some(t);
+        for (index, name, value) in entries {
+            check_state_index(op, index, name, n)?;
+            let param = &self.groups.params[index];
+            let (slot, t) = match name {
+                "step" => {
+                    if value.numel() != 1 {
+                        return Err(Error::invalid(
+                            op,
+                            format!("\"state.{index}.step\" must hold one value, it has {}", value.numel()),
+                        )
+                        .into());
+                    }
+                    let _g = ember_core::no_grad();
+                    let step = value.to_dtype(DType::F32)?.to(Device::Cpu)?.reshape(())?;
+                    (0, step.deep_clone()?)
                 }
-                StateKey::Group { name } => super::load_group_entry(op, &mut group, name, value)?,
-            }
+                "exp_avg" => (1, load_like_param(op, value, param)?),
+                "exp_avg_sq" => (2, load_like_param(op, value, param)?),
+                "max_exp_avg_sq" => (3, load_like_param(op, value, param)?),
+                _ => {
+                    return Err(Error::invalid(
+                        op,
+                        format!("unexpected state {name:?} in \"state.{index}.{name}\": expected step, exp_avg, exp_avg_sq or max_exp_avg_sq"),
+                    )
+                    .into())
+                }
+            };
+            loaded[index][slot] = Some(t);
         }
         let mut states = Vec::with_capacity(n);
         for (i, [step, exp_avg, exp_avg_sq, max]) in loaded.into_iter().enumerate() {
             let any = step.is_some() || exp_avg.is_some() || exp_avg_sq.is_some() || max.is_some();
             let state = match (step, exp_avg, exp_avg_sq) {
                 (Some(step), Some(exp_avg), Some(exp_avg_sq)) => {
-                    if self.config.amsgrad && max.is_none() {
+                    if self.defaults.amsgrad && max.is_none() {
                         return Err(Error::invalid(
                             op,
                             format!("state of parameter {i} has no max_exp_avg_sq, which amsgrad needs"),
-                        ));
+                        )
+                        .into());
                     }
                     Some(ParamState {
                         step,
@@ -570,15 +629,15 @@ impl AdamCore {
                         format!(
                             "state of parameter {i} is incomplete: it needs step, exp_avg and exp_avg_sq"
                         ),
-                    ))
+                    )
+                    .into())
                 }
                 _ => None,
             };
             states.push(state);
         }
         self.state = states;
-        self.group = group;
-        self.device_lr.set(group.lr);
+        self.groups.apply_loaded(groups);
         Ok(())
     }
 }
@@ -589,19 +648,42 @@ macro_rules! adam_optimizer {
         pub struct $name(AdamCore);
 
         impl $name {
-            #[doc = concat!("A ", stringify!($name), " optimizer over `params` (leaf tensors, usually with `requires_grad`).")]
+            #[doc = concat!("A ", stringify!($name), " optimizer over `params` (leaf tensors, usually with `requires_grad`), one param group.")]
             pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Result<$name> {
                 AdamCore::new(params, config, $decoupled, stringify!($name)).map($name)
             }
 
-            /// The hyperparameters (`lr` as currently set).
+            #[doc = concat!("A ", stringify!($name), " optimizer over param groups (PyTorch's `", stringify!($name), "([{\"params\": ..., \"weight_decay\": 0.0}, ...], lr=...)`): each group's hyperparameters are `defaults` with the group's overrides (Note [Param groups]). Groups may set `lr`, `weight_decay`, `betas` and `eps`.")]
+            pub fn with_groups(groups: Vec<ParamGroup>, defaults: AdamConfig) -> Result<$name> {
+                AdamCore::with_groups(groups, defaults, $decoupled, stringify!($name)).map($name)
+            }
+
+            /// Appends a param group (`add_param_group`): its parameters are numbered after all
+            /// those already held; the defaults fill what it does not set.
+            pub fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+                self.0.add_param_group(group)
+            }
+
+            /// The param groups (`optimizer.param_groups`), each with its complete config.
+            pub fn param_groups(&self) -> &[Group<AdamConfig>] {
+                &self.0.groups.groups
+            }
+
+            /// The hyperparameters of group 0 (`lr` as currently set); see
+            #[doc = concat!("[`", stringify!($name), "::param_groups`] for the others.")]
             pub fn config(&self) -> AdamConfig {
                 self.0.config()
             }
 
-            /// The parameters, in the order given to `new`.
+            /// The config given to `new` or `with_groups` (`optimizer.defaults`): what a
+            /// group does not override.
+            pub fn defaults(&self) -> AdamConfig {
+                self.0.defaults
+            }
+
+            /// The parameters of all groups, in order (the state dict's numbering).
             pub fn params(&self) -> &[Tensor] {
-                &self.0.params
+                &self.0.groups.params
             }
         }
 
@@ -611,7 +693,7 @@ macro_rules! adam_optimizer {
             }
 
             fn params(&self) -> &[Tensor] {
-                &self.0.params
+                &self.0.groups.params
             }
 
             fn supports_amp_scaling(&self) -> bool {
@@ -626,31 +708,52 @@ macro_rules! adam_optimizer {
             }
 
             fn zero_grad(&mut self) -> Result<()> {
-                zero_grads(&self.0.params)
+                zero_grads(&self.0.groups.params)
             }
 
             fn lr(&self) -> f64 {
-                self.0.group.lr
+                self.0.groups.lr(0)
             }
 
             fn set_lr(&mut self, lr: f64) {
-                self.0.group.lr = lr;
-                self.0.device_lr.set(lr);
+                self.0.groups.set_all_lr(lr);
             }
 
             fn initial_lr(&self) -> Option<f64> {
-                self.0.group.initial_lr
+                self.0.groups.initial_lr(0)
             }
 
             fn set_initial_lr(&mut self, lr: f64) {
-                self.0.group.initial_lr = Some(lr);
+                for g in 0..self.0.groups.groups.len() {
+                    self.0.groups.set_initial_lr(g, lr);
+                }
+            }
+
+            fn num_param_groups(&self) -> usize {
+                self.0.groups.groups.len()
+            }
+
+            fn group_lr(&self, group: usize) -> f64 {
+                self.0.groups.lr(group)
+            }
+
+            fn set_group_lr(&mut self, group: usize, lr: f64) {
+                self.0.groups.set_lr(group, lr);
+            }
+
+            fn group_initial_lr(&self, group: usize) -> Option<f64> {
+                self.0.groups.initial_lr(group)
+            }
+
+            fn set_group_initial_lr(&mut self, group: usize, lr: f64) {
+                self.0.groups.set_initial_lr(group, lr);
             }
 
             fn state_dict(&self) -> Vec<(String, Tensor)> {
                 self.0.state_dict()
             }
 
-            fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+            fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> StateDictResult<()> {
                 self.0.load_state_dict(state)
             }
         }
@@ -900,6 +1003,7 @@ mod tests {
                 "state.1.step",
                 "state.1.exp_avg",
                 "state.1.exp_avg_sq",
+                "param_groups.0.params",
                 "param_groups.0.lr"
             ]
         );
@@ -996,7 +1100,8 @@ mod tests {
         );
         opt.load_state_dict(&full(Some(("state.0.max_exp_avg_sq", t(&[0.0, 0.0])))))
             .unwrap();
-        assert_eq!(opt.state_dict().len(), 5);
+        // The four state tensors, param_groups.0.params and param_groups.0.lr.
+        assert_eq!(opt.state_dict().len(), 6);
     }
 
     #[test]

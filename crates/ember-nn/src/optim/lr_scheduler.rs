@@ -11,20 +11,36 @@
 //! Each step uses PyTorch's chainable (recursive) `get_lr`, which reads the optimizer's
 //! current lr, so values agree with PyTorch bit for bit and schedulers compose through
 //! [`ChainedScheduler`]; [`EpochScheduler::step_to`] uses the closed form (`_get_closed_form_lr`),
-//! as SequentialLR does at a milestone. `base_lr` is the optimizer's `initial_lr`, recorded by
-//! the first scheduler built on it (PyTorch's `group.setdefault("initial_lr", lr)`).
+//! as SequentialLR does at a milestone.
+//!
+//! Every scheduler scales each param group of the optimizer separately, as PyTorch's do: a
+//! group's `base_lr` is its own `initial_lr`, recorded by the first scheduler built on the
+//! optimizer (PyTorch's `group.setdefault("initial_lr", group["lr"])`), and each step reads and
+//! writes the group's lr ([`Optimizer::group_lr`], [`Optimizer::set_group_lr`]): groups with
+//! lrs 1e-3 and 1e-4 under a StepLR stay a factor 10 apart. [`LRScheduler::get_last_lr`]
+//! is group 0's value, [`LRScheduler::get_last_lrs`] every group's (PyTorch's list). Groups
+//! added to the optimizer after the scheduler was built are not scheduled (PyTorch's
+//! `zip(param_groups, lrs)` leaves them out too).
 
 use super::Optimizer;
 use ember_core::{Error, Result};
 use std::f64::consts::PI;
 
-/// A learning-rate scheduler (`torch.optim.lr_scheduler.LRScheduler`) over one param group.
+/// A learning-rate scheduler (`torch.optim.lr_scheduler.LRScheduler`) over every param group
+/// of an optimizer.
 pub trait LRScheduler {
-    /// Advances one epoch and writes the new lr into `optimizer` (call after `optimizer.step()`).
+    /// Advances one epoch and writes each group's new lr into `optimizer` (call after
+    /// `optimizer.step()`).
     fn step(&mut self, optimizer: &mut dyn Optimizer);
 
-    /// The lr set by the latest step (or by `new`).
+    /// The lr of group 0 set by the latest step (or by `new`).
     fn get_last_lr(&self) -> f64;
+
+    /// The lr of every group set by the latest step (or by `new`): PyTorch's `get_last_lr()`.
+    /// The default is [`LRScheduler::get_last_lr`] alone, for a scheduler of one group.
+    fn get_last_lrs(&self) -> Vec<f64> {
+        vec![self.get_last_lr()]
+    }
 }
 
 /// A scheduler with an epoch counter and a closed form: what [`SequentialLR`] sequences.
@@ -42,53 +58,75 @@ pub trait EpochScheduler: LRScheduler {
     fn initial_step(&mut self, optimizer: &mut dyn Optimizer);
 }
 
-/// The counters every epoch scheduler keeps.
+/// The counters every epoch scheduler keeps; `base_lrs` and `last_lrs` hold one entry per
+/// param group the scheduler drives.
 #[derive(Debug, Clone)]
 struct Progress {
-    base_lr: f64,
+    base_lrs: Vec<f64>,
     last_epoch: i64,
     step_count: u64,
-    last_lr: f64,
+    last_lrs: Vec<f64>,
     /// True while the construction step runs (PyTorch's `_is_initial`).
     is_initial: bool,
 }
 
 impl Progress {
-    /// Attaches to `optimizer`: records its `initial_lr` if none is recorded yet.
+    /// Attaches to `optimizer`: records each group's `initial_lr` if none is recorded yet.
     fn attach(optimizer: &mut dyn Optimizer) -> Progress {
-        let base_lr = match optimizer.initial_lr() {
-            Some(lr) => lr,
-            None => {
-                let lr = optimizer.lr();
-                optimizer.set_initial_lr(lr);
-                lr
-            }
-        };
+        let base_lrs = (0..optimizer.num_param_groups())
+            .map(|g| match optimizer.group_initial_lr(g) {
+                Some(lr) => lr,
+                None => {
+                    let lr = optimizer.group_lr(g);
+                    optimizer.set_group_initial_lr(g, lr);
+                    lr
+                }
+            })
+            .collect();
         Progress {
-            base_lr,
+            base_lrs,
             last_epoch: -1,
             step_count: 0,
-            last_lr: optimizer.lr(),
+            last_lrs: optimizer.group_lrs(),
             is_initial: false,
         }
+    }
+
+    /// The number of groups driven: those of `optimizer` when the scheduler was built.
+    fn groups(&self, optimizer: &dyn Optimizer) -> usize {
+        self.base_lrs.len().min(optimizer.num_param_groups())
+    }
+
+    /// Writes `lrs` (one per driven group) into `optimizer` and records them.
+    fn set_lrs(&mut self, optimizer: &mut dyn Optimizer, lrs: Vec<f64>) {
+        for (g, &lr) in lrs.iter().enumerate() {
+            optimizer.set_group_lr(g, lr);
+        }
+        self.last_lrs = lrs;
     }
 }
 
 /// Implements [`LRScheduler`] and [`EpochScheduler`] for a type with a `p: Progress` field and
-/// `get_lr(&self, lr)` (the recursive form) and `closed_form_lr(&self)` methods.
+/// `get_lr(&self, group, lr)` (the recursive form, from the group's current lr) and
+/// `closed_form_lr(&self, group)` methods, each for one param group.
 macro_rules! epoch_scheduler {
     ($ty:ident) => {
         impl LRScheduler for $ty {
             fn step(&mut self, optimizer: &mut dyn Optimizer) {
                 self.p.step_count += 1;
                 self.p.last_epoch += 1;
-                let lr = self.get_lr(optimizer.lr());
-                optimizer.set_lr(lr);
-                self.p.last_lr = lr;
+                let lrs = (0..self.p.groups(optimizer))
+                    .map(|g| self.get_lr(g, optimizer.group_lr(g)))
+                    .collect();
+                self.p.set_lrs(optimizer, lrs);
             }
 
             fn get_last_lr(&self) -> f64 {
-                self.p.last_lr
+                self.p.last_lrs[0]
+            }
+
+            fn get_last_lrs(&self) -> Vec<f64> {
+                self.p.last_lrs.clone()
             }
         }
 
@@ -99,9 +137,10 @@ macro_rules! epoch_scheduler {
 
             fn step_to(&mut self, optimizer: &mut dyn Optimizer, epoch: i64) {
                 self.p.last_epoch = epoch;
-                let lr = self.closed_form_lr();
-                optimizer.set_lr(lr);
-                self.p.last_lr = lr;
+                let lrs = (0..self.p.groups(optimizer))
+                    .map(|g| self.closed_form_lr(g))
+                    .collect();
+                self.p.set_lrs(optimizer, lrs);
             }
 
             fn rewind(&mut self) {
@@ -142,7 +181,7 @@ impl StepLR {
         Ok(s)
     }
 
-    fn get_lr(&self, lr: f64) -> f64 {
+    fn get_lr(&self, _group: usize, lr: f64) -> f64 {
         let e = self.p.last_epoch;
         if e == 0 || e % self.step_size != 0 {
             lr
@@ -151,8 +190,8 @@ impl StepLR {
         }
     }
 
-    fn closed_form_lr(&self) -> f64 {
-        self.p.base_lr
+    fn closed_form_lr(&self, group: usize) -> f64 {
+        self.p.base_lrs[group]
             * self
                 .gamma
                 .powf(self.p.last_epoch.div_euclid(self.step_size) as f64)
@@ -206,7 +245,7 @@ impl LinearLR {
         Ok(s)
     }
 
-    fn get_lr(&self, lr: f64) -> f64 {
+    fn get_lr(&self, _group: usize, lr: f64) -> f64 {
         let e = self.p.last_epoch;
         if e == 0 {
             return lr * self.start_factor;
@@ -218,9 +257,9 @@ impl LinearLR {
         lr * (1.0 + delta / (self.total_iters as f64 * self.start_factor + (e - 1) as f64 * delta))
     }
 
-    fn closed_form_lr(&self) -> f64 {
+    fn closed_form_lr(&self, group: usize) -> f64 {
         let progress = self.total_iters.min(self.p.last_epoch) as f64;
-        self.p.base_lr
+        self.p.base_lrs[group]
             * (self.start_factor + (self.end_factor - self.start_factor) * progress / self.total_iters as f64)
     }
 }
@@ -253,8 +292,13 @@ impl CosineAnnealingLR {
         Ok(s)
     }
 
-    fn get_lr(&self, lr: f64) -> f64 {
-        let (e, t, eta_min, base) = (self.p.last_epoch, self.t_max as f64, self.eta_min, self.p.base_lr);
+    fn get_lr(&self, group: usize, lr: f64) -> f64 {
+        let (e, t, eta_min, base) = (
+            self.p.last_epoch,
+            self.t_max as f64,
+            self.eta_min,
+            self.p.base_lrs[group],
+        );
         if self.p.is_initial {
             lr
         } else if self.p.step_count == 1 && e > 0 {
@@ -267,9 +311,9 @@ impl CosineAnnealingLR {
         }
     }
 
-    fn closed_form_lr(&self) -> f64 {
+    fn closed_form_lr(&self, group: usize) -> f64 {
         let (e, t) = (self.p.last_epoch as f64, self.t_max as f64);
-        self.eta_min + (self.p.base_lr - self.eta_min) * (1.0 + (PI * e / t).cos()) / 2.0
+        self.eta_min + (self.p.base_lrs[group] - self.eta_min) * (1.0 + (PI * e / t).cos()) / 2.0
     }
 }
 
@@ -281,12 +325,13 @@ pub struct SequentialLR {
     schedulers: Vec<Box<dyn EpochScheduler>>,
     milestones: Vec<i64>,
     last_epoch: i64,
-    last_lr: f64,
+    last_lrs: Vec<f64>,
 }
 
 impl SequentialLR {
     /// Sequences `schedulers` (all built on `optimizer`) switching at `milestones` (one fewer,
-    /// ascending); resets the lr to `initial_lr` and re-runs the first scheduler's epoch 0.
+    /// ascending); resets each group's lr to its `initial_lr` and re-runs the first
+    /// scheduler's epoch 0.
     pub fn new(
         optimizer: &mut dyn Optimizer,
         mut schedulers: Vec<Box<dyn EpochScheduler>>,
@@ -311,18 +356,22 @@ impl SequentialLR {
                 "milestones must be in ascending order",
             ));
         }
-        let initial_lr = optimizer.initial_lr().unwrap_or_else(|| optimizer.lr());
-        optimizer.set_lr(initial_lr);
+        for g in 0..optimizer.num_param_groups() {
+            let initial_lr = optimizer
+                .group_initial_lr(g)
+                .unwrap_or_else(|| optimizer.group_lr(g));
+            optimizer.set_group_lr(g, initial_lr);
+        }
         for s in &mut schedulers {
             s.rewind();
         }
         schedulers[0].initial_step(optimizer);
-        let last_lr = schedulers[0].get_last_lr();
+        let last_lrs = schedulers[0].get_last_lrs();
         Ok(SequentialLR {
             schedulers,
             milestones: milestones.into_iter().map(|m| m as i64).collect(),
             last_epoch: 0,
-            last_lr,
+            last_lrs,
         })
     }
 
@@ -343,18 +392,22 @@ impl LRScheduler for SequentialLR {
         } else {
             scheduler.step(optimizer);
         }
-        self.last_lr = scheduler.get_last_lr();
+        self.last_lrs = scheduler.get_last_lrs();
     }
 
     fn get_last_lr(&self) -> f64 {
-        self.last_lr
+        self.last_lrs[0]
+    }
+
+    fn get_last_lrs(&self) -> Vec<f64> {
+        self.last_lrs.clone()
     }
 }
 
 /// Steps every scheduler each epoch, so their factors multiply (`ChainedScheduler`).
 pub struct ChainedScheduler {
     schedulers: Vec<Box<dyn LRScheduler>>,
-    last_lr: f64,
+    last_lrs: Vec<f64>,
 }
 
 impl ChainedScheduler {
@@ -368,7 +421,7 @@ impl ChainedScheduler {
         }
         Ok(ChainedScheduler {
             schedulers,
-            last_lr: optimizer.lr(),
+            last_lrs: optimizer.group_lrs(),
         })
     }
 }
@@ -378,11 +431,15 @@ impl LRScheduler for ChainedScheduler {
         for s in &mut self.schedulers {
             s.step(optimizer);
         }
-        self.last_lr = optimizer.lr();
+        self.last_lrs = optimizer.group_lrs();
     }
 
     fn get_last_lr(&self) -> f64 {
-        self.last_lr
+        self.last_lrs[0]
+    }
+
+    fn get_last_lrs(&self) -> Vec<f64> {
+        self.last_lrs.clone()
     }
 }
 

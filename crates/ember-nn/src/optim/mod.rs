@@ -1,30 +1,46 @@
 //! Optimizers (`torch.optim`): the [`Optimizer`] trait, [`SGD`], [`Adam`] and [`AdamW`],
-//! gradient clipping, and learning-rate schedulers.
+//! parameter groups ([`ParamGroup`]), gradient clipping, and learning-rate schedulers.
 //!
-//! Every optimizer holds one parameter group (its parameters in the order given to `new`) and
-//! updates the parameters in place under `no_grad` with ember-core's in-place ops, so the same
-//! code runs on the CPU and on CUDA. Parameters whose `.grad` is `None` are skipped, as in
-//! PyTorch, and get no state until they first have a gradient.
+//! Every optimizer holds one or more parameter groups (`new` makes one of the parameters
+//! given, in that order; `with_groups` and `add_param_group` make more, each with its own
+//! hyperparameters: Note [Param groups] in `param_group.rs`) and updates the parameters in
+//! place under `no_grad` with ember-core's in-place ops, so the same code runs on the CPU and
+//! on CUDA. Parameters whose `.grad` is `None` are skipped, as in PyTorch, and get no state
+//! until they first have a gradient.
 //!
 //! Note [Foreach step functions]: each algorithm is one free function ([`sgd::sgd`],
 //! [`adam::adam`]) taking slices of parameters, gradients and state tensors, called once per
-//! `step()` for all the parameters that have a gradient (PyTorch's `foreach` shape). Inside,
-//! the parameters are grouped by device and dtype and each group is one call of ember-core's
-//! fused multi-tensor step (`ember_core::fused::{adam_, sgd_}`: a few kernel launches on
-//! CUDA, one rayon loop on the CPU); a parameter whose tensors the fused step does not take
-//! (not contiguous, a gradient of another dtype, storages shared within the group) goes through
-//! the per-tensor path of composed tensor ops instead. Both follow PyTorch's
+//! `step()` and param group, for the group's parameters that have a gradient (PyTorch's
+//! `foreach` shape, with the group's hyperparameters). Inside, the parameters are bucketed by
+//! device and dtype and each bucket is one call of ember-core's fused multi-tensor step
+//! (`ember_core::fused::{adam_, sgd_}`: a few kernel launches on CUDA, one rayon loop on the
+//! CPU); a parameter whose tensors the fused step does not take (not contiguous, a gradient of
+//! another dtype, storages shared within the bucket) goes through the per-tensor path of
+//! composed tensor ops instead. Both follow PyTorch's
 //! `_single_tensor_*` functions op for op, and give the same bits in f32 and f64, so f64
 //! results agree with PyTorch to rounding (~1e-15 relative per step).
 //!
 //! Note [State dict format]: [`Optimizer::state_dict`] returns a flat list of named tensors,
 //! the names following the nesting of PyTorch's `optimizer.state_dict()`:
-//! - `state.{i}.{name}` for parameter `i` (its position in the list given to `new`, PyTorch's
-//!   index): `step` (Adam/AdamW; a 0-d f32 tensor on the CPU, as PyTorch's default),
-//!   `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (with `amsgrad`), `momentum_buffer` (SGD with
-//!   `momentum != 0`). A parameter that never had a gradient has no entries.
-//! - `param_groups.0.lr` (0-d f64), and `param_groups.0.initial_lr` (0-d f64) once an LR
-//!   scheduler has recorded it. The other hyperparameters stay with the optimizer's config.
+//! - `state.{i}.{name}` for parameter `i` (its index across all groups, group 0's first:
+//!   PyTorch's numbering, [`Optimizer::params`]' order): `step` (Adam/AdamW; a 0-d f32 tensor
+//!   on the CPU, as PyTorch's default), `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (with
+//!   `amsgrad`), `momentum_buffer` (SGD with `momentum != 0`). A parameter that never had a
+//!   gradient has no entries.
+//! - for each group `g`: `param_groups.{g}.params` (1-d i64, the indices `i` of the group's
+//!   parameters, as PyTorch's `param_groups[g]["params"]`), `param_groups.{g}.lr` (0-d f64),
+//!   and `param_groups.{g}.initial_lr` (0-d f64) once an LR scheduler has recorded it. The
+//!   other hyperparameters stay with the optimizer's groups as built.
+//!
+//! Loading checks the groups first, as PyTorch does: a state dict with any `param_groups`
+//! entry must have the optimizer's number of groups, and each group's `params` the size of the
+//! optimizer's group, else a typed error that says what to do
+//! ([`StateDictError::ParamGroupCount`], [`StateDictError::ParamGroupSize`]). State dicts
+//! written before groups existed (one group, no `params` entry) load into a one-group
+//! optimizer as before.
+//!
+//! [`StateDictError::ParamGroupCount`]: crate::state_dict::StateDictError::ParamGroupCount
+//! [`StateDictError::ParamGroupSize`]: crate::state_dict::StateDictError::ParamGroupSize
 //!
 //! The state tensors are returned as shared handles, as PyTorch's `state_dict()` does (except
 //! an Adam `step` kept on the device, which is returned as a CPU copy);
@@ -32,15 +48,15 @@
 //! device, except `step`, which may come from any device) and replaces the whole state, so
 //! later steps never write into the caller's tensors.
 //!
-//! Note [Learning rate on the device]: [`SGD`], [`Adam`] and [`AdamW`] keep their learning rate
-//! on the host (`lr()`, the state dict) and, for parameters on a GPU, also in a 0-d f64 tensor
-//! on that GPU (`DeviceLr`) that the fused steps read there (`lr` of
-//! `ember_core::fused::{adam_scaled_, sgd_scaled_}`). [`Optimizer::set_lr`] (what LR schedulers
-//! call) writes the new value into that tensor on the current stream, so a step recorded into a
-//! CUDA graph uses the lr of the moment it is replayed, and an eager step uses the same bits as
-//! before (Note [Capturable optimizer steps] in ember-core's `cuda_backend/optim.rs`). Adam's step
-//! counts live on the parameter's device for the same reason (see `adam.rs`). CPU parameters
-//! read the host value, as before.
+//! Note [Learning rate on the device]: [`SGD`], [`Adam`] and [`AdamW`] keep each param group's
+//! learning rate on the host (`group_lr`, the state dict) and, for parameters on a GPU, also
+//! in a 0-d f64 tensor per group on that GPU (`DeviceLr`) that the fused steps read there (`lr`
+//! of `ember_core::fused::{adam_scaled_, sgd_scaled_}`). [`Optimizer::set_group_lr`] and
+//! [`Optimizer::set_lr`] (what LR schedulers call) write the new value into the group's tensor
+//! on the current stream, so a step recorded into a CUDA graph uses the lr of the moment it is
+//! replayed, and an eager step uses the same bits as before (Note [Capturable optimizer steps]
+//! in ember-core's `cuda_backend/optim.rs`). Adam's step counts live on the parameter's device
+//! for the same reason (see `adam.rs`). CPU parameters read the host value, as before.
 //!
 //! Note [Steps under a GradScaler]: `ember_nn::amp::GradScaler` steps an optimizer through
 //! [`Optimizer::step_scaled`], handing it the scale the gradients carry (or none when they were
@@ -55,6 +71,7 @@
 pub mod adam;
 pub mod clip;
 pub mod lr_scheduler;
+pub mod param_group;
 pub mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamW};
@@ -62,16 +79,25 @@ pub use clip::{clip_grad_norm_, clip_grad_value_};
 pub use lr_scheduler::{
     ChainedScheduler, CosineAnnealingLR, EpochScheduler, LRScheduler, LinearLR, SequentialLR, StepLR,
 };
+pub use param_group::{Group, ParamGroup};
 pub use sgd::{SgdConfig, SGD};
 
+use crate::state_dict::StateDictResult;
 use ember_core::{DType, Device, Error, Result, Tensor};
 
-/// An optimizer over one group of parameters (`torch.optim.Optimizer`).
+/// An optimizer over one or more groups of parameters (`torch.optim.Optimizer`).
+///
+/// The lr methods come in two forms: per group ([`Optimizer::group_lr`] and the other
+/// `group_*` methods, PyTorch's `optimizer.param_groups[g]["lr"]`, what LR schedulers use),
+/// and the single-value form, [`Optimizer::lr`] (group 0's) and [`Optimizer::set_lr`] (every
+/// group's), which is all an optimizer of one group needs. The `group_*` methods default to
+/// the single-value form, for an implementation with one group.
 pub trait Optimizer {
     /// Performs one update of every parameter that has a gradient.
     fn step(&mut self) -> Result<()>;
 
-    /// The parameters, in the order given to `new` (PyTorch's `param_groups[0]["params"]`).
+    /// The parameters of all groups, group 0's first, each group's in the order given (the
+    /// numbering of the state dict, Note [State dict format]).
     fn params(&self) -> &[Tensor];
 
     /// True when [`Optimizer::step_scaled`] divides by the grad scale and skips on the device,
@@ -104,66 +130,80 @@ pub trait Optimizer {
     /// default).
     fn zero_grad(&mut self) -> Result<()>;
 
-    /// The current learning rate.
+    /// The learning rate of group 0 (`optimizer.param_groups[0]["lr"]`); with several groups
+    /// see [`Optimizer::group_lr`].
     fn lr(&self) -> f64;
 
-    /// Sets the learning rate used by the next steps (LR schedulers call this).
+    /// Sets the learning rate of every group to `lr` (nanoGPT's
+    /// `for g in optimizer.param_groups: g["lr"] = lr`). LR schedulers scale each group from
+    /// its own `initial_lr` through [`Optimizer::set_group_lr`] instead.
     fn set_lr(&mut self, lr: f64);
 
-    /// The `initial_lr` of PyTorch's param group: the lr recorded by the first LR scheduler
-    /// built on this optimizer, `None` before.
+    /// The `initial_lr` of group 0: the lr recorded by the first LR scheduler built on this
+    /// optimizer, `None` before.
     fn initial_lr(&self) -> Option<f64>;
 
-    /// Records `initial_lr` (LR schedulers call this; see [`Optimizer::initial_lr`]).
+    /// Records `lr` as the `initial_lr` of every group (see [`Optimizer::initial_lr`]; LR
+    /// schedulers record each group's own through [`Optimizer::set_group_initial_lr`]).
     fn set_initial_lr(&mut self, lr: f64);
+
+    /// The number of param groups (`len(optimizer.param_groups)`).
+    fn num_param_groups(&self) -> usize {
+        1
+    }
+
+    /// The learning rate of group `group`.
+    ///
+    /// # Panics
+    /// When `group >= self.num_param_groups()`, as indexing does.
+    fn group_lr(&self, group: usize) -> f64 {
+        assert_eq!(group, 0, "param group {group} of an optimizer with one group");
+        self.lr()
+    }
+
+    /// Sets the learning rate of group `group` (what LR schedulers call).
+    ///
+    /// # Panics
+    /// When `group >= self.num_param_groups()`.
+    fn set_group_lr(&mut self, group: usize, lr: f64) {
+        assert_eq!(group, 0, "param group {group} of an optimizer with one group");
+        self.set_lr(lr)
+    }
+
+    /// The `initial_lr` of group `group` (`None` before an LR scheduler recorded it).
+    ///
+    /// # Panics
+    /// When `group >= self.num_param_groups()`.
+    fn group_initial_lr(&self, group: usize) -> Option<f64> {
+        assert_eq!(group, 0, "param group {group} of an optimizer with one group");
+        self.initial_lr()
+    }
+
+    /// Records the `initial_lr` of group `group` (LR schedulers call this).
+    ///
+    /// # Panics
+    /// When `group >= self.num_param_groups()`.
+    fn set_group_initial_lr(&mut self, group: usize, lr: f64) {
+        assert_eq!(group, 0, "param group {group} of an optimizer with one group");
+        self.set_initial_lr(lr)
+    }
+
+    /// The learning rate of every group, in order (what PyTorch's schedulers'
+    /// `get_last_lr()` lists).
+    fn group_lrs(&self) -> Vec<f64> {
+        (0..self.num_param_groups()).map(|g| self.group_lr(g)).collect()
+    }
 
     /// The optimizer state as named tensors; see Note [State dict format] in this module.
     fn state_dict(&self) -> Vec<(String, Tensor)>;
 
     /// Replaces the state with `state` (the format of [`Optimizer::state_dict`]), copying it.
-    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
-}
-
-/// The learning rate of an optimizer's param group in device memory: one 0-d f64 tensor per GPU
-/// the group's parameters are on, made on first use (Note [Learning rate on the device]).
-#[derive(Default)]
-pub(crate) struct DeviceLr {
-    tensors: Vec<Tensor>,
-}
-
-impl DeviceLr {
-    /// The tensor holding `lr` on `device`, made now if missing; `None` for the CPU, whose steps
-    /// read the host value.
-    pub(crate) fn on(&mut self, device: Device, lr: f64) -> Result<Option<Tensor>> {
-        if device == Device::Cpu {
-            return Ok(None);
-        }
-        if let Some(t) = self.tensors.iter().find(|t| t.device() == device) {
-            return Ok(Some(t.clone()));
-        }
-        let t = Tensor::scalar(lr, DType::F64, device)?;
-        self.tensors.push(t.clone());
-        Ok(Some(t))
-    }
-
-    /// The tensors for the devices of `params` (made where missing), for one step.
-    pub(crate) fn for_params(&mut self, params: &[Tensor], lr: f64) -> Result<Vec<Tensor>> {
-        let mut out: Vec<Tensor> = Vec::new();
-        for p in params {
-            if out.iter().all(|t| t.device() != p.device()) {
-                out.extend(self.on(p.device(), lr)?);
-            }
-        }
-        Ok(out)
-    }
-
-    /// Writes `lr` into every tensor, each on its device's current stream (a device-side
-    /// update, ordered before the steps and graph replays enqueued after it). A tensor that
-    /// cannot be written is dropped, so the next step makes a new one holding `lr`.
-    pub(crate) fn set(&mut self, lr: f64) {
-        let _g = ember_core::no_grad();
-        self.tensors.retain(|t| t.fill_(lr).is_ok());
-    }
+    /// Checks everything before it changes anything: a failed load leaves the state as it was.
+    /// A state dict of other param groups is
+    /// [`StateDictError::ParamGroupCount`](crate::state_dict::StateDictError::ParamGroupCount)
+    /// or [`ParamGroupSize`](crate::state_dict::StateDictError::ParamGroupSize); other errors
+    /// are [`Tensor`](crate::state_dict::StateDictError::Tensor).
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> StateDictResult<()>;
 }
 
 /// The tensor of `lrs` on `device`, if any.
@@ -171,82 +211,46 @@ pub(crate) fn lr_on(lrs: &[Tensor], device: Device) -> Option<&Tensor> {
     lrs.iter().find(|t| t.device() == device)
 }
 
-/// The learning rate and `initial_lr` of an optimizer's one param group.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct GroupLr {
-    pub(crate) lr: f64,
-    pub(crate) initial_lr: Option<f64>,
-}
-
-impl GroupLr {
-    /// Appends `param_groups.0.lr` (and `initial_lr` when set) to `out`.
-    pub(crate) fn push_state(&self, out: &mut Vec<(String, Tensor)>) {
-        let mut push = |name: &str, v: f64| {
-            if let Ok(t) = Tensor::scalar(v, DType::F64, Device::Cpu) {
-                out.push((format!("param_groups.0.{name}"), t));
-            }
-        };
-        push("lr", self.lr);
-        if let Some(v) = self.initial_lr {
-            push("initial_lr", v);
-        }
-    }
-}
-
 /// One parsed key of a state dict.
 pub(crate) enum StateKey<'a> {
-    /// `state.{index}.{name}`.
+    /// `state.{index}.{name}` (the index not yet checked against the parameter count).
     Param { index: usize, name: &'a str },
-    /// `param_groups.0.{name}`.
-    Group { name: &'a str },
+    /// `param_groups.{group}.{name}`.
+    Group { group: usize, name: &'a str },
 }
 
-/// Parses `key` (see Note [State dict format]); `num_params` bounds the parameter index.
-pub(crate) fn parse_state_key<'a>(op: &'static str, key: &'a str, num_params: usize) -> Result<StateKey<'a>> {
+/// Parses `key` (see Note [State dict format]).
+pub(crate) fn parse_state_key<'a>(op: &'static str, key: &'a str) -> Result<StateKey<'a>> {
     let bad = || {
         Error::invalid(
             op,
-            format!("unexpected key {key:?} in state dict: expected \"state.<param index>.<name>\" or \"param_groups.0.<name>\""),
+            format!("unexpected key {key:?} in state dict: expected \"state.<param index>.<name>\" or \"param_groups.<group index>.<name>\""),
         )
     };
-    if let Some(rest) = key.strip_prefix("state.") {
+    let split = |rest: &'a str| -> Result<(usize, &'a str)> {
         let (index, name) = rest.split_once('.').ok_or_else(bad)?;
-        let index: usize = index.parse().map_err(|_| bad())?;
-        if index >= num_params {
-            return Err(Error::invalid(
-                op,
-                format!("state dict key {key:?} names parameter {index}, but the optimizer has {num_params} parameters"),
-            ));
-        }
+        Ok((index.parse().map_err(|_| bad())?, name))
+    };
+    if let Some(rest) = key.strip_prefix("state.") {
+        let (index, name) = split(rest)?;
         return Ok(StateKey::Param { index, name });
     }
-    if let Some(name) = key.strip_prefix("param_groups.0.") {
-        return Ok(StateKey::Group { name });
+    if let Some(rest) = key.strip_prefix("param_groups.") {
+        let (group, name) = split(rest)?;
+        return Ok(StateKey::Group { group, name });
     }
     Err(bad())
 }
 
-/// Loads a `param_groups.0.{name}` entry into `group`.
-pub(crate) fn load_group_entry(
-    op: &'static str,
-    group: &mut GroupLr,
-    name: &str,
-    value: &Tensor,
-) -> Result<()> {
-    let v = value.item_f64()?;
-    match name {
-        "lr" => group.lr = v,
-        "initial_lr" => group.initial_lr = Some(v),
-        _ => {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "unexpected param group entry {name:?} in state dict: expected \"lr\" or \"initial_lr\""
-                ),
-            ))
-        }
+/// Errors unless parameter `index` of a state dict is one of the optimizer's `num_params`.
+pub(crate) fn check_state_index(op: &'static str, index: usize, name: &str, num_params: usize) -> Result<()> {
+    if index < num_params {
+        return Ok(());
     }
-    Ok(())
+    Err(Error::invalid(
+        op,
+        format!("state dict key \"state.{index}.{name}\" names parameter {index}, but the optimizer has {num_params} parameters"),
+    ))
 }
 
 /// A copy of a loaded state tensor in the dtype, device and shape of `param`.

@@ -11,10 +11,9 @@
 //! p += -lr * g                                                               (in place)
 //! ```
 
-use super::{
-    check_non_negative, check_params, lr_on, parse_state_key, zero_grads, DeviceLr, GroupLr, Optimizer,
-    StateKey,
-};
+use super::param_group::{split_state, Group, Groups, HasLr, ParamGroup};
+use super::{check_non_negative, check_params, check_state_index, lr_on, zero_grads, Optimizer};
+use crate::state_dict::StateDictResult;
 use ember_core::fused::{self, GradScaling, SgdStep};
 use ember_core::{Error, Result, Tensor};
 
@@ -48,7 +47,35 @@ impl Default for SgdConfig {
     }
 }
 
+impl HasLr for SgdConfig {
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+}
+
 impl SgdConfig {
+    /// These defaults with the overrides of `group` (Note [Param groups]), checked.
+    fn for_group(&self, group: &ParamGroup) -> Result<SgdConfig> {
+        group.refuse(
+            "SGD",
+            &[("betas", group.betas.is_some()), ("eps", group.eps.is_some())],
+        )?;
+        let config = SgdConfig {
+            lr: group.lr.unwrap_or(self.lr),
+            momentum: group.momentum.unwrap_or(self.momentum),
+            dampening: group.dampening.unwrap_or(self.dampening),
+            weight_decay: group.weight_decay.unwrap_or(self.weight_decay),
+            nesterov: group.nesterov.unwrap_or(self.nesterov),
+            ..*self
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
     /// Checks the hyperparameters as `torch.optim.SGD.__init__` does.
     pub fn validate(&self) -> Result<()> {
         check_non_negative("SGD", "learning rate", self.lr)?;
@@ -239,68 +266,105 @@ fn sgd_single(param: &Tensor, grad: &Tensor, slot: &mut Option<Tensor>, config: 
     Ok(())
 }
 
-/// Stochastic gradient descent (`torch.optim.SGD`) over one group of parameters.
+/// Stochastic gradient descent (`torch.optim.SGD`) over one or more param groups.
 #[allow(clippy::upper_case_acronyms)]
 pub struct SGD {
-    params: Vec<Tensor>,
-    config: SgdConfig,
-    group: GroupLr,
-    device_lr: DeviceLr,
+    groups: Groups<SgdConfig>,
+    /// The config given to `new`/`with_groups`: what a group does not override.
+    defaults: SgdConfig,
+    /// One entry per parameter of all groups (the optimizer-wide numbering).
     momentum_buffers: Vec<Option<Tensor>>,
 }
 
 impl SGD {
-    /// An SGD optimizer over `params` (leaf tensors, usually with `requires_grad`).
+    /// An SGD optimizer over `params` (leaf tensors, usually with `requires_grad`), one param
+    /// group.
     pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Result<SGD> {
         config.validate()?;
         check_params("SGD", &params)?;
-        let n = params.len();
+        SGD::with_groups(vec![ParamGroup::new(params)], config)
+    }
+
+    /// An SGD optimizer over param groups (PyTorch's `SGD([{"params": ..., "lr": ...}, ...],
+    /// lr=...)`): each group's hyperparameters are `defaults` with the group's overrides (Note
+    /// [Param groups]). Groups may set `lr`, `weight_decay`, `momentum`, `dampening` and
+    /// `nesterov`.
+    pub fn with_groups(groups: Vec<ParamGroup>, defaults: SgdConfig) -> Result<SGD> {
+        defaults.validate()?;
+        let groups = groups
+            .into_iter()
+            .map(|g| {
+                let config = defaults.for_group(&g)?;
+                Ok((g.params, config))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let groups = Groups::new("SGD", groups)?;
+        let n = groups.params.len();
         Ok(SGD {
-            params,
-            config,
-            group: GroupLr {
-                lr: config.lr,
-                initial_lr: None,
-            },
-            device_lr: DeviceLr::default(),
+            groups,
+            defaults,
             momentum_buffers: vec![None; n],
         })
     }
 
-    /// The hyperparameters (`lr` as currently set).
-    pub fn config(&self) -> SgdConfig {
-        SgdConfig {
-            lr: self.group.lr,
-            ..self.config
-        }
+    /// Appends a param group (`add_param_group`): its parameters are numbered after all those
+    /// already held; the defaults fill what it does not set.
+    pub fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+        let config = self.defaults.for_group(&group)?;
+        self.groups.push("SGD", group.params, config)?;
+        self.momentum_buffers.resize(self.groups.params.len(), None);
+        Ok(())
     }
 
-    /// The parameters, in the order given to [`SGD::new`].
+    /// The param groups (`optimizer.param_groups`), each with its complete config.
+    pub fn param_groups(&self) -> &[Group<SgdConfig>] {
+        &self.groups.groups
+    }
+
+    /// The hyperparameters of group 0 (`lr` as currently set); see [`SGD::param_groups`] for
+    /// the others.
+    pub fn config(&self) -> SgdConfig {
+        self.groups.groups[0].config
+    }
+
+    /// The config given to `new` or `with_groups` (`optimizer.defaults`): what a group does
+    /// not override.
+    pub fn defaults(&self) -> SgdConfig {
+        self.defaults
+    }
+
+    /// The parameters of all groups, in order (the state dict's numbering).
     pub fn params(&self) -> &[Tensor] {
-        &self.params
+        &self.groups.params
     }
 }
 
 impl SGD {
-    /// One step of every parameter with a gradient, under `scaling`.
+    /// One step of every parameter with a gradient, under `scaling`: one call of the foreach
+    /// function per param group (Note [Param groups]).
     fn step_with(&mut self, scaling: GradScaling<'_>) -> Result<()> {
-        let mut params = Vec::new();
-        let mut grads = Vec::new();
-        let mut bufs = Vec::new();
-        let mut index = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
-            if let Some(g) = p.grad() {
-                params.push(p.clone());
-                grads.push(g);
-                bufs.push(self.momentum_buffers[i].clone());
-                index.push(i);
+        for group in &mut self.groups.groups {
+            let mut params = Vec::new();
+            let mut grads = Vec::new();
+            let mut bufs = Vec::new();
+            let mut index = Vec::new();
+            for (p, i) in group.params.iter().zip(group.indices()) {
+                if let Some(g) = p.grad() {
+                    params.push(p.clone());
+                    grads.push(g);
+                    bufs.push(self.momentum_buffers[i].clone());
+                    index.push(i);
+                }
             }
-        }
-        let lrs = self.device_lr.for_params(&params, self.group.lr)?;
-        sgd_with_lr(&params, &grads, &mut bufs, &self.config(), scaling, &lrs)?;
-        if self.config.momentum != 0.0 {
-            for (i, buf) in index.into_iter().zip(bufs) {
-                self.momentum_buffers[i] = buf;
+            if params.is_empty() {
+                continue;
+            }
+            let lrs = group.device_lr.for_params(&params, group.config.lr)?;
+            sgd_with_lr(&params, &grads, &mut bufs, &group.config, scaling, &lrs)?;
+            if group.config.momentum != 0.0 {
+                for (i, buf) in index.into_iter().zip(bufs) {
+                    self.momentum_buffers[i] = buf;
+                }
             }
         }
         Ok(())
@@ -313,7 +377,7 @@ impl Optimizer for SGD {
     }
 
     fn params(&self) -> &[Tensor] {
-        &self.params
+        &self.groups.params
     }
 
     fn supports_amp_scaling(&self) -> bool {
@@ -328,24 +392,45 @@ impl Optimizer for SGD {
     }
 
     fn zero_grad(&mut self) -> Result<()> {
-        zero_grads(&self.params)
+        zero_grads(&self.groups.params)
     }
 
     fn lr(&self) -> f64 {
-        self.group.lr
+        self.groups.lr(0)
     }
 
     fn set_lr(&mut self, lr: f64) {
-        self.group.lr = lr;
-        self.device_lr.set(lr);
+        self.groups.set_all_lr(lr);
     }
 
     fn initial_lr(&self) -> Option<f64> {
-        self.group.initial_lr
+        self.groups.initial_lr(0)
     }
 
     fn set_initial_lr(&mut self, lr: f64) {
-        self.group.initial_lr = Some(lr);
+        for g in 0..self.groups.groups.len() {
+            self.groups.set_initial_lr(g, lr);
+        }
+    }
+
+    fn num_param_groups(&self) -> usize {
+        self.groups.groups.len()
+    }
+
+    fn group_lr(&self, group: usize) -> f64 {
+        self.groups.lr(group)
+    }
+
+    fn set_group_lr(&mut self, group: usize, lr: f64) {
+        self.groups.set_lr(group, lr);
+    }
+
+    fn group_initial_lr(&self, group: usize) -> Option<f64> {
+        self.groups.initial_lr(group)
+    }
+
+    fn set_group_initial_lr(&mut self, group: usize, lr: f64) {
+        self.groups.set_initial_lr(group, lr);
     }
 
     fn state_dict(&self) -> Vec<(String, Tensor)> {
@@ -358,34 +443,29 @@ impl Optimizer for SGD {
                     .map(|b| (format!("state.{i}.momentum_buffer"), b.clone()))
             })
             .collect();
-        self.group.push_state(&mut out);
+        self.groups.push_state(&mut out);
         out
     }
 
-    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> StateDictResult<()> {
         const OP: &str = "SGD.load_state_dict";
-        let mut bufs = vec![None; self.params.len()];
-        let mut group = self.group;
-        for (key, value) in state {
-            match parse_state_key(OP, key, self.params.len())? {
-                StateKey::Param {
-                    index,
-                    name: "momentum_buffer",
-                } => {
-                    bufs[index] = Some(super::load_like_param(OP, value, &self.params[index])?);
-                }
-                StateKey::Param { name, .. } => {
-                    return Err(Error::invalid(
-                        OP,
-                        format!("unexpected state {name:?} in {key:?}: SGD keeps only \"momentum_buffer\""),
-                    ))
-                }
-                StateKey::Group { name } => super::load_group_entry(OP, &mut group, name, value)?,
+        let (entries, group_entries) = split_state(OP, state)?;
+        let groups = self.groups.load_entries(OP, &group_entries)?;
+        let n = self.groups.params.len();
+        let mut bufs = vec![None; n];
+        for (index, name, value) in entries {
+            check_state_index(OP, index, name, n)?;
+            if name != "momentum_buffer" {
+                return Err(Error::invalid(
+                    OP,
+                    format!("unexpected state {name:?} in \"state.{index}.{name}\": SGD keeps only \"momentum_buffer\""),
+                )
+                .into());
             }
+            bufs[index] = Some(super::load_like_param(OP, value, &self.groups.params[index])?);
         }
         self.momentum_buffers = bufs;
-        self.group = group;
-        self.device_lr.set(group.lr);
+        self.groups.apply_loaded(groups);
         Ok(())
     }
 }
@@ -559,7 +639,14 @@ mod tests {
         assert_close(&a, &[1.0]);
         assert_close(&b, &[1.9]);
         let keys: Vec<String> = opt.state_dict().into_iter().map(|(k, _)| k).collect();
-        assert_eq!(keys, ["state.1.momentum_buffer", "param_groups.0.lr"]);
+        assert_eq!(
+            keys,
+            [
+                "state.1.momentum_buffer",
+                "param_groups.0.params",
+                "param_groups.0.lr"
+            ]
+        );
         opt.zero_grad().unwrap();
         assert!(a.grad().is_none() && b.grad().is_none());
         // No gradients at all: a step changes nothing.

@@ -607,7 +607,7 @@ impl Optimizer for Generic {
     fn state_dict(&self) -> Vec<(String, Tensor)> {
         self.0.state_dict()
     }
-    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> ember_nn::state_dict::StateDictResult<()> {
         self.0.load_state_dict(state)
     }
 }

@@ -21,6 +21,7 @@ mod loss_modules;
 mod modules;
 mod optim_capture;
 mod optim_fused;
+mod optim_groups;
 mod pytorch_checkpoints;
 mod recurrent;
 mod recurrent_modules;
