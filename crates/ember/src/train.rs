@@ -144,7 +144,7 @@ pub struct TrainArgs {
     /// Total number of epochs (a resumed run continues up to this number; mlp and cnn).
     #[arg(long, default_value_t = 2)]
     epochs: usize,
-    /// Samples per training batch (default 128; with --model gpt2, sequences per batch: 8 on
+    /// Samples per training batch (default 128; with --model gpt2, sequences per batch: 4 on
     /// the CPU, 64 on a GPU).
     #[arg(long)]
     batch_size: Option<usize>,
@@ -377,9 +377,9 @@ fn progress_bar(len: usize, hidden: bool, unit: &str) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
-    if let Ok(style) =
-        ProgressStyle::with_template(&format!("{{prefix}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{elapsed_precise}} {{msg}}"))
-    {
+    if let Ok(style) = ProgressStyle::with_template(&format!(
+        "{{prefix}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{elapsed_precise}} {{msg}}"
+    )) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar

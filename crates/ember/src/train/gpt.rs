@@ -54,21 +54,21 @@ pub struct GptArgs {
     /// Attention heads per block (default 2 on the CPU, 6 on a GPU).
     #[arg(long)]
     n_head: Option<usize>,
-    /// Embedding width, a multiple of --n-head (default 64 on the CPU, 384 on a GPU).
+    /// Embedding width, a multiple of --n-head (default 32 on the CPU, 384 on a GPU).
     #[arg(long)]
     n_embd: Option<usize>,
     /// Context length in bytes (default 32 on the CPU, 256 on a GPU).
     #[arg(long)]
     block_size: Option<usize>,
-    /// Training iterations, one batch each (default 150 on the CPU, 2000 on a GPU); a resumed
+    /// Training iterations, one batch each (default 100 on the CPU, 2000 on a GPU); a resumed
     /// run continues up to this number.
     #[arg(long, alias = "steps")]
     max_iters: Option<usize>,
     /// Iterations between two loss estimates (train and held-out, printed, and the
-    /// --checkpoint written); default 50 on the CPU, 250 on a GPU.
+    /// --checkpoint written); default 25 on the CPU, 250 on a GPU.
     #[arg(long)]
     eval_interval: Option<usize>,
-    /// Batches per loss estimate (default 4 on the CPU, 20 on a GPU).
+    /// Batches per loss estimate (default 2 on the CPU, 20 on a GPU).
     #[arg(long)]
     eval_iters: Option<usize>,
     /// Iterations of linear learning-rate warm-up (default a tenth of --max-iters, at most 100).
@@ -117,16 +117,16 @@ impl Config {
         let g = &args.gpt;
         let gpu = device.is_cuda();
         let pick = |v: Option<usize>, cpu: usize, cuda: usize| v.unwrap_or(if gpu { cuda } else { cpu });
-        let max_iters = pick(g.max_iters, 150, 2000);
+        let max_iters = pick(g.max_iters, 100, 2000);
         let c = Config {
             n_layer: pick(g.n_layer, 2, 6),
             n_head: pick(g.n_head, 2, 6),
-            n_embd: pick(g.n_embd, 64, 384),
+            n_embd: pick(g.n_embd, 32, 384),
             block_size: pick(g.block_size, 32, 256),
-            batch_size: pick(args.batch_size, 8, 64),
+            batch_size: pick(args.batch_size, 4, 64),
             max_iters,
-            eval_interval: pick(g.eval_interval, 50, 250),
-            eval_iters: pick(g.eval_iters, 4, 20),
+            eval_interval: pick(g.eval_interval, 25, 250),
+            eval_iters: pick(g.eval_iters, 2, 20),
             warmup_iters: g.warmup_iters.unwrap_or((max_iters / 10).min(100)),
             lr_decay_iters: g.lr_decay_iters.unwrap_or(max_iters),
             lr: args.lr.unwrap_or(if gpu { 1e-3 } else { 3e-3 }),
@@ -216,7 +216,9 @@ impl Text {
         let n = self.bytes.len() * 9 / 10;
         let (train, val) = self.bytes.split_at(n);
         if val.len() <= block || train.len() <= block {
-            let need = (block + 1..).find(|&m| m - m * 9 / 10 > block).unwrap_or(usize::MAX);
+            let need = (block + 1..)
+                .find(|&m| m - m * 9 / 10 > block)
+                .unwrap_or(usize::MAX);
             return Err(format!(
                 "--data {}: {} bytes are too short for --block-size {block}: the held-out last 10% \
                  must hold one window of {} bytes, so the text needs at least {need} bytes; use a \
@@ -294,7 +296,15 @@ impl Trainer<'_> {
         let c = &self.config;
         let mut total = Tensor::zeros([], DType::F32, self.device)?;
         for k in 0..c.eval_iters {
-            let (x, y) = get_batch(data, self.seed, stream, k, c.batch_size, c.block_size, self.device)?;
+            let (x, y) = get_batch(
+                data,
+                self.seed,
+                stream,
+                k,
+                c.batch_size,
+                c.block_size,
+                self.device,
+            )?;
             total = total.add(&self.loss(&x, &y)?.to_dtype(DType::F32)?)?;
         }
         self.model.train();
@@ -308,7 +318,7 @@ impl Trainer<'_> {
         let _g = ember::no_grad();
         self.model.eval();
         let block = self.model.block_size();
-        let k = top_k.clamp(1, VOCAB);
+        let k = top_k.clamp(1, self.model.vocab_size());
         let ids: Vec<i64> = prompt.iter().map(|&b| b as i64).collect();
         let mut idx = Tensor::from_vec(ids, [1, prompt.len()], Device::Cpu)?.to(self.device)?;
         let mut out = Vec::with_capacity(n);
@@ -359,7 +369,11 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
         (args.cuda_graph, "--cuda-graph", "the mlp and cnn"),
         (args.profile.is_some(), "--profile", "the mlp and cnn"),
         (args.nproc_per_node != 1, "--nproc-per-node", "the mlp and cnn"),
-        (args.limit_train.is_some(), "--limit-train", "the mlp and cnn (for --model gpt2 use --max-iters)"),
+        (
+            args.limit_train.is_some(),
+            "--limit-train",
+            "the mlp and cnn (for --model gpt2 use --max-iters)",
+        ),
     ] {
         if set {
             return Err(format!("{flag} is not supported with --model gpt2 yet; it trains {what}").into());
@@ -481,7 +495,15 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
             break;
         }
         opt.set_lr(c.lr_at(it));
-        let (x, y) = get_batch(train, args.seed, TRAIN_BATCHES, it, c.batch_size, c.block_size, device)?;
+        let (x, y) = get_batch(
+            train,
+            args.seed,
+            TRAIN_BATCHES,
+            it,
+            c.batch_size,
+            c.block_size,
+            device,
+        )?;
         opt.zero_grad()?;
         let loss = t.loss(&x, &y)?;
         scaler.scale(&loss)?.backward()?;
@@ -520,7 +542,10 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     let iters = c.max_iters.saturating_sub(start);
     if let Some(path) = &args.checkpoint {
         save_at(args, &model, &opt, &scaler, it)?;
-        say(format!("checkpoint written: {} ({it} iterations)", path.display()));
+        say(format!(
+            "checkpoint written: {} ({it} iterations)",
+            path.display()
+        ));
     }
 
     let sample = t.generate(b"\n", args.gpt.sample_bytes, args.gpt.temperature, args.gpt.top_k)?;
