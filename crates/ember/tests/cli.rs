@@ -845,12 +845,15 @@ fn train_gpt2_errors_say_what_to_do() {
 // Issue 37: GPT-2's loss curve over 200 steps on the GPU (bfloat16 autocast) within bfloat16
 // noise of the same model on the CPU in float32, from the same initialization and on the same
 // batches (Note [GPT batches and resume]). The tolerance: bfloat16 keeps 8 significant bits, so
-// each matmul's inputs are rounded by up to 2^-9 (0.2%) relative; the logits then differ from
-// float32's by about 1e-2 and the loss of one batch by a few 1e-3, and over 200 AdamW steps the
-// two runs' weights drift apart by such roundings, which moves the loss of a batch by a few
-// hundredths (measured on an H200: see the test's output). A per-step bound of 0.05 + 2% of the
-// loss, and a mean difference under 0.02 over the last 50 steps, hold that with margin while a
-// real error (a wrong gradient, a wrong cast, another batch order) moves the curve by tenths.
+// each matmul's inputs are rounded by up to 2^-9 (0.2%) relative; the loss of one batch moves by
+// a few 1e-3, and over the AdamW steps the two runs' weights drift apart by such roundings. On an
+// H200 the curves agreed to 0.002 on average over the last 50 steps, but while the loss falls
+// fastest (just after the warm-up, at the peak learning rate) one batch's loss differed by 0.13
+// (step 36; its neighbours agreed to 0.01 and the curves met again). So the bounds are: every
+// step within 0.25, 95% of the steps within 0.05, a mean |difference| under 0.02 and a mean
+// signed difference under 0.01 (bfloat16 must not shift the curve), and the final held-out losses
+// within 0.05. A real error (a wrong gradient, a wrong cast, another batch order) moves the whole
+// curve by tenths.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn train_gpt2_bf16_loss_curve_on_cuda_matches_float32_on_the_cpu() {
@@ -927,10 +930,36 @@ fn train_gpt2_bf16_loss_curve_on_cuda_matches_float32_on_the_cpu() {
         every10(&g),
         every10(&c)
     );
-    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
-        assert!((a - b).abs() < 0.05 + 0.02 * b, "step {i}: gpu {a} vs cpu {b}");
-    }
-    assert!(tail_mean < 0.02, "mean |diff| {tail_mean} over the last 50 steps");
+    let mean = diffs.iter().sum::<f64>() / 200.0;
+    let signed = g.iter().zip(&c).map(|(a, b)| a - b).sum::<f64>() / 200.0;
+    let off: Vec<String> = diffs
+        .iter()
+        .enumerate()
+        .filter(|(_, &d)| d >= 0.05)
+        .map(|(i, d)| format!("{i}: {d:.3}"))
+        .collect();
+    let val = |v: &serde_json::Value| v["final_val_loss"].as_f64().unwrap();
+    println!(
+        "mean |diff| {mean:.4}, mean diff {signed:+.4}, steps off by 0.05 or more: [{}]; final val loss gpu {:.4}, cpu {:.4}",
+        off.join(", "),
+        val(&gpu),
+        val(&cpu)
+    );
+    assert!(worst.1 < 0.25, "step {}: |diff| {}", worst.0, worst.1);
+    assert!(
+        off.len() <= 10,
+        "{} steps off by 0.05 or more: {off:?}",
+        off.len()
+    );
+    assert!(
+        mean < 0.02 && tail_mean < 0.02,
+        "mean |diff| {mean}, over the last 50 steps {tail_mean}"
+    );
+    assert!(
+        signed.abs() < 0.01,
+        "mean diff {signed}: bfloat16 shifted the curve"
+    );
+    assert!((val(&gpu) - val(&cpu)).abs() < 0.05, "{gpu}\n{cpu}");
     // Both learned: a real curve, not two flat lines that agree.
     assert!(
         c[199] < UNIFORM_BYTE_LOSS - 1.5 && g[199] < UNIFORM_BYTE_LOSS - 1.5,
