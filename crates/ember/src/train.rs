@@ -158,10 +158,10 @@ pub struct TrainArgs {
     lr: Option<f64>,
     /// How the learning rate changes between epochs: `cosine` (PyTorch's CosineAnnealingLR
     /// stepped once per epoch with T_max = --epochs: epoch e uses lr·(1 + cos(π(e-1)/epochs))/2)
-    /// or `constant`.
+    /// or `constant` (mlp and cnn; --model gpt2 has its own per-iteration schedule).
     #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
     lr_schedule: LrSchedule,
-    /// Seed of the model initialization and of the shuffling.
+    /// Seed of the model initialization and of the shuffling (with --model gpt2, of the batches).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Train on the first N training samples only (quick runs and tests).
@@ -182,7 +182,7 @@ pub struct TrainArgs {
     json: bool,
     /// Mixed precision: the forward pass and the loss under autocast to bfloat16, or to
     /// float16 with a GradScaler (PyTorch's AMP recipe); the weights and the optimizer stay in
-    /// float32.
+    /// float32. --model gpt2 takes bf16 on a GPU unless told otherwise.
     #[arg(long, value_enum)]
     amp: Option<AmpMode>,
     /// Capture the training step (forward, loss, backward, Adam step, and the GradScaler's with

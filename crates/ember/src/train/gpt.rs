@@ -368,18 +368,21 @@ struct Eval {
 /// Runs `ember train --model gpt2` on `device`.
 pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     let started = Instant::now();
-    for (set, flag, what) in [
-        (args.cuda_graph, "--cuda-graph", "the mlp and cnn"),
-        (args.profile.is_some(), "--profile", "the mlp and cnn"),
-        (args.nproc_per_node != 1, "--nproc-per-node", "the mlp and cnn"),
+    for (set, flag, hint) in [
+        (args.cuda_graph, "--cuda-graph", ""),
+        (args.profile.is_some(), "--profile", ""),
+        (args.nproc_per_node != 1, "--nproc-per-node", ""),
         (
             args.limit_train.is_some(),
             "--limit-train",
-            "the mlp and cnn (for --model gpt2 use --max-iters)",
+            "; --max-iters sets how long it trains",
         ),
     ] {
         if set {
-            return Err(format!("{flag} is not supported with --model gpt2 yet; it trains {what}").into());
+            return Err(format!(
+                "{flag} is not supported with --model gpt2 yet, only with the mlp and cnn{hint}"
+            )
+            .into());
         }
     }
     if args.checkpoint_every == Some(0) {
