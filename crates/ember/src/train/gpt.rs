@@ -1,4 +1,4 @@
-//! `ember train --model gpt2`: a byte-level GPT-2 ([`models::Gpt`], a vocabulary of the 256
+//! `ember train --model gpt2`: a byte-level GPT-2 ([`Gpt`] of `models.rs`, a vocabulary of the 256
 //! byte values) trained on any text file with nanoGPT's `train.py` recipe: AdamW, a linear
 //! warm-up then a cosine decay of the learning rate to a tenth, bfloat16 autocast on a GPU,
 //! train and held-out losses every `--eval-interval` iterations, a checkpoint, and at the end a
