@@ -157,6 +157,36 @@ mod tests {
     }
 
     #[test]
+    fn gpt2_init_draws_small_weights_zero_biases_and_keeps_the_head_tied() -> Result<()> {
+        ember::manual_seed(0)?;
+        let gpt = Gpt::new(64, 16, 32, 2, 2, Device::Cpu)?;
+        gpt.init_gpt2_weights()?;
+        let std = |t: &Tensor| -> Result<f64> {
+            let v = t.to_vec::<f32>()?;
+            let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+            Ok((v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt())
+        };
+        let named: Vec<(String, Tensor)> = gpt.named_parameters();
+        let get = |n: &str| {
+            named
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, t)| t.clone())
+                .unwrap()
+        };
+        assert!((std(&get("wte.weight"))? - 0.02).abs() < 0.002);
+        assert!((std(&get("blocks.0.qkv.weight"))? - 0.02).abs() < 0.002);
+        // Residual projections: 0.02 / sqrt(2 * layers) = 0.01.
+        assert!((std(&get("blocks.1.fc2.weight"))? - 0.01).abs() < 0.001);
+        assert!((std(&get("blocks.1.proj.weight"))? - 0.01).abs() < 0.002);
+        assert!(get("blocks.0.fc.bias").to_vec::<f32>()?.iter().all(|&x| x == 0.0));
+        assert!(get("ln_f.weight").to_vec::<f32>()?.iter().all(|&x| x == 1.0));
+        assert!(gpt.head.weight.is_same(&gpt.wte.weight), "the head stays tied");
+        assert_eq!((gpt.block_size(), gpt.vocab_size()), (16, 64));
+        Ok(())
+    }
+
+    #[test]
     fn fashion_models_map_images_to_ten_logits() -> Result<()> {
         let x = Tensor::randn([3, 1, 28, 28], DType::F32, Device::Cpu)?;
         assert_eq!(
