@@ -1,4 +1,5 @@
-//! The `ember` program: `ember train` trains a classifier on Fashion-MNIST, `ember info`
+//! The `ember` program: `ember train` trains a classifier on Fashion-MNIST (or, with `--model
+//! gpt2`, a byte-level GPT on a text file), `ember info`
 //! reports the build and the devices found, `ember bench` runs the shared benchmark workloads,
 //! `ember memviz` draws a memory snapshot as an HTML page.
 #![forbid(unsafe_code)]
@@ -24,7 +25,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train an MLP or a CNN on Fashion-MNIST (embedded t10k split by default) and report the
-    /// test accuracy.
+    /// test accuracy, or (--model gpt2) a byte-level GPT on a text file and sample from it.
     Train(train::TrainArgs),
     /// Print the version, build features and the devices found (like `torch.utils.collect_env`).
     Info,

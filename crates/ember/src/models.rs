@@ -1,5 +1,6 @@
-//! The models `ember train` and `ember bench` build: the Fashion-MNIST MLP and CNN and the
-//! benchmark models of `shared/bench/WORKLOADS.md` (its classifiers and GPT-2).
+//! The models `ember train` and `ember bench` build: the Fashion-MNIST MLP and CNN, the
+//! benchmark models of `shared/bench/WORKLOADS.md` (its classifiers and GPT-2), and GPT-2 again
+//! as `ember train --model gpt2` trains it (byte-level, GPT-2's initialization).
 //!
 //! Layer sizes and parameter names follow the PyTorch models of `torch_reference.py` and the
 //! PyTorch tutorial CNN, so state dicts line up with theirs.
@@ -156,6 +157,36 @@ mod tests {
     }
 
     #[test]
+    fn gpt2_init_draws_small_weights_zero_biases_and_keeps_the_head_tied() -> Result<()> {
+        ember::manual_seed(0)?;
+        let gpt = Gpt::new(64, 16, 32, 2, 2, Device::Cpu)?;
+        gpt.init_gpt2_weights()?;
+        let std = |t: &Tensor| -> Result<f64> {
+            let v = t.to_vec::<f32>()?;
+            let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+            Ok((v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt())
+        };
+        let named: Vec<(String, Tensor)> = gpt.named_parameters();
+        let get = |n: &str| {
+            named
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, t)| t.clone())
+                .unwrap()
+        };
+        assert!((std(&get("wte.weight"))? - 0.02).abs() < 0.002);
+        assert!((std(&get("blocks.0.qkv.weight"))? - 0.02).abs() < 0.002);
+        // Residual projections: 0.02 / sqrt(2 * layers) = 0.01.
+        assert!((std(&get("blocks.1.fc2.weight"))? - 0.01).abs() < 0.001);
+        assert!((std(&get("blocks.1.proj.weight"))? - 0.01).abs() < 0.002);
+        assert!(get("blocks.0.fc.bias").to_vec::<f32>()?.iter().all(|&x| x == 0.0));
+        assert!(get("ln_f.weight").to_vec::<f32>()?.iter().all(|&x| x == 1.0));
+        assert!(gpt.head.weight.is_same(&gpt.wte.weight), "the head stays tied");
+        assert_eq!((gpt.block_size(), gpt.vocab_size()), (16, 64));
+        Ok(())
+    }
+
+    #[test]
     fn fashion_models_map_images_to_ten_logits() -> Result<()> {
         let x = Tensor::randn([3, 1, 28, 28], DType::F32, Device::Cpu)?;
         assert_eq!(
@@ -272,6 +303,41 @@ impl Gpt {
             ln_f,
             head,
         })
+    }
+
+    /// GPT-2's initialization (nanoGPT's `_init_weights`): every weight matrix and embedding
+    /// drawn from N(0, 0.02), the residual projections (`proj`, `fc2`) from N(0, 0.02/√(2·layers)),
+    /// biases zero, LayerNorms left at (1, 0). [`Gpt::new`] keeps PyTorch's layer defaults (what
+    /// the benchmark times); with those the tied head starts from N(0, 1) embeddings and the
+    /// first losses are far above ln(vocab).
+    pub fn init_gpt2_weights(&self) -> Result<()> {
+        use ember::nn::{init, ModuleExt};
+        let _g = ember::no_grad();
+        let residual_std = 0.02 / (2.0 * self.blocks.len().max(1) as f64).sqrt();
+        for (name, p) in self.named_parameters() {
+            let is_norm = name.starts_with("ln_f.") || name.contains(".ln1.") || name.contains(".ln2.");
+            if is_norm {
+                continue;
+            }
+            if name.ends_with(".bias") {
+                init::zeros_(&p)?;
+            } else if name.ends_with("proj.weight") || name.ends_with("fc2.weight") {
+                init::normal_(&p, 0.0, residual_std)?;
+            } else {
+                init::normal_(&p, 0.0, 0.02)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The longest context the position embedding covers (`block_size`).
+    pub fn block_size(&self) -> usize {
+        self.wpe.weight.dims()[0]
+    }
+
+    /// The vocabulary size (rows of the token embedding).
+    pub fn vocab_size(&self) -> usize {
+        self.wte.weight.dims()[0]
     }
 }
 

@@ -1,5 +1,6 @@
 //! `ember train`: trains a small classifier on Fashion-MNIST end to end (data loading, model,
-//! Adam, evaluation, checkpoints), the "hello world" of the framework.
+//! Adam, evaluation, checkpoints), the "hello world" of the framework. `--model gpt2` trains a
+//! byte-level GPT on a text file instead (`train/gpt.rs`), with the same checkpoints.
 //!
 //! Data: by default the t10k split embedded in the binary (`data/fashion-mnist/`), its first
 //! 9,000 images for training and the last 1,000 for testing; `--data DIR` reads the full
@@ -34,6 +35,7 @@
 
 mod checkpoint;
 mod dist;
+mod gpt;
 mod graph;
 mod profile;
 
@@ -76,6 +78,9 @@ pub enum ModelKind {
     /// The PyTorch tutorial CNN: two 3x3 convs (32, 64 channels) with ReLU and 2x2 max
     /// pooling, then Linear(3136, 128), ReLU, Linear(128, 10).
     Cnn,
+    /// A byte-level GPT (GPT-2's architecture, `models::Gpt`, vocabulary 256) trained on a text
+    /// file (`train/gpt.rs`): a tiny configuration on the CPU, a small one on a GPU.
+    Gpt2,
 }
 
 impl ModelKind {
@@ -83,6 +88,7 @@ impl ModelKind {
         match self {
             ModelKind::Mlp => "mlp",
             ModelKind::Cnn => "cnn",
+            ModelKind::Gpt2 => "gpt2",
         }
     }
 
@@ -90,6 +96,12 @@ impl ModelKind {
         Ok(match self {
             ModelKind::Mlp => Box::new(models::mlp(&[784, 512, 512, 10], true, device)?),
             ModelKind::Cnn => Box::new(models::Cnn::new(1, 32, 64, device)?),
+            ModelKind::Gpt2 => {
+                return Err(ember::Error::invalid(
+                    "ember train",
+                    "--model gpt2 trains in train/gpt.rs",
+                ))
+            }
         })
     }
 }
@@ -125,27 +137,31 @@ pub struct TrainArgs {
     #[arg(long)]
     device: Option<String>,
     /// Directory with the full Fashion-MNIST (train-* and t10k-* IDX files, plain or .gz);
-    /// default: the t10k split embedded in the binary, split 9,000 train / 1,000 test.
+    /// default: the t10k split embedded in the binary, split 9,000 train / 1,000 test. With
+    /// --model gpt2: any text FILE (its bytes are the tokens; default: ember's README).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Total number of epochs (a resumed run continues up to this number).
+    /// Total number of epochs (a resumed run continues up to this number; mlp and cnn).
     #[arg(long, default_value_t = 2)]
     epochs: usize,
-    /// Samples per training batch.
-    #[arg(long, default_value_t = 128)]
-    batch_size: usize,
+    /// Samples per training batch (default 128; with --model gpt2, sequences per batch: 4 on
+    /// the CPU, 64 on a GPU).
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Adam learning rate (of the first epoch, with --lr-schedule cosine). The default, 2e-3,
     /// reached 91.5 to 91.9% test accuracy on the full Fashion-MNIST with the cnn in 5 epochs on
     /// one GPU and 90.7% with --nproc-per-node 2 (twice the global batch), over three seeds;
-    /// PyTorch's usual 1e-3 reached 90.3 to 90.6% and 89.3 to 89.6%.
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f64,
+    /// PyTorch's usual 1e-3 reached 90.3 to 90.6% and 89.3 to 89.6%. With --model gpt2, AdamW's
+    /// peak learning rate (default 3e-3 on the CPU, 1e-3 on a GPU, as nanoGPT's
+    /// shakespeare-char), after a linear warm-up and with a cosine decay to a tenth of it.
+    #[arg(long)]
+    lr: Option<f64>,
     /// How the learning rate changes between epochs: `cosine` (PyTorch's CosineAnnealingLR
     /// stepped once per epoch with T_max = --epochs: epoch e uses lr·(1 + cos(π(e-1)/epochs))/2)
-    /// or `constant`.
+    /// or `constant` (mlp and cnn; --model gpt2 has its own per-iteration schedule).
     #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
     lr_schedule: LrSchedule,
-    /// Seed of the model initialization and of the shuffling.
+    /// Seed of the model initialization and of the shuffling (with --model gpt2, of the batches).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Train on the first N training samples only (quick runs and tests).
@@ -166,7 +182,7 @@ pub struct TrainArgs {
     json: bool,
     /// Mixed precision: the forward pass and the loss under autocast to bfloat16, or to
     /// float16 with a GradScaler (PyTorch's AMP recipe); the weights and the optimizer stay in
-    /// float32.
+    /// float32. --model gpt2 takes bf16 on a GPU unless told otherwise.
     #[arg(long, value_enum)]
     amp: Option<AmpMode>,
     /// Capture the training step (forward, loss, backward, Adam step, and the GradScaler's with
@@ -186,6 +202,20 @@ pub struct TrainArgs {
     /// prints and writes checkpoints.
     #[arg(long, value_name = "N", default_value_t = 1)]
     nproc_per_node: usize,
+    #[command(flatten)]
+    gpt: gpt::GptArgs,
+}
+
+impl TrainArgs {
+    /// `--batch-size` of the mlp and cnn.
+    fn batch_size(&self) -> usize {
+        self.batch_size.unwrap_or(128)
+    }
+
+    /// `--lr` of the mlp and cnn.
+    fn lr(&self) -> f64 {
+        self.lr.unwrap_or(2e-3)
+    }
 }
 
 /// `--amp`: the autocast dtype.
@@ -341,21 +371,24 @@ fn evaluate(
     Ok(correct.item_f64()? / ds.tensors()[1].dims()[0] as f64)
 }
 
-/// A progress bar on stderr, hidden when `hidden`.
-fn progress_bar(len: usize, hidden: bool) -> ProgressBar {
+/// A progress bar on stderr counting `unit`, hidden when `hidden`.
+fn progress_bar(len: usize, hidden: bool, unit: &str) -> ProgressBar {
     if hidden {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
-    if let Ok(style) =
-        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} batches {elapsed_precise} {msg}")
-    {
+    if let Ok(style) = ProgressStyle::with_template(&format!(
+        "{{prefix}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{elapsed_precise}} {{msg}}"
+    )) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar
 }
 
 fn run(args: &TrainArgs) -> CliResult<()> {
+    if args.model == Some(ModelKind::Gpt2) {
+        return gpt::run(args, pick_device(args.device.as_deref())?);
+    }
     let started = Instant::now();
     if args.nproc_per_node == 0 {
         return Err("--nproc-per-node must be at least 1".into());
@@ -378,11 +411,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         Device::Cuda(_) => ModelKind::Cnn,
         Device::Cpu => ModelKind::Mlp,
     });
-    if args.batch_size == 0 {
+    if args.batch_size() == 0 {
         return Err("--batch-size must be at least 1".into());
     }
     let mut graphed = if args.cuda_graph {
-        Some(graph::GraphedSteps::new(device, args.batch_size)?)
+        Some(graph::GraphedSteps::new(device, args.batch_size())?)
     } else {
         None
     };
@@ -394,7 +427,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     let mut model = kind.build(Device::Cpu)?;
     model.to_device(device)?;
     let config = AdamConfig {
-        lr: args.lr,
+        lr: args.lr(),
         ..Default::default()
     };
     let mut opt = Adam::new(model.parameters(), config)?;
@@ -417,7 +450,7 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     let done = resumed.epoch;
 
     let builder = DataLoader::builder(train)
-        .batch_size(args.batch_size)
+        .batch_size(args.batch_size())
         .pin_memory(device.is_cuda());
     // A worker of a data-parallel job reads its share of each epoch; the sampler's permutation
     // is a function of (seed, epoch), so a resumed run needs no replayed draws.
@@ -501,11 +534,11 @@ fn run(args: &TrainArgs) -> CliResult<()> {
     let mut test_acc = None;
     let mut model = model;
     for epoch in done + 1..=args.epochs {
-        opt.set_lr(args.lr_schedule.lr(args.lr, epoch, args.epochs));
+        opt.set_lr(args.lr_schedule.lr(args.lr(), epoch, args.epochs));
         if let Some(s) = &sampler {
             s.set_epoch(epoch as u64 - 1);
         }
-        let bar = progress_bar(loader.len(), hidden);
+        let bar = progress_bar(loader.len(), hidden, "batches");
         bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
         let t0 = Instant::now();
         // A resumed epoch goes on from its checkpoint: its first `skip` batches were trained.

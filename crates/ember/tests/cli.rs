@@ -635,6 +635,341 @@ fn train_with_cuda_graph_matches_eager_accuracy_on_cuda() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// ember train --model gpt2
+
+/// ln(256): the loss of a uniform guess over the 256 byte values.
+const UNIFORM_BYTE_LOSS: f64 = 5.545_177_444_479_562;
+
+/// `ember train --model gpt2 --json` on the CPU with `args`; the JSON report.
+fn gpt2_json(args: &[&str]) -> serde_json::Value {
+    train_json(&[&["--model", "gpt2"][..], args].concat())
+}
+
+/// The tiny CPU configuration (the default sizes) on a Rust source file (this one: any text
+/// works) learns well below a uniform guess in 40 iterations, writes a checkpoint, and samples
+/// text; the checkpoint resumes with the same held-out loss, and text mode prints the sample.
+/// About 4 s in a debug build on two cores.
+#[test]
+fn train_gpt2_learns_a_text_writes_a_checkpoint_and_samples() {
+    let dir = scratch("train_gpt2");
+    let text = dir.join("cli.rs.txt");
+    std::fs::write(&text, include_str!("cli.rs")).unwrap();
+    let ckpt = dir.join("gpt2.safetensors");
+    let (t, c) = (text.to_str().unwrap(), ckpt.to_str().unwrap());
+    let v = gpt2_json(&[
+        "--data",
+        t,
+        "--checkpoint",
+        c,
+        "--max-iters",
+        "40",
+        "--eval-interval",
+        "20",
+        "--sample-bytes",
+        "40",
+    ]);
+    assert_eq!(v["model"], "gpt2", "{v}");
+    assert_eq!(v["device"], "cpu", "{v}");
+    assert_eq!(v["amp"], serde_json::Value::Null, "float32 on the CPU: {v}");
+    let iters = v["config"]["max_iters"].as_u64().unwrap() as usize;
+    let losses: Vec<f64> = v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), iters, "one loss per iteration: {v}");
+    // GPT-2's initialization starts at the uniform guess; the held-out loss ends more than a nat
+    // below it (about 3.7 after 40 iterations; 100 reach about 3.5).
+    assert!((losses[0] - UNIFORM_BYTE_LOSS).abs() < 0.1, "{v}");
+    let val = v["final_val_loss"].as_f64().unwrap();
+    assert!(val < UNIFORM_BYTE_LOSS - 1.0, "held-out loss {val}: {v}");
+    let evals = v["evals"].as_array().unwrap();
+    assert_eq!(evals.first().unwrap()["iter"], 0, "{v}");
+    assert_eq!(evals.last().unwrap()["iter"], iters, "{v}");
+    assert_eq!(v["sample"].as_str().unwrap().chars().count() > 0, true, "{v}");
+    assert!(ckpt.is_file());
+    let names: Vec<String> = checkpoint_tensors(&ckpt).into_iter().map(|(k, _)| k).collect();
+    for name in [
+        "model.wte.weight",
+        "model.blocks.1.qkv.weight",
+        "optimizer.state.0.exp_avg",
+        "step",
+        "rng.cpu",
+    ] {
+        assert!(names.iter().any(|n| n == name), "{name} missing from {names:?}");
+    }
+
+    // Resumed at its end: nothing to train, the same held-out loss from the loaded weights, and
+    // in text mode the sample and the loss on stdout.
+    let out = ember(&[
+        "train",
+        "--device",
+        "cpu",
+        "--model",
+        "gpt2",
+        "--data",
+        t,
+        "--checkpoint",
+        c,
+        "--resume",
+        "--max-iters",
+        "40",
+        "--sample-bytes",
+        "40",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("nothing to train"), "{stdout}");
+    assert!(
+        stdout.contains("--- sample (40 bytes, temperature 0.8, top-k 40) ---"),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&format!("val loss {val:.4}")), "{stdout}");
+}
+
+// Note [GPT batches and resume] of `train/gpt.rs`: 8 iterations straight, or 4 and then a
+// resume to 8 (the same --lr-decay-iters), end with bitwise the same checkpoint.
+#[test]
+fn train_gpt2_resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
+    let dir = scratch("train_gpt2_resume");
+    let (full, split) = (dir.join("full.safetensors"), dir.join("split.safetensors"));
+    let run = |ckpt: &std::path::Path, iters: &str, resume: bool| {
+        let mut args = vec![
+            "--max-iters",
+            iters,
+            "--lr-decay-iters",
+            "8",
+            "--warmup-iters",
+            "2",
+            "--eval-interval",
+            "100",
+            "--eval-iters",
+            "1",
+            "--sample-bytes",
+            "0",
+            "--seed",
+            "5",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+        ];
+        if resume {
+            args.push("--resume");
+        }
+        gpt2_json(&args)
+    };
+    run(&full, "8", false);
+    run(&split, "4", false);
+    let resumed = run(&split, "8", true);
+    assert_eq!(resumed["start_iter"], 4, "{resumed}");
+    assert_eq!(resumed["losses"].as_array().unwrap().len(), 4, "{resumed}");
+    let (a, b) = (checkpoint_tensors(&full), checkpoint_tensors(&split));
+    assert_eq!(
+        a.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+        b.iter().map(|(k, _)| k).collect::<Vec<_>>()
+    );
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x == y, "{name} differs after a resume");
+    }
+}
+
+#[test]
+fn train_gpt2_errors_say_what_to_do() {
+    let dir = scratch("train_gpt2_errors");
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "far too short for a window of 33 bytes").unwrap();
+    let missing = dir.join("missing.txt");
+    // A checkpoint of a narrower GPT.
+    let narrow = dir.join("narrow.safetensors");
+    let m = narrow.to_str().unwrap();
+    gpt2_json(&[
+        "--n-embd",
+        "16",
+        "--max-iters",
+        "0",
+        "--sample-bytes",
+        "0",
+        "--checkpoint",
+        m,
+    ]);
+    let cases: [(&[&str], &[&str]); 6] = [
+        (
+            &["--data", missing.to_str().unwrap()],
+            &["--data", "cannot read", "leave --data out"],
+        ),
+        (
+            &["--data", dir.to_str().unwrap()],
+            &["is a directory", "one text file"],
+        ),
+        (
+            &["--data", short.to_str().unwrap()],
+            &[
+                "38 bytes are too short for --block-size 32",
+                "at least 321 bytes",
+                "smaller --block-size",
+            ],
+        ),
+        (
+            &["--n-embd", "10", "--n-head", "4"],
+            &["--n-embd 10 is not a multiple of --n-head 4"],
+        ),
+        (
+            &["--cuda-graph"],
+            &["--cuda-graph is not supported with --model gpt2"],
+        ),
+        (
+            &["--checkpoint", m, "--resume"],
+            &["does not hold a --model gpt2"],
+        ),
+    ];
+    for (args, what) in cases {
+        let all = [
+            &["train", "--device", "cpu", "--model", "gpt2", "--max-iters", "1"][..],
+            args,
+        ]
+        .concat();
+        let out = ember(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{all:?}: {err}");
+        for w in what {
+            assert!(err.contains(w), "{all:?}: {w:?} not in {err}");
+        }
+        assert!(!err.contains("panicked"), "{all:?}: {err}");
+    }
+}
+
+// Issue 37: GPT-2's loss curve over 200 steps on the GPU (bfloat16 autocast) within bfloat16
+// noise of the same model on the CPU in float32, from the same initialization and on the same
+// batches (Note [GPT batches and resume]; the text is the bundled README, so the curves change a
+// little whenever it does). The tolerance: bfloat16 keeps 8 significant bits, so each matmul's
+// inputs are rounded by up to 2^-9 (0.2%) relative; the loss of one batch moves by a few 1e-3,
+// and over the AdamW steps the two runs' weights drift apart by such roundings. Two runs on an
+// H200 (two versions of the README): mean |difference| over the last 50 steps 0.002 and 0.015,
+// over all 200 steps 0.008 in the second, mean signed difference -0.007 there; the worst single
+// step 0.13 in the first (step 36, while the loss falls fastest at the peak learning rate; its
+// neighbours agreed to 0.01 and the curves met again) and 0.036 in the second. The bounds leave
+// about twice that: every step within 0.25, 95% of the steps within 0.05, mean |difference|
+// under 0.03 overall and 0.04 over the last 50 steps, a mean signed difference under 0.025
+// (bfloat16 must not shift the curve), the final held-out losses within 0.05. A real error (a
+// wrong gradient, a wrong cast, another batch order) moves the whole curve by tenths.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn train_gpt2_bf16_loss_curve_on_cuda_matches_float32_on_the_cpu() {
+    assert!(
+        ember::cuda::is_available(),
+        "this test needs a CUDA device; run it on a GPU machine"
+    );
+    let config = [
+        "--model",
+        "gpt2",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-iters",
+        "200",
+        "--eval-interval",
+        "100",
+        "--eval-iters",
+        "2",
+        "--lr",
+        "2e-3",
+        "--seed",
+        "11",
+    ];
+    // Both at once (the debug build's CPU run takes about a minute); only the GPU run samples.
+    let (gpu, cpu) = std::thread::scope(|s| {
+        let gpu = s.spawn(|| train_json_on("cuda", &[&config[..], &["--sample-bytes", "100"]].concat()));
+        let cpu = train_json_on("cpu", &[&config[..], &["--sample-bytes", "0"]].concat());
+        (gpu.join().expect("the GPU run's thread"), cpu)
+    });
+    assert_eq!(gpu["amp"], "bf16", "{gpu}");
+    assert_eq!(cpu["amp"], serde_json::Value::Null, "{cpu}");
+    let curve = |v: &serde_json::Value| -> Vec<f64> {
+        v["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .collect()
+    };
+    let (g, c) = (curve(&gpu), curve(&cpu));
+    assert_eq!((g.len(), c.len()), (200, 200));
+    let diffs: Vec<f64> = g.iter().zip(&c).map(|(a, b)| (a - b).abs()).collect();
+    let worst = diffs
+        .iter()
+        .copied()
+        .enumerate()
+        .fold((0, 0.0), |m, (i, d)| if d > m.1 { (i, d) } else { m });
+    let tail_mean = diffs[150..].iter().sum::<f64>() / 50.0;
+    println!(
+        "loss at steps 0, 50, 100, 150, 199: gpu {:?}, cpu {:?}; worst |diff| {:.4} at step {}, mean |diff| over steps 150..200 {tail_mean:.4}",
+        [g[0], g[50], g[100], g[150], g[199]],
+        [c[0], c[50], c[100], c[150], c[199]],
+        worst.1,
+        worst.0
+    );
+    println!("gpu sample: {:?}", gpu["sample"]);
+    let every10 = |v: &[f64]| {
+        v.iter()
+            .step_by(10)
+            .map(|l| format!("{l:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    println!(
+        "gpu every 10 steps: {}\ncpu every 10 steps: {}",
+        every10(&g),
+        every10(&c)
+    );
+    let mean = diffs.iter().sum::<f64>() / 200.0;
+    let signed = g.iter().zip(&c).map(|(a, b)| a - b).sum::<f64>() / 200.0;
+    let off: Vec<String> = diffs
+        .iter()
+        .enumerate()
+        .filter(|(_, &d)| d >= 0.05)
+        .map(|(i, d)| format!("{i}: {d:.3}"))
+        .collect();
+    let val = |v: &serde_json::Value| v["final_val_loss"].as_f64().unwrap();
+    println!(
+        "mean |diff| {mean:.4}, mean diff {signed:+.4}, steps off by 0.05 or more: [{}]; final val loss gpu {:.4}, cpu {:.4}",
+        off.join(", "),
+        val(&gpu),
+        val(&cpu)
+    );
+    assert!(worst.1 < 0.25, "step {}: |diff| {}", worst.0, worst.1);
+    assert!(
+        off.len() <= 10,
+        "{} steps off by 0.05 or more: {off:?}",
+        off.len()
+    );
+    assert!(
+        mean < 0.03 && tail_mean < 0.04,
+        "mean |diff| {mean}, over the last 50 steps {tail_mean}"
+    );
+    assert!(
+        signed.abs() < 0.025,
+        "mean diff {signed}: bfloat16 shifted the curve"
+    );
+    assert!((val(&gpu) - val(&cpu)).abs() < 0.05, "{gpu}\n{cpu}");
+    // Both learned: a real curve, not two flat lines that agree.
+    assert!(
+        c[199] < UNIFORM_BYTE_LOSS - 1.5 && g[199] < UNIFORM_BYTE_LOSS - 1.5,
+        "{gpu}\n{cpu}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // ember memviz
 
 use ember::pickle::{self, Value};

@@ -6,7 +6,7 @@
 //! target `checkpoint` (`fuzz/`) includes it by path and runs this very code.
 
 use ember::amp::GradScaler;
-use ember::nn::optim::{Adam, Optimizer};
+use ember::nn::optim::Optimizer;
 use ember::nn::state_dict::{load_tensors_from_bytes, save_tensors};
 use ember::nn::{Forward, ModuleExt};
 use ember::{cuda, DType, Device, Tensor};
@@ -15,7 +15,9 @@ use std::path::Path;
 /// The error of saving and loading: a message for the user.
 pub type CheckpointResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Where a run stands: what a checkpoint holds besides model, optimizer and scaler.
+/// Where a run stands: what a checkpoint holds besides model, optimizer and scaler. A `--model
+/// gpt2` run counts iterations, not epochs: its checkpoints hold epoch 0 and the completed
+/// iterations in `step`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Position {
     /// Completed epochs.
@@ -47,7 +49,7 @@ fn rng_from_tensor(t: &Tensor) -> Option<ember::RngState> {
 pub fn save_checkpoint(
     path: &Path,
     model: &dyn Forward,
-    opt: &Adam,
+    opt: &dyn Optimizer,
     scaler: &GradScaler,
     pos: Position,
 ) -> CheckpointResult<()> {
@@ -96,7 +98,7 @@ pub fn load_checkpoint(
     path: &Path,
     model_name: &str,
     model: &mut dyn Forward,
-    opt: &mut Adam,
+    opt: &mut dyn Optimizer,
     scaler: &mut GradScaler,
 ) -> CheckpointResult<Position> {
     let bad = |what: String| format!("--resume: checkpoint {}: {what}", path.display());
@@ -114,7 +116,7 @@ pub fn restore_checkpoint(
     bytes: &[u8],
     model_name: &str,
     model: &mut dyn Forward,
-    opt: &mut Adam,
+    opt: &mut dyn Optimizer,
     scaler: &mut GradScaler,
 ) -> Result<Position, String> {
     let state = load_tensors_from_bytes(bytes, Device::Cpu).map_err(|e| e.to_string())?;
@@ -188,6 +190,7 @@ pub fn restore_checkpoint(
 mod tests {
     use super::*;
     use ember::amp::GradScalerConfig;
+    use ember::nn::optim::Adam;
     use ember::nn::Linear;
 
     fn parts() -> (Linear, Adam, GradScaler) {
