@@ -177,16 +177,15 @@ impl Gpt {
     /// nanoGPT's `configure_optimizers`: one AdamW of two param groups, weight decay on the
     /// parameters of 2 or more dims (the matrices and embeddings), none on biases and LayerNorm
     /// weights.
-    fn configure_optimizers(&self, weight_decay: f64, lr: f64, device: Device) -> Result<AdamW> {
+    fn configure_optimizers(&self, weight_decay: f64, lr: f64) -> Result<AdamW> {
         let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) =
             self.parameters().into_iter().partition(|p| p.rank() >= 2);
         let optim_groups = vec![
             ParamGroup::new(decay).weight_decay(weight_decay),
             ParamGroup::new(no_decay).weight_decay(0.0),
         ];
-        // The fused step on a GPU (nanoGPT's `fused=True`); the CPU has only the per-tensor one.
-        let fused = if device.is_cuda() { None } else { Some(false) };
-        AdamW::with_groups(optim_groups, AdamConfig { lr, betas: (0.9, 0.95), fused, ..AdamConfig::adamw() })
+        // The fused multi-tensor step on every device (nanoGPT's `fused=True` on CUDA).
+        AdamW::with_groups(optim_groups, AdamConfig { lr, betas: (0.9, 0.95), ..AdamConfig::adamw() })
     }
 
     /// nanoGPT's `generate`: `max_new_tokens` times, the logits of the last position (of the
@@ -320,7 +319,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         args.data.as_deref().unwrap_or("ember's README"),
         format_args!("{} layers × {} heads × {}", args.layers, args.heads, args.embd)
     );
-    let mut opt = model.configure_optimizers(0.1, args.lr, device)?;
+    let mut opt = model.configure_optimizers(0.1, args.lr)?;
     let autocast = |d: Device| -> Result<Option<ember::amp::AutocastGuard>> {
         Ok(if d.is_cuda() { Some(ember::amp::autocast(d.device_type(), DType::BF16)?) } else { None })
     };

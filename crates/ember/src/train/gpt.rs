@@ -28,7 +28,7 @@ use crate::models::Gpt;
 use clap::Args;
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::nn::functional as F;
-use ember::nn::optim::{AdamConfig, AdamW, Optimizer};
+use ember::nn::optim::{AdamConfig, AdamW, Optimizer, ParamGroup};
 use ember::nn::{Forward, ModuleExt};
 use ember::{cuda, DType, Device, Tensor};
 use serde_json::json;
@@ -82,8 +82,8 @@ pub struct GptArgs {
     /// schedule of the whole run.
     #[arg(long)]
     lr_decay_iters: Option<usize>,
-    /// AdamW's decoupled weight decay. One parameter group: it applies to every parameter,
-    /// LayerNorms and biases included (nanoGPT exempts those).
+    /// AdamW's decoupled weight decay, of the matrices and embeddings (biases and LayerNorm
+    /// weights have none, as in nanoGPT).
     #[arg(long, default_value_t = 0.1)]
     weight_decay: f64,
     /// Bytes of text to generate at the end (0: none).
@@ -398,13 +398,19 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     let mut model = Gpt::new(VOCAB, c.block_size, c.n_embd, c.n_layer, c.n_head, Device::Cpu)?;
     model.init_gpt2_weights()?;
     model.to_device(device)?;
-    let mut opt = AdamW::new(
-        model.parameters(),
+    // nanoGPT's `configure_optimizers`: weight decay on the parameters of 2 or more dims (the
+    // matrices and the embeddings), none on biases and LayerNorm weights.
+    let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) =
+        model.parameters().into_iter().partition(|p| p.rank() >= 2);
+    let mut opt = AdamW::with_groups(
+        vec![
+            ParamGroup::new(decay).weight_decay(c.weight_decay),
+            ParamGroup::new(no_decay).weight_decay(0.0),
+        ],
         AdamConfig {
             lr: c.lr,
             // nanoGPT's shakespeare-char: beta2 0.99, as each batch holds few tokens.
             betas: (0.9, 0.99),
-            weight_decay: c.weight_decay,
             ..Default::default()
         },
     )?;
