@@ -96,8 +96,9 @@ struct Pending {
 /// input is zero but for the viewed region. Written out (zeros of the input's shape, the region
 /// copied in) and summed with the other views' (`split`: q, k and v of one projection), each
 /// costs a memset and a copy of the whole input and every sum a full add; in GPT-2's step that
-/// was 1.6 of 20.4 ms (docs/benchmarks.md, session 44), where PyTorch's `split` is one node
-/// whose backward is one `cat`. So the engine carries such a gradient as the slice it is
+/// was 1.6 of 20.4 ms of GPU time, where PyTorch's `split` is one node whose backward is one
+/// `cat`; with slices the step's GPU time was 19.4 ms and its wall time 20.2 ms, from 21.5
+/// (docs/benchmarks.md, session 44). So the engine carries such a gradient as the slice it is
 /// (`Grad::Slices`), sums slices by listing them, and writes the input's gradient out only when
 /// the entry runs: when the regions are blocks of one dim that tile the input (the pieces of a
 /// split), into uninitialized memory with one copy each; otherwise into zeros, adding each
