@@ -3,7 +3,7 @@
 //! reads and one write). Run with `cargo run --release -p ember --example cpu_throughput`; a
 //! debug build runs smaller sizes, only to check that it works.
 
-use ember::{DType, Device, Tensor};
+use ember::prelude::*;
 use std::time::Instant;
 
 /// Median seconds per call of `f` over `reps` timed calls, after one warm-up call.

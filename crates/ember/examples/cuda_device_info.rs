@@ -4,7 +4,8 @@
 //!
 //! Run with `cargo run --release -p ember --example cuda_device_info`.
 
-use ember::{cuda, DType, Device, Tensor};
+use ember::cuda;
+use ember::prelude::*;
 
 fn main() -> ember::Result<()> {
     println!("CUDA available: {}", cuda::is_available());

@@ -4,7 +4,7 @@
 //! Run with `cargo run --release -p ember --example cuda_event_timing`.
 
 use ember::cuda::{self, Event};
-use ember::{DType, Device, Tensor};
+use ember::prelude::*;
 
 fn main() -> ember::Result<()> {
     if !cuda::is_available() {

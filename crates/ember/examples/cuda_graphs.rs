@@ -6,7 +6,7 @@
 //! Run: `cargo run --release -p ember --example cuda_graphs` (needs a GPU).
 
 use ember::cuda::{self, CUDAGraph, Stream};
-use ember::{DType, Device, Result, Tensor};
+use ember::prelude::*;
 
 fn main() -> Result<()> {
     if !cuda::is_available() {

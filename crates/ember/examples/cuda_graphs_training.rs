@@ -9,9 +9,9 @@
 
 use ember::cuda::{self, CUDAGraph, Stream};
 use ember::nn::graphs::make_graphed_module;
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Dropout, Forward, Linear, MSELoss, ModuleExt, Sequential};
-use ember::{DType, Device, Result, Tensor};
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Dropout, Linear, MSELoss, Sequential};
+use ember::prelude::*;
 
 const N: usize = 640;
 const D_IN: usize = 4096;

@@ -3,7 +3,8 @@
 //!
 //! Run with `cargo run --release -p ember --example cuda_memory_stats`.
 
-use ember::{cuda, DType, Device, Tensor};
+use ember::cuda;
+use ember::prelude::*;
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 20) as f64

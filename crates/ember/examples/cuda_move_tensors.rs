@@ -5,8 +5,9 @@
 //!
 //! Run with `cargo run --release -p ember --example cuda_move_tensors`.
 
-use ember::nn::{Forward, Linear, Module, ModuleExt};
-use ember::{cuda, DType, Device, Result, Tensor};
+use ember::cuda;
+use ember::nn::Linear;
+use ember::prelude::*;
 
 /// A two-layer perceptron.
 #[derive(Module)]

@@ -3,7 +3,8 @@
 //!
 //! Run with `cargo run --release -p ember --example cuda_oom_recovery`.
 
-use ember::{cuda, DType, Device, Error, Tensor};
+use ember::cuda;
+use ember::prelude::*;
 
 fn main() -> ember::Result<()> {
     if !cuda::is_available() {

@@ -3,7 +3,8 @@
 //!
 //! Run with `cargo run --release -p ember --example cuda_streams`.
 
-use ember::{cuda, DType, Device, Tensor};
+use ember::cuda;
+use ember::prelude::*;
 
 fn main() -> ember::Result<()> {
     if !cuda::is_available() {

@@ -17,13 +17,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ember::cuda;
 use ember::data::{DataLoader, DistributedSampler, TensorDataset};
 use ember::distributed::{
     self as dist, BackendKind, DdpOptions, DistributedDataParallel, InitOptions, TcpStore,
 };
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Linear, MSELoss, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Tensor};
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Linear, MSELoss, ReLU, Sequential};
+use ember::prelude::*;
 
 const SAMPLES: usize = 512;
 const BATCH_SIZE: usize = 32;

@@ -14,7 +14,8 @@
 //!
 //! `EMBER_KERNEL_LOG=1` prints each kernel unit compiled and how long it took.
 
-use ember::{cuda, Device, Result, Tensor};
+use ember::cuda;
+use ember::prelude::*;
 use std::time::Instant;
 
 fn main() -> Result<()> {

@@ -25,9 +25,10 @@
 use ember::amp::{self, GradScaler};
 use ember::data::datasets::FashionMnist;
 use ember::data::{DataLoader, TensorDataset};
-use ember::nn::optim::{clip_grad_norm_, Adam, AdamConfig, Optimizer};
-use ember::nn::{CrossEntropyLoss, Flatten, Forward, Linear, ModuleExt, ReLU, Sequential};
-use ember::{cuda, DType, Device, Generator};
+use ember::nn::optim::{clip_grad_norm_, Adam, AdamConfig};
+use ember::nn::{CrossEntropyLoss, Flatten, Linear, ReLU, Sequential};
+use ember::prelude::*;
+use ember::{cuda, Generator};
 
 const IMAGES: &[u8] = include_bytes!("../data/fashion-mnist/t10k-images-idx3-ubyte.gz");
 const LABELS: &[u8] = include_bytes!("../data/fashion-mnist/t10k-labels-idx1-ubyte.gz");

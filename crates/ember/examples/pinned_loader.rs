@@ -10,10 +10,11 @@
 //!
 //! Run: `cargo run --release -p ember --example pinned_loader`
 
+use ember::cuda;
 use ember::data::{DataLoader, TensorDataset};
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Forward, Linear, MSELoss, ModuleExt};
-use ember::{cuda, DType, Device, Tensor};
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Linear, MSELoss};
+use ember::prelude::*;
 use std::time::Instant;
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {

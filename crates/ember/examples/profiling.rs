@@ -11,10 +11,11 @@
 //!
 //! Run: `cargo run --release -p ember --example profiling`
 
-use ember::nn::optim::{Optimizer, SgdConfig, SGD};
-use ember::nn::{Conv2d, CrossEntropyLoss, Forward, Linear, MaxPool2d, Module, ModuleExt};
+use ember::cuda;
+use ember::nn::optim::{SgdConfig, SGD};
+use ember::nn::{Conv2d, CrossEntropyLoss, Linear, MaxPool2d};
+use ember::prelude::*;
 use ember::profiler::{self, ProfilerActivity};
-use ember::{cuda, DType, Device, Result, Tensor};
 
 #[derive(Module)]
 struct Net {

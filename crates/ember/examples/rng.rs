@@ -7,7 +7,8 @@
 //!
 //! Run: `cargo run --release -p ember --example rng`
 
-use ember::{cuda, DType, Device, Generator, Tensor};
+use ember::prelude::*;
+use ember::{cuda, Generator};
 
 /// Prints `what` and fails the example when it did not hold.
 fn check(holds: bool, what: &str) -> Result<(), String> {

@@ -20,11 +20,12 @@
 //! `--rss-slack-mib M` (default 64). It ends with a summary on stderr and fails (exit status 1)
 //! when `reserved` grew after warm-up or the resident memory grew by more than the slack.
 
+use ember::cuda;
 use ember::data::{DataLoader, TensorDataset};
 use ember::nn::functional as F;
-use ember::nn::optim::{Adam, AdamConfig, Optimizer};
-use ember::nn::{Forward, LayerNorm, Linear, Module, ModuleExt};
-use ember::{cuda, DType, Device, Tensor};
+use ember::nn::optim::{Adam, AdamConfig};
+use ember::nn::{LayerNorm, Linear};
+use ember::prelude::*;
 use std::time::Instant;
 
 type Failure = Box<dyn std::error::Error>;
