@@ -856,6 +856,11 @@ fn train_gpt2_errors_say_what_to_do() {
 // under 0.03 overall and 0.04 over the last 50 steps, a mean signed difference under 0.025
 // (bfloat16 must not shift the curve), the final held-out losses within 0.05. A real error (a
 // wrong gradient, a wrong cast, another batch order) moves the whole curve by tenths.
+// The learning rate is nanoGPT's for this size, 1e-3: at 1.5e-3 and 2e-3 (the first choice),
+// with weight decay on the matrices only (nanoGPT's groups), float32 itself spikes for one step
+// after the warm-up (to 8.78 at step 42 with 2e-3, the same on the GPU in float32, on the CPU
+// and in float64; 4.45 with gradients clipped at 1.0), which bfloat16's slightly different
+// weights miss: a difference of the dynamics, not of the arithmetic this test checks.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn train_gpt2_bf16_loss_curve_on_cuda_matches_float32_on_the_cpu() {
@@ -883,7 +888,7 @@ fn train_gpt2_bf16_loss_curve_on_cuda_matches_float32_on_the_cpu() {
         "--eval-iters",
         "2",
         "--lr",
-        "2e-3",
+        "1e-3",
         "--seed",
         "11",
     ];

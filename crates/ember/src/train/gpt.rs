@@ -28,7 +28,7 @@ use crate::models::Gpt;
 use clap::Args;
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::nn::functional as F;
-use ember::nn::optim::{AdamConfig, AdamW, Optimizer, ParamGroup};
+use ember::nn::optim::{clip_grad_norm_, AdamConfig, AdamW, Optimizer, ParamGroup};
 use ember::nn::{Forward, ModuleExt};
 use ember::{cuda, DType, Device, Tensor};
 use serde_json::json;
@@ -86,6 +86,10 @@ pub struct GptArgs {
     /// weights have none, as in nanoGPT).
     #[arg(long, default_value_t = 0.1)]
     weight_decay: f64,
+    /// Clips the gradients' global 2-norm to this before every step (nanoGPT's `grad_clip`;
+    /// 0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f64,
     /// Bytes of text to generate at the end (0: none).
     #[arg(long, default_value_t = 200)]
     sample_bytes: usize,
@@ -112,6 +116,7 @@ struct Config {
     lr_decay_iters: usize,
     lr: f64,
     weight_decay: f64,
+    grad_clip: f64,
 }
 
 impl Config {
@@ -134,6 +139,7 @@ impl Config {
             lr_decay_iters: g.lr_decay_iters.unwrap_or(max_iters),
             lr: args.lr.unwrap_or(if gpu { 1e-3 } else { 3e-3 }),
             weight_decay: g.weight_decay,
+            grad_clip: g.grad_clip,
         };
         for (flag, v) in [
             ("--n-layer", c.n_layer),
@@ -155,8 +161,8 @@ impl Config {
             )
             .into());
         }
-        if !(c.lr > 0.0 && c.lr.is_finite()) || !(c.weight_decay >= 0.0) {
-            return Err("--lr must be positive and --weight-decay non-negative".into());
+        if !(c.lr > 0.0 && c.lr.is_finite()) || !(c.weight_decay >= 0.0) || !(c.grad_clip >= 0.0) {
+            return Err("--lr must be positive, --weight-decay and --grad-clip non-negative".into());
         }
         if !(g.temperature >= 0.0 && g.temperature.is_finite()) || g.top_k == 0 {
             return Err("--temperature must be a number >= 0 and --top-k at least 1".into());
@@ -398,10 +404,10 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     let mut model = Gpt::new(VOCAB, c.block_size, c.n_embd, c.n_layer, c.n_head, Device::Cpu)?;
     model.init_gpt2_weights()?;
     model.to_device(device)?;
+    let params = model.parameters();
     // nanoGPT's `configure_optimizers`: weight decay on the parameters of 2 or more dims (the
     // matrices and the embeddings), none on biases and LayerNorm weights.
-    let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) =
-        model.parameters().into_iter().partition(|p| p.rank() >= 2);
+    let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) = params.iter().cloned().partition(|p| p.rank() >= 2);
     let mut opt = AdamW::with_groups(
         vec![
             ParamGroup::new(decay).weight_decay(c.weight_decay),
@@ -519,6 +525,12 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
         opt.zero_grad()?;
         let loss = t.loss(&x, &y)?;
         scaler.scale(&loss)?.backward()?;
+        if c.grad_clip > 0.0 {
+            // nanoGPT's `scaler.unscale_(optimizer)` then `clip_grad_norm_`: the norm of the
+            // true gradients (a pass-through without fp16's scaler).
+            scaler.unscale_(&mut opt)?;
+            clip_grad_norm_(&params, c.grad_clip, 2.0)?;
+        }
         scaler.step(&mut opt)?;
         scaler.update()?;
         if first_step_s.is_none() {
@@ -585,6 +597,7 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
                 "lr_decay_iters": c.lr_decay_iters,
                 "lr": c.lr,
                 "weight_decay": c.weight_decay,
+                "grad_clip": c.grad_clip,
             },
             "amp": amp.map(|a| format!("{a:?}").to_lowercase()),
             "start_iter": start,
@@ -645,6 +658,7 @@ mod tests {
             lr_decay_iters: 100,
             lr: 1e-3,
             weight_decay: 0.0,
+            grad_clip: 1.0,
         }
     }
 
