@@ -335,16 +335,15 @@ fn transposed(v: [i64; 4]) -> [i64; 4] {
     [v[0], v[1], v[3], v[2]]
 }
 
+/// The problem's sizes as the graph's dims: batch, heads, query and key lengths, head dims of
+/// query/key and of value.
+fn sizes(p: &SdpaParams) -> [i64; 6] {
+    [p.b, p.h, p.s_q, p.s_kv, p.d, p.d_v].map(|n| n as i64)
+}
+
 /// The forward graph (module note): operands Q, K, V, O (BSHD), STATS, SCALE, LOWEST.
 fn forward_graph(p: &SdpaParams) -> Result<Graph, String> {
-    let (b, h, sq, skv, d, dv) = (
-        p.b as i64,
-        p.h as i64,
-        p.s_q as i64,
-        p.s_kv as i64,
-        p.d as i64,
-        p.d_v as i64,
-    );
+    let [b, h, sq, skv, d, dv] = sizes(p);
     let io = data_type(p.dtype);
     let f32 = Dt::CUDNN_DATA_FLOAT;
     let mut g = Graph::new();
@@ -386,14 +385,7 @@ fn forward_graph(p: &SdpaParams) -> Result<Graph, String> {
 /// The backward graph (module note): operands Q, K, V, O, dO (BSHD), STATS, dQ, dK, dV (BSHD),
 /// ROW_SUM and DQ_ACCUM (float scratch), SCALE, LOWEST, ONE.
 fn backward_graph(p: &SdpaParams) -> Result<Graph, String> {
-    let (b, h, sq, skv, d, dv) = (
-        p.b as i64,
-        p.h as i64,
-        p.s_q as i64,
-        p.s_kv as i64,
-        p.d as i64,
-        p.d_v as i64,
-    );
+    let [b, h, sq, skv, d, dv] = sizes(p);
     let io = data_type(p.dtype);
     let f32 = Dt::CUDNN_DATA_FLOAT;
     let mut g = Graph::new();

@@ -774,20 +774,7 @@ adam_optimizer!(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn param(values: &[f64]) -> Tensor {
-        Tensor::from_slice(values, [values.len()], Device::Cpu)
-            .unwrap()
-            .requires_grad_(true)
-            .unwrap()
-    }
-
-    fn set_grad(p: &Tensor, values: &[f64]) {
-        p.set_grad(Some(
-            Tensor::from_slice(values, [values.len()], Device::Cpu).unwrap(),
-        ))
-        .unwrap();
-    }
+    use crate::optim::testing::{param, set_grad};
 
     fn assert_close(got: &[f64], expected: &[f64], tol: f64) {
         assert_eq!(got.len(), expected.len());

@@ -82,6 +82,26 @@ pub use lr_scheduler::{
 pub use param_group::{Group, ParamGroup};
 pub use sgd::{SgdConfig, SGD};
 
+/// Helpers of the optimizers' unit tests: a CPU f64 parameter and its gradient.
+#[cfg(test)]
+mod testing {
+    use ember_core::{Device, Tensor};
+
+    pub(crate) fn param(values: &[f64]) -> Tensor {
+        Tensor::from_slice(values, [values.len()], Device::Cpu)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap()
+    }
+
+    pub(crate) fn set_grad(p: &Tensor, values: &[f64]) {
+        p.set_grad(Some(
+            Tensor::from_slice(values, [values.len()], Device::Cpu).unwrap(),
+        ))
+        .unwrap();
+    }
+}
+
 use crate::state_dict::StateDictResult;
 use ember_core::{DType, Device, Error, Result, Tensor};
 

@@ -450,24 +450,11 @@ pub(crate) fn split_state<'a>(op: &'static str, state: &'a [(String, Tensor)]) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::testing::{param, set_grad};
     use crate::optim::{
         Adam, AdamConfig, AdamW, CosineAnnealingLR, LRScheduler, LinearLR, Optimizer, SequentialLR,
         SgdConfig, StepLR, SGD,
     };
-
-    fn param(values: &[f64]) -> Tensor {
-        Tensor::from_slice(values, [values.len()], Device::Cpu)
-            .unwrap()
-            .requires_grad_(true)
-            .unwrap()
-    }
-
-    fn set_grad(p: &Tensor, values: &[f64]) {
-        p.set_grad(Some(
-            Tensor::from_slice(values, [values.len()], Device::Cpu).unwrap(),
-        ))
-        .unwrap();
-    }
 
     fn values(p: &Tensor) -> Vec<f64> {
         p.to_vec_f64().unwrap()

@@ -473,21 +473,8 @@ impl Optimizer for SGD {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::testing::{param, set_grad};
     use ember_core::{DType, Device};
-
-    fn param(values: &[f64]) -> Tensor {
-        Tensor::from_slice(values, [values.len()], Device::Cpu)
-            .unwrap()
-            .requires_grad_(true)
-            .unwrap()
-    }
-
-    fn set_grad(p: &Tensor, values: &[f64]) {
-        p.set_grad(Some(
-            Tensor::from_slice(values, [values.len()], Device::Cpu).unwrap(),
-        ))
-        .unwrap();
-    }
 
     fn assert_close(t: &Tensor, expected: &[f64]) {
         let got = t.to_vec_f64().unwrap();
