@@ -525,3 +525,25 @@ pub struct CrossEntropyParams {
     /// as if upcast, Note [Classifier in fp32] in `ops/loss.rs`).
     pub out_dtype: crate::DType,
 }
+
+impl CrossEntropyParams {
+    /// The backward's check of what it reads: `lse` (one per row), `total` (two) and the loss
+    /// gradient (one per row with `Reduction::None`, else one), given their lengths.
+    pub fn check_backward_lengths(&self, lse: usize, total: usize, grad: usize) -> crate::Result<()> {
+        let grad_len = if self.reduction == Reduction::None {
+            self.n
+        } else {
+            1
+        };
+        if lse < self.n || total < 2 || grad < grad_len {
+            return Err(crate::Error::invalid(
+                "cross_entropy_backward",
+                format!(
+                    "the saved values hold {lse} and {total} elements and the gradient {grad}, for {} rows",
+                    self.n
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

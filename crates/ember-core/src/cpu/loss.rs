@@ -364,18 +364,7 @@ impl CpuStorage {
         let t = targets_named(CE, target, n, c, p.ignore_index)?;
         let w = ce_weights(weight, acc, c)?;
         let (lse, total, g) = (float_values(lse)?, float_values(total)?, float_values(grad)?);
-        let per_row_len = if p.reduction == Reduction::None { n } else { 1 };
-        if lse.len() < n || total.len() < 2 || g.len() < per_row_len {
-            return Err(Error::invalid(
-                "cross_entropy_backward",
-                format!(
-                    "the saved values hold {} and {} elements and the gradient {}, for {n} rows",
-                    lse.len(),
-                    total.len(),
-                    g.len()
-                ),
-            ));
-        }
+        p.check_backward_lengths(lse.len(), total.len(), g.len())?;
         let eps = p.label_smoothing;
         let per_row = p.reduction == Reduction::None;
         let divisor = if p.reduction == Reduction::Mean {

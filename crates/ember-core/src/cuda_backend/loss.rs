@@ -335,7 +335,6 @@ impl CudaStorage {
         let (n, c) = (p.n, p.c);
         let (dtype, idt, acc) = ce_dtypes(self, target, weight, c)?;
         let per_row = p.reduction == Reduction::None;
-        let g_len = if per_row { n } else { 1 };
         for s in [lse, total, grad] {
             if s.dtype() != acc {
                 return Err(Error::DTypeMismatch {
@@ -345,17 +344,7 @@ impl CudaStorage {
                 });
             }
         }
-        if lse.len() < n || total.len() < 2 || grad.len() < g_len {
-            return Err(Error::invalid(
-                "cross_entropy_backward",
-                format!(
-                    "the saved values hold {} and {} elements and the gradient {}, for {n} rows",
-                    lse.len(),
-                    total.len(),
-                    grad.len()
-                ),
-            ));
-        }
+        p.check_backward_lengths(lse.len(), total.len(), grad.len())?;
         let len = n.checked_mul(c).ok_or_else(|| {
             Error::invalid(
                 "cross_entropy_backward",
@@ -368,7 +357,7 @@ impl CudaStorage {
             return Ok(out);
         }
         // `self` and `out` hold n·c elements of T (every one of `out` written), `target` n,
-        // lse n values of A, total 2, grad g_len (read at r·g_stride), the weight c.
+        // lse n values of A, total 2, grad n per row or 1 (read at r·g_stride), the weight c.
         launch::cross_entropy_backward(
             rt,
             &[dtype, idt],
