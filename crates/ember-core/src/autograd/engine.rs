@@ -101,9 +101,10 @@ struct Pending {
 /// (docs/benchmarks.md, session 44). So the engine carries such a gradient as the slice it is
 /// (`Grad::Slices`), sums slices by listing them, and writes the input's gradient out only when
 /// the entry runs: when the regions are blocks of one dim that tile the input (the pieces of a
-/// split), into uninitialized memory with one copy each; otherwise into zeros, adding each
-/// region in place (regions may overlap). A slice meeting a dense gradient is written out and
-/// added as before.
+/// split), into uninitialized memory with one copy each, or with none where the pieces are
+/// already views of one buffer laid out as the input (fused attention's q, k and v
+/// gradients); otherwise into zeros, adding each region in place (regions may overlap). A slice
+/// meeting a dense gradient is written out and added as before.
 enum Grad {
     Dense(Tensor),
     /// Zero but for `parts`: each the gradient of its region, a layout over a row-major tensor
@@ -159,6 +160,11 @@ impl Grad {
             return Ok(sum.expect("a slice gradient has parts"));
         }
         let tiles = tile_one_dim(&shape, &parts);
+        if tiles && written_in_place(&parts) {
+            // The pieces already lie where they belong in one buffer (Note [Attention gradients
+            // in one buffer] in `ops/attention.rs`): that buffer is the gradient.
+            return Ok(parts[0].1.view_with(crate::layout::Layout::contiguous(shape)));
+        }
         let out = if tiles {
             Tensor::empty(shape, dtype, device)?
         } else {
@@ -176,6 +182,15 @@ impl Grad {
         }
         Ok(out)
     }
+}
+
+/// Whether every part is a view of one storage laid out exactly as its region: the regions
+/// being over a row-major tensor from element 0, that storage from element 0 is the tensor.
+fn written_in_place(parts: &[(crate::layout::Layout, Tensor)]) -> bool {
+    let first = &parts[0].1;
+    parts
+        .iter()
+        .all(|(region, g)| g.shares_storage_with(first) && g.layout() == region)
 }
 
 /// Whether `parts`' regions are blocks along one dim of a row-major `shape` (every other dim

@@ -168,6 +168,82 @@ pub struct SdpaParams {
     /// (`ops/attention.rs` gives each gradient its input's memory order, as PyTorch's
     /// `empty_like`).
     pub grads: [[usize; 4]; 4],
+    /// With `Some`, the query, key and value gradients are written into one buffer instead of
+    /// three (Note [Attention gradients in one buffer] in `ops/attention.rs`).
+    pub grads_packed: Option<PackedGrads>,
+}
+
+/// One buffer of `len` elements holding the query, key and value gradients at element
+/// `offsets`, each with the strides of `SdpaParams::grads[1..]` (which are equal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedGrads {
+    pub len: usize,
+    pub offsets: [usize; 3],
+}
+
+/// The input gradients of fused attention: three buffers, or the one of
+/// `SdpaParams::grads_packed`.
+pub enum SdpaGrads<S> {
+    Separate(S, S, S),
+    Packed(S),
+}
+
+impl<S> SdpaGrads<S> {
+    /// The same gradients with each buffer mapped by `f`.
+    pub fn map<T>(self, f: impl Fn(S) -> T) -> SdpaGrads<T> {
+        match self {
+            SdpaGrads::Separate(q, k, v) => SdpaGrads::Separate(f(q), f(k), f(v)),
+            SdpaGrads::Packed(b) => SdpaGrads::Packed(f(b)),
+        }
+    }
+}
+
+/// Where three views of one storage with these `dims` and `strides` at element `offsets` (the
+/// q, k and v of one projection) can have their gradients written in one buffer that mirrors
+/// the elements they span: when no view overlaps itself or another, and the span holds no more
+/// than their elements (so the buffer is no larger than three separate ones).
+pub fn pack_grads(dims: [usize; 4], strides: [usize; 4], offsets: [usize; 3]) -> Option<PackedGrads> {
+    // The dims that step, by decreasing stride; each must step past all smaller ones together.
+    let mut steps: Vec<(usize, usize)> = (0..4)
+        .filter(|&i| dims[i] > 1)
+        .map(|i| (strides[i], dims[i]))
+        .collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    let mut reach = 0usize;
+    for &(s, n) in steps.iter().rev() {
+        if s <= reach {
+            return None;
+        }
+        reach = reach.checked_add(s.checked_mul(n - 1)?)?;
+    }
+    let numel = dims.iter().product::<usize>();
+    if numel == 0 {
+        return None;
+    }
+    for (i, j) in [(0, 1), (0, 2), (1, 2)] {
+        if reachable(&steps, offsets[i].abs_diff(offsets[j]) as i128) {
+            return None;
+        }
+    }
+    let lo = *offsets.iter().min()?;
+    let len = offsets.iter().max()? + reach + 1 - lo;
+    (len <= 3 * numel).then(|| PackedGrads {
+        len,
+        offsets: offsets.map(|o| o - lo),
+    })
+}
+
+/// Whether `delta` is `Σ δ_j s_j` with `|δ_j| < n_j` over `steps` (`(s_j, n_j)` by decreasing
+/// stride, each past all smaller ones): whether two views of these steps `delta` apart meet.
+fn reachable(steps: &[(usize, usize)], delta: i128) -> bool {
+    let Some((&(s, n), rest)) = steps.split_first() else {
+        return delta == 0;
+    };
+    let (s, n) = (s as i128, n as i128);
+    let below: i128 = rest.iter().map(|&(s, n)| s as i128 * (n as i128 - 1)).sum();
+    // The steps below reach at most `below` either way, and `s > below`: two candidates at most.
+    let (lo, hi) = ((delta - below).div_euclid(s), (delta + below).div_euclid(s) + 1);
+    (lo.max(1 - n)..=hi.min(n - 1)).any(|d| (delta - d * s).abs() <= below && reachable(rest, delta - d * s))
 }
 
 /// The strides of a `[b, h, s, d]` tensor laid out in `[b, s, h, d]` memory order.
@@ -212,5 +288,52 @@ mod sdpa_tests {
         assert_eq!(dense_like([1, 3, 5, 8], [7, 8, 24, 1]), Some([120, 8, 24, 1]));
         // The head dim not innermost: no dense layout the kernels take.
         assert_eq!(dense_like([2, 3, 5, 8], [120, 40, 1, 5]), None);
+    }
+
+    #[test]
+    fn q_k_v_of_one_projection_pack_into_one_buffer() {
+        // GPT-2's q, k and v: [b, h, t, d] views of a [b, t, 3·h·d] projection.
+        let (b, t, h, d) = (2, 16, 12, 64);
+        let c = h * d;
+        let strides = [t * 3 * c, d, 3 * c, 1];
+        let packed = pack_grads([b, h, t, d], strides, [0, c, 2 * c]);
+        assert_eq!(
+            packed,
+            Some(PackedGrads {
+                len: b * t * 3 * c,
+                offsets: [0, c, 2 * c]
+            })
+        );
+        // Given in another order, and from an offset: relative to the first element.
+        let packed = pack_grads([b, h, t, d], strides, [7 + 2 * c, 7, 7 + c]);
+        assert_eq!(
+            packed,
+            Some(PackedGrads {
+                len: b * t * 3 * c,
+                offsets: [2 * c, 0, c]
+            })
+        );
+        // One head's width apart: k's first head is q's second.
+        assert_eq!(pack_grads([b, h, t, d], strides, [0, d, 2 * c]), None);
+        // The same view three times (q = k = v).
+        assert_eq!(pack_grads([b, h, t, d], strides, [0, 0, 0]), None);
+        // A row apart: k's row 0 is q's row 1.
+        assert_eq!(pack_grads([b, h, t, d], strides, [0, 3 * c, 2 * c]), None);
+        // Disjoint but far apart: the buffer would be larger than three.
+        assert_eq!(
+            pack_grads([b, h, t, d], strides, [0, c, 100 * b * t * 3 * c]),
+            None
+        );
+        // A view overlapping itself (a broadcast batch).
+        assert_eq!(pack_grads([b, h, t, d], [0, d, 3 * c, 1], [0, c, 2 * c]), None);
+        // Interleaved heads ([b, t, h, 3, d]): q, k, v one head dim apart, disjoint.
+        let strides = [t * 3 * c, 3 * d, 3 * c, 1];
+        assert_eq!(
+            pack_grads([b, h, t, d], strides, [0, d, 2 * d]),
+            Some(PackedGrads {
+                len: b * t * 3 * c,
+                offsets: [0, d, 2 * d]
+            })
+        );
     }
 }

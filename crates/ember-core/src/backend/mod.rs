@@ -31,7 +31,7 @@ pub mod op;
 pub mod step;
 pub mod table;
 
-pub use geometry::{ConvParams, PoolParams, SdpaParams};
+pub use geometry::{ConvParams, PackedGrads, PoolParams, SdpaGrads, SdpaParams};
 pub use op::LayerNormGrads;
 pub use op::{
     BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PhiloxState, PoolMode, ReduceOp, RngState, ScatterOp,
@@ -303,9 +303,9 @@ pub trait AttentionOps: Sized {
     fn sdpa_forward(&self, _key: &Self, _value: &Self, _p: &SdpaParams) -> Result<Option<(Self, Self)>> {
         Ok(None)
     }
-    /// The gradients of query, key and value (each in BSHD order) from the forward's operands
-    /// (`self` the query), its output and log-sum-exp, and the output's gradient `grad_out`
-    /// (both in BSHD order).
+    /// The gradients of query, key and value (with the strides of `p.grads`, in one buffer
+    /// where `p.grads_packed` says) from the forward's operands (`self` the query), its output
+    /// and log-sum-exp, and the output's gradient `grad_out` (both in BSHD order).
     #[allow(clippy::too_many_arguments)]
     fn sdpa_backward(
         &self,
@@ -315,7 +315,7 @@ pub trait AttentionOps: Sized {
         _lse: &Self,
         _grad_out: &Self,
         _p: &SdpaParams,
-    ) -> Result<Option<(Self, Self, Self)>> {
+    ) -> Result<Option<SdpaGrads<Self>>> {
         Ok(None)
     }
 }

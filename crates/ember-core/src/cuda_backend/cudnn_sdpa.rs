@@ -37,7 +37,7 @@ use super::cudnn::{self, with_handle};
 use super::cudnn_graph::{engine_configs, finalized_plan, ok, Desc};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
-use crate::backend::geometry::{bshd_strides, SdpaParams};
+use crate::backend::geometry::{bshd_strides, SdpaGrads, SdpaParams};
 use crate::backend::AttentionOps;
 use crate::{DType, Error, Result};
 use cudarc::cudnn::sys;
@@ -695,16 +695,32 @@ impl AttentionOps for CudaStorage {
         lse: &Self,
         grad_out: &Self,
         p: &SdpaParams,
-    ) -> Result<Option<(Self, Self, Self)>> {
+    ) -> Result<Option<SdpaGrads<Self>>> {
         let (q, k, v) = (self.ptr_at(p.q.1), key.ptr_at(p.k.1), value.ptr_at(p.v.1));
         let (o, g) = (out.ptr_at(0), grad_out.ptr_at(0));
-        if !cudnn::cudnn_on() || !eligible(p, &[q, k, v, o, g]) {
+        let packed_aligned = p.grads_packed.is_none_or(|pk| {
+            pk.offsets
+                .iter()
+                .all(|&o| (o * p.dtype.size_in_bytes()) % 16 == 0)
+        });
+        if !cudnn::cudnn_on() || !packed_aligned || !eligible(p, &[q, k, v, o, g]) {
             return Ok(None);
         }
         let rt = self.runtime()?;
-        let dq = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_q * p.h * p.d)?;
-        let dk = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_kv * p.h * p.d)?;
-        let dv = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_kv * p.h * p.d_v)?;
+        let (grads, [dq, dk, dv]) = match p.grads_packed {
+            Some(pk) => {
+                let buf = CudaStorage::alloc_on(rt, p.dtype, pk.len)?;
+                let at = pk.offsets.map(|o| buf.ptr_at(o));
+                (SdpaGrads::Packed(buf), at)
+            }
+            None => {
+                let dq = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_q * p.h * p.d)?;
+                let dk = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_kv * p.h * p.d)?;
+                let dv = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_kv * p.h * p.d_v)?;
+                let at = [dq.ptr_at(0), dk.ptr_at(0), dv.ptr_at(0)];
+                (SdpaGrads::Separate(dq, dk, dv), at)
+            }
+        };
         let row_sum = CudaStorage::alloc_on(rt, DType::F32, p.b * p.h * p.s_q)?;
         let accum = CudaStorage::full(rt.ordinal, DType::F32, p.b * p.h * p.s_q * p.d, 0.0)?;
         let pointers = [
@@ -714,15 +730,15 @@ impl AttentionOps for CudaStorage {
             (uid::O, o),
             (uid::D_O, g),
             (uid::STATS, lse.ptr_at(0)),
-            (uid::D_Q, dq.ptr_at(0)),
-            (uid::D_K, dk.ptr_at(0)),
-            (uid::D_V, dv.ptr_at(0)),
+            (uid::D_Q, dq),
+            (uid::D_K, dk),
+            (uid::D_V, dv),
             (uid::ROW_SUM, row_sum.ptr_at(0)),
             (uid::DQ_ACCUM, accum.ptr_at(0)),
         ];
         if !run(rt, Key::new(rt.ordinal, true, p), p, &pointers)? {
             return Ok(None);
         }
-        Ok(Some((dq, dk, dv)))
+        Ok(Some(grads))
     }
 }

@@ -6,7 +6,7 @@
 
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};
-use crate::backend::geometry::{bshd_strides, dense_like, SdpaParams};
+use crate::backend::geometry::{bshd_strides, dense_like, pack_grads, SdpaGrads, SdpaParams};
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::{Error, Result, Tensor};
@@ -49,6 +49,7 @@ fn problem(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Opti
             bshd_strides(h, s_kv, d),
             bshd_strides(h, s_kv, d_v),
         ],
+        grads_packed: None,
     })
 }
 
@@ -123,6 +124,15 @@ pub fn scaled_dot_product_cudnn_attention(
                 // PyTorch's `empty_like`): a row-major q gets a row-major dq, which its
                 // `.grad` keeps without a copy. Where the engine refuses those strides, the
                 // layout of the forward's output for all four (one copy of g).
+                //
+                // Note [Attention gradients in one buffer]: where q, k and v are views of one
+                // projection (GPT-2's `qkv.split(c, 2)`), their gradients are written into one
+                // buffer at the views' own offsets and strides, so that the projection's
+                // gradient is that buffer: the engine takes slices that tile their input and
+                // lie where they belong as the input's gradient without a copy (Note
+                // [Gradients of views] in `autograd/engine.rs`). Written separately, the three
+                // were copied into the projection's gradient: 36 copies, 0.44 ms of GPT-2's
+                // 19.4 ms step (docs/benchmarks.md, session 44).
                 let mut own = params;
                 let strides = |t: &Tensor| {
                     let s = t.layout().strides();
@@ -133,15 +143,26 @@ pub fn scaled_dot_product_cudnn_attention(
                 let gs = g.layout().strides();
                 if g.layout().offset() == 0 && gs[3] == 1 && gs.iter().all(|&s| s > 0) {
                     own.grads[0] = strides(&g);
+                    let one_projection = q.shares_storage_with(&k)
+                        && q.shares_storage_with(&v)
+                        && [&k, &v]
+                            .iter()
+                            .all(|t| t.dims() == q.dims() && t.layout().strides() == q.layout().strides());
+                    own.grads_packed = one_projection
+                        .then(|| pack_grads(dims(&q), strides(&q), [&q, &k, &v].map(|t| t.layout().offset())))
+                        .flatten();
                     for (slot, t) in own.grads[1..].iter_mut().zip([&q, &k, &v]) {
-                        *slot = dense_like(dims(t), strides(t)).unwrap_or(*slot);
+                        *slot = match own.grads_packed {
+                            Some(_) => strides(t),
+                            None => dense_like(dims(t), strides(t)).unwrap_or(*slot),
+                        };
                     }
-                    grads = run(&g, &own)?.map(|r| (r, own.grads));
+                    grads = run(&g, &own)?.map(|r| (r, own));
                 }
                 if grads.is_none() {
-                    grads = run(&bshd(&g)?, &params)?.map(|r| (r, params.grads));
+                    grads = run(&bshd(&g)?, &params)?.map(|r| (r, params));
                 }
-                let Some(((dq, dk, dv), layouts)) = grads else {
+                let Some((result, used)) = grads else {
                     return Err(Error::Cuda {
                     op: OP,
                     msg: "cuDNN ran this attention forward but no engine takes its backward; turn the fused \
@@ -150,16 +171,33 @@ pub fn scaled_dot_product_cudnn_attention(
                         .into(),
                 });
                 };
-                let grad = |s, seq: usize, dim: usize, strides: [usize; 4]| {
+                let view = |t: &Tensor, seq: usize, dim: usize, strides: [usize; 4], offset: usize| {
                     let dims = [b, h, seq, dim];
-                    Tensor::from_storage(s, dims).view_with(Layout::new(dims.into(), strides.to_vec(), 0))
+                    t.view_with(Layout::new(dims.into(), strides.to_vec(), offset))
                 };
-                let s = params.s_kv;
-                Ok(vec![
-                    Some(grad(dq, l, params.d, layouts[1])),
-                    Some(grad(dk, s, params.d, layouts[2])),
-                    Some(grad(dv, s, ev, layouts[3])),
-                ])
+                let (s, d, layouts) = (params.s_kv, params.d, used.grads);
+                let (dq, dk, dv) = match (result, used.grads_packed) {
+                    (SdpaGrads::Packed(buf), Some(pk)) => {
+                        let buf = Tensor::from_storage(buf, [pk.len]);
+                        let [oq, ok, ov] = pk.offsets;
+                        (
+                            view(&buf, l, d, layouts[1], oq),
+                            view(&buf, s, d, layouts[2], ok),
+                            view(&buf, s, ev, layouts[3], ov),
+                        )
+                    }
+                    (SdpaGrads::Separate(dq, dk, dv), _) => (
+                        view(&Tensor::from_storage(dq, [b * l * h * d]), l, d, layouts[1], 0),
+                        view(&Tensor::from_storage(dk, [b * s * h * d]), s, d, layouts[2], 0),
+                        view(&Tensor::from_storage(dv, [b * s * h * ev]), s, ev, layouts[3], 0),
+                    ),
+                    (SdpaGrads::Packed(_), None) => {
+                        return Err(Error::Autograd(format!(
+                            "{OP}: the backend wrote one gradient buffer where three were asked for"
+                        )))
+                    }
+                };
+                Ok(vec![Some(dq), Some(dk), Some(dv)])
             })))
         },
     )

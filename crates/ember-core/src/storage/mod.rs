@@ -23,8 +23,8 @@ use crate::backend::{
     AdamStep, AdamTensor, AmpOps, AttentionOps, BackendDevice, BinaryOp, CmpOp, ConvOps, ConvParams, CopyOps,
     Distribution, ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LogicalOp, LossOps,
     LstmBackwardStep, LstmForwardStep, MatmulOps, OptimOps, PhiloxState, PoolOps, PoolParams, RandomOps,
-    ReduceOp, ReduceOps, RngState, RnnOps, ScaleUpdate, ScatterOp, SdpaParams, SgdStep, SgdTensor, SoftmaxOp,
-    SoftmaxOps, StepScalars, UnaryOp, UnaryOps, UnscaleGrads, Variant,
+    ReduceOp, ReduceOps, RngState, RnnOps, ScaleUpdate, ScatterOp, SdpaGrads, SdpaParams, SgdStep, SgdTensor,
+    SoftmaxOp, SoftmaxOps, StepScalars, UnaryOp, UnaryOps, UnscaleGrads, Variant,
 };
 use crate::backend::{LayerNormGrads, NormOps};
 use crate::cpu::{CpuDevice, CpuStorage};
@@ -816,10 +816,10 @@ impl Storage {
         lse: &Storage,
         grad_out: &Storage,
         p: &SdpaParams,
-    ) -> Result<Option<(Storage, Storage, Storage)>> {
+    ) -> Result<Option<SdpaGrads<Storage>>> {
         let (q, k, v, o, l, g) = (self, key, value, out, lse, grad_out);
         on_backend!("_scaled_dot_product_cudnn_attention_backward", (q, k, v, o, l, g), wrap => {
-            Ok(AttentionOps::sdpa_backward(q, k, v, o, l, g, p)?.map(|(a, b, c)| (wrap(a), wrap(b), wrap(c))))
+            Ok(AttentionOps::sdpa_backward(q, k, v, o, l, g, p)?.map(|grads| grads.map(wrap)))
         })
     }
 

@@ -150,3 +150,61 @@ fn cudnn_attention_declines_on_the_cpu() {
         .unwrap()
         .is_none());
 }
+
+/// Note [Attention gradients in one buffer] (`ops/attention.rs`): q, k and v split from one
+/// `[b, t, 3·h·d]` projection (GPT-2's `qkv.split(c, 2)`, then heads) get their gradients in one
+/// buffer laid out as the projection, which becomes its gradient; compared with float64, and
+/// the self-attention of one tensor (q = k = v, which cannot share a buffer) beside it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_attention_gradients_of_one_projection() {
+    let (b, h, t, d) = (2, 3, 64, 64);
+    let c = h * d;
+    for dtype in [DType::BF16, DType::F16] {
+        let x = Tensor::randn([b, t, 3 * c], DType::F32, gpu())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let [q, k, v] = x.split_into(c, 2).unwrap();
+        let heads = |p: &Tensor| p.view([b, t, h, d]).unwrap().transpose(1, 2).unwrap();
+        let (q, k, v) = (heads(&q), heads(&k), heads(&v));
+        let scale = 1.0 / (d as f64).sqrt();
+        let out = scaled_dot_product_cudnn_attention(&q, &k, &v, true, scale)
+            .unwrap()
+            .expect("cuDNN takes GPT-2's layout");
+        let g = Tensor::randn([b, h, t, d], DType::F32, gpu())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        out.backward_with(Some(&g), false).unwrap();
+        let [_, r_dq, r_dk, r_dv] = reference(&q, &k, &v, &g, true, scale).unwrap();
+        let rows = |r: Tensor| r.transpose(1, 2).unwrap().reshape([b, t, c]).unwrap();
+        let want = Tensor::cat(&[rows(r_dq), rows(r_dk), rows(r_dv)], 2).unwrap();
+        let got = x.grad().unwrap();
+        assert!(got.is_contiguous());
+        let tol = if dtype == DType::BF16 { 2e-2 } else { 4e-3 };
+        let err = rel_err(&got, &want);
+        assert!(
+            err < tol,
+            "{dtype}: the projection's gradient is {err} from float64"
+        );
+
+        // q = k = v: three gradients summed into one input.
+        let y = Tensor::randn([b, h, t, d], DType::F32, gpu())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let out = scaled_dot_product_cudnn_attention(&y, &y, &y, false, scale)
+            .unwrap()
+            .expect("cuDNN takes it");
+        out.backward_with(Some(&g), false).unwrap();
+        let [_, r_dq, r_dk, r_dv] = reference(&y, &y, &y, &g, false, scale).unwrap();
+        let want = r_dq.add(&r_dk).unwrap().add(&r_dv).unwrap();
+        let err = rel_err(&y.grad().unwrap(), &want);
+        assert!(err < tol, "{dtype}: q = k = v's gradient is {err} from float64");
+    }
+}

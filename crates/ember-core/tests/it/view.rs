@@ -425,3 +425,55 @@ fn view_gradients_meet_hooks_grad_and_a_second_pass() {
     loss.backward().unwrap();
     assert!(matches!(loss.backward(), Err(Error::Autograd(_))));
 }
+
+/// Note [Gradients of views]: pieces of a split whose gradients come back as views of one
+/// buffer, each where its piece lies (fused attention's q, k and v of one projection), give
+/// the input that buffer as its gradient, without a copy; pieces in separate buffers are
+/// copied into a new one.
+#[test]
+fn gradients_of_split_pieces_written_in_one_buffer_are_not_copied() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    for dev in devices() {
+        for one_buffer in [true, false] {
+            let x = Tensor::from_slice(&values(4 * 6, 3), [4, 6], Device::Cpu)
+                .unwrap()
+                .to(dev)
+                .unwrap()
+                .requires_grad_(true)
+                .unwrap();
+            let [a, b] = x.split_into(3, 1).unwrap();
+            let made = Arc::new(AtomicUsize::new(0));
+            let seen = made.clone();
+            // Where the pieces are copied, their buffer is kept, so that the new gradient
+            // cannot be given its freed memory.
+            let kept = Arc::new(std::sync::Mutex::new(None));
+            let keep = kept.clone();
+            let y = ember_core::autograd::custom_op("pair", &[&a, &b], a.add(&b).unwrap(), move |_, _| {
+                let buf = Tensor::from_slice(&values(4 * 6, 9), [4, 6], Device::Cpu)?.to(dev)?;
+                seen.store(buf.data_ptr(), Ordering::SeqCst);
+                let [ga, gb] = buf.split_into(3, 1)?;
+                if !one_buffer {
+                    *keep.lock().unwrap() = Some(buf);
+                }
+                Ok(if one_buffer {
+                    vec![Some(ga), Some(gb)]
+                } else {
+                    vec![Some(ga.contiguous()?), Some(gb.contiguous()?)]
+                })
+            });
+            y.sum_all().unwrap().backward().unwrap();
+            let grad = x.grad().unwrap();
+            assert_eq!(
+                grad.to_vec_f64().unwrap(),
+                values(4 * 6, 9),
+                "{dev} one buffer: {one_buffer}"
+            );
+            assert_eq!(
+                grad.data_ptr() == made.load(Ordering::SeqCst),
+                one_buffer,
+                "{dev}: the gradient is the pieces' buffer exactly when they were written in one"
+            );
+        }
+    }
+}
