@@ -177,7 +177,9 @@ macro_rules! unary_table {
 }
 pub(crate) use unary_table;
 
-/// The binary arithmetic family: two operands of one dtype after promotion. A line is
+/// The binary arithmetic family: two operands of one dtype after promotion (or, promoted with
+/// `CommonMixed`, a float32 and a half operand on CUDA: `binary_<stem>_<a>_<b>` kernels, Note
+/// [Mixed operands] in `kernels/elementwise.cu`). A line is
 ///
 /// `(Variant, [stem scalar stem_ scalar_], autocast, promotion, ints, bools, saves)
 ///  |g, a, b, out| (grad of a, grad of b), "doc";`
@@ -195,13 +197,13 @@ pub(crate) use unary_table;
 macro_rules! binary_table {
     ($expand:ident) => {
         $expand! {
-            (Add, [add add_scalar add_ add_scalar_], Inputs, Common, Int, Or, Nothing)
+            (Add, [add add_scalar add_ add_scalar_], Inputs, CommonMixed, Int, Or, Nothing)
                 |g, a, b, out| (g.clone(), g.clone()),
                 "Elementwise `self + other` with broadcasting.";
-            (Sub, [sub sub_scalar sub_ sub_scalar_], Inputs, Common, Int, No, Nothing)
+            (Sub, [sub sub_scalar sub_ sub_scalar_], Inputs, CommonMixed, Int, No, Nothing)
                 |g, a, b, out| (g.clone(), g.neg()?),
                 "Elementwise `self - other` with broadcasting.";
-            (Mul, [mul mul_scalar mul_ mul_scalar_], Inputs, Common, Int, And, Operands)
+            (Mul, [mul mul_scalar mul_ mul_scalar_], Inputs, CommonMixed, Int, And, Operands)
                 |g, a, b, out| (g.mul(b()?)?, g.mul(a()?)?),
                 "Elementwise `self * other` with broadcasting.";
             // d(a/b)/db = -a / b².

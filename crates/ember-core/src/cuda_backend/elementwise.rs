@@ -8,6 +8,7 @@ use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp};
 use crate::backend::ElementwiseOps;
+use crate::dispatch::Promotion;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
@@ -119,8 +120,54 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
     ) -> Result<CudaStorage> {
+        if self.dtype() != rhs.dtype() && op.line().promotion == Promotion::CommonMixed {
+            return self.binary_mixed(op, al, rhs, bl);
+        }
         self.check_binary(op, rhs, bl)?;
         self.two_operand(TwoOperand::Binary(op), al, rhs, bl, self.dtype())
+    }
+
+    /// `lhs op rhs` for a float32 and a float16 or bfloat16 operand (either order), in float32
+    /// (Note [Mixed operands] in `elementwise.cu`).
+    fn binary_mixed(&self, op: BinaryOp, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+        let dtypes = [self.dtype(), rhs.dtype()];
+        let half = |d: DType| matches!(d, DType::BF16 | DType::F16);
+        if !(dtypes.contains(&DType::F32) && dtypes.into_iter().any(half)) {
+            return Err(Error::DTypeMismatch {
+                op: op.name(),
+                expected: self.dtype(),
+                found: rhs.dtype(),
+            });
+        }
+        let rt = self.runtime()?;
+        let n = al.numel();
+        let out = CudaStorage::alloc_on(rt, DType::F32, n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let shape = KernelShape::new(op.name(), al.dims(), &[al.strides(), bl.strides()])?;
+        let m = mode(&shape);
+        let grid = if m == 3 {
+            Grid::linear(rt, n, 256)
+        } else {
+            Grid::exact(n.div_ceil(4), 256)
+        };
+        let (a, b) = (self.dev_ptr(al), rhs.dev_ptr(bl));
+        // `a` and `b` reach only elements inside their storages through `shape`'s strides
+        // (valid layouts), `out` holds `n` elements.
+        launch::binary_mixed(
+            rt,
+            op,
+            &dtypes,
+            grid,
+            a,
+            b,
+            out.dev_ptr_mut_at(0),
+            &shape,
+            n as i64,
+            m,
+        )?;
+        Ok(out)
     }
 
     /// `lhs op rhs` written into the contiguous `out` at `ol` (same dtype, shape `al`'s).

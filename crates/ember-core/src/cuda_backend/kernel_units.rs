@@ -15,6 +15,7 @@
 
 use super::kernels::{dtype_suffix, KernelKey, Module};
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp, UnaryOp};
+use crate::dispatch::Promotion;
 use crate::DType;
 
 /// One compile unit: a source file and the unit's name in it.
@@ -118,6 +119,15 @@ impl Module {
                 // dtypes, in the integer ones where it keeps them, on bool where it has a form.
                 for &op in BinaryOp::ALL {
                     units.extend(each(m, op.kernel(), &FLOATS));
+                    // Note [Mixed operands]: a float32 beside each half dtype, either order.
+                    if op.line().promotion == Promotion::CommonMixed {
+                        for h in [DType::BF16, DType::F16] {
+                            for (a, b) in [(DType::F32, h), (h, DType::F32)] {
+                                let name = format!("{}_{}_{}", op.kernel(), dtype_suffix(a), dtype_suffix(b));
+                                units.push(Unit::new(m, name));
+                            }
+                        }
+                    }
                     if op.ints() == Ints::Int {
                         units.extend(each(m, op.kernel(), &INTS));
                     }

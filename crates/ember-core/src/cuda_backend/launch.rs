@@ -394,6 +394,10 @@ kernels! {
         /// vectors where aligned, one thread per 4 vectors), 3 any strides (grid-stride).
         /// Integer pow takes non-negative exponents (checked first by `check_pow_exponent`).
         binary<T>(a: In<T>, b: In<T>, out: Out<T>, s: Strided, n: i64, mode: i32) by BinaryOp;
+        /// As `binary` for a float32 operand beside a float16 or bfloat16 one (`A`, `B` either
+        /// way), computed and written in float32 (Note [Mixed operands] in `elementwise.cu`);
+        /// ops promoted with `CommonMixed` only. Grid-stride, any grid.
+        binary_mixed<A, B>(a: In<A>, b: In<B>, out: Out<f32>, s: Strided, n: i64, mode: i32) by BinaryOp;
         /// As `binary`, giving bool.
         compare<T>(a: In<T>, b: In<T>, out: Out<bool>, s: Strided, n: i64, mode: i32) by CmpOp;
         /// As `binary`, on bool operands.

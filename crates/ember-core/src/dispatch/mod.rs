@@ -95,7 +95,8 @@ fn settle_copies(op: &'static Op, inputs: &[&Tensor]) -> Result<()> {
 fn promote(op: &Op, inputs: &mut [Tensor]) -> Result<()> {
     let operands = match op.promotion {
         Promotion::None => return Ok(()),
-        Promotion::Common | Promotion::CommonFloat => &mut inputs[..],
+        Promotion::CommonMixed if mixed_pair(inputs) => return Ok(()),
+        Promotion::Common | Promotion::CommonMixed | Promotion::CommonFloat => &mut inputs[..],
         Promotion::CommonAfterFirst => &mut inputs[1..],
     };
     let Some(first) = operands.first() else {
@@ -114,6 +115,15 @@ fn promote(op: &Op, inputs: &mut [Tensor]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Two CUDA operands, one float32 and the other float16 or bfloat16: the pair that kernels of
+/// ops promoted with `Promotion::CommonMixed` read without a cast.
+fn mixed_pair(inputs: &[Tensor]) -> bool {
+    let [a, b] = inputs else { return false };
+    let half = |d: DType| matches!(d, DType::BF16 | DType::F16);
+    let pair = (a.dtype() == DType::F32 && half(b.dtype())) || (b.dtype() == DType::F32 && half(a.dtype()));
+    pair && a.device().is_cuda() && b.device().is_cuda()
 }
 
 /// Inputs of one op after steps 1–3, with the observer's scope (step 4) open until it drops.

@@ -38,6 +38,10 @@ pub enum Promotion {
     None,
     /// All operands cast to their promoted dtype (`torch.result_type`).
     Common,
+    /// As `Common`, except that a float32 operand beside a float16 or bfloat16 one stays as it
+    /// is on CUDA, whose kernels read such a pair and compute in float32, as after the cast
+    /// (Note [Mixed operands] in `kernels/elementwise.cu`).
+    CommonMixed,
     /// As `Common`, with integer results computed as float32 (true division).
     CommonFloat,
     /// All operands but the first (a condition or mask) cast to their promoted dtype.

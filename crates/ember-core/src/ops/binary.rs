@@ -83,8 +83,8 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             let saves = saves(op);
             let save = |t: &Tensor, when: bool| when.then(|| SavedTensor::new(op.name(), t));
             let saved = BinarySaved {
-                a_shape: a.shape().clone(),
-                b_shape: b.shape().clone(),
+                a_like: (a.shape().clone(), a.dtype()),
+                b_like: (b.shape().clone(), b.dtype()),
                 a: save(a, saves != Saves::Nothing),
                 b: save(b, saves != Saves::Nothing),
                 out: save(out, saves == Saves::All),
@@ -94,11 +94,11 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     )
 }
 
-/// What the backward of a binary op keeps: the input shapes (to undo broadcasting) and, for
-/// the ops whose derivative needs them, the inputs and (pow) the output.
+/// What the backward of a binary op keeps: the input shapes (to undo broadcasting) and dtypes,
+/// and, for the ops whose derivative needs them, the inputs and (pow) the output.
 struct BinarySaved {
-    a_shape: Shape,
-    b_shape: Shape,
+    a_like: (Shape, DType),
+    b_like: (Shape, DType),
     a: Option<SavedTensor>,
     b: Option<SavedTensor>,
     out: Option<SavedTensor>,
@@ -160,17 +160,19 @@ macro_rules! binary_ops {
         #[allow(unused_variables)]
         fn binary_backward(op: BinaryOp, s: &BinarySaved, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
             let (a, b, out) = (|| saved(&s.a), || saved(&s.b), || saved(&s.out));
-            let grad = |i: usize, f: &dyn Fn() -> Result<Tensor>, shape: &Shape| -> Result<Option<Tensor>> {
-                if needs[i] {
-                    Ok(Some(sum_to_shape(&f()?, shape)?))
-                } else {
-                    Ok(None)
+            // Each gradient in its input's dtype: operands of a mixed pair (`CommonMixed`) keep
+            // theirs, and the gradient computed in float32 is cast back, as the cast's would be.
+            let grad = |i: usize, f: &dyn Fn() -> Result<Tensor>, (shape, dtype): &(Shape, DType)| -> Result<Option<Tensor>> {
+                if !needs[i] {
+                    return Ok(None);
                 }
+                let g = sum_to_shape(&f()?, shape)?;
+                Ok(Some(if g.dtype() == *dtype { g } else { g.to_dtype(*dtype)? }))
             };
             Ok(match op {
                 $(BinaryOp::$v => {
                     let ($g, $a, $b, $out) = (g, a, b, out);
-                    vec![grad(0, &|| Ok($da), &s.a_shape)?, grad(1, &|| Ok($db), &s.b_shape)?]
+                    vec![grad(0, &|| Ok($da), &s.a_like)?, grad(1, &|| Ok($db), &s.b_like)?]
                 })*
             })
         }

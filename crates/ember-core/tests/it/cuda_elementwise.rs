@@ -336,3 +336,56 @@ fn add_out_writes_into_the_given_tensor() {
     let wrong = Tensor::zeros([4099], DType::F64, gpu).unwrap();
     assert!(matches!(a.add_out(&b, &wrong), Err(Error::DTypeMismatch { .. })));
 }
+
+/// Note [Mixed operands] (`elementwise.cu`): add, sub and mul of a float32 and a half operand
+/// (either order) read each in its own dtype on CUDA, where the CPU casts the half one to
+/// float32 first; both give the same bits on every layout, and the gradients come back in each
+/// operand's dtype.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn float32_beside_a_half_operand_matches_the_cast_on_the_cpu() {
+    gpu();
+    for half in [DType::BF16, DType::F16] {
+        for (case, make) in operand_cases(DType::F32) {
+            for op in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul] {
+                for half_first in [false, true] {
+                    let what = format!("{} f32 with {half} ({case}, half first: {half_first})", op.name());
+                    cpu_vs_cuda(&what, 0.0, 0.0, |d| {
+                        let (a, b) = make(d)?;
+                        let (a, b) = if half_first {
+                            (a.to_dtype(half)?, b)
+                        } else {
+                            (a, b.to_dtype(half)?)
+                        };
+                        let out = match op {
+                            BinaryOp::Add => a.add(&b)?,
+                            BinaryOp::Sub => a.sub(&b)?,
+                            _ => a.mul(&b)?,
+                        };
+                        assert_eq!(out.dtype(), DType::F32, "{what}");
+                        Ok(out)
+                    });
+                }
+            }
+        }
+        // Gradients: each in its operand's dtype, as through the cast (b's sums 5 rows, whose
+        // order may differ between the devices: the half dtype's tolerance).
+        let (rtol, atol) = tolerance(half);
+        for which in 0..2 {
+            let what = format!("gradients of f32 * {half}, operand {which}");
+            cpu_vs_cuda(&what, rtol, atol, |d| {
+                let a = input(515, 21, DType::F32, d)?
+                    .reshape(&[5, 103])?
+                    .requires_grad_(true)?;
+                let b = input(103, 22, DType::F32, d)?
+                    .to_dtype(half)?
+                    .requires_grad_(true)?;
+                let y = a.mul(&b)?.add(&b)?;
+                y.sum_all()?.backward()?;
+                let (ga, gb) = (a.grad().expect("a's gradient"), b.grad().expect("b's gradient"));
+                assert_eq!((ga.dtype(), gb.dtype()), (DType::F32, half), "{what}");
+                Ok(if which == 0 { ga } else { gb })
+            });
+        }
+    }
+}
