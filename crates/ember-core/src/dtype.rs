@@ -142,6 +142,12 @@ pub trait Element: Copy + Send + Sync + PartialOrd + fmt::Debug + 'static {
     const DTYPE: DType;
     fn to_f64(self) -> f64;
     fn from_f64(v: f64) -> Self;
+    /// `v` rounded once to this type. `from_f64` of the same value can differ for bfloat16:
+    /// `half`'s `bf16::from_f64` rounds from the f64's high 32 bits, which drops the low 3
+    /// bits of an f32's significand (a tie there rounds to even where the f32 is above it).
+    fn from_f32(v: f32) -> Self {
+        Self::from_f64(v as f64)
+    }
     fn to_i64(self) -> i64 {
         self.to_f64() as i64
     }
@@ -215,6 +221,10 @@ impl Element for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
+    #[inline]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
 }
 
 impl Element for bf16 {
@@ -226,6 +236,10 @@ impl Element for bf16 {
     #[inline]
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
+    }
+    #[inline]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
     }
 }
 

@@ -92,10 +92,14 @@ impl CpuStorage {
 }
 
 /// Converts one element between dtypes with PyTorch's cast semantics (float → int truncates
-/// toward zero, anything → bool is `!= 0`).
+/// toward zero, anything → bool is `!= 0`); a float of 32 bits or fewer rounds once, as on
+/// CUDA (`Element::from_f32`).
 #[inline]
 pub fn convert<S: Element, D: Element>(x: S) -> D {
-    if S::DTYPE.is_floating_point() || D::DTYPE.is_floating_point() {
+    if matches!(S::DTYPE, DType::F32 | DType::F16 | DType::BF16) {
+        // Exact in f32.
+        D::from_f32(x.to_f64() as f32)
+    } else if S::DTYPE.is_floating_point() || D::DTYPE.is_floating_point() {
         D::from_f64(x.to_f64())
     } else {
         D::from_i64(x.to_i64())
@@ -232,3 +236,22 @@ impl BackendStorage for CpuStorage {
 /// No fused attention on the CPU: the op layer computes it from its parts (PyTorch's math
 /// backend, which its CPU flash kernel matches within rounding).
 impl crate::backend::AttentionOps for CpuStorage {}
+
+#[cfg(test)]
+mod convert_tests {
+    use super::*;
+
+    #[test]
+    fn float32_to_bfloat16_rounds_once() {
+        // 1 + 2^-8 + 2^-23: above the tie between 1 and 1 + 2^-7 by the f32's last bit, which
+        // `bf16::from_f64` does not see (it rounds from the f64's high 32 bits): to even, 1.
+        let x = 1.0f32 + 2f32.powi(-8) + 2f32.powi(-23);
+        assert_eq!(bf16::from_f64(x as f64).to_f32(), 1.0);
+        assert_eq!(convert::<f32, bf16>(x).to_f32(), 1.0 + 2f32.powi(-7));
+        // An exact tie still rounds to even; f16 and integers as before.
+        assert_eq!(convert::<f32, bf16>(1.0 + 2f32.powi(-8)).to_f32(), 1.0);
+        assert_eq!(convert::<f32, f16>(x).to_f32(), f16::from_f32(x).to_f32());
+        assert_eq!(convert::<f32, i64>(-2.75), -2);
+        assert!(convert::<f32, bool>(0.5));
+    }
+}
