@@ -56,6 +56,10 @@ pub(crate) struct Node {
     /// views, whose gradient the engine keeps as a slice (Note [Gradients of views] in
     /// `engine.rs`) instead of calling `backward`.
     pub(crate) view: Option<ViewOf>,
+    /// For a cast (`to_dtype`): its input's dtype. A float32 gradient may reach the output of
+    /// a cast from float32 (Note [Widened gradients] in `ops/matmul.rs`); the cast's backward
+    /// then has nothing to convert.
+    cast_from: Option<crate::DType>,
 }
 
 /// The region of a view op's input that its output views: a layout over a row-major tensor of
@@ -151,7 +155,21 @@ pub(crate) fn record<F>(name: &'static str, inputs: &[&Tensor], out: Tensor, bac
 where
     F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 {
-    record_node(name, inputs, out, Box::new(backward), None)
+    record_node(name, inputs, out, Box::new(backward), None, None)
+}
+
+/// [`record`] for a cast of `input` to another dtype (see `Node::cast_from`).
+pub(crate) fn record_cast<F>(name: &'static str, input: &Tensor, out: Tensor, backward: F) -> Tensor
+where
+    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+{
+    let from = input.dtype();
+    record_node(name, &[input], out, Box::new(backward), None, Some(from))
+}
+
+/// The dtype `t` was cast from, when `t` is the output of a recorded cast.
+pub(crate) fn cast_from(t: &Tensor) -> Option<crate::DType> {
+    t.0.grad_fn.as_ref().and_then(|node| node.cast_from)
 }
 
 /// [`record`] for a view op whose output views `view.region` of its one input: the engine
@@ -168,7 +186,7 @@ pub(crate) fn record_view<F>(
 where
     F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 {
-    record_node(name, &[input], out, Box::new(backward), Some(view))
+    record_node(name, &[input], out, Box::new(backward), Some(view), None)
 }
 
 fn record_node(
@@ -177,6 +195,7 @@ fn record_node(
     out: Tensor,
     backward: BackwardFn,
     view: Option<ViewOf>,
+    cast_from: Option<crate::DType>,
 ) -> Tensor {
     let node = Arc::new(Node {
         name,
@@ -185,6 +204,7 @@ fn record_node(
         output: OnceLock::new(),
         sequence_nr: next_sequence_nr(),
         view,
+        cast_from,
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));

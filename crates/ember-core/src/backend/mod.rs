@@ -173,6 +173,12 @@ pub trait MatmulOps: Sized {
         bias: &Self,
         bias_layout: &Layout,
     ) -> Result<Self>;
+    /// [`MatmulOps::matmul`] of float16 or bfloat16 operands written in float32, the
+    /// accumulator not rounded to their dtype; `None` where the backend does not (the op layer
+    /// then takes the product in their dtype).
+    fn matmul_widened(&self, _layout: &Layout, _rhs: &Self, _rhs_layout: &Layout) -> Result<Option<Self>> {
+        Ok(None)
+    }
 }
 
 /// Reads and writes at index tensors.

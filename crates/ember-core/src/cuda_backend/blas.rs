@@ -215,6 +215,8 @@ impl ThreadBlas {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct PlanKey {
     dtype: DType,
+    /// D's dtype: `dtype`, or float32 for a widened product of half operands.
+    out: DType,
     precision: u8,
     trans_a: bool,
     trans_b: bool,
@@ -306,7 +308,7 @@ impl Plan {
             (DType::F32, 2) => (C::CUBLAS_COMPUTE_32F_FAST_16BF, sys::cudaDataType::CUDA_R_32F),
             _ => (C::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F),
         };
-        let ty = data_type(key.dtype);
+        let (ty, out_ty) = (data_type(key.dtype), data_type(key.out));
         // Build the plan step by step so that `Drop` frees whatever was created if a step fails.
         let mut plan = Plan {
             desc: lt::create_matmul_desc(compute, scale).map_err(blas_error("cublasLtMatmulDescCreate"))?,
@@ -356,6 +358,7 @@ impl Plan {
             (key.m, key.n, key.ldd, key.stride_d),
         ];
         for (slot, (rows, cols, ld, stride)) in shapes.into_iter().enumerate() {
+            let ty = if slot == 2 { out_ty } else { ty };
             plan.layouts[slot] = lt::create_matrix_layout(ty, rows, cols, ld)
                 .map_err(blas_error("cublasLtMatrixLayoutCreate"))?;
             if key.batch > 1 {
@@ -522,6 +525,8 @@ struct Gemm<'a> {
     rt: &'a DeviceRuntime,
     blas: &'static DeviceBlas,
     dtype: DType,
+    /// D's dtype (PlanKey::out).
+    out: DType,
     stream: u64,
     a: &'a Operand,
     k: usize,
@@ -546,6 +551,7 @@ impl Gemm<'_> {
         let Gemm {
             rt,
             dtype,
+            out,
             stream,
             a,
             k,
@@ -563,6 +569,7 @@ impl Gemm<'_> {
             .map_or((0, 0), |w| (w.ptr_at(0), w.len()));
         let key = PlanKey {
             dtype,
+            out,
             precision: if dtype == DType::F32 {
                 PRECISION.load(Ordering::Relaxed)
             } else {
@@ -665,7 +672,22 @@ impl CudaStorage {
     /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with the
     /// same batch dims (broadcast ones have stride 0), as a new row-major `[B.., m, n]` storage.
     pub(crate) fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
-        self.lt_matmul(al, rhs, bl, None)
+        self.lt_matmul(al, rhs, bl, None, self.dtype())
+    }
+
+    /// [`CudaStorage::matmul`] of two float16 or bfloat16 operands written in float32: the
+    /// float32 accumulator stored as it is, not rounded to the operands' dtype (Note [Widened
+    /// gradients] in `ops/matmul.rs`).
+    pub(crate) fn matmul_widened(
+        &self,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<Option<CudaStorage>> {
+        if !matches!(self.dtype(), DType::BF16 | DType::F16) {
+            return Ok(None);
+        }
+        self.lt_matmul(al, rhs, bl, None, DType::F32).map(Some)
     }
 
     /// [`CudaStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
@@ -703,10 +725,11 @@ impl CudaStorage {
         }
         let n = bl.dims()[bl.dims().len() - 1];
         assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
-        self.lt_matmul(al, rhs, bl, Some((bias, bias_l)))
+        self.lt_matmul(al, rhs, bl, Some((bias, bias_l)), dtype)
     }
 
-    /// The product, and with `bias` the bias added (floats only), through cuBLASLt; integer
+    /// The product, and with `bias` the bias added (floats only), through cuBLASLt, written in
+    /// `out_dtype` (the operands' dtype, or float32 for half operands without a bias); integer
     /// products go to `int_matmul`.
     fn lt_matmul(
         &self,
@@ -714,8 +737,12 @@ impl CudaStorage {
         rhs: &CudaStorage,
         bl: &Layout,
         bias: Option<(&CudaStorage, &Layout)>,
+        out_dtype: DType,
     ) -> Result<CudaStorage> {
         let dtype = self.dtype();
+        debug_assert!(
+            out_dtype == dtype || (bias.is_none() && out_dtype == DType::F32 && dtype.is_floating_point())
+        );
         if dtype != rhs.dtype() {
             return Err(Error::DTypeMismatch {
                 op: "matmul",
@@ -758,7 +785,7 @@ impl CudaStorage {
         // Checked before the empty cases so that a missing library shows up on any product.
         let blas = device_blas(rt)?;
         if out_len == 0 {
-            return CudaStorage::alloc_on(rt, dtype, 0);
+            return CudaStorage::alloc_on(rt, out_dtype, 0);
         }
         // The bias repeated over every row of every product, as a new row-major storage.
         let bias_rows = |(c, cl): (&CudaStorage, &Layout)| {
@@ -772,7 +799,7 @@ impl CudaStorage {
         if k == 0 {
             return match bias {
                 Some(c) => bias_rows(c), // an empty sum is 0
-                None => CudaStorage::full(rt.ordinal, dtype, out_len, 0.0),
+                None => CudaStorage::full(rt.ordinal, out_dtype, out_len, 0.0),
             };
         }
         let batch = i32::try_from(batch).map_err(|_| {
@@ -789,7 +816,7 @@ impl CudaStorage {
             .map(|(ptr, _)| ptr);
         let mut out = match bias {
             Some(c) if epilogue_bias.is_none() => bias_rows(c)?,
-            _ => CudaStorage::alloc_on(rt, dtype, out_len)?,
+            _ => CudaStorage::alloc_on(rt, out_dtype, out_len)?,
         };
         // cuBLASLt's A is our rhs, its B our lhs (Note [Row-major GEMM through cuBLASLt]).
         let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
@@ -797,6 +824,7 @@ impl CudaStorage {
             rt,
             blas,
             dtype,
+            out: out_dtype,
             stream: current_raw(rt.ordinal),
             a: &a,
             k,
@@ -829,11 +857,11 @@ impl CudaStorage {
     ) -> Result<(CudaStorage, Vec<super::RowBlockEvent>)> {
         let dtype = self.dtype();
         let (&[m, k], &[_, n]) = (al.dims(), bl.dims()) else {
-            return Ok((self.lt_matmul(al, rhs, bl, None)?, Vec::new()));
+            return Ok((self.lt_matmul(al, rhs, bl, None, dtype)?, Vec::new()));
         };
         let plain = dtype.is_floating_point() && dtype == rhs.dtype() && self.ordinal() == rhs.ordinal();
         if !plain || m == 0 || k == 0 || n == 0 {
-            return Ok((self.lt_matmul(al, rhs, bl, None)?, Vec::new()));
+            return Ok((self.lt_matmul(al, rhs, bl, None, dtype)?, Vec::new()));
         }
         let rt = self.runtime()?;
         let blas = device_blas(rt)?;
@@ -843,6 +871,7 @@ impl CudaStorage {
             rt,
             blas,
             dtype,
+            out: dtype,
             stream: current_raw(rt.ordinal),
             a: &a,
             k,
@@ -929,6 +958,7 @@ impl CudaStorage {
                 rt,
                 blas,
                 dtype,
+                out: dtype,
                 stream: current.as_raw(),
                 a: &part,
                 k,
@@ -1052,5 +1082,14 @@ impl MatmulOps for CudaStorage {
         bias_layout: &Layout,
     ) -> Result<CudaStorage> {
         CudaStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
+    }
+
+    fn matmul_widened(
+        &self,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+    ) -> Result<Option<CudaStorage>> {
+        CudaStorage::matmul_widened(self, layout, rhs, rhs_layout)
     }
 }

@@ -11,7 +11,7 @@
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};
 use crate::dispatch::{self, policy};
-use crate::{Error, Result, Shape, Tensor};
+use crate::{DType, Error, Result, Shape, Tensor};
 
 /// Device and dtype checks shared by every product (matmul requires equal dtypes, as PyTorch).
 fn check_operands(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
@@ -38,6 +38,54 @@ fn inner_mismatch(op: &'static str, a: &Tensor, b: &Tensor) -> Error {
 /// `a @ b` for `a: [.., m, k]`, `b: [.., k, n]` (ranks >= 2) with batch dims broadcast;
 /// `user` are the operands as the caller gave them, named in errors.
 fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -> Result<Tensor> {
+    product_as(op, a, b, user, [false; 2])
+}
+
+/// Note [Widened gradients]: under autocast a float32 weight (and a float32 activation, such
+/// as a LayerNorm's output) reaches a product as its bfloat16 cast, and the gradient that
+/// comes back is a bfloat16 product that the cast's backward converts to float32: a rounding
+/// and a kernel per operand. cuBLASLt accumulates in float32 either way and writes a float32
+/// D from bfloat16 A and B as fast, so where an operand of `linear` is the cast of a float32
+/// tensor, its gradient is written in float32 directly, and the cast's backward has nothing
+/// left to convert. In GPT-2's step that is the 49 weight gradients and 25 LayerNorm-input
+/// gradients of the 146 bfloat16 → float32 casts (docs/benchmarks.md, session 45). The value
+/// differs from PyTorch's (which rounds to bfloat16 first) by less than bfloat16's rounding,
+/// in the accurate direction. On backends without a widened product (the CPU), and under
+/// `create_graph`, the gradient is the product in the operands' dtype as before.
+///
+/// Whether `t`'s gradient may be computed in float32: a half tensor cast from float32.
+fn widens(t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::BF16 | DType::F16) && autograd::cast_from(t) == Some(DType::F32)
+}
+
+/// A product inside a backward rule: in float32 when `wide` and the backend writes half
+/// products so (Note [Widened gradients]), else [`product`]. Not under `create_graph`, whose
+/// graph would take the float32 gradient for one of the half dtype.
+fn grad_product(op: &'static str, a: &Tensor, b: &Tensor, wide: bool) -> Result<Tensor> {
+    if wide && matrices(a, b) && a.dtype() == b.dtype() && !autograd::is_grad_enabled() {
+        let widened = {
+            let (sa, sb) = (a.storage().read(), b.storage().read());
+            sa.matmul_widened(a.layout(), &sb, b.layout())?
+        };
+        if let Some(storage) = widened {
+            return Ok(Tensor::from_storage(
+                storage,
+                Shape::from([a.dims()[0], b.dims()[1]]),
+            ));
+        }
+    }
+    product(op, a, b, (a, b))
+}
+
+/// [`product`], with `wide` saying which operand's gradient may be computed in float32
+/// (Note [Widened gradients]).
+fn product_as(
+    op: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    user: (&Tensor, &Tensor),
+    wide: [bool; 2],
+) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
     debug_assert!(ra >= 2 && rb >= 2);
     let (m, k, n) = (a.dims()[ra - 2], a.dims()[ra - 1], b.dims()[rb - 1]);
@@ -80,7 +128,9 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
             Some(if matrices(&a, &b) && column_major(&a) {
                 // (b @ gᵀ)ᵀ: the gradient in `a`'s own layout.
                 let gt = g.t()?;
-                product(op, &b, &gt, (&b, &gt))?.t()?
+                grad_product(op, &b, &gt, wide[0])?.t()?
+            } else if matrices(&a, &b) {
+                grad_product(op, g, &b.t()?, wide[0])?
             } else {
                 let bt = b.transpose(-1, -2)?;
                 sum_to_shape(&product(op, g, &bt, (g, &bt))?, &sa)?
@@ -91,7 +141,9 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -
         let gb = if needs[1] {
             let (a, b) = (xa.get()?, xb.get()?);
             Some(if matrices(&a, &b) && column_major(&b) {
-                weight_grad(op, g, &a, &b)?
+                weight_grad(op, g, &a, &b, wide[1])?
+            } else if matrices(&a, &b) {
+                grad_product(op, &a.t()?, g, wide[1])?
             } else {
                 let at = a.transpose(-1, -2)?;
                 sum_to_shape(&product(op, &at, g, (&at, g))?, &sb)?
@@ -122,14 +174,14 @@ fn column_major(t: &Tensor) -> bool {
 /// The gradient of the column-major `b` in `a @ b` (`b: [k, n]`): `(gᵀ @ a)ᵀ`, a `[k, n]`
 /// view of a dense `[n, k]` product; in row blocks of that product when `b` views a tensor
 /// registered for it (Note [Gradients in row blocks] in `storage/row_blocks.rs`).
-fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor, wide: bool) -> Result<Tensor> {
     let gt = g.t()?;
     let blocks = b
         .storage()
         .requested_row_blocks()
         .filter(|_| !autograd::needs_grad(&[&gt, a]) && !crate::cuda_backend::is_current_stream_capturing());
     let Some(blocks) = blocks else {
-        return product(op, &gt, a, (&gt, a))?.t();
+        return grad_product(op, &gt, a, wide)?.t();
     };
     let (storage, events) = {
         let (sg, sa) = (gt.storage().read(), a.storage().read());
@@ -153,6 +205,7 @@ fn product_bias(
     wt: &Tensor,
     bias: &Tensor,
     arrivals: Option<&[crate::cuda_backend::RowBlockEvent]>,
+    wide: [bool; 2],
 ) -> Result<Tensor> {
     debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
     let (m, n) = (x.dims()[0], wt.dims()[1]);
@@ -174,17 +227,16 @@ fn product_bias(
     Ok(autograd::record(op, &[x, wt, bias], out, move |g, needs| {
         let gx = if needs[0] {
             let w = saved_wt.get()?.t()?;
-            Some(product(op, g, &w, (g, &w))?)
+            Some(grad_product(op, g, &w, wide[0])?)
         } else {
             None
         };
         let gw = if needs[1] {
             let (x, wt) = (saved_x.get()?, saved_wt.get()?);
             Some(if column_major(&wt) {
-                weight_grad(op, g, &x, &wt)?
+                weight_grad(op, g, &x, &wt, wide[1])?
             } else {
-                let xt = x.t()?;
-                product(op, &xt, g, (&xt, g))?
+                grad_product(op, &x.t()?, g, wide[1])?
             })
         } else {
             None
@@ -388,6 +440,18 @@ impl Tensor {
         if let Some(blocks) = arrivals.take() {
             crate::cuda_backend::row_blocks::wait_for(weight.device(), &blocks)?;
         }
+        if bias.is_none() && weight.rank() == 2 && self.dtype().is_floating_point() {
+            // The input's leading dims fold into rows, as `matmul` does, here with the
+            // operands' casts in sight (Note [Widened gradients]).
+            let lead = &self.dims()[..self.rank() - 1];
+            let rows = lead.iter().product::<usize>() as isize;
+            let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
+            let wide = [widens(self), widens(weight)];
+            let out = product_as(OP, &x, &weight.t()?, (self, weight), wide)?;
+            let mut dims = isize_dims(lead);
+            dims.push(weight.dims()[0] as isize);
+            return out.reshape(&dims);
+        }
         let out = self.matmul_prepared(&weight.t()?)?;
         match bias {
             Some(b) => {
@@ -418,7 +482,8 @@ impl Tensor {
         let lead = &self.dims()[..self.rank() - 1];
         let rows = lead.iter().product::<usize>() as isize;
         let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
-        let out = product_bias("linear", &x, &weight.t()?, bias, arrivals.as_deref())?;
+        let wide = [widens(self), widens(weight)];
+        let out = product_bias("linear", &x, &weight.t()?, bias, arrivals.as_deref(), wide)?;
         // Every block was waited for on the way.
         *arrivals = None;
         let mut dims = isize_dims(lead);

@@ -655,6 +655,12 @@ impl Storage {
         on_backend!("matmul", (a, b), wrap => Ok(wrap(MatmulOps::matmul(a, al, b, bl)?)))
     }
 
+    /// [`MatmulOps::matmul_widened`]: a half product written in float32, where the backend can.
+    pub(crate) fn matmul_widened(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Option<Storage>> {
+        let (a, b) = (self, rhs);
+        on_backend!("matmul", (a, b), wrap => Ok(MatmulOps::matmul_widened(a, al, b, bl)?.map(wrap)))
+    }
+
     /// [`Storage::matmul`] of two matrices in row blocks of the output, with the events that
     /// mark each block done (GPU only; Note [Gradients in row blocks] in `storage/row_blocks.rs`).
     pub(crate) fn matmul_row_blocks(

@@ -25,7 +25,7 @@ impl Tensor {
             return Ok(out);
         }
         let src = self.dtype();
-        Ok(autograd::record("to_dtype", &[self], out, move |g, _| {
+        Ok(autograd::record_cast("to_dtype", self, out, move |g, _| {
             Ok(vec![Some(g.to_dtype(src)?)])
         }))
     }
@@ -56,7 +56,7 @@ impl Tensor {
             return Ok(out);
         }
         let src = self.dtype();
-        Ok(autograd::record("to_dtype", &[self], out, move |g, _| {
+        Ok(autograd::record_cast("to_dtype", self, out, move |g, _| {
             Ok(vec![Some(g.to_dtype(src)?)])
         }))
     }

@@ -498,3 +498,81 @@ fn cuda_linear_with_bias_rounds_once() {
         }
     }
 }
+
+/// Note [Widened gradients] (`ops/matmul.rs`): under autocast on CUDA, `linear`'s float32
+/// weight and float32 input reach the product as bfloat16 casts, and their gradients come back
+/// in float32 straight from the product's float32 accumulator. Compared with the float64
+/// gradients of the same bfloat16 operands: within float32 accumulation error (a bfloat16
+/// rounding of the gradient, as without widening, would be off by up to 2^-9 of its scale),
+/// with and without a bias, for a 2-D and a 3-D input.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn autocast_linear_gradients_of_float32_operands_are_not_rounded_to_bfloat16() {
+    let dev = gpu();
+    for (with_bias, lead) in [(true, vec![64usize]), (false, vec![4, 16])] {
+        let (k, n) = (96, 80);
+        let rows: usize = lead.iter().product();
+        let mut x_dims = lead.clone();
+        x_dims.push(k);
+        let x = tensor(&values(rows * k, 31), &x_dims, DType::F32, dev)
+            .requires_grad_(true)
+            .unwrap();
+        let w = tensor(&values(n * k, 32), &[n, k], DType::F32, dev)
+            .requires_grad_(true)
+            .unwrap();
+        let b = tensor(&values(n, 33), &[n], DType::F32, dev)
+            .requires_grad_(true)
+            .unwrap();
+        let r = values(rows * n, 34);
+        let mut y_dims = lead.clone();
+        y_dims.push(n);
+        {
+            let _ac = ember_core::amp::autocast(dev.device_type(), DType::BF16).unwrap();
+            let y = x.linear(&w, with_bias.then_some(&b)).unwrap();
+            assert_eq!(y.dtype(), DType::BF16);
+            let loss = y
+                .to_dtype(DType::F32)
+                .unwrap()
+                .mul(&tensor(&r, &y_dims, DType::F32, dev))
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            loss.backward().unwrap();
+        }
+        // The output gradient reaching the product: r rounded to bfloat16 (the cast's backward).
+        let round =
+            |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| bf16::from_f32(x as f32).to_f64()).collect() };
+        let (g, xb, wb) = (round(&r), round(&values(rows * k, 31)), round(&values(n * k, 32)));
+        let dw: Vec<f64> = (0..n * k)
+            .map(|i| (0..rows).map(|s| g[s * n + i / k] * xb[s * k + i % k]).sum())
+            .collect();
+        let dx: Vec<f64> = (0..rows * k)
+            .map(|i| (0..n).map(|o| g[(i / k) * n + o] * wb[o * k + i % k]).sum())
+            .collect();
+        for (name, got, want) in [
+            ("weight", w.grad().unwrap(), dw),
+            ("input", x.grad().unwrap(), dx),
+        ] {
+            assert_eq!(got.dtype(), DType::F32, "{name}");
+            let got = got.to_vec_f64().unwrap();
+            let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+                / scale;
+            assert!(
+                err < 1e-4,
+                "{name} gradient (bias: {with_bias}): {err} of its scale from float64"
+            );
+        }
+        if with_bias {
+            let db: Vec<f64> = (0..n).map(|o| (0..rows).map(|s| g[s * n + o]).sum()).collect();
+            let got = b.grad().unwrap().to_vec_f64().unwrap();
+            let scale = db.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let err = got.iter().zip(&db).fold(0.0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
+            // The bias gradient is still summed in bfloat16's column sum and cast.
+            assert!(err < 1e-2, "bias gradient: {err} of its scale from float64");
+        }
+    }
+}
