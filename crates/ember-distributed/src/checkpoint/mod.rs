@@ -10,7 +10,7 @@
 //!   piece's file, offsets and lengths (see `metadata.rs`), and every file's size.
 //!
 //! Note [Checkpoint atomicity]: every file is written to a temporary name, synced and renamed
-//! (as ember-nn's single-process checkpoints are), and the metadata is written last, once every
+//! (ember-nn's `write_atomic`, as single-process checkpoints are), and the metadata is written last, once every
 //! rank's file is in place: a directory without `.metadata` is an incomplete checkpoint, which
 //! [`load`] reports as [`CheckpointError::Incomplete`]. A save into a directory that holds an
 //! earlier checkpoint writes files of a new `id` beside the old ones and renames the new
@@ -374,7 +374,11 @@ pub fn save(
         .and_then(Metadata::merge)
         .map_err(|msg| removing_if(true, CheckpointError::InvalidStateDict { msg }))?;
     let written = match rank {
-        0 => storage::write_atomic(&dir.join(METADATA_FILE), merged.to_json().to_string().as_bytes()),
+        0 => {
+            let path = dir.join(METADATA_FILE);
+            ember_nn::state_dict::write_atomic(&path, merged.to_json().to_string().as_bytes())
+                .map_err(|e| written_error(e, &path))
+        }
         _ => Ok(()),
     };
     let wrote = written.is_ok();
@@ -389,6 +393,18 @@ pub fn save(
         remove_stale_files(dir, &merged);
     }
     Ok(())
+}
+
+/// A failure of ember-nn's writers as a [`CheckpointError`].
+fn written_error(e: StateDictError, path: &Path) -> CheckpointError {
+    match e {
+        StateDictError::Tensor(e) => CheckpointError::Tensor(e),
+        other => CheckpointError::Io {
+            op: "writing",
+            path: path.to_owned(),
+            msg: other.to_string(),
+        },
+    }
 }
 
 /// Removes the `.distcp` files of earlier saves into `dir` (Note [Checkpoint atomicity]);
@@ -468,14 +484,7 @@ fn write_shards(
     }
     if !to_write.is_empty() {
         let path = dir.join(file);
-        ember_nn::state_dict::save_tensors(&to_write, &path).map_err(|e| match e {
-            StateDictError::Tensor(e) => CheckpointError::Tensor(e),
-            other => CheckpointError::Io {
-                op: "writing",
-                path: path.clone(),
-                msg: other.to_string(),
-            },
-        })?;
+        ember_nn::state_dict::save_tensors(&to_write, &path).map_err(|e| written_error(e, &path))?;
         let len = std::fs::metadata(&path)
             .map_err(|e| CheckpointError::Io {
                 op: "reading",

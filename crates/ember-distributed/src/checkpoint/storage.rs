@@ -1,10 +1,10 @@
-//! The checkpoint's files on disk: the metadata written atomically, and pieces read from the
-//! ranks' safetensors files a row range at a time (header parsed, then only the bytes of the
-//! rows wanted), so a rank reads no more than the pieces that overlap its shards.
+//! Reading the ranks' safetensors files a row range at a time (header parsed, then only the
+//! bytes of the rows wanted), so a rank reads no more than the pieces that overlap its shards.
+//! (Files are written by ember-nn's `save_tensors` and `write_atomic`.)
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::io::{ErrorKind, Read, Seek, SeekFrom};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -20,41 +20,6 @@ fn io(op: &'static str, path: &Path, e: std::io::Error) -> CheckpointError {
         path: path.to_owned(),
         msg: e.to_string(),
     }
-}
-
-/// Writes `bytes` to a temporary file beside `path`, syncs it, renames it over `path` and
-/// syncs the directory, as ember-nn's `save_tensors` writes its files (the temporary file is
-/// removed when a step fails).
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> CheckpointResult<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!("{name}.tmp.{}.{n}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| io("creating", &tmp, e))?;
-        f.write_all(bytes).map_err(|e| io("writing", &tmp, e))?;
-        f.sync_all().map_err(|e| io("syncing", &tmp, e))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(|e| io("renaming onto", path, e))?;
-        // The rename itself reaches the disk with the directory (best effort: not every
-        // platform can open a directory).
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 /// The safetensors name of a dtype.
