@@ -55,19 +55,8 @@ pub(crate) struct Metadata {
     pub tensors: BTreeMap<String, TensorMeta>,
 }
 
-const DTYPES: [DType; 8] = [
-    DType::Bool,
-    DType::U8,
-    DType::I32,
-    DType::I64,
-    DType::F16,
-    DType::BF16,
-    DType::F32,
-    DType::F64,
-];
-
 pub(crate) fn dtype_from_name(name: &str) -> Option<DType> {
-    DTYPES.into_iter().find(|d| d.name() == name)
+    DType::ALL.into_iter().find(|d| d.name() == name)
 }
 
 impl Metadata {
