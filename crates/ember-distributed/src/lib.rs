@@ -12,6 +12,10 @@
 //!   [`all_reduce`], [`new_group`], ...), re-exported here as in `torch.distributed`.
 //! - [`launch`]: the launcher behind the `ember-run` program (torchrun's flags).
 //! - [`ddp`]: [`DistributedDataParallel`], gradient averaging overlapped with backward.
+//! - [`mesh`] and [`dtensor`]: [`DeviceMesh`] and the sharded tensor [`DTensor`]
+//!   (`torch.distributed.tensor`: [`distribute_tensor`], `from_local`, `full_tensor`).
+//! - [`checkpoint`] (also [`dcp`]): distributed checkpoints, one safetensors file per rank plus
+//!   metadata, resharded on load (`torch.distributed.checkpoint`).
 //!
 //! Every blocking call is bounded by a timeout and reports failures as [`ember_core::Error`]:
 //! a timeout is [`ember_core::Error::Io`] of kind `TimedOut`, a peer that died is kind
@@ -48,23 +52,30 @@
 
 pub mod backend;
 mod buffer;
+pub mod checkpoint;
 pub mod cpu_backend;
 pub mod ddp;
+pub mod dtensor;
 pub mod group;
 pub mod launch;
+pub mod mesh;
 pub mod nccl;
 pub mod rendezvous;
 pub mod store;
 mod wire;
 
 pub use backend::{Backend, ReduceOp, Work, WorkHandle};
+/// `torch.distributed.checkpoint as dcp`: [`dcp::save`], [`dcp::load`].
+pub use checkpoint as dcp;
 pub use cpu_backend::CpuBackend;
 pub use ddp::{DdpOptions, DistributedDataParallel, ForwardOutput, NoSyncGuard};
+pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
 pub use group::{
     all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,
     broadcast_async, default_group, destroy_process_group, get_rank, get_world_size, init_process_group,
     init_process_group_with_env, irecv, is_initialized, isend, new_group, recv, reduce_scatter,
     reduce_scatter_async, send, BackendKind, InitOptions, IntoInitOptions, ProcessGroup,
 };
+pub use mesh::{init_device_mesh, DeviceMesh};
 pub use nccl::NcclBackend;
 pub use store::{PrefixStore, Store, TcpStore};

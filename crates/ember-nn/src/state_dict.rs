@@ -352,9 +352,11 @@ fn decode(dtype: StDtype, shape: &[usize], data: &[u8], device: Device) -> State
     Ok(t?)
 }
 
-/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`;
-/// the temporary file is removed when any step fails.
-fn write_atomic(path: &Path, bytes: &[u8]) -> StateDictResult<()> {
+/// Writes `bytes` to a temporary file beside `path`, syncs it, renames it over `path` and
+/// syncs the directory (so the rename too survives a crash); the temporary file is removed
+/// when any step fails. Every checkpoint file of ember is written through here (distributed
+/// checkpoints' metadata too).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> StateDictResult<()> {
     let io = |op: &'static str, p: &Path, e: std::io::Error| StateDictError::Io {
         op,
         path: p.to_owned(),
@@ -384,7 +386,12 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> StateDictResult<()> {
         f.write_all(bytes).map_err(|e| io("writing", &tmp, e))?;
         f.sync_all().map_err(|e| io("syncing", &tmp, e))?;
         drop(f);
-        std::fs::rename(&tmp, path).map_err(|e| io("renaming onto", path, e))
+        std::fs::rename(&tmp, path).map_err(|e| io("renaming onto", path, e))?;
+        // Best effort: not every platform can open a directory to sync it.
+        if let Ok(d) = std::fs::File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -3,9 +3,11 @@
 //! Multi-process tests re-execute this binary as workers: `processes::worker_entry` does
 //! nothing unless `EMBER_DIST_WORKER` names a scenario.
 
+mod checkpoint;
 mod collectives;
 mod common;
 mod ddp;
+mod dtensor;
 mod launcher;
 mod nccl;
 mod processes;

@@ -83,6 +83,17 @@ fn worker_entry() {
             println!("survivor {rank} got an error after {:?}: {e}", start.elapsed());
             assert!(start.elapsed() < Duration::from_secs(10));
         }
+        "dcp_save" | "dcp_load" => {
+            let dir = std::path::PathBuf::from(std::env::var("EMBER_DCP_DIR").unwrap());
+            crate::checkpoint::process_scenario(scenario == "dcp_save", &dir);
+            println!("dcp worker {rank} of {n}: ok");
+        }
+        "dcp_killed" => {
+            let dir = std::path::PathBuf::from(std::env::var("EMBER_DCP_DIR").unwrap());
+            crate::checkpoint::killed_scenario(&dir);
+            println!("dcp survivor {rank} of {n}: ok");
+            return; // the default group is gone already
+        }
         "nccl_collectives" => {
             let world = dist::default_group().unwrap();
             let dev: usize = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
@@ -145,10 +156,16 @@ fn worker_args() -> Vec<String> {
 /// Runs the worker `scenario` in `n` processes under `ember-run --standalone` and checks that
 /// it succeeds with every rank printing `... {line} R of n: ok`.
 fn every_rank_ok_under_ember_run(scenario: &str, n: usize, line: &str) {
+    every_rank_ok_under_ember_run_with(scenario, n, line, &[]);
+}
+
+/// [`every_rank_ok_under_ember_run`] with more environment variables.
+fn every_rank_ok_under_ember_run_with(scenario: &str, n: usize, line: &str, env: &[(&str, &str)]) {
     let out = Command::new(crate::common::ember_run())
         .args(["--standalone", "--nproc-per-node", &n.to_string()])
         .args(worker_args())
         .env(SCENARIO, scenario)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -178,10 +195,29 @@ fn ddp_between_processes_under_ember_run() {
     }
 }
 
+#[test]
+fn checkpoint_saved_by_2_processes_loads_in_3() {
+    let dir = std::env::temp_dir().join(format!("ember-dcp-processes-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let env = [("EMBER_DCP_DIR", dir.to_str().unwrap())];
+    every_rank_ok_under_ember_run_with("dcp_save", 2, "dcp worker", &env);
+    every_rank_ok_under_ember_run_with("dcp_load", 3, "dcp worker", &env);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Runs the worker `scenario` as `n` processes started directly (no launcher, so nothing
 /// stops the others when one dies), each with its rank and a free port in the environment;
 /// their outputs in rank order and how long the slowest took.
 fn run_ranks_directly(scenario: &str, n: usize) -> (Vec<std::process::Output>, Duration) {
+    run_ranks_directly_with(scenario, n, &[])
+}
+
+/// [`run_ranks_directly`] with more environment variables.
+fn run_ranks_directly_with(
+    scenario: &str,
+    n: usize,
+    env: &[(&str, &str)],
+) -> (Vec<std::process::Output>, Duration) {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -199,6 +235,7 @@ fn run_ranks_directly(scenario: &str, n: usize) -> (Vec<std::process::Output>, D
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("NCCL_NVLS_ENABLE", "0")
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -227,6 +264,27 @@ fn survivors_of_a_crashed_rank_get_errors_not_hangs() {
         );
         assert!(stdout.contains("got an error"), "{stdout}");
     }
+}
+
+#[test]
+fn a_rank_killed_during_a_checkpoint_leaves_the_previous_one_loadable() {
+    let dir = std::env::temp_dir().join(format!("ember-dcp-killed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let n = 3;
+    let (outs, _) = run_ranks_directly_with("dcp_killed", n, &[("EMBER_DCP_DIR", dir.to_str().unwrap())]);
+    assert!(
+        !outs[n - 1].status.success(),
+        "the last rank exits during the second save"
+    );
+    for (r, out) in outs[..n - 1].iter().enumerate() {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(&format!("dcp survivor {r} of {n}: ok")),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
