@@ -13,7 +13,9 @@
 // A row is read with 16-byte vectors when `vec` is 1 (n a multiple of 16 / sizeof(T) and every
 // row-major operand 16-byte aligned: the host checks), else element by element. The forward
 // reads a row three times (sum, squared deviations, output) and the backward twice; the rereads
-// come from L1 (a 768-element bf16 row is 1.5 KiB).
+// come from L1 (a 768-element bf16 row is 1.5 KiB), or for the backward from L2 once the warps'
+// sums fill most of the SM's shared memory. `layer_norm_backward_rows` reads each row of g and x
+// once into registers instead (Note [Layer norm backward in registers]).
 //
 // Parameter gradients, deterministic (no float atomics): every warp adds its rows' g · xhat and
 // g into its own accumulator of 2n A's (dynamic shared memory, blockDim.y · 2n · sizeof(A)
@@ -21,6 +23,22 @@
 // with no shared memory (2n A's do not fit), the block is one warp and accumulates straight into
 // its row of `partial`. `layer_norm_backward_params` then sums the rows of `partial` in order
 // per column (dw from the first n, db from the second n).
+//
+// Note [Layer norm backward in registers]: GPT-2 runs LayerNorm in f32 under autocast, and its
+// backward over [8192, 768] must move 75 MB (read g and x, write dx), ~21 µs at an H200's
+// bandwidth. `layer_norm_backward` took 36.2 µs there: its second pass over a row missed L1
+// (8 warps' sums of 6 KiB a block, 4 blocks an SM, leave little of it) and its 80 registers fit
+// 3 of the 4 blocks an SM the grid asked for, so a quarter ran as a second wave. Rows of at most
+// 32 · LN_LANE_ELEMS = 768 elements of a 4- or 2-byte T now take `layer_norm_backward_rows`: a
+// lane loads its 24 elements of g and x once (all loads in flight together), both passes read
+// registers, the sums accumulate as in `ln_bwd`, and the grid is the 2 blocks an SM its launch
+// bounds keep registers for: 26.8 µs in f32 (2.8 TB/s; the sums' kernel 3.5 -> 2.5 µs, half
+// the rows of `partial`), bf16 with bf16 weights 24.1 -> 17.3 µs. With 3 blocks an SM (80
+// registers, spills) f32 took 31.3 µs, with 1 block 27.8 µs. Longer rows keep the two-pass
+// kernel: held in registers they would cost occupancy (NVRTC's register count is the kernel's
+// largest path, so the two paths are two kernels; one kernel with both took the [6144, 1024]
+// backward from 32.3 to 37.8 µs). Kernel times from the profiler,
+// `cuda_layernorm_f32_kernel_time` in `tests/it/layer_norm.rs`.
 //
 // Parameters: `EMBER_PARAMS_<family>`, declared in `kernels!` in `cuda_backend/launch.rs`.
 
@@ -52,6 +70,10 @@ template <typename T, int V> __device__ __forceinline__ void ln_store(T* p, cons
 }
 
 extern __shared__ __align__(16) unsigned char ln_smem[];
+
+// Blocks of up to 256 threads an SM that `layer_norm_backward_rows`'s launch bounds keep
+// registers for (`ROWS_BLOCKS_PER_SM` in `cuda_backend/norm.rs`, its grid).
+#define LN_BWD_ROWS_MIN_BLOCKS 2
 
 template <typename T, typename W, int V>
 __device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, typename Acc<T>::type* mean,
@@ -181,6 +203,101 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
     }
 }
 
+// The backward of rows that fit in registers (Note [Layer norm backward in registers]): a
+// lane loads its K vectors of a row's g and x (columns (lane + 32k) · V .. + V) once, and both
+// passes over the row (the sums, then dx and the parameter sums) read them from registers. The
+// parameter sums accumulate per warp in shared memory as in `ln_bwd`. Needs n <= 32 · V · K
+// and, when `partial` is set, that shared memory (`shared`).
+template <typename T, typename W, int V, int K>
+__device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type* mean,
+                            const typename Acc<T>::type* rstd, const W* w, T* dx, typename Acc<T>::type* partial,
+                            i64 rows, i64 n) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
+    A* acc = 0;
+    if (partial) {
+        acc = (A*)ln_smem + (i64)warp * 2 * n;
+        for (i64 c = lane; c < 2 * n; c += 32) acc[c] = (A)0;
+        __syncwarp();
+    }
+    for (i64 r = (i64)blockIdx.x * warps + warp; r < rows; r += (i64)gridDim.x * warps) {
+        const T* gr = g + r * n;
+        const T* xr = x + r * n;
+        const A m = mean[r], rs = rstd[r];
+        LnVec<T, V> gv[K], xv[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const i64 c = (i64)(lane + 32 * k) * V;
+            if (c < n) {
+                gv[k] = ln_load<T, V>(gr + c);
+                xv[k] = ln_load<T, V>(xr + c);
+            }
+        }
+        A s1 = (A)0, s2 = (A)0;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const i64 c = (i64)(lane + 32 * k) * V;
+            if (c >= n) continue;
+            LnVec<W, V> wv;
+            if (w) wv = ln_load<W, V>(w + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const A xh = (load(xv[k].v[i]) - m) * rs;
+                A dxh = load(gv[k].v[i]);
+                if (w) dxh = dxh * (A)load(wv.v[i]);
+                s1 += dxh;
+                s2 += dxh * xh;
+            }
+        }
+        s1 = warp_sum(s1) / (A)n;
+        s2 = warp_sum(s2) / (A)n;
+        T* dr = dx ? dx + r * n : dx;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const i64 c = (i64)(lane + 32 * k) * V;
+            if (c >= n) continue;
+            LnVec<W, V> wv;
+            if (w) wv = ln_load<W, V>(w + c);
+            LnVec<A, V> aw, ab;
+            if (acc) {
+                aw = ln_load<A, V>(acc + c);
+                ab = ln_load<A, V>(acc + n + c);
+            }
+            LnVec<T, V> o;
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const A gg = load(gv[k].v[i]);
+                const A xh = (load(xv[k].v[i]) - m) * rs;
+                A dxh = gg;
+                if (w) dxh = dxh * (A)load(wv.v[i]);
+                o.v[i] = cast<T>((dxh - s1 - xh * s2) * rs);
+                if (acc) {
+                    aw.v[i] += gg * xh;
+                    ab.v[i] += gg;
+                }
+            }
+            if (acc) {
+                ln_store<A, V>(acc + c, aw);
+                ln_store<A, V>(acc + n + c, ab);
+            }
+            if (dr) ln_store<T, V>(dr + c, o);
+        }
+    }
+    if (acc) {
+        // The block's warps, summed in order into its row of `partial`.
+        __syncthreads();
+        A* out = partial + (i64)blockIdx.x * 2 * n;
+        for (i64 c = warp * 32 + lane; c < 2 * n; c += (i64)warps * 32) {
+            A s = (A)0;
+            for (int k = 0; k < warps; ++k) s += ((const A*)ln_smem)[(i64)k * 2 * n + c];
+            out[c] = s;
+        }
+    }
+}
+
+// Elements of a row a lane holds in `layer_norm_backward_rows` (rows of up to 768: GPT-2's).
+#define LN_LANE_ELEMS 24
+
 // dw[c] = Σ_k partial[k][c], db[c] = Σ_k partial[k][n + c] over the `blocks` rows. A block
 // (32, LN_PARAM_ROWS) takes 32 columns (blockIdx.x-strided): thread y sums rows y, y + 32, ...
 // in order, then the 32 partial sums of a column are added in order of y: the same split for
@@ -233,6 +350,20 @@ EMBER_LAYER_NORM(f16, f16, f16, f16)
 EMBER_LAYER_NORM(bf16, bf16, bf16, bf16)
 EMBER_LAYER_NORM(f16, f16, float, f32)
 EMBER_LAYER_NORM(bf16, bf16, float, f32)
+
+// `layer_norm_backward_rows_<T>_<W>`: rows of at most 32 · LN_LANE_ELEMS elements in registers
+// (Note [Layer norm backward in registers]), T of 4 or 2 bytes.
+#define EMBER_LAYER_NORM_ROWS(T, tn, W, wn)                                                                     \
+    EMBER_IN_UNIT(layer_norm_backward_rows_##tn##_##wn,                                                         \
+    extern "C" __global__ void __launch_bounds__(256, LN_BWD_ROWS_MIN_BLOCKS)                                   \
+    layer_norm_backward_rows_##tn##_##wn EMBER_PARAMS_layer_norm_backward_rows(T, W, Acc<T>::type) {           \
+        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, partial, rows, n); \
+    })
+EMBER_LAYER_NORM_ROWS(float, f32, float, f32)
+EMBER_LAYER_NORM_ROWS(f16, f16, f16, f16)
+EMBER_LAYER_NORM_ROWS(bf16, bf16, bf16, bf16)
+EMBER_LAYER_NORM_ROWS(f16, f16, float, f32)
+EMBER_LAYER_NORM_ROWS(bf16, bf16, float, f32)
 
 #define EMBER_LAYER_NORM_PARAMS(W, wn)                                                                          \
     EMBER_IN_UNIT(layer_norm_backward_params_##wn,                                                              \

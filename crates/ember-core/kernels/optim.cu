@@ -8,7 +8,24 @@
 // prefix count of chunks, so chunk c belongs to the tensor t with chunk_start[t] <= c <
 // chunk_start[t + 1]. Blocks take chunks grid-stride (c = blockIdx.x, += gridDim.x), so any grid
 // size covers every element; threads of a block take elements of the chunk blockDim.x apart,
-// EMBER_OPTIM_ILP of them at a time with all loads issued before the arithmetic.
+// EMBER_OPTIM_ILP of them at a time with all loads issued before the arithmetic. Adam reads and
+// writes a chunk whose operands are all 16-byte aligned in 16-byte vectors (Note [Adam's memory
+// traffic]), the elements past its last whole vector (or of an unaligned chunk) one by one.
+//
+// Note [Adam's memory traffic]: Adam moves 28 bytes an f32 element (reads p, g, m, v; writes p,
+// m, v) and does nothing else worth counting, so its time is its traffic over the bandwidth.
+// GPT-2 124M's AdamW step (124.4 M f32 parameters, 148 tensors, 4 launches) took 1148 µs on an
+// H200 (3.0 TB/s) with 4-byte accesses, a linear scan from tensor 0 for every chunk's tensor
+// and, with device steps, two barriers and two f64 pows each time a block's chunk changed
+// tensor. Now: one 16-byte vector per operand per thread (EMBER_OPTIM_VEC_ILP), the scan resumes
+// where the block's previous chunk was (chunks only grow), every tensor's step size and
+// sqrt(bias_correction2) are computed once per block into shared memory before the block's
+// only barrier (issue 40's race came from a shared value written again after a later barrier;
+// here nothing in shared memory is written after it), and launch bounds keep 80 registers for
+// 3 blocks an SM: 892 µs (3.9 TB/s). Measured the same run: 2 vectors a thread with 2 blocks
+// an SM 922 µs, 1 vector with 4 blocks (spills) 985 µs, 4 vectors with 1 block 960 µs.
+// Kernel times from the profiler: `cuda_fused_adamw_gpt2_kernel_time` in
+// `tests/it/fused_optim.rs`.
 //
 // Rounding: multiplications and additions go through the `_rn` intrinsics so NVRTC never
 // contracts them into FMAs; with IEEE division and sqrt (NVRTC's defaults) f32 and f64 results
@@ -66,99 +83,174 @@ __device__ __forceinline__ int tensor_of_chunk(const TensorList& l, i64 c) {
     return t;
 }
 
+// 16 bytes of T (4 f32, 2 f64, 8 f16/bf16), loaded and stored as one vector.
+template <typename T> struct __align__(16) OptimVec {
+    enum { N = 16 / sizeof(T) };
+    T v[N];
+};
+template <typename T> __device__ __forceinline__ OptimVec<T> vload(const T* p) {
+    OptimVec<T> r;
+    *(uint4*)r.v = *(const uint4*)p;
+    return r;
+}
+template <typename T> __device__ __forceinline__ void vstore(T* p, const OptimVec<T>& r) {
+    *(uint4*)p = *(const uint4*)r.v;
+}
+
+// Adam's scalars shared by every element of a launch, in the math type A.
+template <typename A> struct AdamConsts {
+    A omb1, beta2, omb2, eps, wd, decay, scale;
+    bool amsgrad, maximize, decoupled, has_wd, unscale;
+};
+
+// One element's update, in the order of `ops/fused_optim.rs`: p, g (unscaled when `unscale`),
+// m, v in and out; x: max_exp_avg_sq in, the max written back out (amsgrad).
+template <typename A>
+__device__ __forceinline__ void adam_element(const AdamConsts<A>& k, A neg_step_size, A bc2_sqrt, A& pv, A& gv,
+                                             A& mv, A& vv, A& x) {
+    if (k.unscale) gv = div_rn(gv, k.scale);
+    A gu = gv;
+    if (k.maximize) gu = -gu;
+    if (k.has_wd) {
+        if (k.decoupled) pv = mul_rn(pv, k.decay);
+        else gu = add_rn(gu, mul_rn(pv, k.wd));
+    }
+    mv = add_rn(mv, mul_rn(sub_rn(gu, mv), k.omb1));
+    vv = add_rn(mul_rn(vv, k.beta2), mul_rn(mul_rn(gu, gu), k.omb2));
+    A second = vv;
+    if (k.amsgrad) {
+        second = (x != x || x > vv) ? x : vv;
+        x = second;
+    }
+    const A denom = add_rn(div_rn(sqrt_rn(second), bc2_sqrt), k.eps);
+    pv = add_rn(pv, mul_rn(div_rn(mv, denom), neg_step_size));
+}
+
+// Vectors a thread has in flight per operand in the 16-byte path, and Adam blocks of up to 256
+// threads an SM that the kernels' launch bounds keep registers for (Note [Adam's memory
+// traffic]; `Grid::multi_tensor` launches 8 an SM, which then run in waves).
+#define EMBER_OPTIM_VEC_ILP 1
+#define EMBER_OPTIM_MIN_BLOCKS 3
+
 template <typename T>
 __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double beta1_, double omb1_, double beta2_,
                                      double omb2_, double eps_, double wd_, const float* grad_scale,
                                      const float* found_inf, const double* lr_ptr, int flags) {
     typedef typename Acc<T>::type A;
-    if (found_inf && *found_inf != 0.0f) return;  // a skipped step writes nothing
+    typedef OptimVec<T> Vec;
+    const int V = Vec::N;
+    if (found_inf && *found_inf != 0.0f) return;  // a skipped step writes nothing (block-uniform)
     const double lr_ = lr_ptr ? *lr_ptr : lr_arg;
     const double decay_ = __dsub_rn(1.0, __dmul_rn(lr_, wd_));  // AdamW: 1 - lr * weight_decay
-    const A omb1 = (A)omb1_, beta2 = (A)beta2_, omb2 = (A)omb2_, eps = (A)eps_, wd = (A)wd_, decay = (A)decay_;
-    const bool amsgrad = flags & 1, maximize = flags & 2, decoupled = flags & 4, device_steps = flags & 8;
-    const A scale = grad_scale ? (A)*grad_scale : (A)1;
-    // Device steps: the step size and sqrt(bias_correction2) of tensor `prev_t`, computed by
-    // thread 0 into `s_scalars` and copied by every thread into `dev_scalars` (see below).
-    __shared__ double s_scalars[2];
-    double dev_scalars[2] = {0.0, 0.0};
-    int prev_t = -1;
+    AdamConsts<A> k;
+    k.omb1 = (A)omb1_;
+    k.beta2 = (A)beta2_;
+    k.omb2 = (A)omb2_;
+    k.eps = (A)eps_;
+    k.wd = (A)wd_;
+    k.decay = (A)decay_;
+    k.scale = grad_scale ? (A)*grad_scale : (A)1;
+    k.amsgrad = flags & 1;
+    k.maximize = flags & 2;
+    k.decoupled = flags & 4;
+    k.has_wd = wd_ != 0.0;
+    k.unscale = grad_scale != 0;
+    const bool device_steps = flags & 8;
+    // Every tensor's step size (lr / bias_correction1) and sqrt(bias_correction2), as the host
+    // computes them (`ops/fused_optim.rs`): with device steps from the device step count (two
+    // double-precision pows, which per thread and chunk would cost more than the update).
+    // Written once, before the block's only barrier, and only read after it (Note [Adam's
+    // memory traffic]); the early return above is the same for every thread of the block.
+    __shared__ double s_step_size[EMBER_OPTIM_MAX_TENSORS], s_bc2_sqrt[EMBER_OPTIM_MAX_TENSORS];
+    for (int t = threadIdx.x; t < l.n; t += blockDim.x) {
+        if (device_steps) {
+            const double step = (double)*(const float*)l.ptr[5][t];
+            s_step_size[t] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
+            s_bc2_sqrt[t] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+        } else {
+            s_step_size[t] = __ddiv_rn(lr_, l.scalar[0][t]);
+            s_bc2_sqrt[t] = l.scalar[1][t];
+        }
+    }
+    __syncthreads();
     const i64 total = l.chunk_start[l.n];
+    int t = 0;  // the tensor of chunk c: c only grows, so the scan resumes where it stopped
     for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
-        const int t = tensor_of_chunk(l, c);
+        while (t + 1 < l.n && l.chunk_start[t + 1] <= c) ++t;
         const i64 begin = (c - l.chunk_start[t]) * EMBER_OPTIM_CHUNK;
-        const i64 len = min((i64)EMBER_OPTIM_CHUNK, l.numel[t] - begin);
+        const int len = (int)min((i64)EMBER_OPTIM_CHUNK, l.numel[t] - begin);
         T* __restrict__ p = (T*)l.ptr[0][t] + begin;
         T* __restrict__ g = (T*)l.ptr[1][t] + begin;
         T* __restrict__ m = (T*)l.ptr[2][t] + begin;
         T* __restrict__ v = (T*)l.ptr[3][t] + begin;
-        T* __restrict__ vmax = amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
-        double step_size = device_steps ? 0.0 : __ddiv_rn(lr_, l.scalar[0][t]), bc2_sqrt_ = l.scalar[1][t];
-        if (device_steps) {
-            // As the host computes them (`ops/fused_optim.rs`), from the device step count:
-            // two double-precision pows, computed once per tensor by one thread and shared
-            // through shared memory (per thread and chunk they cost more than the update).
-            // Every thread knows `t` (the loop over chunks is uniform across the block), so the
-            // test, and with it the barriers, is uniform; `s_scalars` is read only between the
-            // second barrier and the first one of the next tensor, and written only between
-            // the two (a flag in shared memory written there too raced with its reads).
-            if (t != prev_t) {
-                __syncthreads();  // every thread has read the previous values
-                if (threadIdx.x == 0) {
-                    const double step = (double)*(const float*)l.ptr[5][t];
-                    s_scalars[0] = __ddiv_rn(lr_, __dsub_rn(1.0, pow(beta1_, step)));
-                    s_scalars[1] = __dsqrt_rn(__dsub_rn(1.0, pow(beta2_, step)));
+        T* __restrict__ vmax = k.amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
+        const A neg_step_size = (A)(-s_step_size[t]);
+        const A bc2_sqrt = (A)s_bc2_sqrt[t];
+        // 16-byte vectors when every operand of the chunk is 16-byte aligned (chunk starts are
+        // EMBER_OPTIM_CHUNK elements apart, so this is the tensors' own alignment), then the
+        // elements past the last whole vector (or all of them) one by one.
+        const u64 addr_or = (u64)p | (u64)g | (u64)m | (u64)v | (u64)vmax;
+        const int nv = addr_or % 16 == 0 ? len / V : 0;
+        for (int base = threadIdx.x; base < nv; base += blockDim.x * EMBER_OPTIM_VEC_ILP) {
+            Vec rp[EMBER_OPTIM_VEC_ILP], rg[EMBER_OPTIM_VEC_ILP], rm[EMBER_OPTIM_VEC_ILP],
+                rv[EMBER_OPTIM_VEC_ILP], rx[EMBER_OPTIM_VEC_ILP];
+#pragma unroll
+            for (int j = 0; j < EMBER_OPTIM_VEC_ILP; ++j) {
+                const int i = (base + j * blockDim.x) * V;
+                if (i < nv * V) {
+                    rp[j] = vload(p + i);
+                    rg[j] = vload(g + i);
+                    rm[j] = vload(m + i);
+                    rv[j] = vload(v + i);
+                    if (k.amsgrad) rx[j] = vload(vmax + i);
                 }
-                __syncthreads();
-                dev_scalars[0] = s_scalars[0];
-                dev_scalars[1] = s_scalars[1];
-                prev_t = t;
             }
-            step_size = dev_scalars[0];
-            bc2_sqrt_ = dev_scalars[1];
+#pragma unroll
+            for (int j = 0; j < EMBER_OPTIM_VEC_ILP; ++j) {
+                const int i = (base + j * blockDim.x) * V;
+                if (i >= nv * V) continue;
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    A pv = load(rp[j].v[e]), gv = load(rg[j].v[e]), mv = load(rm[j].v[e]), vv = load(rv[j].v[e]);
+                    A x = k.amsgrad ? load(rx[j].v[e]) : (A)0;
+                    adam_element(k, neg_step_size, bc2_sqrt, pv, gv, mv, vv, x);
+                    rp[j].v[e] = cast<T>(pv);
+                    rg[j].v[e] = cast<T>(gv);
+                    rm[j].v[e] = cast<T>(mv);
+                    rv[j].v[e] = cast<T>(vv);
+                    if (k.amsgrad) rx[j].v[e] = cast<T>(x);
+                }
+                if (k.unscale) vstore(g + i, rg[j]);
+                if (k.amsgrad) vstore(vmax + i, rx[j]);
+                vstore(p + i, rp[j]);
+                vstore(m + i, rm[j]);
+                vstore(v + i, rv[j]);
+            }
         }
-        const A neg_step_size = (A)(-step_size);
-        const A bc2_sqrt = (A)bc2_sqrt_;
-        for (i64 base = threadIdx.x; base < len; base += (i64)blockDim.x * EMBER_OPTIM_ILP) {
+        for (int base = nv * V + threadIdx.x; base < len; base += blockDim.x * EMBER_OPTIM_ILP) {
             A rp[EMBER_OPTIM_ILP], rg[EMBER_OPTIM_ILP], rm[EMBER_OPTIM_ILP], rv[EMBER_OPTIM_ILP],
                 rx[EMBER_OPTIM_ILP];
 #pragma unroll
-            for (int k = 0; k < EMBER_OPTIM_ILP; ++k) {
-                const i64 i = base + (i64)k * blockDim.x;
+            for (int j = 0; j < EMBER_OPTIM_ILP; ++j) {
+                const int i = base + j * blockDim.x;
                 if (i < len) {
-                    rp[k] = load(p[i]);
-                    rg[k] = load(g[i]);
-                    rm[k] = load(m[i]);
-                    rv[k] = load(v[i]);
-                    rx[k] = amsgrad ? load(vmax[i]) : (A)0;
+                    rp[j] = load(p[i]);
+                    rg[j] = load(g[i]);
+                    rm[j] = load(m[i]);
+                    rv[j] = load(v[i]);
+                    rx[j] = k.amsgrad ? load(vmax[i]) : (A)0;
                 }
             }
 #pragma unroll
-            for (int k = 0; k < EMBER_OPTIM_ILP; ++k) {
-                const i64 i = base + (i64)k * blockDim.x;
+            for (int j = 0; j < EMBER_OPTIM_ILP; ++j) {
+                const int i = base + j * blockDim.x;
                 if (i >= len) continue;
-                A pv = rp[k], gv = rg[k], mv = rm[k], vv = rv[k];
-                if (grad_scale) {
-                    gv = div_rn(gv, scale);
-                    g[i] = cast<T>(gv);
-                }
-                if (maximize) gv = -gv;
-                if (wd_ != 0.0) {
-                    if (decoupled) pv = mul_rn(pv, decay);
-                    else gv = add_rn(gv, mul_rn(pv, wd));
-                }
-                mv = add_rn(mv, mul_rn(sub_rn(gv, mv), omb1));
-                vv = add_rn(mul_rn(vv, beta2), mul_rn(mul_rn(gv, gv), omb2));
-                A second = vv;
-                if (amsgrad) {
-                    const A x = rx[k];
-                    second = (x != x || x > vv) ? x : vv;
-                    vmax[i] = cast<T>(second);
-                }
-                const A denom = add_rn(div_rn(sqrt_rn(second), bc2_sqrt), eps);
-                pv = add_rn(pv, mul_rn(div_rn(mv, denom), neg_step_size));
-                p[i] = cast<T>(pv);
-                m[i] = cast<T>(mv);
-                v[i] = cast<T>(vv);
+                adam_element(k, neg_step_size, bc2_sqrt, rp[j], rg[j], rm[j], rv[j], rx[j]);
+                if (k.unscale) g[i] = cast<T>(rg[j]);
+                if (k.amsgrad) vmax[i] = cast<T>(rx[j]);
+                p[i] = cast<T>(rp[j]);
+                m[i] = cast<T>(rm[j]);
+                v[i] = cast<T>(rv[j]);
             }
         }
     }
@@ -218,7 +310,7 @@ __device__ __forceinline__ void sgd(const TensorList& l, double lr_arg, double m
 
 #define EMBER_OPTIM(T, name)                                                                               \
     EMBER_IN_UNIT(adam_##name,                                                                             \
-    extern "C" __global__ void adam_##name EMBER_PARAMS_adam(T) {                                           \
+    extern "C" __global__ void __launch_bounds__(256, EMBER_OPTIM_MIN_BLOCKS) adam_##name EMBER_PARAMS_adam(T) {                                           \
         adam<T>(l, lr, beta1, omb1, beta2, omb2, eps, wd, grad_scale, found_inf, lr_ptr, flags);            \
     })                                                                                                     \
     EMBER_IN_UNIT(sgd_##name,                                                                              \

@@ -214,6 +214,9 @@ impl Module {
                     let pair = format!("{}_{}", dtype_suffix(t), dtype_suffix(w));
                     units.push(Unit::new(m, format!("layer_norm_{pair}")));
                     units.push(Unit::new(m, format!("layer_norm_backward_{pair}")));
+                    if t != DType::F64 {
+                        units.push(Unit::new(m, format!("layer_norm_backward_rows_{pair}")));
+                    }
                 }
                 units.extend(each(m, "layer_norm_backward_params", &FLOATS));
             }

@@ -729,6 +729,20 @@ kernels! {
             vec: i32,
             shared: i32,
         );
+        /// `layer_norm_backward` for rows of at most 768 elements (`LN_LANE_ELEMS` a lane) of a
+        /// 4- or 2-byte T, all operands 16-byte aligned and n a multiple of 16 bytes, with
+        /// `partial` and the shared memory as there (the sums always in shared memory).
+        layer_norm_backward_rows<T, W, A>(
+            g: In<T>,
+            x: In<T>,
+            mean: In<A>,
+            rstd: In<A>,
+            w: OptIn<W>,
+            dx: OptOut<T>,
+            partial: OptOut<A>,
+            rows: i64,
+            n: i64,
+        );
         /// dw and db (`n` each, when given) summed in order over the `blocks` rows of `partial`.
         layer_norm_backward_params<W, A>(partial: In<A>, blocks: i64, n: i64, dw: OptOut<W>, db: OptOut<W>);
     }
@@ -869,6 +883,12 @@ mod tests {
             let mut kernels = 0;
             for (at, _) in source.match_indices("__global__ void ") {
                 let rest = &source[at + "__global__ void ".len()..];
+                // `__launch_bounds__(...)` before the name.
+                let rest = match rest.strip_prefix("__launch_bounds__(") {
+                    Some(r) => r[r.find(')').expect("launch bounds close") + 1..]
+                        .trim_start_matches(|c: char| c.is_whitespace() || c == '\\'),
+                    None => rest,
+                };
                 let name_end = rest
                     .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '#'))
                     .unwrap_or(rest.len());

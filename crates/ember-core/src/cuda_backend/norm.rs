@@ -15,7 +15,11 @@
 //! sums (a lane's slots 8 apart: 8-way bank conflicts) and 2 blocks an SM, the bf16 [8192, 768]
 //! backward took 43.8 µs on an H200; vectorized, with 4 blocks an SM, 27.8 µs (PyTorch 2.11's
 //! two kernels: 45.9 µs), and the forward 13.5 µs (PyTorch 19.4 µs); GPU time from the
-//! profiler, `cuda_layernorm_bf16_kernel_time` in `tests/it/layer_norm.rs`.
+//! profiler, `cuda_layernorm_bf16_kernel_time` in `tests/it/layer_norm.rs`. Rows of at most 768
+//! vectorized elements of a 4- or 2-byte dtype take `layer_norm_backward_rows` instead, which
+//! holds a row in registers, with a grid of the 2 blocks an SM its launch bounds keep room for
+//! (Note [Layer norm backward in registers] in `norm.cu`: f32 [8192, 768] 36.2 -> 26.8 µs,
+//! bf16 24.1 -> 17.3 µs).
 
 use super::kernels::Grid;
 use super::launch;
@@ -31,6 +35,11 @@ const FORWARD_WARPS: u32 = 8;
 const BACKWARD_WARPS: usize = 8;
 /// Backward blocks an SM (4 blocks of 48 KiB fit an H100/H200 SM's 228 KiB).
 const BACKWARD_BLOCKS_PER_SM: usize = 4;
+/// `layer_norm_backward_rows` blocks an SM: what its launch bounds keep registers for
+/// (`LN_BWD_ROWS_MIN_BLOCKS` in `norm.cu`), so that every block runs at once.
+const ROWS_BLOCKS_PER_SM: usize = 2;
+/// Most elements of a row `layer_norm_backward_rows` takes (`32 · LN_LANE_ELEMS` in `norm.cu`).
+const ROWS_MAX_N: usize = 32 * 24;
 /// Dynamic shared memory a backward block may use, bytes (the default limit without opting in).
 const SHARED_LIMIT: usize = 48 * 1024;
 
@@ -80,6 +89,13 @@ fn check_device(a: &CudaStorage, b: &CudaStorage) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Whether the backward of rows of `n` takes `layer_norm_backward_rows`: a 4- or 2-byte dtype,
+/// rows of at most [`ROWS_MAX_N`] in 16-byte vectors (`vec`), the sums (when wanted) in shared
+/// memory.
+fn backward_in_rows(n: usize, dtype: DType, vec: i32, sums: bool, shared: bool) -> bool {
+    dtype != DType::F64 && vec == 1 && n <= ROWS_MAX_N && (shared || !sums)
 }
 
 /// The backward's block shape: (warps a block, whether the sums are in shared memory).
@@ -227,22 +243,28 @@ impl NormOps for CudaStorage {
             return Ok([dx, dw, db]);
         }
         let (warps, shared) = backward_shape(n, a);
+        let (g, xp) = (self.dev_ptr(layout), xs.dev_ptr(xl));
+        let w = weight.map(|(s, l)| s.dev_ptr(l));
+        let dxp = dx.as_ref().map(|d| d.dev_ptr_mut_at(0));
+        let mut addrs = vec![g.addr(), xp.addr()];
+        addrs.extend(dxp.map(|d| d.addr()));
+        addrs.extend(w.map(|d| d.addr()));
+        // `layer_norm_backward_rows` reads and writes `partial` element by element.
+        let in_rows = backward_in_rows(n, dtype, vectorized(n, dtype, &addrs), sums, shared);
+        let per_sm = if in_rows {
+            ROWS_BLOCKS_PER_SM
+        } else {
+            BACKWARD_BLOCKS_PER_SM
+        };
         let blocks = if rows == 0 {
             1
         } else {
-            rows.div_ceil(warps)
-                .clamp(1, rt.sm_count as usize * BACKWARD_BLOCKS_PER_SM)
+            rows.div_ceil(warps).clamp(1, rt.sm_count as usize * per_sm)
         };
         let partial = sums
             .then(|| CudaStorage::alloc_on(rt, a, blocks * 2 * n))
             .transpose()?;
         if rows > 0 && (dx.is_some() || sums) {
-            let (g, xp) = (self.dev_ptr(layout), xs.dev_ptr(xl));
-            let w = weight.map(|(s, l)| s.dev_ptr(l));
-            let dxp = dx.as_ref().map(|d| d.dev_ptr_mut_at(0));
-            let mut addrs = vec![g.addr(), xp.addr()];
-            addrs.extend(dxp.map(|d| d.addr()));
-            addrs.extend(w.map(|d| d.addr()));
             addrs.extend(partial.as_ref().map(|p| p.dev_ptr_at(0).addr()));
             let vec = vectorized(n, dtype, &addrs);
             let grid = Grid {
@@ -256,23 +278,41 @@ impl NormOps for CudaStorage {
             };
             // g, x and dx hold rows · n contiguous elements, mean and rstd `rows`, weight n,
             // `partial` blocks · 2n; the shared memory holds warps · 2n math values (Note [Layer
-            // norm launch]).
-            launch::layer_norm_backward(
-                rt,
-                &[dtype, pd],
-                grid,
-                g,
-                xp,
-                mean.dev_ptr_at(0),
-                rstd.dev_ptr_at(0),
-                w,
-                dxp,
-                partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
-                rows as i64,
-                n as i64,
-                vec,
-                shared as i32,
-            )?;
+            // norm launch]); for the rows kernel, every operand but `partial` is 16-byte aligned
+            // and n is at most ROWS_MAX_N in whole vectors (`backward_in_rows`).
+            if in_rows {
+                launch::layer_norm_backward_rows(
+                    rt,
+                    &[dtype, pd],
+                    grid,
+                    g,
+                    xp,
+                    mean.dev_ptr_at(0),
+                    rstd.dev_ptr_at(0),
+                    w,
+                    dxp,
+                    partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
+                    rows as i64,
+                    n as i64,
+                )?;
+            } else {
+                launch::layer_norm_backward(
+                    rt,
+                    &[dtype, pd],
+                    grid,
+                    g,
+                    xp,
+                    mean.dev_ptr_at(0),
+                    rstd.dev_ptr_at(0),
+                    w,
+                    dxp,
+                    partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
+                    rows as i64,
+                    n as i64,
+                    vec,
+                    shared as i32,
+                )?;
+            }
         }
         if let Some(p) = &partial {
             // Blocks of (32, 32): 32 columns each, 32 threads summing the blocks' rows
@@ -312,6 +352,12 @@ mod tests {
         assert_eq!(backward_shape(6145, DType::F32), (1, false));
         assert_eq!(backward_shape(3073, DType::F64), (1, false));
         assert_eq!(vectorized(768, DType::BF16, &[0, 32]), 1);
+        // GPT-2's rows take the rows kernel; f64, unaligned and longer rows the two-pass one.
+        assert!(backward_in_rows(768, DType::F32, 1, true, true));
+        assert!(backward_in_rows(768, DType::BF16, 1, false, false));
+        assert!(!backward_in_rows(768, DType::F64, 1, true, true));
+        assert!(!backward_in_rows(768, DType::F32, 0, true, true));
+        assert!(!backward_in_rows(1024, DType::F32, 1, true, true));
         assert_eq!(vectorized(769, DType::BF16, &[0, 32]), 0);
         assert_eq!(vectorized(768, DType::BF16, &[0, 34]), 0);
     }

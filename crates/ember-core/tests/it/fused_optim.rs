@@ -530,6 +530,70 @@ fn cuda_adam_matches_cpu_over_many_tensors() {
     }
 }
 
+/// The CUDA step's 16-byte path and its element-by-element fallback: operands at element offsets
+/// that leave all, some or none of them 16-byte aligned (and lengths that are not whole vectors)
+/// give the CPU's step.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_adam_matches_cpu_at_unaligned_offsets() {
+    let gpu = common::gpu();
+    let sizes = [2 * 4096 + 5, 4099, 37, 8192];
+    // Element offsets of (param, grad, exp_avg, exp_avg_sq and max_exp_avg_sq).
+    let offsets = [
+        [0, 0, 0, 0],
+        [1, 1, 1, 1],
+        [0, 1, 0, 0],
+        [0, 0, 0, 3],
+        [8, 8, 8, 8],
+    ];
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        let (pc, gc) = problem(&sizes, 2, dtype, Device::Cpu);
+        for c in [adam_configs()[0], adam_configs()[10]] {
+            let cpu = run_adam_fused(&pc, &gc, &c);
+            for off in offsets {
+                // Each tensor in a storage of its own, `at` elements into it.
+                let place = |t: &Tensor, at: usize| {
+                    let n = t.numel();
+                    let view = Tensor::zeros([n + at], dtype, gpu)
+                        .unwrap()
+                        .narrow(0, at, n)
+                        .unwrap();
+                    view.copy_(&t.to(gpu).unwrap()).unwrap();
+                    view
+                };
+                let _g = no_grad();
+                let p: Vec<Tensor> = pc.iter().map(|t| place(t, off[0])).collect();
+                let m: Vec<Tensor> = pc
+                    .iter()
+                    .map(|t| place(&t.zeros_like().unwrap(), off[2]))
+                    .collect();
+                let v: Vec<Tensor> = pc
+                    .iter()
+                    .map(|t| place(&t.zeros_like().unwrap(), off[3]))
+                    .collect();
+                let x: Vec<Tensor> = pc
+                    .iter()
+                    .map(|t| place(&t.zeros_like().unwrap(), off[3]))
+                    .collect();
+                let mut steps: Vec<f64> = (0..sizes.len()).map(|i| (i % 3) as f64).collect();
+                for g in &gc {
+                    steps.iter_mut().for_each(|s| *s += 1.0);
+                    let g: Vec<Tensor> = g.iter().map(|t| place(t, off[1])).collect();
+                    adam_(&p, &g, &m, &v, c.amsgrad.then_some(&x[..]), &steps, &c).unwrap();
+                }
+                for (k, got) in [p, m, v, x].iter().enumerate() {
+                    assert_same(
+                        &format!("{dtype} {c:?} offsets {off:?} list {k}"),
+                        got,
+                        &cpu[k],
+                        gpu_tolerance(dtype),
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_sgd_matches_cpu_over_many_tensors() {
@@ -697,4 +761,106 @@ fn cuda_steps_and_reads_wait_for_a_gradient_arriving_in_row_blocks() {
         ember_core::cuda::arriving_in_row_blocks(&flat, Vec::new()),
         Err(Error::InvalidArgument { .. })
     ));
+}
+
+/// GPT-2 124M's parameter shapes (148 tensors, 124.4 M elements; the LM head is tied to wte).
+fn gpt2_sizes() -> Vec<usize> {
+    let (c, v, t) = (768usize, 50257usize, 1024usize);
+    let mut sizes = vec![v * c, t * c];
+    for _ in 0..12 {
+        sizes.extend([
+            c,
+            c,
+            c * 3 * c,
+            3 * c,
+            c * c,
+            c,
+            c,
+            c,
+            c * 4 * c,
+            4 * c,
+            4 * c * c,
+            c,
+        ]);
+    }
+    sizes.extend([c, c]);
+    sizes
+}
+
+/// The GPU time of the fused AdamW step of GPT-2 124M in f32 (issue 37), device step counts
+/// and host step counts, from the profiler's kernel records (`--nocapture` prints them): the
+/// step moves 28 bytes an element (reads p, g, m, v; writes p, m, v).
+#[test]
+#[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
+fn cuda_fused_adamw_gpt2_kernel_time() {
+    use ember_core::fused::{adam_scaled_, AdamSteps, GradScaling};
+    use ember_core::profiler::{self, ProfilerActivity};
+    let dev = common::gpu();
+    let sizes = gpt2_sizes();
+    let total: usize = sizes.iter().sum();
+    let randn = |n: usize| Tensor::randn([n], DType::F32, dev).unwrap();
+    let p: Vec<Tensor> = sizes.iter().map(|&n| randn(n)).collect();
+    let g: Vec<Tensor> = sizes
+        .iter()
+        .map(|&n| randn(n).mul_scalar(1e-2).unwrap())
+        .collect();
+    let (m, v) = (zeros(&p), zeros(&p));
+    let counts: Vec<Tensor> = sizes
+        .iter()
+        .map(|_| Tensor::scalar(0.0, DType::F32, dev).unwrap())
+        .collect();
+    let c = AdamStep {
+        lr: 6e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        amsgrad: false,
+        maximize: false,
+        decoupled_weight_decay: true,
+    };
+    let _g = no_grad();
+    for device_steps in [true, false] {
+        let mut host = 0.0;
+        let mut step = || {
+            host += 1.0;
+            let hs = vec![host; sizes.len()];
+            let steps = if device_steps {
+                AdamSteps::Device(&counts)
+            } else {
+                AdamSteps::Host(&hs)
+            };
+            adam_scaled_(&p, &g, &m, &v, None, steps, &c, GradScaling::default(), None).unwrap();
+        };
+        for _ in 0..3 {
+            step();
+        }
+        ember_core::cuda::synchronize(0).unwrap();
+        let steps = 10;
+        let mut prof = profiler::profile()
+            .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+            .start()
+            .unwrap();
+        for _ in 0..steps {
+            step();
+        }
+        ember_core::cuda::synchronize(0).unwrap();
+        prof.stop().unwrap();
+        super::layer_norm::print_kernel_times(
+            &prof,
+            &format!("adamw gpt2 device_steps={device_steps}"),
+            steps,
+        );
+        let us = prof
+            .trace()
+            .unwrap()
+            .gpu_activities()
+            .iter()
+            .filter(|a| a.name.starts_with("adam_"))
+            .map(|a| a.duration_ns as f64 / 1e3)
+            .sum::<f64>()
+            / steps as f64;
+        let tbs = 28.0 * total as f64 / (us * 1e-6) / 1e12;
+        println!("KT adamw gpt2 device_steps={device_steps}: adam kernels {us:.1} us a step = {tbs:.2} TB/s ({total} params)");
+    }
 }

@@ -307,7 +307,10 @@ fn cuda_layer_norm_matches_the_cpu() {
         (DType::BF16, DType::F32),
     ];
     for (dtype, pdtype) in cases {
-        // Odd lengths (scalar path), 768 (16-byte vectors), past one warp's shared sums.
+        // Odd lengths (scalar path), 768 (16-byte vectors), past one warp's shared sums; rows
+        // in registers (vectors, n up to 8 vectors a lane) with a last vector only some lanes
+        // have (200, 136), with more rows than a grid has warps (2500), at the limit (1024 in
+        // f32) and past it (2048 in f32, vectors from memory).
         for (rows, n) in [
             (5, 1),
             (9, 7),
@@ -316,6 +319,10 @@ fn cuda_layer_norm_matches_the_cpu() {
             (3, 4099),
             (65, 256),
             (2, 6200),
+            (17, 200),
+            (2500, 136),
+            (9, 1024),
+            (5, 2048),
         ] {
             for (affine, strided) in [(true, false), (false, false), (true, true)] {
                 let x = Tensor::from_slice(&values(rows * n, 1), [rows, n], Device::Cpu)
@@ -418,7 +425,84 @@ fn cuda_layernorm_bf16_kernel_time() {
     prof.stop().unwrap();
     let avg = prof.key_averages();
     println!("{}", avg.table("cuda_time_total", 20).unwrap());
+    print_kernel_times(&prof, "layernorm_bf16", steps);
     let us = avg.self_cuda_time_total_us() / steps as f64;
     let gbs = 10.0 * (n * c) as f64 / (us * 1e-6) / 1e9;
     println!("layernorm_bf16 GPU time a step: {us:.1} us = {gbs:.0} GB/s of the workload's 10 bytes/element");
+}
+
+/// The GPU time of layer norm's kernels in GPT-2's autocast step (issue 37): f32 x [8192, 768]
+/// with f32 weight and bias, forward and backward with every gradient, from the profiler's
+/// kernel records (`--nocapture` prints them); bf16 x beside it, and f32 rows of 1024. The
+/// backward's compulsory traffic is 12 bytes an f32 element (reads x and dy, writes dx).
+#[test]
+#[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
+fn cuda_layernorm_f32_kernel_time() {
+    use ember_core::profiler::{self, ProfilerActivity};
+    let dev = gpu();
+    // 768: rows in registers; 1024 in f32: past them (both passes read memory).
+    for (dtype, n, c) in [
+        (DType::F32, 8192usize, 768usize),
+        (DType::BF16, 8192, 768),
+        (DType::F32, 6144, 1024),
+    ] {
+        let x = Tensor::randn([n, c], dtype, dev)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let w = Tensor::randn([c], DType::F32, dev)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let b = Tensor::randn([c], DType::F32, dev)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let g = Tensor::randn([n, c], dtype, dev).unwrap();
+        let step = || {
+            let y = x.layer_norm(&[c], Some(&w), Some(&b), 1e-5).unwrap();
+            y.backward_with(Some(&g), false).unwrap();
+        };
+        for _ in 0..5 {
+            step();
+        }
+        ember_core::cuda::synchronize(0).unwrap();
+        let steps = 25;
+        let mut prof = profiler::profile()
+            .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+            .start()
+            .unwrap();
+        for _ in 0..steps {
+            step();
+        }
+        ember_core::cuda::synchronize(0).unwrap();
+        prof.stop().unwrap();
+        print_kernel_times(
+            &prof,
+            &format!("layernorm {dtype} x [{n}, {c}] weights f32"),
+            steps,
+        );
+    }
+}
+
+/// Prints, per kernel of the profiled cycle, its launches, mean time, grid, block and registers
+/// (`KT <label> <kernel>: ...` lines, for the kernel-time tests of issue 37).
+pub(crate) fn print_kernel_times(prof: &ember_core::profiler::Profiler, label: &str, steps: usize) {
+    let acts = prof.trace().expect("a saved cycle").gpu_activities();
+    let mut names: Vec<&str> = acts.iter().map(|a| a.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    for name in names {
+        let of: Vec<_> = acts.iter().filter(|a| a.name == name).collect();
+        let total_us = of.iter().map(|a| a.duration_ns as f64).sum::<f64>() / 1e3;
+        println!(
+            "KT {label} {name}: {} launches, {:.2} us each, {:.1} us a step, grid {:?} block {:?} regs {}",
+            of.len(),
+            total_us / of.len() as f64,
+            total_us / steps as f64,
+            of[0].grid,
+            of[0].block,
+            of[0].registers_per_thread
+        );
+    }
 }
