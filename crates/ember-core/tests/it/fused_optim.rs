@@ -846,11 +846,14 @@ fn cuda_fused_adamw_gpt2_kernel_time() {
         }
         ember_core::cuda::synchronize(0).unwrap();
         prof.stop().unwrap();
-        super::layer_norm::print_kernel_times(
+        let launches = super::layer_norm::print_kernel_times(
             &prof,
             &format!("adamw gpt2 device_steps={device_steps}"),
             steps,
         );
+        // GPT-2's 148 parameters in 4 multi-tensor launches a step, nothing else but the step
+        // counters' increment.
+        assert_eq!(launches.get("adam_f32").copied(), Some(4 * steps), "{launches:?}");
         let us = prof
             .trace()
             .unwrap()

@@ -477,23 +477,38 @@ fn cuda_layernorm_f32_kernel_time() {
         }
         ember_core::cuda::synchronize(0).unwrap();
         prof.stop().unwrap();
-        print_kernel_times(
+        let launches = print_kernel_times(
             &prof,
             &format!("layernorm {dtype} x [{n}, {c}] weights f32"),
             steps,
+        );
+        // Which backward ran: rows of up to 768 in registers, longer rows the two-pass kernel.
+        let suffix = if dtype == DType::F32 { "f32" } else { "bf16" };
+        let rows_kernel = format!("layer_norm_backward_rows_{suffix}_f32");
+        let expected = if c <= 768 { steps } else { 0 };
+        assert_eq!(
+            launches.get(&rows_kernel).copied().unwrap_or(0),
+            expected,
+            "{dtype} [{n}, {c}]: {launches:?}"
         );
     }
 }
 
 /// Prints, per kernel of the profiled cycle, its launches, mean time, grid, block and registers
 /// (`KT <label> <kernel>: ...` lines, for the kernel-time tests of issue 37).
-pub(crate) fn print_kernel_times(prof: &ember_core::profiler::Profiler, label: &str, steps: usize) {
+pub(crate) fn print_kernel_times(
+    prof: &ember_core::profiler::Profiler,
+    label: &str,
+    steps: usize,
+) -> std::collections::BTreeMap<String, usize> {
     let acts = prof.trace().expect("a saved cycle").gpu_activities();
     let mut names: Vec<&str> = acts.iter().map(|a| a.name.as_str()).collect();
     names.sort_unstable();
     names.dedup();
+    let mut launches = std::collections::BTreeMap::new();
     for name in names {
         let of: Vec<_> = acts.iter().filter(|a| a.name == name).collect();
+        launches.insert(name.to_string(), of.len());
         let total_us = of.iter().map(|a| a.duration_ns as f64).sum::<f64>() / 1e3;
         println!(
             "KT {label} {name}: {} launches, {:.2} us each, {:.1} us a step, grid {:?} block {:?} regs {}",
@@ -505,4 +520,5 @@ pub(crate) fn print_kernel_times(prof: &ember_core::profiler::Profiler, label: &
             of[0].registers_per_thread
         );
     }
+    launches
 }
