@@ -11,7 +11,8 @@
 //! - [`group`]: [`ProcessGroup`] and the default group's functions ([`init_process_group`],
 //!   [`all_reduce`], [`new_group`], ...), re-exported here as in `torch.distributed`.
 //! - [`launch`]: the launcher behind the `ember-run` program (torchrun's flags).
-//! - [`ddp`]: [`DistributedDataParallel`], gradient averaging overlapped with backward.
+//! - [`ddp`]: [`DistributedDataParallel`], gradient averaging overlapped with backward, and its
+//!   communication hooks ([`GradBucket`], [`CommFuture`], [`default_hooks`]).
 //! - [`mesh`] and [`dtensor`]: [`DeviceMesh`] and the sharded tensor [`DTensor`]
 //!   (`torch.distributed.tensor`: [`distribute_tensor`], `from_local`, `full_tensor`).
 //! - [`checkpoint`] (also [`dcp`]): distributed checkpoints, one safetensors file per rank plus
@@ -68,7 +69,9 @@ pub use backend::{Backend, ReduceOp, Work, WorkHandle};
 /// `torch.distributed.checkpoint as dcp`: [`dcp::save`], [`dcp::load`].
 pub use checkpoint as dcp;
 pub use cpu_backend::CpuBackend;
-pub use ddp::{DdpOptions, DistributedDataParallel, ForwardOutput, NoSyncGuard};
+pub use ddp::{
+    default_hooks, CommFuture, DdpOptions, DistributedDataParallel, ForwardOutput, GradBucket, NoSyncGuard,
+};
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
 pub use group::{
     all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,

@@ -58,6 +58,42 @@ fn only_when_named(name: &str) -> bool {
     REFERENCE_ONLY.contains(&name) || name.starts_with("ddp_") || name.starts_with("dp_")
 }
 
+/// `--comm-hook`: the DDP communication hook the `ddp_*` workloads register
+/// (`ember_distributed::default_hooks`), named in their JSON line as `comm_hook`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CommHook {
+    /// `allreduce_hook`: DDP's average, by a hook.
+    Allreduce,
+    /// `fp16_compress_hook`: the gradients all-reduced in float16.
+    Fp16,
+    /// `bf16_compress_hook`: the gradients all-reduced in bfloat16.
+    Bf16,
+}
+
+impl CommHook {
+    /// The flag's value, as the JSON line names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CommHook::Allreduce => "allreduce",
+            CommHook::Fp16 => "fp16",
+            CommHook::Bf16 => "bf16",
+        }
+    }
+
+    /// Registers the hook on `ddp`, before its first forward.
+    fn register<M: ember::nn::Module>(
+        self,
+        ddp: &ember::distributed::DistributedDataParallel<M>,
+    ) -> Result<()> {
+        use ember::distributed::default_hooks as hooks;
+        match self {
+            CommHook::Allreduce => ddp.register_comm_hook(None, hooks::allreduce_hook),
+            CommHook::Fp16 => ddp.register_comm_hook(None, hooks::fp16_compress_hook),
+            CommHook::Bf16 => ddp.register_comm_hook(None, hooks::bf16_compress_hook),
+        }
+    }
+}
+
 /// Timing figures of one workload: median, min and max ms per step, and peak MiB on a GPU.
 struct Timing {
     median: f64,
@@ -374,8 +410,9 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
 /// The multi-GPU workloads (`torch_ddp_reference.py`): `ddp_*` wraps the model in
 /// DistributedDataParallel in a process of a launched job (NCCL, `cuda:LOCAL_RANK`, 256
 /// samples per GPU; samples_per_s counts every rank's), `dp_*` in DataParallel over every
-/// visible GPU in this process (256 × GPUs samples per step).
-fn multi_gpu(name: &str) -> Result<Map<String, Value>> {
+/// visible GPU in this process (256 × GPUs samples per step). `comm_hook`: the communication
+/// hook `ddp_*` registers (`--comm-hook`), named in the line.
+fn multi_gpu(name: &str, comm_hook: Option<CommHook>) -> Result<Map<String, Value>> {
     use ember::distributed::{self as dist, BackendKind, DdpOptions, DistributedDataParallel, InitOptions};
     use ember::nn::DataParallel;
     let cnn = name.ends_with("_cnn");
@@ -431,14 +468,19 @@ fn multi_gpu(name: &str) -> Result<Map<String, Value>> {
     let device = Device::Cuda(local);
     let _guard = cuda::DeviceGuard::new(local)?;
     let wrap = move |d: Device| -> Result<Box<dyn Forward>> {
-        Ok(Box::new(DistributedDataParallel::new(
-            build(d)?,
-            DdpOptions::new(),
-        )?))
+        let ddp = DistributedDataParallel::new(build(d)?, DdpOptions::new())?;
+        if let Some(hook) = comm_hook {
+            hook.register(&ddp)?;
+        }
+        Ok(Box::new(ddp))
     };
     let mut c = Classifier::new(device, wrap, &per_gpu, 10, None)?;
     c.world = world;
-    c.run_eager(name)
+    let mut line = c.run_eager(name)?;
+    if let Some(hook) = comm_hook {
+        line.insert("comm_hook".into(), json!(hook.name()));
+    }
+    Ok(line)
 }
 
 /// `gpt2_124m_bf16` (the reference's `run_gpt`): GPT-2 124M ([`models::Gpt`]) on tokens and
@@ -638,7 +680,11 @@ fn cross_entropy_50304(device: Device) -> Result<Map<String, Value>> {
     Ok(row("cross_entropy_50304", &t, 1.0, json!({ "gb_per_s": gbs })))
 }
 
-fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, String> {
+fn run(
+    name: &str,
+    device: Device,
+    comm_hook: Option<CommHook>,
+) -> std::result::Result<Map<String, Value>, String> {
     let gpu = matches!(device, Device::Cuda(_));
     let outcome =
         match name {
@@ -647,7 +693,7 @@ fn run(name: &str, device: Device) -> std::result::Result<Map<String, Value>, St
             }
             "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
             "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
-            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name),
+            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name, comm_hook),
             "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
                 return Err("the multi-GPU workloads run on CUDA devices only".into())
             }
@@ -688,12 +734,15 @@ pub fn launched_local_rank() -> Option<usize> {
 
 /// Runs the workloads `only` names (all when empty) on `device`, printing one JSON line each
 /// (and with `profile`, a folder and what to record there, none meaning the default, writing
-/// each one's profile there); an error naming the known workloads, before anything runs, when
-/// `only` names an unknown one, and one when CUDA activity is asked for on the CPU.
+/// each one's profile there; with `comm_hook`, the `ddp_*` workloads registering that DDP
+/// communication hook); an error naming the known workloads, before anything runs, when
+/// `only` names an unknown one, one when CUDA activity is asked for on the CPU, and one when
+/// a communication hook is asked for without a `ddp_*` workload.
 pub fn bench(
     device: Device,
     only: &[String],
     profile: Option<(&Path, &[ProfilerActivity])>,
+    comm_hook: Option<CommHook>,
 ) -> std::result::Result<(), String> {
     if let Some((dir, activities)) = profile {
         if !device.is_cuda() && activities.contains(&ProfilerActivity::Cuda) {
@@ -718,6 +767,14 @@ pub fn bench(
     } else {
         only.iter().map(String::as_str).collect()
     };
+    if let Some(hook) = comm_hook {
+        if !names.iter().any(|n| n.starts_with("ddp_")) {
+            return Err(format!(
+                "--comm-hook {} applies to the ddp_* workloads only; name one with --only (e.g. --only ddp_mlp_large, under ember-run)",
+                hook.name()
+            ));
+        }
+    }
     let device_name = match device {
         Device::Cuda(i) => cuda::get_device_name(i).unwrap_or_else(|_| "unknown".into()),
         Device::Cpu => "cpu".into(),
@@ -736,7 +793,7 @@ pub fn bench(
         };
         *PROFILE_TO.lock().unwrap_or_else(|e| e.into_inner()) =
             profile.map(|(dir, activities)| (dir.to_path_buf(), file, activities.to_vec()));
-        let mut line = run(name, device).unwrap_or_else(|e| {
+        let mut line = run(name, device, comm_hook).unwrap_or_else(|e| {
             let mut m = Map::new();
             m.insert("workload".into(), json!(name));
             m.insert("error".into(), json!(e));

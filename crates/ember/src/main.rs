@@ -54,6 +54,11 @@ enum Command {
             value_name = "cpu,cuda"
         )]
         profile_activities: Vec<Activity>,
+        /// The DDP communication hook the ddp_* workloads register (PyTorch's
+        /// `ddp_comm_hooks.default_hooks`): `bf16` and `fp16` all-reduce the gradients in half
+        /// precision, `allreduce` averages as DDP does. Named in the JSON line as `comm_hook`.
+        #[arg(long, value_enum, value_name = "allreduce|fp16|bf16")]
+        comm_hook: Option<bench::CommHook>,
     },
     /// Draw a memory snapshot (`cuda::dump_snapshot`, or PyTorch's `_dump_snapshot`) as one
     /// self-contained HTML page: the active-memory timeline and the segment map.
@@ -78,6 +83,7 @@ fn main() {
             only,
             profile,
             profile_activities,
+            comm_hook,
         } => {
             let device = match device.as_deref().map(ember::Device::parse) {
                 Some(Ok(d)) => d,
@@ -103,7 +109,7 @@ fn main() {
                 })
                 .collect();
             let profile = profile.as_deref().map(|dir| (dir, activities.as_slice()));
-            if let Err(e) = bench::bench(device, &only, profile) {
+            if let Err(e) = bench::bench(device, &only, profile, comm_hook) {
                 eprintln!("ember bench: {e}");
                 std::process::exit(2);
             }

@@ -461,6 +461,44 @@ fn bench_reports_an_error_line_for_a_workload_that_cannot_run_here() {
     assert_eq!(lines[0]["framework"], "ember");
 }
 
+// `--comm-hook` reaches the ddp_* workloads (on the CPU: their error line), and is refused,
+// before anything runs, without one.
+#[test]
+fn bench_comm_hook_needs_a_ddp_workload() {
+    let out = ember(&[
+        "bench",
+        "--device",
+        "cpu",
+        "--only",
+        "ddp_mlp_large",
+        "--comm-hook",
+        "bf16",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["workload"], "ddp_mlp_large");
+    assert!(
+        line["error"].as_str().unwrap().contains("CUDA devices only"),
+        "{line}"
+    );
+    let out = ember(&[
+        "bench",
+        "--device",
+        "cpu",
+        "--only",
+        "gpt2_124m_bf16",
+        "--comm-hook",
+        "fp16",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--comm-hook fp16 applies to the ddp_* workloads only"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bench_with_an_unknown_workload_exits_non_zero_and_runs_nothing() {
     let out = ember(&["bench", "--device", "cpu", "--only", "mlp_small,nonexistent"]);

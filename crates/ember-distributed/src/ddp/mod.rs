@@ -15,6 +15,9 @@
 //!   overlapping the rest of backward; backward returns once every average is in `.grad`
 //!   (`reducer.rs`: Note [DDP buckets], Note [DDP reduction order], Note [DDP unused
 //!   parameters]).
+//! - communication hooks ([`DistributedDataParallel::register_comm_hook`], [`comm_hook`]):
+//!   a function of the caller's that reduces each bucket instead of the built-in average,
+//!   e.g. in bfloat16 ([`default_hooks::bf16_compress_hook`]; Note [DDP comm hooks]).
 //!
 //! Every rank must run the same sequence of synchronizing forward/backward passes. Parameters
 //! that do not require grad are left out of the reduction. Move the module to its device
@@ -23,6 +26,7 @@
 //! ([`crate::ProcessGroup::device`]), and a bucket's `wait` orders the current stream after
 //! the all-reduce without blocking the host, so the copies into `.grad` queue behind it.
 
+pub mod comm_hook;
 mod reducer;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +37,7 @@ use ember_nn::{Forward, Module, ModuleExt, TensorKind};
 
 use crate::backend::ReduceOp;
 use crate::group::{default_group, ProcessGroup};
+pub use comm_hook::{default_hooks, CommFuture, GradBucket};
 use reducer::Reducer;
 pub use reducer::{DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES};
 
@@ -150,6 +155,8 @@ pub struct DistributedDataParallel<M: Module> {
     require_backward_grad_sync: Arc<AtomicBool>,
     /// Whether the last forward synchronized, so that the next one broadcasts the buffers.
     require_forward_param_sync: AtomicBool,
+    /// Whether a forward ran (a communication hook is registered before the first one).
+    forwarded: AtomicBool,
 }
 
 impl<M: Module> std::fmt::Debug for DistributedDataParallel<M> {
@@ -223,6 +230,7 @@ impl<M: Module> DistributedDataParallel<M> {
             broadcast_buffers: options.broadcast_buffers,
             require_backward_grad_sync: Arc::new(AtomicBool::new(true)),
             require_forward_param_sync: AtomicBool::new(true),
+            forwarded: AtomicBool::new(false),
         })
     }
 
@@ -266,6 +274,53 @@ impl<M: Module> DistributedDataParallel<M> {
         }
     }
 
+    /// Registers a communication hook (`ddp.register_comm_hook(state, hook)`): from now on each
+    /// bucket of gradients is reduced by `hook(&state, &bucket)` instead of DDP's average, once
+    /// per bucket per synchronizing backward, in bucket order, as soon as the bucket is full.
+    /// The hook starts its collectives and returns a [`CommFuture`] at once; DDP waits for the
+    /// futures at the end of backward and copies each value (the reduced bucket) into the
+    /// gradients. The bucket's buffer holds this rank's local gradients, undivided: averaging
+    /// is the hook's job. See Note [DDP comm hooks] in [`comm_hook`]; the built-in hooks are
+    /// in [`default_hooks`].
+    ///
+    /// Every rank registers the same hook. An [`Error::InvalidArgument`] when a hook is
+    /// registered already (one per DDP, as in PyTorch), or when a forward has run (the hook
+    /// must be registered before the first forward). A hook must not call back into this DDP.
+    ///
+    /// ```no_run
+    /// use std::sync::Mutex;
+    /// use ember_core::Device;
+    /// use ember_distributed::{self as dist, CommFuture, DdpOptions, DistributedDataParallel, ReduceOp};
+    /// use ember_nn::Linear;
+    /// # fn main() -> ember_core::Result<()> {
+    /// dist::init_process_group(dist::InitOptions::new(dist::BackendKind::Gloo))?; // under ember-run
+    /// let ddp = DistributedDataParallel::new(Linear::new(10, 5, Device::Cpu)?, DdpOptions::new())?;
+    /// // A hook that sums (no average) and counts the buckets it reduced; its state is the count.
+    /// ddp.register_comm_hook(Mutex::new(0usize), |count, bucket| {
+    ///     *count.lock().unwrap() += 1;
+    ///     let buffer = bucket.buffer().clone();
+    ///     let work = bucket.process_group().all_reduce_async(&buffer, ReduceOp::Sum)?;
+    ///     Ok(CommFuture::new(work, buffer))
+    /// })?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn register_comm_hook<S, F>(&self, state: S, hook: F) -> Result<()>
+    where
+        S: Send + Sync + 'static,
+        F: Fn(&S, &GradBucket) -> Result<CommFuture> + Send + Sync + 'static,
+    {
+        if self.forwarded.load(Ordering::SeqCst) {
+            return Err(Error::invalid(
+                "DistributedDataParallel::register_comm_hook",
+                "register_comm_hook must be called before the first forward: the forward that ran already \
+                 armed the built-in reduction; register the hook right after DistributedDataParallel::new",
+            ));
+        }
+        self.reducer
+            .set_comm_hook(Box::new(move |bucket: &GradBucket| hook(&state, bucket)))
+    }
+
     /// Runs a forward pass of the module through `f` (for modules whose forward takes or
     /// returns more than one tensor), with DDP's steps around it (see the module docs).
     pub fn forward_with<T: ForwardOutput>(&self, f: impl FnOnce(&M) -> Result<T>) -> Result<T> {
@@ -275,6 +330,7 @@ impl<M: Module> DistributedDataParallel<M> {
         {
             sync_buffers(&self.group, &self.module)?;
         }
+        self.forwarded.store(true, Ordering::SeqCst);
         let out = f(&self.module)?;
         if is_grad_enabled() && self.require_backward_grad_sync.load(Ordering::SeqCst) {
             self.require_forward_param_sync.store(true, Ordering::SeqCst);

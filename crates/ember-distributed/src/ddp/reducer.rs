@@ -25,7 +25,9 @@
 //! same order whatever order its hooks ran in. The first hook of a backward pass queues the
 //! end-of-backward callback (`finalize_backward`), which waits for every bucket in order and
 //! copies each average into its parameter's `.grad` (or, with `gradient_as_bucket_view`, makes
-//! `.grad` the bucket's view). A bucket that never filled means some parameter received no
+//! `.grad` the bucket's view). With a communication hook, a bucket that starts goes to the
+//! hook instead, and finalize waits for the hook's future in its place (Note [DDP comm hooks]
+//! in `comm_hook.rs`). A bucket that never filled means some parameter received no
 //! gradient: finalize reports [`Error::UnusedParameters`] (on every rank in the same state, so
 //! no collective is left waiting on one rank while another goes on).
 //!
@@ -103,10 +105,11 @@
 //! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
 //! thread running backward) and by forward; never held while calling into autograd.
 
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use ember_core::{autograd, cuda, DType, Device, Error, Result, Tensor};
 
+use super::comm_hook::{BoxedCommHook, CommFuture, GradBucket};
 use crate::backend::{ReduceOp, Work};
 use crate::group::ProcessGroup;
 
@@ -152,6 +155,9 @@ struct Bucket {
     row_blocks: usize,
     /// The all-reduce (one per row block), once started.
     work: Vec<Work>,
+    /// What the communication hook returned for this pass, instead of `work` (Note [DDP comm
+    /// hooks]).
+    future: Option<CommFuture>,
     /// What this pass all-reduces instead of `flat`: the one parameter's own `.grad` (Note
     /// [DDP one-parameter buckets]).
     in_place: Option<Tensor>,
@@ -181,6 +187,9 @@ struct State {
     has_rebuilt_buckets: bool,
     /// The order the gradients became ready in, recorded until the buckets are rebuilt.
     rebuilt_param_order: Vec<usize>,
+    /// Per parameter: the row blocks its gradient is all-reduced in (Note [DDP row blocks]);
+    /// 0 over one rank, where nothing is all-reduced, and with a communication hook.
+    row_blocks: Vec<usize>,
 }
 
 /// Reduces the gradients of `params` across a process group (see the module notes).
@@ -192,9 +201,9 @@ pub(crate) struct Reducer {
     gradient_as_bucket_view: bool,
     /// Bucket size limits in bytes: first bucket, then the rest.
     limits: [usize; 2],
-    /// Per parameter: the row blocks its gradient is all-reduced in (Note [DDP row blocks]);
-    /// 0 over one rank, where nothing is all-reduced.
-    row_blocks: Vec<usize>,
+    /// The communication hook that reduces each bucket instead of the built-in average (Note
+    /// [DDP comm hooks]); set at most once.
+    comm_hook: OnceLock<BoxedCommHook>,
     state: Mutex<State>,
 }
 
@@ -224,7 +233,7 @@ impl Reducer {
             find_unused_parameters,
             gradient_as_bucket_view,
             limits,
-            row_blocks: blocks,
+            comm_hook: OnceLock::new(),
             state: Mutex::new(State {
                 buckets,
                 locator,
@@ -237,6 +246,7 @@ impl Reducer {
                 locally_used: vec![false; n],
                 has_rebuilt_buckets: false,
                 rebuilt_param_order: Vec::new(),
+                row_blocks: blocks,
             }),
         });
         let mut hooks = Vec::with_capacity(n);
@@ -258,7 +268,8 @@ impl Reducer {
 
     /// Stops computing the parameters' gradients in row blocks (DDP is dropped).
     pub(crate) fn release_row_blocks(&self) {
-        for (p, _) in self.params.iter().zip(&self.row_blocks).filter(|(_, &b)| b > 1) {
+        let st = self.lock();
+        for (p, _) in self.params.iter().zip(&st.row_blocks).filter(|(_, &b)| b > 1) {
             // Cannot fail: a 2-D tensor on a GPU.
             let _ = cuda::set_gradient_row_blocks(p, 0);
         }
@@ -271,6 +282,30 @@ impl Reducer {
 
     pub(crate) fn has_rebuilt_buckets(&self) -> bool {
         self.lock().has_rebuilt_buckets
+    }
+
+    /// Sets the communication hook (Note [DDP comm hooks]); an error when one is set already.
+    /// Before the first forward: the buckets of the first iteration are made again without
+    /// row blocks (a hook sees whole buckets).
+    pub(crate) fn set_comm_hook(&self, hook: BoxedCommHook) -> Result<()> {
+        let mut st = self.lock();
+        if self.comm_hook.set(hook).is_err() {
+            return Err(Error::invalid(
+                "DistributedDataParallel::register_comm_hook",
+                "a communication hook is registered already, and it can only be registered once; \
+                 register one hook that does all the work (it may call others)",
+            ));
+        }
+        if st.row_blocks.iter().any(|&b| b > 1) {
+            st.row_blocks.iter_mut().for_each(|b| *b = 0);
+            let order: Vec<usize> = (0..self.params.len()).rev().collect();
+            let assignment =
+                compute_bucket_assignment_by_size(&self.params, &order, &self.limits, true, |_| false);
+            let (buckets, locator) = build_buckets(&self.params, &assignment, &st.row_blocks)?;
+            st.buckets = buckets;
+            st.locator = locator;
+        }
+        Ok(())
     }
 
     /// Arms the hooks for the backward pass of the forward that produced `outputs`
@@ -360,8 +395,10 @@ impl Reducer {
             }
         }
         bucket.pending -= 1;
-        while st.next_bucket < st.buckets.len() && st.buckets[st.next_bucket].pending == 0 {
-            let next = &mut st.buckets[st.next_bucket];
+        let n_buckets = st.buckets.len();
+        while st.next_bucket < n_buckets && st.buckets[st.next_bucket].pending == 0 {
+            let index = st.next_bucket;
+            let next = &mut st.buckets[index];
             let (views, grads): (Vec<Tensor>, Vec<Tensor>) = next
                 .gathered
                 .iter_mut()
@@ -369,12 +406,44 @@ impl Reducer {
                 .filter_map(|(g, v)| g.take().map(|g| (v.clone(), g)))
                 .unzip();
             ember_core::foreach_copy_(&views, &grads)?;
-            let dims = self.params[next.params[0]].dims().to_vec();
             let target = next.in_place.as_ref().unwrap_or(&next.flat);
-            next.work = self.all_reduce_in_row_blocks(target, &dims, next.row_blocks)?;
+            match self.comm_hook.get() {
+                Some(hook) => {
+                    let bucket = self.grad_bucket(next, index, n_buckets)?;
+                    next.future = Some(hook(&bucket)?);
+                }
+                None => {
+                    let dims = self.params[next.params[0]].dims().to_vec();
+                    next.work = self.all_reduce_in_row_blocks(target, &dims, next.row_blocks)?;
+                }
+            }
             st.next_bucket += 1;
         }
         Ok(())
+    }
+
+    /// What the communication hook sees of bucket `index` of `count`, full and about to be
+    /// reduced: its flat buffer (the one parameter's own `.grad` when the bucket reduces that
+    /// in place), its parameters and their offsets.
+    fn grad_bucket(&self, bucket: &Bucket, index: usize, count: usize) -> Result<GradBucket> {
+        let buffer = match &bucket.in_place {
+            Some(g) => g.reshape([g.numel()])?,
+            None => bucket.flat.clone(),
+        };
+        let mut offsets = Vec::with_capacity(bucket.params.len());
+        let mut at = 0;
+        for &i in &bucket.params {
+            offsets.push(at);
+            at += self.params[i].numel();
+        }
+        Ok(GradBucket {
+            index,
+            is_last: index + 1 == count,
+            buffer,
+            parameters: bucket.params.iter().map(|&i| self.params[i].clone()).collect(),
+            offsets,
+            group: self.group.clone(),
+        })
     }
 
     /// Starts the averaging all-reduce of `t`, the flat gradient of a parameter of `dims`, in
@@ -423,10 +492,14 @@ impl Reducer {
                 .map(|i| self.names[i].clone())
                 .collect();
             let started: Vec<Work> = st.buckets.iter().flat_map(|b| b.work.clone()).collect();
+            let futures: Vec<CommFuture> = st.buckets.iter_mut().filter_map(|b| b.future.take()).collect();
             reset_iteration(&mut st);
             drop(st);
             for w in started {
                 w.wait()?;
+            }
+            for f in futures {
+                f.wait()?;
             }
             return Err(Error::UnusedParameters {
                 op: "DistributedDataParallel",
@@ -457,7 +530,12 @@ impl Reducer {
         };
         for b in 0..st.buckets.len() {
             let works = std::mem::take(&mut st.buckets[b].work);
+            let future = st.buckets[b].future.take();
             let bucket = &st.buckets[b];
+            if let Some(future) = future {
+                let target = bucket.in_place.as_ref().unwrap_or(&bucket.flat);
+                write_hook_result(b, future.wait()?, target)?;
+            }
             match (&side, &bucket.in_place) {
                 (Some(side), Some(g)) if first_blocked.is_some_and(|f| b >= f) => {
                     hand_on(g, bucket.row_blocks, &works, side)?
@@ -526,10 +604,10 @@ impl Reducer {
         .to(self.group.device())?;
         self.group.broadcast(&shared, self.group.global_rank(0)?)?;
         order = shared.to_vec::<i64>()?.into_iter().map(|i| i as usize).collect();
-        let blocked = |i: usize| self.row_blocks[i] > 1;
+        let blocked = |i: usize| st.row_blocks[i] > 1;
         let assignment =
             compute_bucket_assignment_by_size(&self.params, &order, &self.limits, false, blocked);
-        let (buckets, locator) = build_buckets(&self.params, &assignment, &self.row_blocks)?;
+        let (buckets, locator) = build_buckets(&self.params, &assignment, &st.row_blocks)?;
         st.buckets = buckets;
         st.locator = locator;
         st.has_rebuilt_buckets = true;
@@ -565,6 +643,32 @@ fn hand_on(grad: &Tensor, blocks: usize, works: &[Work], side: &cuda::Stream) ->
     cuda::arriving_in_row_blocks(grad, arrivals)
 }
 
+/// Puts what the communication hook returned for bucket `index` into the bucket's `target`
+/// (its flat tensor, or the `.grad` it reduces in place), unless it is `target` itself.
+fn write_hook_result(index: usize, value: Tensor, target: &Tensor) -> Result<()> {
+    if value.numel() != target.numel() {
+        return Err(Error::invalid(
+            "DistributedDataParallel",
+            format!(
+                "the communication hook returned a tensor of {} elements ({:?}) for bucket {index}, which holds {}: \
+                 its future's value must be the reduced bucket, shaped as bucket.buffer()",
+                value.numel(),
+                value.dims(),
+                target.numel()
+            ),
+        ));
+    }
+    let same = value.shares_storage_with(target)
+        && value.data_ptr() == target.data_ptr()
+        && value.dtype() == target.dtype()
+        && value.is_contiguous();
+    if !same {
+        let dims: Vec<isize> = target.dims().iter().map(|&d| d as isize).collect();
+        target.copy_(&value.reshape(dims)?)?;
+    }
+    Ok(())
+}
+
 /// Clears what one backward pass marked.
 fn reset_iteration(st: &mut State) {
     st.rebuilt_param_order.clear();
@@ -578,6 +682,7 @@ fn reset_iteration(st: &mut State) {
     for b in &mut st.buckets {
         b.pending = b.params.len();
         b.work.clear();
+        b.future = None;
         b.in_place = None;
         b.gathered.iter_mut().for_each(|g| *g = None);
     }
@@ -711,6 +816,7 @@ fn build_buckets(
             pending: indices.len(),
             row_blocks: blocks,
             work: Vec::new(),
+            future: None,
             in_place: None,
             gathered: vec![None; indices.len()],
         });

@@ -19,7 +19,7 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Overwrites every parameter with values that depend on `salt` (a rank gives its own, so
 /// that only the broadcast at construction can make the replicas equal).
-fn fill_params<M: Module + ?Sized>(m: &M, salt: f64) {
+pub(crate) fn fill_params<M: Module + ?Sized>(m: &M, salt: f64) {
     let _g = no_grad();
     for (k, p) in m.parameters().iter().enumerate() {
         let v: Vec<f64> = (0..p.numel())
@@ -30,7 +30,7 @@ fn fill_params<M: Module + ?Sized>(m: &M, salt: f64) {
     }
 }
 
-fn mlp() -> Sequential {
+pub(crate) fn mlp() -> Sequential {
     let mut m = Sequential::new()
         .with(Linear::new(4, 8, CPU).unwrap())
         .with(Tanh::new())
@@ -42,7 +42,7 @@ fn mlp() -> Sequential {
 }
 
 /// `rows` rows of inputs (4 features) and targets (3), the same in every call.
-fn data(rows: usize) -> (Tensor, Tensor) {
+pub(crate) fn data(rows: usize) -> (Tensor, Tensor) {
     let x: Vec<f64> = (0..rows * 4).map(|i| ((i * 5) % 17) as f64 / 8.0 - 1.0).collect();
     let y: Vec<f64> = (0..rows * 3).map(|i| ((i * 3) % 7) as f64 / 3.0 - 1.0).collect();
     (
@@ -51,7 +51,7 @@ fn data(rows: usize) -> (Tensor, Tensor) {
     )
 }
 
-fn grads<M: Module + ?Sized>(m: &M) -> Vec<Option<Vec<f64>>> {
+pub(crate) fn grads<M: Module + ?Sized>(m: &M) -> Vec<Option<Vec<f64>>> {
     m.parameters()
         .iter()
         .map(|p| p.grad().map(|g| g.to_vec_f64().unwrap()))
@@ -319,7 +319,7 @@ fn no_sync_accumulates_locally_then_averages_everything() {
 /// A model with a head that forward may leave out.
 #[derive(ember_nn::Module)]
 #[module(crate = ember_nn)]
-struct TwoHeads {
+pub(crate) struct TwoHeads {
     body: Linear,
     head: Linear,
     extra: Linear,
@@ -327,7 +327,7 @@ struct TwoHeads {
 }
 
 impl TwoHeads {
-    fn new() -> TwoHeads {
+    pub(crate) fn new() -> TwoHeads {
         let mut m = TwoHeads {
             body: Linear::new(4, 6, CPU).unwrap(),
             head: Linear::new(6, 3, CPU).unwrap(),
@@ -339,7 +339,7 @@ impl TwoHeads {
         m
     }
 
-    fn forward(&self, x: &Tensor, use_extra: bool) -> ember_core::Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, use_extra: bool) -> ember_core::Result<Tensor> {
         let h = self.body.forward(x)?.tanh()?;
         let out = self.head.forward(&h)?;
         if use_extra {

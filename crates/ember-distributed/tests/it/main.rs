@@ -7,6 +7,7 @@ mod checkpoint;
 mod collectives;
 mod common;
 mod ddp;
+mod ddp_hooks;
 mod dtensor;
 mod launcher;
 mod nccl;

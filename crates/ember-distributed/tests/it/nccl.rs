@@ -501,3 +501,76 @@ fn nccl_ddp_all_reduces_a_large_weight_in_row_blocks_that_adam_updates_as_they_a
         assert_eq!(buckets, vec![vec![0], vec![1]]);
     }
 }
+
+/// Note [DDP comm hooks] over NCCL: the built-in hooks on two GPUs give, bit for bit, what
+/// their steps compute from the two ranks' local gradients (halves halved, summed once,
+/// rounded once), for a weight of 64 MiB that DDP would otherwise all-reduce in row blocks
+/// (a hook sees it whole) beside a small bias.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_ddp_comm_hooks_reduce_as_their_steps_compute() {
+    use crate::ddp_hooks::{compressed_average, register, Hook};
+    use ember_distributed::DistributedDataParallel;
+    use ember_nn::{Forward, Linear, ModuleExt};
+    crate::common::require_two_gpus();
+    let n = 4096; // the weight: n × n float32, 64 MiB
+    let rows = 4;
+    for hook in [Hook::AllReduce, Hook::Fp16, Hook::Bf16] {
+        let per_rank = run_nccl_ranks(2, |pg, dev| {
+            let _guard = cuda::DeviceGuard::new(dev).unwrap();
+            let device = Device::Cuda(dev);
+            let r = pg.rank();
+            let ddp = DistributedDataParallel::new(
+                Linear::new(n, n, device).unwrap(),
+                DdpOptions::new().process_group(pg),
+            )
+            .unwrap();
+            register(&ddp, hook);
+            // The same parameters without DDP: this rank's local gradients.
+            let plain = Linear::new(n, n, device).unwrap();
+            for (p, q) in plain.parameters().iter().zip(ddp.parameters()) {
+                let _g = ember_core::no_grad();
+                p.copy_(&q).unwrap();
+            }
+            let x: Vec<f32> = (0..rows * n)
+                .map(|i| ((i * 7 + r * 5) % 13) as f32 / 6.0 - 1.0)
+                .collect();
+            let x = Tensor::from_vec(x, [rows, n], Device::Cpu)
+                .unwrap()
+                .to(device)
+                .unwrap();
+            let grads = |m: &dyn Forward| -> Vec<Vec<f32>> {
+                m.forward(&x)
+                    .unwrap()
+                    .tanh()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                m.parameters()
+                    .iter()
+                    .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap())
+                    .collect()
+            };
+            (grads(&plain), grads(&ddp))
+        });
+        let (local0, local1) = (&per_rank[0].0, &per_rank[1].0);
+        for (rank, (_, got)) in per_rank.iter().enumerate() {
+            for (k, g) in got.iter().enumerate() {
+                let expected: Vec<f32> = local0[k]
+                    .iter()
+                    .zip(&local1[k])
+                    .map(|(&a, &b)| compressed_average(a, b, hook))
+                    .collect();
+                let bad = g.iter().zip(&expected).filter(|(u, v)| u != v).count();
+                assert_eq!(
+                    bad,
+                    0,
+                    "{hook:?}, rank {rank}, parameter {k}: {bad} of {} values differ",
+                    g.len()
+                );
+            }
+        }
+    }
+}
