@@ -541,7 +541,32 @@ struct Gemm<'a> {
     batch: i32,
 }
 
-impl Gemm<'_> {
+impl<'a> Gemm<'a> {
+    /// The products of `batch` whole `[.., k, n]` right operands `a` on the current stream:
+    /// D `n` elements a row, in `dtypes.1` from operands of `dtypes.0`.
+    fn new(
+        rt: &'a DeviceRuntime,
+        blas: &'static DeviceBlas,
+        dtypes: (DType, DType),
+        a: &'a Operand,
+        k: usize,
+        n: usize,
+        batch: i32,
+    ) -> Gemm<'a> {
+        Gemm {
+            rt,
+            blas,
+            dtype: dtypes.0,
+            out: dtypes.1,
+            stream: current_raw(rt.ordinal),
+            a,
+            k,
+            n,
+            ldd: n,
+            batch,
+        }
+    }
+
     /// The product of the `m` rows at `b`, with the bias epilogue reading the bias at `fused`,
     /// or added to `d`'s contents (beta = 1) with `add_to_d`. Ok(false): the heuristic has no
     /// algorithm with the epilogue.
@@ -756,18 +781,7 @@ impl CudaStorage {
         let out = CudaStorage::alloc_on(rt, out_dtype, m * n)?;
         let sums = CudaStorage::alloc_on(rt, out_dtype, m)?;
         let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
-        let gemm = Gemm {
-            rt,
-            blas,
-            dtype,
-            out: out_dtype,
-            stream: current_raw(rt.ordinal),
-            a: &a,
-            k,
-            n,
-            ldd: n,
-            batch: 1,
-        };
+        let gemm = Gemm::new(rt, blas, (dtype, out_dtype), &a, k, n, 1);
         let fused = Some((Epilogue::BGradB, sums.ptr_at(0)));
         let ran = with_thread_blas(|t| gemm.run(t, &b, m, out.ptr_at(0), fused, false))?;
         Ok(ran.then_some((out, sums)))
@@ -865,18 +879,7 @@ impl CudaStorage {
         };
         // cuBLASLt's A is our rhs, its B our lhs (Note [Row-major GEMM through cuBLASLt]).
         let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
-        let gemm = Gemm {
-            rt,
-            blas,
-            dtype,
-            out: out_dtype,
-            stream: current_raw(rt.ordinal),
-            a: &a,
-            k,
-            n,
-            ldd: n,
-            batch,
-        };
+        let gemm = Gemm::new(rt, blas, (dtype, out_dtype), &a, k, n, batch);
         let product = |t: &mut ThreadBlas, d: u64, fused: Option<u64>, add_to_d: bool| {
             gemm.run(t, &b, m, d, fused.map(|ptr| (Epilogue::Bias, ptr)), add_to_d)
         };
@@ -912,18 +915,7 @@ impl CudaStorage {
         let blas = device_blas(rt)?;
         let out = CudaStorage::alloc_on(rt, dtype, m * n)?;
         let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
-        let gemm = Gemm {
-            rt,
-            blas,
-            dtype,
-            out: dtype,
-            stream: current_raw(rt.ordinal),
-            a: &a,
-            k,
-            n,
-            ldd: n,
-            batch: 1,
-        };
+        let gemm = Gemm::new(rt, blas, (dtype, dtype), &a, k, n, 1);
         let current = super::stream::current_stream(rt.ordinal)?;
         let ranges = super::row_blocks::row_block_ranges(m, blocks);
         let mut events = Vec::with_capacity(ranges.len());
