@@ -179,19 +179,6 @@ pub trait MatmulOps: Sized {
     fn matmul_widened(&self, _layout: &Layout, _rhs: &Self, _rhs_layout: &Layout) -> Result<Option<Self>> {
         Ok(None)
     }
-    /// The product of the matrices `self` (`[m, k]`) and `rhs` (`[k, n]`) and the sums of
-    /// `self`'s rows (`[m]`: a bias gradient beside a weight gradient), in one pass; in float32
-    /// for half operands when `widened` (as [`MatmulOps::matmul_widened`]). `None` where the
-    /// backend does not (the op layer then sums separately).
-    fn matmul_row_sums(
-        &self,
-        _layout: &Layout,
-        _rhs: &Self,
-        _rhs_layout: &Layout,
-        _widened: bool,
-    ) -> Result<Option<(Self, Self)>> {
-        Ok(None)
-    }
 }
 
 /// Reads and writes at index tensors.

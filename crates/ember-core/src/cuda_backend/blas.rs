@@ -244,9 +244,6 @@ enum Epilogue {
     Default,
     /// Adds a bias vector, one element per row of D (Note [Bias epilogue]).
     Bias,
-    /// Also writes the sums over k of B (one per column of D: our lhs's rows summed over its
-    /// columns) at the bias pointer, in D's type (Note [Bias gradient epilogue]).
-    BGradB,
 }
 
 /// A matmul descriptor, the layouts of A, B and D (C = D: beta is 0, or 1 to add the product to
@@ -336,11 +333,8 @@ impl Plan {
             unsafe { lt::set_matmul_desc_attribute(plan.desc, which, ptr, size) }
                 .map_err(blas_error("cublasLtMatmulDescSetAttribute"))?;
         }
-        if key.epilogue != Epilogue::Default {
-            let value = match key.epilogue {
-                Epilogue::BGradB => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
-                _ => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            } as u32;
+        if key.epilogue == Epilogue::Bias {
+            let value = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
             let (ptr, size) = attr(&value);
             // SAFETY: `plan.desc` is live; EPILOGUE takes a uint32 (cublasLtEpilogue_t).
             unsafe { lt::set_matmul_desc_attribute(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, ptr, size) }
@@ -576,7 +570,7 @@ impl<'a> Gemm<'a> {
         b: &Operand,
         m: usize,
         d: u64,
-        fused: Option<(Epilogue, u64)>,
+        fused: Option<u64>,
         add_to_d: bool,
     ) -> Result<bool> {
         let Gemm {
@@ -620,7 +614,11 @@ impl<'a> Gemm<'a> {
             stride_d: (m * ldd) as i64,
             align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
             workspace,
-            epilogue: fused.map_or(Epilogue::Default, |(e, _)| e),
+            epilogue: if fused.is_some() {
+                Epilogue::Bias
+            } else {
+                Epilogue::Default
+            },
         };
         if thread.unplanned.contains(&(rt.ordinal, key)) {
             return Ok(false);
@@ -632,16 +630,16 @@ impl<'a> Gemm<'a> {
         }
         let plan = match plans.entry((rt.ordinal, key)) {
             Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => match Plan::new(handle, &key, fused.map(|(_, ptr)| ptr)) {
+            Entry::Vacant(e) => match Plan::new(handle, &key, fused) {
                 Ok(plan) => e.insert(plan),
-                Err(_) if key.epilogue != Epilogue::Default => {
+                Err(_) if key.epilogue == Epilogue::Bias => {
                     thread.unplanned.insert((rt.ordinal, key));
                     return Ok(false);
                 }
                 Err(err) => return Err(err),
             },
         };
-        if let Some((_, ptr)) = fused {
+        if let Some(ptr) = fused {
             set_bias_pointer(plan.desc, ptr)?;
         }
         let beta = if add_to_d { 1.0 } else { 0.0 };
@@ -755,38 +753,6 @@ impl CudaStorage {
         self.lt_matmul(al, rhs, bl, Some((bias, bias_l)), dtype)
     }
 
-    /// The product of the matrices `[m, k]` (`al`) and `[k, n]` (`bl`) and the sums of the
-    /// lhs's rows (`[m]`), both in `out_dtype` (the operands' dtype, or float32 for half
-    /// operands), from one cuBLASLt call (Note [Bias gradient epilogue]); `None` where the
-    /// epilogue does not apply or cuBLASLt has no algorithm with it.
-    pub(crate) fn matmul_row_sums(
-        &self,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-        out_dtype: DType,
-    ) -> Result<Option<(CudaStorage, CudaStorage)>> {
-        let dtype = self.dtype();
-        let (&[m, k], &[_, n]) = (al.dims(), bl.dims()) else {
-            return Ok(None);
-        };
-        let half = matches!(dtype, DType::BF16 | DType::F16);
-        let plain = (half || dtype == DType::F32) && rhs.dtype() == dtype && self.ordinal() == rhs.ordinal();
-        if !plain || m == 0 || k == 0 || n == 0 || !(out_dtype == dtype || (half && out_dtype == DType::F32))
-        {
-            return Ok(None);
-        }
-        let rt = self.runtime()?;
-        let blas = device_blas(rt)?;
-        let out = CudaStorage::alloc_on(rt, out_dtype, m * n)?;
-        let sums = CudaStorage::alloc_on(rt, out_dtype, m)?;
-        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
-        let gemm = Gemm::new(rt, blas, (dtype, out_dtype), &a, k, n, 1);
-        let fused = Some((Epilogue::BGradB, sums.ptr_at(0)));
-        let ran = with_thread_blas(|t| gemm.run(t, &b, m, out.ptr_at(0), fused, false))?;
-        Ok(ran.then_some((out, sums)))
-    }
-
     /// The product, and with `bias` the bias added (floats only), through cuBLASLt, written in
     /// `out_dtype` (the operands' dtype, or float32 for half operands without a bias); integer
     /// products go to `int_matmul`.
@@ -881,7 +847,7 @@ impl CudaStorage {
         let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
         let gemm = Gemm::new(rt, blas, (dtype, out_dtype), &a, k, n, batch);
         let product = |t: &mut ThreadBlas, d: u64, fused: Option<u64>, add_to_d: bool| {
-            gemm.run(t, &b, m, d, fused.map(|ptr| (Epilogue::Bias, ptr)), add_to_d)
+            gemm.run(t, &b, m, d, fused, add_to_d)
         };
         let add_to_d = bias.is_some() && epilogue_bias.is_none();
         if !with_thread_blas(|t| product(t, out.ptr_at(0), epilogue_bias, add_to_d))? {
@@ -1005,7 +971,7 @@ impl CudaStorage {
             };
             let bias_at = bias.ptr(bias_l) + c0 as u64 * size;
             let d = out.ptr_at(0) + c0 as u64 * size;
-            if !with_thread_blas(|t| gemm.run(t, &b, m, d, Some((Epilogue::Bias, bias_at)), false))? {
+            if !with_thread_blas(|t| gemm.run(t, &b, m, d, Some(bias_at), false))? {
                 if i == 0 {
                     return whole(); // no algorithm takes the bias epilogue here
                 }
@@ -1128,16 +1094,5 @@ impl MatmulOps for CudaStorage {
         rhs_layout: &Layout,
     ) -> Result<Option<CudaStorage>> {
         CudaStorage::matmul_widened(self, layout, rhs, rhs_layout)
-    }
-
-    fn matmul_row_sums(
-        &self,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-        widened: bool,
-    ) -> Result<Option<(CudaStorage, CudaStorage)>> {
-        let out = if widened { DType::F32 } else { self.dtype() };
-        CudaStorage::matmul_row_sums(self, layout, rhs, rhs_layout, out)
     }
 }

@@ -194,38 +194,6 @@ fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor, wide: bool)
     out.t()
 }
 
-/// Note [Bias gradient epilogue]: a linear layer's bias gradient is its output gradient summed
-/// over the rows, which the weight gradient's product `gᵀ @ x` reads anyway: cuBLASLt's
-/// `BGRADB` epilogue writes those sums from the same pass, in the product's output dtype (so in
-/// float32 beside a widened weight gradient, Note [Widened gradients]). In GPT-2's step the
-/// separate column sums took 0.54 ms of 18.4 (48 + 48 launches, docs/benchmarks.md, session
-/// 45). Where the epilogue does not apply (a weight not stored column-major, its gradient in
-/// row blocks, `create_graph`, or no cuBLASLt algorithm), the two are computed apart as before.
-///
-/// The weight's gradient (as [`weight_grad`]'s, a `[k, n]` view of a dense `[n, k]`) and the
-/// bias's (`[n]`) from one product, or `None` where the backend cannot.
-fn weight_and_bias_grad(g: &Tensor, x: &Tensor, wt: &Tensor, wide: bool) -> Result<Option<(Tensor, Tensor)>> {
-    if !column_major(wt) || g.rank() != 2 || autograd::is_grad_enabled() || g.dtype() != x.dtype() {
-        return Ok(None);
-    }
-    if wt.storage().requested_row_blocks().is_some() {
-        return Ok(None);
-    }
-    let gt = g.t()?;
-    let fused = {
-        let (sg, sx) = (gt.storage().read(), x.storage().read());
-        sg.matmul_row_sums(gt.layout(), &sx, x.layout(), wide)?
-    };
-    let Some((product, sums)) = fused else {
-        return Ok(None);
-    };
-    let (n, k) = (gt.dims()[0], x.dims()[1]);
-    Ok(Some((
-        Tensor::from_storage(product, Shape::from([n, k])).t()?,
-        Tensor::from_storage(sums, Shape::from([n])),
-    )))
-}
-
 /// `x @ wt + bias` for `x: [m, k]`, `wt: [k, n]` and `bias: [n]`, with the bias added before
 /// the product rounds (PyTorch's `addmm`), and its backward rule: the product's, plus the
 /// bias's gradient (the output gradient summed over the rows).
@@ -237,7 +205,7 @@ fn product_bias(
     wt: &Tensor,
     bias: &Tensor,
     arrivals: Option<&[crate::cuda_backend::RowBlockEvent]>,
-    wide: [bool; 3],
+    wide: [bool; 2],
 ) -> Result<Tensor> {
     debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
     let (m, n) = (x.dims()[0], wt.dims()[1]);
@@ -255,7 +223,7 @@ fn product_bias(
         return Ok(out);
     }
     let (saved_x, saved_wt) = (SavedTensor::new(op, x), SavedTensor::new(op, wt));
-    let (bias_shape, bias_dtype) = (bias.shape().clone(), bias.dtype());
+    let bias_shape = bias.shape().clone();
     Ok(autograd::record(op, &[x, wt, bias], out, move |g, needs| {
         let gx = if needs[0] {
             let w = saved_wt.get()?.t()?;
@@ -263,36 +231,20 @@ fn product_bias(
         } else {
             None
         };
-        // Note [Bias gradient epilogue]: both from the weight gradient's product where it can.
-        let fused = if needs[1] && needs[2] {
-            weight_and_bias_grad(g, saved_x.get()?, saved_wt.get()?, wide[1])?
+        let gw = if needs[1] {
+            let (x, wt) = (saved_x.get()?, saved_wt.get()?);
+            Some(if column_major(&wt) {
+                weight_grad(op, g, &x, &wt, wide[1])?
+            } else {
+                grad_product(op, &x.t()?, g, wide[1])?
+            })
         } else {
             None
         };
-        let (gw, gb) = match fused {
-            Some((gw, gb)) => {
-                // A float32 sum for a bias that was not cast from float32 goes back to its dtype.
-                let gb = if wide[2] { gb } else { gb.to_dtype(bias_dtype)? };
-                (Some(gw), Some(gb))
-            }
-            None => {
-                let gw = if needs[1] {
-                    let (x, wt) = (saved_x.get()?, saved_wt.get()?);
-                    Some(if column_major(&wt) {
-                        weight_grad(op, g, &x, &wt, wide[1])?
-                    } else {
-                        grad_product(op, &x.t()?, g, wide[1])?
-                    })
-                } else {
-                    None
-                };
-                let gb = if needs[2] {
-                    Some(sum_to_shape(g, &bias_shape)?)
-                } else {
-                    None
-                };
-                (gw, gb)
-            }
+        let gb = if needs[2] {
+            Some(sum_to_shape(g, &bias_shape)?)
+        } else {
+            None
         };
         Ok(vec![gx, gw, gb])
     }))
@@ -530,7 +482,7 @@ impl Tensor {
         let lead = &self.dims()[..self.rank() - 1];
         let rows = lead.iter().product::<usize>() as isize;
         let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
-        let wide = [widens(self), widens(weight), widens(bias)];
+        let wide = [widens(self), widens(weight)];
         let out = product_bias("linear", &x, &weight.t()?, bias, arrivals.as_deref(), wide)?;
         // Every block was waited for on the way.
         *arrivals = None;

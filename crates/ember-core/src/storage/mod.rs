@@ -655,21 +655,6 @@ impl Storage {
         on_backend!("matmul", (a, b), wrap => Ok(wrap(MatmulOps::matmul(a, al, b, bl)?)))
     }
 
-    /// [`MatmulOps::matmul_row_sums`]: a product and its lhs's row sums in one pass, where the
-    /// backend can.
-    pub(crate) fn matmul_row_sums(
-        &self,
-        al: &Layout,
-        rhs: &Storage,
-        bl: &Layout,
-        widened: bool,
-    ) -> Result<Option<(Storage, Storage)>> {
-        let (a, b) = (self, rhs);
-        on_backend!("matmul", (a, b), wrap => {
-            Ok(MatmulOps::matmul_row_sums(a, al, b, bl, widened)?.map(|(p, s)| (wrap(p), wrap(s))))
-        })
-    }
-
     /// [`MatmulOps::matmul_widened`]: a half product written in float32, where the backend can.
     pub(crate) fn matmul_widened(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Result<Option<Storage>> {
         let (a, b) = (self, rhs);
