@@ -851,9 +851,12 @@ fn cuda_fused_adamw_gpt2_kernel_time() {
             &format!("adamw gpt2 device_steps={device_steps}"),
             steps,
         );
-        // GPT-2's 148 parameters in 4 multi-tensor launches a step, nothing else but the step
-        // counters' increment.
-        assert_eq!(launches.get("adam_f32").copied(), Some(4 * steps), "{launches:?}");
+        // GPT-2's 148 parameters in 4 multi-tensor launches a step (at least: the trace also
+        // holds what tests running beside this one launch).
+        assert!(
+            launches.get("adam_f32").copied().unwrap_or(0) >= 4 * steps,
+            "{launches:?}"
+        );
         let us = prof
             .trace()
             .unwrap()

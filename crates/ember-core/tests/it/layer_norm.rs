@@ -482,14 +482,17 @@ fn cuda_layernorm_f32_kernel_time() {
             &format!("layernorm {dtype} x [{n}, {c}] weights f32"),
             steps,
         );
-        // Which backward ran: rows of up to 768 in registers, longer rows the two-pass kernel.
+        // Which backward ran: rows of up to 768 in registers, longer rows the two-pass kernel
+        // (at least once a step: the trace also holds what tests running beside this one launch).
         let suffix = if dtype == DType::F32 { "f32" } else { "bf16" };
-        let rows_kernel = format!("layer_norm_backward_rows_{suffix}_f32");
-        let expected = if c <= 768 { steps } else { 0 };
-        assert_eq!(
-            launches.get(&rows_kernel).copied().unwrap_or(0),
-            expected,
-            "{dtype} [{n}, {c}]: {launches:?}"
+        let kernel = if c <= 768 {
+            format!("layer_norm_backward_rows_{suffix}_f32")
+        } else {
+            format!("layer_norm_backward_{suffix}_f32")
+        };
+        assert!(
+            launches.get(&kernel).copied().unwrap_or(0) >= steps,
+            "{dtype} [{n}, {c}]: {kernel} expected: {launches:?}"
         );
     }
 }
