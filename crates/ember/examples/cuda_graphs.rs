@@ -18,7 +18,7 @@ fn main() -> Result<()> {
     let region = || static_input.mul_scalar(2.0)?.add_scalar(1.0);
 
     // Warm up on a side stream: kernels load on first use, which a capture must not do.
-    let side = Stream::new(cuda::current_device())?;
+    let side = Stream::new()?;
     side.wait_stream(&cuda::current_stream()?)?;
     {
         let _s = cuda::stream(&side);

@@ -32,7 +32,7 @@ fn whole_network(device: Device) -> Result<()> {
     let static_target = Tensor::randn([N, D_OUT], DType::F32, device)?;
 
     // Warm up on a side stream.
-    let side = Stream::new(cuda::current_device())?;
+    let side = Stream::new()?;
     let main = cuda::current_stream()?;
     side.wait_stream(&main)?;
     {

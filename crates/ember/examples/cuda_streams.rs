@@ -13,7 +13,7 @@ fn main() -> ember::Result<()> {
     }
     let dev = Device::cuda();
     let main = cuda::current_stream()?;
-    let side = cuda::Stream::new(cuda::current_device())?;
+    let side = cuda::Stream::new()?;
     let a = Tensor::randn([4096, 4096], DType::F32, dev)?;
     let b = Tensor::randn([4096, 4096], DType::F32, dev)?;
 

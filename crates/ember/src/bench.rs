@@ -330,7 +330,7 @@ impl Classifier {
             ));
         };
         let _device = cuda::DeviceGuard::new(i)?;
-        let side = cuda::Stream::new(i)?;
+        let side = cuda::Stream::new_on(i)?;
         side.wait_stream(&cuda::current_stream_on(i)?)?;
         {
             let _side = cuda::stream(&side);
@@ -531,7 +531,7 @@ fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
             ));
         };
         let _device = cuda::DeviceGuard::new(i)?;
-        let side = cuda::Stream::new(i)?;
+        let side = cuda::Stream::new_on(i)?;
         side.wait_stream(&cuda::current_stream_on(i)?)?;
         {
             let _side = cuda::stream(&side);

@@ -8,7 +8,8 @@
 //! form with an explicit device index carries `_on`: `synchronize()` /
 //! `synchronize_on(1)`, `memory_allocated()` / `memory_allocated_on(1)`. `ember_core::cuda`
 //! keeps the explicit forms under the plain names, as the backend's API. [`empty_cache`]
-//! releases the cache of every device, as it always did.
+//! releases the cache of every device, as it always did. The [`Stream`] type is core's, so its
+//! constructors follow this rule in core: `Stream::new()` / `Stream::new_on(1)`.
 //!
 //! The random-number functions are `torch.cuda`'s: [`manual_seed`] seeds the current
 //! device's default generator, [`manual_seed_all`] every device's; [`get_rng_state`] /
@@ -206,6 +207,9 @@ mod tests {
             // Without a GPU the device forms are typed errors or no-ops, never panics.
             assert!(mem_get_info().is_err() && mem_get_info_on(0).is_err());
             assert!(current_stream().is_err() && current_stream_on(0).is_err());
+            assert!(
+                Stream::new().is_err() && Stream::new_on(0).is_err() && Stream::with_priority(-1).is_err()
+            );
             assert!(
                 record_memory_history(true, 10).is_err() && record_memory_history_on(0, true, 10).is_err()
             );

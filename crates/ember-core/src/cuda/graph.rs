@@ -499,7 +499,7 @@ fn default_capture_stream(device: usize) -> Result<Stream> {
     if let Some(s) = slot.get() {
         return Ok(s.clone());
     }
-    let s = Stream::new(device)?;
+    let s = Stream::new_on(device)?;
     Ok(slot.get_or_init(|| s).clone())
 }
 

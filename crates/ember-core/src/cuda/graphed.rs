@@ -336,7 +336,7 @@ pub fn make_graphed_callables(
     crate::cuda_backend::synchronize(device)?;
     {
         let previous = current_stream(device)?;
-        let side = Stream::new(device)?;
+        let side = Stream::new_on(device)?;
         side.wait_stream(&previous)?;
         {
             let _s = stream(&side);

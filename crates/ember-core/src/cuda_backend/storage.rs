@@ -709,7 +709,9 @@ fn peer_copy_stream(device: usize, lane: usize) -> Result<super::Stream> {
     }
     match &streams[device][lane] {
         Some(s) => Ok(s.clone()),
-        None => Ok(streams[device][lane].insert(super::Stream::new(device)?).clone()),
+        None => Ok(streams[device][lane]
+            .insert(super::Stream::new_on(device)?)
+            .clone()),
     }
 }
 

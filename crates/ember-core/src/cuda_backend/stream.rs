@@ -80,14 +80,27 @@ fn pool(device: usize) -> &'static Pool {
 }
 
 impl Stream {
-    /// A stream on `device` from the pool (Note [Stream pool]), with the default priority.
-    pub fn new(device: usize) -> Result<Stream> {
-        Stream::with_priority(device, 0)
+    /// A stream on the current device from the pool (Note [Stream pool]), with the default
+    /// priority (`torch.cuda.Stream()`).
+    pub fn new() -> Result<Stream> {
+        Stream::with_priority_on(current_device(), 0)
+    }
+
+    /// A stream on `device` from the pool, with the default priority
+    /// (`torch.cuda.Stream(device)`).
+    pub fn new_on(device: usize) -> Result<Stream> {
+        Stream::with_priority_on(device, 0)
+    }
+
+    /// A stream on the current device with `priority` (`torch.cuda.Stream(priority=p)`); see
+    /// [`Stream::with_priority_on`].
+    pub fn with_priority(priority: i32) -> Result<Stream> {
+        Stream::with_priority_on(current_device(), priority)
     }
 
     /// A stream on `device` with `priority`: 0 is the default, negative values are higher
     /// priority (as in CUDA and PyTorch); any negative value gives the device's greatest.
-    pub fn with_priority(device: usize, priority: i32) -> Result<Stream> {
+    pub fn with_priority_on(device: usize, priority: i32) -> Result<Stream> {
         runtime(device)?;
         let (_least, greatest) =
             result::stream::get_priority_range().map_err(cuda_error("stream priority"))?;

@@ -73,7 +73,7 @@ fn an_index_out_of_range_is_reported_at_the_next_synchronize() {
         [6.0, 7.0, 8.0]
     );
     // Stream and event synchronizations report too.
-    let s = Stream::new(0).unwrap();
+    let s = Stream::new_on(0).unwrap();
     {
         let _g = cuda::stream(&s);
         x.gather(1, &Tensor::from_slice(&[0i64, 5], [1, 2], gpu).unwrap())
@@ -544,7 +544,7 @@ fn peer_copies_between_two_gpus_do_not_wait() {
         .collect();
     assert_eq!(b.to_vec::<f32>().unwrap(), want);
     // From a side stream of the source to the target's default stream.
-    let s = Stream::new(0).unwrap();
+    let s = Stream::new_on(0).unwrap();
     let c = {
         let _g = cuda::stream(&s);
         let big = a.mul_scalar(3.0).unwrap();

@@ -25,7 +25,7 @@ fn step(x: &Tensor) -> Tensor {
 /// PyTorch's recipe: run the region a few times on a side stream before capturing it, so that
 /// its kernels are loaded (a first launch loads a module, which must not happen in a capture).
 fn warm_up(f: impl Fn()) {
-    let side = Stream::new(0).unwrap();
+    let side = Stream::new_on(0).unwrap();
     let main = cuda::current_stream(0).unwrap();
     side.wait_stream(&main).unwrap();
     {
@@ -113,7 +113,7 @@ fn replay_recomputes_from_new_static_inputs() {
             assert_eq!(y.to_vec::<f32>().unwrap(), want, "replay {k}");
         }
         // A replay on another stream, ordered after the input copy.
-        let s = Stream::new(0).unwrap();
+        let s = Stream::new_on(0).unwrap();
         x.copy_(&host(vec![10.0; n])).unwrap();
         s.wait_stream(&cuda::current_stream(0).unwrap()).unwrap();
         {
@@ -340,7 +340,7 @@ fn two_graphs_share_a_pool() {
         let segments = cuda::memory_stats(0)["num_device_alloc"];
         // While g2 captures into the pool, no other capture may.
         let mut g3 = CUDAGraph::new();
-        let side = Stream::new(0).unwrap();
+        let side = Stream::new_on(0).unwrap();
         {
             let _s = cuda::stream(&side);
             let err = g3.capture_begin(Some(pool)).unwrap_err();

@@ -304,7 +304,7 @@ fn matmul_from_many_threads_at_once() {
         .map(|t| {
             std::thread::spawn(move || {
                 let dtype = if t % 2 == 0 { DType::BF16 } else { DType::F16 };
-                let stream = (t % 4 >= 2).then(|| cuda::Stream::new(0).unwrap());
+                let stream = (t % 4 >= 2).then(|| cuda::Stream::new_on(0).unwrap());
                 let _guard = stream.as_ref().map(cuda::stream);
                 let mut wrong = Vec::new();
                 for i in 0..150 {

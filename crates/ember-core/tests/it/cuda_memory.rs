@@ -193,7 +193,7 @@ fn freed_pinned_buffers_are_reused() {
 #[ignore = "needs a CUDA device"]
 fn streams_guards_and_wait_stream() {
     let gpu = gpu();
-    let s = Stream::new(0).unwrap();
+    let s = Stream::new_on(0).unwrap();
     assert_ne!(s.as_raw(), 0);
     assert_eq!(cuda::current_stream(0).unwrap(), cuda::default_stream(0).unwrap());
     let x = Tensor::ones([1 << 22], DType::F32, gpu).unwrap();
@@ -214,9 +214,12 @@ fn streams_guards_and_wait_stream() {
     assert!(z.to_vec::<f32>().unwrap().iter().all(|&v| v == 10.5));
     s.synchronize().unwrap();
     assert!(s.query().unwrap());
-    let high = Stream::with_priority(0, -1).unwrap();
+    let high = Stream::with_priority_on(0, -1).unwrap();
     assert!(high.priority() <= 0);
-    assert!(Stream::new(cuda::device_count()).is_err());
+    assert!(Stream::new_on(cuda::device_count()).is_err());
+    // The forms without a device take the current one (`torch.cuda.Stream()`).
+    assert_eq!(Stream::new().unwrap().device_index(), cuda::current_device());
+    assert_eq!(Stream::with_priority(-1).unwrap().priority(), high.priority());
     // A guard restores the previous stream even if nested.
     {
         let _a = cuda::stream(&s);
@@ -238,7 +241,7 @@ fn streams_guards_and_wait_stream() {
     drop(t);
     let reused = Tensor::zeros([1 << 20], DType::F32, gpu).unwrap();
     assert_eq!(reused.sum_all().unwrap().item_f64().unwrap(), 0.0);
-    let other = Stream::new(0).unwrap();
+    let other = Stream::new_on(0).unwrap();
     assert!(Tensor::ones([4], DType::F32, Device::Cpu)
         .unwrap()
         .record_stream(&other)
@@ -276,7 +279,7 @@ fn events_record_query_and_time() {
     let untimed = Event::new(false);
     untimed.record().unwrap();
     assert!(untimed.elapsed_time(&end).is_err());
-    let s = Stream::new(0).unwrap();
+    let s = Stream::new_on(0).unwrap();
     s.wait_event(&end).unwrap();
     s.synchronize().unwrap();
 }
@@ -327,7 +330,7 @@ fn copies_between_two_gpus() {
     assert!(matches!(a.add(&b), Err(Error::DeviceMismatch { .. })));
     assert!(cuda::memory_allocated(1) > 0);
     // Streams and events belong to their device.
-    let s1 = Stream::new(1).unwrap();
+    let s1 = Stream::new_on(1).unwrap();
     assert_eq!(s1.device(), d1);
     let c = b.mul_scalar(2.0).unwrap().to(d0).unwrap();
     assert_eq!(c.to_vec::<f32>().unwrap()[299 * 200 + 199], 2.0 * 59_999.0);

@@ -652,7 +652,7 @@ fn arriving_late(values: &Tensor, blocks: usize) -> Tensor {
     use ember_core::cuda::{self, RowBlockEvent};
     let (rows, cols) = (values.dims()[0], values.dims()[1]);
     let g = Tensor::zeros([rows, cols], DType::F32, values.device()).unwrap();
-    let side = cuda::Stream::new(0).unwrap();
+    let side = cuda::Stream::new_on(0).unwrap();
     side.wait_stream(&cuda::current_stream(0).unwrap()).unwrap();
     let mut events = Vec::new();
     {

@@ -463,7 +463,7 @@ impl Reducer {
             false => cuda::take_gradient_row_events(t),
         };
         // One side stream for all blocks: it waits for each block's event in turn.
-        let side = cuda::Stream::new(device)?;
+        let side = cuda::Stream::new_on(device)?;
         let mut works = Vec::new();
         for r in cuda::row_block_ranges(rows, blocks) {
             let part = flat.narrow(0, r.start * cols, r.len() * cols)?;
@@ -525,7 +525,9 @@ impl Reducer {
         // for here.
         let first_blocked = st.buckets.iter().position(|b| b.row_blocks > 1);
         let side = match (self.group.device(), first_blocked) {
-            (Device::Cuda(d), Some(_)) if !cuda::is_current_stream_capturing() => Some(cuda::Stream::new(d)?),
+            (Device::Cuda(d), Some(_)) if !cuda::is_current_stream_capturing() => {
+                Some(cuda::Stream::new_on(d)?)
+            }
             _ => None,
         };
         for b in 0..st.buckets.len() {

@@ -328,7 +328,7 @@ impl NcclBackend {
         // instead of waiting for the GEMM's last wave, so DDP's bucket all-reduces overlap
         // the rest of backward (mlp_large on two H100s: the 40 MB bucket started only as the
         // 0.56 ms first-layer weight-gradient GEMM ended).
-        Ok((lib, Stream::with_priority(device, -1)?))
+        Ok((lib, Stream::with_priority_on(device, -1)?))
     }
 
     /// The device the group's communicator is on.

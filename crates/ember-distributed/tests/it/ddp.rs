@@ -188,7 +188,7 @@ pub(crate) fn ddp_graph_run_on(
     use ember_core::cuda::{self, CUDAGraph, CaptureErrorMode, GraphOptions};
     let _guard = cuda::DeviceGuard::new(device).unwrap();
     let (ddp, mut opt, x, y) = ddp_setup(pg, options, rows, Device::Cuda(device));
-    let side = cuda::Stream::new(device).unwrap();
+    let side = cuda::Stream::new_on(device).unwrap();
     side.wait_stream(&cuda::current_stream(device).unwrap()).unwrap();
     let mut out = {
         let _side = cuda::stream(&side);

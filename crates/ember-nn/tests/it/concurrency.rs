@@ -164,7 +164,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
 fn on_own_stream<R>(device: Device, f: impl FnOnce() -> R) -> R {
     match device {
         Device::Cuda(i) => {
-            let s = Stream::new(i).unwrap();
+            let s = Stream::new_on(i).unwrap();
             let r = {
                 let _guard = cuda::stream(&s);
                 f()

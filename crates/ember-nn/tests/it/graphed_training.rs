@@ -120,7 +120,7 @@ fn capture_step(
     warmup: u64,
 ) -> (CUDAGraph, Tensor) {
     let device = x.device();
-    let side = Stream::new(cuda::current_device()).unwrap();
+    let side = Stream::new().unwrap();
     let main = cuda::current_stream(cuda::current_device()).unwrap();
     side.wait_stream(&main).unwrap();
     {

@@ -103,7 +103,7 @@ impl GraphedSteps {
         Ok(GraphedSteps {
             device: i,
             batch_size,
-            side: Stream::new(i)?,
+            side: Stream::new_on(i)?,
             warmed: 0,
             captured: None,
             replays: 0,
