@@ -218,3 +218,52 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
         }
     }
 }
+
+/// Runs `step` `warmup` times, then `steps` times under the profiler (CPU and CUDA activities),
+/// synchronizing device 0 before and after: the profiled cycle of a kernel-time test.
+pub fn profile_steps(warmup: usize, steps: usize, mut step: impl FnMut()) -> ember_core::profiler::Profiler {
+    use ember_core::profiler::{self, ProfilerActivity};
+    for _ in 0..warmup {
+        step();
+    }
+    ember_core::cuda::synchronize(0).unwrap();
+    let mut prof = profiler::profile()
+        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+        .start()
+        .unwrap();
+    for _ in 0..steps {
+        step();
+    }
+    ember_core::cuda::synchronize(0).unwrap();
+    prof.stop().unwrap();
+    prof
+}
+
+/// Prints, per kernel of the profiled cycle, its launches, mean time, grid, block and registers
+/// (`KT <label> <kernel>: ...` lines, for the kernel-time tests of issue 37).
+pub fn print_kernel_times(
+    prof: &ember_core::profiler::Profiler,
+    label: &str,
+    steps: usize,
+) -> std::collections::BTreeMap<String, usize> {
+    let acts = prof.trace().expect("a saved cycle").gpu_activities();
+    let mut names: Vec<&str> = acts.iter().map(|a| a.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut launches = std::collections::BTreeMap::new();
+    for name in names {
+        let of: Vec<_> = acts.iter().filter(|a| a.name == name).collect();
+        launches.insert(name.to_string(), of.len());
+        let total_us = of.iter().map(|a| a.duration_ns as f64).sum::<f64>() / 1e3;
+        println!(
+            "KT {label} {name}: {} launches, {:.2} us each, {:.1} us a step, grid {:?} block {:?} regs {}",
+            of.len(),
+            total_us / of.len() as f64,
+            total_us / steps as f64,
+            of[0].grid,
+            of[0].block,
+            of[0].registers_per_thread
+        );
+    }
+    launches
+}

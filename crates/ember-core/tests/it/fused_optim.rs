@@ -3,7 +3,7 @@
 //! `optim::sgd`, bit for bit in f32 and f64), a hand-computed step, f16/bf16 against f32,
 //! versions, errors; on a GPU, CPU against CUDA over many tensors of odd sizes.
 
-use crate::common::{self, values};
+use crate::common::{self, print_kernel_times, profile_steps, values};
 use ember_core::fused::{adam_, can_fuse, sgd_, AdamStep, SgdStep};
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
 
@@ -794,7 +794,6 @@ fn gpt2_sizes() -> Vec<usize> {
 #[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
 fn cuda_fused_adamw_gpt2_kernel_time() {
     use ember_core::fused::{adam_scaled_, AdamSteps, GradScaling};
-    use ember_core::profiler::{self, ProfilerActivity};
     let dev = common::gpu();
     let sizes = gpt2_sizes();
     let total: usize = sizes.iter().sum();
@@ -822,7 +821,7 @@ fn cuda_fused_adamw_gpt2_kernel_time() {
     let _g = no_grad();
     for device_steps in [true, false] {
         let mut host = 0.0;
-        let mut step = || {
+        let step = || {
             host += 1.0;
             let hs = vec![host; sizes.len()];
             let steps = if device_steps {
@@ -832,25 +831,9 @@ fn cuda_fused_adamw_gpt2_kernel_time() {
             };
             adam_scaled_(&p, &g, &m, &v, None, steps, &c, GradScaling::default(), None).unwrap();
         };
-        for _ in 0..3 {
-            step();
-        }
-        ember_core::cuda::synchronize(0).unwrap();
         let steps = 10;
-        let mut prof = profiler::profile()
-            .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
-            .start()
-            .unwrap();
-        for _ in 0..steps {
-            step();
-        }
-        ember_core::cuda::synchronize(0).unwrap();
-        prof.stop().unwrap();
-        let launches = super::layer_norm::print_kernel_times(
-            &prof,
-            &format!("adamw gpt2 device_steps={device_steps}"),
-            steps,
-        );
+        let prof = profile_steps(3, steps, step);
+        let launches = print_kernel_times(&prof, &format!("adamw gpt2 device_steps={device_steps}"), steps);
         // GPT-2's 148 parameters in 4 multi-tensor launches a step (at least: the trace also
         // holds what tests running beside this one launch).
         assert!(

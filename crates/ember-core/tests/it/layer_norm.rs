@@ -2,7 +2,9 @@
 //! against float64 values computed here by hand, in f32, bf16 and f16 on the CPU (and f64);
 //! gradient checks in f64; CUDA against the CPU on odd row lengths and non-contiguous inputs.
 
-use super::common::{assert_close_slice, cpu_vs_cuda, gpu, gradcheck, values};
+use super::common::{
+    assert_close_slice, cpu_vs_cuda, gpu, gradcheck, print_kernel_times, profile_steps, values,
+};
 use ember_core::{DType, Device, Result, Tensor};
 
 /// Layer norm of `rows` rows of `n` in f64: (y, dx, dw, db) for output gradient `g`.
@@ -389,7 +391,6 @@ fn cuda_norm_kernels_compile_with_nvrtc() {
 #[test]
 #[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
 fn cuda_layernorm_bf16_kernel_time() {
-    use ember_core::profiler::{self, ProfilerActivity};
     let dev = gpu();
     let (n, c) = (8192usize, 768usize);
     let x = Tensor::randn([n, c], DType::BF16, dev)
@@ -409,23 +410,17 @@ fn cuda_layernorm_bf16_kernel_time() {
         let y = x.layer_norm(&[c], Some(&w), Some(&b), 1e-5).unwrap();
         y.backward_with(Some(&g), false).unwrap();
     };
-    for _ in 0..5 {
-        step();
-    }
-    ember_core::cuda::synchronize(0).unwrap();
     let steps = 20;
-    let mut prof = profiler::profile()
-        .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
-        .start()
-        .unwrap();
-    for _ in 0..steps {
-        step();
-    }
-    ember_core::cuda::synchronize(0).unwrap();
-    prof.stop().unwrap();
+    let prof = profile_steps(5, steps, step);
     let avg = prof.key_averages();
     println!("{}", avg.table("cuda_time_total", 20).unwrap());
-    print_kernel_times(&prof, "layernorm_bf16", steps);
+    let launches = print_kernel_times(&prof, "layernorm_bf16", steps);
+    // Rows of 768 take the backward that keeps them in registers.
+    let rows = launches
+        .get("layer_norm_backward_rows_bf16_bf16")
+        .copied()
+        .unwrap_or(0);
+    assert!(rows >= steps, "{launches:?}");
     let us = avg.self_cuda_time_total_us() / steps as f64;
     let gbs = 10.0 * (n * c) as f64 / (us * 1e-6) / 1e9;
     println!("layernorm_bf16 GPU time a step: {us:.1} us = {gbs:.0} GB/s of the workload's 10 bytes/element");
@@ -438,7 +433,6 @@ fn cuda_layernorm_bf16_kernel_time() {
 #[test]
 #[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
 fn cuda_layernorm_f32_kernel_time() {
-    use ember_core::profiler::{self, ProfilerActivity};
     let dev = gpu();
     // 768: rows in registers; 1024 in f32: past them (both passes read memory).
     for (dtype, n, c) in [
@@ -463,20 +457,8 @@ fn cuda_layernorm_f32_kernel_time() {
             let y = x.layer_norm(&[c], Some(&w), Some(&b), 1e-5).unwrap();
             y.backward_with(Some(&g), false).unwrap();
         };
-        for _ in 0..5 {
-            step();
-        }
-        ember_core::cuda::synchronize(0).unwrap();
         let steps = 25;
-        let mut prof = profiler::profile()
-            .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
-            .start()
-            .unwrap();
-        for _ in 0..steps {
-            step();
-        }
-        ember_core::cuda::synchronize(0).unwrap();
-        prof.stop().unwrap();
+        let prof = profile_steps(5, steps, step);
         let launches = print_kernel_times(
             &prof,
             &format!("layernorm {dtype} x [{n}, {c}] weights f32"),
@@ -495,33 +477,4 @@ fn cuda_layernorm_f32_kernel_time() {
             "{dtype} [{n}, {c}]: {kernel} expected: {launches:?}"
         );
     }
-}
-
-/// Prints, per kernel of the profiled cycle, its launches, mean time, grid, block and registers
-/// (`KT <label> <kernel>: ...` lines, for the kernel-time tests of issue 37).
-pub(crate) fn print_kernel_times(
-    prof: &ember_core::profiler::Profiler,
-    label: &str,
-    steps: usize,
-) -> std::collections::BTreeMap<String, usize> {
-    let acts = prof.trace().expect("a saved cycle").gpu_activities();
-    let mut names: Vec<&str> = acts.iter().map(|a| a.name.as_str()).collect();
-    names.sort_unstable();
-    names.dedup();
-    let mut launches = std::collections::BTreeMap::new();
-    for name in names {
-        let of: Vec<_> = acts.iter().filter(|a| a.name == name).collect();
-        launches.insert(name.to_string(), of.len());
-        let total_us = of.iter().map(|a| a.duration_ns as f64).sum::<f64>() / 1e3;
-        println!(
-            "KT {label} {name}: {} launches, {:.2} us each, {:.1} us a step, grid {:?} block {:?} regs {}",
-            of.len(),
-            total_us / of.len() as f64,
-            total_us / steps as f64,
-            of[0].grid,
-            of[0].block,
-            of[0].registers_per_thread
-        );
-    }
-    launches
 }
