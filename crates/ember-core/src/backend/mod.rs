@@ -430,6 +430,9 @@ pub trait NormOps: Sized {
     ) -> Result<(Self, Self, Self)>;
     /// The gradients of [`NormOps::layer_norm`] from the output gradient `self` and the
     /// forward's input, statistics and weight: those `want` asks for (input, weight, bias).
+    /// With `dx_into` (x's dtype, as many elements as x, row-major from its first), the input
+    /// gradient is added to what it holds, rounding once, and is not returned (Note [Gradients
+    /// added in place] in `autograd/engine.rs`).
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward(
         &self,
@@ -440,6 +443,7 @@ pub trait NormOps: Sized {
         weight: Option<(&Self, &Layout)>,
         n: usize,
         want: LayerNormGrads,
+        dx_into: Option<&mut Self>,
     ) -> Result<[Option<Self>; 3]>;
 }
 

@@ -728,6 +728,7 @@ kernels! {
             n: i64,
             vec: i32,
             shared: i32,
+            add: i32,
         );
         /// `layer_norm_backward` for rows of at most 768 elements (`LN_LANE_ELEMS` a lane) of a
         /// 4- or 2-byte T, all operands 16-byte aligned and n a multiple of 16 bytes, with
@@ -742,6 +743,7 @@ kernels! {
             partial: OptOut<A>,
             rows: i64,
             n: i64,
+            add: i32,
         );
         /// dw and db (`n` each, when given) summed in order over the `blocks` rows of `partial`.
         layer_norm_backward_params<W, A>(partial: In<A>, blocks: i64, n: i64, dw: OptOut<W>, db: OptOut<W>);

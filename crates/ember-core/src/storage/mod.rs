@@ -1127,6 +1127,7 @@ impl Storage {
         weight: Option<(&Storage, &Layout)>,
         n: usize,
         want: LayerNormGrads,
+        dx_into: Option<&mut Storage>,
     ) -> Result<[Option<Storage>; 3]> {
         #[allow(clippy::too_many_arguments)]
         fn run<B: NormOps>(
@@ -1138,6 +1139,7 @@ impl Storage {
             weight: Option<(&Storage, &Layout)>,
             n: usize,
             want: LayerNormGrads,
+            dx_into: Option<&mut Storage>,
             wrap: fn(B) -> Storage,
         ) -> Result<[Option<Storage>; 3]>
         where
@@ -1148,14 +1150,41 @@ impl Storage {
             let xs = (as_backend(OP, g, x.0)?, x.1);
             let (m, r) = (as_backend(OP, g, mean)?, as_backend(OP, g, rstd)?);
             let w = opt_backend(OP, g, weight)?;
-            let grads = gs.layer_norm_backward(l, xs, m, r, w, n, want)?;
+            let into = match dx_into {
+                Some(d) => Some(
+                    d.variant_mut()
+                        .map_err(|_| Error::invalid(OP, "the gradient to add dx to is on another backend"))?,
+                ),
+                None => None,
+            };
+            let grads = gs.layer_norm_backward(l, xs, m, r, w, n, want, into)?;
             Ok(grads.map(|t| t.map(wrap)))
         }
         match self {
-            Storage::Cpu(_) => run::<CpuStorage>(self, layout, x, mean, rstd, weight, n, want, Storage::Cpu),
-            Storage::Cuda(_) => {
-                run::<CudaStorage>(self, layout, x, mean, rstd, weight, n, want, Storage::Cuda)
-            }
+            Storage::Cpu(_) => run::<CpuStorage>(
+                self,
+                layout,
+                x,
+                mean,
+                rstd,
+                weight,
+                n,
+                want,
+                dx_into,
+                Storage::Cpu,
+            ),
+            Storage::Cuda(_) => run::<CudaStorage>(
+                self,
+                layout,
+                x,
+                mean,
+                rstd,
+                weight,
+                n,
+                want,
+                dx_into,
+                Storage::Cuda,
+            ),
         }
     }
 }
