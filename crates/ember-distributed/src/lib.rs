@@ -74,10 +74,11 @@ pub use ddp::{
 };
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
 pub use group::{
-    all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,
-    broadcast_async, default_group, destroy_process_group, get_rank, get_world_size, init_process_group,
-    init_process_group_with_env, irecv, is_initialized, isend, new_group, recv, reduce_scatter,
-    reduce_scatter_async, send, BackendKind, InitOptions, IntoInitOptions, ProcessGroup,
+    all_gather, all_gather_async, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce,
+    all_reduce_async, barrier, barrier_async, broadcast, broadcast_async, default_group,
+    destroy_process_group, get_rank, get_world_size, init_process_group, init_process_group_with_env, irecv,
+    is_initialized, isend, new_group, recv, reduce_scatter, reduce_scatter_async, reduce_scatter_tensor,
+    reduce_scatter_tensor_async, send, BackendKind, InitOptions, IntoInitOptions, ProcessGroup,
 };
 pub use mesh::{init_device_mesh, DeviceMesh};
 pub use nccl::NcclBackend;

@@ -218,12 +218,24 @@ fn nccl_all_reduce_over_one_rank_leaves_the_tensor() {
     });
 }
 
+/// The flat collectives over one rank: NCCL copies (gather) or reduces over one rank
+/// (scatter) straight between the caller's tensors.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn nccl_flat_collectives_over_one_rank() {
+    assert!(cuda::is_available(), "this test needs a CUDA device");
+    run_nccl_ranks(1, |pg, dev| {
+        crate::common::check_flat_collectives(&pg, Device::Cuda(dev));
+    });
+}
+
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_collectives_on_two_gpus_as_threads() {
     crate::common::require_two_gpus();
     run_nccl_ranks(2, |pg, dev| {
         check_nccl_collectives(&pg, dev);
+        crate::common::check_flat_collectives(&pg, Device::Cuda(dev));
         // A subgroup of both ranks, on the parent's device.
         let sub = pg.new_group(&[0, 1]).unwrap().unwrap();
         let x = on(vec![pg.rank() as f32], dev);
