@@ -17,6 +17,8 @@
 //!   (`torch.distributed.tensor`: [`distribute_tensor`], `from_local`, `full_tensor`).
 //! - [`checkpoint`] (also [`dcp`]): distributed checkpoints, one safetensors file per rank plus
 //!   metadata, resharded on load (`torch.distributed.checkpoint`).
+//! - [`optim`]: [`ZeroRedundancyOptimizer`], optimizer state sharded across ranks
+//!   (`torch.distributed.optim`).
 //!
 //! Every blocking call is bounded by a timeout and reports failures as [`ember_core::Error`]:
 //! a timeout is [`ember_core::Error::Io`] of kind `TimedOut`, a peer that died is kind
@@ -61,6 +63,7 @@ pub mod group;
 pub mod launch;
 pub mod mesh;
 pub mod nccl;
+pub mod optim;
 pub mod rendezvous;
 pub mod store;
 mod wire;
@@ -82,4 +85,5 @@ pub use group::{
 };
 pub use mesh::{init_device_mesh, DeviceMesh};
 pub use nccl::NcclBackend;
+pub use optim::ZeroRedundancyOptimizer;
 pub use store::{PrefixStore, Store, TcpStore};

@@ -13,3 +13,4 @@ mod launcher;
 mod nccl;
 mod processes;
 mod store;
+mod zero;
