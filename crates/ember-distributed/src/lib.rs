@@ -17,6 +17,8 @@
 //!   (`torch.distributed.tensor`: [`distribute_tensor`], `from_local`, `full_tensor`).
 //! - [`checkpoint`] (also [`dcp`]): distributed checkpoints, one safetensors file per rank plus
 //!   metadata, resharded on load (`torch.distributed.checkpoint`).
+//! - [`fsdp`]: [`fully_shard`] and [`FSDPModule`], parameters sharded along dim 0, gathered
+//!   for forward and backward, gradients reduce-scattered (`torch.distributed.fsdp`, FSDP2).
 //! - [`optim`]: [`ZeroRedundancyOptimizer`], optimizer state sharded across ranks
 //!   (`torch.distributed.optim`).
 //!
@@ -59,6 +61,7 @@ pub mod checkpoint;
 pub mod cpu_backend;
 pub mod ddp;
 pub mod dtensor;
+pub mod fsdp;
 pub mod group;
 pub mod launch;
 pub mod mesh;
@@ -76,6 +79,7 @@ pub use ddp::{
     default_hooks, CommFuture, DdpOptions, DistributedDataParallel, ForwardOutput, GradBucket, NoSyncGuard,
 };
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
+pub use fsdp::{fully_shard, FSDPModule, FullyShardOptions};
 pub use group::{
     all_gather, all_gather_async, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce,
     all_reduce_async, barrier, barrier_async, broadcast, broadcast_async, default_group,

@@ -9,6 +9,7 @@ mod common;
 mod ddp;
 mod ddp_hooks;
 mod dtensor;
+mod fsdp;
 mod launcher;
 mod nccl;
 mod processes;
