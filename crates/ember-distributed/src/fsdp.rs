@@ -5,20 +5,23 @@
 //!
 //! Note [FSDP mechanism]: ember-nn has no forward hooks, so the module is wrapped instead of
 //! hooked: [`FSDPModule`] owns the module, behind a lock, with every parameter field replaced
-//! by an empty placeholder, and keeps the local shards (leaf tensors that require grad, what
-//! `parameters()` lists and the optimizer steps). Its forward:
+//! by an empty placeholder (one per parameter, tied fields sharing theirs), and keeps the local
+//! shards (leaf tensors, what `parameters()` lists and the optimizer steps). Its forward:
 //! 1. all-gathers every parameter in one flat collective (FSDP2's `FSDPParamGroup`): each rank
-//!    packs its shards, each padded to `ceil(rows / world)` rows, into one buffer, and
-//!    `all_gather_into_tensor` makes `[world, S]`, from which each full parameter is cut (a
-//!    copy of its `world` column blocks, the padding rows dropped);
-//! 2. puts the full parameters into the module's fields (`visit_mut`), runs the module's
-//!    forward, and puts the placeholders back;
+//!    packs its shards, each padded to `ceil(rows / world)` rows, into one buffer (cast to the
+//!    [`MixedPrecisionPolicy`]'s `param_dtype`), and `all_gather_into_tensor` makes
+//!    `[world, S]`, from which each full parameter is cut (a copy of its `world` column blocks,
+//!    the padding rows dropped);
+//! 2. puts the full parameters into the fields that hold its placeholders (`visit_mut`,
+//!    recognizing the placeholders by identity), runs the module's forward, and puts the
+//!    placeholders back;
 //! 3. autograd connects the full parameters to the shards through one custom node
 //!    (`fsdp_all_gather`), whose backward receives the gradient of the whole `[world, S]`
 //!    buffer (the cuts' backward writes each full gradient into its blocks, zeros in the
-//!    padding) and reduce-scatters it with `ReduceOp::Avg` (`reduce_scatter_tensor`): each
-//!    rank gets the average over ranks of its own rows, which autograd accumulates into the
-//!    shards' `.grad`. That is DDP's averaged gradient, cut to the rank's rows.
+//!    padding), casts it to `reduce_dtype` and reduce-scatters it with `ReduceOp::Avg`
+//!    (`reduce_scatter_tensor`): each rank gets the average over ranks of its own rows, cast to
+//!    the shards' dtype, which autograd accumulates into the shards' `.grad`. That is DDP's
+//!    averaged gradient, cut to the rank's rows.
 //!
 //! Note [Reshard after forward]: PyTorch frees the full parameters after forward by resizing
 //! their storage to zero and gathers into the same storage again before backward, so the
@@ -32,25 +35,50 @@
 //! full parameters stay alive in the graph until backward (FSDP2's `False`: no second
 //! all-gather, no recomputation).
 //!
+//! Note [FSDP nesting]: as with FSDP2, shard the blocks first, then the root: `fully_shard`
+//! of a module that contains [`FSDPModule`]s leaves their parameters to them (while it shards,
+//! an [`FSDPModule`] hides its parameters from the traversal) and shards the rest, and each
+//! unit gathers and reduce-scatters its own parameters when its forward and backward run.
+//! `parameters()` of the root lists every shard, the inner units' included.
+//!
+//! Note [FSDP gradient accumulation]: after [`FSDPModule::set_requires_gradient_sync`]`(false)`
+//! the backward keeps the unsharded gradient (summed over the backward passes) instead of
+//! reduce-scattering it and leaves the shards' `.grad` alone; the first backward with sync on
+//! again adds it to its own gradient and reduce-scatters the sum, as DDP's `no_sync` and
+//! FSDP2 do. It costs one unsharded gradient buffer per unit in between.
+//!
 //! Every rank must run the same forward and backward passes (the collectives are matched in
 //! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
 //! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
 //!
-//! Not yet: nesting (`fully_shard` of a module that contains an [`FSDPModule`]: shard each
-//! block and chain them, e.g. in a `Sequential`, instead), prefetching the next module's
-//! all-gather on a separate stream, `MixedPrecisionPolicy`, `set_requires_gradient_sync` for
-//! gradient accumulation without communication.
+//! Not yet: prefetching the next unit's all-gather on a separate stream (every collective
+//! runs when its unit needs it), and a sharded state dict of a nested model (each unit's
+//! [`FSDPModule::named_dtensors`] covers its own parameters).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use ember_core::{autograd, is_grad_enabled, no_grad, DType, Device, Error, Result, Shape, Tensor};
+use ember_core::{autograd, is_grad_enabled, no_grad, DType, Error, Result, Shape, Tensor};
 use ember_nn::{Forward, Module, TensorKind};
 
 use crate::backend::ReduceOp;
 use crate::dtensor::{chunk_range, DTensor, Placement};
+use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
 
 const OP: &str = "fully_shard";
+
+/// The dtypes of an [`FSDPModule`]'s computation and gradient reduction
+/// (`MixedPrecisionPolicy(param_dtype, reduce_dtype)`); `None` keeps the shards' dtype. The
+/// shards (what the optimizer steps) keep theirs whatever the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MixedPrecisionPolicy {
+    /// The dtype the parameters are gathered in and the forward computes in (floating-point
+    /// inputs of [`Forward::forward`] are cast to it, PyTorch's `cast_forward_inputs`).
+    pub param_dtype: Option<DType>,
+    /// The dtype gradients are reduce-scattered in; `None` takes `param_dtype`.
+    pub reduce_dtype: Option<DType>,
+}
 
 /// The keyword arguments of `fully_shard` (PyTorch's defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,12 +86,15 @@ pub struct FullyShardOptions {
     /// Free the full parameters after forward and gather them again in backward (Note
     /// [Reshard after forward]: in ember this recomputes the module's forward in backward).
     pub reshard_after_forward: bool,
+    /// The dtypes of computation and reduction (`mp_policy`).
+    pub mp_policy: MixedPrecisionPolicy,
 }
 
 impl Default for FullyShardOptions {
     fn default() -> Self {
         FullyShardOptions {
             reshard_after_forward: true,
+            mp_policy: MixedPrecisionPolicy::default(),
         }
     }
 }
@@ -79,7 +110,7 @@ struct ParamLayout {
     /// Rows each rank's padded shard holds (`ceil(rows / world)`), and this rank's real rows.
     padded_rows: usize,
     local_rows: usize,
-    /// Offset of this parameter's padded shard in a rank's block of the flat buffer.
+    /// Offset of this parameter's padded shard in a rank's block of the flat buffers.
     offset: usize,
 }
 
@@ -103,40 +134,79 @@ impl ParamLayout {
     }
 }
 
+/// What the gradient reduction of a unit needs in backward (Note [FSDP mechanism] step 3,
+/// Note [FSDP gradient accumulation]).
+struct Reduction {
+    group: ProcessGroup,
+    layouts: Vec<ParamLayout>,
+    /// Elements of one rank's block of the flat buffers.
+    block: usize,
+    reduce_dtype: Option<DType>,
+    requires_gradient_sync: AtomicBool,
+    /// The unsharded gradient summed over backward passes without sync.
+    pending: Mutex<Option<Tensor>>,
+}
+
 /// What the forward passes (and the recomputation in backward) share.
 struct FsdpState<M> {
     /// The module, its parameter fields holding placeholders between forwards.
     module: Mutex<M>,
     /// The local shards (leaves), one per distinct parameter, in visit order.
     shards: RwLock<Vec<Tensor>>,
-    layouts: Vec<ParamLayout>,
-    /// For each parameter visit of the module (a tied parameter is visited under each of its
-    /// names): its dotted name and the index of its shard.
-    slots: Vec<(String, usize)>,
-    /// Elements of one rank's block of the flat buffers.
-    block: usize,
-    dtype: DType,
-    device: Device,
+    /// Per distinct parameter: the empty tensor its fields hold between forwards, and its
+    /// first dotted name.
+    placeholders: Vec<Tensor>,
+    names: Vec<String>,
+    reduction: Arc<Reduction>,
+    param_dtype: Option<DType>,
     mesh: DeviceMesh,
 }
 
 /// A module whose parameters are sharded over a [`DeviceMesh`] (`FSDPModule`; Note [FSDP
 /// mechanism]). [`Module::visit`] lists the local shards under the parameters' names (so
-/// `parameters()` gives the optimizer the shards) and the module's buffers as they are.
+/// `parameters()` gives the optimizer the shards) and the module's buffers as they are. A
+/// clone is another handle to the same sharded module.
 pub struct FSDPModule<M> {
     state: Arc<FsdpState<M>>,
-    options: FullyShardOptions,
+    reshard_after_forward: bool,
+}
+
+thread_local! {
+    /// Set while [`fully_shard`] visits a module's parameters: an [`FSDPModule`] met there
+    /// hides its own (Note [FSDP nesting]).
+    static SHARDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Sets [`SHARDING`] for its lifetime.
+struct ShardingScope;
+
+impl ShardingScope {
+    fn enter() -> ShardingScope {
+        SHARDING.with(|s| s.set(true));
+        ShardingScope
+    }
+}
+
+impl Drop for ShardingScope {
+    fn drop(&mut self) {
+        SHARDING.with(|s| s.set(false));
+    }
+}
+
+/// The index of the tensor in `list` that `t` is (the same tensor, not equal values).
+fn index_of(list: &[Tensor], t: &Tensor) -> Option<usize> {
+    list.iter().position(|x| x.is_same(t))
 }
 
 /// Shards `module`'s parameters along dim 0 over `mesh` and wraps it (`fully_shard(module,
-/// mesh=mesh, reshard_after_forward=...)`). Each rank keeps its rows of every parameter
-/// (`torch.chunk`'s split, unpadded), moved to the mesh's device; the module's own tensors are
-/// released. No communication: every rank must hold the same initial values (Note [FSDP
+/// mesh=mesh, reshard_after_forward=..., mp_policy=...)`). Each rank keeps its rows of every
+/// parameter (`torch.chunk`'s split, unpadded), moved to the mesh's device; the module's own
+/// tensors are released. Parameters of [`FSDPModule`]s inside `module` stay theirs (Note [FSDP
+/// nesting]). No communication: every rank must hold the same initial values (Note [FSDP
 /// mechanism]).
 ///
-/// Errors: parameters of different dtypes or devices (one flat buffer holds them all; cast
-/// the module first), a module without parameters, or a module that already contains an
-/// [`FSDPModule`] (shard the children and chain them instead).
+/// Errors: parameters of different dtypes (one flat buffer holds them all; cast the module
+/// first), or no parameter left to shard.
 pub fn fully_shard<M: Module>(
     mut module: M,
     mesh: &DeviceMesh,
@@ -146,8 +216,9 @@ pub fn fully_shard<M: Module>(
     let device = mesh.device_type();
     let mut shards: Vec<Tensor> = Vec::new();
     let mut originals: Vec<Tensor> = Vec::new();
+    let mut placeholders: Vec<Tensor> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
     let mut layouts: Vec<ParamLayout> = Vec::new();
-    let mut slots: Vec<(String, usize)> = Vec::new();
     let mut dtype = None;
     let mut block = 0;
     let scope = ShardingScope::enter();
@@ -155,10 +226,9 @@ pub fn fully_shard<M: Module>(
         if kind != TensorKind::Parameter {
             return Ok(());
         }
-        if let Some(i) = originals.iter().position(|o| o.is_same(t)) {
+        if let Some(i) = index_of(&originals, t) {
             // A tied parameter: the same shard under another name.
-            slots.push((name.to_owned(), i));
-            *t = placeholder(t)?;
+            *t = placeholders[i].clone();
             return Ok(());
         }
         match dtype {
@@ -186,64 +256,49 @@ pub fn fully_shard<M: Module>(
         block += layout.padded_numel();
         let shard = {
             let _g = no_grad();
-            let flat_rows = t.detach().reshape([rows as isize, row_numel as isize])?;
-            let mine = flat_rows.narrow(0, range.start, range.len())?;
+            let by_rows = t.detach().reshape([rows as isize, row_numel as isize])?;
+            let mine = by_rows.narrow(0, range.start, range.len())?;
             mine.to(device)?.deep_clone()?.reshape(layout.local_dims())?
         };
         if t.requires_grad() {
             shard.requires_grad_(true)?;
         }
+        let placeholder = Tensor::empty([0usize], t.dtype(), t.device())?;
         originals.push(t.clone());
-        slots.push((name.to_owned(), shards.len()));
+        placeholders.push(placeholder.clone());
+        names.push(name.to_owned());
         shards.push(shard);
         layouts.push(layout);
-        *t = placeholder(t)?;
+        *t = placeholder;
         Ok(())
     })?;
     drop(scope);
-    let Some(dtype) = dtype else {
-        return Err(Error::invalid(OP, "the module has no parameters to shard"));
-    };
+    if dtype.is_none() {
+        return Err(Error::invalid(
+            OP,
+            "the module has no parameters to shard (or all of them belong to FSDPModules inside it already)",
+        ));
+    }
+    let mp = options.mp_policy;
     Ok(FSDPModule {
         state: Arc::new(FsdpState {
             module: Mutex::new(module),
             shards: RwLock::new(shards),
-            layouts,
-            slots,
-            block,
-            dtype,
-            device,
+            placeholders,
+            names,
+            reduction: Arc::new(Reduction {
+                group: mesh.get_group().clone(),
+                layouts,
+                block,
+                reduce_dtype: mp.reduce_dtype.or(mp.param_dtype),
+                requires_gradient_sync: AtomicBool::new(true),
+                pending: Mutex::new(None),
+            }),
+            param_dtype: mp.param_dtype,
             mesh: mesh.clone(),
         }),
-        options,
+        reshard_after_forward: options.reshard_after_forward,
     })
-}
-
-/// The empty tensor a parameter field holds while its module is sharded.
-fn placeholder(t: &Tensor) -> Result<Tensor> {
-    Tensor::empty([0usize], t.dtype(), t.device())
-}
-
-thread_local! {
-    /// Set while [`fully_shard`] visits a module's parameters: an [`FSDPModule`] met there
-    /// (nesting, not supported yet) refuses to hand its shards out.
-    static SHARDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Sets [`SHARDING`] for its lifetime.
-struct ShardingScope;
-
-impl ShardingScope {
-    fn enter() -> ShardingScope {
-        SHARDING.with(|s| s.set(true));
-        ShardingScope
-    }
-}
-
-impl Drop for ShardingScope {
-    fn drop(&mut self) {
-        SHARDING.with(|s| s.set(false));
-    }
 }
 
 impl<M> FsdpState<M> {
@@ -260,36 +315,54 @@ impl<M> FsdpState<M> {
     fn unshard(&self) -> Result<Vec<Tensor>> {
         let world = self.mesh.size();
         let shards = self.shards();
+        let red = &self.reduction;
+        let first = &shards[0];
+        let (device, dtype) = (first.device(), self.param_dtype.unwrap_or(first.dtype()));
+        if let Some(s) = shards
+            .iter()
+            .find(|s| (s.device(), s.dtype()) != (device, first.dtype()))
+        {
+            return Err(Error::invalid(
+                "FSDPModule::forward",
+                format!(
+                    "the shards are of {} on {} and of {} on {}: move or cast the whole FSDPModule, not single parameters",
+                    first.dtype(),
+                    device,
+                    s.dtype(),
+                    s.device()
+                ),
+            ));
+        }
         let flat = {
             let _g = no_grad();
-            let input = Tensor::zeros([self.block], self.dtype, self.device)?;
-            for (s, l) in shards.iter().zip(&self.layouts) {
+            let input = Tensor::zeros([red.block], dtype, device)?;
+            for (s, l) in shards.iter().zip(&red.layouts) {
                 if l.local_numel() > 0 {
                     input
                         .narrow(0, l.offset, l.local_numel())?
                         .copy_(&s.reshape(&[-1])?)?;
                 }
             }
-            let out = Tensor::empty([world * self.block], self.dtype, self.device)?;
-            self.mesh.get_group().all_gather_into_tensor(&out, &input)?;
+            let out = Tensor::empty([world * red.block], dtype, device)?;
+            red.group.all_gather_into_tensor(&out, &input)?;
             out
         };
         let refs: Vec<&Tensor> = shards.iter().collect();
-        let (group, layouts, block) = (self.mesh.get_group().clone(), self.layouts.clone(), self.block);
+        let reduction = red.clone();
+        let shard_dtype = first.dtype();
         let flat = autograd::custom_op("fsdp_all_gather", &refs, flat, move |grad, needs| {
-            reduce_scatter_grads(&group, &layouts, block, grad, needs)
+            reduction.reduce_scatter(grad, needs, shard_dtype)
         });
-        let grid = flat.reshape([world as isize, self.block as isize])?;
-        self.layouts
+        let grid = flat.reshape([world as isize, red.block as isize])?;
+        red.layouts
             .iter()
             .map(|l| {
                 let dims: Vec<isize> = l.shape.dims().iter().map(|&d| d as isize).collect();
-                let rows_dims = [(world * l.padded_rows) as isize, l.row_numel as isize];
-                let full = grid
-                    .narrow(1, l.offset, l.padded_numel())?
-                    .reshape(rows_dims)?
-                    .narrow(0, 0, l.rows)?;
-                full.reshape(dims)
+                let by_rows = [(world * l.padded_rows) as isize, l.row_numel as isize];
+                grid.narrow(1, l.offset, l.padded_numel())?
+                    .reshape(by_rows)?
+                    .narrow(0, 0, l.rows)?
+                    .reshape(dims)
             })
             .collect()
     }
@@ -301,51 +374,73 @@ impl<M> FsdpState<M> {
     {
         let mut module = self.lock();
         let full = self.unshard()?;
-        let mut k = 0;
         module.visit_mut("", &mut |_, t, kind| {
             if kind == TensorKind::Parameter {
-                *t = full[self.slots[k].1].clone();
-                k += 1;
+                if let Some(i) = index_of(&self.placeholders, t) {
+                    *t = full[i].clone();
+                }
             }
             Ok(())
         })?;
         let out = f(&module);
-        module.visit_mut("", &mut |_, t, kind| {
+        let restored = module.visit_mut("", &mut |_, t, kind| {
             if kind == TensorKind::Parameter {
-                *t = placeholder(t)?;
+                if let Some(i) = index_of(&full, t) {
+                    *t = self.placeholders[i].clone();
+                }
             }
             Ok(())
-        })?;
-        out
+        });
+        let out = out?;
+        restored?;
+        Ok(out)
     }
 }
 
-/// The backward of `fsdp_all_gather`: the gradient of the gathered `[world, S]` buffer,
-/// reduce-scattered with the average over ranks; each shard's rows of the result.
-fn reduce_scatter_grads(
-    group: &crate::ProcessGroup,
-    layouts: &[ParamLayout],
-    block: usize,
-    grad: &Tensor,
-    needs: &[bool],
-) -> Result<Vec<Option<Tensor>>> {
-    let _g = no_grad();
-    let input = grad.contiguous()?;
-    let out = Tensor::empty([block], grad.dtype(), grad.device())?;
-    group.reduce_scatter_tensor(&out, &input, ReduceOp::Avg)?;
-    layouts
-        .iter()
-        .zip(needs)
-        .map(|(l, &need)| {
-            if !need {
-                return Ok(None);
+impl Reduction {
+    /// The backward of `fsdp_all_gather` (Note [FSDP mechanism] step 3): the gradient of the
+    /// gathered `[world, S]` buffer, averaged over ranks by a reduce-scatter, each shard's rows
+    /// of it in `shard_dtype`; or, without gradient sync, nothing yet (Note [FSDP gradient
+    /// accumulation]).
+    fn reduce_scatter(
+        &self,
+        grad: &Tensor,
+        needs: &[bool],
+        shard_dtype: DType,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let _g = no_grad();
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let grad = match pending.take() {
+            Some(sum) => {
+                sum.add_scaled_(grad, 1.0)?;
+                sum
             }
-            Ok(Some(
-                out.narrow(0, l.offset, l.local_numel())?
-                    .reshape(l.local_dims())?,
-            ))
-        })
-        .collect()
+            None => grad.clone(),
+        };
+        if !self.requires_gradient_sync.load(Ordering::Relaxed) {
+            *pending = Some(grad.contiguous()?.deep_clone()?);
+            return Ok(vec![None; needs.len()]);
+        }
+        drop(pending);
+        let dtype = self.reduce_dtype.unwrap_or(grad.dtype());
+        let input = grad.to_dtype(dtype)?.contiguous()?;
+        let out = Tensor::empty([self.block], dtype, grad.device())?;
+        self.group.reduce_scatter_tensor(&out, &input, ReduceOp::Avg)?;
+        let out = out.to_dtype(shard_dtype)?;
+        self.layouts
+            .iter()
+            .zip(needs)
+            .map(|(l, &need)| {
+                if !need {
+                    return Ok(None);
+                }
+                Ok(Some(
+                    out.narrow(0, l.offset, l.local_numel())?
+                        .reshape(l.local_dims())?,
+                ))
+            })
+            .collect()
+    }
 }
 
 impl<M> Clone for FSDPModule<M> {
@@ -354,7 +449,7 @@ impl<M> Clone for FSDPModule<M> {
     fn clone(&self) -> Self {
         FSDPModule {
             state: self.state.clone(),
-            options: self.options,
+            reshard_after_forward: self.reshard_after_forward,
         }
     }
 }
@@ -365,40 +460,30 @@ impl<M: Module> FSDPModule<M> {
         &self.state.mesh
     }
 
-    /// The options it was sharded with.
-    pub fn options(&self) -> FullyShardOptions {
-        self.options
+    /// Whether the next backward passes reduce-scatter the gradients (the default) or keep
+    /// them unsharded for a later one (`set_requires_gradient_sync`, Note [FSDP gradient
+    /// accumulation]). This unit only: call it on every [`FSDPModule`] of a nested model.
+    pub fn set_requires_gradient_sync(&self, requires_gradient_sync: bool) {
+        self.state
+            .reduction
+            .requires_gradient_sync
+            .store(requires_gradient_sync, Ordering::Relaxed);
     }
 
-    /// The sharded parameters as [`DTensor`]s under their names (what PyTorch's
+    /// The sharded parameters of this unit as [`DTensor`]s under their names (what PyTorch's
     /// `named_parameters()` of an FSDP module gives; [`DTensor::full_tensor`] gathers one, and
     /// [`crate::dcp::save`] writes them shard by shard). The local tensors are the shards
-    /// themselves.
+    /// themselves. A 0-d parameter is the DTensor of its one row, shape `[1]`.
     pub fn named_dtensors(&self) -> Result<Vec<(String, DTensor)>> {
         let shards = self.state.shards();
-        let mut seen = vec![false; shards.len()];
-        let mut out = Vec::new();
-        for (name, i) in &self.state.slots {
-            if std::mem::replace(&mut seen[*i], true) {
-                continue;
-            }
-            let shape = self.state.layouts[*i].shape.clone();
-            // A 0-d parameter's shard is 1-d: the DTensor of its one row.
-            let d = if shape.dims().is_empty() {
-                DTensor::from_local(
-                    shards[*i].clone(),
-                    &self.state.mesh,
-                    &[Placement::Shard(0)],
-                    Some(Shape::new(vec![1])),
-                )?
-            } else {
-                DTensor::from_local(
-                    shards[*i].clone(),
-                    &self.state.mesh,
-                    &[Placement::Shard(0)],
-                    Some(shape),
-                )?
+        let layouts = &self.state.reduction.layouts;
+        let mut out = Vec::with_capacity(shards.len());
+        for ((name, shard), l) in self.state.names.iter().zip(shards).zip(layouts) {
+            let shape = match l.shape.dims() {
+                [] => Shape::new(vec![1]),
+                _ => l.shape.clone(),
             };
+            let d = DTensor::from_local(shard, &self.state.mesh, &[Placement::Shard(0)], Some(shape))?;
             out.push((name.clone(), d));
         }
         Ok(out)
@@ -406,7 +491,8 @@ impl<M: Module> FSDPModule<M> {
 
     /// Runs `f` with the module's full parameters in place: the way to call a module whose
     /// forward takes other arguments than one tensor. The full parameters stay alive in the
-    /// graph until backward (as `reshard_after_forward = false`, whatever the options).
+    /// graph until backward (as `reshard_after_forward = false`, whatever the options), and
+    /// the inputs are not cast to the policy's `param_dtype`.
     pub fn forward_with<T>(&self, f: impl FnOnce(&M) -> Result<T>) -> Result<T> {
         self.state.with_full_params(f)
     }
@@ -416,39 +502,37 @@ impl<M: Module> Module for FSDPModule<M> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         let shards = self.state.shards();
         let module = self.state.lock();
-        let mut k = 0;
-        module.visit(prefix, &mut |name, t, kind| match kind {
-            TensorKind::Parameter => {
-                let i = self.state.slots[k].1;
-                k += 1;
-                f(name, &shards[i], kind)
-            }
-            TensorKind::Buffer => f(name, t, kind),
-        });
+        module.visit(
+            prefix,
+            &mut |name, t, kind| match index_of(&self.state.placeholders, t)
+                .filter(|_| kind == TensorKind::Parameter)
+            {
+                Some(i) => f(name, &shards[i], kind),
+                None => f(name, t, kind),
+            },
+        );
     }
 
+    /// Hands out the shards in place of the parameters (so `to_dtype` casts the shards), the
+    /// module's other tensors as they are; inside [`fully_shard`], nothing of this unit's
+    /// parameters (Note [FSDP nesting]).
     fn visit_mut(
         &mut self,
         prefix: &str,
         f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
     ) -> Result<()> {
-        if SHARDING.with(|s| s.get()) {
-            return Err(Error::invalid(
-                OP,
-                format!("{prefix} is already sharded (an FSDPModule): nested fully_shard is not supported yet; shard each block and chain the blocks instead (e.g. in a Sequential)"),
-            ));
-        }
+        let hide = SHARDING.with(|s| s.get());
         let state = &self.state;
         let mut shards = state.shards.write().unwrap_or_else(|p| p.into_inner());
         let mut module = state.lock();
-        let mut k = 0;
-        module.visit_mut(prefix, &mut |name, t, kind| match kind {
-            TensorKind::Parameter => {
-                let i = state.slots[k].1;
-                k += 1;
-                f(name, &mut shards[i], kind)
+        let mut seen = vec![false; shards.len()];
+        module.visit_mut(prefix, &mut |name, t, kind| {
+            match index_of(&state.placeholders, t).filter(|_| kind == TensorKind::Parameter) {
+                // A tied parameter is handed out once.
+                Some(i) if hide || std::mem::replace(&mut seen[i], true) => Ok(()),
+                Some(i) => f(name, &mut shards[i], kind),
+                None => f(name, t, kind),
             }
-            TensorKind::Buffer => f(name, t, kind),
         })
     }
 
@@ -464,15 +548,50 @@ impl<M: Module> Module for FSDPModule<M> {
 impl<M: Forward + 'static> Forward for FSDPModule<M> {
     /// Gathers, runs the module, frees (Note [FSDP mechanism]); with `reshard_after_forward`
     /// and grad mode on, under a checkpoint that gathers and recomputes in backward (Note
-    /// [Reshard after forward]).
+    /// [Reshard after forward]). A floating-point `x` is cast to the policy's `param_dtype`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.options.reshard_after_forward && is_grad_enabled() {
+        let x = match self.state.param_dtype {
+            Some(d) if x.dtype().is_floating_point() && x.dtype() != d => x.to_dtype(d)?,
+            _ => x.clone(),
+        };
+        if self.reshard_after_forward && is_grad_enabled() {
             let state = self.state.clone();
             return autograd::checkpoint(
                 move |xs: &[Tensor]| state.with_full_params(|m| m.forward(&xs[0])),
-                std::slice::from_ref(x),
+                std::slice::from_ref(&x),
             );
         }
-        self.state.with_full_params(|m| m.forward(x))
+        self.state.with_full_params(|m| m.forward(&x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_pad_every_shard_to_the_chunk_rows() {
+        // 5 rows of 3 on 4 ranks: chunks of 2 rows, rank 3 holds none.
+        let l = |rank| ParamLayout {
+            shape: Shape::new(vec![5, 3]),
+            rows: 5,
+            row_numel: 3,
+            padded_rows: 2,
+            local_rows: chunk_range(5, 4, rank).len(),
+            offset: 0,
+        };
+        assert_eq!(l(0).local_dims(), [2, 3]);
+        assert_eq!(l(2).local_dims(), [1, 3]);
+        assert_eq!(l(3).local_dims(), [0, 3]);
+        assert_eq!((l(2).padded_numel(), l(2).local_numel()), (6, 3));
+        let scalar = ParamLayout {
+            shape: Shape::new(vec![]),
+            rows: 1,
+            row_numel: 1,
+            padded_rows: 1,
+            local_rows: 1,
+            offset: 4,
+        };
+        assert_eq!(scalar.local_dims(), [1]);
     }
 }
