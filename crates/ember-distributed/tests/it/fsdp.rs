@@ -35,15 +35,16 @@ fn adamw(params: Vec<Tensor>) -> AdamW {
     .unwrap()
 }
 
-/// This rank's rows of [`data`], in `parts` consecutive micro-batches.
-fn rank_rows(pg: &ProcessGroup, parts: usize) -> Vec<(Tensor, Tensor)> {
+/// This rank's rows of [`data`] on `device`, in `parts` consecutive micro-batches.
+fn rank_rows(pg: &ProcessGroup, parts: usize, device: Device) -> Vec<(Tensor, Tensor)> {
     let (x, y) = data(ROWS);
     let share = ROWS / pg.size() / parts;
     let first = pg.rank() * share * parts;
+    let rows = |t: &Tensor, at: usize| t.narrow(0, at, share).unwrap().to(device).unwrap();
     (0..parts)
         .map(|k| {
             let at = first + k * share;
-            (x.narrow(0, at, share).unwrap(), y.narrow(0, at, share).unwrap())
+            (rows(&x, at), rows(&y, at))
         })
         .collect()
 }
@@ -54,9 +55,10 @@ fn loss_backward<M: Forward>(m: &M, x: &Tensor, y: &Tensor) {
     mse_loss(&out, &y, Reduction::Mean).unwrap().backward().unwrap();
 }
 
-fn ddp_mlp(pg: &ProcessGroup) -> DistributedDataParallel<Sequential> {
-    let m = mlp();
+fn ddp_mlp(pg: &ProcessGroup, device: Device) -> DistributedDataParallel<Sequential> {
+    let mut m = mlp();
     fill_params(&m, 0.0);
+    m.to_device(device).unwrap();
     DistributedDataParallel::new(m, DdpOptions::new().process_group(pg.clone())).unwrap()
 }
 
@@ -69,10 +71,10 @@ fn full_grads(m: &Sequential) -> Vec<Vec<f64>> {
 
 /// DDP + AdamW on [`mlp`]: the gradients of the first backward and the parameters after
 /// [`STEPS`] steps.
-fn ddp_reference(pg: &ProcessGroup) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
-    let ddp = ddp_mlp(pg);
+fn ddp_reference(pg: &ProcessGroup, device: Device) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let ddp = ddp_mlp(pg, device);
     let mut opt = adamw(ddp.module().parameters());
-    let [(x, y)] = <[_; 1]>::try_from(rank_rows(pg, 1)).unwrap();
+    let [(x, y)] = <[_; 1]>::try_from(rank_rows(pg, 1, device)).unwrap();
     let mut first = Vec::new();
     for step in 0..STEPS {
         opt.zero_grad().unwrap();
@@ -175,7 +177,12 @@ fn gathered_grads(units: &[FSDPModule<Sequential>]) -> Vec<Vec<f64>> {
     out
 }
 
-fn fsdp_run(pg: &ProcessGroup, wrap: Wrap, reshard_after_forward: bool) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+fn fsdp_run(
+    pg: &ProcessGroup,
+    wrap: Wrap,
+    reshard_after_forward: bool,
+    device: Device,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let mesh = DeviceMesh::new(pg.clone());
     let options = FullyShardOptions {
         reshard_after_forward,
@@ -184,7 +191,7 @@ fn fsdp_run(pg: &ProcessGroup, wrap: Wrap, reshard_after_forward: bool) -> (Vec<
     let (model, units) = sharded_mlp(&mesh, wrap, options);
     assert_eq!(model.parameters().len(), 6, "{wrap:?}");
     let mut opt = adamw(model.parameters());
-    let [(x, y)] = <[_; 1]>::try_from(rank_rows(pg, 1)).unwrap();
+    let [(x, y)] = <[_; 1]>::try_from(rank_rows(pg, 1, device)).unwrap();
     let mut first = Vec::new();
     for step in 0..STEPS {
         opt.zero_grad().unwrap();
@@ -217,15 +224,19 @@ fn close(a: &[Vec<f64>], b: &[Vec<f64>], rtol: f64, what: &str) {
 #[test]
 fn fully_shard_matches_ddp_with_adamw() {
     for n in [2, 4] {
-        run_ranks(n, T, |pg| {
-            let (grads, params) = ddp_reference(&pg);
-            for (wrap, reshard) in [(Wrap::Whole, true), (Wrap::PerLayer, false), (Wrap::Nested, true)] {
-                let what = format!("rank {} of {n}, {wrap:?}, reshard {reshard}", pg.rank());
-                let (g, p) = fsdp_run(&pg, wrap, reshard);
-                close(&g, &grads, 1e-11, &format!("gradients, {what}"));
-                close(&p, &params, 1e-11, &format!("parameters, {what}"));
-            }
-        });
+        run_ranks(n, T, |pg| fsdp_matches_ddp(&pg, Device::Cpu));
+    }
+}
+
+/// The body of [`fully_shard_matches_ddp_with_adamw`] on `device` (the NCCL tests run it on
+/// GPUs, where the mesh's device is the group's GPU).
+pub(crate) fn fsdp_matches_ddp(pg: &ProcessGroup, device: Device) {
+    let (grads, params) = ddp_reference(pg, device);
+    for (wrap, reshard) in [(Wrap::Whole, true), (Wrap::PerLayer, false), (Wrap::Nested, true)] {
+        let what = format!("rank {} of {}, {wrap:?}, reshard {reshard}", pg.rank(), pg.size());
+        let (g, p) = fsdp_run(pg, wrap, reshard, device);
+        close(&g, &grads, 1e-11, &format!("gradients, {what}"));
+        close(&p, &params, 1e-11, &format!("parameters, {what}"));
     }
 }
 
@@ -236,8 +247,8 @@ fn fully_shard_matches_ddp_with_adamw() {
 #[test]
 fn fully_shard_accumulates_without_sync_and_computes_in_param_dtype() {
     run_ranks(2, T, |pg| {
-        let batches = rank_rows(&pg, 2);
-        let ddp = ddp_mlp(&pg);
+        let batches = rank_rows(&pg, 2, Device::Cpu);
+        let ddp = ddp_mlp(&pg, Device::Cpu);
         {
             let _no_sync = ddp.no_sync();
             loss_backward(&ddp, &batches[0].0, &batches[0].1);
@@ -255,7 +266,7 @@ fn fully_shard_accumulates_without_sync_and_computes_in_param_dtype() {
         close(&gathered_grads(&units), &expected, 1e-11, "accumulated gradients");
 
         // param_dtype f32: the output is f32, the shards' gradients f64 and near DDP's.
-        let [(x, y)] = <[_; 1]>::try_from(rank_rows(&pg, 1)).unwrap();
+        let [(x, y)] = <[_; 1]>::try_from(rank_rows(&pg, 1, Device::Cpu)).unwrap();
         let f32_policy = FullyShardOptions {
             mp_policy: MixedPrecisionPolicy {
                 param_dtype: Some(DType::F32),
@@ -270,7 +281,7 @@ fn fully_shard_accumulates_without_sync_and_computes_in_param_dtype() {
             .parameters()
             .iter()
             .all(|p| p.grad().unwrap().dtype() == DType::F64));
-        let ddp = ddp_mlp(&pg);
+        let ddp = ddp_mlp(&pg, Device::Cpu);
         loss_backward(&ddp, &x, &y);
         close(
             &gathered_grads(&units),

@@ -28,20 +28,18 @@ fn adamw(params: Vec<Tensor>) -> ember_core::Result<AdamW> {
     )
 }
 
-/// The DDP-wrapped [`mlp`] of this rank (different weights per rank until DDP broadcasts rank
-/// 0's) and the rank's rows of [`data`].
-fn setup(pg: &ProcessGroup) -> (DistributedDataParallel<Sequential>, Tensor, Tensor) {
+/// The DDP-wrapped [`mlp`] of this rank on `device` (different weights per rank until DDP
+/// broadcasts rank 0's) and the rank's rows of [`data`].
+fn setup(pg: &ProcessGroup, device: Device) -> (DistributedDataParallel<Sequential>, Tensor, Tensor) {
     let (r, n) = (pg.rank(), pg.size());
-    let m = mlp();
+    let mut m = mlp();
     fill_params(&m, r as f64);
+    m.to_device(device).unwrap();
     let ddp = DistributedDataParallel::new(m, DdpOptions::new().process_group(pg.clone())).unwrap();
     let (x, y) = data(ROWS);
     let share = ROWS / n;
-    (
-        ddp,
-        x.narrow(0, r * share, share).unwrap(),
-        y.narrow(0, r * share, share).unwrap(),
-    )
+    let mine = |t: Tensor| t.narrow(0, r * share, share).unwrap().to(device).unwrap();
+    (ddp, mine(x), mine(y))
 }
 
 fn train(
@@ -80,57 +78,62 @@ fn by_key(state: &[(String, Tensor)]) -> std::collections::BTreeMap<String, (Vec
 #[test]
 fn zero_adamw_under_ddp_equals_plain_adamw_bit_for_bit() {
     for n in [2, 3] {
-        run_ranks(n, T, |pg| {
-            let steps = 3;
-            // Plain DDP + AdamW.
-            let (ddp, x, y) = setup(&pg);
-            let mut plain = adamw(ddp.module().parameters()).unwrap();
-            train(&ddp, &mut plain, &x, &y, steps);
-            let expected = values(&ddp.module().parameters());
-
-            // DDP + ZeRO(AdamW), from the same start.
-            let (zddp, x, y) = setup(&pg);
-            let params = zddp.module().parameters();
-            let mut zero = ZeroRedundancyOptimizer::new(params.clone(), adamw, Some(pg.clone())).unwrap();
-            train(&zddp, &mut zero, &x, &y, steps);
-            assert_eq!(values(&params), expected, "rank {} of {n}", pg.rank());
-
-            // The partition covers every parameter once; this rank's state is its share only.
-            let partition = zero.partition_parameters().to_vec();
-            let mut all: Vec<usize> = partition.concat();
-            all.sort_unstable();
-            assert_eq!(all, (0..params.len()).collect::<Vec<_>>());
-            let mine = &partition[pg.rank()];
-            let local = zero
-                .optim()
-                .expect("every rank owns a parameter here")
-                .state_dict();
-            let exp_avgs: Vec<_> = local.iter().filter(|(k, _)| k.ends_with(".exp_avg")).collect();
-            assert_eq!(exp_avgs.len(), mine.len());
-            for (k, t) in exp_avgs {
-                let i: usize = k.split('.').nth(1).unwrap().parse().unwrap();
-                assert_eq!(t.dims(), params[mine[i]].dims(), "{k}");
-            }
-
-            // The state dict consolidated on rank 0 is plain AdamW's; elsewhere an error.
-            zero.consolidate_state_dict(0).unwrap();
-            match (pg.rank(), zero.state_dict()) {
-                (0, Ok(state)) => assert_eq!(by_key(&state), by_key(&plain.state_dict())),
-                (0, Err(e)) => panic!("{e}"),
-                (r, Err(Error::InvalidArgument { msg, .. })) => {
-                    assert!(msg.contains(&format!("consolidate_state_dict({r})")), "{msg}")
-                }
-                (_, other) => panic!("{other:?}"),
-            }
-
-            // Loading plain AdamW's state into a fresh ZeRO optimizer continues exactly.
-            let mut resumed = ZeroRedundancyOptimizer::new(params.clone(), adamw, Some(pg.clone())).unwrap();
-            resumed.load_state_dict(&plain.state_dict()).unwrap();
-            train(&ddp, &mut plain, &x, &y, 1);
-            train(&zddp, &mut resumed, &x, &y, 1);
-            assert_eq!(values(&params), values(&ddp.module().parameters()));
-        });
+        run_ranks(n, T, |pg| zero_matches_ddp(&pg, Device::Cpu));
     }
+}
+
+/// The body of [`zero_adamw_under_ddp_equals_plain_adamw_bit_for_bit`] on `device` (the NCCL
+/// tests run it on GPUs).
+pub(crate) fn zero_matches_ddp(pg: &ProcessGroup, device: Device) {
+    let n = pg.size();
+    let steps = 3;
+    // Plain DDP + AdamW.
+    let (ddp, x, y) = setup(pg, device);
+    let mut plain = adamw(ddp.module().parameters()).unwrap();
+    train(&ddp, &mut plain, &x, &y, steps);
+    let expected = values(&ddp.module().parameters());
+
+    // DDP + ZeRO(AdamW), from the same start.
+    let (zddp, x, y) = setup(pg, device);
+    let params = zddp.module().parameters();
+    let mut zero = ZeroRedundancyOptimizer::new(params.clone(), adamw, Some(pg.clone())).unwrap();
+    train(&zddp, &mut zero, &x, &y, steps);
+    assert_eq!(values(&params), expected, "rank {} of {n}", pg.rank());
+
+    // The partition covers every parameter once; this rank's state is its share only.
+    let partition = zero.partition_parameters().to_vec();
+    let mut all: Vec<usize> = partition.concat();
+    all.sort_unstable();
+    assert_eq!(all, (0..params.len()).collect::<Vec<_>>());
+    let mine = &partition[pg.rank()];
+    let local = zero
+        .optim()
+        .expect("every rank owns a parameter here")
+        .state_dict();
+    let exp_avgs: Vec<_> = local.iter().filter(|(k, _)| k.ends_with(".exp_avg")).collect();
+    assert_eq!(exp_avgs.len(), mine.len());
+    for (k, t) in exp_avgs {
+        let i: usize = k.split('.').nth(1).unwrap().parse().unwrap();
+        assert_eq!(t.dims(), params[mine[i]].dims(), "{k}");
+    }
+
+    // The state dict consolidated on rank 0 is plain AdamW's; elsewhere an error.
+    zero.consolidate_state_dict(0).unwrap();
+    match (pg.rank(), zero.state_dict()) {
+        (0, Ok(state)) => assert_eq!(by_key(&state), by_key(&plain.state_dict())),
+        (0, Err(e)) => panic!("{e}"),
+        (r, Err(Error::InvalidArgument { msg, .. })) => {
+            assert!(msg.contains(&format!("consolidate_state_dict({r})")), "{msg}")
+        }
+        (_, other) => panic!("{other:?}"),
+    }
+
+    // Loading plain AdamW's state into a fresh ZeRO optimizer continues exactly.
+    let mut resumed = ZeroRedundancyOptimizer::new(params.clone(), adamw, Some(pg.clone())).unwrap();
+    resumed.load_state_dict(&plain.state_dict()).unwrap();
+    train(&ddp, &mut plain, &x, &y, 1);
+    train(&zddp, &mut resumed, &x, &y, 1);
+    assert_eq!(values(&params), values(&ddp.module().parameters()));
 }
 
 /// More ranks than parameters: the last rank owns none and has no local optimizer, yet steps
