@@ -47,21 +47,30 @@
 //! again adds it to its own gradient and reduce-scatters the sum, as DDP's `no_sync` and
 //! FSDP2 do. It costs one unsharded gradient buffer per unit in between.
 //!
+//! Note [FSDP state dicts]: [`get_model_state_dict`] and [`get_optimizer_state_dict`] (PyTorch's
+//! `torch.distributed.checkpoint.state_dict` functions) give state dicts for
+//! [`crate::dcp::save`] and [`crate::dcp::load`] in which every shard is a [`DTensor`] (each
+//! rank writes and reads its own rows; a load reshards to another world size or to an
+//! unsharded model). A model's tensors do not say which unit shards them, nested units
+//! included, so every live [`FSDPModule`] is registered (weakly) when it is made, and the
+//! functions ask the registry which unit, if any, owns each tensor.
+//!
 //! Every rank must run the same forward and backward passes (the collectives are matched in
 //! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
 //! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
 //!
 //! Not yet: prefetching the next unit's all-gather on a separate stream (every collective
-//! runs when its unit needs it), and a sharded state dict of a nested model (each unit's
-//! [`FSDPModule::named_dtensors`] covers its own parameters).
+//! runs when its unit needs it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use ember_core::{autograd, is_grad_enabled, no_grad, DType, Error, Result, Shape, Tensor};
+use ember_nn::optim::Optimizer;
 use ember_nn::{Forward, Module, TensorKind};
 
 use crate::backend::ReduceOp;
+use crate::checkpoint::StateValue;
 use crate::dtensor::{chunk_range, DTensor, Placement};
 use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
@@ -207,7 +216,7 @@ fn index_of(list: &[Tensor], t: &Tensor) -> Option<usize> {
 ///
 /// Errors: parameters of different dtypes (one flat buffer holds them all; cast the module
 /// first), or no parameter left to shard.
-pub fn fully_shard<M: Module>(
+pub fn fully_shard<M: Module + 'static>(
     mut module: M,
     mesh: &DeviceMesh,
     options: FullyShardOptions,
@@ -280,25 +289,133 @@ pub fn fully_shard<M: Module>(
         ));
     }
     let mp = options.mp_policy;
-    Ok(FSDPModule {
-        state: Arc::new(FsdpState {
-            module: Mutex::new(module),
-            shards: RwLock::new(shards),
-            placeholders,
-            names,
-            reduction: Arc::new(Reduction {
-                group: mesh.get_group().clone(),
-                layouts,
-                block,
-                reduce_dtype: mp.reduce_dtype.or(mp.param_dtype),
-                requires_gradient_sync: AtomicBool::new(true),
-                pending: Mutex::new(None),
-            }),
-            param_dtype: mp.param_dtype,
-            mesh: mesh.clone(),
+    let state = Arc::new(FsdpState {
+        module: Mutex::new(module),
+        shards: RwLock::new(shards),
+        placeholders,
+        names,
+        reduction: Arc::new(Reduction {
+            group: mesh.get_group().clone(),
+            layouts,
+            block,
+            reduce_dtype: mp.reduce_dtype.or(mp.param_dtype),
+            requires_gradient_sync: AtomicBool::new(true),
+            pending: Mutex::new(None),
         }),
+        param_dtype: mp.param_dtype,
+        mesh: mesh.clone(),
+    });
+    register(Arc::downgrade(&state) as Weak<dyn Unit>);
+    Ok(FSDPModule {
+        state,
         reshard_after_forward: options.reshard_after_forward,
     })
+}
+
+/// A live sharded unit as the state-dict functions see it (Note [FSDP state dicts]).
+trait Unit: Send + Sync {
+    /// The [`DTensor`] of `t` when `t` is one of this unit's shards.
+    fn dtensor_of(&self, t: &Tensor) -> Option<Result<DTensor>>;
+}
+
+/// Every [`FSDPModule`] made and not yet dropped (Note [FSDP state dicts]).
+static UNITS: Mutex<Vec<Weak<dyn Unit>>> = Mutex::new(Vec::new());
+
+fn units() -> MutexGuard<'static, Vec<Weak<dyn Unit>>> {
+    UNITS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn register(unit: Weak<dyn Unit>) {
+    let mut all = units();
+    all.retain(|u| u.strong_count() > 0);
+    all.push(unit);
+}
+
+/// The [`DTensor`] of `t` if a live unit shards it.
+fn find_dtensor(t: &Tensor) -> Option<Result<DTensor>> {
+    let live: Vec<Arc<dyn Unit>> = units().iter().filter_map(Weak::upgrade).collect();
+    live.iter().find_map(|u| u.dtensor_of(t))
+}
+
+impl<M: Send> Unit for FsdpState<M> {
+    fn dtensor_of(&self, t: &Tensor) -> Option<Result<DTensor>> {
+        let shards = self.shards();
+        let i = index_of(&shards, t)?;
+        Some(self.dtensor(i, &shards[i]))
+    }
+}
+
+impl<M> FsdpState<M> {
+    /// Shard `i` (`shard`) as a [`DTensor`]: a 0-d parameter is the DTensor of its one row,
+    /// shape `[1]`.
+    fn dtensor(&self, i: usize, shard: &Tensor) -> Result<DTensor> {
+        let layout = &self.reduction.layouts[i];
+        let shape = match layout.shape.dims() {
+            [] => Shape::new(vec![1]),
+            _ => layout.shape.clone(),
+        };
+        DTensor::from_local(shard.clone(), &self.mesh, &[Placement::Shard(0)], Some(shape))
+    }
+}
+
+/// The state dict of `model` for [`crate::dcp::save`] and [`crate::dcp::load`]
+/// (`get_model_state_dict(model)`, Note [FSDP state dicts]): every tensor under its dotted
+/// name, as [`ember_nn::ModuleExt::state_dict`] lists them, the shards of [`FSDPModule`]s
+/// (nested ones included) as [`DTensor`]s, the rest as plain tensors. The tensors are the
+/// model's own, so `dcp::load` writes into the model.
+pub fn get_model_state_dict<M: Module + ?Sized>(model: &M) -> Result<Vec<(String, StateValue)>> {
+    let mut out = Vec::new();
+    let mut failed = None;
+    model.visit("", &mut |name, t, kind| {
+        let value = match find_dtensor(t).filter(|_| kind == TensorKind::Parameter) {
+            Some(Ok(d)) => StateValue::DTensor(d),
+            Some(Err(e)) => {
+                failed.get_or_insert(e);
+                return;
+            }
+            None => StateValue::Tensor(t.detach()),
+        };
+        out.push((name.to_owned(), value));
+    });
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// The state dict of an optimizer over FSDP shards for [`crate::dcp::save`] and
+/// [`crate::dcp::load`] (`get_optimizer_state_dict`, Note [FSDP state dicts]): the
+/// optimizer's state dict (Note [State dict format] of `ember_nn::optim`) with each
+/// per-parameter state tensor of a sharded parameter (`exp_avg`, `momentum_buffer`, ...) a
+/// [`DTensor`] laid out as that parameter; step counts, param groups and the state of
+/// unsharded parameters stay plain. After `dcp::load`, hand the loaded values to the optimizer
+/// with `optim.load_state_dict(&dcp::to_local_state(&state))` (some entries, as Adam's device
+/// step count, are copies).
+pub fn get_optimizer_state_dict(optim: &dyn Optimizer) -> Result<Vec<(String, StateValue)>> {
+    let params: Vec<Option<DTensor>> = optim
+        .params()
+        .iter()
+        .map(|p| find_dtensor(p).transpose())
+        .collect::<Result<_>>()?;
+    optim
+        .state_dict()
+        .into_iter()
+        .map(|(key, t)| {
+            let param = key
+                .strip_prefix("state.")
+                .and_then(|rest| rest.split_once('.'))
+                .filter(|(_, name)| *name != "step")
+                .and_then(|(i, _)| i.parse::<usize>().ok())
+                .and_then(|i| params.get(i)?.as_ref());
+            match param {
+                Some(p) if t.shape() == p.local_tensor().shape() => {
+                    let d = DTensor::from_local(t, p.device_mesh(), p.placements(), Some(p.shape().clone()))?;
+                    Ok((key, StateValue::DTensor(d)))
+                }
+                _ => Ok((key, StateValue::Tensor(t))),
+            }
+        })
+        .collect()
 }
 
 impl<M> FsdpState<M> {
@@ -476,17 +593,13 @@ impl<M: Module> FSDPModule<M> {
     /// themselves. A 0-d parameter is the DTensor of its one row, shape `[1]`.
     pub fn named_dtensors(&self) -> Result<Vec<(String, DTensor)>> {
         let shards = self.state.shards();
-        let layouts = &self.state.reduction.layouts;
-        let mut out = Vec::with_capacity(shards.len());
-        for ((name, shard), l) in self.state.names.iter().zip(shards).zip(layouts) {
-            let shape = match l.shape.dims() {
-                [] => Shape::new(vec![1]),
-                _ => l.shape.clone(),
-            };
-            let d = DTensor::from_local(shard, &self.state.mesh, &[Placement::Shard(0)], Some(shape))?;
-            out.push((name.clone(), d));
-        }
-        Ok(out)
+        self.state
+            .names
+            .iter()
+            .zip(&shards)
+            .enumerate()
+            .map(|(i, (name, shard))| Ok((name.clone(), self.state.dtensor(i, shard)?)))
+            .collect()
     }
 
     /// Runs `f` with the module's full parameters in place: the way to call a module whose

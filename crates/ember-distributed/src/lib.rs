@@ -79,7 +79,10 @@ pub use ddp::{
     default_hooks, CommFuture, DdpOptions, DistributedDataParallel, ForwardOutput, GradBucket, NoSyncGuard,
 };
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
-pub use fsdp::{fully_shard, FSDPModule, FullyShardOptions, MixedPrecisionPolicy};
+pub use fsdp::{
+    fully_shard, get_model_state_dict, get_optimizer_state_dict, FSDPModule, FullyShardOptions,
+    MixedPrecisionPolicy,
+};
 pub use group::{
     all_gather, all_gather_async, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce,
     all_reduce_async, barrier, barrier_async, broadcast, broadcast_async, default_group,

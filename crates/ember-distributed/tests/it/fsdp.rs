@@ -7,10 +7,11 @@
 use std::time::Duration;
 
 use ember_core::{no_grad, DType, Device, Error, Tensor};
+use ember_distributed::dcp::{self, StateValue};
 use ember_distributed::dtensor::chunk_range;
 use ember_distributed::{
-    fully_shard, DTensor, DdpOptions, DeviceMesh, DistributedDataParallel, FSDPModule, FullyShardOptions,
-    MixedPrecisionPolicy, ProcessGroup,
+    fully_shard, get_model_state_dict, get_optimizer_state_dict, DTensor, DdpOptions, DeviceMesh,
+    DistributedDataParallel, FSDPModule, FullyShardOptions, MixedPrecisionPolicy, ProcessGroup,
 };
 use ember_nn::functional::mse_loss;
 use ember_nn::optim::{AdamConfig, AdamW, Optimizer};
@@ -320,4 +321,94 @@ fn fully_shard_refuses_what_it_cannot_shard() {
             .unwrap();
         assert!(e.to_string().contains("no parameters"), "{e}");
     });
+}
+
+/// One AdamW step of `m` on the MSE of (`x`, `y`).
+fn step<M: Forward>(m: &M, opt: &mut AdamW, x: &Tensor, y: &Tensor) {
+    opt.zero_grad().unwrap();
+    loss_backward(m, x, y);
+    opt.step().unwrap();
+}
+
+/// The full tensors of the units' parameters, in the model's order.
+fn gathered_params(units: &[FSDPModule<Sequential>]) -> Vec<Vec<f64>> {
+    let mut out = Vec::new();
+    for unit in units {
+        for (_, d) in unit.named_dtensors().unwrap() {
+            out.push(d.full_tensor().unwrap().to_vec_f64().unwrap());
+        }
+    }
+    out
+}
+
+/// The model's and the optimizer's sharded state dicts in one (`optim.` before the latter's).
+fn training_state(model: &Sequential, opt: &AdamW) -> Vec<(String, StateValue)> {
+    let mut sd = get_model_state_dict(model).unwrap();
+    for (k, v) in get_optimizer_state_dict(opt).unwrap() {
+        sd.push((format!("optim.{k}"), v));
+    }
+    sd
+}
+
+/// A nested FSDP model and its AdamW state, saved with dcp on 2 ranks (each rank its own rows
+/// of the parameters and of `exp_avg`, `exp_avg_sq`), load into an unsharded model and
+/// optimizer in one process (the full values), and into a fresh sharded model and optimizer on
+/// 2 ranks, which then trains on exactly as the original does.
+#[test]
+fn fully_shard_state_dicts_save_on_two_ranks_and_load_on_one_and_two() {
+    let dir = std::env::temp_dir().join(format!("ember-fsdp-dcp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let saved = run_ranks(2, T, |pg| {
+        let mesh = DeviceMesh::new(pg.clone());
+        let [(x, y)] = <[_; 1]>::try_from(rank_rows(&pg, 1, Device::Cpu)).unwrap();
+        let (model, units) = sharded_mlp(&mesh, Wrap::Nested, FullyShardOptions::default());
+        let mut opt = adamw(model.parameters());
+        step(&model, &mut opt, &x, &y);
+        step(&model, &mut opt, &x, &y);
+        let sd = training_state(&model, &opt);
+        assert!(matches!(sd[0].1, StateValue::DTensor(_)), "{}", sd[0].0);
+        dcp::save(&sd, &dir, Some(&pg)).unwrap();
+        let names: Vec<String> = model.named_parameters().into_iter().map(|(k, _)| k).collect();
+        let at_save = gathered_params(&units);
+
+        // A fresh model (other values) and optimizer (one step made its state) load it all.
+        let (model2, units2) = sharded_mlp(&mesh, Wrap::Nested, FullyShardOptions::default());
+        let mut opt2 = adamw(model2.parameters());
+        step(&model2, &mut opt2, &x, &y);
+        let sd2 = training_state(&model2, &opt2);
+        dcp::load(&sd2, &dir, Some(&pg)).unwrap();
+        let optim: Vec<(String, Tensor)> = dcp::to_local_state(&sd2)
+            .into_iter()
+            .filter_map(|(k, t)| Some((k.strip_prefix("optim.")?.to_owned(), t)))
+            .collect();
+        opt2.load_state_dict(&optim).unwrap();
+        assert_eq!(gathered_params(&units2), at_save);
+        step(&model, &mut opt, &x, &y);
+        step(&model2, &mut opt2, &x, &y);
+        assert_eq!(gathered_params(&units2), gathered_params(&units));
+        (names, at_save)
+    });
+    let (names, at_save) = saved[0].clone();
+
+    // One process, no group: an unsharded mlp and AdamW (with state) under the same keys.
+    let plain = mlp();
+    let mut opt = adamw(plain.parameters());
+    let (x, y) = data(ROWS);
+    step(&plain, &mut opt, &x, &y);
+    let mut sd: Vec<(String, StateValue)> = names
+        .iter()
+        .zip(plain.parameters())
+        .map(|(k, p)| (k.clone(), StateValue::Tensor(p.detach())))
+        .collect();
+    for (k, t) in opt.state_dict() {
+        sd.push((format!("optim.{k}"), StateValue::Tensor(t)));
+    }
+    dcp::load(&sd, &dir, None).unwrap();
+    let loaded: Vec<Vec<f64>> = plain
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec_f64().unwrap())
+        .collect();
+    assert_eq!(loaded, at_save);
+    let _ = std::fs::remove_dir_all(&dir);
 }
