@@ -81,7 +81,7 @@ pub use ddp::{
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
 pub use fsdp::{
     fully_shard, get_model_state_dict, get_optimizer_state_dict, FSDPModule, FullyShardOptions,
-    MixedPrecisionPolicy,
+    MixedPrecisionPolicy, ShardedGradScaler,
 };
 pub use group::{
     all_gather, all_gather_async, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce,

@@ -12,6 +12,7 @@ use ember_distributed::dtensor::chunk_range;
 use ember_distributed::{
     fully_shard, get_model_state_dict, get_optimizer_state_dict, DTensor, DdpOptions, DeviceMesh,
     DistributedDataParallel, FSDPModule, FullyShardOptions, MixedPrecisionPolicy, ProcessGroup,
+    ShardedGradScaler,
 };
 use ember_nn::functional::mse_loss;
 use ember_nn::optim::{AdamConfig, AdamW, Optimizer};
@@ -411,4 +412,66 @@ fn fully_shard_state_dicts_save_on_two_ranks_and_load_on_one_and_two() {
         .collect();
     assert_eq!(loaded, at_save);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Linear of 4 → 3 features sharded on 2 ranks (rows 0-1 on rank 0, row 2 on rank 1), whose
+/// rank-1 target holds inf in column 2: only rank 1's shard gets an inf gradient. A plain
+/// GradScaler lets rank 0 step while rank 1 skips; the ShardedGradScaler skips both and backs
+/// off both scales, then both step on a clean batch.
+#[test]
+fn sharded_grad_scaler_skips_every_rank_when_one_shard_overflows() {
+    run_ranks(2, T, |pg| {
+        let mesh = DeviceMesh::new(pg.clone());
+        let x = Tensor::ones([2usize, 4], DType::F32, Device::Cpu).unwrap();
+        let mut bad = vec![0.5f32; 6];
+        if pg.rank() == 1 {
+            bad[2] = f32::INFINITY;
+        }
+        let bad = Tensor::from_vec(bad, [2, 3], Device::Cpu).unwrap();
+        let clean = Tensor::full([2usize, 3], 0.5, DType::F32, Device::Cpu).unwrap();
+        let values = |m: &FSDPModule<Linear>| -> Vec<Vec<f64>> {
+            m.parameters().iter().map(|p| p.to_vec_f64().unwrap()).collect()
+        };
+        let scaled_step =
+            |m: &FSDPModule<Linear>, opt: &mut AdamW, scaler: &mut ember_nn::amp::GradScaler, y: &Tensor| {
+                opt.zero_grad().unwrap();
+                let loss = mse_loss(&m.forward(&x).unwrap(), y, Reduction::Mean).unwrap();
+                scaler.scale(&loss).unwrap().backward().unwrap();
+                scaler.step(opt).unwrap();
+                scaler.update().unwrap();
+            };
+        let make = || {
+            let lin = Linear::new(4, 3, Device::Cpu).unwrap();
+            fill_params(&lin, 0.0);
+            let m = fully_shard(lin, &mesh, FullyShardOptions::default()).unwrap();
+            let opt = adamw(m.parameters());
+            (m, opt)
+        };
+
+        // The plain scaler: the ranks part.
+        let (m, mut opt) = make();
+        let before = values(&m);
+        let mut plain = ember_nn::amp::GradScaler::new();
+        scaled_step(&m, &mut opt, &mut plain, &bad);
+        let finite = m.parameters().iter().all(|p| {
+            p.grad()
+                .unwrap()
+                .to_vec_f64()
+                .unwrap()
+                .iter()
+                .all(|v| v.is_finite())
+        });
+        assert_eq!(finite, pg.rank() == 0);
+        assert_eq!(values(&m) == before, pg.rank() == 1);
+
+        // The sharded scaler: both skip, both back off, then both step.
+        let (m, mut opt) = make();
+        let mut scaler = ShardedGradScaler::new(Some(pg.clone())).unwrap();
+        scaled_step(&m, &mut opt, &mut scaler, &bad);
+        assert_eq!(values(&m), before, "rank {}", pg.rank());
+        assert_eq!(scaler.get_scale().unwrap(), 32768.0);
+        scaled_step(&m, &mut opt, &mut scaler, &clean);
+        assert_ne!(values(&m), before);
+        assert_eq!(scaler.get_scale().unwrap(), 32768.0);
+    });
 }

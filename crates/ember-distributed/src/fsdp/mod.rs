@@ -55,12 +55,19 @@
 //! included, so every live [`FSDPModule`] is registered (weakly) when it is made, and the
 //! functions ask the registry which unit, if any, owns each tensor.
 //!
+//! With AMP's loss scaling, use [`ShardedGradScaler`]: each rank checks only its own rows for
+//! inf/NaN, and the scaler makes the ranks agree (a plain GradScaler would let them part).
+//!
 //! Every rank must run the same forward and backward passes (the collectives are matched in
 //! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
 //! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
 //!
 //! Not yet: prefetching the next unit's all-gather on a separate stream (every collective
 //! runs when its unit needs it).
+
+mod sharded_grad_scaler;
+
+pub use sharded_grad_scaler::ShardedGradScaler;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
