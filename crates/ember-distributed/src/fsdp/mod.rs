@@ -39,7 +39,11 @@
 //! of a module that contains [`FSDPModule`]s leaves their parameters to them (while it shards,
 //! an [`FSDPModule`] hides its parameters from the traversal) and shards the rest, and each
 //! unit gathers and reduce-scatters its own parameters when its forward and backward run.
-//! `parameters()` of the root lists every shard, the inner units' included.
+//! `parameters()` of the root lists every shard, the inner units' included. A unit that
+//! contains other units (the root) does not reshard after forward, whatever the options say,
+//! as PyTorch sets its root's `reshard_after_forward` to false: backward needs its parameters
+//! (the embedding, the head) at once, and resharding would mean recomputing the whole model's
+//! forward (Note [Reshard after forward]) on top of each unit's own recomputation.
 //!
 //! Note [FSDP gradient accumulation]: after [`FSDPModule::set_requires_gradient_sync`]`(false)`
 //! the backward keeps the unsharded gradient (summed over the backward passes) instead of
@@ -188,9 +192,9 @@ pub struct FSDPModule<M> {
 }
 
 thread_local! {
-    /// Set while [`fully_shard`] visits a module's parameters: an [`FSDPModule`] met there
-    /// hides its own (Note [FSDP nesting]).
-    static SHARDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// While [`fully_shard`] visits a module's parameters: the number of [`FSDPModule`]s met
+    /// there, which hide their own parameters (Note [FSDP nesting]); `None` otherwise.
+    static SHARDING: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
 /// Sets [`SHARDING`] for its lifetime.
@@ -198,15 +202,31 @@ struct ShardingScope;
 
 impl ShardingScope {
     fn enter() -> ShardingScope {
-        SHARDING.with(|s| s.set(true));
+        SHARDING.with(|s| s.set(Some(0)));
         ShardingScope
+    }
+
+    /// The [`FSDPModule`]s met so far.
+    fn inner_units(&self) -> usize {
+        SHARDING.with(|s| s.get().unwrap_or(0))
     }
 }
 
 impl Drop for ShardingScope {
     fn drop(&mut self) {
-        SHARDING.with(|s| s.set(false));
+        SHARDING.with(|s| s.set(None));
     }
+}
+
+/// Inside [`fully_shard`]'s traversal, counts one more inner unit and says so.
+fn met_by_fully_shard() -> bool {
+    SHARDING.with(|s| match s.get() {
+        Some(n) => {
+            s.set(Some(n + 1));
+            true
+        }
+        None => false,
+    })
 }
 
 /// The index of the tensor in `list` that `t` is (the same tensor, not equal values).
@@ -288,6 +308,7 @@ pub fn fully_shard<M: Module + 'static>(
         *t = placeholder;
         Ok(())
     })?;
+    let contains_units = scope.inner_units() > 0;
     drop(scope);
     if dtype.is_none() {
         return Err(Error::invalid(
@@ -315,7 +336,8 @@ pub fn fully_shard<M: Module + 'static>(
     register(Arc::downgrade(&state) as Weak<dyn Unit>);
     Ok(FSDPModule {
         state,
-        reshard_after_forward: options.reshard_after_forward,
+        // Note [FSDP nesting]: the root keeps its parameters gathered after forward.
+        reshard_after_forward: options.reshard_after_forward && !contains_units,
     })
 }
 
@@ -584,6 +606,12 @@ impl<M: Module> FSDPModule<M> {
         &self.state.mesh
     }
 
+    /// Whether the forward frees the full parameters (Note [Reshard after forward]): the
+    /// option given, except for a unit that contains other units (Note [FSDP nesting]).
+    pub fn reshard_after_forward(&self) -> bool {
+        self.reshard_after_forward
+    }
+
     /// Whether the next backward passes reduce-scatter the gradients (the default) or keep
     /// them unsharded for a later one (`set_requires_gradient_sync`, Note [FSDP gradient
     /// accumulation]). This unit only: call it on every [`FSDPModule`] of a nested model.
@@ -641,7 +669,7 @@ impl<M: Module> Module for FSDPModule<M> {
         prefix: &str,
         f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
     ) -> Result<()> {
-        let hide = SHARDING.with(|s| s.get());
+        let hide = met_by_fully_shard();
         let state = &self.state;
         let mut shards = state.shards.write().unwrap_or_else(|p| p.into_inner());
         let mut module = state.lock();

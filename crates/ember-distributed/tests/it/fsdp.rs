@@ -155,6 +155,9 @@ fn sharded_mlp(
                 .with(Tanh::new())
                 .with(layer(2));
             let root = fully_shard(body, mesh, options).unwrap();
+            // The root keeps its parameters gathered after forward, as PyTorch's does.
+            assert!(!root.reshard_after_forward());
+            assert_eq!(inner[0].reshard_after_forward(), options.reshard_after_forward);
             let units = vec![inner[0].clone(), inner[1].clone(), root.clone()];
             (Sequential::new().with(root), units)
         }
