@@ -478,3 +478,47 @@ fn sharded_grad_scaler_skips_every_rank_when_one_shard_overflows() {
         assert_eq!(scaler.get_scale().unwrap(), 32768.0);
     });
 }
+
+/// Clipping the shards' gradients by their global norm (ember_distributed::fsdp's
+/// clip_grad_norm_) gives DDP's clipping of the full gradients (ember-nn's): the same total
+/// norm on every rank, the same parameters after AdamW steps, for the 2-norm and the inf-norm.
+#[test]
+fn clip_grad_norm_of_shards_is_ddps_clip_of_full_gradients() {
+    run_ranks(2, T, |pg| {
+        let mesh = DeviceMesh::new(pg.clone());
+        let [(x, y)] = <[_; 1]>::try_from(rank_rows(&pg, 1, Device::Cpu)).unwrap();
+        for norm_type in [2.0, f64::INFINITY] {
+            let ddp = ddp_mlp(&pg, Device::Cpu);
+            let mut opt = adamw(ddp.module().parameters());
+            let (model, units) = sharded_mlp(&mesh, Wrap::Nested, FullyShardOptions::default());
+            let mut fopt = adamw(model.parameters());
+            for _ in 0..2 {
+                opt.zero_grad().unwrap();
+                loss_backward(&ddp, &x, &y);
+                let expected =
+                    ember_nn::optim::clip_grad_norm_(&ddp.module().parameters(), 0.05, norm_type).unwrap();
+                opt.step().unwrap();
+                fopt.zero_grad().unwrap();
+                loss_backward(&model, &x, &y);
+                let total =
+                    ember_distributed::fsdp::clip_grad_norm_(&model.parameters(), 0.05, norm_type).unwrap();
+                fopt.step().unwrap();
+                let (t, e) = (total.item_f64().unwrap(), expected.item_f64().unwrap());
+                assert!((t - e).abs() <= 1e-12 * e, "norm {norm_type}: {t} vs {e}");
+                assert!(e > 0.05, "the test must clip");
+            }
+            let params: Vec<Vec<f64>> = ddp
+                .module()
+                .parameters()
+                .iter()
+                .map(|p| p.to_vec_f64().unwrap())
+                .collect();
+            close(
+                &gathered_params(&units),
+                &params,
+                1e-11,
+                &format!("clipped by the {norm_type}-norm"),
+            );
+        }
+    });
+}
