@@ -31,9 +31,10 @@
 //! full parameters nor the module's activations), and backward all-gathers again, recomputes
 //! the module's forward (restoring the random state, so dropout draws the same masks), and
 //! reduce-scatters. Memory is that of FSDP2 with activation checkpointing on each sharded
-//! module, for one more forward of it in backward. With `reshard_after_forward = false` the
-//! full parameters stay alive in the graph until backward (FSDP2's `False`: no second
-//! all-gather, no recomputation).
+//! module, for one more forward of it in backward (and, as under any recomputation, a
+//! BatchNorm inside updates its running statistics twice). With `reshard_after_forward =
+//! false` the full parameters stay alive in the graph until backward (FSDP2's `False`: no
+//! second all-gather, no recomputation).
 //!
 //! Note [FSDP nesting]: as with FSDP2, shard the blocks first, then the root: `fully_shard`
 //! of a module that contains [`FSDPModule`]s leaves their parameters to them (while it shards,
@@ -59,15 +60,17 @@
 //! included, so every live [`FSDPModule`] is registered (weakly) when it is made, and the
 //! functions ask the registry which unit, if any, owns each tensor.
 //!
-//! With AMP's loss scaling, use [`ShardedGradScaler`]: each rank checks only its own rows for
-//! inf/NaN, and the scaler makes the ranks agree (a plain GradScaler would let them part).
+//! Two of ember-nn's tools look at gradients rank by rank, which shards would let part: clip
+//! with this module's [`clip_grad_norm_`] (the norm over every rank's rows), and scale losses
+//! with [`ShardedGradScaler`] (an overflow in any rank's rows skips every rank's step).
 //!
 //! Every rank must run the same forward and backward passes (the collectives are matched in
 //! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
 //! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
 //!
-//! Not yet: prefetching the next unit's all-gather on a separate stream (every collective
-//! runs when its unit needs it).
+//! Not yet: overlap. Every collective runs when its unit needs it and the compute stream
+//! waits for it at once: no prefetch of the next unit's all-gather, and no reduce-scatter left
+//! running behind the next unit's backward.
 
 mod clip;
 mod sharded_grad_scaler;
