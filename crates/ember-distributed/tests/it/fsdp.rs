@@ -423,60 +423,69 @@ fn fully_shard_state_dicts_save_on_two_ranks_and_load_on_one_and_two() {
 /// off both scales, then both step on a clean batch.
 #[test]
 fn sharded_grad_scaler_skips_every_rank_when_one_shard_overflows() {
-    run_ranks(2, T, |pg| {
-        let mesh = DeviceMesh::new(pg.clone());
-        let x = Tensor::ones([2usize, 4], DType::F32, Device::Cpu).unwrap();
-        let mut bad = vec![0.5f32; 6];
-        if pg.rank() == 1 {
-            bad[2] = f32::INFINITY;
-        }
-        let bad = Tensor::from_vec(bad, [2, 3], Device::Cpu).unwrap();
-        let clean = Tensor::full([2usize, 3], 0.5, DType::F32, Device::Cpu).unwrap();
-        let values = |m: &FSDPModule<Linear>| -> Vec<Vec<f64>> {
-            m.parameters().iter().map(|p| p.to_vec_f64().unwrap()).collect()
-        };
-        let scaled_step =
-            |m: &FSDPModule<Linear>, opt: &mut AdamW, scaler: &mut ember_nn::amp::GradScaler, y: &Tensor| {
-                opt.zero_grad().unwrap();
-                let loss = mse_loss(&m.forward(&x).unwrap(), y, Reduction::Mean).unwrap();
-                scaler.scale(&loss).unwrap().backward().unwrap();
-                scaler.step(opt).unwrap();
-                scaler.update().unwrap();
-            };
-        let make = || {
-            let lin = Linear::new(4, 3, Device::Cpu).unwrap();
-            fill_params(&lin, 0.0);
-            let m = fully_shard(lin, &mesh, FullyShardOptions::default()).unwrap();
-            let opt = adamw(m.parameters());
-            (m, opt)
-        };
+    run_ranks(2, T, |pg| sharded_scaler_keeps_ranks_together(&pg, Device::Cpu));
+}
 
-        // The plain scaler: the ranks part.
-        let (m, mut opt) = make();
-        let before = values(&m);
-        let mut plain = ember_nn::amp::GradScaler::new();
-        scaled_step(&m, &mut opt, &mut plain, &bad);
-        let finite = m.parameters().iter().all(|p| {
-            p.grad()
-                .unwrap()
-                .to_vec_f64()
-                .unwrap()
-                .iter()
-                .all(|v| v.is_finite())
-        });
-        assert_eq!(finite, pg.rank() == 0);
-        assert_eq!(values(&m) == before, pg.rank() == 1);
+/// The body of [`sharded_grad_scaler_skips_every_rank_when_one_shard_overflows`] on `device`
+/// (2 ranks; the NCCL tests run it on two GPUs).
+pub(crate) fn sharded_scaler_keeps_ranks_together(pg: &ProcessGroup, device: Device) {
+    assert_eq!(pg.size(), 2);
+    let mesh = DeviceMesh::new(pg.clone());
+    let x = Tensor::ones([2usize, 4], DType::F32, device).unwrap();
+    let mut bad = vec![0.5f32; 6];
+    if pg.rank() == 1 {
+        bad[2] = f32::INFINITY;
+    }
+    let bad = Tensor::from_vec(bad, [2, 3], Device::Cpu)
+        .unwrap()
+        .to(device)
+        .unwrap();
+    let clean = Tensor::full([2usize, 3], 0.5, DType::F32, device).unwrap();
+    let values = |m: &FSDPModule<Linear>| -> Vec<Vec<f64>> {
+        m.parameters().iter().map(|p| p.to_vec_f64().unwrap()).collect()
+    };
+    let scaled_step =
+        |m: &FSDPModule<Linear>, opt: &mut AdamW, scaler: &mut ember_nn::amp::GradScaler, y: &Tensor| {
+            opt.zero_grad().unwrap();
+            let loss = mse_loss(&m.forward(&x).unwrap(), y, Reduction::Mean).unwrap();
+            scaler.scale(&loss).unwrap().backward().unwrap();
+            scaler.step(opt).unwrap();
+            scaler.update().unwrap();
+        };
+    let make = || {
+        let mut lin = Linear::new(4, 3, Device::Cpu).unwrap();
+        fill_params(&lin, 0.0);
+        lin.to_device(device).unwrap();
+        let m = fully_shard(lin, &mesh, FullyShardOptions::default()).unwrap();
+        let opt = adamw(m.parameters());
+        (m, opt)
+    };
 
-        // The sharded scaler: both skip, both back off, then both step.
-        let (m, mut opt) = make();
-        let mut scaler = ShardedGradScaler::new(Some(pg.clone())).unwrap();
-        scaled_step(&m, &mut opt, &mut scaler, &bad);
-        assert_eq!(values(&m), before, "rank {}", pg.rank());
-        assert_eq!(scaler.get_scale().unwrap(), 32768.0);
-        scaled_step(&m, &mut opt, &mut scaler, &clean);
-        assert_ne!(values(&m), before);
-        assert_eq!(scaler.get_scale().unwrap(), 32768.0);
+    // The plain scaler: the ranks part.
+    let (m, mut opt) = make();
+    let before = values(&m);
+    let mut plain = ember_nn::amp::GradScaler::new();
+    scaled_step(&m, &mut opt, &mut plain, &bad);
+    let finite = m.parameters().iter().all(|p| {
+        p.grad()
+            .unwrap()
+            .to_vec_f64()
+            .unwrap()
+            .iter()
+            .all(|v| v.is_finite())
     });
+    assert_eq!(finite, pg.rank() == 0);
+    assert_eq!(values(&m) == before, pg.rank() == 1);
+
+    // The sharded scaler: both skip, both back off, then both step.
+    let (m, mut opt) = make();
+    let mut scaler = ShardedGradScaler::new(Some(pg.clone())).unwrap();
+    scaled_step(&m, &mut opt, &mut scaler, &bad);
+    assert_eq!(values(&m), before, "rank {}", pg.rank());
+    assert_eq!(scaler.get_scale().unwrap(), 32768.0);
+    scaled_step(&m, &mut opt, &mut scaler, &clean);
+    assert_ne!(values(&m), before);
+    assert_eq!(scaler.get_scale().unwrap(), 32768.0);
 }
 
 /// Clipping the shards' gradients by their global norm (ember_distributed::fsdp's
@@ -484,41 +493,45 @@ fn sharded_grad_scaler_skips_every_rank_when_one_shard_overflows() {
 /// norm on every rank, the same parameters after AdamW steps, for the 2-norm and the inf-norm.
 #[test]
 fn clip_grad_norm_of_shards_is_ddps_clip_of_full_gradients() {
-    run_ranks(2, T, |pg| {
-        let mesh = DeviceMesh::new(pg.clone());
-        let [(x, y)] = <[_; 1]>::try_from(rank_rows(&pg, 1, Device::Cpu)).unwrap();
-        for norm_type in [2.0, f64::INFINITY] {
-            let ddp = ddp_mlp(&pg, Device::Cpu);
-            let mut opt = adamw(ddp.module().parameters());
-            let (model, units) = sharded_mlp(&mesh, Wrap::Nested, FullyShardOptions::default());
-            let mut fopt = adamw(model.parameters());
-            for _ in 0..2 {
-                opt.zero_grad().unwrap();
-                loss_backward(&ddp, &x, &y);
-                let expected =
-                    ember_nn::optim::clip_grad_norm_(&ddp.module().parameters(), 0.05, norm_type).unwrap();
-                opt.step().unwrap();
-                fopt.zero_grad().unwrap();
-                loss_backward(&model, &x, &y);
-                let total =
-                    ember_distributed::fsdp::clip_grad_norm_(&model.parameters(), 0.05, norm_type).unwrap();
-                fopt.step().unwrap();
-                let (t, e) = (total.item_f64().unwrap(), expected.item_f64().unwrap());
-                assert!((t - e).abs() <= 1e-12 * e, "norm {norm_type}: {t} vs {e}");
-                assert!(e > 0.05, "the test must clip");
-            }
-            let params: Vec<Vec<f64>> = ddp
-                .module()
-                .parameters()
-                .iter()
-                .map(|p| p.to_vec_f64().unwrap())
-                .collect();
-            close(
-                &gathered_params(&units),
-                &params,
-                1e-11,
-                &format!("clipped by the {norm_type}-norm"),
-            );
+    run_ranks(2, T, |pg| clip_matches_ddp(&pg, Device::Cpu));
+}
+
+/// The body of [`clip_grad_norm_of_shards_is_ddps_clip_of_full_gradients`] on `device` (the
+/// NCCL tests run it on GPUs).
+pub(crate) fn clip_matches_ddp(pg: &ProcessGroup, device: Device) {
+    let mesh = DeviceMesh::new(pg.clone());
+    let [(x, y)] = <[_; 1]>::try_from(rank_rows(pg, 1, device)).unwrap();
+    for norm_type in [2.0, f64::INFINITY] {
+        let ddp = ddp_mlp(pg, device);
+        let mut opt = adamw(ddp.module().parameters());
+        let (model, units) = sharded_mlp(&mesh, Wrap::Nested, FullyShardOptions::default());
+        let mut fopt = adamw(model.parameters());
+        for _ in 0..2 {
+            opt.zero_grad().unwrap();
+            loss_backward(&ddp, &x, &y);
+            let expected =
+                ember_nn::optim::clip_grad_norm_(&ddp.module().parameters(), 0.05, norm_type).unwrap();
+            opt.step().unwrap();
+            fopt.zero_grad().unwrap();
+            loss_backward(&model, &x, &y);
+            let total =
+                ember_distributed::fsdp::clip_grad_norm_(&model.parameters(), 0.05, norm_type).unwrap();
+            fopt.step().unwrap();
+            let (t, e) = (total.item_f64().unwrap(), expected.item_f64().unwrap());
+            assert!((t - e).abs() <= 1e-12 * e, "norm {norm_type}: {t} vs {e}");
+            assert!(e > 0.05, "the test must clip");
         }
-    });
+        let params: Vec<Vec<f64>> = ddp
+            .module()
+            .parameters()
+            .iter()
+            .map(|p| p.to_vec_f64().unwrap())
+            .collect();
+        close(
+            &gathered_params(&units),
+            &params,
+            1e-11,
+            &format!("clipped by the {norm_type}-norm"),
+        );
+    }
 }
