@@ -214,8 +214,17 @@ pub trait IndexOps: Sized {
     /// the contiguous `[n]` indices (int64 or int32, checked in range by the read): each row
     /// the sum of the gradient rows read from it, accumulated in f32 (f64 for f64) in the order
     /// of the positions and rounded once; rows never read are 0. Deterministic: the same bits
-    /// on every run (Note [Deterministic embedding backward] in `cuda_backend/index.rs`).
-    fn embedding_backward(&self, index: &Self, n: usize, d: usize, rows: usize) -> Result<Self>;
+    /// on every run (Note [Deterministic embedding backward] in `cuda_backend/index.rs`). With
+    /// `into` (`[rows, d]` contiguous, `self`'s dtype), the gradient is added to what it holds
+    /// and None is returned (Note [Gradients added in place] in `autograd/engine.rs`).
+    fn embedding_backward(
+        &self,
+        index: &Self,
+        n: usize,
+        d: usize,
+        rows: usize,
+        into: Option<&mut Self>,
+    ) -> Result<Option<Self>>;
 }
 
 /// Softmax and log-softmax along a dim.

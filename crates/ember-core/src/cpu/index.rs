@@ -355,8 +355,44 @@ impl IndexOps for CpuStorage {
         CpuStorage::one_hot(self, layout, num_classes)
     }
 
-    fn embedding_backward(&self, index: &CpuStorage, n: usize, d: usize, rows: usize) -> Result<CpuStorage> {
-        self.embedding_backward_cpu(index, n, d, rows)
+    fn embedding_backward(
+        &self,
+        index: &CpuStorage,
+        n: usize,
+        d: usize,
+        rows: usize,
+        into: Option<&mut CpuStorage>,
+    ) -> Result<Option<CpuStorage>> {
+        let sum = self.embedding_backward_cpu(index, n, d, rows)?;
+        let Some(into) = into else { return Ok(Some(sum)) };
+        const OP: &str = "embedding_backward";
+        if into.dtype() != sum.dtype() || into.len() != sum.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the gradient to add into ({} elements of {:?}) is not the table's ({} of {:?})",
+                    into.len(),
+                    into.dtype(),
+                    sum.len(),
+                    sum.dtype()
+                ),
+            ));
+        }
+        // Each element rounded once from the f32 (f64) sum, as the engine's add would.
+        match (into, &sum) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => a.iter_mut().zip(b).for_each(|(a, b)| *a += b),
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => a.iter_mut().zip(b).for_each(|(a, b)| *a += b),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => a
+                .iter_mut()
+                .zip(b)
+                .for_each(|(a, b)| *a = half::f16::from_f32(a.to_f32() + b.to_f32())),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => a
+                .iter_mut()
+                .zip(b)
+                .for_each(|(a, b)| *a = half::bf16::from_f32(a.to_f32() + b.to_f32())),
+            (other, _) => return Err(Error::dtype(OP, other.dtype())),
+        }
+        Ok(None)
     }
 }
 

@@ -805,9 +805,10 @@ kernels! {
         /// `idx[p] << 32 | p` sorted ascending.
         embedding_sort<I>(idx: In<I>, n: i64, keys: Out<u64>);
         /// Second pass: `out` (`[rows, d]`, every element written) row r = Σ g[p, :] over the
-        /// positions in `keys` with index r, in position order, in Acc<T>; one warp per row,
+        /// positions in `keys` with index r, in position order, in Acc<T>; with `add`, the sum
+        /// is added to what `out` holds (rows never read untouched); one warp per row,
         /// grid-stride, blockDim.x a multiple of 32.
-        embedding_backward<T>(g: In<T>, keys: In<u64>, n: i64, d: i64, rows: i64, out: Out<T>);
+        embedding_backward<T>(g: In<T>, keys: In<u64>, n: i64, d: i64, rows: i64, out: Out<T>, add: i32);
     }
 }
 

@@ -1243,11 +1243,17 @@ impl Storage {
         n: usize,
         d: usize,
         rows: usize,
-    ) -> Result<Storage> {
+        into: Option<&mut Storage>,
+    ) -> Result<Option<Storage>> {
         let (g, i) = (self, index);
-        on_backend!("embedding_backward", (g, i), wrap => {
-            Ok(wrap(IndexOps::embedding_backward(g, i, n, d, rows)?))
-        })
+        match into {
+            None => on_backend!("embedding_backward", (g, i), wrap => {
+                Ok(IndexOps::embedding_backward(g, i, n, d, rows, None)?.map(wrap))
+            }),
+            Some(acc) => on_backend!("embedding_backward", (g, i, acc), wrap => {
+                Ok(IndexOps::embedding_backward(g, i, n, d, rows, Some(acc))?.map(wrap))
+            }),
+        }
     }
 }
 
