@@ -63,6 +63,20 @@ pub(crate) struct Node {
     /// Whether the backward may add its first input's gradient into the one already waiting
     /// for that input (Note [Gradients added in place] in `engine.rs`): [`take_accumulator`].
     accumulates: std::sync::atomic::AtomicBool,
+    /// For an activation whose gradient a product's epilogue can apply (Note [Activation
+    /// epilogues] in `engine.rs`): which one, and its saved input.
+    pub(crate) activation: OnceLock<(Activation, SavedTensor)>,
+    /// Whether the backward may apply its first input's activation in its product
+    /// ([`take_activation`]).
+    pub(crate) applies_activation: std::sync::atomic::AtomicBool,
+}
+
+/// An activation whose gradient a matrix product can apply on its way out (cuBLASLt's DGELU
+/// epilogue): Note [Activation epilogues] in `engine.rs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Activation {
+    /// `gelu(x, approximate="tanh")`.
+    GeluTanh,
 }
 
 /// The region of a view op's input that its output views: a layout over a row-major tensor of
@@ -209,6 +223,8 @@ fn record_node(
         view,
         cast_from,
         accumulates: std::sync::atomic::AtomicBool::new(false),
+        activation: OnceLock::new(),
+        applies_activation: std::sync::atomic::AtomicBool::new(false),
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));
@@ -221,6 +237,61 @@ pub(crate) fn mark_accumulating(out: &Tensor) {
     if let Some(node) = &out.0.grad_fn {
         node.accumulates.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// Marks `out` as the output of activation `kind` of `input` (Note [Activation epilogues] in
+/// `engine.rs`).
+pub(crate) fn mark_activation(out: &Tensor, kind: Activation, input: &Tensor) {
+    if let Some(node) = &out.0.grad_fn {
+        let _ = node.activation.set((kind, SavedTensor::new(node.name, input)));
+    }
+}
+
+/// Lets the backward of the node that made `out` take its first input's activation with
+/// [`take_activation`] (Note [Activation epilogues] in `engine.rs`).
+pub(crate) fn mark_applies_activation(out: &Tensor) {
+    if let Some(node) = &out.0.grad_fn {
+        node.applies_activation
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    /// The activation whose output is the first input of the node whose backward runs on this
+    /// thread, with that activation's input, offered by the engine (Note [Activation
+    /// epilogues] in `engine.rs`); `true` once taken.
+    static ACTIVATION: std::cell::RefCell<Option<(Activation, Tensor, bool)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Sets the activation offer for one backward call; the previous one comes back with
+/// [`end_activation_offer`].
+pub(crate) fn offer_activation(offer: Option<(Activation, Tensor)>) -> Option<(Activation, Tensor, bool)> {
+    ACTIVATION.with(|a| a.replace(offer.map(|(k, t)| (k, t, false))))
+}
+
+/// Ends the offer of [`offer_activation`]: whether it was taken; puts `outer` back.
+pub(crate) fn end_activation_offer(outer: Option<(Activation, Tensor, bool)>) -> bool {
+    ACTIVATION
+        .with(|a| a.replace(outer))
+        .is_some_and(|(_, _, taken)| taken)
+}
+
+/// Inside a backward function marked with [`mark_applies_activation`]: the activation whose
+/// output is the node's first input, and that activation's input, when the engine offers it.
+/// A backward that takes it must return, as its first input's gradient, the gradient of the
+/// activation's *input* (the activation's backward applied), which the engine then hands on
+/// past the activation's node (Note [Activation epilogues] in `engine.rs`).
+pub(crate) fn take_activation() -> Option<(Activation, Tensor)> {
+    ACTIVATION.with(|a| {
+        let mut a = a.borrow_mut();
+        match a.as_mut() {
+            Some((kind, input, taken)) if !*taken => {
+                *taken = true;
+                Some((*kind, input.clone()))
+            }
+            _ => None,
+        }
+    })
 }
 
 thread_local! {

@@ -661,6 +661,20 @@ impl Storage {
         on_backend!("matmul", (a, b), wrap => Ok(MatmulOps::matmul_widened(a, al, b, bl)?.map(wrap)))
     }
 
+    /// [`MatmulOps::matmul_dgelu`].
+    pub(crate) fn matmul_dgelu(
+        &self,
+        al: &Layout,
+        rhs: &Storage,
+        bl: &Layout,
+        (aux, xl): (&Storage, &Layout),
+    ) -> Result<Option<Storage>> {
+        let (a, b, x) = (self, rhs, aux);
+        on_backend!("matmul", (a, b, x), wrap => {
+            Ok(MatmulOps::matmul_dgelu(a, al, b, bl, (x, xl))?.map(wrap))
+        })
+    }
+
     /// [`Storage::matmul`] of two matrices in row blocks of the output, with the events that
     /// mark each block done (GPU only; Note [Gradients in row blocks] in `storage/row_blocks.rs`).
     pub(crate) fn matmul_row_blocks(
