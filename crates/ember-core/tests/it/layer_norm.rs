@@ -606,7 +606,7 @@ fn a_linear_applies_the_gelu_backward_of_its_input() {
                     assert_eq!(a, b, "{dtype:?}: gradient {i} differs on the CPU");
                 } else {
                     let t = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-                    assert_close_slice(a, b, t, t);
+                    assert_close_slice(a, b, t, t); // gradient {i}
                 }
             }
         }
