@@ -576,17 +576,27 @@ fn a_linear_applies_the_gelu_backward_of_its_input() {
                     .activities([ProfilerActivity::Cpu])
                     .start()
                     .unwrap();
-                let h = x.linear(&w1, Some(&b1)).unwrap().gelu_tanh().unwrap();
-                if hooked {
-                    h.register_hook(|_| Ok(None)).unwrap();
+                {
+                    let _case = profiler::record_function("gelu_epilogue_case");
+                    let h = x.linear(&w1, Some(&b1)).unwrap().gelu_tanh().unwrap();
+                    if hooked {
+                        h.register_hook(|_| Ok(None)).unwrap();
+                    }
+                    let y = h.linear(&w2, Some(&b2)).unwrap();
+                    y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
                 }
-                let y = h.linear(&w2, Some(&b2)).unwrap();
-                y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
                 prof.stop().unwrap();
-                let gelu_nodes = prof
-                    .events()
+                // This test's thread only: the profiler records every thread's ops.
+                let events = prof.events();
+                let case = events.iter().find(|e| e.name == "gelu_epilogue_case").unwrap();
+                let gelu_nodes = events
                     .iter()
-                    .filter(|e| e.name == "GeluTanhBackward0")
+                    .filter(|e| {
+                        e.name == "GeluTanhBackward0"
+                            && e.thread == case.thread
+                            && e.start_ns >= case.start_ns
+                            && e.end_ns <= case.end_ns
+                    })
                     .count();
                 let grads = [&x, &w1, &b1, &w2, &b2]
                     .iter()
