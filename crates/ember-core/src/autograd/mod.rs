@@ -1,6 +1,6 @@
 //! Reverse-mode automatic differentiation over a dynamic graph, as `torch.autograd`.
 //!
-//! An op whose inputs need gradients calls `record` with a backward closure that sits next to
+//! An op whose inputs need gradients calls `Door::record` with a backward closure that sits next to
 //! its forward code; the closure receives the gradient of the op's output and returns one
 //! gradient per input. A node is recorded only when grad mode is on and some input requires a
 //! gradient, so inference pays nothing.
@@ -30,6 +30,7 @@ pub use engine::{grad, retains_graph};
 pub(crate) use engine::{roots_with_grads as engine_roots, run_backward};
 pub use grad_mode::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
 
+use crate::dispatch::Door;
 use crate::tensor::TensorImpl;
 use crate::{Error, Result, Tensor};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -148,45 +149,49 @@ pub fn with_fresh_sequence_nr<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Attaches a node computed by `backward` to `out`, whose inputs were `inputs`.
-///
-/// Callers check [`needs_grad`] first so that they build the closure only when it is used.
-pub(crate) fn record<F>(name: &'static str, inputs: &[&Tensor], out: Tensor, backward: F) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    record_node(name, inputs, out, Box::new(backward), None, None)
-}
+/// Autograd records: only behind the dispatch point (Note [The door] in `dispatch/mod.rs`).
+impl Door {
+    /// Attaches a node computed by `backward` to `out`, whose inputs were `inputs`.
+    ///
+    /// Callers check [`needs_grad`] first so that they build the closure only when it is used.
+    pub(crate) fn record<F>(self, name: &'static str, inputs: &[&Tensor], out: Tensor, backward: F) -> Tensor
+    where
+        F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    {
+        record_node(name, inputs, out, Box::new(backward), None, None)
+    }
 
-/// [`record`] for a cast of `input` to another dtype (see `Node::cast_from`).
-pub(crate) fn record_cast<F>(name: &'static str, input: &Tensor, out: Tensor, backward: F) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    let from = input.dtype();
-    record_node(name, &[input], out, Box::new(backward), None, Some(from))
+    /// [`Door::record`] for a cast of `input` to another dtype (see `Node::cast_from`).
+    pub(crate) fn record_cast<F>(self, name: &'static str, input: &Tensor, out: Tensor, backward: F) -> Tensor
+    where
+        F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    {
+        let from = input.dtype();
+        record_node(name, &[input], out, Box::new(backward), None, Some(from))
+    }
+
+    /// [`Door::record`] for a view op whose output views `view.region` of its one input: the
+    /// engine hands the region's gradient on as a slice (Note [Gradients of views] in
+    /// `engine.rs`); `backward` (the gradient written into zeros of the input's shape) is what
+    /// [`Node::backward`] would compute, kept for the second-pass check.
+    pub(crate) fn record_view<F>(
+        self,
+        name: &'static str,
+        input: &Tensor,
+        out: Tensor,
+        view: ViewOf,
+        backward: F,
+    ) -> Tensor
+    where
+        F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    {
+        record_node(name, &[input], out, Box::new(backward), Some(view), None)
+    }
 }
 
 /// The dtype `t` was cast from, when `t` is the output of a recorded cast.
 pub(crate) fn cast_from(t: &Tensor) -> Option<crate::DType> {
     t.0.grad_fn.as_ref().and_then(|node| node.cast_from)
-}
-
-/// [`record`] for a view op whose output views `view.region` of its one input: the engine
-/// hands the region's gradient on as a slice (Note [Gradients of views] in `engine.rs`);
-/// `backward` (the gradient written into zeros of the input's shape) is what
-/// [`Node::backward`] would compute, kept for the second-pass check.
-pub(crate) fn record_view<F>(
-    name: &'static str,
-    input: &Tensor,
-    out: Tensor,
-    view: ViewOf,
-    backward: F,
-) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    record_node(name, &[input], out, Box::new(backward), Some(view), None)
 }
 
 fn record_node(
@@ -241,7 +246,7 @@ where
         return output;
     }
     let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.dims().to_vec()).collect();
-    record(name, inputs, output, move |grad, needs| {
+    let backward = move |grad: &Tensor, needs: &[bool]| {
         let grads = backward(grad, needs)?;
         for (i, (g, shape)) in grads.iter().zip(&shapes).enumerate() {
             if let Some(g) = g.as_ref().filter(|g| g.dims() != shape.as_slice()) {
@@ -252,7 +257,8 @@ where
             }
         }
         Ok(grads)
-    })
+    };
+    record_node(name, inputs, output, Box::new(backward), None, None)
 }
 
 /// For each of `leaves`, whether a backward pass from `outputs` would reach it: the walk over

@@ -162,7 +162,7 @@ fn params<const N: usize>(p: [f64; N]) -> [f64; 3] {
 
 macro_rules! define_unary {
     ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
-         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident $(, $d:ident)?| $rule:expr, $doc:literal; )*) => {
         /// An elementwise function of one operand (the op table's unary family); parameters of
         /// parametrized activations ride along.
         #[derive(Debug, Clone, Copy, PartialEq)]

@@ -196,6 +196,7 @@ named_table! {
     CONTIGUOUS = "contiguous";
     CLONE = "clone";
     PIN_MEMORY = "pin_memory";
+    BROADCAST_COALESCED = "broadcast_coalesced";
     ITEM = "item";
     DETACH = "detach";
 
@@ -293,7 +294,7 @@ macro_rules! unary_line {
 
 macro_rules! unary_lines {
     ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
-         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident $(, $d:ident)?| $rule:expr, $doc:literal; )*) => {
         impl UnaryOp {
             /// The op's policy line.
             pub fn line(self) -> &'static Op {

@@ -16,6 +16,7 @@ mod literal;
 pub use literal::{from_literal, TensorLiteral};
 
 use crate::autograd::{self, Hook, Node};
+use crate::dispatch::Door;
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Shape};
@@ -72,9 +73,11 @@ impl HookHandle {
 
 static NEXT_HOOK_ID: AtomicU64 = AtomicU64::new(0);
 
-impl Tensor {
+/// Tensors made from storage: only behind the dispatch point (Note [The door] in
+/// `dispatch/mod.rs`).
+impl Door {
     /// A tensor over all of `storage`, row-major with `shape`.
-    pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
+    pub(crate) fn tensor(self, storage: Storage, shape: impl Into<Shape>) -> Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.numel(), storage.len());
         let dtype = storage.dtype();
@@ -82,11 +85,14 @@ impl Tensor {
         Tensor::from_parts_of(storage, layout, dtype)
     }
 
-    pub(crate) fn from_parts(storage: StorageRef, layout: Layout) -> Tensor {
+    /// A tensor over the shared `storage` at `layout`.
+    pub(crate) fn tensor_at(self, storage: StorageRef, layout: Layout) -> Tensor {
         let dtype = storage.read().dtype();
         Tensor::from_parts_of(storage, layout, dtype)
     }
+}
 
+impl Tensor {
     fn from_parts_of(storage: StorageRef, layout: Layout, dtype: DType) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             storage,
@@ -110,7 +116,7 @@ impl Tensor {
         }))
     }
 
-    /// The same data, made the output of `node` (see `autograd::record`).
+    /// The same data, made the output of `node` (see `Door::record`).
     pub(crate) fn with_grad_fn(self, node: Arc<Node>) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             storage: self.0.storage.clone(),
