@@ -1,7 +1,7 @@
 //! CUDA launchers for `kernels/rnn.cu`: the pointwise halves of a fused LSTM time step (Note
 //! [Fused LSTM recurrence] in `ops/rnn.rs`), one thread per element of the `[N, H]` state, with
 //! the CPU backend's formulas (`cpu/rnn.rs`). Operands are whole buffers plus element offsets of
-//! the step's rows, which `Storage::lstm_forward_step` / `lstm_backward_step` (`storage.rs`,
+//! the step's rows, which `Storage::lstm_forward_step` / `lstm_backward_step` (`storage/families.rs`,
 //! with the checks of `backend/step.rs`) have checked to lie inside them.
 
 use super::kernels::Grid;

@@ -190,7 +190,7 @@ impl Tensor {
     /// every view of the same storage now refer to the data on `device` (what PyTorch's
     /// `param.data = param.data.to(device)` achieves for `module.to(device)`); a no-op when
     /// already there. Values, shape, strides, `requires_grad` and `.grad` are unchanged (move
-    /// the gradient with its own call). See Note [Moving a storage in place] in `storage.rs`.
+    /// the gradient with its own call). See Note [Moving a storage in place] in `storage/mod.rs`.
     pub fn to_device_(&self, device: Device) -> Result<()> {
         if device == self.device() {
             return Ok(());
