@@ -279,8 +279,9 @@ pub(crate) fn composite_list_kernel<T>(
 /// `CompositeImplicitAutograd`: `flatten`, `masked_fill`, `split`, ...): the device check and
 /// the observers (steps 1 and 4) see it under its name, then `body` runs, and its inner ops pass
 /// every step themselves, autocast included (as PyTorch's implicit composites decompose below
-/// the Autocast key). No observer: one device loop and one relaxed load.
-pub(crate) fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Result<T>) -> Result<T> {
+/// the Autocast key). No observer: one device loop and one relaxed load. Its line is in
+/// `named_table!` (`policy.rs`); ember-nn's composites (`adaptive_avg_pool2d`) enter here too.
+pub fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Result<T>) -> Result<T> {
     crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, inputs)?;
     let _scope = if observer::is_active() {

@@ -221,6 +221,7 @@ named_table! {
     UNBIND = "unbind";
     BROADCAST_TO = "broadcast_to";
     IM2COL = "im2col";
+    ADAPTIVE_AVG_POOL2D = "adaptive_avg_pool2d";
     SLICE_SCATTER = "slice_scatter";
     SORT = "sort";
     ARGSORT = "argsort";
