@@ -22,7 +22,7 @@
 //! suspended, so the inner ops keep the dtypes the policy chose (as PyTorch redispatches
 //! below its Autocast key).
 //!
-//! The kernel closure of every entry gets the op's [`Door`], the only way to make a tensor
+//! The kernel closure of every entry gets the op's `Door`, the only way to make a tensor
 //! from a backend's storage or record an autograd node (Note [The door]).
 //!
 //! Ops with no policy of their own enter more lightly, still under their PyTorch name:
