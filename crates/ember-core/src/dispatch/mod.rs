@@ -334,7 +334,7 @@ pub(crate) fn call_list_fp32_inside<T>(
     let device = check_devices(op.name, inputs)?;
     settle_copies(op, inputs)?;
     let mut prepared: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-    let casting = op.autocast == CastPolicy::Fp32 && crate::amp::active_dtype(device.device_type()).is_some();
+    let casting = op.autocast == CastPolicy::Fp32 && autocast::active_dtype(device.device_type()).is_some();
     let f32_result = casting
         && prepared
             .first()
