@@ -6,9 +6,9 @@ use super::kernels::{Grid, KernelShape};
 use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
+use crate::backend::op::Promotion;
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp};
 use crate::backend::ElementwiseOps;
-use crate::dispatch::Promotion;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 

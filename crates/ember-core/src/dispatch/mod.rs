@@ -41,6 +41,8 @@
 #![deny(unsafe_code)]
 
 pub mod autocast;
+pub(crate) mod grad_mode;
+pub(crate) mod graph;
 pub mod observer;
 pub mod policy;
 pub(crate) mod row_blocks;
@@ -62,7 +64,6 @@ pub use policy::{CastPolicy, Op, Promotion};
 #[derive(Clone, Copy)]
 pub(crate) struct Door(());
 
-use crate::autograd;
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// The device all of `inputs` live on, or the error naming the first two that differ.
@@ -187,7 +188,7 @@ where
     let p = prepare(op, inputs)?;
     let out = kernel(&p.inputs, Door(()))?;
     let refs = p.inputs.each_ref();
-    if !out.dtype().is_floating_point() || !autograd::needs_grad(&refs) {
+    if !out.dtype().is_floating_point() || !graph::needs_grad(&refs) {
         return Ok(out);
     }
     let backward = rule(&p.inputs, &out, Door(()))?;

@@ -1,6 +1,5 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
-use crate::autograd;
 use crate::backend::host::{CpuElement, CpuStorage};
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
@@ -21,7 +20,7 @@ impl Tensor {
     fn cast(&self, dtype: DType, door: dispatch::Door) -> Result<Tensor> {
         let storage = self.storage().read().to_dtype(self.layout(), dtype)?;
         let out = door.tensor(storage, self.shape());
-        if !dtype.is_floating_point() || !autograd::needs_grad(&[self]) {
+        if !dtype.is_floating_point() || !dispatch::graph::needs_grad(&[self]) {
             return Ok(out);
         }
         let src = self.dtype();
@@ -52,7 +51,7 @@ impl Tensor {
             crate::storage::StorageRef::new(storage),
             Layout::new(l.shape().clone(), l.strides(), 0),
         );
-        if !autograd::needs_grad(&[self]) {
+        if !dispatch::graph::needs_grad(&[self]) {
             return Ok(out);
         }
         let src = self.dtype();
@@ -80,7 +79,7 @@ impl Tensor {
     /// mode and when `source` requires grad, with the node that carries its gradient back to
     /// `source`'s device (also the copies of `cuda::comm::broadcast_coalesced`).
     pub(crate) fn into_copy_of(self, source: &Tensor, door: dispatch::Door) -> Tensor {
-        if !autograd::needs_grad(&[source]) {
+        if !dispatch::graph::needs_grad(&[source]) {
             return self;
         }
         let src = source.device();
@@ -177,7 +176,7 @@ impl Tensor {
         let Device::Cuda(ordinal) = device else {
             return self.to(device);
         };
-        if !(self.is_pinned() && self.is_contiguous()) || autograd::needs_grad(&[self]) {
+        if !(self.is_pinned() && self.is_contiguous()) || dispatch::graph::needs_grad(&[self]) {
             return self.to(device);
         }
         dispatch::call_with(&policy::TO, [self], |[x], door| {
@@ -198,7 +197,7 @@ impl Tensor {
             && self.dtype() == src.dtype()
             && self.shape() == src.shape()
             && matches!(self.device(), Device::Cuda(_))
-            && !autograd::needs_grad(&[self, src]);
+            && !dispatch::graph::needs_grad(&[self, src]);
         if !direct {
             return self.copy_(src);
         }

@@ -15,13 +15,19 @@ mod literal;
 
 pub use literal::{from_literal, TensorLiteral};
 
-use crate::autograd::{self, Hook, Node};
+use crate::dispatch::graph::Node;
 use crate::dispatch::Door;
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Shape};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A gradient hook (`Tensor.register_hook`): sees the gradient of a tensor and may replace it.
+pub type Hook = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+
+/// A hook run after a gradient was accumulated into a leaf's `.grad`; receives the leaf.
+pub type PostAccumulateGradHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
 
 /// An n-dimensional array on a device, as `torch.Tensor`. Cloning shares the data.
 #[derive(Clone)]
@@ -45,7 +51,7 @@ pub(crate) struct AutogradMeta {
     pub(crate) retains_grad: bool,
     pub(crate) hooks: Vec<(u64, Hook)>,
     /// Run after backward stored a new `.grad` in this leaf (see `autograd::callbacks`).
-    pub(crate) post_accumulate_grad_hooks: Vec<(u64, autograd::PostAccumulateGradHook)>,
+    pub(crate) post_accumulate_grad_hooks: Vec<(u64, PostAccumulateGradHook)>,
 }
 
 impl TensorImpl {
@@ -378,18 +384,5 @@ impl Tensor {
     /// A tensor sharing this one's data, cut from the graph (requires_grad false).
     pub fn detach(&self) -> Tensor {
         self.view_with(self.0.layout.clone())
-    }
-
-    /// Backpropagates from this scalar tensor into every leaf that requires grad.
-    pub fn backward(&self) -> Result<()> {
-        self.backward_with(None, false)
-    }
-
-    /// Backpropagates with an explicit upstream `gradient` (needed for non-scalar outputs);
-    /// `retain_graph` keeps the graph for another backward.
-    pub fn backward_with(&self, gradient: Option<&Tensor>, retain_graph: bool) -> Result<()> {
-        let grads = gradient.map(|g| vec![g.clone()]);
-        let roots = autograd::engine_roots(std::slice::from_ref(self), grads.as_deref())?;
-        autograd::run_backward(roots, retain_graph, None).map(drop)
     }
 }

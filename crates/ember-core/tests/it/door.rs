@@ -88,11 +88,6 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("register_hook", "the autograd API"),
     ("register_post_accumulate_grad_hook", "the autograd API"),
     ("remove", "the autograd API (a hook handle's)"),
-    (
-        "backward",
-        "the autograd API: runs the recorded ops' backward rules, which pass the door",
-    ),
-    ("backward_with", "the autograd API"),
     ("detach", "a new handle cut from the graph: no kernel, no data"),
     ("record_stream", "the allocator's bookkeeping, no kernel"),
     (
