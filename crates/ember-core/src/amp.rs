@@ -1,4 +1,4 @@
-//! Automatic mixed precision (`torch.amp`): [`autocast`] regions in which ops listed in the
+//! Automatic mixed precision (`torch.amp`): [`autocast()`] regions in which ops listed in the
 //! dispatch point's policy table ([`crate::dispatch::policy`]) run in float16 or bfloat16, or
 //! in float32, whatever dtypes their inputs have.
 //!

@@ -190,7 +190,7 @@ fn record_node(
 /// `backward` computes, as a `torch.autograd.Function` does: a fused kernel, or a function
 /// that recomputes instead of storing, joins the graph like a built-in op.
 ///
-/// `output` is computed by the caller (under [`no_grad`] or from detached inputs: it is
+/// `output` is computed by the caller (under [`no_grad`](crate::no_grad) or from detached inputs: it is
 /// detached here either way). `backward` receives the gradient of `output` and, per input,
 /// whether that input needs a gradient; it returns one entry per input, `None` where none is
 /// needed or the gradient is zero, each of the input's shape. When grad mode is off or no input
