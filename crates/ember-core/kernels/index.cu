@@ -299,7 +299,9 @@ EMBER_FOR_FLOAT_DTYPES(EMBER_NLL_LOSS_I32)
 // `cuda_backend/index.rs`) ----
 // The weight gradient of a read of table rows at n indices: out[r, :] = Σ g[p, :] over the
 // positions p with idx[p] = r, in the order of p, accumulated in Acc<T> and written once
-// (rows never read get 0: no zero fill, no atomics).
+// (rows never read get 0: no zero fill, no atomics); with `add`, the sum is added to the row
+// `out` holds and rows never read are left (Note [Gradients added in place] in
+// `autograd/engine.rs`).
 //   embedding_sort_<I>      one block of EMB_CHUNK threads per chunk of EMB_CHUNK positions:
 //                           the chunk's (index << 32 | position) keys sorted (bitonic, in
 //                           shared memory), so each chunk is a run sorted by index, then
@@ -363,10 +365,11 @@ __device__ __forceinline__ void emb_segment(const u64* keys, i64 n, i64 r, i64 b
 // to `acc` (columns c0 + lane + 32 k).
 template <typename T>
 __device__ __forceinline__ void emb_add(const T* g, const u64* keys, i64 d, i64 c0, i64 s, i64 e, int runs,
-                                        typename Acc<T>::type (&acc)[EMB_COLS]) {
+                                        typename Acc<T>::type (&acc)[EMB_COLS], bool& touched) {
     const int lane = threadIdx.x & 31;
     for (int q = 0; q < runs; ++q) {
         const i64 qs = __shfl_sync(0xffffffffu, s, q), qe = __shfl_sync(0xffffffffu, e, q);
+        touched = touched || qs < qe;
         for (i64 p = qs; p < qe; ++p) {
             const T* gr = g + (i64)(keys[p] & 0xffffffffull) * d;
 #pragma unroll
@@ -379,7 +382,7 @@ __device__ __forceinline__ void emb_add(const T* g, const u64* keys, i64 d, i64 
 }
 
 template <typename T>
-__device__ void emb_backward(const T* g, const u64* keys, i64 n, i64 d, i64 rows, T* out) {
+__device__ void emb_backward(const T* g, const u64* keys, i64 n, i64 d, i64 rows, T* out, int add) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
@@ -391,19 +394,22 @@ __device__ void emb_backward(const T* g, const u64* keys, i64 n, i64 d, i64 rows
             A acc[EMB_COLS];
 #pragma unroll
             for (int k = 0; k < EMB_COLS; ++k) acc[k] = (A)0;
+            bool touched = false;  // the same in every lane (the segments are shuffled)
             if (nruns <= 32) {
-                emb_add<T>(g, keys, d, c0, s, e, (int)nruns, acc);
+                emb_add<T>(g, keys, d, c0, s, e, (int)nruns, acc, touched);
             } else {
                 for (i64 b0 = 0; b0 < nruns; b0 += 32) {
                     emb_segment(keys, n, r, b0, nruns, s, e);
-                    emb_add<T>(g, keys, d, c0, s, e, (int)min((i64)32, nruns - b0), acc);
+                    emb_add<T>(g, keys, d, c0, s, e, (int)min((i64)32, nruns - b0), acc, touched);
                 }
             }
+            // With `add`, a row never read keeps what `out` holds.
+            if (add && !touched) continue;
             T* orow = out + r * d;
 #pragma unroll
             for (int k = 0; k < EMB_COLS; ++k) {
                 const i64 col = c0 + lane + 32 * k;
-                if (col < d) orow[col] = cast<T>(acc[k]);
+                if (col < d) orow[col] = cast<T>(add ? (A)load(orow[col]) + acc[k] : acc[k]);
             }
         }
     }
@@ -420,6 +426,6 @@ EMBER_EMB_SORT(i32, i32)
 #define EMBER_EMB_BACKWARD(T, name)                                                                              \
     EMBER_IN_UNIT(embedding_backward_##name,                                                                     \
     extern "C" __global__ void embedding_backward_##name EMBER_PARAMS_embedding_backward(T) {                    \
-        emb_backward<T>(g, keys, n, d, rows, out);                                                               \
+        emb_backward<T>(g, keys, n, d, rows, out, add);                                                               \
     })
 EMBER_FOR_FLOAT_DTYPES(EMBER_EMB_BACKWARD)

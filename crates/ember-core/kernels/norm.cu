@@ -5,6 +5,8 @@
 //   backward  xhat = (x - mean) · rstd, dxhat = g · w
 //             dx = rstd · (dxhat - mean(dxhat) - xhat · mean(dxhat · xhat))
 //             dw = Σ_rows g · xhat, db = Σ_rows g
+//           with `add`, dx is added to what dx holds before the one rounding (Note [Gradients
+//           added in place] in `autograd/engine.rs`)
 // T (x, y, g, dx) in f32 f64 f16 bf16, W (weight, bias) T or, for f16/bf16 inputs, f32 (as
 // PyTorch's mixed-type kernels); A = Acc<T> (f32, f64 for f64) is the math type and the dtype
 // of mean and rstd. Each result is rounded once on store.
@@ -127,7 +129,8 @@ __device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, typename Acc<T>
 
 template <typename T, typename W, int V>
 __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
-                       const W* w, T* dx, typename Acc<T>::type* partial, i64 rows, i64 n, int shared) {
+                       const W* w, T* dx, typename Acc<T>::type* partial, i64 rows, i64 n, int shared,
+                       int add) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
     const i64 step = (i64)32 * V;
@@ -165,6 +168,7 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
             LnVec<W, V> wv;
             if (w) wv = ln_load<W, V>(w + c);
             LnVec<T, V> o;
+            if (dr && add) o = ln_load<T, V>(dr + c);
             // The sums as vectors (a lane's V consecutive slots): scalar slots V apart across
             // the lanes would hit a quarter of the shared-memory banks (V = 8, f32).
             LnVec<A, V> aw, ab;
@@ -178,7 +182,8 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
                 const A xh = (load(xv.v[i]) - m) * rs;
                 A dxh = gg;
                 if (w) dxh = dxh * (A)load(wv.v[i]);
-                o.v[i] = cast<T>((dxh - s1 - xh * s2) * rs);
+                const A d = (dxh - s1 - xh * s2) * rs;
+                o.v[i] = cast<T>(add ? (A)load(o.v[i]) + d : d);
                 if (acc) {
                     aw.v[i] += gg * xh;
                     ab.v[i] += gg;
@@ -211,7 +216,7 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
 template <typename T, typename W, int V, int K>
 __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type* mean,
                             const typename Acc<T>::type* rstd, const W* w, T* dx, typename Acc<T>::type* partial,
-                            i64 rows, i64 n) {
+                            i64 rows, i64 n, int add) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
     A* acc = 0;
@@ -264,13 +269,15 @@ __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type*
                 ab = ln_load<A, V>(acc + n + c);
             }
             LnVec<T, V> o;
+            if (dr && add) o = ln_load<T, V>(dr + c);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const A gg = load(gv[k].v[i]);
                 const A xh = (load(xv[k].v[i]) - m) * rs;
                 A dxh = gg;
                 if (w) dxh = dxh * (A)load(wv.v[i]);
-                o.v[i] = cast<T>((dxh - s1 - xh * s2) * rs);
+                const A d = (dxh - s1 - xh * s2) * rs;
+                o.v[i] = cast<T>(add ? (A)load(o.v[i]) + d : d);
                 if (acc) {
                     aw.v[i] += gg * xh;
                     ab.v[i] += gg;
@@ -341,8 +348,8 @@ __device__ void ln_params(const typename Acc<W>::type* partial, i64 blocks, i64 
     })                                                                                                          \
     EMBER_IN_UNIT(layer_norm_backward_##tn##_##wn,                                                              \
     extern "C" __global__ void layer_norm_backward_##tn##_##wn EMBER_PARAMS_layer_norm_backward(T, W, Acc<T>::type) { \
-        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, partial, rows, n, shared);               \
-        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, partial, rows, n, shared);                                \
+        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, partial, rows, n, shared, add);               \
+        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, partial, rows, n, shared, add);                                \
     })
 EMBER_LAYER_NORM(float, f32, float, f32)
 EMBER_LAYER_NORM(double, f64, double, f64)
@@ -357,7 +364,7 @@ EMBER_LAYER_NORM(bf16, bf16, float, f32)
     EMBER_IN_UNIT(layer_norm_backward_rows_##tn##_##wn,                                                         \
     extern "C" __global__ void __launch_bounds__(256, LN_BWD_ROWS_MIN_BLOCKS)                                   \
     layer_norm_backward_rows_##tn##_##wn EMBER_PARAMS_layer_norm_backward_rows(T, W, Acc<T>::type) {           \
-        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, partial, rows, n); \
+        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, partial, rows, n, add); \
     })
 EMBER_LAYER_NORM_ROWS(float, f32, float, f32)
 EMBER_LAYER_NORM_ROWS(f16, f16, f16, f16)

@@ -58,6 +58,24 @@ pub trait Backend: Send + Sync {
     /// Writes the reduction over ranks of their `inputs[rank]` into `output`.
     fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work>;
 
+    /// Writes rank `i`'s `input` into the `i`-th of `size` equal consecutive blocks of
+    /// `output` (`all_gather_into_tensor`; `output.numel() == size * input.numel()`, both
+    /// contiguous, checked by the group). The default runs [`Backend::all_gather`] into views
+    /// of `output`; a backend with a flat collective (NCCL) overrides it.
+    fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        let outputs = flat_blocks(output, self.size())?;
+        self.all_gather(&outputs, input)
+    }
+
+    /// Writes into `output` the reduction over ranks of their `input`'s block `rank` (of
+    /// `size` equal consecutive blocks: `reduce_scatter_tensor`; `input.numel() == size *
+    /// output.numel()`, both contiguous, checked by the group). The default runs
+    /// [`Backend::reduce_scatter`] over views of `input`.
+    fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
+        let inputs = flat_blocks(input, self.size())?;
+        self.reduce_scatter(output, &inputs, op)
+    }
+
     /// Completes when every rank has reached it.
     fn barrier(&self) -> Result<Work>;
 
@@ -70,6 +88,14 @@ pub trait Backend: Send + Sync {
     /// Aborts: closes every connection so that pending and later operations fail at once, on
     /// this rank and on the peers waiting for it (`destroy_process_group`, `abort`).
     fn shutdown(&self);
+}
+
+/// `t` (contiguous) as `n` equal consecutive 1-d blocks: the per-rank views of the flat
+/// collectives.
+pub fn flat_blocks(t: &Tensor, n: usize) -> Result<Vec<Tensor>> {
+    let flat = t.reshape(&[-1])?;
+    let each = t.numel() / n.max(1);
+    (0..n).map(|i| flat.narrow(0, i * each, each)).collect()
 }
 
 /// A backend's notion of a finished operation, behind [`Work`].

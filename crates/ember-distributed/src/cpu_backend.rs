@@ -11,7 +11,7 @@
 //!   runs sends, so `isend` + `irecv` between two ranks cannot deadlock on full socket buffers.
 //! - Algorithms: all_reduce is a ring reduce-scatter followed by a ring all-gather (each rank
 //!   sends about 2·(n−1)/n of the tensor, the bandwidth-optimal schedule); reduce_scatter and
-//!   all_gather are those two halves; broadcast sends from the root to each rank; barrier is an
+//!   all_gather (list and flat forms, the same messages) are those two halves; broadcast sends from the root to each rank; barrier is an
 //!   all_reduce of one byte. In each ring step the send runs on a scoped thread while the
 //!   receive runs on the worker, so neither waits for the other's socket buffer.
 //! - Framing: every message has a header (operation, dtype, sequence number or tag, length);
@@ -586,6 +586,66 @@ impl Backend for CpuBackend {
                     return part.write_into(0..each, &output);
                 }
                 buf.write_into(mine, &output)
+            }),
+        )
+    }
+
+    fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        let each = input.numel();
+        if output.numel() != each * self.inner.size {
+            return Err(Error::invalid(
+                "all_gather_into_tensor",
+                format!(
+                    "the output has {} elements where {} ranks × {each} are needed",
+                    output.numel(),
+                    self.inner.size
+                ),
+            ));
+        }
+        let (output, input) = (output.clone(), input.clone());
+        self.enqueue(
+            false,
+            Box::new(move |g: &Inner| {
+                let seq = g.next_seq();
+                let d = g.deadline("all_gather_into_tensor");
+                let chunks = blocks(each, g.size);
+                let mine = HostBuffer::from_tensors("all_gather_into_tensor", std::slice::from_ref(&input))?;
+                let mut buf = HostBuffer::zeros(input.dtype(), each * g.size);
+                buf.assign_from(chunks[g.rank].clone(), &mine.bytes(0..each));
+                g.ring_all_gather(&mut buf, &chunks, OpCode::AllGather, seq, &d)?;
+                buf.write_into(0..buf.len(), &output)
+            }),
+        )
+    }
+
+    fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
+        let each = output.numel();
+        if input.numel() != each * self.inner.size {
+            return Err(Error::invalid(
+                "reduce_scatter_tensor",
+                format!(
+                    "the input has {} elements where {} ranks × {each} are needed",
+                    input.numel(),
+                    self.inner.size
+                ),
+            ));
+        }
+        let (output, input) = (output.clone(), input.clone());
+        self.enqueue(
+            false,
+            Box::new(move |g: &Inner| {
+                let seq = g.next_seq();
+                let d = g.deadline("reduce_scatter_tensor");
+                let chunks = blocks(each, g.size);
+                let mut buf =
+                    HostBuffer::from_tensors("reduce_scatter_tensor", std::slice::from_ref(&input))?;
+                g.ring_reduce_scatter(&mut buf, &chunks, op, OpCode::ReduceScatter, seq, &d)?;
+                let mut part = HostBuffer::zeros(buf.dtype(), each);
+                part.assign_from(0..each, &buf.bytes(chunks[g.rank].clone()));
+                if op == ReduceOp::Avg {
+                    part.divide(g.size);
+                }
+                part.write_into(0..each, &output)
             }),
         )
     }

@@ -281,10 +281,7 @@ impl DTensor {
         };
         padded_dims[0] = c * w;
         let gathered = Tensor::empty(padded_dims, dtype, device)?;
-        let outputs = (0..w)
-            .map(|i| gathered.narrow(0, i * c, c))
-            .collect::<Result<Vec<_>>>()?;
-        self.mesh.get_group().all_gather(&outputs, &input)?;
+        self.mesh.get_group().all_gather_into_tensor(&gathered, &input)?;
         gathered.narrow(0, 0, rows)?.contiguous()
     }
 }

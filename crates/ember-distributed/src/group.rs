@@ -511,6 +511,81 @@ impl ProcessGroup {
         self.inner.backend.reduce_scatter(output, inputs, op)
     }
 
+    /// Gathers every member's `input` into `output`, member `i`'s in the `i`-th of `size()`
+    /// equal consecutive blocks (`all_gather_into_tensor`): `output` is the concatenation of
+    /// the inputs along dim 0 (`[size·n, ...]` for inputs `[n, ...]`) or their stack
+    /// (`[size, n, ...]`); only the element counts are checked, as PyTorch does. One flat
+    /// collective, without the copies of the list form (FSDP's parameter all-gather).
+    pub fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()> {
+        self.all_gather_into_tensor_async(output, input)?.wait()
+    }
+
+    /// [`ProcessGroup::all_gather_into_tensor`], started.
+    pub fn all_gather_into_tensor_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        self.check_flat("all_gather_into_tensor", output, input, false)?;
+        self.inner.backend.all_gather_into_tensor(output, input)
+    }
+
+    /// Reduces `input` across members under `op` and writes block `r` of the result (of
+    /// `size()` equal consecutive blocks) into member `r`'s `output` (`reduce_scatter_tensor`):
+    /// `input` is `[size·n, ...]` (or `[size, n, ...]`) for an `output` of `[n, ...]`; only
+    /// the element counts are checked, as PyTorch does (FSDP's gradient reduce-scatter).
+    pub fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_tensor_async(output, input, op)?.wait()
+    }
+
+    /// [`ProcessGroup::reduce_scatter_tensor`], started.
+    pub fn reduce_scatter_tensor_async(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
+        self.check_op("reduce_scatter_tensor", output, Some(op))?;
+        self.check_flat("reduce_scatter_tensor", input, output, true)?;
+        self.inner.backend.reduce_scatter_tensor(output, input, op)
+    }
+
+    /// The checks of the flat collectives: `big` (the gathered output, or the input to
+    /// reduce-scatter) holds `size()` times the elements of `small`, both of one dtype and
+    /// device, both contiguous (which an expanded view is not).
+    fn check_flat(&self, op: &'static str, big: &Tensor, small: &Tensor, scatter: bool) -> Result<()> {
+        if big.dtype() != small.dtype() {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: small.dtype(),
+                found: big.dtype(),
+            });
+        }
+        if big.device() != small.device() {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: small.device(),
+                rhs: big.device(),
+            });
+        }
+        let n = self.size();
+        if big.numel() != n * small.numel() {
+            let mut expected = small.dims().to_vec();
+            match expected.first_mut() {
+                Some(rows) => *rows *= n,
+                None => expected.push(n),
+            }
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: ember_core::Shape::new(expected),
+                rhs: big.shape().clone(),
+                hint: if scatter {
+                    "the input must hold world_size times the output's elements (the outputs of every rank concatenated along dim 0)"
+                } else {
+                    "the output must hold world_size times the input's elements (every rank's input concatenated along dim 0)"
+                },
+            });
+        }
+        if !big.is_contiguous() || !small.is_contiguous() {
+            return Err(Error::invalid(
+                op,
+                "the flat collectives need contiguous tensors; call contiguous() first (and copy an output back)",
+            ));
+        }
+        Ok(())
+    }
+
     /// Returns when every member has reached it (`barrier`).
     pub fn barrier(&self) -> Result<()> {
         self.barrier_async()?.wait()
@@ -726,6 +801,22 @@ pub fn reduce_scatter(output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Resul
 /// [`ProcessGroup::reduce_scatter_async`] on the default group.
 pub fn reduce_scatter_async(output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
     default_group()?.reduce_scatter_async(output, inputs, op)
+}
+/// [`ProcessGroup::all_gather_into_tensor`] on the default group.
+pub fn all_gather_into_tensor(output: &Tensor, input: &Tensor) -> Result<()> {
+    default_group()?.all_gather_into_tensor(output, input)
+}
+/// [`ProcessGroup::all_gather_into_tensor_async`] on the default group.
+pub fn all_gather_into_tensor_async(output: &Tensor, input: &Tensor) -> Result<Work> {
+    default_group()?.all_gather_into_tensor_async(output, input)
+}
+/// [`ProcessGroup::reduce_scatter_tensor`] on the default group.
+pub fn reduce_scatter_tensor(output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
+    default_group()?.reduce_scatter_tensor(output, input, op)
+}
+/// [`ProcessGroup::reduce_scatter_tensor_async`] on the default group.
+pub fn reduce_scatter_tensor_async(output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
+    default_group()?.reduce_scatter_tensor_async(output, input, op)
 }
 /// [`ProcessGroup::barrier`] on the default group.
 pub fn barrier() -> Result<()> {

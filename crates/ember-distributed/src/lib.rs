@@ -17,6 +17,10 @@
 //!   (`torch.distributed.tensor`: [`distribute_tensor`], `from_local`, `full_tensor`).
 //! - [`checkpoint`] (also [`dcp`]): distributed checkpoints, one safetensors file per rank plus
 //!   metadata, resharded on load (`torch.distributed.checkpoint`).
+//! - [`fsdp`]: [`fully_shard`] and [`FSDPModule`], parameters sharded along dim 0, gathered
+//!   for forward and backward, gradients reduce-scattered (`torch.distributed.fsdp`, FSDP2).
+//! - [`optim`]: [`ZeroRedundancyOptimizer`], optimizer state sharded across ranks
+//!   (`torch.distributed.optim`).
 //!
 //! Every blocking call is bounded by a timeout and reports failures as [`ember_core::Error`]:
 //! a timeout is [`ember_core::Error::Io`] of kind `TimedOut`, a peer that died is kind
@@ -57,10 +61,12 @@ pub mod checkpoint;
 pub mod cpu_backend;
 pub mod ddp;
 pub mod dtensor;
+pub mod fsdp;
 pub mod group;
 pub mod launch;
 pub mod mesh;
 pub mod nccl;
+pub mod optim;
 pub mod rendezvous;
 pub mod store;
 mod wire;
@@ -73,12 +79,18 @@ pub use ddp::{
     default_hooks, CommFuture, DdpOptions, DistributedDataParallel, ForwardOutput, GradBucket, NoSyncGuard,
 };
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
+pub use fsdp::{
+    fully_shard, get_model_state_dict, get_optimizer_state_dict, FSDPModule, FullyShardOptions,
+    MixedPrecisionPolicy, ShardedGradScaler,
+};
 pub use group::{
-    all_gather, all_gather_async, all_reduce, all_reduce_async, barrier, barrier_async, broadcast,
-    broadcast_async, default_group, destroy_process_group, get_rank, get_world_size, init_process_group,
-    init_process_group_with_env, irecv, is_initialized, isend, new_group, recv, reduce_scatter,
-    reduce_scatter_async, send, BackendKind, InitOptions, IntoInitOptions, ProcessGroup,
+    all_gather, all_gather_async, all_gather_into_tensor, all_gather_into_tensor_async, all_reduce,
+    all_reduce_async, barrier, barrier_async, broadcast, broadcast_async, default_group,
+    destroy_process_group, get_rank, get_world_size, init_process_group, init_process_group_with_env, irecv,
+    is_initialized, isend, new_group, recv, reduce_scatter, reduce_scatter_async, reduce_scatter_tensor,
+    reduce_scatter_tensor_async, send, BackendKind, InitOptions, IntoInitOptions, ProcessGroup,
 };
 pub use mesh::{init_device_mesh, DeviceMesh};
 pub use nccl::NcclBackend;
+pub use optim::ZeroRedundancyOptimizer;
 pub use store::{PrefixStore, Store, TcpStore};

@@ -95,6 +95,17 @@ struct OptimizerState {
     found_inf_per_device: Vec<(Device, Tensor)>,
 }
 
+/// A function each found-inf flag passes through right after the check (see
+/// [`GradScaler::found_inf_hook`]).
+#[derive(Clone)]
+struct FoundInfHook(std::sync::Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>);
+
+impl std::fmt::Debug for FoundInfHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FoundInfHook")
+    }
+}
+
 /// Dynamic loss scaling for float16 training (`torch.amp.GradScaler`); see the module docs.
 #[derive(Debug)]
 pub struct GradScaler {
@@ -109,6 +120,7 @@ pub struct GradScaler {
     /// 0-d i32 beside `scale`.
     growth_tracker: Option<Tensor>,
     per_optimizer: Vec<OptimizerState>,
+    found_inf_hook: Option<FoundInfHook>,
 }
 
 impl Default for GradScaler {
@@ -214,6 +226,28 @@ impl GradScaler {
             scale: None,
             growth_tracker: None,
             per_optimizer: Vec::new(),
+            found_inf_hook: None,
+        }
+    }
+
+    /// Passes every found-inf flag (a 0-d f32 tensor, nonzero when a gradient held inf or NaN)
+    /// through `hook` right after the check, before the step or the scale update reads it. A
+    /// hook may change the flag in place: a sharded model's scaler (ember-distributed's
+    /// `ShardedGradScaler`) all-reduces it over the ranks there, so that an overflow in any
+    /// rank's shard skips every rank's step and backs off every rank's scale.
+    pub fn found_inf_hook(
+        mut self,
+        hook: impl Fn(&Tensor) -> Result<()> + Send + Sync + 'static,
+    ) -> GradScaler {
+        self.found_inf_hook = Some(FoundInfHook(std::sync::Arc::new(hook)));
+        self
+    }
+
+    /// Runs the found-inf hook, if any, on each of `found`'s flags.
+    fn after_check(&self, found: &[(Device, Tensor)]) -> Result<()> {
+        match &self.found_inf_hook {
+            Some(hook) => found.iter().try_for_each(|(_, f)| (hook.0)(f)),
+            None => Ok(()),
         }
     }
 
@@ -355,6 +389,7 @@ impl GradScaler {
             scale.to_dtype(DType::F64)?.reciprocal()?.to_dtype(DType::F32)?
         };
         let found = Self::unscale_grads(OP, optimizer.params(), &inv_scale, false)?;
+        self.after_check(&found)?;
         let state = self.state_mut(key);
         state.found_inf_per_device = found;
         state.stage = OptState::Unscaled;
@@ -385,6 +420,7 @@ impl GradScaler {
                 // Only the check: the fused step divides by the scale itself.
                 let dummy_inv_scale = Tensor::scalar(1.0, DType::F32, scale.device())?;
                 let found = Self::unscale_grads(OP, optimizer.params(), &dummy_inv_scale, true)?;
+                self.after_check(&found)?;
                 self.state_mut(key).found_inf_per_device = found;
             }
             let flags: Vec<&Tensor> = self

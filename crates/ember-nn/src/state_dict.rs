@@ -198,6 +198,17 @@ pub fn save_safetensors<M: Module + ?Sized>(module: &M, path: impl AsRef<Path>) 
 /// Writes named tensors to a safetensors file at `path`, atomically (see the module docs).
 pub fn save_tensors(tensors: &[(String, Tensor)], path: impl AsRef<Path>) -> StateDictResult<()> {
     let path = path.as_ref();
+    write_atomic(path, &serialize(tensors, path)?)
+}
+
+/// Named tensors as the bytes of a safetensors file (`safetensors.torch.save(tensors)`), for
+/// sending them elsewhere; [`load_tensors_from_bytes`] reads them back.
+pub fn save_tensors_to_bytes(tensors: &[(String, Tensor)]) -> StateDictResult<Vec<u8>> {
+    serialize(tensors, Path::new("<bytes>"))
+}
+
+/// The safetensors bytes of `tensors` (`path` names the destination in errors).
+fn serialize(tensors: &[(String, Tensor)], path: &Path) -> StateDictResult<Vec<u8>> {
     let mut seen = HashSet::new();
     let mut encoded = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
@@ -207,11 +218,10 @@ pub fn save_tensors(tensors: &[(String, Tensor)], path: impl AsRef<Path>) -> Sta
         encoded.push((name.clone(), Encoded::of(t)?));
     }
     let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-    let bytes = safetensors::serialize(encoded, Some(metadata)).map_err(|e| StateDictError::Format {
+    safetensors::serialize(encoded, Some(metadata)).map_err(|e| StateDictError::Format {
         path: path.to_owned(),
         msg: e.to_string(),
-    })?;
-    write_atomic(path, &bytes)
+    })
 }
 
 /// Reads every tensor of a safetensors file onto `device`, in the file's order of offsets.

@@ -490,11 +490,16 @@ fn multi_gpu(name: &str, comm_hook: Option<CommHook>) -> Result<Map<String, Valu
 /// autocast (PyTorch's policy), where the reference converts them with `.float()` first.
 /// `gpt2_124m_bf16_graph` captures forward, backward and step into one CUDA graph, as
 /// [`Classifier::run_graphed`] does, and times its replays (ember's own: the reference has no
-/// graphed GPT-2).
+/// graphed GPT-2). GEMM algorithms are chosen by timing ([`cuda::tunable`], Note [Timed GEMM
+/// algorithms]; off by default, and in the reference's run), which the row reports as
+/// `gemm_tuning`.
 fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
     use ember::nn::functional as F;
     use ember::nn::optim::AdamW;
     let (batch, seq, vocab) = (8usize, 1024usize, 50304usize);
+    // EMBER_GEMM_TUNING=0 measures the heuristic's first choices instead.
+    let tuning = std::env::var("EMBER_GEMM_TUNING").as_deref() != Ok("0");
+    cuda::tunable::enable(tuning);
     ember::manual_seed(0)?;
     let model = models::Gpt::new(vocab, seq, 768, 12, 12, device)?;
     let config = AdamConfig {
@@ -551,8 +556,14 @@ fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
     } else {
         time_steps(device, 3, 10, 5, || step(&mut opt))?
     };
+    cuda::tunable::enable(false);
     let tokens = (batch * seq) as f64 * 1000.0 / t.median;
-    Ok(row(name, &t, 1.0, json!({ "tokens_per_s": tokens })))
+    Ok(row(
+        name,
+        &t,
+        1.0,
+        json!({ "tokens_per_s": tokens, "gemm_tuning": tuning }),
+    ))
 }
 
 /// `sdpa_causal_bf16` (the reference's `run_sdpa`): causal attention over q, k, v

@@ -46,6 +46,45 @@ impl Edge {
     }
 }
 
+/// Lets the backward of the node that made `out` take its first input's waiting gradient with
+/// [`take_accumulator`] (Note [Gradients added in place] in `engine.rs`).
+pub(crate) fn mark_accumulating(out: &Tensor) {
+    if let Some(node) = &out.0.grad_fn {
+        node.accumulates.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    /// The gradient already waiting for the first input of the node whose backward runs on this
+    /// thread, offered by the engine (Note [Gradients added in place] in `engine.rs`).
+    static ACCUMULATOR: std::cell::RefCell<Option<Tensor>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Sets the offer for one backward call; the previous one (of an outer pass) comes back with
+/// [`end_offer`].
+pub(crate) fn offer_accumulator(grad: Option<Tensor>) -> Option<Tensor> {
+    ACCUMULATOR.with(|a| a.replace(grad))
+}
+
+/// Ends the offer of [`offer_accumulator`]: what the backward did not take, and puts `outer` back.
+pub(crate) fn end_offer(outer: Option<Tensor>) -> Option<Tensor> {
+    ACCUMULATOR.with(|a| a.replace(outer))
+}
+
+/// Inside a backward function marked with [`mark_accumulating`]: the gradient already summed
+/// for the node's first input, when `fits` accepts it. A backward that takes it must add its own
+/// gradient for that input into it and return it as that gradient (Note [Gradients added in
+/// place] in `engine.rs`); one that does not leaves it to the engine to sum.
+pub(crate) fn take_accumulator(fits: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
+    ACCUMULATOR.with(|a| {
+        let mut a = a.borrow_mut();
+        match a.as_ref() {
+            Some(t) if fits(t) => a.take(),
+            _ => None,
+        }
+    })
+}
+
 /// For each of `leaves`, whether a backward pass from `outputs` would reach it: the walk over
 /// the recorded graph that PyTorch's DDP does after forward with `find_unused_parameters`.
 /// A leaf that does not require grad is never reached; an output that is itself one of the

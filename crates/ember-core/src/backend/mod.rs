@@ -214,8 +214,17 @@ pub trait IndexOps: Sized {
     /// the contiguous `[n]` indices (int64 or int32, checked in range by the read): each row
     /// the sum of the gradient rows read from it, accumulated in f32 (f64 for f64) in the order
     /// of the positions and rounded once; rows never read are 0. Deterministic: the same bits
-    /// on every run (Note [Deterministic embedding backward] in `cuda_backend/index.rs`).
-    fn embedding_backward(&self, index: &Self, n: usize, d: usize, rows: usize) -> Result<Self>;
+    /// on every run (Note [Deterministic embedding backward] in `cuda_backend/index.rs`). With
+    /// `into` (`[rows, d]` contiguous, `self`'s dtype), the gradient is added to what it holds
+    /// and None is returned (Note [Gradients added in place] in `autograd/engine.rs`).
+    fn embedding_backward(
+        &self,
+        index: &Self,
+        n: usize,
+        d: usize,
+        rows: usize,
+        into: Option<&mut Self>,
+    ) -> Result<Option<Self>>;
 }
 
 /// Softmax and log-softmax along a dim.
@@ -430,6 +439,9 @@ pub trait NormOps: Sized {
     ) -> Result<(Self, Self, Self)>;
     /// The gradients of [`NormOps::layer_norm`] from the output gradient `self` and the
     /// forward's input, statistics and weight: those `want` asks for (input, weight, bias).
+    /// With `dx_into` (x's dtype, as many elements as x, row-major from its first), the input
+    /// gradient is added to what it holds, rounding once, and is not returned (Note [Gradients
+    /// added in place] in `autograd/engine.rs`).
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward(
         &self,
@@ -440,6 +452,7 @@ pub trait NormOps: Sized {
         weight: Option<(&Self, &Layout)>,
         n: usize,
         want: LayerNormGrads,
+        dx_into: Option<&mut Self>,
     ) -> Result<[Option<Self>; 3]>;
 }
 

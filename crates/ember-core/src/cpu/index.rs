@@ -321,57 +321,103 @@ impl IndexOps for CpuStorage {
         Ok((CpuStorage::I64(out), n))
     }
 
-    /// The weight gradient of a read of `rows` rows at `index` (see
-    /// `IndexOps::embedding_backward`): the positions in order, accumulated in f32 (f64 for
-    /// f64), each row rounded once.
-    fn embedding_backward(&self, index: &CpuStorage, n: usize, d: usize, rows: usize) -> Result<CpuStorage> {
+    fn embedding_backward(
+        &self,
+        index: &CpuStorage,
+        n: usize,
+        d: usize,
+        rows: usize,
+        into: Option<&mut CpuStorage>,
+    ) -> Result<Option<CpuStorage>> {
+        let sum = embedding_row_sums(self, index, n, d, rows)?;
+        let Some(into) = into else { return Ok(Some(sum)) };
         const OP: &str = "embedding_backward";
-        let idx = targets_named(OP, index, n, rows, i64::MIN)?;
-        check_host_alloc(OP, rows.saturating_mul(d), self.dtype())?;
-        if self.len() < n.saturating_mul(d) {
+        if into.dtype() != sum.dtype() || into.len() != sum.len() {
             return Err(Error::invalid(
                 OP,
-                format!("{} gradient elements for {n} rows of {d}", self.len()),
+                format!(
+                    "the gradient to add into ({} elements of {:?}) is not the table's ({} of {:?})",
+                    into.len(),
+                    into.dtype(),
+                    sum.len(),
+                    sum.dtype()
+                ),
             ));
         }
-        // f32 sums round to T as the GPU's `cast<T>(float)` does (`half`'s from_f32, round to
-        // nearest even), so both devices give the same bits.
-        fn go<T: CpuElement>(
-            g: &[T],
-            idx: &[i64],
-            d: usize,
-            rows: usize,
-            wide: bool,
-            round: fn(f32) -> T,
-        ) -> CpuStorage {
-            if wide {
-                let mut acc = vec![0.0f64; rows * d];
-                for (i, &r) in idx.iter().enumerate() {
-                    let dst = &mut acc[r as usize * d..][..d];
-                    for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
-                        *a += x.to_f64();
-                    }
-                }
-                T::wrap(acc.into_iter().map(T::from_f64).collect())
-            } else {
-                let mut acc = vec![0.0f32; rows * d];
-                for (i, &r) in idx.iter().enumerate() {
-                    let dst = &mut acc[r as usize * d..][..d];
-                    for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
-                        *a += x.to_f64() as f32;
-                    }
-                }
-                T::wrap(acc.into_iter().map(round).collect())
-            }
+        // Each element rounded once from the f32 (f64) sum, as the engine's add would.
+        match (into, &sum) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => a.iter_mut().zip(b).for_each(|(a, b)| *a += b),
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => a.iter_mut().zip(b).for_each(|(a, b)| *a += b),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => a
+                .iter_mut()
+                .zip(b)
+                .for_each(|(a, b)| *a = half::f16::from_f32(a.to_f32() + b.to_f32())),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => a
+                .iter_mut()
+                .zip(b)
+                .for_each(|(a, b)| *a = half::bf16::from_f32(a.to_f32() + b.to_f32())),
+            (other, _) => return Err(Error::dtype(OP, other.dtype())),
         }
-        Ok(match self {
-            CpuStorage::F32(g) => go(g, &idx, d, rows, false, |a| a),
-            CpuStorage::F64(g) => go(g, &idx, d, rows, true, |a| a as f64),
-            CpuStorage::F16(g) => go(g, &idx, d, rows, false, f16::from_f32),
-            CpuStorage::BF16(g) => go(g, &idx, d, rows, false, bf16::from_f32),
-            other => return Err(Error::dtype(OP, other.dtype())),
-        })
+        Ok(None)
     }
+}
+
+/// The weight gradient of a read of `rows` rows at `index` from the gradient `grad` of the
+/// rows read (see `IndexOps::embedding_backward`): the positions in order, accumulated in f32
+/// (f64 for f64), each row rounded once.
+fn embedding_row_sums(
+    grad: &CpuStorage,
+    index: &CpuStorage,
+    n: usize,
+    d: usize,
+    rows: usize,
+) -> Result<CpuStorage> {
+    const OP: &str = "embedding_backward";
+    let idx = targets_named(OP, index, n, rows, i64::MIN)?;
+    check_host_alloc(OP, rows.saturating_mul(d), grad.dtype())?;
+    if grad.len() < n.saturating_mul(d) {
+        return Err(Error::invalid(
+            OP,
+            format!("{} gradient elements for {n} rows of {d}", grad.len()),
+        ));
+    }
+    // f32 sums round to T as the GPU's `cast<T>(float)` does (`half`'s from_f32, round to
+    // nearest even), so both devices give the same bits.
+    fn go<T: CpuElement>(
+        g: &[T],
+        idx: &[i64],
+        d: usize,
+        rows: usize,
+        wide: bool,
+        round: fn(f32) -> T,
+    ) -> CpuStorage {
+        if wide {
+            let mut acc = vec![0.0f64; rows * d];
+            for (i, &r) in idx.iter().enumerate() {
+                let dst = &mut acc[r as usize * d..][..d];
+                for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
+                    *a += x.to_f64();
+                }
+            }
+            T::wrap(acc.into_iter().map(T::from_f64).collect())
+        } else {
+            let mut acc = vec![0.0f32; rows * d];
+            for (i, &r) in idx.iter().enumerate() {
+                let dst = &mut acc[r as usize * d..][..d];
+                for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
+                    *a += x.to_f64() as f32;
+                }
+            }
+            T::wrap(acc.into_iter().map(round).collect())
+        }
+    }
+    Ok(match grad {
+        CpuStorage::F32(g) => go(g, &idx, d, rows, false, |a| a),
+        CpuStorage::F64(g) => go(g, &idx, d, rows, true, |a| a as f64),
+        CpuStorage::F16(g) => go(g, &idx, d, rows, false, f16::from_f32),
+        CpuStorage::BF16(g) => go(g, &idx, d, rows, false, bf16::from_f32),
+        other => return Err(Error::dtype(OP, other.dtype())),
+    })
 }
 
 /// Elements of `layout` with `dim` replaced by `len` (an index op's output), checked.

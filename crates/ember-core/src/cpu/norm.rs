@@ -101,6 +101,7 @@ fn backward_block<T: FloatElem>(
     w: Option<&[T::A]>,
     n: usize,
     dx: Option<&mut [T]>,
+    add: bool,
     sums: bool,
 ) -> Vec<T::A> {
     let mut acc = if sums { vec![T::A::ZERO; 2 * n] } else { Vec::new() };
@@ -124,7 +125,8 @@ fn backward_block<T: FloatElem>(
         for (c, (&gv, &xv)) in gr.iter().zip(xr).enumerate() {
             let (gg, xh) = (gv.to_acc(), (xv.to_acc() - m).mul(rs));
             if let Some(o) = out.as_deref_mut() {
-                o[c] = T::from_acc(((dxhat(c, gg) - s1) - xh.mul(s2)).mul(rs));
+                let d = ((dxhat(c, gg) - s1) - xh.mul(s2)).mul(rs);
+                o[c] = T::from_acc(if add { o[c].to_acc().add(d) } else { d });
             }
             if sums {
                 acc[c] = acc[c].add(gg.mul(xh));
@@ -137,7 +139,8 @@ fn backward_block<T: FloatElem>(
 
 type Grads<T> = (Option<Vec<T>>, Option<Vec<<T as FloatElem>::A>>);
 
-/// dx (when `want_dx`) and the summed `[Σ g · xhat, Σ g]` (2n, when `sums`).
+/// dx (when `want_dx`; added to `into` instead when that is given) and the summed
+/// `[Σ g · xhat, Σ g]` (2n, when `sums`).
 #[allow(clippy::too_many_arguments)]
 fn backward<T: FloatElem>(
     g: &[T],
@@ -147,9 +150,11 @@ fn backward<T: FloatElem>(
     w: Option<&[T::A]>,
     n: usize,
     want_dx: bool,
+    into: Option<&mut [T]>,
     sums: bool,
 ) -> Grads<T> {
-    let mut dx = want_dx.then(|| vec![T::from_acc(T::A::ZERO); x.len()]);
+    let add = into.is_some();
+    let mut dx = (want_dx && !add).then(|| vec![T::from_acc(T::A::ZERO); x.len()]);
     if n == 0 || x.is_empty() {
         return (dx, sums.then(|| vec![T::A::ZERO; 2 * n]));
     }
@@ -165,11 +170,16 @@ fn backward<T: FloatElem>(
             w,
             n,
             d,
+            add,
             sums,
         )
     };
     let blocks = x.len().div_ceil(block);
-    let parts: Vec<Vec<T::A>> = match dx.as_mut() {
+    let target = match into {
+        Some(d) => Some(d),
+        None => dx.as_deref_mut(),
+    };
+    let parts: Vec<Vec<T::A>> = match target {
         Some(d) if x.len() >= PAR_THRESHOLD => super::threads::parallel(|| {
             d.par_chunks_mut(block)
                 .enumerate()
@@ -307,6 +317,7 @@ impl NormOps for CpuStorage {
         weight: Option<(&CpuStorage, &Layout)>,
         n: usize,
         want: LayerNormGrads,
+        dx_into: Option<&mut CpuStorage>,
     ) -> Result<[Option<CpuStorage>; 3]> {
         check_host_alloc(OP, layout.numel(), self.dtype())?;
         if self.dtype() != x.0.dtype() {
@@ -329,7 +340,21 @@ impl NormOps for CpuStorage {
             let (m, rs) = (stat::<A>(mean)?, stat::<A>(rstd)?);
             let w = params(param_slice::<W>(weight)?);
             let sums = want.weight.is_some() || want.bias.is_some();
-            let (dx, total) = backward::<T>(g, xs, m, rs, w.as_deref(), n, want.input, sums);
+            let into = match dx_into {
+                Some(d) if want.input => {
+                    let d = T::slice_mut(d).ok_or_else(missing)?;
+                    if d.len() != xs.len() {
+                        return Err(Error::invalid(OP, format!(
+                            "the gradient to add dx to holds {} elements, x {}",
+                            d.len(),
+                            xs.len()
+                        )));
+                    }
+                    Some(d)
+                }
+                _ => None,
+            };
+            let (dx, total) = backward::<T>(g, xs, m, rs, w.as_deref(), n, want.input, into, sums);
             let part = |dtype: Option<DType>, half: usize| -> Result<Option<CpuStorage>> {
                 match (dtype, &total) {
                     (Some(d), Some(t)) => Ok(Some(param_storage(&t[half * n..(half + 1) * n], d)?)),
@@ -355,7 +380,7 @@ mod tests {
         assert!((y.iter().sum::<f64>()).abs() < 1e-12);
         // A constant output gradient gives no input gradient (the output's mean is fixed).
         let g = [1.0f64; 4];
-        let (dx, sums) = backward::<f64>(&g, &x, &mean, &rstd, None, 4, true, true);
+        let (dx, sums) = backward::<f64>(&g, &x, &mean, &rstd, None, 4, true, None, true);
         assert!(dx.unwrap().iter().all(|d| d.abs() < 1e-12));
         let sums = sums.unwrap();
         assert_eq!(&sums[4..], &[1.0; 4]);

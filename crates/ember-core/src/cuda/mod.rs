@@ -24,7 +24,7 @@ pub use crate::cuda_backend::{
     get_device_properties, get_float32_matmul_precision, host_memory_stats, host_sync_count, is_available,
     is_current_stream_capturing, library_report, nccl_candidates, nvrtc_compile, nvrtc_version,
     register_collectives, row_block_ranges, set_allow_tf32, set_device, set_float32_matmul_precision,
-    set_stream, stream, synchronize, CollectivesRegistration, CudaDevice, CudaStorage, DeviceGuard,
+    set_stream, stream, synchronize, tunable, CollectivesRegistration, CudaDevice, CudaStorage, DeviceGuard,
     DeviceProperties, Event, HostMemoryStats, HostPin, LibraryStatus, MempoolId, Module, RowBlockEvent,
     Stream, StreamGuard, Unit,
 };

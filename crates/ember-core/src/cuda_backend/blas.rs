@@ -41,7 +41,19 @@
 //! `F.linear` (the same epilogue) on 7493: there cuBLASLt, not ember, decides. Where n = 1 the
 //! beta = 1 path missed on 3 to 6 of 16 results (PyTorch's fallback, which it takes where
 //! k or n is 1, on 3 or 4) and the epilogue on none, so ember takes the epilogue there too.
-
+//!
+//! Note [Timed GEMM algorithms]: cuBLASLt's heuristic ranks algorithms by a model, and its first
+//! choice is not always the fastest: for GPT-2's MLP products on an H200 ([8192, 768] x [768,
+//! 3072] in bf16, with the bias epilogue and without), the first of its eight candidates took
+//! 58.6 and 57.0 µs and the seventh 53.1 and 52.3 (docs/benchmarks.md, session 46). With
+//! [`tunable::enable`] (PyTorch's `torch.cuda.tunable`, off by default as there), a plan asks for
+//! up to `TIMED_CANDIDATES` algorithms and its first product times each on the call's own
+//! operands (one warm-up run, then `TIMED_RUNS` between two events; waiting for the stream, so
+//! once per shape, as cuDNN's benchmark mode), keeping the fastest for the plan's life. A product
+//! that adds to D (beta = 1) cannot be run twice, and none may wait while a CUDA graph is being
+//! captured, so those take the heuristic's first choice and leave the timing to the plan's next
+//! product. Which algorithm wins may change from run to run, and with it the last bits of the
+//! results; leave tuning off where runs must repeat bit for bit.
 use super::kernels::{Grid, KernelShape};
 use super::launch;
 use super::runtime::DeviceRuntime;
@@ -63,6 +75,10 @@ use std::sync::{Mutex, OnceLock};
 const WORKSPACE_BYTES: usize = 32 << 20;
 /// Plans kept per thread before its cache is cleared (each holds four small descriptors).
 const MAX_PLANS: usize = 4096;
+/// How many of the heuristic's algorithms are timed against each other per plan, and how many
+/// runs each (Note [Timed GEMM algorithms]).
+const TIMED_CANDIDATES: usize = 8;
+const TIMED_RUNS: usize = 3;
 /// Alignment in bytes of a bias pointer that the bias epilogue takes (Note [Bias epilogue]).
 const BIAS_ALIGNMENT: u32 = 16;
 
@@ -110,6 +126,26 @@ pub fn set_allow_tf32(allow: bool) {
 /// Whether float32 matrix products may use reduced precision (TF32 or lower).
 pub fn allow_tf32() -> bool {
     PRECISION.load(Ordering::Relaxed) != 0
+}
+
+/// Choosing GEMM algorithms by timing, as `torch.cuda.tunable` (PyTorch's TunableOp) does
+/// (Note [Timed GEMM algorithms]).
+pub mod tunable {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static ENABLED: AtomicBool = AtomicBool::new(false);
+
+    /// Turns timing of cuBLASLt's candidate algorithms on or off (`torch.cuda.tunable.enable`).
+    /// Off by default, as in PyTorch: each shape then takes the heuristic's first algorithm,
+    /// and the same program gives the same bits run after run.
+    pub fn enable(on: bool) {
+        ENABLED.store(on, Ordering::Relaxed)
+    }
+
+    /// Whether GEMM algorithms are chosen by timing (`torch.cuda.tunable.is_enabled`).
+    pub fn is_enabled() -> bool {
+        ENABLED.load(Ordering::Relaxed)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,6 +271,8 @@ struct PlanKey {
     align: [u32; 3],
     workspace: usize,
     epilogue: Epilogue,
+    /// Whether the algorithm is chosen by timing (Note [Timed GEMM algorithms]).
+    tuned: bool,
 }
 
 /// What cuBLASLt does to the accumulator before rounding it into D.
@@ -252,6 +290,9 @@ struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's other candidates, still to be timed against `algo` (Note [Timed GEMM
+    /// algorithms]); empty once chosen.
+    untimed: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 impl Drop for Plan {
     fn drop(&mut self) {
@@ -314,6 +355,7 @@ impl Plan {
             desc: lt::create_matmul_desc(compute, scale).map_err(blas_error("cublasLtMatmulDescCreate"))?,
             layouts: [std::ptr::null_mut(); 3],
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            untimed: Vec::new(),
         };
         let op = |t: bool| {
             if t {
@@ -399,24 +441,54 @@ impl Plan {
                     .map_err(blas_error("cublasLtMatmulPreferenceSetAttribute"))?;
             }
             let [a, b, d] = plan.layouts;
-            // SAFETY: all descriptors are live and describe this problem; C uses D's layout.
-            unsafe { lt::get_matmul_algo_heuristic(handle, plan.desc, a, b, d, d, pref) }.map_err(blas_error(
-                "no algorithm for this product (cublasLtMatmulAlgoGetHeuristic)",
-            ))
+            let wanted = if key.tuned { TIMED_CANDIDATES } else { 1 };
+            // SAFETY: the results are plain C structs, for which all-zero bytes are valid.
+            let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+                (0..wanted).map(|_| unsafe { std::mem::zeroed() }).collect();
+            let mut found = 0;
+            // SAFETY: all descriptors are live and describe this problem; C uses D's layout;
+            // `results` holds `wanted` entries and `found` receives how many were written.
+            unsafe {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    plan.desc,
+                    a,
+                    b,
+                    d,
+                    d,
+                    pref,
+                    wanted as i32,
+                    results.as_mut_ptr(),
+                    &mut found,
+                )
+            }
+            .result()
+            .map_err(blas_error("cublasLtMatmulAlgoGetHeuristic"))?;
+            results.truncate(found.max(0) as usize);
+            results.retain(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+            if results.is_empty() {
+                return Err(blas_error(
+                    "no algorithm for this product (cublasLtMatmulAlgoGetHeuristic)",
+                )(CublasError(
+                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+                )));
+            }
+            Ok(results)
         })();
         // SAFETY: `pref` was created above and is not used after this.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let chosen = chosen?;
-        if chosen.workspaceSize > key.workspace {
+        let mut chosen = chosen?.into_iter().filter(|r| r.workspaceSize <= key.workspace);
+        let Some(first) = chosen.next() else {
             return Err(Error::Cuda {
                 op: "matmul",
                 msg: format!(
-                    "cuBLASLt chose an algorithm needing {} bytes of workspace, more than the {} offered",
-                    chosen.workspaceSize, key.workspace
+                    "cuBLASLt has no algorithm for this product within the {} bytes of workspace offered",
+                    key.workspace
                 ),
             });
-        }
-        plan.algo = chosen.algo;
+        };
+        plan.algo = first.algo;
+        plan.untimed = chosen.map(|r| r.algo).collect();
         Ok(plan)
     }
 }
@@ -619,6 +691,7 @@ impl<'a> Gemm<'a> {
             } else {
                 Epilogue::Default
             },
+            tuned: tunable::is_enabled(),
         };
         if thread.unplanned.contains(&(rt.ordinal, key)) {
             return Ok(false);
@@ -643,49 +716,77 @@ impl<'a> Gemm<'a> {
             set_bias_pointer(plan.desc, ptr)?;
         }
         let beta = if add_to_d { 1.0 } else { 0.0 };
-        super::kernel_timing::note_work(stream);
         let (alpha32, beta32, alpha64, beta64) = (1.0f32, beta as f32, 1.0f64, beta);
         let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
             ((&alpha64 as *const f64).cast(), (&beta64 as *const f64).cast())
         } else {
             ((&alpha32 as *const f32).cast(), (&beta32 as *const f32).cast())
         };
-        let [la, lb, ld] = plan.layouts;
-        // SAFETY: the plan's layouts describe exactly the memory read and written: A from `a.ptr`
-        // (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major copy, kept
-        // alive in `a` until the call is queued and then released to the allocator on this
-        // stream, which orders its reuse after the product), B likewise from lhs (for a row
-        // block, its `m` rows from `b.ptr`, inside the lhs), and D = C the `batch * m` rows of
-        // `n` elements, `ldd` apart, at `d` (the caller's output, or its rows or columns of a
-        // block, inside it), read (beta = 1) only
-        // where they hold the bias written on this stream. The bias epilogue reads cuBLASLt's m (our n) packed elements
-        // of D's type at the pointer set above (the caller's bias, 16-byte aligned, alive until
-        // the call is queued and then ordered by the allocator as A and B are). alpha/beta point to host
-        // scalars of the scale type (f64 for 64F compute, f32 otherwise) that live across the
-        // call (host pointer mode reads them before it returns). The workspace holds `workspace`
-        // bytes and is used only on `stream`, the stream of every other op here. The handle and
-        // the plan are this thread's alone (Note [cuBLASLt state]).
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                alpha,
-                beta,
-                a.ptr as *const c_void,
-                la,
-                b.ptr as *const c_void,
-                lb,
-                d as *const c_void,
-                ld,
-                d as *mut c_void,
-                ld,
-                &plan.algo,
-                workspace_ptr as *mut c_void,
-                workspace,
-                stream as sys::cudaStream_t,
-            )
+        let (desc, [la, lb, ld]) = (plan.desc, plan.layouts);
+        let call = |algo: &sys::cublasLtMatmulAlgo_t| {
+            super::kernel_timing::note_work(stream);
+            // SAFETY: the plan's layouts describe exactly the memory read and written: A from
+            // `a.ptr` (`lda`, `stride_a` as derived from rhs's valid layout, or its row-major
+            // copy, kept alive in `a` until the call is queued and then released to the
+            // allocator on this stream, which orders its reuse after the product), B likewise
+            // from lhs (for a row block, its `m` rows from `b.ptr`, inside the lhs), and D = C
+            // the `batch * m` rows of `n` elements, `ldd` apart, at `d` (the caller's output, or
+            // its rows or columns of a block, inside it), read (beta = 1) only where they hold
+            // the bias written on this stream. The bias epilogue reads cuBLASLt's m (our n)
+            // packed elements of D's type at the pointer set above (the caller's bias, 16-byte
+            // aligned, alive until the call is queued and then ordered by the allocator as A and
+            // B are). alpha/beta point to host scalars of the scale type (f64 for 64F compute,
+            // f32 otherwise) that live across the call (host pointer mode reads them before it
+            // returns). `algo` is one the heuristic returned for this plan's descriptors, within
+            // the workspace, which holds `workspace` bytes and is used only on `stream`, the
+            // stream of every other op here. The handle and the plan are this thread's alone
+            // (Note [cuBLASLt state]).
+            unsafe {
+                lt::matmul(
+                    handle,
+                    desc,
+                    alpha,
+                    beta,
+                    a.ptr as *const c_void,
+                    la,
+                    b.ptr as *const c_void,
+                    lb,
+                    d as *const c_void,
+                    ld,
+                    d as *mut c_void,
+                    ld,
+                    algo,
+                    workspace_ptr as *mut c_void,
+                    workspace,
+                    stream as sys::cudaStream_t,
+                )
+            }
+            .map_err(blas_error("cublasLtMatmul"))
+        };
+        // Note [Timed GEMM algorithms]: D is only written (beta = 0), so trial runs are harmless;
+        // no capture may be underway, since timing waits for the stream.
+        if !plan.untimed.is_empty() && !add_to_d && !super::capture::any_underway() {
+            let on = super::stream::current_stream(rt.ordinal)?;
+            let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+            for algo in std::iter::once(plan.algo).chain(std::mem::take(&mut plan.untimed)) {
+                let (start, end) = (super::Event::new(true), super::Event::new(true));
+                let timed = call(&algo)
+                    .and_then(|()| start.record_on(&on))
+                    .and_then(|()| (0..TIMED_RUNS).try_for_each(|_| call(&algo)))
+                    .and_then(|()| end.record_on(&on))
+                    .and_then(|()| end.synchronize())
+                    .and_then(|()| start.elapsed_time(&end));
+                if let Ok(ms) = timed {
+                    if best.is_none_or(|(b, _)| ms < b) {
+                        best = Some((ms, algo));
+                    }
+                }
+            }
+            if let Some((_, algo)) = best {
+                plan.algo = algo;
+            }
         }
-        .map_err(blas_error("cublasLtMatmul"))?;
+        call(&plan.algo)?;
         Ok(true)
     }
 }

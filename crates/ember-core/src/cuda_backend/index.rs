@@ -393,7 +393,8 @@ impl IndexOps for CudaStorage {
         n: usize,
         d: usize,
         rows: usize,
-    ) -> Result<CudaStorage> {
+        into: Option<&mut CudaStorage>,
+    ) -> Result<Option<CudaStorage>> {
         const OP: &str = "embedding_backward";
         let dtype = self.dtype();
         if !dtype.is_floating_point() {
@@ -415,10 +416,32 @@ impl IndexOps for CudaStorage {
         let len = rows
             .checked_mul(d)
             .ok_or_else(|| Error::invalid(OP, format!("{rows} rows of {d} overflow the address space")))?;
-        let out = CudaStorage::alloc_on(rt, dtype, len)?;
+        if let Some(d) = &into {
+            if d.ordinal() != self.ordinal() || d.dtype() != dtype || d.len() != len {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the gradient to add into ({} elements of {:?} on cuda:{}) is not the table's ({len} of {dtype:?} on cuda:{})",
+                        d.len(),
+                        d.dtype(),
+                        d.ordinal(),
+                        self.ordinal()
+                    ),
+                ));
+            }
+        }
+        let out = match into {
+            Some(_) => None,
+            None => Some(CudaStorage::alloc_on(rt, dtype, len)?),
+        };
         if len == 0 {
             return Ok(out);
         }
+        let out_ptr = match (&out, &into) {
+            (Some(o), _) => o.dev_ptr_mut_at(0),
+            (None, Some(d)) => d.dev_ptr_mut_at(0),
+            (None, None) => unreachable!("one of them is set above"),
+        };
         // The keys: n u64 (held as i64 elements).
         let keys = CudaStorage::alloc_on(rt, DType::I64, n.max(1))?;
         if n > 0 {
@@ -438,8 +461,9 @@ impl IndexOps for CudaStorage {
                 keys.dev_ptr_mut_at(0),
             )?;
         }
-        // `self` holds n·d gradient elements, read at keys' positions (< n); `out` rows·d, each
-        // written once by its row's warp.
+        // `self` holds n·d gradient elements, read at keys' positions (< n); `out` (or `into`,
+        // checked above to hold rows·d of the dtype) rows·d, each row read (with `add`) and
+        // written by its own warp only.
         let grid = Grid::linear(rt, rows.saturating_mul(32), 256);
         launch::embedding_backward(
             rt,
@@ -450,7 +474,8 @@ impl IndexOps for CudaStorage {
             n as i64,
             d as i64,
             rows as i64,
-            out.dev_ptr_mut_at(0),
+            out_ptr,
+            into.is_some() as i32,
         )?;
         Ok(out)
     }

@@ -728,6 +728,7 @@ kernels! {
             n: i64,
             vec: i32,
             shared: i32,
+            add: i32,
         );
         /// `layer_norm_backward` for rows of at most 768 elements (`LN_LANE_ELEMS` a lane) of a
         /// 4- or 2-byte T, all operands 16-byte aligned and n a multiple of 16 bytes, with
@@ -742,6 +743,7 @@ kernels! {
             partial: OptOut<A>,
             rows: i64,
             n: i64,
+            add: i32,
         );
         /// dw and db (`n` each, when given) summed in order over the `blocks` rows of `partial`.
         layer_norm_backward_params<W, A>(partial: In<A>, blocks: i64, n: i64, dw: OptOut<W>, db: OptOut<W>);
@@ -803,9 +805,10 @@ kernels! {
         /// `idx[p] << 32 | p` sorted ascending.
         embedding_sort<I>(idx: In<I>, n: i64, keys: Out<u64>);
         /// Second pass: `out` (`[rows, d]`, every element written) row r = Σ g[p, :] over the
-        /// positions in `keys` with index r, in position order, in Acc<T>; one warp per row,
+        /// positions in `keys` with index r, in position order, in Acc<T>; with `add`, the sum
+        /// is added to what `out` holds (rows never read untouched); one warp per row,
         /// grid-stride, blockDim.x a multiple of 32.
-        embedding_backward<T>(g: In<T>, keys: In<u64>, n: i64, d: i64, rows: i64, out: Out<T>);
+        embedding_backward<T>(g: In<T>, keys: In<u64>, n: i64, d: i64, rows: i64, out: Out<T>, add: i32);
     }
 }
 

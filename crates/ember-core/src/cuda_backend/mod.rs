@@ -65,7 +65,9 @@ pub(crate) mod stream;
 mod unary;
 
 pub use allocator::MempoolId;
-pub use blas::{allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision};
+pub use blas::{
+    allow_tf32, get_float32_matmul_precision, set_allow_tf32, set_float32_matmul_precision, tunable,
+};
 pub use capture::is_current_stream_capturing;
 pub use cupti::{cupti_version, register_collectives, CollectivesRegistration};
 pub use device::{

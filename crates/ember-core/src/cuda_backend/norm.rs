@@ -186,9 +186,25 @@ impl NormOps for CudaStorage {
         weight: Option<(&CudaStorage, &Layout)>,
         n: usize,
         want: LayerNormGrads,
+        dx_into: Option<&mut CudaStorage>,
     ) -> Result<[Option<CudaStorage>; 3]> {
         let dtype = self.dtype();
         let (xs, xl) = x;
+        let into = dx_into.filter(|_| want.input);
+        if let Some(d) = &into {
+            check_device(self, d)?;
+            if d.dtype() != dtype || d.len() != layout.numel() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the gradient to add dx to ({} elements of {:?}) is not x's ({} of {dtype:?})",
+                        d.len(),
+                        d.dtype(),
+                        layout.numel()
+                    ),
+                ));
+            }
+        }
         contiguous(layout)?;
         contiguous(xl)?;
         if xs.dtype() != dtype {
@@ -232,8 +248,8 @@ impl NormOps for CudaStorage {
         let rt = self.runtime()?;
         let numel = layout.numel();
         let rows = numel.checked_div(n).unwrap_or(0);
-        let dx = want
-            .input
+        let add = into.is_some();
+        let dx = (want.input && !add)
             .then(|| CudaStorage::alloc_on(rt, dtype, numel))
             .transpose()?;
         let dw = want.weight.map(|d| CudaStorage::alloc_on(rt, d, n)).transpose()?;
@@ -245,7 +261,10 @@ impl NormOps for CudaStorage {
         let (warps, shared) = backward_shape(n, a);
         let (g, xp) = (self.dev_ptr(layout), xs.dev_ptr(xl));
         let w = weight.map(|(s, l)| s.dev_ptr(l));
-        let dxp = dx.as_ref().map(|d| d.dev_ptr_mut_at(0));
+        let dxp = match &into {
+            Some(d) => Some(d.dev_ptr_mut_at(0)),
+            None => dx.as_ref().map(|d| d.dev_ptr_mut_at(0)),
+        };
         let mut addrs = vec![g.addr(), xp.addr()];
         addrs.extend(dxp.map(|d| d.addr()));
         addrs.extend(w.map(|d| d.addr()));
@@ -264,7 +283,7 @@ impl NormOps for CudaStorage {
         let partial = sums
             .then(|| CudaStorage::alloc_on(rt, a, blocks * 2 * n))
             .transpose()?;
-        if rows > 0 && (dx.is_some() || sums) {
+        if rows > 0 && (dxp.is_some() || sums) {
             addrs.extend(partial.as_ref().map(|p| p.dev_ptr_at(0).addr()));
             let vec = vectorized(n, dtype, &addrs);
             let grid = Grid {
@@ -276,7 +295,8 @@ impl NormOps for CudaStorage {
                     0
                 },
             };
-            // g, x and dx hold rows · n contiguous elements, mean and rstd `rows`, weight n,
+            // g, x and dx hold rows · n contiguous elements (dx read first with `add`: `into`,
+            // checked above, is x's size and dtype), mean and rstd `rows`, weight n,
             // `partial` blocks · 2n; the shared memory holds warps · 2n math values (Note [Layer
             // norm launch]); for the rows kernel, every operand but `partial` is 16-byte aligned
             // and n is at most ROWS_MAX_N in whole vectors (`backward_in_rows`).
@@ -294,6 +314,7 @@ impl NormOps for CudaStorage {
                     partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
                     rows as i64,
                     n as i64,
+                    add as i32,
                 )?;
             } else {
                 launch::layer_norm_backward(
@@ -311,6 +332,7 @@ impl NormOps for CudaStorage {
                     n as i64,
                     vec,
                     shared as i32,
+                    add as i32,
                 )?;
             }
         }

@@ -39,6 +39,10 @@ pub(crate) struct Node {
     /// a cast from float32 (Note [Widened gradients] in `ops/matmul.rs`); the cast's backward
     /// then has nothing to convert.
     cast_from: Option<crate::DType>,
+    /// Whether the backward may add its first input's gradient into the one already waiting
+    /// for that input (Note [Gradients added in place] in `autograd/engine.rs`):
+    /// `autograd::take_accumulator`.
+    pub(crate) accumulates: std::sync::atomic::AtomicBool,
 }
 
 /// The region of a view op's input that its output views: a layout over a row-major tensor of
@@ -180,6 +184,7 @@ fn record_node(
         sequence_nr: next_sequence_nr(),
         view,
         cast_from,
+        accumulates: std::sync::atomic::AtomicBool::new(false),
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));

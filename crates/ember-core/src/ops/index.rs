@@ -118,13 +118,18 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor, doo
     }
     let idx = SavedTensor::new(op, index);
     let shape = x.shape().clone();
-    Ok(door.record(op, &[x], out, move |g, _| {
+    let rows_grad = d == 0;
+    let out = door.record(op, &[x], out, move |g, _| {
         if d == 0 && g.dtype().is_floating_point() {
             return Ok(vec![Some(rows_backward(g, idx.get()?, &shape, door)?)]);
         }
         let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
         Ok(vec![Some(z.index_add(d as isize, idx.get()?, g)?)])
-    }))
+    });
+    if rows_grad {
+        autograd::mark_accumulating(&out);
+    }
+    Ok(out)
 }
 
 /// The gradient of a read of whole rows (`index_select` along dim 0, `embedding`) from the
@@ -137,11 +142,26 @@ fn rows_backward(g: &Tensor, index: &Tensor, shape: &Shape, door: Door) -> Resul
     let n = index.numel();
     let d: usize = shape.dims()[1..].iter().product();
     let (g, i) = (packed(g, door)?, packed(index, door)?);
+    // Note [Gradients added in place] in `autograd/engine.rs`: a tied table (GPT-2's token
+    // embedding, also the classifier's weight) gets the rows' sums added to the classifier's
+    // gradient, which arrived first.
+    let into = autograd::take_accumulator(|t| {
+        t.dtype() == g.dtype()
+            && t.shape() == shape
+            && t.layout().is_contiguous()
+            && t.layout().offset() == 0
+            && t.device() == g.device()
+    });
     let storage = {
         let (sg, si) = (g.storage().read(), i.storage().read());
-        sg.embedding_backward(&si, n, d, rows)?
+        let mut acc = into.as_ref().map(|t| t.storage().write());
+        sg.embedding_backward(&si, n, d, rows, acc.as_deref_mut())?
     };
-    Ok(door.tensor(storage, shape.clone()))
+    match (storage, into) {
+        (Some(s), _) => Ok(door.tensor(s, shape.clone())),
+        (None, Some(sum)) => Ok(sum),
+        (None, None) => unreachable!("the backend returns the sum unless given `into`"),
+    }
 }
 
 /// Rank and size checks shared by gather and the scatters: `index` has `x`'s rank, fits in

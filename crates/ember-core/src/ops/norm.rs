@@ -135,7 +135,7 @@ fn layer_norm_prepared(
     let (w_dtype, b_dtype) = (weight.map(Tensor::dtype), bias.map(Tensor::dtype));
     let x_shape = x.shape().clone();
     let param_shape: Vec<isize> = normalized_shape.iter().map(|&d| d as isize).collect();
-    Ok(door.record(OP, &inputs, y, move |g: &Tensor, needs: &[bool]| {
+    let y = door.record(OP, &inputs, y, move |g: &Tensor, needs: &[bool]| {
         let x = saved_x.get()?;
         let w = saved_w.as_ref().map(SavedTensor::get).transpose()?;
         dispatch::check_devices(OP, &[x, g])?;
@@ -145,11 +145,24 @@ fn layer_norm_prepared(
             weight: w_dtype.filter(|_| has_w && needs[1]),
             bias: b_dtype.filter(|_| has_b && needs[1 + has_w as usize]),
         };
+        // Note [Gradients added in place] in `autograd/engine.rs`: dx is added into the
+        // gradient already waiting for x (the residual stream's) when the engine offers it.
+        let into = want.input.then(|| {
+            autograd::take_accumulator(|t| {
+                t.dtype() == x.dtype()
+                    && t.shape() == &x_shape
+                    && t.layout().is_contiguous()
+                    && t.layout().offset() == 0
+                    && t.device() == x.device()
+            })
+        });
+        let into = into.flatten();
         let [dx, dw, db] = {
             let (gs, xs) = (g.storage().read(), x.storage().read());
             let (ms, rs) = (mean.storage().read(), rstd.storage().read());
             let ws = w.map(|t| t.storage().read());
             let wl = w.map(Tensor::layout);
+            let mut acc = into.as_ref().map(|t| t.storage().write());
             gs.layer_norm_backward(
                 g.layout(),
                 (&xs, x.layout()),
@@ -158,13 +171,18 @@ fn layer_norm_prepared(
                 ws.as_deref().zip(wl),
                 n,
                 want,
+                acc.as_deref_mut(),
             )?
+        };
+        let dx = match into {
+            Some(sum) => Some(sum),
+            None => dx.map(|s| door.tensor(s, x_shape.clone())),
         };
         let param = |s: Option<crate::storage::Storage>| -> Result<Option<Tensor>> {
             s.map(|s| door.tensor(s, Shape::from([n])).reshape(&param_shape))
                 .transpose()
         };
-        let mut grads = vec![dx.map(|s| door.tensor(s, x_shape.clone()))];
+        let mut grads = vec![dx];
         if has_w {
             grads.push(param(dw)?);
         }
@@ -172,5 +190,7 @@ fn layer_norm_prepared(
             grads.push(param(db)?);
         }
         Ok(grads)
-    }))
+    });
+    autograd::mark_accumulating(&y);
+    Ok(y)
 }

@@ -58,6 +58,17 @@ where
     }
 }
 
+impl<'a, B: 'a> Operand<B> for Option<&'a mut Storage>
+where
+    Storage: Variant<B>,
+{
+    type Of = Option<&'a mut B>;
+    #[inline]
+    fn of(self) -> std::result::Result<Option<&'a mut B>, Device> {
+        self.map(Variant::variant_mut).transpose()
+    }
+}
+
 impl<'a, B: 'a> Operand<B> for (&'a Storage, &'a Layout)
 where
     Storage: Variant<B>,
@@ -261,9 +272,11 @@ forward!(IndexOps {
     fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> (Storage, usize);
         [] "one_hot";
     /// The `[rows, d]` gradient of a table read at the contiguous `[n]` `index` along dim 0,
-    /// from the contiguous `[n, d]` gradient `self` (`IndexOps::embedding_backward`).
-    fn embedding_backward(&self, index: &Storage, n: usize, d: usize, rows: usize) -> Storage;
-        [index] "embedding_backward";
+    /// from the contiguous `[n, d]` gradient `self` (`IndexOps::embedding_backward`); with
+    /// `into`, added to it and `None` returned.
+    fn embedding_backward(&self, index: &Storage, n: usize, d: usize, rows: usize, into: Option<&mut Storage>)
+        -> Option<Storage>;
+        [index, into] "embedding_backward";
 });
 
 forward!(LossOps {
@@ -349,10 +362,11 @@ forward!(NormOps {
         bias: Option<(&Storage, &Layout)>, n: usize, eps: f64) -> (Storage, Storage, Storage);
         [weight, bias] "layer_norm";
     /// The gradients of [`Storage::layer_norm`] from the output gradient `self`
-    /// ([`NormOps::layer_norm_backward`]).
+    /// ([`NormOps::layer_norm_backward`]); with `dx_into`, the input's added to it.
     fn layer_norm_backward(&self, layout: &Layout, x: (&Storage, &Layout), mean: &Storage, rstd: &Storage,
-        weight: Option<(&Storage, &Layout)>, n: usize, want: LayerNormGrads) -> [Option<Storage>; 3];
-        [x, mean, rstd, weight] "layer_norm_backward";
+        weight: Option<(&Storage, &Layout)>, n: usize, want: LayerNormGrads, dx_into: Option<&mut Storage>)
+        -> [Option<Storage>; 3];
+        [x, mean, rstd, weight, dx_into] "layer_norm_backward";
 });
 
 forward!(CopyOps {

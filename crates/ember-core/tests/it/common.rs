@@ -220,9 +220,12 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
 }
 
 /// Runs `step` `warmup` times, then `steps` times under the profiler (CPU and CUDA activities),
-/// synchronizing device 0 before and after: the profiled cycle of a kernel-time test.
+/// synchronizing device 0 before and after: the profiled cycle of a kernel-time test. One
+/// profiler runs in a process at a time, so the cycle holds `profiler::lock()`, as the
+/// profiler's own tests do.
 pub fn profile_steps(warmup: usize, steps: usize, mut step: impl FnMut()) -> ember_core::profiler::Profiler {
     use ember_core::profiler::{self, ProfilerActivity};
+    let _one_profiler = super::profiler::lock();
     for _ in 0..warmup {
         step();
     }

@@ -459,3 +459,71 @@ fn cuda_embedding_backward_is_the_sum_and_the_same_bits_every_run() {
         }
     }
 }
+
+/// Note [Gradients added in place]: a tied table (read by `embedding` and, recorded later, by
+/// another op whose gradient reaches it first) gets the rows' sums added into that gradient's
+/// own buffer, rows never read untouched; where the first gradient is held elsewhere, the
+/// engine adds as before. Both against the exact sum, on every device.
+#[test]
+fn embedding_backward_adds_into_the_tied_weights_waiting_gradient() {
+    use std::sync::{Arc, Mutex};
+    let (rows, d) = (13, 40);
+    let (idx, g) = embedding_case(50, rows, d);
+    for dev in common::devices() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            for held in [false, true] {
+                let w = Tensor::zeros([rows, d], dtype, dev)
+                    .unwrap()
+                    .requires_grad_(true)
+                    .unwrap();
+                let i = Tensor::from_slice(&idx, [idx.len()], dev).unwrap();
+                let rows_read = Tensor::embedding(&i, &w).unwrap();
+                let other = values(rows * d, 9);
+                let other_t = Tensor::from_slice(&other, [rows, d], Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to(dev)
+                    .unwrap();
+                let made = Arc::new(Mutex::new((0usize, None::<Tensor>)));
+                let seen = made.clone();
+                // Recorded after the read, so its gradient reaches the table first.
+                let tied = ember_core::autograd::custom_op(
+                    "tied",
+                    &[&w],
+                    w.detach().sum_all().unwrap(),
+                    move |_, _| {
+                        let buf = other_t.deep_clone()?;
+                        let mut m = seen.lock().unwrap();
+                        m.0 = buf.data_ptr();
+                        if held {
+                            m.1 = Some(buf.clone());
+                        }
+                        Ok(vec![Some(buf)])
+                    },
+                );
+                let up = Tensor::from_slice(&g, [idx.len(), d], Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to(dev)
+                    .unwrap();
+                let loss = rows_read.mul(&up).unwrap().sum_all().unwrap().add(&tied).unwrap();
+                loss.backward().unwrap();
+                let grad = w.grad().unwrap();
+                let other_r = Case::rounded(&other, dtype);
+                let exp: Vec<f64> = expected_sum(&idx, &g, rows, d, dtype)
+                    .iter()
+                    .zip(&other_r)
+                    .map(|(a, b)| a + b)
+                    .collect();
+                assert_close_slice(&grad.to_vec_f64().unwrap(), &exp, tol, tol);
+                assert_eq!(
+                    grad.data_ptr() == made.lock().unwrap().0,
+                    !held,
+                    "{dev} {dtype:?}: the first gradient's buffer holds the sum exactly when nothing else holds it"
+                );
+            }
+        }
+    }
+}

@@ -553,3 +553,44 @@ fn arrivals_in_row_blocks_are_for_gpu_tensors() {
     assert!(e.to_string().contains("expected a tensor on a GPU"), "{e}");
     assert!(e.to_string().contains("cpu"), "{e}");
 }
+
+/// Note [Timed GEMM algorithms]: with `cuda::tunable` on, each plan's first product times the
+/// heuristic's candidates on its own operands and keeps the fastest. Products (plain, with the
+/// bias epilogue, batched, transposed) still match the CPU, and a repeated product, which runs
+/// the chosen algorithm without timing, gives the same bits.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn matmul_with_timed_algorithms_matches_the_cpu() {
+    let _l = lock();
+    let dev = gpu();
+    struct Off;
+    impl Drop for Off {
+        fn drop(&mut self) {
+            cuda::tunable::enable(false);
+        }
+    }
+    let _off = Off;
+    cuda::tunable::enable(true);
+    assert!(cuda::tunable::is_enabled());
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let (m, k, n) = (96, 256, 384);
+        let a = input(&[m, k], 40, dtype);
+        let w = input(&[n, k], 41, dtype);
+        let bias = input(&[n], 42, dtype);
+        check("tuned [96,256]@[256,384]", dtype, k, &a, &w, |a, w| {
+            a.matmul(&w.t()?)
+        });
+        let (rtol, atol) = mm_tolerance(dtype, k);
+        cpu_vs_cuda(&format!("tuned linear {dtype}"), rtol, atol, |d| {
+            a.to(d)?.linear(&w.to(d)?, Some(&bias.to(d)?))
+        });
+        let batched = input(&[3, m, k], 43, dtype);
+        check("tuned batched", dtype, k, &batched, &w, |x, w| {
+            x.matmul(&w.t()?.unsqueeze(0)?)
+        });
+        let (ad, wd) = (a.to(dev).unwrap(), w.to(dev).unwrap());
+        let first = ad.matmul(&wd.t().unwrap()).unwrap().to_vec_f64().unwrap();
+        let again = ad.matmul(&wd.t().unwrap()).unwrap().to_vec_f64().unwrap();
+        assert_eq!(first, again, "{dtype}: the chosen algorithm is kept");
+    }
+}

@@ -136,6 +136,73 @@ fn layer_norm_matches_float64_in_every_float_dtype() {
     }
 }
 
+/// Note [Gradients added in place]: x feeds a LayerNorm and a residual branch whose gradient
+/// reaches x first; LayerNorm's backward adds its dx into that gradient's own buffer, which
+/// becomes x's `.grad` (no add, no new buffer). Where the residual gradient is still held
+/// elsewhere, the engine sums as before. Both against float64: residual + LayerNorm's dx.
+#[test]
+fn layer_norm_adds_its_input_gradient_into_the_waiting_one() {
+    use std::sync::{Arc, Mutex};
+    let (rows, n) = (5, 24);
+    for dev in super::common::devices() {
+        for dtype in [DType::F32, DType::BF16] {
+            for held in [false, true] {
+                let round = |v: Vec<f64>| {
+                    Tensor::from_slice(&v, [rows, n], Device::Cpu)
+                        .and_then(|t| t.to_dtype(dtype))
+                        .and_then(|t| t.to_vec_f64())
+                        .unwrap()
+                };
+                let x = round(values(rows * n, 1).iter().map(|v| 2.0 * v + 0.25).collect());
+                let r2 = round(values(rows * n, 2));
+                let res = round(values(rows * n, 3));
+                let w = values(n, 4).iter().map(|v| 1.0 + v).collect::<Vec<_>>();
+                let on = |v: &[f64], shape: &[usize]| {
+                    Tensor::from_slice(v, shape, dev)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                };
+                let tx = on(&x, &[rows, n]).requires_grad_(true).unwrap();
+                let tw = on(&w, &[n]);
+                let made = Arc::new(Mutex::new((0usize, None::<Tensor>)));
+                let seen = made.clone();
+                let res_t = on(&res, &[rows, n]);
+                // The layer norm first, so that the residual's node (recorded later) runs first.
+                let y = tx.layer_norm(&[n], Some(&tw), None, 1e-5).unwrap();
+                let branch = y.mul(&on(&r2, &[rows, n])).unwrap();
+                let residual =
+                    ember_core::autograd::custom_op("residual", &[&tx], tx.detach(), move |_, _| {
+                        let buf = res_t.deep_clone()?;
+                        let mut m = seen.lock().unwrap();
+                        m.0 = buf.data_ptr();
+                        if held {
+                            m.1 = Some(buf.clone());
+                        }
+                        Ok(vec![Some(buf)])
+                    });
+                branch
+                    .add(&residual)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let grad = tx.grad().unwrap();
+                let (_, dx, _, _) = reference(&x, Some(&w), None, &r2, n, 1e-5);
+                let expected: Vec<f64> = dx.iter().zip(&res).map(|(a, b)| a + b).collect();
+                let (rtol, atol) = tol(dtype);
+                assert_close_slice(&grad.to_vec_f64().unwrap(), &expected, rtol, atol);
+                assert_eq!(
+                    grad.data_ptr() == made.lock().unwrap().0,
+                    !held,
+                    "{dev} {dtype:?}: the residual's buffer holds the sum exactly when nothing else holds it"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn layer_norm_over_several_dims_and_strided_inputs() {
     // normalized_shape [3, 4] of a [2, 3, 4] input equals the rows of its [2, 12] view; a

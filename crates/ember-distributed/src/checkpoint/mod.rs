@@ -59,6 +59,10 @@ use std::path::{Path, PathBuf};
 use ember_core::{no_grad, DType, Error, Shape, Tensor};
 use ember_nn::state_dict::StateDictError;
 
+/// The state dicts of sharded models and their optimizers
+/// (`torch.distributed.checkpoint.state_dict`), from [`crate::fsdp`].
+pub use crate::fsdp::{get_model_state_dict, get_optimizer_state_dict};
+
 use crate::buffer::HostBuffer;
 use crate::dtensor::{DTensor, Placement};
 use crate::group::{default_group, is_initialized, ProcessGroup};

@@ -16,6 +16,9 @@
 //!   blocking the host (PyTorch's semantics); the outputs can then be used by any work queued
 //!   on that stream (a host read such as `to_vec` synchronizes). `barrier` is an all_reduce of
 //!   one element whose `wait` does block the host until it finished, as PyTorch's does.
+//! - Flat forms: `all_gather_into_tensor` and `reduce_scatter_tensor` hand the caller's
+//!   tensors to `ncclAllGather` and `ncclReduceScatter` as they are, no copies (FSDP's and
+//!   ZeRO's collectives).
 //! - List forms: `all_gather` gathers into one flat buffer (`ncclAllGather`) and copies the
 //!   slices into the outputs; `reduce_scatter` copies the inputs into one flat buffer and runs
 //!   `ncclReduceScatter`. Both copies run on the NCCL stream; the buffer is allocated there, so
@@ -508,6 +511,55 @@ impl Backend for NcclBackend {
                 flat.narrow(0, j * count, count)?.copy_(&input.reshape(&[-1])?)?;
             }
             let (src, dst) = (ptr(&flat), ptr(output));
+            nccl_call!(comm, "ncclReduceScatter", |lib, c| (lib.reduce_scatter)(
+                src, dst, count, dt, red, c, stream
+            ))
+        })
+    }
+
+    fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        const OP: &str = "all_gather_into_tensor";
+        let (dt, _) = nccl_dtype(OP, input.dtype())?;
+        check_tensor(OP, input, self.shared.device)?;
+        check_tensor(OP, output, self.shared.device)?;
+        let count = input.numel();
+        if output.numel() != count * self.size {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the output has {} elements where {} ranks × {count} are needed",
+                    output.numel(),
+                    self.size
+                ),
+            ));
+        }
+        self.launch(OP, &[input, output], false, |comm, stream| {
+            let (src, dst) = (ptr(input), ptr(output));
+            nccl_call!(comm, "ncclAllGather", |lib, c| (lib.all_gather)(
+                src, dst, count, dt, c, stream
+            ))
+        })
+    }
+
+    fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
+        const OP: &str = "reduce_scatter_tensor";
+        let (dt, is_bool) = nccl_dtype(OP, output.dtype())?;
+        check_tensor(OP, input, self.shared.device)?;
+        check_tensor(OP, output, self.shared.device)?;
+        let red = nccl_op(op, is_bool);
+        let count = output.numel();
+        if input.numel() != count * self.size {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the input has {} elements where {} ranks × {count} are needed",
+                    input.numel(),
+                    self.size
+                ),
+            ));
+        }
+        self.launch(OP, &[input, output], false, |comm, stream| {
+            let (src, dst) = (ptr(input), ptr(output));
             nccl_call!(comm, "ncclReduceScatter", |lib, c| (lib.reduce_scatter)(
                 src, dst, count, dt, red, c, stream
             ))

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use ember_core::{Device, Error, Tensor};
 use ember_distributed::ReduceOp;
 
-use crate::common::{check_all_collectives, run_ranks};
+use crate::common::{check_all_collectives, check_flat_collectives, run_ranks};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -15,6 +15,13 @@ const T: Duration = Duration::from_secs(20);
 fn every_collective_world_2_and_3() {
     for n in [2, 3] {
         run_ranks(n, T, |pg| check_all_collectives(&pg));
+    }
+}
+
+#[test]
+fn flat_collectives_world_1_2_and_3() {
+    for n in [1, 2, 3] {
+        run_ranks(n, T, |pg| check_flat_collectives(&pg, Device::Cpu));
     }
 }
 

@@ -204,3 +204,114 @@ pub fn check_all_collectives(pg: &ProcessGroup) {
     pg.all_reduce(&big, ReduceOp::Sum).unwrap();
     assert!(big.to_vec::<f32>().unwrap().iter().all(|&v| v == n as f32));
 }
+
+/// The flat collectives (`all_gather_into_tensor`, `reduce_scatter_tensor`) of `pg` on
+/// `device` against values computed here, and their argument errors (which leave the group
+/// usable); panics on a mismatch.
+pub fn check_flat_collectives(pg: &ProcessGroup, device: Device) {
+    use ember_core::Error;
+    let (r, n) = (pg.rank(), pg.size());
+    let on = |v: Vec<f32>, dims: &[usize]| {
+        Tensor::from_vec(v, dims, Device::Cpu)
+            .unwrap()
+            .to(device)
+            .unwrap()
+    };
+
+    // all_gather_into_tensor: rank i's [2, 3] block of i·100 + k, concatenated along dim 0 and
+    // stacked; then f64 and i64.
+    let input = on((0..6).map(|k| (r * 100 + k) as f32).collect(), &[2, 3]);
+    let expected: Vec<f32> = (0..n)
+        .flat_map(|i| (0..6).map(move |k| (i * 100 + k) as f32))
+        .collect();
+    let cat = Tensor::zeros([2 * n, 3], DType::F32, device).unwrap();
+    pg.all_gather_into_tensor(&cat, &input).unwrap();
+    assert_eq!(cat.to_vec::<f32>().unwrap(), expected);
+    let stack = Tensor::zeros([n, 2, 3], DType::F32, device).unwrap();
+    pg.all_gather_into_tensor_async(&stack, &input)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(stack.to_vec::<f32>().unwrap(), expected);
+    let x = Tensor::from_vec(vec![r as i64 - 7], 1, Device::Cpu)
+        .unwrap()
+        .to(device)
+        .unwrap();
+    let out = Tensor::zeros(n, DType::I64, device).unwrap();
+    pg.all_gather_into_tensor(&out, &x).unwrap();
+    assert_eq!(
+        out.to_vec::<i64>().unwrap(),
+        (0..n as i64).map(|i| i - 7).collect::<Vec<_>>()
+    );
+
+    // reduce_scatter_tensor: input[j] = r + j (j over n·4 elements); rank r gets block r of the
+    // sum over ranks, then of the average.
+    let len = 4;
+    let input = on((0..n * len).map(|j| (r + j) as f32).collect(), &[n * len]);
+    let out = Tensor::zeros([len], DType::F32, device).unwrap();
+    pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum).unwrap();
+    let ranks_sum = (n * (n - 1) / 2) as f32;
+    let block: Vec<f32> = (0..len)
+        .map(|k| ranks_sum + n as f32 * (r * len + k) as f32)
+        .collect();
+    assert_eq!(out.to_vec::<f32>().unwrap(), block);
+    let stacked = input.reshape([n as isize, 2, 2]).unwrap();
+    let out = Tensor::zeros([2usize, 2], DType::F32, device).unwrap();
+    pg.reduce_scatter_tensor_async(&out, &stacked, ReduceOp::Avg)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let avg: Vec<f32> = block.iter().map(|v| v / n as f32).collect();
+    assert_eq!(out.to_vec::<f32>().unwrap(), avg);
+    let input = Tensor::full(n * 3, (r + 1) as f64, DType::F64, Device::Cpu)
+        .unwrap()
+        .to(device)
+        .unwrap();
+    let out = Tensor::zeros(3usize, DType::F64, device).unwrap();
+    pg.reduce_scatter_tensor(&out, &input, ReduceOp::Max).unwrap();
+    assert_eq!(out.to_vec::<f64>().unwrap(), [n as f64; 3]);
+
+    // Bad arguments: typed errors before anything is sent.
+    let small = Tensor::zeros([3usize], DType::F32, device).unwrap();
+    let wrong = Tensor::zeros([3 * n + 1], DType::F32, device).unwrap();
+    match pg.all_gather_into_tensor(&wrong, &small) {
+        Err(Error::ShapeMismatch { op, lhs, .. }) => {
+            assert_eq!((op, lhs.dims()), ("all_gather_into_tensor", &[3 * n][..]))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        pg.reduce_scatter_tensor(&small, &wrong, ReduceOp::Sum),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    let doubles = Tensor::zeros([3 * n], DType::F64, device).unwrap();
+    assert!(matches!(
+        pg.all_gather_into_tensor(&doubles, &small),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    let ints = Tensor::zeros([3 * n], DType::I64, device).unwrap();
+    let int_out = Tensor::zeros([3usize], DType::I64, device).unwrap();
+    assert!(matches!(
+        pg.reduce_scatter_tensor(&int_out, &ints, ReduceOp::Avg),
+        Err(Error::UnsupportedDType { .. })
+    ));
+    let strided = Tensor::zeros([3 * n, 2], DType::F32, device)
+        .unwrap()
+        .narrow(1, 0, 1)
+        .unwrap();
+    assert!(matches!(
+        pg.all_gather_into_tensor(&strided, &small),
+        Err(Error::InvalidArgument { .. })
+    ));
+    if device != Device::Cpu {
+        let host = Tensor::zeros([3 * n], DType::F32, Device::Cpu).unwrap();
+        assert!(matches!(
+            pg.all_gather_into_tensor(&host, &small),
+            Err(Error::DeviceMismatch { .. })
+        ));
+    }
+    // Nothing was sent: the group still works.
+    let one = on(vec![1.0], &[1]);
+    pg.all_reduce(&one, ReduceOp::Sum).unwrap();
+    assert_eq!(one.to_vec::<f32>().unwrap(), [n as f32]);
+}

@@ -218,12 +218,52 @@ fn nccl_all_reduce_over_one_rank_leaves_the_tensor() {
     });
 }
 
+/// The flat collectives over one rank: NCCL copies (gather) or reduces over one rank
+/// (scatter) straight between the caller's tensors.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn nccl_flat_collectives_over_one_rank() {
+    assert!(cuda::is_available(), "this test needs a CUDA device");
+    run_nccl_ranks(1, |pg, dev| {
+        crate::common::check_flat_collectives(&pg, Device::Cuda(dev));
+    });
+}
+
+/// fully_shard (with its clip_grad_norm_) and ZeroRedundancyOptimizer on one GPU against DDP +
+/// AdamW there: the flat collectives, the all-gather node and the checkpointed recomputation
+/// on CUDA tensors.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn nccl_fully_shard_and_zero_over_one_gpu_match_ddp() {
+    assert!(cuda::is_available(), "this test needs a CUDA device");
+    run_nccl_ranks(1, |pg, dev| {
+        crate::fsdp::fsdp_matches_ddp(&pg, Device::Cuda(dev));
+        crate::fsdp::clip_matches_ddp(&pg, Device::Cuda(dev));
+        crate::zero::zero_matches_ddp(&pg, Device::Cuda(dev));
+    });
+}
+
+/// The same on two GPUs (shards, reduce-scatters and ZeRO's broadcasts between them), and the
+/// ShardedGradScaler keeping the ranks together.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_fully_shard_and_zero_on_two_gpus_match_ddp() {
+    crate::common::require_two_gpus();
+    run_nccl_ranks(2, |pg, dev| {
+        crate::fsdp::fsdp_matches_ddp(&pg, Device::Cuda(dev));
+        crate::fsdp::clip_matches_ddp(&pg, Device::Cuda(dev));
+        crate::fsdp::sharded_scaler_keeps_ranks_together(&pg, Device::Cuda(dev));
+        crate::zero::zero_matches_ddp(&pg, Device::Cuda(dev));
+    });
+}
+
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_collectives_on_two_gpus_as_threads() {
     crate::common::require_two_gpus();
     run_nccl_ranks(2, |pg, dev| {
         check_nccl_collectives(&pg, dev);
+        crate::common::check_flat_collectives(&pg, Device::Cuda(dev));
         // A subgroup of both ranks, on the parent's device.
         let sub = pg.new_group(&[0, 1]).unwrap().unwrap();
         let x = on(vec![pg.rank() as f32], dev);

@@ -1,0 +1,658 @@
+//! Fully sharded data parallelism (`torch.distributed.fsdp.fully_shard`, FSDP2), first
+//! version: [`fully_shard`] turns a module into an [`FSDPModule`] whose parameters are dim-0
+//! shards ([`DTensor`] layout, Note [Shard layout] in `dtensor.rs`), gathered for its forward
+//! and backward, with gradients reduce-scattered back onto the shards.
+//!
+//! Note [FSDP mechanism]: ember-nn has no forward hooks, so the module is wrapped instead of
+//! hooked: [`FSDPModule`] owns the module, behind a lock, with every parameter field replaced
+//! by an empty placeholder (one per parameter, tied fields sharing theirs), and keeps the local
+//! shards (leaf tensors, what `parameters()` lists and the optimizer steps). Its forward:
+//! 1. all-gathers every parameter in one flat collective (FSDP2's `FSDPParamGroup`): each rank
+//!    packs its shards, each padded to `ceil(rows / world)` rows, into one buffer (cast to the
+//!    [`MixedPrecisionPolicy`]'s `param_dtype`), and `all_gather_into_tensor` makes
+//!    `[world, S]`, from which each full parameter is cut (a copy of its `world` column blocks,
+//!    the padding rows dropped);
+//! 2. puts the full parameters into the fields that hold its placeholders (`visit_mut`,
+//!    recognizing the placeholders by identity), runs the module's forward, and puts the
+//!    placeholders back;
+//! 3. autograd connects the full parameters to the shards through one custom node
+//!    (`fsdp_all_gather`), whose backward receives the gradient of the whole `[world, S]`
+//!    buffer (the cuts' backward writes each full gradient into its blocks, zeros in the
+//!    padding), casts it to `reduce_dtype` and reduce-scatters it with `ReduceOp::Avg`
+//!    (`reduce_scatter_tensor`): each rank gets the average over ranks of its own rows, cast to
+//!    the shards' dtype, which autograd accumulates into the shards' `.grad`. That is DDP's
+//!    averaged gradient, cut to the rank's rows.
+//!
+//! Note [Reshard after forward]: PyTorch frees the full parameters after forward by resizing
+//! their storage to zero and gathers into the same storage again before backward, so the
+//! tensors autograd saved come back to life. ember's tensors cannot release their storage
+//! while autograd holds them, so `reshard_after_forward = true` (the default) runs the forward
+//! under [`ember_core::autograd::checkpoint`] instead: the forward keeps nothing (neither the
+//! full parameters nor the module's activations), and backward all-gathers again, recomputes
+//! the module's forward (restoring the random state, so dropout draws the same masks), and
+//! reduce-scatters. Memory is that of FSDP2 with activation checkpointing on each sharded
+//! module, for one more forward of it in backward (and, as under any recomputation, a
+//! BatchNorm inside updates its running statistics twice). With `reshard_after_forward =
+//! false` the full parameters stay alive in the graph until backward (FSDP2's `False`: no
+//! second all-gather, no recomputation).
+//!
+//! Note [FSDP nesting]: as with FSDP2, shard the blocks first, then the root: `fully_shard`
+//! of a module that contains [`FSDPModule`]s leaves their parameters to them (while it shards,
+//! an [`FSDPModule`] hides its parameters from the traversal) and shards the rest, and each
+//! unit gathers and reduce-scatters its own parameters when its forward and backward run.
+//! `parameters()` of the root lists every shard, the inner units' included. A unit that
+//! contains other units (the root) does not reshard after forward, whatever the options say,
+//! as PyTorch sets its root's `reshard_after_forward` to false: backward needs its parameters
+//! (the embedding, the head) at once, and resharding would mean recomputing the whole model's
+//! forward (Note [Reshard after forward]) on top of each unit's own recomputation.
+//!
+//! Note [FSDP gradient accumulation]: after [`FSDPModule::set_requires_gradient_sync`]`(false)`
+//! the backward keeps the unsharded gradient (summed over the backward passes) instead of
+//! reduce-scattering it and leaves the shards' `.grad` alone; the first backward with sync on
+//! again adds it to its own gradient and reduce-scatters the sum, as DDP's `no_sync` and
+//! FSDP2 do. It costs one unsharded gradient buffer per unit in between.
+//!
+//! Note [FSDP state dicts]: [`get_model_state_dict`] and [`get_optimizer_state_dict`] (PyTorch's
+//! `torch.distributed.checkpoint.state_dict` functions) give state dicts for
+//! [`crate::dcp::save`] and [`crate::dcp::load`] in which every shard is a [`DTensor`] (each
+//! rank writes and reads its own rows; a load reshards to another world size or to an
+//! unsharded model). A model's tensors do not say which unit shards them, nested units
+//! included, so every live [`FSDPModule`] is registered (weakly) when it is made, and the
+//! functions ask the registry which unit, if any, owns each tensor.
+//!
+//! Two of ember-nn's tools look at gradients rank by rank, which shards would let part: clip
+//! with this module's [`clip_grad_norm_`] (the norm over every rank's rows), and scale losses
+//! with [`ShardedGradScaler`] (an overflow in any rank's rows skips every rank's step).
+//!
+//! Every rank must run the same forward and backward passes (the collectives are matched in
+//! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
+//! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
+//!
+//! Not yet: overlap. Every collective runs when its unit needs it and the compute stream
+//! waits for it at once: no prefetch of the next unit's all-gather, and no reduce-scatter left
+//! running behind the next unit's backward.
+
+mod clip;
+mod sharded_grad_scaler;
+mod state_dict;
+
+pub use clip::clip_grad_norm_;
+pub use sharded_grad_scaler::ShardedGradScaler;
+pub use state_dict::{get_model_state_dict, get_optimizer_state_dict};
+use state_dict::{register, Unit};
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+
+use ember_core::{autograd, is_grad_enabled, no_grad, DType, Error, Result, Shape, Tensor};
+use ember_nn::{Forward, Module, TensorKind};
+
+use crate::backend::ReduceOp;
+use crate::dtensor::{chunk_range, DTensor, Placement};
+use crate::group::ProcessGroup;
+use crate::mesh::DeviceMesh;
+
+const OP: &str = "fully_shard";
+
+/// The dtypes of an [`FSDPModule`]'s computation and gradient reduction
+/// (`MixedPrecisionPolicy(param_dtype, reduce_dtype)`); `None` keeps the shards' dtype. The
+/// shards (what the optimizer steps) keep theirs whatever the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MixedPrecisionPolicy {
+    /// The dtype the parameters are gathered in and the forward computes in (floating-point
+    /// inputs of [`Forward::forward`] are cast to it, PyTorch's `cast_forward_inputs`).
+    pub param_dtype: Option<DType>,
+    /// The dtype gradients are reduce-scattered in; `None` takes `param_dtype`.
+    pub reduce_dtype: Option<DType>,
+}
+
+/// The keyword arguments of `fully_shard` (PyTorch's defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FullyShardOptions {
+    /// Free the full parameters after forward and gather them again in backward (Note
+    /// [Reshard after forward]: in ember this recomputes the module's forward in backward).
+    pub reshard_after_forward: bool,
+    /// The dtypes of computation and reduction (`mp_policy`).
+    pub mp_policy: MixedPrecisionPolicy,
+}
+
+impl Default for FullyShardOptions {
+    fn default() -> Self {
+        FullyShardOptions {
+            reshard_after_forward: true,
+            mp_policy: MixedPrecisionPolicy::default(),
+        }
+    }
+}
+
+/// One sharded parameter: where its shard sits in the flat buffers, and its global shape.
+#[derive(Debug, Clone)]
+struct ParamLayout {
+    /// The global shape (`Shard(0)` of it is the local shard).
+    shape: Shape,
+    /// Rows of dim 0 (1 for a 0-d parameter) and elements per row.
+    rows: usize,
+    row_numel: usize,
+    /// Rows each rank's padded shard holds (`ceil(rows / world)`), and this rank's real rows.
+    padded_rows: usize,
+    local_rows: usize,
+    /// Offset of this parameter's padded shard in a rank's block of the flat buffers.
+    offset: usize,
+}
+
+impl ParamLayout {
+    fn padded_numel(&self) -> usize {
+        self.padded_rows * self.row_numel
+    }
+
+    fn local_numel(&self) -> usize {
+        self.local_rows * self.row_numel
+    }
+
+    /// The local shard's dims: this rank's rows of dim 0 (a 0-d parameter's shard is 1-d).
+    fn local_dims(&self) -> Vec<usize> {
+        let mut dims = self.shape.dims().to_vec();
+        match dims.first_mut() {
+            Some(r) => *r = self.local_rows,
+            None => dims.push(self.local_rows),
+        }
+        dims
+    }
+}
+
+/// What the gradient reduction of a unit needs in backward (Note [FSDP mechanism] step 3,
+/// Note [FSDP gradient accumulation]).
+struct Reduction {
+    group: ProcessGroup,
+    layouts: Vec<ParamLayout>,
+    /// Elements of one rank's block of the flat buffers.
+    block: usize,
+    reduce_dtype: Option<DType>,
+    requires_gradient_sync: AtomicBool,
+    /// The unsharded gradient summed over backward passes without sync.
+    pending: Mutex<Option<Tensor>>,
+}
+
+/// What the forward passes (and the recomputation in backward) share.
+struct FsdpState<M> {
+    /// The module, its parameter fields holding placeholders between forwards.
+    module: Mutex<M>,
+    /// The local shards (leaves), one per distinct parameter, in visit order.
+    shards: RwLock<Vec<Tensor>>,
+    /// Per distinct parameter: the empty tensor its fields hold between forwards, and its
+    /// first dotted name.
+    placeholders: Vec<Tensor>,
+    names: Vec<String>,
+    reduction: Arc<Reduction>,
+    param_dtype: Option<DType>,
+    mesh: DeviceMesh,
+}
+
+/// A module whose parameters are sharded over a [`DeviceMesh`] (`FSDPModule`; Note [FSDP
+/// mechanism]). [`Module::visit`] lists the local shards under the parameters' names (so
+/// `parameters()` gives the optimizer the shards) and the module's buffers as they are. A
+/// clone is another handle to the same sharded module.
+pub struct FSDPModule<M> {
+    state: Arc<FsdpState<M>>,
+    reshard_after_forward: bool,
+}
+
+thread_local! {
+    /// While [`fully_shard`] visits a module's parameters: the number of [`FSDPModule`]s met
+    /// there, which hide their own parameters (Note [FSDP nesting]); `None` otherwise.
+    static SHARDING: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Sets [`SHARDING`] for its lifetime.
+struct ShardingScope;
+
+impl ShardingScope {
+    fn enter() -> ShardingScope {
+        SHARDING.with(|s| s.set(Some(0)));
+        ShardingScope
+    }
+
+    /// The [`FSDPModule`]s met so far.
+    fn inner_units(&self) -> usize {
+        SHARDING.with(|s| s.get().unwrap_or(0))
+    }
+}
+
+impl Drop for ShardingScope {
+    fn drop(&mut self) {
+        SHARDING.with(|s| s.set(None));
+    }
+}
+
+/// Inside [`fully_shard`]'s traversal, counts one more inner unit and says so.
+fn met_by_fully_shard() -> bool {
+    SHARDING.with(|s| match s.get() {
+        Some(n) => {
+            s.set(Some(n + 1));
+            true
+        }
+        None => false,
+    })
+}
+
+/// The index of the tensor in `list` that `t` is (the same tensor, not equal values).
+fn index_of(list: &[Tensor], t: &Tensor) -> Option<usize> {
+    list.iter().position(|x| x.is_same(t))
+}
+
+/// Shards `module`'s parameters along dim 0 over `mesh` and wraps it (`fully_shard(module,
+/// mesh=mesh, reshard_after_forward=..., mp_policy=...)`). Each rank keeps its rows of every
+/// parameter (`torch.chunk`'s split, unpadded), moved to the mesh's device; the module's own
+/// tensors are released. Parameters of [`FSDPModule`]s inside `module` stay theirs (Note [FSDP
+/// nesting]). No communication: every rank must hold the same initial values (Note [FSDP
+/// mechanism]).
+///
+/// Errors: parameters of different dtypes (one flat buffer holds them all; cast the module
+/// first), or no parameter left to shard.
+pub fn fully_shard<M: Module + 'static>(
+    mut module: M,
+    mesh: &DeviceMesh,
+    options: FullyShardOptions,
+) -> Result<FSDPModule<M>> {
+    let (world, rank) = (mesh.size(), mesh.get_local_rank());
+    let device = mesh.device_type();
+    let mut shards: Vec<Tensor> = Vec::new();
+    let mut originals: Vec<Tensor> = Vec::new();
+    let mut placeholders: Vec<Tensor> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    let mut layouts: Vec<ParamLayout> = Vec::new();
+    let mut dtype = None;
+    let mut block = 0;
+    let scope = ShardingScope::enter();
+    module.visit_mut("", &mut |name, t, kind| {
+        if kind != TensorKind::Parameter {
+            return Ok(());
+        }
+        if let Some(i) = index_of(&originals, t) {
+            // A tied parameter: the same shard under another name.
+            *t = placeholders[i].clone();
+            return Ok(());
+        }
+        match dtype {
+            None => dtype = Some(t.dtype()),
+            Some(d) if d != t.dtype() => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("parameter {name} is {} while the module's first parameter is {d}: one flat buffer holds them all, so cast the module to one dtype first (module.to_dtype)", t.dtype()),
+                ))
+            }
+            Some(_) => {}
+        }
+        let dims = t.dims();
+        let rows = dims.first().copied().unwrap_or(1);
+        let row_numel: usize = dims.iter().skip(1).product();
+        let range = chunk_range(rows, world, rank);
+        let layout = ParamLayout {
+            shape: t.shape().clone(),
+            rows,
+            row_numel,
+            padded_rows: rows.div_ceil(world),
+            local_rows: range.len(),
+            offset: block,
+        };
+        block += layout.padded_numel();
+        let shard = {
+            let _g = no_grad();
+            let by_rows = t.detach().reshape([rows as isize, row_numel as isize])?;
+            let mine = by_rows.narrow(0, range.start, range.len())?;
+            mine.to(device)?.deep_clone()?.reshape(layout.local_dims())?
+        };
+        if t.requires_grad() {
+            shard.requires_grad_(true)?;
+        }
+        let placeholder = Tensor::empty([0usize], t.dtype(), t.device())?;
+        originals.push(t.clone());
+        placeholders.push(placeholder.clone());
+        names.push(name.to_owned());
+        shards.push(shard);
+        layouts.push(layout);
+        *t = placeholder;
+        Ok(())
+    })?;
+    let contains_units = scope.inner_units() > 0;
+    drop(scope);
+    if dtype.is_none() {
+        return Err(Error::invalid(
+            OP,
+            "the module has no parameters to shard (or all of them belong to FSDPModules inside it already)",
+        ));
+    }
+    let mp = options.mp_policy;
+    let state = Arc::new(FsdpState {
+        module: Mutex::new(module),
+        shards: RwLock::new(shards),
+        placeholders,
+        names,
+        reduction: Arc::new(Reduction {
+            group: mesh.get_group().clone(),
+            layouts,
+            block,
+            reduce_dtype: mp.reduce_dtype.or(mp.param_dtype),
+            requires_gradient_sync: AtomicBool::new(true),
+            pending: Mutex::new(None),
+        }),
+        param_dtype: mp.param_dtype,
+        mesh: mesh.clone(),
+    });
+    register(Arc::downgrade(&state) as Weak<dyn Unit>);
+    Ok(FSDPModule {
+        state,
+        // Note [FSDP nesting]: the root keeps its parameters gathered after forward.
+        reshard_after_forward: options.reshard_after_forward && !contains_units,
+    })
+}
+
+impl<M> FsdpState<M> {
+    /// Shard `i` (`shard`) as a [`DTensor`]: a 0-d parameter is the DTensor of its one row,
+    /// shape `[1]`.
+    fn dtensor(&self, i: usize, shard: &Tensor) -> Result<DTensor> {
+        let layout = &self.reduction.layouts[i];
+        let shape = match layout.shape.dims() {
+            [] => Shape::new(vec![1]),
+            _ => layout.shape.clone(),
+        };
+        DTensor::from_local(shard.clone(), &self.mesh, &[Placement::Shard(0)], Some(shape))
+    }
+}
+
+impl<M> FsdpState<M> {
+    fn lock(&self) -> MutexGuard<'_, M> {
+        self.module.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn shards(&self) -> Vec<Tensor> {
+        self.shards.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// All-gathers every parameter (Note [FSDP mechanism] steps 1 and 3): the full
+    /// parameters, connected to the shards by the `fsdp_all_gather` node when grad mode is on.
+    fn unshard(&self) -> Result<Vec<Tensor>> {
+        let world = self.mesh.size();
+        let shards = self.shards();
+        let red = &self.reduction;
+        let first = &shards[0];
+        let (device, dtype) = (first.device(), self.param_dtype.unwrap_or(first.dtype()));
+        if let Some(s) = shards
+            .iter()
+            .find(|s| (s.device(), s.dtype()) != (device, first.dtype()))
+        {
+            return Err(Error::invalid(
+                "FSDPModule::forward",
+                format!(
+                    "the shards are of {} on {} and of {} on {}: move or cast the whole FSDPModule, not single parameters",
+                    first.dtype(),
+                    device,
+                    s.dtype(),
+                    s.device()
+                ),
+            ));
+        }
+        let flat = {
+            let _g = no_grad();
+            let input = Tensor::zeros([red.block], dtype, device)?;
+            for (s, l) in shards.iter().zip(&red.layouts) {
+                if l.local_numel() > 0 {
+                    input
+                        .narrow(0, l.offset, l.local_numel())?
+                        .copy_(&s.reshape(&[-1])?)?;
+                }
+            }
+            let out = Tensor::empty([world * red.block], dtype, device)?;
+            red.group.all_gather_into_tensor(&out, &input)?;
+            out
+        };
+        let refs: Vec<&Tensor> = shards.iter().collect();
+        let reduction = red.clone();
+        let shard_dtype = first.dtype();
+        let flat = autograd::custom_op("fsdp_all_gather", &refs, flat, move |grad, needs| {
+            reduction.reduce_scatter(grad, needs, shard_dtype)
+        });
+        let grid = flat.reshape([world as isize, red.block as isize])?;
+        red.layouts
+            .iter()
+            .map(|l| {
+                let dims: Vec<isize> = l.shape.dims().iter().map(|&d| d as isize).collect();
+                let by_rows = [(world * l.padded_rows) as isize, l.row_numel as isize];
+                grid.narrow(1, l.offset, l.padded_numel())?
+                    .reshape(by_rows)?
+                    .narrow(0, 0, l.rows)?
+                    .reshape(dims)
+            })
+            .collect()
+    }
+
+    /// Runs `f` on the module with its full parameters in place (Note [FSDP mechanism] step 2).
+    fn with_full_params<T>(&self, f: impl FnOnce(&M) -> Result<T>) -> Result<T>
+    where
+        M: Module,
+    {
+        let mut module = self.lock();
+        let full = self.unshard()?;
+        module.visit_mut("", &mut |_, t, kind| {
+            if kind == TensorKind::Parameter {
+                if let Some(i) = index_of(&self.placeholders, t) {
+                    *t = full[i].clone();
+                }
+            }
+            Ok(())
+        })?;
+        let out = f(&module);
+        let restored = module.visit_mut("", &mut |_, t, kind| {
+            if kind == TensorKind::Parameter {
+                if let Some(i) = index_of(&full, t) {
+                    *t = self.placeholders[i].clone();
+                }
+            }
+            Ok(())
+        });
+        let out = out?;
+        restored?;
+        Ok(out)
+    }
+}
+
+impl Reduction {
+    /// The backward of `fsdp_all_gather` (Note [FSDP mechanism] step 3): the gradient of the
+    /// gathered `[world, S]` buffer, averaged over ranks by a reduce-scatter, each shard's rows
+    /// of it in `shard_dtype`; or, without gradient sync, nothing yet (Note [FSDP gradient
+    /// accumulation]).
+    fn reduce_scatter(
+        &self,
+        grad: &Tensor,
+        needs: &[bool],
+        shard_dtype: DType,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let _g = no_grad();
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let grad = match pending.take() {
+            Some(sum) => {
+                sum.add_scaled_(grad, 1.0)?;
+                sum
+            }
+            None => grad.clone(),
+        };
+        if !self.requires_gradient_sync.load(Ordering::Relaxed) {
+            *pending = Some(grad.contiguous()?.deep_clone()?);
+            return Ok(vec![None; needs.len()]);
+        }
+        drop(pending);
+        let dtype = self.reduce_dtype.unwrap_or(grad.dtype());
+        let input = grad.to_dtype(dtype)?.contiguous()?;
+        let out = Tensor::empty([self.block], dtype, grad.device())?;
+        self.group.reduce_scatter_tensor(&out, &input, ReduceOp::Avg)?;
+        let out = out.to_dtype(shard_dtype)?;
+        self.layouts
+            .iter()
+            .zip(needs)
+            .map(|(l, &need)| {
+                if !need {
+                    return Ok(None);
+                }
+                Ok(Some(
+                    out.narrow(0, l.offset, l.local_numel())?
+                        .reshape(l.local_dims())?,
+                ))
+            })
+            .collect()
+    }
+}
+
+impl<M> Clone for FSDPModule<M> {
+    /// Another handle to the same sharded module (the same shards and module), as a shared
+    /// child of a container.
+    fn clone(&self) -> Self {
+        FSDPModule {
+            state: self.state.clone(),
+            reshard_after_forward: self.reshard_after_forward,
+        }
+    }
+}
+
+impl<M: Module> FSDPModule<M> {
+    /// The mesh the parameters are sharded over.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.state.mesh
+    }
+
+    /// Whether the forward frees the full parameters (Note [Reshard after forward]): the
+    /// option given, except for a unit that contains other units (Note [FSDP nesting]).
+    pub fn reshard_after_forward(&self) -> bool {
+        self.reshard_after_forward
+    }
+
+    /// Whether the next backward passes reduce-scatter the gradients (the default) or keep
+    /// them unsharded for a later one (`set_requires_gradient_sync`, Note [FSDP gradient
+    /// accumulation]). This unit only: call it on every [`FSDPModule`] of a nested model.
+    pub fn set_requires_gradient_sync(&self, requires_gradient_sync: bool) {
+        self.state
+            .reduction
+            .requires_gradient_sync
+            .store(requires_gradient_sync, Ordering::Relaxed);
+    }
+
+    /// The sharded parameters of this unit as [`DTensor`]s under their names (what PyTorch's
+    /// `named_parameters()` of an FSDP module gives; [`DTensor::full_tensor`] gathers one, and
+    /// [`crate::dcp::save`] writes them shard by shard). The local tensors are the shards
+    /// themselves. A 0-d parameter is the DTensor of its one row, shape `[1]`.
+    pub fn named_dtensors(&self) -> Result<Vec<(String, DTensor)>> {
+        let shards = self.state.shards();
+        self.state
+            .names
+            .iter()
+            .zip(&shards)
+            .enumerate()
+            .map(|(i, (name, shard))| Ok((name.clone(), self.state.dtensor(i, shard)?)))
+            .collect()
+    }
+
+    /// Runs `f` with the module's full parameters in place: the way to call a module whose
+    /// forward takes other arguments than one tensor. The full parameters stay alive in the
+    /// graph until backward (as `reshard_after_forward = false`, whatever the options), and
+    /// the inputs are not cast to the policy's `param_dtype`.
+    pub fn forward_with<T>(&self, f: impl FnOnce(&M) -> Result<T>) -> Result<T> {
+        self.state.with_full_params(f)
+    }
+}
+
+impl<M: Module> Module for FSDPModule<M> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        let shards = self.state.shards();
+        let module = self.state.lock();
+        module.visit(
+            prefix,
+            &mut |name, t, kind| match index_of(&self.state.placeholders, t)
+                .filter(|_| kind == TensorKind::Parameter)
+            {
+                Some(i) => f(name, &shards[i], kind),
+                None => f(name, t, kind),
+            },
+        );
+    }
+
+    /// Hands out the shards in place of the parameters (so `to_dtype` casts the shards), the
+    /// module's other tensors as they are; inside [`fully_shard`], nothing of this unit's
+    /// parameters (Note [FSDP nesting]).
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> Result<()>,
+    ) -> Result<()> {
+        let hide = met_by_fully_shard();
+        let state = &self.state;
+        let mut shards = state.shards.write().unwrap_or_else(|p| p.into_inner());
+        let mut module = state.lock();
+        let mut seen = vec![false; shards.len()];
+        module.visit_mut(prefix, &mut |name, t, kind| {
+            match index_of(&state.placeholders, t).filter(|_| kind == TensorKind::Parameter) {
+                // A tied parameter is handed out once.
+                Some(i) if hide || std::mem::replace(&mut seen[i], true) => Ok(()),
+                Some(i) => f(name, &mut shards[i], kind),
+                None => f(name, t, kind),
+            }
+        })
+    }
+
+    fn set_training(&self, training: bool) {
+        self.state.lock().set_training(training)
+    }
+
+    fn is_training(&self) -> bool {
+        self.state.lock().is_training()
+    }
+}
+
+impl<M: Forward + 'static> Forward for FSDPModule<M> {
+    /// Gathers, runs the module, frees (Note [FSDP mechanism]); with `reshard_after_forward`
+    /// and grad mode on, under a checkpoint that gathers and recomputes in backward (Note
+    /// [Reshard after forward]). A floating-point `x` is cast to the policy's `param_dtype`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = match self.state.param_dtype {
+            Some(d) if x.dtype().is_floating_point() && x.dtype() != d => x.to_dtype(d)?,
+            _ => x.clone(),
+        };
+        if self.reshard_after_forward && is_grad_enabled() {
+            let state = self.state.clone();
+            return autograd::checkpoint(
+                move |xs: &[Tensor]| state.with_full_params(|m| m.forward(&xs[0])),
+                std::slice::from_ref(&x),
+            );
+        }
+        self.state.with_full_params(|m| m.forward(&x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_pad_every_shard_to_the_chunk_rows() {
+        // 5 rows of 3 on 4 ranks: chunks of 2 rows, rank 3 holds none.
+        let l = |rank| ParamLayout {
+            shape: Shape::new(vec![5, 3]),
+            rows: 5,
+            row_numel: 3,
+            padded_rows: 2,
+            local_rows: chunk_range(5, 4, rank).len(),
+            offset: 0,
+        };
+        assert_eq!(l(0).local_dims(), [2, 3]);
+        assert_eq!(l(2).local_dims(), [1, 3]);
+        assert_eq!(l(3).local_dims(), [0, 3]);
+        assert_eq!((l(2).padded_numel(), l(2).local_numel()), (6, 3));
+        let scalar = ParamLayout {
+            shape: Shape::new(vec![]),
+            rows: 1,
+            row_numel: 1,
+            padded_rows: 1,
+            local_rows: 1,
+            offset: 4,
+        };
+        assert_eq!(scalar.local_dims(), [1]);
+    }
+}
