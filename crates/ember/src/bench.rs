@@ -556,13 +556,23 @@ fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
     } else {
         time_steps(device, 3, 10, 5, || step(&mut opt))?
     };
+    // Host waits inside a step (none expected): counted over 5 more steps.
+    let before = cuda::host_sync_count();
+    for _ in 0..5 {
+        if graphed {
+            // The replays themselves never wait.
+            break;
+        }
+        step(&mut opt)?;
+    }
+    let host_syncs = (cuda::host_sync_count() - before) as f64 / 5.0;
     cuda::tunable::enable(false);
     let tokens = (batch * seq) as f64 * 1000.0 / t.median;
     Ok(row(
         name,
         &t,
         1.0,
-        json!({ "tokens_per_s": tokens, "gemm_tuning": tuning }),
+        json!({ "tokens_per_s": tokens, "gemm_tuning": tuning, "host_syncs_per_step": host_syncs }),
     ))
 }
 

@@ -90,6 +90,9 @@ struct Pending {
     deps: usize,
     grad: Option<Grad>,
     edge: Edge,
+    /// The gradient is already past this entry's node: its consumer's product applied the
+    /// node's activation (Note [Activation epilogues]); it goes on to the node's input as it is.
+    through: bool,
 }
 
 /// Note [Gradients of views]: the gradient a view op (`narrow`, `slice`, `select`) hands its
@@ -183,6 +186,26 @@ impl Grad {
         Ok(out)
     }
 }
+
+/// Note [Activation epilogues]: in a transformer's MLP, `fc2(gelu(fc(x)))`, the backward of
+/// `fc2` computes the gradient of the GELU's output with a product (dh = g @ W2) and the GELU's
+/// node then reads dh and its saved input a and writes da: on GPT-2's [8192, 3072] bf16 that
+/// is a 50 MB write and a 150 MB pass a layer. cuBLASLt's DGELU epilogue multiplies the
+/// product by gelu'(a) before it rounds (a = the epilogue's aux matrix), so the product writes
+/// da itself: on an H200, 52.0 µs for the product and 40.1 for GELU's backward kernel, 74.6 µs
+/// fused, with each call's fastest algorithm (docs/benchmarks.md, session 46). An activation's
+/// node is marked with `mark_activation` (the tanh GELU, whose derivative is cuBLASLt's), and
+/// a product's node that can apply one with `mark_applies_activation` (`linear` with a bias).
+/// When the product's node runs and its first input is such an activation's output, the
+/// engine offers it the activation (`take_activation`) if the product's gradient is the only
+/// one that output will get (its entry waits for this node alone) and nothing may see that
+/// gradient (no hook, no retained grad, not captured by `autograd::grad`). A node that takes
+/// it returns the gradient of the activation's input; the engine marks the activation's entry
+/// `through`, and when it runs it hands the gradient on to the activation's input without
+/// calling its backward. Backends without the epilogue (the CPU) take the product and GELU's
+/// backward kernel inside the product's node: the same bits as before. `linear` records one
+/// node over its own input and weight (no reshape or transpose node in between), so that the
+/// GELU is its first input's node.
 
 /// Note [Gradients added in place]: a tensor used twice gets two gradients, and the engine sums
 /// them with an add when the second arrives. On GPT-2's residual stream (`x + attn(ln(x))`)
@@ -477,6 +500,20 @@ impl GraphTask {
     fn run_entry(self: &Arc<Self>, key: usize, on_device_thread: bool) -> Result<()> {
         let p = self.lock().pending.remove(&key).expect("ready keys are pending");
         let capture = self.capture.as_deref();
+        if let (true, Edge::Node(node)) = (p.through, &p.edge) {
+            // Note [Activation epilogues]: the gradient is the activation input's already.
+            release_backward(node, self.retain_graph);
+            let grads = vec![p.grad];
+            let (mut home, mut start) = (false, Vec::new());
+            let delivered = self.deliver(node, grads, &mut home, &mut start);
+            if on_device_thread && home {
+                self.wake.notify_all();
+            }
+            for q in start {
+                self.start_drain(q);
+            }
+            return delivered;
+        }
         let grad = p.grad.map(Grad::into_dense).transpose()?;
         let (node, grad) = match (p.edge, grad) {
             (Edge::Leaf(leaf), Some(grad)) => {
@@ -525,7 +562,7 @@ impl GraphTask {
                 match &node.view {
                     Some(view) => view_backward(&node, view, grad, self.retain_graph)?,
                     None => self
-                        .call_with_accumulator(&node, &grad)?
+                        .call_with_offers(&node, &grad)?
                         .into_iter()
                         .map(|g| g.map(Grad::Dense))
                         .collect(),
@@ -546,35 +583,65 @@ impl GraphTask {
     }
 
     /// [`call_backward`], offering a node marked accumulating the gradient already waiting for
-    /// its first input (Note [Gradients added in place]); what it leaves is put back.
-    fn call_with_accumulator(&self, node: &Arc<Node>, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let first = match node.edges.first() {
-            Some(Some(edge)) if node.accumulates.load(std::sync::atomic::Ordering::Relaxed) => edge.key(),
-            _ => return call_backward(node, grad, self.retain_graph),
+    /// its first input (Note [Gradients added in place]), and a node that applies activations
+    /// the activation that made its first input (Note [Activation epilogues]); what the node
+    /// leaves is put back.
+    fn call_with_offers(&self, node: &Arc<Node>, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(Some(first)) = node.edges.first() else {
+            return call_backward(node, grad, self.retain_graph);
         };
-        let offer = {
+        let first_key = first.key();
+        let accumulates = node.accumulates.load(Relaxed);
+        let activation = match first {
+            Edge::Node(consumer) if node.applies_activation.load(Relaxed) => consumer
+                .activation
+                .get()
+                .map(|(kind, input)| (consumer, *kind, input)),
+            _ => None,
+        };
+        if !accumulates && activation.is_none() {
+            return call_backward(node, grad, self.retain_graph);
+        }
+        let (offer, act) = {
             let mut st = self.lock();
-            let p = st.pending.get_mut(&first).expect("counted above");
-            match p.grad.take() {
-                Some(Grad::Dense(t)) if t.is_private() => Some(t),
+            let p = st.pending.get_mut(&first_key).expect("counted above");
+            let offer = match p.grad.take() {
+                Some(Grad::Dense(t)) if accumulates && t.is_private() => Some(t),
                 other => {
                     p.grad = other;
                     None
                 }
-            }
+            };
+            // The activation's node runs on this node's gradient alone, and nothing sees the
+            // gradient of its output: no other input to it, no hook or retained grad, no capture.
+            let act = activation.filter(|(consumer, _, _)| {
+                p.deps == 1
+                    && p.grad.is_none()
+                    && !runs_hooks(consumer)
+                    && !self.capture.as_deref().is_some_and(|c| c.contains(&first_key))
+            });
+            (offer, act)
         };
-        let Some(offer) = offer else {
-            return call_backward(node, grad, self.retain_graph);
+        let act = match act {
+            Some((_, kind, input)) => Some((kind, input.get()?.clone())),
+            None => None,
         };
-        let outer = super::offer_accumulator(Some(offer));
+        let outer = super::offer_accumulator(offer);
+        let outer_act = super::offer_activation(act);
         let grads = call_backward(node, grad, self.retain_graph);
+        let applied = super::end_activation_offer(outer_act);
+        if applied {
+            let mut st = self.lock();
+            st.pending.get_mut(&first_key).expect("counted above").through = true;
+        }
         if let Some(left) = super::end_offer(outer) {
             // Not taken: back into the entry, summed with what reached it meanwhile (Note [Sums
             // outside the task lock]).
             let mut g = Grad::Dense(left);
             loop {
                 let mut st = self.lock();
-                let p = st.pending.get_mut(&first).expect("counted above");
+                let p = st.pending.get_mut(&first_key).expect("counted above");
                 match p.grad.take() {
                     Some(old) => {
                         drop(st);
@@ -660,6 +727,7 @@ fn count_dependencies(roots: impl Iterator<Item = Edge>, pending: &mut KeyMap<Pe
                 deps: 0,
                 grad: None,
                 edge: edge.clone(),
+                through: false,
             });
             stack.push(edge);
         }
@@ -673,6 +741,7 @@ fn count_dependencies(roots: impl Iterator<Item = Edge>, pending: &mut KeyMap<Pe
                     deps: 0,
                     grad: None,
                     edge: next.clone(),
+                    through: false,
                 }
             });
             entry.deps += 1;
@@ -711,6 +780,14 @@ fn view_backward(
         parts: vec![(view.region.clone(), grad)],
     };
     Ok(vec![node.edges[0].as_ref().map(|_| slice)])
+}
+
+/// Drops a node's backward function as [`call_backward`] does after running it, for a node
+/// whose gradient went past it (Note [Activation epilogues]).
+fn release_backward(node: &Node, retain_graph: bool) {
+    if !retain_graph {
+        *node.backward.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<Vec<Option<Tensor>>> {

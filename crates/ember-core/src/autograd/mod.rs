@@ -27,12 +27,12 @@ pub use checkpoint::checkpoint;
 pub use crate::dispatch::grad_mode::{
     enable_grad, is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard,
 };
-pub(crate) use crate::dispatch::graph::{cast_from, needs_grad, Edge, Node, ViewOf};
+pub(crate) use crate::dispatch::graph::{cast_from, needs_grad, Activation, Edge, Node, SavedTensor, ViewOf};
 pub use crate::dispatch::graph::{custom_op, with_fresh_sequence_nr};
 pub use engine::{grad, retains_graph};
 pub(crate) use engine::{roots_with_grads as engine_roots, run_backward};
 
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 use std::sync::Arc;
 
 /// The engine's order of an edge (Note [Ready order] in `ready_queue.rs`).
@@ -52,6 +52,61 @@ pub(crate) fn mark_accumulating(out: &Tensor) {
     if let Some(node) = &out.0.grad_fn {
         node.accumulates.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// Marks `out` as the output of activation `kind` of `input` (Note [Activation epilogues] in
+/// `engine.rs`).
+pub(crate) fn mark_activation(out: &Tensor, kind: Activation, input: &Tensor) {
+    if let Some(node) = &out.0.grad_fn {
+        let _ = node.activation.set((kind, SavedTensor::new(node.name, input)));
+    }
+}
+
+/// Lets the backward of the node that made `out` take its first input's activation with
+/// [`take_activation`] (Note [Activation epilogues] in `engine.rs`).
+pub(crate) fn mark_applies_activation(out: &Tensor) {
+    if let Some(node) = &out.0.grad_fn {
+        node.applies_activation
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    /// The activation whose output is the first input of the node whose backward runs on this
+    /// thread, with that activation's input, offered by the engine (Note [Activation
+    /// epilogues] in `engine.rs`); `true` once taken.
+    static ACTIVATION: std::cell::RefCell<Option<(Activation, Tensor, bool)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Sets the activation offer for one backward call; the previous one comes back with
+/// [`end_activation_offer`].
+pub(crate) fn offer_activation(offer: Option<(Activation, Tensor)>) -> Option<(Activation, Tensor, bool)> {
+    ACTIVATION.with(|a| a.replace(offer.map(|(k, t)| (k, t, false))))
+}
+
+/// Ends the offer of [`offer_activation`]: whether it was taken; puts `outer` back.
+pub(crate) fn end_activation_offer(outer: Option<(Activation, Tensor, bool)>) -> bool {
+    ACTIVATION
+        .with(|a| a.replace(outer))
+        .is_some_and(|(_, _, taken)| taken)
+}
+
+/// Inside a backward function marked with [`mark_applies_activation`]: the activation whose
+/// output is the node's first input, and that activation's input, when the engine offers it.
+/// A backward that takes it must return, as its first input's gradient, the gradient of the
+/// activation's *input* (the activation's backward applied), which the engine then hands on
+/// past the activation's node (Note [Activation epilogues] in `engine.rs`).
+pub(crate) fn take_activation() -> Option<(Activation, Tensor)> {
+    ACTIVATION.with(|a| {
+        let mut a = a.borrow_mut();
+        match a.as_mut() {
+            Some((kind, input, taken)) if !*taken => {
+                *taken = true;
+                Some((*kind, input.clone()))
+            }
+            _ => None,
+        }
+    })
 }
 
 thread_local! {
@@ -115,38 +170,6 @@ pub fn reachable(outputs: &[Tensor], leaves: &[Tensor]) -> Vec<bool> {
             t.is_leaf() && t.requires_grad() && seen.contains(&(Arc::as_ptr(&t.0) as *const () as usize))
         })
         .collect()
-}
-
-/// A tensor kept for backward, with the storage version it had when saved.
-#[derive(Clone)]
-pub(crate) struct SavedTensor {
-    tensor: Tensor,
-    version: u64,
-    op: &'static str,
-}
-
-impl SavedTensor {
-    pub(crate) fn new(op: &'static str, t: &Tensor) -> SavedTensor {
-        // Detached, so that saving an op's own output makes no reference cycle through the node.
-        SavedTensor {
-            tensor: t.detach(),
-            version: t.0.storage.version(),
-            op,
-        }
-    }
-
-    /// The saved tensor, or an error if it was modified in place since it was saved.
-    pub(crate) fn get(&self) -> Result<&Tensor> {
-        let found = self.tensor.0.storage.version();
-        if found != self.version {
-            return Err(Error::InplaceModified {
-                op: self.op,
-                expected: self.version,
-                found,
-            });
-        }
-        Ok(&self.tensor)
-    }
 }
 
 /// Backward from a tensor (`Tensor.backward`), written here so that `tensor/` needs nothing of

@@ -179,6 +179,21 @@ pub trait MatmulOps: Sized {
     fn matmul_widened(&self, _layout: &Layout, _rhs: &Self, _rhs_layout: &Layout) -> Result<Option<Self>> {
         Ok(None)
     }
+    /// The product of the `[m, k]` matrix `self` and the `[k, n]` matrix `rhs` times
+    /// `gelu'(aux)` (tanh form) elementwise, `aux` a row-major `[m, n]` of the product's dtype:
+    /// the gradient of a tanh-GELU's input from the product that is the gradient of its output,
+    /// in one pass (cuBLASLt's DGELU epilogue; Note [Activation epilogues] in
+    /// `autograd/engine.rs`). `None` where the backend does not (the op layer then takes the
+    /// product and GELU's backward kernel).
+    fn matmul_dgelu(
+        &self,
+        _layout: &Layout,
+        _rhs: &Self,
+        _rhs_layout: &Layout,
+        _aux: (&Self, &Layout),
+    ) -> Result<Option<Self>> {
+        Ok(None)
+    }
 }
 
 /// Reads and writes at index tensors.

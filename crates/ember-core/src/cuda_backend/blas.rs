@@ -282,6 +282,9 @@ enum Epilogue {
     Default,
     /// Adds a bias vector, one element per row of D (Note [Bias epilogue]).
     Bias,
+    /// Multiplies by the tanh-GELU's derivative at an aux matrix laid out as D (Note
+    /// [Activation epilogues] in `autograd/engine.rs`).
+    DGelu,
 }
 
 /// A matmul descriptor, the layouts of A, B and D (C = D: beta is 0, or 1 to add the product to
@@ -338,6 +341,24 @@ fn set_bias_pointer(desc: sys::cublasLtMatmulDesc_t, bias: u64) -> Result<()> {
     .map_err(blas_error("cublasLtMatmulDescSetAttribute"))
 }
 
+/// Points the aux matrix of an epilogue (DGELU's GELU input) of `desc` at the device address
+/// `aux` (Note [Activation epilogues] in `autograd/engine.rs`).
+fn set_aux_pointer(desc: sys::cublasLtMatmulDesc_t, aux: u64) -> Result<()> {
+    let value = aux as *const c_void;
+    let (ptr, size) = attr(&value);
+    // SAFETY: `desc` is live (its plan owns it); EPILOGUE_AUX_POINTER takes a `const void*`
+    // device address, which cuBLASLt only stores here and reads when a product is queued.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            ptr,
+            size,
+        )
+    }
+    .map_err(blas_error("cublasLtMatmulDescSetAttribute"))
+}
+
 impl Plan {
     /// `bias` is the bias pointer of the call the plan is made for (with [`Epilogue::Bias`]),
     /// set before the heuristic query as cuBLASLt's samples do; every call sets its own.
@@ -382,6 +403,20 @@ impl Plan {
             unsafe { lt::set_matmul_desc_attribute(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, ptr, size) }
                 .map_err(blas_error("cublasLtMatmulDescSetAttribute"))?;
             set_bias_pointer(plan.desc, bias.unwrap_or(0))?;
+        }
+        if key.epilogue == Epilogue::DGelu {
+            let value = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU as u32;
+            let ld = key.ldd;
+            for (which, (ptr, size)) in [
+                (D::CUBLASLT_MATMUL_DESC_EPILOGUE, attr(&value)),
+                (D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, attr(&ld)),
+            ] {
+                // SAFETY: `plan.desc` is live; EPILOGUE takes a uint32 (cublasLtEpilogue_t),
+                // EPILOGUE_AUX_LD an int64.
+                unsafe { lt::set_matmul_desc_attribute(plan.desc, which, ptr, size) }
+                    .map_err(blas_error("cublasLtMatmulDescSetAttribute"))?;
+            }
+            set_aux_pointer(plan.desc, bias.unwrap_or(0))?;
         }
         // Stored (column-major) shapes: op(A) is m x k, op(B) is k x n, D is m x n.
         let (a_rows, a_cols) = if key.trans_a {
@@ -633,9 +668,11 @@ impl<'a> Gemm<'a> {
         }
     }
 
-    /// The product of the `m` rows at `b`, with the bias epilogue reading the bias at `fused`,
-    /// or added to `d`'s contents (beta = 1) with `add_to_d`. Ok(false): the heuristic has no
-    /// algorithm with the epilogue.
+    /// The product of the `m` rows at `b`, with the bias epilogue reading the bias at `fused`
+    /// (or with [`Epilogue::DGelu`] as `epilogue`, the DGELU epilogue reading its aux matrix
+    /// there), or added to `d`'s contents (beta = 1) with `add_to_d`. Ok(false): the heuristic
+    /// has no algorithm with the epilogue.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         thread: &mut ThreadBlas,
@@ -645,6 +682,20 @@ impl<'a> Gemm<'a> {
         fused: Option<u64>,
         add_to_d: bool,
     ) -> Result<bool> {
+        self.run_with(thread, b, m, d, fused.map(|p| (Epilogue::Bias, p)), add_to_d)
+    }
+
+    /// [`Gemm::run`] with the epilogue and its pointer (bias vector or aux matrix) given.
+    fn run_with(
+        &self,
+        thread: &mut ThreadBlas,
+        b: &Operand,
+        m: usize,
+        d: u64,
+        epilogue: Option<(Epilogue, u64)>,
+        add_to_d: bool,
+    ) -> Result<bool> {
+        let fused = epilogue.map(|(_, p)| p);
         let Gemm {
             rt,
             dtype,
@@ -686,11 +737,7 @@ impl<'a> Gemm<'a> {
             stride_d: (m * ldd) as i64,
             align: [alignment(a.ptr), alignment(b.ptr), alignment(d)],
             workspace,
-            epilogue: if fused.is_some() {
-                Epilogue::Bias
-            } else {
-                Epilogue::Default
-            },
+            epilogue: epilogue.map_or(Epilogue::Default, |(e, _)| e),
             tuned: tunable::is_enabled(),
         };
         if thread.unplanned.contains(&(rt.ordinal, key)) {
@@ -705,15 +752,17 @@ impl<'a> Gemm<'a> {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => match Plan::new(handle, &key, fused) {
                 Ok(plan) => e.insert(plan),
-                Err(_) if key.epilogue == Epilogue::Bias => {
+                Err(_) if key.epilogue != Epilogue::Default => {
                     thread.unplanned.insert((rt.ordinal, key));
                     return Ok(false);
                 }
                 Err(err) => return Err(err),
             },
         };
-        if let Some(ptr) = fused {
-            set_bias_pointer(plan.desc, ptr)?;
+        match (key.epilogue, fused) {
+            (Epilogue::Bias, Some(ptr)) => set_bias_pointer(plan.desc, ptr)?,
+            (Epilogue::DGelu, Some(ptr)) => set_aux_pointer(plan.desc, ptr)?,
+            _ => {}
         }
         let beta = if add_to_d { 1.0 } else { 0.0 };
         let (alpha32, beta32, alpha64, beta64) = (1.0f32, beta as f32, 1.0f64, beta);
@@ -814,6 +863,49 @@ impl CudaStorage {
             return Ok(None);
         }
         self.lt_matmul(al, rhs, bl, None, DType::F32).map(Some)
+    }
+
+    /// [`MatmulOps::matmul_dgelu`]: the 2-D product with cuBLASLt's DGELU epilogue reading
+    /// `aux`, or None where it does not apply (other dtypes, an aux not laid out as the
+    /// product, n not a multiple of 8, or no algorithm with the epilogue).
+    pub(crate) fn matmul_dgelu(
+        &self,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        (aux, xl): (&CudaStorage, &Layout),
+    ) -> Result<Option<CudaStorage>> {
+        let dtype = self.dtype();
+        let (&[m, k], &[k2, n]) = (al.dims(), bl.dims()) else {
+            return Ok(None);
+        };
+        let plain = matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
+            && rhs.dtype() == dtype
+            && aux.dtype() == dtype
+            && k == k2
+            && m > 0
+            && n > 0
+            && k > 0
+            && n % 8 == 0
+            && xl.dims() == [m, n]
+            && xl.strides() == [n, 1]
+            && self.ordinal() == rhs.ordinal()
+            && self.ordinal() == aux.ordinal();
+        // The heuristic reads the aux pointer's alignment when the plan is made, which the key
+        // does not hold: only fully aligned matrices (every fresh allocation) take the epilogue.
+        if !plain || alignment(aux.ptr(xl)) < 256 {
+            return Ok(None);
+        }
+        let rt = self.runtime()?;
+        let blas = device_blas(rt)?;
+        let out = CudaStorage::alloc_on(rt, dtype, m * n)?;
+        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
+        let gemm = Gemm::new(rt, blas, (dtype, dtype), &a, k, n, 1);
+        let epilogue = Some((Epilogue::DGelu, aux.ptr(xl)));
+        if !with_thread_blas(|t| gemm.run_with(t, &b, m, out.ptr_at(0), epilogue, false))? {
+            return Ok(None);
+        }
+        Ok(Some(out))
     }
 
     /// [`CudaStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
@@ -1195,5 +1287,15 @@ impl MatmulOps for CudaStorage {
         rhs_layout: &Layout,
     ) -> Result<Option<CudaStorage>> {
         CudaStorage::matmul_widened(self, layout, rhs, rhs_layout)
+    }
+
+    fn matmul_dgelu(
+        &self,
+        layout: &Layout,
+        rhs: &CudaStorage,
+        rhs_layout: &Layout,
+        aux: (&CudaStorage, &Layout),
+    ) -> Result<Option<CudaStorage>> {
+        CudaStorage::matmul_dgelu(self, layout, rhs, rhs_layout, aux)
     }
 }

@@ -43,6 +43,20 @@ pub(crate) struct Node {
     /// for that input (Note [Gradients added in place] in `autograd/engine.rs`):
     /// `autograd::take_accumulator`.
     pub(crate) accumulates: std::sync::atomic::AtomicBool,
+    /// For an activation whose gradient a product's epilogue can apply (Note [Activation
+    /// epilogues] in `autograd/engine.rs`): which one, and its saved input.
+    pub(crate) activation: OnceLock<(Activation, SavedTensor)>,
+    /// Whether the backward may apply its first input's activation in its product
+    /// (`autograd::take_activation`).
+    pub(crate) applies_activation: std::sync::atomic::AtomicBool,
+}
+
+/// An activation whose gradient a matrix product can apply on its way out (cuBLASLt's DGELU
+/// epilogue): Note [Activation epilogues] in `autograd/engine.rs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Activation {
+    /// `gelu(x, approximate="tanh")`.
+    GeluTanh,
 }
 
 /// The region of a view op's input that its output views: a layout over a row-major tensor of
@@ -185,6 +199,8 @@ fn record_node(
         view,
         cast_from,
         accumulates: std::sync::atomic::AtomicBool::new(false),
+        activation: OnceLock::new(),
+        applies_activation: std::sync::atomic::AtomicBool::new(false),
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));
@@ -234,4 +250,36 @@ where
         Ok(grads)
     };
     record_node(name, inputs, output, Box::new(backward), None, None)
+}
+
+/// A tensor kept for backward, with the storage version it had when saved.
+#[derive(Clone)]
+pub(crate) struct SavedTensor {
+    tensor: Tensor,
+    version: u64,
+    op: &'static str,
+}
+
+impl SavedTensor {
+    pub(crate) fn new(op: &'static str, t: &Tensor) -> SavedTensor {
+        // Detached, so that saving an op's own output makes no reference cycle through the node.
+        SavedTensor {
+            tensor: t.detach(),
+            version: t.0.storage.version(),
+            op,
+        }
+    }
+
+    /// The saved tensor, or an error if it was modified in place since it was saved.
+    pub(crate) fn get(&self) -> Result<&Tensor> {
+        let found = self.tensor.0.storage.version();
+        if found != self.version {
+            return Err(Error::InplaceModified {
+                op: self.op,
+                expected: self.version,
+                found,
+            });
+        }
+        Ok(&self.tensor)
+    }
 }

@@ -205,17 +205,25 @@ fn weight_grad(
 /// bias's gradient (the output gradient summed over the rows).
 /// With `arrivals`, `wt`'s rows (the weight's) are still arriving in those blocks (Note
 /// [Copies in row blocks] in `storage/row_blocks.rs`).
+///
+/// `x` and `wt` are views of `linear`'s own input and weight (`input` folded to rows and
+/// `weight.t()`, taken without recording): the node is recorded over `input`, `weight` and
+/// `bias` themselves, and its output has `out_dims`, so no reshape or transpose node sits between
+/// a linear and the ops around it (Note [Activation epilogues] in `autograd/engine.rs` needs the
+/// activation's node as the linear's direct input).
+#[allow(clippy::too_many_arguments)]
 fn product_bias(
     op: &'static str,
-    x: &Tensor,
-    wt: &Tensor,
+    (x, input): (&Tensor, &Tensor),
+    (wt, weight): (&Tensor, &Tensor),
     bias: &Tensor,
+    out_dims: &[usize],
     arrivals: Option<&[crate::cuda_backend::RowBlockEvent]>,
     wide: [bool; 2],
     door: Door,
 ) -> Result<Tensor> {
     debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
-    let (m, n) = (x.dims()[0], wt.dims()[1]);
+    let (m, k, n) = (x.dims()[0], x.dims()[1], wt.dims()[1]);
     let storage = {
         let (sx, sw, sb) = (x.storage().read(), wt.storage().read(), bias.storage().read());
         match arrivals {
@@ -225,36 +233,69 @@ fn product_bias(
             None => sx.matmul_bias(x.layout(), &sw, wt.layout(), &sb, bias.layout())?,
         }
     };
-    let out = door.tensor(storage, Shape::from([m, n]));
-    if !autograd::needs_grad(&[x, wt, bias]) {
+    let out = door.tensor(storage, Shape::from(out_dims.to_vec()));
+    if !autograd::needs_grad(&[input, weight, bias]) {
         return Ok(out);
     }
-    let (saved_x, saved_wt) = (SavedTensor::new(op, x), SavedTensor::new(op, wt));
-    let bias_shape = bias.shape().clone();
-    Ok(door.record(op, &[x, wt, bias], out, move |g, needs| {
+    let (saved_x, saved_w) = (SavedTensor::new(op, input), SavedTensor::new(op, weight));
+    let (bias_shape, in_dims) = (bias.shape().clone(), input.shape().clone());
+    let rows = move |t: &Tensor, cols: usize| t.reshape(&[m as isize, cols as isize]);
+    let out = door.record(op, &[input, weight, bias], out, move |g, needs| {
+        let g = rows(g, n)?;
         let gx = if needs[0] {
-            let w = saved_wt.get()?.t()?;
-            Some(grad_product(op, g, &w, wide[0], door)?)
+            let w = saved_w.get()?;
+            let gx = match autograd::take_activation() {
+                // Note [Activation epilogues] in `autograd/engine.rs`: the gradient of the
+                // GELU's input, straight from the product.
+                Some((autograd::Activation::GeluTanh, aux)) => {
+                    dgelu_product(op, &g, w, &rows(&aux, k)?, door)?
+                }
+                None => grad_product(op, &g, w, wide[0], door)?,
+            };
+            Some(gx.reshape(&in_dims)?)
         } else {
             None
         };
         let gw = if needs[1] {
-            let (x, wt) = (saved_x.get()?, saved_wt.get()?);
-            Some(if column_major(&wt) {
-                weight_grad(op, g, &x, &wt, wide[1], door)?
-            } else {
-                grad_product(op, &x.t()?, g, wide[1], door)?
-            })
+            let (x, wt) = (rows(saved_x.get()?, k)?, saved_w.get()?.t()?);
+            Some(
+                if column_major(&wt) {
+                    weight_grad(op, &g, &x, &wt, wide[1], door)?
+                } else {
+                    grad_product(op, &x.t()?, &g, wide[1], door)?
+                }
+                .t()?,
+            )
         } else {
             None
         };
         let gb = if needs[2] {
-            Some(sum_to_shape(g, &bias_shape)?)
+            Some(sum_to_shape(&g, &bias_shape)?)
         } else {
             None
         };
         Ok(vec![gx, gw, gb])
-    }))
+    });
+    autograd::mark_applies_activation(&out);
+    Ok(out)
+}
+
+/// `(g @ w) · gelu_tanh'(aux)`: the gradient of a tanh-GELU's input `aux` (`[m, k]`) from the
+/// product that is the gradient of its output, in one cuBLASLt call where the backend has the
+/// DGELU epilogue, else the product and GELU's backward kernel (Note [Activation epilogues] in
+/// `autograd/engine.rs`).
+fn dgelu_product(op: &'static str, g: &Tensor, w: &Tensor, aux: &Tensor, door: Door) -> Result<Tensor> {
+    let (m, k) = (g.dims()[0], w.dims()[1]);
+    if !autograd::is_grad_enabled() && g.dtype() == w.dtype() && aux.dtype() == g.dtype() {
+        let fused = {
+            let (sg, sw, sa) = (g.storage().read(), w.storage().read(), aux.storage().read());
+            sg.matmul_dgelu(g.layout(), &sw, w.layout(), (&sa, aux.layout()))?
+        };
+        if let Some(storage) = fused {
+            return Ok(door.tensor(storage, Shape::from([m, k])));
+        }
+    }
+    product(op, g, w, (g, w), door)?.gelu_tanh_backward(aux)
 }
 
 fn isize_dims(dims: &[usize]) -> Vec<isize> {
@@ -494,13 +535,25 @@ impl Tensor {
     ) -> Result<Tensor> {
         let lead = &self.dims()[..self.rank() - 1];
         let rows = lead.iter().product::<usize>() as isize;
-        let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
+        let (x, wt) = {
+            let _views = autograd::no_grad();
+            (self.reshape(&[rows, weight.dims()[1] as isize])?, weight.t()?)
+        };
         let wide = [widens(self), widens(weight)];
-        let out = product_bias("linear", &x, &weight.t()?, bias, arrivals.as_deref(), wide, door)?;
+        let mut dims = lead.to_vec();
+        dims.push(weight.dims()[0]);
+        let out = product_bias(
+            "linear",
+            (&x, self),
+            (&wt, weight),
+            bias,
+            &dims,
+            arrivals.as_deref(),
+            wide,
+            door,
+        )?;
         // Every block was waited for on the way.
         *arrivals = None;
-        let mut dims = isize_dims(lead);
-        dims.push(weight.dims()[0] as isize);
-        out.reshape(&dims)
+        Ok(out)
     }
 }

@@ -78,6 +78,15 @@ unary_table!(unary_ops);
 
 /// `op(x)` with PyTorch's dtype rules and autograd, through the dispatch point.
 pub(crate) fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+    let out = unary_recorded(op, x)?;
+    if op == UnaryOp::GeluTanh && out.dtype() == x.dtype() {
+        // A product whose output this is may apply its gradient (Note [Activation epilogues]).
+        crate::autograd::mark_activation(&out, crate::autograd::Activation::GeluTanh, x);
+    }
+    Ok(out)
+}
+
+fn unary_recorded(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
     dispatch::call(
         op.line(),
         [x],

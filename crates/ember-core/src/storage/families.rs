@@ -249,6 +249,9 @@ forward!(MatmulOps {
     /// [`MatmulOps::matmul_widened`]: a half product written in float32, where the backend can.
     fn matmul_widened(&self, al: &Layout, rhs: &Storage, bl: &Layout) -> Option<Storage>;
         [rhs] "matmul";
+    /// [`MatmulOps::matmul_dgelu`].
+    fn matmul_dgelu(&self, al: &Layout, rhs: &Storage, bl: &Layout, aux: (&Storage, &Layout)) -> Option<Storage>;
+        [rhs, aux] "matmul";
     /// [`Storage::matmul`] plus `bias` (`[n]` at `bias_l`) added to every row, in the product's
     /// accumulator, before the one rounding to the output dtype (floats only).
     fn matmul_bias(&self, al: &Layout, rhs: &Storage, bl: &Layout, bias: &Storage, bias_l: &Layout)

@@ -219,13 +219,18 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
     }
 }
 
+/// One profiler runs in a process at a time: every test that starts one holds this lock.
+pub fn profiler_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs `step` `warmup` times, then `steps` times under the profiler (CPU and CUDA activities),
-/// synchronizing device 0 before and after: the profiled cycle of a kernel-time test. One
-/// profiler runs in a process at a time, so the cycle holds `profiler::lock()`, as the
-/// profiler's own tests do.
+/// synchronizing device 0 before and after: the profiled cycle of a kernel-time test, holding
+/// [`profiler_lock`].
 pub fn profile_steps(warmup: usize, steps: usize, mut step: impl FnMut()) -> ember_core::profiler::Profiler {
     use ember_core::profiler::{self, ProfilerActivity};
-    let _one_profiler = super::profiler::lock();
+    let _one_profiler = profiler_lock();
     for _ in 0..warmup {
         step();
     }

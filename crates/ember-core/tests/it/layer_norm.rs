@@ -545,3 +545,70 @@ fn cuda_layernorm_f32_kernel_time() {
         );
     }
 }
+
+/// Note [Activation epilogues]: in `gelu_tanh(x @ w1ᵀ + b1) @ w2ᵀ + b2`, the second linear's
+/// backward returns the gradient of the GELU's input (cuBLASLt's DGELU epilogue on CUDA, the
+/// product then GELU's backward kernel elsewhere), and the GELU's node is not run: no
+/// `GeluTanhBackward0` in the profile. A hook on the GELU's output (which must see that
+/// output's gradient) keeps the node. The gradients agree: bit for bit on the CPU (the same
+/// kernels), within the dtype's rounding on CUDA.
+#[test]
+fn a_linear_applies_the_gelu_backward_of_its_input() {
+    use ember_core::profiler::{self, ProfilerActivity};
+    let _one_profiler = super::common::profiler_lock();
+    let on = |v: Vec<f64>, shape: &[usize], dev: Device, dtype: DType| {
+        Tensor::from_slice(&v, shape, Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to(dev))
+            .and_then(|t| t.requires_grad_(true))
+            .unwrap()
+    };
+    for dev in super::common::devices() {
+        for dtype in [DType::F32, DType::BF16] {
+            let run = |hooked: bool| -> (Vec<Vec<f64>>, usize) {
+                let x = on(values(2 * 5 * 16, 1), &[2, 5, 16], dev, dtype);
+                let w1 = on(values(32 * 16, 2), &[32, 16], dev, dtype);
+                let b1 = on(values(32, 3), &[32], dev, dtype);
+                let w2 = on(values(16 * 32, 4), &[16, 32], dev, dtype);
+                let b2 = on(values(16, 5), &[16], dev, dtype);
+                let r = on(values(2 * 5 * 16, 6), &[2, 5, 16], dev, dtype).detach();
+                let mut prof = profiler::profile()
+                    .activities([ProfilerActivity::Cpu])
+                    .start()
+                    .unwrap();
+                let h = x.linear(&w1, Some(&b1)).unwrap().gelu_tanh().unwrap();
+                if hooked {
+                    h.register_hook(|_| Ok(None)).unwrap();
+                }
+                let y = h.linear(&w2, Some(&b2)).unwrap();
+                y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+                prof.stop().unwrap();
+                let gelu_nodes = prof
+                    .events()
+                    .iter()
+                    .filter(|e| e.name == "GeluTanhBackward0")
+                    .count();
+                let grads = [&x, &w1, &b1, &w2, &b2]
+                    .iter()
+                    .map(|t| t.grad().unwrap().to_vec_f64().unwrap())
+                    .collect();
+                (grads, gelu_nodes)
+            };
+            let (fused, fused_nodes) = run(false);
+            let (plain, plain_nodes) = run(true);
+            assert_eq!(
+                (fused_nodes, plain_nodes),
+                (0, 1),
+                "{dev} {dtype:?}: GELU's node runs only when hooked"
+            );
+            for (i, (a, b)) in fused.iter().zip(&plain).enumerate() {
+                if dev == Device::Cpu {
+                    assert_eq!(a, b, "{dtype:?}: gradient {i} differs on the CPU");
+                } else {
+                    let t = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                    assert_close_slice(a, b, t, t);
+                }
+            }
+        }
+    }
+}

@@ -14,10 +14,8 @@ use ember_core::profiler::{
 use ember_core::{DType, Device, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
-static LOCK: Mutex<()> = Mutex::new(());
-
 pub(crate) fn lock() -> std::sync::MutexGuard<'static, ()> {
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    crate::common::profiler_lock()
 }
 
 /// The direct children of the first range named `range`, by name, in order.

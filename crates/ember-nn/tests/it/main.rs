@@ -4,16 +4,6 @@
 #[path = "../../../ember-core/tests/it/common.rs"]
 mod common;
 
-/// The lock `common::profile_steps` holds: one profiler per process (ember-core's profiler
-/// tests keep theirs in their `profiler` module).
-mod profiler {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-    pub(crate) fn lock() -> std::sync::MutexGuard<'static, ()> {
-        LOCK.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
 mod attention_mha;
 mod attention_modules;
 mod autocast;
