@@ -10,7 +10,7 @@
 //!
 //! Note [Saved tensors]: a backward closure keeps what it needs as `SavedTensor`, which
 //! remembers the storage version at record time; if an in-place op changed the storage since,
-//! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
+//! backward fails with [`Error::InplaceModified`](crate::Error::InplaceModified) instead of computing a wrong gradient.
 
 #![deny(unsafe_code)]
 
