@@ -1,8 +1,11 @@
-//! Automatic mixed precision (`torch.amp`): [`autocast`] regions in which ops listed in the
+//! Automatic mixed precision (`torch.amp`): [`autocast()`] regions in which ops listed in the
 //! dispatch point's policy table ([`crate::dispatch::policy`]) run in float16 or bfloat16, or
 //! in float32, whatever dtypes their inputs have.
 //!
-//! Autocast state is per thread and per device type, as in PyTorch: a region opened on one
+//! The state (per thread, per device type) and the cast cache live with the dispatch point that
+//! reads them (`dispatch/autocast.rs`, as PyTorch keeps them beside its Autocast dispatch key);
+//! this module is the user's API over them. Autocast state is per thread and per device type,
+//! as in PyTorch: a region opened on one
 //! thread does not change ops on another, and CUDA and CPU autocast are independent. Regions
 //! nest; an inner region with `enabled(false)` turns autocast off until it closes. Defaults
 //! are PyTorch's: float16 on CUDA, bfloat16 on the CPU.
@@ -33,86 +36,9 @@
 //! ```
 
 use crate::device::DeviceType;
-use crate::tensor::TensorImpl;
-use crate::{DType, Error, Result, Tensor};
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use crate::dispatch::autocast::{self, state, update, DeviceState};
+use crate::{DType, Error, Result};
 use std::marker::PhantomData;
-use std::sync::Arc;
-
-/// Autocast settings of one device type on one thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DeviceState {
-    enabled: bool,
-    dtype: DType,
-}
-
-/// The thread's autocast state: per device type, plus the region nesting depth (for the cast
-/// cache) and whether a composite op suspended autocast for its body.
-#[derive(Debug, Clone, Copy)]
-struct State {
-    cuda: DeviceState,
-    cpu: DeviceState,
-    cache_enabled: bool,
-    nesting: u32,
-    suspended: bool,
-}
-
-impl State {
-    const DEFAULT: State = State {
-        cuda: DeviceState {
-            enabled: false,
-            dtype: DType::F16,
-        },
-        cpu: DeviceState {
-            enabled: false,
-            dtype: DType::BF16,
-        },
-        cache_enabled: true,
-        nesting: 0,
-        suspended: false,
-    };
-
-    fn device(&mut self, device_type: DeviceType) -> &mut DeviceState {
-        match device_type {
-            DeviceType::Cuda => &mut self.cuda,
-            DeviceType::Cpu => &mut self.cpu,
-        }
-    }
-}
-
-/// A cast made inside an autocast region: the source (kept alive so its address stays its
-/// own) and the cast tensor.
-type CacheEntry = (Arc<TensorImpl>, Tensor);
-
-thread_local! {
-    static STATE: Cell<State> = const { Cell::new(State::DEFAULT) };
-    static CACHE: RefCell<HashMap<(usize, DType), CacheEntry>> = RefCell::new(HashMap::new());
-}
-
-fn state() -> State {
-    STATE.with(Cell::get)
-}
-
-fn update(f: impl FnOnce(&mut State)) {
-    STATE.with(|s| {
-        let mut st = s.get();
-        f(&mut st);
-        s.set(st);
-    })
-}
-
-/// The dtype `device_type`'s autocast region casts to, when one is open on this thread and no
-/// composite op has suspended it (the dispatch point's fast check).
-#[inline]
-pub(crate) fn active_dtype(device_type: DeviceType) -> Option<DType> {
-    let s = state();
-    let d = match device_type {
-        DeviceType::Cuda => s.cuda,
-        DeviceType::Cpu => s.cpu,
-    };
-    (d.enabled && !s.suspended).then_some(d.dtype)
-}
 
 /// Whether autocast is on for `device_type` on this thread (`torch.is_autocast_enabled`).
 pub fn is_autocast_enabled(device_type: DeviceType) -> bool {
@@ -135,7 +61,7 @@ pub fn is_autocast_cache_enabled() -> bool {
 /// Empties this thread's cast cache (`torch.clear_autocast_cache`); closing the outermost
 /// region does it too.
 pub fn clear_autocast_cache() {
-    CACHE.with(|c| c.borrow_mut().clear());
+    autocast::clear_cache();
 }
 
 /// The dtypes autocast can cast to on `device_type`.
@@ -208,7 +134,7 @@ impl Autocast {
             next.cache_enabled = c;
         }
         next.nesting += 1;
-        STATE.with(|s| s.set(next));
+        update(|s| *s = next);
         Ok(AutocastGuard {
             device_type: self.device_type,
             previous: *previous.device(self.device_type),
@@ -250,48 +176,7 @@ impl Drop for AutocastGuard {
     }
 }
 
-/// Suspends autocast on this thread until the guard drops (the body of a composite op).
-pub(crate) struct Suspended {
-    previous: bool,
-    _not_send: PhantomData<*const ()>,
-}
-
-impl Drop for Suspended {
-    fn drop(&mut self) {
-        let previous = self.previous;
-        update(|s| s.suspended = previous);
-    }
-}
-
-pub(crate) fn suspend() -> Suspended {
-    let mut previous = false;
-    update(|s| {
-        previous = s.suspended;
-        s.suspended = true;
-    });
-    Suspended {
-        previous,
-        _not_send: PhantomData,
-    }
-}
-
-/// `t` cast to `dtype` for an op in an autocast region, through the cast cache where Note
-/// [Autocast cast cache] allows it.
-pub(crate) fn cached_cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    let cacheable = state().cache_enabled && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad();
-    if !cacheable {
-        return t.to_dtype_preserving_strides(dtype);
-    }
-    let key = (Arc::as_ptr(&t.0) as usize, dtype);
-    if let Some(hit) = CACHE.with(|c| c.borrow().get(&key).map(|(_, cast)| cast.clone())) {
-        return Ok(hit);
-    }
-    let cast = t.to_dtype_preserving_strides(dtype)?;
-    CACHE.with(|c| c.borrow_mut().insert(key, (t.0.clone(), cast.clone())));
-    Ok(cast)
-}
-
 /// Number of entries in this thread's cast cache (for tests of Note [Autocast cast cache]).
 pub fn autocast_cache_len() -> usize {
-    CACHE.with(|c| c.borrow().len())
+    autocast::cache_len()
 }

@@ -22,12 +22,10 @@
 //! nothing: the engine reads the hook list under the lock it already holds to store the
 //! gradient.
 
+pub(super) use crate::tensor::PostAccumulateGradHook;
 use crate::{Error, Result, Tensor};
 use std::cell::RefCell;
 use std::sync::Arc;
-
-/// A hook run after a gradient was accumulated into a leaf's `.grad`; receives the leaf.
-pub type PostAccumulateGradHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
 
 type Callback = Box<dyn FnOnce() -> Result<()>>;
 

@@ -1,18 +1,16 @@
 //! Reverse-mode automatic differentiation over a dynamic graph, as `torch.autograd`.
 //!
-//! An op whose inputs need gradients calls `record` with a backward closure that sits next to
+//! An op whose inputs need gradients calls `Door::record` with a backward closure that sits next to
 //! its forward code; the closure receives the gradient of the op's output and returns one
 //! gradient per input. A node is recorded only when grad mode is on and some input requires a
-//! gradient, so inference pays nothing.
-//!
-//! Note [Single-output nodes]: every node has exactly one output tensor. Ops with several
-//! outputs (split, max with indices) make one node per differentiable output. The gradient
-//! that reaches a node is therefore the gradient of that one tensor, which is where its hooks
-//! and `retain_grad` apply.
+//! gradient, so inference pays nothing. The graph's vocabulary (nodes, edges, grad mode,
+//! `custom_op`) is the dispatch point's (`dispatch/graph.rs`, Note [Single-output nodes]
+//! there); this module runs it backward (`engine.rs`) and holds the backward API (`backward`,
+//! `grad`, hooks, checkpointing, saved tensors).
 //!
 //! Note [Saved tensors]: a backward closure keeps what it needs as `SavedTensor`, which
 //! remembers the storage version at record time; if an in-place op changed the storage since,
-//! backward fails with [`Error::InplaceModified`] instead of computing a wrong gradient.
+//! backward fails with [`Error::InplaceModified`](crate::Error::InplaceModified) instead of computing a wrong gradient.
 
 #![deny(unsafe_code)]
 
@@ -20,89 +18,25 @@ mod callbacks;
 mod checkpoint;
 mod device_threads;
 mod engine;
-mod grad_mode;
 mod ready_queue;
 
-pub use callbacks::{queue_callback, PostAccumulateGradHook};
+pub use crate::tensor::{Hook, PostAccumulateGradHook};
+pub use callbacks::queue_callback;
 pub use checkpoint::checkpoint;
 
+pub use crate::dispatch::grad_mode::{
+    enable_grad, is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard,
+};
+pub(crate) use crate::dispatch::graph::{cast_from, needs_grad, Activation, Edge, Node, SavedTensor, ViewOf};
+pub use crate::dispatch::graph::{custom_op, with_fresh_sequence_nr};
 pub use engine::{grad, retains_graph};
 pub(crate) use engine::{roots_with_grads as engine_roots, run_backward};
-pub use grad_mode::{enable_grad, is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
 
-use crate::tensor::TensorImpl;
-use crate::{Error, Result, Tensor};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use crate::{Result, Tensor};
+use std::sync::Arc;
 
-/// Computes input gradients from the output gradient; `needs[i]` says whether input `i` needs
-/// one (an entry may be `None` when it does not).
-pub(crate) type BackwardFn = Box<dyn Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
-
-/// A gradient hook: sees the gradient of a tensor and may replace it.
-pub type Hook = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
-
-/// One recorded operation.
-pub(crate) struct Node {
-    pub(crate) name: &'static str,
-    /// Where each input's gradient goes; `None` for inputs that need no gradient.
-    pub(crate) edges: Vec<Option<Edge>>,
-    /// Taken after a backward pass unless the graph is retained.
-    backward: Mutex<Option<BackwardFn>>,
-    /// The node's output tensor, for its hooks and `retain_grad` (see Note [Single-output nodes]).
-    output: OnceLock<Weak<TensorImpl>>,
-    /// The order of recording on this thread; later nodes run first (Note [Ready order]).
-    sequence_nr: u64,
-    /// For a view op (`narrow`, `slice`, `select`): the region of its input that the output
-    /// views, whose gradient the engine keeps as a slice (Note [Gradients of views] in
-    /// `engine.rs`) instead of calling `backward`.
-    pub(crate) view: Option<ViewOf>,
-    /// For a cast (`to_dtype`): its input's dtype. A float32 gradient may reach the output of
-    /// a cast from float32 (Note [Widened gradients] in `ops/matmul.rs`); the cast's backward
-    /// then has nothing to convert.
-    cast_from: Option<crate::DType>,
-    /// Whether the backward may add its first input's gradient into the one already waiting
-    /// for that input (Note [Gradients added in place] in `engine.rs`): [`take_accumulator`].
-    accumulates: std::sync::atomic::AtomicBool,
-    /// For an activation whose gradient a product's epilogue can apply (Note [Activation
-    /// epilogues] in `engine.rs`): which one, and its saved input.
-    pub(crate) activation: OnceLock<(Activation, SavedTensor)>,
-    /// Whether the backward may apply its first input's activation in its product
-    /// ([`take_activation`]).
-    pub(crate) applies_activation: std::sync::atomic::AtomicBool,
-}
-
-/// An activation whose gradient a matrix product can apply on its way out (cuBLASLt's DGELU
-/// epilogue): Note [Activation epilogues] in `engine.rs`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Activation {
-    /// `gelu(x, approximate="tanh")`.
-    GeluTanh,
-}
-
-/// The region of a view op's input that its output views: a layout over a row-major tensor of
-/// the input's `shape`.
-pub(crate) struct ViewOf {
-    pub(crate) shape: crate::Shape,
-    pub(crate) region: crate::layout::Layout,
-}
-
-/// Where a gradient flows: into a leaf's `.grad`, or into another node.
-#[derive(Clone)]
-pub(crate) enum Edge {
-    Leaf(Arc<TensorImpl>),
-    Node(Arc<Node>),
-}
-
+/// The engine's order of an edge (Note [Ready order] in `ready_queue.rs`).
 impl Edge {
-    /// The edge that reaches `t`'s gradient, if `t` takes part in autograd.
-    pub(crate) fn of(t: &Tensor) -> Option<Edge> {
-        match &t.0.grad_fn {
-            Some(node) => Some(Edge::Node(node.clone())),
-            None if t.requires_grad() => Some(Edge::Leaf(t.0.clone())),
-            None => None,
-        }
-    }
-
     /// Where this edge's entry goes in the ready queue (Note [Ready order]).
     pub(crate) fn priority(&self) -> u64 {
         match self {
@@ -110,125 +44,6 @@ impl Edge {
             Edge::Node(n) => n.sequence_nr,
         }
     }
-
-    pub(crate) fn key(&self) -> usize {
-        match self {
-            Edge::Leaf(t) => Arc::as_ptr(t) as *const () as usize,
-            Edge::Node(n) => Arc::as_ptr(n) as *const () as usize,
-        }
-    }
-}
-
-impl Node {
-    pub(crate) fn output(&self) -> Option<Tensor> {
-        self.output.get().and_then(Weak::upgrade).map(Tensor)
-    }
-}
-
-/// True when an op over `inputs` must record a node: grad mode is on and an input requires grad.
-#[inline]
-pub(crate) fn needs_grad(inputs: &[&Tensor]) -> bool {
-    is_grad_enabled() && inputs.iter().any(|t| t.requires_grad())
-}
-
-thread_local! {
-    static SEQUENCE_NR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// The next node's sequence number on this thread (PyTorch's `sequence_nr`), below
-/// [`ready_queue::LEAF_PRIORITY`].
-fn next_sequence_nr() -> u64 {
-    SEQUENCE_NR.with(|c| {
-        let n = c.get();
-        c.set(n + 1);
-        n
-    })
-}
-
-/// Runs `f` with this thread's node numbering restarted at 0, as on a newly started thread,
-/// and puts the numbering back afterwards (also when `f` panics).
-///
-/// Backward runs the ready node recorded last first (Note [Ready order] in `ready_queue.rs`),
-/// and the numbering is per thread, as PyTorch's `sequence_nr`. Code that records shares of
-/// one graph on long-lived threads and wants each share numbered as PyTorch's
-/// `parallel_apply` gets from starting a thread per device on every call runs each share in
-/// here: `nn::DataParallel` does, so that every replica's nodes rank below the nodes the
-/// calling thread recorded after starting them, whatever the worker recorded before.
-pub fn with_fresh_sequence_nr<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(u64);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            SEQUENCE_NR.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(SEQUENCE_NR.with(|c| c.replace(0)));
-    f()
-}
-
-/// Attaches a node computed by `backward` to `out`, whose inputs were `inputs`.
-///
-/// Callers check [`needs_grad`] first so that they build the closure only when it is used.
-pub(crate) fn record<F>(name: &'static str, inputs: &[&Tensor], out: Tensor, backward: F) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    record_node(name, inputs, out, Box::new(backward), None, None)
-}
-
-/// [`record`] for a cast of `input` to another dtype (see `Node::cast_from`).
-pub(crate) fn record_cast<F>(name: &'static str, input: &Tensor, out: Tensor, backward: F) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    let from = input.dtype();
-    record_node(name, &[input], out, Box::new(backward), None, Some(from))
-}
-
-/// The dtype `t` was cast from, when `t` is the output of a recorded cast.
-pub(crate) fn cast_from(t: &Tensor) -> Option<crate::DType> {
-    t.0.grad_fn.as_ref().and_then(|node| node.cast_from)
-}
-
-/// [`record`] for a view op whose output views `view.region` of its one input: the engine
-/// hands the region's gradient on as a slice (Note [Gradients of views] in `engine.rs`);
-/// `backward` (the gradient written into zeros of the input's shape) is what
-/// [`Node::backward`] would compute, kept for the second-pass check.
-pub(crate) fn record_view<F>(
-    name: &'static str,
-    input: &Tensor,
-    out: Tensor,
-    view: ViewOf,
-    backward: F,
-) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    record_node(name, &[input], out, Box::new(backward), Some(view), None)
-}
-
-fn record_node(
-    name: &'static str,
-    inputs: &[&Tensor],
-    out: Tensor,
-    backward: BackwardFn,
-    view: Option<ViewOf>,
-    cast_from: Option<crate::DType>,
-) -> Tensor {
-    let node = Arc::new(Node {
-        name,
-        edges: inputs.iter().map(|t| Edge::of(t)).collect(),
-        backward: Mutex::new(Some(backward)),
-        output: OnceLock::new(),
-        sequence_nr: next_sequence_nr(),
-        view,
-        cast_from,
-        accumulates: std::sync::atomic::AtomicBool::new(false),
-        activation: OnceLock::new(),
-        applies_activation: std::sync::atomic::AtomicBool::new(false),
-    });
-    let out = out.with_grad_fn(node.clone());
-    let _ = node.output.set(Arc::downgrade(&out.0));
-    out
 }
 
 /// Lets the backward of the node that made `out` take its first input's waiting gradient with
@@ -325,50 +140,6 @@ pub(crate) fn take_accumulator(fits: impl FnOnce(&Tensor) -> bool) -> Option<Ten
     })
 }
 
-/// Makes `output` the result of a differentiable op over `inputs` whose input gradients
-/// `backward` computes, as a `torch.autograd.Function` does: a fused kernel, or a function
-/// that recomputes instead of storing, joins the graph like a built-in op.
-///
-/// `output` is computed by the caller (under [`no_grad`] or from detached inputs: it is
-/// detached here either way). `backward` receives the gradient of `output` and, per input,
-/// whether that input needs a gradient; it returns one entry per input, `None` where none is
-/// needed or the gradient is zero, each of the input's shape. When grad mode is off or no input
-/// requires a gradient, `output` is returned as it is and `backward` is dropped.
-///
-/// ```
-/// use ember_core::{autograd, Device, Tensor};
-/// // y = 3x with a hand-written backward.
-/// let x = Tensor::from_slice(&[1.0f32, 2.0], [2], Device::Cpu)?.requires_grad_(true)?;
-/// let y = autograd::custom_op("triple", &[&x], x.detach().mul_scalar(3.0)?, |g, _| {
-///     Ok(vec![Some(g.mul_scalar(3.0)?)])
-/// });
-/// y.sum_all()?.backward()?;
-/// assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![3.0, 3.0]);
-/// # Ok::<(), ember_core::Error>(())
-/// ```
-pub fn custom_op<F>(name: &'static str, inputs: &[&Tensor], output: Tensor, backward: F) -> Tensor
-where
-    F: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-{
-    let output = output.detach();
-    if !needs_grad(inputs) {
-        return output;
-    }
-    let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.dims().to_vec()).collect();
-    record(name, inputs, output, move |grad, needs| {
-        let grads = backward(grad, needs)?;
-        for (i, (g, shape)) in grads.iter().zip(&shapes).enumerate() {
-            if let Some(g) = g.as_ref().filter(|g| g.dims() != shape.as_slice()) {
-                return Err(Error::Autograd(format!(
-                    "{name}: the gradient of input {i} has shape {:?}, but the input has shape {shape:?}",
-                    g.dims()
-                )));
-            }
-        }
-        Ok(grads)
-    })
-}
-
 /// For each of `leaves`, whether a backward pass from `outputs` would reach it: the walk over
 /// the recorded graph that PyTorch's DDP does after forward with `find_unused_parameters`.
 /// A leaf that does not require grad is never reached; an output that is itself one of the
@@ -401,34 +172,19 @@ pub fn reachable(outputs: &[Tensor], leaves: &[Tensor]) -> Vec<bool> {
         .collect()
 }
 
-/// A tensor kept for backward, with the storage version it had when saved.
-#[derive(Clone)]
-pub(crate) struct SavedTensor {
-    tensor: Tensor,
-    version: u64,
-    op: &'static str,
-}
-
-impl SavedTensor {
-    pub(crate) fn new(op: &'static str, t: &Tensor) -> SavedTensor {
-        // Detached, so that saving an op's own output makes no reference cycle through the node.
-        SavedTensor {
-            tensor: t.detach(),
-            version: t.0.storage.version(),
-            op,
-        }
+/// Backward from a tensor (`Tensor.backward`), written here so that `tensor/` needs nothing of
+/// the engine.
+impl Tensor {
+    /// Backpropagates from this scalar tensor into every leaf that requires grad.
+    pub fn backward(&self) -> Result<()> {
+        self.backward_with(None, false)
     }
 
-    /// The saved tensor, or an error if it was modified in place since it was saved.
-    pub(crate) fn get(&self) -> Result<&Tensor> {
-        let found = self.tensor.0.storage.version();
-        if found != self.version {
-            return Err(Error::InplaceModified {
-                op: self.op,
-                expected: self.version,
-                found,
-            });
-        }
-        Ok(&self.tensor)
+    /// Backpropagates with an explicit upstream `gradient` (needed for non-scalar outputs);
+    /// `retain_graph` keeps the graph for another backward.
+    pub fn backward_with(&self, gradient: Option<&Tensor>, retain_graph: bool) -> Result<()> {
+        let grads = gradient.map(|g| vec![g.clone()]);
+        let roots = engine_roots(std::slice::from_ref(self), grads.as_deref())?;
+        run_backward(roots, retain_graph, None).map(drop)
     }
 }

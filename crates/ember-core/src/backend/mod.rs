@@ -6,7 +6,7 @@
 //! Layers: the op layer (`ops/`, `tensor/`, `autograd/`, `random/`) calls the enum
 //! [`Storage`](crate::storage::Storage), which forwards each call to the trait on matching
 //! variants (one device-mismatch error path) and never names a backend; the backends
-//! (`cpu/`, `cuda/`) implement the traits and depend only on this module's vocabulary, never
+//! (`cpu/`, `cuda_backend/`) implement the traits and depend only on this module's vocabulary, never
 //! on the op layer. Everything is static dispatch: `Storage` is an enum, the traits are never
 //! used as `dyn`.
 //!
@@ -14,15 +14,15 @@
 //! checked (shapes broadcast, dims in range, dtypes promoted, devices equal); results are new
 //! row-major storages unless the method writes in place (`*_into`, `copy_strided_from`, the
 //! fused steps). The multi-tensor steps (optimizers, GradScaler) take lists of operands over
-//! distinct locked storages, checked by `storage.rs` against their description in [`step`]. A backend that cannot run one particular problem (CUDA without cuDNN, or with
+//! distinct locked storages, checked by `storage/families.rs` against their description in [`step`]. A backend that cannot run one particular problem (CUDA without cuDNN, or with
 //! it switched off, a size past cuDNN's limits, a dtype a kernel lacks) answers `Ok(None)` from
 //! the methods that return an `Option`, and the op layer takes a composite path; every other
 //! failure is a typed [`Error`](crate::Error), never a panic.
 //!
 //! Adding an op family: its enum or parameter struct goes in [`op`] (or [`geometry`] /
-//! [`step`]), its trait here (a supertrait of [`BackendStorage`]), one forwarding method on
-//! `Storage` (`storage.rs`), and the trait's implementations in `cpu/<family>.rs` and
-//! `cuda/<family>.rs` (+ `kernels/<family>.cu`). An elementwise op is one line of its table
+//! [`step`]), its trait here (a supertrait of [`BackendStorage`]), its methods' lines in a `forward!`
+//! of `Storage` (`storage/families.rs`), and the trait's implementations in `cpu/<family>.rs` and
+//! `cuda_backend/<family>.rs` (+ `kernels/<family>.cu`). An elementwise op is one line of its table
 //! ([`table`]; the crate's `architecture` page).
 
 pub mod geometry;

@@ -12,6 +12,26 @@ use crate::{DType, Error, Result};
 // ---------------------------------------------------------------------------------------------
 // Elementwise (`ops/binary.rs`).
 
+/// How the dispatch point brings an op's operands to one dtype (after autocast): a column of
+/// the op table (`dispatch::policy`), here because the CUDA backend's mixed-operand kernels
+/// read it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Promotion {
+    /// Operands keep their dtypes (the op checks them, or they have different roles such as
+    /// an index tensor).
+    None,
+    /// All operands cast to their promoted dtype (`torch.result_type`).
+    Common,
+    /// As `Common`, except that a float32 operand beside a float16 or bfloat16 one stays as it
+    /// is on CUDA, whose kernels read such a pair and compute in float32, as after the cast
+    /// (Note [Mixed operands] in `kernels/elementwise.cu`).
+    CommonMixed,
+    /// As `Common`, with integer results computed as float32 (true division).
+    CommonFloat,
+    /// All operands but the first (a condition or mask) cast to their promoted dtype.
+    CommonAfterFirst,
+}
+
 /// Which integer dtypes an elementwise op keeps (the table's `ints` column).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ints {
@@ -162,7 +182,7 @@ fn params<const N: usize>(p: [f64; N]) -> [f64; 3] {
 
 macro_rules! define_unary {
     ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
-         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident $(, $d:ident)?| $rule:expr, $doc:literal; )*) => {
         /// An elementwise function of one operand (the op table's unary family); parameters of
         /// parametrized activations ride along.
         #[derive(Debug, Clone, Copy, PartialEq)]

@@ -9,7 +9,7 @@
 //! storages that the op layer has locked. Each operand is an [`Elems`]: a storage (`&S` when
 //! read, `&mut S` when written) and the run of row-major elements of one tensor in it. The
 //! descriptions are generic over the storage type `S`: the op layer builds them over the
-//! `Storage` enum, and `storage.rs` casts them to one backend's storage ([`Variant`]) and
+//! `Storage` enum, and `storage/families.rs` casts them to one backend's storage ([`Variant`]) and
 //! checks them (`check`: every run inside its storage, dtypes, flags that agree with their
 //! operands) before the backend's kernels see them. GradScaler's grad scale, inverse scale and
 //! found-inf flag, the growth tracker and Adam's device step counts are operands like the
@@ -127,7 +127,7 @@ pub struct Elems<S> {
     pub len: usize,
 }
 
-/// A storage enum one of whose variants holds a `B` (`storage.rs` implements it for `Storage`
+/// A storage enum one of whose variants holds a `B` (`storage/mod.rs` implements it for `Storage`
 /// and each backend's storage): how step operands are cast to one backend.
 pub trait Variant<B> {
     /// The `B` inside, or the device of the storage when it holds another backend's.

@@ -35,7 +35,8 @@
 ///   float32; `Int` keeps integer dtypes (wrapping kernels); `Whole` keeps them as a copy (the
 ///   rounding ops).
 /// - saves: what backward reads, `Input`, `Output` or `Nothing`; `s()` returns it.
-/// - backward: `g` is the output's gradient; the value is the input's gradient.
+/// - backward: `g` is the output's gradient; the value is the input's gradient; a third name,
+///   where given, binds the op's `dispatch::Door` (a rule that runs a kernel itself).
 macro_rules! unary_table {
     ($expand:ident) => {
         $expand! {
@@ -112,7 +113,7 @@ macro_rules! unary_table {
             (LogSigmoid, logsigmoid, Inputs, Float, Input) |g, s| g.mul(&s()?.neg()?.sigmoid()?)?,
                 "Elementwise `log σ(x)`, computed stably (`F.logsigmoid`).";
             // Saves the output: y > 0 exactly where x > 0 (PyTorch's threshold_backward).
-            (Relu, relu, Inputs, Int, Output) |g, s| relu_backward(g, s()?)?,
+            (Relu, relu, Inputs, Int, Output) |g, s, door| relu_backward(g, s()?, door)?,
                 "Elementwise `max(x, 0)` (NaN propagates; an error for bool).";
             (LeakyRelu { negative_slope } [negative_slope], leaky_relu, Inputs, Float, Input)
                 |g, s| Tensor::where_cond(&s()?.gt_scalar(0.0)?, g, &g.mul_scalar(negative_slope)?)?,

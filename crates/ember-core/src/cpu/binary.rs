@@ -219,10 +219,12 @@ where
     }
 }
 
-impl CpuStorage {
+impl ElementwiseOps for CpuStorage {
     /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
-    pub fn binary(&self, op: BinaryOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
+    #[inline]
+    fn binary(&self, op: BinaryOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
         use CpuStorage::*;
+        check_host_alloc(op.name(), al.numel(), self.dtype())?;
         macro_rules! run {
             ($a:expr, $b:expr; $f:expr) => {
                 binary_map($a, al, $b, bl, $f)
@@ -257,10 +259,26 @@ impl CpuStorage {
         })
     }
 
+    fn binary_into(
+        &self,
+        op: BinaryOp,
+        layout: &Layout,
+        rhs: &CpuStorage,
+        rhs_layout: &Layout,
+        out: &mut CpuStorage,
+        out_layout: &Layout,
+    ) -> Result<()> {
+        // The kernels write new buffers (`binary` checks the allocation); the result is copied
+        // into place.
+        let r = ElementwiseOps::binary(self, op, layout, rhs, rhs_layout)?;
+        CpuStorage::copy_strided_from(out, out_layout, &r, &Layout::contiguous(layout.shape().clone()));
+        Ok(())
+    }
+
     /// `self op rhs` written over `self`'s elements at `al` (row-major, any offset), `rhs` at
     /// `bl` broadcast to `al`'s shape, both of one dtype: the in-place ops (`add_`), with no
     /// new buffer.
-    pub fn binary_inplace(&mut self, op: BinaryOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<()> {
+    fn binary_inplace(&mut self, op: BinaryOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<()> {
         use CpuStorage::*;
         let range = al.contiguous_range().ok_or_else(|| {
             Error::invalid(
@@ -313,7 +331,8 @@ impl CpuStorage {
     }
 
     /// Elementwise comparison producing booleans.
-    pub fn compare(&self, op: CmpOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
+    fn compare(&self, op: CmpOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), al.numel(), DType::Bool)?;
         fn cmp<T: Copy + PartialOrd + Send + Sync>(
             op: CmpOp,
             a: &[T],
@@ -351,7 +370,8 @@ impl CpuStorage {
     }
 
     /// Logical op on two boolean storages.
-    pub fn logical(&self, op: LogicalOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
+    fn logical(&self, op: LogicalOp, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), al.numel(), DType::Bool)?;
         let (CpuStorage::Bool(a), CpuStorage::Bool(b)) = (self, rhs) else {
             return Err(Error::dtype(
                 op.name(),
@@ -370,7 +390,7 @@ impl CpuStorage {
     }
 
     /// `cond ? a : b` elementwise; `self` is the boolean condition; all layouts share a shape.
-    pub fn where_cond(
+    fn where_cond(
         &self,
         cl: &Layout,
         a: &CpuStorage,
@@ -378,6 +398,7 @@ impl CpuStorage {
         b: &CpuStorage,
         bl: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc("where", cl.numel(), a.dtype())?;
         fn pick<T: Copy + Send + Sync>(
             c: &[bool],
             cl: &Layout,
@@ -417,79 +438,5 @@ impl CpuStorage {
                 })
             }
         })
-    }
-}
-
-impl ElementwiseOps for CpuStorage {
-    #[inline]
-    fn binary(
-        &self,
-        op: BinaryOp,
-        layout: &Layout,
-        rhs: &CpuStorage,
-        rhs_layout: &Layout,
-    ) -> Result<CpuStorage> {
-        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
-        CpuStorage::binary(self, op, layout, rhs, rhs_layout)
-    }
-
-    fn binary_into(
-        &self,
-        op: BinaryOp,
-        layout: &Layout,
-        rhs: &CpuStorage,
-        rhs_layout: &Layout,
-        out: &mut CpuStorage,
-        out_layout: &Layout,
-    ) -> Result<()> {
-        // The kernels write new buffers; the result is copied into place.
-        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
-        let r = CpuStorage::binary(self, op, layout, rhs, rhs_layout)?;
-        CpuStorage::copy_strided_from(out, out_layout, &r, &Layout::contiguous(layout.shape().clone()));
-        Ok(())
-    }
-
-    fn binary_inplace(
-        &mut self,
-        op: BinaryOp,
-        layout: &Layout,
-        rhs: &CpuStorage,
-        rhs_layout: &Layout,
-    ) -> Result<()> {
-        CpuStorage::binary_inplace(self, op, layout, rhs, rhs_layout)
-    }
-
-    fn compare(
-        &self,
-        op: CmpOp,
-        layout: &Layout,
-        rhs: &CpuStorage,
-        rhs_layout: &Layout,
-    ) -> Result<CpuStorage> {
-        check_host_alloc(op.name(), layout.numel(), DType::Bool)?;
-        CpuStorage::compare(self, op, layout, rhs, rhs_layout)
-    }
-
-    fn logical(
-        &self,
-        op: LogicalOp,
-        layout: &Layout,
-        rhs: &CpuStorage,
-        rhs_layout: &Layout,
-    ) -> Result<CpuStorage> {
-        check_host_alloc(op.name(), layout.numel(), DType::Bool)?;
-        CpuStorage::logical(self, op, layout, rhs, rhs_layout)
-    }
-
-    fn where_cond(
-        &self,
-        layout: &Layout,
-        on_true: &CpuStorage,
-        true_layout: &Layout,
-        on_false: &CpuStorage,
-        false_layout: &Layout,
-    ) -> Result<CpuStorage> {
-        check_host_alloc("where", layout.numel(), on_true.dtype())?;
-        CpuStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
     }
 }

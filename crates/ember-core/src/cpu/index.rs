@@ -11,6 +11,7 @@
 //! Reads are parallel (each output element is independent); writes run sequentially, since
 //! repeated indices make several positions write one element.
 
+use super::loss::targets_named;
 use super::{gather_strided, map_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{IndexOp, ScatterOp};
 use crate::backend::IndexOps;
@@ -267,9 +268,9 @@ fn index_add_contiguous<T: AddElement>(
     }
 }
 
-impl CpuStorage {
+impl IndexOps for CpuStorage {
     /// `self` at `layout` read at `index` along `dim` (see [`IndexOp`]), row-major.
-    pub fn index_read(
+    fn index_read(
         &self,
         op: IndexOp,
         name: &'static str,
@@ -278,13 +279,14 @@ impl CpuStorage {
         index: &CpuStorage,
         il: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(name, with_dim_len(name, layout, dim, il.numel())?, self.dtype())?;
         with_cpu_storage!(self, v => Ok(CpuElement::wrap(read(op, name, v, layout, dim, index, il)?)))
     }
 
     /// A row-major copy of `self` at `layout` with `src` at `sl` written at `index` along `dim`
     /// (see [`ScatterOp`]); `src` must have `self`'s dtype.
     #[allow(clippy::too_many_arguments)]
-    pub fn index_write(
+    fn index_write(
         &self,
         op: ScatterOp,
         layout: &Layout,
@@ -294,12 +296,13 @@ impl CpuStorage {
         src: &CpuStorage,
         sl: &Layout,
     ) -> Result<CpuStorage> {
+        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
         with_cpu_storage!(self, v => Ok(CpuElement::wrap(write(op, v, layout, dim, index, il, src, sl)?)))
     }
 
     /// int64 one-hot rows for the class indices at `layout`, and the number of classes
     /// (`num_classes`, or max + 1 when `None`; the caller rejects empty input in that case).
-    pub fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CpuStorage, usize)> {
+    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CpuStorage, usize)> {
         const OP: &str = "one_hot";
         let idx = read_indices(OP, self, layout)?;
         let n = match num_classes {
@@ -317,43 +320,6 @@ impl CpuStorage {
         }
         Ok((CpuStorage::I64(out), n))
     }
-}
-
-impl IndexOps for CpuStorage {
-    fn index_read(
-        &self,
-        op: IndexOp,
-        name: &'static str,
-        layout: &Layout,
-        dim: usize,
-        index: &CpuStorage,
-        index_layout: &Layout,
-    ) -> Result<CpuStorage> {
-        check_host_alloc(
-            name,
-            with_dim_len(name, layout, dim, index_layout.numel())?,
-            self.dtype(),
-        )?;
-        CpuStorage::index_read(self, op, name, layout, dim, index, index_layout)
-    }
-
-    fn index_write(
-        &self,
-        op: ScatterOp,
-        layout: &Layout,
-        dim: usize,
-        index: &CpuStorage,
-        index_layout: &Layout,
-        src: &CpuStorage,
-        src_layout: &Layout,
-    ) -> Result<CpuStorage> {
-        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
-        CpuStorage::index_write(self, op, layout, dim, index, index_layout, src, src_layout)
-    }
-
-    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CpuStorage, usize)> {
-        CpuStorage::one_hot(self, layout, num_classes)
-    }
 
     fn embedding_backward(
         &self,
@@ -363,7 +329,7 @@ impl IndexOps for CpuStorage {
         rows: usize,
         into: Option<&mut CpuStorage>,
     ) -> Result<Option<CpuStorage>> {
-        let sum = self.embedding_backward_cpu(index, n, d, rows)?;
+        let sum = embedding_row_sums(self, index, n, d, rows)?;
         let Some(into) = into else { return Ok(Some(sum)) };
         const OP: &str = "embedding_backward";
         if into.dtype() != sum.dtype() || into.len() != sum.len() {
@@ -394,6 +360,64 @@ impl IndexOps for CpuStorage {
         }
         Ok(None)
     }
+}
+
+/// The weight gradient of a read of `rows` rows at `index` from the gradient `grad` of the
+/// rows read (see `IndexOps::embedding_backward`): the positions in order, accumulated in f32
+/// (f64 for f64), each row rounded once.
+fn embedding_row_sums(
+    grad: &CpuStorage,
+    index: &CpuStorage,
+    n: usize,
+    d: usize,
+    rows: usize,
+) -> Result<CpuStorage> {
+    const OP: &str = "embedding_backward";
+    let idx = targets_named(OP, index, n, rows, i64::MIN)?;
+    check_host_alloc(OP, rows.saturating_mul(d), grad.dtype())?;
+    if grad.len() < n.saturating_mul(d) {
+        return Err(Error::invalid(
+            OP,
+            format!("{} gradient elements for {n} rows of {d}", grad.len()),
+        ));
+    }
+    // f32 sums round to T as the GPU's `cast<T>(float)` does (`half`'s from_f32, round to
+    // nearest even), so both devices give the same bits.
+    fn go<T: CpuElement>(
+        g: &[T],
+        idx: &[i64],
+        d: usize,
+        rows: usize,
+        wide: bool,
+        round: fn(f32) -> T,
+    ) -> CpuStorage {
+        if wide {
+            let mut acc = vec![0.0f64; rows * d];
+            for (i, &r) in idx.iter().enumerate() {
+                let dst = &mut acc[r as usize * d..][..d];
+                for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
+                    *a += x.to_f64();
+                }
+            }
+            T::wrap(acc.into_iter().map(T::from_f64).collect())
+        } else {
+            let mut acc = vec![0.0f32; rows * d];
+            for (i, &r) in idx.iter().enumerate() {
+                let dst = &mut acc[r as usize * d..][..d];
+                for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
+                    *a += x.to_f64() as f32;
+                }
+            }
+            T::wrap(acc.into_iter().map(round).collect())
+        }
+    }
+    Ok(match grad {
+        CpuStorage::F32(g) => go(g, &idx, d, rows, false, |a| a),
+        CpuStorage::F64(g) => go(g, &idx, d, rows, true, |a| a as f64),
+        CpuStorage::F16(g) => go(g, &idx, d, rows, false, f16::from_f32),
+        CpuStorage::BF16(g) => go(g, &idx, d, rows, false, bf16::from_f32),
+        other => return Err(Error::dtype(OP, other.dtype())),
+    })
 }
 
 /// Elements of `layout` with `dim` replaced by `len` (an index op's output), checked.

@@ -16,7 +16,7 @@ fn targets(target: &CpuStorage, m: usize, c: usize, ignore_index: i64) -> Result
 }
 
 /// [`targets`] for op `op`.
-fn targets_named(
+pub(super) fn targets_named(
     op: &'static str,
     target: &CpuStorage,
     m: usize,
@@ -99,10 +99,19 @@ macro_rules! float_rows {
     };
 }
 
-impl CpuStorage {
+/// The slice of an operand that must have the loss's dtype.
+fn same_dtype<T>(s: Option<&[T]>, dtype: DType) -> Result<&[T]> {
+    s.ok_or(Error::UnsupportedDType {
+        op: OP,
+        dtype,
+        hint: "the class weights and the log-probabilities must have one dtype",
+    })
+}
+
+impl LossOps for CpuStorage {
     /// `(loss, total_weight)` of the contiguous `[m, c]` log-probability rows `self` at
     /// `target` (see `LossOps::nll_loss_forward`).
-    pub(crate) fn nll_loss_forward(
+    fn nll_loss_forward(
         &self,
         target: &CpuStorage,
         weight: Option<&CpuStorage>,
@@ -119,7 +128,7 @@ impl CpuStorage {
     }
 
     /// The `[m, c]` gradient of the loss for its gradient `self` (one element).
-    pub(crate) fn nll_loss_backward(
+    fn nll_loss_backward(
         &self,
         target: &CpuStorage,
         weight: Option<&CpuStorage>,
@@ -128,6 +137,7 @@ impl CpuStorage {
         ignore_index: i64,
         mean: bool,
     ) -> Result<CpuStorage> {
+        check_host_alloc("nll_loss_backward", m.saturating_mul(c), self.dtype())?;
         let t = targets(target, m, c, ignore_index)?;
         let w = weight.unwrap_or(self);
         float_rows!(self, w, total_weight; g, o => {
@@ -136,41 +146,6 @@ impl CpuStorage {
             backward(g, &t, w, same_dtype(total, self.dtype())?, c, ignore_index, mean)
         })
     }
-}
-
-/// The slice of an operand that must have the loss's dtype.
-fn same_dtype<T>(s: Option<&[T]>, dtype: DType) -> Result<&[T]> {
-    s.ok_or(Error::UnsupportedDType {
-        op: OP,
-        dtype,
-        hint: "the class weights and the log-probabilities must have one dtype",
-    })
-}
-
-impl LossOps for CpuStorage {
-    fn nll_loss_forward(
-        &self,
-        target: &CpuStorage,
-        weight: Option<&CpuStorage>,
-        mc: (usize, usize),
-        ignore_index: i64,
-        mean: bool,
-    ) -> Result<(CpuStorage, CpuStorage)> {
-        CpuStorage::nll_loss_forward(self, target, weight, mc, ignore_index, mean)
-    }
-
-    fn nll_loss_backward(
-        &self,
-        target: &CpuStorage,
-        weight: Option<&CpuStorage>,
-        total_weight: &CpuStorage,
-        mc: (usize, usize),
-        ignore_index: i64,
-        mean: bool,
-    ) -> Result<CpuStorage> {
-        check_host_alloc("nll_loss_backward", mc.0.saturating_mul(mc.1), self.dtype())?;
-        CpuStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
-    }
 
     fn cross_entropy_forward(
         &self,
@@ -178,9 +153,45 @@ impl LossOps for CpuStorage {
         weight: Option<&CpuStorage>,
         p: &CrossEntropyParams,
     ) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
-        self.cross_entropy_forward_cpu(target, weight, p)
+        let (n, c) = (p.n, p.c);
+        let acc = acc_dtype(self.dtype());
+        let t = targets_named(CE, target, n, c, p.ignore_index)?;
+        let w = ce_weights(weight, acc, c)?;
+        let big_w = w.as_ref().map_or(c as f64, |w| w.iter().sum());
+        let eps = p.label_smoothing;
+        let rows = with_rows(self, n, c, |i, row| {
+            let lse = log_sum_exp(row);
+            if t[i] == p.ignore_index {
+                return (lse, 0.0, 0.0);
+            }
+            let ti = t[i] as usize;
+            let wt = w.as_ref().map_or(1.0, |w| w[ti]);
+            let mut loss = (1.0 - eps) * wt * (lse - row[ti]);
+            if eps > 0.0 {
+                let wx: f64 = match &w {
+                    Some(w) => w.iter().zip(row).map(|(a, b)| a * b).sum(),
+                    None => row.iter().sum(),
+                };
+                loss += eps / c as f64 * (big_w * lse - wx);
+            }
+            (lse, loss, wt)
+        })?;
+        let total_w: f64 = rows.iter().map(|r| r.2).sum();
+        let losses: Vec<f64> = rows.iter().map(|r| r.1).collect();
+        let loss = match p.reduction {
+            Reduction::None => losses,
+            Reduction::Sum => vec![losses.iter().sum()],
+            Reduction::Mean => vec![losses.iter().sum::<f64>() / total_w],
+        };
+        let lse: Vec<f64> = rows.iter().map(|r| r.0).collect();
+        Ok((
+            float_storage(p.out_dtype, &loss)?,
+            float_storage(acc, &lse)?,
+            float_storage(acc, &[total_w, big_w])?,
+        ))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn cross_entropy_backward(
         &self,
         target: &CpuStorage,
@@ -191,7 +202,38 @@ impl LossOps for CpuStorage {
         p: &CrossEntropyParams,
     ) -> Result<CpuStorage> {
         check_host_alloc("cross_entropy_backward", p.n.saturating_mul(p.c), self.dtype())?;
-        self.cross_entropy_backward_cpu(target, weight, lse, total, grad, p)
+        let (n, c) = (p.n, p.c);
+        let acc = acc_dtype(self.dtype());
+        let t = targets_named(CE, target, n, c, p.ignore_index)?;
+        let w = ce_weights(weight, acc, c)?;
+        let (lse, total, g) = (float_values(lse)?, float_values(total)?, float_values(grad)?);
+        p.check_backward_lengths(lse.len(), total.len(), g.len())?;
+        let eps = p.label_smoothing;
+        let per_row = p.reduction == Reduction::None;
+        let divisor = if p.reduction == Reduction::Mean {
+            total[0]
+        } else {
+            1.0
+        };
+        let big_w = total[1];
+        let mut out = Vec::with_capacity(n * c);
+        with_rows(self, n, c, |i, row| {
+            if t[i] == p.ignore_index {
+                out.extend(std::iter::repeat_n(0.0, c));
+                return;
+            }
+            let ti = t[i] as usize;
+            let s = g[if per_row { i } else { 0 }] / divisor;
+            let a = s * (1.0 - eps) * w.as_ref().map_or(1.0, |w| w[ti]);
+            let b = s * eps / c as f64;
+            for (j, &x) in row.iter().enumerate() {
+                let pj = (x - lse[i]).exp();
+                let wj = w.as_ref().map_or(1.0, |w| w[j]);
+                let hot = if j == ti { a } else { 0.0 };
+                out.push((a + b * big_w) * pj - hot - b * wj);
+            }
+        })?;
+        float_storage(self.dtype(), &out)
     }
 }
 
@@ -302,152 +344,4 @@ fn log_sum_exp(row: &[f64]) -> f64 {
         return m;
     }
     m + row.iter().map(|&x| (x - m).exp()).sum::<f64>().ln()
-}
-
-impl CpuStorage {
-    fn cross_entropy_forward_cpu(
-        &self,
-        target: &CpuStorage,
-        weight: Option<&CpuStorage>,
-        p: &CrossEntropyParams,
-    ) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
-        let (n, c) = (p.n, p.c);
-        let acc = acc_dtype(self.dtype());
-        let t = targets_named(CE, target, n, c, p.ignore_index)?;
-        let w = ce_weights(weight, acc, c)?;
-        let big_w = w.as_ref().map_or(c as f64, |w| w.iter().sum());
-        let eps = p.label_smoothing;
-        let rows = with_rows(self, n, c, |i, row| {
-            let lse = log_sum_exp(row);
-            if t[i] == p.ignore_index {
-                return (lse, 0.0, 0.0);
-            }
-            let ti = t[i] as usize;
-            let wt = w.as_ref().map_or(1.0, |w| w[ti]);
-            let mut loss = (1.0 - eps) * wt * (lse - row[ti]);
-            if eps > 0.0 {
-                let wx: f64 = match &w {
-                    Some(w) => w.iter().zip(row).map(|(a, b)| a * b).sum(),
-                    None => row.iter().sum(),
-                };
-                loss += eps / c as f64 * (big_w * lse - wx);
-            }
-            (lse, loss, wt)
-        })?;
-        let total_w: f64 = rows.iter().map(|r| r.2).sum();
-        let losses: Vec<f64> = rows.iter().map(|r| r.1).collect();
-        let loss = match p.reduction {
-            Reduction::None => losses,
-            Reduction::Sum => vec![losses.iter().sum()],
-            Reduction::Mean => vec![losses.iter().sum::<f64>() / total_w],
-        };
-        let lse: Vec<f64> = rows.iter().map(|r| r.0).collect();
-        Ok((
-            float_storage(p.out_dtype, &loss)?,
-            float_storage(acc, &lse)?,
-            float_storage(acc, &[total_w, big_w])?,
-        ))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn cross_entropy_backward_cpu(
-        &self,
-        target: &CpuStorage,
-        weight: Option<&CpuStorage>,
-        lse: &CpuStorage,
-        total: &CpuStorage,
-        grad: &CpuStorage,
-        p: &CrossEntropyParams,
-    ) -> Result<CpuStorage> {
-        let (n, c) = (p.n, p.c);
-        let acc = acc_dtype(self.dtype());
-        let t = targets_named(CE, target, n, c, p.ignore_index)?;
-        let w = ce_weights(weight, acc, c)?;
-        let (lse, total, g) = (float_values(lse)?, float_values(total)?, float_values(grad)?);
-        p.check_backward_lengths(lse.len(), total.len(), g.len())?;
-        let eps = p.label_smoothing;
-        let per_row = p.reduction == Reduction::None;
-        let divisor = if p.reduction == Reduction::Mean {
-            total[0]
-        } else {
-            1.0
-        };
-        let big_w = total[1];
-        let mut out = Vec::with_capacity(n * c);
-        with_rows(self, n, c, |i, row| {
-            if t[i] == p.ignore_index {
-                out.extend(std::iter::repeat_n(0.0, c));
-                return;
-            }
-            let ti = t[i] as usize;
-            let s = g[if per_row { i } else { 0 }] / divisor;
-            let a = s * (1.0 - eps) * w.as_ref().map_or(1.0, |w| w[ti]);
-            let b = s * eps / c as f64;
-            for (j, &x) in row.iter().enumerate() {
-                let pj = (x - lse[i]).exp();
-                let wj = w.as_ref().map_or(1.0, |w| w[j]);
-                let hot = if j == ti { a } else { 0.0 };
-                out.push((a + b * big_w) * pj - hot - b * wj);
-            }
-        })?;
-        float_storage(self.dtype(), &out)
-    }
-
-    /// The weight gradient of a read of `rows` rows at `index` (see
-    /// `IndexOps::embedding_backward`): the positions in order, accumulated in f32 (f64 for
-    /// f64), each row rounded once.
-    pub(crate) fn embedding_backward_cpu(
-        &self,
-        index: &CpuStorage,
-        n: usize,
-        d: usize,
-        rows: usize,
-    ) -> Result<CpuStorage> {
-        const OP: &str = "embedding_backward";
-        let idx = targets_named(OP, index, n, rows, i64::MIN)?;
-        check_host_alloc(OP, rows.saturating_mul(d), self.dtype())?;
-        if self.len() < n.saturating_mul(d) {
-            return Err(Error::invalid(
-                OP,
-                format!("{} gradient elements for {n} rows of {d}", self.len()),
-            ));
-        }
-        // f32 sums round to T as the GPU's `cast<T>(float)` does (`half`'s from_f32, round to
-        // nearest even), so both devices give the same bits.
-        fn go<T: CpuElement>(
-            g: &[T],
-            idx: &[i64],
-            d: usize,
-            rows: usize,
-            wide: bool,
-            round: fn(f32) -> T,
-        ) -> CpuStorage {
-            if wide {
-                let mut acc = vec![0.0f64; rows * d];
-                for (i, &r) in idx.iter().enumerate() {
-                    let dst = &mut acc[r as usize * d..][..d];
-                    for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
-                        *a += x.to_f64();
-                    }
-                }
-                T::wrap(acc.into_iter().map(T::from_f64).collect())
-            } else {
-                let mut acc = vec![0.0f32; rows * d];
-                for (i, &r) in idx.iter().enumerate() {
-                    let dst = &mut acc[r as usize * d..][..d];
-                    for (a, x) in dst.iter_mut().zip(&g[i * d..(i + 1) * d]) {
-                        *a += x.to_f64() as f32;
-                    }
-                }
-                T::wrap(acc.into_iter().map(round).collect())
-            }
-        }
-        Ok(match self {
-            CpuStorage::F32(g) => go(g, &idx, d, rows, false, |a| a),
-            CpuStorage::F64(g) => go(g, &idx, d, rows, true, |a| a as f64),
-            CpuStorage::F16(g) => go(g, &idx, d, rows, false, f16::from_f32),
-            CpuStorage::BF16(g) => go(g, &idx, d, rows, false, bf16::from_f32),
-            other => return Err(Error::dtype(OP, other.dtype())),
-        })
-    }
 }

@@ -292,97 +292,6 @@ fn int_matmul<T: IntElement>(a: &[T], al: &Layout, b: &[T], bl: &Layout) -> Vec<
     out
 }
 
-impl CpuStorage {
-    /// The batched product of `[B.., m, k]` and `[B.., k, n]` (same batch dims), row-major.
-    pub fn matmul(&self, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
-        use CpuStorage::*;
-        Ok(match (self, rhs) {
-            (F32(a), F32(b)) => F32(gemm_batched(a, al, b, bl)),
-            (F64(a), F64(b)) => F64(gemm_batched(a, al, b, bl)),
-            (F16(a), F16(b)) => F16(gemm_batched(a, al, b, bl)),
-            (BF16(a), BF16(b)) => BF16(bf16_matmul(a, al, b, bl)),
-            (I64(a), I64(b)) => I64(int_matmul(a, al, b, bl)),
-            (I32(a), I32(b)) => I32(int_matmul(a, al, b, bl)),
-            (U8(a), U8(b)) => U8(int_matmul(a, al, b, bl)),
-            (Bool(_), Bool(_)) => {
-                return Err(Error::UnsupportedDType {
-                    op: "matmul",
-                    dtype: DType::Bool,
-                    hint: "convert to an integer or float dtype first",
-                })
-            }
-            _ => {
-                return Err(Error::DTypeMismatch {
-                    op: "matmul",
-                    expected: self.dtype(),
-                    found: rhs.dtype(),
-                })
-            }
-        })
-    }
-}
-
-impl CpuStorage {
-    /// [`CpuStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
-    /// the product: `out[.., i, j] = Σ_k a[.., i, k]·b[.., k, j] + bias[j]`. f16 and bf16 add the
-    /// bias to the f32 accumulation and round once; f32 and f64 add it to the product. Floats
-    /// only (an integer product plus a bias is exact as matmul then add).
-    pub fn matmul_bias(
-        &self,
-        al: &Layout,
-        rhs: &CpuStorage,
-        bl: &Layout,
-        bias: &CpuStorage,
-        bias_l: &Layout,
-    ) -> Result<CpuStorage> {
-        use CpuStorage::*;
-        let n = bl.dims()[bl.dims().len() - 1];
-        assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
-        for other in [rhs, bias] {
-            if other.dtype() != self.dtype() {
-                return Err(Error::DTypeMismatch {
-                    op: "linear",
-                    expected: self.dtype(),
-                    found: other.dtype(),
-                });
-            }
-        }
-        Ok(match (self, rhs, bias) {
-            (F32(a), F32(b), F32(c)) => {
-                let mut out = gemm_batched(a, al, b, bl);
-                add_bias(&mut out, &super::gather_strided(c, bias_l));
-                F32(out)
-            }
-            (F64(a), F64(b), F64(c)) => {
-                let mut out = gemm_batched(a, al, b, bl);
-                add_bias(&mut out, &super::gather_strided(c, bias_l));
-                F64(out)
-            }
-            (F16(a), F16(b), F16(c)) => F16(half_matmul_bias(
-                (a, al),
-                (b, bl),
-                (c, bias_l),
-                f16::to_f32,
-                f16::from_f32,
-            )),
-            (BF16(a), BF16(b), BF16(c)) => BF16(half_matmul_bias(
-                (a, al),
-                (b, bl),
-                (c, bias_l),
-                bf16::to_f32,
-                bf16::from_f32,
-            )),
-            _ => {
-                return Err(Error::UnsupportedDType {
-                    op: "matmul with a bias",
-                    dtype: self.dtype(),
-                    hint: "only float products take a fused bias; use matmul then add",
-                })
-            }
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,21 +340,93 @@ mod tests {
 }
 
 impl MatmulOps for CpuStorage {
-    fn matmul(&self, layout: &Layout, rhs: &CpuStorage, rhs_layout: &Layout) -> Result<CpuStorage> {
-        check_host_alloc("matmul", matmul_out_len(layout, rhs_layout)?, self.dtype())?;
-        CpuStorage::matmul(self, layout, rhs, rhs_layout)
+    /// The batched product of `[B.., m, k]` and `[B.., k, n]` (same batch dims), row-major.
+    fn matmul(&self, al: &Layout, rhs: &CpuStorage, bl: &Layout) -> Result<CpuStorage> {
+        use CpuStorage::*;
+        check_host_alloc("matmul", matmul_out_len(al, bl)?, self.dtype())?;
+        Ok(match (self, rhs) {
+            (F32(a), F32(b)) => F32(gemm_batched(a, al, b, bl)),
+            (F64(a), F64(b)) => F64(gemm_batched(a, al, b, bl)),
+            (F16(a), F16(b)) => F16(gemm_batched(a, al, b, bl)),
+            (BF16(a), BF16(b)) => BF16(bf16_matmul(a, al, b, bl)),
+            (I64(a), I64(b)) => I64(int_matmul(a, al, b, bl)),
+            (I32(a), I32(b)) => I32(int_matmul(a, al, b, bl)),
+            (U8(a), U8(b)) => U8(int_matmul(a, al, b, bl)),
+            (Bool(_), Bool(_)) => {
+                return Err(Error::UnsupportedDType {
+                    op: "matmul",
+                    dtype: DType::Bool,
+                    hint: "convert to an integer or float dtype first",
+                })
+            }
+            _ => {
+                return Err(Error::DTypeMismatch {
+                    op: "matmul",
+                    expected: self.dtype(),
+                    found: rhs.dtype(),
+                })
+            }
+        })
     }
 
+    /// [`CpuStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
+    /// the product: `out[.., i, j] = Σ_k a[.., i, k]·b[.., k, j] + bias[j]`. f16 and bf16 add the
+    /// bias to the f32 accumulation and round once; f32 and f64 add it to the product. Floats
+    /// only (an integer product plus a bias is exact as matmul then add).
     fn matmul_bias(
         &self,
-        layout: &Layout,
+        al: &Layout,
         rhs: &CpuStorage,
-        rhs_layout: &Layout,
+        bl: &Layout,
         bias: &CpuStorage,
-        bias_layout: &Layout,
+        bias_l: &Layout,
     ) -> Result<CpuStorage> {
-        check_host_alloc("linear", matmul_out_len(layout, rhs_layout)?, self.dtype())?;
-        CpuStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
+        use CpuStorage::*;
+        check_host_alloc("linear", matmul_out_len(al, bl)?, self.dtype())?;
+        let n = bl.dims()[bl.dims().len() - 1];
+        assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
+        for other in [rhs, bias] {
+            if other.dtype() != self.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "linear",
+                    expected: self.dtype(),
+                    found: other.dtype(),
+                });
+            }
+        }
+        Ok(match (self, rhs, bias) {
+            (F32(a), F32(b), F32(c)) => {
+                let mut out = gemm_batched(a, al, b, bl);
+                add_bias(&mut out, &super::gather_strided(c, bias_l));
+                F32(out)
+            }
+            (F64(a), F64(b), F64(c)) => {
+                let mut out = gemm_batched(a, al, b, bl);
+                add_bias(&mut out, &super::gather_strided(c, bias_l));
+                F64(out)
+            }
+            (F16(a), F16(b), F16(c)) => F16(half_matmul_bias(
+                (a, al),
+                (b, bl),
+                (c, bias_l),
+                f16::to_f32,
+                f16::from_f32,
+            )),
+            (BF16(a), BF16(b), BF16(c)) => BF16(half_matmul_bias(
+                (a, al),
+                (b, bl),
+                (c, bias_l),
+                bf16::to_f32,
+                bf16::from_f32,
+            )),
+            _ => {
+                return Err(Error::UnsupportedDType {
+                    op: "matmul with a bias",
+                    dtype: self.dtype(),
+                    hint: "only float products take a fused bias; use matmul then add",
+                })
+            }
+        })
     }
 }
 

@@ -390,7 +390,7 @@ impl OptimOps for CpuStorage {
 
 // ---------------------------------------------------------------------------------------------
 // Multi-tensor steps: from the backend-neutral operands (`backend/step.rs`, checked by
-// `storage.rs`) to the slices of `cpu/optim.rs`'s and `cpu/amp.rs`'s kernels.
+// `storage/families.rs`) to the slices of `cpu/optim.rs`'s and `cpu/amp.rs`'s kernels.
 
 /// The element of a one-element operand.
 pub(super) fn scalar<T: CpuElement>(e: &Elems<&CpuStorage>) -> T {

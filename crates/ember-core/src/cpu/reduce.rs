@@ -557,65 +557,6 @@ fn int_reduce<T: CpuElement>(v: &[T], l: &Layout, dims: &[usize], prod: bool) ->
     }
 }
 
-impl CpuStorage {
-    /// `op` over `dims` (sorted, unique) of `layout`; the result is row-major over the kept
-    /// dims. Sum/prod of integers and bools give i64, argmax/argmin give i64 indices.
-    pub fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CpuStorage> {
-        use CpuStorage::*;
-        let (_, k) = reduce_sizes(layout, dims);
-        if k == 0
-            && matches!(
-                op,
-                ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin
-            )
-        {
-            return Err(empty_reduction(op.name()));
-        }
-        Ok(match op {
-            ReduceOp::Max | ReduceOp::Min => {
-                let max = op == ReduceOp::Max;
-                crate::with_cpu_storage!(self, v => CpuElement::wrap(extreme(v, layout, dims, max)))
-            }
-            ReduceOp::ArgMax | ReduceOp::ArgMin => {
-                let max = op == ReduceOp::ArgMax;
-                I64(crate::with_cpu_storage!(self, v => arg_reduce(v, layout, dims, max).1))
-            }
-            _ => match self {
-                F32(v) => F32(float_reduce(v, layout, dims, op)?),
-                F64(v) => F64(float_reduce(v, layout, dims, op)?),
-                F16(v) => F16(float_reduce(v, layout, dims, op)?),
-                BF16(v) => BF16(float_reduce(v, layout, dims, op)?),
-                _ if matches!(op, ReduceOp::Sum | ReduceOp::Prod) => {
-                    let prod = op == ReduceOp::Prod;
-                    I64(crate::with_cpu_storage!(self, v => int_reduce(v, layout, dims, prod)))
-                }
-                _ => return Err(Error::dtype(op.name(), self.dtype())),
-            },
-        })
-    }
-
-    /// Max or min over `dims` with the index of its first occurrence (`torch.max(x, dim)`).
-    pub fn reduce_with_indices(
-        &self,
-        layout: &Layout,
-        op: ReduceOp,
-        dims: &[usize],
-    ) -> Result<(CpuStorage, CpuStorage)> {
-        let max = match op {
-            ReduceOp::Max => true,
-            ReduceOp::Min => false,
-            _ => return Err(Error::invalid(op.name(), "only max and min return indices")),
-        };
-        if reduce_sizes(layout, dims).1 == 0 {
-            return Err(empty_reduction(op.name()));
-        }
-        Ok(crate::with_cpu_storage!(self, v => {
-            let (vals, idx) = arg_reduce(v, layout, dims, max);
-            (CpuElement::wrap(vals), CpuStorage::I64(idx))
-        }))
-    }
-}
-
 /// The error for max/min/argmax over zero elements, which have no identity.
 pub(crate) fn empty_reduction(op: &'static str) -> Error {
     Error::invalid(
@@ -660,16 +601,60 @@ mod tests {
 }
 
 impl ReduceOps for CpuStorage {
+    /// `op` over `dims` (sorted, unique) of `layout`; the result is row-major over the kept
+    /// dims. Sum/prod of integers and bools give i64, argmax/argmin give i64 indices.
     fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CpuStorage> {
-        CpuStorage::reduce(self, layout, op, dims)
+        use CpuStorage::*;
+        let (_, k) = reduce_sizes(layout, dims);
+        if k == 0
+            && matches!(
+                op,
+                ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin
+            )
+        {
+            return Err(empty_reduction(op.name()));
+        }
+        Ok(match op {
+            ReduceOp::Max | ReduceOp::Min => {
+                let max = op == ReduceOp::Max;
+                crate::with_cpu_storage!(self, v => CpuElement::wrap(extreme(v, layout, dims, max)))
+            }
+            ReduceOp::ArgMax | ReduceOp::ArgMin => {
+                let max = op == ReduceOp::ArgMax;
+                I64(crate::with_cpu_storage!(self, v => arg_reduce(v, layout, dims, max).1))
+            }
+            _ => match self {
+                F32(v) => F32(float_reduce(v, layout, dims, op)?),
+                F64(v) => F64(float_reduce(v, layout, dims, op)?),
+                F16(v) => F16(float_reduce(v, layout, dims, op)?),
+                BF16(v) => BF16(float_reduce(v, layout, dims, op)?),
+                _ if matches!(op, ReduceOp::Sum | ReduceOp::Prod) => {
+                    let prod = op == ReduceOp::Prod;
+                    I64(crate::with_cpu_storage!(self, v => int_reduce(v, layout, dims, prod)))
+                }
+                _ => return Err(Error::dtype(op.name(), self.dtype())),
+            },
+        })
     }
 
+    /// Max or min over `dims` with the index of its first occurrence (`torch.max(x, dim)`).
     fn reduce_with_indices(
         &self,
         layout: &Layout,
         op: ReduceOp,
         dims: &[usize],
     ) -> Result<(CpuStorage, CpuStorage)> {
-        CpuStorage::reduce_with_indices(self, layout, op, dims)
+        let max = match op {
+            ReduceOp::Max => true,
+            ReduceOp::Min => false,
+            _ => return Err(Error::invalid(op.name(), "only max and min return indices")),
+        };
+        if reduce_sizes(layout, dims).1 == 0 {
+            return Err(empty_reduction(op.name()));
+        }
+        Ok(crate::with_cpu_storage!(self, v => {
+            let (vals, idx) = arg_reduce(v, layout, dims, max);
+            (CpuElement::wrap(vals), CpuStorage::I64(idx))
+        }))
     }
 }

@@ -171,10 +171,10 @@ fn mismatch(op: &'static str, a: &CpuStorage, b: &CpuStorage) -> Error {
     }
 }
 
-impl CpuStorage {
+impl RnnOps for CpuStorage {
     /// One forward step (see [`LstmForwardStep`]): reads `gi`, `hh` and `c`'s previous row,
     /// writes `h`'s and `c`'s step rows (and the copy of `c`) and the activated `gates`.
-    pub(crate) fn lstm_forward_step(
+    fn lstm_forward_step(
         s: &LstmForwardStep,
         gi: &CpuStorage,
         hh: &CpuStorage,
@@ -203,7 +203,7 @@ impl CpuStorage {
     /// One backward step (see [`LstmBackwardStep`]): reads the output gradient rows, the
     /// recurrent gradient (if any), the saved gates and `c` rows; updates `dc` in place and
     /// writes the step's pre-activation gate gradients into `dgates`.
-    pub(crate) fn lstm_backward_step(
+    fn lstm_backward_step(
         s: &LstmBackwardStep,
         dh_out: &CpuStorage,
         dh_rec: Option<&CpuStorage>,
@@ -239,30 +239,5 @@ impl CpuStorage {
             CpuStorage::BF16(d) => run!(BF16, d),
             other => Err(Error::dtype(OP, other.dtype())),
         }
-    }
-}
-
-impl RnnOps for CpuStorage {
-    fn lstm_forward_step(
-        s: &LstmForwardStep,
-        gi: &CpuStorage,
-        hh: &CpuStorage,
-        h: &mut CpuStorage,
-        c: &mut CpuStorage,
-        gates: &mut CpuStorage,
-    ) -> Result<()> {
-        CpuStorage::lstm_forward_step(s, gi, hh, h, c, gates)
-    }
-
-    fn lstm_backward_step(
-        s: &LstmBackwardStep,
-        dh_out: &CpuStorage,
-        dh_rec: Option<&CpuStorage>,
-        gates: &CpuStorage,
-        c: &CpuStorage,
-        dc: &mut CpuStorage,
-        dgates: &mut CpuStorage,
-    ) -> Result<()> {
-        CpuStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
     }
 }

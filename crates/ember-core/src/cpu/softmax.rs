@@ -213,48 +213,6 @@ fn backward<T: FloatElem>(y: &[T], yl: &Layout, g: &[T], gl: &Layout, dim: usize
     out
 }
 
-impl CpuStorage {
-    /// Softmax or log_softmax along `dim` of `layout`, as a row-major storage of its shape.
-    pub fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CpuStorage> {
-        use CpuStorage::*;
-        let log = op == SoftmaxOp::LogSoftmax;
-        Ok(match self {
-            F32(v) => F32(forward(v, layout, dim, log)),
-            F64(v) => F64(forward(v, layout, dim, log)),
-            F16(v) => F16(forward(v, layout, dim, log)),
-            BF16(v) => BF16(forward(v, layout, dim, log)),
-            _ => return Err(Error::dtype(op.name(), self.dtype())),
-        })
-    }
-
-    /// The gradient of softmax/log_softmax along `dim` from its output (`self`) and the
-    /// output's gradient, which has the same shape and dtype.
-    pub fn softmax_backward(
-        &self,
-        yl: &Layout,
-        grad: &CpuStorage,
-        gl: &Layout,
-        op: SoftmaxOp,
-        dim: usize,
-    ) -> Result<CpuStorage> {
-        use CpuStorage::*;
-        let log = op == SoftmaxOp::LogSoftmax;
-        Ok(match (self, grad) {
-            (F32(y), F32(g)) => F32(backward(y, yl, g, gl, dim, log)),
-            (F64(y), F64(g)) => F64(backward(y, yl, g, gl, dim, log)),
-            (F16(y), F16(g)) => F16(backward(y, yl, g, gl, dim, log)),
-            (BF16(y), BF16(g)) => BF16(backward(y, yl, g, gl, dim, log)),
-            _ => {
-                return Err(Error::DTypeMismatch {
-                    op: op.name(),
-                    expected: self.dtype(),
-                    found: grad.dtype(),
-                })
-            }
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,20 +233,45 @@ mod tests {
 }
 
 impl SoftmaxOps for CpuStorage {
+    /// Softmax or log_softmax along `dim` of `layout`, as a row-major storage of its shape.
     fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CpuStorage> {
+        use CpuStorage::*;
         check_host_alloc(op.name(), layout.numel(), self.dtype())?;
-        CpuStorage::softmax(self, layout, op, dim)
+        let log = op == SoftmaxOp::LogSoftmax;
+        Ok(match self {
+            F32(v) => F32(forward(v, layout, dim, log)),
+            F64(v) => F64(forward(v, layout, dim, log)),
+            F16(v) => F16(forward(v, layout, dim, log)),
+            BF16(v) => BF16(forward(v, layout, dim, log)),
+            _ => return Err(Error::dtype(op.name(), self.dtype())),
+        })
     }
 
+    /// The gradient of softmax/log_softmax along `dim` from its output (`self`) and the
+    /// output's gradient, which has the same shape and dtype.
     fn softmax_backward(
         &self,
-        layout: &Layout,
+        yl: &Layout,
         grad: &CpuStorage,
-        grad_layout: &Layout,
+        gl: &Layout,
         op: SoftmaxOp,
         dim: usize,
     ) -> Result<CpuStorage> {
-        check_host_alloc(op.name(), layout.numel(), self.dtype())?;
-        CpuStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
+        use CpuStorage::*;
+        check_host_alloc(op.name(), yl.numel(), self.dtype())?;
+        let log = op == SoftmaxOp::LogSoftmax;
+        Ok(match (self, grad) {
+            (F32(y), F32(g)) => F32(backward(y, yl, g, gl, dim, log)),
+            (F64(y), F64(g)) => F64(backward(y, yl, g, gl, dim, log)),
+            (F16(y), F16(g)) => F16(backward(y, yl, g, gl, dim, log)),
+            (BF16(y), BF16(g)) => BF16(backward(y, yl, g, gl, dim, log)),
+            _ => {
+                return Err(Error::DTypeMismatch {
+                    op: op.name(),
+                    expected: self.dtype(),
+                    found: grad.dtype(),
+                })
+            }
+        })
     }
 }

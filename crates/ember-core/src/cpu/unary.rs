@@ -435,35 +435,6 @@ fn int_map<T: IntElem>(src: &[T], l: &Layout, op: UnaryOp) -> Vec<T> {
     }
 }
 
-impl CpuStorage {
-    /// `op` over the elements of `layout`, in a new row-major storage of
-    /// `op.result_dtype(self.dtype())`.
-    pub fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CpuStorage> {
-        use CpuStorage::*;
-        let int_out = op.result_dtype(self.dtype())?.is_integer();
-        let l = layout;
-        Ok(match self {
-            F64(v) => F64(float_map::<_, f64, _>(v, l, op)),
-            F32(v) => F32(float_map::<_, f32, _>(v, l, op)),
-            F16(v) => F16(float_map::<_, f32, _>(v, l, op)),
-            BF16(v) => BF16(float_map::<_, f32, _>(v, l, op)),
-            I64(v) if int_out => I64(int_map(v, l, op)),
-            I32(v) if int_out => I32(int_map(v, l, op)),
-            U8(v) if int_out => U8(int_map(v, l, op)),
-            I64(v) => F32(float_map::<_, f32, _>(v, l, op)),
-            I32(v) => F32(float_map::<_, f32, _>(v, l, op)),
-            U8(v) => F32(float_map::<_, f32, _>(v, l, op)),
-            Bool(v) => match op.result_dtype(DType::Bool)? {
-                // abs and sign of a bool are the bool itself.
-                DType::Bool => Bool(gather_strided(v, l)),
-                // square: true² = 1 as int64.
-                DType::I64 => I64(gather_strided(v, l).into_iter().map(i64::from).collect()),
-                _ => F32(float_map::<_, f32, _>(v, l, op)),
-            },
-        })
-    }
-}
-
 /// ReLU's input gradient from its output `y` and the output gradient `g` (contiguous, `len`
 /// elements each, one float dtype): `g` where `y > 0`, else 0 (NaN in `y` gives 0, as
 /// PyTorch's `threshold_backward`); None for other dtypes.
@@ -488,13 +459,36 @@ pub(crate) fn relu_backward(y: &CpuStorage, g: &CpuStorage, len: usize) -> Optio
 }
 
 impl UnaryOps for CpuStorage {
+    /// `op` over the elements of `layout`, in a new row-major storage of
+    /// `op.result_dtype(self.dtype())`.
     fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CpuStorage> {
         check_host_alloc(
             op.name(),
             layout.numel(),
             op.result_dtype(self.dtype()).unwrap_or(self.dtype()),
         )?;
-        CpuStorage::unary(self, op, layout)
+        use CpuStorage::*;
+        let int_out = op.result_dtype(self.dtype())?.is_integer();
+        let l = layout;
+        Ok(match self {
+            F64(v) => F64(float_map::<_, f64, _>(v, l, op)),
+            F32(v) => F32(float_map::<_, f32, _>(v, l, op)),
+            F16(v) => F16(float_map::<_, f32, _>(v, l, op)),
+            BF16(v) => BF16(float_map::<_, f32, _>(v, l, op)),
+            I64(v) if int_out => I64(int_map(v, l, op)),
+            I32(v) if int_out => I32(int_map(v, l, op)),
+            U8(v) if int_out => U8(int_map(v, l, op)),
+            I64(v) => F32(float_map::<_, f32, _>(v, l, op)),
+            I32(v) => F32(float_map::<_, f32, _>(v, l, op)),
+            U8(v) => F32(float_map::<_, f32, _>(v, l, op)),
+            Bool(v) => match op.result_dtype(DType::Bool)? {
+                // abs and sign of a bool are the bool itself.
+                DType::Bool => Bool(gather_strided(v, l)),
+                // square: true² = 1 as int64.
+                DType::I64 => I64(gather_strided(v, l).into_iter().map(i64::from).collect()),
+                _ => F32(float_map::<_, f32, _>(v, l, op)),
+            },
+        })
     }
 
     fn relu_backward(&self, grad_out: &CpuStorage, len: usize) -> Result<Option<CpuStorage>> {

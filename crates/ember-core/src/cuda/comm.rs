@@ -69,29 +69,33 @@ pub fn broadcast_coalesced(
             ),
         ));
     }
-    let mut out: Vec<Vec<Option<Tensor>>> = vec![vec![None; tensors.len()]; devices.len()];
-    for bucket in &buckets(tensors, buffer_size) {
-        if let [i] = bucket[..] {
-            // Alone: copied from where it lies, with no gather.
+    let op = &crate::dispatch::policy::BROADCAST_COALESCED;
+    let out = crate::dispatch::enter(op, Device::Cuda(source), |door| {
+        let mut out: Vec<Vec<Option<Tensor>>> = vec![vec![None; tensors.len()]; devices.len()];
+        for bucket in &buckets(tensors, buffer_size) {
+            if let [i] = bucket[..] {
+                // Alone: copied from where it lies, with no gather.
+                for (j, &d) in devices.iter().enumerate() {
+                    out[j][i] = Some(tensors[i].to(Device::Cuda(d))?);
+                }
+                continue;
+            }
+            let members: Vec<&Tensor> = bucket.iter().map(|&i| &tensors[i]).collect();
+            let (offsets, len) = layout(&members);
+            let flat = gather(&members, &offsets, len, source)?;
             for (j, &d) in devices.iter().enumerate() {
-                out[j][i] = Some(tensors[i].to(Device::Cuda(d))?);
-            }
-            continue;
-        }
-        let members: Vec<&Tensor> = bucket.iter().map(|&i| &tensors[i]).collect();
-        let (offsets, len) = layout(&members);
-        let flat = gather(&members, &offsets, len, source)?;
-        for (j, &d) in devices.iter().enumerate() {
-            let remote = flat.to(Device::Cuda(d))?;
-            let copies = slots(&remote, &members, &offsets)?;
-            for (&i, copy) in bucket.iter().zip(copies) {
-                out[j][i] = Some(match d == source {
-                    true => tensors[i].clone(),
-                    false => copy.into_copy_of(&tensors[i]),
-                });
+                let remote = flat.to(Device::Cuda(d))?;
+                let copies = slots(&remote, &members, &offsets)?;
+                for (&i, copy) in bucket.iter().zip(copies) {
+                    out[j][i] = Some(match d == source {
+                        true => tensors[i].clone(),
+                        false => copy.into_copy_of(&tensors[i], door),
+                    });
+                }
             }
         }
-    }
+        Ok::<_, Error>(out)
+    })?;
     Ok(out
         .into_iter()
         .map(|list| {
@@ -284,7 +288,7 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
 /// it. A tensor of another rank, not contiguous, without rows, on the CPU or already on
 /// `device`, or `blocks` of 0, is copied as `to` copies it.
 pub fn to_in_row_blocks(tensor: &Tensor, device: usize, blocks: usize) -> Result<Tensor> {
-    crate::dispatch::call_with(&crate::dispatch::policy::TO, [tensor], |[x]| {
+    crate::dispatch::call_with(&crate::dispatch::policy::TO, [tensor], |[x], door| {
         let ranges = crate::cuda_backend::row_block_ranges(x.dims().first().copied().unwrap_or(0), blocks);
         let Device::Cuda(from) = x.device() else {
             return x.to(Device::Cuda(device));
@@ -298,9 +302,9 @@ pub fn to_in_row_blocks(tensor: &Tensor, device: usize, blocks: usize) -> Result
             }
             _ => return x.to(Device::Cuda(device)),
         };
-        let copy = Tensor::from_storage(crate::storage::Storage::Cuda(storage), x.shape());
+        let copy = door.tensor(crate::storage::Storage::Cuda(storage), x.shape());
         crate::storage::row_blocks::record_copy((x.storage(), from), (copy.storage(), device), events, done);
-        Ok(copy.into_copy_of(x))
+        Ok(copy.into_copy_of(x, door))
     })
 }
 

@@ -59,7 +59,7 @@ use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
-use crate::backend::MatmulOps;
+use crate::backend::{CopyOps, MatmulOps};
 use crate::layout::Layout;
 use crate::{DType, Error, Result, Shape};
 use cudarc::cublaslt::result::{self as lt, CublasError};

@@ -6,9 +6,9 @@ use super::kernels::{Grid, KernelShape};
 use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
+use crate::backend::op::Promotion;
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp};
 use crate::backend::ElementwiseOps;
-use crate::dispatch::Promotion;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
@@ -112,21 +112,6 @@ impl CudaStorage {
         Ok(out)
     }
 
-    /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
-    pub(crate) fn binary(
-        &self,
-        op: BinaryOp,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<CudaStorage> {
-        if self.dtype() != rhs.dtype() && op.line().promotion == Promotion::CommonMixed {
-            return self.binary_mixed(op, al, rhs, bl);
-        }
-        self.check_binary(op, rhs, bl)?;
-        self.two_operand(TwoOperand::Binary(op), al, rhs, bl, self.dtype())
-    }
-
     /// `lhs op rhs` for a float32 and a float16 or bfloat16 operand (either order), in float32
     /// (Note [Mixed operands] in `elementwise.cu`).
     fn binary_mixed(&self, op: BinaryOp, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
@@ -168,64 +153,6 @@ impl CudaStorage {
             m,
         )?;
         Ok(out)
-    }
-
-    /// `lhs op rhs` written into the contiguous `out` at `ol` (same dtype, shape `al`'s).
-    pub(crate) fn binary_into(
-        &self,
-        op: BinaryOp,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-        out: &mut CudaStorage,
-        ol: &Layout,
-    ) -> Result<()> {
-        self.check_binary(op, rhs, bl)?;
-        same_dtype(op.name(), self, out)?;
-        debug_assert!(ol.is_contiguous() && ol.numel() == al.numel());
-        let rt = self.runtime()?;
-        let (a, b) = (self.dev_ptr(al), rhs.dev_ptr(bl));
-        launch_two(
-            TwoOperand::Binary(op),
-            self.dtype(),
-            a,
-            al,
-            b,
-            bl,
-            out.dev_ptr_mut(ol),
-            rt,
-        )
-    }
-
-    /// `self op rhs` over `self`'s elements at `al` (row-major from its offset): the binary
-    /// kernel with `self` as both the first operand and the output. Each element is read
-    /// before it is written by the same thread, and no two indices share an element.
-    pub(crate) fn binary_inplace(
-        &mut self,
-        op: BinaryOp,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<()> {
-        self.check_binary(op, rhs, bl)?;
-        if !al.is_contiguous() {
-            return Err(Error::invalid(
-                op.name(),
-                "in-place binary kernels write a row-major destination; this is a bug",
-            ));
-        }
-        let rt = self.runtime()?;
-        let o = self.dev_ptr_mut(al);
-        launch_two(
-            TwoOperand::Binary(op),
-            self.dtype(),
-            o.read_only(),
-            al,
-            rhs.dev_ptr(bl),
-            bl,
-            o,
-            rt,
-        )
     }
 
     /// Checks `op` on this dtype (the CPU backend's errors), and for integer pow enqueues the
@@ -271,27 +198,82 @@ impl CudaStorage {
             &check,
         )
     }
+}
 
-    /// Elementwise comparison producing booleans.
-    pub(crate) fn compare(
+impl ElementwiseOps for CudaStorage {
+    /// `lhs op rhs` for two storages of one dtype, layouts broadcast to one shape.
+    #[inline]
+    fn binary(&self, op: BinaryOp, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+        if self.dtype() != rhs.dtype() && op.line().promotion == Promotion::CommonMixed {
+            return self.binary_mixed(op, al, rhs, bl);
+        }
+        self.check_binary(op, rhs, bl)?;
+        self.two_operand(TwoOperand::Binary(op), al, rhs, bl, self.dtype())
+    }
+
+    /// `lhs op rhs` written into the contiguous `out` at `ol` (same dtype, shape `al`'s).
+    #[inline]
+    fn binary_into(
         &self,
-        op: CmpOp,
+        op: BinaryOp,
         al: &Layout,
         rhs: &CudaStorage,
         bl: &Layout,
-    ) -> Result<CudaStorage> {
+        out: &mut CudaStorage,
+        ol: &Layout,
+    ) -> Result<()> {
+        self.check_binary(op, rhs, bl)?;
+        same_dtype(op.name(), self, out)?;
+        debug_assert!(ol.is_contiguous() && ol.numel() == al.numel());
+        let rt = self.runtime()?;
+        let (a, b) = (self.dev_ptr(al), rhs.dev_ptr(bl));
+        launch_two(
+            TwoOperand::Binary(op),
+            self.dtype(),
+            a,
+            al,
+            b,
+            bl,
+            out.dev_ptr_mut(ol),
+            rt,
+        )
+    }
+
+    /// `self op rhs` over `self`'s elements at `al` (row-major from its offset): the binary
+    /// kernel with `self` as both the first operand and the output. Each element is read
+    /// before it is written by the same thread, and no two indices share an element.
+    fn binary_inplace(&mut self, op: BinaryOp, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<()> {
+        self.check_binary(op, rhs, bl)?;
+        if !al.is_contiguous() {
+            return Err(Error::invalid(
+                op.name(),
+                "in-place binary kernels write a row-major destination; this is a bug",
+            ));
+        }
+        let rt = self.runtime()?;
+        let o = self.dev_ptr_mut(al);
+        launch_two(
+            TwoOperand::Binary(op),
+            self.dtype(),
+            o.read_only(),
+            al,
+            rhs.dev_ptr(bl),
+            bl,
+            o,
+            rt,
+        )
+    }
+
+    /// Elementwise comparison producing booleans.
+    #[inline]
+    fn compare(&self, op: CmpOp, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
         same_dtype(op.name(), self, rhs)?;
         self.two_operand(TwoOperand::Compare(op), al, rhs, bl, DType::Bool)
     }
 
     /// Logical op on two boolean storages.
-    pub(crate) fn logical(
-        &self,
-        op: LogicalOp,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<CudaStorage> {
+    #[inline]
+    fn logical(&self, op: LogicalOp, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
         for s in [self, rhs] {
             if s.dtype() != DType::Bool {
                 return Err(Error::dtype(op.name(), s.dtype()));
@@ -302,7 +284,8 @@ impl CudaStorage {
     }
 
     /// `cond ? a : b` elementwise; `self` is the boolean condition; all layouts share a shape.
-    pub(crate) fn where_cond(
+    #[inline]
+    fn where_cond(
         &self,
         cl: &Layout,
         a: &CudaStorage,
@@ -345,75 +328,5 @@ impl CudaStorage {
             n as i64,
         )?;
         Ok(out)
-    }
-}
-
-impl ElementwiseOps for CudaStorage {
-    #[inline]
-    fn binary(
-        &self,
-        op: BinaryOp,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::binary(self, op, layout, rhs, rhs_layout)
-    }
-
-    #[inline]
-    fn binary_into(
-        &self,
-        op: BinaryOp,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-        out: &mut CudaStorage,
-        out_layout: &Layout,
-    ) -> Result<()> {
-        CudaStorage::binary_into(self, op, layout, rhs, rhs_layout, out, out_layout)
-    }
-
-    fn binary_inplace(
-        &mut self,
-        op: BinaryOp,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-    ) -> Result<()> {
-        CudaStorage::binary_inplace(self, op, layout, rhs, rhs_layout)
-    }
-
-    #[inline]
-    fn compare(
-        &self,
-        op: CmpOp,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::compare(self, op, layout, rhs, rhs_layout)
-    }
-
-    #[inline]
-    fn logical(
-        &self,
-        op: LogicalOp,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::logical(self, op, layout, rhs, rhs_layout)
-    }
-
-    #[inline]
-    fn where_cond(
-        &self,
-        layout: &Layout,
-        on_true: &CudaStorage,
-        true_layout: &Layout,
-        on_false: &CudaStorage,
-        false_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::where_cond(self, layout, on_true, true_layout, on_false, false_layout)
     }
 }

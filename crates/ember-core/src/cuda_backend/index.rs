@@ -23,7 +23,7 @@ use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::{IndexOp, ScatterOp};
 use crate::backend::CpuStorage;
-use crate::backend::IndexOps;
+use crate::backend::{CopyOps, IndexOps};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
@@ -140,8 +140,67 @@ fn validated<T>(
 }
 
 impl CudaStorage {
+    /// index_select of a row-major `self`: whole rows of the dims after `dim` move in the
+    /// widest unit (up to 16 bytes) that divides a row and fits the pointers' alignment.
+    fn select_rows(
+        &self,
+        rt: &DeviceRuntime,
+        layout: &Layout,
+        dim: usize,
+        index: &CudaStorage,
+        il: &Layout,
+        out: &CudaStorage,
+    ) -> Result<()> {
+        let dims = layout.dims();
+        let outer: usize = dims[..dim].iter().product();
+        let row_bytes = dims[dim + 1..].iter().product::<usize>() * self.dtype().size_in_bytes();
+        let (x, i, o) = (self.dev_ptr(layout), index.dev_ptr(il), out.dev_ptr_mut_at(0));
+        let aligned = |b: usize| row_bytes % b == 0 && x.addr() % b as u64 == 0 && o.addr() % b as u64 == 0;
+        let unit = [16usize, 8, 4, 2, 1]
+            .into_iter()
+            .find(|&b| aligned(b))
+            .unwrap_or(1);
+        let kernel = match unit {
+            16 => select_rows::select_rows_w16,
+            8 => select_rows::select_rows_w8,
+            4 => select_rows::select_rows_w4,
+            2 => select_rows::select_rows_w2,
+            _ => select_rows::select_rows_w1,
+        };
+        let nidx = il.numel();
+        let inner = row_bytes / unit;
+        let units = outer * nidx * inner;
+        let (outer64, nidx64, size64, inner64, istride) = (
+            outer as i64,
+            nidx as i64,
+            dims[dim] as i64,
+            inner as i64,
+            il.strides()[0] as i64,
+        );
+        // `x` is row-major [outer, size, inner units] from its offset (indices outside 0..size
+        // are skipped), `idx` holds nidx elements at stride istride, `out` holds outer * nidx *
+        // inner units; all B-aligned (checked above).
+        let grid = Grid::linear(rt, units, 256);
+        launch::select_rows(
+            rt,
+            kernel,
+            &[index.dtype()],
+            grid,
+            x,
+            i,
+            o,
+            outer64,
+            nidx64,
+            size64,
+            inner64,
+            istride,
+        )
+    }
+}
+
+impl IndexOps for CudaStorage {
     /// `self` (at `layout`) read at `index` along `dim` (see [`IndexOp`]), row-major.
-    pub(crate) fn index_read(
+    fn index_read(
         &self,
         op: IndexOp,
         name: &'static str,
@@ -200,67 +259,10 @@ impl CudaStorage {
         Ok(out)
     }
 
-    /// index_select of a row-major `self`: whole rows of the dims after `dim` move in the
-    /// widest unit (up to 16 bytes) that divides a row and fits the pointers' alignment.
-    fn select_rows(
-        &self,
-        rt: &DeviceRuntime,
-        layout: &Layout,
-        dim: usize,
-        index: &CudaStorage,
-        il: &Layout,
-        out: &CudaStorage,
-    ) -> Result<()> {
-        let dims = layout.dims();
-        let outer: usize = dims[..dim].iter().product();
-        let row_bytes = dims[dim + 1..].iter().product::<usize>() * self.dtype().size_in_bytes();
-        let (x, i, o) = (self.dev_ptr(layout), index.dev_ptr(il), out.dev_ptr_mut_at(0));
-        let aligned = |b: usize| row_bytes % b == 0 && x.addr() % b as u64 == 0 && o.addr() % b as u64 == 0;
-        let unit = [16usize, 8, 4, 2, 1]
-            .into_iter()
-            .find(|&b| aligned(b))
-            .unwrap_or(1);
-        let kernel = match unit {
-            16 => select_rows::select_rows_w16,
-            8 => select_rows::select_rows_w8,
-            4 => select_rows::select_rows_w4,
-            2 => select_rows::select_rows_w2,
-            _ => select_rows::select_rows_w1,
-        };
-        let nidx = il.numel();
-        let inner = row_bytes / unit;
-        let units = outer * nidx * inner;
-        let (outer64, nidx64, size64, inner64, istride) = (
-            outer as i64,
-            nidx as i64,
-            dims[dim] as i64,
-            inner as i64,
-            il.strides()[0] as i64,
-        );
-        // `x` is row-major [outer, size, inner units] from its offset (indices outside 0..size
-        // are skipped), `idx` holds nidx elements at stride istride, `out` holds outer * nidx *
-        // inner units; all B-aligned (checked above).
-        let grid = Grid::linear(rt, units, 256);
-        launch::select_rows(
-            rt,
-            kernel,
-            &[index.dtype()],
-            grid,
-            x,
-            i,
-            o,
-            outer64,
-            nidx64,
-            size64,
-            inner64,
-            istride,
-        )
-    }
-
     /// A row-major copy of `self` at `layout` with `src` at `sl` written at `index` along `dim`
     /// (see [`ScatterOp`]).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn index_write(
+    fn index_write(
         &self,
         op: ScatterOp,
         layout: &Layout,
@@ -332,11 +334,7 @@ impl CudaStorage {
     }
 
     /// int64 one-hot rows of the class indices at `layout`, and the number of classes.
-    pub(crate) fn one_hot(
-        &self,
-        layout: &Layout,
-        num_classes: Option<usize>,
-    ) -> Result<(CudaStorage, usize)> {
+    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CudaStorage, usize)> {
         const OP: &str = "one_hot";
         let idt = index_dtype(OP, self)?;
         let rt = self.runtime()?;
@@ -387,66 +385,9 @@ impl CudaStorage {
         )?;
         Ok((out, classes))
     }
-}
 
-impl IndexOps for CudaStorage {
-    fn index_read(
-        &self,
-        op: IndexOp,
-        name: &'static str,
-        layout: &Layout,
-        dim: usize,
-        index: &CudaStorage,
-        index_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::index_read(self, op, name, layout, dim, index, index_layout)
-    }
-
-    fn index_write(
-        &self,
-        op: ScatterOp,
-        layout: &Layout,
-        dim: usize,
-        index: &CudaStorage,
-        index_layout: &Layout,
-        src: &CudaStorage,
-        src_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::index_write(self, op, layout, dim, index, index_layout, src, src_layout)
-    }
-
-    fn one_hot(&self, layout: &Layout, num_classes: Option<usize>) -> Result<(CudaStorage, usize)> {
-        CudaStorage::one_hot(self, layout, num_classes)
-    }
-
-    fn embedding_backward(
-        &self,
-        index: &CudaStorage,
-        n: usize,
-        d: usize,
-        rows: usize,
-        into: Option<&mut CudaStorage>,
-    ) -> Result<Option<CudaStorage>> {
-        CudaStorage::embedding_backward(self, index, n, d, rows, into)
-    }
-}
-
-// Note [Deterministic embedding backward]: the weight gradient of `embedding` (and of
-// `index_select` along dim 0) sums, for each table row, the gradient rows of the positions that
-// read it. Scattering them with float atomics (the composite `zeros` + `index_add`) gives sums
-// in the order the atomics land, different bits from run to run, after a zero fill of the whole
-// table. Instead, as llm.c buckets the positions by token: (1) `embedding_sort` sorts each chunk
-// of 1,024 positions by (index, position) in shared memory, so the chunks are sorted runs; (2)
-// `embedding_backward` gives each table row one warp, which finds the row's segment in every run
-// by binary search (lane b searches run b) and sums the gradient rows run by run, position by
-// position, in f32 (f64 for f64), writing the row once (zeros for a row never read). The order
-// is the positions' order, the CPU's (`cpu/loss.rs`), so both devices give the same bits in
-// f32. Capture-safe: no host sync, and the only scratch (n u64 keys) is sized by the shapes.
-// Cost for GPT-2 (8,192 positions, 50,257 x 768 f32): 8 runs, a 10-step search per row, and
-// one write of the table.
-impl CudaStorage {
     /// See `IndexOps::embedding_backward`.
-    pub(crate) fn embedding_backward(
+    fn embedding_backward(
         &self,
         index: &CudaStorage,
         n: usize,
@@ -539,3 +480,17 @@ impl CudaStorage {
         Ok(out)
     }
 }
+
+// Note [Deterministic embedding backward]: the weight gradient of `embedding` (and of
+// `index_select` along dim 0) sums, for each table row, the gradient rows of the positions that
+// read it. Scattering them with float atomics (the composite `zeros` + `index_add`) gives sums
+// in the order the atomics land, different bits from run to run, after a zero fill of the whole
+// table. Instead, as llm.c buckets the positions by token: (1) `embedding_sort` sorts each chunk
+// of 1,024 positions by (index, position) in shared memory, so the chunks are sorted runs; (2)
+// `embedding_backward` gives each table row one warp, which finds the row's segment in every run
+// by binary search (lane b searches run b) and sums the gradient rows run by run, position by
+// position, in f32 (f64 for f64), writing the row once (zeros for a row never read). The order
+// is the positions' order, the CPU's (`cpu/loss.rs`), so both devices give the same bits in
+// f32. Capture-safe: no host sync, and the only scratch (n u64 keys) is sized by the shapes.
+// Cost for GPT-2 (8,192 positions, 50,257 x 768 f32): 8 runs, a 10-step search per row, and
+// one write of the table.

@@ -14,8 +14,8 @@
 //! it launches (Note [Loading kernel units] in `runtime.rs`).
 
 use super::kernels::{dtype_suffix, KernelKey, Module};
+use crate::backend::op::Promotion;
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp, UnaryOp};
-use crate::dispatch::Promotion;
 use crate::DType;
 
 /// One compile unit: a source file and the unit's name in it.

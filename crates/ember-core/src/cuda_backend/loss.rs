@@ -38,10 +38,10 @@ fn target_dtype(target: &CudaStorage) -> Result<DType> {
     }
 }
 
-impl CudaStorage {
+impl LossOps for CudaStorage {
     /// `(loss, total_weight)` of the contiguous `[m, c]` log-probability rows `self` at
     /// `target` (see `LossOps::nll_loss_forward`).
-    pub(crate) fn nll_loss_forward(
+    fn nll_loss_forward(
         &self,
         target: &CudaStorage,
         weight: Option<&CudaStorage>,
@@ -91,7 +91,7 @@ impl CudaStorage {
     }
 
     /// The `[m, c]` gradient of that loss for its gradient `self` (one element).
-    pub(crate) fn nll_loss_backward(
+    fn nll_loss_backward(
         &self,
         target: &CudaStorage,
         weight: Option<&CudaStorage>,
@@ -122,41 +122,80 @@ impl CudaStorage {
         launch::nll_loss_backward(rt, &dtypes, grid, g, t, w, tw, m64, c64, ignore_index, mean32, o)?;
         Ok(grad)
     }
-}
 
-impl LossOps for CudaStorage {
-    fn nll_loss_forward(
-        &self,
-        target: &CudaStorage,
-        weight: Option<&CudaStorage>,
-        mc: (usize, usize),
-        ignore_index: i64,
-        mean: bool,
-    ) -> Result<(CudaStorage, CudaStorage)> {
-        CudaStorage::nll_loss_forward(self, target, weight, mc, ignore_index, mean)
-    }
-
-    fn nll_loss_backward(
-        &self,
-        target: &CudaStorage,
-        weight: Option<&CudaStorage>,
-        total_weight: &CudaStorage,
-        mc: (usize, usize),
-        ignore_index: i64,
-        mean: bool,
-    ) -> Result<CudaStorage> {
-        CudaStorage::nll_loss_backward(self, target, weight, total_weight, mc, ignore_index, mean)
-    }
-
+    /// `(loss, lse, total)` of the contiguous `[n, c]` logits `self` (see
+    /// `LossOps::cross_entropy_forward`).
     fn cross_entropy_forward(
         &self,
         target: &CudaStorage,
         weight: Option<&CudaStorage>,
         p: &CrossEntropyParams,
     ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-        CudaStorage::cross_entropy_forward(self, target, weight, p)
+        let (n, c) = (p.n, p.c);
+        let (dtype, idt, acc) = ce_dtypes(self, target, weight, c)?;
+        if acc_dtype(p.out_dtype) != acc {
+            return Err(Error::DTypeMismatch {
+                op: CE,
+                expected: acc,
+                found: p.out_dtype,
+            });
+        }
+        let rt = self.runtime()?;
+        let out_len = if p.reduction == Reduction::None { n } else { 1 };
+        let loss = CudaStorage::alloc_on(rt, p.out_dtype, out_len)?;
+        let lse = CudaStorage::alloc_on(rt, acc, n)?;
+        let total = CudaStorage::alloc_on(rt, acc, 2)?;
+        let row_loss = CudaStorage::alloc_on(rt, acc, n)?;
+        let row_weight = CudaStorage::alloc_on(rt, acc, n)?;
+        let w = weight.map(|w| w.dev_ptr_at(0));
+        let (n64, c64) = (n as i64, c as i64);
+        if n > 0 {
+            let check = rt.errors.check_args(CE, Kind::Index, 1, c);
+            // `self` holds n·c logits, `target` n indices, the weight (checked above) c values
+            // of A; lse, row_loss and row_weight n values of A each: the kernel indexes
+            // x[r·c + j] for j < c and the others at r < n, and x[r·c + t] only for t in [0, c).
+            launch::cross_entropy(
+                rt,
+                &[dtype, idt],
+                row_grid(n, c, dtype),
+                self.dev_ptr_at(0),
+                target.dev_ptr_at(0),
+                w,
+                n64,
+                c64,
+                p.ignore_index,
+                p.label_smoothing,
+                lse.dev_ptr_mut_at(0),
+                row_loss.dev_ptr_mut_at(0),
+                row_weight.dev_ptr_mut_at(0),
+                &check,
+            )?;
+        }
+        // One block: row_loss and row_weight hold n values, the weight c, `loss` out_len
+        // (n for `none`), `total` 2.
+        let one = Grid {
+            grid: (1, 1, 1),
+            block: (1024, 1, 1),
+            shared_bytes: 0,
+        };
+        launch::cross_entropy_reduce(
+            rt,
+            &[p.out_dtype],
+            one,
+            row_loss.dev_ptr_at(0),
+            row_weight.dev_ptr_at(0),
+            w,
+            n64,
+            c64,
+            mode(p.reduction),
+            loss.dev_ptr_mut_at(0),
+            total.dev_ptr_mut_at(0),
+        )?;
+        Ok((loss, lse, total))
     }
 
+    /// The `[n, c]` gradient of that loss (see `LossOps::cross_entropy_backward`).
+    #[allow(clippy::too_many_arguments)]
     fn cross_entropy_backward(
         &self,
         target: &CudaStorage,
@@ -166,7 +205,51 @@ impl LossOps for CudaStorage {
         grad: &CudaStorage,
         p: &CrossEntropyParams,
     ) -> Result<CudaStorage> {
-        CudaStorage::cross_entropy_backward(self, target, weight, lse, total, grad, p)
+        let (n, c) = (p.n, p.c);
+        let (dtype, idt, acc) = ce_dtypes(self, target, weight, c)?;
+        let per_row = p.reduction == Reduction::None;
+        for s in [lse, total, grad] {
+            if s.dtype() != acc {
+                return Err(Error::DTypeMismatch {
+                    op: CE,
+                    expected: acc,
+                    found: s.dtype(),
+                });
+            }
+        }
+        p.check_backward_lengths(lse.len(), total.len(), grad.len())?;
+        let len = n.checked_mul(c).ok_or_else(|| {
+            Error::invalid(
+                "cross_entropy_backward",
+                format!("{n} rows of {c} classes overflow the address space"),
+            )
+        })?;
+        let rt = self.runtime()?;
+        let out = CudaStorage::alloc_on(rt, dtype, len)?;
+        if n == 0 || c == 0 {
+            return Ok(out);
+        }
+        // `self` and `out` hold n·c elements of T (every one of `out` written), `target` n,
+        // lse n values of A, total 2, grad n per row or 1 (read at r·g_stride), the weight c.
+        launch::cross_entropy_backward(
+            rt,
+            &[dtype, idt],
+            row_grid(n, c, dtype),
+            self.dev_ptr_at(0),
+            target.dev_ptr_at(0),
+            weight.map(|w| w.dev_ptr_at(0)),
+            lse.dev_ptr_at(0),
+            total.dev_ptr_at(0),
+            grad.dev_ptr_at(0),
+            i64::from(per_row),
+            n as i64,
+            c as i64,
+            p.ignore_index,
+            p.label_smoothing,
+            mode(p.reduction),
+            out.dev_ptr_mut_at(0),
+        )?;
+        Ok(out)
     }
 }
 
@@ -246,136 +329,5 @@ fn mode(r: Reduction) -> i32 {
         Reduction::None => 0,
         Reduction::Sum => 1,
         Reduction::Mean => 2,
-    }
-}
-
-impl CudaStorage {
-    /// `(loss, lse, total)` of the contiguous `[n, c]` logits `self` (see
-    /// `LossOps::cross_entropy_forward`).
-    pub(crate) fn cross_entropy_forward(
-        &self,
-        target: &CudaStorage,
-        weight: Option<&CudaStorage>,
-        p: &CrossEntropyParams,
-    ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-        let (n, c) = (p.n, p.c);
-        let (dtype, idt, acc) = ce_dtypes(self, target, weight, c)?;
-        if acc_dtype(p.out_dtype) != acc {
-            return Err(Error::DTypeMismatch {
-                op: CE,
-                expected: acc,
-                found: p.out_dtype,
-            });
-        }
-        let rt = self.runtime()?;
-        let out_len = if p.reduction == Reduction::None { n } else { 1 };
-        let loss = CudaStorage::alloc_on(rt, p.out_dtype, out_len)?;
-        let lse = CudaStorage::alloc_on(rt, acc, n)?;
-        let total = CudaStorage::alloc_on(rt, acc, 2)?;
-        let row_loss = CudaStorage::alloc_on(rt, acc, n)?;
-        let row_weight = CudaStorage::alloc_on(rt, acc, n)?;
-        let w = weight.map(|w| w.dev_ptr_at(0));
-        let (n64, c64) = (n as i64, c as i64);
-        if n > 0 {
-            let check = rt.errors.check_args(CE, Kind::Index, 1, c);
-            // `self` holds n·c logits, `target` n indices, the weight (checked above) c values
-            // of A; lse, row_loss and row_weight n values of A each: the kernel indexes
-            // x[r·c + j] for j < c and the others at r < n, and x[r·c + t] only for t in [0, c).
-            launch::cross_entropy(
-                rt,
-                &[dtype, idt],
-                row_grid(n, c, dtype),
-                self.dev_ptr_at(0),
-                target.dev_ptr_at(0),
-                w,
-                n64,
-                c64,
-                p.ignore_index,
-                p.label_smoothing,
-                lse.dev_ptr_mut_at(0),
-                row_loss.dev_ptr_mut_at(0),
-                row_weight.dev_ptr_mut_at(0),
-                &check,
-            )?;
-        }
-        // One block: row_loss and row_weight hold n values, the weight c, `loss` out_len
-        // (n for `none`), `total` 2.
-        let one = Grid {
-            grid: (1, 1, 1),
-            block: (1024, 1, 1),
-            shared_bytes: 0,
-        };
-        launch::cross_entropy_reduce(
-            rt,
-            &[p.out_dtype],
-            one,
-            row_loss.dev_ptr_at(0),
-            row_weight.dev_ptr_at(0),
-            w,
-            n64,
-            c64,
-            mode(p.reduction),
-            loss.dev_ptr_mut_at(0),
-            total.dev_ptr_mut_at(0),
-        )?;
-        Ok((loss, lse, total))
-    }
-
-    /// The `[n, c]` gradient of that loss (see `LossOps::cross_entropy_backward`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn cross_entropy_backward(
-        &self,
-        target: &CudaStorage,
-        weight: Option<&CudaStorage>,
-        lse: &CudaStorage,
-        total: &CudaStorage,
-        grad: &CudaStorage,
-        p: &CrossEntropyParams,
-    ) -> Result<CudaStorage> {
-        let (n, c) = (p.n, p.c);
-        let (dtype, idt, acc) = ce_dtypes(self, target, weight, c)?;
-        let per_row = p.reduction == Reduction::None;
-        for s in [lse, total, grad] {
-            if s.dtype() != acc {
-                return Err(Error::DTypeMismatch {
-                    op: CE,
-                    expected: acc,
-                    found: s.dtype(),
-                });
-            }
-        }
-        p.check_backward_lengths(lse.len(), total.len(), grad.len())?;
-        let len = n.checked_mul(c).ok_or_else(|| {
-            Error::invalid(
-                "cross_entropy_backward",
-                format!("{n} rows of {c} classes overflow the address space"),
-            )
-        })?;
-        let rt = self.runtime()?;
-        let out = CudaStorage::alloc_on(rt, dtype, len)?;
-        if n == 0 || c == 0 {
-            return Ok(out);
-        }
-        // `self` and `out` hold n·c elements of T (every one of `out` written), `target` n,
-        // lse n values of A, total 2, grad n per row or 1 (read at r·g_stride), the weight c.
-        launch::cross_entropy_backward(
-            rt,
-            &[dtype, idt],
-            row_grid(n, c, dtype),
-            self.dev_ptr_at(0),
-            target.dev_ptr_at(0),
-            weight.map(|w| w.dev_ptr_at(0)),
-            lse.dev_ptr_at(0),
-            total.dev_ptr_at(0),
-            grad.dev_ptr_at(0),
-            i64::from(per_row),
-            n as i64,
-            c as i64,
-            p.ignore_index,
-            p.label_smoothing,
-            mode(p.reduction),
-            out.dev_ptr_mut_at(0),
-        )?;
-        Ok(out)
     }
 }

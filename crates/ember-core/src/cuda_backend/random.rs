@@ -149,11 +149,13 @@ impl CudaStorage {
         }
         Ok(out)
     }
+}
 
+impl RandomOps for CudaStorage {
     /// Bernoulli draws with the probabilities at `layout`, in this storage's dtype; the first
     /// probability outside [0, 1] is reported at the next synchronizing call with the CPU's
     /// error (see the module docs).
-    pub(crate) fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
+    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
         let rt = self.runtime()?;
         let n = layout.numel();
         let out = CudaStorage::alloc_on(rt, self.dtype(), n)?;
@@ -169,11 +171,5 @@ impl CudaStorage {
         let (dtypes, grid) = ([self.dtype()], Grid::linear(rt, n.div_ceil(4), 256));
         launch::bernoulli(rt, &dtypes, grid, p, &shape, o, n64, &rng, &check)?;
         Ok(out)
-    }
-}
-
-impl RandomOps for CudaStorage {
-    fn bernoulli(&self, layout: &Layout, state: PhiloxState) -> Result<CudaStorage> {
-        CudaStorage::bernoulli(self, layout, state)
     }
 }

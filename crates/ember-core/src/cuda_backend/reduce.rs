@@ -299,33 +299,6 @@ impl CudaStorage {
         Ok(())
     }
 
-    /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
-    pub(crate) fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
-        let g = Geometry::new(op.name(), layout, dims)?;
-        let empty = empty_value(op);
-        if g.k == 0 && empty.is_none() {
-            return Err(empty_reduction(op.name()));
-        }
-        let kernel = kernel_for(op, self.dtype(), g.k)?;
-        let rt = self.runtime()?;
-        if g.k == 0 {
-            return CudaStorage::full(rt.ordinal, kernel.out_dtype, g.m, empty.unwrap_or(0.0));
-        }
-        let out = CudaStorage::alloc_on(rt, kernel.out_dtype, g.m)?;
-        if g.m == 0 {
-            return Ok(out);
-        }
-        if matches!(op, ReduceOp::Sum) && self.sum_columns(layout, &g, &out)? {
-            return Ok(out);
-        }
-        let (o, idx) = match op {
-            ReduceOp::ArgMax | ReduceOp::ArgMin => (None, Some(out.dev_ptr_mut_at(0))),
-            _ => (Some(out.dev_ptr_mut_at(0)), None),
-        };
-        self.run_reduce(layout, &kernel, &g, o, idx)?;
-        Ok(out)
-    }
-
     /// A plain float sum whose outputs are contiguous columns and whose reduced elements are
     /// one strided dim (a sum over dim 0 of a row-major matrix: a linear layer's bias
     /// gradient), in 16-byte column words (`reduce.cu`'s `cols_sum`; Note [Column sums]):
@@ -411,10 +384,40 @@ impl CudaStorage {
         drop(partials);
         Ok(true)
     }
+}
+
+impl ReduceOps for CudaStorage {
+    /// `op` over `dims` (sorted, unique) of `layout`, as a row-major storage of the kept dims.
+    #[inline]
+    fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
+        let g = Geometry::new(op.name(), layout, dims)?;
+        let empty = empty_value(op);
+        if g.k == 0 && empty.is_none() {
+            return Err(empty_reduction(op.name()));
+        }
+        let kernel = kernel_for(op, self.dtype(), g.k)?;
+        let rt = self.runtime()?;
+        if g.k == 0 {
+            return CudaStorage::full(rt.ordinal, kernel.out_dtype, g.m, empty.unwrap_or(0.0));
+        }
+        let out = CudaStorage::alloc_on(rt, kernel.out_dtype, g.m)?;
+        if g.m == 0 {
+            return Ok(out);
+        }
+        if matches!(op, ReduceOp::Sum) && self.sum_columns(layout, &g, &out)? {
+            return Ok(out);
+        }
+        let (o, idx) = match op {
+            ReduceOp::ArgMax | ReduceOp::ArgMin => (None, Some(out.dev_ptr_mut_at(0))),
+            _ => (Some(out.dev_ptr_mut_at(0)), None),
+        };
+        self.run_reduce(layout, &kernel, &g, o, idx)?;
+        Ok(out)
+    }
 
     /// Max or min over `dims` with the i64 index of its first occurrence (indices into the
     /// flattened reduced dims; NaN counts as the extreme).
-    pub(crate) fn reduce_with_indices(
+    fn reduce_with_indices(
         &self,
         layout: &Layout,
         op: ReduceOp,
@@ -445,21 +448,5 @@ impl CudaStorage {
         let (v, i) = (values.dev_ptr_mut_at(0), indices.dev_ptr_mut_at(0));
         self.run_reduce(layout, &kernel, &g, Some(v), Some(i))?;
         Ok((values, indices))
-    }
-}
-
-impl ReduceOps for CudaStorage {
-    #[inline]
-    fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CudaStorage> {
-        CudaStorage::reduce(self, layout, op, dims)
-    }
-
-    fn reduce_with_indices(
-        &self,
-        layout: &Layout,
-        op: ReduceOp,
-        dims: &[usize],
-    ) -> Result<(CudaStorage, CudaStorage)> {
-        CudaStorage::reduce_with_indices(self, layout, op, dims)
     }
 }

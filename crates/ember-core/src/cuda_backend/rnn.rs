@@ -1,7 +1,7 @@
 //! CUDA launchers for `kernels/rnn.cu`: the pointwise halves of a fused LSTM time step (Note
 //! [Fused LSTM recurrence] in `ops/rnn.rs`), one thread per element of the `[N, H]` state, with
 //! the CPU backend's formulas (`cpu/rnn.rs`). Operands are whole buffers plus element offsets of
-//! the step's rows, which `Storage::lstm_forward_step` / `lstm_backward_step` (`storage.rs`,
+//! the step's rows, which `Storage::lstm_forward_step` / `lstm_backward_step` (`storage/families.rs`,
 //! with the checks of `backend/step.rs`) have checked to lie inside them.
 
 use super::kernels::Grid;
@@ -38,15 +38,15 @@ fn same(op: &'static str, first: &CudaStorage, rest: &[&CudaStorage]) -> Result<
     Ok(())
 }
 
-impl CudaStorage {
+impl RnnOps for CudaStorage {
     /// One forward step (see [`LstmForwardStep`]), enqueued on the current stream.
-    pub(crate) fn lstm_forward_step(
+    fn lstm_forward_step(
         s: &LstmForwardStep,
         gi: &CudaStorage,
         hh: &CudaStorage,
-        h: &CudaStorage,
-        c: &CudaStorage,
-        gates: &CudaStorage,
+        h: &mut CudaStorage,
+        c: &mut CudaStorage,
+        gates: &mut CudaStorage,
     ) -> Result<()> {
         const OP: &str = "lstm_recurrence";
         same(OP, gi, &[hh, h, c, gates])?;
@@ -73,14 +73,14 @@ impl CudaStorage {
     }
 
     /// One backward step (see [`LstmBackwardStep`]), enqueued on the current stream.
-    pub(crate) fn lstm_backward_step(
+    fn lstm_backward_step(
         s: &LstmBackwardStep,
         dh_out: &CudaStorage,
         dh_rec: Option<&CudaStorage>,
         gates: &CudaStorage,
         c: &CudaStorage,
-        dc: &CudaStorage,
-        dgates: &CudaStorage,
+        dc: &mut CudaStorage,
+        dgates: &mut CudaStorage,
     ) -> Result<()> {
         const OP: &str = "lstm_recurrence_backward";
         same(OP, dh_out, &[gates, c, dc, dgates])?;
@@ -110,30 +110,5 @@ impl CudaStorage {
         // written by the same thread only.
         let (dtypes, grid) = ([dh_out.dtype()], Grid::linear(rt, nh, BLOCK));
         launch::lstm_backward(rt, &dtypes, grid, pdh, prec, pg, pc, pcp, pdc, pdg, n, hidden)
-    }
-}
-
-impl RnnOps for CudaStorage {
-    fn lstm_forward_step(
-        s: &LstmForwardStep,
-        gi: &CudaStorage,
-        hh: &CudaStorage,
-        h: &mut CudaStorage,
-        c: &mut CudaStorage,
-        gates: &mut CudaStorage,
-    ) -> Result<()> {
-        CudaStorage::lstm_forward_step(s, gi, hh, h, c, gates)
-    }
-
-    fn lstm_backward_step(
-        s: &LstmBackwardStep,
-        dh_out: &CudaStorage,
-        dh_rec: Option<&CudaStorage>,
-        gates: &CudaStorage,
-        c: &CudaStorage,
-        dc: &mut CudaStorage,
-        dgates: &mut CudaStorage,
-    ) -> Result<()> {
-        CudaStorage::lstm_backward_step(s, dh_out, dh_rec, gates, c, dc, dgates)
     }
 }

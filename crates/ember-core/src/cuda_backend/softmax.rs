@@ -89,9 +89,31 @@ fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
     s
 }
 
-impl CudaStorage {
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_along_a_middle_dim() {
+        // [2, 3, 4] contiguous along dim 1: 8 rows of 3, bases merge to nothing simple.
+        let os = contiguous_strides(&[2, 3, 4]);
+        assert_eq!(os, vec![12, 4, 1]);
+        let r = Rows::new("t", &[2, 3, 4], 1, &[&[12, 4, 1], &os]).unwrap();
+        assert_eq!((r.nrows, r.k, r.along.clone()), (8, 3, vec![4, 4]));
+        assert_eq!(r.shape.ndim, 2);
+        assert_eq!(&r.shape.stride[0][..2], &[12, 1]);
+        // Last dim of a contiguous [5, 7]: rows merge into one dim of stride 7.
+        let r = Rows::new("t", &[5, 7], 1, &[&[7, 1]]).unwrap();
+        assert_eq!((r.nrows, r.k, r.along[0], r.shape.ndim), (5, 7, 1, 1));
+        assert_eq!(r.shape.stride[0][0], 7);
+        let r = Rows::new("t", &[], 0, &[&[], &[]]).unwrap();
+        assert_eq!((r.nrows, r.k, r.shape.ndim), (1, 1, 0));
+    }
+}
+
+impl SoftmaxOps for CudaStorage {
     /// Softmax or log_softmax along `dim` of `layout`, as a row-major storage of its shape.
-    pub(crate) fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
+    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
         let dtype = self.dtype();
         if !dtype.is_floating_point() {
             return Err(Error::dtype(op.name(), dtype));
@@ -116,7 +138,7 @@ impl CudaStorage {
 
     /// The input gradient of `op` along `dim` from its output (`self`, at `yl`) and the
     /// output's gradient (same shape and dtype).
-    pub(crate) fn softmax_backward(
+    fn softmax_backward(
         &self,
         yl: &Layout,
         grad: &CudaStorage,
@@ -171,44 +193,5 @@ impl CudaStorage {
             row,
         )?;
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rows_along_a_middle_dim() {
-        // [2, 3, 4] contiguous along dim 1: 8 rows of 3, bases merge to nothing simple.
-        let os = contiguous_strides(&[2, 3, 4]);
-        assert_eq!(os, vec![12, 4, 1]);
-        let r = Rows::new("t", &[2, 3, 4], 1, &[&[12, 4, 1], &os]).unwrap();
-        assert_eq!((r.nrows, r.k, r.along.clone()), (8, 3, vec![4, 4]));
-        assert_eq!(r.shape.ndim, 2);
-        assert_eq!(&r.shape.stride[0][..2], &[12, 1]);
-        // Last dim of a contiguous [5, 7]: rows merge into one dim of stride 7.
-        let r = Rows::new("t", &[5, 7], 1, &[&[7, 1]]).unwrap();
-        assert_eq!((r.nrows, r.k, r.along[0], r.shape.ndim), (5, 7, 1, 1));
-        assert_eq!(r.shape.stride[0][0], 7);
-        let r = Rows::new("t", &[], 0, &[&[], &[]]).unwrap();
-        assert_eq!((r.nrows, r.k, r.shape.ndim), (1, 1, 0));
-    }
-}
-
-impl SoftmaxOps for CudaStorage {
-    fn softmax(&self, layout: &Layout, op: SoftmaxOp, dim: usize) -> Result<CudaStorage> {
-        CudaStorage::softmax(self, layout, op, dim)
-    }
-
-    fn softmax_backward(
-        &self,
-        layout: &Layout,
-        grad: &CudaStorage,
-        grad_layout: &Layout,
-        op: SoftmaxOp,
-        dim: usize,
-    ) -> Result<CudaStorage> {
-        CudaStorage::softmax_backward(self, layout, grad, grad_layout, op, dim)
     }
 }

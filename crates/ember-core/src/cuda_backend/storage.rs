@@ -254,58 +254,6 @@ impl CudaStorage {
         self.copy_from_host_async(offset, bytes)
     }
 
-    /// The elements of `layout` copied into host memory, row-major; waits for the current stream.
-    /// An error a kernel recorded on this device (an index out of range, ...) is returned here
-    /// instead of the elements (Note [Deferred device errors] in `device_errors.rs`). An error
-    /// while the current stream is capturing a CUDA graph (Note [Operations refused during
-    /// capture]).
-    pub fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
-        self.runtime()?;
-        super::capture::refuse_during_capture(
-            self.buf.device,
-            "a copy from the device to host memory (to_vec, item, to(Device::Cpu), printing)",
-        )?;
-        let src = if layout.is_contiguous() && layout.offset() == 0 && layout.numel() == self.len {
-            None
-        } else {
-            Some(self.to_dtype(layout, self.dtype)?)
-        };
-        let src = src.as_ref().unwrap_or(self);
-        fn read<T: CpuElement + Default + Clone>(src: &CudaStorage, n: usize) -> Result<CpuStorage> {
-            let mut host = vec![T::default(); n];
-            if n > 0 {
-                super::stream::note_host_sync();
-                super::kernel_timing::note_work(current_raw(src.buf.device));
-                let stream = current_raw(src.buf.device) as sys::CUstream;
-                let _copy = super::cupti::copy_guard();
-                // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
-                // stream is synchronized before `host` is read.
-                unsafe {
-                    result::memcpy_dtoh_async(&mut host[..], src.buf.ptr, stream)
-                        .and_then(|_| result::stream::synchronize(stream))
-                }
-                .map_err(cuda_error("copy to host"))?;
-            }
-            Ok(T::wrap(host))
-        }
-        let n = layout.numel();
-        let rt = src.runtime()?;
-        let host = match self.dtype {
-            DType::Bool => read::<bool>(src, n),
-            DType::U8 => read::<u8>(src, n),
-            DType::I32 => read::<i32>(src, n),
-            DType::I64 => read::<i64>(src, n),
-            DType::F16 => read::<half::f16>(src, n),
-            DType::BF16 => read::<half::bf16>(src, n),
-            DType::F32 => read::<f32>(src, n),
-            DType::F64 => read::<f64>(src, n),
-        }?;
-        if n > 0 {
-            rt.errors.check()?;
-        }
-        Ok(host)
-    }
-
     /// `n` elements of `dtype`, all `value` (converted as a cast would), on `device`.
     pub fn full(device: usize, dtype: DType, n: usize, value: f64) -> Result<CudaStorage> {
         let rt = runtime(device)?;
@@ -340,14 +288,6 @@ impl CudaStorage {
             }
         };
         r.result().map_err(cuda_error("fill"))
-    }
-
-    /// The elements of `layout` in a new row-major storage of `dtype` on the same device.
-    pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        let rt = self.runtime()?;
-        let out = CudaStorage::alloc_on(rt, dtype, layout.numel())?;
-        out.copy_from_device(&Layout::contiguous(layout.shape().clone()), self, layout)?;
-        Ok(out)
     }
 
     /// Writes `src` at `src_layout` into `self` at `dst_layout` (same shapes, any dtypes), both
@@ -409,25 +349,6 @@ impl CudaStorage {
             );
         }
         launch::cast_strided(rt, &dtypes, grid, srcp, dst, &shape, n64)
-    }
-
-    /// Writes `src` at `src_layout` (on any GPU) into `self` at `dst_layout`; a source on another
-    /// GPU is first copied here (see [`CudaStorage::to_device`]).
-    pub fn copy_strided_from(
-        &mut self,
-        dst_layout: &Layout,
-        src: &CudaStorage,
-        src_layout: &Layout,
-    ) -> Result<()> {
-        if src.buf.device == self.buf.device {
-            return self.copy_from_device(dst_layout, src, src_layout);
-        }
-        let staged = src.to_device(src_layout, self.buf.device)?;
-        self.copy_from_device(
-            dst_layout,
-            &staged,
-            &Layout::contiguous(src_layout.shape().clone()),
-        )
     }
 
     /// The elements of `layout` as a row-major storage on GPU `device`: a peer copy when it is
@@ -733,21 +654,83 @@ pub(crate) fn cuda_error(op: &'static str) -> impl Fn(cudarc::driver::DriverErro
 }
 
 impl CopyOps for CudaStorage {
+    /// The elements of `layout` in a new row-major storage of `dtype` on the same device.
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        CudaStorage::to_dtype(self, layout, dtype)
+        let rt = self.runtime()?;
+        let out = CudaStorage::alloc_on(rt, dtype, layout.numel())?;
+        out.copy_from_device(&Layout::contiguous(layout.shape().clone()), self, layout)?;
+        Ok(out)
     }
 
+    /// The elements of `layout` copied into host memory, row-major; waits for the current stream.
+    /// An error a kernel recorded on this device (an index out of range, ...) is returned here
+    /// instead of the elements (Note [Deferred device errors] in `device_errors.rs`). An error
+    /// while the current stream is capturing a CUDA graph (Note [Operations refused during
+    /// capture]).
     fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
-        CudaStorage::to_cpu(self, layout)
+        self.runtime()?;
+        super::capture::refuse_during_capture(
+            self.buf.device,
+            "a copy from the device to host memory (to_vec, item, to(Device::Cpu), printing)",
+        )?;
+        let src = if layout.is_contiguous() && layout.offset() == 0 && layout.numel() == self.len {
+            None
+        } else {
+            Some(self.to_dtype(layout, self.dtype)?)
+        };
+        let src = src.as_ref().unwrap_or(self);
+        fn read<T: CpuElement + Default + Clone>(src: &CudaStorage, n: usize) -> Result<CpuStorage> {
+            let mut host = vec![T::default(); n];
+            if n > 0 {
+                super::stream::note_host_sync();
+                super::kernel_timing::note_work(current_raw(src.buf.device));
+                let stream = current_raw(src.buf.device) as sys::CUstream;
+                let _copy = super::cupti::copy_guard();
+                // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
+                // stream is synchronized before `host` is read.
+                unsafe {
+                    result::memcpy_dtoh_async(&mut host[..], src.buf.ptr, stream)
+                        .and_then(|_| result::stream::synchronize(stream))
+                }
+                .map_err(cuda_error("copy to host"))?;
+            }
+            Ok(T::wrap(host))
+        }
+        let n = layout.numel();
+        let rt = src.runtime()?;
+        let host = match self.dtype {
+            DType::Bool => read::<bool>(src, n),
+            DType::U8 => read::<u8>(src, n),
+            DType::I32 => read::<i32>(src, n),
+            DType::I64 => read::<i64>(src, n),
+            DType::F16 => read::<half::f16>(src, n),
+            DType::BF16 => read::<half::bf16>(src, n),
+            DType::F32 => read::<f32>(src, n),
+            DType::F64 => read::<f64>(src, n),
+        }?;
+        if n > 0 {
+            rt.errors.check()?;
+        }
+        Ok(host)
     }
 
+    /// Writes `src` at `src_layout` (on any GPU) into `self` at `dst_layout`; a source on another
+    /// GPU is first copied here (see [`CudaStorage::to_device`]).
     fn copy_strided_from(
         &mut self,
         dst_layout: &Layout,
         src: &CudaStorage,
         src_layout: &Layout,
     ) -> Result<()> {
-        CudaStorage::copy_strided_from(self, dst_layout, src, src_layout)
+        if src.buf.device == self.buf.device {
+            return self.copy_from_device(dst_layout, src, src_layout);
+        }
+        let staged = src.to_device(src_layout, self.buf.device)?;
+        self.copy_from_device(
+            dst_layout,
+            &staged,
+            &Layout::contiguous(src_layout.shape().clone()),
+        )
     }
 
     fn foreach_copy(list: ForeachCopy<'_, CudaStorage>) -> Result<()> {

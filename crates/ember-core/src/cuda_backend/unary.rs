@@ -14,33 +14,11 @@ use super::kernels::{Grid, KernelShape};
 use super::launch;
 use super::storage::CudaStorage;
 use crate::backend::op::{Ints, UnaryOp};
-use crate::backend::UnaryOps;
+use crate::backend::{CopyOps, UnaryOps};
 use crate::layout::Layout;
 use crate::{DType, Result};
 
 impl CudaStorage {
-    /// `op` over the elements of `layout`, in a new row-major storage of
-    /// `op.result_dtype(self.dtype())`.
-    pub(crate) fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
-        let dtype = self.dtype();
-        let out_dtype = op.result_dtype(dtype)?;
-        if dtype.is_floating_point() {
-            return self.unary_kernel(op, layout);
-        }
-        if out_dtype.is_floating_point() {
-            // Integer or bool input of a float op: f32 values, then the f32 kernel.
-            let x = self.to_dtype(layout, DType::F32)?;
-            return x.unary_kernel(op, &Layout::contiguous(layout.shape().clone()));
-        }
-        match op.ints() {
-            // bool: abs/sign are the bool itself, square gives int64 (0 or 1); integers: the
-            // rounding ops are copies. `to_dtype` casts exactly as the CPU does here.
-            _ if dtype == DType::Bool => self.to_dtype(layout, out_dtype),
-            Ints::Whole => self.to_dtype(layout, dtype),
-            _ => self.unary_kernel(op, layout),
-        }
-    }
-
     /// Launches `unary_<op>_T` over `layout`, output of the same dtype.
     fn unary_kernel(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
         let rt = self.runtime()?;
@@ -83,9 +61,27 @@ impl CudaStorage {
 }
 
 impl UnaryOps for CudaStorage {
+    /// `op` over the elements of `layout`, in a new row-major storage of
+    /// `op.result_dtype(self.dtype())`.
     #[inline]
     fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<CudaStorage> {
-        CudaStorage::unary(self, op, layout)
+        let dtype = self.dtype();
+        let out_dtype = op.result_dtype(dtype)?;
+        if dtype.is_floating_point() {
+            return self.unary_kernel(op, layout);
+        }
+        if out_dtype.is_floating_point() {
+            // Integer or bool input of a float op: f32 values, then the f32 kernel.
+            let x = self.to_dtype(layout, DType::F32)?;
+            return x.unary_kernel(op, &Layout::contiguous(layout.shape().clone()));
+        }
+        match op.ints() {
+            // bool: abs/sign are the bool itself, square gives int64 (0 or 1); integers: the
+            // rounding ops are copies. `to_dtype` casts exactly as the CPU does here.
+            _ if dtype == DType::Bool => self.to_dtype(layout, out_dtype),
+            Ints::Whole => self.to_dtype(layout, dtype),
+            _ => self.unary_kernel(op, layout),
+        }
     }
 
     fn relu_backward(&self, grad_out: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {

@@ -22,6 +22,9 @@
 //! suspended, so the inner ops keep the dtypes the policy chose (as PyTorch redispatches
 //! below its Autocast key).
 //!
+//! The kernel closure of every entry gets the op's `Door`, the only way to make a tensor
+//! from a backend's storage or record an autograd node (Note [The door]).
+//!
 //! Ops with no policy of their own enter more lightly, still under their PyTorch name:
 //! `named` for PyTorch's implicit composites (`flatten`, `masked_fill`, `split`, ...), whose
 //! inner ops pass every step themselves, and `enter` for ops with no tensor input (the
@@ -32,19 +35,35 @@
 //! its CPU formula and its CUDA expression (the crate's `architecture` page). Another op: its
 //! line in [`policy`] (name, autocast policy, promotion), its `Tensor` method in
 //! `ops/<family>.rs` calling `call` with the kernel and backward rule, a method of its
-//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by `storage.rs`), and
+//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by `storage/mod.rs`), and
 //! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
 
 #![deny(unsafe_code)]
 
 pub mod autocast;
+pub(crate) mod grad_mode;
+pub(crate) mod graph;
 pub mod observer;
 pub mod policy;
 pub(crate) mod row_blocks;
 
 pub use policy::{CastPolicy, Op, Promotion};
 
-use crate::autograd;
+/// Leave to make tensors from storage ([`Door::tensor`], [`Door::tensor_at`]) and to record
+/// autograd nodes ([`Door::record`] and its view and cast forms): what an op's kernel and its
+/// backward need behind the dispatch point, and nothing else can do.
+///
+/// Note [The door]: only this module makes a `Door` (its field is private here), and only its
+/// entries hand one out, to the kernel closure of the op that entered (`call`, `call_with`,
+/// `call_list`, `composite_kernel`, `enter`, ...). So the compiler checks that every tensor
+/// built from a backend's storage and every recorded node comes from an op that passed the
+/// dispatch point (device check, autocast, promotion, observers). A backward closure keeps
+/// its op's door (it is `Copy`). The methods are written where the types they build keep
+/// their fields private: `tensor/mod.rs` (tensors) and `autograd/mod.rs` (nodes). User code
+/// joins the graph through `autograd::custom_op`, as `torch.autograd.Function` does.
+#[derive(Clone, Copy)]
+pub(crate) struct Door(());
+
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// The device all of `inputs` live on, or the error naming the first two that differ.
@@ -162,18 +181,18 @@ pub(crate) fn call<const N: usize, K, R, B>(
     rule: R,
 ) -> Result<Tensor>
 where
-    K: FnOnce(&[Tensor; N]) -> Result<Tensor>,
-    R: FnOnce(&[Tensor; N], &Tensor) -> Result<B>,
+    K: FnOnce(&[Tensor; N], Door) -> Result<Tensor>,
+    R: FnOnce(&[Tensor; N], &Tensor, Door) -> Result<B>,
     B: Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 {
     let p = prepare(op, inputs)?;
-    let out = kernel(&p.inputs)?;
+    let out = kernel(&p.inputs, Door(()))?;
     let refs = p.inputs.each_ref();
-    if !out.dtype().is_floating_point() || !autograd::needs_grad(&refs) {
+    if !out.dtype().is_floating_point() || !graph::needs_grad(&refs) {
         return Ok(out);
     }
-    let backward = rule(&p.inputs, &out)?;
-    Ok(autograd::record(op.name, &refs, out, backward))
+    let backward = rule(&p.inputs, &out, Door(()))?;
+    Ok(Door(()).record(op.name, &refs, out, backward))
 }
 
 /// Runs an op with no gradient (comparisons, logical ops, argmax, ...) or one that records
@@ -181,10 +200,10 @@ where
 pub(crate) fn call_with<const N: usize, T>(
     op: &'static Op,
     inputs: [&Tensor; N],
-    body: impl FnOnce(&[Tensor; N]) -> Result<T>,
+    body: impl FnOnce(&[Tensor; N], Door) -> Result<T>,
 ) -> Result<T> {
     let p = prepare(op, inputs)?;
-    body(&p.inputs)
+    body(&p.inputs, Door(()))
 }
 
 /// Runs an op built from other ops as ONE op: steps 1–4 for `op` over `inputs`, then `body`
@@ -210,9 +229,19 @@ pub fn composite<const N: usize, T>(
     inputs: [&Tensor; N],
     body: impl FnOnce(&[Tensor; N]) -> Result<T>,
 ) -> Result<T> {
+    composite_kernel(op, inputs, |inputs, _| body(inputs))
+}
+
+/// [`composite`] for ember's own ops whose body runs kernels (convolution, pooling,
+/// layer_norm, linear, the LSTM recurrence): the body also gets the [`Door`].
+pub(crate) fn composite_kernel<const N: usize, T>(
+    op: &'static Op,
+    inputs: [&Tensor; N],
+    body: impl FnOnce(&[Tensor; N], Door) -> Result<T>,
+) -> Result<T> {
     let p = prepare(op, inputs)?;
     let _suspended = autocast::suspend();
-    body(&p.inputs)
+    body(&p.inputs, Door(()))
 }
 
 /// [`composite`] for ops over a list of tensors (some of which may be absent, e.g. an
@@ -222,6 +251,16 @@ pub fn composite_list<T>(
     op: &'static Op,
     inputs: &[Option<&Tensor>],
     body: impl FnOnce(&[Option<Tensor>]) -> Result<T>,
+) -> Result<T> {
+    composite_list_kernel(op, inputs, |inputs, _| body(inputs))
+}
+
+/// [`composite_list`] for ember's own ops whose body runs kernels: the body also gets the
+/// [`Door`].
+pub(crate) fn composite_list_kernel<T>(
+    op: &'static Op,
+    inputs: &[Option<&Tensor>],
+    body: impl FnOnce(&[Option<Tensor>], Door) -> Result<T>,
 ) -> Result<T> {
     crate::memory::set_current_op(op.name);
     let present: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
@@ -234,15 +273,16 @@ pub fn composite_list<T>(
     let mut it = prepared.into_iter();
     let inputs: Vec<Option<Tensor>> = inputs.iter().map(|t| t.and_then(|_| it.next())).collect();
     let _suspended = autocast::suspend();
-    body(&inputs)
+    body(&inputs, Door(()))
 }
 
 /// An op built from other ops that has no policy of its own (PyTorch's
 /// `CompositeImplicitAutograd`: `flatten`, `masked_fill`, `split`, ...): the device check and
 /// the observers (steps 1 and 4) see it under its name, then `body` runs, and its inner ops pass
 /// every step themselves, autocast included (as PyTorch's implicit composites decompose below
-/// the Autocast key). No observer: one device loop and one relaxed load.
-pub(crate) fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Result<T>) -> Result<T> {
+/// the Autocast key). No observer: one device loop and one relaxed load. Its line is in
+/// `named_table!` (`policy.rs`); ember-nn's composites (`adaptive_avg_pool2d`) enter here too.
+pub fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Result<T>) -> Result<T> {
     crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, inputs)?;
     let _scope = if observer::is_active() {
@@ -257,10 +297,10 @@ pub(crate) fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() 
 /// An op with no tensor input (a factory or a random draw: `zeros`, `arange`, `randn`, ...),
 /// or one that checks its operands' devices itself with its own errors (GradScaler's steps), on
 /// `device`: the observers see it under its name, then `body` runs.
-pub(crate) fn enter<T>(op: &'static Op, device: Device, body: impl FnOnce() -> T) -> T {
+pub(crate) fn enter<T>(op: &'static Op, device: Device, body: impl FnOnce(Door) -> T) -> T {
     crate::memory::set_current_op(op.name);
     let _scope = observer::Scope::enter(op, device, &[]);
-    body()
+    body(Door(()))
 }
 
 /// Steps 1–4 for an op over a list of tensors (`cat`, the fused optimizer steps), then
@@ -268,7 +308,7 @@ pub(crate) fn enter<T>(op: &'static Op, device: Device, body: impl FnOnce() -> T
 pub(crate) fn call_list<T>(
     op: &'static Op,
     inputs: &[&Tensor],
-    body: impl FnOnce(&[Tensor]) -> Result<T>,
+    body: impl FnOnce(&[Tensor], Door) -> Result<T>,
 ) -> Result<T> {
     crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, inputs)?;
@@ -277,7 +317,7 @@ pub(crate) fn call_list<T>(
     autocast::apply(op, device, &mut prepared)?;
     promote(op, &mut prepared)?;
     let _scope = observer::Scope::enter(op, device, &prepared);
-    body(&prepared)
+    body(&prepared, Door(()))
 }
 
 /// Steps 1–4 for an `Fp32` op whose kernel reads f16/bf16 operands and computes in f32 inside
@@ -289,13 +329,13 @@ pub(crate) fn call_list<T>(
 pub(crate) fn call_list_fp32_inside<T>(
     op: &'static Op,
     inputs: &[&Tensor],
-    body: impl FnOnce(&[Tensor], bool) -> Result<T>,
+    body: impl FnOnce(&[Tensor], bool, Door) -> Result<T>,
 ) -> Result<T> {
     crate::memory::set_current_op(op.name);
     let device = check_devices(op.name, inputs)?;
     settle_copies(op, inputs)?;
     let mut prepared: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-    let casting = op.autocast == CastPolicy::Fp32 && crate::amp::active_dtype(device.device_type()).is_some();
+    let casting = op.autocast == CastPolicy::Fp32 && autocast::active_dtype(device.device_type()).is_some();
     let f32_result = casting
         && prepared
             .first()
@@ -305,5 +345,5 @@ pub(crate) fn call_list_fp32_inside<T>(
     }
     promote(op, &mut prepared)?;
     let _scope = observer::Scope::enter(op, device, &prepared);
-    body(&prepared, f32_result)
+    body(&prepared, f32_result, Door(()))
 }

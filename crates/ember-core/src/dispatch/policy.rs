@@ -12,6 +12,7 @@
 //! lists every line. The table lists the ops ember has; PyTorch's lists hold more
 //! (group_norm, kl_div, addcmul, index_put, ...), to be added here with the op.
 
+pub use crate::backend::op::Promotion;
 use crate::backend::op::{BinaryOp, CmpOp, LogicalOp, UnaryOp};
 use crate::backend::table::{binary_table, compare_table, logical_table, unary_table};
 
@@ -28,24 +29,6 @@ pub enum CastPolicy {
     Fp32,
     /// `promote`: inputs cast to the widest floating dtype among them.
     Promote,
-}
-
-/// How the dispatch point brings an op's operands to one dtype (after autocast).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Promotion {
-    /// Operands keep their dtypes (the op checks them, or they have different roles such as
-    /// an index tensor).
-    None,
-    /// All operands cast to their promoted dtype (`torch.result_type`).
-    Common,
-    /// As `Common`, except that a float32 operand beside a float16 or bfloat16 one stays as it
-    /// is on CUDA, whose kernels read such a pair and compute in float32, as after the cast
-    /// (Note [Mixed operands] in `kernels/elementwise.cu`).
-    CommonMixed,
-    /// As `Common`, with integer results computed as float32 (true division).
-    CommonFloat,
-    /// All operands but the first (a condition or mask) cast to their promoted dtype.
-    CommonAfterFirst,
 }
 
 /// One line of the table: what the dispatch point knows about an op.
@@ -196,6 +179,7 @@ named_table! {
     CONTIGUOUS = "contiguous";
     CLONE = "clone";
     PIN_MEMORY = "pin_memory";
+    BROADCAST_COALESCED = "broadcast_coalesced";
     ITEM = "item";
     DETACH = "detach";
 
@@ -220,6 +204,7 @@ named_table! {
     UNBIND = "unbind";
     BROADCAST_TO = "broadcast_to";
     IM2COL = "im2col";
+    ADAPTIVE_AVG_POOL2D = "adaptive_avg_pool2d";
     SLICE_SCATTER = "slice_scatter";
     SORT = "sort";
     ARGSORT = "argsort";
@@ -293,7 +278,7 @@ macro_rules! unary_line {
 
 macro_rules! unary_lines {
     ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
-         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident $(, $d:ident)?| $rule:expr, $doc:literal; )*) => {
         impl UnaryOp {
             /// The op's policy line.
             pub fn line(self) -> &'static Op {

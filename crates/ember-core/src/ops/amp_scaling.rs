@@ -170,7 +170,7 @@ fn scalar<S>(storage: S, t: &Tensor) -> Elems<S> {
 /// elements do not fill one range of its storage is unscaled through a contiguous copy.
 pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
     let line = &policy::AMP_NON_FINITE_CHECK_AND_UNSCALE_;
-    dispatch::enter(line, found_inf.device(), || {
+    dispatch::enter(line, found_inf.device(), |_| {
         unscale_checked(grads, found_inf, inv_scale)
     })
 }
@@ -262,7 +262,7 @@ pub fn update_scale_(
     backoff_factor: f64,
     growth_interval: i64,
 ) -> Result<()> {
-    dispatch::enter(&policy::AMP_UPDATE_SCALE_, scale.device(), || {
+    dispatch::enter(&policy::AMP_UPDATE_SCALE_, scale.device(), |_| {
         update_scale_checked(
             scale,
             growth_tracker,

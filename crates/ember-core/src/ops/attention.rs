@@ -85,7 +85,7 @@ pub fn scaled_dot_product_cudnn_attention(
     dispatch::call_list(
         &policy::SCALED_DOT_PRODUCT_CUDNN_ATTENTION,
         &[query, key, value],
-        |p| {
+        |p, door| {
             let (q, k, v) = (&p[0], &p[1], &p[2]);
             if !crate::backends::cuda::cudnn_sdp_enabled() {
                 return Ok(None);
@@ -101,15 +101,15 @@ pub fn scaled_dot_product_cudnn_attention(
                 return Ok(None);
             };
             let (b, h, l, ev) = (params.b, params.h, params.s_q, params.d_v);
-            let rows = Tensor::from_storage(o, [b, l, h, ev]);
+            let rows = door.tensor(o, [b, l, h, ev]);
             let out = rows.view_with(Layout::contiguous([b, l, h, ev]).transpose(1, 2));
             if !autograd::needs_grad(&[q, k, v]) {
                 return Ok(Some(out));
             }
-            let lse = Tensor::from_storage(lse, [b, h, l]);
+            let lse = door.tensor(lse, [b, h, l]);
             let saved = [q, k, v, &out].map(|t| SavedTensor::new(OP, t));
             // The node is PyTorch's `ScaledDotProductCudnnAttentionBackward0`.
-            Ok(Some(autograd::record(OP, &[q, k, v], out, move |g, _| {
+            Ok(Some(door.record(OP, &[q, k, v], out, move |g, _| {
                 let [q, k, v, o] = [0, 1, 2, 3].map(|i| saved[i].get());
                 let (q, k, v, o) = (q?, k?, v?, o?);
                 same_device(OP, &[q, g])?;
@@ -178,7 +178,7 @@ pub fn scaled_dot_product_cudnn_attention(
                 let (s, d, layouts) = (params.s_kv, params.d, used.grads);
                 let (dq, dk, dv) = match (result, used.grads_packed) {
                     (SdpaGrads::Packed(buf), Some(pk)) => {
-                        let buf = Tensor::from_storage(buf, [pk.len]);
+                        let buf = door.tensor(buf, [pk.len]);
                         let [oq, ok, ov] = pk.offsets;
                         (
                             view(&buf, l, d, layouts[1], oq),
@@ -187,9 +187,9 @@ pub fn scaled_dot_product_cudnn_attention(
                         )
                     }
                     (SdpaGrads::Separate(dq, dk, dv), _) => (
-                        view(&Tensor::from_storage(dq, [b * l * h * d]), l, d, layouts[1], 0),
-                        view(&Tensor::from_storage(dk, [b * s * h * d]), s, d, layouts[2], 0),
-                        view(&Tensor::from_storage(dv, [b * s * h * ev]), s, ev, layouts[3], 0),
+                        view(&door.tensor(dq, [b * l * h * d]), l, d, layouts[1], 0),
+                        view(&door.tensor(dk, [b * s * h * d]), s, d, layouts[2], 0),
+                        view(&door.tensor(dv, [b * s * h * ev]), s, ev, layouts[3], 0),
                     ),
                     (SdpaGrads::Packed(_), None) => {
                         return Err(Error::Autograd(format!(

@@ -74,12 +74,12 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     dispatch::call(
         op.line(),
         [a, b],
-        |[a, b]| {
+        |[a, b], door| {
             let (shape, storage) =
                 with_broadcast(op.name(), a, b, |sa, al, sb, bl| sa.binary(op, al, sb, bl))?;
-            Ok(Tensor::from_storage(storage, shape))
+            Ok(door.tensor(storage, shape))
         },
-        |[a, b], out| {
+        |[a, b], out, _| {
             let saves = saves(op);
             let save = |t: &Tensor, when: bool| when.then(|| SavedTensor::new(op.name(), t));
             let saved = BinarySaved {
@@ -272,18 +272,18 @@ pub(crate) fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<T
 }
 
 fn compare(op: CmpOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    dispatch::call_with(op.line(), [a, b], |[a, b]| {
+    dispatch::call_with(op.line(), [a, b], |[a, b], door| {
         let (shape, storage) = with_broadcast(op.name(), a, b, |sa, al, sb, bl| sa.compare(op, al, sb, bl))?;
-        Ok(Tensor::from_storage(storage, shape))
+        Ok(door.tensor(storage, shape))
     })
 }
 
 fn logical(op: LogicalOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    dispatch::call_with(op.line(), [a, b], |[a, b]| {
+    dispatch::call_with(op.line(), [a, b], |[a, b], door| {
         let (a, b) = (a.to_dtype(DType::Bool)?, b.to_dtype(DType::Bool)?);
         let (shape, storage) =
             with_broadcast(op.name(), &a, &b, |sa, al, sb, bl| sa.logical(op, al, sb, bl))?;
-        Ok(Tensor::from_storage(storage, shape))
+        Ok(door.tensor(storage, shape))
     })
 }
 
@@ -294,7 +294,9 @@ impl Tensor {
     pub fn binary_out(&self, op: BinaryOp, other: &Tensor, out: &Tensor) -> Result<Tensor> {
         // The operands pass the dispatch point (device check, autocast, promotion, observers)
         // as the plain op's do; `out` is checked against the result here.
-        dispatch::call_with(op.line(), [self, other], |[a, b]| binary_into_out(op, a, b, out))
+        dispatch::call_with(op.line(), [self, other], |[a, b], _| {
+            binary_into_out(op, a, b, out)
+        })
     }
 }
 
@@ -397,7 +399,7 @@ impl Tensor {
         dispatch::call(
             &policy::WHERE,
             [cond, a, b],
-            |[cond, a, b]| {
+            |[cond, a, b], door| {
                 if cond.dtype() != DType::Bool {
                     return Err(Error::UnsupportedDType {
                         op: "where",
@@ -416,9 +418,9 @@ impl Tensor {
                     let (sc, sa, sb) = (cond.storage().read(), a.storage().read(), b.storage().read());
                     sc.where_cond(&cl, &sa, &al, &sb, &bl)?
                 };
-                Ok(Tensor::from_storage(storage, shape))
+                Ok(door.tensor(storage, shape))
             },
-            |[cond, a, b], _| {
+            |[cond, a, b], _, _| {
                 let (sa, sb) = (a.shape().clone(), b.shape().clone());
                 let c = SavedTensor::new("where", cond);
                 Ok(move |g: &Tensor, needs: &[bool]| {
@@ -475,7 +477,7 @@ impl Tensor {
         dispatch::call(
             &policy::CLAMP,
             [self],
-            |[x]| {
+            |[x], _| {
                 let _g = autograd::no_grad();
                 let mut out = x.clone();
                 if let Some(lo) = min {
@@ -486,7 +488,7 @@ impl Tensor {
                 }
                 Ok(out)
             },
-            |[x], _| {
+            |[x], _, _| {
                 let x = SavedTensor::new("clamp", x);
                 Ok(move |g: &Tensor, _: &[bool]| {
                     let x = x.get()?;

@@ -12,19 +12,19 @@
 use super::conv_composite::{self, Window};
 use crate::autograd::{self, SavedTensor};
 use crate::backend::ConvParams;
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::shape::checked_mul;
 use crate::{Error, Result, Shape, Tensor};
 
 const OP: &str = "convolution";
 
 /// `t` row-major from its storage's first element (the backends read it from there), detached.
-pub(crate) fn packed(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn packed(t: &Tensor, door: Door) -> Result<Tensor> {
     if t.is_contiguous() && t.storage_offset() == 0 {
         return Ok(t.detach());
     }
     let storage = t.storage().read().to_dtype(t.layout(), t.dtype())?;
-    Ok(Tensor::from_storage(storage, t.shape().clone()))
+    Ok(door.tensor(storage, t.shape().clone()))
 }
 
 pub(crate) fn as_isize(dims: &[usize]) -> Vec<isize> {
@@ -54,14 +54,24 @@ pub fn convolution(
     } else {
         &policy::CONV2D
     };
-    dispatch::composite_list(line, &[Some(input), Some(weight), bias], |ins| {
+    dispatch::composite_list_kernel(line, &[Some(input), Some(weight), bias], |ins, door| {
         let [Some(input), Some(weight), bias] = ins else {
             unreachable!("the input and weight are always given")
         };
-        convolution_prepared(input, weight, bias.as_ref(), stride, padding, dilation, groups)
+        convolution_prepared(
+            input,
+            weight,
+            bias.as_ref(),
+            stride,
+            padding,
+            dilation,
+            groups,
+            door,
+        )
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn convolution_prepared(
     input: &Tensor,
     weight: &Tensor,
@@ -70,6 +80,7 @@ fn convolution_prepared(
     padding: &[usize],
     dilation: &[usize],
     groups: usize,
+    door: Door,
 ) -> Result<Tensor> {
     let rank = input.rank();
     if !(rank == 3 || rank == 4) || weight.rank() != rank {
@@ -174,8 +185,8 @@ fn convolution_prepared(
     Shape::from(out_dims.as_slice()).checked_elements(OP)?;
     let window = params.weight[1..].iter().product::<usize>();
     checked_mul(OP, "im2col columns", window, out4[2] * out4[3])?;
-    let x = packed(input)?.reshape(&as_isize(&params.input))?;
-    let w = packed(weight)?.reshape(&as_isize(&params.weight))?;
+    let x = packed(input, door)?.reshape(&as_isize(&params.input))?;
+    let w = packed(weight, door)?.reshape(&as_isize(&params.weight))?;
     let y = {
         let (sx, sw) = (x.storage().read(), w.storage().read());
         sx.conv_forward(&sw, &params)?
@@ -186,19 +197,19 @@ fn convolution_prepared(
             // broadcast addition is a strided one) when it takes the bias as it is.
             let fused = match bias.filter(|b| b.dtype() == params.dtype) {
                 Some(b) => {
-                    let b = packed(b)?;
+                    let b = packed(b, door)?;
                     let added = y.conv_bias_add(&b.storage().read(), &params)?;
                     added.then_some(b)
                 }
                 None => None,
             };
-            let y = Tensor::from_storage(y, out_dims.as_slice());
+            let y = door.tensor(y, out_dims.as_slice());
             let inputs: Vec<&Tensor> = match (&fused, bias) {
                 (Some(_), Some(b)) => vec![input, weight, b],
                 _ => vec![input, weight],
             };
             let y = if autograd::needs_grad(&inputs) {
-                record_backward(&inputs, &x, &w, params, y)
+                record_backward(&inputs, &x, &w, params, y, door)
             } else {
                 y
             };
@@ -224,12 +235,19 @@ fn convolution_prepared(
 
 /// Records the backward of a backend convolution `y` of the packed 4-D `x` and `w`; `inputs`
 /// are the op's input and weight, and its bias where the backend added it into `y`.
-fn record_backward(inputs: &[&Tensor], x: &Tensor, w: &Tensor, params: ConvParams, y: Tensor) -> Tensor {
+fn record_backward(
+    inputs: &[&Tensor],
+    x: &Tensor,
+    w: &Tensor,
+    params: ConvParams,
+    y: Tensor,
+    door: Door,
+) -> Tensor {
     let (xs, ws) = (SavedTensor::new(OP, x), SavedTensor::new(OP, w));
     let (in_dims, w_dims) = (inputs[0].dims().to_vec(), inputs[1].dims().to_vec());
     let out4 = params.output().expect("checked before the forward ran");
-    autograd::record(OP, inputs, y, move |g, needs| {
-        let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out4))?)?;
+    door.record(OP, inputs, y, move |g, needs| {
+        let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out4))?, door)?;
         let (x, w) = (xs.get()?, ws.get()?);
         let (sg, sx, sw) = (g.storage().read(), x.storage().read(), w.storage().read());
         let dx = if needs[0] {
@@ -264,8 +282,8 @@ fn record_backward(inputs: &[&Tensor], x: &Tensor, w: &Tensor, params: ConvParam
             ]
         } else {
             vec![
-                dx.map(|s| Tensor::from_storage(s, in_dims.as_slice())),
-                dw.map(|s| Tensor::from_storage(s, w_dims.as_slice())),
+                dx.map(|s| door.tensor(s, in_dims.as_slice())),
+                dw.map(|s| door.tensor(s, w_dims.as_slice())),
             ]
         };
         if needs.len() == 3 {

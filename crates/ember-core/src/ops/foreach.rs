@@ -45,7 +45,7 @@ pub fn foreach_copy_(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
         return pairwise();
     }
     let observed: Vec<&Tensor> = dst.iter().collect();
-    dispatch::call_list(&policy::FOREACH_COPY, &observed, |_| {
+    dispatch::call_list(&policy::FOREACH_COPY, &observed, |_, _| {
         match fused_device(dst, src) {
             Some(_) => copy_fused(dst, src),
             None => pairwise(),

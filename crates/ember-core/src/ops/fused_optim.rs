@@ -416,7 +416,7 @@ pub fn adam_scaled_(
     lr: Option<&Tensor>,
 ) -> Result<()> {
     let observed: Vec<&Tensor> = params.iter().collect();
-    dispatch::call_list(&policy::FUSED_ADAM, &observed, |_| {
+    dispatch::call_list(&policy::FUSED_ADAM, &observed, |_, _| {
         adam_scaled_prepared(
             params,
             grads,
@@ -608,7 +608,7 @@ pub fn sgd_scaled_(
     lr: Option<&Tensor>,
 ) -> Result<()> {
     let observed: Vec<&Tensor> = params.iter().collect();
-    dispatch::call_list(&policy::FUSED_SGD, &observed, |_| {
+    dispatch::call_list(&policy::FUSED_SGD, &observed, |_, _| {
         sgd_scaled_prepared(params, grads, momentum_buffers, cfg, scaling, lr)
     })
 }

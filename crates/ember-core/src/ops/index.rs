@@ -13,7 +13,7 @@
 use super::binary::same_device;
 use super::conv::packed;
 use crate::autograd::{self, SavedTensor};
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::dtype::Scalar;
 use crate::layout::Layout;
 use crate::{DType, Error, Result, Shape, Tensor};
@@ -77,7 +77,7 @@ fn pad_to(t: &Tensor, shape: &Shape) -> Result<Tensor> {
 }
 
 /// `index_select` under the name `op` (embedding reuses it).
-fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> Result<Tensor> {
+fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor, door: Door) -> Result<Tensor> {
     check_index(op, x, index)?;
     if index.rank() > 1 {
         return Err(Error::invalid(
@@ -99,7 +99,7 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
                 ),
             ));
         }
-        return index_select_as(op, &lift(x)?, 0, index)?.reshape(());
+        return index_select_as(op, &lift(x)?, 0, index, door)?.reshape(());
     }
     let mut dims = x.dims().to_vec();
     dims[d] = index.numel();
@@ -112,16 +112,16 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
         let (s, i) = (x.storage().read(), index.storage().read());
         s.index_read(IndexOp::Select, op, x.layout(), d, &i, &il)?
     };
-    let out = Tensor::from_storage(storage, dims);
+    let out = door.tensor(storage, dims);
     if !autograd::needs_grad(&[x]) {
         return Ok(out);
     }
     let idx = SavedTensor::new(op, index);
     let shape = x.shape().clone();
     let rows_grad = d == 0;
-    let out = autograd::record(op, &[x], out, move |g, _| {
+    let out = door.record(op, &[x], out, move |g, _| {
         if d == 0 && g.dtype().is_floating_point() {
-            return Ok(vec![Some(rows_backward(g, idx.get()?, &shape)?)]);
+            return Ok(vec![Some(rows_backward(g, idx.get()?, &shape, door)?)]);
         }
         let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
         Ok(vec![Some(z.index_add(d as isize, idx.get()?, g)?)])
@@ -137,11 +137,11 @@ fn index_select_as(op: &'static str, x: &Tensor, dim: isize, index: &Tensor) -> 
 /// from it, in the order of the positions, accumulated in f32 (f64 for f64) and written once:
 /// deterministic, no zero fill, no atomics (Note [Deterministic embedding backward] in
 /// `cuda_backend/index.rs`).
-fn rows_backward(g: &Tensor, index: &Tensor, shape: &Shape) -> Result<Tensor> {
+fn rows_backward(g: &Tensor, index: &Tensor, shape: &Shape, door: Door) -> Result<Tensor> {
     let rows = shape.dims()[0];
     let n = index.numel();
     let d: usize = shape.dims()[1..].iter().product();
-    let (g, i) = (packed(g)?, packed(index)?);
+    let (g, i) = (packed(g, door)?, packed(index, door)?);
     // Note [Gradients added in place] in `autograd/engine.rs`: a tied table (GPT-2's token
     // embedding, also the classifier's weight) gets the rows' sums added to the classifier's
     // gradient, which arrived first.
@@ -158,7 +158,7 @@ fn rows_backward(g: &Tensor, index: &Tensor, shape: &Shape) -> Result<Tensor> {
         sg.embedding_backward(&si, n, d, rows, acc.as_deref_mut())?
     };
     match (storage, into) {
-        (Some(s), _) => Ok(Tensor::from_storage(s, shape.clone())),
+        (Some(s), _) => Ok(door.tensor(s, shape.clone())),
         (None, Some(sum)) => Ok(sum),
         (None, None) => unreachable!("the backend returns the sum unless given `into`"),
     }
@@ -213,32 +213,40 @@ fn scatter_kernel(
     index: &Tensor,
     src: &Tensor,
     sl: &Layout,
+    door: Door,
 ) -> Result<Tensor> {
     let storage = {
         let (s, i, v) = (x.storage().read(), index.storage().read(), src.storage().read());
         s.index_write(op, x.layout(), d, &i, index.layout(), &v, sl)?
     };
-    Ok(Tensor::from_storage(storage, x.shape()))
+    Ok(door.tensor(storage, x.shape()))
 }
 
 /// `scatter` / `scatter_add` with checks, scalar lifting and autograd.
-fn scatter_tensor(op: ScatterOp, x: &Tensor, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+fn scatter_tensor(
+    op: ScatterOp,
+    x: &Tensor,
+    dim: isize,
+    index: &Tensor,
+    src: &Tensor,
+    door: Door,
+) -> Result<Tensor> {
     let name = op.name();
     check_index(name, x, index)?;
     check_same_dtype(name, x, src)?;
     let d = x.shape().dim(name, dim)?;
     if x.rank() == 0 || index.rank() == 0 || src.rank() == 0 {
-        let out = scatter_tensor(op, &lift(x)?, d as isize, &lift(index)?, &lift(src)?)?;
+        let out = scatter_tensor(op, &lift(x)?, d as isize, &lift(index)?, &lift(src)?, door)?;
         return out.reshape(&isize_dims(x.shape()));
     }
     check_gather_shapes(name, x, d, index, Some(src))?;
-    let out = scatter_kernel(op, x, d, index, src, src.layout())?;
+    let out = scatter_kernel(op, x, d, index, src, src.layout(), door)?;
     if !autograd::needs_grad(&[x, src]) {
         return Ok(out);
     }
     let idx = SavedTensor::new(name, index);
     let src_shape = src.shape().clone();
-    Ok(autograd::record(name, &[x, src], out, move |g, needs| {
+    Ok(door.record(name, &[x, src], out, move |g, needs| {
         let index = idx.get()?;
         let gx = match op {
             // Scattered positions were overwritten: no gradient reaches self there.
@@ -259,18 +267,20 @@ impl Tensor {
     /// The entries of `dim` at the positions in the 1-D `index`, in that order
     /// (`torch.index_select`).
     pub fn index_select(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::INDEX_SELECT, [self, index], |[x, i]| {
-            index_select_as("index_select", x, dim, i)
+        dispatch::call_with(&policy::INDEX_SELECT, [self, index], |[x, i], door| {
+            index_select_as("index_select", x, dim, i, door)
         })
     }
 
     /// `out[i][j] = self[index[i][j]][j]` for `dim` 0, and so on (`torch.gather`); the output has
     /// `index`'s shape.
     pub fn gather(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::GATHER, [self, index], |[x, i]| x.gather_prepared(dim, i))
+        dispatch::call_with(&policy::GATHER, [self, index], |[x, i], door| {
+            x.gather_prepared(dim, i, door)
+        })
     }
 
-    fn gather_prepared(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
+    fn gather_prepared(&self, dim: isize, index: &Tensor, door: Door) -> Result<Tensor> {
         const OP: &str = "gather";
         check_index(OP, self, index)?;
         let d = self.shape().dim(OP, dim)?;
@@ -284,13 +294,13 @@ impl Tensor {
             let (s, i) = (self.storage().read(), index.storage().read());
             s.index_read(IndexOp::Gather, OP, self.layout(), d, &i, index.layout())?
         };
-        let out = Tensor::from_storage(storage, index.shape());
+        let out = door.tensor(storage, index.shape());
         if !autograd::needs_grad(&[self]) {
             return Ok(out);
         }
         let idx = SavedTensor::new(OP, index);
         let shape = self.shape().clone();
-        Ok(autograd::record(OP, &[self], out, move |g, _| {
+        Ok(door.record(OP, &[self], out, move |g, _| {
             let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
             Ok(vec![Some(z.scatter_add(d as isize, idx.get()?, g)?)])
         }))
@@ -299,8 +309,8 @@ impl Tensor {
     /// `self` with `src[p]` written at `p` with `p[dim] = index[p]`, for `p` over `index`'s
     /// shape (out of place; `torch.scatter`). With repeated indices the last write wins.
     pub fn scatter(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::SCATTER, [self, index, src], |[x, i, s]| {
-            scatter_tensor(ScatterOp::Scatter, x, dim, i, s)
+        dispatch::call_with(&policy::SCATTER, [self, index, src], |[x, i, s], door| {
+            scatter_tensor(ScatterOp::Scatter, x, dim, i, s, door)
         })
     }
 
@@ -308,12 +318,18 @@ impl Tensor {
     /// a scalar `value`; out of place).
     pub fn scatter_value(&self, dim: isize, index: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
         let value = value.into();
-        dispatch::call_with(&policy::SCATTER, [self, index], |[x, i]| {
-            x.scatter_value_prepared(dim, i, value)
+        dispatch::call_with(&policy::SCATTER, [self, index], |[x, i], door| {
+            x.scatter_value_prepared(dim, i, value, door)
         })
     }
 
-    fn scatter_value_prepared(&self, dim: isize, index: &Tensor, value: Scalar) -> Result<Tensor> {
+    fn scatter_value_prepared(
+        &self,
+        dim: isize,
+        index: &Tensor,
+        value: Scalar,
+        door: Door,
+    ) -> Result<Tensor> {
         const OP: &str = "scatter";
         check_index(OP, self, index)?;
         let d = self.shape().dim(OP, dim)?;
@@ -325,31 +341,31 @@ impl Tensor {
         check_gather_shapes(OP, self, d, index, None)?;
         let v = Tensor::scalar(value.to_f64(), self.dtype(), self.device())?;
         let vl = v.layout().broadcast_as(index.shape(), OP)?;
-        let out = scatter_kernel(ScatterOp::Scatter, self, d, index, &v, &vl)?;
+        let out = scatter_kernel(ScatterOp::Scatter, self, d, index, &v, &vl, door)?;
         if !autograd::needs_grad(&[self]) {
             return Ok(out);
         }
         let idx = SavedTensor::new(OP, index);
-        Ok(autograd::record(OP, &[self], out, move |g, _| {
+        Ok(door.record(OP, &[self], out, move |g, _| {
             Ok(vec![Some(g.scatter_value(d as isize, idx.get()?, 0.0)?)])
         }))
     }
 
     /// `self` with `src` added at `index` along `dim` (out of place; `torch.scatter_add`).
     pub fn scatter_add(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::SCATTER_ADD, [self, index, src], |[x, i, s]| {
-            scatter_tensor(ScatterOp::ScatterAdd, x, dim, i, s)
+        dispatch::call_with(&policy::SCATTER_ADD, [self, index, src], |[x, i, s], door| {
+            scatter_tensor(ScatterOp::ScatterAdd, x, dim, i, s, door)
         })
     }
 
     /// `self` with rows of `source` added at `index` along `dim` (out of place; `index_add`).
     pub fn index_add(&self, dim: isize, index: &Tensor, source: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::INDEX_ADD, [self, index, source], |[x, i, s]| {
-            x.index_add_prepared(dim, i, s)
+        dispatch::call_with(&policy::INDEX_ADD, [self, index, source], |[x, i, s], door| {
+            x.index_add_prepared(dim, i, s, door)
         })
     }
 
-    fn index_add_prepared(&self, dim: isize, index: &Tensor, source: &Tensor) -> Result<Tensor> {
+    fn index_add_prepared(&self, dim: isize, index: &Tensor, source: &Tensor, door: Door) -> Result<Tensor> {
         const OP: &str = "index_add";
         check_index(OP, self, index)?;
         check_same_dtype(OP, self, source)?;
@@ -385,12 +401,20 @@ impl Tensor {
             });
         }
         let index = lift(index)?;
-        let out = scatter_kernel(ScatterOp::IndexAdd, self, d, &index, source, source.layout())?;
+        let out = scatter_kernel(
+            ScatterOp::IndexAdd,
+            self,
+            d,
+            &index,
+            source,
+            source.layout(),
+            door,
+        )?;
         if !autograd::needs_grad(&[self, source]) {
             return Ok(out);
         }
         let idx = SavedTensor::new(OP, &index);
-        Ok(autograd::record(OP, &[self, source], out, move |g, needs| {
+        Ok(door.record(OP, &[self, source], out, move |g, needs| {
             let gs = if needs[1] {
                 Some(g.index_select(d as isize, idx.get()?)?)
             } else {
@@ -404,12 +428,12 @@ impl Tensor {
     /// `indices.shape + [embedding_dim]` (`F.embedding(input, weight)`). The weight's gradient
     /// adds each output row's gradient into the row it came from.
     pub fn embedding(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::EMBEDDING, [indices, weight], |[i, w]| {
-            Tensor::embedding_prepared(i, w)
+        dispatch::call_with(&policy::EMBEDDING, [indices, weight], |[i, w], door| {
+            Tensor::embedding_prepared(i, w, door)
         })
     }
 
-    fn embedding_prepared(indices: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    fn embedding_prepared(indices: &Tensor, weight: &Tensor, door: Door) -> Result<Tensor> {
         const OP: &str = "embedding";
         check_index(OP, weight, indices)?;
         if weight.rank() != 2 {
@@ -419,7 +443,7 @@ impl Tensor {
             ));
         }
         let flat = indices.reshape(&[indices.numel() as isize])?;
-        let rows = index_select_as(OP, weight, 0, &flat)?;
+        let rows = index_select_as(OP, weight, 0, &flat, door)?;
         let mut dims = isize_dims(indices.shape());
         dims.push(weight.dims()[1] as isize);
         rows.reshape(&dims)
@@ -428,10 +452,12 @@ impl Tensor {
     /// One-hot int64 rows of the class indices in `self` (int64 or int32): shape
     /// `self.shape + [num_classes]`; `num_classes == -1` uses max + 1 (`F.one_hot`).
     pub fn one_hot(&self, num_classes: i64) -> Result<Tensor> {
-        dispatch::call_with(&policy::ONE_HOT, [self], |[x]| x.one_hot_prepared(num_classes))
+        dispatch::call_with(&policy::ONE_HOT, [self], |[x], door| {
+            x.one_hot_prepared(num_classes, door)
+        })
     }
 
-    fn one_hot_prepared(&self, num_classes: i64) -> Result<Tensor> {
+    fn one_hot_prepared(&self, num_classes: i64, door: Door) -> Result<Tensor> {
         const OP: &str = "one_hot";
         if !matches!(self.dtype(), DType::I64 | DType::I32) {
             return Err(Error::UnsupportedDType {
@@ -459,6 +485,6 @@ impl Tensor {
         let (storage, n) = self.storage().read().one_hot(self.layout(), nc)?;
         let mut dims = self.dims().to_vec();
         dims.push(n);
-        Ok(Tensor::from_storage(storage, dims))
+        Ok(door.tensor(storage, dims))
     }
 }

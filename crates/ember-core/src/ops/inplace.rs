@@ -92,7 +92,7 @@ impl Tensor {
     /// Copies `src` into `self` (broadcasting, converting dtype and device); returns `self`.
     pub fn copy_(&self, src: &Tensor) -> Result<Tensor> {
         // Only the destination enters the dispatch point: the source may be on another device.
-        dispatch::call_with(&policy::COPY_, [self], |[_]| self.copy_from(src))
+        dispatch::call_with(&policy::COPY_, [self], |[_], _| self.copy_from(src))
     }
 
     fn copy_from(&self, src: &Tensor) -> Result<Tensor> {
@@ -109,7 +109,7 @@ impl Tensor {
     /// Sets every element to `value`; returns `self`.
     pub fn fill_(&self, value: impl Into<Scalar>) -> Result<Tensor> {
         let value = value.into();
-        dispatch::call_with(&policy::FILL_, [self], |[_]| self.fill_with(value))
+        dispatch::call_with(&policy::FILL_, [self], |[_], _| self.fill_with(value))
     }
 
     fn fill_with(&self, value: Scalar) -> Result<Tensor> {
@@ -200,7 +200,7 @@ impl Tensor {
     /// `add_`); otherwise the out-of-place result is written back.
     pub(crate) fn binary_(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
         let name = op.inplace_line().name;
-        dispatch::call_with(op.inplace_line(), [self, other], |_| {
+        dispatch::call_with(op.inplace_line(), [self, other], |_, _| {
             self.check_inplace(name, &[other])?;
             let dtype = binary::result_dtype(op, self.dtype(), other.dtype());
             let direct = dtype == self.dtype() && self.is_contiguous() && !other.shares_storage_with(self);
@@ -230,7 +230,7 @@ impl Tensor {
     /// result written back.
     pub(crate) fn binary_scalar_(&self, op: BinaryOp, value: Scalar) -> Result<Tensor> {
         let name = op.inplace_line().name;
-        dispatch::call_with(op.inplace_line(), [self], |_| {
+        dispatch::call_with(op.inplace_line(), [self], |_, _| {
             self.check_inplace(name, &[])?;
             let _g = autograd::no_grad();
             let r = binary::binary_scalar(op, self, value)?;

@@ -21,7 +21,7 @@
 use super::conv::packed;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::{CrossEntropyParams, Reduction};
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "nll_loss_forward";
@@ -43,8 +43,8 @@ impl Tensor {
     ) -> Result<Tensor> {
         let mut inputs = vec![self, target];
         inputs.extend(weight);
-        dispatch::call_list(&policy::NLL_LOSS_FORWARD, &inputs, |p| {
-            nll_loss_prepared(&p[0], &p[1], p.get(2), mean, ignore_index)
+        dispatch::call_list(&policy::NLL_LOSS_FORWARD, &inputs, |p, door| {
+            nll_loss_prepared(&p[0], &p[1], p.get(2), mean, ignore_index, door)
         })
     }
 }
@@ -55,6 +55,7 @@ fn nll_loss_prepared(
     weight: Option<&Tensor>,
     mean: bool,
     ignore_index: i64,
+    door: Door,
 ) -> Result<Tensor> {
     if !input.dtype().is_floating_point() {
         return Err(Error::dtype(OP, input.dtype()));
@@ -90,25 +91,25 @@ fn nll_loss_prepared(
             ));
         }
     }
-    let (x, t) = (packed(input)?, packed(target)?);
-    let w = weight.map(packed).transpose()?;
+    let (x, t) = (packed(input, door)?, packed(target, door)?);
+    let w = weight.map(|w| packed(w, door)).transpose()?;
     let (loss, total) = {
         let (sx, st) = (x.storage().read(), t.storage().read());
         let sw = w.as_ref().map(|w| w.storage().read());
         sx.nll_loss_forward(&st, sw.as_deref(), (m, c), ignore_index, mean)?
     };
-    let loss = Tensor::from_storage(loss, [0usize; 0]);
+    let loss = door.tensor(loss, [0usize; 0]);
     if !autograd::needs_grad(&[input]) {
         return Ok(loss);
     }
-    let total = Tensor::from_storage(total, [0usize; 0]);
+    let total = door.tensor(total, [0usize; 0]);
     let (ts, ws) = (
         SavedTensor::new(OP, &t),
         w.as_ref().map(|w| SavedTensor::new(OP, w)),
     );
     // The node is PyTorch's NllLossBackward0.
-    Ok(autograd::record("nll_loss", &[input], loss, move |g, _| {
-        let g = packed(&g.to_dtype(total.dtype())?)?;
+    Ok(door.record("nll_loss", &[input], loss, move |g, _| {
+        let g = packed(&g.to_dtype(total.dtype())?, door)?;
         let t = ts.get()?;
         let w = ws.as_ref().map(SavedTensor::get).transpose()?;
         let grad = {
@@ -116,7 +117,7 @@ fn nll_loss_prepared(
             let sw = w.as_ref().map(|w| w.storage().read());
             sg.nll_loss_backward(&st, sw.as_deref(), &stw, (m, c), ignore_index, mean)?
         };
-        Ok(vec![Some(Tensor::from_storage(grad, [m, c]))])
+        Ok(vec![Some(door.tensor(grad, [m, c]))])
     }))
 }
 
@@ -143,7 +144,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         let mut inputs = vec![self, target];
         inputs.extend(weight);
-        dispatch::call_list_fp32_inside(&policy::CROSS_ENTROPY, &inputs, |p, f32_result| {
+        dispatch::call_list_fp32_inside(&policy::CROSS_ENTROPY, &inputs, |p, f32_result, door| {
             let out_dtype = if f32_result { DType::F32 } else { p[0].dtype() };
             cross_entropy_prepared(
                 &p[0],
@@ -153,11 +154,13 @@ impl Tensor {
                 ignore_index,
                 label_smoothing,
                 out_dtype,
+                door,
             )
         })
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn cross_entropy_prepared(
     input: &Tensor,
     target: &Tensor,
@@ -166,6 +169,7 @@ fn cross_entropy_prepared(
     ignore_index: i64,
     label_smoothing: f64,
     out_dtype: DType,
+    door: Door,
 ) -> Result<Tensor> {
     if !input.dtype().is_floating_point() {
         return Err(Error::dtype(CE, input.dtype()));
@@ -203,7 +207,7 @@ fn cross_entropy_prepared(
         None => None,
         // Under autocast the weight arrives cast to f32 (`call_list_fp32_inside`).
         Some(w) if w.dims() == [c] && (w.dtype() == input.dtype() || w.dtype() == out_dtype) => {
-            Some(packed(&w.to_dtype(acc)?)?)
+            Some(packed(&w.to_dtype(acc)?, door)?)
         }
         Some(w) => {
             return Err(Error::invalid(
@@ -225,45 +229,40 @@ fn cross_entropy_prepared(
         reduction,
         out_dtype,
     };
-    let (x, t) = (packed(input)?, packed(target)?);
+    let (x, t) = (packed(input, door)?, packed(target, door)?);
     let (loss, lse, total) = {
         let (sx, st) = (x.storage().read(), t.storage().read());
         let sw = w.as_ref().map(|w| w.storage().read());
         sx.cross_entropy_forward(&st, sw.as_deref(), &p)?
     };
     let loss = if reduction == Reduction::None {
-        Tensor::from_storage(loss, [n])
+        door.tensor(loss, [n])
     } else {
-        Tensor::from_storage(loss, [0usize; 0])
+        door.tensor(loss, [0usize; 0])
     };
     if !autograd::needs_grad(&[input]) {
         return Ok(loss);
     }
-    let lse = Tensor::from_storage(lse, [n]);
-    let total = Tensor::from_storage(total, [2]);
+    let lse = door.tensor(lse, [n]);
+    let total = door.tensor(total, [2]);
     let (xs, ts) = (SavedTensor::new(CE, &x), SavedTensor::new(CE, &t));
     let ws = w.as_ref().map(|w| SavedTensor::new(CE, w));
     // The node is PyTorch's (log_softmax + nll_loss) pair, fused: one node.
-    Ok(autograd::record(
-        "cross_entropy_loss",
-        &[input],
-        loss,
-        move |g, _| {
-            let g = packed(&g.to_dtype(acc)?)?;
-            let (x, t) = (xs.get()?, ts.get()?);
-            let w = ws.as_ref().map(SavedTensor::get).transpose()?;
-            let grad = {
-                let (sx, st, sl, stw, sg) = (
-                    x.storage().read(),
-                    t.storage().read(),
-                    lse.storage().read(),
-                    total.storage().read(),
-                    g.storage().read(),
-                );
-                let sw = w.map(|w| w.storage().read());
-                sx.cross_entropy_backward(&st, sw.as_deref(), &sl, &stw, &sg, &p)?
-            };
-            Ok(vec![Some(Tensor::from_storage(grad, [n, c]))])
-        },
-    ))
+    Ok(door.record("cross_entropy_loss", &[input], loss, move |g, _| {
+        let g = packed(&g.to_dtype(acc)?, door)?;
+        let (x, t) = (xs.get()?, ts.get()?);
+        let w = ws.as_ref().map(SavedTensor::get).transpose()?;
+        let grad = {
+            let (sx, st, sl, stw, sg) = (
+                x.storage().read(),
+                t.storage().read(),
+                lse.storage().read(),
+                total.storage().read(),
+                g.storage().read(),
+            );
+            let sw = w.map(|w| w.storage().read());
+            sx.cross_entropy_backward(&st, sw.as_deref(), &sl, &stw, &sg, &p)?
+        };
+        Ok(vec![Some(door.tensor(grad, [n, c]))])
+    }))
 }

@@ -10,7 +10,7 @@
 
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::{DType, Error, Result, Shape, Tensor};
 
 /// Device and dtype checks shared by every product (matmul requires equal dtypes, as PyTorch).
@@ -37,8 +37,8 @@ fn inner_mismatch(op: &'static str, a: &Tensor, b: &Tensor) -> Error {
 
 /// `a @ b` for `a: [.., m, k]`, `b: [.., k, n]` (ranks >= 2) with batch dims broadcast;
 /// `user` are the operands as the caller gave them, named in errors.
-fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor)) -> Result<Tensor> {
-    product_as(op, a, b, user, [false; 2])
+fn product(op: &'static str, a: &Tensor, b: &Tensor, user: (&Tensor, &Tensor), door: Door) -> Result<Tensor> {
+    product_as(op, a, b, user, [false; 2], door)
 }
 
 /// Note [Widened gradients]: under autocast a float32 weight (and a float32 activation, such
@@ -62,20 +62,17 @@ fn widens(t: &Tensor) -> bool {
 /// A product inside a backward rule: in float32 when `wide` and the backend writes half
 /// products so (Note [Widened gradients]), else [`product`]. Not under `create_graph`, whose
 /// graph would take the float32 gradient for one of the half dtype.
-fn grad_product(op: &'static str, a: &Tensor, b: &Tensor, wide: bool) -> Result<Tensor> {
+fn grad_product(op: &'static str, a: &Tensor, b: &Tensor, wide: bool, door: Door) -> Result<Tensor> {
     if wide && matrices(a, b) && a.dtype() == b.dtype() && !autograd::is_grad_enabled() {
         let widened = {
             let (sa, sb) = (a.storage().read(), b.storage().read());
             sa.matmul_widened(a.layout(), &sb, b.layout())?
         };
         if let Some(storage) = widened {
-            return Ok(Tensor::from_storage(
-                storage,
-                Shape::from([a.dims()[0], b.dims()[1]]),
-            ));
+            return Ok(door.tensor(storage, Shape::from([a.dims()[0], b.dims()[1]])));
         }
     }
-    product(op, a, b, (a, b))
+    product(op, a, b, (a, b), door)
 }
 
 /// [`product`], with `wide` saying which operand's gradient may be computed in float32
@@ -86,6 +83,7 @@ fn product_as(
     b: &Tensor,
     user: (&Tensor, &Tensor),
     wide: [bool; 2],
+    door: Door,
 ) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
     debug_assert!(ra >= 2 && rb >= 2);
@@ -116,25 +114,25 @@ fn product_as(
         let (sa, sb) = (a.storage().read(), b.storage().read());
         sa.matmul(&al, &sb, &bl)?
     };
-    let out = Tensor::from_storage(storage, with(m, n));
+    let out = door.tensor(storage, with(m, n));
     if !autograd::needs_grad(&[a, b]) {
         return Ok(out);
     }
     let (xa, xb) = (SavedTensor::new(op, a), SavedTensor::new(op, b));
     let (sa, sb) = (a.shape().clone(), b.shape().clone());
-    Ok(autograd::record(op, &[a, b], out, move |g, needs| {
+    Ok(door.record(op, &[a, b], out, move |g, needs| {
         // d(a@b)/da = g @ bᵀ, d(a@b)/db = aᵀ @ g; broadcast batch dims are summed back.
         let ga = if needs[0] {
             let (a, b) = (xa.get()?, xb.get()?);
             Some(if matrices(&a, &b) && column_major(&a) {
                 // (b @ gᵀ)ᵀ: the gradient in `a`'s own layout.
                 let gt = g.t()?;
-                grad_product(op, &b, &gt, wide[0])?.t()?
+                grad_product(op, &b, &gt, wide[0], door)?.t()?
             } else if matrices(&a, &b) {
-                grad_product(op, g, &b.t()?, wide[0])?
+                grad_product(op, g, &b.t()?, wide[0], door)?
             } else {
                 let bt = b.transpose(-1, -2)?;
-                sum_to_shape(&product(op, g, &bt, (g, &bt))?, &sa)?
+                sum_to_shape(&product(op, g, &bt, (g, &bt), door)?, &sa)?
             })
         } else {
             None
@@ -142,12 +140,12 @@ fn product_as(
         let gb = if needs[1] {
             let (a, b) = (xa.get()?, xb.get()?);
             Some(if matrices(&a, &b) && column_major(&b) {
-                weight_grad(op, g, &a, &b, wide[1])?
+                weight_grad(op, g, &a, &b, wide[1], door)?
             } else if matrices(&a, &b) {
-                grad_product(op, &a.t()?, g, wide[1])?
+                grad_product(op, &a.t()?, g, wide[1], door)?
             } else {
                 let at = a.transpose(-1, -2)?;
-                sum_to_shape(&product(op, &at, g, (&at, g))?, &sb)?
+                sum_to_shape(&product(op, &at, g, (&at, g), door)?, &sb)?
             })
         } else {
             None
@@ -175,20 +173,27 @@ fn column_major(t: &Tensor) -> bool {
 /// The gradient of the column-major `b` in `a @ b` (`b: [k, n]`): `(gᵀ @ a)ᵀ`, a `[k, n]`
 /// view of a dense `[n, k]` product; in row blocks of that product when `b` views a tensor
 /// registered for it (Note [Gradients in row blocks] in `storage/row_blocks.rs`).
-fn weight_grad(op: &'static str, g: &Tensor, a: &Tensor, b: &Tensor, wide: bool) -> Result<Tensor> {
+fn weight_grad(
+    op: &'static str,
+    g: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    wide: bool,
+    door: Door,
+) -> Result<Tensor> {
     let gt = g.t()?;
     let blocks = b
         .storage()
         .requested_row_blocks()
         .filter(|_| !autograd::needs_grad(&[&gt, a]) && !crate::cuda_backend::is_current_stream_capturing());
     let Some(blocks) = blocks else {
-        return grad_product(op, &gt, a, wide)?.t();
+        return grad_product(op, &gt, a, wide, door)?.t();
     };
     let (storage, events) = {
         let (sg, sa) = (gt.storage().read(), a.storage().read());
         sg.matmul_row_blocks(gt.layout(), &sa, a.layout(), blocks)?
     };
-    let out = Tensor::from_storage(storage, Shape::from([gt.dims()[0], a.dims()[1]]));
+    let out = door.tensor(storage, Shape::from([gt.dims()[0], a.dims()[1]]));
     if !events.is_empty() {
         out.storage().record_row_block_events(events);
     }
@@ -215,6 +220,7 @@ fn product_bias(
     out_dims: &[usize],
     arrivals: Option<&[crate::cuda_backend::RowBlockEvent]>,
     wide: [bool; 2],
+    door: Door,
 ) -> Result<Tensor> {
     debug_assert!(x.rank() == 2 && wt.rank() == 2 && bias.rank() == 1);
     let (m, k, n) = (x.dims()[0], x.dims()[1], wt.dims()[1]);
@@ -227,22 +233,24 @@ fn product_bias(
             None => sx.matmul_bias(x.layout(), &sw, wt.layout(), &sb, bias.layout())?,
         }
     };
-    let out = Tensor::from_storage(storage, Shape::from(out_dims.to_vec()));
+    let out = door.tensor(storage, Shape::from(out_dims.to_vec()));
     if !autograd::needs_grad(&[input, weight, bias]) {
         return Ok(out);
     }
     let (saved_x, saved_w) = (SavedTensor::new(op, input), SavedTensor::new(op, weight));
     let (bias_shape, in_dims) = (bias.shape().clone(), input.shape().clone());
     let rows = move |t: &Tensor, cols: usize| t.reshape(&[m as isize, cols as isize]);
-    let out = autograd::record(op, &[input, weight, bias], out, move |g, needs| {
+    let out = door.record(op, &[input, weight, bias], out, move |g, needs| {
         let g = rows(g, n)?;
         let gx = if needs[0] {
             let w = saved_w.get()?;
             let gx = match autograd::take_activation() {
                 // Note [Activation epilogues] in `autograd/engine.rs`: the gradient of the
                 // GELU's input, straight from the product.
-                Some((autograd::Activation::GeluTanh, aux)) => dgelu_product(op, &g, w, &rows(&aux, k)?)?,
-                None => grad_product(op, &g, w, wide[0])?,
+                Some((autograd::Activation::GeluTanh, aux)) => {
+                    dgelu_product(op, &g, w, &rows(&aux, k)?, door)?
+                }
+                None => grad_product(op, &g, w, wide[0], door)?,
             };
             Some(gx.reshape(&in_dims)?)
         } else {
@@ -252,9 +260,9 @@ fn product_bias(
             let (x, wt) = (rows(saved_x.get()?, k)?, saved_w.get()?.t()?);
             Some(
                 if column_major(&wt) {
-                    weight_grad(op, &g, &x, &wt, wide[1])?
+                    weight_grad(op, &g, &x, &wt, wide[1], door)?
                 } else {
-                    grad_product(op, &x.t()?, &g, wide[1])?
+                    grad_product(op, &x.t()?, &g, wide[1], door)?
                 }
                 .t()?,
             )
@@ -276,7 +284,7 @@ fn product_bias(
 /// product that is the gradient of its output, in one cuBLASLt call where the backend has the
 /// DGELU epilogue, else the product and GELU's backward kernel (Note [Activation epilogues] in
 /// `autograd/engine.rs`).
-fn dgelu_product(op: &'static str, g: &Tensor, w: &Tensor, aux: &Tensor) -> Result<Tensor> {
+fn dgelu_product(op: &'static str, g: &Tensor, w: &Tensor, aux: &Tensor, door: Door) -> Result<Tensor> {
     let (m, k) = (g.dims()[0], w.dims()[1]);
     if !autograd::is_grad_enabled() && g.dtype() == w.dtype() && aux.dtype() == g.dtype() {
         let fused = {
@@ -284,10 +292,10 @@ fn dgelu_product(op: &'static str, g: &Tensor, w: &Tensor, aux: &Tensor) -> Resu
             sg.matmul_dgelu(g.layout(), &sw, w.layout(), (&sa, aux.layout()))?
         };
         if let Some(storage) = fused {
-            return Ok(Tensor::from_storage(storage, Shape::from([m, k])));
+            return Ok(door.tensor(storage, Shape::from([m, k])));
         }
     }
-    product(op, g, w, (g, w))?.gelu_tanh_backward(aux)
+    product(op, g, w, (g, w), door)?.gelu_tanh_backward(aux)
 }
 
 fn isize_dims(dims: &[usize]) -> Vec<isize> {
@@ -299,10 +307,12 @@ impl Tensor {
     /// operand gets a dim prepended (left) or appended (right) that is removed afterwards, and
     /// batch dims (all but the last two) broadcast.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::MATMUL, [self, other], |[a, b]| a.matmul_prepared(b))
+        dispatch::call_with(&policy::MATMUL, [self, other], |[a, b], door| {
+            a.matmul_prepared(b, door)
+        })
     }
 
-    fn matmul_prepared(&self, other: &Tensor) -> Result<Tensor> {
+    fn matmul_prepared(&self, other: &Tensor, door: Door) -> Result<Tensor> {
         const OP: &str = "matmul";
         check_operands(OP, self, other)?;
         let (ra, rb) = (self.rank(), other.rank());
@@ -322,17 +332,17 @@ impl Tensor {
         }
         let user = (self, other);
         match (ra, rb) {
-            (1, 1) => product(OP, &self.unsqueeze(0)?, &other.unsqueeze(1)?, user)?.reshape(()),
-            (2, 1) => product(OP, self, &other.unsqueeze(1)?, user)?.squeeze_dim(-1),
-            (1, 2) => product(OP, &self.unsqueeze(0)?, other, user)?.squeeze_dim(0),
-            (2, 2) => product(OP, self, other, user),
+            (1, 1) => product(OP, &self.unsqueeze(0)?, &other.unsqueeze(1)?, user, door)?.reshape(()),
+            (2, 1) => product(OP, self, &other.unsqueeze(1)?, user, door)?.squeeze_dim(-1),
+            (1, 2) => product(OP, &self.unsqueeze(0)?, other, user, door)?.squeeze_dim(0),
+            (2, 2) => product(OP, self, other, user, door),
             (_, 2) => {
                 // Fold the batch dims of `self` into its rows: one GEMM, and a weight gradient
                 // that needs no reduction over a broadcast batch.
                 let lead = &self.dims()[..ra - 1];
                 let rows = lead.iter().product::<usize>() as isize;
                 let a2 = self.reshape(&[rows, self.dims()[ra - 1] as isize])?;
-                let out = product(OP, &a2, other, user)?;
+                let out = product(OP, &a2, other, user, door)?;
                 let mut dims = isize_dims(lead);
                 dims.push(other.dims()[1] as isize);
                 out.reshape(&dims)
@@ -344,7 +354,7 @@ impl Tensor {
                 } else {
                     other.clone()
                 };
-                let out = product(OP, &a, &b, user)?;
+                let out = product(OP, &a, &b, user, door)?;
                 match (ra, rb) {
                     (1, _) => out.squeeze_dim(-2),
                     (_, 1) => out.squeeze_dim(-1),
@@ -356,10 +366,10 @@ impl Tensor {
 
     /// Product of two matrices (`torch.mm`); no broadcasting.
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::MM, [self, other], |[a, b]| a.mm_prepared(b))
+        dispatch::call_with(&policy::MM, [self, other], |[a, b], door| a.mm_prepared(b, door))
     }
 
-    fn mm_prepared(&self, other: &Tensor) -> Result<Tensor> {
+    fn mm_prepared(&self, other: &Tensor, door: Door) -> Result<Tensor> {
         check_operands("mm", self, other)?;
         for (name, t) in [("self", self), ("mat2", other)] {
             if t.rank() != 2 {
@@ -373,15 +383,17 @@ impl Tensor {
                 ));
             }
         }
-        product("mm", self, other, (self, other))
+        product("mm", self, other, (self, other), door)
     }
 
     /// Batched product of `[b, n, m]` and `[b, m, p]` (`torch.bmm`); batch sizes must be equal.
     pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
-        dispatch::call_with(&policy::BMM, [self, other], |[a, b]| a.bmm_prepared(b))
+        dispatch::call_with(&policy::BMM, [self, other], |[a, b], door| {
+            a.bmm_prepared(b, door)
+        })
     }
 
-    fn bmm_prepared(&self, other: &Tensor) -> Result<Tensor> {
+    fn bmm_prepared(&self, other: &Tensor, door: Door) -> Result<Tensor> {
         check_operands("bmm", self, other)?;
         for (name, t) in [("batch1", self), ("batch2", other)] {
             if t.rank() != 3 {
@@ -403,7 +415,7 @@ impl Tensor {
                 hint: "the batch sizes must be equal (bmm does not broadcast; use matmul)",
             });
         }
-        product("bmm", self, other, (self, other))
+        product("bmm", self, other, (self, other), door)
     }
 
     /// `self @ weight.T + bias` (`F.linear`). With a 2-D weight and a bias of `[out_features]`
@@ -414,20 +426,20 @@ impl Tensor {
         // Fixed-size operand arrays: `linear` is on every MLP's hot path, and the list form
         // of the dispatch point allocates.
         match bias {
-            Some(b) => dispatch::composite(&policy::LINEAR, [self, weight, b], |[x, w, b]| {
-                x.linear_prepared(w, Some(b))
+            Some(b) => dispatch::composite_kernel(&policy::LINEAR, [self, weight, b], |[x, w, b], door| {
+                x.linear_prepared(w, Some(b), door)
             }),
-            None => dispatch::composite(&policy::LINEAR, [self, weight], |[x, w]| {
-                x.linear_prepared(w, None)
+            None => dispatch::composite_kernel(&policy::LINEAR, [self, weight], |[x, w], door| {
+                x.linear_prepared(w, None, door)
             }),
         }
     }
 
-    fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>, door: Door) -> Result<Tensor> {
         // A weight still arriving in row blocks is read here before any other op touches it
         // (an op on it would wait for the whole copy; Note [Copies in row blocks]).
         let mut arrivals = weight.storage().take_arrivals().map(|(blocks, _)| blocks);
-        let result = self.linear_checked(weight, bias, &mut arrivals);
+        let result = self.linear_checked(weight, bias, &mut arrivals, door);
         if let Some(blocks) = arrivals {
             // Not read block by block (an error, or another path): ordered after the whole.
             crate::cuda_backend::row_blocks::wait_for(weight.device(), &blocks)?;
@@ -440,6 +452,7 @@ impl Tensor {
         weight: &Tensor,
         bias: Option<&Tensor>,
         arrivals: &mut Option<Vec<crate::cuda_backend::RowBlockEvent>>,
+        door: Door,
     ) -> Result<Tensor> {
         const OP: &str = "linear";
         check_operands(OP, self, weight)?;
@@ -474,7 +487,7 @@ impl Tensor {
                 && self.dtype().is_floating_point()
                 && (self.rank() == 2 || (self.is_contiguous() && b.is_contiguous()));
             if fused {
-                return self.linear_with_bias(weight, b, arrivals);
+                return self.linear_with_bias(weight, b, arrivals, door);
             }
         }
         if let Some(blocks) = arrivals.take() {
@@ -487,12 +500,12 @@ impl Tensor {
             let rows = lead.iter().product::<usize>() as isize;
             let x = self.reshape(&[rows, weight.dims()[1] as isize])?;
             let wide = [widens(self), widens(weight)];
-            let out = product_as(OP, &x, &weight.t()?, (self, weight), wide)?;
+            let out = product_as(OP, &x, &weight.t()?, (self, weight), wide, door)?;
             let mut dims = isize_dims(lead);
             dims.push(weight.dims()[0] as isize);
             return out.reshape(&dims);
         }
-        let out = self.matmul_prepared(&weight.t()?)?;
+        let out = self.matmul_prepared(&weight.t()?, door)?;
         match bias {
             Some(b) => {
                 if !matches!(out.shape().broadcast(b.shape(), OP), Ok(s) if &s == out.shape()) {
@@ -518,6 +531,7 @@ impl Tensor {
         weight: &Tensor,
         bias: &Tensor,
         arrivals: &mut Option<Vec<crate::cuda_backend::RowBlockEvent>>,
+        door: Door,
     ) -> Result<Tensor> {
         let lead = &self.dims()[..self.rank() - 1];
         let rows = lead.iter().product::<usize>() as isize;
@@ -536,6 +550,7 @@ impl Tensor {
             &dims,
             arrivals.as_deref(),
             wide,
+            door,
         )?;
         // Every block was waited for on the way.
         *arrivals = None;

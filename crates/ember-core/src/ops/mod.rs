@@ -9,9 +9,11 @@
 
 pub mod amp_scaling;
 pub mod attention;
+pub mod batch_norm;
 pub mod binary;
 pub mod conv;
 mod conv_composite;
+pub mod dropout;
 pub mod foreach;
 pub mod fused_optim;
 pub mod index;
@@ -21,8 +23,10 @@ pub mod matmul;
 pub mod norm;
 pub mod operators;
 pub mod pool;
+pub mod recurrent;
 pub mod reduce;
 pub mod rnn;
+pub mod sdpa;
 pub mod slice_scatter;
 pub mod softmax;
 pub mod sort;

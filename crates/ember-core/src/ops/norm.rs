@@ -14,7 +14,7 @@
 
 use crate::autograd::{self, SavedTensor};
 use crate::backend::LayerNormGrads;
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::{DType, Error, Result, Shape, Tensor};
 
 const OP: &str = "layer_norm";
@@ -36,11 +36,11 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        dispatch::composite_list(&policy::LAYER_NORM, &[Some(self), weight, bias], |ins| {
+        dispatch::composite_list_kernel(&policy::LAYER_NORM, &[Some(self), weight, bias], |ins, door| {
             let [Some(x), w, b] = ins else {
                 return Err(Error::invalid(OP, "the input is missing"));
             };
-            layer_norm_prepared(x, normalized_shape, w.as_ref(), b.as_ref(), eps)
+            layer_norm_prepared(x, normalized_shape, w.as_ref(), b.as_ref(), eps, door)
         })
     }
 }
@@ -103,6 +103,7 @@ fn layer_norm_prepared(
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
     eps: f64,
+    door: Door,
 ) -> Result<Tensor> {
     check(x, normalized_shape, weight, bias)?;
     let n: usize = normalized_shape.iter().product();
@@ -119,22 +120,22 @@ fn layer_norm_prepared(
         let b = bs.as_deref().zip(bc.as_ref().map(Tensor::layout));
         xs.layer_norm(xc.layout(), w, b, n, eps)?
     };
-    let y = Tensor::from_storage(y, x.shape().clone());
+    let y = door.tensor(y, x.shape().clone());
     let mut inputs: Vec<&Tensor> = vec![x];
     inputs.extend(weight);
     inputs.extend(bias);
     if !autograd::needs_grad(&inputs) {
         return Ok(y);
     }
-    let mean = Tensor::from_storage(mean, Shape::from([rows]));
-    let rstd = Tensor::from_storage(rstd, Shape::from([rows]));
+    let mean = door.tensor(mean, Shape::from([rows]));
+    let rstd = door.tensor(rstd, Shape::from([rows]));
     let saved_x = SavedTensor::new(OP, &xc);
     let saved_w = wc.as_ref().map(|w| SavedTensor::new(OP, w));
     let (has_w, has_b) = (weight.is_some(), bias.is_some());
     let (w_dtype, b_dtype) = (weight.map(Tensor::dtype), bias.map(Tensor::dtype));
     let x_shape = x.shape().clone();
     let param_shape: Vec<isize> = normalized_shape.iter().map(|&d| d as isize).collect();
-    let y = autograd::record(OP, &inputs, y, move |g: &Tensor, needs: &[bool]| {
+    let y = door.record(OP, &inputs, y, move |g: &Tensor, needs: &[bool]| {
         let x = saved_x.get()?;
         let w = saved_w.as_ref().map(SavedTensor::get).transpose()?;
         dispatch::check_devices(OP, &[x, g])?;
@@ -175,10 +176,10 @@ fn layer_norm_prepared(
         };
         let dx = match into {
             Some(sum) => Some(sum),
-            None => dx.map(|s| Tensor::from_storage(s, x_shape.clone())),
+            None => dx.map(|s| door.tensor(s, x_shape.clone())),
         };
         let param = |s: Option<crate::storage::Storage>| -> Result<Option<Tensor>> {
-            s.map(|s| Tensor::from_storage(s, Shape::from([n])).reshape(&param_shape))
+            s.map(|s| door.tensor(s, Shape::from([n])).reshape(&param_shape))
                 .transpose()
         };
         let mut grads = vec![dx];

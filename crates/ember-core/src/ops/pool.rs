@@ -9,7 +9,7 @@ use super::conv::{as_isize, packed};
 use super::conv_composite;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::PoolParams;
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::{Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::PoolMode;
@@ -43,8 +43,8 @@ pub fn pool2d(
         PoolMode::Max => &policy::MAX_POOL2D,
         PoolMode::Avg => &policy::AVG_POOL2D,
     };
-    dispatch::composite(line, [input], |[input]| {
-        pool2d_prepared(input, mode, kernel, stride, padding)
+    dispatch::composite_kernel(line, [input], |[input], door| {
+        pool2d_prepared(input, mode, kernel, stride, padding, door)
     })
 }
 
@@ -54,6 +54,7 @@ fn pool2d_prepared(
     kernel: [usize; 2],
     stride: [usize; 2],
     padding: [usize; 2],
+    door: Door,
 ) -> Result<Tensor> {
     let op = op_name(mode);
     if input.rank() != 4 {
@@ -100,12 +101,12 @@ fn pool2d_prepared(
         ));
     };
     Shape::from(out_dims.as_slice()).checked_elements(op)?;
-    let x = packed(input)?;
+    let x = packed(input, door)?;
     let y = x.storage().read().pool_forward(&params)?;
     let Some(y) = y else {
         return conv_composite::pool2d(input, &params);
     };
-    let y = Tensor::from_storage(y, out_dims.as_slice());
+    let y = door.tensor(y, out_dims.as_slice());
     if !autograd::needs_grad(&[input]) {
         return Ok(y);
     }
@@ -113,15 +114,15 @@ fn pool2d_prepared(
     // version counter, with the recorded output.
     let (xs, ys) = (SavedTensor::new(op, &x), SavedTensor::new(op, &y));
     let in_dims = input.dims().to_vec();
-    Ok(autograd::record(op, &[input], y, move |g, _needs| {
-        let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out_dims))?)?;
+    Ok(door.record(op, &[input], y, move |g, _needs| {
+        let g = packed(&g.to_dtype(params.dtype)?.reshape(&as_isize(&out_dims))?, door)?;
         let (x, y) = (xs.get()?, ys.get()?);
         let dx = {
             let (sx, sy, sg) = (x.storage().read(), y.storage().read(), g.storage().read());
             sx.pool_backward(&sy, &sg, &params)?
         };
         let dx = match dx {
-            Some(dx) => Tensor::from_storage(dx, in_dims.as_slice()),
+            Some(dx) => door.tensor(dx, in_dims.as_slice()),
             None => {
                 // The backend ran the forward but declines the backward: the composite path's.
                 let _grad = autograd::enable_grad();

@@ -8,7 +8,7 @@
 //! argmax/argmin give int64 indices (first occurrence on ties, NaN counts as the max).
 
 use crate::autograd::{self, SavedTensor};
-use crate::dispatch::{self, policy, Op};
+use crate::dispatch::{self, policy, Door, Op};
 use crate::{DType, Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::ReduceOp;
@@ -96,12 +96,9 @@ fn zero_like(t: &Tensor) -> Result<Tensor> {
 
 impl Tensor {
     /// The reduction `op` over `dims` (normalized) without autograd.
-    fn reduce_raw(&self, op: ReduceOp, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    fn reduce_raw(&self, op: ReduceOp, dims: &[usize], keepdim: bool, door: Door) -> Result<Tensor> {
         let storage = self.storage().read().reduce(self.layout(), op, dims)?;
-        Ok(Tensor::from_storage(
-            storage,
-            reduced_shape(self.shape(), dims, keepdim),
-        ))
+        Ok(door.tensor(storage, reduced_shape(self.shape(), dims, keepdim)))
     }
 
     /// Sum of every element, as a 0-d tensor (int64 for integer and bool inputs).
@@ -116,8 +113,8 @@ impl Tensor {
         dispatch::call(
             &policy::SUM,
             [self],
-            |[x]| x.reduce_raw(ReduceOp::Sum, &d, keepdim),
-            |[x], _| {
+            |[x], door| x.reduce_raw(ReduceOp::Sum, &d, keepdim, door),
+            |[x], _, _| {
                 let (shape, d) = (x.shape().clone(), d.clone());
                 Ok(move |g: &Tensor, _: &[bool]| Ok(vec![Some(expand_back(g, &shape, &d, keepdim)?)]))
             },
@@ -143,8 +140,8 @@ impl Tensor {
         dispatch::call(
             &policy::MEAN,
             [self],
-            |[x]| x.reduce_raw(ReduceOp::Mean, &d, keepdim),
-            |[x], _| {
+            |[x], door| x.reduce_raw(ReduceOp::Mean, &d, keepdim, door),
+            |[x], _, _| {
                 let (shape, d) = (x.shape().clone(), d.clone());
                 let n = reduced_count(&shape, &d);
                 Ok(move |g: &Tensor, _: &[bool]| {
@@ -172,8 +169,8 @@ impl Tensor {
         dispatch::call(
             &policy::PROD,
             [self],
-            |[x]| x.reduce_raw(ReduceOp::Prod, &d, keepdim),
-            |[x], _| {
+            |[x], door| x.reduce_raw(ReduceOp::Prod, &d, keepdim, door),
+            |[x], _, _| {
                 let (shape, d) = (x.shape().clone(), d.clone());
                 let x = SavedTensor::new("prod", x);
                 Ok(move |g: &Tensor, _: &[bool]| prod_backward(&x, g, &shape, &d, keepdim))
@@ -224,23 +221,28 @@ impl Tensor {
         } else {
             &policy::MIN
         };
-        dispatch::call_with(line, [self], |[x]| x.extreme_dim_prepared(op, dim, keepdim))
+        dispatch::call_with(line, [self], |[x], door| {
+            x.extreme_dim_prepared(op, dim, keepdim, door)
+        })
     }
 
-    fn extreme_dim_prepared(&self, op: ReduceOp, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+    fn extreme_dim_prepared(
+        &self,
+        op: ReduceOp,
+        dim: isize,
+        keepdim: bool,
+        door: Door,
+    ) -> Result<(Tensor, Tensor)> {
         let d = reduce_dims(op.name(), self.shape(), &[dim])?;
         let (vs, is) = self.storage().read().reduce_with_indices(self.layout(), op, &d)?;
         let shape = reduced_shape(self.shape(), &d, keepdim);
-        let (values, indices) = (
-            Tensor::from_storage(vs, shape.clone()),
-            Tensor::from_storage(is, shape),
-        );
+        let (values, indices) = (door.tensor(vs, shape.clone()), door.tensor(is, shape));
         if !self.dtype().is_floating_point() || !autograd::needs_grad(&[self]) {
             return Ok((values, indices));
         }
         let in_shape = self.shape().clone();
         let idx = SavedTensor::new(op.name(), &indices);
-        let values = autograd::record(op.name(), &[self], values, move |g, _| {
+        let values = door.record(op.name(), &[self], values, move |g, _| {
             let g = keep_dims(g, &in_shape, &d, keepdim)?;
             if in_shape.rank() == 0 {
                 return Ok(vec![Some(g)]);
@@ -307,13 +309,21 @@ impl Tensor {
         } else {
             &policy::ARGMIN
         };
-        dispatch::call_with(line, [self], |[x]| x.arg_extreme_prepared(op, dim, keepdim))
+        dispatch::call_with(line, [self], |[x], door| {
+            x.arg_extreme_prepared(op, dim, keepdim, door)
+        })
     }
 
-    fn arg_extreme_prepared(&self, op: ReduceOp, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+    fn arg_extreme_prepared(
+        &self,
+        op: ReduceOp,
+        dim: Option<isize>,
+        keepdim: bool,
+        door: Door,
+    ) -> Result<Tensor> {
         let Some(dim) = dim else {
             let flat = self.detach().reshape(&[self.numel() as isize])?;
-            let out = flat.reduce_raw(op, &[0], false)?;
+            let out = flat.reduce_raw(op, &[0], false, door)?;
             return if keepdim {
                 out.reshape(&vec![1; self.rank()])
             } else {
@@ -321,7 +331,7 @@ impl Tensor {
             };
         };
         let d = reduce_dims(op.name(), self.shape(), &[dim])?;
-        self.reduce_raw(op, &d, keepdim)
+        self.reduce_raw(op, &d, keepdim, door)
     }
 
     /// Variance over `dims` (empty means all) dividing by `N - correction`
@@ -348,8 +358,8 @@ impl Tensor {
         dispatch::call(
             line,
             [self],
-            |[x]| x.reduce_raw(op, &d, keepdim),
-            |[x], out| {
+            |[x], door| x.reduce_raw(op, &d, keepdim, door),
+            |[x], out, _| {
                 let (x, y) = (SavedTensor::new(op.name(), x), SavedTensor::new(op.name(), out));
                 let (shape, d) = (x.get()?.shape().clone(), d.clone());
                 Ok(move |g: &Tensor, _: &[bool]| var_std_backward(op, &x, &y, g, &shape, &d, keepdim))
@@ -397,15 +407,15 @@ impl Tensor {
         dispatch::call(
             &policy::LOGSUMEXP,
             [self],
-            |[x]| {
+            |[x], door| {
                 if !x.dtype().is_floating_point() {
                     return x
                         .to_dtype(DType::F32)?
-                        .reduce_raw(ReduceOp::LogSumExp, &d, keepdim);
+                        .reduce_raw(ReduceOp::LogSumExp, &d, keepdim, door);
                 }
-                x.reduce_raw(ReduceOp::LogSumExp, &d, keepdim)
+                x.reduce_raw(ReduceOp::LogSumExp, &d, keepdim, door)
             },
-            |[x], _| {
+            |[x], _, _| {
                 let x = SavedTensor::new("logsumexp", x);
                 let (shape, d) = (x.get()?.shape().clone(), d.clone());
                 Ok(move |g: &Tensor, _: &[bool]| {
@@ -457,8 +467,8 @@ impl Tensor {
         dispatch::call(
             line,
             [self],
-            |[x]| x.reduce_raw(op, &d, keepdim),
-            |[x], out| {
+            |[x], door| x.reduce_raw(op, &d, keepdim, door),
+            |[x], out, _| {
                 let (x, y) = (SavedTensor::new(op.name(), x), SavedTensor::new(op.name(), out));
                 let (shape, d) = (x.get()?.shape().clone(), d.clone());
                 Ok(move |g: &Tensor, _: &[bool]| {

@@ -26,7 +26,7 @@
 use super::binary::same_device;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 
@@ -97,9 +97,9 @@ fn check(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<(usize,
 
 /// A new row-major tensor whose elements the caller writes in full before reading them
 /// (uninitialized on a GPU, zeros on the CPU).
-fn scratch(dims: [usize; 3], dtype: DType, device: Device) -> Result<Tensor> {
+fn scratch(dims: [usize; 3], dtype: DType, device: Device, door: Door) -> Result<Tensor> {
     let storage = Storage::alloc(device, dtype, dims.iter().product())?;
-    Ok(Tensor::from_storage(storage, dims))
+    Ok(door.tensor(storage, dims))
 }
 
 /// The buffers a forward pass fills (see Note [Fused LSTM recurrence]).
@@ -116,12 +116,13 @@ fn forward(
     h0: &Tensor,
     c0: &Tensor,
     (steps, n, hidden): (usize, usize, usize),
+    door: Door,
 ) -> Result<Forward> {
     let (dtype, device) = (gi.dtype(), gi.device());
     let gi = gi.contiguous()?;
-    let hbuf = scratch([steps + 2, n, hidden], dtype, device)?;
-    let cbuf = scratch([steps + 1, n, hidden], dtype, device)?;
-    let gates = scratch([steps, n, 4 * hidden], dtype, device)?;
+    let hbuf = scratch([steps + 2, n, hidden], dtype, device, door)?;
+    let cbuf = scratch([steps + 1, n, hidden], dtype, device, door)?;
+    let gates = scratch([steps, n, 4 * hidden], dtype, device, door)?;
     hbuf.select(0, 0)?.copy_(h0)?;
     cbuf.select(0, 0)?.copy_(c0)?;
     let w_t = w_hh.t()?;
@@ -158,6 +159,7 @@ fn backward(
     cbuf: &Tensor,
     gates: &Tensor,
     w_hh: &Tensor,
+    door: Door,
 ) -> Result<Vec<Option<Tensor>>> {
     let (steps, n, hidden) = (gates.dims()[0], gates.dims()[1], w_hh.dims()[1]);
     let (nh, n4h) = (n * hidden, n * 4 * hidden);
@@ -167,7 +169,7 @@ fn backward(
     } else {
         g.to_dtype(gates.dtype())?.contiguous()?
     };
-    let dgates = scratch([steps, n, 4 * hidden], gates.dtype(), gates.device())?;
+    let dgates = scratch([steps, n, 4 * hidden], gates.dtype(), gates.device(), door)?;
     // dc_T is the gradient of the output's last row; copied, since it is updated in place.
     let dc = g.select(0, steps as isize)?.deep_clone()?;
     let mut dh_rec: Option<Tensor> = None;
@@ -236,19 +238,25 @@ fn backward(
 /// # Ok::<(), ember_core::Error>(())
 /// ```
 pub fn lstm_recurrence(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<Tensor> {
-    dispatch::composite(
+    dispatch::composite_kernel(
         &policy::LSTM_RECURRENCE,
         [gi, w_hh, h0, c0],
-        |[gi, w_hh, h0, c0]| lstm_recurrence_prepared(gi, w_hh, h0, c0),
+        |[gi, w_hh, h0, c0], door| lstm_recurrence_prepared(gi, w_hh, h0, c0, door),
     )
 }
 
-fn lstm_recurrence_prepared(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor) -> Result<Tensor> {
+fn lstm_recurrence_prepared(
+    gi: &Tensor,
+    w_hh: &Tensor,
+    h0: &Tensor,
+    c0: &Tensor,
+    door: Door,
+) -> Result<Tensor> {
     let dims = check(gi, w_hh, h0, c0)?;
     let steps = dims.0;
     let fwd = {
         let _g = autograd::no_grad();
-        forward(gi, w_hh, h0, c0, dims)?
+        forward(gi, w_hh, h0, c0, dims, door)?
     };
     let out = fwd.hbuf.narrow(0, 1, steps + 1)?;
     if !autograd::needs_grad(&[gi, w_hh, h0, c0]) {
@@ -260,8 +268,8 @@ fn lstm_recurrence_prepared(gi: &Tensor, w_hh: &Tensor, h0: &Tensor, c0: &Tensor
         SavedTensor::new(OP, &fwd.gates),
         SavedTensor::new(OP, w_hh),
     ];
-    Ok(autograd::record(OP, &[gi, w_hh, h0, c0], out, move |g, needs| {
+    Ok(door.record(OP, &[gi, w_hh, h0, c0], out, move |g, needs| {
         let [hbuf, cbuf, gates, w] = [&saved[0], &saved[1], &saved[2], &saved[3]];
-        backward(g, needs, hbuf.get()?, cbuf.get()?, gates.get()?, w.get()?)
+        backward(g, needs, hbuf.get()?, cbuf.get()?, gates.get()?, w.get()?, door)
     }))
 }

@@ -12,7 +12,7 @@
 
 use crate::autograd::SavedTensor;
 use crate::backend::table::unary_table;
-use crate::dispatch::{self, policy};
+use crate::dispatch::{self, policy, Door};
 use crate::{Error, Result, Tensor};
 use std::f64::consts::{FRAC_2_SQRT_PI, LN_10, LN_2, PI};
 
@@ -33,7 +33,7 @@ enum Saves {
 /// (`backend/table.rs`) expanded in the op layer.
 macro_rules! unary_ops {
     ($( ($v:ident $({ $($f:ident),* })? $([ $($p:expr),* ])?, $stem:ident $(as $bin:ident)?,
-         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident| $rule:expr, $doc:literal; )*) => {
+         $cast:ident, $ints:ident, $saves:ident) |$g:ident, $s:ident $(, $d:ident)?| $rule:expr, $doc:literal; )*) => {
         $(unary_method!([$({ $($f),* })?] $v, $stem, $doc);)*
 
         /// Whether backward needs the op's input, its output, or neither.
@@ -48,11 +48,12 @@ macro_rules! unary_ops {
         /// relu'(0) = 0, leaky_relu'(0) = slope, and zero gradient for sign and the rounding
         /// ops.
         #[allow(unused_variables)]
-        fn grad_rule(op: UnaryOp, g: &Tensor, saved: Option<&Tensor>) -> Result<Tensor> {
+        fn grad_rule(op: UnaryOp, g: &Tensor, saved: Option<&Tensor>, door: Door) -> Result<Tensor> {
             let saved = || saved.ok_or_else(|| Error::Autograd(format!("{} saved no tensor", op.name())));
             Ok(match op {
                 $(UnaryOp::$v { $($($f),*)? } => {
                     let ($g, $s) = (g, saved);
+                    $(let $d = door;)?
                     $rule
                 })*
             })
@@ -89,7 +90,7 @@ fn unary_recorded(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
     dispatch::call(
         op.line(),
         [x],
-        |[x]| {
+        |[x], door| {
             let dtype = op.result_dtype(x.dtype())?;
             let storage = x.storage().read().unary(op, x.layout())?;
             debug_assert_eq!(
@@ -98,9 +99,9 @@ fn unary_recorded(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
                 "{} kernel produced the wrong dtype",
                 op.name()
             );
-            Ok(Tensor::from_storage(storage, x.shape()))
+            Ok(door.tensor(storage, x.shape()))
         },
-        |[x], out| {
+        |[x], out, door| {
             let saved = match saves(op) {
                 Saves::Input => Some(SavedTensor::new(op.name(), x)),
                 Saves::Output => Some(SavedTensor::new(op.name(), out)),
@@ -108,7 +109,7 @@ fn unary_recorded(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
             };
             Ok(move |g: &Tensor, _: &[bool]| {
                 let saved = saved.as_ref().map(|s| s.get()).transpose()?;
-                Ok(vec![Some(grad_rule(op, g, saved)?)])
+                Ok(vec![Some(grad_rule(op, g, saved, door)?)])
             })
         },
     )
@@ -117,7 +118,7 @@ fn unary_recorded(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
 /// ReLU's input gradient from its output `y` (PyTorch's `threshold_backward`): the backend's
 /// one-kernel rule where it has one and both operands are plain contiguous buffers of one dtype
 /// (cuDNN's activation backward), else a select.
-fn relu_backward(g: &Tensor, y: &Tensor) -> Result<Tensor> {
+fn relu_backward(g: &Tensor, y: &Tensor, door: Door) -> Result<Tensor> {
     let plain = |t: &Tensor| t.is_contiguous() && t.storage_offset() == 0;
     if !crate::autograd::is_grad_enabled()
         && g.dtype() == y.dtype()
@@ -127,7 +128,7 @@ fn relu_backward(g: &Tensor, y: &Tensor) -> Result<Tensor> {
     {
         let dx = y.storage().read().relu_backward(&g.storage().read(), g.numel())?;
         if let Some(dx) = dx {
-            return Ok(Tensor::from_storage(dx, g.shape().clone()));
+            return Ok(door.tensor(dx, g.shape().clone()));
         }
     }
     let zero = Tensor::scalar(0.0, g.dtype(), g.device())?;

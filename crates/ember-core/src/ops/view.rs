@@ -101,7 +101,7 @@ impl Tensor {
     where
         R: Fn(&Layout) -> Result<Layout> + Send + Sync + 'static,
     {
-        dispatch::call_with(op, [self], |[x]| {
+        dispatch::call_with(op, [self], |[x], door| {
             let out = x.view_with(layout);
             if !autograd::needs_grad(&[x]) {
                 return Ok(out);
@@ -111,7 +111,7 @@ impl Tensor {
                 region: region(&Layout::contiguous(shape.clone()))?,
                 shape: shape.clone(),
             };
-            Ok(autograd::record_view(op.name, x, out, view, move |g, _| {
+            Ok(door.record_view(op.name, x, out, view, move |g, _| {
                 Ok(vec![Some(grad_through_view(g, &shape, &region)?)])
             }))
         })
@@ -123,14 +123,12 @@ impl Tensor {
     where
         F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
     {
-        dispatch::call_with(op, [self], |[x]| {
+        dispatch::call_with(op, [self], |[x], door| {
             let out = x.view_with(layout);
             if !autograd::needs_grad(&[x]) {
                 return Ok(out);
             }
-            Ok(autograd::record(op.name, &[x], out, move |g, _| {
-                Ok(vec![Some(backward(g)?)])
-            }))
+            Ok(door.record(op.name, &[x], out, move |g, _| Ok(vec![Some(backward(g)?)])))
         })
     }
 
@@ -465,10 +463,10 @@ impl Tensor {
     /// Tensors joined along an existing `dim` (`torch.cat`); shapes must agree elsewhere.
     pub fn cat<T: Borrow<Tensor>>(tensors: &[T], dim: isize) -> Result<Tensor> {
         let ts: Vec<&Tensor> = tensors.iter().map(|t| t.borrow()).collect();
-        dispatch::call_list(&policy::CAT, &ts, |ts| Tensor::cat_prepared(ts, dim))
+        dispatch::call_list(&policy::CAT, &ts, |ts, door| Tensor::cat_prepared(ts, dim, door))
     }
 
-    fn cat_prepared(tensors: &[Tensor], dim: isize) -> Result<Tensor> {
+    fn cat_prepared(tensors: &[Tensor], dim: isize, door: dispatch::Door) -> Result<Tensor> {
         let ts: Vec<&Tensor> = tensors.iter().collect();
         let first = *ts
             .first()
@@ -523,7 +521,7 @@ impl Tensor {
             return Ok(out);
         }
         let dtypes: Vec<_> = ts.iter().map(|t| t.dtype()).collect();
-        Ok(autograd::record("cat", &ts, out, move |g, needs| {
+        Ok(door.record("cat", &ts, out, move |g, needs| {
             let mut start = 0;
             let mut grads = Vec::with_capacity(sizes.len());
             for (i, &len) in sizes.iter().enumerate() {

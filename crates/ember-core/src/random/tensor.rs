@@ -67,10 +67,10 @@ fn draw(
 ) -> Result<Tensor> {
     let n = shape.checked_elements(op.name)?;
     crate::shape::checked_bytes(op.name, n, dtype)?;
-    dispatch::enter(op, device, || {
+    dispatch::enter(op, device, |door| {
         let state = gen.reserve_draw(dist.blocks(n, dtype));
         let storage = Storage::random(device, dtype, n, dist, state)?;
-        Ok(Tensor::from_storage(storage, shape))
+        Ok(door.tensor(storage, shape))
     })
 }
 
@@ -173,14 +173,14 @@ impl Tensor {
     pub fn randperm_with(n: usize, device: Device, gen: &Generator) -> Result<Tensor> {
         Shape::from(n).checked_elements("randperm")?;
         crate::shape::checked_bytes("randperm", n, DType::I64)?;
-        dispatch::enter(&policy::RANDPERM, device, || {
+        dispatch::enter(&policy::RANDPERM, device, |door| {
             let state = gen
                 .reserve_draw(crate::backend::op::blocks_for(
                     n,
                     crate::backend::op::RANDPERM_PER_BLOCK,
                 ))
                 .value("randperm")?;
-            Ok(Tensor::from_storage(Storage::randperm(device, n, state)?, [n]))
+            Ok(door.tensor(Storage::randperm(device, n, state)?, [n]))
         })
     }
 
@@ -207,11 +207,11 @@ impl Tensor {
     /// [`Tensor::bernoulli`] drawing from `gen`.
     pub fn bernoulli_with(&self, gen: &Generator) -> Result<Tensor> {
         check_float("bernoulli", self.dtype())?;
-        dispatch::named(&policy::BERNOULLI, &[self], || {
+        dispatch::call_with(&policy::BERNOULLI, [self], |_, door| {
             let n = self.numel();
             let state = gen.reserve_draw(Distribution::Bernoulli { p: 0.0 }.blocks(n, self.dtype()));
             let storage = self.storage().read().bernoulli(self.layout(), state)?;
-            Ok(Tensor::from_storage(storage, self.shape()))
+            Ok(door.tensor(storage, self.shape()))
         })
     }
 

@@ -1,6 +1,5 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
-use crate::autograd;
 use crate::backend::host::{CpuElement, CpuStorage};
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
@@ -14,18 +13,18 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        dispatch::call_with(&policy::TO, [self], |[x]| x.cast(dtype))
+        dispatch::call_with(&policy::TO, [self], |[x], door| x.cast(dtype, door))
     }
 
     /// [`Tensor::to_dtype`]'s body, behind the dispatch point.
-    fn cast(&self, dtype: DType) -> Result<Tensor> {
+    fn cast(&self, dtype: DType, door: dispatch::Door) -> Result<Tensor> {
         let storage = self.storage().read().to_dtype(self.layout(), dtype)?;
-        let out = Tensor::from_storage(storage, self.shape());
-        if !dtype.is_floating_point() || !autograd::needs_grad(&[self]) {
+        let out = door.tensor(storage, self.shape());
+        if !dtype.is_floating_point() || !dispatch::graph::needs_grad(&[self]) {
             return Ok(out);
         }
         let src = self.dtype();
-        Ok(autograd::record_cast("to_dtype", self, out, move |g, _| {
+        Ok(door.record_cast("to_dtype", self, out, move |g, _| {
             Ok(vec![Some(g.to_dtype(src)?)])
         }))
     }
@@ -39,24 +38,24 @@ impl Tensor {
         if dtype == self.dtype() || l.is_contiguous() || !is_dense(l) {
             return self.to_dtype(dtype);
         }
-        dispatch::call_with(&policy::TO, [self], |[x]| x.cast_dense(dtype))
+        dispatch::call_with(&policy::TO, [self], |[x], door| x.cast_dense(dtype, door))
     }
 
     /// [`Tensor::to_dtype_preserving_strides`] of a dense, non-contiguous view.
-    fn cast_dense(&self, dtype: DType) -> Result<Tensor> {
+    fn cast_dense(&self, dtype: DType, door: dispatch::Door) -> Result<Tensor> {
         let l = self.layout();
         // The elements are exactly the storage range [offset, offset + numel): cast it flat.
         let flat = Layout::new(crate::Shape::from(self.numel()), vec![1usize], l.offset());
         let storage = self.storage().read().to_dtype(&flat, dtype)?;
-        let out = Tensor::from_parts(
+        let out = door.tensor_at(
             crate::storage::StorageRef::new(storage),
             Layout::new(l.shape().clone(), l.strides(), 0),
         );
-        if !autograd::needs_grad(&[self]) {
+        if !dispatch::graph::needs_grad(&[self]) {
             return Ok(out);
         }
         let src = self.dtype();
-        Ok(autograd::record_cast("to_dtype", self, out, move |g, _| {
+        Ok(door.record_cast("to_dtype", self, out, move |g, _| {
             Ok(vec![Some(g.to_dtype(src)?)])
         }))
     }
@@ -67,24 +66,24 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
-        dispatch::call_with(&policy::TO, [self], |[x]| x.move_to(device))
+        dispatch::call_with(&policy::TO, [self], |[x], door| x.move_to(device, door))
     }
 
     /// [`Tensor::to`]'s body, behind the dispatch point.
-    fn move_to(&self, device: Device) -> Result<Tensor> {
+    fn move_to(&self, device: Device, door: dispatch::Door) -> Result<Tensor> {
         let storage = self.storage().read().to_device(self.layout(), device)?;
-        Ok(Tensor::from_storage(storage, self.shape()).into_copy_of(self))
+        Ok(door.tensor(storage, self.shape()).into_copy_of(self, door))
     }
 
     /// `self`, a copy of `source` on another device, as [`Tensor::to`] returns it: under grad
     /// mode and when `source` requires grad, with the node that carries its gradient back to
     /// `source`'s device (also the copies of `cuda::comm::broadcast_coalesced`).
-    pub(crate) fn into_copy_of(self, source: &Tensor) -> Tensor {
-        if !autograd::needs_grad(&[source]) {
+    pub(crate) fn into_copy_of(self, source: &Tensor, door: dispatch::Door) -> Tensor {
+        if !dispatch::graph::needs_grad(&[source]) {
             return self;
         }
         let src = source.device();
-        autograd::record("to_device", &[source], self, move |g, _| {
+        door.record("to_device", &[source], self, move |g, _| {
             Ok(vec![Some(g.gradient_to(src)?)])
         })
     }
@@ -95,7 +94,7 @@ impl Tensor {
     pub(crate) fn gradient_to(&self, device: Device) -> Result<Tensor> {
         match (self.is_private(), self.device(), device) {
             (true, Device::Cuda(from), Device::Cuda(to)) if from != to => {
-                dispatch::call_with(&policy::TO, [self], |[x]| {
+                dispatch::call_with(&policy::TO, [self], |[x], door| {
                     // A weight gradient computed in row blocks crosses block by block
                     // (Note [Gradients in row blocks]).
                     let blocks =
@@ -105,7 +104,7 @@ impl Tensor {
                         x.storage()
                             .read()
                             .to_device_private(x.layout(), to, blocks.as_deref(), row_len)?;
-                    Ok(Tensor::from_storage(storage, x.shape()))
+                    Ok(door.tensor(storage, x.shape()))
                 })
             }
             _ => self.to(device),
@@ -127,7 +126,7 @@ impl Tensor {
         device: usize,
         written: crate::cuda_backend::Event,
     ) -> Result<Tensor> {
-        dispatch::call_with(&policy::TO, [self], |[x]| {
+        dispatch::call_with(&policy::TO, [self], |[x], door| {
             let rows = crate::cuda_backend::RowBlockEvent {
                 rows: 0..x.dims()[0],
                 event: written,
@@ -143,7 +142,7 @@ impl Tensor {
                 .storage()
                 .read()
                 .to_device_private(x.layout(), device, blocks, x.dims()[1])?;
-            Ok(Tensor::from_storage(storage, x.shape()))
+            Ok(door.tensor(storage, x.shape()))
         })
     }
 
@@ -159,12 +158,9 @@ impl Tensor {
         if self.is_pinned() && self.is_contiguous() && self.storage_offset() == 0 {
             return Ok(self.clone());
         }
-        dispatch::named(&policy::PIN_MEMORY, &[self], || {
+        dispatch::call_with(&policy::PIN_MEMORY, [self], |_, door| {
             let storage = StorageRef::pinned_copy(&self.to_cpu_storage()?)?;
-            Ok(Tensor::from_parts(
-                storage,
-                crate::layout::Layout::contiguous(self.shape().clone()),
-            ))
+            Ok(door.tensor_at(storage, crate::layout::Layout::contiguous(self.shape().clone())))
         })
     }
 
@@ -180,14 +176,14 @@ impl Tensor {
         let Device::Cuda(ordinal) = device else {
             return self.to(device);
         };
-        if !(self.is_pinned() && self.is_contiguous()) || autograd::needs_grad(&[self]) {
+        if !(self.is_pinned() && self.is_contiguous()) || dispatch::graph::needs_grad(&[self]) {
             return self.to(device);
         }
-        dispatch::call_with(&policy::TO, [self], |[x]| {
+        dispatch::call_with(&policy::TO, [self], |[x], door| {
             let out = Storage::alloc(Device::Cuda(ordinal), x.dtype(), x.numel())?;
             x.storage()
                 .copy_pinned_async(x.storage_offset(), x.numel(), &out, 0)?;
-            Ok(Tensor::from_storage(out, x.shape().clone()))
+            Ok(door.tensor(out, x.shape().clone()))
         })
     }
 
@@ -201,12 +197,12 @@ impl Tensor {
             && self.dtype() == src.dtype()
             && self.shape() == src.shape()
             && matches!(self.device(), Device::Cuda(_))
-            && !autograd::needs_grad(&[self, src]);
+            && !dispatch::graph::needs_grad(&[self, src]);
         if !direct {
             return self.copy_(src);
         }
         // Only the destination enters the dispatch point (as `copy_`): the source is on the host.
-        dispatch::call_with(&policy::COPY_, [self], |[this]| {
+        dispatch::call_with(&policy::COPY_, [self], |[this], _| {
             let dst = this.storage().write();
             src.storage().copy_pinned_async(
                 src.storage_offset(),
@@ -244,11 +240,11 @@ impl Tensor {
         dispatch::call(
             op,
             [self],
-            |[x]| {
+            |[x], door| {
                 let storage = x.storage().read().to_dtype(x.layout(), x.dtype())?;
-                Ok(Tensor::from_storage(storage, x.shape()))
+                Ok(door.tensor(storage, x.shape()))
             },
-            |_, _| Ok(|g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])),
+            |_, _, _| Ok(|g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])),
         )
     }
 

@@ -22,11 +22,8 @@ impl Tensor {
                 ),
             ));
         }
-        dispatch::enter(&policy::TENSOR, device, || {
-            Ok(Tensor::from_storage(
-                Storage::from_cpu(T::wrap(data), device)?,
-                shape,
-            ))
+        dispatch::enter(&policy::TENSOR, device, |door| {
+            Ok(door.tensor(Storage::from_cpu(T::wrap(data), device)?, shape))
         })
     }
 
@@ -37,7 +34,7 @@ impl Tensor {
 
     /// A 0-d tensor holding `value` converted to `dtype`.
     pub fn scalar(value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        dispatch::enter(&policy::SCALAR_TENSOR, device, || {
+        dispatch::enter(&policy::SCALAR_TENSOR, device, |_| {
             Tensor::full((), value, dtype, device)
         })
     }
@@ -59,15 +56,17 @@ impl Tensor {
     ) -> Result<Tensor> {
         let numel = shape.checked_elements(op.name)?;
         crate::shape::checked_bytes(op.name, numel, dtype)?;
-        dispatch::enter(op, device, || Ok(Tensor::from_storage(make(numel)?, shape)))
+        dispatch::enter(op, device, |door| Ok(door.tensor(make(numel)?, shape)))
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        dispatch::enter(&policy::ZEROS, device, || Tensor::full(shape, 0.0, dtype, device))
+        dispatch::enter(&policy::ZEROS, device, |_| {
+            Tensor::full(shape, 0.0, dtype, device)
+        })
     }
 
     pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        dispatch::enter(&policy::ONES, device, || Tensor::full(shape, 1.0, dtype, device))
+        dispatch::enter(&policy::ONES, device, |_| Tensor::full(shape, 1.0, dtype, device))
     }
 
     /// A tensor whose contents are unspecified (`torch.empty`): on a GPU, memory from the
@@ -164,11 +163,8 @@ impl Tensor {
                 )
             })?;
         crate::memory::check_host_alloc("arange", n, DType::I64)?;
-        dispatch::enter(&policy::ARANGE, device, || {
-            Ok(Tensor::from_storage(
-                Storage::arange_i64(device, start, step, n)?,
-                [n],
-            ))
+        dispatch::enter(&policy::ARANGE, device, |door| {
+            Ok(door.tensor(Storage::arange_i64(device, start, step, n)?, [n]))
         })
     }
 
@@ -218,7 +214,7 @@ impl Tensor {
         }
         let shape = shape.into();
         let n = shape.checked_elements(name)?;
-        dispatch::enter(op, device, || {
+        dispatch::enter(op, device, |door| {
             let op = name;
             let cpu = match dtype {
                 DType::Bool => fill::<bool>(op, n, f),
@@ -230,7 +226,7 @@ impl Tensor {
                 DType::F32 => fill::<f32>(op, n, f),
                 DType::F64 => fill::<f64>(op, n, f),
             }?;
-            Ok(Tensor::from_storage(Storage::from_cpu(cpu, device)?, shape))
+            Ok(door.tensor(Storage::from_cpu(cpu, device)?, shape))
         })
     }
 }

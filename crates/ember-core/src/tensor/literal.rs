@@ -21,8 +21,8 @@ use crate::{Shape, Tensor};
 /// A CPU tensor of `data` with `dims` (the length of `data` is their product by construction).
 fn host_tensor<T: CpuElement>(data: Vec<T>, dims: &[usize]) -> Tensor {
     debug_assert_eq!(data.len(), dims.iter().product::<usize>());
-    crate::dispatch::enter(&crate::dispatch::policy::TENSOR, crate::Device::Cpu, || {
-        Tensor::from_storage(Storage::Cpu(T::wrap(data)), Shape::from(dims))
+    crate::dispatch::enter(&crate::dispatch::policy::TENSOR, crate::Device::Cpu, |door| {
+        door.tensor(Storage::Cpu(T::wrap(data)), Shape::from(dims))
     })
 }
 

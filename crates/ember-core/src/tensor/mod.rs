@@ -15,12 +15,19 @@ mod literal;
 
 pub use literal::{from_literal, TensorLiteral};
 
-use crate::autograd::{self, Hook, Node};
+use crate::dispatch::graph::Node;
+use crate::dispatch::Door;
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Shape};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A gradient hook (`Tensor.register_hook`): sees the gradient of a tensor and may replace it.
+pub type Hook = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+
+/// A hook run after a gradient was accumulated into a leaf's `.grad`; receives the leaf.
+pub type PostAccumulateGradHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
 
 /// An n-dimensional array on a device, as `torch.Tensor`. Cloning shares the data.
 #[derive(Clone)]
@@ -44,7 +51,7 @@ pub(crate) struct AutogradMeta {
     pub(crate) retains_grad: bool,
     pub(crate) hooks: Vec<(u64, Hook)>,
     /// Run after backward stored a new `.grad` in this leaf (see `autograd::callbacks`).
-    pub(crate) post_accumulate_grad_hooks: Vec<(u64, autograd::PostAccumulateGradHook)>,
+    pub(crate) post_accumulate_grad_hooks: Vec<(u64, PostAccumulateGradHook)>,
 }
 
 impl TensorImpl {
@@ -72,9 +79,11 @@ impl HookHandle {
 
 static NEXT_HOOK_ID: AtomicU64 = AtomicU64::new(0);
 
-impl Tensor {
+/// Tensors made from storage: only behind the dispatch point (Note [The door] in
+/// `dispatch/mod.rs`).
+impl Door {
     /// A tensor over all of `storage`, row-major with `shape`.
-    pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
+    pub(crate) fn tensor(self, storage: Storage, shape: impl Into<Shape>) -> Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.numel(), storage.len());
         let dtype = storage.dtype();
@@ -82,11 +91,14 @@ impl Tensor {
         Tensor::from_parts_of(storage, layout, dtype)
     }
 
-    pub(crate) fn from_parts(storage: StorageRef, layout: Layout) -> Tensor {
+    /// A tensor over the shared `storage` at `layout`.
+    pub(crate) fn tensor_at(self, storage: StorageRef, layout: Layout) -> Tensor {
         let dtype = storage.read().dtype();
         Tensor::from_parts_of(storage, layout, dtype)
     }
+}
 
+impl Tensor {
     fn from_parts_of(storage: StorageRef, layout: Layout, dtype: DType) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             storage,
@@ -110,7 +122,7 @@ impl Tensor {
         }))
     }
 
-    /// The same data, made the output of `node` (see `autograd::record`).
+    /// The same data, made the output of `node` (see `Door::record`).
     pub(crate) fn with_grad_fn(self, node: Arc<Node>) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             storage: self.0.storage.clone(),
@@ -184,7 +196,7 @@ impl Tensor {
     /// every view of the same storage now refer to the data on `device` (what PyTorch's
     /// `param.data = param.data.to(device)` achieves for `module.to(device)`); a no-op when
     /// already there. Values, shape, strides, `requires_grad` and `.grad` are unchanged (move
-    /// the gradient with its own call). See Note [Moving a storage in place] in `storage.rs`.
+    /// the gradient with its own call). See Note [Moving a storage in place] in `storage/mod.rs`.
     pub fn to_device_(&self, device: Device) -> Result<()> {
         if device == self.device() {
             return Ok(());
@@ -372,18 +384,5 @@ impl Tensor {
     /// A tensor sharing this one's data, cut from the graph (requires_grad false).
     pub fn detach(&self) -> Tensor {
         self.view_with(self.0.layout.clone())
-    }
-
-    /// Backpropagates from this scalar tensor into every leaf that requires grad.
-    pub fn backward(&self) -> Result<()> {
-        self.backward_with(None, false)
-    }
-
-    /// Backpropagates with an explicit upstream `gradient` (needed for non-scalar outputs);
-    /// `retain_graph` keeps the graph for another backward.
-    pub fn backward_with(&self, gradient: Option<&Tensor>, retain_graph: bool) -> Result<()> {
-        let grads = gradient.map(|g| vec![g.clone()]);
-        let roots = autograd::engine_roots(std::slice::from_ref(self), grads.as_deref())?;
-        autograd::run_backward(roots, retain_graph, None).map(drop)
     }
 }

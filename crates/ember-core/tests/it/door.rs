@@ -10,7 +10,7 @@
 
 use ember_core::backend::UnaryOp;
 use ember_core::dispatch::observer::{self, Observer, OpEnter, OpExit};
-use ember_core::ops::{attention, conv, pool};
+use ember_core::ops::{attention, conv, pool, recurrent};
 use ember_core::{amp_scaling, fused, DType, Device, Result, Tensor};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -20,8 +20,10 @@ use std::thread::ThreadId;
 const SOURCES: &[(&str, &str)] = &[
     ("ops/amp_scaling.rs", include_str!("../../src/ops/amp_scaling.rs")),
     ("ops/attention.rs", include_str!("../../src/ops/attention.rs")),
+    ("ops/batch_norm.rs", include_str!("../../src/ops/batch_norm.rs")),
     ("ops/binary.rs", include_str!("../../src/ops/binary.rs")),
     ("ops/conv.rs", include_str!("../../src/ops/conv.rs")),
+    ("ops/dropout.rs", include_str!("../../src/ops/dropout.rs")),
     (
         "ops/conv_composite.rs",
         include_str!("../../src/ops/conv_composite.rs"),
@@ -36,8 +38,10 @@ const SOURCES: &[(&str, &str)] = &[
     ("ops/mod.rs", include_str!("../../src/ops/mod.rs")),
     ("ops/operators.rs", include_str!("../../src/ops/operators.rs")),
     ("ops/pool.rs", include_str!("../../src/ops/pool.rs")),
+    ("ops/recurrent.rs", include_str!("../../src/ops/recurrent.rs")),
     ("ops/reduce.rs", include_str!("../../src/ops/reduce.rs")),
     ("ops/rnn.rs", include_str!("../../src/ops/rnn.rs")),
+    ("ops/sdpa.rs", include_str!("../../src/ops/sdpa.rs")),
     (
         "ops/slice_scatter.rs",
         include_str!("../../src/ops/slice_scatter.rs"),
@@ -56,6 +60,7 @@ const SOURCES: &[(&str, &str)] = &[
 
 /// Public functions that are no ops, and why.
 const NOT_OPS: &[(&str, &str)] = &[
+    ("parse", "RnnNonlinearity::parse reads a nonlinearity's name"),
     ("shape", "an accessor"),
     ("dims", "an accessor"),
     ("rank", "an accessor"),
@@ -83,11 +88,6 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("register_hook", "the autograd API"),
     ("register_post_accumulate_grad_hook", "the autograd API"),
     ("remove", "the autograd API (a hook handle's)"),
-    (
-        "backward",
-        "the autograd API: runs the recorded ops' backward rules, which pass the door",
-    ),
-    ("backward_with", "the autograd API"),
     ("detach", "a new handle cut from the graph: no kernel, no data"),
     ("record_stream", "the allocator's bookkeeping, no kernel"),
     (
@@ -132,6 +132,10 @@ fn seen(f: impl FnOnce() -> Result<()>) -> (Result<()>, Vec<&'static str>) {
 }
 
 type Run = Box<dyn Fn() -> Result<()>>;
+
+fn zeros(dims: &[usize]) -> Result<Tensor> {
+    Tensor::zeros(dims, DType::F32, Device::Cpu)
+}
 
 fn x() -> Result<Tensor> {
     Tensor::from_vec(vec![0.5f32, -1.0, 2.0, 3.0, -0.25, 1.5], [2, 3], Device::Cpu)
@@ -502,7 +506,7 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
             "cross_entropy",
             run(move || x()?.cross_entropy_loss(&idx()?, None, ember_core::Reduction::Mean, -100, 0.0)),
         ),
-        // Products, convolution, pooling, the LSTM recurrence.
+        // Products, convolution, pooling, batch normalization, the LSTM recurrence.
         ("matmul", "matmul", run(|| x()?.matmul(&x()?.t()?))),
         ("mm", "mm", run(|| x()?.mm(&x()?.t()?))),
         (
@@ -541,6 +545,126 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
                     [1, 2],
                     [1, 1],
                     [0, 0],
+                )
+            }),
+        ),
+        (
+            "scaled_dot_product_attention",
+            "scaled_dot_product_attention",
+            run(|| {
+                let q = x()?.unsqueeze(0)?;
+                ember_core::ops::sdpa::scaled_dot_product_attention(&q, &q, &q, None, 0.0, true, None, false)
+            }),
+        ),
+        (
+            "dropout",
+            "dropout",
+            run(|| ember_core::ops::dropout::dropout(&x()?, 0.5, true)),
+        ),
+        (
+            "dropout_with",
+            "dropout",
+            run(|| {
+                let gen = ember_core::Generator::new(0);
+                ember_core::ops::dropout::dropout_with(&x()?, 0.5, true, &gen)
+            }),
+        ),
+        (
+            "rnn_tanh_cell",
+            "rnn_tanh_cell",
+            run(|| {
+                recurrent::rnn_tanh_cell(
+                    &zeros(&[1, 3])?,
+                    None,
+                    &zeros(&[2, 3])?,
+                    &zeros(&[2, 2])?,
+                    None,
+                    None,
+                )
+            }),
+        ),
+        (
+            "rnn_relu_cell",
+            "rnn_relu_cell",
+            run(|| {
+                recurrent::rnn_relu_cell(
+                    &zeros(&[1, 3])?,
+                    None,
+                    &zeros(&[2, 3])?,
+                    &zeros(&[2, 2])?,
+                    None,
+                    None,
+                )
+            }),
+        ),
+        (
+            "lstm_cell",
+            "lstm_cell",
+            run(|| {
+                let (h, _) = recurrent::lstm_cell(
+                    &zeros(&[1, 3])?,
+                    None,
+                    &zeros(&[8, 3])?,
+                    &zeros(&[8, 2])?,
+                    None,
+                    None,
+                )?;
+                Ok(h)
+            }),
+        ),
+        (
+            "gru_cell",
+            "gru_cell",
+            run(|| {
+                recurrent::gru_cell(
+                    &zeros(&[1, 3])?,
+                    None,
+                    &zeros(&[6, 3])?,
+                    &zeros(&[6, 2])?,
+                    None,
+                    None,
+                )
+            }),
+        ),
+        (
+            "rnn",
+            "rnn_tanh",
+            run(|| {
+                let w = [zeros(&[2, 3])?, zeros(&[2, 2])?];
+                let tanh = recurrent::RnnNonlinearity::Tanh;
+                Ok(recurrent::rnn(&zeros(&[2, 1, 3])?, None, &[&w], tanh, 1, false, 0.0, false)?.0)
+            }),
+        ),
+        (
+            "lstm",
+            "lstm",
+            run(|| {
+                let w = [zeros(&[8, 3])?, zeros(&[8, 2])?];
+                Ok(recurrent::lstm(&zeros(&[2, 1, 3])?, None, &[&w], 1, false, 0.0, false)?.0)
+            }),
+        ),
+        (
+            "gru",
+            "gru",
+            run(|| {
+                let w = [zeros(&[6, 3])?, zeros(&[6, 2])?];
+                Ok(recurrent::gru(&zeros(&[2, 1, 3])?, None, &[&w], 1, false, 0.0, false)?.0)
+            }),
+        ),
+        (
+            "batch_norm",
+            "batch_norm",
+            run(|| {
+                let stat = Tensor::ones([3], DType::F32, Device::Cpu)?;
+                ember_core::ops::batch_norm::batch_norm(
+                    &x()?,
+                    None,
+                    None,
+                    Some(&stat),
+                    Some(&stat),
+                    false,
+                    0.1,
+                    1e-5,
                 )
             }),
         ),

@@ -11,6 +11,7 @@
 //! as well.
 
 use super::Pair;
+use ember_core::dispatch::{self, policy};
 use ember_core::ops::pool::{pool2d, PoolMode};
 use ember_core::{DType, Device, Error, Result, Tensor};
 
@@ -98,6 +99,14 @@ pub fn adaptive_avg_pool2d(input: &Tensor, output_size: impl Into<Pair>) -> Resu
     const OP: &str = "adaptive_avg_pool2d";
     let out = output_size.into().0;
     check_float(OP, input)?;
+    dispatch::named(&policy::ADAPTIVE_AVG_POOL2D, &[input], || {
+        adaptive_avg_pool2d_composite(input, out)
+    })
+}
+
+/// [`adaptive_avg_pool2d`] behind the dispatch point: two pooling matrices applied by products.
+fn adaptive_avg_pool2d_composite(input: &Tensor, out: [usize; 2]) -> Result<Tensor> {
+    const OP: &str = "adaptive_avg_pool2d";
     batched(OP, input, |x| {
         let hw = [x.dims()[2], x.dims()[3]];
         if hw.contains(&0) || out.contains(&0) {

@@ -14,6 +14,7 @@ mod containers;
 mod data_parallel;
 mod derive;
 mod functional;
+mod functional_door;
 mod functional_loss;
 mod grad_scaler;
 mod graphed_training;
