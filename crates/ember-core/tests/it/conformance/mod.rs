@@ -39,6 +39,9 @@ fn group_forward(group: &str) -> Option<Forward> {
 
 #[test]
 fn pytorch_reference_cases() {
+    // The float32 products compare at float32's tolerance: no other test may switch them to
+    // TF32 meanwhile (on the GPU, `matmul_f32` once ran under cuda_matmul's TF32 test).
+    let _precision = crate::cuda_matmul::lock();
     let fx = Fixture::load();
     println!(
         "conformance: {} cases from PyTorch {}",
