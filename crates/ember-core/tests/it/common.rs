@@ -275,3 +275,32 @@ pub fn print_kernel_times(
     }
     launches
 }
+
+/// Records the names of the ops entering the dispatch point on this thread.
+pub struct Seen {
+    thread: std::thread::ThreadId,
+    names: std::sync::Mutex<Vec<&'static str>>,
+}
+
+impl ember_core::dispatch::observer::Observer for Seen {
+    fn on_enter(&self, e: &ember_core::dispatch::observer::OpEnter<'_>) {
+        if e.thread == self.thread {
+            self.names.lock().unwrap().push(e.op.name);
+        }
+    }
+    fn on_exit(&self, _: &ember_core::dispatch::observer::OpExit) {}
+}
+
+/// The op names entering the dispatch point on this thread while `f` runs, and `f`'s result
+/// (the door tests of ember-core's ops and ember-nn's functional API).
+pub fn seen(f: impl FnOnce() -> ember_core::Result<()>) -> (ember_core::Result<()>, Vec<&'static str>) {
+    let rec = std::sync::Arc::new(Seen {
+        thread: std::thread::current().id(),
+        names: std::sync::Mutex::new(Vec::new()),
+    });
+    let handle = ember_core::dispatch::observer::add_observer(rec.clone());
+    let out = f();
+    drop(handle);
+    let names = rec.names.lock().unwrap().clone();
+    (out, names)
+}

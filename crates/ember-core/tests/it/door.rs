@@ -8,13 +8,11 @@
 //! each of their lines is run under an observer by ember-nn's autocast test, and their unary
 //! entry point is run here for every line of the unary table.
 
+use super::common::seen;
 use ember_core::backend::UnaryOp;
-use ember_core::dispatch::observer::{self, Observer, OpEnter, OpExit};
 use ember_core::ops::{attention, conv, pool, recurrent};
 use ember_core::{amp_scaling, fused, DType, Device, Result, Tensor};
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 
 /// The sources whose `pub fn`s are the op layer's public functions.
 const SOURCES: &[(&str, &str)] = &[
@@ -102,34 +100,6 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("item_f64", "`item` converted to f64"),
     ("scatter_value", "`scatter` with a value"),
 ];
-
-/// Records the names of the ops entering the dispatch point on this thread.
-struct Seen {
-    thread: ThreadId,
-    names: Mutex<Vec<&'static str>>,
-}
-
-impl Observer for Seen {
-    fn on_enter(&self, e: &OpEnter<'_>) {
-        if e.thread == self.thread {
-            self.names.lock().unwrap().push(e.op.name);
-        }
-    }
-    fn on_exit(&self, _: &OpExit) {}
-}
-
-/// The op names entering while `f` runs, and `f`'s result.
-fn seen(f: impl FnOnce() -> Result<()>) -> (Result<()>, Vec<&'static str>) {
-    let rec = Arc::new(Seen {
-        thread: std::thread::current().id(),
-        names: Mutex::new(Vec::new()),
-    });
-    let handle = observer::add_observer(rec.clone());
-    let out = f();
-    drop(handle);
-    let names = rec.names.lock().unwrap().clone();
-    (out, names)
-}
 
 type Run = Box<dyn Fn() -> Result<()>>;
 

@@ -7,12 +7,10 @@
 //! when it runs, or in [`NOT_OPS`], with the reason it is no op. The re-exports of ember-core's
 //! ops (`functional/recurrent.rs`) are run by ember-core's door.
 
-use ember_core::dispatch::observer::{self, Observer, OpEnter, OpExit};
+use super::common::seen;
 use ember_core::{DType, Device, Reduction, Result, Tensor};
 use ember_nn::functional as F;
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 
 /// The sources whose `pub fn`s are the functional API.
 const SOURCES: &[(&str, &str)] = &[
@@ -53,34 +51,6 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("reduction", "an options builder's setter"),
     ("label_smoothing", "an options builder's setter"),
 ];
-
-/// Records the names of the ops entering the dispatch point on this thread.
-struct Seen {
-    thread: ThreadId,
-    names: Mutex<Vec<&'static str>>,
-}
-
-impl Observer for Seen {
-    fn on_enter(&self, e: &OpEnter<'_>) {
-        if e.thread == self.thread {
-            self.names.lock().unwrap().push(e.op.name);
-        }
-    }
-    fn on_exit(&self, _: &OpExit) {}
-}
-
-/// The op names entering while `f` runs, and `f`'s result.
-fn seen(f: impl FnOnce() -> Result<()>) -> (Result<()>, Vec<&'static str>) {
-    let rec = Arc::new(Seen {
-        thread: std::thread::current().id(),
-        names: Mutex::new(Vec::new()),
-    });
-    let handle = observer::add_observer(rec.clone());
-    let out = f();
-    drop(handle);
-    let names = rec.names.lock().unwrap().clone();
-    (out, names)
-}
 
 type Run = Box<dyn Fn() -> Result<()>>;
 
