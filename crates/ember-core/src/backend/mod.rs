@@ -180,9 +180,9 @@ pub trait MatmulOps: Sized {
         Ok(None)
     }
     /// The product of the `[m, k]` matrix `self` and the `[k, n]` matrix `rhs` times
-    /// `gelu'(aux)` (tanh form) elementwise, `aux` a row-major `[m, n]` of the product's (half) dtype:
-    /// the gradient of a tanh-GELU's input from the product that is the gradient of its output,
-    /// in one pass (cuBLASLt's DGELU epilogue; Note [Activation epilogues] in
+    /// `gelu'(aux)` (tanh form) elementwise, `aux` a row-major `[m, n]` of the product's half
+    /// dtype: the gradient of a tanh-GELU's input from the product that is the gradient of its
+    /// output, in one pass (cuBLASLt's DGELU epilogue; Note [Activation epilogues] in
     /// `autograd/engine.rs`). `None` where the backend does not (the op layer then takes the
     /// product and GELU's backward kernel).
     fn matmul_dgelu(
