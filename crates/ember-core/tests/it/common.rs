@@ -304,3 +304,24 @@ pub fn seen(f: impl FnOnce() -> ember_core::Result<()>) -> (ember_core::Result<(
     let names = rec.names.lock().unwrap().clone();
     (out, names)
 }
+
+/// The names of the `pub fn`s in `sources` (methods at one indent, free functions at none),
+/// outside test modules: what the door tests must run or list.
+pub fn public_functions(sources: &[(&str, &'static str)]) -> std::collections::BTreeSet<&'static str> {
+    let mut names = std::collections::BTreeSet::new();
+    for (_, src) in sources {
+        let body = src.split("\n#[cfg(test)]").next().unwrap_or(src);
+        for line in body.lines() {
+            let rest = line
+                .strip_prefix("    pub fn ")
+                .or_else(|| line.strip_prefix("pub fn "));
+            if let Some(rest) = rest {
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(rest.len());
+                names.insert(&rest[..end]);
+            }
+        }
+    }
+    names
+}

@@ -8,14 +8,14 @@
 //! each of their lines is run under an observer by ember-nn's autocast test, and their unary
 //! entry point is run here for every line of the unary table.
 
-use super::common::seen;
+use super::common::{public_functions, seen};
 use ember_core::backend::UnaryOp;
 use ember_core::ops::{attention, conv, pool, recurrent};
 use ember_core::{amp_scaling, fused, DType, Device, Result, Tensor};
 use std::collections::BTreeSet;
 
 /// The sources whose `pub fn`s are the op layer's public functions.
-const SOURCES: &[(&str, &str)] = &[
+const SOURCES: &[(&str, &'static str)] = &[
     ("ops/amp_scaling.rs", include_str!("../../src/ops/amp_scaling.rs")),
     ("ops/attention.rs", include_str!("../../src/ops/attention.rs")),
     ("ops/batch_norm.rs", include_str!("../../src/ops/batch_norm.rs")),
@@ -729,27 +729,6 @@ fn sgd(scaled: bool) -> Result<()> {
     }
 }
 
-/// The names of the `pub fn`s of the op layer's sources (methods at one indent, free functions
-/// at none), outside test modules.
-fn public_functions() -> BTreeSet<&'static str> {
-    let mut names = BTreeSet::new();
-    for (_, src) in SOURCES {
-        let body = src.split("\n#[cfg(test)]").next().unwrap_or(src);
-        for line in body.lines() {
-            let rest = line
-                .strip_prefix("    pub fn ")
-                .or_else(|| line.strip_prefix("pub fn "));
-            if let Some(rest) = rest {
-                let end = rest
-                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                    .unwrap_or(rest.len());
-                names.insert(&rest[..end]);
-            }
-        }
-    }
-    names
-}
-
 /// Every source file of the op layer is read above: where the sources are at hand (a
 /// checkout, CI), a file of `ops/` or `tensor/` missing from [`SOURCES`] fails here.
 fn check_sources_are_complete() {
@@ -782,7 +761,7 @@ fn every_public_function_of_the_op_layer_is_listed() {
         .chain(NOT_OPS.iter().map(|(f, _)| *f))
         .chain(["pin_memory"])
         .collect();
-    let public = public_functions();
+    let public = public_functions(SOURCES);
     assert!(
         public.len() > 150,
         "the scan found only {} functions",

@@ -7,13 +7,13 @@
 //! when it runs, or in [`NOT_OPS`], with the reason it is no op. The re-exports of ember-core's
 //! ops (`functional/recurrent.rs`) are run by ember-core's door.
 
-use super::common::seen;
+use super::common::{public_functions, seen};
 use ember_core::{DType, Device, Reduction, Result, Tensor};
 use ember_nn::functional as F;
 use std::collections::BTreeSet;
 
 /// The sources whose `pub fn`s are the functional API.
-const SOURCES: &[(&str, &str)] = &[
+const SOURCES: &[(&str, &'static str)] = &[
     (
         "activation.rs",
         include_str!("../../src/functional/activation.rs"),
@@ -247,26 +247,6 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
     ]
 }
 
-/// The `pub fn`s of the functional sources (outside their test modules).
-fn public_functions() -> BTreeSet<&'static str> {
-    let mut names = BTreeSet::new();
-    for (_, src) in SOURCES {
-        let body = src.split("\n#[cfg(test)]").next().unwrap_or(src);
-        for line in body.lines() {
-            let rest = line
-                .strip_prefix("    pub fn ")
-                .or_else(|| line.strip_prefix("pub fn "));
-            if let Some(rest) = rest {
-                let end = rest
-                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                    .unwrap_or(rest.len());
-                names.insert(&rest[..end]);
-            }
-        }
-    }
-    names
-}
-
 /// Where the sources are at hand, a file of `functional/` missing from [`SOURCES`] fails here.
 fn check_sources_are_complete() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/functional");
@@ -296,7 +276,7 @@ fn every_public_functional_function_is_listed() {
         .map(|(f, _, _)| *f)
         .chain(NOT_OPS.iter().map(|(f, _)| *f))
         .collect();
-    let public = public_functions();
+    let public = public_functions(SOURCES);
     assert!(
         public.len() > 30,
         "the scan found only {} functions",
