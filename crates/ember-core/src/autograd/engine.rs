@@ -80,9 +80,7 @@ pub(crate) fn roots_with_grads(
                         o.shape()
                     )));
                 }
-                let ones = o.ones_like()?;
-                ones.0.meta().implicit_one = true;
-                Ok((o.clone(), ones))
+                Ok((o.clone(), o.ones_like()?))
             })
             .collect(),
     }

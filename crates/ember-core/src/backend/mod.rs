@@ -322,27 +322,6 @@ pub trait LossOps: Sized {
         grad: &Self,
         p: &CrossEntropyParams,
     ) -> Result<Self>;
-    /// The one-pass classifier (Note [One-pass classifier] in `ops/loss.rs`): `(loss, total,
-    /// grad)` as `cross_entropy_forward`'s loss and total, with `grad` the `[n, c]` gradient
-    /// of the logits (their dtype) for a loss gradient of 1, in one pass over the logits; for
-    /// the mean and the sum, `None` where the backend does not run the problem (then the
-    /// two-pass forward and backward run).
-    fn cross_entropy_forward_grad(
-        &self,
-        _target: &Self,
-        _weight: Option<&Self>,
-        _p: &CrossEntropyParams,
-    ) -> Result<Option<(Self, Self, Self)>> {
-        Ok(None)
-    }
-    /// The one-pass classifier's gradient `self` times the loss's gradient `g` (one element of
-    /// the accumulation dtype), computed in that dtype and rounded once to `self`'s.
-    fn cross_entropy_rescale(&self, _g: &Self) -> Result<Self> {
-        Err(crate::Error::invalid(
-            "cross_entropy_backward",
-            "this backend computes the classifier's gradient in the backward; nothing to rescale",
-        ))
-    }
 }
 
 /// Fused attention (`ops/attention.rs`); `None` where the backend does not run the problem

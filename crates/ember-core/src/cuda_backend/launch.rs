@@ -802,39 +802,6 @@ kernels! {
             mode: i32,
             grad: Out<T>,
         );
-        /// The one-pass classifier (Note [One-pass classifier] in `loss.cu`): `row_loss` and
-        /// `row_weight` as `cross_entropy`, and the gradient `grad` (`[n, c]` T, every element
-        /// written) for a loss gradient of 1, with `total` from `cross_entropy_totals`. One
-        /// block per row of at most 1024 threads; the rows (x and grad) 16-byte aligned,
-        /// `c·sizeof(T)` a multiple of 16 and at most `8·blockDim.x` 16-byte vectors.
-        cross_entropy_forward_grad<T, I, A>(
-            x: In<T>,
-            target: In<I>,
-            weight: OptIn<A>,
-            total: In<A>,
-            n: i64,
-            c: i64,
-            ignore_index: i64,
-            smoothing: f64,
-            mode: i32,
-            row_loss: Out<A>,
-            row_weight: Out<A>,
-            grad: Out<T>,
-            check: ErrorCheck,
-        );
-        /// One block: `total = [Σ w[t] over the counted rows, Σ_c weight[c]]` from the `n`
-        /// targets and the optional `c` weights, in `cross_entropy_reduce`'s order (named by the
-        /// logits' dtype T too, as the kernels it comes before).
-        cross_entropy_totals<T, I, A>(
-            target: In<I>,
-            weight: OptIn<A>,
-            n: i64,
-            c: i64,
-            ignore_index: i64,
-            total: Out<A>,
-        );
-        /// `out = in · g[0]` over `vectors` 16-byte vectors of T, computed in A (grid-stride).
-        cross_entropy_rescale<T, A>(input: In<T>, g: In<A>, vectors: i64, out: Out<T>);
     }
     Index {
         /// Deterministic embedding backward, first pass (`index.cu`): one block of 1024

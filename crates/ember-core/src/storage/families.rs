@@ -309,13 +309,6 @@ forward!(LossOps {
     fn cross_entropy_backward(&self, target: &Storage, weight: Option<&Storage>, lse: &Storage,
         total: &Storage, grad: &Storage, p: &CrossEntropyParams) -> Storage;
         [target, weight, lse, total, grad] "cross_entropy_backward";
-    /// `(loss, total, grad)` in one pass (`LossOps::cross_entropy_forward_grad`), or `None`.
-    fn cross_entropy_forward_grad(&self, target: &Storage, weight: Option<&Storage>, p: &CrossEntropyParams)
-        -> Option<(Storage, Storage, Storage)>;
-        [target, weight] "cross_entropy";
-    /// The one-pass gradient `self` times `g` (`LossOps::cross_entropy_rescale`).
-    fn cross_entropy_rescale(&self, g: &Storage) -> Storage;
-        [g] "cross_entropy_backward";
 });
 
 forward!(AttentionOps {

@@ -247,11 +247,33 @@ pub fn profile_steps(warmup: usize, steps: usize, mut step: impl FnMut()) -> emb
     prof
 }
 
-/// The names of the GPU kernels that ran while `step` ran once, after `warmup` runs.
-pub fn kernels_of(warmup: usize, step: impl FnMut()) -> Vec<String> {
-    let prof = profile_steps(warmup, 1, step);
-    let acts = prof.trace().expect("a saved cycle").gpu_activities();
-    acts.iter().map(|a| a.name.clone()).collect()
+/// The names of the GPU kernels (and copies and fills) that ops of this thread launched while
+/// `step` ran once, after `warmup` runs: the profiler records every thread's work, and other
+/// tests run beside this one.
+pub fn kernels_of(warmup: usize, mut step: impl FnMut()) -> Vec<String> {
+    const RANGE: &str = "kernels_of_step";
+    let prof = profile_steps(warmup, 1, || {
+        let _range = ember_core::profiler::record_function(RANGE);
+        step()
+    });
+    let trace = prof.trace().expect("a saved cycle");
+    let events = trace.events();
+    let range = events
+        .iter()
+        .rev()
+        .find(|e| e.name == RANGE)
+        .expect("the step's range");
+    trace
+        .gpu_activities()
+        .iter()
+        .filter(|a| {
+            a.event.is_some_and(|i| {
+                let e = &events[i];
+                e.thread == range.thread && e.start_ns >= range.start_ns && e.end_ns <= range.end_ns
+            })
+        })
+        .map(|a| a.name.clone())
+        .collect()
 }
 
 /// Prints, per kernel of the profiled cycle, its launches, mean time, grid, block and registers

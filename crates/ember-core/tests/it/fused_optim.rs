@@ -864,6 +864,8 @@ fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for() {
     let on = |v: Vec<f64>| {
         Tensor::from_slice(&v, [333, 77], Device::Cpu)
             .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
             .to(dev)
             .unwrap()
     };

@@ -644,6 +644,8 @@ fn cuda_layer_norm_writes_its_bf16_casts_beside_its_results_under_autocast() {
     let on = |v: Vec<f64>, dims: &[usize]| {
         Tensor::from_slice(&v, dims, Device::Cpu)
             .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
             .to(dev)
             .unwrap()
     };
