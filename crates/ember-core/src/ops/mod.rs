@@ -20,6 +20,7 @@ pub mod index;
 pub mod inplace;
 pub mod loss;
 pub mod matmul;
+pub mod multihead_attention;
 pub mod norm;
 pub mod operators;
 pub mod pool;
