@@ -19,7 +19,7 @@
 //! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
 //! registration belongs to the host buffer).
 
-use crate::backend::{BackendDevice, CopyOps, Distribution, PhiloxState, RngState, Variant};
+use crate::backend::{BackendDevice, BackendStorage, CopyOps, Distribution, PhiloxState, RngState, Variant};
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda_backend::{CudaDevice, CudaStorage};
 use crate::layout::Layout;

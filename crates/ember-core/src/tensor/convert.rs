@@ -1,6 +1,7 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
 use crate::backend::host::{CpuElement, CpuStorage};
+use crate::backend::CopyOps;
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
@@ -266,7 +267,7 @@ impl Tensor {
         crate::dispatch::row_blocks::settle_read(self)?;
         let cpu = self.storage().read().to_cpu(self.layout());
         let cpu = cpu.map_err(|e| e.in_op("Tensor::to_vec_f64"))?;
-        let cpu = cpu.to_dtype(&Layout::contiguous(self.shape()), DType::F64);
+        let cpu = CopyOps::to_dtype(&cpu, &Layout::contiguous(self.shape()), DType::F64)?;
         match cpu {
             CpuStorage::F64(v) => Ok(v),
             _ => unreachable!("converted to f64 above"),
