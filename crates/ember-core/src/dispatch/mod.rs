@@ -46,6 +46,7 @@ pub(crate) mod graph;
 pub mod observer;
 pub mod policy;
 pub(crate) mod row_blocks;
+pub(crate) mod tensor_impl;
 
 pub use policy::{CastPolicy, Op, Promotion};
 
@@ -59,12 +60,13 @@ pub use policy::{CastPolicy, Op, Promotion};
 /// built from a backend's storage and every recorded node comes from an op that passed the
 /// dispatch point (device check, autocast, promotion, observers). A backward closure keeps
 /// its op's door (it is `Copy`). The methods are written where the types they build keep
-/// their fields private: `tensor/mod.rs` (tensors) and `autograd/mod.rs` (nodes). User code
+/// their fields private: `dispatch/tensor_impl.rs` (tensors) and `autograd/mod.rs` (nodes). User code
 /// joins the graph through `autograd::custom_op`, as `torch.autograd.Function` does.
 #[derive(Clone, Copy)]
 pub(crate) struct Door(());
 
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result};
+use tensor_impl::Tensor;
 
 /// The device all of `inputs` live on, or the error naming the first two that differ.
 pub fn check_devices(op: &'static str, inputs: &[&Tensor]) -> Result<Device> {

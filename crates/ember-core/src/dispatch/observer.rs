@@ -10,7 +10,8 @@
 //! allocated or timed; observers are called only while at least one is installed.
 
 use super::policy::Op;
-use crate::{Device, Tensor};
+use super::tensor_impl::Tensor;
+use crate::Device;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};

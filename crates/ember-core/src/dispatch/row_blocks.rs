@@ -2,9 +2,10 @@
 //! of each storage): DataParallel's and DistributedDataParallel's public hooks, and the dispatch
 //! point's step 1b.
 
+use super::tensor_impl::Tensor;
 use crate::cuda_backend::row_blocks::wait_for;
 use crate::cuda_backend::{ArrivingElements, RowBlockEvent};
-use crate::{Device, Error, Result, Tensor};
+use crate::{Device, Error, Result};
 
 /// Computes the gradient of `weight` (a 2-D tensor on a GPU) in `blocks` row blocks from now
 /// on (Note [Gradients in row blocks]); `blocks` of 1 keeps the product whole with one event

@@ -1,12 +1,13 @@
 //! The door: every public op of ember-core passes the dispatch point under its PyTorch name.
 //!
 //! The public functions of the op layer are read from the sources (`pub fn` of `ops/`,
-//! `tensor/` and `random/tensor.rs`), so a new one fails here until it is listed: either in
-//! [`runs`], with the op name an observer must see when it runs, or in [`NOT_OPS`], with the
-//! reason it is no op (an accessor, the autograd API, a read of the elements). The methods the
-//! elementwise tables generate (`exp`, `add`, `add_`, `eq`, ...) are not written as `pub fn`;
-//! each of their lines is run under an observer by ember-nn's autocast test, and their unary
-//! entry point is run here for every line of the unary table.
+//! `tensor/`, `random/tensor.rs` and the handle's own, `dispatch/tensor_impl.rs`), so a new
+//! one fails here until it is listed: either in [`runs`], with the op name an observer must
+//! see when it runs, or in [`NOT_OPS`], with the reason it is no op (an accessor, the autograd
+//! API, a read of the elements). The methods the elementwise tables generate (`exp`, `add`,
+//! `add_`, `eq`, ...) are not written as `pub fn`; each of their lines is run under an
+//! observer by ember-nn's autocast test, and their unary entry point is run here for every
+//! line of the unary table.
 
 use super::common::{public_functions, seen};
 use ember_core::backend::UnaryOp;
@@ -57,6 +58,10 @@ const SOURCES: &[(&str, &'static str)] = &[
     ("tensor/display.rs", include_str!("../../src/tensor/display.rs")),
     ("tensor/literal.rs", include_str!("../../src/tensor/literal.rs")),
     ("tensor/mod.rs", include_str!("../../src/tensor/mod.rs")),
+    (
+        "dispatch/tensor_impl.rs",
+        include_str!("../../src/dispatch/tensor_impl.rs"),
+    ),
     ("random/tensor.rs", include_str!("../../src/random/tensor.rs")),
 ];
 
