@@ -98,8 +98,7 @@ impl Tensor {
                 dispatch::call_with(&policy::TO, [self], |[x], door| {
                     // A weight gradient computed in row blocks crosses block by block
                     // (Note [Gradients in row blocks]).
-                    let blocks =
-                        crate::dispatch::row_blocks::take_gradient_row_events(x).filter(|_| x.rank() == 2);
+                    let blocks = x.storage().take_row_block_events().filter(|_| x.rank() == 2);
                     let row_len = x.dims().get(1).copied().unwrap_or(0);
                     let storage =
                         x.storage()
@@ -115,36 +114,6 @@ impl Tensor {
     /// Whether nothing but this handle holds the tensor and its memory.
     pub(crate) fn is_private(&self) -> bool {
         std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique()
-    }
-
-    /// The rows of a gradient computed in row blocks (`self`, a contiguous 2-D view of some of
-    /// its rows on a GPU) on GPU `device`, copied once `written` (the event of the block that
-    /// wrote them) has completed, on a side stream: neither device's current stream waits for
-    /// the rest of the gradient's product (Note [Gradients in row blocks]). The caller holds
-    /// the whole gradient privately, so nothing else writes these rows.
-    pub(crate) fn gradient_rows_to(
-        &self,
-        device: usize,
-        written: crate::cuda_backend::Event,
-    ) -> Result<Tensor> {
-        dispatch::call_with(&policy::TO, [self], |[x], door| {
-            let rows = crate::cuda_backend::RowBlockEvent {
-                rows: 0..x.dims()[0],
-                event: written,
-            };
-            if x.rank() != 2 || !x.is_contiguous() || !matches!(x.device(), Device::Cuda(_)) {
-                return Err(Error::invalid(
-                    "gradient_rows_to",
-                    "expected a contiguous 2-D tensor on a GPU",
-                ));
-            }
-            let blocks = Some(std::slice::from_ref(&rows));
-            let storage = x
-                .storage()
-                .read()
-                .to_device_private(x.layout(), device, blocks, x.dims()[1])?;
-            Ok(door.tensor(storage, x.shape()))
-        })
     }
 
     /// A copy in page-locked host memory (`Tensor.pin_memory()`), from which copies to a GPU
