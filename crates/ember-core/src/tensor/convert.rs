@@ -184,14 +184,6 @@ impl Tensor {
         })
     }
 
-    /// Marks the tensor's GPU memory as used by work queued on `stream`
-    /// (`Tensor.record_stream`): when the tensor is freed, the caching allocator does not reuse
-    /// the memory until that work has finished. Needed when a tensor allocated on one stream is
-    /// used on another; a no-op for CPU tensors, as PyTorch ignores it there.
-    pub fn record_stream(&self, stream: &crate::cuda_backend::Stream) -> Result<()> {
-        self.storage().read().record_stream(stream)
-    }
-
     /// A row-major copy, or `self` when already contiguous.
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {

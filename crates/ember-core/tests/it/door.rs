@@ -96,7 +96,6 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("register_post_accumulate_grad_hook", "the autograd API"),
     ("remove", "the autograd API (a hook handle's)"),
     ("detach", "a new handle cut from the graph: no kernel, no data"),
-    ("record_stream", "the allocator's bookkeeping, no kernel"),
     (
         "to_device_",
         "moves the storage under every handle (Module::to); its copy is `to`'s",
