@@ -78,6 +78,8 @@
 //! they share the offset base; `randperm` (computed on the host) and [`Generator::reserve`]
 //! (the state by value, for custom kernels run eagerly) cannot be captured.
 
+#![deny(unsafe_code)]
+
 /// The counter-based generator itself, computed by the CPU backend (`cpu/philox.rs`).
 pub use crate::cpu::philox;
 mod tensor;

@@ -19,6 +19,8 @@
 //! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
 //! registration belongs to the host buffer).
 
+#![deny(unsafe_code)]
+
 use crate::backend::{BackendDevice, BackendStorage, CopyOps, Distribution, PhiloxState, RngState, Variant};
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda_backend::{CudaDevice, CudaStorage};
