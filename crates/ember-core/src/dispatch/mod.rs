@@ -35,8 +35,9 @@
 //! its CPU formula and its CUDA expression (the crate's `architecture` page). Another op: its
 //! line in [`policy`] (name, autocast policy, promotion), its `Tensor` method in
 //! `ops/<family>.rs` calling `call` with the kernel and backward rule, a method of its
-//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by `storage/mod.rs`), and
-//! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
+//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by its family's
+//! `forward!` in `storage/families.rs`), and its kernels in each backend (`cpu/<family>.rs`,
+//! `cuda_backend/<family>.rs` + `kernels/<family>.cu`).
 
 #![deny(unsafe_code)]
 
