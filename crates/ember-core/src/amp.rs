@@ -35,6 +35,8 @@
 //! # Ok::<(), ember_core::Error>(())
 //! ```
 
+#![deny(unsafe_code)]
+
 use crate::device::DeviceType;
 use crate::dispatch::autocast::{self, state, update, DeviceState};
 use crate::{DType, Error, Result};

@@ -1,6 +1,7 @@
 //! Where a tensor lives: [`Device::Cpu`] or [`Device::Cuda`] with an ordinal (as `torch.device`).
 
 use crate::{Error, Result};
+use std::cell::Cell;
 use std::fmt;
 use std::str::FromStr;
 
@@ -22,12 +23,12 @@ impl Device {
     }
 
     /// The calling thread's current CUDA device (`torch.device("cuda")`): cuda:0 unless
-    /// [`crate::cuda_backend::set_device`] or a [`crate::cuda_backend::DeviceGuard`] chose another, so that
+    /// [`crate::cuda::set_device`] or a [`crate::cuda::DeviceGuard`] chose another, so that
     /// under `let _g = DeviceGuard::new(1)?` a tensor made on `Device::cuda()` lands on cuda:1
     /// as under PyTorch's `with torch.cuda.device(1):`. The device is resolved now: the value
     /// stays `Cuda(i)` after the guard is gone. Needs no GPU to call.
     pub fn cuda() -> Device {
-        Device::Cuda(crate::cuda_backend::current_device())
+        Device::Cuda(current_cuda_index())
     }
 
     pub fn is_cpu(self) -> bool {
@@ -50,6 +51,24 @@ impl Device {
             Device::Cuda(_) => DeviceType::Cuda,
         }
     }
+}
+
+thread_local! {
+    /// The calling thread's current CUDA device index: kept here, beside [`Device`], so that
+    /// [`Device::cuda`] reads it without calling up into the CUDA backend, whose `set_device`
+    /// and `DeviceGuard` write it.
+    static CURRENT_CUDA: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The calling thread's current CUDA device index (`torch.cuda.current_device`).
+pub(crate) fn current_cuda_index() -> usize {
+    CURRENT_CUDA.with(Cell::get)
+}
+
+/// Makes `index` the calling thread's current CUDA device; the CUDA backend checks that it
+/// exists first (`set_device`), unit tests need not.
+pub(crate) fn set_current_cuda_index(index: usize) {
+    CURRENT_CUDA.with(|d| d.set(index));
 }
 
 /// A kind of device (`torch.device.type`): what per-device-type settings such as autocast
@@ -133,12 +152,12 @@ mod tests {
     #[test]
     fn plain_cuda_means_the_current_device() {
         // The current device is per thread; this test's thread is its own.
-        crate::cuda_backend::set_current_device_unchecked(3);
+        set_current_cuda_index(3);
         assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(3));
         assert_eq!(" cuda ".parse::<Device>().unwrap(), Device::Cuda(3));
         assert_eq!(Device::cuda(), Device::Cuda(3));
         assert_eq!(Device::parse("cuda:1").unwrap(), Device::Cuda(1));
-        crate::cuda_backend::set_current_device_unchecked(0);
+        set_current_cuda_index(0);
         assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
     }
 }

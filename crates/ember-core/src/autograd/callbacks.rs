@@ -22,7 +22,7 @@
 //! nothing: the engine reads the hook list under the lock it already holds to store the
 //! gradient.
 
-pub(super) use crate::tensor::PostAccumulateGradHook;
+pub(super) use crate::dispatch::tensor_impl::PostAccumulateGradHook;
 use crate::{Error, Result, Tensor};
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -114,7 +114,7 @@ impl Drop for Frame {
 
 /// A leaf's post-accumulate-grad hooks, for a pass that reached it without a gradient.
 pub(super) fn post_accumulate_grad_hooks(
-    leaf: &Arc<crate::tensor::TensorImpl>,
+    leaf: &Arc<crate::dispatch::tensor_impl::TensorImpl>,
 ) -> Vec<PostAccumulateGradHook> {
     leaf.meta()
         .post_accumulate_grad_hooks

@@ -31,7 +31,7 @@ use super::callbacks::{
 use super::device_threads;
 use super::ready_queue::ReadyQueue;
 use super::{Edge, Node};
-use crate::tensor::TensorImpl;
+use crate::dispatch::tensor_impl::TensorImpl;
 use crate::{Device, Error, Result, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -804,7 +804,7 @@ fn call_backward(node: &Arc<Node>, grad: &Tensor, retain_graph: bool) -> Result<
     };
     let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
     let grads = {
-        let _range = crate::profiler::backward_range(node.name, grad.device());
+        let _range = crate::dispatch::observer::backward_range(node.name, grad.device());
         let _retaining = Retaining::enter(retain_graph);
         backward(grad, &needs)?
     };

@@ -20,7 +20,7 @@ mod device_threads;
 mod engine;
 mod ready_queue;
 
-pub use crate::tensor::{Hook, PostAccumulateGradHook};
+pub use crate::dispatch::tensor_impl::{Hook, PostAccumulateGradHook};
 pub use callbacks::queue_callback;
 pub use checkpoint::checkpoint;
 

@@ -80,27 +80,6 @@ cpu_element!(f32, F32);
 cpu_element!(f64, F64);
 
 impl CpuStorage {
-    pub fn dtype(&self) -> DType {
-        match self {
-            CpuStorage::Bool(_) => DType::Bool,
-            CpuStorage::U8(_) => DType::U8,
-            CpuStorage::I32(_) => DType::I32,
-            CpuStorage::I64(_) => DType::I64,
-            CpuStorage::F16(_) => DType::F16,
-            CpuStorage::BF16(_) => DType::BF16,
-            CpuStorage::F32(_) => DType::F32,
-            CpuStorage::F64(_) => DType::F64,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        with_cpu_storage!(self, v => v.len())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// `n` copies of `value` converted to `dtype`; `Error::OutOfMemory` when host memory for
     /// them cannot be reserved (Note [Fallible host allocation] in `memory.rs`), so that an
     /// oversized request is an error, not an abort.

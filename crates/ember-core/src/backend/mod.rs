@@ -25,6 +25,8 @@
 //! `cuda_backend/<family>.rs` (+ `kernels/<family>.cu`). An elementwise op is one line of its table
 //! ([`table`]; the crate's `architecture` page).
 
+#![deny(unsafe_code)]
+
 pub mod geometry;
 pub mod host;
 pub mod op;

@@ -8,7 +8,7 @@
 use super::optim::{scalar, scalar_mut, OptimAcc, OptimElement};
 use super::CpuStorage;
 use super::{PAR_CHUNK, PAR_THRESHOLD};
-use crate::backend::{AmpOps, Elems, ScaleUpdate, UnscaleGrads};
+use crate::backend::{AmpOps, BackendStorage, Elems, ScaleUpdate, UnscaleGrads};
 use crate::DType;
 use crate::Result;
 use half::{bf16, f16};

@@ -3,7 +3,7 @@
 
 use super::{map_strided, CpuStorage, PAR_CHUNK, PAR_THRESHOLD};
 use crate::backend::op::{BinaryOp, Bools, CmpOp, LogicalOp, GELU_TANH_KAPPA};
-use crate::backend::ElementwiseOps;
+use crate::backend::{BackendStorage, CopyOps, ElementwiseOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result};
@@ -271,8 +271,7 @@ impl ElementwiseOps for CpuStorage {
         // The kernels write new buffers (`binary` checks the allocation); the result is copied
         // into place.
         let r = ElementwiseOps::binary(self, op, layout, rhs, rhs_layout)?;
-        CpuStorage::copy_strided_from(out, out_layout, &r, &Layout::contiguous(layout.shape().clone()));
-        Ok(())
+        out.copy_strided_from(out_layout, &r, &Layout::contiguous(layout.shape().clone()))
     }
 
     /// `self op rhs` written over `self`'s elements at `al` (row-major, any offset), `rhs` at

@@ -17,8 +17,8 @@
 //! and bf16 widen to f32 once and round once; other dtypes answer `None`.
 
 use super::{CpuElement, CpuStorage};
-use crate::backend::ConvOps;
 use crate::backend::ConvParams;
+use crate::backend::{BackendStorage, ConvOps};
 use crate::memory::check_host_alloc;
 use crate::Result;
 use gemm::Parallelism;

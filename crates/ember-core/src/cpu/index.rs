@@ -14,7 +14,7 @@
 use super::loss::targets_named;
 use super::{gather_strided, map_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{IndexOp, ScatterOp};
-use crate::backend::IndexOps;
+use crate::backend::{BackendStorage, IndexOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{with_cpu_storage, Error, Result, Shape};

@@ -3,7 +3,7 @@
 //! weighted sum accumulates in f64 over the rows in order, then rounds once to the dtype.
 
 use super::{CpuElement, CpuStorage};
-use crate::backend::{CrossEntropyParams, LossOps, Reduction};
+use crate::backend::{BackendStorage, CrossEntropyParams, LossOps, Reduction};
 use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result};
 use half::{bf16, f16};

@@ -12,7 +12,7 @@
 //! calling thread.
 
 use super::{CpuElement, CpuStorage, PAR_THRESHOLD};
-use crate::backend::MatmulOps;
+use crate::backend::{BackendStorage, MatmulOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result, Shape};

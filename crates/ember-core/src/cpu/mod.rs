@@ -46,49 +46,6 @@ impl CpuStorage {
     pub fn contiguous(&self, layout: &Layout) -> CpuStorage {
         with_cpu_storage!(self, v => CpuElement::wrap(gather_strided(v, layout)))
     }
-
-    /// The elements of `layout`, converted to `dtype`, in a new row-major storage.
-    pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> CpuStorage {
-        fn cast<S: CpuElement, D: CpuElement>(src: &[S], layout: &Layout) -> CpuStorage {
-            D::wrap(map_strided(src, layout, convert::<S, D>))
-        }
-        fn to<D: CpuElement>(s: &CpuStorage, layout: &Layout) -> CpuStorage {
-            with_cpu_storage!(s, v => cast::<_, D>(v, layout))
-        }
-        if self.dtype() == dtype {
-            return self.contiguous(layout);
-        }
-        match dtype {
-            DType::Bool => to::<bool>(self, layout),
-            DType::U8 => to::<u8>(self, layout),
-            DType::I32 => to::<i32>(self, layout),
-            DType::I64 => to::<i64>(self, layout),
-            DType::F16 => to::<f16>(self, layout),
-            DType::BF16 => to::<bf16>(self, layout),
-            DType::F32 => to::<f32>(self, layout),
-            DType::F64 => to::<f64>(self, layout),
-        }
-    }
-
-    /// Writes the elements of `src` (viewed through `src_layout`) into `self` at `dst_layout`,
-    /// converting dtype; the shapes of the two layouts must be equal.
-    pub fn copy_strided_from(&mut self, dst_layout: &Layout, src: &CpuStorage, src_layout: &Layout) {
-        fn copy<S: CpuElement, D: CpuElement>(dst: &mut [D], dl: &Layout, src: &[S], sl: &Layout) {
-            if let (Some(d), Some(s)) = (dl.contiguous_range(), sl.contiguous_range()) {
-                for (o, &i) in dst[d].iter_mut().zip(&src[s]) {
-                    *o = convert::<S, D>(i);
-                }
-                return;
-            }
-            for (o, i) in dl.offsets().zip(sl.offsets()) {
-                dst[o] = convert::<S, D>(src[i]);
-            }
-        }
-        fn into<D: CpuElement>(dst: &mut [D], dl: &Layout, src: &CpuStorage, sl: &Layout) {
-            with_cpu_storage!(src, s => copy(dst, dl, s, sl))
-        }
-        with_cpu_storage!(self, d => into(d, dst_layout, src, src_layout))
-    }
 }
 
 /// Converts one element between dtypes with PyTorch's cast semantics (float → int truncates
@@ -152,8 +109,26 @@ where
 
 impl CopyOps for CpuStorage {
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
+        fn cast<S: CpuElement, D: CpuElement>(src: &[S], layout: &Layout) -> CpuStorage {
+            D::wrap(map_strided(src, layout, convert::<S, D>))
+        }
+        fn to<D: CpuElement>(s: &CpuStorage, layout: &Layout) -> CpuStorage {
+            with_cpu_storage!(s, v => cast::<_, D>(v, layout))
+        }
         check_host_alloc("to_dtype", layout.numel(), dtype)?;
-        Ok(CpuStorage::to_dtype(self, layout, dtype))
+        if self.dtype() == dtype {
+            return Ok(self.contiguous(layout));
+        }
+        Ok(match dtype {
+            DType::Bool => to::<bool>(self, layout),
+            DType::U8 => to::<u8>(self, layout),
+            DType::I32 => to::<i32>(self, layout),
+            DType::I64 => to::<i64>(self, layout),
+            DType::F16 => to::<f16>(self, layout),
+            DType::BF16 => to::<bf16>(self, layout),
+            DType::F32 => to::<f32>(self, layout),
+            DType::F64 => to::<f64>(self, layout),
+        })
     }
 
     fn to_cpu(&self, layout: &Layout) -> Result<CpuStorage> {
@@ -161,20 +136,35 @@ impl CopyOps for CpuStorage {
         Ok(self.contiguous(layout))
     }
 
+    /// Converts the dtype with PyTorch's cast semantics ([`convert`]).
     fn copy_strided_from(
         &mut self,
         dst_layout: &Layout,
         src: &CpuStorage,
         src_layout: &Layout,
     ) -> Result<()> {
-        CpuStorage::copy_strided_from(self, dst_layout, src, src_layout);
+        fn copy<S: CpuElement, D: CpuElement>(dst: &mut [D], dl: &Layout, src: &[S], sl: &Layout) {
+            if let (Some(d), Some(s)) = (dl.contiguous_range(), sl.contiguous_range()) {
+                for (o, &i) in dst[d].iter_mut().zip(&src[s]) {
+                    *o = convert::<S, D>(i);
+                }
+                return;
+            }
+            for (o, i) in dl.offsets().zip(sl.offsets()) {
+                dst[o] = convert::<S, D>(src[i]);
+            }
+        }
+        fn into<D: CpuElement>(dst: &mut [D], dl: &Layout, src: &CpuStorage, sl: &Layout) {
+            with_cpu_storage!(src, s => copy(dst, dl, s, sl))
+        }
+        with_cpu_storage!(self, d => into(d, dst_layout, src, src_layout));
         Ok(())
     }
 
     fn foreach_copy(mut list: ForeachCopy<'_, CpuStorage>) -> Result<()> {
         let run = |e: &crate::backend::Elems<usize>| Layout::new(Shape::from(vec![e.len]), vec![1], e.offset);
         for (d, s) in &list.copies {
-            CpuStorage::copy_strided_from(list.written[d.storage], &run(d), list.read[s.storage], &run(s));
+            list.written[d.storage].copy_strided_from(&run(d), list.read[s.storage], &run(s))?;
         }
         Ok(())
     }
@@ -224,12 +214,21 @@ impl BackendStorage for CpuStorage {
 
     #[inline]
     fn dtype(&self) -> DType {
-        CpuStorage::dtype(self)
+        match self {
+            CpuStorage::Bool(_) => DType::Bool,
+            CpuStorage::U8(_) => DType::U8,
+            CpuStorage::I32(_) => DType::I32,
+            CpuStorage::I64(_) => DType::I64,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+        }
     }
 
     #[inline]
     fn len(&self) -> usize {
-        CpuStorage::len(self)
+        with_cpu_storage!(self, v => v.len())
     }
 }
 

@@ -11,7 +11,7 @@
 use super::reduce::{Acc, Float, FloatElem};
 use super::{CpuStorage, PAR_THRESHOLD};
 use crate::backend::host::CpuElement;
-use crate::backend::{LayerNormGrads, NormOps};
+use crate::backend::{BackendStorage, LayerNormGrads, NormOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result};

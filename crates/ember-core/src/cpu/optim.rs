@@ -17,7 +17,7 @@ use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};
 use crate::backend::Elems;
 use crate::backend::GradElems;
 use crate::backend::StepCount;
-use crate::backend::{AdamStep, AdamTensor, OptimOps, SgdStep, SgdTensor, StepScalars};
+use crate::backend::{AdamStep, AdamTensor, BackendStorage, OptimOps, SgdStep, SgdTensor, StepScalars};
 use crate::DType;
 use crate::Result;
 use half::{bf16, f16};

@@ -14,7 +14,7 @@
 use super::conv::{in_compute_type, ConvFloat};
 use super::{CpuStorage, PAR_THRESHOLD};
 use crate::backend::PoolOps;
-use crate::backend::{PoolMode, PoolParams};
+use crate::backend::{BackendStorage, PoolMode, PoolParams};
 use crate::memory::check_host_alloc;
 use crate::Result;
 use rayon::prelude::*;

@@ -8,7 +8,7 @@ use super::philox::{
 };
 use super::{CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{randint_range, Distribution, RngState, RANDPERM_PER_BLOCK};
-use crate::backend::{PhiloxState, RandomOps};
+use crate::backend::{BackendStorage, CopyOps, PhiloxState, RandomOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{DType, Error, Result};
@@ -71,7 +71,7 @@ pub(crate) fn random(dtype: DType, n: usize, dist: Distribution, state: RngState
         Distribution::Bernoulli { p } => {
             let mut v = vec![p; n];
             bernoulli_in_place(&mut v, state);
-            CpuStorage::F64(v).to_dtype(&Layout::contiguous([n]), dtype)
+            CpuStorage::F64(v).to_dtype(&Layout::contiguous([n]), dtype)?
         }
         Distribution::RandInt { low, high } => {
             if dtype != DType::I64 {
@@ -180,7 +180,7 @@ pub(crate) fn randperm(n: usize, state: RngState) -> CpuStorage {
 
 /// Bernoulli draws with the probabilities of `layout`, in the storage's dtype.
 pub(crate) fn bernoulli(s: &CpuStorage, layout: &Layout, state: RngState) -> Result<CpuStorage> {
-    let CpuStorage::F64(mut p) = s.to_dtype(layout, DType::F64) else {
+    let CpuStorage::F64(mut p) = s.to_dtype(layout, DType::F64)? else {
         unreachable!("converted to f64 above")
     };
     if let Some(bad) = p.iter().find(|&&x| !(0.0..=1.0).contains(&x)) {
@@ -190,7 +190,7 @@ pub(crate) fn bernoulli(s: &CpuStorage, layout: &Layout, state: RngState) -> Res
         ));
     }
     bernoulli_in_place(&mut p, state);
-    Ok(CpuStorage::F64(p).to_dtype(&Layout::contiguous([layout.numel()]), s.dtype()))
+    CpuStorage::F64(p).to_dtype(&Layout::contiguous([layout.numel()]), s.dtype())
 }
 
 #[cfg(test)]

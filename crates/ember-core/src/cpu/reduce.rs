@@ -18,7 +18,7 @@
 
 use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::ReduceOp;
-use crate::backend::ReduceOps;
+use crate::backend::{BackendStorage, ReduceOps};
 use crate::layout::Layout;
 use crate::{Error, Result};
 use half::{bf16, f16};

@@ -7,7 +7,7 @@
 use super::reduce::FloatElem;
 use super::{CpuStorage, PAR_THRESHOLD};
 use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
-use crate::backend::RnnOps;
+use crate::backend::{BackendStorage, RnnOps};
 use crate::{Error, Result};
 use num_traits::Float;
 use rayon::prelude::*;

@@ -13,7 +13,7 @@
 use super::reduce::{fold, max_nan, Acc, Float, FloatElem};
 use super::{gather_strided, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::SoftmaxOp;
-use crate::backend::SoftmaxOps;
+use crate::backend::{BackendStorage, SoftmaxOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{Error, Result};

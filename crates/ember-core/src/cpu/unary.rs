@@ -12,7 +12,7 @@
 
 use super::{gather_strided, CpuElement, CpuStorage, PAR_THRESHOLD};
 use crate::backend::op::{Ints, UnaryOp, GELU_TANH_KAPPA};
-use crate::backend::UnaryOps;
+use crate::backend::{BackendStorage, UnaryOps};
 use crate::layout::Layout;
 use crate::memory::check_host_alloc;
 use crate::{DType, Element, Result};

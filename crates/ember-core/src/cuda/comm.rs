@@ -260,7 +260,7 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
         && acc.dims() == t.dims()
         && acc.dtype() == t.dtype();
     let blocks = match blockwise {
-        true => crate::dispatch::row_blocks::take_gradient_row_events(&t),
+        true => super::take_gradient_row_events(&t),
         false => None,
     };
     let Some(blocks) = blocks.filter(|b| crate::cuda_backend::storage::tile(b, t.dims()[1], t.numel()))
@@ -271,16 +271,42 @@ fn add_crossing(acc: Tensor, t: Tensor, dest: Device) -> Result<Tensor> {
     let sum = Tensor::empty(acc.dims(), acc.dtype(), dest)?;
     for b in blocks {
         let (start, len) = (b.rows.start, b.rows.len());
-        let rows = t.narrow(0, start, len)?.gradient_rows_to(d, b.event)?;
+        let rows = gradient_rows_to(&t.narrow(0, start, len)?, d, b.event)?;
         acc.narrow(0, start, len)?
             .add_out(&rows, &sum.narrow(0, start, len)?)?;
     }
     Ok(sum)
 }
 
+/// The rows of a gradient computed in row blocks (`t`, a contiguous 2-D view of some of its
+/// rows on a GPU) on GPU `device`, copied once `written` (the event of the block that wrote
+/// them) has completed, on a side stream: neither device's current stream waits for the rest
+/// of the gradient's product (Note [Gradients in row blocks]). The caller holds the whole
+/// gradient privately, so nothing else writes these rows.
+fn gradient_rows_to(t: &Tensor, device: usize, written: crate::cuda_backend::Event) -> Result<Tensor> {
+    crate::dispatch::call_with(&crate::dispatch::policy::TO, [t], |[x], door| {
+        let rows = crate::cuda_backend::RowBlockEvent {
+            rows: 0..x.dims()[0],
+            event: written,
+        };
+        if x.rank() != 2 || !x.is_contiguous() || !matches!(x.device(), Device::Cuda(_)) {
+            return Err(Error::invalid(
+                "gradient_rows_to",
+                "expected a contiguous 2-D tensor on a GPU",
+            ));
+        }
+        let blocks = Some(std::slice::from_ref(&rows));
+        let storage = x
+            .storage()
+            .read()
+            .to_device_private(x.layout(), device, blocks, x.dims()[1])?;
+        Ok(door.tensor(storage, x.shape()))
+    })
+}
+
 /// `tensor.to(cuda:device)` for a 2-D tensor on another GPU, copied in `blocks` row blocks
 /// that later ops may read as they arrive (Note [Copies in row blocks] in ember-core's
-/// `cuda_backend/row_blocks.rs`): `linear` with the copy as its weight computes each block of its
+/// `storage/row_blocks.rs`): `linear` with the copy as its weight computes each block of its
 /// output's columns once that block's rows are there, so the copy overlaps the product, and
 /// the source's own `linear` does not wait for the copy either. Every other op on the copy
 /// or the source waits for the whole copy first. Differentiable as [`Tensor::to`] is. One

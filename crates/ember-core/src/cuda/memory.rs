@@ -2,14 +2,17 @@
 //! snapshots, `empty_cache`, `mem_get_info`, and raw allocations.
 //!
 //! Statistics of a device that was never used (or of a machine without CUDA) are zero, as in
-//! PyTorch before the first allocation.
+//! PyTorch before the first allocation. [`Tensor::record_stream`], the allocator's bookkeeping
+//! for a tensor used on another stream, is written here too (a `Tensor` method that names the
+//! CUDA backend's `Stream`, so it sits in this layer, above the ops).
 
 use crate::cuda_backend::allocator::{
     memory_stats_map, memory_summary as summary_table, snapshot_json, snapshot_value,
 };
 use crate::cuda_backend::runtime::runtime;
 use crate::cuda_backend::stream::current_raw;
-use crate::{Error, Result};
+use crate::cuda_backend::Stream;
+use crate::{Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -173,5 +176,15 @@ pub fn caching_allocator_delete(device: usize, ptr: u64) -> Result<()> {
             "caching_allocator_delete",
             format!("{ptr:#x} is not an allocation of cuda:{device}'s caching allocator"),
         ))
+    }
+}
+
+impl Tensor {
+    /// Marks the tensor's GPU memory as used by work queued on `stream`
+    /// (`Tensor.record_stream`): when the tensor is freed, the caching allocator does not reuse
+    /// the memory until that work has finished. Needed when a tensor allocated on one stream is
+    /// used on another; a no-op for CPU tensors, as PyTorch ignores it there.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        self.storage().read().record_stream(stream)
     }
 }

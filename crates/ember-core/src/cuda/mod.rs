@@ -17,6 +17,7 @@ mod graph;
 mod graphed;
 mod memory;
 pub mod nvtx;
+mod row_blocks;
 
 pub use crate::cuda_backend::{
     allow_tf32, compile_all_kernels, compile_units, cupti_version, current_device, current_stream,
@@ -28,9 +29,6 @@ pub use crate::cuda_backend::{
     DeviceProperties, Event, HostMemoryStats, HostPin, LibraryStatus, MempoolId, Module, RowBlockEvent,
     Stream, StreamGuard, Unit,
 };
-pub use crate::dispatch::row_blocks::{
-    arriving_in_row_blocks, set_gradient_row_blocks, take_gradient_row_events,
-};
 pub use graph::{
     graph, graph_pool_handle, graph_with, CUDAGraph, CaptureErrorMode, GraphCapture, GraphOptions,
 };
@@ -41,3 +39,4 @@ pub use memory::{
     memory_stats_struct, memory_summary, record_memory_history, reset_accumulated_memory_stats,
     reset_peak_memory_stats, snapshot, MemoryStats, Stat, StatArray,
 };
+pub use row_blocks::{arriving_in_row_blocks, set_gradient_row_blocks, take_gradient_row_events};

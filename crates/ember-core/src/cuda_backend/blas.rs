@@ -845,110 +845,6 @@ impl<'a> Gemm<'a> {
 // The product.
 
 impl CudaStorage {
-    /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with the
-    /// same batch dims (broadcast ones have stride 0), as a new row-major `[B.., m, n]` storage.
-    pub(crate) fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
-        self.lt_matmul(al, rhs, bl, None, self.dtype())
-    }
-
-    /// [`CudaStorage::matmul`] of two float16 or bfloat16 operands written in float32: the
-    /// float32 accumulator stored as it is, not rounded to the operands' dtype (Note [Widened
-    /// gradients] in `ops/matmul.rs`).
-    pub(crate) fn matmul_widened(
-        &self,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<Option<CudaStorage>> {
-        if !matches!(self.dtype(), DType::BF16 | DType::F16) {
-            return Ok(None);
-        }
-        self.lt_matmul(al, rhs, bl, None, DType::F32).map(Some)
-    }
-
-    /// [`MatmulOps::matmul_dgelu`]: the 2-D product with cuBLASLt's DGELU epilogue reading
-    /// `aux`, or None where it does not apply (other dtypes, an aux not laid out as the
-    /// product, n not a multiple of 8, or no algorithm with the epilogue).
-    pub(crate) fn matmul_dgelu(
-        &self,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-        (aux, xl): (&CudaStorage, &Layout),
-    ) -> Result<Option<CudaStorage>> {
-        let dtype = self.dtype();
-        let (&[m, k], &[k2, n]) = (al.dims(), bl.dims()) else {
-            return Ok(None);
-        };
-        // Half dtypes only: in f32 the epilogue's GELU derivative was 1.7e-5 (relative) from the
-        // f64-evaluated one of GELU's backward kernel (Note [Activation epilogues]).
-        let plain = matches!(dtype, DType::BF16 | DType::F16)
-            && rhs.dtype() == dtype
-            && aux.dtype() == dtype
-            && k == k2
-            && m > 0
-            && n > 0
-            && k > 0
-            && n % 8 == 0
-            && xl.dims() == [m, n]
-            && xl.strides() == [n, 1]
-            && self.ordinal() == rhs.ordinal()
-            && self.ordinal() == aux.ordinal();
-        // The heuristic reads the aux pointer's alignment when the plan is made, which the key
-        // does not hold: only fully aligned matrices (every fresh allocation) take the epilogue.
-        if !plain || alignment(aux.ptr(xl)) < 256 {
-            return Ok(None);
-        }
-        let rt = self.runtime()?;
-        let blas = device_blas(rt)?;
-        let out = CudaStorage::alloc_on(rt, dtype, m * n)?;
-        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
-        let gemm = Gemm::new(rt, blas, (dtype, dtype), &a, k, n, 1);
-        let epilogue = Some((Epilogue::DGelu, aux.ptr(xl)));
-        if !with_thread_blas(|t| gemm.run_with(t, &b, m, out.ptr_at(0), epilogue, false))? {
-            return Ok(None);
-        }
-        Ok(Some(out))
-    }
-
-    /// [`CudaStorage::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
-    /// each product before the one rounding to the output dtype (Note [Bias epilogue]): `out[..,
-    /// i, j] = Σ_k a[.., i, k]·b[.., k, j] + bias[j]`. Floats only.
-    pub(crate) fn matmul_bias(
-        &self,
-        al: &Layout,
-        rhs: &CudaStorage,
-        bl: &Layout,
-        bias: &CudaStorage,
-        bias_l: &Layout,
-    ) -> Result<CudaStorage> {
-        let dtype = self.dtype();
-        if bias.dtype() != dtype {
-            return Err(Error::DTypeMismatch {
-                op: "linear",
-                expected: dtype,
-                found: bias.dtype(),
-            });
-        }
-        if !dtype.is_floating_point() {
-            return Err(Error::UnsupportedDType {
-                op: "matmul with a bias",
-                dtype,
-                hint: "only float products take a fused bias; use matmul then add",
-            });
-        }
-        if bias.ordinal() != self.ordinal() {
-            return Err(Error::DeviceMismatch {
-                op: "linear",
-                lhs: self.device(),
-                rhs: bias.device(),
-            });
-        }
-        let n = bl.dims()[bl.dims().len() - 1];
-        assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
-        self.lt_matmul(al, rhs, bl, Some((bias, bias_l)), dtype)
-    }
-
     /// The product, and with `bias` the bias added (floats only), through cuBLASLt, written in
     /// `out_dtype` (the operands' dtype, or float32 for half operands without a bias); integer
     /// products go to `int_matmul`.
@@ -1099,7 +995,7 @@ impl CudaStorage {
         Ok((out, events))
     }
 
-    /// [`CudaStorage::matmul_bias`] of `[m, k]` (`al`) and the column-major `[k, n]` (`bl`, a
+    /// [`MatmulOps::matmul_bias`] of `[m, k]` (`al`) and the column-major `[k, n]` (`bl`, a
     /// transposed `[n, k]` weight, as in `linear`) whose weight rows are still arriving:
     /// `arrivals` are the events of its row blocks, which are blocks of columns of the
     /// product. Each block of columns is computed on the current stream once its rows have
@@ -1266,39 +1162,104 @@ mod tests {
     }
 }
 
+/// cuBLASLt's products (`lt_matmul`) and its epilogues.
 impl MatmulOps for CudaStorage {
-    #[inline]
-    fn matmul(&self, layout: &Layout, rhs: &CudaStorage, rhs_layout: &Layout) -> Result<CudaStorage> {
-        CudaStorage::matmul(self, layout, rhs, rhs_layout)
+    /// The batched product of `[B.., m, k]` (`al`) and `[B.., k, n]` (`bl`), two layouts with the
+    /// same batch dims (broadcast ones have stride 0), as a new row-major `[B.., m, n]` storage.
+    fn matmul(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+        self.lt_matmul(al, rhs, bl, None, self.dtype())
     }
 
-    fn matmul_bias(
-        &self,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-        bias: &CudaStorage,
-        bias_layout: &Layout,
-    ) -> Result<CudaStorage> {
-        CudaStorage::matmul_bias(self, layout, rhs, rhs_layout, bias, bias_layout)
+    /// [`MatmulOps::matmul`] of two float16 or bfloat16 operands written in float32: the
+    /// float32 accumulator stored as it is, not rounded to the operands' dtype (Note [Widened
+    /// gradients] in `ops/matmul.rs`).
+    fn matmul_widened(&self, al: &Layout, rhs: &CudaStorage, bl: &Layout) -> Result<Option<CudaStorage>> {
+        if !matches!(self.dtype(), DType::BF16 | DType::F16) {
+            return Ok(None);
+        }
+        self.lt_matmul(al, rhs, bl, None, DType::F32).map(Some)
     }
 
-    fn matmul_widened(
-        &self,
-        layout: &Layout,
-        rhs: &CudaStorage,
-        rhs_layout: &Layout,
-    ) -> Result<Option<CudaStorage>> {
-        CudaStorage::matmul_widened(self, layout, rhs, rhs_layout)
-    }
-
+    /// The 2-D product with cuBLASLt's DGELU epilogue reading
+    /// `aux`, or None where it does not apply (other dtypes, an aux not laid out as the
+    /// product, n not a multiple of 8, or no algorithm with the epilogue).
     fn matmul_dgelu(
         &self,
-        layout: &Layout,
+        al: &Layout,
         rhs: &CudaStorage,
-        rhs_layout: &Layout,
-        aux: (&CudaStorage, &Layout),
+        bl: &Layout,
+        (aux, xl): (&CudaStorage, &Layout),
     ) -> Result<Option<CudaStorage>> {
-        CudaStorage::matmul_dgelu(self, layout, rhs, rhs_layout, aux)
+        let dtype = self.dtype();
+        let (&[m, k], &[k2, n]) = (al.dims(), bl.dims()) else {
+            return Ok(None);
+        };
+        // Half dtypes only: in f32 the epilogue's GELU derivative was 1.7e-5 (relative) from the
+        // f64-evaluated one of GELU's backward kernel (Note [Activation epilogues]).
+        let plain = matches!(dtype, DType::BF16 | DType::F16)
+            && rhs.dtype() == dtype
+            && aux.dtype() == dtype
+            && k == k2
+            && m > 0
+            && n > 0
+            && k > 0
+            && n % 8 == 0
+            && xl.dims() == [m, n]
+            && xl.strides() == [n, 1]
+            && self.ordinal() == rhs.ordinal()
+            && self.ordinal() == aux.ordinal();
+        // The heuristic reads the aux pointer's alignment when the plan is made, which the key
+        // does not hold: only fully aligned matrices (every fresh allocation) take the epilogue.
+        if !plain || alignment(aux.ptr(xl)) < 256 {
+            return Ok(None);
+        }
+        let rt = self.runtime()?;
+        let blas = device_blas(rt)?;
+        let out = CudaStorage::alloc_on(rt, dtype, m * n)?;
+        let (a, b) = (Operand::new(rhs, bl)?, Operand::new(self, al)?);
+        let gemm = Gemm::new(rt, blas, (dtype, dtype), &a, k, n, 1);
+        let epilogue = Some((Epilogue::DGelu, aux.ptr(xl)));
+        if !with_thread_blas(|t| gemm.run_with(t, &b, m, out.ptr_at(0), epilogue, false))? {
+            return Ok(None);
+        }
+        Ok(Some(out))
+    }
+
+    /// [`MatmulOps::matmul`] plus `bias` (`[n]` at `bias_l`, any stride) added to every row of
+    /// each product before the one rounding to the output dtype (Note [Bias epilogue]): `out[..,
+    /// i, j] = Σ_k a[.., i, k]·b[.., k, j] + bias[j]`. Floats only.
+    fn matmul_bias(
+        &self,
+        al: &Layout,
+        rhs: &CudaStorage,
+        bl: &Layout,
+        bias: &CudaStorage,
+        bias_l: &Layout,
+    ) -> Result<CudaStorage> {
+        let dtype = self.dtype();
+        if bias.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                op: "linear",
+                expected: dtype,
+                found: bias.dtype(),
+            });
+        }
+        if !dtype.is_floating_point() {
+            return Err(Error::UnsupportedDType {
+                op: "matmul with a bias",
+                dtype,
+                hint: "only float products take a fused bias; use matmul then add",
+            });
+        }
+        if bias.ordinal() != self.ordinal() {
+            return Err(Error::DeviceMismatch {
+                op: "linear",
+                lhs: self.device(),
+                rhs: bias.device(),
+            });
+        }
+        let n = bl.dims()[bl.dims().len() - 1];
+        assert_eq!(bias_l.dims(), [n], "bias of [n] checked by the caller");
+        self.lt_matmul(al, rhs, bl, Some((bias, bias_l)), dtype)
     }
 }

@@ -958,7 +958,13 @@ fn choose(
 }
 
 // ---------------------------------------------------------------------------------------------
-// The three calls on storages.
+// The convolution family on storages: forward, the two gradients and the bias.
+//
+// Convolution and pooling run through cuDNN and answer `None` (so that the op layer takes its
+// composite path) where cuDNN cannot be loaded, is switched off
+// (`crate::backends::cudnn::set_enabled`), or cannot take the problem (`supported`). The
+// switch is read by the forward calls only: the backward of a problem cuDNN ran forward runs
+// on cuDNN too, as in PyTorch.
 
 fn check_operand(what: &str, s: &CudaStorage, dtype: DType, len: usize) {
     assert!(
@@ -967,61 +973,114 @@ fn check_operand(what: &str, s: &CudaStorage, dtype: DType, len: usize) {
     );
 }
 
-/// `y = conv(x, w)` for contiguous `x` (`params.input`) and `w` (`params.weight`) starting at
-/// their first elements; a new contiguous `[N, O, OH, OW]` storage.
-pub(crate) fn conv_forward(x: &CudaStorage, w: &CudaStorage, params: &ConvParams) -> Result<CudaStorage> {
-    let out = params.output().expect("checked by supported()");
-    check_operand("forward", x, params.dtype, params.input.iter().product());
-    check_operand("forward", w, params.dtype, params.weight.iter().product());
-    let rt = x.runtime()?;
-    let y = CudaStorage::alloc_on(rt, params.dtype, out.iter().product())?;
-    let bufs = Buffers {
-        a: x.ptr_at(0),
-        b: w.ptr_at(0),
-        out: y.ptr_at(0),
-    };
-    run(rt, *params, Direction::Forward, bufs)?;
-    Ok(y)
-}
+impl ConvOps for CudaStorage {
+    /// `y = conv(x, w)` for contiguous `x` (`params.input`) and `w` (`params.weight`) starting at
+    /// their first elements; a new contiguous `[N, O, OH, OW]` storage.
+    fn conv_forward(&self, weight: &CudaStorage, params: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() || !supported(params) {
+            return Ok(None);
+        }
+        let (x, w) = (self, weight);
+        let out = params.output().expect("checked by supported()");
+        check_operand("forward", x, params.dtype, params.input.iter().product());
+        check_operand("forward", w, params.dtype, params.weight.iter().product());
+        let rt = x.runtime()?;
+        let y = CudaStorage::alloc_on(rt, params.dtype, out.iter().product())?;
+        let bufs = Buffers {
+            a: x.ptr_at(0),
+            b: w.ptr_at(0),
+            out: y.ptr_at(0),
+        };
+        run(rt, *params, Direction::Forward, bufs)?;
+        Ok(Some(y))
+    }
 
-/// The input gradient from `w` and the output gradient `dy` (both contiguous).
-pub(crate) fn conv_backward_data(
-    w: &CudaStorage,
-    dy: &CudaStorage,
-    params: &ConvParams,
-) -> Result<CudaStorage> {
-    let out = params.output().expect("checked by supported()");
-    check_operand("backward data", w, params.dtype, params.weight.iter().product());
-    check_operand("backward data", dy, params.dtype, out.iter().product());
-    let rt = w.runtime()?;
-    let dx = CudaStorage::alloc_on(rt, params.dtype, params.input.iter().product())?;
-    let bufs = Buffers {
-        a: w.ptr_at(0),
-        b: dy.ptr_at(0),
-        out: dx.ptr_at(0),
-    };
-    run(rt, *params, Direction::BackwardData, bufs)?;
-    Ok(dx)
-}
+    /// The input gradient from `w` and the output gradient `dy` (both contiguous).
+    fn conv_backward_data(&self, grad_out: &CudaStorage, params: &ConvParams) -> Result<Option<CudaStorage>> {
+        if !is_available() || !supported(params) {
+            return Ok(None);
+        }
+        let (w, dy) = (self, grad_out);
+        let out = params.output().expect("checked by supported()");
+        check_operand("backward data", w, params.dtype, params.weight.iter().product());
+        check_operand("backward data", dy, params.dtype, out.iter().product());
+        let rt = w.runtime()?;
+        let dx = CudaStorage::alloc_on(rt, params.dtype, params.input.iter().product())?;
+        let bufs = Buffers {
+            a: w.ptr_at(0),
+            b: dy.ptr_at(0),
+            out: dx.ptr_at(0),
+        };
+        run(rt, *params, Direction::BackwardData, bufs)?;
+        Ok(Some(dx))
+    }
 
-/// The weight gradient from `x` and the output gradient `dy` (both contiguous).
-pub(crate) fn conv_backward_filter(
-    x: &CudaStorage,
-    dy: &CudaStorage,
-    params: &ConvParams,
-) -> Result<CudaStorage> {
-    let out = params.output().expect("checked by supported()");
-    check_operand("backward filter", x, params.dtype, params.input.iter().product());
-    check_operand("backward filter", dy, params.dtype, out.iter().product());
-    let rt = x.runtime()?;
-    let dw = CudaStorage::alloc_on(rt, params.dtype, params.weight.iter().product())?;
-    let bufs = Buffers {
-        a: x.ptr_at(0),
-        b: dy.ptr_at(0),
-        out: dw.ptr_at(0),
-    };
-    run(rt, *params, Direction::BackwardFilter, bufs)?;
-    Ok(dw)
+    /// The weight gradient from `x` and the output gradient `dy` (both contiguous).
+    fn conv_backward_filter(
+        &self,
+        grad_out: &CudaStorage,
+        params: &ConvParams,
+    ) -> Result<Option<CudaStorage>> {
+        if !is_available() || !supported(params) {
+            return Ok(None);
+        }
+        let (x, dy) = (self, grad_out);
+        let out = params.output().expect("checked by supported()");
+        check_operand("backward filter", x, params.dtype, params.input.iter().product());
+        check_operand("backward filter", dy, params.dtype, out.iter().product());
+        let rt = x.runtime()?;
+        let dw = CudaStorage::alloc_on(rt, params.dtype, params.weight.iter().product())?;
+        let bufs = Buffers {
+            a: x.ptr_at(0),
+            b: dy.ptr_at(0),
+            out: dw.ptr_at(0),
+        };
+        run(rt, *params, Direction::BackwardFilter, bufs)?;
+        Ok(Some(dw))
+    }
+
+    /// Adds the `[O]` `bias` to every channel of the convolution output `y` (`[N, O, OH, OW]` of
+    /// `params`), in place (`cudnnAddTensor`). `Ok(false)` where this cuDNN does not take the dtype
+    /// (`CUDNN_STATUS_NOT_SUPPORTED`); the caller adds the bias itself then. `y` must be the caller's
+    /// alone (a fresh output).
+    fn conv_bias_add(&self, bias: &CudaStorage, params: &ConvParams) -> Result<bool> {
+        if !cudnn_on() || !supported(params) {
+            return Ok(false);
+        }
+        let y = self;
+        let out = params.output().expect("checked by supported()");
+        check_operand("bias", y, params.dtype, out.iter().product());
+        check_operand("bias", bias, params.dtype, out[1]);
+        let rt = y.runtime()?;
+        let (yd, bd) = (
+            TensorDesc::new(params.dtype, out)?,
+            TensorDesc::new(params.dtype, [1, out[1], 1, 1])?,
+        );
+        let mut scalars = Default::default();
+        let (one, _) = one_and_zero(params.dtype, &mut scalars);
+        super::kernel_timing::note_work(current_raw(rt.ordinal));
+        let status = with_handle("convolution", rt, |handle| {
+            // SAFETY: the descriptors describe exactly the contiguous buffers (checked above);
+            // C = 1·bias + 1·C writes only `y`; the scalars outlive the call; the handle is this
+            // thread's alone, bound to the current stream (Note [cuDNN state]).
+            Ok(unsafe {
+                sys::cudnnAddTensor(
+                    handle,
+                    one,
+                    bd.0,
+                    bias.ptr_at(0) as *const c_void,
+                    one,
+                    yd.0,
+                    y.ptr_at(0) as *mut c_void,
+                )
+            })
+        })?;
+        if status == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+            return Ok(false);
+        }
+        check("cudnnAddTensor", status)?;
+        Ok(true)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1061,45 +1120,6 @@ fn one_and_zero(dtype: DType, scalars: &mut ([f32; 2], [f64; 2])) -> (*const c_v
     } else {
         (scalars.0.as_ptr().cast(), scalars.0[1..].as_ptr().cast())
     }
-}
-
-/// Adds the `[O]` `bias` to every channel of the convolution output `y` (`[N, O, OH, OW]` of
-/// `params`), in place (`cudnnAddTensor`). `Ok(false)` where this cuDNN does not take the dtype
-/// (`CUDNN_STATUS_NOT_SUPPORTED`); the caller adds the bias itself then. `y` must be the caller's
-/// alone (a fresh output).
-pub(crate) fn conv_bias_add(y: &CudaStorage, bias: &CudaStorage, params: &ConvParams) -> Result<bool> {
-    let out = params.output().expect("checked by supported()");
-    check_operand("bias", y, params.dtype, out.iter().product());
-    check_operand("bias", bias, params.dtype, out[1]);
-    let rt = y.runtime()?;
-    let (yd, bd) = (
-        TensorDesc::new(params.dtype, out)?,
-        TensorDesc::new(params.dtype, [1, out[1], 1, 1])?,
-    );
-    let mut scalars = Default::default();
-    let (one, _) = one_and_zero(params.dtype, &mut scalars);
-    super::kernel_timing::note_work(current_raw(rt.ordinal));
-    let status = with_handle("convolution", rt, |handle| {
-        // SAFETY: the descriptors describe exactly the contiguous buffers (checked above);
-        // C = 1·bias + 1·C writes only `y`; the scalars outlive the call; the handle is this
-        // thread's alone, bound to the current stream (Note [cuDNN state]).
-        Ok(unsafe {
-            sys::cudnnAddTensor(
-                handle,
-                one,
-                bd.0,
-                bias.ptr_at(0) as *const c_void,
-                one,
-                yd.0,
-                y.ptr_at(0) as *mut c_void,
-            )
-        })
-    })?;
-    if status == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
-        return Ok(false);
-    }
-    check("cudnnAddTensor", status)?;
-    Ok(true)
 }
 
 /// ReLU's input gradient from its output `y` and the output gradient `dy` (both contiguous
@@ -1227,39 +1247,4 @@ mod tests {
 /// Whether cuDNN may run convolutions and pooling now (loadable and switched on).
 pub(super) fn cudnn_on() -> bool {
     self::enabled() && self::is_available()
-}
-
-// Convolution and pooling run through cuDNN and answer `None` (so that the op layer takes its
-// composite path) where cuDNN cannot be loaded, is switched off
-// (`crate::backends::cudnn::set_enabled`), or cannot take the problem (`supported`). The
-// switch is read by the forward calls only: the backward of a problem cuDNN ran forward runs
-// on cuDNN too, as in PyTorch.
-impl ConvOps for CudaStorage {
-    fn conv_forward(&self, weight: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
-        if !cudnn_on() || !self::supported(p) {
-            return Ok(None);
-        }
-        self::conv_forward(self, weight, p).map(Some)
-    }
-
-    fn conv_backward_data(&self, grad_out: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
-        if !self::is_available() || !self::supported(p) {
-            return Ok(None);
-        }
-        self::conv_backward_data(self, grad_out, p).map(Some)
-    }
-
-    fn conv_backward_filter(&self, grad_out: &CudaStorage, p: &ConvParams) -> Result<Option<CudaStorage>> {
-        if !self::is_available() || !self::supported(p) {
-            return Ok(None);
-        }
-        self::conv_backward_filter(self, grad_out, p).map(Some)
-    }
-
-    fn conv_bias_add(&self, bias: &CudaStorage, p: &ConvParams) -> Result<bool> {
-        if !cudnn_on() || !self::supported(p) {
-            return Ok(false);
-        }
-        self::conv_bias_add(self, bias, p)
-    }
 }

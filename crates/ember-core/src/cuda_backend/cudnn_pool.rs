@@ -157,60 +157,70 @@ fn call(
     with_handle(OP, rt, |handle| Ok(f(handle, &desc, alpha, beta)))
 }
 
-/// `y = pool(x)` for a contiguous `x` (`p.input`) starting at its first element: a new
-/// contiguous `[N, C, OH, OW]` storage, or None where cuDNN does not support the problem
-/// (`CUDNN_STATUS_NOT_SUPPORTED`, e.g. a dtype this cuDNN build cannot pool).
-pub(crate) fn pool_forward(x: &CudaStorage, p: &PoolParams) -> Result<Option<CudaStorage>> {
-    let out = p.output().expect("checked by supported()");
-    check_operand("forward", x, p.dtype, p.input.iter().product());
-    let rt = x.runtime()?;
-    let y = CudaStorage::alloc_on(rt, p.dtype, out.iter().product())?;
-    let (xp, yp) = (x.ptr_at(0) as *const c_void, y.ptr_at(0) as *mut c_void);
-    let status = call(rt, p, |handle, d, alpha, beta| {
-        // SAFETY: the descriptors describe exactly the contiguous buffers (`x` holds at least
-        // the input's elements, `y` was allocated with the output's); beta = 0, so `y` is only
-        // written. alpha/beta are host scalars of the scale type that outlive the call; the
-        // handle is this thread's alone, bound to the current stream (Note [cuDNN state]).
-        unsafe { sys::cudnnPoolingForward(handle, d.pool, alpha, d.x, xp, beta, d.y, yp) }
-    })?;
-    if status == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
-        return Ok(None);
-    }
-    check("cudnnPoolingForward", status)?;
-    Ok(Some(y))
-}
-
-/// The input gradient from the forward's input `x`, its output `y` and the output gradient
-/// `dy` (all contiguous, of the problem's shapes): a new contiguous `[N, C, H, W]` storage.
-pub(crate) fn pool_backward(
-    x: &CudaStorage,
-    y: &CudaStorage,
-    dy: &CudaStorage,
-    p: &PoolParams,
-) -> Result<CudaStorage> {
-    let out: usize = p.output().expect("checked by supported()").iter().product();
-    let len: usize = p.input.iter().product();
-    check_operand("backward", x, p.dtype, len);
-    check_operand("backward", y, p.dtype, out);
-    check_operand("backward", dy, p.dtype, out);
-    let rt = x.runtime()?;
-    let dx = CudaStorage::alloc_on(rt, p.dtype, len)?;
-    let (xp, yp, dyp, dxp) = (
-        x.ptr_at(0) as *const c_void,
-        y.ptr_at(0) as *const c_void,
-        dy.ptr_at(0) as *const c_void,
-        dx.ptr_at(0) as *mut c_void,
-    );
-    let status = call(rt, p, |handle, d, alpha, beta| {
-        // SAFETY: as in `pool_forward`: `y` and `dy` have the output's shape (descriptor `d.y`),
-        // `x` and `dx` the input's (`d.x`); beta = 0, so `dx` is only written (every element:
-        // positions no window reads get zero).
-        unsafe {
-            sys::cudnnPoolingBackward(handle, d.pool, alpha, d.y, yp, d.y, dyp, d.x, xp, beta, d.x, dxp)
+impl PoolOps for CudaStorage {
+    /// `y = pool(x)` for a contiguous `x` (`p.input`) starting at its first element: a new
+    /// contiguous `[N, C, OH, OW]` storage, or None where cuDNN does not support the problem
+    /// (`CUDNN_STATUS_NOT_SUPPORTED`, e.g. a dtype this cuDNN build cannot pool).
+    fn pool_forward(&self, p: &PoolParams) -> Result<Option<CudaStorage>> {
+        if !cudnn_on() || !supported(p) {
+            return Ok(None);
         }
-    })?;
-    check("cudnnPoolingBackward", status)?;
-    Ok(dx)
+        let x = self;
+        let out = p.output().expect("checked by supported()");
+        check_operand("forward", x, p.dtype, p.input.iter().product());
+        let rt = x.runtime()?;
+        let y = CudaStorage::alloc_on(rt, p.dtype, out.iter().product())?;
+        let (xp, yp) = (x.ptr_at(0) as *const c_void, y.ptr_at(0) as *mut c_void);
+        let status = call(rt, p, |handle, d, alpha, beta| {
+            // SAFETY: the descriptors describe exactly the contiguous buffers (`x` holds at least
+            // the input's elements, `y` was allocated with the output's); beta = 0, so `y` is only
+            // written. alpha/beta are host scalars of the scale type that outlive the call; the
+            // handle is this thread's alone, bound to the current stream (Note [cuDNN state]).
+            unsafe { sys::cudnnPoolingForward(handle, d.pool, alpha, d.x, xp, beta, d.y, yp) }
+        })?;
+        if status == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+            return Ok(None);
+        }
+        check("cudnnPoolingForward", status)?;
+        Ok(Some(y))
+    }
+
+    /// The input gradient from the forward's input `x`, its output `y` and the output gradient
+    /// `dy` (all contiguous, of the problem's shapes): a new contiguous `[N, C, H, W]` storage.
+    fn pool_backward(
+        &self,
+        output: &CudaStorage,
+        grad_out: &CudaStorage,
+        p: &PoolParams,
+    ) -> Result<Option<CudaStorage>> {
+        if !cudnn::is_available() || !supported(p) {
+            return Ok(None);
+        }
+        let (x, y, dy) = (self, output, grad_out);
+        let out: usize = p.output().expect("checked by supported()").iter().product();
+        let len: usize = p.input.iter().product();
+        check_operand("backward", x, p.dtype, len);
+        check_operand("backward", y, p.dtype, out);
+        check_operand("backward", dy, p.dtype, out);
+        let rt = x.runtime()?;
+        let dx = CudaStorage::alloc_on(rt, p.dtype, len)?;
+        let (xp, yp, dyp, dxp) = (
+            x.ptr_at(0) as *const c_void,
+            y.ptr_at(0) as *const c_void,
+            dy.ptr_at(0) as *const c_void,
+            dx.ptr_at(0) as *mut c_void,
+        );
+        let status = call(rt, p, |handle, d, alpha, beta| {
+            // SAFETY: as in `pool_forward`: `y` and `dy` have the output's shape (descriptor `d.y`),
+            // `x` and `dx` the input's (`d.x`); beta = 0, so `dx` is only written (every element:
+            // positions no window reads get zero).
+            unsafe {
+                sys::cudnnPoolingBackward(handle, d.pool, alpha, d.y, yp, d.y, dyp, d.x, xp, beta, d.x, dxp)
+            }
+        })?;
+        check("cudnnPoolingBackward", status)?;
+        Ok(Some(dx))
+    }
 }
 
 #[cfg(test)]
@@ -237,26 +247,5 @@ mod tests {
         p.dtype = DType::I64;
         assert!(!supported(&p));
         assert!(!supported(&params([1, 1, 1 << 16, 1 << 16], 1, 1, 0)));
-    }
-}
-
-impl PoolOps for CudaStorage {
-    fn pool_forward(&self, p: &PoolParams) -> Result<Option<CudaStorage>> {
-        if !cudnn_on() || !self::supported(p) {
-            return Ok(None);
-        }
-        self::pool_forward(self, p)
-    }
-
-    fn pool_backward(
-        &self,
-        output: &CudaStorage,
-        grad_out: &CudaStorage,
-        p: &PoolParams,
-    ) -> Result<Option<CudaStorage>> {
-        if !cudnn::is_available() || !self::supported(p) {
-            return Ok(None);
-        }
-        self::pool_backward(self, output, grad_out, p).map(Some)
     }
 }

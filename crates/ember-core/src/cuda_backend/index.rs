@@ -23,7 +23,7 @@ use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::{IndexOp, ScatterOp};
 use crate::backend::CpuStorage;
-use crate::backend::{CopyOps, IndexOps};
+use crate::backend::{BackendStorage, CopyOps, IndexOps};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};
 

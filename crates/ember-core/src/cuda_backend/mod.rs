@@ -84,8 +84,6 @@ pub use row_blocks::{row_block_ranges, ArrivingElements, RowBlockEvent};
 pub(crate) use storage::host_bytes;
 pub use storage::CudaDevice;
 pub use storage::CudaStorage;
-#[cfg(test)]
-pub(crate) use stream::set_current_device_unchecked;
 pub use stream::{
     current_device, current_stream, default_stream, host_sync_count, set_device, set_stream, stream,
     synchronize, DeviceGuard, Event, Stream, StreamGuard,

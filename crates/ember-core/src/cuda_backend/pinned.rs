@@ -20,6 +20,7 @@
 use super::runtime::runtime;
 use super::stream::{Event, Stream};
 use crate::backend::host::{with_cpu_storage, CpuStorage};
+use crate::backend::BackendStorage;
 use crate::{DType, Error, Result};
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -215,7 +215,6 @@ impl Stream {
 
 thread_local! {
     static CURRENT_STREAMS: RefCell<Vec<Option<Stream>>> = const { RefCell::new(Vec::new()) };
-    static CURRENT_DEVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The raw handle of the calling thread's current stream on `device` (0 = default stream).
@@ -308,13 +307,13 @@ pub fn stream(s: &Stream) -> StreamGuard {
 
 /// The calling thread's current CUDA device index (`torch.cuda.current_device`).
 pub fn current_device() -> usize {
-    CURRENT_DEVICE.with(|d| d.get())
+    crate::device::current_cuda_index()
 }
 
 /// Sets the calling thread's current CUDA device (`torch.cuda.set_device`).
 pub fn set_device(device: usize) -> Result<()> {
     runtime(device)?;
-    CURRENT_DEVICE.with(|d| d.set(device));
+    crate::device::set_current_cuda_index(device);
     Ok(())
 }
 
@@ -332,16 +331,9 @@ impl DeviceGuard {
     }
 }
 
-/// Makes `device` current without checking that it exists: for unit tests of what reads the
-/// current device (`Device::parse("cuda")`) on machines without a GPU.
-#[cfg(test)]
-pub(crate) fn set_current_device_unchecked(device: usize) {
-    CURRENT_DEVICE.with(|d| d.set(device));
-}
-
 impl Drop for DeviceGuard {
     fn drop(&mut self) {
-        CURRENT_DEVICE.with(|d| d.set(self.previous));
+        crate::device::set_current_cuda_index(self.previous);
     }
 }
 

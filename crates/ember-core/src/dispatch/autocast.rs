@@ -5,9 +5,9 @@
 //! (`is_autocast_eligible`).
 
 use super::policy::{CastPolicy, Op};
+use super::tensor_impl::{Tensor, TensorImpl};
 use crate::device::DeviceType;
-use crate::tensor::TensorImpl;
-use crate::{DType, Device, Result, Tensor};
+use crate::{DType, Device, Result};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::marker::PhantomData;

@@ -10,9 +10,9 @@
 //! and `retain_grad` apply.
 
 use super::grad_mode::is_grad_enabled;
+use super::tensor_impl::{Tensor, TensorImpl};
 use super::Door;
-use crate::tensor::TensorImpl;
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// Computes input gradients from the output gradient; `needs[i]` says whether input `i` needs

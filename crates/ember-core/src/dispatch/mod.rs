@@ -35,8 +35,9 @@
 //! its CPU formula and its CUDA expression (the crate's `architecture` page). Another op: its
 //! line in [`policy`] (name, autocast policy, promotion), its `Tensor` method in
 //! `ops/<family>.rs` calling `call` with the kernel and backward rule, a method of its
-//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by `storage/mod.rs`), and
-//! its kernels in each backend (`cpu/<family>.rs`, `cuda/<family>.rs` + `kernels/<family>.cu`).
+//! family's backend trait for a new kernel (`backend/mod.rs`, forwarded by its family's
+//! `forward!` in `storage/families.rs`), and its kernels in each backend (`cpu/<family>.rs`,
+//! `cuda_backend/<family>.rs` + `kernels/<family>.cu`).
 
 #![deny(unsafe_code)]
 
@@ -46,6 +47,7 @@ pub(crate) mod graph;
 pub mod observer;
 pub mod policy;
 pub(crate) mod row_blocks;
+pub(crate) mod tensor_impl;
 
 pub use policy::{CastPolicy, Op, Promotion};
 
@@ -59,12 +61,13 @@ pub use policy::{CastPolicy, Op, Promotion};
 /// built from a backend's storage and every recorded node comes from an op that passed the
 /// dispatch point (device check, autocast, promotion, observers). A backward closure keeps
 /// its op's door (it is `Copy`). The methods are written where the types they build keep
-/// their fields private: `tensor/mod.rs` (tensors) and `autograd/mod.rs` (nodes). User code
+/// their fields private: `dispatch/tensor_impl.rs` (tensors) and `autograd/mod.rs` (nodes). User code
 /// joins the graph through `autograd::custom_op`, as `torch.autograd.Function` does.
 #[derive(Clone, Copy)]
 pub(crate) struct Door(());
 
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result};
+use tensor_impl::Tensor;
 
 /// The device all of `inputs` live on, or the error naming the first two that differ.
 pub fn check_devices(op: &'static str, inputs: &[&Tensor]) -> Result<Device> {

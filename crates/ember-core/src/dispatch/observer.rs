@@ -10,10 +10,11 @@
 //! allocated or timed; observers are called only while at least one is installed.
 
 use super::policy::Op;
-use crate::{Device, Tensor};
+use super::tensor_impl::Tensor;
+use crate::Device;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::thread::ThreadId;
 use std::time::Instant;
 
@@ -177,6 +178,30 @@ impl Drop for Scope {
             }
         }
     }
+}
+
+/// A guard the autograd engine holds around a node's backward rule while something records
+/// it: the range closes when the guard drops.
+pub(crate) type BackwardRange = Box<dyn std::any::Any>;
+
+/// Opens the range of a node's backward rule (named by its op) on a device, or `None` when
+/// nothing records.
+type BackwardRangeHook = fn(&'static str, Device) -> Option<BackwardRange>;
+
+static BACKWARD_RANGE: OnceLock<BackwardRangeHook> = OnceLock::new();
+
+/// Registers the hook that opens a range around each backward rule (the profiler's
+/// `MulBackward0` rows), as the profiler registers its observer: the autograd engine calls it
+/// here and never names the profiler. Once per process; later calls keep the first hook.
+pub(crate) fn set_backward_range(hook: BackwardRangeHook) {
+    let _ = BACKWARD_RANGE.set(hook);
+}
+
+/// The range of `node`'s backward rule on `device` while a registered hook records one: one
+/// load when none was ever registered.
+#[inline]
+pub(crate) fn backward_range(node: &'static str, device: Device) -> Option<BackwardRange> {
+    BACKWARD_RANGE.get().and_then(|hook| hook(node, device))
 }
 
 #[cfg(test)]

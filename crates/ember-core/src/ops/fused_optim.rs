@@ -526,14 +526,14 @@ fn adam_scaled_prepared(
     // blocks] in `storage/row_blocks.rs`); anything else in flight is waited for.
     let arrivals = grads
         .iter()
-        .map(|g| Ok(crate::dispatch::row_blocks::take_arriving_elements(g)?.unwrap_or_default()))
+        .map(|g| {
+            Ok(g.storage()
+                .take_arriving_elements(g.layout(), g.device())?
+                .unwrap_or_default())
+        })
         .collect::<Result<Vec<_>>>()?;
     // Nothing read the arriving blocks (an error below): whatever comes next waits for them.
-    let release = |arrivals: &[Vec<crate::cuda_backend::ArrivingElements>]| {
-        arrivals.iter().try_for_each(|blocks| {
-            crate::cuda_backend::row_blocks::wait_for_events(device, blocks.iter().map(|b| &b.event))
-        })
-    };
+    let release = |arrivals| crate::storage::row_blocks::release_arrivals(device, arrivals);
     if let Err(e) = settle_operands(&lists) {
         release(&arrivals)?;
         return Err(e);

@@ -11,6 +11,7 @@
 use super::binary::{same_device, sum_to_shape};
 use crate::autograd::{self, SavedTensor};
 use crate::dispatch::{self, policy, Door};
+use crate::storage::row_blocks::Arrivals;
 use crate::{DType, Error, Result, Shape, Tensor};
 
 /// Device and dtype checks shared by every product (matmul requires equal dtypes, as PyTorch).
@@ -185,7 +186,7 @@ fn weight_grad(
     let blocks = b
         .storage()
         .requested_row_blocks()
-        .filter(|_| !autograd::needs_grad(&[&gt, a]) && !crate::cuda_backend::is_current_stream_capturing());
+        .filter(|_| !autograd::needs_grad(&[&gt, a]));
     let Some(blocks) = blocks else {
         return grad_product(op, &gt, a, wide, door)?.t();
     };
@@ -218,7 +219,7 @@ fn product_bias(
     (wt, weight): (&Tensor, &Tensor),
     bias: &Tensor,
     out_dims: &[usize],
-    arrivals: Option<&[crate::cuda_backend::RowBlockEvent]>,
+    arrivals: Option<&Arrivals>,
     wide: [bool; 2],
     door: Door,
 ) -> Result<Tensor> {
@@ -438,11 +439,11 @@ impl Tensor {
     fn linear_prepared(&self, weight: &Tensor, bias: Option<&Tensor>, door: Door) -> Result<Tensor> {
         // A weight still arriving in row blocks is read here before any other op touches it
         // (an op on it would wait for the whole copy; Note [Copies in row blocks]).
-        let mut arrivals = weight.storage().take_arrivals().map(|(blocks, _)| blocks);
+        let mut arrivals = weight.storage().take_row_arrivals();
         let result = self.linear_checked(weight, bias, &mut arrivals, door);
         if let Some(blocks) = arrivals {
             // Not read block by block (an error, or another path): ordered after the whole.
-            crate::cuda_backend::row_blocks::wait_for(weight.device(), &blocks)?;
+            blocks.wait(weight.device())?;
         }
         result
     }
@@ -451,7 +452,7 @@ impl Tensor {
         &self,
         weight: &Tensor,
         bias: Option<&Tensor>,
-        arrivals: &mut Option<Vec<crate::cuda_backend::RowBlockEvent>>,
+        arrivals: &mut Option<Arrivals>,
         door: Door,
     ) -> Result<Tensor> {
         const OP: &str = "linear";
@@ -491,7 +492,7 @@ impl Tensor {
             }
         }
         if let Some(blocks) = arrivals.take() {
-            crate::cuda_backend::row_blocks::wait_for(weight.device(), &blocks)?;
+            blocks.wait(weight.device())?;
         }
         if bias.is_none() && weight.rank() == 2 && self.dtype().is_floating_point() {
             // The input's leading dims fold into rows, as `matmul` does, here with the
@@ -530,7 +531,7 @@ impl Tensor {
         &self,
         weight: &Tensor,
         bias: &Tensor,
-        arrivals: &mut Option<Vec<crate::cuda_backend::RowBlockEvent>>,
+        arrivals: &mut Option<Arrivals>,
         door: Door,
     ) -> Result<Tensor> {
         let lead = &self.dims()[..self.rank() - 1];
@@ -548,7 +549,7 @@ impl Tensor {
             (&wt, weight),
             bias,
             &dims,
-            arrivals.as_deref(),
+            arrivals.as_ref(),
             wide,
             door,
         )?;

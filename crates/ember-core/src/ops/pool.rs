@@ -3,14 +3,15 @@
 //! uses the backend's pooling backward. Where the backend does not run the problem (cuDNN
 //! missing or switched off with [`crate::backends::cudnn::set_enabled`], an empty tensor, sizes
 //! past cuDNN's limits) the composite path of `conv_composite.rs` (a window gather, then
-//! `max_dim` or `mean_dims`) runs instead, with the same semantics.
+//! `max_dim` or `mean_dims`) runs instead, with the same semantics. [`adaptive_avg_pool2d`]
+//! is a composite of two products with constant pooling matrices.
 
 use super::conv::{as_isize, packed};
 use super::conv_composite;
 use crate::autograd::{self, SavedTensor};
 use crate::backend::PoolParams;
 use crate::dispatch::{self, policy, Door};
-use crate::{Error, Result, Shape, Tensor};
+use crate::{DType, Device, Error, Result, Shape, Tensor};
 
 pub use crate::backend::op::PoolMode;
 
@@ -142,6 +143,89 @@ fn pool2d_prepared(
         };
         Ok(vec![Some(dx)])
     }))
+}
+
+/// Adaptive average pooling of a floating-point `[N, C, H, W]` (or unbatched `[C, H, W]`)
+/// `input` to `output_size` (`F.adaptive_avg_pool2d`): output `i` of a dim of input size `n`
+/// and output size `o` averages `floor(i·n/o) .. ceil((i+1)·n/o)`. Separable: the mean over a
+/// window is a row average then a column average, so it is two small GEMMs with constant
+/// pooling matrices, `P_h @ x @ P_wᵀ`, whose backward is two GEMMs as well. It enters the
+/// dispatch point as `adaptive_avg_pool2d`.
+pub fn adaptive_avg_pool2d(input: &Tensor, output_size: [usize; 2]) -> Result<Tensor> {
+    const OP: &str = "adaptive_avg_pool2d";
+    if !input.dtype().is_floating_point() {
+        return Err(Error::UnsupportedDType {
+            op: OP,
+            dtype: input.dtype(),
+            hint: "pooling takes floating point inputs",
+        });
+    }
+    dispatch::named(&policy::ADAPTIVE_AVG_POOL2D, &[input], || {
+        adaptive_avg_pool2d_composite(input, output_size)
+    })
+}
+
+/// [`adaptive_avg_pool2d`] behind the dispatch point: two pooling matrices applied by products.
+fn adaptive_avg_pool2d_composite(input: &Tensor, out: [usize; 2]) -> Result<Tensor> {
+    const OP: &str = "adaptive_avg_pool2d";
+    batched(OP, input, |x| {
+        let hw = [x.dims()[2], x.dims()[3]];
+        if hw.contains(&0) || out.contains(&0) {
+            return Err(Error::invalid(
+                OP,
+                format!("input spatial size {hw:?} and output_size {out:?} must be non-zero"),
+            ));
+        }
+        let m = |d: usize| {
+            let (n, o) = (hw[d], out[d]);
+            pooling_matrix(o, n, x.dtype(), x.device(), |i| {
+                let start = (i * n / o) as i64;
+                let end = ((i + 1) * n).div_ceil(o) as i64;
+                (start, end, (end - start) as f64)
+            })
+        };
+        separable(x, &m(0)?, &m(1)?)
+    })
+}
+
+/// Runs `f` on a 4-D view of `input` (adding a batch dim of 1 to a 3-D input).
+fn batched(op: &'static str, input: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    match input.rank() {
+        4 => f(input),
+        3 => f(&input.unsqueeze(0)?)?.squeeze_dim(0),
+        _ => Err(Error::invalid(
+            op,
+            format!(
+                "expected a 3-D [C, H, W] or 4-D [N, C, H, W] input, got shape {}",
+                input.shape()
+            ),
+        )),
+    }
+}
+
+/// `[rows, size]` matrix averaging `size` positions into `rows` windows: row `i` holds
+/// `1 / (end - start)` over `start..end` of `bounds(i)` (positions outside `0..size` dropped,
+/// as zero padding would add nothing).
+fn pooling_matrix(
+    rows: usize,
+    size: usize,
+    dtype: DType,
+    device: Device,
+    bounds: impl Fn(usize) -> (i64, i64, f64),
+) -> Result<Tensor> {
+    let mut m = vec![0.0f64; rows * size];
+    for i in 0..rows {
+        let (start, end, divisor) = bounds(i);
+        for j in start.max(0)..end.min(size as i64) {
+            m[i * size + j as usize] = 1.0 / divisor;
+        }
+    }
+    Tensor::from_vec(m, [rows, size], device)?.to_dtype(dtype)
+}
+
+/// `P_h @ x @ P_wᵀ` for a 4-D `x`.
+fn separable(x: &Tensor, ph: &Tensor, pw: &Tensor) -> Result<Tensor> {
+    ph.matmul(&x.matmul(&pw.t()?)?)
 }
 
 #[cfg(test)]

@@ -807,7 +807,9 @@ pub fn record_function(name: impl Into<Cow<'static, str>>) -> RecordFunction {
 }
 
 /// The range the autograd engine opens around a node's backward rule while a profiler
-/// records: named as PyTorch names the node (`log_softmax` → `LogSoftmaxBackward0`).
+/// records: named as PyTorch names the node (`log_softmax` → `LogSoftmaxBackward0`). The
+/// engine reaches it through the hook a session registers when it begins
+/// (`dispatch::observer::set_backward_range`), not by naming the profiler.
 pub(crate) fn backward_range(op: &'static str, device: Device) -> Option<OpenRange> {
     if !recorder::is_recording() {
         return None;

@@ -150,6 +150,9 @@ impl Session {
             record_shapes: options.record_shapes,
         });
         session._observer = Some(observer::add_observer(recorder));
+        observer::set_backward_range(|op, device| {
+            super::backward_range(op, device).map(|r| Box::new(r) as observer::BackwardRange)
+        });
         if options.profile_memory {
             memory::start_memory_profiling();
         }

@@ -2,9 +2,10 @@
 //! `(seed, offset)`, the process-wide default generator of each device, and the seeding
 //! functions of `torch.random` ([`manual_seed`], [`seed`], [`initial_seed`], [`get_rng_state`],
 //! [`set_rng_state`]). Random tensor creation and in-place fills are in `random/tensor.rs` and
-//! the block function in `random/philox.rs`; the op enum ([`Distribution`]) and the generator
-//! state ([`RngState`]) are the backends' vocabulary (`backend/op.rs`), the kernels are
-//! `cpu/random.rs` and `cuda_backend/random.rs` + `kernels/random.cu`.
+//! the block function in `cpu/philox.rs` (re-exported as [`philox`]); the op enum
+//! ([`Distribution`]) and the generator state ([`RngState`]) are the backends' vocabulary
+//! (`backend/op.rs`), the kernels are `cpu/random.rs` and `cuda_backend/random.rs` +
+//! `kernels/random.cu`.
 //!
 //! Note [Philox stream]: how `(seed, offset, element index i)` becomes a value. Any backend
 //! (the CPU kernels here, a CUDA kernel later) must compute exactly this, so that one seed
@@ -77,6 +78,8 @@
 //! the host); replays of graphs that share a generator must be ordered on one stream, since
 //! they share the offset base; `randperm` (computed on the host) and [`Generator::reserve`]
 //! (the state by value, for custom kernels run eagerly) cannot be captured.
+
+#![deny(unsafe_code)]
 
 /// The counter-based generator itself, computed by the CPU backend (`cpu/philox.rs`).
 pub use crate::cpu::philox;

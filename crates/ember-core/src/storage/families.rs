@@ -426,11 +426,11 @@ impl Storage {
         al: &Layout,
         (rhs, bl): (&Storage, &Layout),
         (bias, bias_l): (&Storage, &Layout),
-        arrivals: &[crate::cuda_backend::RowBlockEvent],
+        arrivals: &super::row_blocks::Arrivals,
     ) -> Result<Storage> {
         match (self, rhs, bias) {
             (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => Ok(Storage::Cuda(
-                a.matmul_bias_in_column_blocks(al, (b, bl), (c, bias_l), arrivals)?,
+                a.matmul_bias_in_column_blocks(al, (b, bl), (c, bias_l), &arrivals.0)?,
             )),
             _ => self.matmul_bias(al, rhs, bl, bias, bias_l),
         }

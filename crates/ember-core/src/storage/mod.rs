@@ -1,7 +1,7 @@
 //! [`Storage`]: the enum over backends that the op layer calls, and the one place where a call
 //! meets a backend. The methods of each op family forward to that family's backend trait
 //! (`backend/`, one trait per family, gathered by
-//! [`BackendStorage`](crate::backend::BackendStorage); [`BackendDevice`] here) on the backend
+//! [`BackendStorage`]; [`BackendDevice`] here) on the backend
 //! of their first operand, one `forward!` per family in `families.rs`, with one
 //! device-mismatch error path; everything above (`ops/`, `tensor/`, `autograd/`, `random/`)
 //! calls these methods and never names a backend. Copies between backends (host ↔ GPU) are
@@ -19,7 +19,9 @@
 //! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
 //! registration belongs to the host buffer).
 
-use crate::backend::{BackendDevice, CopyOps, Distribution, PhiloxState, RngState, Variant};
+#![deny(unsafe_code)]
+
+use crate::backend::{BackendDevice, BackendStorage, CopyOps, Distribution, PhiloxState, RngState, Variant};
 use crate::cpu::{CpuDevice, CpuStorage};
 use crate::cuda_backend::{CudaDevice, CudaStorage};
 use crate::layout::Layout;

@@ -2,8 +2,10 @@
 //! computed in row blocks, each block's completion an event, so that a consumer can start
 //! moving the first rows of a large gradient while the GPU still computes the last ones, and
 //! copies and arrivals in row blocks still in flight. The events and the products in blocks
-//! are the CUDA backend's (`cuda_backend/row_blocks.rs`, `cuda_backend/blas.rs`); the tensor
-//! functions on top are `dispatch/row_blocks.rs`'s.
+//! are the CUDA backend's (`cuda_backend/row_blocks.rs`, `cuda_backend/blas.rs`); the public
+//! hooks on tensors are `torch.cuda`'s (`cuda/row_blocks.rs`), the dispatch point's waits
+//! `dispatch/row_blocks.rs`'s. Above this layer the blocks pass as opaque values
+//! ([`Arrivals`], taken and handed back), so the ops name no CUDA type.
 //!
 //! Note [Gradients in row blocks]: DataParallel copies each replica's gradient back to the
 //! first device once it is complete; the gradient of the first layer of an MLP is the last one
@@ -58,8 +60,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::StorageRef;
-use crate::cuda_backend::row_blocks::wait_for;
-use crate::cuda_backend::{Event, RowBlockEvent};
+use crate::cuda_backend::row_blocks::{wait_for, wait_for_events};
+use crate::cuda_backend::{ArrivingElements, Event, RowBlockEvent};
+use crate::layout::Layout;
 use crate::{Device, Result};
 
 /// One storage's row-block state, behind its lock.
@@ -71,6 +74,30 @@ pub(crate) struct RowBlocks {
     events: Option<Vec<RowBlockEvent>>,
     /// Copies in row blocks in flight into or out of this storage, and arrivals into it.
     in_flight: Vec<InFlight>,
+}
+
+/// The row blocks of a weight still arriving, taken by the op that reads them block by block
+/// (`linear`): it hands them to the product ([`Storage::matmul_bias_in_column_blocks`]) or,
+/// on another path, [`Arrivals::wait`]s for them. What the blocks are is the backend's.
+///
+/// [`Storage::matmul_bias_in_column_blocks`]: super::Storage::matmul_bias_in_column_blocks
+#[derive(Debug)]
+pub(crate) struct Arrivals(pub(super) Vec<RowBlockEvent>);
+
+impl Arrivals {
+    /// Orders the current stream of `device` after every block (the last one completes last).
+    pub(crate) fn wait(self, device: Device) -> Result<()> {
+        wait_for(device, &self.0)
+    }
+}
+
+/// Orders the current stream of `device` after every block of `arrivals`, taken from
+/// gradients ([`StorageRef::take_arriving_elements`]) that nothing read block by block (the
+/// fused step failed): whatever comes next waits for them.
+pub(crate) fn release_arrivals(device: Device, arrivals: &[Vec<ArrivingElements>]) -> Result<()> {
+    arrivals
+        .iter()
+        .try_for_each(|blocks| wait_for_events(device, blocks.iter().map(|b| &b.event)))
 }
 
 /// Which side of a copy in row blocks a storage is.
@@ -145,9 +172,12 @@ impl StorageRef {
         self.row_blocks().requested = blocks;
     }
 
-    /// The block count asked for this weight's gradient.
+    /// The block count asked for this weight's gradient; `None` when none is asked or the
+    /// calling thread's current stream is being captured into a CUDA graph (the gradient is
+    /// then one product, Note [Gradients in row blocks]).
     pub(crate) fn requested_row_blocks(&self) -> Option<usize> {
-        Some(self.row_blocks().requested).filter(|&b| b > 0)
+        Some(self.row_blocks().requested)
+            .filter(|&b| b > 0 && !crate::cuda_backend::is_current_stream_capturing())
     }
 
     /// Keeps the events of a gradient just computed in blocks into this storage.
@@ -200,9 +230,49 @@ impl StorageRef {
         Ok(())
     }
 
+    /// The blocks of a copy or arrival in flight into this storage, taken by the op that reads
+    /// them block by block (`linear`'s weight); `None` when none is.
+    pub(crate) fn take_row_arrivals(&self) -> Option<Arrivals> {
+        self.take_arrivals().map(|(blocks, _)| Arrivals(blocks))
+    }
+
+    /// The blocks of the tensor at `layout` on `device`, arriving in row blocks, taken as
+    /// ranges of its elements (the caller orders its reads of each range after its event);
+    /// `None` when nothing arrives into this storage. When the tensor is not the whole of what
+    /// arrives (a view of part of it), the current stream waits for every block instead and
+    /// `None` is returned.
+    pub(crate) fn take_arriving_elements(
+        &self,
+        layout: &Layout,
+        device: Device,
+    ) -> Result<Option<Vec<ArrivingElements>>> {
+        let Some((blocks, order)) = self.take_arrivals() else {
+            return Ok(None);
+        };
+        let dims = layout.dims();
+        let whole = !dims.is_empty() && layout.is_contiguous() && layout.offset() == 0;
+        let rows = blocks.last().map_or(0, |b| b.rows.end);
+        if !whole || dims[0] != rows || rows == 0 {
+            wait_for(device, &blocks)?;
+            return Ok(None);
+        }
+        let row_len = layout.numel() / rows;
+        Ok(Some(
+            blocks
+                .into_iter()
+                .zip(order..)
+                .map(|(b, order)| ArrivingElements {
+                    elements: b.rows.start * row_len..b.rows.end * row_len,
+                    event: b.event,
+                    order,
+                })
+                .collect(),
+        ))
+    }
+
     /// The block events of a copy or arrival in flight into this storage, taken, with the
     /// arrival's order (the caller now orders its reads after them); `None` when none is.
-    pub(crate) fn take_arrivals(&self) -> Option<(Vec<RowBlockEvent>, u64)> {
+    fn take_arrivals(&self) -> Option<(Vec<RowBlockEvent>, u64)> {
         if !any_in_flight() {
             return None;
         }

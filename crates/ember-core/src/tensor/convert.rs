@@ -1,6 +1,7 @@
 //! Conversions: dtype casts, device moves, contiguous copies, and reading values to the host.
 
 use crate::backend::host::{CpuElement, CpuStorage};
+use crate::backend::CopyOps;
 use crate::dispatch::{self, policy};
 use crate::layout::Layout;
 use crate::storage::{Storage, StorageRef};
@@ -114,8 +115,7 @@ impl Tensor {
                 dispatch::call_with(&policy::TO, [self], |[x], door| {
                     // A weight gradient computed in row blocks crosses block by block
                     // (Note [Gradients in row blocks]).
-                    let blocks =
-                        crate::dispatch::row_blocks::take_gradient_row_events(x).filter(|_| x.rank() == 2);
+                    let blocks = x.storage().take_row_block_events().filter(|_| x.rank() == 2);
                     let row_len = x.dims().get(1).copied().unwrap_or(0);
                     let storage =
                         x.storage()
@@ -131,36 +131,6 @@ impl Tensor {
     /// Whether nothing but this handle holds the tensor and its memory.
     pub(crate) fn is_private(&self) -> bool {
         std::sync::Arc::strong_count(&self.0) == 1 && self.storage().is_unique()
-    }
-
-    /// The rows of a gradient computed in row blocks (`self`, a contiguous 2-D view of some of
-    /// its rows on a GPU) on GPU `device`, copied once `written` (the event of the block that
-    /// wrote them) has completed, on a side stream: neither device's current stream waits for
-    /// the rest of the gradient's product (Note [Gradients in row blocks]). The caller holds
-    /// the whole gradient privately, so nothing else writes these rows.
-    pub(crate) fn gradient_rows_to(
-        &self,
-        device: usize,
-        written: crate::cuda_backend::Event,
-    ) -> Result<Tensor> {
-        dispatch::call_with(&policy::TO, [self], |[x], door| {
-            let rows = crate::cuda_backend::RowBlockEvent {
-                rows: 0..x.dims()[0],
-                event: written,
-            };
-            if x.rank() != 2 || !x.is_contiguous() || !matches!(x.device(), Device::Cuda(_)) {
-                return Err(Error::invalid(
-                    "gradient_rows_to",
-                    "expected a contiguous 2-D tensor on a GPU",
-                ));
-            }
-            let blocks = Some(std::slice::from_ref(&rows));
-            let storage = x
-                .storage()
-                .read()
-                .to_device_private(x.layout(), device, blocks, x.dims()[1])?;
-            Ok(door.tensor(storage, x.shape()))
-        })
     }
 
     /// A copy in page-locked host memory (`Tensor.pin_memory()`), from which copies to a GPU
@@ -231,14 +201,6 @@ impl Tensor {
         })
     }
 
-    /// Marks the tensor's GPU memory as used by work queued on `stream`
-    /// (`Tensor.record_stream`): when the tensor is freed, the caching allocator does not reuse
-    /// the memory until that work has finished. Needed when a tensor allocated on one stream is
-    /// used on another; a no-op for CPU tensors, as PyTorch ignores it there.
-    pub fn record_stream(&self, stream: &crate::cuda_backend::Stream) -> Result<()> {
-        self.storage().read().record_stream(stream)
-    }
-
     /// A row-major copy, or `self` when already contiguous.
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {
@@ -283,7 +245,7 @@ impl Tensor {
         crate::dispatch::row_blocks::settle_read(self)?;
         let cpu = self.storage().read().to_cpu(self.layout());
         let cpu = cpu.map_err(|e| e.in_op("Tensor::to_vec_f64"))?;
-        let cpu = cpu.to_dtype(&Layout::contiguous(self.shape()), DType::F64);
+        let cpu = CopyOps::to_dtype(&cpu, &Layout::contiguous(self.shape()), DType::F64)?;
         match cpu {
             CpuStorage::F64(v) => Ok(v),
             _ => unreachable!("converted to f64 above"),

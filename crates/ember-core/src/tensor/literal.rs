@@ -14,7 +14,7 @@
 
 use half::{bf16, f16};
 
-use crate::cpu::CpuElement;
+use crate::backend::host::CpuElement;
 use crate::storage::Storage;
 use crate::{Shape, Tensor};
 

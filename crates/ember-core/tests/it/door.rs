@@ -1,16 +1,17 @@
 //! The door: every public op of ember-core passes the dispatch point under its PyTorch name.
 //!
 //! The public functions of the op layer are read from the sources (`pub fn` of `ops/`,
-//! `tensor/` and `random/tensor.rs`), so a new one fails here until it is listed: either in
-//! [`runs`], with the op name an observer must see when it runs, or in [`NOT_OPS`], with the
-//! reason it is no op (an accessor, the autograd API, a read of the elements). The methods the
-//! elementwise tables generate (`exp`, `add`, `add_`, `eq`, ...) are not written as `pub fn`;
-//! each of their lines is run under an observer by ember-nn's autocast test, and their unary
-//! entry point is run here for every line of the unary table.
+//! `tensor/`, `random/tensor.rs` and the handle's own, `dispatch/tensor_impl.rs`), so a new
+//! one fails here until it is listed: either in [`runs`], with the op name an observer must
+//! see when it runs, or in [`NOT_OPS`], with the reason it is no op (an accessor, the autograd
+//! API, a read of the elements). The methods the elementwise tables generate (`exp`, `add`,
+//! `add_`, `eq`, ...) are not written as `pub fn`; each of their lines is run under an
+//! observer by ember-nn's autocast test, and their unary entry point is run here for every
+//! line of the unary table.
 
 use super::common::{public_functions, seen};
 use ember_core::backend::UnaryOp;
-use ember_core::ops::{attention, conv, pool, recurrent};
+use ember_core::ops::{attention, conv, loss, multihead_attention, pool, recurrent};
 use ember_core::{amp_scaling, fused, DType, Device, Result, Tensor};
 use std::collections::BTreeSet;
 
@@ -32,6 +33,10 @@ const SOURCES: &[(&str, &'static str)] = &[
     ("ops/inplace.rs", include_str!("../../src/ops/inplace.rs")),
     ("ops/loss.rs", include_str!("../../src/ops/loss.rs")),
     ("ops/matmul.rs", include_str!("../../src/ops/matmul.rs")),
+    (
+        "ops/multihead_attention.rs",
+        include_str!("../../src/ops/multihead_attention.rs"),
+    ),
     ("ops/norm.rs", include_str!("../../src/ops/norm.rs")),
     ("ops/mod.rs", include_str!("../../src/ops/mod.rs")),
     ("ops/operators.rs", include_str!("../../src/ops/operators.rs")),
@@ -53,6 +58,10 @@ const SOURCES: &[(&str, &'static str)] = &[
     ("tensor/display.rs", include_str!("../../src/tensor/display.rs")),
     ("tensor/literal.rs", include_str!("../../src/tensor/literal.rs")),
     ("tensor/mod.rs", include_str!("../../src/tensor/mod.rs")),
+    (
+        "dispatch/tensor_impl.rs",
+        include_str!("../../src/dispatch/tensor_impl.rs"),
+    ),
     ("random/tensor.rs", include_str!("../../src/random/tensor.rs")),
 ];
 
@@ -87,7 +96,6 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("register_post_accumulate_grad_hook", "the autograd API"),
     ("remove", "the autograd API (a hook handle's)"),
     ("detach", "a new handle cut from the graph: no kernel, no data"),
-    ("record_stream", "the allocator's bookkeeping, no kernel"),
     (
         "to_device_",
         "moves the storage under every handle (Module::to); its copy is `to`'s",
@@ -524,6 +532,90 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
             run(|| {
                 let q = x()?.unsqueeze(0)?;
                 ember_core::ops::sdpa::scaled_dot_product_attention(&q, &q, &q, None, 0.0, true, None, false)
+            }),
+        ),
+        // PyTorch's `F.multi_head_attention_forward` is Python over aten ops (no aten op of its
+        // own): its projections are `linear`, its attention `scaled_dot_product_attention`.
+        (
+            "multi_head_attention_forward",
+            "scaled_dot_product_attention",
+            run(move || {
+                let q = Tensor::ones([3, 1, 4], f32, d)?;
+                let (w, b) = (Tensor::ones([12, 4], f32, d)?, Tensor::ones([12], f32, d)?);
+                let (wo, bo) = (Tensor::ones([4, 4], f32, d)?, Tensor::ones([4], f32, d)?);
+                let out = multihead_attention::multi_head_attention_forward(
+                    &q,
+                    &q,
+                    &q,
+                    4,
+                    2,
+                    &w,
+                    Some(&b),
+                    &wo,
+                    Some(&bo),
+                    None,
+                    false,
+                    false,
+                    false,
+                    None,
+                    0.0,
+                )?;
+                Ok(out.0)
+            }),
+        ),
+        (
+            "adaptive_avg_pool2d",
+            "adaptive_avg_pool2d",
+            run(|| {
+                let image =
+                    Tensor::arange(0.0, 16.0, 1.0, DType::F32, Device::Cpu)?.reshape(&[1, 1, 4, 4])?;
+                pool::adaptive_avg_pool2d(&image, [3, 3])
+            }),
+        ),
+        // Losses.
+        (
+            "nll_loss",
+            "nll_loss",
+            run(move || {
+                loss::nll_loss(
+                    &x()?.log_softmax(-1)?,
+                    &idx()?,
+                    None,
+                    -100,
+                    ember_core::Reduction::Mean,
+                )
+            }),
+        ),
+        (
+            "cross_entropy",
+            "cross_entropy",
+            run(move || {
+                let logits = x()?.unsqueeze(2)?;
+                let target = idx()?.unsqueeze(1)?;
+                loss::cross_entropy(&logits, &target, None, -100, ember_core::Reduction::Mean, 0.1)
+            }),
+        ),
+        (
+            "mse_loss",
+            "mse_loss",
+            run(|| loss::mse_loss(&x()?, &x()?, ember_core::Reduction::Mean)),
+        ),
+        (
+            "l1_loss",
+            "l1_loss",
+            run(|| loss::l1_loss(&x()?, &x()?, ember_core::Reduction::Sum)),
+        ),
+        (
+            "binary_cross_entropy_with_logits",
+            "binary_cross_entropy_with_logits",
+            run(|| {
+                loss::binary_cross_entropy_with_logits(
+                    &x()?,
+                    &x()?.sigmoid()?,
+                    None,
+                    None,
+                    ember_core::Reduction::Mean,
+                )
             }),
         ),
         (

@@ -1,17 +1,18 @@
-//! `torch.nn.functional`: stateless layer and loss functions built as compositions of
-//! ember-core tensor ops, so each runs on every device and differentiates through autograd
-//! with no kernel of its own.
+//! `torch.nn.functional`: the functional ops under PyTorch's names and argument forms.
 //!
-//! One file per family: [`activation`] (gelu, relu, softmax, ...), [`conv`] (linear, convolution, unfold), [`pooling`], [`normalization`]
-//! (batch and layer norm), [`dropout`](mod@dropout), [`attention`], [`attention_mha`] (multi-head
-//! attention), [`recurrent`] (RNN, LSTM, GRU and their cells) and [`loss`]. The functions are
-//! re-exported here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
+//! The ops are ember-core's (`ember_core::ops`: convolution, pooling, normalization, dropout,
+//! attention, recurrent layers, losses; activations are `Tensor` methods), which enter its
+//! dispatch point under PyTorch's names, run on every device and record their own backward.
+//! This module adds PyTorch's argument forms where they differ from ember-core's (keyword
+//! options such as [`SdpaOptions`] and [`CrossEntropyOptions`], `F.batch_norm`'s argument
+//! order, sizes as [`Pair`], unbatched inputs) and re-exports the ops whose arguments are
+//! already PyTorch's.
 //!
-//! Note [Composite ops]: the functions choose compositions with few kernels and no host
-//! round trips where they can; where a fused kernel would do better (norm statistics,
-//! attention, cross-entropy) the file's `//!` says what it would save. Convolution and max /
-//! average pooling are ember-core ops with backend kernels (`ops::conv`, `ops::pool`); [`conv`]
-//! and [`pooling`] add PyTorch's argument forms.
+//! One file per family: [`activation`] (gelu, relu, softmax, ...), [`conv`] (linear,
+//! convolution, unfold), [`pooling`], [`normalization`] (batch and layer norm),
+//! [`dropout`](mod@dropout), [`attention`], [`attention_mha`] (multi-head attention),
+//! [`recurrent`] (RNN, LSTM, GRU and their cells) and [`loss`]. The functions are re-exported
+//! here under PyTorch's names (`functional::conv2d` is `F.conv2d`).
 
 pub mod activation;
 pub mod attention;
@@ -57,9 +58,4 @@ impl From<(usize, usize)> for Pair {
     fn from((h, w): (usize, usize)) -> Pair {
         Pair([h, w])
     }
-}
-
-/// `dims` as the `isize` list that `reshape` and friends take.
-pub(crate) fn idims(dims: &[usize]) -> Vec<isize> {
-    dims.iter().map(|&d| d as isize).collect()
 }
