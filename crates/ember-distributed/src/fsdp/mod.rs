@@ -68,23 +68,29 @@
 //! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
 //! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
 //!
-//! Not yet: overlap. Every collective runs when its unit needs it and the compute stream
-//! waits for it at once: no prefetch of the next unit's all-gather, and no reduce-scatter left
-//! running behind the next unit's backward.
+//! Overlap (Note [FSDP streams] in `streams.rs`): on a GPU the all-gathers run on their own
+//! stream, so a unit's gather overlaps the previous unit's forward (FSDP2's implicit forward
+//! prefetch, at most two gathered units ahead). Not yet: the reduce-scatter runs when its unit's
+//! backward ends and the compute stream waits for it at once, with no part of it left running
+//! behind the next unit's backward (that needs the reduced gradients accumulated on a side
+//! stream and one wait when the whole backward ends; ember's final callbacks run when the
+//! innermost backward ends, a resharded unit's recomputation).
 
 mod clip;
 mod sharded_grad_scaler;
 mod state_dict;
+mod streams;
 
 pub use clip::clip_grad_norm_;
 pub use sharded_grad_scaler::ShardedGradScaler;
 pub use state_dict::{get_model_state_dict, get_optimizer_state_dict};
 use state_dict::{register, Unit};
+use streams::UnitForward;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
-use ember_core::{autograd, is_grad_enabled, no_grad, DType, Error, Result, Shape, Tensor};
+use ember_core::{autograd, is_grad_enabled, no_grad, DType, Device, Error, Result, Shape, Tensor};
 use ember_nn::{Forward, Module, TensorKind};
 
 use crate::backend::ReduceOp;
@@ -392,7 +398,7 @@ impl<M> FsdpState<M> {
                 ),
             ));
         }
-        let flat = {
+        let gather = || -> Result<Tensor> {
             let _g = no_grad();
             let input = Tensor::zeros([red.block], dtype, device)?;
             for (s, l) in shards.iter().zip(&red.layouts) {
@@ -404,7 +410,12 @@ impl<M> FsdpState<M> {
             }
             let out = Tensor::empty([world * red.block], dtype, device)?;
             red.group.all_gather_into_tensor(&out, &input)?;
-            out
+            Ok(out)
+        };
+        // Note [FSDP streams]: on a GPU, on the all-gather stream, overlapping compute.
+        let flat = match device {
+            Device::Cuda(i) => streams::gather_on_all_gather_stream(i, gather)?,
+            Device::Cpu => gather()?,
         };
         let refs: Vec<&Tensor> = shards.iter().collect();
         let reduction = red.clone();
@@ -433,6 +444,10 @@ impl<M> FsdpState<M> {
     {
         let mut module = self.lock();
         let full = self.unshard()?;
+        let unit = UnitForward::enter(match self.mesh.device_type() {
+            Device::Cuda(i) => Some(i),
+            Device::Cpu => None,
+        });
         module.visit_mut("", &mut |_, t, kind| {
             if kind == TensorKind::Parameter {
                 if let Some(i) = index_of(&self.placeholders, t) {
@@ -450,8 +465,12 @@ impl<M> FsdpState<M> {
             }
             Ok(())
         });
+        drop(full);
+        let released = unit.release();
+        drop(unit);
         let out = out?;
         restored?;
+        released?;
         Ok(out)
     }
 }
