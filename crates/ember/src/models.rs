@@ -270,11 +270,15 @@ impl Forward for Block {
 
 /// GPT-2 (`GPT` of `torch_reference.py`): token and position embeddings, `layers` blocks, a
 /// final LayerNorm and the output head, whose weight is the token embedding's (tied).
+///
+/// `B` is what holds each block: a [`Block`], or a wrapper of one (an `FSDPModule<Block>`
+/// when each block is sharded, as `fsdp_gpt2` and `ember train --shard` do), chosen by
+/// [`Gpt::new_with`].
 #[derive(Module, Clone)]
-pub struct Gpt {
+pub struct Gpt<B: Module = Block> {
     wte: Embedding,
     wpe: Embedding,
-    blocks: Vec<Block>,
+    blocks: Vec<B>,
     ln_f: LayerNorm,
     head: Linear,
 }
@@ -288,21 +292,7 @@ impl Gpt {
         heads: usize,
         device: Device,
     ) -> Result<Gpt> {
-        let wte = Embedding::new(vocab, d, device)?;
-        let wpe = Embedding::new(seq, d, device)?;
-        let blocks = (0..layers)
-            .map(|_| Block::new(d, heads, device))
-            .collect::<Result<Vec<_>>>()?;
-        let ln_f = LayerNorm::new(&[d], device)?;
-        let mut head = Linear::with_config(d, vocab, LinearConfig { bias: false }, device)?;
-        head.weight = wte.weight.clone();
-        Ok(Gpt {
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-            head,
-        })
+        Gpt::new_with(vocab, seq, d, layers, heads, device, Ok)
     }
 
     /// GPT-2's initialization (nanoGPT's `_init_weights`): every weight matrix and embedding
@@ -329,6 +319,38 @@ impl Gpt {
         }
         Ok(())
     }
+}
+
+impl<B: Module> Gpt<B> {
+    /// [`Gpt::new`] with each block put into what `wrap` makes of it as soon as it is drawn
+    /// (the random draws, and so the weights for a seed, are [`Gpt::new`]'s). A model too
+    /// large for one device never exists whole there: `wrap = fully_shard` keeps this rank's
+    /// rows of each block and releases the rest before the next block is drawn.
+    pub fn new_with(
+        vocab: usize,
+        seq: usize,
+        d: usize,
+        layers: usize,
+        heads: usize,
+        device: Device,
+        mut wrap: impl FnMut(Block) -> Result<B>,
+    ) -> Result<Gpt<B>> {
+        let wte = Embedding::new(vocab, d, device)?;
+        let wpe = Embedding::new(seq, d, device)?;
+        let blocks = (0..layers)
+            .map(|_| wrap(Block::new(d, heads, device)?))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&[d], device)?;
+        let mut head = Linear::with_config(d, vocab, LinearConfig { bias: false }, device)?;
+        head.weight = wte.weight.clone();
+        Ok(Gpt {
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            head,
+        })
+    }
 
     /// The longest context the position embedding covers (`block_size`).
     pub fn block_size(&self) -> usize {
@@ -341,7 +363,7 @@ impl Gpt {
     }
 }
 
-impl Forward for Gpt {
+impl<B: Forward> Forward for Gpt<B> {
     /// Logits `[B, T, vocab]` of the token indices `idx` (`[B, T]`, int64).
     fn forward(&self, idx: &Tensor) -> Result<Tensor> {
         let t = idx.dims().get(1).copied().unwrap_or(0);

@@ -461,6 +461,24 @@ fn bench_reports_an_error_line_for_a_workload_that_cannot_run_here() {
     assert_eq!(lines[0]["framework"], "ember");
 }
 
+// The GPT-2 multi-GPU workloads exist (not "not implemented") and say where they run; they are
+// left out of a plain `ember bench`, as every multi-GPU workload is.
+#[test]
+fn bench_gpt2_multi_gpu_workloads_run_on_gpus_only() {
+    let out = ember(&["bench", "--device", "cpu", "--only", "ddp_gpt2,fsdp_gpt2"]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    for (line, name) in lines.iter().zip(["ddp_gpt2", "fsdp_gpt2"]) {
+        assert_eq!(line["workload"], name);
+        assert!(
+            line["error"].as_str().unwrap().contains("CUDA devices only"),
+            "{line}"
+        );
+    }
+}
+
 // `--comm-hook` reaches the ddp_* workloads (on the CPU: their error line), and is refused,
 // before anything runs, without one.
 #[test]
