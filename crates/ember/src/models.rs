@@ -182,7 +182,7 @@ mod tests {
         assert!(get("blocks.0.fc.bias").to_vec::<f32>()?.iter().all(|&x| x == 0.0));
         assert!(get("ln_f.weight").to_vec::<f32>()?.iter().all(|&x| x == 1.0));
         assert!(gpt.head.weight.is_same(&gpt.wte.weight), "the head stays tied");
-        assert_eq!((gpt.block_size(), gpt.vocab_size()), (16, 64));
+        assert_eq!((gpt.wpe.weight.dims()[0], gpt.wte.weight.dims()[0]), (16, 64));
         Ok(())
     }
 
@@ -295,6 +295,18 @@ impl Gpt {
         Gpt::new_with(vocab, seq, d, layers, heads, device, Ok)
     }
 
+    /// Puts each block into what `wrap` makes of it (after the whole model is drawn, so the
+    /// weights are [`Gpt::new`]'s for a seed): `fully_shard` on every block, as FSDP2's recipe.
+    pub fn map_blocks<C: Module>(self, wrap: impl FnMut(Block) -> Result<C>) -> Result<Gpt<C>> {
+        Ok(Gpt {
+            wte: self.wte,
+            wpe: self.wpe,
+            blocks: self.blocks.into_iter().map(wrap).collect::<Result<Vec<_>>>()?,
+            ln_f: self.ln_f,
+            head: self.head,
+        })
+    }
+
     /// GPT-2's initialization (nanoGPT's `_init_weights`): every weight matrix and embedding
     /// drawn from N(0, 0.02), the residual projections (`proj`, `fc2`) from N(0, 0.02/√(2·layers)),
     /// biases zero, LayerNorms left at (1, 0). [`Gpt::new`] keeps PyTorch's layer defaults (what
@@ -350,16 +362,6 @@ impl<B: Module> Gpt<B> {
             ln_f,
             head,
         })
-    }
-
-    /// The longest context the position embedding covers (`block_size`).
-    pub fn block_size(&self) -> usize {
-        self.wpe.weight.dims()[0]
-    }
-
-    /// The vocabulary size (rows of the token embedding).
-    pub fn vocab_size(&self) -> usize {
-        self.wte.weight.dims()[0]
     }
 }
 
