@@ -89,6 +89,10 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("detach", "a new handle cut from the graph: no kernel, no data"),
     ("record_stream", "the allocator's bookkeeping, no kernel"),
     (
+        "swap_storage_",
+        "exchanges two storages' elements, no kernel (FSDP's resize of gathered parameters)",
+    ),
+    (
         "to_device_",
         "moves the storage under every handle (Module::to); its copy is `to`'s",
     ),
