@@ -599,10 +599,7 @@ fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
 ///   [`gpt2`]).
 /// - `fsdp_gpt2`: `fully_shard` on every block, then on the whole model (FSDP2's recipe,
 ///   default `reshard_after_forward`), `MixedPrecisionPolicy(param_dtype=bf16,
-///   reduce_dtype=f32)`, no autocast: the parameters arrive in bfloat16. ember's resharded
-///   blocks recompute their forward in backward (Note [Reshard after forward] of
-///   `ember_distributed::fsdp`), where PyTorch's gather their parameters again;
-///   `EMBER_FSDP_RESHARD_AFTER_FORWARD=0` keeps them gathered instead (the line says which). The reference takes
+///   reduce_dtype=f32)`, no autocast: the parameters arrive in bfloat16. The reference takes
 ///   the loss of `logits.float()`; ember takes it of the bfloat16 logits under autocast (fp32
 ///   inside the fused kernel, the same loss as in [`gpt2`]).
 ///
@@ -625,8 +622,6 @@ fn gpt2_distributed(name: &str, comm_hook: Option<CommHook>) -> Result<Map<Strin
     let _guard = cuda::DeviceGuard::new(local)?;
     let (batch, seq, vocab) = (8usize, 1024usize, 50304usize);
     let fsdp = name == "fsdp_gpt2";
-    // EMBER_FSDP_RESHARD_AFTER_FORWARD=0 keeps the blocks' gathered parameters until backward.
-    let reshard_after_forward = std::env::var("EMBER_FSDP_RESHARD_AFTER_FORWARD").as_deref() != Ok("0");
     // As gpt2_124m_bf16, whose figure is the N=1 point of the scaling efficiency.
     let tuning = std::env::var("EMBER_GEMM_TUNING").as_deref() != Ok("0");
     cuda::tunable::enable(tuning);
@@ -638,7 +633,7 @@ fn gpt2_distributed(name: &str, comm_hook: Option<CommHook>) -> Result<Map<Strin
                 param_dtype: Some(DType::BF16),
                 reduce_dtype: Some(DType::F32),
             },
-            reshard_after_forward,
+            ..Default::default()
         };
         // Each block sharded as soon as it is drawn (the same weights as Gpt::new), then the root.
         let gpt = models::Gpt::new_with(vocab, seq, 768, 12, 12, device, |b| {
@@ -703,9 +698,6 @@ fn gpt2_distributed(name: &str, comm_hook: Option<CommHook>) -> Result<Map<Strin
     );
     if let Some(hook) = comm_hook.filter(|_| !fsdp) {
         line.insert("comm_hook".into(), json!(hook.name()));
-    }
-    if fsdp {
-        line.insert("reshard_after_forward".into(), json!(reshard_after_forward));
     }
     Ok(line)
 }

@@ -1,5 +1,6 @@
-//! The all-gather stream of [`super::FSDPModule`]s on a GPU: FSDP2's implicit forward
-//! prefetch, through stream order alone.
+//! The all-gather and reduce-scatter streams of [`super::FSDPModule`]s on a GPU: FSDP2's
+//! implicit forward prefetch and its reduce-scatter overlapped with backward, through stream
+//! order alone.
 //!
 //! Note [FSDP streams]: on a GPU each unit's all-gather (the copy of the shards into the flat
 //! input, cast to `param_dtype`, and the collective) runs on an all-gather stream of the
@@ -19,31 +20,110 @@
 //!   after each unit's forward is queued, an event on the compute stream marks its buffer
 //!   released, and a gather waits for the release from [`IN_FLIGHT`] gathers before it, so a
 //!   host far ahead of the GPU does not gather every block of a large model at once.
+//! - A unit's gradient is reduce-scattered on a reduce-scatter stream, after the compute
+//!   stream's work so far, and this rank's rows are accumulated into the shards' `.grad`
+//!   there (FSDP2's post-reduce on its reduce-scatter stream): the next unit's backward runs
+//!   on meanwhile. The backward node hands autograd no gradient for the shards, so nothing on
+//!   the compute stream reads them before the one wait for the reduce-scatter stream, a final
+//!   callback of the backward pass (`autograd::queue_callback`: the pass that ran the node,
+//!   the inner one when the unit runs inside a checkpoint). Before that wait, `.grad` is set
+//!   on the host but not computed on the device: a post-accumulate-grad hook of a shard that
+//!   launches work reading it (an optimizer stepping in backward) must wait for the pass to
+//!   end. The gradient buffers live on the side stream and are marked used on the compute
+//!   stream, and the other way round.
 //!
-//! The values are those of a gather on the compute stream: the same copies and collective,
-//! in another order in time only. The CPU backend has no streams: units there gather in line.
+//! The values are those of collectives on the compute stream: the same copies, collectives
+//! and additions, in another order in time only. The CPU backend has no streams: units there
+//! gather and reduce in line, and hand autograd the shards' gradients.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 
 use ember_core::cuda::{self, Event, Stream};
-use ember_core::{Result, Tensor};
+use ember_core::{autograd, Result, Tensor};
 
 /// Gathered parameter sets ahead of the compute stream at once: the one computing and the
 /// next one (Note [FSDP streams]).
 const IN_FLIGHT: usize = 2;
 
-/// One device's all-gather stream and the release events of the buffers gathered on it.
+/// One device's all-gather stream and the release events of the buffers gathered on it, its
+/// reduce-scatter stream, and whether the compute stream's wait for that one is queued.
 struct DeviceStreams {
     device: usize,
     all_gather: Stream,
     released: VecDeque<Event>,
+    reduce_scatter: Stream,
+    wait_queued: bool,
 }
 
 thread_local! {
     static STREAMS: RefCell<Vec<DeviceStreams>> = const { RefCell::new(Vec::new()) };
     /// Unit forwards running on this thread (their modules' forwards, which nest).
     static DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `f` on this thread's streams of GPU `device`, made on first use.
+fn with_streams<T>(device: usize, f: impl FnOnce(&mut DeviceStreams) -> Result<T>) -> Result<T> {
+    STREAMS.with(|s| {
+        let mut streams = s.borrow_mut();
+        let at = match streams.iter().position(|d| d.device == device) {
+            Some(at) => at,
+            None => {
+                streams.push(DeviceStreams {
+                    device,
+                    all_gather: Stream::new_on(device)?,
+                    released: VecDeque::new(),
+                    reduce_scatter: Stream::new_on(device)?,
+                    wait_queued: false,
+                });
+                streams.len() - 1
+            }
+        };
+        f(&mut streams[at])
+    })
+}
+
+/// Runs `reduce` (one unit's reduce-scatter and the accumulation of its rows into the shards'
+/// `.grad`) with the reduce-scatter stream of GPU `device` as the current stream, after the
+/// compute stream's work so far (`grad`, computed there, is marked used on the side stream);
+/// `reduce` gets the side stream and the compute stream, to mark what it hands to each. The
+/// compute stream waits for the side stream when the backward pass ends (a final callback,
+/// queued once per pass), before anything reads the gradients (Note [FSDP streams]).
+pub(super) fn reduce_on_reduce_scatter_stream(
+    device: usize,
+    grad: &Tensor,
+    reduce: impl FnOnce(&Stream, &Stream) -> Result<()>,
+) -> Result<()> {
+    let compute = cuda::current_stream(device)?;
+    let (side, queue) = with_streams(device, |d| {
+        let queue = !std::mem::replace(&mut d.wait_queued, true);
+        Ok((d.reduce_scatter.clone(), queue))
+    })?;
+    side.wait_stream(&compute)?;
+    grad.record_stream(&side)?;
+    {
+        let _side = cuda::stream(&side);
+        reduce(&side, &compute)?;
+    }
+    if queue {
+        let (waiting, waited) = (compute.clone(), side.clone());
+        let queued = autograd::queue_callback(move || {
+            with_streams(device, |d| {
+                d.wait_queued = false;
+                Ok(())
+            })?;
+            waiting.wait_stream(&waited)
+        });
+        if queued.is_err() {
+            // Not inside a backward pass: wait at once.
+            with_streams(device, |d| {
+                d.wait_queued = false;
+                Ok(())
+            })?;
+            compute.wait_stream(&side)?;
+        }
+    }
+    Ok(())
 }
 
 /// Runs `gather` (allocations, copies and the all-gather of one unit) with the all-gather
@@ -55,20 +135,7 @@ pub(super) fn gather_on_all_gather_stream(
     gather: impl FnOnce() -> Result<Tensor>,
 ) -> Result<Tensor> {
     let compute = cuda::current_stream(device)?;
-    let all_gather = STREAMS.with(|s| -> Result<Stream> {
-        let mut streams = s.borrow_mut();
-        let at = match streams.iter().position(|d| d.device == device) {
-            Some(at) => at,
-            None => {
-                streams.push(DeviceStreams {
-                    device,
-                    all_gather: Stream::new_on(device)?,
-                    released: VecDeque::new(),
-                });
-                streams.len() - 1
-            }
-        };
-        let d = &mut streams[at];
+    let all_gather = with_streams(device, |d| {
         if DEPTH.with(Cell::get) == 0 {
             // Every release so far is before the compute stream's current point.
             d.all_gather.wait_stream(&compute)?;
