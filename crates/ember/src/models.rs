@@ -268,6 +268,29 @@ impl Forward for Block {
     }
 }
 
+/// A module whose forward runs under activation checkpointing (PyTorch's
+/// `checkpoint_wrapper`, under the same parameter-name prefix): backward recomputes its
+/// forward instead of keeping its activations (ember-nn's `checkpoint`). Applied to each block
+/// before `fully_shard`, as PyTorch's recipe for models too large for one GPU.
+#[derive(Module, Clone)]
+pub struct Checkpointed<M: Module> {
+    _checkpoint_wrapped_module: M,
+}
+
+impl<M: Module> Checkpointed<M> {
+    pub fn new(module: M) -> Checkpointed<M> {
+        Checkpointed {
+            _checkpoint_wrapped_module: module,
+        }
+    }
+}
+
+impl<M: Forward + Clone + Send + Sync + 'static> Forward for Checkpointed<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ember::nn::checkpoint::checkpoint(&self._checkpoint_wrapped_module, x)
+    }
+}
+
 /// GPT-2 (`GPT` of `torch_reference.py`): token and position embeddings, `layers` blocks, a
 /// final LayerNorm and the output head, whose weight is the token embedding's (tied).
 ///

@@ -26,7 +26,7 @@ use super::checkpoint::{load_checkpoint, save_checkpoint, Position};
 use super::dist::Dist;
 use super::fits::DoesNotFit;
 use super::{progress_bar, AmpMode, CliResult, TrainArgs, PROGRESS_EVERY};
-use crate::models::{Block, Gpt};
+use crate::models::{Block, Checkpointed, Gpt};
 use clap::Args;
 use ember::amp::{GradScaler, GradScalerConfig};
 use ember::distributed::{
@@ -396,7 +396,7 @@ struct Eval {
 enum Model {
     Single(Gpt),
     Replicated(DistributedDataParallel<Gpt>),
-    Sharded(FSDPModule<Gpt<FSDPModule<Block>>>),
+    Sharded(FSDPModule<Gpt<FSDPModule<Checkpointed<Block>>>>),
 }
 
 impl Model {
@@ -464,9 +464,11 @@ pub fn run(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()
 /// by `fully_shard` (FSDP2): every block, then the whole model (embeddings, final LayerNorm,
 /// tied head), each process keeping 1/N of every parameter and of its AdamW state, under a
 /// `MixedPrecisionPolicy` of bfloat16 parameters and float32 reductions with `--amp bf16`.
-/// Blocks reshard after their forward and recompute it in backward (ember's
-/// `reshard_after_forward`, Note [Reshard after forward] in ember-distributed), which is
-/// activation checkpointing of every block. The model is built and initialized whole first
+/// Each block runs under activation checkpointing (`Checkpointed`, PyTorch's
+/// `checkpoint_wrapper` before `fully_shard`) and reshards after its forward (Note [Reshard
+/// after forward] in ember-distributed): between forward and backward a process holds its
+/// shards and each block's input, and in backward a block's parameters are gathered again
+/// and its forward recomputed. The model is built and initialized whole first
 /// (on the GPU when sharding there: the same values as on the CPU, ember's RNG being
 /// counter-based), so a seed starts a sharded, a replicated and a single run alike. Clipping
 /// takes the norm over every process's rows (`fsdp::clip_grad_norm_`), and float16 loss
@@ -556,7 +558,7 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
             },
             ..Default::default()
         };
-        let gpt = gpt.map_blocks(|b| fully_shard(b, &mesh, options))?;
+        let gpt = gpt.map_blocks(|b| fully_shard(Checkpointed::new(b), &mesh, options))?;
         let model = fully_shard(gpt, &mesh, options)?;
         let opt = adamw(&model.parameters())?;
         (Model::Sharded(model), opt)
