@@ -31,7 +31,8 @@
 //! in ember-core), a hook on the forward's output (run when backward reaches it, before any
 //! of the unit's backward nodes) gathers the shards again and swaps the new buffer in, and the
 //! `fsdp_all_gather` node frees it again once it reduce-scattered (every node reading the
-//! parameters ran before it). The values are those of a unit that kept them gathered, bit for
+//! parameters ran before it). The hook also gathers the next unit's parameters in backward
+//! ahead of time (Note [Backward prefetch] in `reshard.rs`). The values are those of a unit that kept them gathered, bit for
 //! bit. Between forward and backward the unit holds its shards and the activations its
 //! backward needs; with activation checkpointing inside the unit (ember-nn's `checkpoint` in
 //! its forward, as PyTorch applies `checkpoint_wrapper` before `fully_shard`) only the
@@ -74,15 +75,17 @@
 //! stream, so a unit's gather overlaps the previous unit's forward (FSDP2's implicit forward
 //! prefetch, at most two gathered units ahead), and the reduce-scatters on another, each
 //! accumulating its rows into the shards' `.grad` there, so it overlaps the next unit's
-//! backward; the compute stream waits for them once, when the backward pass ends. Not yet: a
-//! backward prefetch (a unit's gather in backward starts when backward reaches its output).
+//! backward; the compute stream waits for them once, when the backward pass ends; and in
+//! backward a unit's gather runs while the unit after it computes (Note [Backward prefetch]).
 
 mod clip;
+mod reshard;
 mod sharded_grad_scaler;
 mod state_dict;
 mod streams;
 
 pub use clip::clip_grad_norm_;
+use reshard::Resharded;
 pub use sharded_grad_scaler::ShardedGradScaler;
 pub use state_dict::{get_model_state_dict, get_optimizer_state_dict};
 use state_dict::{register, Unit};
@@ -432,7 +435,7 @@ impl<M> FsdpState<M> {
     /// and the gathered buffer they are views of (a handle outside autograd). With `reshard`,
     /// the node frees the buffer's storage once it reduce-scattered (Note [Reshard after
     /// forward]).
-    fn unshard(&self, reshard: bool) -> Result<(Vec<Tensor>, Tensor)> {
+    fn unshard(&self, reshard: Option<Arc<AtomicBool>>) -> Result<(Vec<Tensor>, Tensor)> {
         let world = self.mesh.size();
         let (shards, dtype) = self.checked_shards()?;
         let red = &self.reduction;
@@ -440,12 +443,13 @@ impl<M> FsdpState<M> {
         let refs: Vec<&Tensor> = shards.iter().collect();
         let reduction = red.clone();
         let shard_dtype = shards[0].dtype();
-        let release = reshard.then(|| flat.clone());
+        let release = reshard.map(|filled| (flat.clone(), filled));
         let leaves = shards.clone();
         let full = autograd::custom_op("fsdp_all_gather", &refs, flat.clone(), move |grad, needs| {
             let grads = reduction.reduce_scatter(grad, needs, shard_dtype, &leaves)?;
-            if let Some(flat) = &release {
+            if let Some((flat, filled)) = &release {
                 free_storage(flat)?;
+                filled.store(false, Ordering::Release);
             }
             Ok(grads)
         });
@@ -478,12 +482,16 @@ impl<M> FsdpState<M> {
     where
         M: Module,
     {
-        Ok(self.with_full_params_of(false, f)?.0)
+        Ok(self.with_full_params_of(None, f)?.0)
     }
 
     /// [`FsdpState::with_full_params`], also handing back the gathered buffer (whose storage
-    /// the backward frees with `reshard`).
-    fn with_full_params_of<T>(&self, reshard: bool, f: impl FnOnce(&M) -> Result<T>) -> Result<(T, Tensor)>
+    /// the backward frees with `reshard`, clearing the flag).
+    fn with_full_params_of<T>(
+        &self,
+        reshard: Option<Arc<AtomicBool>>,
+        f: impl FnOnce(&M) -> Result<T>,
+    ) -> Result<(T, Tensor)>
     where
         M: Module,
     {
@@ -710,19 +718,28 @@ impl<M: Forward + 'static> Forward for FSDPModule<M> {
             Some(d) if x.dtype().is_floating_point() && x.dtype() != d => x.to_dtype(d)?,
             _ => x.clone(),
         };
+        if streams::depth() == 0 {
+            Resharded::new_pass();
+        }
         if !(self.reshard_after_forward && is_grad_enabled()) {
             return self.state.with_full_params(|m| m.forward(&x));
         }
-        let (out, flat) = self.state.with_full_params_of(true, |m| m.forward(&x))?;
+        let filled = Arc::new(AtomicBool::new(true));
+        let (out, flat) = self
+            .state
+            .with_full_params_of(Some(filled.clone()), |m| m.forward(&x))?;
         if !out.requires_grad() {
             return Ok(out); // no graph holds the parameters
         }
-        // Note [Reshard after forward]: freed now, gathered again when backward reaches `out`.
+        // Note [Reshard after forward]: freed now, gathered again when backward reaches `out`
+        // (or before, Note [Backward prefetch]).
         free_storage(&flat)?;
+        filled.store(false, Ordering::Release);
         let state = self.state.clone();
+        let unit = Resharded::after_forward(filled, move || state.refill(&flat));
         out.register_hook(move |_| {
             let _g = no_grad();
-            state.refill(&flat)?;
+            unit.before_backward()?;
             Ok(None)
         })?;
         Ok(out)

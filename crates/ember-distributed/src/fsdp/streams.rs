@@ -156,6 +156,11 @@ pub(super) fn gather_on_all_gather_stream(
     Ok(flat)
 }
 
+/// Unit forwards running on this thread now: 0 outside any unit's forward.
+pub(super) fn depth() -> usize {
+    DEPTH.with(Cell::get)
+}
+
 /// One unit's forward on this thread (its module's forward runs inside it): units gathering
 /// meanwhile are nested (Note [FSDP streams]). On a GPU, its end records the release of its
 /// gathered buffer on the compute stream.
