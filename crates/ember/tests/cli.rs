@@ -1008,13 +1008,13 @@ fn train_gpt2_sharded_and_replicated_in_two_processes_match_one_process() {
 }
 
 /// Issue 38: a GPT-2-shaped model whose parameters, gradients and AdamW state (16 bytes a
-/// parameter) exceed one GPU trains sharded on two. 48 blocks of width 4096 (32 heads, 1,024
-/// bytes of context): 9.7e9 parameters, 144 GiB of training state, more than an H200's
+/// parameter) exceed one GPU trains sharded on two. 56 blocks of width 4096 (32 heads, 1,024
+/// bytes of context): 1.13e10 parameters, 168 GiB of training state, well beyond an H200's
 /// 140 GiB (the issue's 6e9 at 32 blocks needs 96 GiB: it fits one H200, not one 80 GB GPU;
 /// `--n-layer 32` shows it there). On one GPU the run stops at once with an error that names
 /// what to change, not a panic and not an allocation failure minutes in; with
-/// `--nproc-per-node 2 --shard` each GPU holds 72 GiB of it, every block recomputes its
-/// forward in backward (activation checkpointing), and the loss falls over 20 steps.
+/// `--nproc-per-node 2 --shard` each GPU holds 84 GiB of it, every block runs under
+/// activation checkpointing, and the loss falls over 20 steps.
 #[test]
 #[ignore = "needs two CUDA devices of more than 80 GB"]
 fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two() {
@@ -1030,7 +1030,7 @@ fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two() {
         "--model",
         "gpt2",
         "--n-layer",
-        "48",
+        "56",
         "--n-embd",
         "4096",
         "--n-head",
@@ -1067,7 +1067,7 @@ fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two() {
         (Some(2), Some(true)),
         "{v}"
     );
-    assert!(v["parameters"].as_f64().unwrap() > 9e9, "{v}");
+    assert!(v["parameters"].as_f64().unwrap() > 1.1e10, "{v}");
     let l = losses(&v);
     assert_eq!(l.len(), 20, "{v}");
     eprintln!("losses: {l:?}");
