@@ -183,7 +183,7 @@ struct Reduction {
     pending: Mutex<Option<Tensor>>,
 }
 
-/// What the forward passes (and the recomputation in backward) share.
+/// What the forward passes and the refills in backward share.
 struct FsdpState<M> {
     /// The module, its parameter fields holding placeholders between forwards.
     module: Mutex<M>,
