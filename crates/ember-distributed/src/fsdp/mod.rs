@@ -538,7 +538,8 @@ impl Reduction {
     /// The backward of `fsdp_all_gather` (Note [FSDP mechanism] step 3): the gradient of the
     /// gathered `[world, S]` buffer, averaged over ranks by a reduce-scatter, each shard's rows
     /// of it in `shard_dtype`; or, without gradient sync, nothing yet (Note [FSDP gradient
-    /// accumulation]).
+    /// accumulation]). On a GPU the rows are accumulated into the `shards`' `.grad` on the
+    /// reduce-scatter stream instead and nothing is returned (Note [FSDP streams]).
     fn reduce_scatter(
         &self,
         grad: &Tensor,
