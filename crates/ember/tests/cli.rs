@@ -735,9 +735,12 @@ fn train_gpt2_learns_a_text_writes_a_checkpoint_and_samples() {
         .map(|l| l.as_f64().unwrap())
         .collect();
     assert_eq!(losses.len(), iters, "one loss per iteration: {v}");
-    // GPT-2's initialization starts at the uniform guess; the held-out loss ends more than a nat
-    // below it (about 3.7 after 40 iterations; 100 reach about 3.5).
-    assert!((losses[0] - UNIFORM_BYTE_LOSS).abs() < 0.1, "{v}");
+    // GPT-2's initialization starts near the uniform guess; the held-out loss ends more than a
+    // nat below it (about 3.7 after 40 iterations; 100 reach about 3.5). Near: the tied head
+    // scores a byte's own embedding a little higher, so a first batch of this file's runs of
+    // spaces starts up to about 0.1 lower (5.44 once), and the file is its own data, so every
+    // edit of it draws another first batch.
+    assert!((losses[0] - UNIFORM_BYTE_LOSS).abs() < 0.2, "{v}");
     let val = v["final_val_loss"].as_f64().unwrap();
     assert!(val < UNIFORM_BYTE_LOSS - 1.0, "held-out loss {val}: {v}");
     let evals = v["evals"].as_array().unwrap();
