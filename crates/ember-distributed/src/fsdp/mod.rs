@@ -75,7 +75,7 @@
 //! stream, so a unit's gather overlaps the previous unit's forward (FSDP2's implicit forward
 //! prefetch, at most two gathered units ahead), and the reduce-scatters on another, each
 //! accumulating its rows into the shards' `.grad` there, so it overlaps the next unit's
-//! backward; the compute stream waits for them once, when the backward pass ends; and in
+//! backward; the compute stream waits for them when the backward pass ends; and in
 //! backward a unit's gather runs while the unit after it computes (Note [Backward prefetch]).
 
 mod clip;

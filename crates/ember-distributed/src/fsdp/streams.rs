@@ -24,7 +24,7 @@
 //!   stream's work so far, and this rank's rows are accumulated into the shards' `.grad`
 //!   there (FSDP2's post-reduce on its reduce-scatter stream): the next unit's backward runs
 //!   on meanwhile. The backward node hands autograd no gradient for the shards, so nothing on
-//!   the compute stream reads them before the one wait for the reduce-scatter stream, a final
+//!   the compute stream reads them before its wait for the reduce-scatter stream, a final
 //!   callback of the backward pass (`autograd::queue_callback`: the pass that ran the node,
 //!   the inner one when the unit runs inside a checkpoint). Before that wait, `.grad` is set
 //!   on the host but not computed on the device: a post-accumulate-grad hook of a shard that
@@ -46,14 +46,13 @@ use ember_core::{autograd, Result, Tensor};
 /// next one (Note [FSDP streams]).
 const IN_FLIGHT: usize = 2;
 
-/// One device's all-gather stream and the release events of the buffers gathered on it, its
-/// reduce-scatter stream, and whether the compute stream's wait for that one is queued.
+/// One device's all-gather stream and the release events of the buffers gathered on it, and
+/// its reduce-scatter stream.
 struct DeviceStreams {
     device: usize,
     all_gather: Stream,
     released: VecDeque<Event>,
     reduce_scatter: Stream,
-    wait_queued: bool,
 }
 
 thread_local! {
@@ -74,7 +73,6 @@ fn with_streams<T>(device: usize, f: impl FnOnce(&mut DeviceStreams) -> Result<T
                     all_gather: Stream::new_on(device)?,
                     released: VecDeque::new(),
                     reduce_scatter: Stream::new_on(device)?,
-                    wait_queued: false,
                 });
                 streams.len() - 1
             }
@@ -87,41 +85,26 @@ fn with_streams<T>(device: usize, f: impl FnOnce(&mut DeviceStreams) -> Result<T
 /// `.grad`) with the reduce-scatter stream of GPU `device` as the current stream, after the
 /// compute stream's work so far (`grad`, computed there, is marked used on the side stream);
 /// `reduce` gets the side stream and the compute stream, to mark what it hands to each. The
-/// compute stream waits for the side stream when the backward pass ends (a final callback,
-/// queued once per pass), before anything reads the gradients (Note [FSDP streams]).
+/// compute stream waits for the side stream when the backward pass ends (a final callback per
+/// reduction: a failed pass drops its callbacks, so no flag may outlive one), before anything
+/// reads the gradients (Note [FSDP streams]).
 pub(super) fn reduce_on_reduce_scatter_stream(
     device: usize,
     grad: &Tensor,
     reduce: impl FnOnce(&Stream, &Stream) -> Result<()>,
 ) -> Result<()> {
     let compute = cuda::current_stream(device)?;
-    let (side, queue) = with_streams(device, |d| {
-        let queue = !std::mem::replace(&mut d.wait_queued, true);
-        Ok((d.reduce_scatter.clone(), queue))
-    })?;
+    let side = with_streams(device, |d| Ok(d.reduce_scatter.clone()))?;
     side.wait_stream(&compute)?;
     grad.record_stream(&side)?;
     {
         let _side = cuda::stream(&side);
         reduce(&side, &compute)?;
     }
-    if queue {
-        let (waiting, waited) = (compute.clone(), side.clone());
-        let queued = autograd::queue_callback(move || {
-            with_streams(device, |d| {
-                d.wait_queued = false;
-                Ok(())
-            })?;
-            waiting.wait_stream(&waited)
-        });
-        if queued.is_err() {
-            // Not inside a backward pass: wait at once.
-            with_streams(device, |d| {
-                d.wait_queued = false;
-                Ok(())
-            })?;
-            compute.wait_stream(&side)?;
-        }
+    let (waiting, waited) = (compute.clone(), side.clone());
+    if autograd::queue_callback(move || waiting.wait_stream(&waited)).is_err() {
+        // Not inside a backward pass: wait at once.
+        compute.wait_stream(&side)?;
     }
     Ok(())
 }
