@@ -187,6 +187,29 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpointed_block_computes_the_blocks_values_and_gradients() -> Result<()> {
+        let block = Block::new(8, 2, Device::Cpu)?;
+        let wrapped = Checkpointed::new(block.clone());
+        let names: Vec<String> = wrapped.named_parameters().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names[0], "_checkpoint_wrapped_module.ln1.weight");
+        let x = Tensor::randn([2, 3, 8], DType::F32, Device::Cpu)?.requires_grad_(true)?;
+        let run = |m: &dyn Forward| -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+            m.zero_grad()?;
+            x.set_grad(None)?;
+            let y = m.forward(&x)?;
+            y.mul(&y)?.sum_all()?.backward()?;
+            let mut grads = vec![x.grad().unwrap().to_vec::<f32>()?];
+            for p in m.parameters() {
+                grads.push(p.grad().unwrap().to_vec::<f32>()?);
+            }
+            Ok((y.to_vec::<f32>()?, grads))
+        };
+        // The same parameters (shared handles): the same values, bit for bit.
+        assert_eq!(run(&wrapped)?, run(&block)?);
+        Ok(())
+    }
+
+    #[test]
     fn fashion_models_map_images_to_ten_logits() -> Result<()> {
         let x = Tensor::randn([3, 1, 28, 28], DType::F32, Device::Cpu)?;
         assert_eq!(
