@@ -88,7 +88,7 @@ impl std::fmt::Display for DoesNotFit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         if let Some(e) = &self.cause {
-            write!(f, "training ran out of GPU memory ({e}).\n")?;
+            writeln!(f, "training ran out of GPU memory ({e}).")?;
         }
         write!(
             f,
