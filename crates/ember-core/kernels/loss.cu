@@ -326,6 +326,146 @@ __device__ void ce_backward(const T* x, const I* target, const typename Acc<T>::
     }
 }
 
+// Note [One-pass classifier]: when the loss's gradient will be the implicit 1 of
+// `loss.backward()` (a mean or sum over the rows), the gradient of the logits does not depend on
+// anything the backward brings, so the forward writes it (`cross_entropy_forward_grad`) while the
+// row is still in registers: each thread holds up to CE_HELD 16-byte vectors of its row (1024
+// threads hold 65,536 bf16 classes), so the logits are read once and the gradient written once,
+// where the two-kernel path reads them twice. The divisor of the mean, Σ w[t] over the counted
+// rows, is summed first from the targets alone (`cross_entropy_totals`, in ce_reduce's order, so
+// its bits are the same). The element formula is ce_backward's with g = 1; a gradient other than
+// the implicit 1 multiplies it (`cross_entropy_rescale`). Decision and figures: Note [One-pass
+// classifier] in `ops/loss.rs`.
+#define CE_HELD 8
+
+// Σ w[t] over the counted rows and Σ_c w[c] (W), in ce_reduce's order; one block.
+template <typename I, typename A>
+__device__ void ce_totals(const I* target, const A* weight, i64 n, i64 c, i64 ignore_index, A* total) {
+    A w = (A)0, big_w = (A)0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const i64 t = (i64)target[i];
+        const bool counted = t != ignore_index && t >= 0 && t < c;
+        w += counted ? (weight ? weight[t] : (A)1) : (A)0;
+    }
+    if (weight) {
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) big_w += weight[j];
+    }
+    w = ce_block_all(w, CeSum());
+    big_w = weight ? ce_block_all(big_w, CeSum()) : (A)c;
+    if (threadIdx.x == 0) {
+        total[0] = w;
+        total[1] = big_w;
+    }
+}
+
+// One block per row (grid-stride): ce_forward's row loss and row weight, and the gradient row
+// for a loss gradient of 1. Rows are 16-byte aligned, c·sizeof(T) a multiple of 16 and at most
+// blockDim.x·CE_HELD vectors long (the launcher checks).
+template <typename T, typename I>
+__device__ void ce_forward_grad(const T* x, const I* target, const typename Acc<T>::type* weight,
+                                const typename Acc<T>::type* total, i64 n, i64 c, i64 ignore_index,
+                                double smoothing, i32 mode, typename Acc<T>::type* row_loss,
+                                typename Acc<T>::type* row_weight, T* grad, ErrorCheck check) {
+    typedef typename Acc<T>::type A;
+    const int K = 16 / sizeof(T);
+    const i64 vectors = c / K;
+    const A eps = (A)smoothing;
+    const A divisor = mode == CE_MEAN ? total[0] : (A)1;
+    const A big_w = total[1];
+    FirstBad bad = no_bad();
+    for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+        const CePack<T>* xr = (const CePack<T>*)(x + row * c);
+        T* gr = grad + row * c;
+        const i64 t = (i64)target[row];
+        const bool ignored = t == ignore_index;
+        const bool in_range = t >= 0 && t < c;
+        if (!ignored && !in_range && threadIdx.x == 0) note_bad(bad, (u64)row, t);
+        const bool counted = !ignored && in_range;
+        const bool smooth = eps != (A)0 && counted;
+        CePack<T> p[CE_HELD];
+#pragma unroll
+        for (int u = 0; u < CE_HELD; ++u) {
+            const i64 v = threadIdx.x + (i64)u * blockDim.x;
+            if (v < vectors) p[u] = ce_load(xr + v);
+        }
+        Lse<A> acc = lse_empty<A>();
+        A wx = (A)0, ws = (A)0;
+#pragma unroll
+        for (int u = 0; u < CE_HELD; ++u) {
+            const i64 v = threadIdx.x + (i64)u * blockDim.x;
+            if (v < vectors) {
+                A a[K];
+#pragma unroll
+                for (int i = 0; i < K; ++i) a[i] = load(p[u].v[i]);
+                lse_push(acc, a);
+                if (smooth) {
+#pragma unroll
+                    for (int i = 0; i < K; ++i) {
+                        const A wj = weight ? weight[v * K + i] : (A)1;
+                        wx += wj * a[i];
+                        ws += wj;
+                    }
+                }
+            }
+        }
+        acc = ce_block_all(acc, CeLseMerge());
+        if (smooth) {
+            wx = ce_block_all(wx, CeSum());
+            ws = ce_block_all(ws, CeSum());
+        }
+        const A l = acc.m == ce_neg_inf((A)0) || acc.m != acc.m ? acc.m : acc.m + ce_log(acc.s);
+        if (threadIdx.x == 0) {
+            A loss = (A)0, wt = (A)0;
+            if (counted) {
+                wt = weight ? weight[t] : (A)1;
+                loss = ((A)1 - eps) * wt * (l - load(x[row * c + t]));
+                if (smooth) loss += eps / (A)c * (ws * l - wx);
+            }
+            row_loss[row] = loss;
+            row_weight[row] = wt;
+        }
+        // ce_backward's constants for g = 1.
+        const A s = (A)1 / divisor;
+        const A a = s * ((A)1 - eps) * (counted && weight ? weight[t] : (A)1);
+        const A b = s * eps / (A)c;
+        const A ab = a + b * big_w;
+#pragma unroll
+        for (int u = 0; u < CE_HELD; ++u) {
+            const i64 v = threadIdx.x + (i64)u * blockDim.x;
+            if (v < vectors) {
+                CePack<T> o;
+#pragma unroll
+                for (int i = 0; i < K; ++i) {
+                    A d = (A)0;
+                    if (counted) {
+                        d = ab * ce_exp(load(p[u].v[i]) - l) - (v * K + i == t ? a : (A)0);
+                        if (eps != (A)0) d -= b * (weight ? weight[v * K + i] : (A)1);
+                    }
+                    o.v[i] = cast<T>(d);
+                }
+                ce_store(gr + v * K, o);
+            }
+        }
+    }
+    if (threadIdx.x < 32) report_bad(check, bad);
+}
+
+// out = in · g[0] (A inside, one rounding), over `vectors` 16-byte vectors of T.
+template <typename T>
+__device__ void ce_rescale(const T* in, const typename Acc<T>::type* g, i64 vectors, T* out) {
+    typedef typename Acc<T>::type A;
+    const int K = 16 / sizeof(T);
+    const A s = g[0];
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 v = (i64)blockIdx.x * blockDim.x + threadIdx.x; v < vectors; v += stride) {
+        const CePack<T> p = ce_load((const CePack<T>*)in + v);
+        CePack<T> o;
+#pragma unroll
+        for (int i = 0; i < K; ++i) o.v[i] = cast<T>(load(p.v[i]) * s);
+        ce_store(out + v * K, o);
+    }
+}
+
 #define EMBER_CE(T, name, I, iname)                                                                              \
     EMBER_IN_UNIT(cross_entropy_##name##_##iname,                                                                \
     extern "C" __global__ void cross_entropy_##name##_##iname EMBER_PARAMS_cross_entropy(T, I, Acc<T>::type) {    \
@@ -335,9 +475,27 @@ __device__ void ce_backward(const T* x, const I* target, const typename Acc<T>::
     extern "C" __global__ void cross_entropy_backward_##name##_##iname                                          \
         EMBER_PARAMS_cross_entropy_backward(T, I, Acc<T>::type) {                                                \
         ce_backward<T, I>(x, target, weight, lse, total, g, g_stride, n, c, ignore_index, smoothing, mode, grad); \
+    })                                                                                                           \
+    EMBER_IN_UNIT(cross_entropy_forward_grad_##name##_##iname,                                                   \
+    extern "C" __global__ void __launch_bounds__(1024) cross_entropy_forward_grad_##name##_##iname              \
+        EMBER_PARAMS_cross_entropy_forward_grad(T, I, Acc<T>::type) {                                            \
+        ce_forward_grad<T, I>(x, target, weight, total, n, c, ignore_index, smoothing, mode, row_loss,          \
+                              row_weight, grad, check);                                                          \
+    })                                                                                                           \
+    EMBER_IN_UNIT(cross_entropy_totals_##name##_##iname,                                                         \
+    extern "C" __global__ void cross_entropy_totals_##name##_##iname                                            \
+        EMBER_PARAMS_cross_entropy_totals(T, I, Acc<T>::type) {                                                     \
+        ce_totals<I, Acc<T>::type>(target, weight, n, c, ignore_index, total);                                   \
     })
 #define EMBER_CE_INDEX(T, name) EMBER_CE(T, name, i64, i64) EMBER_CE(T, name, i32, i32)
 EMBER_FOR_FLOAT_DTYPES(EMBER_CE_INDEX)
+
+#define EMBER_CE_RESCALE(T, name)                                                                                \
+    EMBER_IN_UNIT(cross_entropy_rescale_##name,                                                                  \
+    extern "C" __global__ void cross_entropy_rescale_##name EMBER_PARAMS_cross_entropy_rescale(T, Acc<T>::type) { \
+        ce_rescale<T>(input, g, vectors, out);                                                                      \
+    })
+EMBER_FOR_FLOAT_DTYPES(EMBER_CE_RESCALE)
 
 #define EMBER_CE_REDUCE(O, name)                                                                                 \
     EMBER_IN_UNIT(cross_entropy_reduce_##name,                                                                   \

@@ -71,6 +71,20 @@ template <typename T, int V> __device__ __forceinline__ void ln_store(T* p, cons
     }
 }
 
+// The bf16 twin of V stored elements (Note [Cast twins] in `storage/mod.rs`): each the
+// correctly rounded cast of the element as stored in T, one 8-byte store for 4 elements.
+template <typename T, int V> __device__ __forceinline__ void ln_store_low(bf16* p, const LnVec<T, V>& o) {
+    LnVec<bf16, V> l;
+#pragma unroll
+    for (int i = 0; i < V; ++i) l.v[i] = cast<bf16>(load(o.v[i]));
+    if (V * sizeof(bf16) == 8) {
+        *(uint2*)p = *(const uint2*)l.v;
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) p[i] = l.v[i];
+    }
+}
+
 extern __shared__ __align__(16) unsigned char ln_smem[];
 
 // Blocks of up to 256 threads an SM that `layer_norm_backward_rows`'s launch bounds keep
@@ -78,7 +92,7 @@ extern __shared__ __align__(16) unsigned char ln_smem[];
 #define LN_BWD_ROWS_MIN_BLOCKS 2
 
 template <typename T, typename W, int V>
-__device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, typename Acc<T>::type* mean,
+__device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, bf16* low, typename Acc<T>::type* mean,
                        typename Acc<T>::type* rstd, i64 rows, i64 n, double eps) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x;
@@ -123,13 +137,14 @@ __device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, typename Acc<T>
                 o.v[i] = cast<T>(t);
             }
             ln_store<T, V>(yr + c, o);
+            if (low) ln_store_low<T, V>(low + r * n + c, o);
         }
     }
 }
 
 template <typename T, typename W, int V>
 __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
-                       const W* w, T* dx, typename Acc<T>::type* partial, i64 rows, i64 n, int shared,
+                       const W* w, T* dx, bf16* low, typename Acc<T>::type* partial, i64 rows, i64 n, int shared,
                        int add) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
@@ -194,6 +209,7 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
                 ln_store<A, V>(acc + n + c, ab);
             }
             if (dr) ln_store<T, V>(dr + c, o);
+            if (dr && low) ln_store_low<T, V>(low + r * n + c, o);
         }
     }
     if (acc && shared) {
@@ -215,7 +231,8 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
 // and, when `partial` is set, that shared memory (`shared`).
 template <typename T, typename W, int V, int K>
 __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type* mean,
-                            const typename Acc<T>::type* rstd, const W* w, T* dx, typename Acc<T>::type* partial,
+                            const typename Acc<T>::type* rstd, const W* w, T* dx, bf16* low,
+                            typename Acc<T>::type* partial,
                             i64 rows, i64 n, int add) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
@@ -288,6 +305,7 @@ __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type*
                 ln_store<A, V>(acc + n + c, ab);
             }
             if (dr) ln_store<T, V>(dr + c, o);
+            if (dr && low) ln_store_low<T, V>(low + r * n + c, o);
         }
     }
     if (acc) {
@@ -342,14 +360,14 @@ __device__ void ln_params(const typename Acc<W>::type* partial, i64 blocks, i64 
 // `vec`, else 1) and `layer_norm_backward_params_<W>`.
 #define EMBER_LAYER_NORM(T, tn, W, wn)                                                                          \
     EMBER_IN_UNIT(layer_norm_##tn##_##wn,                                                                       \
-    extern "C" __global__ void layer_norm_##tn##_##wn EMBER_PARAMS_layer_norm(T, W, Acc<T>::type) {             \
-        if (vec) ln_fwd<T, W, 16 / sizeof(T)>(x, w, b, y, mean, rstd, rows, n, eps);                            \
-        else ln_fwd<T, W, 1>(x, w, b, y, mean, rstd, rows, n, eps);                                             \
+    extern "C" __global__ void layer_norm_##tn##_##wn EMBER_PARAMS_layer_norm(T, W, Acc<T>::type, bf16) {             \
+        if (vec) ln_fwd<T, W, 16 / sizeof(T)>(x, w, b, y, low, mean, rstd, rows, n, eps);                            \
+        else ln_fwd<T, W, 1>(x, w, b, y, low, mean, rstd, rows, n, eps);                                             \
     })                                                                                                          \
     EMBER_IN_UNIT(layer_norm_backward_##tn##_##wn,                                                              \
-    extern "C" __global__ void layer_norm_backward_##tn##_##wn EMBER_PARAMS_layer_norm_backward(T, W, Acc<T>::type) { \
-        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, partial, rows, n, shared, add);               \
-        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, partial, rows, n, shared, add);                                \
+    extern "C" __global__ void layer_norm_backward_##tn##_##wn EMBER_PARAMS_layer_norm_backward(T, W, Acc<T>::type, bf16) { \
+        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, low, partial, rows, n, shared, add);               \
+        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, low, partial, rows, n, shared, add);                                \
     })
 EMBER_LAYER_NORM(float, f32, float, f32)
 EMBER_LAYER_NORM(double, f64, double, f64)
@@ -363,8 +381,8 @@ EMBER_LAYER_NORM(bf16, bf16, float, f32)
 #define EMBER_LAYER_NORM_ROWS(T, tn, W, wn)                                                                     \
     EMBER_IN_UNIT(layer_norm_backward_rows_##tn##_##wn,                                                         \
     extern "C" __global__ void __launch_bounds__(256, LN_BWD_ROWS_MIN_BLOCKS)                                   \
-    layer_norm_backward_rows_##tn##_##wn EMBER_PARAMS_layer_norm_backward_rows(T, W, Acc<T>::type) {           \
-        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, partial, rows, n, add); \
+    layer_norm_backward_rows_##tn##_##wn EMBER_PARAMS_layer_norm_backward_rows(T, W, Acc<T>::type, bf16) {           \
+        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, low, partial, rows, n, add); \
     })
 EMBER_LAYER_NORM_ROWS(float, f32, float, f32)
 EMBER_LAYER_NORM_ROWS(f16, f16, f16, f16)

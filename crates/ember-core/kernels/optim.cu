@@ -100,8 +100,22 @@ template <typename T> __device__ __forceinline__ void vstore(T* p, const OptimVe
 // Adam's scalars shared by every element of a launch, in the math type A.
 template <typename A> struct AdamConsts {
     A omb1, beta2, omb2, eps, wd, decay, scale;
-    bool amsgrad, maximize, decoupled, has_wd, unscale;
+    bool amsgrad, maximize, decoupled, has_wd, unscale, twins;
 };
+
+// The bf16 casts of a vector of stored T (Note [Cast twins]): 8 bytes for 4 f32, else one by one.
+template <typename T> __device__ __forceinline__ void store_low(bf16* p, const OptimVec<T>& r) {
+    if (OptimVec<T>::N == 4) {
+        u32 w[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            w[h] = (u32)cast<bf16>(load(r.v[2 * h])).bits | ((u32)cast<bf16>(load(r.v[2 * h + 1])).bits << 16);
+        *(uint2*)p = make_uint2(w[0], w[1]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < OptimVec<T>::N; ++i) p[i] = cast<bf16>(load(r.v[i]));
+    }
+}
 
 // One element's update, in the order of `ops/fused_optim.rs`: p, g (unscaled when `unscale`),
 // m, v in and out; x: max_exp_avg_sq in, the max written back out (amsgrad).
@@ -155,6 +169,7 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
     k.decoupled = flags & 4;
     k.has_wd = wd_ != 0.0;
     k.unscale = grad_scale != 0;
+    k.twins = (flags & 16) && !k.amsgrad;
     const bool device_steps = flags & 8;
     // Every tensor's step size (lr / bias_correction1) and sqrt(bias_correction2), as the host
     // computes them (`ops/fused_optim.rs`): with device steps from the device step count (two
@@ -184,12 +199,15 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
         T* __restrict__ m = (T*)l.ptr[2][t] + begin;
         T* __restrict__ v = (T*)l.ptr[3][t] + begin;
         T* __restrict__ vmax = k.amsgrad ? (T*)l.ptr[4][t] + begin : (T*)0;
+        // Without amsgrad, ptr[4] may hold the parameter's bf16 twin (Note [Cast twins] in
+        // `storage/mod.rs`): each updated element, correctly rounded, written beside it.
+        bf16* __restrict__ low = k.twins && l.ptr[4][t] ? (bf16*)l.ptr[4][t] + begin : (bf16*)0;
         const A neg_step_size = (A)(-s_step_size[t]);
         const A bc2_sqrt = (A)s_bc2_sqrt[t];
         // 16-byte vectors when every operand of the chunk is 16-byte aligned (chunk starts are
         // EMBER_OPTIM_CHUNK elements apart, so this is the tensors' own alignment), then the
         // elements past the last whole vector (or all of them) one by one.
-        const u64 addr_or = (u64)p | (u64)g | (u64)m | (u64)v | (u64)vmax;
+        const u64 addr_or = (u64)p | (u64)g | (u64)m | (u64)v | (u64)vmax | (u64)low;
         const int nv = addr_or % 16 == 0 ? len / V : 0;
         for (int base = threadIdx.x; base < nv; base += blockDim.x * EMBER_OPTIM_VEC_ILP) {
             Vec rp[EMBER_OPTIM_VEC_ILP], rg[EMBER_OPTIM_VEC_ILP], rm[EMBER_OPTIM_VEC_ILP],
@@ -223,6 +241,7 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
                 if (k.unscale) vstore(g + i, rg[j]);
                 if (k.amsgrad) vstore(vmax + i, rx[j]);
                 vstore(p + i, rp[j]);
+                if (low) store_low(low + i, rp[j]);
                 vstore(m + i, rm[j]);
                 vstore(v + i, rv[j]);
             }
@@ -249,6 +268,7 @@ __device__ __forceinline__ void adam(const TensorList& l, double lr_arg, double 
                 if (k.unscale) g[i] = cast<T>(rg[j]);
                 if (k.amsgrad) vmax[i] = cast<T>(rx[j]);
                 p[i] = cast<T>(rp[j]);
+                if (low) low[i] = cast<bf16>(load(cast<T>(rp[j])));
                 m[i] = cast<T>(rm[j]);
                 v[i] = cast<T>(rv[j]);
             }

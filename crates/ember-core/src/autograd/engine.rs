@@ -80,7 +80,9 @@ pub(crate) fn roots_with_grads(
                         o.shape()
                     )));
                 }
-                Ok((o.clone(), o.ones_like()?))
+                let ones = o.ones_like()?;
+                ones.0.meta().implicit_one = true;
+                Ok((o.clone(), ones))
             })
             .collect(),
     }

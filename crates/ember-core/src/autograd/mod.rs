@@ -46,6 +46,13 @@ impl Edge {
     }
 }
 
+/// Whether `grad` is the implicit 1 that `backward()` seeds a scalar output with when given no
+/// gradient (the same tensor, handed through unchanged): a backward may then skip multiplying
+/// by it (Note [One-pass classifier] in `ops/loss.rs`).
+pub(crate) fn is_implicit_one(grad: &Tensor) -> bool {
+    grad.0.meta().implicit_one
+}
+
 /// Lets the backward of the node that made `out` take its first input's waiting gradient with
 /// [`take_accumulator`] (Note [Gradients added in place] in `engine.rs`).
 pub(crate) fn mark_accumulating(out: &Tensor) {

@@ -322,6 +322,27 @@ pub trait LossOps: Sized {
         grad: &Self,
         p: &CrossEntropyParams,
     ) -> Result<Self>;
+    /// The one-pass classifier (Note [One-pass classifier] in `ops/loss.rs`): `(loss, total,
+    /// grad)` as `cross_entropy_forward`'s loss and total, with `grad` the `[n, c]` gradient
+    /// of the logits (their dtype) for a loss gradient of 1, in one pass over the logits; for
+    /// the mean and the sum, `None` where the backend does not run the problem (then the
+    /// two-pass forward and backward run).
+    fn cross_entropy_forward_grad(
+        &self,
+        _target: &Self,
+        _weight: Option<&Self>,
+        _p: &CrossEntropyParams,
+    ) -> Result<Option<(Self, Self, Self)>> {
+        Ok(None)
+    }
+    /// The one-pass classifier's gradient `self` times the loss's gradient `g` (one element of
+    /// the accumulation dtype), computed in that dtype and rounded once to `self`'s.
+    fn cross_entropy_rescale(&self, _g: &Self) -> Result<Self> {
+        Err(crate::Error::invalid(
+            "cross_entropy_backward",
+            "this backend computes the classifier's gradient in the backward; nothing to rescale",
+        ))
+    }
 }
 
 /// Fused attention (`ops/attention.rs`); `None` where the backend does not run the problem
@@ -443,7 +464,10 @@ pub trait AmpOps: Sized {
 /// are the math type (f32; f64 for f64).
 pub trait NormOps: Sized {
     /// `self` normalized per row of `n` elements, times `weight`, plus `bias` (each `n`
-    /// elements): the output (row-major, x's dtype) and each row's mean and `1/√(var + eps)`.
+    /// elements): the output (row-major, x's dtype) and each row's mean and `1/√(var + eps)`;
+    /// and, where `twin` asks and the backend writes one, the output's twin in that dtype
+    /// (Note [Cast twins] in `storage/mod.rs`).
+    #[allow(clippy::too_many_arguments)]
     fn layer_norm(
         &self,
         layout: &Layout,
@@ -451,12 +475,14 @@ pub trait NormOps: Sized {
         bias: Option<(&Self, &Layout)>,
         n: usize,
         eps: f64,
-    ) -> Result<(Self, Self, Self)>;
+        twin: Option<DType>,
+    ) -> Result<(Self, Self, Self, Option<Self>)>;
     /// The gradients of [`NormOps::layer_norm`] from the output gradient `self` and the
     /// forward's input, statistics and weight: those `want` asks for (input, weight, bias).
     /// With `dx_into` (x's dtype, as many elements as x, row-major from its first), the input
     /// gradient is added to what it holds, rounding once, and is not returned (Note [Gradients
-    /// added in place] in `autograd/engine.rs`).
+    /// added in place] in `autograd/engine.rs`). The fourth result: where `twin` asks and the
+    /// backend writes one, the input gradient's twin in that dtype (of the sum with `dx_into`).
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward(
         &self,
@@ -468,7 +494,8 @@ pub trait NormOps: Sized {
         n: usize,
         want: LayerNormGrads,
         dx_into: Option<&mut Self>,
-    ) -> Result<[Option<Self>; 3]>;
+        twin: Option<DType>,
+    ) -> Result<[Option<Self>; 4]>;
 }
 
 /// A device of one backend: the storages made from nothing there.

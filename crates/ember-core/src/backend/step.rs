@@ -337,6 +337,9 @@ pub struct AdamTensor<'a, S> {
     pub exp_avg_sq: Elems<&'a mut S>,
     pub max_exp_avg_sq: Option<Elems<&'a mut S>>,
     pub step: StepCount<'a, S>,
+    /// Room for the parameter's bf16 twin (Note [Cast twins] in `storage/mod.rs`), which a
+    /// backend that can writes beside the updated parameter (never with `max_exp_avg_sq`).
+    pub twin: Option<Elems<&'a mut S>>,
     /// Ranges of the run whose gradient is written once an event completes, tiling the run
     /// (Note [Arrivals in row blocks] in `storage/row_blocks.rs`): each range is updated after
     /// its event. Empty: the gradient is complete. GPU operands only.
@@ -358,6 +361,7 @@ impl<'a, S> AdamTensor<'a, S> {
                 StepCount::Host(n) => StepCount::Host(n),
                 StepCount::Device(e) => StepCount::Device(e.cast()?),
             },
+            twin: self.twin.map(|e| e.cast()).transpose()?,
             arrivals: self.arrivals,
         })
     }
@@ -674,6 +678,7 @@ mod tests {
             exp_avg_sq: run(v, 0, len),
             max_exp_avg_sq: None,
             step,
+            twin: None,
             arrivals: Vec::new(),
         }
     }

@@ -297,14 +297,15 @@ impl NormOps for CpuStorage {
         bias: Option<(&CpuStorage, &Layout)>,
         n: usize,
         eps: f64,
-    ) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+        _twin: Option<DType>,
+    ) -> Result<(CpuStorage, CpuStorage, CpuStorage, Option<CpuStorage>)> {
         check_host_alloc(OP, layout.numel(), self.dtype())?;
         let pd = weight.or(bias).map_or(self.dtype(), |(s, _)| s.dtype());
         with_types!(self.dtype(), pd, T, W => {
             let x = rows_of(T::slice(self).ok_or_else(|| Error::dtype(OP, self.dtype()))?, layout)?;
             let (w, b) = (param_slice::<W>(weight)?, param_slice::<W>(bias)?);
             let (y, mean, rstd) = forward::<T>(x, params(w), params(b), n, eps);
-            Ok((T::wrap(y), <T as FloatElem>::A::wrap(mean), <T as FloatElem>::A::wrap(rstd)))
+            Ok((T::wrap(y), <T as FloatElem>::A::wrap(mean), <T as FloatElem>::A::wrap(rstd), None))
         })
     }
 
@@ -318,7 +319,8 @@ impl NormOps for CpuStorage {
         n: usize,
         want: LayerNormGrads,
         dx_into: Option<&mut CpuStorage>,
-    ) -> Result<[Option<CpuStorage>; 3]> {
+        _twin: Option<DType>,
+    ) -> Result<[Option<CpuStorage>; 4]> {
         check_host_alloc(OP, layout.numel(), self.dtype())?;
         if self.dtype() != x.0.dtype() {
             return Err(Error::DTypeMismatch {
@@ -361,7 +363,7 @@ impl NormOps for CpuStorage {
                     _ => Ok(None),
                 }
             };
-            Ok([dx.map(T::wrap), part(want.weight, 0)?, part(want.bias, 1)?])
+            Ok([dx.map(T::wrap), part(want.weight, 0)?, part(want.bias, 1)?, None])
         })
     }
 }

@@ -364,6 +364,8 @@ impl CUDAGraph {
             // numbers, those an eager run from the same state would draw.
             default_generator(Device::Cuda(self.device)).replay_prologue(self.device, self.rng_increment)?;
         }
+        // The replay writes storages without counting their versions (Note [Cast twins]).
+        crate::storage::note_graph_replay();
         // SAFETY: `exec` is a live executable graph of this device, whose context `runtime`
         // bound; the current stream of that device is live. Its memory (the private pool) lives
         // as long as this graph holds it.

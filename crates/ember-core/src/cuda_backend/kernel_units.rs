@@ -223,13 +223,16 @@ impl Module {
             Module::Loss => {
                 for d in FLOATS {
                     units.extend(each(m, &format!("cross_entropy_{}", dtype_suffix(d)), &INDEX));
-                    units.extend(each(
-                        m,
-                        &format!("cross_entropy_backward_{}", dtype_suffix(d)),
-                        &INDEX,
-                    ));
+                    for family in [
+                        "cross_entropy_backward",
+                        "cross_entropy_forward_grad",
+                        "cross_entropy_totals",
+                    ] {
+                        units.extend(each(m, &format!("{family}_{}", dtype_suffix(d)), &INDEX));
+                    }
                 }
                 units.extend(each(m, "cross_entropy_reduce", &FLOATS));
+                units.extend(each(m, "cross_entropy_rescale", &FLOATS));
             }
         }
         if m == Module::Index {

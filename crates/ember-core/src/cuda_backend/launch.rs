@@ -646,7 +646,8 @@ kernels! {
         /// incremented by `increment_steps`) with the device's pow. `grad_scale`, `found_inf`
         /// one f32 or null, `lr_ptr` one f64 replacing `lr` or null (Note [Capturable optimizer
         /// steps]). flags: 1 amsgrad, 2 maximize, 4 decoupled weight decay (AdamW), 8 device
-        /// steps. Any grid, blockDim.x a multiple of 32.
+        /// steps, 16 (without amsgrad) ptr[4] is the parameter's bf16 twin or null, written with
+        /// each updated element's cast (Note [Cast twins]). Any grid, blockDim.x a multiple of 32.
         adam<T>(
             l: TensorList,
             lr: f64,
@@ -700,11 +701,12 @@ kernels! {
         /// optional weight and bias (`n` each, W = T or f32 for a half T), and each row's mean
         /// and rstd (`rows` values of A, the math type) when given (`norm.cu` for the formulas
         /// and the geometry: blockDim (32, warps), a warp a row; `vec` 1 reads 16-byte vectors).
-        layer_norm<T, W, A>(
+        layer_norm<T, W, A, L>(
             x: In<T>,
             w: OptIn<W>,
             b: OptIn<W>,
             y: Out<T>,
+            low: OptOut<L>,
             mean: OptOut<A>,
             rstd: OptOut<A>,
             rows: i64,
@@ -716,13 +718,14 @@ kernels! {
         /// x, the forward's mean and rstd, and the weight (optional); when `partial` is given,
         /// each block writes its rows' sums of g · xhat and g into its row of `partial`
         /// ([gridDim.x, 2n] A's), through shared memory (blockDim.y · 2n A's) when `shared`.
-        layer_norm_backward<T, W, A>(
+        layer_norm_backward<T, W, A, L>(
             g: In<T>,
             x: In<T>,
             mean: In<A>,
             rstd: In<A>,
             w: OptIn<W>,
             dx: OptOut<T>,
+            low: OptOut<L>,
             partial: OptOut<A>,
             rows: i64,
             n: i64,
@@ -733,13 +736,14 @@ kernels! {
         /// `layer_norm_backward` for rows of at most 768 elements (`LN_LANE_ELEMS` a lane) of a
         /// 4- or 2-byte T, all operands 16-byte aligned and n a multiple of 16 bytes, with
         /// `partial` and the shared memory as there (the sums always in shared memory).
-        layer_norm_backward_rows<T, W, A>(
+        layer_norm_backward_rows<T, W, A, L>(
             g: In<T>,
             x: In<T>,
             mean: In<A>,
             rstd: In<A>,
             w: OptIn<W>,
             dx: OptOut<T>,
+            low: OptOut<L>,
             partial: OptOut<A>,
             rows: i64,
             n: i64,
@@ -798,6 +802,39 @@ kernels! {
             mode: i32,
             grad: Out<T>,
         );
+        /// The one-pass classifier (Note [One-pass classifier] in `loss.cu`): `row_loss` and
+        /// `row_weight` as `cross_entropy`, and the gradient `grad` (`[n, c]` T, every element
+        /// written) for a loss gradient of 1, with `total` from `cross_entropy_totals`. One
+        /// block per row of at most 1024 threads; the rows (x and grad) 16-byte aligned,
+        /// `c·sizeof(T)` a multiple of 16 and at most `8·blockDim.x` 16-byte vectors.
+        cross_entropy_forward_grad<T, I, A>(
+            x: In<T>,
+            target: In<I>,
+            weight: OptIn<A>,
+            total: In<A>,
+            n: i64,
+            c: i64,
+            ignore_index: i64,
+            smoothing: f64,
+            mode: i32,
+            row_loss: Out<A>,
+            row_weight: Out<A>,
+            grad: Out<T>,
+            check: ErrorCheck,
+        );
+        /// One block: `total = [Σ w[t] over the counted rows, Σ_c weight[c]]` from the `n`
+        /// targets and the optional `c` weights, in `cross_entropy_reduce`'s order (named by the
+        /// logits' dtype T too, as the kernels it comes before).
+        cross_entropy_totals<T, I, A>(
+            target: In<I>,
+            weight: OptIn<A>,
+            n: i64,
+            c: i64,
+            ignore_index: i64,
+            total: Out<A>,
+        );
+        /// `out = in · g[0]` over `vectors` 16-byte vectors of T, computed in A (grid-stride).
+        cross_entropy_rescale<T, A>(input: In<T>, g: In<A>, vectors: i64, out: Out<T>);
     }
     Index {
         /// Deterministic embedding backward, first pass (`index.cu`): one block of 1024

@@ -251,7 +251,143 @@ impl LossOps for CudaStorage {
         )?;
         Ok(out)
     }
+
+    /// `(loss, total, grad)` in one pass over the logits (Note [One-pass classifier] in
+    /// `ops/loss.rs`), or `None` where the rows do not fit the kernel.
+    fn cross_entropy_forward_grad(
+        &self,
+        target: &CudaStorage,
+        weight: Option<&CudaStorage>,
+        p: &CrossEntropyParams,
+    ) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
+        let (n, c) = (p.n, p.c);
+        let (dtype, idt, acc) = ce_dtypes(self, target, weight, c)?;
+        let k = 16 / dtype.size_in_bytes();
+        let vectors = c / k;
+        let fits = matches!(dtype, DType::BF16 | DType::F32)
+            && p.reduction != Reduction::None
+            && acc_dtype(p.out_dtype) == acc
+            && n > 0
+            && c > 0
+            && c % k == 0
+            && vectors <= ONE_PASS_HELD * 1024
+            && self.ptr_at(0) % 16 == 0
+            && n.checked_mul(c).is_some();
+        if !fits {
+            return Ok(None);
+        }
+        let rt = self.runtime()?;
+        let loss = CudaStorage::alloc_on(rt, p.out_dtype, 1)?;
+        let total = CudaStorage::alloc_on(rt, acc, 2)?;
+        let row_loss = CudaStorage::alloc_on(rt, acc, n)?;
+        let row_weight = CudaStorage::alloc_on(rt, acc, n)?;
+        let grad = CudaStorage::alloc_on(rt, dtype, n * c)?;
+        let w = weight.map(|w| w.dev_ptr_at(0));
+        let (n64, c64) = (n as i64, c as i64);
+        let one = Grid {
+            grid: (1, 1, 1),
+            block: (1024, 1, 1),
+            shared_bytes: 0,
+        };
+        // `target` holds n indices, the weight c values of A, `total` 2.
+        launch::cross_entropy_totals(
+            rt,
+            &[dtype, idt],
+            one,
+            target.dev_ptr_at(0),
+            w,
+            n64,
+            c64,
+            p.ignore_index,
+            total.dev_ptr_mut_at(0),
+        )?;
+        let check = rt.errors.check_args(CE, Kind::Index, 1, c);
+        let block = vectors
+            .div_ceil(ONE_PASS_HELD)
+            .next_multiple_of(32)
+            .clamp(32, 1024) as u32;
+        // `self` and `grad` hold n·c elements of T in 16-byte aligned rows of `vectors` whole
+        // vectors (checked above), at most ONE_PASS_HELD per thread of `block`; target n
+        // indices, row_loss and row_weight n values of A, the weight c, total 2.
+        launch::cross_entropy_forward_grad(
+            rt,
+            &[dtype, idt],
+            Grid {
+                grid: (n.clamp(1, 65_535) as u32, 1, 1),
+                block: (block, 1, 1),
+                shared_bytes: 0,
+            },
+            self.dev_ptr_at(0),
+            target.dev_ptr_at(0),
+            w,
+            total.dev_ptr_at(0),
+            n64,
+            c64,
+            p.ignore_index,
+            p.label_smoothing,
+            mode(p.reduction),
+            row_loss.dev_ptr_mut_at(0),
+            row_weight.dev_ptr_mut_at(0),
+            grad.dev_ptr_mut_at(0),
+            &check,
+        )?;
+        // As the two-kernel forward: row_loss and row_weight hold n values, `loss` one, `total`
+        // 2 (written again with the same values).
+        launch::cross_entropy_reduce(
+            rt,
+            &[p.out_dtype],
+            one,
+            row_loss.dev_ptr_at(0),
+            row_weight.dev_ptr_at(0),
+            w,
+            n64,
+            c64,
+            mode(p.reduction),
+            loss.dev_ptr_mut_at(0),
+            total.dev_ptr_mut_at(0),
+        )?;
+        Ok(Some((loss, total, grad)))
+    }
+
+    /// `self · g[0]` (see `LossOps::cross_entropy_rescale`).
+    fn cross_entropy_rescale(&self, g: &CudaStorage) -> Result<CudaStorage> {
+        let dtype = self.dtype();
+        let acc = acc_dtype(dtype);
+        let k = 16 / dtype.size_in_bytes();
+        if g.dtype() != acc || g.len() != 1 || self.len() % k != 0 || self.ptr_at(0) % 16 != 0 {
+            return Err(Error::invalid(
+                "cross_entropy_backward",
+                format!(
+                    "the one-pass gradient ({} {dtype} elements) scales by one {acc} value, got {} {}",
+                    self.len(),
+                    g.len(),
+                    g.dtype()
+                ),
+            ));
+        }
+        let rt = self.runtime()?;
+        let out = CudaStorage::alloc_on(rt, dtype, self.len())?;
+        let vectors = self.len() / k;
+        if vectors == 0 {
+            return Ok(out);
+        }
+        // `self` and `out` hold `vectors` whole 16-byte vectors (checked above), g one A.
+        launch::cross_entropy_rescale(
+            rt,
+            &[dtype],
+            Grid::linear(rt, vectors, 256),
+            self.dev_ptr_at(0),
+            g.dev_ptr_at(0),
+            vectors as i64,
+            out.dev_ptr_mut_at(0),
+        )?;
+        Ok(out)
+    }
 }
+
+/// The 16-byte vectors of its row a thread of the one-pass classifier holds (`CE_HELD` in
+/// `loss.cu`).
+const ONE_PASS_HELD: usize = 8;
 
 // ---- The fused classifier (`kernels/loss.cu`) ----
 //

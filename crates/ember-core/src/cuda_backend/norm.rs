@@ -23,6 +23,7 @@
 
 use super::kernels::Grid;
 use super::launch;
+use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::{LayerNormGrads, NormOps};
 use crate::layout::Layout;
@@ -74,6 +75,20 @@ fn param_dtype(x: DType, p: DType) -> Result<DType> {
     }
 }
 
+/// Room for the bf16 twin of `numel` f32 results when `twin` asks for it (Note [Cast twins] in
+/// `storage/mod.rs`; the kernels write it beside the f32 elements). Other dtypes get none.
+fn low_twin(
+    rt: &DeviceRuntime,
+    dtype: DType,
+    twin: Option<DType>,
+    numel: usize,
+) -> Result<Option<CudaStorage>> {
+    match (dtype, twin) {
+        (DType::F32, Some(DType::BF16)) => Ok(Some(CudaStorage::alloc_on(rt, DType::BF16, numel)?)),
+        _ => Ok(None),
+    }
+}
+
 /// 1 when every address is 16-byte aligned and rows are whole 16-byte vectors.
 fn vectorized(n: usize, dtype: DType, addrs: &[u64]) -> i32 {
     let v = 16 / dtype.size_in_bytes();
@@ -115,7 +130,8 @@ impl NormOps for CudaStorage {
         bias: Option<(&CudaStorage, &Layout)>,
         n: usize,
         eps: f64,
-    ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+        twin: Option<DType>,
+    ) -> Result<(CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>)> {
         let dtype = self.dtype();
         contiguous(layout)?;
         let pd = weight
@@ -138,8 +154,9 @@ impl NormOps for CudaStorage {
         let y = CudaStorage::alloc_on(rt, dtype, numel)?;
         let mean = CudaStorage::alloc_on(rt, math(dtype), rows)?;
         let rstd = CudaStorage::alloc_on(rt, math(dtype), rows)?;
+        let low = low_twin(rt, dtype, twin, numel)?;
         if numel == 0 {
-            return Ok((y, mean, rstd));
+            return Ok((y, mean, rstd, low));
         }
         let x = self.dev_ptr(layout);
         let (w, b) = (weight.map(|(s, l)| s.dev_ptr(l)), bias.map(|(s, l)| s.dev_ptr(l)));
@@ -167,6 +184,7 @@ impl NormOps for CudaStorage {
             w,
             b,
             yp,
+            low.as_ref().map(|l| l.dev_ptr_mut_at(0)),
             Some(mean.dev_ptr_mut_at(0)),
             Some(rstd.dev_ptr_mut_at(0)),
             rows as i64,
@@ -174,7 +192,7 @@ impl NormOps for CudaStorage {
             eps,
             vec,
         )?;
-        Ok((y, mean, rstd))
+        Ok((y, mean, rstd, low))
     }
 
     fn layer_norm_backward(
@@ -187,7 +205,8 @@ impl NormOps for CudaStorage {
         n: usize,
         want: LayerNormGrads,
         dx_into: Option<&mut CudaStorage>,
-    ) -> Result<[Option<CudaStorage>; 3]> {
+        twin: Option<DType>,
+    ) -> Result<[Option<CudaStorage>; 4]> {
         let dtype = self.dtype();
         let (xs, xl) = x;
         let into = dx_into.filter(|_| want.input);
@@ -255,8 +274,12 @@ impl NormOps for CudaStorage {
         let dw = want.weight.map(|d| CudaStorage::alloc_on(rt, d, n)).transpose()?;
         let db = want.bias.map(|d| CudaStorage::alloc_on(rt, d, n)).transpose()?;
         let sums = dw.is_some() || db.is_some();
+        let low = match want.input {
+            true => low_twin(rt, dtype, twin, numel)?,
+            false => None,
+        };
         if n == 0 {
-            return Ok([dx, dw, db]);
+            return Ok([dx, dw, db, low]);
         }
         let (warps, shared) = backward_shape(n, a);
         let (g, xp) = (self.dev_ptr(layout), xs.dev_ptr(xl));
@@ -311,6 +334,7 @@ impl NormOps for CudaStorage {
                     rstd.dev_ptr_at(0),
                     w,
                     dxp,
+                    low.as_ref().map(|l| l.dev_ptr_mut_at(0)),
                     partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
                     rows as i64,
                     n as i64,
@@ -327,6 +351,7 @@ impl NormOps for CudaStorage {
                     rstd.dev_ptr_at(0),
                     w,
                     dxp,
+                    low.as_ref().map(|l| l.dev_ptr_mut_at(0)),
                     partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
                     rows as i64,
                     n as i64,
@@ -357,7 +382,7 @@ impl NormOps for CudaStorage {
                 db.as_ref().map(|d| d.dev_ptr_mut_at(0)),
             )?;
         }
-        Ok([dx, dw, db])
+        Ok([dx, dw, db, low])
     }
 }
 

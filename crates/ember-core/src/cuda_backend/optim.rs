@@ -91,6 +91,8 @@ pub(crate) enum OptimKernel<'a> {
 
 /// Flag of `adam_T`: the step counts are read from `ptrs[5]` (see `adam` in `launch.rs`).
 pub(crate) const ADAM_DEVICE_STEPS: i32 = 8;
+/// Flag of `adam_T`: `ptrs[4]` holds bf16 twins (or null), not max_exp_avg_sq.
+const ADAM_TWINS: i32 = 16;
 
 /// An empty list for `n` tensors, for the launches to fill.
 fn empty_list(n: usize) -> TensorList {
@@ -335,7 +337,7 @@ impl OptimOps for CudaStorage {
                     Some(grad_ptr(&t.grad)),
                     Some(ptr_mut(&t.exp_avg)),
                     Some(ptr_mut(&t.exp_avg_sq)),
-                    t.max_exp_avg_sq.as_ref().map(ptr_mut),
+                    t.max_exp_avg_sq.as_ref().or(t.twin.as_ref()).map(ptr_mut),
                     match &t.step {
                         StepCount::Device(c) => Some(ptr_mut(c)),
                         StepCount::Host(_) => None,
@@ -348,10 +350,20 @@ impl OptimOps for CudaStorage {
                 },
             })
             .collect();
+        // A twin goes where max_exp_avg_sq would (the op asks for none with amsgrad), and only
+        // with the whole gradient at hand (`OptimTensor::part` offsets ptrs[4] in T's size).
+        let twins = tensors.iter().any(|t| t.twin.is_some());
+        if twins && (step.amsgrad || tensors.iter().any(|t| !t.arrivals.is_empty()) || dtype != DType::F32) {
+            return Err(crate::Error::invalid(
+                "adam_",
+                "a parameter's bf16 twin needs float32 parameters, no amsgrad and whole gradients",
+            ));
+        }
         let flags = step.amsgrad as i32
             | (step.maximize as i32) << 1
             | (step.decoupled_weight_decay as i32) << 2
-            | if device_steps { ADAM_DEVICE_STEPS } else { 0 };
+            | if device_steps { ADAM_DEVICE_STEPS } else { 0 }
+            | if twins { ADAM_TWINS } else { 0 };
         let kernel = OptimKernel::Adam {
             lr: step.lr,
             beta1: step.beta1,

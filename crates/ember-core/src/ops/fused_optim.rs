@@ -538,6 +538,28 @@ fn adam_scaled_prepared(
         release(&arrivals)?;
         return Err(e);
     }
+    // Note [Cast twins] in `storage/mod.rs`: a float32 parameter that autocast cast to bf16
+    // since its last step gets its bf16 twin written beside it by the step, on a GPU, without
+    // amsgrad, with the whole gradient at hand, and not during a capture; nor with found_inf,
+    // where a skipped step writes nothing, the twin included.
+    let want_twins = device.is_cuda()
+        && !cfg.amsgrad
+        && scaling.found_inf.is_none()
+        && !crate::cuda_backend::capture::any_underway()
+        && arrivals.iter().all(Vec::is_empty);
+    let mut twins = params
+        .iter()
+        .map(|p| {
+            let whole = p.dtype() == DType::F32
+                && p.layout().is_contiguous()
+                && p.storage_offset() == 0
+                && p.storage().read().len() == p.numel();
+            match want_twins && whole && p.storage().wanted_twin() == Some(DType::BF16) {
+                true => Storage::alloc(device, DType::BF16, p.numel()).map(Some),
+                false => Ok(None),
+            }
+        })
+        .collect::<Result<Vec<Option<Storage>>>>()?;
     let mut guards = lock_all(&lists);
     // The operands borrow the guards: every storage stays locked until the backend has run
     // (on CUDA, until every launch is enqueued).
@@ -549,6 +571,13 @@ fn adam_scaled_prepared(
     let mut x = cfg.amsgrad.then(|| ops.written().into_iter());
     let mut counts = device_steps.then(|| ops.written().into_iter());
     let amp = ops.scalars(&scaling, lr);
+    let mut twin_elems = twins.iter_mut().map(|t| {
+        t.as_mut().map(|s| Elems {
+            len: s.len(),
+            storage: s,
+            offset: 0,
+        })
+    });
     let tensors = p
         .into_iter()
         .zip(g)
@@ -556,6 +585,7 @@ fn adam_scaled_prepared(
         .zip(v)
         .enumerate()
         .map(|(i, (((param, grad), exp_avg), exp_avg_sq))| AdamTensor {
+            twin: twin_elems.next().flatten(),
             param,
             grad,
             exp_avg,
@@ -575,7 +605,14 @@ fn adam_scaled_prepared(
     if stepped.is_err() {
         release(&arrivals)?;
     }
-    stepped
+    stepped?;
+    drop(guards);
+    for (p, t) in params.iter().zip(twins) {
+        if let Some(t) = t {
+            p.storage().set_twin(t, false);
+        }
+    }
+    Ok(())
 }
 
 /// One SGD step of every `params[i]` in place from `grads[i]`, updating

@@ -17,6 +17,19 @@
 //! outside autocast the loss has the logits' dtype, rounded once. The gradient is always in
 //! the logits' dtype, as the upcast's backward (a cast back) gives it. Sums run in a fixed
 //! order (per-row losses, then one block), so the loss is the same bits on every run.
+//!
+//! Note [One-pass classifier]: for the mean or the sum, the gradient of the logits is
+//! `(softmax - one_hot)·dloss/divisor`, and `dloss` is almost always the implicit 1 of
+//! `loss.backward()`: so where the backend can (`LossOps::cross_entropy_forward_grad`: CUDA,
+//! bf16 or f32 rows of at most 65,536 bf16 / 32,768 f32 classes in whole 16-byte vectors) the
+//! forward writes that gradient while the row is in registers, reading the logits once instead
+//! of twice, and the node keeps the gradient instead of the logits (the same memory). Its
+//! backward hands it on as it is when its gradient is the implicit 1
+//! (`autograd::is_implicit_one`), else multiplies it by the gradient (one more pass, and for
+//! bf16 one more rounding than the two-pass path: at most one ulp). Not for f16: under a
+//! GradScaler the unscaled gradient of a large vocabulary (p/N, ~1e-9) underflows f16, where
+//! the two-pass backward multiplies by the scale first. The cost when no backward comes is
+//! the gradient's write. Measured on an H200 (docs/benchmarks.md, session 47): see there.
 
 use super::conv::packed;
 use crate::autograd::{self, SavedTensor};
@@ -230,6 +243,27 @@ fn cross_entropy_prepared(
         out_dtype,
     };
     let (x, t) = (packed(input, door)?, packed(target, door)?);
+    if reduction != Reduction::None && autograd::needs_grad(&[input]) {
+        let one_pass = {
+            let (sx, st) = (x.storage().read(), t.storage().read());
+            let sw = w.as_ref().map(|w| w.storage().read());
+            sx.cross_entropy_forward_grad(&st, sw.as_deref(), &p)?
+        };
+        if let Some((loss, _total, grad)) = one_pass {
+            let loss = door.tensor(loss, [0usize; 0]);
+            let grad = SavedTensor::new(CE, &door.tensor(grad, [n, c]));
+            // Note [One-pass classifier]: the gradient was written by the forward.
+            return Ok(door.record("cross_entropy_loss", &[input], loss, move |g, _| {
+                let grad = grad.get()?;
+                if autograd::is_implicit_one(g) {
+                    return Ok(vec![Some(grad.clone())]);
+                }
+                let g = packed(&g.to_dtype(acc)?, door)?;
+                let scaled = grad.storage().read().cross_entropy_rescale(&g.storage().read())?;
+                Ok(vec![Some(door.tensor(scaled, [n, c]))])
+            }));
+        }
+    }
     let (loss, lse, total) = {
         let (sx, st) = (x.storage().read(), t.storage().read());
         let sw = w.as_ref().map(|w| w.storage().read());

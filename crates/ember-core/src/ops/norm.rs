@@ -112,15 +112,25 @@ fn layer_norm_prepared(
     let xc = x.contiguous()?;
     let wc = weight.map(Tensor::contiguous).transpose()?;
     let bc = bias.map(Tensor::contiguous).transpose()?;
-    let (y, mean, rstd) = {
+    // Note [Cast twins] in `storage/mod.rs`: under bf16 autocast the float32 output and the
+    // input's gradient are cast to bf16 next (by the linear after the norm; by the bf16 branch
+    // the residual stream feeds), so the kernels write those casts beside them.
+    let twin = (x.dtype() == DType::F32
+        && crate::amp::is_autocast_enabled(x.device().device_type())
+        && crate::amp::get_autocast_dtype(x.device().device_type()) == DType::BF16)
+        .then_some(DType::BF16);
+    let (y, mean, rstd, y_twin) = {
         let xs = xc.storage().read();
         let ws = wc.as_ref().map(|t| t.storage().read());
         let bs = bc.as_ref().map(|t| t.storage().read());
         let w = ws.as_deref().zip(wc.as_ref().map(Tensor::layout));
         let b = bs.as_deref().zip(bc.as_ref().map(Tensor::layout));
-        xs.layer_norm(xc.layout(), w, b, n, eps)?
+        xs.layer_norm(xc.layout(), w, b, n, eps, twin)?
     };
     let y = door.tensor(y, x.shape().clone());
+    if let Some(t) = y_twin {
+        y.storage().set_twin(t, true);
+    }
     let mut inputs: Vec<&Tensor> = vec![x];
     inputs.extend(weight);
     inputs.extend(bias);
@@ -157,7 +167,7 @@ fn layer_norm_prepared(
             })
         });
         let into = into.flatten();
-        let [dx, dw, db] = {
+        let [dx, dw, db, dx_twin] = {
             let (gs, xs) = (g.storage().read(), x.storage().read());
             let (ms, rs) = (mean.storage().read(), rstd.storage().read());
             let ws = w.map(|t| t.storage().read());
@@ -172,12 +182,16 @@ fn layer_norm_prepared(
                 n,
                 want,
                 acc.as_deref_mut(),
+                twin,
             )?
         };
         let dx = match into {
             Some(sum) => Some(sum),
             None => dx.map(|s| door.tensor(s, x_shape.clone())),
         };
+        if let (Some(dx), Some(t)) = (&dx, dx_twin) {
+            dx.storage().set_twin(t, true);
+        }
         let param = |s: Option<crate::storage::Storage>| -> Result<Option<Tensor>> {
             s.map(|s| door.tensor(s, Shape::from([n])).reshape(&param_shape))
                 .transpose()

@@ -143,6 +143,14 @@ impl<A: Lift, B: Lift> Lift for (A, B) {
     }
 }
 
+impl<A: Lift, B: Lift, C: Lift, D: Lift> Lift for (A, B, C, D) {
+    type Out = (A::Out, B::Out, C::Out, D::Out);
+    #[inline]
+    fn lift(self) -> Self::Out {
+        (self.0.lift(), self.1.lift(), self.2.lift(), self.3.lift())
+    }
+}
+
 impl<A: Lift, B: Lift, C: Lift> Lift for (A, B, C) {
     type Out = (A::Out, B::Out, C::Out);
     #[inline]
@@ -301,6 +309,13 @@ forward!(LossOps {
     fn cross_entropy_backward(&self, target: &Storage, weight: Option<&Storage>, lse: &Storage,
         total: &Storage, grad: &Storage, p: &CrossEntropyParams) -> Storage;
         [target, weight, lse, total, grad] "cross_entropy_backward";
+    /// `(loss, total, grad)` in one pass (`LossOps::cross_entropy_forward_grad`), or `None`.
+    fn cross_entropy_forward_grad(&self, target: &Storage, weight: Option<&Storage>, p: &CrossEntropyParams)
+        -> Option<(Storage, Storage, Storage)>;
+        [target, weight] "cross_entropy";
+    /// The one-pass gradient `self` times `g` (`LossOps::cross_entropy_rescale`).
+    fn cross_entropy_rescale(&self, g: &Storage) -> Storage;
+        [g] "cross_entropy_backward";
 });
 
 forward!(AttentionOps {
@@ -362,13 +377,14 @@ forward!(NormOps {
     /// Layer normalization of the rows of `n` elements of `self` (contiguous at `layout`): the
     /// output, each row's mean and each row's `1/√(var + eps)` ([`NormOps::layer_norm`]).
     fn layer_norm(&self, layout: &Layout, weight: Option<(&Storage, &Layout)>,
-        bias: Option<(&Storage, &Layout)>, n: usize, eps: f64) -> (Storage, Storage, Storage);
+        bias: Option<(&Storage, &Layout)>, n: usize, eps: f64, twin: Option<DType>)
+        -> (Storage, Storage, Storage, Option<Storage>);
         [weight, bias] "layer_norm";
     /// The gradients of [`Storage::layer_norm`] from the output gradient `self`
     /// ([`NormOps::layer_norm_backward`]); with `dx_into`, the input's added to it.
     fn layer_norm_backward(&self, layout: &Layout, x: (&Storage, &Layout), mean: &Storage, rstd: &Storage,
-        weight: Option<(&Storage, &Layout)>, n: usize, want: LayerNormGrads, dx_into: Option<&mut Storage>)
-        -> [Option<Storage>; 3];
+        weight: Option<(&Storage, &Layout)>, n: usize, want: LayerNormGrads, dx_into: Option<&mut Storage>,
+        twin: Option<DType>) -> [Option<Storage>; 4];
         [x, mean, rstd, weight, dx_into] "layer_norm_backward";
 });
 

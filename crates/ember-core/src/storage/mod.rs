@@ -25,7 +25,8 @@
 //! `_unsafe_preserve_version_counter`). `StorageRef::swap` does both in one move: two cells of
 //! one dtype and device exchange their elements (and accounting entries) under both write
 //! locks, taken in address order, without bumping either version counter, so every view of
-//! each cell sees the other's elements and autograd's saved-tensor checks still pass. Until it
+//! each cell sees the other's elements and autograd's saved-tensor checks still pass; their
+//! cast twins (Note [Cast twins]), valid by version, are dropped. Until it
 //! is filled again, a cell swapped with an empty one holds fewer elements than its views
 //! address: running an op on such a view is the caller's error (FSDP never does).
 
@@ -219,6 +220,49 @@ struct StorageCell {
     /// gradient computed in blocks, copies and arrivals in row blocks in flight
     /// (`storage/row_blocks.rs`).
     row_blocks: Mutex<row_blocks::RowBlocks>,
+    /// A copy of the elements in a lower float dtype, while it is known to equal their cast
+    /// (Note [Cast twins]).
+    twin: Mutex<TwinSlot>,
+}
+
+/// Note [Cast twins]: under autocast a float32 tensor is often cast to bf16 right after the
+/// kernel that wrote it (a LayerNorm output going into a linear, a residual gradient going into
+/// a bf16 branch, a parameter after the optimizer step), and the cast reads 4 and writes 2
+/// bytes an element again. Where a kernel can write the bf16 copy beside its f32 result for 2
+/// bytes an element, it hands that copy to the storage as its twin, and the next `to_dtype` of
+/// the whole storage to the twin's dtype takes the twin instead of casting: the same values (a
+/// twin is only ever the correctly rounded cast of the elements it sits beside, rounded as the
+/// cast kernel rounds) and the same autograd node. The cast takes the twin out (it becomes the
+/// cast's own storage, so two casts never share one) and leaves word that a twin of that dtype
+/// is wanted, which a producer that writes twins only on demand (the optimizer step) reads. A
+/// twin is valid while the storage was not written since it was set (its version counter), on
+/// the same device; one set apart from the kernel that wrote the elements (`bound` false, the
+/// optimizer's) also dies at the next CUDA graph replay, which writes storages without counting
+/// versions, and is neither set nor taken while a capture is underway. Producers: LayerNorm's
+/// forward and backward (`cuda_backend/norm.rs`) and the fused Adam step
+/// (`ops/fused_optim.rs`). Measured: Note [One-pass classifier]'s run in docs/benchmarks.md.
+#[derive(Debug, Default)]
+struct TwinSlot {
+    twin: Option<Twin>,
+    /// The dtype a cast of the whole storage asked for since a twin was last set.
+    wanted: Option<DType>,
+}
+
+#[derive(Debug)]
+struct Twin {
+    storage: StorageRef,
+    dtype: DType,
+    source_version: u64,
+    /// The graph replay count when set, for a twin not written by the source's own kernel.
+    epoch: Option<u64>,
+}
+
+/// CUDA graph replays so far (Note [Cast twins]).
+static GRAPH_REPLAYS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a CUDA graph replay: every twin set apart from its source's kernel before it dies.
+pub(crate) fn note_graph_replay() {
+    GRAPH_REPLAYS.fetch_add(1, Ordering::AcqRel);
 }
 
 /// `device` as one word: 0 for the host, `1 + ordinal` for a GPU.
@@ -268,6 +312,7 @@ impl StorageRef {
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
             row_blocks: Mutex::default(),
+            twin: Mutex::default(),
         }))
     }
 
@@ -284,6 +329,7 @@ impl StorageRef {
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
             row_blocks: Mutex::default(),
+            twin: Mutex::default(),
         }))
     }
 
@@ -300,6 +346,7 @@ impl StorageRef {
             data: RwLock::new(storage),
             version: AtomicU64::new(0),
             row_blocks: Mutex::default(),
+            twin: Mutex::default(),
         }))
     }
 
@@ -382,6 +429,10 @@ impl StorageRef {
         let mut ta = first.0.tracking.lock().unwrap_or_else(|e| e.into_inner());
         let mut tb = second.0.tracking.lock().unwrap_or_else(|e| e.into_inner());
         std::mem::swap(&mut *ta, &mut *tb);
+        // A twin is valid for its cell's elements as of a version, which a swap does not bump:
+        // the elements moved, so neither cell keeps one (Note [Cast twins]).
+        first.twin_slot().twin = None;
+        second.twin_slot().twin = None;
         Ok(())
     }
 
@@ -409,6 +460,58 @@ impl StorageRef {
     /// Bumps the version counter without writing (for `mark_dirty`-like uses).
     pub fn bump_version(&self) {
         self.0.version.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sets `twin` (a storage of a lower float dtype on the same device, that nothing else
+    /// holds, with the correctly rounded cast of every element of this one as of now) as this
+    /// storage's twin (Note [Cast twins]); `bound`: written by the same kernel as these
+    /// elements. Ignored while a capture is underway when not `bound`.
+    pub(crate) fn set_twin(&self, twin: Storage, bound: bool) {
+        let epoch = if bound {
+            None
+        } else if crate::cuda_backend::capture::any_underway() {
+            return;
+        } else {
+            Some(GRAPH_REPLAYS.load(Ordering::Acquire))
+        };
+        let t = Twin {
+            dtype: twin.dtype(),
+            storage: StorageRef::new(twin),
+            source_version: self.version(),
+            epoch,
+        };
+        let mut slot = self.twin_slot();
+        slot.twin = Some(t);
+        slot.wanted = None;
+    }
+
+    /// Takes out the twin of `dtype` when it is valid (Note [Cast twins]), and notes that a twin
+    /// of `dtype` is wanted either way.
+    pub(crate) fn take_twin(&self, dtype: DType) -> Option<StorageRef> {
+        let mut slot = self.twin_slot();
+        slot.wanted = Some(dtype);
+        let t = slot.twin.take()?;
+        let valid = t.dtype == dtype
+            && t.source_version == self.version()
+            && t.storage.device() == self.device()
+            && match t.epoch {
+                None => true,
+                Some(e) => {
+                    e == GRAPH_REPLAYS.load(Ordering::Acquire)
+                        && !crate::cuda_backend::capture::any_underway()
+                }
+            };
+        valid.then_some(t.storage)
+    }
+
+    /// The dtype of twin a cast of the whole storage asked for since a twin was last set (Note
+    /// [Cast twins]).
+    pub(crate) fn wanted_twin(&self) -> Option<DType> {
+        self.twin_slot().wanted
+    }
+
+    fn twin_slot(&self) -> std::sync::MutexGuard<'_, TwinSlot> {
+        self.0.twin.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// True when no other tensor or view holds this storage.
@@ -607,6 +710,52 @@ impl StorageRef {
 mod tests {
     use super::*;
     use crate::Tensor;
+
+    /// Note [Cast twins]: a cast of the whole storage takes a valid twin instead of casting
+    /// (shown with a twin that is not the cast, so that taking it is visible), once; a write to
+    /// the source, a graph replay (for a twin set apart from the kernel) or another dtype leave
+    /// the cast to be computed; a cast notes the dtype wanted until a twin is set.
+    #[test]
+    fn a_cast_takes_a_valid_twin_once() {
+        let x = Tensor::from_slice(&[1.0f32, 2.5, -3.0, 4.0], [2, 2], Device::Cpu).unwrap();
+        let marked = || {
+            Storage::Cpu(CpuStorage::BF16(
+                [7.0f32, 8.0, 9.0, 10.0].map(half::bf16::from_f32).to_vec(),
+            ))
+        };
+        let cast = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_vec_f64().unwrap();
+        assert_eq!(x.storage().wanted_twin(), None);
+        x.storage().set_twin(marked(), true);
+        assert_eq!(cast(&x), [7.0, 8.0, 9.0, 10.0]);
+        // Taken: the next cast computes, and asks for a twin again.
+        assert_eq!(x.storage().wanted_twin(), Some(DType::BF16));
+        assert_eq!(cast(&x), [1.0, 2.5, -3.0, 4.0]);
+        // A write to the source.
+        x.storage().set_twin(marked(), true);
+        assert_eq!(x.storage().wanted_twin(), None);
+        x.storage().bump_version();
+        assert_eq!(cast(&x), [1.0, 2.5, -3.0, 4.0]);
+        // Another dtype, and a view of part of the storage.
+        x.storage().set_twin(marked(), true);
+        assert_eq!(
+            x.to_dtype(DType::F16).unwrap().to_vec_f64().unwrap(),
+            [1.0, 2.5, -3.0, 4.0]
+        );
+        x.storage().set_twin(marked(), true);
+        assert_eq!(cast(&x.narrow(0, 1, 1).unwrap()), [-3.0, 4.0]);
+        assert_eq!(cast(&x), [7.0, 8.0, 9.0, 10.0]);
+        // A graph replay ends a twin set apart from the source's kernel, not a bound one.
+        x.storage().set_twin(marked(), false);
+        note_graph_replay();
+        assert_eq!(cast(&x), [1.0, 2.5, -3.0, 4.0]);
+        x.storage().set_twin(marked(), true);
+        note_graph_replay();
+        assert_eq!(cast(&x), [7.0, 8.0, 9.0, 10.0]);
+        // The twin becomes the cast's own storage: nothing else holds it.
+        x.storage().set_twin(marked(), false);
+        let y = x.to_dtype(DType::BF16).unwrap();
+        assert!(y.storage().is_unique());
+    }
 
     /// The swap behind an in-place device move (Note [Moving a storage in place]), exercised
     /// host to host: every handle and view over the storage sees the new buffer.

@@ -18,8 +18,13 @@ impl Tensor {
 
     /// [`Tensor::to_dtype`]'s body, behind the dispatch point.
     fn cast(&self, dtype: DType, door: dispatch::Door) -> Result<Tensor> {
-        let storage = self.storage().read().to_dtype(self.layout(), dtype)?;
-        let out = door.tensor(storage, self.shape());
+        let out = match self.twin(dtype) {
+            Some(twin) => door.tensor_at(twin, Layout::contiguous(self.shape().clone())),
+            None => {
+                let storage = self.storage().read().to_dtype(self.layout(), dtype)?;
+                door.tensor(storage, self.shape())
+            }
+        };
         if !dtype.is_floating_point() || !dispatch::graph::needs_grad(&[self]) {
             return Ok(out);
         }
@@ -27,6 +32,18 @@ impl Tensor {
         Ok(door.record_cast("to_dtype", self, out, move |g, _| {
             Ok(vec![Some(g.to_dtype(src)?)])
         }))
+    }
+
+    /// The valid twin of `dtype` of this tensor's storage, taken out, when the tensor is the
+    /// whole storage, row-major (Note [Cast twins] in `storage/mod.rs`).
+    fn twin(&self, dtype: DType) -> Option<crate::storage::StorageRef> {
+        let l = self.layout();
+        if !l.is_contiguous() || l.offset() != 0 || self.storage().read().len() != self.numel() {
+            return None;
+        }
+        self.storage()
+            .take_twin(dtype)
+            .filter(|t| t.read().len() == self.numel())
     }
 
     /// [`Tensor::to_dtype`] keeping the strides of a dense view (a permutation of a row-major

@@ -52,6 +52,9 @@ pub(crate) struct AutogradMeta {
     pub(crate) hooks: Vec<(u64, Hook)>,
     /// Run after backward stored a new `.grad` in this leaf (see `autograd::callbacks`).
     pub(crate) post_accumulate_grad_hooks: Vec<(u64, PostAccumulateGradHook)>,
+    /// The ones `backward()` made for a scalar output given no gradient (Note [One-pass
+    /// classifier] in `ops/loss.rs`); nothing writes into them.
+    pub(crate) implicit_one: bool,
 }
 
 impl TensorImpl {

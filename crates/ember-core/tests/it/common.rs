@@ -247,6 +247,13 @@ pub fn profile_steps(warmup: usize, steps: usize, mut step: impl FnMut()) -> emb
     prof
 }
 
+/// The names of the GPU kernels that ran while `step` ran once, after `warmup` runs.
+pub fn kernels_of(warmup: usize, step: impl FnMut()) -> Vec<String> {
+    let prof = profile_steps(warmup, 1, step);
+    let acts = prof.trace().expect("a saved cycle").gpu_activities();
+    acts.iter().map(|a| a.name.clone()).collect()
+}
+
 /// Prints, per kernel of the profiled cycle, its launches, mean time, grid, block and registers
 /// (`KT <label> <kernel>: ...` lines, for the kernel-time tests of issue 37).
 pub fn print_kernel_times(

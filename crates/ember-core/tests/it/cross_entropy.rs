@@ -361,6 +361,81 @@ fn cuda_cross_entropy_matches_the_cpu_on_a_wide_vocabulary() {
     assert!((l.to_vec_f64().unwrap()[0] - 9f64.ln()).abs() < 1e-2);
 }
 
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_one_pass_classifier_writes_the_gradient_in_the_forward() {
+    // Note [One-pass classifier]: rows in whole 16-byte vectors, the mean and the sum, with and
+    // without class weights, smoothing and ignored rows; the implicit 1 of `backward()` takes
+    // the forward's gradient as it is, another gradient multiplies it.
+    let dev = common::gpu();
+    let cases = [
+        (DType::BF16, 50_304, false, Reduction::Mean, 0.0),
+        (DType::BF16, 1_024, true, Reduction::Mean, 0.1),
+        (DType::BF16, 4_096, false, Reduction::Sum, 0.05),
+        (DType::F32, 8_192, true, Reduction::Mean, 0.0),
+        (DType::F32, 32_768, false, Reduction::Sum, 0.0),
+    ];
+    for (k, &(dtype, c, weighted, red, eps)) in cases.iter().enumerate() {
+        let case = Case::new(6, c, weighted, 31 + k as u64);
+        let (rtol, atol) = if dtype == DType::BF16 { BF16_TOL } else { F32_TOL };
+        for scale in [None, Some(0.3)] {
+            let what = format!("{dtype} c={c} weighted={weighted} {red:?} eps={eps} scale={scale:?}");
+            let (x, t, w) = case.tensors(dev, dtype, false);
+            let up = Case::rounded(&[scale.unwrap_or(1.0)], DType::F32);
+            let (l, g) = case.reference(dtype, red, eps, &up);
+            let mut loss = None;
+            let names = common::kernels_of(1, || {
+                x.set_grad(None).unwrap();
+                let l = x.cross_entropy_loss(&t, w.as_ref(), red, IGNORE, eps).unwrap();
+                match scale {
+                    None => l.backward().unwrap(),
+                    Some(s) => (&l * s).unwrap().backward().unwrap(),
+                }
+                loss = Some(l);
+            });
+            eprintln!("checking {what}");
+            let ran = |prefix: &str| names.iter().any(|n| n.starts_with(prefix));
+            assert!(ran("cross_entropy_forward_grad_"), "{what}: {names:?}");
+            assert!(!ran("cross_entropy_backward_"), "{what}: {names:?}");
+            assert_eq!(
+                ran("cross_entropy_rescale_"),
+                scale.is_some(),
+                "{what}: {names:?}"
+            );
+            assert_close_slice(&loss.unwrap().to_vec_f64().unwrap(), &l, rtol, atol);
+            let grad = x.grad().unwrap();
+            assert_eq!(grad.dtype(), dtype, "{what}");
+            assert_close_slice(&grad.to_vec_f64().unwrap(), &g, rtol, atol);
+        }
+    }
+    // Rows the kernel does not hold (more than 65,536 bf16 classes, rows off the 16-byte
+    // boundaries), f16 logits (Note [One-pass classifier]) and per-row losses take the two
+    // passes.
+    for (dtype, c, red) in [
+        (DType::BF16, 65_544, Reduction::Mean),
+        (DType::BF16, 1_001, Reduction::Mean),
+        (DType::F16, 1_024, Reduction::Mean),
+        (DType::BF16, 1_024, Reduction::None),
+    ] {
+        let case = Case::new(3, c, false, 5);
+        let (x, t, _) = case.tensors(dev, dtype, false);
+        let names = common::kernels_of(1, || {
+            x.set_grad(None).unwrap();
+            let l = x.cross_entropy_loss(&t, None, red, IGNORE, 0.0).unwrap();
+            l.sum_all().unwrap().backward().unwrap();
+        });
+        let ran = |prefix: &str| names.iter().any(|n| n.starts_with(prefix));
+        assert!(
+            !ran("cross_entropy_forward_grad_"),
+            "{dtype} c={c} {red:?}: {names:?}"
+        );
+        assert!(ran("cross_entropy_backward_"), "{dtype} c={c} {red:?}: {names:?}");
+        let (_, g) = case.reference(dtype, red, 0.0, &vec![1.0; 3]);
+        let (rtol, atol) = common::tolerance(dtype);
+        assert_close_slice(&x.grad().unwrap().to_vec_f64().unwrap(), &g, rtol, atol);
+    }
+}
+
 // ---- the deterministic embedding backward ----
 
 /// The weight gradient of `embedding(idx, w)` for the upstream gradient `g`, and the exact sum.

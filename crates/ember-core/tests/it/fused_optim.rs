@@ -853,3 +853,68 @@ fn cuda_fused_adamw_gpt2_kernel_time() {
         println!("KT adamw gpt2 device_steps={device_steps}: adam kernels {us:.1} us a step = {tbs:.2} TB/s ({total} params)");
     }
 }
+
+/// Note [Cast twins]: a float32 parameter cast to bf16 since its last step gets its bf16 twin
+/// written by the fused Adam step on a GPU; the next cast takes it (the CPU's cast of the new
+/// values, no cast kernel), and a step after no cast writes none.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for() {
+    let dev = common::gpu();
+    let on = |v: Vec<f64>| {
+        Tensor::from_slice(&v, [333, 77], Device::Cpu)
+            .unwrap()
+            .to(dev)
+            .unwrap()
+    };
+    let p = on(values(333 * 77, 1));
+    let g = on(values(333 * 77, 2).iter().map(|v| v - 0.5).collect());
+    let (m, v) = (p.zeros_like().unwrap(), p.zeros_like().unwrap());
+    let c = AdamStep {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        amsgrad: false,
+        maximize: false,
+        decoupled_weight_decay: true,
+    };
+    let cpu_bf16 = |t: &Tensor| {
+        t.to(Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec_f64()
+            .unwrap()
+    };
+    let casts = |names: &[String]| names.iter().filter(|k| k.starts_with("cast_")).count();
+    let step = |n: f64| {
+        adam_(
+            &[p.clone()],
+            &[g.clone()],
+            &[m.clone()],
+            &[v.clone()],
+            None,
+            &[n],
+            &c,
+        )
+        .unwrap()
+    };
+    let mut cast = None;
+    // No cast yet: the step writes no twin.
+    step(1.0);
+    let names = common::kernels_of(0, || cast = Some(p.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(casts(&names), 1, "{names:?}");
+    // That cast asked for one.
+    step(2.0);
+    let names = common::kernels_of(0, || cast = Some(p.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(casts(&names), 0, "the step's twin was not taken: {names:?}");
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&p));
+    // An in-place write after the step ends the twin.
+    step(3.0);
+    p.mul_scalar_(0.5).unwrap();
+    let names = common::kernels_of(0, || cast = Some(p.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(casts(&names), 1, "{names:?}");
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&p));
+}

@@ -3,9 +3,9 @@
 //! gradient checks in f64; CUDA against the CPU on odd row lengths and non-contiguous inputs.
 
 use super::common::{
-    assert_close_slice, cpu_vs_cuda, gpu, gradcheck, print_kernel_times, profile_steps, values,
+    assert_close_slice, cpu_vs_cuda, gpu, gradcheck, kernels_of, print_kernel_times, profile_steps, values,
 };
-use ember_core::{DType, Device, Result, Tensor};
+use ember_core::{amp, DType, Device, DeviceType, Result, Tensor};
 
 /// Layer norm of `rows` rows of `n` in f64: (y, dx, dw, db) for output gradient `g`.
 fn reference(
@@ -621,4 +621,68 @@ fn a_linear_applies_the_gelu_backward_of_its_input() {
             }
         }
     }
+}
+
+/// The bits of `t` cast to bf16 on the CPU (the cast a twin must equal), as f64 values.
+fn cpu_bf16(t: &Tensor) -> Vec<f64> {
+    t.to(Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap()
+}
+
+/// Note [Cast twins]: under bf16 autocast on a GPU, LayerNorm writes the bf16 casts of its
+/// float32 output and of its input gradient beside them, and the casts that follow take them:
+/// the same values as the CPU's cast, and no cast kernel; a second cast computes again.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_layer_norm_writes_its_bf16_casts_beside_its_results_under_autocast() {
+    let dev = gpu();
+    let (rows, n) = (96, 768);
+    let on = |v: Vec<f64>, dims: &[usize]| {
+        Tensor::from_slice(&v, dims, Device::Cpu)
+            .unwrap()
+            .to(dev)
+            .unwrap()
+    };
+    let x = on(
+        values(rows * n, 3).iter().map(|v| 3.0 * v - 0.2).collect(),
+        &[rows, n],
+    )
+    .requires_grad_(true)
+    .unwrap();
+    let w = on(values(n, 4).iter().map(|v| 1.0 + 0.5 * v).collect(), &[n])
+        .requires_grad_(true)
+        .unwrap();
+    let b = on(values(n, 5), &[n]).requires_grad_(true).unwrap();
+    let y = {
+        let _bf16 = amp::autocast(DeviceType::Cuda, DType::BF16).unwrap();
+        x.layer_norm(&[n], Some(&w), Some(&b), 1e-5).unwrap()
+    };
+    assert_eq!(y.dtype(), DType::F32);
+    let casts = |names: &[String]| names.iter().filter(|k| k.starts_with("cast_")).count();
+    let mut cast = None;
+    let names = kernels_of(0, || cast = Some(y.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(casts(&names), 0, "the output's twin was not taken: {names:?}");
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&y));
+    let names = kernels_of(0, || cast = Some(y.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(casts(&names), 1, "a taken twin was taken again: {names:?}");
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&y));
+    // The input gradient (stored in x.grad as the kernel wrote it).
+    let g = on(values(rows * n, 6), &[rows, n]);
+    y.backward_with(Some(&g), false).unwrap();
+    let dx = x.grad().unwrap();
+    let names = kernels_of(0, || cast = Some(dx.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(
+        casts(&names),
+        0,
+        "the input gradient's twin was not taken: {names:?}"
+    );
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&dx));
+    // Without autocast no twin is written.
+    let y = x.layer_norm(&[n], Some(&w), Some(&b), 1e-5).unwrap();
+    let names = kernels_of(0, || cast = Some(y.to_dtype(DType::BF16).unwrap()));
+    assert_eq!(casts(&names), 1, "{names:?}");
 }
