@@ -21,7 +21,7 @@ static PROFILE_TO: Mutex<Option<(PathBuf, String, Vec<ProfilerActivity>)>> = Mut
 const PROFILED_STEPS: usize = 3;
 
 /// Every workload, in the reference script's order; those not built yet report an error line.
-pub const WORKLOADS: [&str; 23] = [
+pub const WORKLOADS: [&str; 25] = [
     "mlp_small",
     "mlp_large",
     "cnn",
@@ -45,6 +45,8 @@ pub const WORKLOADS: [&str; 23] = [
     "ddp_cnn",
     "dp_mlp_large",
     "dp_cnn",
+    "ddp_gpt2",
+    "fsdp_gpt2",
 ];
 
 /// Reference points run only when named: not workloads to match.
@@ -55,7 +57,10 @@ const REFERENCE_ONLY: [&str; 2] = ["mlp_large_tf32", "gpt2_124m_bf16_compiled"];
 /// --nproc-per-node N ember bench --only ddp_cnn`, and only rank 0 prints; `dp_*` drive every
 /// visible GPU).
 fn only_when_named(name: &str) -> bool {
-    REFERENCE_ONLY.contains(&name) || name.starts_with("ddp_") || name.starts_with("dp_")
+    REFERENCE_ONLY.contains(&name)
+        || name.starts_with("ddp_")
+        || name.starts_with("dp_")
+        || name.starts_with("fsdp_")
 }
 
 /// `--comm-hook`: the DDP communication hook the `ddp_*` workloads register
@@ -407,13 +412,34 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
     }
 }
 
+/// A process of a launched job (`ember-run`, `torchrun`): its world size and its GPU
+/// (`cuda:LOCAL_RANK`), after joining the default process group over NCCL (once per process);
+/// an error saying how to launch it outside such a job.
+fn join_launched_job(name: &str) -> Result<(usize, Device)> {
+    use ember::distributed::{self as dist, BackendKind, InitOptions};
+    let world = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|w| w.parse::<usize>().ok());
+    let Some(world) = world else {
+        return Err(ember::Error::invalid(
+            "ember bench",
+            format!("{name} runs in a launched job: ember-run --standalone --nproc-per-node N ember bench --only {name}"),
+        ));
+    };
+    let local = launched_local_rank().unwrap_or(0);
+    if !dist::is_initialized() {
+        dist::init_process_group(InitOptions::new(BackendKind::Nccl))?;
+    }
+    Ok((world, Device::Cuda(local)))
+}
+
 /// The multi-GPU workloads (`torch_ddp_reference.py`): `ddp_*` wraps the model in
 /// DistributedDataParallel in a process of a launched job (NCCL, `cuda:LOCAL_RANK`, 256
 /// samples per GPU; samples_per_s counts every rank's), `dp_*` in DataParallel over every
 /// visible GPU in this process (256 × GPUs samples per step). `comm_hook`: the communication
 /// hook `ddp_*` registers (`--comm-hook`), named in the line.
 fn multi_gpu(name: &str, comm_hook: Option<CommHook>) -> Result<Map<String, Value>> {
-    use ember::distributed::{self as dist, BackendKind, DdpOptions, DistributedDataParallel, InitOptions};
+    use ember::distributed::{DdpOptions, DistributedDataParallel};
     use ember::nn::DataParallel;
     let cnn = name.ends_with("_cnn");
     let build = move |d: Device| -> Result<Box<dyn Forward>> {
@@ -452,20 +478,10 @@ fn multi_gpu(name: &str, comm_hook: Option<CommHook>) -> Result<Map<String, Valu
         c.world = gpus.max(1);
         return c.run_eager(name);
     }
-    let world = std::env::var("WORLD_SIZE")
-        .ok()
-        .and_then(|w| w.parse::<usize>().ok());
-    let Some(world) = world else {
-        return Err(ember::Error::invalid(
-            "ember bench",
-            format!("{name} runs in a launched job: ember-run --standalone --nproc-per-node N ember bench --only {name}"),
-        ));
+    let (world, device) = join_launched_job(name)?;
+    let Device::Cuda(local) = device else {
+        unreachable!("join_launched_job gives a CUDA device")
     };
-    let local = launched_local_rank().unwrap_or(0);
-    if !dist::is_initialized() {
-        dist::init_process_group(InitOptions::new(BackendKind::Nccl))?;
-    }
-    let device = Device::Cuda(local);
     let _guard = cuda::DeviceGuard::new(local)?;
     let wrap = move |d: Device| -> Result<Box<dyn Forward>> {
         let ddp = DistributedDataParallel::new(build(d)?, DdpOptions::new())?;
@@ -573,6 +589,134 @@ fn gpt2(device: Device, graphed: bool) -> Result<Map<String, Value>> {
         1.0,
         json!({ "tokens_per_s": tokens, "gemm_tuning": tuning, "host_syncs_per_step": host_syncs }),
     ))
+}
+
+/// `ddp_gpt2` and `fsdp_gpt2` (the reference's `run_gpt` of `torch_ddp_reference.py`): the
+/// model of `gpt2_124m_bf16` ([`models::Gpt`], seed 0) per GPU in a launched job, tokens and
+/// targets `[8, 1024]` drawn once after it, AdamW (lr 3e-4, weight decay 0.1), each step
+/// zero_grad, forward, mean cross-entropy, backward and step; tokens_per_s counts every rank's.
+/// - `ddp_gpt2`: DistributedDataParallel, the forward under bfloat16 autocast (as
+///   [`gpt2`]).
+/// - `fsdp_gpt2`: `fully_shard` on every block, then on the whole model (FSDP2's recipe,
+///   default `reshard_after_forward`), `MixedPrecisionPolicy(param_dtype=bf16,
+///   reduce_dtype=f32)`, no autocast: the parameters arrive in bfloat16. The reference takes
+///   the loss of `logits.float()`; ember takes it of the bfloat16 logits under autocast (fp32
+///   inside the fused kernel, the same loss as in [`gpt2`]).
+///
+/// Besides the reference's fields: `state_mem_mb`, this rank's GPU memory of the parameters
+/// the optimizer steps, their gradients and the optimizer's state after the timed steps, and
+/// `state_mem_mb_unsharded`, that of one whole copy (for `fsdp_gpt2` the ranks' figures
+/// summed, as the shards partition the parameters; for `ddp_gpt2` this rank's own), whose
+/// ratio shows FSDP's ≈ 1/N. `comm_hook`: the hook `ddp_gpt2` registers (`--comm-hook`).
+fn gpt2_distributed(name: &str, comm_hook: Option<CommHook>) -> Result<Map<String, Value>> {
+    use ember::distributed::{
+        self as dist, fully_shard, DdpOptions, DeviceMesh, DistributedDataParallel, FullyShardOptions,
+        MixedPrecisionPolicy, ReduceOp,
+    };
+    use ember::nn::functional as F;
+    use ember::nn::optim::AdamW;
+    let (world, device) = join_launched_job(name)?;
+    let Device::Cuda(local) = device else {
+        unreachable!("join_launched_job gives a CUDA device")
+    };
+    let _guard = cuda::DeviceGuard::new(local)?;
+    let (batch, seq, vocab) = (8usize, 1024usize, 50304usize);
+    let fsdp = name == "fsdp_gpt2";
+    // As gpt2_124m_bf16, whose figure is the N=1 point of the scaling efficiency.
+    let tuning = std::env::var("EMBER_GEMM_TUNING").as_deref() != Ok("0");
+    cuda::tunable::enable(tuning);
+    ember::manual_seed(0)?;
+    let model: Box<dyn Forward> = if fsdp {
+        let mesh = DeviceMesh::new(dist::default_group()?);
+        let options = FullyShardOptions {
+            mp_policy: MixedPrecisionPolicy {
+                param_dtype: Some(DType::BF16),
+                reduce_dtype: Some(DType::F32),
+            },
+            ..Default::default()
+        };
+        // Each block sharded as soon as it is drawn (the same weights as Gpt::new), then the root.
+        let gpt = models::Gpt::new_with(vocab, seq, 768, 12, 12, device, |b| {
+            fully_shard(b, &mesh, options)
+        })?;
+        Box::new(fully_shard(gpt, &mesh, options)?)
+    } else {
+        let gpt = models::Gpt::new(vocab, seq, 768, 12, 12, device)?;
+        let ddp = DistributedDataParallel::new(gpt, DdpOptions::new())?;
+        if let Some(hook) = comm_hook {
+            hook.register(&ddp)?;
+        }
+        Box::new(ddp)
+    };
+    let params = model.parameters();
+    let config = AdamConfig {
+        lr: 3e-4,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut opt = AdamW::new(params.clone(), config)?;
+    let idx = Tensor::randint(0, 50257, [batch, seq], device)?;
+    let tgt = Tensor::randint(0, 50257, [batch * seq], device)?;
+    let mut step = || -> Result<()> {
+        opt.zero_grad()?;
+        let logits = {
+            let _autocast = (!fsdp)
+                .then(|| ember::amp::autocast(device.device_type(), DType::BF16))
+                .transpose()?;
+            model.forward(&idx)?
+        };
+        let loss = {
+            let _autocast = ember::amp::autocast(device.device_type(), DType::BF16)?;
+            F::cross_entropy(&logits.view([-1, vocab as isize])?, &tgt)?
+        };
+        loss.backward()?;
+        opt.step()
+    };
+    let t = time_steps(device, 3, 10, 5, &mut step)?;
+    cuda::tunable::enable(false);
+    let state = training_state_bytes(&params, &opt) as f64;
+    let unsharded = if fsdp {
+        let total = Tensor::from_slice(&[state], [1], Device::Cpu)?.to(device)?;
+        dist::all_reduce(&total, ReduceOp::Sum)?;
+        total.item_f64()?
+    } else {
+        state
+    };
+    let mib = (1u64 << 20) as f64;
+    let tokens = (batch * seq * world) as f64 * 1000.0 / t.median;
+    let mut line = row(
+        name,
+        &t,
+        1.0,
+        json!({
+            "world_size": world,
+            "tokens_per_s": tokens,
+            "gemm_tuning": tuning,
+            "state_mem_mb": state / mib,
+            "state_mem_mb_unsharded": unsharded / mib,
+        }),
+    );
+    if let Some(hook) = comm_hook.filter(|_| !fsdp) {
+        line.insert("comm_hook".into(), json!(hook.name()));
+    }
+    Ok(line)
+}
+
+/// Bytes of `params`, of their gradients and of `opt`'s state tensors on a GPU (the step
+/// counts AdamW keeps on the host aside): what FSDP and ZeRO shard.
+fn training_state_bytes(params: &[Tensor], opt: &impl Optimizer) -> usize {
+    let bytes = |t: &Tensor| {
+        if t.device().is_cuda() {
+            t.numel() * t.dtype().size_in_bytes()
+        } else {
+            0
+        }
+    };
+    let own: usize = params
+        .iter()
+        .map(|p| bytes(p) + p.grad().as_ref().map_or(0, bytes))
+        .sum();
+    own + opt.state_dict().iter().map(|(_, t)| bytes(t)).sum::<usize>()
 }
 
 /// `sdpa_causal_bf16` (the reference's `run_sdpa`): causal attention over q, k, v
@@ -714,7 +858,8 @@ fn run(
             "mlp_small_graph" | "cnn_graph" if gpu => training(name, device),
             "mlp_small_graph" | "cnn_graph" => return Err("CUDA graphs need a CUDA device".into()),
             "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" if gpu => multi_gpu(name, comm_hook),
-            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" => {
+            "ddp_gpt2" | "fsdp_gpt2" if gpu => gpt2_distributed(name, comm_hook),
+            "ddp_mlp_large" | "ddp_cnn" | "dp_mlp_large" | "dp_cnn" | "ddp_gpt2" | "fsdp_gpt2" => {
                 return Err("the multi-GPU workloads run on CUDA devices only".into())
             }
             "gpt2_124m_bf16" if gpu => gpt2(device, false),

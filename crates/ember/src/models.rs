@@ -182,7 +182,30 @@ mod tests {
         assert!(get("blocks.0.fc.bias").to_vec::<f32>()?.iter().all(|&x| x == 0.0));
         assert!(get("ln_f.weight").to_vec::<f32>()?.iter().all(|&x| x == 1.0));
         assert!(gpt.head.weight.is_same(&gpt.wte.weight), "the head stays tied");
-        assert_eq!((gpt.block_size(), gpt.vocab_size()), (16, 64));
+        assert_eq!((gpt.wpe.weight.dims()[0], gpt.wte.weight.dims()[0]), (16, 64));
+        Ok(())
+    }
+
+    #[test]
+    fn a_checkpointed_block_computes_the_blocks_values_and_gradients() -> Result<()> {
+        let block = Block::new(8, 2, Device::Cpu)?;
+        let wrapped = Checkpointed::new(block.clone());
+        let names: Vec<String> = wrapped.named_parameters().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names[0], "_checkpoint_wrapped_module.ln1.weight");
+        let x = Tensor::randn([2, 3, 8], DType::F32, Device::Cpu)?.requires_grad_(true)?;
+        let run = |m: &dyn Forward| -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+            m.zero_grad()?;
+            x.set_grad(None)?;
+            let y = m.forward(&x)?;
+            y.mul(&y)?.sum_all()?.backward()?;
+            let mut grads = vec![x.grad().unwrap().to_vec::<f32>()?];
+            for p in m.parameters() {
+                grads.push(p.grad().unwrap().to_vec::<f32>()?);
+            }
+            Ok((y.to_vec::<f32>()?, grads))
+        };
+        // The same parameters (shared handles): the same values, bit for bit.
+        assert_eq!(run(&wrapped)?, run(&block)?);
         Ok(())
     }
 
@@ -268,13 +291,40 @@ impl Forward for Block {
     }
 }
 
+/// A module whose forward runs under activation checkpointing (PyTorch's
+/// `checkpoint_wrapper`, under the same parameter-name prefix): backward recomputes its
+/// forward instead of keeping its activations (ember-nn's `checkpoint`). Applied to each block
+/// before `fully_shard`, as PyTorch's recipe for models too large for one GPU.
+#[derive(Module, Clone)]
+pub struct Checkpointed<M: Module> {
+    _checkpoint_wrapped_module: M,
+}
+
+impl<M: Module> Checkpointed<M> {
+    pub fn new(module: M) -> Checkpointed<M> {
+        Checkpointed {
+            _checkpoint_wrapped_module: module,
+        }
+    }
+}
+
+impl<M: Forward + Clone + Send + Sync + 'static> Forward for Checkpointed<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ember::nn::checkpoint::checkpoint(&self._checkpoint_wrapped_module, x)
+    }
+}
+
 /// GPT-2 (`GPT` of `torch_reference.py`): token and position embeddings, `layers` blocks, a
 /// final LayerNorm and the output head, whose weight is the token embedding's (tied).
+///
+/// `B` is what holds each block: a [`Block`], or a wrapper of one (an `FSDPModule<Block>`
+/// when each block is sharded, as `fsdp_gpt2` and `ember train --shard` do), chosen by
+/// [`Gpt::new_with`].
 #[derive(Module, Clone)]
-pub struct Gpt {
+pub struct Gpt<B: Module = Block> {
     wte: Embedding,
     wpe: Embedding,
-    blocks: Vec<Block>,
+    blocks: Vec<B>,
     ln_f: LayerNorm,
     head: Linear,
 }
@@ -288,20 +338,18 @@ impl Gpt {
         heads: usize,
         device: Device,
     ) -> Result<Gpt> {
-        let wte = Embedding::new(vocab, d, device)?;
-        let wpe = Embedding::new(seq, d, device)?;
-        let blocks = (0..layers)
-            .map(|_| Block::new(d, heads, device))
-            .collect::<Result<Vec<_>>>()?;
-        let ln_f = LayerNorm::new(&[d], device)?;
-        let mut head = Linear::with_config(d, vocab, LinearConfig { bias: false }, device)?;
-        head.weight = wte.weight.clone();
+        Gpt::new_with(vocab, seq, d, layers, heads, device, Ok)
+    }
+
+    /// Puts each block into what `wrap` makes of it (after the whole model is drawn, so the
+    /// weights are [`Gpt::new`]'s for a seed): `fully_shard` on every block, as FSDP2's recipe.
+    pub fn map_blocks<C: Module>(self, wrap: impl FnMut(Block) -> Result<C>) -> Result<Gpt<C>> {
         Ok(Gpt {
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-            head,
+            wte: self.wte,
+            wpe: self.wpe,
+            blocks: self.blocks.into_iter().map(wrap).collect::<Result<Vec<_>>>()?,
+            ln_f: self.ln_f,
+            head: self.head,
         })
     }
 
@@ -329,19 +377,41 @@ impl Gpt {
         }
         Ok(())
     }
+}
 
-    /// The longest context the position embedding covers (`block_size`).
-    pub fn block_size(&self) -> usize {
-        self.wpe.weight.dims()[0]
-    }
-
-    /// The vocabulary size (rows of the token embedding).
-    pub fn vocab_size(&self) -> usize {
-        self.wte.weight.dims()[0]
+impl<B: Module> Gpt<B> {
+    /// [`Gpt::new`] with each block put into what `wrap` makes of it as soon as it is drawn
+    /// (the random draws, and so the weights for a seed, are [`Gpt::new`]'s). A model too
+    /// large for one device never exists whole there: `wrap = fully_shard` keeps this rank's
+    /// rows of each block and releases the rest before the next block is drawn.
+    pub fn new_with(
+        vocab: usize,
+        seq: usize,
+        d: usize,
+        layers: usize,
+        heads: usize,
+        device: Device,
+        mut wrap: impl FnMut(Block) -> Result<B>,
+    ) -> Result<Gpt<B>> {
+        let wte = Embedding::new(vocab, d, device)?;
+        let wpe = Embedding::new(seq, d, device)?;
+        let blocks = (0..layers)
+            .map(|_| wrap(Block::new(d, heads, device)?))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&[d], device)?;
+        let mut head = Linear::with_config(d, vocab, LinearConfig { bias: false }, device)?;
+        head.weight = wte.weight.clone();
+        Ok(Gpt {
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            head,
+        })
     }
 }
 
-impl Forward for Gpt {
+impl<B: Forward> Forward for Gpt<B> {
     /// Logits `[B, T, vocab]` of the token indices `idx` (`[B, T]`, int64).
     fn forward(&self, idx: &Tensor) -> Result<Tensor> {
         let t = idx.dims().get(1).copied().unwrap_or(0);

@@ -35,6 +35,7 @@
 
 mod checkpoint;
 mod dist;
+mod fits;
 mod gpt;
 mod graph;
 mod profile;
@@ -198,10 +199,18 @@ pub struct TrainArgs {
     profile: Option<PathBuf>,
     /// Train data-parallel in N processes on this machine (torchrun's flag): each process
     /// takes one GPU (cuda:LOCAL_RANK) or the CPU, its share of every epoch and
-    /// --batch-size samples per step; gradients are averaged by DistributedDataParallel. Rank 0
-    /// prints and writes checkpoints.
+    /// --batch-size samples per step; gradients are averaged by DistributedDataParallel (or,
+    /// with --model gpt2 --shard, the model is sharded: FSDP). Rank 0 prints and writes
+    /// checkpoints.
     #[arg(long, value_name = "N", default_value_t = 1)]
     nproc_per_node: usize,
+    /// With --model gpt2 and --nproc-per-node N: shard the model instead of replicating it
+    /// (FSDP2's `fully_shard` on every block, then on the whole model): each process holds
+    /// 1/N of the parameters, gradients and AdamW state, gathers a block's parameters for its
+    /// forward and backward and recomputes its forward there (activation checkpointing). For a
+    /// model whose training state does not fit one GPU.
+    #[arg(long)]
+    shard: bool,
     #[command(flatten)]
     gpt: gpt::GptArgs,
 }
@@ -386,12 +395,12 @@ fn progress_bar(len: usize, hidden: bool, unit: &str) -> ProgressBar {
 }
 
 fn run(args: &TrainArgs) -> CliResult<()> {
-    if args.model == Some(ModelKind::Gpt2) {
-        return gpt::run(args, pick_device(args.device.as_deref())?);
-    }
     let started = Instant::now();
     if args.nproc_per_node == 0 {
         return Err("--nproc-per-node must be at least 1".into());
+    }
+    if args.shard && args.model != Some(ModelKind::Gpt2) {
+        return Err("--shard shards a --model gpt2 over the processes of --nproc-per-node N; the mlp and cnn train data-parallel (DistributedDataParallel) without it".into());
     }
     if args.nproc_per_node > 1 && std::env::var_os("RANK").is_none() {
         return dist::launch(args.nproc_per_node);
@@ -402,6 +411,9 @@ fn run(args: &TrainArgs) -> CliResult<()> {
         (Some(d), Device::Cuda(_)) => pick_device(Some(&format!("cuda:{}", d.local_rank)))?,
         (_, device) => device,
     };
+    if args.model == Some(ModelKind::Gpt2) {
+        return gpt::run(args, device, dist);
+    }
     // Rank 0 (or the only process) prints, profiles and writes checkpoints.
     let lead = dist.is_none_or(|d| d.rank == 0);
     if let Some(d) = dist {

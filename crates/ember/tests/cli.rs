@@ -461,6 +461,24 @@ fn bench_reports_an_error_line_for_a_workload_that_cannot_run_here() {
     assert_eq!(lines[0]["framework"], "ember");
 }
 
+// The GPT-2 multi-GPU workloads exist (not "not implemented") and say where they run; they are
+// left out of a plain `ember bench`, as every multi-GPU workload is.
+#[test]
+fn bench_gpt2_multi_gpu_workloads_run_on_gpus_only() {
+    let out = ember(&["bench", "--device", "cpu", "--only", "ddp_gpt2,fsdp_gpt2"]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    for (line, name) in lines.iter().zip(["ddp_gpt2", "fsdp_gpt2"]) {
+        assert_eq!(line["workload"], name);
+        assert!(
+            line["error"].as_str().unwrap().contains("CUDA devices only"),
+            "{line}"
+        );
+    }
+}
+
 // `--comm-hook` reaches the ddp_* workloads (on the CPU: their error line), and is refused,
 // before anything runs, without one.
 #[test]
@@ -717,9 +735,12 @@ fn train_gpt2_learns_a_text_writes_a_checkpoint_and_samples() {
         .map(|l| l.as_f64().unwrap())
         .collect();
     assert_eq!(losses.len(), iters, "one loss per iteration: {v}");
-    // GPT-2's initialization starts at the uniform guess; the held-out loss ends more than a nat
-    // below it (about 3.7 after 40 iterations; 100 reach about 3.5).
-    assert!((losses[0] - UNIFORM_BYTE_LOSS).abs() < 0.1, "{v}");
+    // GPT-2's initialization starts near the uniform guess; the held-out loss ends more than a
+    // nat below it (about 3.7 after 40 iterations; 100 reach about 3.5). Near: the tied head
+    // scores a byte's own embedding a little higher, so a first batch of this file's runs of
+    // spaces starts up to about 0.1 lower (5.44 once), and the file is its own data, so every
+    // edit of it draws another first batch.
+    assert!((losses[0] - UNIFORM_BYTE_LOSS).abs() < 0.2, "{v}");
     let val = v["final_val_loss"].as_f64().unwrap();
     assert!(val < UNIFORM_BYTE_LOSS - 1.0, "held-out loss {val}: {v}");
     let evals = v["evals"].as_array().unwrap();
@@ -878,6 +899,239 @@ fn train_gpt2_errors_say_what_to_do() {
         }
         assert!(!err.contains("panicked"), "{all:?}: {err}");
     }
+}
+
+/// The losses of a `--json` report.
+fn losses(v: &serde_json::Value) -> Vec<f64> {
+    v["losses"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no losses in {v}"))
+        .iter()
+        .map(|l| l.as_f64().unwrap())
+        .collect()
+}
+
+/// Note [Sharded GPT] of `train/gpt.rs`, on the CPU backend: two processes of --batch-size 2
+/// read the batches one process of --batch-size 4 reads, so replicated (DDP), sharded
+/// (--shard: FSDP, every block and the root) and alone they train the same model on the same
+/// data. Sharded and replicated agree to float rounding (FSDP's reduce-scatter and DDP's
+/// all-reduce average the same two gradients; the clipping norm is summed in another order),
+/// and both follow the single process within the rounding of a mean over 4 sequences taken as
+/// two means of 2 (one run: every loss within 1e-7 relative of the others'). About 6 s in a debug build on two cores.
+#[test]
+fn train_gpt2_sharded_and_replicated_in_two_processes_match_one_process() {
+    let common = [
+        "train",
+        "--device",
+        "cpu",
+        "--json",
+        "--model",
+        "gpt2",
+        "--max-iters",
+        "12",
+        "--eval-interval",
+        "6",
+        "--eval-iters",
+        "1",
+        "--sample-bytes",
+        "16",
+    ];
+    let one = rank0_report(&ember(&[&common[..], &["--batch-size", "4"]].concat()));
+    let two = ["--nproc-per-node", "2", "--batch-size", "2"];
+    let ddp = rank0_report(&ember(&[&common[..], &two].concat()));
+    let fsdp = rank0_report(&ember(&[&common[..], &two, &["--shard"]].concat()));
+    assert_eq!(
+        (ddp["world_size"].as_u64(), ddp["sharded"].as_bool()),
+        (Some(2), Some(false)),
+        "{ddp}"
+    );
+    assert_eq!(
+        (fsdp["world_size"].as_u64(), fsdp["sharded"].as_bool()),
+        (Some(2), Some(true)),
+        "{fsdp}"
+    );
+    assert_eq!(one["world_size"], 1, "{one}");
+    assert_eq!(
+        fsdp["parameters"], one["parameters"],
+        "the whole model's count: {fsdp}"
+    );
+    let (l1, ld, lf) = (losses(&one), losses(&ddp), losses(&fsdp));
+    assert_eq!((l1.len(), ld.len(), lf.len()), (12, 12, 12));
+    // Learning: the last loss well below the first.
+    assert!(lf[11] < lf[0] - 0.5, "{lf:?}");
+    for i in 0..12 {
+        assert!(
+            (lf[i] - ld[i]).abs() < 1e-4 * ld[i],
+            "step {i}: sharded {} replicated {}",
+            lf[i],
+            ld[i]
+        );
+        assert!(
+            (ld[i] - l1[i]).abs() < 1e-3 * l1[i],
+            "step {i}: replicated {} one process {}",
+            ld[i],
+            l1[i]
+        );
+    }
+    // The estimates read --batch-size windows per batch: the two-process runs' are alike.
+    for key in ["final_train_loss", "final_val_loss"] {
+        let (a, b) = (fsdp[key].as_f64().unwrap(), ddp[key].as_f64().unwrap());
+        assert!((a - b).abs() < 1e-6 * b, "{key}: sharded {a}, replicated {b}");
+    }
+    // What --shard cannot do says what to do instead.
+    let cases: [(&[&str], &str); 3] = [
+        (&["--model", "gpt2", "--shard"], "give --nproc-per-node N"),
+        (
+            &["--model", "mlp", "--nproc-per-node", "2", "--shard"],
+            "the mlp and cnn train data-parallel",
+        ),
+        (
+            &[
+                "--model",
+                "gpt2",
+                "--nproc-per-node",
+                "2",
+                "--shard",
+                "--checkpoint",
+                "x.safetensors",
+            ],
+            "not supported with --shard",
+        ),
+    ];
+    for (args, what) in cases {
+        let all = [&["train", "--device", "cpu", "--max-iters", "1"][..], args].concat();
+        let out = ember(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{all:?}: {err}");
+        assert!(
+            err.contains(what) && !err.contains("panicked"),
+            "{all:?}: {what:?} not in {err}"
+        );
+    }
+}
+
+/// `ember train --model gpt2 --nproc-per-node 2` on two GPUs (the GPU sizes: 6 blocks of 384,
+/// bfloat16), replicated (DDP, autocast) and sharded (`--shard`: bfloat16 parameters gathered
+/// on the all-gather stream, float32 reduce-scatters on theirs, every block checkpointed): the
+/// same model on the same batches, so the two loss curves differ by bfloat16 rounding only
+/// (the sharded forward's LayerNorms and residual adds compute in bfloat16, autocast's in
+/// float32), and both learn. The bounds are those of Issue 37's bfloat16 loss-curve test:
+/// every step within 0.25, the mean |difference| under 0.03, the held-out losses within 0.05.
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn train_gpt2_sharded_on_two_gpus_follows_replicated() {
+    assert!(
+        ember::cuda::device_count() >= 2,
+        "this test needs two CUDA devices; run it on a GPU machine"
+    );
+    let run = |shard: bool| {
+        let mut args = vec![
+            "train",
+            "--device",
+            "cuda",
+            "--json",
+            "--model",
+            "gpt2",
+            "--nproc-per-node",
+            "2",
+            "--batch-size",
+            "32",
+            "--max-iters",
+            "60",
+            "--eval-interval",
+            "30",
+            "--eval-iters",
+            "4",
+            "--sample-bytes",
+            "0",
+        ];
+        if shard {
+            args.push("--shard");
+        }
+        rank0_report(&ember(&args))
+    };
+    let (ddp, fsdp) = (run(false), run(true));
+    assert_eq!(fsdp["sharded"], true, "{fsdp}");
+    let (ld, lf) = (losses(&ddp), losses(&fsdp));
+    assert_eq!((ld.len(), lf.len()), (60, 60));
+    let diffs: Vec<f64> = ld.iter().zip(&lf).map(|(a, b)| (a - b).abs()).collect();
+    let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
+    eprintln!("replicated {ld:?}\nsharded {lf:?}\nmean |difference| {mean}");
+    assert!(diffs.iter().all(|&d| d < 0.25) && mean < 0.03, "{diffs:?}");
+    assert!(lf[55..].iter().sum::<f64>() / 5.0 < lf[0] - 1.0, "{lf:?}");
+    let (a, b) = (
+        ddp["final_val_loss"].as_f64().unwrap(),
+        fsdp["final_val_loss"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() < 0.05, "held-out loss replicated {a}, sharded {b}");
+}
+
+/// Issue 38: a GPT-2-shaped model whose parameters, gradients and AdamW state (16 bytes a
+/// parameter) exceed one GPU trains sharded on two. 56 blocks of width 4096 (32 heads, 1,024
+/// bytes of context): 1.13e10 parameters, 168 GiB of training state, well beyond an H200's
+/// 140 GiB (the issue's 6e9 at 32 blocks needs 96 GiB: it fits one H200, not one 80 GB GPU;
+/// `--n-layer 32` shows it there). On one GPU the run stops at once with an error that names
+/// what to change, not a panic and not an allocation failure minutes in; with
+/// `--nproc-per-node 2 --shard` each GPU holds 84 GiB of it, every block runs under
+/// activation checkpointing, and the loss falls over 20 steps.
+#[test]
+#[ignore = "needs two CUDA devices of more than 80 GB"]
+fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two() {
+    assert!(
+        ember::cuda::device_count() >= 2,
+        "this test needs two CUDA devices; run it on a GPU machine"
+    );
+    let model = [
+        "train",
+        "--device",
+        "cuda",
+        "--json",
+        "--model",
+        "gpt2",
+        "--n-layer",
+        "56",
+        "--n-embd",
+        "4096",
+        "--n-head",
+        "32",
+        "--block-size",
+        "1024",
+        "--batch-size",
+        "4",
+        "--max-iters",
+        "20",
+        "--warmup-iters",
+        "4",
+        "--lr",
+        "3e-4",
+        "--eval-interval",
+        "20",
+        "--eval-iters",
+        "1",
+        "--sample-bytes",
+        "0",
+    ];
+    let out = ember(&model);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    for what in ["AdamW state", "--nproc-per-node N --shard", "smaller model"] {
+        assert!(err.contains(what), "{what:?} not in {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+    let out = ember(&[&model[..], &["--nproc-per-node", "2", "--shard"]].concat());
+    let v = rank0_report(&out);
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        (v["world_size"].as_u64(), v["sharded"].as_bool()),
+        (Some(2), Some(true)),
+        "{v}"
+    );
+    assert!(v["parameters"].as_f64().unwrap() > 1.1e10, "{v}");
+    let l = losses(&v);
+    assert_eq!(l.len(), 20, "{v}");
+    eprintln!("losses: {l:?}");
+    let last5 = l[15..].iter().sum::<f64>() / 5.0;
+    assert!(l.iter().all(|x| x.is_finite()) && last5 < l[0] - 0.5, "{l:?}");
 }
 
 // Issue 37: GPT-2's loss curve over 200 steps on the GPU (bfloat16 autocast) within bfloat16

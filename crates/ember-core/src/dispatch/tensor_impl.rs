@@ -199,6 +199,18 @@ impl Tensor {
         self.0.storage.move_to(device)
     }
 
+    /// Exchanges the elements of this tensor's storage with those of `other`'s, in place:
+    /// afterwards every handle and view of each storage sees the other's elements (at its own
+    /// offsets and strides); shapes, autograd state and version counters are unchanged. Both
+    /// storages hold one dtype on one device; their lengths may differ. FSDP frees gathered
+    /// parameters that autograd saved by swapping with an empty tensor, and fills them again
+    /// before backward by swapping with a new gather (PyTorch's `untyped_storage().resize_()`;
+    /// Note [Swapping storages] in `storage/mod.rs`): a view whose storage holds fewer
+    /// elements than it addresses must not be used until it is filled again.
+    pub fn swap_storage_(&self, other: &Tensor) -> Result<()> {
+        self.0.storage.swap(&other.0.storage)
+    }
+
     /// Strides in elements.
     pub fn stride(&self) -> &[usize] {
         self.0.layout.strides()

@@ -18,6 +18,17 @@
 //! every view over it stays valid) under the write lock, then publishes the new device. The
 //! memory accounting entry moves with it. Pinned host buffers are refused (their page-lock
 //! registration belongs to the host buffer).
+//!
+//! Note [Swapping storages]: FSDP frees a unit's gathered parameters after its forward while
+//! autograd still holds views of them, and fills them again before the unit's backward (PyTorch's
+//! `untyped_storage().resize_(0)`, then `resize_(n)` and a copy, under
+//! `_unsafe_preserve_version_counter`). `StorageRef::swap` does both in one move: two cells of
+//! one dtype and device exchange their elements (and accounting entries) under both write
+//! locks, taken in address order, without bumping either version counter, so every view of
+//! each cell sees the other's elements and autograd's saved-tensor checks still pass; their
+//! cast twins (Note [Cast twins]), valid by version, are dropped. Until it
+//! is filled again, a cell swapped with an empty one holds fewer elements than its views
+//! address: running an op on such a view is the caller's error (FSDP never does).
 
 #![deny(unsafe_code)]
 
@@ -381,6 +392,50 @@ impl StorageRef {
         );
         drop(data);
         drop((old, old_tracking));
+        Ok(())
+    }
+
+    /// Exchanges the elements of this storage and `other` (Note [Swapping storages]): same
+    /// dtype and device, any lengths; neither version counter is bumped.
+    pub(crate) fn swap(&self, other: &StorageRef) -> Result<()> {
+        const OP: &str = "swap_storage_";
+        if self.same_storage(other) {
+            return Ok(());
+        }
+        if self.is_pinned() || other.is_pinned() {
+            return Err(Error::invalid(
+                OP,
+                "pinned host memory keeps its buffer; swap storages that are not pinned",
+            ));
+        }
+        // Address order, so that two swaps of one pair never wait on each other.
+        let (first, second) = if self.id() < other.id() {
+            (self, other)
+        } else {
+            (other, self)
+        };
+        let mut a = first.0.data.write().unwrap_or_else(|e| e.into_inner());
+        let mut b = second.0.data.write().unwrap_or_else(|e| e.into_inner());
+        if (a.dtype(), a.device()) != (b.dtype(), b.device()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the storages hold {} on {} and {} on {}: only storages of one dtype and device swap",
+                    a.dtype(),
+                    a.device(),
+                    b.dtype(),
+                    b.device()
+                ),
+            ));
+        }
+        std::mem::swap(&mut *a, &mut *b);
+        let mut ta = first.0.tracking.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tb = second.0.tracking.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::swap(&mut *ta, &mut *tb);
+        // A twin is valid for its cell's elements as of a version, which a swap does not bump:
+        // the elements moved, so neither cell keeps one (Note [Cast twins]).
+        first.twin_slot().twin = None;
+        second.twin_slot().twin = None;
         Ok(())
     }
 

@@ -432,3 +432,38 @@ fn fresh_sequence_numbers_interleave_branches_recorded_one_after_the_other() {
     // Numbered alike, the chains' nodes tie and run in turn (DataParallel's replicas).
     assert_eq!(chain_order(true), ["a2", "b2", "a1", "b1", "a0", "b0"]);
 }
+
+/// Note [Swapping storages]: a tensor autograd saved, freed by a swap with an empty tensor and
+/// filled again by a swap with a copy of its values (FSDP's gathered parameters), gives the
+/// gradients of an untouched run: no version error, the same values.
+#[test]
+fn saved_tensors_freed_and_refilled_by_storage_swaps_give_the_same_gradients() {
+    let run = |swap: bool| -> (Vec<f64>, Vec<f64>) {
+        let w = leaf(&[1.0, -2.0, 3.0, 0.5]);
+        let x = leaf(&[0.25, 4.0]);
+        // A non-leaf view of w's values, as a gathered parameter is of the shards.
+        let full = w.mul_scalar(2.0).unwrap().reshape([2, 2]).unwrap();
+        let y = x.reshape([1, 2]).unwrap().matmul(&full).unwrap().tanh().unwrap();
+        if swap {
+            let keep = full.detach().deep_clone().unwrap();
+            let empty = Tensor::empty([0], DType::F64, Device::Cpu).unwrap();
+            full.swap_storage_(&empty).unwrap();
+            // The elements went to `empty`'s storage, whose own view still reads none.
+            assert_eq!(empty.to_vec_f64().unwrap(), Vec::<f64>::new());
+            full.swap_storage_(&keep).unwrap();
+        }
+        y.sum_all().unwrap().backward().unwrap();
+        (
+            w.grad().unwrap().to_vec_f64().unwrap(),
+            x.grad().unwrap().to_vec_f64().unwrap(),
+        )
+    };
+    assert_eq!(run(true), run(false));
+    let a = Tensor::zeros([2], DType::F64, Device::Cpu).unwrap();
+    let b = Tensor::zeros([2], DType::F32, Device::Cpu).unwrap();
+    let err = a.swap_storage_(&b).unwrap_err().to_string();
+    assert!(
+        err.contains("only storages of one dtype and device swap"),
+        "{err}"
+    );
+}

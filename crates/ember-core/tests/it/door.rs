@@ -97,6 +97,10 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("remove", "the autograd API (a hook handle's)"),
     ("detach", "a new handle cut from the graph: no kernel, no data"),
     (
+        "swap_storage_",
+        "exchanges two storages' elements, no kernel (FSDP's resize of gathered parameters)",
+    ),
+    (
         "to_device_",
         "moves the storage under every handle (Module::to); its copy is `to`'s",
     ),

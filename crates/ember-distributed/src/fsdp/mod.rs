@@ -23,18 +23,22 @@
 //!    the shards' dtype, which autograd accumulates into the shards' `.grad`. That is DDP's
 //!    averaged gradient, cut to the rank's rows.
 //!
-//! Note [Reshard after forward]: PyTorch frees the full parameters after forward by resizing
-//! their storage to zero and gathers into the same storage again before backward, so the
-//! tensors autograd saved come back to life. ember's tensors cannot release their storage
-//! while autograd holds them, so `reshard_after_forward = true` (the default) runs the forward
-//! under [`ember_core::autograd::checkpoint`] instead: the forward keeps nothing (neither the
-//! full parameters nor the module's activations), and backward all-gathers again, recomputes
-//! the module's forward (restoring the random state, so dropout draws the same masks), and
-//! reduce-scatters. Memory is that of FSDP2 with activation checkpointing on each sharded
-//! module, for one more forward of it in backward (and, as under any recomputation, a
-//! BatchNorm inside updates its running statistics twice). With `reshard_after_forward =
-//! false` the full parameters stay alive in the graph until backward (FSDP2's `False`: no
-//! second all-gather, no recomputation).
+//! Note [Reshard after forward]: as PyTorch's FSDP2, `reshard_after_forward = true` (the
+//! default) frees the full parameters after the unit's forward although autograd saved views
+//! of them, and gathers them again before the unit's backward, without recomputing anything:
+//! the gathered buffer's storage is swapped with an empty one after the forward
+//! (`Tensor::swap_storage_`, PyTorch's `untyped_storage().resize_(0)`; Note [Swapping storages]
+//! in ember-core), a hook on the forward's output (run when backward reaches it, before any
+//! of the unit's backward nodes) gathers the shards again and swaps the new buffer in, and the
+//! `fsdp_all_gather` node frees it again once it reduce-scattered (every node reading the
+//! parameters ran before it). The hook also gathers the next unit's parameters in backward
+//! ahead of time (Note [Backward prefetch] in `reshard.rs`). The values are those of a unit that kept them gathered, bit for
+//! bit. Between forward and backward the unit holds its shards and the activations its
+//! backward needs; with activation checkpointing inside the unit (ember-nn's `checkpoint` in
+//! its forward, as PyTorch applies `checkpoint_wrapper` before `fully_shard`) only the
+//! unit's input. With `reshard_after_forward = false` the full parameters stay alive in the
+//! graph until backward (FSDP2's `False`: no second all-gather). Without grad mode (evaluation)
+//! the gathered buffer is dropped when the forward ends either way.
 //!
 //! Note [FSDP nesting]: as with FSDP2, shard the blocks first, then the root: `fully_shard`
 //! of a module that contains [`FSDPModule`]s leaves their parameters to them (while it shards,
@@ -43,8 +47,7 @@
 //! `parameters()` of the root lists every shard, the inner units' included. A unit that
 //! contains other units (the root) does not reshard after forward, whatever the options say,
 //! as PyTorch sets its root's `reshard_after_forward` to false: backward needs its parameters
-//! (the embedding, the head) at once, and resharding would mean recomputing the whole model's
-//! forward (Note [Reshard after forward]) on top of each unit's own recomputation.
+//! (the embedding, the head) first, so freeing them would only gather them again at once.
 //!
 //! Note [FSDP gradient accumulation]: after [`FSDPModule::set_requires_gradient_sync`]`(false)`
 //! the backward keeps the unsharded gradient (summed over the backward passes) instead of
@@ -68,23 +71,30 @@
 //! order). The parameters' initial values are taken as they are on each rank, as FSDP2 does
 //! (no broadcast): initialize them identically (a seed) or load a checkpoint afterwards.
 //!
-//! Not yet: overlap. Every collective runs when its unit needs it and the compute stream
-//! waits for it at once: no prefetch of the next unit's all-gather, and no reduce-scatter left
-//! running behind the next unit's backward.
+//! Overlap (Note [FSDP streams] in `streams.rs`): on a GPU the all-gathers run on their own
+//! stream, so a unit's gather overlaps the previous unit's forward (FSDP2's implicit forward
+//! prefetch, at most two gathered units ahead), and the reduce-scatters on another, each
+//! accumulating its rows into the shards' `.grad` there, so it overlaps the next unit's
+//! backward; the compute stream waits for them when the backward pass ends; and in
+//! backward a unit's gather runs while the unit after it computes (Note [Backward prefetch]).
 
 mod clip;
+mod reshard;
 mod sharded_grad_scaler;
 mod state_dict;
+mod streams;
 
 pub use clip::clip_grad_norm_;
+use reshard::Resharded;
 pub use sharded_grad_scaler::ShardedGradScaler;
 pub use state_dict::{get_model_state_dict, get_optimizer_state_dict};
 use state_dict::{register, Unit};
+use streams::UnitForward;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
-use ember_core::{autograd, is_grad_enabled, no_grad, DType, Error, Result, Shape, Tensor};
+use ember_core::{autograd, is_grad_enabled, no_grad, DType, Device, Error, Result, Shape, Tensor};
 use ember_nn::{Forward, Module, TensorKind};
 
 use crate::backend::ReduceOp;
@@ -110,7 +120,7 @@ pub struct MixedPrecisionPolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FullyShardOptions {
     /// Free the full parameters after forward and gather them again in backward (Note
-    /// [Reshard after forward]: in ember this recomputes the module's forward in backward).
+    /// [Reshard after forward]).
     pub reshard_after_forward: bool,
     /// The dtypes of computation and reduction (`mp_policy`).
     pub mp_policy: MixedPrecisionPolicy,
@@ -173,7 +183,7 @@ struct Reduction {
     pending: Mutex<Option<Tensor>>,
 }
 
-/// What the forward passes (and the recomputation in backward) share.
+/// What the forward passes and the refills in backward share.
 struct FsdpState<M> {
     /// The module, its parameter fields holding placeholders between forwards.
     module: Mutex<M>,
@@ -369,14 +379,12 @@ impl<M> FsdpState<M> {
         self.shards.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// All-gathers every parameter (Note [FSDP mechanism] steps 1 and 3): the full
-    /// parameters, connected to the shards by the `fsdp_all_gather` node when grad mode is on.
-    fn unshard(&self) -> Result<Vec<Tensor>> {
-        let world = self.mesh.size();
+    /// The shards, checked to be of one dtype on one device, and the dtype they are gathered
+    /// in.
+    fn checked_shards(&self) -> Result<(Vec<Tensor>, DType)> {
         let shards = self.shards();
-        let red = &self.reduction;
         let first = &shards[0];
-        let (device, dtype) = (first.device(), self.param_dtype.unwrap_or(first.dtype()));
+        let device = first.device();
         if let Some(s) = shards
             .iter()
             .find(|s| (s.device(), s.dtype()) != (device, first.dtype()))
@@ -392,7 +400,17 @@ impl<M> FsdpState<M> {
                 ),
             ));
         }
-        let flat = {
+        let dtype = self.param_dtype.unwrap_or(first.dtype());
+        Ok((shards, dtype))
+    }
+
+    /// The flat all-gather of `shards` in `dtype` (Note [FSDP mechanism] step 1), outside
+    /// autograd; on a GPU on the all-gather stream (Note [FSDP streams]).
+    fn gather_flat(&self, shards: &[Tensor], dtype: DType) -> Result<Tensor> {
+        let world = self.mesh.size();
+        let red = &self.reduction;
+        let device = shards[0].device();
+        let gather = || -> Result<Tensor> {
             let _g = no_grad();
             let input = Tensor::zeros([red.block], dtype, device)?;
             for (s, l) in shards.iter().zip(&red.layouts) {
@@ -404,16 +422,40 @@ impl<M> FsdpState<M> {
             }
             let out = Tensor::empty([world * red.block], dtype, device)?;
             red.group.all_gather_into_tensor(&out, &input)?;
-            out
+            Ok(out)
         };
+        match device {
+            Device::Cuda(i) => streams::gather_on_all_gather_stream(i, gather),
+            Device::Cpu => gather(),
+        }
+    }
+
+    /// All-gathers every parameter (Note [FSDP mechanism] steps 1 and 3): the full
+    /// parameters, connected to the shards by the `fsdp_all_gather` node when grad mode is on,
+    /// and the gathered buffer they are views of (a handle outside autograd). With `reshard`,
+    /// the node frees the buffer's storage once it reduce-scattered (Note [Reshard after
+    /// forward]).
+    fn unshard(&self, reshard: Option<Arc<AtomicBool>>) -> Result<(Vec<Tensor>, Tensor)> {
+        let world = self.mesh.size();
+        let (shards, dtype) = self.checked_shards()?;
+        let red = &self.reduction;
+        let flat = self.gather_flat(&shards, dtype)?;
         let refs: Vec<&Tensor> = shards.iter().collect();
         let reduction = red.clone();
-        let shard_dtype = first.dtype();
-        let flat = autograd::custom_op("fsdp_all_gather", &refs, flat, move |grad, needs| {
-            reduction.reduce_scatter(grad, needs, shard_dtype)
+        let shard_dtype = shards[0].dtype();
+        let release = reshard.map(|filled| (flat.clone(), filled));
+        let leaves = shards.clone();
+        let full = autograd::custom_op("fsdp_all_gather", &refs, flat.clone(), move |grad, needs| {
+            let grads = reduction.reduce_scatter(grad, needs, shard_dtype, &leaves)?;
+            if let Some((flat, filled)) = &release {
+                free_storage(flat)?;
+                filled.store(false, Ordering::Release);
+            }
+            Ok(grads)
         });
-        let grid = flat.reshape([world as isize, red.block as isize])?;
-        red.layouts
+        let grid = full.reshape([world as isize, red.block as isize])?;
+        let params = red
+            .layouts
             .iter()
             .map(|l| {
                 let dims: Vec<isize> = l.shape.dims().iter().map(|&d| d as isize).collect();
@@ -423,7 +465,16 @@ impl<M> FsdpState<M> {
                     .narrow(0, 0, l.rows)?
                     .reshape(dims)
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        Ok((params, flat))
+    }
+
+    /// Gathers the parameters again into `flat`'s storage, freed after the forward (Note
+    /// [Reshard after forward]): a new gather, swapped in.
+    fn refill(&self, flat: &Tensor) -> Result<()> {
+        let (shards, dtype) = self.checked_shards()?;
+        let gathered = self.gather_flat(&shards, dtype)?;
+        flat.swap_storage_(&gathered)
     }
 
     /// Runs `f` on the module with its full parameters in place (Note [FSDP mechanism] step 2).
@@ -431,8 +482,25 @@ impl<M> FsdpState<M> {
     where
         M: Module,
     {
+        Ok(self.with_full_params_of(None, f)?.0)
+    }
+
+    /// [`FsdpState::with_full_params`], also handing back the gathered buffer (whose storage
+    /// the backward frees with `reshard`, clearing the flag).
+    fn with_full_params_of<T>(
+        &self,
+        reshard: Option<Arc<AtomicBool>>,
+        f: impl FnOnce(&M) -> Result<T>,
+    ) -> Result<(T, Tensor)>
+    where
+        M: Module,
+    {
         let mut module = self.lock();
-        let full = self.unshard()?;
+        let (full, flat) = self.unshard(reshard)?;
+        let unit = UnitForward::enter(match self.mesh.device_type() {
+            Device::Cuda(i) => Some(i),
+            Device::Cpu => None,
+        });
         module.visit_mut("", &mut |_, t, kind| {
             if kind == TensorKind::Parameter {
                 if let Some(i) = index_of(&self.placeholders, t) {
@@ -450,22 +518,34 @@ impl<M> FsdpState<M> {
             }
             Ok(())
         });
+        drop(full);
+        let released = unit.release();
+        drop(unit);
         let out = out?;
         restored?;
-        Ok(out)
+        released?;
+        Ok((out, flat))
     }
+}
+
+/// Frees the storage of a gathered buffer, whose views autograd may hold (Note [Reshard after
+/// forward]): swapped with an empty one, which takes the memory away and drops it.
+fn free_storage(flat: &Tensor) -> Result<()> {
+    flat.swap_storage_(&Tensor::empty([0usize], flat.dtype(), flat.device())?)
 }
 
 impl Reduction {
     /// The backward of `fsdp_all_gather` (Note [FSDP mechanism] step 3): the gradient of the
     /// gathered `[world, S]` buffer, averaged over ranks by a reduce-scatter, each shard's rows
     /// of it in `shard_dtype`; or, without gradient sync, nothing yet (Note [FSDP gradient
-    /// accumulation]).
+    /// accumulation]). On a GPU the rows are accumulated into the `shards`' `.grad` on the
+    /// reduce-scatter stream instead and nothing is returned (Note [FSDP streams]).
     fn reduce_scatter(
         &self,
         grad: &Tensor,
         needs: &[bool],
         shard_dtype: DType,
+        shards: &[Tensor],
     ) -> Result<Vec<Option<Tensor>>> {
         let _g = no_grad();
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -481,24 +561,47 @@ impl Reduction {
             return Ok(vec![None; needs.len()]);
         }
         drop(pending);
-        let dtype = self.reduce_dtype.unwrap_or(grad.dtype());
-        let input = grad.to_dtype(dtype)?.contiguous()?;
-        let out = Tensor::empty([self.block], dtype, grad.device())?;
-        self.group.reduce_scatter_tensor(&out, &input, ReduceOp::Avg)?;
-        let out = out.to_dtype(shard_dtype)?;
-        self.layouts
-            .iter()
-            .zip(needs)
-            .map(|(l, &need)| {
+        // This rank's rows of the average, in the shards' dtype.
+        let scatter = |grad: &Tensor| -> Result<Tensor> {
+            let dtype = self.reduce_dtype.unwrap_or(grad.dtype());
+            let input = grad.to_dtype(dtype)?.contiguous()?;
+            let out = Tensor::empty([self.block], dtype, grad.device())?;
+            self.group.reduce_scatter_tensor(&out, &input, ReduceOp::Avg)?;
+            out.to_dtype(shard_dtype)
+        };
+        let rows = |out: &Tensor, l: &ParamLayout| -> Result<Tensor> {
+            out.narrow(0, l.offset, l.local_numel())?.reshape(l.local_dims())
+        };
+        let Device::Cuda(device) = grad.device() else {
+            let out = scatter(&grad)?;
+            return self
+                .layouts
+                .iter()
+                .zip(needs)
+                .map(|(l, &need)| need.then(|| rows(&out, l)).transpose())
+                .collect();
+        };
+        // Note [FSDP streams]: reduced and accumulated into the shards' `.grad` on the
+        // reduce-scatter stream, which the compute stream waits for when the backward ends.
+        streams::reduce_on_reduce_scatter_stream(device, &grad, |side, compute| {
+            let out = scatter(&grad)?;
+            out.record_stream(compute)?;
+            for ((l, &need), shard) in self.layouts.iter().zip(needs).zip(shards) {
                 if !need {
-                    return Ok(None);
+                    continue;
                 }
-                Ok(Some(
-                    out.narrow(0, l.offset, l.local_numel())?
-                        .reshape(l.local_dims())?,
-                ))
-            })
-            .collect()
+                let g = rows(&out, l)?;
+                match shard.grad() {
+                    None => shard.set_grad(Some(g))?,
+                    Some(acc) => {
+                        acc.record_stream(side)?;
+                        acc.add_(&g)?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        Ok(vec![None; needs.len()])
     }
 }
 
@@ -608,21 +711,39 @@ impl<M: Module> Module for FSDPModule<M> {
 
 impl<M: Forward + 'static> Forward for FSDPModule<M> {
     /// Gathers, runs the module, frees (Note [FSDP mechanism]); with `reshard_after_forward`
-    /// and grad mode on, under a checkpoint that gathers and recomputes in backward (Note
-    /// [Reshard after forward]). A floating-point `x` is cast to the policy's `param_dtype`.
+    /// and grad mode on, frees the parameters autograd saved and gathers them again when
+    /// backward reaches the output (Note [Reshard after forward]). A floating-point `x` is cast
+    /// to the policy's `param_dtype`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = match self.state.param_dtype {
             Some(d) if x.dtype().is_floating_point() && x.dtype() != d => x.to_dtype(d)?,
             _ => x.clone(),
         };
-        if self.reshard_after_forward && is_grad_enabled() {
-            let state = self.state.clone();
-            return autograd::checkpoint(
-                move |xs: &[Tensor]| state.with_full_params(|m| m.forward(&xs[0])),
-                std::slice::from_ref(&x),
-            );
+        if streams::depth() == 0 {
+            Resharded::new_pass();
         }
-        self.state.with_full_params(|m| m.forward(&x))
+        if !(self.reshard_after_forward && is_grad_enabled()) {
+            return self.state.with_full_params(|m| m.forward(&x));
+        }
+        let filled = Arc::new(AtomicBool::new(true));
+        let (out, flat) = self
+            .state
+            .with_full_params_of(Some(filled.clone()), |m| m.forward(&x))?;
+        if !out.requires_grad() {
+            return Ok(out); // no graph holds the parameters
+        }
+        // Note [Reshard after forward]: freed now, gathered again when backward reaches `out`
+        // (or before, Note [Backward prefetch]).
+        free_storage(&flat)?;
+        filled.store(false, Ordering::Release);
+        let state = self.state.clone();
+        let unit = Resharded::after_forward(filled, move || state.refill(&flat));
+        out.register_hook(move |_| {
+            let _g = no_grad();
+            unit.before_backward()?;
+            Ok(None)
+        })?;
+        Ok(out)
     }
 }
 

@@ -1,9 +1,11 @@
 //! fully_shard (FSDP2) over the CPU backend, ranks as threads: the shards' gradients and the
 //! gathered parameters after AdamW steps against DDP + AdamW on the same data, with the module
 //! sharded whole, layer by layer, or nested (layers, then the root), resharded after forward
-//! (recomputed in backward) or not; gradient accumulation without sync against DDP's
+//! (gathered again in backward) or not; gradient accumulation without sync against DDP's
 //! `no_sync`; a mixed-precision policy; and the errors of fully_shard.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ember_core::{no_grad, DType, Device, Error, Tensor};
@@ -16,7 +18,7 @@ use ember_distributed::{
 };
 use ember_nn::functional::mse_loss;
 use ember_nn::optim::{AdamConfig, AdamW, Optimizer};
-use ember_nn::{Forward, Linear, ModuleExt, Reduction, Sequential, Tanh};
+use ember_nn::{Forward, Linear, Module, ModuleExt, Reduction, Sequential, Tanh, TensorKind};
 
 use crate::common::run_ranks;
 use crate::ddp::{assert_close_tol, data, fill_params, mlp};
@@ -222,7 +224,7 @@ fn close(a: &[Vec<f64>], b: &[Vec<f64>], rtol: f64, what: &str) {
 
 /// On 2 ranks and on 4 (uneven shards, and an empty one: the last Linear's 3 rows give rank 3
 /// none), the shards' gradients are DDP's rows and the parameters after AdamW steps DDP's, for
-/// the module sharded whole (resharded after forward: gathered and recomputed in backward),
+/// the module sharded whole (resharded after forward: gathered again in backward),
 /// layer by layer (kept gathered until backward) and nested. Within 1e-11 relative: bitwise
 /// on 2 ranks, but on 4 the reduce-scatter and DDP's all-reduce add the ranks' gradients in
 /// different orders (the last bit differs).
@@ -534,4 +536,98 @@ pub(crate) fn clip_matches_ddp(pg: &ProcessGroup, device: Device) {
             &format!("clipped by the {norm_type}-norm"),
         );
     }
+}
+
+/// [`mlp`] that counts the calls of its forward.
+struct Counted {
+    inner: Sequential,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Module for Counted {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        self.inner.visit(prefix, f)
+    }
+
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(&str, &mut Tensor, TensorKind) -> ember_core::Result<()>,
+    ) -> ember_core::Result<()> {
+        self.inner.visit_mut(prefix, f)
+    }
+
+    fn set_training(&self, training: bool) {
+        self.inner.set_training(training)
+    }
+
+    fn is_training(&self) -> bool {
+        self.inner.is_training()
+    }
+}
+
+impl Forward for Counted {
+    fn forward(&self, x: &Tensor) -> ember_core::Result<Tensor> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.forward(x)
+    }
+}
+
+/// Note [Reshard after forward]: a resharded unit runs its module's forward once, frees the
+/// gathered parameters its graph holds and gathers them again in backward (no recomputation),
+/// also for a second backward over the same graph; its gradients are bitwise those of the
+/// unit that keeps them gathered, and of DDP.
+#[test]
+fn resharded_units_gather_again_in_backward_instead_of_recomputing() {
+    run_ranks(2, T, |pg| {
+        let mesh = DeviceMesh::new(pg.clone());
+        let [(x, y)] = <[_; 1]>::try_from(rank_rows(&pg, 1, Device::Cpu)).unwrap();
+        let grads = |reshard_after_forward: bool| {
+            let calls = Arc::new(AtomicUsize::new(0));
+            let inner = mlp();
+            fill_params(&inner, 0.0);
+            let options = FullyShardOptions {
+                reshard_after_forward,
+                ..Default::default()
+            };
+            let unit = fully_shard(
+                Counted {
+                    inner,
+                    calls: calls.clone(),
+                },
+                &mesh,
+                options,
+            )
+            .unwrap();
+            let out = unit.forward(&x).unwrap();
+            let loss = mse_loss(&out, &y, Reduction::Mean).unwrap();
+            loss.backward_with(None, true).unwrap();
+            loss.backward_with(None, false).unwrap();
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                1,
+                "one forward, reshard {reshard_after_forward}"
+            );
+            unit.named_dtensors()
+                .unwrap()
+                .iter()
+                .map(|(_, d)| {
+                    let g = d.local_tensor().grad().unwrap();
+                    let g = DTensor::from_local(g, d.device_mesh(), d.placements(), Some(d.shape().clone()))
+                        .unwrap();
+                    g.full_tensor().unwrap().to_vec_f64().unwrap()
+                })
+                .collect::<Vec<_>>()
+        };
+        let (resharded, kept) = (grads(true), grads(false));
+        assert_eq!(resharded, kept);
+        // Two backward passes: twice DDP's gradients of one.
+        let ddp = ddp_mlp(&pg, Device::Cpu);
+        loss_backward(&ddp, &x, &y);
+        let twice: Vec<Vec<f64>> = full_grads(ddp.module())
+            .into_iter()
+            .map(|g| g.iter().map(|v| 2.0 * v).collect())
+            .collect();
+        close(&resharded, &twice, 1e-12, "two backward passes against DDP");
+    });
 }

@@ -230,8 +230,8 @@ fn nccl_flat_collectives_over_one_rank() {
 }
 
 /// fully_shard (with its clip_grad_norm_) and ZeroRedundancyOptimizer on one GPU against DDP +
-/// AdamW there: the flat collectives, the all-gather node and the checkpointed recomputation
-/// on CUDA tensors.
+/// AdamW there: the flat collectives, the all-gather node, the parameters freed after forward
+/// and gathered again in backward, and the side streams (Note [FSDP streams]) on CUDA tensors.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn nccl_fully_shard_and_zero_over_one_gpu_match_ddp() {

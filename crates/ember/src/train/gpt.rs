@@ -23,10 +23,16 @@
 //! differ only by the model.
 
 use super::checkpoint::{load_checkpoint, save_checkpoint, Position};
+use super::dist::Dist;
+use super::fits::DoesNotFit;
 use super::{progress_bar, AmpMode, CliResult, TrainArgs, PROGRESS_EVERY};
-use crate::models::Gpt;
+use crate::models::{Block, Checkpointed, Gpt};
 use clap::Args;
 use ember::amp::{GradScaler, GradScalerConfig};
+use ember::distributed::{
+    self, fully_shard, DdpOptions, DeviceMesh, DistributedDataParallel, FSDPModule, FullyShardOptions,
+    MixedPrecisionPolicy, ShardedGradScaler,
+};
 use ember::nn::functional as F;
 use ember::nn::optim::{clip_grad_norm_, AdamConfig, AdamW, Optimizer, ParamGroup};
 use ember::nn::{Forward, ModuleExt};
@@ -250,23 +256,29 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Batch `index` of hash stream `stream` (Note [GPT batches and resume]): `batch` windows of
-/// `data`, inputs and next-byte targets, `[batch, block]` int64 each, on `device`.
+/// Which part of a global batch a process reads: `(rank, world)`; `(0, 1)` reads all of it.
+type Part = (usize, usize);
+
+/// Rows `rank·batch .. (rank+1)·batch` of batch `index` of hash stream `stream` (Note [GPT
+/// batches and resume]), a batch of `world·batch` windows of `data` (`part = (rank, world)`):
+/// inputs and next-byte targets, `[batch, block]` int64 each, on `device`. The processes of a
+/// data-parallel job read the parts of the batch one process of `world·batch` windows reads.
 fn get_batch(
     data: &[u8],
     seed: u64,
     stream: u64,
     index: usize,
-    batch: usize,
+    (batch, part): (usize, Part),
     block: usize,
     device: Device,
 ) -> ember::Result<(Tensor, Tensor)> {
     let key = mix(mix(seed) ^ stream);
     let windows = (data.len() - block) as u64;
+    let (rank, world) = part;
     let mut x = Vec::with_capacity(batch * block);
     let mut y = Vec::with_capacity(batch * block);
-    for row in 0..batch {
-        let i = (mix(key ^ (index * batch + row) as u64) % windows) as usize;
+    for row in rank * batch..(rank + 1) * batch {
+        let i = (mix(key ^ (index * batch * world + row) as u64) % windows) as usize;
         x.extend(data[i..i + block].iter().map(|&b| b as i64));
         y.extend(data[i + 1..i + 1 + block].iter().map(|&b| b as i64));
     }
@@ -278,7 +290,7 @@ fn get_batch(
 
 /// What the steps and estimates share.
 struct Trainer<'a> {
-    model: &'a Gpt,
+    model: &'a Model,
     config: Config,
     amp: Option<AmpMode>,
     device: Device,
@@ -289,11 +301,16 @@ impl Trainer<'_> {
     /// Mean cross-entropy of the next bytes `y` after `x` (forward and loss under autocast
     /// with an amp mode; cross-entropy itself runs in float32 there, PyTorch's policy).
     fn loss(&self, x: &Tensor, y: &Tensor) -> ember::Result<Tensor> {
+        self.loss_of(self.model.train_forward(), x, y)
+    }
+
+    /// [`Trainer::loss`] of `model`.
+    fn loss_of(&self, model: &dyn Forward, x: &Tensor, y: &Tensor) -> ember::Result<Tensor> {
         let _autocast = self
             .amp
             .map(|a| ember::amp::autocast(self.device.device_type(), a.dtype()))
             .transpose()?;
-        let logits = self.model.forward(x)?;
+        let logits = model.forward(x)?;
         F::cross_entropy(&logits.view([-1, VOCAB as isize])?, &y.view([-1])?)
     }
 
@@ -301,7 +318,8 @@ impl Trainer<'_> {
     /// mode without gradients.
     fn estimate(&self, data: &[u8], stream: u64) -> ember::Result<f64> {
         let _g = ember::no_grad();
-        self.model.eval();
+        let model = self.model.eval_forward();
+        model.eval();
         let c = &self.config;
         let mut total = Tensor::zeros([], DType::F32, self.device)?;
         for k in 0..c.eval_iters {
@@ -310,13 +328,13 @@ impl Trainer<'_> {
                 self.seed,
                 stream,
                 k,
-                c.batch_size,
+                (c.batch_size, (0, 1)),
                 c.block_size,
                 self.device,
             )?;
-            total = total.add(&self.loss(&x, &y)?.to_dtype(DType::F32)?)?;
+            total = total.add(&self.loss_of(model, &x, &y)?.to_dtype(DType::F32)?)?;
         }
-        self.model.train();
+        model.train();
         Ok(total.item_f64()? / c.eval_iters as f64)
     }
 
@@ -325,9 +343,10 @@ impl Trainer<'_> {
     /// their softmax (the device's default generator) and appended. Returns the new bytes.
     fn generate(&self, prompt: &[u8], n: usize, temperature: f64, top_k: usize) -> ember::Result<Vec<u8>> {
         let _g = ember::no_grad();
-        self.model.eval();
-        let block = self.model.block_size();
-        let k = top_k.clamp(1, self.model.vocab_size());
+        let model = self.model.eval_forward();
+        model.eval();
+        let block = self.config.block_size;
+        let k = top_k.clamp(1, VOCAB);
         let ids: Vec<i64> = prompt.iter().map(|&b| b as i64).collect();
         let mut idx = Tensor::from_vec(ids, [1, prompt.len()], Device::Cpu)?.to(self.device)?;
         let mut out = Vec::with_capacity(n);
@@ -339,7 +358,7 @@ impl Trainer<'_> {
                     .amp
                     .map(|a| ember::amp::autocast(self.device.device_type(), a.dtype()))
                     .transpose()?;
-                self.model.forward(&cond)?
+                model.forward(&cond)?
             };
             let logits = logits.select(1, -1)?.to_dtype(DType::F32)?;
             let next = if temperature == 0.0 {
@@ -359,7 +378,7 @@ impl Trainer<'_> {
                 idx = idx.narrow(1, t - block, block)?;
             }
         }
-        self.model.train();
+        model.train();
         Ok(out)
     }
 }
@@ -371,13 +390,96 @@ struct Eval {
     val: f64,
 }
 
-/// Runs `ember train --model gpt2` on `device`.
-pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
+/// The model as the steps run it (Note [Sharded GPT]): alone, replicated in every process of
+/// a job (DistributedDataParallel), or sharded over them (`fully_shard` on every block, then
+/// on the whole model).
+enum Model {
+    Single(Gpt),
+    Replicated(DistributedDataParallel<Gpt>),
+    Sharded(FSDPModule<Gpt<FSDPModule<Checkpointed<Block>>>>),
+}
+
+impl Model {
+    /// What a training step calls.
+    fn train_forward(&self) -> &dyn Forward {
+        match self {
+            Model::Single(m) => m,
+            Model::Replicated(m) => m,
+            Model::Sharded(m) => m,
+        }
+    }
+
+    /// What the estimates and the sampling call: DDP's module itself (they need no gradient
+    /// synchronization), the others as they are (a sharded model's forward gathers, so every
+    /// process runs them).
+    fn eval_forward(&self) -> &dyn Forward {
+        match self {
+            Model::Single(m) => m,
+            Model::Replicated(m) => m.module(),
+            Model::Sharded(m) => m,
+        }
+    }
+
+    /// The whole model, for checkpoints; None when sharded.
+    fn whole(&self) -> Option<&Gpt> {
+        match self {
+            Model::Single(m) => Some(m),
+            Model::Replicated(m) => Some(m.module()),
+            Model::Sharded(_) => None,
+        }
+    }
+}
+
+/// Parameters of a byte-level [`Gpt`] of `c` (the head is tied to the token embedding): the
+/// embeddings, per block two LayerNorms and four Linears (12·d² + 13·d), the final LayerNorm.
+fn parameter_count(c: &Config) -> usize {
+    let d = c.n_embd;
+    (VOCAB + c.block_size) * d + c.n_layer * (12 * d * d + 13 * d) + 2 * d
+}
+
+/// Runs `ember train --model gpt2` on `device`, in one process or as a worker of a job
+/// (`dist`); an out-of-memory error on a GPU comes back as [`DoesNotFit`], saying what to
+/// change.
+pub fn run(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> {
+    let world = dist.map_or(1, |d| d.world);
+    let outcome = train(args, device, dist);
+    let Err(e) = outcome else { return Ok(()) };
+    match e.downcast::<ember::Error>() {
+        Ok(e) => match *e {
+            oom @ ember::Error::OutOfMemory { .. } => {
+                let parameters = parameter_count(&Config::resolve(args, device)?);
+                Err(Box::new(DoesNotFit::out_of_memory(
+                    parameters, world, args.shard, oom,
+                )))
+            }
+            e => Err(Box::new(e)),
+        },
+        Err(e) => Err(e),
+    }
+}
+
+/// Note [Sharded GPT]: `--nproc-per-node N` trains in N processes, each on its part of every
+/// batch (`get_batch`'s `part`: the processes together read the batch one process of N times
+/// --batch-size reads), their gradients averaged: by DistributedDataParallel, or with `--shard`
+/// by `fully_shard` (FSDP2): every block, then the whole model (embeddings, final LayerNorm,
+/// tied head), each process keeping 1/N of every parameter and of its AdamW state, under a
+/// `MixedPrecisionPolicy` of bfloat16 parameters and float32 reductions with `--amp bf16`.
+/// Each block runs under activation checkpointing (`Checkpointed`, PyTorch's
+/// `checkpoint_wrapper` before `fully_shard`) and reshards after its forward (Note [Reshard
+/// after forward] in ember-distributed): between forward and backward a process holds its
+/// shards and each block's input, and in backward a block's parameters are gathered again
+/// and its forward recomputed. The model is built and initialized whole first
+/// (on the GPU when sharding there: the same values as on the CPU, ember's RNG being
+/// counter-based), so a seed starts a sharded, a replicated and a single run alike. Clipping
+/// takes the norm over every process's rows (`fsdp::clip_grad_norm_`), and float16 loss
+/// scaling skips a step on every process when any process's rows overflowed
+/// (`ShardedGradScaler`). The reported losses are the means over the processes; every process
+/// evaluates and samples (a sharded forward is collective), rank 0 prints.
+fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> {
     let started = Instant::now();
     for (set, flag, hint) in [
         (args.cuda_graph, "--cuda-graph", ""),
         (args.profile.is_some(), "--profile", ""),
-        (args.nproc_per_node != 1, "--nproc-per-node", ""),
         (
             args.limit_train.is_some(),
             "--limit-train",
@@ -391,6 +493,14 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
             .into());
         }
     }
+    if args.shard {
+        if dist.is_none() {
+            return Err("--shard shards the model over the processes of a job: give --nproc-per-node N (N of 2 or more)".into());
+        }
+        if args.checkpoint.is_some() {
+            return Err("--checkpoint is not supported with --shard yet (a sharded model's state is written with ember_distributed::dcp); leave --shard out to train replicated with checkpoints".into());
+        }
+    }
     if args.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());
     }
@@ -398,42 +508,91 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     let text = Text::load(args.data.as_deref())?;
     let (train, val) = text.split(c.block_size)?;
     let amp = args.amp.or(device.is_cuda().then_some(AmpMode::Bf16));
+    let (rank, world) = dist.map_or((0, 1), |d| (d.rank, d.world));
+    let lead = rank == 0;
+    if let Device::Cuda(i) = device {
+        let total = cuda::get_device_properties(i)?.total_memory;
+        DoesNotFit::check(parameter_count(&c), world, args.shard, device, total)?;
+    }
+    if let Some(d) = dist {
+        d.init(device)?;
+    }
 
     ember::manual_seed(args.seed)?;
-    // Built and initialized on the CPU, then moved: one seed, the same weights on every device.
-    let mut model = Gpt::new(VOCAB, c.block_size, c.n_embd, c.n_layer, c.n_head, Device::Cpu)?;
-    model.init_gpt2_weights()?;
-    model.to_device(device)?;
-    let params = model.parameters();
-    // nanoGPT's `configure_optimizers`: weight decay on the parameters of 2 or more dims (the
-    // matrices and the embeddings), none on biases and LayerNorm weights.
-    let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) = params.iter().cloned().partition(|p| p.rank() >= 2);
-    let mut opt = AdamW::with_groups(
-        vec![
-            ParamGroup::new(decay).weight_decay(c.weight_decay),
-            ParamGroup::new(no_decay).weight_decay(0.0),
-        ],
-        AdamConfig {
-            lr: c.lr,
-            // nanoGPT's shakespeare-char: beta2 0.99, as each batch holds few tokens.
-            betas: (0.9, 0.99),
-            ..Default::default()
-        },
-    )?;
+    // Built and initialized on the CPU, then moved: one seed, the same weights on every device
+    // (Note [Sharded GPT]: a sharded model on its GPU).
+    let build_on = if args.shard { device } else { Device::Cpu };
+    let mut gpt = Gpt::new(VOCAB, c.block_size, c.n_embd, c.n_layer, c.n_head, build_on)?;
+    gpt.init_gpt2_weights()?;
+    gpt.to_device(device)?;
+    let parameters = gpt.num_parameters();
     let mut scaler = GradScaler::with_config(GradScalerConfig {
         enabled: amp == Some(AmpMode::Fp16),
         ..Default::default()
     })?;
+    // nanoGPT's `configure_optimizers`: weight decay on the parameters of 2 or more dims (the
+    // matrices and the embeddings), none on biases and LayerNorm weights.
+    let adamw = |params: &[Tensor]| -> ember::Result<AdamW> {
+        let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) =
+            params.iter().cloned().partition(|p| p.rank() >= 2);
+        AdamW::with_groups(
+            vec![
+                ParamGroup::new(decay).weight_decay(c.weight_decay),
+                ParamGroup::new(no_decay).weight_decay(0.0),
+            ],
+            AdamConfig {
+                lr: c.lr,
+                // nanoGPT's shakespeare-char: beta2 0.99, as each batch holds few tokens.
+                betas: (0.9, 0.99),
+                ..Default::default()
+            },
+        )
+    };
     let mut start = 0;
-    if args.resume {
-        let path = args
-            .checkpoint
-            .as_deref()
-            .expect("clap requires --checkpoint with --resume");
-        start = load_checkpoint(path, "gpt2", &mut model, &mut opt, &mut scaler)?.step;
-    }
+    let (model, mut opt) = if args.shard {
+        let mesh = DeviceMesh::new(distributed::default_group()?);
+        let options = FullyShardOptions {
+            mp_policy: MixedPrecisionPolicy {
+                param_dtype: amp.map(AmpMode::dtype),
+                reduce_dtype: amp.map(|_| DType::F32),
+            },
+            ..Default::default()
+        };
+        let gpt = gpt.map_blocks(|b| fully_shard(Checkpointed::new(b), &mesh, options))?;
+        let model = fully_shard(gpt, &mesh, options)?;
+        let opt = adamw(&model.parameters())?;
+        (Model::Sharded(model), opt)
+    } else {
+        let mut opt = adamw(&gpt.parameters())?;
+        if args.resume {
+            // Every process loads the same file, before DDP wraps the model.
+            let path = args
+                .checkpoint
+                .as_deref()
+                .expect("clap requires --checkpoint with --resume");
+            start = load_checkpoint(path, "gpt2", &mut gpt, &mut opt, &mut scaler)?.step;
+        }
+        let model = match dist {
+            Some(_) => Model::Replicated(DistributedDataParallel::new(gpt, DdpOptions::new())?),
+            None => Model::Single(gpt),
+        };
+        (model, opt)
+    };
+    let params = model.train_forward().parameters();
+    // Float16 loss scaling agrees across processes by itself when they hold the same averaged
+    // gradients; sharded, every process checks its own rows (Note [Sharded GPT]).
+    let mut sharded_scaler;
+    let scaler: &mut GradScaler = if args.shard {
+        sharded_scaler = ShardedGradScaler::with_scaler(scaler, distributed::default_group()?);
+        &mut sharded_scaler
+    } else {
+        &mut scaler
+    };
 
     let say = |line: String| {
+        if !lead {
+            return;
+        }
         if args.json {
             eprintln!("{line}");
         } else {
@@ -444,10 +603,15 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
         Some(a) => format!("{} autocast", format!("{a:?}").to_lowercase()),
         None => "float32".into(),
     };
+    let job = match dist {
+        Some(d) if args.shard => format!(" in {} processes, sharded (FSDP)", d.world),
+        Some(d) => format!(" in {} processes (DDP)", d.world),
+        None => String::new(),
+    };
     say(format!(
-        "training gpt2 ({} parameters: {} layers, {} heads, {} wide, {} bytes of context) on {device} in {precision}: \
-         {} ({} bytes: {} train, {} held out), batch {}, iterations {}..{}",
-        model.num_parameters(),
+        "training gpt2 ({} parameters: {} layers, {} heads, {} wide, {} bytes of context) on {device}{job} in {precision}: \
+         {} ({} bytes: {} train, {} held out), batch {} per process, iterations {}..{}",
+        parameters,
         c.n_layer,
         c.n_head,
         c.n_embd,
@@ -474,7 +638,7 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
         device,
         seed: args.seed,
     };
-    let hidden = args.json || !std::io::stderr().is_terminal();
+    let hidden = args.json || !lead || !std::io::stderr().is_terminal();
     let bar = progress_bar(c.max_iters, hidden, "iterations");
     bar.set_prefix("gpt2");
     bar.set_position(start.min(c.max_iters) as u64);
@@ -503,11 +667,11 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
             );
             bar.suspend(|| say(line));
             evals.push(e);
-            if it > start && !last {
-                save_at(args, &model, &opt, &scaler, it)?;
+            if it > start && !last && lead {
+                save_at(args, &model, &opt, scaler, it)?;
             }
-        } else if args.checkpoint_every.is_some_and(|n| it % n == 0) && it > start {
-            save_at(args, &model, &opt, &scaler, it)?;
+        } else if args.checkpoint_every.is_some_and(|n| it % n == 0) && it > start && lead {
+            save_at(args, &model, &opt, scaler, it)?;
         }
         if last {
             break;
@@ -518,7 +682,7 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
             args.seed,
             TRAIN_BATCHES,
             it,
-            c.batch_size,
+            (c.batch_size, (rank, world)),
             c.block_size,
             device,
         )?;
@@ -529,7 +693,11 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
             // nanoGPT's `scaler.unscale_(optimizer)` then `clip_grad_norm_`: the norm of the
             // true gradients (a pass-through without fp16's scaler).
             scaler.unscale_(&mut opt)?;
-            clip_grad_norm_(&params, c.grad_clip, 2.0)?;
+            if args.shard {
+                distributed::fsdp::clip_grad_norm_(&params, c.grad_clip, 2.0)?;
+            } else {
+                clip_grad_norm_(&params, c.grad_clip, 2.0)?;
+            }
         }
         scaler.step(&mut opt)?;
         scaler.update()?;
@@ -544,11 +712,20 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
         bar.inc(1);
         if pending.len() >= PROGRESS_EVERY || it == c.max_iters {
             // One read (one wait for the device) per PROGRESS_EVERY iterations.
-            let read = Tensor::stack(&pending, 0)?.to_vec::<f32>()?;
+            let read: Vec<f64> = Tensor::stack(&pending, 0)?
+                .to_vec::<f32>()?
+                .iter()
+                .map(|&l| l as f64)
+                .collect();
             pending.clear();
-            losses.extend(read.iter().map(|&l| l as f64));
+            // The mean over the processes: the loss of the whole batch.
+            let read = match dist {
+                Some(d) => d.sum(&read, device)?.iter().map(|l| l / d.world as f64).collect(),
+                None => read,
+            };
+            losses.extend(read);
             let secs = (t0.elapsed().as_secs_f64() - eval_s).max(1e-9);
-            let tokens = (it - start) * c.batch_size * c.block_size;
+            let tokens = (it - start) * c.batch_size * c.block_size * world;
             let mut msg = format!(
                 "loss {:.4}  lr {:.2e}  {:.0} tokens/s",
                 losses.last().copied().unwrap_or(f64::NAN),
@@ -564,8 +741,8 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     bar.finish_and_clear();
     let train_s = (t0.elapsed().as_secs_f64() - eval_s).max(0.0);
     let iters = c.max_iters.saturating_sub(start);
-    if let Some(path) = &args.checkpoint {
-        save_at(args, &model, &opt, &scaler, it)?;
+    if let (Some(path), true) = (&args.checkpoint, lead) {
+        save_at(args, &model, &opt, scaler, it)?;
         say(format!(
             "checkpoint written: {} ({it} iterations)",
             path.display()
@@ -575,15 +752,20 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
     let sample = t.generate(b"\n", args.gpt.sample_bytes, args.gpt.temperature, args.gpt.top_k)?;
     let sample = String::from_utf8_lossy(&sample).into_owned();
     let last = evals.last().expect("the last iteration is evaluated");
+    if !lead {
+        return Ok(());
+    }
     if args.json {
         let out = json!({
             "model": "gpt2",
             "device": device.to_string(),
+            "world_size": world,
+            "sharded": args.shard,
             "data": text.name,
             "data_bytes": text.bytes.len(),
             "train_bytes": train.len(),
             "val_bytes": val.len(),
-            "parameters": model.num_parameters(),
+            "parameters": parameters,
             "config": {
                 "n_layer": c.n_layer,
                 "n_head": c.n_head,
@@ -611,7 +793,7 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
             "final_val_loss": last.val,
             "train_s": train_s,
             "first_step_s": first_step_s,
-            "tokens_per_s": if train_s > 0.0 { (iters * c.batch_size * c.block_size) as f64 / train_s } else { 0.0 },
+            "tokens_per_s": if train_s > 0.0 { (iters * c.batch_size * c.block_size * world) as f64 / train_s } else { 0.0 },
             "checkpoint": args.checkpoint.as_ref().map(|p| p.display().to_string()),
             "sample": sample,
         });
@@ -629,8 +811,8 @@ pub fn run(args: &TrainArgs, device: Device) -> CliResult<()> {
 }
 
 /// Writes `--checkpoint` (when given) after `iters` completed iterations.
-fn save_at(args: &TrainArgs, model: &Gpt, opt: &AdamW, scaler: &GradScaler, iters: usize) -> CliResult<()> {
-    if let Some(path) = &args.checkpoint {
+fn save_at(args: &TrainArgs, model: &Model, opt: &AdamW, scaler: &GradScaler, iters: usize) -> CliResult<()> {
+    if let (Some(path), Some(model)) = (&args.checkpoint, model.whole()) {
         let pos = Position {
             step: iters,
             ..Position::default()
@@ -663,6 +845,20 @@ mod tests {
     }
 
     #[test]
+    fn parameter_count_is_the_models() {
+        use ember::nn::ModuleExt;
+        let c = Config {
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 16,
+            block_size: 8,
+            ..config()
+        };
+        let gpt = Gpt::new(VOCAB, 8, 16, 3, 2, Device::Cpu).unwrap();
+        assert_eq!(parameter_count(&c), gpt.num_parameters());
+    }
+
+    #[test]
     fn learning_rate_warms_up_then_decays_to_a_tenth() {
         let c = config();
         assert!((c.lr_at(0) - 1e-3 / 11.0).abs() < 1e-15);
@@ -675,7 +871,8 @@ mod tests {
     #[test]
     fn batches_are_a_function_of_seed_and_index() {
         let data: Vec<u8> = (0..=255).collect();
-        let b = |seed, stream, index| get_batch(&data, seed, stream, index, 3, 5, Device::Cpu).unwrap();
+        let b =
+            |seed, stream, index| get_batch(&data, seed, stream, index, (3, (0, 1)), 5, Device::Cpu).unwrap();
         let (x, y) = b(7, TRAIN_BATCHES, 4);
         let (x, y) = (x.to_vec::<i64>().unwrap(), y.to_vec::<i64>().unwrap());
         assert_eq!(x, b(7, TRAIN_BATCHES, 4).0.to_vec::<i64>().unwrap());

@@ -1,0 +1,83 @@
+//! A resharded unit's gathered parameters between its forward and its backward (Note
+//! [Reshard after forward] in `mod.rs`): freed, and filled again before the unit's backward
+//! by the hook on its output, or ahead of it by the unit after it (the backward prefetch).
+//!
+//! Note [Backward prefetch]: backward reaches the units in the reverse order of their
+//! forwards, so when backward reaches a unit's output, the unit whose forward ran just before
+//! this one's is the next to need its parameters. The hook fills its own unit's buffer, then
+//! that one's (FSDP2's `backward_prefetch`, one unit ahead): on a GPU its all-gather then runs
+//! on the all-gather stream while the compute stream runs this unit's backward (Note [FSDP
+//! streams]). Each resharded forward links to the one before it on the thread, back to the
+//! last forward outside any unit (the root's, which starts a new order); a buffer already
+//! filled is not gathered again, so a prefetch that guessed wrong (a graph that reaches units
+//! in another order) costs memory and a gather, never a value. Every rank runs the same
+//! forwards and backward, so the ranks' gathers stay matched.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use ember_core::Result;
+
+thread_local! {
+    /// The last resharded unit's forward on this thread since the last forward outside any unit.
+    static LAST: RefCell<Option<Weak<Resharded>>> = const { RefCell::new(None) };
+}
+
+/// A resharded unit's buffer between its forward and its backward.
+pub(super) struct Resharded {
+    /// Whether the buffer holds the gathered parameters (cleared when the backward node frees
+    /// it after reduce-scattering).
+    filled: Arc<AtomicBool>,
+    /// Gathers the parameters into the buffer again.
+    refill: Box<dyn Fn() -> Result<()> + Send + Sync>,
+    /// The resharded unit whose forward ran just before this one's.
+    previous: Option<Weak<Resharded>>,
+}
+
+impl Resharded {
+    /// Forgets the order of the forwards so far: a forward outside any unit begins.
+    pub(super) fn new_pass() {
+        LAST.with(|l| *l.borrow_mut() = None);
+    }
+
+    /// After a unit's forward freed its buffer (`filled` now false): its place in the order,
+    /// after the forward before it.
+    pub(super) fn after_forward(
+        filled: Arc<AtomicBool>,
+        refill: impl Fn() -> Result<()> + Send + Sync + 'static,
+    ) -> Arc<Resharded> {
+        LAST.with(|l| {
+            let mut last = l.borrow_mut();
+            let unit = Arc::new(Resharded {
+                filled,
+                refill: Box::new(refill),
+                previous: last.take(),
+            });
+            *last = Some(Arc::downgrade(&unit));
+            unit
+        })
+    }
+
+    /// What the hook on the unit's output runs when backward reaches it: fills this unit's
+    /// buffer, then prefetches the previous unit's (Note [Backward prefetch]).
+    pub(super) fn before_backward(&self) -> Result<()> {
+        self.fill()?;
+        match self.previous.as_ref().and_then(Weak::upgrade) {
+            Some(previous) => previous.fill(),
+            None => Ok(()),
+        }
+    }
+
+    /// Gathers into the buffer unless it holds the parameters already.
+    fn fill(&self) -> Result<()> {
+        if self.filled.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let filled = (self.refill)();
+        if filled.is_err() {
+            self.filled.store(false, Ordering::Release);
+        }
+        filled
+    }
+}
