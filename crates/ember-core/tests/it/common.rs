@@ -247,6 +247,16 @@ pub fn profile_steps(warmup: usize, steps: usize, mut step: impl FnMut()) -> emb
     prof
 }
 
+/// The values of `t` cast to bf16 on the CPU (the cast a cast twin must equal), as f64.
+pub fn cpu_bf16(t: &Tensor) -> Vec<f64> {
+    t.to(Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap()
+}
+
 /// The names of the GPU kernels (and copies and fills) that ops of this thread launched while
 /// `step` ran once, after `warmup` runs: the profiler records every thread's work, and other
 /// tests run beside this one.

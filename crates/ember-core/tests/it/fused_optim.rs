@@ -882,14 +882,6 @@ fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for() {
         maximize: false,
         decoupled_weight_decay: true,
     };
-    let cpu_bf16 = |t: &Tensor| {
-        t.to(Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap()
-            .to_vec_f64()
-            .unwrap()
-    };
     let casts = |names: &[String]| names.iter().filter(|k| k.starts_with("cast_")).count();
     let step = |n: f64| {
         adam_(
@@ -912,11 +904,11 @@ fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for() {
     step(2.0);
     let names = common::kernels_of(0, || cast = Some(p.to_dtype(DType::BF16).unwrap()));
     assert_eq!(casts(&names), 0, "the step's twin was not taken: {names:?}");
-    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&p));
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), common::cpu_bf16(&p));
     // An in-place write after the step ends the twin.
     step(3.0);
     p.mul_scalar_(0.5).unwrap();
     let names = common::kernels_of(0, || cast = Some(p.to_dtype(DType::BF16).unwrap()));
     assert_eq!(casts(&names), 1, "{names:?}");
-    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), cpu_bf16(&p));
+    assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), common::cpu_bf16(&p));
 }

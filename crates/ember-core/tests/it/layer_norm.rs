@@ -3,7 +3,8 @@
 //! gradient checks in f64; CUDA against the CPU on odd row lengths and non-contiguous inputs.
 
 use super::common::{
-    assert_close_slice, cpu_vs_cuda, gpu, gradcheck, kernels_of, print_kernel_times, profile_steps, values,
+    assert_close_slice, cpu_bf16, cpu_vs_cuda, gpu, gradcheck, kernels_of, print_kernel_times, profile_steps,
+    values,
 };
 use ember_core::{amp, DType, Device, DeviceType, Result, Tensor};
 
@@ -621,16 +622,6 @@ fn a_linear_applies_the_gelu_backward_of_its_input() {
             }
         }
     }
-}
-
-/// The bits of `t` cast to bf16 on the CPU (the cast a twin must equal), as f64 values.
-fn cpu_bf16(t: &Tensor) -> Vec<f64> {
-    t.to(Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_vec_f64()
-        .unwrap()
 }
 
 /// Note [Cast twins]: under bf16 autocast on a GPU, LayerNorm writes the bf16 casts of its
