@@ -28,10 +28,11 @@
 //! of them, and gathers them again before the unit's backward, without recomputing anything:
 //! the gathered buffer's storage is swapped with an empty one after the forward
 //! (`Tensor::swap_storage_`, PyTorch's `untyped_storage().resize_(0)`; Note [Swapping storages]
-//! in ember-core), a hook on the forward's output (run when backward reaches it, before any
-//! of the unit's backward nodes) gathers the shards again and swaps the new buffer in, and the
+//! in ember-core), an `fsdp_pre_backward` node over the forward's output (run when backward
+//! reaches it, before any of the unit's backward nodes; a node, not a tensor hook, which would
+//! die with an output the caller drops) gathers the shards again and swaps the new buffer in, and the
 //! `fsdp_all_gather` node frees it again once it reduce-scattered (every node reading the
-//! parameters ran before it). The hook also gathers the next unit's parameters in backward
+//! parameters ran before it). That node also gathers the next unit's parameters in backward
 //! ahead of time (Note [Backward prefetch] in `reshard.rs`). The values are those of a unit that kept them gathered, bit for
 //! bit. Between forward and backward the unit holds its shards and the activations its
 //! backward needs; with activation checkpointing inside the unit (ember-nn's `checkpoint` in
@@ -738,12 +739,20 @@ impl<M: Forward + 'static> Forward for FSDPModule<M> {
         filled.store(false, Ordering::Release);
         let state = self.state.clone();
         let unit = Resharded::after_forward(filled, move || state.refill(&flat));
-        out.register_hook(move |_| {
-            let _g = no_grad();
-            unit.before_backward()?;
-            Ok(None)
-        })?;
-        Ok(out)
+        // A node over the output rather than a hook on it: a tensor's hooks live as long as
+        // the tensor, and a unit inside another's forward hands its output on and drops it
+        // (its buffer was then never filled again); the node lives as long as the graph, as
+        // FSDP2's pre-backward autograd Function does.
+        Ok(autograd::custom_op(
+            "fsdp_pre_backward",
+            &[&out],
+            out.clone(),
+            move |grad, _| {
+                let _g = no_grad();
+                unit.before_backward()?;
+                Ok(vec![Some(grad.clone())])
+            },
+        ))
     }
 }
 

@@ -1,10 +1,10 @@
 //! A resharded unit's gathered parameters between its forward and its backward (Note
 //! [Reshard after forward] in `mod.rs`): freed, and filled again before the unit's backward
-//! by the hook on its output, or ahead of it by the unit after it (the backward prefetch).
+//! by the `fsdp_pre_backward` node over its output, or ahead of it by the unit after it (the backward prefetch).
 //!
 //! Note [Backward prefetch]: backward reaches the units in the reverse order of their
 //! forwards, so when backward reaches a unit's output, the unit whose forward ran just before
-//! this one's is the next to need its parameters. The hook fills its own unit's buffer, then
+//! this one's is the next to need its parameters. The node fills its own unit's buffer, then
 //! that one's (FSDP2's `backward_prefetch`, one unit ahead): on a GPU its all-gather then runs
 //! on the all-gather stream while the compute stream runs this unit's backward (Note [FSDP
 //! streams]). Each resharded forward links to the one before it on the thread, back to the
@@ -59,7 +59,7 @@ impl Resharded {
         })
     }
 
-    /// What the hook on the unit's output runs when backward reaches it: fills this unit's
+    /// What the node over the unit's output runs when backward reaches it: fills this unit's
     /// buffer, then prefetches the previous unit's (Note [Backward prefetch]).
     pub(super) fn before_backward(&self) -> Result<()> {
         self.fill()?;

@@ -222,15 +222,16 @@ fn close(a: &[Vec<f64>], b: &[Vec<f64>], rtol: f64, what: &str) {
     assert_close_tol(&wrap(a), &wrap(b), rtol * 1e-2, rtol, what);
 }
 
-/// On 2 ranks and on 4 (uneven shards, and an empty one: the last Linear's 3 rows give rank 3
-/// none), the shards' gradients are DDP's rows and the parameters after AdamW steps DDP's, for
+/// On 1 rank (the gathered buffer is the whole model, and an inner unit's output is dropped
+/// after the outer forward: its buffer must still be filled again in backward), on 2 and on 4
+/// (uneven shards, and an empty one: the last Linear's 3 rows give rank 3 none), the shards' gradients are DDP's rows and the parameters after AdamW steps DDP's, for
 /// the module sharded whole (resharded after forward: gathered again in backward),
 /// layer by layer (kept gathered until backward) and nested. Within 1e-11 relative: bitwise
 /// on 2 ranks, but on 4 the reduce-scatter and DDP's all-reduce add the ranks' gradients in
 /// different orders (the last bit differs).
 #[test]
 fn fully_shard_matches_ddp_with_adamw() {
-    for n in [2, 4] {
+    for n in [1, 2, 4] {
         run_ranks(n, T, |pg| fsdp_matches_ddp(&pg, Device::Cpu));
     }
 }
