@@ -31,7 +31,7 @@ use super::callbacks::{
 use super::device_threads;
 use super::ready_queue::ReadyQueue;
 use super::{Edge, Node};
-use crate::dispatch::tensor_impl::TensorImpl;
+use crate::dispatch::tensor_impl::{Hook, TensorImpl};
 use crate::{Device, Error, Result, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -550,9 +550,11 @@ impl GraphTask {
         // A node that no gradient reached still releases its inputs' dependencies.
         let input_grads = match grad {
             Some(grad) => {
+                // The output's hooks live on the node (`Node::hooks`), whether or not the
+                // output tensor is still alive; `retain_grad` needs the tensor.
+                let grad = run_hooks(&node_hooks(&node), grad)?;
                 let grad = match node.output() {
                     Some(out) => {
-                        let grad = apply_hooks(&out.0, grad)?;
                         if capture.is_none() && out.retains_grad() {
                             accumulate_leaf(&out.0, grad.clone())?;
                         }
@@ -717,8 +719,12 @@ impl GraphTask {
 /// Whether running `node` runs code attached to its output (tensor hooks, `retain_grad`),
 /// which stays on the calling thread (Note [Device threads]).
 fn runs_hooks(node: &Node) -> bool {
-    node.output()
-        .is_some_and(|out| out.retains_grad() || !out.0.meta().hooks.is_empty())
+    !node_hooks(node).is_empty() || node.output().is_some_and(|out| out.retains_grad())
+}
+
+/// The hooks registered on `node`'s output (a snapshot: a hook may register more).
+fn node_hooks(node: &Node) -> Vec<(u64, Hook)> {
+    node.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 /// Fills `pending` with every node and leaf reachable from `roots` and the number of edges
@@ -852,8 +858,13 @@ pub fn retains_graph() -> bool {
     RETAINING.with(std::cell::Cell::get)
 }
 
-fn apply_hooks(t: &Arc<TensorImpl>, mut grad: Tensor) -> Result<Tensor> {
+fn apply_hooks(t: &Arc<TensorImpl>, grad: Tensor) -> Result<Tensor> {
     let hooks = t.meta().hooks.clone();
+    run_hooks(&hooks, grad)
+}
+
+/// Runs `hooks` in order, each on what the one before it returned.
+fn run_hooks(hooks: &[(u64, Hook)], mut grad: Tensor) -> Result<Tensor> {
     for (_, hook) in hooks {
         if let Some(g) = hook(&grad)? {
             grad = g;

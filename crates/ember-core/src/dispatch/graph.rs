@@ -10,7 +10,7 @@
 //! and `retain_grad` apply.
 
 use super::grad_mode::is_grad_enabled;
-use super::tensor_impl::{Tensor, TensorImpl};
+use super::tensor_impl::{Hook, Tensor, TensorImpl};
 use super::Door;
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -49,6 +49,11 @@ pub(crate) struct Node {
     /// Whether the backward may apply its first input's activation in its product
     /// (`autograd::take_activation`).
     pub(crate) applies_activation: std::sync::atomic::AtomicBool,
+    /// The hooks registered on the output (`Tensor::register_hook` on a non-leaf), kept here
+    /// so that they live as long as the graph, not the output tensor (PyTorch's
+    /// `tensor_pre_hooks` of the grad_fn): a tensor handed on and dropped still has its hooks
+    /// run when backward reaches it.
+    pub(crate) hooks: Mutex<Vec<(u64, Hook)>>,
 }
 
 /// An activation whose gradient a matrix product can apply on its way out (cuBLASLt's DGELU
@@ -201,6 +206,7 @@ fn record_node(
         accumulates: std::sync::atomic::AtomicBool::new(false),
         activation: OnceLock::new(),
         applies_activation: std::sync::atomic::AtomicBool::new(false),
+        hooks: Mutex::new(Vec::new()),
     });
     let out = out.with_grad_fn(node.clone());
     let _ = node.output.set(Arc::downgrade(&out.0));

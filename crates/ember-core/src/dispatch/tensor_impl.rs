@@ -59,6 +59,8 @@ impl TensorImpl {
 /// [`Tensor::register_post_accumulate_grad_hook`] when `remove` is called.
 pub struct HookHandle {
     tensor: std::sync::Weak<TensorImpl>,
+    /// The node a non-leaf's hook lives on.
+    node: Option<std::sync::Weak<Node>>,
     id: u64,
 }
 
@@ -68,6 +70,12 @@ impl HookHandle {
             let mut meta = t.meta();
             meta.hooks.retain(|(id, _)| *id != self.id);
             meta.post_accumulate_grad_hooks.retain(|(id, _)| *id != self.id);
+        }
+        if let Some(node) = self.node.as_ref().and_then(std::sync::Weak::upgrade) {
+            node.hooks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(id, _)| *id != self.id);
         }
     }
 }
@@ -339,9 +347,24 @@ impl Tensor {
             ));
         }
         let id = NEXT_HOOK_ID.fetch_add(1, Ordering::Relaxed);
-        self.0.meta().hooks.push((id, Arc::new(hook)));
+        // A leaf keeps its hooks; a non-leaf's live on the node that made it, as long as the
+        // graph (`Node::hooks`).
+        let node = match &self.0.grad_fn {
+            Some(node) => {
+                node.hooks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((id, Arc::new(hook)));
+                Some(Arc::downgrade(node))
+            }
+            None => {
+                self.0.meta().hooks.push((id, Arc::new(hook)));
+                None
+            }
+        };
         Ok(HookHandle {
             tensor: Arc::downgrade(&self.0),
+            node,
             id,
         })
     }
@@ -384,6 +407,7 @@ impl Tensor {
             .push((id, Arc::new(hook)));
         Ok(HookHandle {
             tensor: Arc::downgrade(&self.0),
+            node: None,
             id,
         })
     }

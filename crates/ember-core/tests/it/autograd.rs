@@ -162,6 +162,35 @@ fn hooks_on_intermediate_tensors_change_what_flows_upstream() {
     assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![3.0, 3.0]);
 }
 
+/// A hook lives as long as the graph, not the tensor it was registered on (PyTorch keeps it on
+/// the grad_fn): an intermediate handed on and dropped before backward still has it run; and
+/// its handle still removes it.
+#[test]
+fn hooks_on_dropped_intermediate_tensors_still_run() {
+    let x = leaf(&[1.0, 2.0]);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let make = |ran: Arc<AtomicUsize>| {
+        let h = x.mul_scalar(3.0).unwrap();
+        let handle = h
+            .register_hook(move |g| {
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok(Some(g.mul_scalar(0.5)?))
+            })
+            .unwrap();
+        (h.mul_scalar(2.0).unwrap(), handle) // `h` itself is dropped here
+    };
+    let (y, _kept) = make(ran.clone());
+    y.backward_with(Some(&ones(2)), false).unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![3.0, 3.0]);
+    x.set_grad(None).unwrap();
+    let (y, handle) = make(ran.clone());
+    handle.remove();
+    y.backward_with(Some(&ones(2)), false).unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "a removed hook ran");
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![6.0, 6.0]);
+}
+
 #[test]
 fn grad_returns_gradients_without_touching_dot_grad() {
     let a = leaf(&[1.0, 2.0]);
