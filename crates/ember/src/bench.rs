@@ -412,10 +412,10 @@ fn training(name: &str, device: Device) -> Result<Map<String, Value>> {
     }
 }
 
-/// A process of a launched job (`ember-run`, `torchrun`): its world size and its GPU
-/// (`cuda:LOCAL_RANK`), after joining the default process group over NCCL (once per process);
-/// an error saying how to launch it outside such a job.
-fn join_launched_job(name: &str) -> Result<(usize, Device)> {
+/// A process of a launched job (`ember-run`, `torchrun`): its world size and the ordinal of
+/// its GPU (`cuda:LOCAL_RANK`), after joining the default process group over NCCL (once per
+/// process); an error saying how to launch it outside such a job.
+fn join_launched_job(name: &str) -> Result<(usize, usize)> {
     use ember::distributed::{self as dist, BackendKind, InitOptions};
     let world = std::env::var("WORLD_SIZE")
         .ok()
@@ -430,7 +430,7 @@ fn join_launched_job(name: &str) -> Result<(usize, Device)> {
     if !dist::is_initialized() {
         dist::init_process_group(InitOptions::new(BackendKind::Nccl))?;
     }
-    Ok((world, Device::Cuda(local)))
+    Ok((world, local))
 }
 
 /// The multi-GPU workloads (`torch_ddp_reference.py`): `ddp_*` wraps the model in
@@ -478,10 +478,8 @@ fn multi_gpu(name: &str, comm_hook: Option<CommHook>) -> Result<Map<String, Valu
         c.world = gpus.max(1);
         return c.run_eager(name);
     }
-    let (world, device) = join_launched_job(name)?;
-    let Device::Cuda(local) = device else {
-        unreachable!("join_launched_job gives a CUDA device")
-    };
+    let (world, local) = join_launched_job(name)?;
+    let device = Device::Cuda(local);
     let _guard = cuda::DeviceGuard::new(local)?;
     let wrap = move |d: Device| -> Result<Box<dyn Forward>> {
         let ddp = DistributedDataParallel::new(build(d)?, DdpOptions::new())?;
@@ -615,10 +613,8 @@ fn gpt2_distributed(name: &str, comm_hook: Option<CommHook>) -> Result<Map<Strin
     };
     use ember::nn::functional as F;
     use ember::nn::optim::AdamW;
-    let (world, device) = join_launched_job(name)?;
-    let Device::Cuda(local) = device else {
-        unreachable!("join_launched_job gives a CUDA device")
-    };
+    let (world, local) = join_launched_job(name)?;
+    let device = Device::Cuda(local);
     let _guard = cuda::DeviceGuard::new(local)?;
     let (batch, seq, vocab) = (8usize, 1024usize, 50304usize);
     let fsdp = name == "fsdp_gpt2";

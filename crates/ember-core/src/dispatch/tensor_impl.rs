@@ -228,6 +228,12 @@ impl Tensor {
         self.0.layout.offset()
     }
 
+    /// Whether this tensor is all of its storage, row-major from its first element (what a
+    /// storage-wide state, such as a cast twin, describes).
+    pub(crate) fn is_whole_storage(&self) -> bool {
+        self.is_contiguous() && self.storage_offset() == 0 && self.storage().read().len() == self.numel()
+    }
+
     pub fn is_contiguous(&self) -> bool {
         self.0.layout.is_contiguous()
     }

@@ -550,10 +550,7 @@ fn adam_scaled_prepared(
     let mut twins = params
         .iter()
         .map(|p| {
-            let whole = p.dtype() == DType::F32
-                && p.layout().is_contiguous()
-                && p.storage_offset() == 0
-                && p.storage().read().len() == p.numel();
+            let whole = p.dtype() == DType::F32 && p.is_whole_storage();
             match want_twins && whole && p.storage().wanted_twin() == Some(DType::BF16) {
                 true => Storage::alloc(device, DType::BF16, p.numel()).map(Some),
                 false => Ok(None),

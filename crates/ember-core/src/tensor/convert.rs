@@ -38,8 +38,7 @@ impl Tensor {
     /// The valid twin of `dtype` of this tensor's storage, taken out, when the tensor is the
     /// whole storage, row-major (Note [Cast twins] in `storage/mod.rs`).
     fn twin(&self, dtype: DType) -> Option<crate::storage::StorageRef> {
-        let l = self.layout();
-        if !l.is_contiguous() || l.offset() != 0 || self.storage().read().len() != self.numel() {
+        if !self.is_whole_storage() {
             return None;
         }
         self.storage()
