@@ -31,9 +31,12 @@ use crate::cuda_backend::runtime::runtime;
 use crate::cuda_backend::stream::{
     current_device, current_raw, current_stream, DeviceGuard, Stream, StreamGuard,
 };
+use crate::layout::Layout;
 use crate::random::default_generator;
+use crate::storage::graph_casts::HeldCast;
 use crate::{Device, Error, Result};
 use cudarc::driver::sys;
+use std::cell::Cell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -114,6 +117,16 @@ pub struct CUDAGraph {
     /// Philox counter blocks the captured draws consume per replay (Note [Philox under graph
     /// capture] in `random/mod.rs`).
     rng_increment: u64,
+    /// The parameters' casts the captured forward reads from buffers this graph holds (Note
+    /// [Casts a captured step keeps] in `storage/graph_casts.rs`), with the source's version
+    /// when the buffer last held its cast outside a replay.
+    casts: Vec<(HeldCast, Cell<u64>)>,
+    /// The replay count (`storage::graph_replays`) after this graph's last replay; `u64::MAX`
+    /// before its first.
+    last_replay: Cell<u64>,
+    /// The streams this graph was replayed on while it holds casts, whose work the buffers
+    /// wait for when the graph lets them go.
+    replay_streams: std::cell::RefCell<Vec<Stream>>,
 }
 
 // SAFETY: a CUgraphExec may be launched and destroyed from any thread with the device's context
@@ -138,6 +151,9 @@ impl CUDAGraph {
             holds_pool: false,
             failure: None,
             rng_increment: 0,
+            casts: Vec::new(),
+            last_replay: Cell::new(u64::MAX),
+            replay_streams: Default::default(),
         }
     }
 
@@ -272,6 +288,7 @@ impl CUDAGraph {
             ));
         }
         let rt = runtime(self.device)?;
+        let casts = crate::storage::graph_casts::take(self.serial);
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: the capture began on `stream` (a live pool stream) on this thread; `graph` is a
         // local the driver writes.
@@ -316,6 +333,8 @@ impl CUDAGraph {
         match exec {
             Ok(exec) => {
                 self.state = State::Ready(Exec(exec));
+                self.casts = casts.into_iter().map(|c| (c, Cell::new(0))).collect();
+                self.last_replay.set(u64::MAX);
                 Ok(())
             }
             Err(e) => Err(self.fail(Error::Cuda {
@@ -364,22 +383,71 @@ impl CUDAGraph {
             // numbers, those an eager run from the same state would draw.
             default_generator(Device::Cuda(self.device)).replay_prologue(self.device, self.rng_increment)?;
         }
+        self.refresh_kept_casts()?;
         // The replay writes storages without counting their versions (Note [Cast twins]).
-        crate::storage::note_graph_replay();
+        let count = crate::storage::note_graph_replay();
         // SAFETY: `exec` is a live executable graph of this device, whose context `runtime`
         // bound; the current stream of that device is live. Its memory (the private pool) lives
         // as long as this graph holds it.
         unsafe { cudarc::driver::result::graph::launch(exec.0, current_raw(self.device) as sys::CUstream) }
             .map_err(|e| Error::Cuda {
-                op: "cuGraphLaunch",
-                msg: format!("{e:?}"),
-            })
+            op: "cuGraphLaunch",
+            msg: format!("{e:?}"),
+        })?;
+        self.last_replay.set(count);
+        Ok(())
+    }
+
+    /// Casts the parameters into the buffers the captured forward reads, on the replay's
+    /// stream, where a buffer may not hold its parameter's cast: every replay for a cast the
+    /// captured step does not keep; for the others before the first replay, after another
+    /// graph's replay, after a write outside the graph (Note [Casts a captured step keeps] in
+    /// `storage/graph_casts.rs`).
+    fn refresh_kept_casts(&self) -> Result<()> {
+        if self.casts.is_empty() {
+            return Ok(());
+        }
+        let stream = current_stream(self.device)?;
+        {
+            let mut seen = self.replay_streams.borrow_mut();
+            if !seen.contains(&stream) {
+                seen.push(stream);
+            }
+        }
+        let stale = self.last_replay.get() != crate::storage::graph_replays();
+        for (c, seen_version) in &self.casts {
+            let version = c.source.version();
+            if !c.kept || stale || version != seen_version.get() {
+                let source = c.source.read();
+                let all = Layout::contiguous([source.len()]);
+                c.target.write().copy_strided_from(&all, &source, &all)?;
+                seen_version.set(version);
+            }
+        }
+        Ok(())
+    }
+
+    /// How many casts of parameters the captured step keeps from one replay to the next, so
+    /// that the captured forward has no cast kernel for them and no cast runs before a replay
+    /// that follows this graph's own (Note [Casts a captured step keeps] in
+    /// `storage/graph_casts.rs`): for tests and profiling.
+    #[doc(hidden)]
+    pub fn kept_casts(&self) -> usize {
+        self.casts.iter().filter(|(c, _)| c.kept).count()
     }
 
     /// Destroys the graph (ending a capture underway) and gives back its use of the memory
     /// pool: once no graph uses the pool, `empty_cache` returns its memory to the device
     /// (tensors made during the capture keep theirs until dropped). The graph can capture again.
     pub fn reset(&mut self) {
+        // The buffers go back to the allocator once the replays' work is done.
+        for stream in self.replay_streams.take() {
+            for (c, _) in &self.casts {
+                let _ = c.target.read().record_stream(&stream);
+            }
+        }
+        self.casts.clear();
+        crate::storage::graph_casts::forget(self.serial);
         match std::mem::replace(&mut self.state, State::Empty) {
             State::Capturing { .. } => {
                 if capture::take_ended(self.serial).is_none() && !capture::abandon(self.serial) {

@@ -89,6 +89,21 @@ pub(crate) fn register(graph: u64, device: usize, stream: u64, pool: MempoolId) 
     UNDERWAY.fetch_add(1, Ordering::AcqRel);
 }
 
+/// The graph (by serial) whose capture, begun through `CUDAGraph` on this thread, the calling
+/// thread's current stream on `device` takes part in.
+pub(crate) fn capture_of_current_stream(device: usize) -> Option<u64> {
+    if !any_underway() || runtime(device).is_err() {
+        return None;
+    }
+    let id = active_capture_id(current_raw(device))?;
+    let me = std::thread::current().id();
+    registry()
+        .active
+        .iter()
+        .find(|a| a.device == device && a.id == Some(id) && a.thread == me)
+        .map(|a| a.graph)
+}
+
 /// The driver's id for graph `graph`'s capture, once it has begun.
 pub(crate) fn set_id(graph: u64, id: CaptureId) {
     if let Some(a) = registry().active.iter_mut().find(|a| a.graph == graph) {

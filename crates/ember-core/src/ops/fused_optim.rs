@@ -541,12 +541,25 @@ fn adam_scaled_prepared(
     // Note [Cast twins] in `storage/mod.rs`: a float32 parameter that autocast cast to bf16
     // since its last step gets its bf16 twin written beside it by the step, on a GPU, without
     // amsgrad, with the whole gradient at hand, and not during a capture; nor with found_inf,
-    // where a skipped step writes nothing, the twin included.
-    let want_twins = device.is_cuda()
-        && !cfg.amsgrad
-        && scaling.found_inf.is_none()
-        && !crate::cuda_backend::capture::any_underway()
-        && arrivals.iter().all(Vec::is_empty);
+    // where a skipped step writes nothing, the twin included. During a capture the twin goes
+    // into the buffer the captured cast wrote (Note [Casts a captured step keeps] in
+    // `storage/graph_casts.rs`), which a skipped step leaves the cast of the unchanged values.
+    let capturing = crate::cuda_backend::capture::any_underway();
+    let twins_possible = device.is_cuda() && !cfg.amsgrad && arrivals.iter().all(Vec::is_empty);
+    let want_twins = twins_possible && scaling.found_inf.is_none() && !capturing;
+    let graph_targets: Vec<Option<crate::storage::StorageRef>> = params
+        .iter()
+        .map(|p| {
+            let whole = p.dtype() == DType::F32 && p.is_whole_storage();
+            (twins_possible && capturing && whole)
+                .then(|| crate::storage::graph_casts::step_target(p.storage()))
+                .flatten()
+        })
+        .collect();
+    let mut graph_guards: Vec<Option<RwLockWriteGuard<'_, Storage>>> = graph_targets
+        .iter()
+        .map(|t| t.as_ref().map(|t| t.write()))
+        .collect();
     let mut twins = params
         .iter()
         .map(|p| {
@@ -568,8 +581,8 @@ fn adam_scaled_prepared(
     let mut x = cfg.amsgrad.then(|| ops.written().into_iter());
     let mut counts = device_steps.then(|| ops.written().into_iter());
     let amp = ops.scalars(&scaling, lr);
-    let mut twin_elems = twins.iter_mut().map(|t| {
-        t.as_mut().map(|s| Elems {
+    let mut twin_elems = twins.iter_mut().zip(graph_guards.iter_mut()).map(|(t, g)| {
+        t.as_mut().or(g.as_deref_mut()).map(|s| Elems {
             len: s.len(),
             storage: s,
             offset: 0,
@@ -604,9 +617,13 @@ fn adam_scaled_prepared(
     }
     stepped?;
     drop(guards);
-    for (p, t) in params.iter().zip(twins) {
+    drop(graph_guards);
+    for ((p, t), g) in params.iter().zip(twins).zip(&graph_targets) {
         if let Some(t) = t {
             p.storage().set_twin(t, false);
+        }
+        if g.is_some() {
+            crate::storage::graph_casts::stepped(p.storage());
         }
     }
     Ok(())

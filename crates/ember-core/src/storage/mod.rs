@@ -40,6 +40,7 @@ use crate::{DType, Device, Error, Result};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+pub(crate) mod graph_casts;
 pub(crate) mod row_blocks;
 
 /// Elements of one tensor storage on one backend.
@@ -240,7 +241,9 @@ struct StorageCell {
 /// twin is valid while the storage was not written since it was set (its version counter), on
 /// the same device; one set apart from the kernel that wrote the elements (`bound` false, the
 /// optimizer's) also dies at the next CUDA graph replay, which writes storages without counting
-/// versions, and is neither set nor taken while a capture is underway. Producers: LayerNorm's
+/// versions, and is neither set nor taken while a capture is underway (a captured step keeps
+/// its casts another way: Note [Casts a captured step keeps] in `storage/graph_casts.rs`).
+/// Producers: LayerNorm's
 /// forward and backward (`cuda_backend/norm.rs`) and the fused Adam step
 /// (`ops/fused_optim.rs`). On GPT-2's eager bf16 step (H200) the 146 casts f32 -> bf16 (0.84 ms)
 /// went, for 0.1 ms more in Adam and 0.05 ms more in LayerNorm (docs/benchmarks.md, session 47).
@@ -264,8 +267,14 @@ struct Twin {
 static GRAPH_REPLAYS: AtomicU64 = AtomicU64::new(0);
 
 /// Counts a CUDA graph replay: every twin set apart from its source's kernel before it dies.
-pub(crate) fn note_graph_replay() {
-    GRAPH_REPLAYS.fetch_add(1, Ordering::AcqRel);
+/// Returns the count with this replay.
+pub(crate) fn note_graph_replay() -> u64 {
+    GRAPH_REPLAYS.fetch_add(1, Ordering::AcqRel) + 1
+}
+
+/// CUDA graph replays so far.
+pub(crate) fn graph_replays() -> u64 {
+    GRAPH_REPLAYS.load(Ordering::Acquire)
 }
 
 /// `device` as one word: 0 for the host, `1 + ordinal` for a GPU.
@@ -489,8 +498,11 @@ impl StorageRef {
     }
 
     /// Takes out the twin of `dtype` when it is valid (Note [Cast twins]), and notes that a twin
-    /// of `dtype` is wanted either way.
-    pub(crate) fn take_twin(&self, dtype: DType) -> Option<StorageRef> {
+    /// of `dtype` is wanted either way; with whether the twin was written by its source's own
+    /// kernel (`bound`). `for_capture`: for a capture underway to keep (Note [Casts a captured
+    /// step keeps] in `storage/graph_casts.rs`), which takes a twin set apart from its source's
+    /// kernel too, while no replay came since.
+    pub(crate) fn take_twin(&self, dtype: DType, for_capture: bool) -> Option<(StorageRef, bool)> {
         let mut slot = self.twin_slot();
         slot.wanted = Some(dtype);
         let t = slot.twin.take()?;
@@ -501,10 +513,10 @@ impl StorageRef {
                 None => true,
                 Some(e) => {
                     e == GRAPH_REPLAYS.load(Ordering::Acquire)
-                        && !crate::cuda_backend::capture::any_underway()
+                        && (for_capture || !crate::cuda_backend::capture::any_underway())
                 }
             };
-        valid.then_some(t.storage)
+        valid.then_some((t.storage, t.epoch.is_none()))
     }
 
     /// The dtype of twin a cast of the whole storage asked for since a twin was last set (Note

@@ -36,14 +36,25 @@ impl Tensor {
     }
 
     /// The valid twin of `dtype` of this tensor's storage, taken out, when the tensor is the
-    /// whole storage, row-major (Note [Cast twins] in `storage/mod.rs`).
+    /// whole storage, row-major (Note [Cast twins] in `storage/mod.rs`). A float32 parameter's
+    /// bf16 twin taken by a capture becomes the buffer the captured step keeps its cast in
+    /// (Note [Casts a captured step keeps] in `storage/graph_casts.rs`).
     fn twin(&self, dtype: DType) -> Option<crate::storage::StorageRef> {
+        use crate::storage::graph_casts;
         if !self.is_whole_storage() {
             return None;
         }
-        self.storage()
-            .take_twin(dtype)
-            .filter(|t| t.read().len() == self.numel())
+        let s = self.storage();
+        let graph = (self.dtype() == DType::F32 && dtype == DType::BF16)
+            .then(|| graph_casts::capturing(self.device()))
+            .flatten();
+        let (twin, bound) = s
+            .take_twin(dtype, graph.is_some())
+            .filter(|(t, _)| t.read().len() == self.numel())?;
+        Some(match graph {
+            Some(g) if !bound => graph_casts::adopt(g, s, twin),
+            _ => twin,
+        })
     }
 
     /// [`Tensor::to_dtype`] keeping the strides of a dense view (a permutation of a row-major

@@ -526,6 +526,170 @@ fn a_captured_optimizer_step_follows_the_lr_between_replays_body() {
     }
 }
 
+/// Note [Casts a captured step keeps]: a captured step that casts float32 parameters to bf16
+/// and then steps them with the fused Adam keeps the casts from one replay to the next (the
+/// capture takes the last eager step's twins as the casts' buffers, and the captured step
+/// writes them), and still equals the same steps run eagerly: replay after replay, after a
+/// write to a parameter outside the graph, and after another graph that writes a parameter
+/// was replayed in between.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_captured_step_keeps_its_parameter_casts_between_replays() {
+    in_own_process(
+        "a_captured_step_keeps_its_parameter_casts_between_replays",
+        a_captured_step_keeps_its_parameter_casts_between_replays_body,
+    );
+}
+
+fn a_captured_step_keeps_its_parameter_casts_between_replays_body() {
+    let gpu = common::gpu();
+    let sizes = [[64usize, 96], [4096 + 3, 5], [7, 1]];
+    let adam = AdamStep {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        amsgrad: false,
+        maximize: false,
+        decoupled_weight_decay: true,
+    };
+    // Two identical sets of parameters, optimizer state and gradient buffers: one stepped
+    // eagerly, one by the graph.
+    struct Run {
+        p: Vec<Tensor>,
+        g: Vec<Tensor>,
+        m: Vec<Tensor>,
+        v: Vec<Tensor>,
+        steps: Vec<Tensor>,
+        lr: Tensor,
+    }
+    let run = || Run {
+        p: sizes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let v: Vec<f32> = common::values(s[0] * s[1], 7 + i as u64)
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect();
+                Tensor::from_slice(&v, *s, gpu).unwrap()
+            })
+            .collect(),
+        g: sizes
+            .iter()
+            .map(|s| Tensor::zeros(*s, DType::F32, gpu).unwrap())
+            .collect(),
+        m: sizes
+            .iter()
+            .map(|s| Tensor::zeros(*s, DType::F32, gpu).unwrap())
+            .collect(),
+        v: sizes
+            .iter()
+            .map(|s| Tensor::zeros(*s, DType::F32, gpu).unwrap())
+            .collect(),
+        steps: sizes
+            .iter()
+            .map(|_| Tensor::scalar(0.0, DType::F32, gpu).unwrap())
+            .collect(),
+        lr: Tensor::scalar(adam.lr, DType::F64, gpu).unwrap(),
+    };
+    // The "forward and backward": each gradient is computed from the parameter's bf16 cast
+    // (as a linear under autocast reads its weight), so a stale cast changes the step.
+    let step = |r: &Run| {
+        for (p, g) in r.p.iter().zip(&r.g) {
+            let w = p.to_dtype(DType::BF16).unwrap();
+            g.copy_(&w.mul_scalar(0.5).unwrap().add_scalar(-0.25).unwrap())
+                .unwrap();
+        }
+        adam_scaled_(
+            &r.p,
+            &r.g,
+            &r.m,
+            &r.v,
+            None,
+            AdamSteps::Device(&r.steps),
+            &adam,
+            GradScaling::default(),
+            Some(&r.lr),
+        )
+        .unwrap();
+    };
+    let (eager, graphed) = (run(), run());
+    let same = |when: &str| {
+        cuda::synchronize(0).unwrap();
+        for (k, (a, b)) in eager.p.iter().zip(&graphed.p).enumerate() {
+            assert_eq!(
+                a.to_vec::<f32>().unwrap(),
+                b.to_vec::<f32>().unwrap(),
+                "parameter {k} {when}"
+            );
+        }
+    };
+    // Warm-up (kernels loaded, and the bf16 twins the casts asked for written by the eager
+    // step), then capture one step.
+    step(&eager);
+    step(&graphed);
+    cuda::synchronize(0).unwrap();
+    let mut graph = CUDAGraph::new();
+    {
+        let _capture = cuda::graph(&mut graph).unwrap();
+        step(&graphed);
+    }
+    assert!(graph.is_captured());
+    assert_eq!(graph.kept_casts(), sizes.len(), "every parameter's cast is kept");
+    for k in 0..3 {
+        step(&eager);
+        graph.replay().unwrap();
+        same(&format!("after replay {k}"));
+    }
+    // A write outside the graph: the next replay casts the new values first.
+    {
+        let _ng = ember_core::no_grad();
+        eager.p[0].mul_scalar_(0.5).unwrap();
+        graphed.p[0].mul_scalar_(0.5).unwrap();
+    }
+    step(&eager);
+    graph.replay().unwrap();
+    same("after a write outside the graph");
+    // Another graph writing a parameter, replayed in between (replays count no versions).
+    let mut other = CUDAGraph::new();
+    {
+        let _capture = cuda::graph(&mut other).unwrap();
+        let _ng = ember_core::no_grad();
+        graphed.p[1].add_scalar_(1.0).unwrap();
+    }
+    other.replay().unwrap();
+    {
+        let _ng = ember_core::no_grad();
+        eager.p[1].add_scalar_(1.0).unwrap();
+    }
+    step(&eager);
+    graph.replay().unwrap();
+    same("after another graph wrote a parameter");
+    // A capture whose step writes the parameters before casting them keeps nothing: the
+    // eager step's twins are no longer their casts by then.
+    step(&graphed);
+    let mut late = CUDAGraph::new();
+    {
+        let _capture = cuda::graph(&mut late).unwrap();
+        adam_scaled_(
+            &graphed.p,
+            &graphed.g,
+            &graphed.m,
+            &graphed.v,
+            None,
+            AdamSteps::Device(&graphed.steps),
+            &adam,
+            GradScaling::default(),
+            Some(&graphed.lr),
+        )
+        .unwrap();
+        step(&graphed);
+    }
+    assert_eq!(late.kept_casts(), 0, "written before the cast: nothing kept");
+}
+
 /// A copy from one GPU to another enqueues and returns without waiting, and the data arrives.
 #[test]
 #[ignore = "needs two CUDA devices"]
