@@ -3,7 +3,8 @@
 # prebuilt ember binaries on a GPU machine (no Rust toolchain needed there) and prints one line
 # per tool with the errors and warnings it reported.
 #
-#   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [--no-warm] [COMMAND ...]
+#   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [--no-warm] [--exclude-vendor]
+#                       [--exclude REGEX] [COMMAND ...]
 #
 # COMMAND   a program and its arguments as one string, split at spaces (no quoting), e.g.
 #           ".gpu/bin/it-0123abcd --include-ignored --test-threads=1 cuda_" or
@@ -20,6 +21,18 @@
 #           process, LOGDIR/TOOL-N.out the program's own output; LOGDIR/summary.txt the lines below.
 # --no-warm skip the first plain run of each command (it fills the kernel cache, so that no
 #           kernel is compiled under a tool, and shows which commands fail without one).
+# --exclude-vendor  leave the vendor libraries' kernels unchecked: those whose (mangled) name
+#           matches $SANITIZE_VENDOR_KERNELS, default
+#           cudnn|xmma|cutlass|nvjet|nccl|cublas|gemm|gemv|splitKreduce|nchwToNhwc|nhwcToNchw
+#           (cuDNN's generated kernels such as cudnn_generated_fort_native_sdpa_sm90_flash_*,
+#           cuBLAS/cuBLASLt's sm90_xmma_*, nvjet_*, cutlass::* and gemv/gemm kernels, NCCL's
+#           ncclDevKernel_*; no ember kernel matches). ember cannot fix what the tools report
+#           inside them (racecheck's hazards in cuDNN's flash-attention kernels), and they are
+#           the slowest to check. They still run, unchecked: for initcheck that may also leave
+#           what they write unseen, so reads of it by ember's kernels can be reported
+#           (scripts/initcheck-probe.sh tests this for cuBLASLt's output).
+# --exclude REGEX   leave kernels matching REGEX unchecked too (several are joined with |; no
+#           commas: the tool splits its filter at them).
 #
 # Environment of every run: CUDA_TESTS_REQUIRED=1 (a GPU test that finds no GPU fails);
 # EMBER_KERNEL_PREFETCH=0 (no background threads compiling kernel units: every kernel is
@@ -30,6 +43,9 @@
 #
 # Output: one line per tool,
 #   memcheck: 0 errors, 0 warnings (12 runs, 0 failed)
+# then, per tool that reported anything, the kernels the reports name most ("at KERNEL+0x..."
+# lines), split into vendor kernels (matching the vendor pattern) and ember's; with exclusions,
+# a line saying which kernels were left unchecked.
 # where errors are the tools' "ERROR SUMMARY" counts (racecheck: the errors of its "RACECHECK
 # SUMMARY"), warnings the "Warning" lines of the logs (racecheck: its summary's warnings), and a
 # failed run is one that exited non-zero for another reason than a reported error (a test
@@ -46,6 +62,8 @@ tools=memcheck,racecheck,synccheck,initcheck
 logdir=sanitize-logs
 bundle=.gpu
 warm=1
+exclude_vendor=0
+excludes=()
 commands=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -53,7 +71,9 @@ while [ $# -gt 0 ]; do
     -o) logdir="$2"; shift 2 ;;
     -d) bundle="$2"; shift 2 ;;
     --no-warm) warm=0; shift ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    --exclude-vendor) exclude_vendor=1; shift ;;
+    --exclude) excludes+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,58p' "$0"; exit 0 ;;
     --) shift; commands+=("$@"); break ;;
     -*) echo "sanitize.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     *) commands+=("$1"); shift ;;
@@ -88,6 +108,32 @@ if [ ${#commands[@]} = 0 ]; then
   done
 fi
 
+# The kernels left unchecked: one regex for the tool's --kernel-name-exclude filter (its keys
+# are kernel_name/kne, an exact mangled name; kernel_substring/kns; regex), matched anywhere
+# in the mangled name.
+vendor=${SANITIZE_VENDOR_KERNELS:-cudnn|xmma|cutlass|nvjet|nccl|cublas|gemm|gemv|splitKreduce|nchwToNhwc|nhwcToNchw}
+[ $exclude_vendor = 1 ] && excludes=("$vendor" ${excludes[@]+"${excludes[@]}"})
+exclude_args=()
+excluded=
+if [ ${#excludes[@]} -gt 0 ]; then
+  excluded=$(IFS='|'; echo "${excludes[*]}")
+  case "$excluded" in
+    *,*) echo "sanitize.sh: no commas in --exclude patterns (the tool splits its filter at them)" >&2; exit 2 ;;
+  esac
+  exclude_args=(--kernel-name-exclude "regex=.*($excluded).*")
+fi
+
+# The kernels named in the logs LOGDIR/TOOL-*.log, most named first: "NAMES vendor|ember COUNT"
+# lines, from the reports' "at KERNEL+0x..." (memcheck, initcheck, synccheck, racecheck's
+# "Race reported between ... at KERNEL+0x...").
+kernels_named() {
+  cat "$logdir/$1"-*.log 2>/dev/null | grep -o ' at [A-Za-z_$][A-Za-z0-9_$.:]*+0x' |
+    sed 's/^ at //; s/+0x$//' | sort | uniq -c | sort -rn |
+    while read -r n name; do
+      if printf '%s\n' "$name" | grep -qE "$vendor"; then echo "$name vendor $n"; else echo "$name ember $n"; fi
+    done
+}
+
 mkdir -p "$logdir"
 logdir=$(cd "$logdir" && pwd)
 export CUDA_TESTS_REQUIRED=1 EMBER_KERNEL_PREFETCH=0
@@ -96,6 +142,9 @@ limit=${SANITIZE_TIMEOUT:-3600}
 summary="$logdir/summary.txt"
 : > "$summary"
 "$sanitizer" --version | tail -1 | tee -a "$summary"
+if [ -n "$excluded" ]; then
+  echo "excluded (run, not checked, not reported): kernels matching $excluded" | tee -a "$summary"
+fi
 
 for i in "${!commands[@]}"; do
   echo "command $i: ${commands[$i]}" | tee -a "$summary"
@@ -121,8 +170,8 @@ for tool in "${tool_list[@]}"; do
     start=$SECONDS
     # shellcheck disable=SC2086
     timeout "$limit" "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
-      --print-limit 1000 --log-file "$logdir/$tool-$i.%p.log" ${SANITIZE_ARGS:-} \
-      "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
+      --print-limit 1000 --log-file "$logdir/$tool-$i.%p.log" ${exclude_args[@]+"${exclude_args[@]}"} \
+      ${SANITIZE_ARGS:-} "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
     status=$?
     secs=$((secs + SECONDS - start))
     runs=$((runs + 1))
@@ -152,6 +201,14 @@ for tool in "${tool_list[@]}"; do
   line="$tool: $errors errors, $warnings warnings ($runs runs, $failed failed, $secs s)"
   echo "$line"
   lines+=("$line")
+  if [ $errors != 0 ] || [ $warnings != 0 ]; then
+    named=$(kernels_named "$tool")
+    for side in vendor ember; do
+      top=$(printf '%s\n' "$named" | awk -v s=$side '$2 == s { t += $3; if (k++ < 5) l = l (l ? ", " : "") $1 " (" $3 ")" }
+        END { if (t) printf "%d report lines name %s kernels: %s%s", t, s, l, (k > 5 ? ", ..." : "") }')
+      [ -n "$top" ] && lines+=("  $tool: $top")
+    done
+  fi
   if [ $errors != 0 ] || [ $warnings != 0 ] || [ $failed != 0 ]; then
     overall=1
   fi

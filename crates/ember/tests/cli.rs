@@ -219,6 +219,10 @@ fn train_data_parallel_in_two_processes_and_resume_in_one() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn train_data_parallel_on_two_gpus() {
+    assert!(
+        ember::cuda::device_count() >= 2,
+        "this test needs two CUDA devices; run it on a GPU machine"
+    );
     for graph in [false, true] {
         let mut args = vec![
             "train",
@@ -1076,7 +1080,7 @@ fn train_gpt2_sharded_on_two_gpus_follows_replicated() {
 /// activation checkpointing, and the loss falls over 20 steps.
 #[test]
 #[ignore = "needs two CUDA devices of more than 80 GB"]
-fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two() {
+fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two_gpus() {
     assert!(
         ember::cuda::device_count() >= 2,
         "this test needs two CUDA devices; run it on a GPU machine"

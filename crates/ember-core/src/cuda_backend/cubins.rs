@@ -9,7 +9,12 @@
 //! finished (NVRTC and its builtins library are loaded and have registered their destructors by
 //! then, and handlers run in the reverse order of registration, so ours runs first), closes the
 //! queue and waits for the compiles in flight. The cost is at most one unit's compile time at
-//! the exit of a first run; the threads left waiting on an empty queue hold nothing of NVRTC's.
+//! the exit of a first run. Once the queue is closed the threads never return: a thread that
+//! returned would exit while `exit` goes on into the libraries' static destructors, and a
+//! thread that has compiled runs NVRTC's thread-local destructors as it exits, inside NVRTC
+//! as surely as a compile is (a child test process that had passed died with SIGSEGV at exit
+//! once; this race is the one candidate found in ember's exit path). So they wait on the
+//! closed queue until the process ends, and run nothing more.
 
 use super::kernel_units::{likely_units, Unit};
 use super::nvrtc;
@@ -143,15 +148,14 @@ fn prefetch(dtype: DType, arch: &str) {
     pool.changed.notify_all();
 }
 
-/// A background thread: compiles queued units until the queue closes at exit.
+/// A background thread: compiles queued units until the queue closes at exit, then waits for
+/// the process to end (Note [Compiles at exit]: it must not exit during `exit`).
 fn work() {
     let pool = pool();
     let mut q = pool.queue.lock().unwrap_or_else(|e| e.into_inner());
     loop {
-        if q.closed {
-            return;
-        }
-        let Some((unit, arch)) = q.jobs.pop_front() else {
+        let job = if q.closed { None } else { q.jobs.pop_front() };
+        let Some((unit, arch)) = job else {
             q = pool.changed.wait(q).unwrap_or_else(|e| e.into_inner());
             continue;
         };

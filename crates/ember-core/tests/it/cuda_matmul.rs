@@ -594,3 +594,79 @@ fn matmul_with_timed_algorithms_matches_the_cpu() {
         assert_eq!(first, again, "{dtype}: the chosen algorithm is kept");
     }
 }
+
+/// The initcheck probes' shape, `[m, k] @ [k, n]`: GPT-2's MLP (768 → 3072 over 1,024 tokens,
+/// whose `c_fc` output goes through the tanh GELU), where cuBLASLt picks its Hopper kernels;
+/// `EMBER_INITCHECK_SHAPE=m,k,n` tries another.
+fn initcheck_shape() -> (usize, usize, usize) {
+    let Ok(s) = std::env::var("EMBER_INITCHECK_SHAPE") else {
+        return (1024, 768, 3072);
+    };
+    let v: Vec<usize> = s.split(',').map(|d| d.trim().parse().expect("m,k,n")).collect();
+    assert_eq!(v.len(), 3, "EMBER_INITCHECK_SHAPE=m,k,n, got {s:?}");
+    (v[0], v[1], v[2])
+}
+
+/// One initcheck probe: a bf16 product through `matmul` and the tanh GELU of it on the GPU,
+/// after a small product that sets up this thread's cuBLASLt handle and workspace. With
+/// `prefill`, the product's output block was first written by a plain fill of ember's (a
+/// tensor of the same size, filled and dropped: the caching allocator hands its block to the
+/// product, which the test checks). Its first rows are checked against the CPU, so the product
+/// did write the block whatever initcheck says.
+fn initcheck_probe(prefill: bool) {
+    let _l = lock();
+    let dev = gpu();
+    let (m, k, n) = initcheck_shape();
+    let warm = input(&[64, 64], 50, DType::BF16).to(dev).unwrap();
+    warm.matmul(&warm).unwrap().to_vec_f64().unwrap();
+    let (a, b) = (input(&[m, k], 51, DType::BF16), input(&[k, n], 52, DType::BF16));
+    let (ad, bd) = (a.to(dev).unwrap(), b.to(dev).unwrap());
+    let filled = prefill.then(|| {
+        let t = Tensor::empty([m, n], DType::BF16, dev).unwrap();
+        t.fill_(0.25).unwrap();
+        t.data_ptr()
+    });
+    let y = ad.matmul(&bd).unwrap();
+    if let Some(ptr) = filled {
+        assert_eq!(
+            y.data_ptr(),
+            ptr,
+            "the product's output is not the filled block: the probe would prove nothing"
+        );
+    }
+    let z = y.gelu_tanh().unwrap();
+    let rows = m.min(16);
+    let expected = a
+        .narrow(0, 0, rows)
+        .unwrap()
+        .matmul(&b)
+        .unwrap()
+        .gelu_tanh()
+        .unwrap();
+    let got = z.narrow(0, 0, rows).unwrap().to(Device::Cpu).unwrap();
+    let (rtol, atol) = mm_tolerance(DType::BF16, k);
+    crate::common::assert_close(&got, &expected, 2.0 * rtol, 2.0 * atol);
+    println!(
+        "initcheck probe [{m},{k}]@[{k},{n}] bf16 then gelu_tanh: output at {:#x} ({})",
+        y.data_ptr(),
+        if prefill { "filled first" } else { "fresh" }
+    );
+}
+
+/// Run under `compute-sanitizer --tool initcheck` (`scripts/initcheck-probe.sh`): the tanh
+/// GELU reads a fresh block that only cuBLASLt's product wrote. An "uninitialized __global__
+/// memory read" in `unary_gelu_tanh_bf16` here, and none in the `prefilled` twin, means the
+/// tool did not see the product's stores (a false positive), not that ember reads garbage.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn initcheck_probe_gelu_tanh_of_a_fresh_bf16_matmul_output() {
+    initcheck_probe(false);
+}
+
+/// The twin of `initcheck_probe_gelu_tanh_of_a_fresh_bf16_matmul_output` whose product writes
+/// over a block a plain fill wrote first: initcheck must report nothing here.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn initcheck_probe_gelu_tanh_of_a_prefilled_bf16_matmul_output() {
+    initcheck_probe(true);
+}

@@ -862,18 +862,24 @@ fn cuda_cupti_cycles_beside_backward_passes_over_two_gpus_record_every_op() {
 
 /// `Tensor::empty` on a GPU takes memory from the caching allocator and queues no work (as
 /// `torch.empty`); `zeros` queues its fill, which CUPTI reports under the range that made it.
+/// Only the work of this thread's own two ranges counts: their names are the test's own (a
+/// range named `zeros` would also match the `zeros` op of any test running beside this one,
+/// whose fill CUPTI attributes to that op), and an activity counts when the op that launched
+/// it lies under the range event itself, so on this thread.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_empty_queues_no_fill_and_zeros_one() {
+    const RANGES: [&str; 2] = ["empty_queues_no_fill: empty", "empty_queues_no_fill: zeros"];
     let dev = common::gpu();
     let _l = lock();
     let mut made = Vec::new();
     let prof = cupti_profile(|| {
-        for name in ["empty", "zeros"] {
-            let _r = profiler::record_function(name);
-            let t = match name {
-                "empty" => Tensor::empty([1 << 20], DType::F32, dev),
-                _ => Tensor::zeros([1 << 20], DType::F32, dev),
+        for range in RANGES {
+            let _r = profiler::record_function(range);
+            let t = if range == RANGES[0] {
+                Tensor::empty([1 << 20], DType::F32, dev)
+            } else {
+                Tensor::zeros([1 << 20], DType::F32, dev)
             };
             made.push(t.unwrap());
         }
@@ -887,16 +893,32 @@ fn cuda_empty_queues_no_fill_and_zeros_one() {
     let trace = prof.trace().unwrap();
     let (events, activities) = (trace.events(), trace.gpu_activities());
     let work_under = |range: &str| -> Vec<GpuActivityKind> {
+        let mut ours = events.iter().enumerate().filter(|(_, e)| e.name == range);
+        let (r, _) = ours.next().unwrap_or_else(|| panic!("no range {range}"));
+        assert!(ours.next().is_none(), "one range {range}");
         activities
             .iter()
-            .filter(|a| a.event.is_some_and(|i| under(events, i, range)))
+            .filter(|a| a.event.is_some_and(|i| under_event(events, i, r)))
             .map(|a| a.kind)
             .collect()
     };
-    assert_eq!(work_under("empty"), vec![], "empty queued work");
+    assert_eq!(work_under(RANGES[0]), vec![], "empty queued work");
     assert_eq!(
-        work_under("zeros"),
+        work_under(RANGES[1]),
         vec![GpuActivityKind::Memset],
         "zeros' one fill"
     );
+}
+
+/// True when event `i` is event `r` or lies under it (so on `r`'s thread).
+fn under_event(events: &[FunctionEvent], mut i: usize, r: usize) -> bool {
+    loop {
+        if i == r {
+            return true;
+        }
+        match events[i].parent {
+            Some(p) => i = p,
+            None => return false,
+        }
+    }
 }

@@ -274,7 +274,7 @@ fn nccl_collectives_on_two_gpus_as_threads() {
 
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_work_wait_orders_the_current_stream_without_a_host_wait() {
+fn nccl_work_wait_on_two_gpus_orders_the_current_stream_without_a_host_wait() {
     crate::common::require_two_gpus();
     run_nccl_ranks(2, |pg, dev| {
         let x = Tensor::full(1usize << 20, 1.0, DType::F32, Device::Cuda(dev)).unwrap();
@@ -298,7 +298,7 @@ fn assert_steps_close(got: &[Vec<Option<Vec<f64>>>], expected: &[Vec<Option<Vec<
 
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_ddp_gradients_equal_single_process_full_batch_gradients() {
+fn nccl_ddp_gradients_on_two_gpus_equal_single_process_full_batch_gradients() {
     crate::common::require_two_gpus();
     let steps = 3;
     let expected = crate::ddp::reference(steps, 12);
@@ -327,7 +327,7 @@ fn nccl_ddp_gradients_equal_single_process_full_batch_gradients() {
 /// for a captured operation to finish would have aborted it).
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
+fn nccl_ddp_step_on_two_gpus_captured_in_a_cuda_graph_averages_on_every_replay() {
     crate::common::require_two_gpus();
     let (warmup, replays) = (2, 3);
     let expected = crate::ddp::reference(warmup + replays, 12);
@@ -373,7 +373,7 @@ fn nccl_ddp_step_captured_in_a_cuda_graph_averages_on_every_replay() {
 /// was started and stopped under rank 1's all-reduce: both hung.
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_ddp_rank_profiles_while_the_other_runs_ahead() {
+fn nccl_ddp_rank_profiles_while_the_other_runs_ahead_on_two_gpus() {
     use ember_core::profiler::{self, CudaTimingSource, ProfilerActivity};
     crate::common::require_two_gpus();
     let steps = 5;
@@ -442,7 +442,7 @@ fn nccl_ddp_rank_profiles_while_the_other_runs_ahead() {
 /// read the rank's own, unaveraged rows).
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_ddp_all_reduces_a_large_weight_in_row_blocks_that_adam_updates_as_they_arrive() {
+fn nccl_ddp_on_two_gpus_all_reduces_a_large_weight_in_row_blocks_that_adam_updates_as_they_arrive() {
     use ember_nn::optim::{Adam, AdamConfig, Optimizer};
     use ember_nn::{Forward, Linear, ModuleExt};
     crate::common::require_two_gpus();
@@ -548,7 +548,7 @@ fn nccl_ddp_all_reduces_a_large_weight_in_row_blocks_that_adam_updates_as_they_a
 /// (a hook sees it whole) beside a small bias.
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_ddp_comm_hooks_reduce_as_their_steps_compute() {
+fn nccl_ddp_comm_hooks_on_two_gpus_reduce_as_their_steps_compute() {
     use crate::ddp_hooks::{compressed_average, register, Hook};
     use ember_distributed::DistributedDataParallel;
     use ember_nn::{Forward, Linear, ModuleExt};

@@ -289,7 +289,7 @@ fn a_rank_killed_during_a_checkpoint_leaves_the_previous_one_loadable() {
 
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
+fn nccl_collectives_and_ddp_between_processes_on_two_gpus_under_ember_run() {
     crate::common::require_two_gpus();
     for (scenario, line) in [
         ("nccl_collectives", "nccl worker"),
@@ -301,7 +301,7 @@ fn nccl_collectives_and_ddp_between_processes_under_ember_run() {
 
 #[test]
 #[ignore = "needs two CUDA devices"]
-fn nccl_survivor_of_a_crashed_rank_gets_an_error_not_a_hang() {
+fn nccl_survivor_of_a_crashed_rank_on_two_gpus_gets_an_error_not_a_hang() {
     crate::common::require_two_gpus();
     let n = 2;
     let (outs, took) = run_ranks_directly("nccl_dead_peer", n);
