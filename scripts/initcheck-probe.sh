@@ -65,7 +65,10 @@ echo "shape: ${EMBER_INITCHECK_SHAPE:-1024,768,3072} (m,k,n)" | tee -a "$summary
 
 # The kernels named in a report's "at KERNEL+0x..." lines, most reported first.
 kernels_of() {
-  sed -n 's/^=========  *at \([^+ ]*\)+0x.*/\1/p' "$1" | sort | uniq -c | sort -rn | head -5 |
+  # Device-side reports name the kernel ("at kernel+0x..."); host-side ones the API ("on access
+  # by cudaMemcpy source").
+  sed -n -e 's/^=========  *at \([^+ ]*\)+0x.*/\1/p' -e 's/.* on access by \(.*\)$/\1/p' "$1" |
+    tr ' ' '_' | sort | uniq -c | sort -rn | head -5 |
     awk '{ printf "%s%s (%d)", (NR > 1 ? ", " : ""), $2, $1 }'
 }
 
@@ -81,7 +84,8 @@ for case in fresh prefilled; do
   "$sanitizer" --tool initcheck --error-exitcode 86 --print-limit 100 \
     --log-file "$logdir/$case.log" "$binary" "${args[@]}" > "$logdir/$case.out" 2>&1
   status=$?
-  e=$(sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' "$logdir/$case.log" | awk '{ s += $1 } END { print s + 0 }')
+  # One "ERROR SUMMARY: N errors" a process; the "N errors were not printed" line is not a count.
+  e=$(grep -v "not printed" "$logdir/$case.log" | sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
   errors[$case]=$e
   line="$case: $e errors"
   [ "$e" -gt 0 ] && line="$line, in $(kernels_of "$logdir/$case.log")"

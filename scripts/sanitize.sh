@@ -180,7 +180,7 @@ for tool in "${tool_list[@]}"; do
       [ -f "$log" ] || continue
       # "ERROR SUMMARY: 3 errors" (memcheck, synccheck, initcheck; racecheck too);
       # "RACECHECK SUMMARY: 5 hazards displayed (3 errors, 2 warnings)".
-      le=$(sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
+      le=$(grep -v "not printed" "$log" | sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
       re=$(sed -n 's/.*RACECHECK SUMMARY:.*(\([0-9][0-9]*\) error.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
       rw=$(sed -n 's/.*RACECHECK SUMMARY:.*, \([0-9][0-9]*\) warning.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
       lw=$(grep -c '^========= Warning' "$log")
