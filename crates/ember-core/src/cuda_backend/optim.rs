@@ -22,6 +22,7 @@ use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::{current_stream, Event};
 use super::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::backend::Elems;
 use crate::backend::GradElems;
 use crate::backend::{
