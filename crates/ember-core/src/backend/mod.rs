@@ -41,8 +41,8 @@ pub use op::{
 };
 pub use op::{CrossEntropyParams, Reduction};
 pub use step::{
-    AdamStep, AdamTensor, Elems, ForeachCopy, GradElems, LstmBackwardStep, LstmForwardStep, ScaleUpdate,
-    SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, Arrival, Arrives, Elems, ForeachCopy, GradElems, LstmBackwardStep, LstmForwardStep,
+    ScaleUpdate, SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
 };
 
 use crate::layout::Layout;
@@ -402,8 +402,9 @@ pub trait RnnOps: Sized {
     ) -> Result<()>;
 }
 
-/// Fused multi-tensor optimizer steps (in place; `step.rs` describes the operands).
-pub trait OptimOps: Sized {
+/// Fused multi-tensor optimizer steps (in place; `step.rs` describes the operands, and
+/// [`Arrives`] what an Adam step's arriving gradient blocks wait on).
+pub trait OptimOps: Sized + Arrives {
     /// One fused Adam/AdamW step of every tensor of `tensors` (`torch._fused_adam_`; the
     /// formula is in `ops/fused_optim.rs`), under GradScaler's `amp` scalars. Device step
     /// counts are incremented before the update that reads them, all in stream order; nothing

@@ -15,6 +15,10 @@
 //! found-inf flag, the growth tracker and Adam's device step counts are operands like the
 //! others: one-element runs that the kernels read and write where they live, so that no backend
 //! reads them back to the host (Note [AMP scalars live on the device] in `ops/amp_scaling.rs`).
+//! A gradient of an Adam step may still be arriving, written block by block by another stream:
+//! its blocks are [`Arrival`]s, whose event is the backend's own ([`Arrives`]).
+
+use std::ops::Range;
 
 use super::BackendStorage;
 use crate::{DType, Device, Error, Result};
@@ -128,12 +132,48 @@ pub struct Elems<S> {
 }
 
 /// A storage enum one of whose variants holds a `B` (`storage/mod.rs` implements it for `Storage`
-/// and each backend's storage): how step operands are cast to one backend.
-pub trait Variant<B> {
+/// once per backend storage): how step operands are cast to one backend.
+pub trait Variant<B>: Arrives {
     /// The `B` inside, or the device of the storage when it holds another backend's.
     fn variant(&self) -> std::result::Result<&B, Device>;
     /// As [`Variant::variant`], writable.
     fn variant_mut(&mut self) -> std::result::Result<&mut B, Device>;
+    /// The event of an arriving block ([`Arrival`]) as `B`'s, or the device it belongs to when
+    /// it is another backend's.
+    fn variant_event(event: &Self::Event) -> std::result::Result<&B::Event, Device>
+    where
+        B: Arrives;
+}
+
+/// A storage whose tensors can arrive in row blocks: the event that marks one block written
+/// ([`Arrival`]). Each backend's storage names its own (the CUDA backend's event; the CPU's is
+/// [`std::convert::Infallible`], its tensors never arrive in blocks), and the `Storage` enum
+/// that of the one backend whose tensors do.
+pub trait Arrives {
+    type Event: std::fmt::Debug;
+}
+
+/// One block of a tensor arriving in row blocks (Note [Arrivals in row blocks] in
+/// `storage/row_blocks.rs`): a range of the tensor's elements, written once `event` completes,
+/// and the block's place in the order arrivals were handed on. `E` is the event itself where
+/// the storage's state hands the blocks over (`take_arriving_elements`), a reference to it in
+/// a step's operands ([`AdamTensor::arrivals`]).
+#[derive(Debug, Clone)]
+pub struct Arrival<E> {
+    pub elements: Range<usize>,
+    pub event: E,
+    pub order: u64,
+}
+
+impl<E> Arrival<E> {
+    /// The same block, its event borrowed.
+    pub fn as_ref(&self) -> Arrival<&E> {
+        Arrival {
+            elements: self.elements.clone(),
+            event: &self.event,
+            order: self.order,
+        }
+    }
 }
 
 /// The result of a cast: the operands on backend `B`, or the device of one that is not.
@@ -330,7 +370,7 @@ pub enum StepCount<'a, S> {
 /// length (`max_exp_avg_sq` exactly with amsgrad) and the step count; every step count of one
 /// call is of one kind.
 #[derive(Debug)]
-pub struct AdamTensor<'a, S> {
+pub struct AdamTensor<'a, S: Arrives> {
     pub param: Elems<&'a mut S>,
     pub grad: GradElems<'a, S>,
     pub exp_avg: Elems<&'a mut S>,
@@ -343,11 +383,11 @@ pub struct AdamTensor<'a, S> {
     /// Ranges of the run whose gradient is written once an event completes, tiling the run
     /// (Note [Arrivals in row blocks] in `storage/row_blocks.rs`): each range is updated after
     /// its event. Empty: the gradient is complete. GPU operands only.
-    pub arrivals: Vec<&'a crate::cuda_backend::ArrivingElements>,
+    pub arrivals: Vec<Arrival<&'a S::Event>>,
 }
 
-impl<'a, S> AdamTensor<'a, S> {
-    pub(crate) fn cast<B>(self) -> Cast<AdamTensor<'a, B>>
+impl<'a, S: Arrives> AdamTensor<'a, S> {
+    pub(crate) fn cast<B: Arrives>(self) -> Cast<AdamTensor<'a, B>>
     where
         S: Variant<B>,
     {
@@ -362,7 +402,17 @@ impl<'a, S> AdamTensor<'a, S> {
                 StepCount::Device(e) => StepCount::Device(e.cast()?),
             },
             twin: self.twin.map(|e| e.cast()).transpose()?,
-            arrivals: self.arrivals,
+            arrivals: self
+                .arrivals
+                .into_iter()
+                .map(|a| {
+                    Ok(Arrival {
+                        elements: a.elements,
+                        event: S::variant_event(a.event)?,
+                        order: a.order,
+                    })
+                })
+                .collect::<Cast<_>>()?,
         })
     }
 }

@@ -17,7 +17,9 @@ use super::{CpuElement, PAR_CHUNK, PAR_THRESHOLD};
 use crate::backend::Elems;
 use crate::backend::GradElems;
 use crate::backend::StepCount;
-use crate::backend::{AdamStep, AdamTensor, BackendStorage, OptimOps, SgdStep, SgdTensor, StepScalars};
+use crate::backend::{
+    AdamStep, AdamTensor, Arrives, BackendStorage, OptimOps, SgdStep, SgdTensor, StepScalars,
+};
 use crate::DType;
 use crate::Result;
 use half::{bf16, f16};
@@ -341,6 +343,14 @@ macro_rules! with_float_type {
             _ => unreachable!("floating dtype checked"),
         }
     };
+}
+
+/// CPU tensors never arrive in row blocks (Note [Arrivals in row blocks] in
+/// `storage/row_blocks.rs`): an Adam step's operands on the CPU have no [`Arrival`]s.
+///
+/// [`Arrival`]: crate::backend::Arrival
+impl Arrives for CpuStorage {
+    type Event = std::convert::Infallible;
 }
 
 impl OptimOps for CpuStorage {

@@ -10,6 +10,7 @@ use super::launch::{self, DevPtr, DevPtrMut};
 use super::optim::{ptr, ptr_mut};
 use super::runtime::runtime;
 use super::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::backend::{AmpOps, Elems, ScaleUpdate, UnscaleGrads};
 use crate::{DType, Result};
 

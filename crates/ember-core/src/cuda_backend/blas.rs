@@ -60,6 +60,7 @@ use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::BackendStorage;
 use crate::backend::{CopyOps, MatmulOps};
 use crate::layout::Layout;
 use crate::{DType, Error, Result, Shape};

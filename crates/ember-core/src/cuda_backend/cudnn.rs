@@ -34,6 +34,7 @@ use super::cudnn_graph;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use super::stream::current_raw;
+use crate::backend::BackendStorage;
 use crate::backend::ConvOps;
 use crate::backend::ConvParams;
 use crate::{DType, Error, Result};

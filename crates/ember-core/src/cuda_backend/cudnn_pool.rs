@@ -17,6 +17,7 @@ use super::cudnn::cudnn_on;
 use super::cudnn::{data_type, with_handle};
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::backend::PoolOps;
 use crate::backend::{PoolMode, PoolParams};
 use crate::{DType, Error, Result};

@@ -8,6 +8,7 @@ use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::Promotion;
 use crate::backend::op::{BinaryOp, Bools, CmpOp, Ints, LogicalOp};
+use crate::backend::BackendStorage;
 use crate::backend::ElementwiseOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};

@@ -9,6 +9,7 @@ use super::device_errors::Kind;
 use super::kernels::Grid;
 use super::launch::{self, DevPtr};
 use super::storage::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::backend::{CrossEntropyParams, LossOps, Reduction};
 use crate::{DType, Error, Result};
 

@@ -80,7 +80,7 @@ pub use libraries::{library_report, nccl_candidates, LibraryStatus};
 pub use nvrtc::{compile as nvrtc_compile, compile_units, nvrtc_version};
 pub use pinned::{host_memory_stats, HostMemoryStats, HostPin};
 pub(crate) use pinned::{keep_alive_until_done, pinned_copy, recycle as recycle_pinned};
-pub use row_blocks::{row_block_ranges, ArrivingElements, RowBlockEvent};
+pub use row_blocks::{row_block_ranges, RowBlockEvent};
 pub(crate) use storage::host_bytes;
 pub use storage::CudaDevice;
 pub use storage::CudaStorage;

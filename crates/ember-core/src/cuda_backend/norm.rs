@@ -25,6 +25,7 @@ use super::kernels::Grid;
 use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::backend::{LayerNormGrads, NormOps};
 use crate::layout::Layout;
 use crate::{DType, Error, Result};

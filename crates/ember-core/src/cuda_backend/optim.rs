@@ -22,9 +22,12 @@ use super::launch::{self, DevPtr, DevPtrMut};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::{current_stream, Event};
 use super::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::backend::Elems;
 use crate::backend::GradElems;
-use crate::backend::{AdamStep, AdamTensor, OptimOps, SgdStep, SgdTensor, StepCount, StepScalars};
+use crate::backend::{
+    AdamStep, AdamTensor, Arrival, Arrives, OptimOps, SgdStep, SgdTensor, StepCount, StepScalars,
+};
 use crate::{DType, Result};
 use std::ops::Deref;
 
@@ -118,14 +121,15 @@ pub(crate) fn multi_tensor_step(
     multi_tensor_step_arriving(ordinal, dtype, tensors, &[], kernel)
 }
 
-/// Elements `elements` of tensor `tensor` of a step's list, whose gradient is written once
-/// `event` completes; `order`: its place among the arrivals (Note [Arrivals in row blocks] in
-/// `row_blocks.rs`).
-pub(crate) struct Arrival<'a> {
+/// A block of tensor `tensor` of a step's list whose gradient is still arriving (Note
+/// [Arrivals in row blocks] in `storage/row_blocks.rs`).
+pub(crate) struct Arriving<'a> {
     pub tensor: usize,
-    pub elements: Range<usize>,
-    pub event: &'a Event,
-    pub order: u64,
+    pub block: Arrival<&'a Event>,
+}
+
+impl Arrives for CudaStorage {
+    type Event = Event;
 }
 
 impl<'a> OptimTensor<'a> {
@@ -150,7 +154,7 @@ pub(crate) fn multi_tensor_step_arriving(
     ordinal: usize,
     dtype: DType,
     tensors: &[OptimTensor<'_>],
-    arrivals: &[Arrival<'_>],
+    arrivals: &[Arriving<'_>],
     kernel: OptimKernel<'_>,
 ) -> Result<()> {
     let rt = runtime(ordinal)?;
@@ -190,15 +194,15 @@ pub(crate) fn multi_tensor_step_arriving(
     update(rt, dtype, &whole, kernel)?;
     // In the order they arrive: the tensors that arrive whole one after another share a
     // launch after all their events; each block of one arriving in several has its own.
-    let mut order: Vec<&Arrival<'_>> = arrivals.iter().collect();
-    order.sort_by_key(|a| a.order);
+    let mut order: Vec<&Arriving<'_>> = arrivals.iter().collect();
+    order.sort_by_key(|a| a.block.order);
     let current = current_stream(rt.ordinal)?;
     let mut batch = Vec::new();
     for (k, a) in order.iter().enumerate() {
-        current.wait_event(a.event)?;
+        current.wait_event(a.block.event)?;
         let t = &tensors[a.tensor];
-        batch.push(t.part(&a.elements, dtype.size_in_bytes()));
-        let is_whole = |a: &Arrival<'_>| a.elements.len() == tensors[a.tensor].numel;
+        batch.push(t.part(&a.block.elements, dtype.size_in_bytes()));
+        let is_whole = |a: &Arriving<'_>| a.block.elements.len() == tensors[a.tensor].numel;
         if !is_whole(a) || order.get(k + 1).map_or(true, |next| !is_whole(next)) {
             update(rt, dtype, &batch, kernel)?;
             batch.clear();
@@ -377,15 +381,13 @@ impl OptimOps for CudaStorage {
             lr_ptr: amp.lr.as_ref().map(ptr),
             flags,
         };
-        let arrivals: Vec<Arrival<'_>> = tensors
+        let arrivals: Vec<Arriving<'_>> = tensors
             .iter()
             .enumerate()
             .flat_map(|(tensor, t)| {
-                t.arrivals.iter().map(move |a| Arrival {
+                t.arrivals.iter().map(move |a| Arriving {
                     tensor,
-                    elements: a.elements.clone(),
-                    event: &a.event,
-                    order: a.order,
+                    block: a.clone(),
                 })
             })
             .collect();

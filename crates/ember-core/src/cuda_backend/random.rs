@@ -22,6 +22,7 @@ use super::launch;
 use super::runtime::{runtime, DeviceRuntime};
 use super::storage::CudaStorage;
 use crate::backend::op::{randint_range, Distribution, PhiloxState, RngState};
+use crate::backend::BackendStorage;
 use crate::backend::RandomOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};

@@ -19,6 +19,7 @@ use super::launch::{
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::ReduceOp;
+use crate::backend::BackendStorage;
 use crate::backend::ReduceOps;
 use crate::layout::Layout;
 use crate::{DType, Error, Result};

@@ -8,6 +8,7 @@ use super::kernels::Grid;
 use super::launch;
 use super::storage::CudaStorage;
 use crate::backend::step::{LstmBackwardStep, LstmForwardStep};
+use crate::backend::BackendStorage;
 use crate::backend::RnnOps;
 use crate::{Error, Result};
 

@@ -16,16 +16,6 @@ pub struct RowBlockEvent {
     pub event: Event,
 }
 
-/// One block of a tensor arriving in row blocks, taken by its reader: a range of the tensor's
-/// elements, the event after which they are written, and the block's place in the order
-/// arrivals were handed on.
-#[derive(Debug)]
-pub struct ArrivingElements {
-    pub elements: Range<usize>,
-    pub event: Event,
-    pub order: u64,
-}
-
 /// The row ranges a gradient of `rows` rows is computed in with `blocks` blocks: about
 /// `rows / blocks` rows each, a multiple of 64 (so that every block starts as aligned as the
 /// whole), the last one shorter.

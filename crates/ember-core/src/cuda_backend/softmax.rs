@@ -9,6 +9,7 @@ use super::launch;
 use super::runtime::DeviceRuntime;
 use super::storage::CudaStorage;
 use crate::backend::op::SoftmaxOp;
+use crate::backend::BackendStorage;
 use crate::backend::SoftmaxOps;
 use crate::layout::Layout;
 use crate::{Error, Result};

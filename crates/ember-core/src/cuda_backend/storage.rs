@@ -108,24 +108,9 @@ impl CudaStorage {
         })
     }
 
-    pub fn device(&self) -> Device {
-        Device::Cuda(self.buf.device)
-    }
-
+    /// The GPU the elements live on (the index of [`BackendStorage::device`]).
     pub fn ordinal(&self) -> usize {
         self.buf.device
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Device address of element `offset`.
@@ -817,16 +802,16 @@ impl BackendDevice for CudaDevice {
 impl BackendStorage for CudaStorage {
     #[inline]
     fn device(&self) -> Device {
-        CudaStorage::device(self)
+        Device::Cuda(self.buf.device)
     }
 
     #[inline]
     fn dtype(&self) -> DType {
-        CudaStorage::dtype(self)
+        self.dtype
     }
 
     #[inline]
     fn len(&self) -> usize {
-        CudaStorage::len(self)
+        self.len
     }
 }

@@ -375,6 +375,12 @@ impl Event {
         self.raw.get().map(|&(e, _)| e as sys::CUevent)
     }
 
+    /// The GPU the event belongs to (that of the first stream it was recorded on); `None`
+    /// before it is first recorded.
+    pub(crate) fn device_index(&self) -> Option<usize> {
+        self.raw.get().map(|&(_, device)| device)
+    }
+
     /// Records the event on the current stream of the current device.
     pub fn record(&self) -> Result<()> {
         self.record_on(&current_stream(current_device())?)

@@ -14,6 +14,7 @@ use super::kernels::{Grid, KernelShape};
 use super::launch;
 use super::storage::CudaStorage;
 use crate::backend::op::{Ints, UnaryOp};
+use crate::backend::BackendStorage;
 use crate::backend::{CopyOps, UnaryOps};
 use crate::layout::Layout;
 use crate::{DType, Result};

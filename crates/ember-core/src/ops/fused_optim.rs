@@ -50,7 +50,7 @@
 use super::amp_scaling::{check_scalar, check_writable};
 use crate::autograd;
 pub use crate::backend::{AdamStep, SgdStep};
-use crate::backend::{AdamTensor, Elems, GradElems, SgdTensor, StepCount, StepScalars};
+use crate::backend::{AdamTensor, Arrival, Elems, GradElems, SgdTensor, StepCount, StepScalars};
 use crate::dispatch::{self, policy};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -608,7 +608,7 @@ fn adam_scaled_prepared(
                 }
                 (AdamSteps::Device(_), None) => unreachable!("device steps are locked"),
             },
-            arrivals: arrivals[i].iter().collect(),
+            arrivals: arrivals[i].iter().map(Arrival::as_ref).collect(),
         })
         .collect();
     let stepped = Storage::adam_step(cfg, tensors, amp);

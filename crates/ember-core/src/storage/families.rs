@@ -4,6 +4,7 @@
 //! LSTM steps, the multi-tensor steps).
 
 use super::{list_mismatch, Storage};
+use crate::backend::BackendStorage;
 use crate::backend::{
     AdamStep, AdamTensor, AmpOps, AttentionOps, ConvOps, ConvParams, CopyOps, CrossEntropyParams,
     ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LayerNormGrads, LogicalOp, LossOps,

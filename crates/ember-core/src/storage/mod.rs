@@ -32,11 +32,14 @@
 
 #![deny(unsafe_code)]
 
-use crate::backend::{BackendDevice, BackendStorage, CopyOps, Distribution, PhiloxState, RngState, Variant};
+use crate::backend::{
+    Arrives, BackendDevice, BackendStorage, CopyOps, Distribution, PhiloxState, RngState, Variant,
+};
 use crate::cpu::{CpuDevice, CpuStorage};
-use crate::cuda_backend::{CudaDevice, CudaStorage};
+use crate::cuda_backend::{current_device, CudaDevice, CudaStorage, Event};
 use crate::layout::Layout;
 use crate::{DType, Device, Error, Result};
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -109,6 +112,12 @@ macro_rules! on_backend_type {
 
 mod families;
 
+/// Only the CUDA backend's tensors arrive in row blocks (Note [Arrivals in row blocks] in
+/// `storage/row_blocks.rs`).
+impl Arrives for Storage {
+    type Event = Event;
+}
+
 impl Variant<CpuStorage> for Storage {
     fn variant(&self) -> std::result::Result<&CpuStorage, Device> {
         match self {
@@ -122,6 +131,12 @@ impl Variant<CpuStorage> for Storage {
             Storage::Cpu(c) => Ok(c),
             other => Err(other.device()),
         }
+    }
+
+    /// An arriving block is a GPU's (its event is recorded before the block is handed on), so
+    /// it never belongs to a CPU step: the device of its event.
+    fn variant_event(event: &Event) -> std::result::Result<&Infallible, Device> {
+        Err(Device::Cuda(event.device_index().unwrap_or_else(current_device)))
     }
 }
 
@@ -138,6 +153,10 @@ impl Variant<CudaStorage> for Storage {
             Storage::Cuda(c) => Ok(c),
             other => Err(other.device()),
         }
+    }
+
+    fn variant_event(event: &Event) -> std::result::Result<&Event, Device> {
+        Ok(event)
     }
 }
 

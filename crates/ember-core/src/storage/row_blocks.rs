@@ -60,8 +60,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::StorageRef;
+use crate::backend::Arrival;
 use crate::cuda_backend::row_blocks::{wait_for, wait_for_events};
-use crate::cuda_backend::{ArrivingElements, Event, RowBlockEvent};
+use crate::cuda_backend::{Event, RowBlockEvent};
 use crate::layout::Layout;
 use crate::{Device, Result};
 
@@ -94,7 +95,7 @@ impl Arrivals {
 /// Orders the current stream of `device` after every block of `arrivals`, taken from
 /// gradients ([`StorageRef::take_arriving_elements`]) that nothing read block by block (the
 /// fused step failed): whatever comes next waits for them.
-pub(crate) fn release_arrivals(device: Device, arrivals: &[Vec<ArrivingElements>]) -> Result<()> {
+pub(crate) fn release_arrivals(device: Device, arrivals: &[Vec<Arrival<Event>>]) -> Result<()> {
     arrivals
         .iter()
         .try_for_each(|blocks| wait_for_events(device, blocks.iter().map(|b| &b.event)))
@@ -245,7 +246,7 @@ impl StorageRef {
         &self,
         layout: &Layout,
         device: Device,
-    ) -> Result<Option<Vec<ArrivingElements>>> {
+    ) -> Result<Option<Vec<Arrival<Event>>>> {
         let Some((blocks, order)) = self.take_arrivals() else {
             return Ok(None);
         };
@@ -261,7 +262,7 @@ impl StorageRef {
             blocks
                 .into_iter()
                 .zip(order..)
-                .map(|(b, order)| ArrivingElements {
+                .map(|(b, order)| Arrival {
                     elements: b.rows.start * row_len..b.rows.end * row_len,
                     event: b.event,
                     order,
