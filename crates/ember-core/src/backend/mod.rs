@@ -50,7 +50,7 @@ use crate::{DType, Device, Result};
 pub use host::CpuStorage;
 
 /// A tensor's elements on one backend, and every op family on them (one trait per family,
-/// implemented by `cpu/<family>.rs` and `cuda/<family>.rs`). Method names and arguments mirror
+/// implemented by `cpu/<family>.rs` and `cuda_backend/<family>.rs`). Method names and arguments mirror
 /// the op layer's; `self` is the first operand.
 pub trait BackendStorage:
     Sized

@@ -544,7 +544,7 @@ fn adam_scaled_prepared(
     // where a skipped step writes nothing, the twin included. During a capture the twin goes
     // into the buffer the captured cast wrote (Note [Casts a captured step keeps] in
     // `storage/graph_casts.rs`), which a skipped step leaves the cast of the unchanged values.
-    let capturing = crate::cuda_backend::capture::any_underway();
+    let capturing = crate::storage::capture_underway();
     let twins_possible = device.is_cuda() && !cfg.amsgrad && arrivals.iter().all(Vec::is_empty);
     let want_twins = twins_possible && scaling.found_inf.is_none() && !capturing;
     let graph_targets: Vec<Option<crate::storage::StorageRef>> = params

@@ -291,6 +291,12 @@ pub(crate) fn note_graph_replay() -> u64 {
     GRAPH_REPLAYS.fetch_add(1, Ordering::AcqRel) + 1
 }
 
+/// True while a CUDA graph capture is underway in the process (for the op layer, which names
+/// no backend).
+pub(crate) fn capture_underway() -> bool {
+    crate::cuda_backend::capture::any_underway()
+}
+
 /// CUDA graph replays so far.
 pub(crate) fn graph_replays() -> u64 {
     GRAPH_REPLAYS.load(Ordering::Acquire)
