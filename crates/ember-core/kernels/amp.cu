@@ -96,3 +96,69 @@ extern "C" __global__ void update_scale EMBER_PARAMS_update_scale {
     }
 }
 #endif
+
+// The norms of many tensors (`torch._foreach_norm`, for `clip_grad_norm_`), in two launches a
+// list of tensors, each deterministic: `foreach_norm_partials` reduces every chunk (the
+// geometry above) to one f32, the sum of its squares (flags & 1: the largest |x|), into
+// partials[c]; `foreach_norm_finish` reduces each tensor's chunks, one block a tensor in chunk
+// order, into norms[t]: the square root of the sum (flags & 1: the maximum). Squares are taken
+// and summed in f32 (f64 for f64 tensors) with `_rn` intrinsics; a NaN anywhere makes the norm
+// NaN and an inf element makes it inf, as PyTorch's. blockDim.x a multiple of 32, <= 1024.
+template <typename A> __device__ __forceinline__ A norm_combine(A a, A b, bool inf_norm) {
+    if (inf_norm) return (b > a || b != b) ? b : a;
+    return a + b;
+}
+
+template <typename A> __device__ __forceinline__ A norm_block_reduce(A v, bool inf_norm) {
+    __shared__ A warps[32];
+    v = inf_norm ? warp_max(v) : warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // a previous call's reads of `warps` are done
+    if (lane == 0) warps[warp] = v;
+    __syncthreads();
+    const int nwarps = blockDim.x >> 5;
+    v = lane < nwarps ? warps[lane] : (A)0;
+    if (warp == 0) v = inf_norm ? warp_max(v) : warp_sum(v);
+    return v;  // valid in thread 0
+}
+
+template <typename T>
+__device__ __forceinline__ void foreach_norm_partials(const AmpTensorList& l, float* partials, int flags) {
+    typedef typename Acc<T>::type A;
+    const bool inf_norm = flags & 1;
+    const i64 total = l.chunk_start[l.n];
+    for (i64 c = blockIdx.x; c < total; c += gridDim.x) {
+        const int t = amp_tensor_of_chunk(l, c);
+        const i64 begin = (c - l.chunk_start[t]) * EMBER_AMP_CHUNK;
+        const i64 len = min((i64)EMBER_AMP_CHUNK, l.numel[t] - begin);
+        const T* __restrict__ p = (const T*)l.ptr[t] + begin;
+        A acc = (A)0;
+        for (i64 i = threadIdx.x; i < len; i += blockDim.x) {
+            const A v = load(p[i]);
+            acc = norm_combine(acc, inf_norm ? (A)fabs(v) : amp_mul(v, v), inf_norm);
+        }
+        acc = norm_block_reduce(acc, inf_norm);
+        if (threadIdx.x == 0) partials[c] = (float)acc;
+    }
+}
+
+#define EMBER_AMP_NORM(T, name)                                                                      \
+    EMBER_IN_UNIT(foreach_norm_partials_##name,                                                      \
+    extern "C" __global__ void foreach_norm_partials_##name EMBER_PARAMS_foreach_norm_partials(T) {  \
+        foreach_norm_partials<T>(l, partials, flags);                                                \
+    })
+EMBER_FOR_FLOAT_DTYPES(EMBER_AMP_NORM)
+
+#if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_foreach_norm_finish)
+extern "C" __global__ void foreach_norm_finish EMBER_PARAMS_foreach_norm_finish {
+    const bool inf_norm = flags & 1;
+    for (int t = blockIdx.x; t < l.n; t += gridDim.x) {
+        float acc = 0.0f;
+        for (i64 c = l.chunk_start[t] + threadIdx.x; c < l.chunk_start[t + 1]; c += blockDim.x) {
+            acc = norm_combine(acc, partials[c], inf_norm);
+        }
+        acc = norm_block_reduce(acc, inf_norm);
+        if (threadIdx.x == 0) norms[t] = inf_norm ? acc : __fsqrt_rn(acc);
+    }
+}
+#endif

@@ -41,8 +41,8 @@ pub use op::{
 };
 pub use op::{CrossEntropyParams, Reduction};
 pub use step::{
-    AdamStep, AdamTensor, Arrival, Arrives, Elems, ForeachCopy, GradElems, LstmBackwardStep, LstmForwardStep,
-    ScaleUpdate, SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
+    AdamStep, AdamTensor, Arrival, Arrives, Elems, ForeachCopy, ForeachNorm, GradElems, LstmBackwardStep,
+    LstmForwardStep, ScaleUpdate, SgdStep, SgdTensor, StepCount, StepScalars, UnscaleGrads, Variant,
 };
 
 use crate::layout::Layout;
@@ -428,6 +428,10 @@ pub trait AmpOps: Sized {
         found_inf: Elems<&mut Self>,
         inv_scale: Elems<&Self>,
     ) -> Result<()>;
+    /// The norm of every run of `list` (of order 2, or infinity) into the f32 `norms[i]`
+    /// (`torch._foreach_norm`, for `clip_grad_norm_`): on a GPU a few launches for any number
+    /// of tensors, and nothing read back.
+    fn foreach_norm(list: ForeachNorm<'_, Self>, norms: Elems<&mut Self>) -> Result<()>;
     /// Updates the f32 `scale` and i32 `growth_tracker` from the f32 at `found_inf` by the
     /// rule `u` (`torch._amp_update_scale_`).
     fn update_scale(

@@ -616,6 +616,33 @@ impl<B: BackendStorage> ForeachCopy<'_, B> {
 
 // GradScaler ------------------------------------------------------------------------------------
 
+/// The tensors of `torch._foreach_norm`: the distinct storages they live in, read, and each
+/// tensor's run, whose `storage` is an index into `storages`; all of one floating dtype. The
+/// norm is of order 2, or infinity (the largest |x|) with `inf_norm`.
+#[derive(Debug)]
+pub struct ForeachNorm<'a, S> {
+    pub storages: Vec<&'a S>,
+    pub tensors: Vec<Elems<usize>>,
+    pub inf_norm: bool,
+}
+
+impl<'a, S> ForeachNorm<'a, S> {
+    pub(crate) fn cast<B>(self) -> Cast<ForeachNorm<'a, B>>
+    where
+        S: Variant<B>,
+    {
+        Ok(ForeachNorm {
+            storages: self
+                .storages
+                .into_iter()
+                .map(Variant::variant)
+                .collect::<Cast<_>>()?,
+            tensors: self.tensors,
+            inf_norm: self.inf_norm,
+        })
+    }
+}
+
 /// The gradients of GradScaler's unscale (`torch._amp_foreach_non_finite_check_and_unscale_`):
 /// the distinct storages they live in, written, and each gradient's run, whose `storage` is
 /// an index into `storages` (several gradients may be views of one buffer; no two runs
@@ -659,6 +686,28 @@ impl<B: BackendStorage> UnscaleGrads<'_, B> {
                 ));
             }
             check_run(OP, "gradient", &**s, g.offset, g.len, None)?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: BackendStorage> ForeachNorm<'_, B> {
+    /// Checks every run against its storage (one floating dtype for all), and `norms`.
+    pub(crate) fn check(&self, norms: &Elems<&mut B>) -> Result<()> {
+        const OP: &str = "_foreach_norm";
+        norms.check(OP, "norms", DType::F32, self.tensors.len())?;
+        let dtype = self.storages.first().map(|s| s.dtype());
+        for r in &self.tensors {
+            let Some(s) = self.storages.get(r.storage) else {
+                return Err(Error::invalid(OP, "internal: a tensor names no storage"));
+            };
+            if !s.dtype().is_floating_point() || Some(s.dtype()) != dtype {
+                return Err(Error::invalid(
+                    OP,
+                    "internal: the tensors are of one floating dtype",
+                ));
+            }
+            check_run(OP, "tensor", &**s, r.offset, r.len, None)?;
         }
         Ok(())
     }

@@ -8,7 +8,8 @@
 use super::optim::{scalar, scalar_mut, OptimAcc, OptimElement};
 use super::CpuStorage;
 use super::{PAR_CHUNK, PAR_THRESHOLD};
-use crate::backend::{AmpOps, BackendStorage, Elems, ScaleUpdate, UnscaleGrads};
+use crate::backend::host::CpuElement;
+use crate::backend::{AmpOps, BackendStorage, Elems, ForeachNorm, ScaleUpdate, UnscaleGrads};
 use crate::DType;
 use crate::Result;
 use half::{bf16, f16};
@@ -148,6 +149,47 @@ impl AmpOps for CpuStorage {
         if found {
             *scalar_mut::<f32>(found_inf) = 1.0;
         }
+        Ok(())
+    }
+
+    fn foreach_norm(list: ForeachNorm<'_, CpuStorage>, norms: Elems<&mut CpuStorage>) -> Result<()> {
+        // Summed in f64 and rounded once to f32; NaN wins, as on the GPU.
+        fn norm<T: CpuElement>(s: &CpuStorage, r: &Elems<usize>, inf_norm: bool) -> f32 {
+            let values = &T::slice(s).expect("dtype checked")[r.offset..r.offset + r.len];
+            let mut acc = 0f64;
+            for v in values.iter().map(|v| v.to_f64()) {
+                acc = if inf_norm {
+                    if v.abs() > acc || v.is_nan() || acc.is_nan() {
+                        if acc.is_nan() {
+                            acc
+                        } else {
+                            v.abs()
+                        }
+                    } else {
+                        acc
+                    }
+                } else {
+                    acc + v * v
+                };
+            }
+            (if inf_norm { acc } else { acc.sqrt() }) as f32
+        }
+        let out: Vec<f32> = list
+            .tensors
+            .iter()
+            .map(|r| {
+                let s = list.storages[r.storage];
+                match s.dtype() {
+                    DType::F32 => norm::<f32>(s, r, list.inf_norm),
+                    DType::F64 => norm::<f64>(s, r, list.inf_norm),
+                    DType::F16 => norm::<f16>(s, r, list.inf_norm),
+                    DType::BF16 => norm::<bf16>(s, r, list.inf_norm),
+                    _ => unreachable!("floating dtype checked"),
+                }
+            })
+            .collect();
+        let dst = f32::slice_mut(norms.storage).expect("f32 checked");
+        dst[norms.offset..norms.offset + out.len()].copy_from_slice(&out);
         Ok(())
     }
 

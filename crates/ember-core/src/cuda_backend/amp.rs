@@ -11,7 +11,7 @@ use super::optim::{ptr, ptr_mut};
 use super::runtime::runtime;
 use super::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::backend::{AmpOps, Elems, ScaleUpdate, UnscaleGrads};
+use crate::backend::{AmpOps, Elems, ForeachNorm, ScaleUpdate, UnscaleGrads};
 use crate::{DType, Result};
 
 /// Tensors per launch (`EMBER_AMP_MAX_TENSORS` in the kernel file).
@@ -69,6 +69,69 @@ pub(crate) fn non_finite_check_and_unscale(
         // `numel.div_ceil(CHUNK)`, so no block indexes past a tensor's end.
         launch::non_finite_check_and_unscale(rt, &[dtype], grid, &list, found_inf, inv_scale)?;
     }
+    Ok(())
+}
+
+/// The norm of every tensor of `tensors` (its first element, element count; all of floating
+/// `dtype`, on device `ordinal`), of order 2 or, with `inf_norm`, infinity, into the f32 at
+/// `norms + i` (`torch._foreach_norm`): two launches per [`MAX_TENSORS`] tensors, each
+/// deterministic (`amp.cu`). An empty tensor's norm is 0.
+pub(crate) fn foreach_norm(
+    ordinal: usize,
+    dtype: DType,
+    tensors: &[(DevPtr<'_>, usize)],
+    norms: DevPtrMut<'_>,
+    inf_norm: bool,
+) -> Result<()> {
+    let rt = runtime(ordinal)?;
+    let flags = i32::from(inf_norm);
+    let chunks: usize = tensors.iter().map(|t| t.1.div_ceil(CHUNK)).sum();
+    // Each chunk's partial, for all groups: written by the first launch of a group, read by
+    // its second, in stream order (freed after the launches are enqueued: the caching
+    // allocator reuses it only for work ordered after them).
+    let partials = CudaStorage::alloc(ordinal, DType::F32, chunks.max(1))?;
+    let partials_ptr = partials.dev_ptr_mut_at(0);
+    let mut chunk_base = 0usize;
+    for (g, group) in tensors.chunks(MAX_TENSORS).enumerate() {
+        let mut list = AmpTensorList {
+            n: group.len() as i32,
+            pad: 0,
+            ptr: [0; MAX_TENSORS],
+            numel: [0; MAX_TENSORS],
+            chunk_start: [0; MAX_TENSORS + 1],
+        };
+        let mut group_chunks = 0usize;
+        for (t, &(ptr, numel)) in group.iter().enumerate() {
+            list.ptr[t] = ptr.addr();
+            list.numel[t] = numel as i64;
+            list.chunk_start[t] = group_chunks as i64;
+            group_chunks += numel.div_ceil(CHUNK);
+        }
+        list.chunk_start[group.len()] = group_chunks as i64;
+        let part = partials_ptr.add_bytes(chunk_base * 4);
+        // The caller's part: each pointer reaches its `numel` elements of `dtype`; `part` has
+        // room for this group's `group_chunks` partials (all groups' add up to `chunks`), and
+        // `norms` for one f32 per tensor of `tensors`.
+        if group_chunks > 0 {
+            launch::foreach_norm_partials(
+                rt,
+                &[dtype],
+                Grid::multi_tensor(rt, group_chunks),
+                &list,
+                part,
+                flags,
+            )?;
+        }
+        let finish = Grid {
+            grid: (group.len() as u32, 1, 1),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+        };
+        let out = norms.add_bytes(g * MAX_TENSORS * 4);
+        launch::foreach_norm_finish(rt, &[], finish, &list, part.read_only(), out, flags)?;
+        chunk_base += group_chunks;
+    }
+    drop(partials);
     Ok(())
 }
 
@@ -137,6 +200,19 @@ impl AmpOps for CudaStorage {
             }
         }
         Ok(())
+    }
+
+    fn foreach_norm(list: ForeachNorm<'_, CudaStorage>, norms: Elems<&mut CudaStorage>) -> Result<()> {
+        let Some(first) = list.storages.first() else {
+            return Ok(());
+        };
+        let (ordinal, dtype) = (first.ordinal(), first.dtype());
+        let tensors: Vec<(DevPtr<'_>, usize)> = list
+            .tensors
+            .iter()
+            .map(|r| (list.storages[r.storage].dev_ptr_at(r.offset), r.len))
+            .collect();
+        self::foreach_norm(ordinal, dtype, &tensors, ptr_mut(&norms), list.inf_norm)
     }
 
     fn update_scale(

@@ -207,6 +207,8 @@ impl Module {
             Module::Amp => {
                 units.extend(each(m, "non_finite_check_and_unscale", &FLOATS));
                 units.push(Unit::new(m, "update_scale"));
+                units.extend(each(m, "foreach_norm_partials", &FLOATS));
+                units.push(Unit::new(m, "foreach_norm_finish"));
             }
             Module::Norm => {
                 // x's dtype with the parameters' (the same, or f32 for half inputs).

@@ -686,6 +686,13 @@ kernels! {
         /// (T in f32 f64 f16 bf16; `found_inf` and `inv_scale` one f32 each on the same device).
         /// Any grid, blockDim.x a multiple of 32.
         non_finite_check_and_unscale<T>(l: AmpTensorList, found_inf: Out<f32>, inv_scale: In<f32>);
+        /// `torch._foreach_norm`'s first half (`amp.cu`): every chunk of the tensors of `l`
+        /// (T in f32 f64 f16 bf16) reduced to one f32, its sum of squares (flags & 1: its
+        /// largest |x|), into `partials[c]` for `c < l.chunk_start[l.n]`. Any grid.
+        foreach_norm_partials<T>(l: AmpTensorList, partials: Out<f32>, flags: i32);
+        /// Its second half: tensor t's chunks' partials, in chunk order, reduced into
+        /// `norms[t]` (the square root of their sum; flags & 1: their maximum). Any grid.
+        foreach_norm_finish(l: AmpTensorList, partials: In<f32>, norms: Out<f32>, flags: i32);
         /// GradScaler's scale update, one thread (`amp.cu` for the rule).
         update_scale(
             scale: Out<f32>,

@@ -214,6 +214,8 @@ named_table! {
     TRIU = "triu";
     AMP_NON_FINITE_CHECK_AND_UNSCALE_ = "_amp_foreach_non_finite_check_and_unscale_";
     AMP_UPDATE_SCALE_ = "_amp_update_scale_";
+    FOREACH_NORM = "_foreach_norm";
+    FOREACH_MUL_ = "_foreach_mul_";
 }
 
 /// Every op that enters under its own name without a policy of its own (`named_table!`).

@@ -17,7 +17,7 @@
 //! and writing a tensor that requires grad is an error while grad mode is on.
 
 use crate::autograd;
-use crate::backend::{Elems, ScaleUpdate, UnscaleGrads};
+use crate::backend::{Elems, ForeachNorm, ScaleUpdate, UnscaleGrads};
 use crate::dispatch::{self, policy};
 use crate::storage::{Storage, StorageRef};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -326,4 +326,101 @@ mod tests {
         assert!(!is_dense(&t.narrow(1, 0, 2).unwrap()));
         assert!(is_dense(&t.narrow(0, 1, 1).unwrap()));
     }
+}
+
+/// The norm of order `ord` (2, or `f64::INFINITY` for the largest |x|) of each of `tensors`, as
+/// one f32 tensor `[tensors.len()]` on their device (`torch._foreach_norm`, stacked): on a GPU
+/// two launches per 128 tensors whatever their number, deterministic, with nothing read back
+/// (`kernels/amp.cu`). The tensors are of one floating dtype, on one device, any layout (a
+/// view whose elements do not fill one range of its storage is read through a contiguous
+/// copy); squares are summed in f32 (f64 on the CPU, and for f64 tensors on the GPU in f64
+/// per chunk, f32 across chunks). Not differentiable. Used by `clip_grad_norm_`.
+pub fn foreach_norm(tensors: &[Tensor], ord: f64) -> Result<Tensor> {
+    const OP: &str = "_foreach_norm";
+    let Some(first) = tensors.first() else {
+        return Err(Error::invalid(OP, "no tensors: pass at least one"));
+    };
+    let device = first.device();
+    let line = &policy::FOREACH_NORM;
+    dispatch::enter(line, device, |_| {
+        let inf_norm = match ord {
+            o if o == 2.0 => false,
+            o if o == f64::INFINITY => true,
+            o => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("ord {o} is not supported: pass 2.0 or f64::INFINITY (other orders: Tensor::norm per tensor)"),
+                ))
+            }
+        };
+        for t in tensors {
+            if !t.dtype().is_floating_point() || t.dtype() != first.dtype() {
+                return Err(Error::UnsupportedDType {
+                    op: OP,
+                    dtype: t.dtype(),
+                    hint: "; the tensors are of one floating-point dtype (group them by dtype)",
+                });
+            }
+            if t.device() != device {
+                return Err(crate::dispatch::device_mismatch(OP, device, t.device()));
+            }
+        }
+        let _g = autograd::no_grad();
+        let work: Vec<Tensor> = tensors
+            .iter()
+            .map(|t| {
+                if is_dense(t) {
+                    Ok(t.clone())
+                } else {
+                    t.contiguous()
+                }
+            })
+            .collect::<Result<_>>()?;
+        let norms = Tensor::zeros([tensors.len()], DType::F32, device)?;
+        {
+            let read: Vec<&StorageRef> = work.iter().map(|t| t.storage()).collect();
+            let mut locks = Locks::take(OP, &[norms.storage()], &read)?;
+            let (mut written, read) = locks.split();
+            let out = Elems {
+                storage: take(&mut written, norms.storage().id()),
+                offset: norms.storage_offset(),
+                len: tensors.len(),
+            };
+            let ids: Vec<usize> = read.iter().map(|r| r.0).collect();
+            let list = ForeachNorm {
+                storages: read.into_iter().map(|r| r.1).collect(),
+                tensors: work
+                    .iter()
+                    .map(|t| Elems {
+                        storage: ids
+                            .binary_search(&t.storage().id())
+                            .expect("tensor storage was locked"),
+                        offset: t.storage_offset(),
+                        len: t.numel(),
+                    })
+                    .collect(),
+                inf_norm,
+            };
+            Storage::foreach_norm(list, out)?;
+        }
+        Ok(norms)
+    })
+}
+
+/// Multiplies every tensor of `tensors` in place by the one-element f32 tensor `scalar` on
+/// their device (`torch._foreach_mul_` with a tensor): one launch per dtype and 128 tensors,
+/// nothing read back; the multiplication is skipped where `scalar` is exactly 1, which leaves
+/// the same values. The tensors are floating, on one device, and may be views of one buffer
+/// as long as no two overlap.
+pub fn foreach_mul_(tensors: &[Tensor], scalar: &Tensor) -> Result<()> {
+    let Some(first) = tensors.first() else {
+        return Ok(());
+    };
+    let line = &policy::FOREACH_MUL_;
+    dispatch::enter(line, first.device(), |_| {
+        // GradScaler's unscale kernel multiplies by a device scalar; its found-inf flag is
+        // not wanted here.
+        let found = Tensor::zeros([1], DType::F32, first.device())?;
+        unscale_checked(tensors, &found, scalar)
+    })
 }

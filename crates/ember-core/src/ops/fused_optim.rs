@@ -48,6 +48,7 @@
 //! (optimizers run under `no_grad`).
 
 use super::amp_scaling::{check_scalar, check_writable};
+pub use super::amp_scaling::{foreach_mul_, foreach_norm};
 use crate::autograd;
 pub use crate::backend::{AdamStep, SgdStep};
 use crate::backend::{AdamTensor, Arrival, Elems, GradElems, SgdTensor, StepCount, StepScalars};

@@ -7,7 +7,7 @@ use super::{list_mismatch, Storage};
 use crate::backend::BackendStorage;
 use crate::backend::{
     AdamStep, AdamTensor, AmpOps, AttentionOps, ConvOps, ConvParams, CopyOps, CrossEntropyParams,
-    ElementwiseOps, Elems, ForeachCopy, IndexOp, IndexOps, LayerNormGrads, LogicalOp, LossOps,
+    ElementwiseOps, Elems, ForeachCopy, ForeachNorm, IndexOp, IndexOps, LayerNormGrads, LogicalOp, LossOps,
     LstmBackwardStep, LstmForwardStep, MatmulOps, NormOps, OptimOps, PhiloxState, PoolOps, PoolParams,
     RandomOps, ReduceOp, ReduceOps, RnnOps, ScaleUpdate, ScatterOp, SdpaGrads, SdpaParams, SgdStep,
     SgdTensor, SoftmaxOp, SoftmaxOps, StepScalars, UnaryOp, UnaryOps, UnscaleGrads, Variant,
@@ -547,6 +547,18 @@ impl Storage {
             let inv_scale = inv_scale.cast::<B>().map_err(list_mismatch(OP, device))?;
             grads.check(&found_inf, &inv_scale)?;
             <B as AmpOps>::non_finite_check_and_unscale(grads, found_inf, inv_scale)
+        })
+    }
+
+    /// `torch._foreach_norm` (see [`ForeachNorm`]) into `norms`, on its device.
+    pub(crate) fn foreach_norm(list: ForeachNorm<'_, Storage>, norms: Elems<&mut Storage>) -> Result<()> {
+        const OP: &str = "_foreach_norm";
+        let device = norms.storage.device();
+        on_backend_type!(device, B => {
+            let list = list.cast::<B>().map_err(list_mismatch(OP, device))?;
+            let norms = norms.cast::<B>().map_err(list_mismatch(OP, device))?;
+            list.check(&norms)?;
+            <B as AmpOps>::foreach_norm(list, norms)
         })
     }
 

@@ -912,3 +912,133 @@ fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for() {
     assert_eq!(casts(&names), 1, "{names:?}");
     assert_eq!(cast.take().unwrap().to_vec_f64().unwrap(), common::cpu_bf16(&p));
 }
+
+/// `foreach_norm` against float64 norms of the same values: order 2 and infinity, tensors of
+/// many sizes (an empty one, ones of one chunk and of many), more than one launch's 128
+/// tensors, and a NaN and an inf that must come through; then `foreach_mul_` scales them all.
+fn foreach_norm_matches_float64(dev: Device, dtype: DType) {
+    let sizes: Vec<usize> = (0..150)
+        .map(|i| [0, 1, 7, 4096, 4097, 20_000, 33][i % 7] + i)
+        .collect();
+    let hosts: Vec<Vec<f64>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            values(n, 300 + i as u64)
+                .iter()
+                .map(|v| (v - 0.5) * 4.0)
+                .collect()
+        })
+        .collect();
+    let tensors: Vec<Tensor> = hosts
+        .iter()
+        .map(|h| {
+            Tensor::from_slice(h, [h.len()], Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to(dev)
+                .unwrap()
+        })
+        .collect();
+    // The values as the tensors hold them (rounded to `dtype`).
+    let held: Vec<Vec<f64>> = tensors.iter().map(|t| t.to_vec_f64().unwrap()).collect();
+    let tol = |x: f64| 1e-5 * x.abs() + 1e-6;
+    for ord in [2.0, f64::INFINITY] {
+        let got = ember_core::fused::foreach_norm(&tensors, ord).unwrap();
+        assert_eq!((got.dims(), got.dtype()), (&[tensors.len()][..], DType::F32));
+        let got = got.to_vec_f64().unwrap();
+        for (k, h) in held.iter().enumerate() {
+            let want = if ord == 2.0 {
+                h.iter().map(|v| v * v).sum::<f64>().sqrt()
+            } else {
+                h.iter().fold(0.0f64, |m, v| m.max(v.abs()))
+            };
+            assert!(
+                (got[k] - want).abs() <= tol(want),
+                "{dtype:?} ord {ord} tensor {k}: {} vs {want}",
+                got[k]
+            );
+        }
+    }
+    // A NaN makes its tensor's norm NaN, an inf makes it inf; the others are untouched.
+    let special = [
+        Tensor::from_slice(&[1.0, f64::NAN, 2.0], [3], Device::Cpu).unwrap(),
+        Tensor::from_slice(&[f64::INFINITY, -1.0], [2], Device::Cpu).unwrap(),
+        Tensor::from_slice(&[3.0, 4.0], [2], Device::Cpu).unwrap(),
+    ]
+    .map(|t| t.to_dtype(dtype).unwrap().to(dev).unwrap());
+    for ord in [2.0, f64::INFINITY] {
+        let n = ember_core::fused::foreach_norm(&special, ord)
+            .unwrap()
+            .to_vec_f64()
+            .unwrap();
+        assert!(n[0].is_nan() && n[1] == f64::INFINITY, "ord {ord}: {n:?}");
+        assert_eq!(n[2], if ord == 2.0 { 5.0 } else { 4.0 });
+    }
+    // foreach_mul_ by a device scalar: every element times 0.5, rounded to the dtype once
+    // (exact but for f16's subnormals).
+    let half = Tensor::from_slice(&[0.5f32], [1], dev).unwrap();
+    ember_core::fused::foreach_mul_(&tensors, &half).unwrap();
+    for (t, h) in tensors.iter().zip(&held) {
+        let want: Vec<f64> = h.iter().map(|v| v * 0.5).collect();
+        let want = Tensor::from_slice(&want, [want.len()], Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .to_vec_f64()
+            .unwrap();
+        assert_eq!(t.to_vec_f64().unwrap(), want, "{dtype:?}");
+    }
+}
+
+#[test]
+fn foreach_norm_on_the_cpu_matches_float64() {
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        foreach_norm_matches_float64(Device::Cpu, dtype);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_foreach_norm_matches_float64() {
+    let dev = common::gpu();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        foreach_norm_matches_float64(dev, dtype);
+    }
+    // A few launches for 150 tensors: two for the norms (two lists of at most 128), and the
+    // zeros of the output; no kernel per tensor.
+    let ts: Vec<Tensor> = (0..150)
+        .map(|i| Tensor::ones([100 + i], DType::F32, dev).unwrap())
+        .collect();
+    let names = common::kernels_of(1, || {
+        ember_core::fused::foreach_norm(&ts, 2.0).unwrap();
+    });
+    assert!(names.len() <= 6, "{names:?}");
+    assert!(
+        names.iter().any(|k| k.starts_with("foreach_norm_partials")),
+        "{names:?}"
+    );
+}
+
+#[test]
+fn foreach_norm_refuses_what_it_cannot_do() {
+    let a = Tensor::ones([3], DType::F32, Device::Cpu).unwrap();
+    let b = Tensor::ones([3], DType::F64, Device::Cpu).unwrap();
+    let i = Tensor::ones([3], DType::I64, Device::Cpu).unwrap();
+    let f = ember_core::fused::foreach_norm;
+    assert!(f(&[], 2.0).unwrap_err().to_string().contains("at least one"));
+    assert!(f(&[a.clone()], 1.0)
+        .unwrap_err()
+        .to_string()
+        .contains("f64::INFINITY"));
+    assert!(f(&[a.clone(), b], 2.0)
+        .unwrap_err()
+        .to_string()
+        .contains("one floating-point dtype"));
+    assert!(f(&[i], 2.0).is_err());
+    assert_eq!(
+        f(&[a], 2.0).unwrap().to_vec_f64().unwrap(),
+        [3f64.sqrt() as f32 as f64]
+    );
+}

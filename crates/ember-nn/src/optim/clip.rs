@@ -18,16 +18,33 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resu
     }
     let _g = ember_core::no_grad();
     let device = grads[0].device();
-    let norms = grads
-        .iter()
-        .map(|g| g.norm(norm_type, &[], false)?.to(device))
-        .collect::<Result<Vec<_>>>()?;
-    let total_norm = Tensor::stack(&norms, 0)?.norm(norm_type, &[], false)?;
+    // PyTorch's foreach path: float32 gradients on one GPU take one multi-tensor norm and one
+    // multi-tensor multiply (a few launches for any number of gradients); the others a norm
+    // and a multiply each. Neither reads anything back.
+    let foreach = device.is_cuda()
+        && (norm_type == 2.0 || norm_type == f64::INFINITY)
+        && grads
+            .iter()
+            .all(|g| g.device() == device && g.dtype() == DType::F32);
+    let norms = if foreach {
+        ember_core::fused::foreach_norm(&grads, norm_type)?
+    } else {
+        let norms = grads
+            .iter()
+            .map(|g| g.norm(norm_type, &[], false)?.to(device))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&norms, 0)?
+    };
+    let total_norm = norms.norm(norm_type, &[], false)?;
     // `max_norm / t` is `t.reciprocal() * max_norm` in PyTorch (`Tensor.__rtruediv__`).
     let clip_coef = total_norm.add_scalar(1e-6)?.reciprocal()?.mul_scalar(max_norm)?;
     let clip_coef = clip_coef.clamp(None, Some(1.0))?;
-    for g in &grads {
-        g.mul_(&clip_coef.to(g.device())?)?;
+    if foreach {
+        ember_core::fused::foreach_mul_(&grads, &clip_coef.reshape([1])?)?;
+    } else {
+        for g in &grads {
+            g.mul_(&clip_coef.to(g.device())?)?;
+        }
     }
     Ok(total_norm)
 }
