@@ -16,11 +16,11 @@
 //! bytes at offsets hashed from (`--seed`, `i`), and the learning rate of iteration `i` is a
 //! function of `i` (and the flags) alone, so a run resumed from a checkpoint (model, AdamW,
 //! GradScaler, RNG states and the completed iterations, `checkpoint.rs`; sharded, a distributed
-//! checkpoint, `dcp.rs`) trains on the same batches at the same rates as an uninterrupted run. The batches are the same bytes on every
-//! device too, and the model is initialized on the CPU and then moved, so one seed gives a GPU
-//! run and a CPU run the same start and the same data: `tests/cli.rs` compares their loss
-//! curves. The loss estimates read fixed windows (their own hash streams), so two evaluations
-//! differ only by the model.
+//! checkpoint, `dcp.rs`) trains on the same batches at the same rates as an uninterrupted run.
+//! The batches are the same bytes on every device too, and the model is initialized on the CPU
+//! and then moved, so one seed gives a GPU run and a CPU run the same start and the same data:
+//! `tests/cli.rs` compares their loss curves. The loss estimates read fixed windows (their own
+//! hash streams), so two evaluations differ only by the model.
 
 use super::checkpoint::{load_checkpoint, save_checkpoint, Position};
 use super::dcp;
