@@ -34,8 +34,8 @@
 //! rank, so the result equals DDP with the unsharded optimizer, bit for bit (the elementwise
 //! updates see the same values in the same order; only which rank computes them differs).
 //!
-//! Every rank must call `step`, `consolidate_state_dict` and the constructor in the same order
-//! (they are collective over the group).
+//! Every rank must call `step`, `consolidate_state_dict`, `add_param_group` and the
+//! constructors in the same order (they are collective over the group).
 
 use std::ops::Range;
 
