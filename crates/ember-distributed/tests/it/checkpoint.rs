@@ -635,7 +635,7 @@ fn dtensors_and_checkpoints_on_two_gpus() {
 
 /// The seed corpus of the fuzz target `dcp` (`fuzz/corpus/dcp/`): the metadata and both ranks'
 /// files of [`save_on`]`(2, ..)` (uneven, empty and 0-d entries, a replicated bf16 tensor), each
-/// read back by the target's entry points. `EMBER_WRITE_FUZZ_SEEDS=1 cargo test -p
+/// read back by the target's entry points; and `read_metadata` of that checkpoint. `EMBER_WRITE_FUZZ_SEEDS=1 cargo test -p
 /// ember-distributed --test it fuzz_seeds` rewrites the corpus with them.
 #[test]
 fn dcp_fuzz_seeds_are_read_by_the_fuzz_entry_points() {
@@ -643,6 +643,18 @@ fn dcp_fuzz_seeds_are_read_by_the_fuzz_entry_points() {
     save_on(2, &dir, 0.0);
     let names = files(&dir);
     assert_eq!(names.len(), 3, "{names:?}");
+    // read_metadata lists every key with its dtype and global shape, in sorted order.
+    let mut expected: Vec<(String, DType, Vec<usize>)> = globals(0.0)
+        .into_iter()
+        .map(|(k, t, _)| (k.to_string(), t.dtype(), t.dims().to_vec()))
+        .collect();
+    expected.sort_by(|a, b| a.0.cmp(&b.0));
+    let listed: Vec<(String, DType, Vec<usize>)> = dcp::read_metadata(&dir)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.dtype, t.shape.dims().to_vec()))
+        .collect();
+    assert_eq!(listed, expected);
     let md = std::fs::read(dir.join(dcp::METADATA_FILE)).unwrap();
     assert_eq!(dcp::fuzzing::metadata(&md), Some(globals(0.0).len()));
     assert_eq!(
