@@ -13,7 +13,7 @@
 # and -Cllvm-args are stable options, and safe Rust needs no address checks.
 set -euo pipefail
 cd "$(dirname "$0")"
-all=(safetensors state_dict checkpoint idx pickle memviz store)
+all=(safetensors state_dict checkpoint idx pickle memviz store dcp)
 if [ "${1:-}" = --seeds ]; then
   targets=(make_seeds)
 else
@@ -45,7 +45,7 @@ for t in "${targets[@]}"; do
   echo "== fuzz $t for ${secs}s (seed corpus: $(ls "corpus/$t" | wc -l) files)"
   # The words of the format, for mutations that keep a header's JSON or a snapshot's keys.
   case $t in
-    safetensors | state_dict | checkpoint) dict=(-dict=dicts/safetensors.dict) ;;
+    safetensors | state_dict | checkpoint | dcp) dict=(-dict=dicts/safetensors.dict) ;;
     pickle | memviz) dict=(-dict=dicts/pickle.dict) ;;
     *) dict=() ;;
   esac

@@ -34,6 +34,7 @@
 //! SIGKILL at random points and checks this.
 
 mod checkpoint;
+mod dcp;
 mod dist;
 mod fits;
 mod gpt;
@@ -169,6 +170,9 @@ pub struct TrainArgs {
     #[arg(long)]
     limit_train: Option<usize>,
     /// Save model and optimizer state here after every epoch (safetensors, written atomically).
+    /// With --model gpt2 --shard, a directory instead: a distributed checkpoint, each process
+    /// writing its shards (torch.distributed.checkpoint's layout; atomic too), which resumes
+    /// on any number of processes, sharded or not.
     #[arg(long)]
     checkpoint: Option<PathBuf>,
     /// Also save --checkpoint after every N training steps (mid-epoch), so a killed run
@@ -208,7 +212,9 @@ pub struct TrainArgs {
     /// (FSDP2's `fully_shard` on every block, then on the whole model): each process holds
     /// 1/N of the parameters, gradients and AdamW state, gathers a block's parameters for its
     /// forward and backward and recomputes its forward there (activation checkpointing). For a
-    /// model whose training state does not fit one GPU.
+    /// model whose training state does not fit one GPU. --checkpoint is then a directory
+    /// that each process writes its shards into, and --resume reshards it to this job's
+    /// number of processes (one process without --nproc-per-node).
     #[arg(long)]
     shard: bool,
     #[command(flatten)]

@@ -1,7 +1,10 @@
 //! Writes the seed corpus of every fuzz target into `fuzz/corpus/TARGET/`, each file made by
 //! ember's own writer of that format (`save_tensors`, `save_checkpoint`, `to_idx_bytes`,
 //! `pickle::dumps`, the store client's request encoder). Files named `cpython-*` were written by
-//! CPython's `pickle` and are kept as they are (see the README's "Fuzzing" section).
+//! CPython's `pickle` and are kept as they are (see the README's "Fuzzing" section). The seeds
+//! of `dcp` need a checkpoint saved by two ranks, so ember-distributed's test
+//! `dcp_fuzz_seeds_are_read_by_the_fuzz_entry_points` writes them (with
+//! `EMBER_WRITE_FUZZ_SEEDS=1`), and checks that the target's readers read them back.
 //!
 //! `fuzz/run.sh --seeds` builds and runs it with the targets' flags (so nothing is built twice).
 

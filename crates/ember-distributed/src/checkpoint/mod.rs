@@ -534,12 +534,35 @@ pub fn load(
     Ok(())
 }
 
-/// Reads, for every entry of `state_dict`, the rows this rank holds: (where they go, their
-/// values). Writes nothing.
-fn read_pieces(
-    state_dict: &[(String, StateValue)],
-    dir: &Path,
-) -> CheckpointResult<Vec<(Tensor, HostBuffer)>> {
+/// What a checkpoint holds under one key (PyTorch's `TensorStorageMetadata`, without the
+/// chunks): the tensor's dtype and global shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedTensor {
+    pub dtype: DType,
+    pub shape: Shape,
+}
+
+/// The keys of the checkpoint in the directory `checkpoint_id`, in sorted order, each with its
+/// dtype and global shape (PyTorch's `FileSystemReader(path).read_metadata()`): what a
+/// loading program needs to build the state dict to [`load`] into when it does not know every
+/// key beforehand. Reads and checks the metadata file only; not collective.
+pub fn read_metadata(checkpoint_id: impl AsRef<Path>) -> CheckpointResult<Vec<(String, SavedTensor)>> {
+    let (md, _) = read_metadata_file(checkpoint_id.as_ref())?;
+    Ok(md
+        .tensors
+        .into_iter()
+        .map(|(k, t)| {
+            let saved = SavedTensor {
+                dtype: t.dtype,
+                shape: Shape::new(t.shape),
+            };
+            (k, saved)
+        })
+        .collect())
+}
+
+/// Reads and checks `dir`'s metadata file; returns it with its path.
+fn read_metadata_file(dir: &Path) -> CheckpointResult<(Metadata, PathBuf)> {
     let md_path = dir.join(METADATA_FILE);
     let bytes = std::fs::read(&md_path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => CheckpointError::Incomplete { dir: dir.to_owned() },
@@ -549,12 +572,77 @@ fn read_pieces(
             msg: e.to_string(),
         },
     })?;
+    let md = parse_metadata(&bytes, &md_path)?;
+    Ok((md, md_path))
+}
+
+/// The metadata file's bytes parsed and checked; `path` names it in errors.
+fn parse_metadata(bytes: &[u8], path: &Path) -> CheckpointResult<Metadata> {
     let v: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| CheckpointError::InvalidMetadata {
-            path: md_path.clone(),
+        serde_json::from_slice(bytes).map_err(|e| CheckpointError::InvalidMetadata {
+            path: path.to_owned(),
             msg: format!("not JSON ({e})"),
         })?;
-    let md = Metadata::from_json(&v, &md_path)?;
+    Metadata::from_json(&v, path)
+}
+
+/// Entry points for the fuzz target `dcp` (`fuzz/`): the checkpoint's readers run on bytes in
+/// memory. Not an API: hidden, and free to change with the format.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Parses `bytes` as a `.metadata` file; the number of tensors it lists when it is valid.
+    pub fn metadata(bytes: &[u8]) -> Option<usize> {
+        parse_metadata(bytes, Path::new(METADATA_FILE))
+            .ok()
+            .map(|m| m.tensors.len())
+    }
+
+    /// Parses `bytes` as a rank's `.distcp` file (its safetensors header: the file's index of
+    /// pieces), then reads every piece it lists whole, as a load would with metadata that
+    /// agrees with the header; the number of pieces read. Bad bytes must give errors, never
+    /// panics, hangs or allocations beyond the bytes given.
+    pub fn shard_file(bytes: &[u8]) -> Option<usize> {
+        let len = bytes.len() as u64;
+        let path = PathBuf::from("__0_0.distcp");
+        let mut f = storage::ShardFile::from_reader(path, std::io::Cursor::new(bytes), len, len).ok()?;
+        let pieces: Vec<(String, TensorMeta, Piece)> = f
+            .entries()
+            .filter_map(|(key, dtype, shape)| {
+                let dtype = DType::ALL
+                    .into_iter()
+                    .find(|&d| storage::safetensors_dtype(d) == dtype)?;
+                let meta = TensorMeta {
+                    dtype,
+                    shape: shape.to_vec(),
+                    pieces: vec![],
+                };
+                let piece = Piece {
+                    file: String::new(),
+                    offset: 0,
+                    rows: meta.rows(),
+                };
+                Some((key.to_owned(), meta, piece))
+            })
+            .collect();
+        let mut read = 0;
+        for (key, meta, piece) in &pieces {
+            if f.read_rows(key, meta, piece, 0..piece.rows).is_ok() {
+                read += 1;
+            }
+        }
+        Some(read)
+    }
+}
+
+/// Reads, for every entry of `state_dict`, the rows this rank holds: (where they go, their
+/// values). Writes nothing.
+fn read_pieces(
+    state_dict: &[(String, StateValue)],
+    dir: &Path,
+) -> CheckpointResult<Vec<(Tensor, HostBuffer)>> {
+    let (md, md_path) = read_metadata_file(dir)?;
 
     let mut seen = HashSet::new();
     for (key, _) in state_dict {

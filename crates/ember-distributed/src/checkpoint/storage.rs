@@ -43,10 +43,16 @@ struct Entry {
     bytes: Range<u64>,
 }
 
-/// An open piece file of the checkpoint, its header parsed.
-pub(crate) struct ShardFile {
+/// An open piece file of the checkpoint (a [`File`], or bytes in memory for the fuzz
+/// target), its header parsed.
+///
+/// Nothing is allocated by what the bytes claim alone: the header is read only after its
+/// claimed length is checked against the file's actual length, every entry's byte range
+/// against the data section, and a read of rows only after the entry's size is checked
+/// against the metadata's shape, in checked arithmetic.
+pub(crate) struct ShardFile<R = File> {
     path: PathBuf,
-    file: File,
+    file: R,
     data_start: u64,
     entries: HashMap<String, Entry>,
 }
@@ -55,11 +61,7 @@ impl ShardFile {
     /// Opens `dir/name`, which the metadata says is `expected_len` bytes long.
     pub fn open(dir: &Path, name: &str, expected_len: u64) -> CheckpointResult<ShardFile> {
         let path = dir.join(name);
-        let corrupt = |msg: String| CheckpointError::Corrupt {
-            path: path.clone(),
-            msg,
-        };
-        let mut file = File::open(&path).map_err(|e| match e.kind() {
+        let file = File::open(&path).map_err(|e| match e.kind() {
             ErrorKind::NotFound => CheckpointError::MissingFile {
                 path: path.clone(),
                 msg: e.to_string(),
@@ -67,6 +69,23 @@ impl ShardFile {
             _ => io("opening", &path, e),
         })?;
         let len = file.metadata().map_err(|e| io("reading", &path, e))?.len();
+        ShardFile::from_reader(path, file, len, expected_len)
+    }
+}
+
+impl<R: Read + Seek> ShardFile<R> {
+    /// Parses the header of `file`, `len` bytes long, which the metadata says is
+    /// `expected_len` bytes; `path` names it in errors.
+    pub fn from_reader(
+        path: PathBuf,
+        mut file: R,
+        len: u64,
+        expected_len: u64,
+    ) -> CheckpointResult<ShardFile<R>> {
+        let corrupt = |msg: String| CheckpointError::Corrupt {
+            path: path.clone(),
+            msg,
+        };
         if len != expected_len {
             return Err(corrupt(format!(
                 "it is {len} bytes, the checkpoint's metadata says {expected_len}"
@@ -76,7 +95,7 @@ impl ShardFile {
         file.read_exact(&mut n)
             .map_err(|e| corrupt(format!("no safetensors header ({e})")))?;
         let n = u64::from_le_bytes(n);
-        if n > len - 8 {
+        if n > len.saturating_sub(8) {
             return Err(corrupt(format!(
                 "its header claims {n} bytes, the file has {len}"
             )));
@@ -131,6 +150,13 @@ impl ShardFile {
         })
     }
 
+    /// The entries of the header: each key with its safetensors dtype name and shape.
+    pub fn entries(&self) -> impl Iterator<Item = (&str, &str, &[usize])> {
+        self.entries
+            .iter()
+            .map(|(k, e)| (k.as_str(), e.dtype.as_str(), e.shape.as_slice()))
+    }
+
     /// The little-endian bytes of rows `rows` (global rows, inside `piece`) of tensor `key`.
     pub fn read_rows(
         &mut self,
@@ -153,11 +179,23 @@ impl ShardFile {
             *r = piece.rows;
         }
         let size = meta.dtype.size_in_bytes() as u64;
-        let row_bytes = meta.shape.iter().skip(1).product::<usize>() as u64 * size;
-        let expected = piece.rows as u64 * row_bytes;
+        // Checked: the metadata's parser bounds a whole tensor's bytes, but this reader trusts
+        // nothing it is handed.
+        let row_bytes = meta
+            .shape
+            .iter()
+            .skip(1)
+            .try_fold(size, |a, &d| a.checked_mul(d as u64));
+        let expected = row_bytes.and_then(|r| r.checked_mul(piece.rows as u64));
+        let (Some(row_bytes), Some(expected)) = (row_bytes, expected) else {
+            return Err(corrupt(format!("the bytes of {key}'s piece {shape:?} overflow")));
+        };
         if e.dtype != safetensors_dtype(meta.dtype)
             || e.shape != shape
             || e.bytes.end - e.bytes.start != expected
+            || !(piece.offset <= rows.start
+                && rows.start <= rows.end
+                && rows.end <= piece.offset.saturating_add(piece.rows))
         {
             return Err(corrupt(format!(
                 "its piece of {key} is {} {:?} ({} bytes), the metadata says {} {shape:?}",
@@ -167,8 +205,10 @@ impl ShardFile {
                 safetensors_dtype(meta.dtype)
             )));
         }
+        // Both within the entry's bytes, which lie inside the file (checked above and in
+        // `from_reader`).
         let skip = (rows.start - piece.offset) as u64 * row_bytes;
-        let mut out = vec![0u8; rows.len() * row_bytes as usize];
+        let mut out = vec![0u8; (rows.len() as u64 * row_bytes) as usize];
         self.file
             .seek(SeekFrom::Start(self.data_start + e.bytes.start + skip))
             .map_err(|err| io("reading", &self.path, err))?;

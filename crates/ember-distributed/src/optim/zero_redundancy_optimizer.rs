@@ -4,15 +4,21 @@
 //! ZeRO-1 and PyTorch's class).
 //!
 //! Note [ZeRO partition]: parameters are partitioned whole, as PyTorch's class does, by its
-//! sorted-greedy rule: sorted by element count, largest first (ties in the order given), each
-//! goes to the rank with the fewest elements so far (the lowest such rank). Every rank computes
-//! the same partition from the shapes alone, which [`ZeroRedundancyOptimizer::new`] checks are
-//! the same on every rank. Whole parameters rather than flat dim-0 shards because:
+//! sorted-greedy rule, param group by param group in order: a group's parameters sorted by
+//! element count, largest first (ties in the order given), each goes to the rank with the
+//! fewest elements so far, counting the earlier groups' (the lowest such rank). Each rank's
+//! local optimizer holds one group per param group, with that group's hyperparameters and the
+//! rank's share of its parameters (possibly none), so its parameters are numbered group by
+//! group as the unsharded optimizer's are; `add_param_group` partitions the new group after
+//! the others (the earlier groups' assignment does not change). Every rank computes the same
+//! partition from the shapes alone, which the constructors check are the same on every rank.
+//! Whole parameters rather than flat dim-0 shards because:
 //! - any optimizer works unchanged: the local optimizer is the user's own (AdamW, SGD, ...)
 //!   over ordinary parameters, fused steps included, and an update that looks at a whole
 //!   parameter (a norm, as LAMB's trust ratio) still sees it whole;
 //! - the local optimizer's state dict is a sub-dict of the unsharded one, so the consolidated
-//!   state dict is exactly the state dict of the same optimizer without ZeRO (indices remapped);
+//!   state dict is exactly the state dict of the same optimizer without ZeRO (indices remapped,
+//!   `param_groups.{g}.*` the groups' own);
 //! - parameters keep their storage (no flattening into buckets that would change `.data`).
 //!
 //! The cost is balance at the granularity of a parameter (one huge embedding can leave its rank
@@ -28,11 +34,13 @@
 //! rank, so the result equals DDP with the unsharded optimizer, bit for bit (the elementwise
 //! updates see the same values in the same order; only which rank computes them differs).
 //!
-//! Every rank must call `step`, `consolidate_state_dict` and the constructor in the same order
-//! (they are collective over the group).
+//! Every rank must call `step`, `consolidate_state_dict`, `add_param_group` and the
+//! constructors in the same order (they are collective over the group).
+
+use std::ops::Range;
 
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
-use ember_nn::optim::Optimizer;
+use ember_nn::optim::{Optimizer, ParamGroup};
 use ember_nn::state_dict::{load_tensors_from_bytes, save_tensors_to_bytes, StateDictError, StateDictResult};
 
 use crate::group::{default_group, ProcessGroup};
@@ -63,36 +71,49 @@ const OP: &str = "ZeroRedundancyOptimizer";
 /// # }
 /// ```
 pub struct ZeroRedundancyOptimizer<O: Optimizer> {
+    /// Every group's parameters, group 0's first (the unsharded optimizer's numbering).
     params: Vec<Tensor>,
-    /// `partition[r]`: the indices into `params` that rank `r` owns, in assignment order (the
-    /// order of the local optimizer's parameters on rank `r`).
+    /// `groups[g]`: the indices into `params` of param group `g`.
+    groups: Vec<Range<usize>>,
+    /// `by_group[r][g]`: the indices of group `g` that rank `r` owns, in assignment order.
+    by_group: Vec<Vec<Vec<usize>>>,
+    /// `partition[r]`: the concatenation of `by_group[r]` (the order of the local optimizer's
+    /// parameters on rank `r`).
     partition: Vec<Vec<usize>>,
     /// `buckets[r]`: rank `r`'s parameters grouped by (device, dtype), one broadcast each.
     buckets: Vec<Vec<Vec<usize>>>,
-    /// The optimizer over this rank's share; `None` when it owns no parameter (more ranks than
-    /// parameters).
-    optim: Option<O>,
+    /// The optimizer over this rank's share: one group per param group, empty where the rank
+    /// owns none of the group's parameters. On an idle rank, one over every parameter, kept
+    /// for its hyperparameters only and never stepped.
+    optim: O,
+    /// `idle[r]`: rank `r` was built by [`ZeroRedundancyOptimizer::new`] owning no parameter
+    /// (more ranks than parameters; `new`'s closure takes a list of parameters, which an
+    /// optimizer refuses empty), so it has no optimizer of its own.
+    idle: Vec<bool>,
     group: ProcessGroup,
-    /// The group's lr and initial lr, kept here too for a rank without a local optimizer.
-    lr: f64,
-    initial_lr: Option<f64>,
-    supports_amp_scaling: bool,
     /// The local state dicts of every rank, by rank, after `consolidate_state_dict` to this one.
     all_state_dicts: Vec<Vec<(String, Tensor)>>,
 }
 
-/// Note [ZeRO partition]: the sorted-greedy assignment of parameters of `numels` elements to
-/// `world` ranks; per rank, the parameter indices in assignment order.
-pub(crate) fn partition_parameters(numels: &[usize], world: usize) -> Vec<Vec<usize>> {
+/// Note [ZeRO partition]: the sorted-greedy assignment of parameters of `numels` elements, in
+/// param groups `groups` (ranges of indices, in order), to `world` ranks; per rank and group,
+/// the parameter indices in assignment order.
+pub(crate) fn partition_parameters(
+    numels: &[usize],
+    groups: &[Range<usize>],
+    world: usize,
+) -> Vec<Vec<Vec<usize>>> {
     let world = world.max(1);
-    let mut order: Vec<usize> = (0..numels.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(numels[i])); // stable: ties keep their order
     let mut sizes = vec![0usize; world];
-    let mut out = vec![Vec::new(); world];
-    for i in order {
-        let r = (0..world).min_by_key(|&r| sizes[r]).unwrap_or(0); // the first minimum
-        out[r].push(i);
-        sizes[r] += numels[i];
+    let mut out = vec![vec![Vec::new(); groups.len()]; world];
+    for (g, range) in groups.iter().enumerate() {
+        let mut order: Vec<usize> = range.clone().collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(numels[i])); // stable: ties keep their order
+        for i in order {
+            let r = (0..world).min_by_key(|&r| sizes[r]).unwrap_or(0); // the first minimum
+            out[r][g].push(i);
+            sizes[r] += numels[i];
+        }
     }
     out
 }
@@ -128,15 +149,19 @@ fn fingerprint(params: &[Tensor]) -> i64 {
     h as i64
 }
 
-/// Errors unless every rank of `group` passed parameters of the same count, shapes and dtypes
-/// (one all-gather), so that every rank computes the same partition.
-fn check_same_params(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
+/// Errors unless every rank of `group` passed parameters of the same count, shapes and dtypes,
+/// in groups of the same sizes `sizes` (one all-gather), so that every rank computes the same
+/// partition.
+fn check_same_params(group: &ProcessGroup, params: &[Tensor], sizes: &[usize]) -> Result<()> {
     let world = group.size();
     if world == 1 {
         return Ok(());
     }
     let numel: usize = params.iter().map(Tensor::numel).sum();
-    let mine = [params.len() as i64, numel as i64, fingerprint(params)];
+    let groups = sizes.iter().fold(fingerprint(params) as u64, |h, &n| {
+        (h ^ n as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mine = [params.len() as i64, numel as i64, groups as i64];
     let device = group.device();
     let input = Tensor::from_vec(mine.to_vec(), [3], Device::Cpu)?.to(device)?;
     let all = Tensor::zeros([3 * world], DType::I64, device)?;
@@ -147,7 +172,7 @@ fn check_same_params(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "rank {r} of the group passed {} parameter(s) of {} elements, rank {} passed {} of {} (or the shapes or dtypes differ): every rank must pass the same parameters (the same shapes and dtypes, in the same order), e.g. its replica's model.parameters()",
+                    "rank {r} of the group passed {} parameter(s) of {} elements, rank {} passed {} of {} (or the shapes, dtypes or param groups differ): every rank must pass the same parameters (the same shapes and dtypes, in the same order and groups), e.g. its replica's model.parameters()",
                     theirs[0],
                     theirs[1],
                     group.rank(),
@@ -169,7 +194,7 @@ fn state_key(key: &str) -> Option<(usize, &str)> {
 fn bad_key(key: &str) -> Error {
     Error::invalid(
         OP,
-        format!("unexpected key {key:?} in state dict: expected \"state.<param index>.<name>\" or \"param_groups.0.<name>\""),
+        format!("unexpected key {key:?} in state dict: expected \"state.<param index>.<name>\" or \"param_groups.<group index>.<name>\""),
     )
 }
 
@@ -189,7 +214,8 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
     /// closure carries the defaults, e.g. `|p| AdamW::new(p, config)`). Collective: every rank
     /// must pass the same parameters (shapes and dtypes, in the same order), else a typed error
     /// on every rank. A rank that owns no parameter (more ranks than parameters) builds the
-    /// optimizer over all of them once, to learn its lr, and keeps none.
+    /// optimizer over all of them once, to learn its hyperparameters, and keeps none. For
+    /// several param groups see [`ZeroRedundancyOptimizer::with_groups`].
     ///
     /// Errors: an empty `params`; parameters that differ between ranks; no default group when
     /// `process_group` is `None`; whatever `optimizer_class` returns.
@@ -198,7 +224,38 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
         optimizer_class: impl Fn(Vec<Tensor>) -> Result<O>,
         process_group: Option<ProcessGroup>,
     ) -> Result<ZeroRedundancyOptimizer<O>> {
-        if params.is_empty() {
+        let all = params.clone();
+        let idle = std::cell::Cell::new(false);
+        let mut zero = ZeroRedundancyOptimizer::with_groups(
+            vec![ParamGroup::new(params)],
+            |groups| {
+                let mine = groups
+                    .into_iter()
+                    .next()
+                    .map(|g| g.params().to_vec())
+                    .unwrap_or_default();
+                idle.set(mine.is_empty());
+                optimizer_class(if mine.is_empty() { all.clone() } else { mine })
+            },
+            process_group,
+        )?;
+        zero.idle = zero.partition.iter().map(Vec::is_empty).collect();
+        debug_assert_eq!(zero.idle[zero.group.rank()], idle.get());
+        Ok(zero)
+    }
+
+    /// [`ZeroRedundancyOptimizer::new`] over param groups (PyTorch's class given a list of
+    /// dicts, e.g. nanoGPT's decay and no-decay groups): each group is partitioned in turn
+    /// (Note [ZeRO partition]) and `optimizer_class` receives one group per param group, with
+    /// its hyperparameters and this rank's share of its parameters (possibly empty), e.g.
+    /// `|groups| AdamW::with_groups(groups, config)`. Collective, as `new`; every rank must pass
+    /// the same groups.
+    pub fn with_groups(
+        groups: Vec<ParamGroup>,
+        optimizer_class: impl Fn(Vec<ParamGroup>) -> Result<O>,
+        process_group: Option<ProcessGroup>,
+    ) -> Result<ZeroRedundancyOptimizer<O>> {
+        if groups.iter().all(|g| g.params().is_empty()) {
             return Err(Error::invalid(
                 OP,
                 "ZeroRedundancyOptimizer got an empty parameter list; pass model.parameters()",
@@ -208,41 +265,107 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
             Some(g) => g,
             None => default_group()?,
         };
-        check_same_params(&group, &params)?;
-        let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
-        let partition = partition_parameters(&numels, group.size());
-        let buckets = partition
+        let mut params = Vec::new();
+        let mut ranges = Vec::new();
+        for g in &groups {
+            ranges.push(params.len()..params.len() + g.params().len());
+            params.extend_from_slice(g.params());
+        }
+        let sizes: Vec<usize> = ranges.iter().map(Range::len).collect();
+        check_same_params(&group, &params, &sizes)?;
+        let by_group = partition_parameters(
+            &params.iter().map(Tensor::numel).collect::<Vec<_>>(),
+            &ranges,
+            group.size(),
+        );
+        let local: Vec<ParamGroup> = groups
             .iter()
-            .map(|owned| bucket_by_kind(&params, owned))
+            .zip(&by_group[group.rank()])
+            .map(|(g, owned)| g.with_params(owned.iter().map(|&i| params[i].clone()).collect()))
             .collect();
-        let mine: Vec<Tensor> = partition[group.rank()]
-            .iter()
-            .map(|&i| params[i].clone())
-            .collect();
-        // A rank without parameters builds the optimizer over all of them, only to read its
-        // hyperparameters (no state exists before a step).
-        let owns = !mine.is_empty();
-        let built = optimizer_class(if owns { mine } else { params.clone() })?;
-        let (lr, initial_lr, supports_amp_scaling) =
-            (built.lr(), built.initial_lr(), built.supports_amp_scaling());
-        let optim = owns.then_some(built);
-        Ok(ZeroRedundancyOptimizer {
+        let optim = optimizer_class(local)?;
+        if optim.num_param_groups() != groups.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "optimizer_class made an optimizer of {} param group(s) from {}: build it with the groups it is given (e.g. AdamW::with_groups)",
+                    optim.num_param_groups(),
+                    groups.len()
+                ),
+            ));
+        }
+        let mut zero = ZeroRedundancyOptimizer {
+            idle: vec![false; group.size()],
             params,
-            partition,
-            buckets,
+            groups: ranges,
+            by_group,
+            partition: Vec::new(),
+            buckets: Vec::new(),
             optim,
             group,
-            lr,
-            initial_lr,
-            supports_amp_scaling,
             all_state_dicts: Vec::new(),
-        })
+        };
+        zero.index_partition();
+        Ok(zero)
     }
 
-    /// This rank's optimizer over its share of the parameters (PyTorch's `optim` attribute);
-    /// `None` on a rank that owns no parameter.
+    /// Sets `partition` and `buckets` from `by_group`.
+    fn index_partition(&mut self) {
+        self.partition = self.by_group.iter().map(|groups| groups.concat()).collect();
+        self.buckets = self
+            .partition
+            .iter()
+            .map(|owned| bucket_by_kind(&self.params, owned))
+            .collect();
+    }
+
+    /// Appends a param group (PyTorch's `add_param_group`): partitioned after the others (Note
+    /// [ZeRO partition]; earlier parameters stay where they are), and this rank's share added
+    /// to its optimizer as a group of the same hyperparameters (possibly empty). Collective:
+    /// every rank must add the same group. Errors as the constructors, or the local
+    /// optimizer's own (an optimizer without groups refuses).
+    pub fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+        let first = self.params.len();
+        let mut params = self.params.clone();
+        params.extend_from_slice(group.params());
+        let mut ranges = self.groups.clone();
+        ranges.push(first..params.len());
+        let sizes: Vec<usize> = ranges.iter().map(Range::len).collect();
+        check_same_params(&self.group, &params, &sizes)?;
+        let by_group = partition_parameters(
+            &params.iter().map(Tensor::numel).collect::<Vec<_>>(),
+            &ranges,
+            self.group.size(),
+        );
+        if let Some(r) =
+            (0..by_group.len()).find(|&r| self.idle[r] && by_group[r].last().is_some_and(|g| !g.is_empty()))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("the new group gives rank {r} parameters, but rank {r} owned none when ZeroRedundancyOptimizer::new built it and has no optimizer of its own; build the optimizer with ZeroRedundancyOptimizer::with_groups instead"),
+            ));
+        }
+        let mine = by_group[self.group.rank()].last().cloned().unwrap_or_default();
+        self.optim
+            .add_param_group(group.with_params(mine.iter().map(|&i| params[i].clone()).collect()))?;
+        debug_assert!(by_group
+            .iter()
+            .zip(&self.by_group)
+            .all(|(new, old)| new[..old.len()] == old[..]));
+        self.params = params;
+        self.groups = ranges;
+        self.by_group = by_group;
+        self.all_state_dicts.clear();
+        self.index_partition();
+        Ok(())
+    }
+
+    /// This rank's optimizer over its share of the parameters (PyTorch's `optim` attribute):
+    /// one group per param group, each holding the parameters of [`Self::partition_parameters`]
+    /// of this rank that belong to it (possibly none); `None` on a rank that
+    /// [`ZeroRedundancyOptimizer::new`] left without parameters.
     pub fn optim(&self) -> Option<&O> {
-        self.optim.as_ref()
+        (!self.idle[self.group.rank()]).then_some(&self.optim)
     }
 
     /// The process group the state is sharded over.
@@ -252,7 +375,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
 
     /// The partition (Note [ZeRO partition]): for each rank of the group, the indices into
     /// [`Optimizer::params`] of the parameters it owns and steps, in the order of its local
-    /// optimizer's parameters.
+    /// optimizer's parameters (group by group).
     pub fn partition_parameters(&self) -> &[Vec<usize>] {
         &self.partition
     }
@@ -294,7 +417,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
 
     /// This rank's local state dict, copied to the CPU (empty without a local optimizer).
     fn local_state_on_cpu(&self) -> Result<Vec<(String, Tensor)>> {
-        let Some(o) = &self.optim else {
+        let Some(o) = self.optim() else {
             return Ok(Vec::new());
         };
         o.state_dict()
@@ -402,29 +525,32 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
             }
         }
         state.sort_by_key(|(g, _, _)| *g); // stable: a parameter's entries keep their order
-        let n = self.params.len();
         let mut out: Vec<(String, Tensor)> = state.into_iter().map(|(_, k, t)| (k, t)).collect();
-        out.push((
-            "param_groups.0.params".into(),
-            Tensor::arange_i64(0, n as i64, 1, Device::Cpu)?,
-        ));
-        out.push((
-            "param_groups.0.lr".into(),
-            Tensor::scalar(self.lr, DType::F64, Device::Cpu)?,
-        ));
-        if let Some(v) = self.initial_lr {
+        for (g, range) in self.groups.iter().enumerate() {
             out.push((
-                "param_groups.0.initial_lr".into(),
-                Tensor::scalar(v, DType::F64, Device::Cpu)?,
+                format!("param_groups.{g}.params"),
+                Tensor::arange_i64(range.start as i64, range.end as i64, 1, Device::Cpu)?,
             ));
+            out.push((
+                format!("param_groups.{g}.lr"),
+                Tensor::scalar(self.optim.group_lr(g), DType::F64, Device::Cpu)?,
+            ));
+            if let Some(v) = self.optim.group_initial_lr(g) {
+                out.push((
+                    format!("param_groups.{g}.initial_lr"),
+                    Tensor::scalar(v, DType::F64, Device::Cpu)?,
+                ));
+            }
         }
         Ok(out)
     }
 
     /// Loads a whole optimizer's state dict (as [`ZeroRedundancyOptimizer::state_dict`] or
     /// the same optimizer without ZeRO returns it): each rank keeps the entries of the
-    /// parameters it owns, renumbered for its local optimizer, and every rank the lr. Checks
-    /// every key before anything changes. Not collective.
+    /// parameters it owns, renumbered for its local optimizer, and every rank each group's lr.
+    /// A state dict of another number of groups, or whose group lists other parameters, is a
+    /// typed error, as the optimizers' own. Checks every key before anything changes. Not
+    /// collective.
     pub fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> StateDictResult<()> {
         let n = self.params.len();
         let me = self.group.rank();
@@ -442,74 +568,96 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                 groups = groups.max(g + 1);
             }
         }
-        if groups > 1 {
+        if groups > 0 && groups != self.groups.len() {
             return Err(StateDictError::ParamGroupCount {
                 optimizer: OP,
-                expected: 1,
+                expected: self.groups.len(),
                 found: groups,
             });
         }
-        let (mut lr, mut initial_lr) = (self.lr, self.initial_lr);
+        let mut lrs: Vec<f64> = (0..self.groups.len()).map(|g| self.optim.group_lr(g)).collect();
+        let mut initial_lrs: Vec<Option<f64>> = (0..self.groups.len())
+            .map(|g| self.optim.group_initial_lr(g))
+            .collect();
         let mut local = Vec::new();
         for (key, t) in state {
-            match key.strip_prefix("param_groups.0.") {
-                Some("params") => {
-                    let listed = t.to_vec_f64()?;
-                    if listed.len() != n {
-                        return Err(StateDictError::ParamGroupSize {
-                            optimizer: OP,
-                            group: 0,
-                            expected: n,
-                            found: listed.len(),
-                        });
+            if let Some(rest) = key.strip_prefix("param_groups.") {
+                let (g, name) = rest.split_once('.').ok_or_else(|| bad_key(key))?;
+                let g: usize = g.parse().map_err(|_| bad_key(key))?;
+                let range = self.groups[g].clone();
+                match name {
+                    "params" => {
+                        let listed = t.to_vec_f64()?;
+                        if listed.len() != range.len() {
+                            return Err(StateDictError::ParamGroupSize {
+                                optimizer: OP,
+                                group: g,
+                                expected: range.len(),
+                                found: listed.len(),
+                            });
+                        }
+                        if listed.iter().zip(range.clone()).any(|(&v, i)| v != i as f64) {
+                            return Err(Error::invalid(
+                                OP,
+                                format!(
+                                    "\"param_groups.{g}.params\" lists parameters {listed:?}, expected {}..{}",
+                                    range.start, range.end
+                                ),
+                            )
+                            .into());
+                        }
                     }
-                    if listed.iter().enumerate().any(|(i, &v)| v != i as f64) {
-                        return Err(Error::invalid(
-                            OP,
-                            format!("\"param_groups.0.params\" lists parameters {listed:?}, expected 0..{n}"),
-                        )
-                        .into());
-                    }
+                    "lr" => lrs[g] = t.item_f64()?,
+                    "initial_lr" => initial_lrs[g] = Some(t.item_f64()?),
+                    _ => return Err(bad_key(key).into()),
                 }
-                Some("lr") => lr = t.item_f64()?,
-                Some("initial_lr") => initial_lr = Some(t.item_f64()?),
-                Some(_) => return Err(bad_key(key).into()),
-                None => {
-                    let (g, name) = state_key(key).ok_or_else(|| bad_key(key))?;
-                    if g >= n {
-                        return Err(Error::invalid(
-                            OP,
-                            format!("state dict key {key:?} names parameter {g}, but the optimizer has {n} parameters"),
-                        )
-                        .into());
-                    }
-                    if let Some(i) = local_of[g] {
-                        local.push((format!("state.{i}.{name}"), t.clone()));
-                    }
-                }
+                continue;
+            }
+            let (g, name) = state_key(key).ok_or_else(|| bad_key(key))?;
+            if g >= n {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "state dict key {key:?} names parameter {g}, but the optimizer has {n} parameters"
+                    ),
+                )
+                .into());
+            }
+            if let Some(i) = local_of[g] {
+                local.push((format!("state.{i}.{name}"), t.clone()));
             }
         }
-        if let Some(o) = &mut self.optim {
-            let owned = self.partition[me].len() as i64;
+        // The local optimizer's groups: this rank's share of each, numbered group by group.
+        let mut next = 0i64;
+        for (g, owned) in self.by_group[me].iter().enumerate() {
+            let count = owned.len() as i64;
             local.push((
-                "param_groups.0.params".into(),
-                Tensor::arange_i64(0, owned, 1, Device::Cpu)?,
+                format!("param_groups.{g}.params"),
+                Tensor::arange_i64(next, next + count, 1, Device::Cpu)?,
             ));
+            next += count;
             local.push((
-                "param_groups.0.lr".into(),
-                Tensor::scalar(lr, DType::F64, Device::Cpu)?,
+                format!("param_groups.{g}.lr"),
+                Tensor::scalar(lrs[g], DType::F64, Device::Cpu)?,
             ));
-            if let Some(v) = initial_lr {
+            if let Some(v) = initial_lrs[g] {
                 local.push((
-                    "param_groups.0.initial_lr".into(),
+                    format!("param_groups.{g}.initial_lr"),
                     Tensor::scalar(v, DType::F64, Device::Cpu)?,
                 ));
             }
-            o.load_state_dict(&local)?;
         }
-        self.lr = lr;
-        self.initial_lr = initial_lr;
-        Ok(())
+        if self.idle[me] {
+            // No optimizer of its own: only the hyperparameters.
+            for (g, (lr, initial)) in lrs.into_iter().zip(initial_lrs).enumerate() {
+                self.optim.set_group_lr(g, lr);
+                if let Some(v) = initial {
+                    self.optim.set_group_initial_lr(g, v);
+                }
+            }
+            return Ok(());
+        }
+        self.optim.load_state_dict(&local)
     }
 }
 
@@ -517,8 +665,8 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
     /// The local optimizer's step over this rank's parameters, then the exchange that gives
     /// every rank all of them (Note [ZeRO step]). Collective.
     fn step(&mut self) -> Result<()> {
-        if let Some(o) = &mut self.optim {
-            o.step()?;
+        if !self.idle[self.group.rank()] {
+            self.optim.step()?;
         }
         self.sync_params()
     }
@@ -528,15 +676,15 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
     }
 
     fn supports_amp_scaling(&self) -> bool {
-        self.supports_amp_scaling
+        self.optim.supports_amp_scaling()
     }
 
     /// The local optimizer's scaled step, then the exchange (Note [ZeRO step]). A skipped step
     /// (`found_inf` set) changes nothing anywhere: with DDP every rank holds the same averaged
     /// gradients, so every rank's flag agrees.
     fn step_scaled(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
-        if let Some(o) = &mut self.optim {
-            o.step_scaled(grad_scale, found_inf)?;
+        if !self.idle[self.group.rank()] {
+            self.optim.step_scaled(grad_scale, found_inf)?;
         }
         self.sync_params()
     }
@@ -547,25 +695,44 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
     }
 
     fn lr(&self) -> f64 {
-        self.lr
+        self.optim.lr()
     }
 
     fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-        if let Some(o) = &mut self.optim {
-            o.set_lr(lr);
-        }
+        self.optim.set_lr(lr)
     }
 
     fn initial_lr(&self) -> Option<f64> {
-        self.initial_lr
+        self.optim.initial_lr()
     }
 
     fn set_initial_lr(&mut self, lr: f64) {
-        self.initial_lr = Some(lr);
-        if let Some(o) = &mut self.optim {
-            o.set_initial_lr(lr);
-        }
+        self.optim.set_initial_lr(lr)
+    }
+
+    /// [`ZeroRedundancyOptimizer::add_param_group`] (collective).
+    fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+        ZeroRedundancyOptimizer::add_param_group(self, group)
+    }
+
+    fn num_param_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    fn group_lr(&self, group: usize) -> f64 {
+        self.optim.group_lr(group)
+    }
+
+    fn set_group_lr(&mut self, group: usize, lr: f64) {
+        self.optim.set_group_lr(group, lr)
+    }
+
+    fn group_initial_lr(&self, group: usize) -> Option<f64> {
+        self.optim.group_initial_lr(group)
+    }
+
+    fn set_group_initial_lr(&mut self, group: usize, lr: f64) {
+        self.optim.set_group_initial_lr(group, lr)
     }
 
     /// See [`ZeroRedundancyOptimizer::state_dict`]: the consolidated state when there is one,
@@ -574,7 +741,7 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
         if let Ok(s) = ZeroRedundancyOptimizer::state_dict(self) {
             return s;
         }
-        let own = self.optim.as_ref().map(|o| o.state_dict()).unwrap_or_default();
+        let own = self.optim().map(|o| o.state_dict()).unwrap_or_default();
         self.global_state(std::iter::once((self.group.rank(), own.as_slice())))
             .unwrap_or_default()
     }
@@ -592,17 +759,27 @@ mod tests {
     fn the_partition_is_pytorchs_sorted_greedy() {
         // Sorted 64, 32, 24, 8, 8, 3: rank 0 takes 64, rank 1 32 + 24 + 8 (64), then the tie
         // goes to rank 0 (72) and the last to rank 1.
+        let one = |numels: &[usize], world| -> Vec<Vec<usize>> {
+            partition_parameters(numels, &[0..numels.len()], world)
+                .into_iter()
+                .map(|g| g.concat())
+                .collect()
+        };
+        assert_eq!(one(&[32, 8, 64, 8, 24, 3], 2), [vec![2, 3], vec![0, 4, 1, 5]]);
         assert_eq!(
-            partition_parameters(&[32, 8, 64, 8, 24, 3], 2),
-            [vec![2, 3], vec![0, 4, 1, 5]]
-        );
-        assert_eq!(
-            partition_parameters(&[32, 8, 64, 8, 24, 3], 3),
+            one(&[32, 8, 64, 8, 24, 3], 3),
             [vec![2], vec![0, 3], vec![4, 1, 5]]
         );
         // More ranks than parameters: the last ranks own nothing.
-        assert_eq!(partition_parameters(&[5, 7], 3), [vec![1], vec![0], vec![]]);
-        assert_eq!(partition_parameters(&[5, 7], 1), [vec![1, 0]]);
+        assert_eq!(one(&[5, 7], 3), [vec![1], vec![0], vec![]]);
+        assert_eq!(one(&[5, 7], 1), [vec![1, 0]]);
+        // Param groups in turn, the sizes counted across them (PyTorch's rule): group 0
+        // (8, 64) puts 64 on rank 0 and 8 on rank 1; group 1 (24, 3, 32) starts from 64 | 8:
+        // 32 and 24 go to rank 1 (64 | 64), then the tie puts 3 on rank 0.
+        assert_eq!(
+            partition_parameters(&[8, 64, 24, 3, 32], &[0..2, 2..5], 2),
+            [vec![vec![1], vec![3]], vec![vec![0], vec![4, 2]]]
+        );
     }
 
     #[test]

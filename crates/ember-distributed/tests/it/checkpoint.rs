@@ -632,3 +632,54 @@ fn dtensors_and_checkpoints_on_two_gpus() {
     check(&sd, 0.0, "on the CPU");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The seed corpus of the fuzz target `dcp` (`fuzz/corpus/dcp/`): the metadata and both ranks'
+/// files of [`save_on`]`(2, ..)` (uneven, empty and 0-d entries, a replicated bf16 tensor), each
+/// read back by the target's entry points; and `read_metadata` of that checkpoint. `EMBER_WRITE_FUZZ_SEEDS=1 cargo test -p
+/// ember-distributed --test it fuzz_seeds` rewrites the corpus with them.
+#[test]
+fn dcp_fuzz_seeds_are_read_by_the_fuzz_entry_points() {
+    let dir = tmp("fuzz-seeds");
+    save_on(2, &dir, 0.0);
+    let names = files(&dir);
+    assert_eq!(names.len(), 3, "{names:?}");
+    // read_metadata lists every key with its dtype and global shape, in sorted order.
+    let mut expected: Vec<(String, DType, Vec<usize>)> = globals(0.0)
+        .into_iter()
+        .map(|(k, t, _)| (k.to_string(), t.dtype(), t.dims().to_vec()))
+        .collect();
+    expected.sort_by(|a, b| a.0.cmp(&b.0));
+    let listed: Vec<(String, DType, Vec<usize>)> = dcp::read_metadata(&dir)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.dtype, t.shape.dims().to_vec()))
+        .collect();
+    assert_eq!(listed, expected);
+    let md = std::fs::read(dir.join(dcp::METADATA_FILE)).unwrap();
+    assert_eq!(dcp::fuzzing::metadata(&md), Some(globals(0.0).len()));
+    assert_eq!(
+        dcp::fuzzing::shard_file(&md),
+        None,
+        "JSON is not a safetensors file"
+    );
+    let mut seeds = vec![("metadata.json".to_string(), md)];
+    for (rank, name) in names.iter().filter(|n| n.ends_with(".distcp")).enumerate() {
+        let bytes = std::fs::read(dir.join(name)).unwrap();
+        let pieces = dcp::fuzzing::shard_file(&bytes).unwrap();
+        assert!(pieces > 0, "{name}: every piece it lists is read");
+        assert_eq!(dcp::fuzzing::metadata(&bytes), None);
+        // Every truncation of a piece file is refused, without a panic.
+        for cut in 0..bytes.len() {
+            assert!(dcp::fuzzing::shard_file(&bytes[..cut]).is_none_or(|n| n < pieces));
+        }
+        seeds.push((format!("rank{rank}.distcp"), bytes));
+    }
+    if std::env::var_os("EMBER_WRITE_FUZZ_SEEDS").is_some() {
+        let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/dcp");
+        std::fs::create_dir_all(&corpus).unwrap();
+        for (name, bytes) in &seeds {
+            std::fs::write(corpus.join(name), bytes).unwrap();
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

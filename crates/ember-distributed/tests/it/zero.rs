@@ -8,7 +8,7 @@ use std::time::Duration;
 use ember_core::{DType, Device, Error, Tensor};
 use ember_distributed::{DdpOptions, DistributedDataParallel, ProcessGroup, ZeroRedundancyOptimizer};
 use ember_nn::functional::mse_loss;
-use ember_nn::optim::{AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
+use ember_nn::optim::{AdamConfig, AdamW, Optimizer, ParamGroup, SgdConfig, SGD};
 use ember_nn::{ModuleExt, Reduction, Sequential};
 
 use crate::common::run_ranks;
@@ -223,4 +223,102 @@ fn mismatched_parameters_and_bad_state_dicts_are_typed_errors() {
         // The group still works.
         zero.step().unwrap();
     });
+}
+
+/// nanoGPT's two AdamW groups: weight decay 0.1 on the matrices, none on the biases, and a
+/// group lr of its own on the second.
+fn two_groups(params: &[Tensor]) -> Vec<ParamGroup> {
+    let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) = params.iter().cloned().partition(|p| p.rank() >= 2);
+    vec![
+        ParamGroup::new(decay).weight_decay(0.1),
+        ParamGroup::new(no_decay).weight_decay(0.0).lr(0.02),
+    ]
+}
+
+fn adamw_groups(groups: Vec<ParamGroup>) -> ember_core::Result<AdamW> {
+    AdamW::with_groups(
+        groups,
+        AdamConfig {
+            lr: 0.05,
+            ..AdamConfig::adamw()
+        },
+    )
+}
+
+/// ZeRO over two param groups of different weight decay and lr (Note [ZeRO partition]: each
+/// group partitioned in turn, each rank's AdamW holding its share of both) gives DDP with the
+/// unsharded two-group AdamW's parameters bit for bit, on 2 and 3 ranks; the consolidated
+/// state dict is that AdamW's, groups included, and loads back. Built with the first group and
+/// then `add_param_group` of the second, it is the same optimizer.
+#[test]
+fn zero_with_two_param_groups_equals_ddp_with_the_unsharded_optimizer() {
+    for n in [2, 3] {
+        run_ranks(n, T, |pg| {
+            let steps = 3;
+            let (ddp, x, y) = setup(&pg, Device::Cpu);
+            let mut plain = adamw_groups(two_groups(&ddp.module().parameters())).unwrap();
+            train(&ddp, &mut plain, &x, &y, steps);
+            let expected = values(&ddp.module().parameters());
+
+            let (zddp, x, y) = setup(&pg, Device::Cpu);
+            let groups = two_groups(&zddp.module().parameters());
+            let mut zero =
+                ZeroRedundancyOptimizer::with_groups(groups.clone(), adamw_groups, Some(pg.clone())).unwrap();
+            assert_eq!(zero.num_param_groups(), 2);
+            assert_eq!(
+                zero.optim().unwrap().num_param_groups(),
+                2,
+                "one local group per group"
+            );
+            assert_eq!(zero.group_lrs(), [0.05, 0.02]);
+            train(&zddp, &mut zero, &x, &y, steps);
+            assert_eq!(
+                values(&zddp.module().parameters()),
+                expected,
+                "rank {} of {n}",
+                pg.rank()
+            );
+            let params: Vec<Tensor> = groups.iter().flat_map(|g| g.params().to_vec()).collect();
+            assert_eq!(zero.params().len(), params.len());
+
+            zero.consolidate_state_dict(0).unwrap();
+            if pg.rank() == 0 {
+                let state = zero.state_dict().unwrap();
+                assert_eq!(by_key(&state), by_key(&plain.state_dict()));
+            }
+            // Loaded into a fresh ZeRO optimizer, plain AdamW's state continues exactly.
+            let mut resumed =
+                ZeroRedundancyOptimizer::with_groups(groups.clone(), adamw_groups, Some(pg.clone())).unwrap();
+            resumed.load_state_dict(&plain.state_dict()).unwrap();
+            train(&ddp, &mut plain, &x, &y, 1);
+            train(&zddp, &mut resumed, &x, &y, 1);
+            assert_eq!(
+                values(&zddp.module().parameters()),
+                values(&ddp.module().parameters())
+            );
+
+            // The first group, then add_param_group of the second: the same partition and state.
+            let mut added =
+                ZeroRedundancyOptimizer::with_groups(vec![groups[0].clone()], adamw_groups, Some(pg.clone()))
+                    .unwrap();
+            Optimizer::add_param_group(&mut added, groups[1].clone()).unwrap();
+            assert_eq!(added.partition_parameters(), resumed.partition_parameters());
+            assert_eq!(added.group_lrs(), [0.05, 0.02]);
+            added.load_state_dict(&plain.state_dict()).unwrap();
+            train(&ddp, &mut plain, &x, &y, 1);
+            train(&zddp, &mut added, &x, &y, 1);
+            assert_eq!(
+                values(&zddp.module().parameters()),
+                values(&ddp.module().parameters())
+            );
+
+            // A state dict of one group does not load into two.
+            let one = adamw(ddp.module().parameters()).unwrap();
+            assert!(matches!(
+                resumed.load_state_dict(&one.state_dict()),
+                Err(ember_nn::state_dict::StateDictError::ParamGroupCount { .. })
+                    | Err(ember_nn::state_dict::StateDictError::ParamGroupSize { .. })
+            ));
+        });
+    }
 }

@@ -729,6 +729,10 @@ macro_rules! adam_optimizer {
                 }
             }
 
+            fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+                self.0.add_param_group(group)
+            }
+
             fn num_param_groups(&self) -> usize {
                 self.0.groups.groups.len()
             }

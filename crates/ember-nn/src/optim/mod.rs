@@ -208,6 +208,17 @@ pub trait Optimizer {
         self.set_initial_lr(lr)
     }
 
+    /// Appends a param group (`optimizer.add_param_group`), numbered after the parameters
+    /// already held (Note [Param groups]). The default refuses: an optimizer of fixed
+    /// parameters; [`SGD`], [`Adam`] and [`AdamW`] take groups.
+    fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+        let _ = group;
+        Err(Error::invalid(
+            "add_param_group",
+            "this optimizer does not take more param groups; build it over every parameter",
+        ))
+    }
+
     /// The learning rate of every group, in order (what PyTorch's schedulers'
     /// `get_last_lr()` lists).
     fn group_lrs(&self) -> Vec<f64> {

@@ -112,6 +112,15 @@ impl ParamGroup {
         &self.params
     }
 
+    /// A group of `params` with this group's hyperparameter overrides (how
+    /// `ZeroRedundancyOptimizer` gives each rank its share of a group).
+    pub fn with_params(&self, params: Vec<Tensor>) -> ParamGroup {
+        ParamGroup {
+            params,
+            ..self.clone()
+        }
+    }
+
     /// Errors naming the first of `names` (pairs of a hyperparameter's name and whether this
     /// group sets it) that the group sets: those `optimizer` does not have.
     pub(crate) fn refuse(&self, optimizer: &'static str, names: &[(&str, bool)]) -> Result<()> {

@@ -413,6 +413,10 @@ impl Optimizer for SGD {
         }
     }
 
+    fn add_param_group(&mut self, group: ParamGroup) -> Result<()> {
+        SGD::add_param_group(self, group)
+    }
+
     fn num_param_groups(&self) -> usize {
         self.groups.groups.len()
     }

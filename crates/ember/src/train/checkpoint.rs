@@ -66,6 +66,16 @@ pub fn save_checkpoint(
             .into_iter()
             .map(|(k, t)| (format!("optimizer.{k}"), t)),
     );
+    state.extend(run_state(scaler, pos)?);
+    save_tensors(&state, path).map_err(|e| format!("saving checkpoint: {e}"))?;
+    Ok(())
+}
+
+/// What a checkpoint holds besides model and optimizer: the scaler's state (when enabled),
+/// `pos`, and the default generators' states. A distributed checkpoint (`train/dcp.rs`) holds
+/// the same entries as plain tensors.
+pub fn run_state(scaler: &GradScaler, pos: Position) -> ember::Result<Vec<(String, Tensor)>> {
+    let mut state = Vec::new();
     if scaler.is_enabled() {
         state.extend(
             scaler
@@ -87,8 +97,7 @@ pub fn save_checkpoint(
         let g = ember::default_generator(Device::Cuda(i));
         state.push((format!("rng.cuda.{i}"), rng_tensor(g.get_state())?));
     }
-    save_tensors(&state, path).map_err(|e| format!("saving checkpoint: {e}"))?;
-    Ok(())
+    Ok(state)
 }
 
 /// Loads a checkpoint of [`save_checkpoint`] at `path` into `model` (a `--model
@@ -120,6 +129,19 @@ pub fn restore_checkpoint(
     scaler: &mut GradScaler,
 ) -> Result<Position, String> {
     let state = load_tensors_from_bytes(bytes, Device::Cpu).map_err(|e| e.to_string())?;
+    restore_state(state, model_name, Some(model), opt, scaler)
+}
+
+/// [`restore_checkpoint`] of a checkpoint's tensors: loads them into `model` (`None`: it was
+/// loaded in place already, as a distributed checkpoint's load does; its entries are then
+/// ignored), `opt`, `scaler` and the default generators, and returns the position.
+pub fn restore_state(
+    state: Vec<(String, Tensor)>,
+    model_name: &str,
+    model: Option<&mut dyn Forward>,
+    opt: &mut dyn Optimizer,
+    scaler: &mut GradScaler,
+) -> Result<Position, String> {
     let (mut model_state, mut opt_state, mut scaler_state) = (Vec::new(), Vec::new(), Vec::new());
     let (mut epoch, mut step, mut seen, mut loss_sum) = (None, 0.0, 0.0, 0.0);
     let mut rngs = Vec::new();
@@ -165,9 +187,11 @@ pub fn restore_checkpoint(
         seen: count(seen, "epoch_seen")?,
         loss_sum,
     };
-    model.load_state_dict(&model_state, true).map_err(|e| {
-        format!("does not hold a --model {model_name} of this shape (trained with another --model?): {e}")
-    })?;
+    if let Some(model) = model {
+        model.load_state_dict(&model_state, true).map_err(|e| {
+            format!("does not hold a --model {model_name} of this shape (trained with another --model?): {e}")
+        })?;
+    }
     opt.load_state_dict(&opt_state)
         .map_err(|e| format!("optimizer state: {e}"))?;
     if scaler.is_enabled() && !scaler_state.is_empty() {

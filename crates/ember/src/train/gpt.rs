@@ -15,14 +15,15 @@
 //! Note [GPT batches and resume]: batch `i` is `--batch-size` windows of `block_size + 1`
 //! bytes at offsets hashed from (`--seed`, `i`), and the learning rate of iteration `i` is a
 //! function of `i` (and the flags) alone, so a run resumed from a checkpoint (model, AdamW,
-//! GradScaler, RNG states and the completed iterations, `checkpoint.rs`) trains on the same
-//! batches at the same rates as an uninterrupted run. The batches are the same bytes on every
-//! device too, and the model is initialized on the CPU and then moved, so one seed gives a GPU
-//! run and a CPU run the same start and the same data: `tests/cli.rs` compares their loss
-//! curves. The loss estimates read fixed windows (their own hash streams), so two evaluations
-//! differ only by the model.
+//! GradScaler, RNG states and the completed iterations, `checkpoint.rs`; sharded, a distributed
+//! checkpoint, `dcp.rs`) trains on the same batches at the same rates as an uninterrupted run.
+//! The batches are the same bytes on every device too, and the model is initialized on the CPU
+//! and then moved, so one seed gives a GPU run and a CPU run the same start and the same data:
+//! `tests/cli.rs` compares their loss curves. The loss estimates read fixed windows (their own
+//! hash streams), so two evaluations differ only by the model.
 
 use super::checkpoint::{load_checkpoint, save_checkpoint, Position};
+use super::dcp;
 use super::dist::Dist;
 use super::fits::DoesNotFit;
 use super::{progress_bar, AmpMode, CliResult, TrainArgs, PROGRESS_EVERY};
@@ -35,7 +36,7 @@ use ember::distributed::{
 };
 use ember::nn::functional as F;
 use ember::nn::optim::{clip_grad_norm_, AdamConfig, AdamW, Optimizer, ParamGroup};
-use ember::nn::{Forward, ModuleExt};
+use ember::nn::{Forward, Module, ModuleExt};
 use ember::{cuda, DType, Device, Tensor};
 use serde_json::json;
 use std::io::IsTerminal;
@@ -420,7 +421,16 @@ impl Model {
         }
     }
 
-    /// The whole model, for checkpoints; None when sharded.
+    /// The module whose state a checkpoint holds: DDP's module, the others as they are.
+    fn module(&self) -> &dyn Module {
+        match self {
+            Model::Single(m) => m,
+            Model::Replicated(m) => m.module(),
+            Model::Sharded(m) => m,
+        }
+    }
+
+    /// The whole model, for single-file checkpoints; None when sharded.
     fn whole(&self) -> Option<&Gpt> {
         match self {
             Model::Single(m) => Some(m),
@@ -474,7 +484,10 @@ pub fn run(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()
 /// takes the norm over every process's rows (`fsdp::clip_grad_norm_`), and float16 loss
 /// scaling skips a step on every process when any process's rows overflowed
 /// (`ShardedGradScaler`). The reported losses are the means over the processes; every process
-/// evaluates and samples (a sharded forward is collective), rank 0 prints.
+/// evaluates and samples (a sharded forward is collective), rank 0 prints. `--shard` without
+/// `--nproc-per-node` shards over a group of this one process (every shard whole), so that a
+/// sharded checkpoint resumes with the same flags on one process (Note [Sharded checkpoints]
+/// in `dcp.rs`: every process writes its part of it).
 fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> {
     let started = Instant::now();
     for (set, flag, hint) in [
@@ -493,14 +506,6 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
             .into());
         }
     }
-    if args.shard {
-        if dist.is_none() {
-            return Err("--shard shards the model over the processes of a job: give --nproc-per-node N (N of 2 or more)".into());
-        }
-        if args.checkpoint.is_some() {
-            return Err("--checkpoint is not supported with --shard yet (a sharded model's state is written with ember_distributed::dcp); leave --shard out to train replicated with checkpoints".into());
-        }
-    }
     if args.checkpoint_every == Some(0) {
         return Err("--checkpoint-every must be at least 1".into());
     }
@@ -514,9 +519,14 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
         let total = cuda::get_device_properties(i)?.total_memory;
         DoesNotFit::check(parameter_count(&c), world, args.shard, device, total)?;
     }
-    if let Some(d) = dist {
-        d.init(device)?;
+    match dist {
+        Some(d) => d.init(device)?,
+        // Note [Sharded GPT]: a sharded run of one process shards over a group of one.
+        None if args.shard => init_one_process_group(device)?,
+        None => {}
     }
+    // Note [Sharded checkpoints]: a directory (written sharded), or one file.
+    let distributed_checkpoint = args.shard || args.checkpoint.as_deref().is_some_and(Path::is_dir);
 
     ember::manual_seed(args.seed)?;
     // Built and initialized on the CPU, then moved: one seed, the same weights on every device
@@ -560,7 +570,10 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
         };
         let gpt = gpt.map_blocks(|b| fully_shard(Checkpointed::new(b), &mesh, options))?;
         let model = fully_shard(gpt, &mesh, options)?;
-        let opt = adamw(&model.parameters())?;
+        let mut opt = adamw(&model.parameters())?;
+        if let (true, Some(path)) = (args.resume, args.checkpoint.as_deref()) {
+            start = resume_distributed(path, &model, &mut opt, &mut scaler)?;
+        }
         (Model::Sharded(model), opt)
     } else {
         let mut opt = adamw(&gpt.parameters())?;
@@ -570,7 +583,10 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
                 .checkpoint
                 .as_deref()
                 .expect("clap requires --checkpoint with --resume");
-            start = load_checkpoint(path, "gpt2", &mut gpt, &mut opt, &mut scaler)?.step;
+            start = match distributed_checkpoint {
+                true => resume_distributed(path, &gpt, &mut opt, &mut scaler)?,
+                false => load_checkpoint(path, "gpt2", &mut gpt, &mut opt, &mut scaler)?.step,
+            };
         }
         let model = match dist {
             Some(_) => Model::Replicated(DistributedDataParallel::new(gpt, DdpOptions::new())?),
@@ -605,6 +621,7 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
     };
     let job = match dist {
         Some(d) if args.shard => format!(" in {} processes, sharded (FSDP)", d.world),
+        None if args.shard => " in one process, sharded (FSDP)".into(),
         Some(d) => format!(" in {} processes (DDP)", d.world),
         None => String::new(),
     };
@@ -667,11 +684,11 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
             );
             bar.suspend(|| say(line));
             evals.push(e);
-            if it > start && !last && lead {
-                save_at(args, &model, &opt, scaler, it)?;
+            if it > start && !last {
+                save_at(args, &model, &opt, scaler, it, lead, distributed_checkpoint)?;
             }
-        } else if args.checkpoint_every.is_some_and(|n| it % n == 0) && it > start && lead {
-            save_at(args, &model, &opt, scaler, it)?;
+        } else if args.checkpoint_every.is_some_and(|n| it % n == 0) && it > start {
+            save_at(args, &model, &opt, scaler, it, lead, distributed_checkpoint)?;
         }
         if last {
             break;
@@ -741,8 +758,8 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
     bar.finish_and_clear();
     let train_s = (t0.elapsed().as_secs_f64() - eval_s).max(0.0);
     let iters = c.max_iters.saturating_sub(start);
-    if let (Some(path), true) = (&args.checkpoint, lead) {
-        save_at(args, &model, &opt, scaler, it)?;
+    if let Some(path) = &args.checkpoint {
+        save_at(args, &model, &opt, scaler, it, lead, distributed_checkpoint)?;
         say(format!(
             "checkpoint written: {} ({it} iterations)",
             path.display()
@@ -810,15 +827,61 @@ fn train(args: &TrainArgs, device: Device, dist: Option<Dist>) -> CliResult<()> 
     Ok(())
 }
 
-/// Writes `--checkpoint` (when given) after `iters` completed iterations.
-fn save_at(args: &TrainArgs, model: &Model, opt: &AdamW, scaler: &GradScaler, iters: usize) -> CliResult<()> {
-    if let (Some(path), Some(model)) = (&args.checkpoint, model.whole()) {
-        let pos = Position {
-            step: iters,
-            ..Position::default()
-        };
-        save_checkpoint(path, model, opt, scaler, pos)?;
+/// Writes `--checkpoint` (when given) after `iters` completed iterations: a distributed
+/// checkpoint (Note [Sharded checkpoints]; every process calls this, each writes its part),
+/// or one file, which the `lead` process writes alone.
+fn save_at(
+    args: &TrainArgs,
+    model: &Model,
+    opt: &AdamW,
+    scaler: &GradScaler,
+    iters: usize,
+    lead: bool,
+    distributed: bool,
+) -> CliResult<()> {
+    let Some(path) = &args.checkpoint else {
+        return Ok(());
+    };
+    let pos = Position {
+        step: iters,
+        ..Position::default()
+    };
+    match (distributed, model.whole()) {
+        (true, _) => dcp::save(path, dcp::train_state(model.module(), opt)?, scaler, pos),
+        (false, Some(whole)) if lead => save_checkpoint(path, whole, opt, scaler, pos),
+        (false, _) => Ok(()),
     }
+}
+
+/// Resumes a run from the distributed checkpoint in `path` (Note [Sharded checkpoints]):
+/// `model` (sharded or whole) and `opt` (given state to load into first) read it in place,
+/// then the scaler and the generators; returns the completed iterations. Collective.
+fn resume_distributed(
+    path: &Path,
+    model: &dyn Module,
+    opt: &mut AdamW,
+    scaler: &mut GradScaler,
+) -> CliResult<usize> {
+    dcp::init_optimizer_state(opt)?;
+    let state = dcp::train_state(model, opt)?;
+    Ok(dcp::load(path, "gpt2", state, opt, scaler)?.step)
+}
+
+/// Joins a default process group of this process alone (a store on a free local port), so
+/// that `--shard` without `--nproc-per-node` shards over one process.
+fn init_one_process_group(device: Device) -> CliResult<()> {
+    let store = distributed::TcpStore::new("127.0.0.1", 0, true, std::time::Duration::from_secs(60))?;
+    let mut options = distributed::InitOptions::new(match device {
+        Device::Cuda(_) => distributed::BackendKind::Nccl,
+        Device::Cpu => distributed::BackendKind::Gloo,
+    })
+    .world_size(1)
+    .rank(0)
+    .store(std::sync::Arc::new(store));
+    if let Device::Cuda(i) = device {
+        options = options.device_id(i);
+    }
+    distributed::init_process_group(options)?;
     Ok(())
 }
 
