@@ -46,7 +46,7 @@ fn start(device: usize) -> Result<Sender<Job>> {
         .spawn(move || {
             ON_DEVICE_THREAD.with(|d| d.set(true));
             // The device exists: a gradient on it is what sent the first job here.
-            let _ = crate::cuda_backend::set_device(device);
+            let _ = crate::storage::set_thread_device(device);
             // A job catches its own panics; one that escapes ends the thread, and later
             // sends report it.
             for job in rx {

@@ -302,7 +302,7 @@ pub(crate) fn run_backward(
         capture: capture.map(<[usize]>::to_vec),
         home: root_edges.first().map(|(_, g)| g.device()),
         offload: !device_threads::on_device_thread(),
-        streams: crate::cuda_backend::current_streams(),
+        streams: crate::storage::ThreadStreams::current(),
         state: Mutex::new(TaskState {
             pending,
             queues: vec![DeviceQueue::new(None)],
@@ -355,7 +355,7 @@ struct GraphTask {
     /// False when backward was called on a device thread: everything runs there.
     offload: bool,
     /// The calling thread's current streams, made current on the device threads.
-    streams: Vec<Option<crate::cuda_backend::Stream>>,
+    streams: crate::storage::ThreadStreams,
     state: Mutex<TaskState>,
     /// Signalled by the device threads when they queue work for the calling thread or stop.
     wake: Condvar,
@@ -466,7 +466,7 @@ impl GraphTask {
     /// A device thread's job: runs queue `q` until it is empty (or an error stopped the pass).
     fn drain(self: Arc<Self>, q: usize) {
         let _no_grad = super::no_grad();
-        let _streams = crate::cuda_backend::use_streams(&self.streams);
+        let _streams = self.streams.make_current();
         loop {
             let key = {
                 let mut st = self.lock();

@@ -291,6 +291,30 @@ pub(crate) fn note_graph_replay() -> u64 {
     GRAPH_REPLAYS.fetch_add(1, Ordering::AcqRel) + 1
 }
 
+/// The calling thread's current streams on every device, as a value another thread can make
+/// its own: the autograd engine runs a backward's nodes on the streams their forward ran on
+/// (for the op layer, which names no backend).
+#[derive(Debug, Clone)]
+pub(crate) struct ThreadStreams(Vec<Option<crate::cuda_backend::Stream>>);
+
+impl ThreadStreams {
+    /// The calling thread's.
+    pub(crate) fn current() -> ThreadStreams {
+        ThreadStreams(crate::cuda_backend::current_streams())
+    }
+
+    /// Makes these the calling thread's current streams until the guard is dropped.
+    #[must_use = "the streams are current only while the guard lives"]
+    pub(crate) fn make_current(&self) -> impl Drop {
+        crate::cuda_backend::use_streams(&self.0)
+    }
+}
+
+/// Makes GPU `device` the calling thread's current device (an autograd device thread's).
+pub(crate) fn set_thread_device(device: usize) -> Result<()> {
+    crate::cuda_backend::set_device(device)
+}
+
 /// True while a CUDA graph capture is underway in the process (for the op layer, which names
 /// no backend).
 pub(crate) fn capture_underway() -> bool {
