@@ -34,6 +34,29 @@ pub(super) struct AmpTensorList {
 // SAFETY: repr(C) with the field order, types and size of the kernel file's `AmpTensorList`.
 unsafe impl KernelParam for AmpTensorList {}
 
+impl AmpTensorList {
+    /// The list of `tensors` (address, element count; at most [`MAX_TENSORS`]) and its chunk
+    /// count.
+    fn of(tensors: impl ExactSizeIterator<Item = (u64, usize)>) -> (AmpTensorList, usize) {
+        let mut list = AmpTensorList {
+            n: tensors.len() as i32,
+            pad: 0,
+            ptr: [0; MAX_TENSORS],
+            numel: [0; MAX_TENSORS],
+            chunk_start: [0; MAX_TENSORS + 1],
+        };
+        let mut chunks = 0usize;
+        for (t, (addr, numel)) in tensors.enumerate() {
+            list.ptr[t] = addr;
+            list.numel[t] = numel as i64;
+            list.chunk_start[t] = chunks as i64;
+            chunks += numel.div_ceil(CHUNK);
+        }
+        list.chunk_start[list.n as usize] = chunks as i64;
+        (list, chunks)
+    }
+}
+
 /// Multiplies every element of each tensor in `tensors` (its first element, element count; all
 /// of floating `dtype`, on device `ordinal`, no two overlapping) by the f32 at `inv_scale` and
 /// stores 1.0 into the f32 at `found_inf` when any element was inf or NaN
@@ -48,21 +71,7 @@ pub(crate) fn non_finite_check_and_unscale(
     let rt = runtime(ordinal)?;
     let nonempty: Vec<&(DevPtrMut<'_>, usize)> = tensors.iter().filter(|t| t.1 > 0).collect();
     for group in nonempty.chunks(MAX_TENSORS) {
-        let mut list = AmpTensorList {
-            n: group.len() as i32,
-            pad: 0,
-            ptr: [0; MAX_TENSORS],
-            numel: [0; MAX_TENSORS],
-            chunk_start: [0; MAX_TENSORS + 1],
-        };
-        let mut chunks = 0usize;
-        for (t, &&(ptr, numel)) in group.iter().enumerate() {
-            list.ptr[t] = ptr.addr();
-            list.numel[t] = numel as i64;
-            list.chunk_start[t] = chunks as i64;
-            chunks += numel.div_ceil(CHUNK);
-        }
-        list.chunk_start[group.len()] = chunks as i64;
+        let (list, chunks) = AmpTensorList::of(group.iter().map(|&&(ptr, numel)| (ptr.addr(), numel)));
         let grid = Grid::multi_tensor(rt, chunks);
         // The caller's part: each pointer of `list` reaches its `numel` elements of `dtype`, and
         // `found_inf` and `inv_scale` one f32 each; `chunk_start` is the prefix count of
@@ -93,21 +102,7 @@ pub(crate) fn foreach_norm(
     let partials_ptr = partials.dev_ptr_mut_at(0);
     let mut chunk_base = 0usize;
     for (g, group) in tensors.chunks(MAX_TENSORS).enumerate() {
-        let mut list = AmpTensorList {
-            n: group.len() as i32,
-            pad: 0,
-            ptr: [0; MAX_TENSORS],
-            numel: [0; MAX_TENSORS],
-            chunk_start: [0; MAX_TENSORS + 1],
-        };
-        let mut group_chunks = 0usize;
-        for (t, &(ptr, numel)) in group.iter().enumerate() {
-            list.ptr[t] = ptr.addr();
-            list.numel[t] = numel as i64;
-            list.chunk_start[t] = group_chunks as i64;
-            group_chunks += numel.div_ceil(CHUNK);
-        }
-        list.chunk_start[group.len()] = group_chunks as i64;
+        let (list, group_chunks) = AmpTensorList::of(group.iter().map(|&(ptr, numel)| (ptr.addr(), numel)));
         let part = partials_ptr.add_bytes(chunk_base * 4);
         // The caller's part: each pointer reaches its `numel` elements of `dtype`; `part` has
         // room for this group's `group_chunks` partials (all groups' add up to `chunks`), and

@@ -22,6 +22,14 @@
 //! (`cuda/graph.rs`). A cast the graph does not keep (no step wrote it: an evaluation graph
 //! captured after eager training steps) is cast into its buffer before every replay, which
 //! costs what the captured cast kernel would have.
+//!
+//! On GPT-2's bf16 step (H200) the graphed step was no faster than the eager one once the eager
+//! step took its casts from Adam's twins (17.181 against 17.125 ms, session 47); with the
+//! captured step keeping them it is 0.40 ms faster (17.222 against 17.617 ms, session 48 run 3
+//! in docs/benchmarks.md). The first attempt kept the cast kernel's own output from the
+//! graph's pool and disabled the cast's node: the pool had handed that block to a temporary of
+//! an earlier op in the same capture, which a replay then overwrote before the forward read it,
+//! so the buffer must come from outside the capture.
 
 use super::StorageRef;
 use crate::cuda_backend::capture;
