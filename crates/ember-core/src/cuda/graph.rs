@@ -389,8 +389,10 @@ impl CUDAGraph {
         // SAFETY: `exec` is a live executable graph of this device, whose context `runtime`
         // bound; the current stream of that device is live. Its memory (the private pool) lives
         // as long as this graph holds it.
-        unsafe { cudarc::driver::result::graph::launch(exec.0, current_raw(self.device) as sys::CUstream) }
-            .map_err(|e| Error::Cuda {
+        let launched = unsafe {
+            cudarc::driver::result::graph::launch(exec.0, current_raw(self.device) as sys::CUstream)
+        };
+        launched.map_err(|e| Error::Cuda {
             op: "cuGraphLaunch",
             msg: format!("{e:?}"),
         })?;
