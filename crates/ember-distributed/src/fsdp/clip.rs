@@ -47,17 +47,27 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resu
     };
     let (device, dtype) = (first.device(), first.dtype());
     let inf = norm_type.is_infinite();
+    // As ember-nn's: float32 gradients on one GPU take the multi-tensor norm and multiply (a
+    // few launches for any number of gradients), the others a norm and a multiply each.
+    let all = || sharded.iter().flat_map(|(_, g)| g).chain(&replicated);
+    let foreach = device.is_cuda()
+        && (norm_type == 2.0 || norm_type == f64::INFINITY)
+        && all().all(|g| g.device() == device && g.dtype() == DType::F32);
     // `‖g‖ₚᵖ` summed (max of `‖g‖∞`) over `grads`, as a 0-d tensor on `device`.
     let partial = |grads: &[Tensor]| -> Result<Tensor> {
-        let norms = grads
-            .iter()
-            .filter(|g| g.numel() > 0)
-            .map(|g| g.norm(norm_type, &[], false)?.to_dtype(dtype)?.to(device))
-            .collect::<Result<Vec<_>>>()?;
-        if norms.is_empty() {
+        let grads: Vec<Tensor> = grads.iter().filter(|g| g.numel() > 0).cloned().collect();
+        if grads.is_empty() {
             return Tensor::scalar(0.0, dtype, device);
         }
-        let norms = Tensor::stack(&norms, 0)?;
+        let norms = if foreach {
+            ember_core::fused::foreach_norm(&grads, norm_type)?
+        } else {
+            let norms = grads
+                .iter()
+                .map(|g| g.norm(norm_type, &[], false)?.to_dtype(dtype)?.to(device))
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::stack(&norms, 0)?
+        };
         if inf {
             norms.max_all()
         } else {
@@ -80,8 +90,13 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resu
     // As ember-nn's clip_grad_norm_: `max_norm / (total + 1e-6)`, at most 1, always applied.
     let clip_coef = total_norm.add_scalar(1e-6)?.reciprocal()?.mul_scalar(max_norm)?;
     let clip_coef = clip_coef.clamp(None, Some(1.0))?;
-    for g in sharded.iter().flat_map(|(_, g)| g).chain(&replicated) {
-        g.mul_(&clip_coef.to(g.device())?)?;
+    if foreach {
+        let grads: Vec<Tensor> = all().filter(|g| g.numel() > 0).cloned().collect();
+        ember_core::fused::foreach_mul_(&grads, &clip_coef.reshape([1])?)?;
+    } else {
+        for g in all() {
+            g.mul_(&clip_coef.to(g.device())?)?;
+        }
     }
     Ok(total_norm)
 }
