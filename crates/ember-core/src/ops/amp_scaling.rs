@@ -314,20 +314,6 @@ fn update_scale_checked(
     Storage::update_scale(&rule, s, g, f)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dense_views() {
-        let t = Tensor::zeros([2, 3], DType::F32, Device::Cpu).unwrap();
-        assert!(is_dense(&t));
-        assert!(is_dense(&t.t().unwrap()));
-        assert!(!is_dense(&t.narrow(1, 0, 2).unwrap()));
-        assert!(is_dense(&t.narrow(0, 1, 1).unwrap()));
-    }
-}
-
 /// The norm of order `ord` (2, or `f64::INFINITY` for the largest |x|) of each of `tensors`, as
 /// one f32 tensor `[tensors.len()]` on their device (`torch._foreach_norm`, stacked): on a GPU
 /// two launches per 128 tensors whatever their number, deterministic, with nothing read back
@@ -423,4 +409,18 @@ pub fn foreach_mul_(tensors: &[Tensor], scalar: &Tensor) -> Result<()> {
         let found = Tensor::zeros([1], DType::F32, first.device())?;
         unscale_checked(tensors, &found, scalar)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_views() {
+        let t = Tensor::zeros([2, 3], DType::F32, Device::Cpu).unwrap();
+        assert!(is_dense(&t));
+        assert!(is_dense(&t.t().unwrap()));
+        assert!(!is_dense(&t.narrow(1, 0, 2).unwrap()));
+        assert!(is_dense(&t.narrow(0, 1, 1).unwrap()));
+    }
 }

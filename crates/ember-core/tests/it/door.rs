@@ -764,6 +764,19 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
             }),
         ),
         (
+            "foreach_norm",
+            "_foreach_norm",
+            Box::new(|| amp_scaling::foreach_norm(&[x()?, x()?], 2.0).map(drop)),
+        ),
+        (
+            "foreach_mul_",
+            "_foreach_mul_",
+            Box::new(|| {
+                let half = Tensor::from_slice(&[0.5f32], [1], Device::Cpu)?;
+                amp_scaling::foreach_mul_(&[x()?], &half)
+            }),
+        ),
+        (
             "update_scale_",
             "_amp_update_scale_",
             Box::new(|| {
