@@ -158,18 +158,10 @@ impl AmpOps for CpuStorage {
             let values = &T::slice(s).expect("dtype checked")[r.offset..r.offset + r.len];
             let mut acc = 0f64;
             for v in values.iter().map(|v| v.to_f64()) {
-                acc = if inf_norm {
-                    if v.abs() > acc || v.is_nan() || acc.is_nan() {
-                        if acc.is_nan() {
-                            acc
-                        } else {
-                            v.abs()
-                        }
-                    } else {
-                        acc
-                    }
-                } else {
-                    acc + v * v
+                acc = match inf_norm {
+                    true if v.is_nan() || acc.is_nan() => f64::NAN,
+                    true => acc.max(v.abs()),
+                    false => acc + v * v,
                 };
             }
             (if inf_norm { acc } else { acc.sqrt() }) as f32

@@ -548,10 +548,15 @@ fn adam_scaled_prepared(
     let capturing = crate::storage::capture_underway();
     let twins_possible = device.is_cuda() && !cfg.amsgrad && arrivals.iter().all(Vec::is_empty);
     let want_twins = twins_possible && scaling.found_inf.is_none() && !capturing;
+    // The float32 parameters that are all of their storage: the ones a twin can sit beside.
+    let whole: Vec<bool> = params
+        .iter()
+        .map(|p| p.dtype() == DType::F32 && p.is_whole_storage())
+        .collect();
     let graph_targets: Vec<Option<crate::storage::StorageRef>> = params
         .iter()
-        .map(|p| {
-            let whole = p.dtype() == DType::F32 && p.is_whole_storage();
+        .zip(&whole)
+        .map(|(p, &whole)| {
             (twins_possible && capturing && whole)
                 .then(|| crate::storage::graph_casts::step_target(p.storage()))
                 .flatten()
@@ -563,13 +568,13 @@ fn adam_scaled_prepared(
         .collect();
     let mut twins = params
         .iter()
-        .map(|p| {
-            let whole = p.dtype() == DType::F32 && p.is_whole_storage();
-            match want_twins && whole && p.storage().wanted_twin() == Some(DType::BF16) {
+        .zip(&whole)
+        .map(
+            |(p, &whole)| match want_twins && whole && p.storage().wanted_twin() == Some(DType::BF16) {
                 true => Storage::alloc(device, DType::BF16, p.numel()).map(Some),
                 false => Ok(None),
-            }
-        })
+            },
+        )
         .collect::<Result<Vec<Option<Storage>>>>()?;
     let mut guards = lock_all(&lists);
     // The operands borrow the guards: every storage stays locked until the backend has run
