@@ -16,22 +16,32 @@
 //!   `dQ = dS·K` accumulated in float (written) and converted.
 //! K and V enter as their transposes (dims 2 and 3 swapped, strides with them), as the backend
 //! expects. The two float buffers of the backward (row sums and the dQ accumulator) come from
-//! the caching allocator per call; the accumulator is zeroed first (cuDNN before 9.6 asked the
-//! caller to; the memset is ~10 µs for GPT-2's shapes).
+//! the caching allocator per call. cuDNN before 9.6 asked the caller to zero the accumulator;
+//! from 9.6 the engine clears it itself (the frontend's `SDPABackwardNode` stopped its memset
+//! there), so it is zeroed only under older libraries: 6.5 µs of `sdpa_causal_bf16`'s step on
+//! an H200 (docs/benchmarks.md, session 49). `cudnn_attention_backward_needs_no_zeroed_scratch`
+//! runs the backward on scratch that held NaN.
 //!
 //! Which problems: bf16 and f16, head dims up to 128 (multiples of 8), no mask or the causal
 //! one, no dropout, equal heads for query, key and value; 16-byte aligned pointers and strides
 //! that are multiples of 8 elements. Anything else, or a graph no engine takes, answers `None`
 //! and the op layer computes attention from its parts (PyTorch's math backend).
 //!
-//! Speed (`docs/benchmarks.md`, sessions 43 and 44, one H200): `sdpa_causal_bf16` (forward
-//! and backward, [8, 12, 1024, 64]) took 0.485 ms against PyTorch's flash kernels' 0.251 ms
-//! while the output gradient was copied to this layout and every input gradient copied out of
-//! it; with Note [Attention gradients in place] (`ops/attention.rs`) 0.253 ms against 0.237.
-//! Of those 0.253 ms the engines' kernels are 0.203 (forward 51 µs, backward 126 µs, its
-//! `dO·O` and dQ conversion 27 µs), so the 1.2× PyTorch needs faster engines, not
-//! less around them. The first configuration of heuristics mode A is taken; timing the
-//! others, as the convolutions' benchmark mode does, is the next thing to try.
+//! Speed (`docs/benchmarks.md`, sessions 43, 44 and 49, one H200): `sdpa_causal_bf16` (forward
+//! and backward, [8, 12, 1024, 64]) took 0.485 ms against PyTorch's 0.251 ms while the output
+//! gradient was copied to this layout and every input gradient copied out of it; with Note
+//! [Attention gradients in place] (`ops/attention.rs`) 0.253 ms against 0.237.
+//!
+//! Note [No faster attention engine]: PyTorch (with its wheel's cuDNN 9.19) runs this problem on the same
+//! cuDNN kernels: its profile shows the backward `..._bprop_wgmma_f16_knob_26_64x64x64` (119
+//! µs), the forward `..._fprop_..._knob_7_64x128x64` (46 µs), cuDNN's `dO·O` (13.4 µs) and dQ
+//! conversion (11.6 µs), and three gradient accumulations (29.5 µs). Every engine
+//! configuration cuDNN offers was timed through its frontend (heuristics A, B and fallback,
+//! and every value of the kernel-configuration knob): the forward's best is 47.4 µs (this
+//! graph's heuristic takes `knob_32`, 48 µs), the backward's only fast one is knob 26 (149
+//! µs with its `dO·O` and conversion); the rest take 87–440 µs. So ember and PyTorch share a
+//! floor of ~0.197 ms of attention kernels, and the 1.2× PyTorch (≤ 0.196 ms against
+//! its 0.235) would need kernels faster than cuDNN's own and free gradient accumulation.
 
 use super::cudnn::{self, with_handle};
 use super::cudnn_graph::{engine_configs, finalized_plan, ok, Desc};
@@ -70,6 +80,8 @@ mod uid {
     pub const DQ_ACCUM: i64 = 14;
 }
 const FIRST_VIRTUAL: i64 = 100;
+/// The first cuDNN whose attention backward clears its own dQ accumulator (module note).
+const ENGINE_ZEROES_DQ_ACCUM: usize = 90600;
 
 /// A graph under construction: every descriptor made for it (kept alive with the plan) and
 /// its operations in order.
@@ -722,7 +734,12 @@ impl AttentionOps for CudaStorage {
             }
         };
         let row_sum = CudaStorage::alloc_on(rt, DType::F32, p.b * p.h * p.s_q)?;
-        let accum = CudaStorage::full(rt.ordinal, DType::F32, p.b * p.h * p.s_q * p.d, 0.0)?;
+        let accum_len = p.b * p.h * p.s_q * p.d;
+        let accum = if cudnn::version().is_some_and(|v| v >= ENGINE_ZEROES_DQ_ACCUM) {
+            CudaStorage::alloc_on(rt, DType::F32, accum_len)?
+        } else {
+            CudaStorage::full(rt.ordinal, DType::F32, accum_len, 0.0)?
+        };
         let pointers = [
             (uid::Q, q),
             (uid::K, k),

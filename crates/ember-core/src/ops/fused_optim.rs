@@ -40,9 +40,13 @@
 //! Note [Fused step preconditions]: every tensor of one call is contiguous, of one floating
 //! dtype and one device (group by device and dtype first, as PyTorch's
 //! `_group_tensors_by_device_and_dtype`), each state tensor and gradient has its parameter's
-//! shape, and no two tensors share a storage (the call locks every storage once, in a global
-//! order, for the whole update). [`can_fuse`] answers whether a set of tensors qualifies; the
-//! steps return a typed error otherwise. The updates write in place: each written storage's
+//! shape, and no tensor the step writes shares a storage with another tensor of the call (the
+//! call locks every storage once, in a global order, for the whole update). Tensors the step
+//! only reads may share storages: the gradients of a fully sharded model are views of the one
+//! buffer its reduce-scatter wrote (`fsdp_gpt2`'s 148 of them went to the per-tensor step while
+//! this was refused; docs/benchmarks.md, session 49). [`can_fuse`] answers whether a set of
+//! tensors, all written, qualifies, and [`can_fuse_reading`] one whose gradients are only read;
+//! the steps return a typed error otherwise. The updates write in place: each written storage's
 //! version is bumped once, as by any in-place op, and nothing is recorded by autograd; as with
 //! other in-place ops, writing a tensor that requires grad is an error unless grad mode is off
 //! (optimizers run under `no_grad`).
@@ -61,19 +65,36 @@ use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 /// of one floating dtype, on one device, no two sharing a storage. (Shapes are checked by the
 /// steps themselves.)
 pub fn can_fuse(tensors: &[&Tensor]) -> bool {
-    let Some(first) = tensors.first() else {
+    can_fuse_reading(tensors, &[])
+}
+
+/// As [`can_fuse`] for a step that writes `written` and only reads `read` (the gradients of a
+/// step without a grad scale): every tensor contiguous, of one floating dtype, on one device,
+/// and no written tensor sharing a storage with any other; the read ones may share theirs.
+pub fn can_fuse_reading(written: &[&Tensor], read: &[&Tensor]) -> bool {
+    let Some(first) = written.first().or(read.first()) else {
         return true;
     };
     let (dtype, device) = (first.dtype(), first.device());
     if !dtype.is_floating_point() {
         return false;
     }
-    let uniform = tensors
+    let uniform = written
         .iter()
+        .chain(read)
         .all(|t| t.dtype() == dtype && t.device() == device && t.is_contiguous());
-    let mut ids: Vec<usize> = tensors.iter().map(|t| t.storage().id()).collect();
+    let ids = written
+        .iter()
+        .map(|t| (t.storage().id(), true))
+        .chain(read.iter().map(|t| (t.storage().id(), false)));
+    uniform && !shares_a_written_storage(ids)
+}
+
+/// Whether a storage of the `(storage id, written)` operands is written and named twice.
+fn shares_a_written_storage(ids: impl Iterator<Item = (usize, bool)>) -> bool {
+    let mut ids: Vec<(usize, bool)> = ids.collect();
     ids.sort_unstable();
-    uniform && ids.windows(2).all(|w| w[0] != w[1])
+    ids.windows(2).any(|w| w[0].0 == w[1].0 && (w[0].1 || w[1].1))
 }
 
 /// One list of tensors of a call, and whether the step writes it.
@@ -150,13 +171,7 @@ fn check(op: &'static str, lists: &[List<'_>]) -> Result<Option<Device>> {
             }
         }
     }
-    let all: Vec<&Tensor> = lists.iter().flat_map(|l| l.tensors.iter()).collect();
-    if !can_fuse(&all) {
-        return Err(Error::invalid(
-            op,
-            "two of the tensors share a storage; fused steps need each parameter, gradient and state tensor in its own storage (use the per-tensor step)",
-        ));
-    }
+    check_distinct(op, lists)?;
     Ok(Some(device))
 }
 
@@ -182,10 +197,20 @@ impl Guard<'_> {
     }
 }
 
-/// Locks every storage of `lists` (write locks, bumping the version, for written lists), in
-/// the order of their storage ids so that two calls never wait on each other; one guard list
-/// per list. The storages are distinct (checked by [`check`]), so no lock is taken twice.
-fn lock_all<'a>(lists: &[List<'a>]) -> Vec<Vec<Guard<'a>>> {
+/// The locks of one call: each written list's storages, one guard per tensor (a written
+/// storage is named once in the call), and every storage only read, once however many tensors
+/// of the read lists name it.
+struct Locked<'a> {
+    written: Vec<Vec<Guard<'a>>>,
+    read: Vec<Guard<'a>>,
+    /// Per read list, each tensor's index into `read`.
+    read_at: Vec<Vec<usize>>,
+}
+
+/// Locks every storage of `lists` once (write locks, bumping the version, for written lists),
+/// in the order of their storage ids so that two calls never wait on each other. [`check`]
+/// made sure no written storage is named twice.
+fn lock_all<'a>(lists: &[List<'a>]) -> Locked<'a> {
     let mut order: Vec<(usize, usize, usize)> = Vec::new();
     for (li, l) in lists.iter().enumerate() {
         for (ti, t) in l.tensors.iter().enumerate() {
@@ -193,54 +218,79 @@ fn lock_all<'a>(lists: &[List<'a>]) -> Vec<Vec<Guard<'a>>> {
         }
     }
     order.sort_unstable();
-    let mut slots: Vec<Vec<Option<Guard<'a>>>> = lists
+    let mut written: Vec<Vec<Option<Guard<'a>>>> = lists
         .iter()
-        .map(|l| (0..l.tensors.len()).map(|_| None).collect())
+        .map(|l| {
+            let n = if l.written { l.tensors.len() } else { 0 };
+            (0..n).map(|_| None).collect()
+        })
         .collect();
-    for (_, li, ti) in order {
+    let mut read_at: Vec<Vec<usize>> = lists
+        .iter()
+        .map(|l| {
+            if l.written {
+                Vec::new()
+            } else {
+                vec![0; l.tensors.len()]
+            }
+        })
+        .collect();
+    let mut read: Vec<Guard<'a>> = Vec::new();
+    let mut last_read: Option<usize> = None;
+    for (id, li, ti) in order {
         let storage = lists[li].tensors[ti].storage();
-        slots[li][ti] = Some(if lists[li].written {
-            Guard::Write(storage.write())
+        if lists[li].written {
+            written[li][ti] = Some(Guard::Write(storage.write()));
         } else {
-            Guard::Read(storage.read())
-        });
+            if last_read != Some(id) {
+                read.push(Guard::Read(storage.read()));
+                last_read = Some(id);
+            }
+            read_at[li][ti] = read.len() - 1;
+        }
     }
-    slots
+    let written = written
         .into_iter()
         .map(|l| {
             l.into_iter()
-                .map(|g| g.expect("every tensor was locked"))
+                .map(|g| g.expect("every written tensor was locked"))
                 .collect()
         })
-        .collect()
+        .collect();
+    Locked {
+        written,
+        read,
+        read_at,
+    }
 }
 
 /// Hands out the locked lists of a call, in the order of its `lists`, as step operands.
 struct Operands<'g, 'a> {
-    guards: std::slice::IterMut<'g, Vec<Guard<'a>>>,
+    written: std::slice::IterMut<'g, Vec<Guard<'a>>>,
+    read: &'g [Guard<'a>],
+    read_at: std::slice::Iter<'g, Vec<usize>>,
     lists: std::slice::Iter<'g, List<'a>>,
 }
 
 impl<'g, 'a> Operands<'g, 'a> {
-    fn new(guards: &'g mut [Vec<Guard<'a>>], lists: &'g [List<'a>]) -> Self {
+    fn new(locked: &'g mut Locked<'a>, lists: &'g [List<'a>]) -> Self {
         Operands {
-            guards: guards.iter_mut(),
+            written: locked.written.iter_mut(),
+            read: &locked.read,
+            read_at: locked.read_at.iter(),
             lists: lists.iter(),
         }
     }
 
-    fn next(&mut self) -> (&'g mut Vec<Guard<'a>>, &'g [Tensor]) {
-        let guards = self.guards.next().expect("one guard list per list");
-        let list = self.lists.next().expect("one list per guard list");
-        (guards, list.tensors)
-    }
-
     /// The elements of each tensor of the next list, written.
     fn written(&mut self) -> Vec<Elems<&'g mut Storage>> {
-        let (guards, tensors) = self.next();
+        let list = self.lists.next().expect("one list per lock list");
+        let guards = self.written.next().expect("one guard list per list");
+        self.read_at.next();
+        debug_assert!(list.written);
         guards
             .iter_mut()
-            .zip(tensors)
+            .zip(list.tensors)
             .map(|(g, t)| Elems {
                 storage: g.storage_mut(),
                 offset: t.storage_offset(),
@@ -251,12 +301,15 @@ impl<'g, 'a> Operands<'g, 'a> {
 
     /// The elements of each tensor of the next list, read.
     fn read(&mut self) -> Vec<Elems<&'g Storage>> {
-        let (guards, tensors) = self.next();
-        guards
-            .iter()
-            .zip(tensors)
-            .map(|(g, t)| Elems {
-                storage: g.storage(),
+        let list = self.lists.next().expect("one list per lock list");
+        self.written.next();
+        let at = self.read_at.next().expect("one index list per list");
+        debug_assert!(!list.written);
+        let read = self.read;
+        at.iter()
+            .zip(list.tensors)
+            .map(|(&i, t)| Elems {
+                storage: read[i].storage(),
                 offset: t.storage_offset(),
                 len: t.numel(),
             })
@@ -340,17 +393,16 @@ fn scalar_lists<'a>(
     Ok(())
 }
 
-/// Errors unless every storage of `lists` is distinct (see Note [Fused step preconditions]).
+/// Errors where a written storage of `lists` is shared with another tensor (see Note [Fused
+/// step preconditions]).
 fn check_distinct(op: &'static str, lists: &[List<'_>]) -> Result<()> {
-    let mut ids: Vec<usize> = lists
+    let ids = lists
         .iter()
-        .flat_map(|l| l.tensors.iter().map(|t| t.storage().id()))
-        .collect();
-    ids.sort_unstable();
-    if ids.windows(2).any(|w| w[0] == w[1]) {
+        .flat_map(|l| l.tensors.iter().map(|t| (t.storage().id(), l.written)));
+    if shares_a_written_storage(ids) {
         return Err(Error::invalid(
             op,
-            "two of the tensors share a storage; fused steps need each parameter, gradient, state tensor, step count and scaling tensor in its own storage",
+            "a tensor the step writes shares its storage with another; fused steps need each parameter, state tensor and step count in its own storage, and each gradient too under a grad scale (use the per-tensor step)",
         ));
     }
     Ok(())
@@ -715,8 +767,8 @@ fn sgd_scaled_prepared(
     scalar_lists(OP, &scaling, lr, device, &mut lists)?;
     check_distinct(OP, &lists)?;
     settle_operands(&lists)?;
-    let mut guards = lock_all(&lists);
-    let mut ops = Operands::new(&mut guards, &lists);
+    let mut locked = lock_all(&lists);
+    let mut ops = Operands::new(&mut locked, &lists);
     let p = ops.written();
     let g = ops.grads(scaling.grad_scale.is_some());
     let mut b = has_momentum.then(|| ops.written().into_iter());

@@ -208,3 +208,21 @@ fn cudnn_attention_gradients_of_one_projection() {
         assert!(err < tol, "{dtype}: q = k = v's gradient is {err} from float64");
     }
 }
+
+/// The backward's float scratch (row sums and the dQ accumulator) comes from the caching
+/// allocator uncleared where cuDNN clears it itself (`cudnn_sdpa.rs`'s module note): run it on
+/// blocks that last held NaN and huge values, of exactly the accumulator's size, and compare
+/// with float64.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_attention_backward_needs_no_zeroed_scratch() {
+    let (b, h, t, d) = (2, 3, 128, 64);
+    for fill in [f64::NAN, 1e30, -7.0] {
+        let junk: Vec<Tensor> = (0..8)
+            .map(|_| Tensor::full([b * h * t * d], fill, DType::F32, gpu()).unwrap())
+            .chain((0..8).map(|_| Tensor::full([b * h * t], fill, DType::F32, gpu()).unwrap()))
+            .collect();
+        drop(junk);
+        check(b, h, t, d, DType::BF16, true, false);
+    }
+}

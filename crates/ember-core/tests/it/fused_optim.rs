@@ -4,7 +4,9 @@
 //! versions, errors; on a GPU, CPU against CUDA over many tensors of odd sizes.
 
 use crate::common::{self, print_kernel_times, profile_steps, values};
-use ember_core::fused::{adam_, can_fuse, sgd_, AdamStep, SgdStep};
+use ember_core::fused::{
+    adam_, adam_scaled_, can_fuse, can_fuse_reading, sgd_, AdamStep, AdamSteps, GradScaling, SgdStep,
+};
 use ember_core::{no_grad, DType, Device, Error, Result, Tensor};
 
 fn tensor(n: usize, seed: u64, dtype: DType, device: Device) -> Tensor {
@@ -482,6 +484,102 @@ fn can_fuse_checks_the_group() {
     assert!(!can_fuse(
         &[&Tensor::zeros([2], DType::I32, Device::Cpu).unwrap()]
     ));
+    // Read tensors may share a storage with each other, never with a written one.
+    let flat = Tensor::zeros([6], DType::F32, Device::Cpu).unwrap();
+    let (a, b) = (flat.narrow(0, 0, 4).unwrap(), flat.narrow(0, 4, 2).unwrap());
+    assert!(can_fuse_reading(&refs, &[&a, &b]));
+    assert!(!can_fuse(&[&refs[0], &refs[1], &a, &b]));
+    assert!(!can_fuse_reading(&[&a], &[&b]));
+    assert!(!can_fuse_reading(&[&refs[0]], &[&refs[0]]));
+}
+
+/// `ts` as views of one buffer, each `gap` elements after the one before (the layout of a
+/// sharded model's gradients in its reduce-scatter buffer).
+fn views_of_one(ts: &[Tensor], gap: usize) -> Vec<Tensor> {
+    let total: usize = ts.iter().map(|t| t.numel() + gap).sum();
+    let flat = Tensor::zeros([total], ts[0].dtype(), ts[0].device()).unwrap();
+    let mut at = 0;
+    ts.iter()
+        .map(|t| {
+            let view = flat.narrow(0, at, t.numel()).unwrap();
+            view.copy_(t).unwrap();
+            at += t.numel() + gap;
+            view
+        })
+        .collect()
+}
+
+/// Note [Fused step preconditions]: gradients the step only reads may be views of one
+/// storage; the results are the bits of separate gradients. Under a grad scale the step writes
+/// them, and shared ones are refused, as shared parameters are.
+fn steps_read_gradients_that_share_a_storage(device: Device, dtype: DType) {
+    let sizes = [5, 4096 + 3, 1, 64, 0, 300];
+    let (params, grads) = problem(&sizes, 2, dtype, device);
+    for c in [adam_configs()[0], adam_configs()[10], adam_configs()[12]] {
+        let separate = run_adam_fused(&params, &grads, &c);
+        let shared: Vec<Vec<Tensor>> = grads.iter().map(|g| views_of_one(g, 3)).collect();
+        assert!(shared[0][0].shares_storage_with(&shared[0][1]));
+        let got = run_adam_fused(&params, &shared, &c);
+        for k in 0..4 {
+            assert_same(
+                &format!("{device:?} {dtype} {c:?} list {k}"),
+                &got[k],
+                &separate[k],
+                0.0,
+            );
+        }
+    }
+    for c in sgd_configs() {
+        let separate = run_sgd_fused(&params, &grads, &c);
+        let shared: Vec<Vec<Tensor>> = grads.iter().map(|g| views_of_one(g, 1)).collect();
+        let got = run_sgd_fused(&params, &shared, &c);
+        for k in 0..2 {
+            assert_same(
+                &format!("{device:?} {dtype} {c:?} list {k}"),
+                &got[k],
+                &separate[k],
+                0.0,
+            );
+        }
+    }
+    let _g = no_grad();
+    let g = views_of_one(&grads[0], 0);
+    let (p, m, v) = (deep(&params), zeros(&params), zeros(&params));
+    let steps = vec![1.0; sizes.len()];
+    let scale = Tensor::full([1usize], 2.0, DType::F32, device).unwrap();
+    let scaled = GradScaling {
+        grad_scale: Some(&scale),
+        found_inf: None,
+    };
+    let c = adam_configs()[0];
+    let refused = adam_scaled_(&p, &g, &m, &v, None, AdamSteps::Host(&steps), &c, scaled, None);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument { .. })),
+        "{refused:?}"
+    );
+    let shared_params = views_of_one(&params, 0);
+    let refused = adam_(&shared_params, &grads[0], &m, &v, None, &steps, &c);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument { .. })),
+        "{refused:?}"
+    );
+    // Nothing was written by the refused calls.
+    assert_same("refused", &p, &params, 0.0);
+}
+
+#[test]
+fn steps_on_the_cpu_read_gradients_that_share_a_storage() {
+    for dtype in [DType::F32, DType::F64] {
+        steps_read_gradients_that_share_a_storage(Device::Cpu, dtype);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_steps_read_gradients_that_share_a_storage() {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        steps_read_gradients_that_share_a_storage(common::gpu(), dtype);
+    }
 }
 
 // ---- GPU --------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ pub(crate) fn adam_with_lr(
     let max_of = |i: usize| config.amsgrad.then(|| &state.max_exp_avg_sqs[i]);
     // Note [Foreach step functions]: one fused call per device and dtype, and per place of the
     // step counts.
-    let mut groups = super::fused_groups(n, |i| {
+    let mut groups = super::fused_groups(n, scaling.grad_scale.is_none(), |i| {
         let mut ts = vec![&params[i], &grads[i], &state.exp_avgs[i], &state.exp_avg_sqs[i]];
         ts.extend(max_of(i));
         ts

@@ -332,8 +332,14 @@ pub(crate) struct FusedGroups {
 /// Splits parameters `0..n` into fused groups and per-tensor ones. `tensors_of(i)` lists the
 /// tensors of parameter `i` (parameter first, then gradient and state tensors); a parameter is
 /// fused when they are all contiguous, of the parameter's floating dtype and device, and its
-/// whole group passes `ember_core::fused::can_fuse` (no shared storages).
-pub(crate) fn fused_groups<'a>(n: usize, tensors_of: impl Fn(usize) -> Vec<&'a Tensor>) -> FusedGroups {
+/// whole group passes `ember_core::fused::can_fuse_reading`: no storage the step writes is
+/// shared, while gradients the step only reads (`grads_read`: no grad scale divides them) may
+/// share one, as a sharded model's views of its reduce-scatter buffer do.
+pub(crate) fn fused_groups<'a>(
+    n: usize,
+    grads_read: bool,
+    tensors_of: impl Fn(usize) -> Vec<&'a Tensor>,
+) -> FusedGroups {
     let mut keyed: Vec<((Device, DType), Vec<usize>)> = Vec::new();
     let mut single = Vec::new();
     for i in 0..n {
@@ -354,8 +360,17 @@ pub(crate) fn fused_groups<'a>(n: usize, tensors_of: impl Fn(usize) -> Vec<&'a T
     }
     let mut fused = Vec::new();
     for (_, group) in keyed {
-        let all: Vec<&Tensor> = group.iter().flat_map(|&i| tensors_of(i)).collect();
-        if ember_core::fused::can_fuse(&all) {
+        let (mut written, mut read) = (Vec::new(), Vec::new());
+        for &i in &group {
+            for (k, t) in tensors_of(i).into_iter().enumerate() {
+                if k == 1 && grads_read {
+                    read.push(t);
+                } else {
+                    written.push(t);
+                }
+            }
+        }
+        if ember_core::fused::can_fuse_reading(&written, &read) {
             fused.push(group);
         } else {
             single.extend(group);

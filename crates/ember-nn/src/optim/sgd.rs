@@ -175,7 +175,7 @@ pub(crate) fn sgd_with_lr(
         }
     }
     // Note [Foreach step functions]: one fused call per device, dtype and first step.
-    let groups = super::fused_groups(params.len(), |i| {
+    let groups = super::fused_groups(params.len(), scaling.grad_scale.is_none(), |i| {
         // A parameter that needs a buffer but got none above fails the checks on its gradient.
         let mut ts = vec![&params[i], &grads[i]];
         if has_momentum {
