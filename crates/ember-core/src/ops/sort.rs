@@ -1,19 +1,19 @@
 //! Orderings and sampling, what generating text needs: `sort`, `argsort`, `topk`,
 //! `multinomial`, and the triangles `tril` / `triu`.
 //!
-//! Note [Orderings]: `sort`, `argsort` and `topk` find their positions with the backend's
-//! ordering (`SortOps::sort_indices` over rows made contiguous with `dim` last: a copy only
-//! when they are not already), then gather the values on the input's device, so their
-//! gradients are `gather`'s. On a GPU the positions are found on the device (Note [Device
-//! sort] in `cuda_backend/sort.rs`: one block a row of up to 2048, chunks of 2048 merged level
-//! by level above that, keeping only the first k), with nothing read back: a sampler's
-//! `topk` over `[batch, 50,304]` logits needs no host synchronization and can be captured in a
-//! CUDA graph. GPU times are unmeasured. On the CPU each row's first k are selected in linear
-//! time and sorted (`cpu/sort.rs`). Both backends order the same keys, so they give the same
-//! positions. The order is PyTorch's: NaN above every number, -0.0 equal to 0.0, ties keep
-//! their positions (stable), integers compared exactly in their own dtype. `multinomial`
-//! stays on the host: it reads the weights and the generator's uniforms back with a
-//! synchronizing copy and searches there (a sampler reads its token back anyway).
+//! Note [Orderings by the backend]: `sort`, `argsort` and `topk` find their positions with the
+//! backend's ordering (`SortOps::sort_indices` over rows made contiguous with `dim` last: a copy
+//! only when they are not already), then gather the values on the input's device, so their
+//! gradients are `gather`'s. On a GPU the positions are found on the device (Note [Device sort] in
+//! `cuda_backend/sort.rs`: one block a row of up to 2048, chunks of 2048 merged level by level
+//! above that, keeping only the first k), with nothing read back: a sampler's `topk` over `[batch,
+//! 50,304]` logits needs no host synchronization and can be captured in a CUDA graph. GPU times are
+//! unmeasured. On the CPU each row's first k are selected in linear time and sorted
+//! (`cpu/sort.rs`). Both backends order the same keys, so they give the same positions. The order
+//! is PyTorch's: NaN above every number, -0.0 equal to 0.0, ties keep their positions (stable),
+//! integers compared exactly in their own dtype. `multinomial` stays on the host: it reads the
+//! weights and the generator's uniforms back with a synchronizing copy and searches there (a
+//! sampler reads its token back anyway).
 
 use crate::backend::SortParams;
 use crate::dispatch::{self, policy, Door};
@@ -30,7 +30,7 @@ fn ascending(a: f64, b: f64) -> Ordering {
 
 /// The positions of the first `k` elements along `dim` of `x` (rank >= 1) in the order
 /// `descending` asks (stable), int64 of `x`'s shape with `dim` of length `k`, contiguous, on
-/// `x`'s device (Note [Orderings]).
+/// `x`'s device (Note [Orderings by the backend]).
 fn order(x: &Tensor, dim: usize, k: usize, descending: bool, door: Door) -> Result<Tensor> {
     let last = x.rank() - 1;
     let moved = x.detach().transpose(dim as isize, last as isize)?.contiguous()?;
@@ -57,7 +57,7 @@ fn order(x: &Tensor, dim: usize, k: usize, descending: bool, door: Door) -> Resu
 impl Tensor {
     /// The elements sorted along `dim` and their positions in `self` (`torch.sort(input, dim,
     /// descending, stable=True)`): `(values, indices)`, indices int64. Differentiable in the
-    /// values. On a GPU sorted on the device (Note [Orderings]).
+    /// values. On a GPU sorted on the device (Note [Orderings by the backend]).
     pub fn sort(&self, dim: isize, descending: bool) -> Result<(Tensor, Tensor)> {
         dispatch::named_kernel(&policy::SORT, &[self], |door| {
             if self.rank() == 0 {
@@ -79,8 +79,8 @@ impl Tensor {
 
     /// The `k` largest (or, with `largest = false`, smallest) elements along `dim` and their
     /// positions (`torch.topk(input, k, dim, largest, sorted=True)`), in that order.
-    /// Differentiable in the values. On a GPU found on the device, nothing read back (Note
-    /// [Orderings]).
+    /// Differentiable in the values. On a GPU found on the device, nothing read back
+    /// (Note [Orderings by the backend]).
     pub fn topk(&self, k: usize, dim: isize, largest: bool) -> Result<(Tensor, Tensor)> {
         dispatch::named_kernel(&policy::TOPK, &[self], |door| {
             let x = if self.rank() == 0 {
@@ -113,8 +113,8 @@ impl Tensor {
     /// a category is drawn at most once per row (so `num_samples <= C`); a row must have a
     /// positive weight (enough of them without replacement). The uniforms come from the
     /// default generator of the input's device (`manual_seed` makes draws repeatable); the
-    /// search is on the host, after a synchronizing copy of the weights and uniforms (Note
-    /// [Orderings]).
+    /// search is on the host, after a synchronizing copy of the weights and uniforms
+    /// (Note [Orderings by the backend]).
     pub fn multinomial(&self, num_samples: usize, replacement: bool) -> Result<Tensor> {
         const OP: &str = "multinomial";
         dispatch::named(&policy::MULTINOMIAL, &[self], || {
