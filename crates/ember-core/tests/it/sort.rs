@@ -506,3 +506,33 @@ fn cuda_sort_topk_captured_body() {
         assert_eq!(bits(&sv), bits(&csv), "seed {seed}");
     }
 }
+
+/// The GPU time of a sampler's orderings over GPT-2's logits (`[8, 50,304]` f32): topk of 50
+/// and of 1024, and a full descending sort, from the profiler's kernel records (`--nocapture`
+/// prints `KT` lines: what Note [Device sort] leaves unmeasured).
+#[test]
+#[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
+fn cuda_sort_topk_kernel_time() {
+    let gpu = common::gpu();
+    let logits = sample(&[8, 50_304], 4, DType::F32).to(gpu).unwrap();
+    let steps = 20;
+    for (label, k) in [("topk50", 50), ("topk1024", 1024), ("full_sort", 50_304)] {
+        let prof = common::profile_steps(3, steps, || {
+            logits.topk(k, 1, true).unwrap();
+        });
+        let launches = common::print_kernel_times(&prof, label, steps);
+        // One chunk sort and five merge levels a call (50,304 = 25 chunks of 2048).
+        assert_eq!(
+            launches.get("sort_block_f32").copied(),
+            Some(steps),
+            "{label}: {launches:?}"
+        );
+        assert_eq!(
+            launches.get("sort_merge").copied(),
+            Some(5 * steps),
+            "{label}: {launches:?}"
+        );
+        let us = prof.key_averages().self_cuda_time_total_us() / steps as f64;
+        println!("{label} over [8, 50304] f32: {us:.1} us of GPU time a call");
+    }
+}
