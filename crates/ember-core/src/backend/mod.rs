@@ -37,7 +37,7 @@ pub use geometry::{ConvParams, PackedGrads, PoolParams, SdpaGrads, SdpaParams};
 pub use op::LayerNormGrads;
 pub use op::{
     BinaryOp, CmpOp, Distribution, IndexOp, LogicalOp, PhiloxState, PoolMode, ReduceOp, RngState, ScatterOp,
-    SoftmaxOp, UnaryOp,
+    SoftmaxOp, SortParams, UnaryOp,
 };
 pub use op::{CrossEntropyParams, Reduction};
 pub use step::{
@@ -74,6 +74,7 @@ pub trait BackendStorage:
     + AmpOps
     + AttentionOps
     + NormOps
+    + SortOps
 {
     /// The device the elements live on.
     fn device(&self) -> Device;
@@ -159,6 +160,16 @@ pub trait ReduceOps: Sized {
     fn reduce(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self>;
     /// Max or min over `dims` and the i64 index of its first occurrence.
     fn reduce_with_indices(&self, layout: &Layout, op: ReduceOp, dims: &[usize]) -> Result<(Self, Self)>;
+}
+
+/// Orderings along rows (`sort`, `argsort`, `topk`; `cpu/sort.rs`, `cuda_backend/sort.rs`).
+pub trait SortOps: Sized {
+    /// The positions, as a new row-major int64 storage `[p.rows, p.k]`, of the first `p.k`
+    /// elements of each row of `self` at `layout` (contiguous, `p.rows * p.n` elements of
+    /// `p.dtype`) in the order [`SortParams`] says: ascending or descending, NaN above every
+    /// number, ties in the order of their positions. On a GPU found on the device with nothing
+    /// read back, so a CUDA graph may capture it.
+    fn sort_indices(&self, layout: &Layout, p: &SortParams) -> Result<Self>;
 }
 
 /// Matrix products.

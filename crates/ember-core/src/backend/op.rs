@@ -567,3 +567,48 @@ impl CrossEntropyParams {
         Ok(())
     }
 }
+
+/// One problem of `sort`, `argsort` and `topk` (`SortOps::sort_indices`): `rows` rows of `n`
+/// elements of `dtype`, one after another from the first element of a contiguous layout, and
+/// the first `k` positions (`k <= n`; `k == n` for a sort) of each row in ascending order of
+/// the elements, or descending with `descending`. The order is PyTorch's: NaN above every
+/// number (so first when descending), -0.0 equal to 0.0, and equal elements in the order of
+/// their positions either way (stable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SortParams {
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dtype: crate::DType,
+    pub descending: bool,
+}
+
+impl SortParams {
+    /// Checks the problem against the storage it reads: its dtype, `k <= n`, and `rows * n`
+    /// elements from `offset` among the storage's `len`.
+    pub fn check(&self, dtype: crate::DType, offset: usize, len: usize) -> crate::Result<()> {
+        const OP: &str = "sort";
+        if dtype != self.dtype {
+            return Err(crate::Error::DTypeMismatch {
+                op: OP,
+                expected: self.dtype,
+                found: dtype,
+            });
+        }
+        let numel = self.rows.checked_mul(self.n);
+        if self.k > self.n
+            || numel
+                .and_then(|m| m.checked_add(offset))
+                .is_none_or(|end| end > len)
+        {
+            return Err(crate::Error::invalid(
+                OP,
+                format!(
+                    "internal: {} rows of {} (first {}) from element {offset} do not fit a storage of {len}",
+                    self.rows, self.n, self.k
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

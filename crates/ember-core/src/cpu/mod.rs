@@ -32,6 +32,7 @@ pub(crate) mod random;
 mod reduce;
 mod rnn;
 mod softmax;
+mod sort;
 pub(crate) mod threads;
 mod unary;
 

@@ -233,6 +233,11 @@ impl Module {
                 }
                 units.extend(each(m, "cross_entropy_reduce", &FLOATS));
             }
+            Module::Sort => {
+                // `sort`, `argsort`, `topk` on the device (Note [Device sort] in `sort.rs`).
+                units.extend(each(m, "sort_block", &ALL));
+                units.push(Unit::new(m, "sort_merge"));
+            }
         }
         if m == Module::Index {
             // The deterministic embedding backward (issue 37).

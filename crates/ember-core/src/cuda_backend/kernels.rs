@@ -22,10 +22,11 @@ pub enum Module {
     Amp,
     Norm,
     Loss,
+    Sort,
 }
 
 impl Module {
-    pub const ALL: [Module; 13] = [
+    pub const ALL: [Module; 14] = [
         Module::Copy,
         Module::Elementwise,
         Module::Unary,
@@ -39,6 +40,7 @@ impl Module {
         Module::Amp,
         Module::Norm,
         Module::Loss,
+        Module::Sort,
     ];
 
     /// The file name without `.cu`.
@@ -57,6 +59,7 @@ impl Module {
             Module::Amp => "amp",
             Module::Norm => "norm",
             Module::Loss => "loss",
+            Module::Sort => "sort",
         }
     }
 
@@ -76,6 +79,7 @@ impl Module {
             Module::Amp => include_str!("../../kernels/amp.cu"),
             Module::Norm => include_str!("../../kernels/norm.cu"),
             Module::Loss => include_str!("../../kernels/loss.cu"),
+            Module::Sort => include_str!("../../kernels/sort.cu"),
         }
     }
 }

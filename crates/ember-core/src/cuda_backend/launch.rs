@@ -821,6 +821,42 @@ kernels! {
         /// grid-stride, blockDim.x a multiple of 32.
         embedding_backward<T>(g: In<T>, keys: In<u64>, n: i64, d: i64, rows: i64, out: Out<T>, add: i32);
     }
+    Sort {
+        /// The device sort's first pass (`sort.cu`, Note [Device sort] in `sort.rs`): block b
+        /// sorts chunk `b % chunks` (SORT_CHUNK = 2048 elements) of row `b / chunks` of the
+        /// contiguous `[rows, n]` x (T any dtype) as (key, position) pairs, in ascending order
+        /// of the keys or, with `descending`, of their complements; blockDim.x = P / 2 for a
+        /// power of two P >= the chunk (P <= 2048), P * 12 bytes of dynamic shared memory. The
+        /// first min(k, chunk) pairs go to `out` (`[rows, k]` int64 positions) when `chunks`
+        /// is 1, else to the chunk's run of min(k, 2048) slots in `keys` / `idx`.
+        sort_block<T>(
+            x: In<T>,
+            n: i64,
+            k: i64,
+            chunks: i64,
+            descending: i32,
+            keys: OptOut<u64>,
+            idx: OptOut<u32>,
+            out: OptOut<i64>,
+        );
+        /// One merge level: the `runs` runs a row of `keys` / `idx` (run r covers elements
+        /// `[r span, (r + 1) span)` of its row and holds its first min(k, covered) pairs in
+        /// min(k, span) slots) merged two by two into `keys_out` / `idx_out` (runs of
+        /// min(k, 2 span) slots), or, when one run a row is left, the first k positions into
+        /// `out` (`[rows, k]` int64). Grid-stride, any grid.
+        sort_merge(
+            keys: In<u64>,
+            idx: In<u32>,
+            keys_out: OptOut<u64>,
+            idx_out: OptOut<u32>,
+            out: OptOut<i64>,
+            rows: i64,
+            n: i64,
+            k: i64,
+            span: i64,
+            runs: i64,
+        );
+    }
 }
 
 #[cfg(test)]

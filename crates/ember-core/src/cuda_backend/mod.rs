@@ -60,6 +60,7 @@ mod rnn;
 pub(crate) mod row_blocks;
 pub(crate) mod runtime;
 mod softmax;
+mod sort;
 pub(crate) mod storage;
 pub(crate) mod stream;
 mod unary;

@@ -297,6 +297,21 @@ pub fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Resu
     body()
 }
 
+/// [`named`] for ember's own ops whose body also runs a kernel of its own beside its inner
+/// ops (`sort` and `topk`: the backend's ordering, then `gather`): as `named`, and an input
+/// that a copy between GPUs in row blocks still writes is waited for first (step 1b, as
+/// `call` does), since the kernel reads it; the body gets the [`Door`].
+pub(crate) fn named_kernel<T>(
+    op: &'static Op,
+    inputs: &[&Tensor],
+    body: impl FnOnce(Door) -> Result<T>,
+) -> Result<T> {
+    named(op, inputs, || {
+        settle_copies(op, inputs)?;
+        body(Door(()))
+    })
+}
+
 /// An op with no tensor input (a factory or a random draw: `zeros`, `arange`, `randn`, ...),
 /// or one that checks its operands' devices itself with its own errors (GradScaler's steps), on
 /// `device`: the observers see it under its name, then `body` runs.

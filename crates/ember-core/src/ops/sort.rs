@@ -1,15 +1,22 @@
 //! Orderings and sampling, what generating text needs: `sort`, `argsort`, `topk`,
 //! `multinomial`, and the triangles `tril` / `triu`.
 //!
-//! Note [Orderings on the host]: `sort`, `argsort`, `topk` and `multinomial` find their indices
-//! on the host (a synchronizing copy of the input, on a GPU) and gather the values on the
-//! input's device, so their gradients are `gather`'s. A text sampler calls them once per token
-//! on `[batch, vocab]` rows (GPT-2's 50,304 logits: ~0.2 ms of host sort per row), where the
-//! synchronization comes anyway from reading the sampled token. A device sort (a segmented
-//! radix sort) is the way to keep them inside a CUDA graph; none of the training steps uses
-//! them. Order as PyTorch's: NaN sorts above every number, ties keep their positions (stable).
+//! Note [Orderings by the backend]: `sort`, `argsort` and `topk` find their positions with the
+//! backend's ordering (`SortOps::sort_indices` over rows made contiguous with `dim` last: a copy
+//! only when they are not already), then gather the values on the input's device, so their
+//! gradients are `gather`'s. On a GPU the positions are found on the device (Note [Device sort] in
+//! `cuda_backend/sort.rs`: one block a row of up to 2048, chunks of 2048 merged level by level
+//! above that, keeping only the first k), with nothing read back: a sampler's `topk` over `[batch,
+//! 50,304]` logits needs no host synchronization and can be captured in a CUDA graph. GPU times are
+//! unmeasured. On the CPU each row's first k are selected in linear time and sorted
+//! (`cpu/sort.rs`). Both backends order the same keys, so they give the same positions. The order
+//! is PyTorch's: NaN above every number, -0.0 equal to 0.0, ties keep their positions (stable),
+//! integers compared exactly in their own dtype. `multinomial` stays on the host: it reads the
+//! weights and the generator's uniforms back with a synchronizing copy and searches there (a
+//! sampler reads its token back anyway).
 
-use crate::dispatch::{self, policy};
+use crate::backend::SortParams;
+use crate::dispatch::{self, policy, Door};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::cmp::Ordering;
 
@@ -21,56 +28,38 @@ fn ascending(a: f64, b: f64) -> Ordering {
     }
 }
 
-/// The input with `dim` moved last, as host rows of `f64`, and the rows' length.
-fn host_rows(x: &Tensor, dim: usize) -> Result<(Vec<f64>, usize)> {
-    let last = x.rank() as isize - 1;
-    let moved = x.transpose(dim as isize, last)?;
-    let values = moved
-        .detach()
-        .to(Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .to_vec_f64()?;
-    Ok((values, x.dims()[dim]))
-}
-
-/// Host indices `[rows, k]` (in the moved layout) made into an int64 tensor of the input's
-/// shape with `dim` of length `k`, on the input's device.
-fn indices_tensor(x: &Tensor, dim: usize, k: usize, idx: Vec<i64>) -> Result<Tensor> {
-    let mut moved: Vec<usize> = x.dims().to_vec();
-    let last = moved.len() - 1;
-    moved.swap(dim, last);
-    moved[last] = k;
-    Tensor::from_vec(idx, moved, x.device())?
-        .transpose(dim as isize, last as isize)?
-        .contiguous()
-}
-
-/// The first `k` positions of each row in the order `descending` asks (stable).
-fn order(x: &Tensor, dim: usize, k: usize, descending: bool) -> Result<Tensor> {
-    let (values, n) = host_rows(x, dim)?;
-    let rows = if n == 0 { 0 } else { values.len() / n };
-    let mut idx = Vec::with_capacity(rows * k);
-    let mut perm: Vec<usize> = Vec::with_capacity(n);
-    for row in 0..rows {
-        let r = &values[row * n..(row + 1) * n];
-        perm.clear();
-        perm.extend(0..n);
-        if descending {
-            perm.sort_by(|&a, &b| ascending(r[b], r[a]));
-        } else {
-            perm.sort_by(|&a, &b| ascending(r[a], r[b]));
-        }
-        idx.extend(perm[..k].iter().map(|&p| p as i64));
+/// The positions of the first `k` elements along `dim` of `x` (rank >= 1) in the order
+/// `descending` asks (stable), int64 of `x`'s shape with `dim` of length `k`, contiguous, on
+/// `x`'s device (Note [Orderings by the backend]).
+fn order(x: &Tensor, dim: usize, k: usize, descending: bool, door: Door) -> Result<Tensor> {
+    let last = x.rank() - 1;
+    let moved = x.detach().transpose(dim as isize, last as isize)?.contiguous()?;
+    let n = x.dims()[dim];
+    let rows = moved.dims()[..last].iter().product();
+    let p = SortParams {
+        rows,
+        n,
+        k,
+        dtype: x.dtype(),
+        descending,
+    };
+    let storage = moved.storage().read().sort_indices(moved.layout(), &p)?;
+    let mut shape = moved.dims().to_vec();
+    shape[last] = k;
+    let indices = door.tensor(storage, shape);
+    if dim == last {
+        Ok(indices)
+    } else {
+        indices.transpose(dim as isize, last as isize)?.contiguous()
     }
-    indices_tensor(x, dim, k, idx)
 }
 
 impl Tensor {
     /// The elements sorted along `dim` and their positions in `self` (`torch.sort(input, dim,
     /// descending, stable=True)`): `(values, indices)`, indices int64. Differentiable in the
-    /// values. Note [Orderings on the host].
+    /// values. On a GPU sorted on the device (Note [Orderings by the backend]).
     pub fn sort(&self, dim: isize, descending: bool) -> Result<(Tensor, Tensor)> {
-        dispatch::named(&policy::SORT, &[self], || {
+        dispatch::named_kernel(&policy::SORT, &[self], |door| {
             if self.rank() == 0 {
                 return Ok((
                     self.clone(),
@@ -78,7 +67,7 @@ impl Tensor {
                 ));
             }
             let d = self.shape().dim("sort", dim)?;
-            let indices = order(self, d, self.dims()[d], descending)?;
+            let indices = order(self, d, self.dims()[d], descending, door)?;
             Ok((self.gather(d as isize, &indices)?, indices))
         })
     }
@@ -90,9 +79,10 @@ impl Tensor {
 
     /// The `k` largest (or, with `largest = false`, smallest) elements along `dim` and their
     /// positions (`torch.topk(input, k, dim, largest, sorted=True)`), in that order.
-    /// Differentiable in the values. Note [Orderings on the host].
+    /// Differentiable in the values. On a GPU found on the device, nothing read back
+    /// (Note [Orderings by the backend]).
     pub fn topk(&self, k: usize, dim: isize, largest: bool) -> Result<(Tensor, Tensor)> {
-        dispatch::named(&policy::TOPK, &[self], || {
+        dispatch::named_kernel(&policy::TOPK, &[self], |door| {
             let x = if self.rank() == 0 {
                 self.reshape(&[1])?
             } else {
@@ -108,7 +98,7 @@ impl Tensor {
                     ),
                 ));
             }
-            let indices = order(&x, d, k, largest)?;
+            let indices = order(&x, d, k, largest, door)?;
             let values = x.gather(d as isize, &indices)?;
             if self.rank() == 0 {
                 return Ok((values.reshape(&[0isize; 0])?, indices.reshape(&[0isize; 0])?));
@@ -123,7 +113,8 @@ impl Tensor {
     /// a category is drawn at most once per row (so `num_samples <= C`); a row must have a
     /// positive weight (enough of them without replacement). The uniforms come from the
     /// default generator of the input's device (`manual_seed` makes draws repeatable); the
-    /// search is on the host (Note [Orderings on the host]).
+    /// search is on the host, after a synchronizing copy of the weights and uniforms
+    /// (Note [Orderings by the backend]).
     pub fn multinomial(&self, num_samples: usize, replacement: bool) -> Result<Tensor> {
         const OP: &str = "multinomial";
         dispatch::named(&policy::MULTINOMIAL, &[self], || {

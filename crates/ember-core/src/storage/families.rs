@@ -10,7 +10,8 @@ use crate::backend::{
     ElementwiseOps, Elems, ForeachCopy, ForeachNorm, IndexOp, IndexOps, LayerNormGrads, LogicalOp, LossOps,
     LstmBackwardStep, LstmForwardStep, MatmulOps, NormOps, OptimOps, PhiloxState, PoolOps, PoolParams,
     RandomOps, ReduceOp, ReduceOps, RnnOps, ScaleUpdate, ScatterOp, SdpaGrads, SdpaParams, SgdStep,
-    SgdTensor, SoftmaxOp, SoftmaxOps, StepScalars, UnaryOp, UnaryOps, UnscaleGrads, Variant,
+    SgdTensor, SoftmaxOp, SoftmaxOps, SortOps, SortParams, StepScalars, UnaryOp, UnaryOps, UnscaleGrads,
+    Variant,
 };
 use crate::backend::{BinaryOp, CmpOp};
 use crate::cpu::CpuStorage;
@@ -266,6 +267,13 @@ forward!(MatmulOps {
     fn matmul_bias(&self, al: &Layout, rhs: &Storage, bl: &Layout, bias: &Storage, bias_l: &Layout)
         -> Storage;
         [rhs, bias] "linear";
+});
+
+forward!(SortOps {
+    /// The int64 `[p.rows, p.k]` positions of the first `p.k` elements of each row of `self`
+    /// at `layout` (contiguous) in the order of `p` (`SortOps::sort_indices`).
+    fn sort_indices(&self, layout: &Layout, p: &SortParams) -> Storage;
+        [] "sort";
 });
 
 forward!(IndexOps {
