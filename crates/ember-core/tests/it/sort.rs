@@ -421,7 +421,14 @@ fn cuda_sort_gradients_reach_the_chosen_elements() {
     let grads: Vec<Vec<f64>> = [CPU, common::gpu()]
         .iter()
         .map(|&dev| {
-            let x = x.to(dev).unwrap().requires_grad_(true).unwrap();
+            // A leaf of its own on each device (`to(Cpu)` of a CPU tensor is the tensor itself).
+            let x = x
+                .to(dev)
+                .unwrap()
+                .deep_clone()
+                .unwrap()
+                .requires_grad_(true)
+                .unwrap();
             let (v, _) = x.topk(300, 1, true).unwrap();
             let w = Tensor::arange(0.0, 300.0, 1.0, DType::F32, dev).unwrap();
             v.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
