@@ -475,8 +475,10 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
     }
 
     /// The state dict of the whole optimizer, as the optimizer without ZeRO would return it
-    /// (`state.{i}.*` under the global parameter indices of [`Optimizer::params`], and
-    /// `param_groups.0.*`), from the state last consolidated on this rank (PyTorch's
+    /// (`state.{i}.*` under the global parameter indices of [`Optimizer::params`], and for
+    /// each group `param_groups.{g}.params` with the global indices and every hyperparameter
+    /// of the local optimizer's group, [`Optimizer::param_group_state`]), from the state last
+    /// consolidated on this rank (PyTorch's
     /// `state_dict()`: as recent as the last [`ZeroRedundancyOptimizer::consolidate_state_dict`]).
     /// An error on a rank the state was not consolidated on, saying to consolidate first.
     ///
@@ -526,31 +528,31 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
         }
         state.sort_by_key(|(g, _, _)| *g); // stable: a parameter's entries keep their order
         let mut out: Vec<(String, Tensor)> = state.into_iter().map(|(_, k, t)| (k, t)).collect();
+        // Every group's entries as the unsharded optimizer's: its parameters' global indices,
+        // then the local group's hyperparameters (each rank's group g has group g's).
         for (g, range) in self.groups.iter().enumerate() {
             out.push((
                 format!("param_groups.{g}.params"),
                 Tensor::arange_i64(range.start as i64, range.end as i64, 1, Device::Cpu)?,
             ));
-            out.push((
-                format!("param_groups.{g}.lr"),
-                Tensor::scalar(self.optim.group_lr(g), DType::F64, Device::Cpu)?,
-            ));
-            if let Some(v) = self.optim.group_initial_lr(g) {
-                out.push((
-                    format!("param_groups.{g}.initial_lr"),
-                    Tensor::scalar(v, DType::F64, Device::Cpu)?,
-                ));
-            }
+            out.extend(
+                self.optim
+                    .param_group_state(g)
+                    .into_iter()
+                    .map(|(name, t)| (format!("param_groups.{g}.{name}"), t)),
+            );
         }
         Ok(out)
     }
 
     /// Loads a whole optimizer's state dict (as [`ZeroRedundancyOptimizer::state_dict`] or
     /// the same optimizer without ZeRO returns it): each rank keeps the entries of the
-    /// parameters it owns, renumbered for its local optimizer, and every rank each group's lr.
-    /// A state dict of another number of groups, or whose group lists other parameters, is a
-    /// typed error, as the optimizers' own. Checks every key before anything changes. Not
-    /// collective.
+    /// parameters it owns, renumbered for its local optimizer, and every rank each group's
+    /// hyperparameters (all of them; those the state dict lacks keep their values, as the
+    /// local optimizer's `load_state_dict` keeps them). A state dict of another number of
+    /// groups, or whose group lists other parameters, is a typed error, as the optimizers' own;
+    /// so is a hyperparameter the local optimizer does not have or refuses. Checks every key
+    /// before anything changes. Not collective.
     pub fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> StateDictResult<()> {
         let n = self.params.len();
         let me = self.group.rank();
@@ -575,10 +577,9 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                 found: groups,
             });
         }
-        let mut lrs: Vec<f64> = (0..self.groups.len()).map(|g| self.optim.group_lr(g)).collect();
-        let mut initial_lrs: Vec<Option<f64>> = (0..self.groups.len())
-            .map(|g| self.optim.group_initial_lr(g))
-            .collect();
+        // Each group's entries but `params`: its hyperparameters, which the local optimizer
+        // checks and loads (PyTorch's ZeroRedundancyOptimizer hands the groups' dicts on too).
+        let mut hyper: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); self.groups.len()];
         let mut local = Vec::new();
         for (key, t) in state {
             if let Some(rest) = key.strip_prefix("param_groups.") {
@@ -607,9 +608,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                             .into());
                         }
                     }
-                    "lr" => lrs[g] = t.item_f64()?,
-                    "initial_lr" => initial_lrs[g] = Some(t.item_f64()?),
-                    _ => return Err(bad_key(key).into()),
+                    _ => hyper[g].push((name.to_owned(), t.clone())),
                 }
                 continue;
             }
@@ -628,6 +627,16 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
             }
         }
         // The local optimizer's groups: this rank's share of each, numbered group by group.
+        let hyper = hyper.into_iter().enumerate().flat_map(|(g, entries)| {
+            entries
+                .into_iter()
+                .map(move |(name, t)| (format!("param_groups.{g}.{name}"), t))
+        });
+        if self.idle[me] {
+            // No optimizer of its own (one over every parameter, in one group, never stepped):
+            // only the hyperparameters, which leave it without state as before.
+            return self.optim.load_state_dict(&hyper.collect::<Vec<_>>());
+        }
         let mut next = 0i64;
         for (g, owned) in self.by_group[me].iter().enumerate() {
             let count = owned.len() as i64;
@@ -636,27 +645,8 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                 Tensor::arange_i64(next, next + count, 1, Device::Cpu)?,
             ));
             next += count;
-            local.push((
-                format!("param_groups.{g}.lr"),
-                Tensor::scalar(lrs[g], DType::F64, Device::Cpu)?,
-            ));
-            if let Some(v) = initial_lrs[g] {
-                local.push((
-                    format!("param_groups.{g}.initial_lr"),
-                    Tensor::scalar(v, DType::F64, Device::Cpu)?,
-                ));
-            }
         }
-        if self.idle[me] {
-            // No optimizer of its own: only the hyperparameters.
-            for (g, (lr, initial)) in lrs.into_iter().zip(initial_lrs).enumerate() {
-                self.optim.set_group_lr(g, lr);
-                if let Some(v) = initial {
-                    self.optim.set_group_initial_lr(g, v);
-                }
-            }
-            return Ok(());
-        }
+        local.extend(hyper);
         self.optim.load_state_dict(&local)
     }
 }
@@ -729,6 +719,10 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
 
     fn group_initial_lr(&self, group: usize) -> Option<f64> {
         self.optim.group_initial_lr(group)
+    }
+
+    fn param_group_state(&self, group: usize) -> Vec<(String, Tensor)> {
+        self.optim.param_group_state(group)
     }
 
     fn set_group_initial_lr(&mut self, group: usize, lr: f64) {

@@ -322,3 +322,155 @@ fn zero_with_two_param_groups_equals_ddp_with_the_unsharded_optimizer() {
         });
     }
 }
+
+/// Two AdamW groups that differ in every hyperparameter a group can set, over defaults with
+/// amsgrad (what [`zero_state_dict_round_trips_every_group_hyperparameter`] saves).
+fn distinct_groups(params: &[Tensor]) -> Vec<ParamGroup> {
+    let (decay, no_decay): (Vec<Tensor>, Vec<Tensor>) = params.iter().cloned().partition(|p| p.rank() >= 2);
+    vec![
+        ParamGroup::new(decay).weight_decay(0.1).betas((0.8, 0.95)),
+        ParamGroup::new(no_decay)
+            .weight_decay(0.0)
+            .lr(0.02)
+            .betas((0.7, 0.9))
+            .eps(1e-6),
+    ]
+}
+
+fn amsgrad_adamw(groups: Vec<ParamGroup>) -> ember_core::Result<AdamW> {
+    AdamW::with_groups(
+        groups,
+        AdamConfig {
+            lr: 0.05,
+            amsgrad: true,
+            ..AdamConfig::adamw()
+        },
+    )
+}
+
+/// AdamW with other values of everything, and groups that set nothing.
+fn other_adamw(groups: Vec<ParamGroup>) -> ember_core::Result<AdamW> {
+    let groups = groups
+        .iter()
+        .map(|g| ParamGroup::new(g.params().to_vec()))
+        .collect();
+    AdamW::with_groups(
+        groups,
+        AdamConfig {
+            lr: 0.3,
+            betas: (0.5, 0.5),
+            eps: 0.1,
+            weight_decay: 0.5,
+            amsgrad: false,
+            maximize: true,
+            fused: Some(false),
+        },
+    )
+}
+
+/// The state dict ZeRO consolidates holds every hyperparameter of each group as the unsharded
+/// AdamW's does (betas, eps, weight decay, amsgrad, ..., not only the lr), and loaded into a
+/// ZeRO optimizer built with other values everywhere it restores them on every rank: the
+/// next step is the unsharded AdamW's, bit for bit. On 2 and 3 ranks, each loading the dict
+/// consolidated on itself.
+#[test]
+fn zero_state_dict_round_trips_every_group_hyperparameter() {
+    for n in [2, 3] {
+        run_ranks(n, T, |pg| {
+            let (ddp, x, y) = setup(&pg, Device::Cpu);
+            let mut plain = amsgrad_adamw(distinct_groups(&ddp.module().parameters())).unwrap();
+            train(&ddp, &mut plain, &x, &y, 2);
+
+            let (zddp, x, y) = setup(&pg, Device::Cpu);
+            let groups = distinct_groups(&zddp.module().parameters());
+            let mut zero =
+                ZeroRedundancyOptimizer::with_groups(groups.clone(), amsgrad_adamw, Some(pg.clone()))
+                    .unwrap();
+            train(&zddp, &mut zero, &x, &y, 2);
+            let mut consolidated = Vec::new();
+            for r in 0..n {
+                zero.consolidate_state_dict(r).unwrap();
+                if r == pg.rank() {
+                    consolidated = zero.state_dict().unwrap();
+                }
+            }
+            let want = plain.state_dict();
+            assert_eq!(by_key(&consolidated), by_key(&want));
+            let keyed = by_key(&consolidated);
+            assert_eq!(keyed["param_groups.1.betas"], (vec![2], vec![0.7, 0.9]));
+            assert_eq!(keyed["param_groups.0.amsgrad"], (vec![], vec![1.0]));
+            assert_eq!(keyed["param_groups.1.eps"], (vec![], vec![1e-6]));
+
+            let mut resumed =
+                ZeroRedundancyOptimizer::with_groups(groups.clone(), other_adamw, Some(pg.clone())).unwrap();
+            assert_ne!(
+                by_key(&resumed.param_group_state(1)),
+                by_key(&plain.param_group_state(1))
+            );
+            resumed.load_state_dict(&consolidated).unwrap();
+            let local = resumed.optim().unwrap();
+            for g in 0..2 {
+                assert_eq!(
+                    local.param_groups()[g].config(),
+                    plain.param_groups()[g].config(),
+                    "group {g} on rank {} of {n}",
+                    pg.rank()
+                );
+                assert_eq!(
+                    by_key(&resumed.param_group_state(g)),
+                    by_key(&plain.param_group_state(g))
+                );
+            }
+            train(&ddp, &mut plain, &x, &y, 1);
+            train(&zddp, &mut resumed, &x, &y, 1);
+            assert_eq!(
+                values(&zddp.module().parameters()),
+                values(&ddp.module().parameters())
+            );
+        });
+    }
+}
+
+/// A rank that owns no parameter (more ranks than parameters) loads the hyperparameters too,
+/// and the groups' entries of its state dict are the others'.
+#[test]
+fn a_rank_without_parameters_loads_every_hyperparameter() {
+    run_ranks(3, T, |pg| {
+        let make = || {
+            (0..2)
+                .map(|i| {
+                    Tensor::full([3 - i], 1.0, DType::F64, Device::Cpu)
+                        .unwrap()
+                        .requires_grad_(true)
+                        .unwrap()
+                })
+                .collect::<Vec<_>>()
+        };
+        let saved = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        let plain = SGD::new(make(), saved).unwrap();
+        let mut zero =
+            ZeroRedundancyOptimizer::new(make(), |p| SGD::new(p, SgdConfig::default()), Some(pg.clone()))
+                .unwrap();
+        assert_eq!(zero.optim().is_none(), pg.rank() == 2);
+        zero.load_state_dict(&plain.state_dict()).unwrap();
+        assert_eq!(
+            by_key(&zero.param_group_state(0)),
+            by_key(&plain.param_group_state(0))
+        );
+        let groups = |s: Vec<(String, Tensor)>| {
+            let s: Vec<_> = s
+                .into_iter()
+                .filter(|(k, _)| k.starts_with("param_groups."))
+                .collect();
+            by_key(&s)
+        };
+        assert_eq!(groups(Optimizer::state_dict(&zero)), groups(plain.state_dict()));
+        assert_eq!(zero.lr(), 0.1);
+    });
+}

@@ -23,7 +23,7 @@
 //! does the same). A parameter the fused step does not take (Note [Foreach step functions])
 //! reads its count back to the host, one wait per step.
 
-use super::param_group::{split_state, Group, Groups, HasLr, ParamGroup};
+use super::param_group::{split_state, Group, GroupConfig, Groups, Hyper, ParamGroup};
 use super::{
     check_non_negative, check_params, check_state_index, load_like_param, lr_on, zero_grads, Optimizer,
 };
@@ -71,13 +71,42 @@ impl Default for AdamConfig {
     }
 }
 
-impl HasLr for AdamConfig {
+impl GroupConfig for AdamConfig {
     fn lr(&self) -> f64 {
         self.lr
     }
 
     fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
+    }
+
+    fn hyperparameters(&self) -> Vec<(&'static str, Hyper)> {
+        vec![
+            ("lr", Hyper::F64(self.lr)),
+            ("betas", Hyper::Pair(self.betas.0, self.betas.1)),
+            ("eps", Hyper::F64(self.eps)),
+            ("weight_decay", Hyper::F64(self.weight_decay)),
+            ("amsgrad", Hyper::Bool(self.amsgrad)),
+            ("maximize", Hyper::Bool(self.maximize)),
+            ("fused", Hyper::OptBool(self.fused)),
+        ]
+    }
+
+    fn set_hyperparameter(&mut self, name: &str, value: Hyper) {
+        match (name, value) {
+            ("lr", Hyper::F64(v)) => self.lr = v,
+            ("betas", Hyper::Pair(a, b)) => self.betas = (a, b),
+            ("eps", Hyper::F64(v)) => self.eps = v,
+            ("weight_decay", Hyper::F64(v)) => self.weight_decay = v,
+            ("amsgrad", Hyper::Bool(v)) => self.amsgrad = v,
+            ("maximize", Hyper::Bool(v)) => self.maximize = v,
+            ("fused", Hyper::OptBool(v)) => self.fused = v,
+            _ => debug_assert!(false, "{name} = {value:?} is not an Adam hyperparameter"),
+        }
+    }
+
+    fn check(&self, op: &'static str) -> Result<()> {
+        self.validate(op)
     }
 }
 
@@ -496,8 +525,9 @@ impl AdamCore {
     /// function per param group (Note [Param groups]). Step counts live on their parameter's
     /// device (one loaded from a state dict is moved there on its first step).
     fn step_with(&mut self, scaling: GradScaling<'_>) -> Result<()> {
-        let amsgrad = self.defaults.amsgrad;
         for group in &mut self.groups.groups {
+            // The group's own: a loaded state dict may set it (Note [Param groups]).
+            let amsgrad = group.config.amsgrad;
             let (mut params, mut grads) = (Vec::new(), Vec::new());
             let (mut exp_avgs, mut exp_avg_sqs, mut maxes, mut steps) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -606,10 +636,11 @@ impl AdamCore {
         }
         let mut states = Vec::with_capacity(n);
         for (i, [step, exp_avg, exp_avg_sq, max]) in loaded.into_iter().enumerate() {
+            let amsgrad = groups[self.groups.group_of(i)].0.amsgrad;
             let any = step.is_some() || exp_avg.is_some() || exp_avg_sq.is_some() || max.is_some();
             let state = match (step, exp_avg, exp_avg_sq) {
                 (Some(step), Some(exp_avg), Some(exp_avg_sq)) => {
-                    if self.defaults.amsgrad && max.is_none() {
+                    if amsgrad && max.is_none() {
                         return Err(Error::invalid(
                             op,
                             format!("state of parameter {i} has no max_exp_avg_sq, which amsgrad needs"),
@@ -751,6 +782,10 @@ macro_rules! adam_optimizer {
 
             fn set_group_initial_lr(&mut self, group: usize, lr: f64) {
                 self.0.groups.set_initial_lr(group, lr);
+            }
+
+            fn param_group_state(&self, group: usize) -> Vec<(String, Tensor)> {
+                self.0.groups.group_state(group)
             }
 
             fn state_dict(&self) -> Vec<(String, Tensor)> {
@@ -995,7 +1030,13 @@ mod tests {
                 "state.1.exp_avg",
                 "state.1.exp_avg_sq",
                 "param_groups.0.params",
-                "param_groups.0.lr"
+                "param_groups.0.lr",
+                "param_groups.0.betas",
+                "param_groups.0.eps",
+                "param_groups.0.weight_decay",
+                "param_groups.0.amsgrad",
+                "param_groups.0.maximize",
+                "param_groups.0.fused"
             ]
         );
         // `a` gets a gradient later: its own step count starts at 1, `b`'s goes on to 3.
@@ -1091,8 +1132,8 @@ mod tests {
         );
         opt.load_state_dict(&full(Some(("state.0.max_exp_avg_sq", t(&[0.0, 0.0])))))
             .unwrap();
-        // The four state tensors, param_groups.0.params and param_groups.0.lr.
-        assert_eq!(opt.state_dict().len(), 6);
+        // The four state tensors, param_groups.0.params and the 7 hyperparameters.
+        assert_eq!(opt.state_dict().len(), 12);
     }
 
     #[test]

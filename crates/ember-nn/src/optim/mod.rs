@@ -27,17 +27,29 @@
 //!   on the CPU, as PyTorch's default), `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (with
 //!   `amsgrad`), `momentum_buffer` (SGD with `momentum != 0`). A parameter that never had a
 //!   gradient has no entries.
-//! - for each group `g`: `param_groups.{g}.params` (1-d i64, the indices `i` of the group's
-//!   parameters, as PyTorch's `param_groups[g]["params"]`), `param_groups.{g}.lr` (0-d f64),
-//!   and `param_groups.{g}.initial_lr` (0-d f64) once an LR scheduler has recorded it. The
-//!   other hyperparameters stay with the optimizer's groups as built.
+//! - for each group `g`, `param_groups.{g}.{key}` for every key of PyTorch's
+//!   `param_groups[g]`, in its order: `params` (1-d i64, the indices `i` of the group's
+//!   parameters), then every hyperparameter of the group's config under PyTorch's name, then
+//!   `initial_lr` once an LR scheduler has recorded it. Adam/AdamW: `lr`, `betas`, `eps`,
+//!   `weight_decay`, `amsgrad`, `maximize`, `fused`; SGD: `lr`, `momentum`, `dampening`,
+//!   `weight_decay`, `nesterov`, `maximize`. Numbers are 0-d f64 tensors, `betas` a 1-d f64
+//!   tensor of two, switches 0-d bool tensors, and `fused` (PyTorch's `Optional[bool]`) a 0-d
+//!   bool tensor or, for `None`, a 1-d bool tensor of no elements. PyTorch's `foreach`,
+//!   `capturable` and `differentiable` are not written: ember has no such switches (`fused`
+//!   is its one choice of step path; its CUDA steps read lr and step counts on the device, as
+//!   PyTorch's capturable ones do, Note [Learning rate on the device]; no step is
+//!   differentiable).
 //!
 //! Loading checks the groups first, as PyTorch does: a state dict with any `param_groups`
 //! entry must have the optimizer's number of groups, and each group's `params` the size of the
 //! optimizer's group, else a typed error that says what to do
-//! ([`StateDictError::ParamGroupCount`], [`StateDictError::ParamGroupSize`]). State dicts
-//! written before groups existed (one group, no `params` entry) load into a one-group
-//! optimizer as before.
+//! ([`StateDictError::ParamGroupCount`], [`StateDictError::ParamGroupSize`]). Then each
+//! group's hyperparameters are replaced by the state dict's (PyTorch's `load_state_dict`
+//! replaces the group dicts; the optimizer's `defaults` stay), checked as the constructor
+//! checks them; an entry of another kind or name, or values the constructor refuses, is an
+//! error naming the entry, and nothing changes. A hyperparameter the state dict lacks keeps
+//! the group's value: state dicts written before the groups kept them all (`params`, `lr` and
+//! `initial_lr` only) and before groups existed (one group, no `params` entry) load as before.
 //!
 //! [`StateDictError::ParamGroupCount`]: crate::state_dict::StateDictError::ParamGroupCount
 //! [`StateDictError::ParamGroupSize`]: crate::state_dict::StateDictError::ParamGroupSize
@@ -223,6 +235,28 @@ pub trait Optimizer {
     /// `get_last_lr()` lists).
     fn group_lrs(&self) -> Vec<f64> {
         (0..self.num_param_groups()).map(|g| self.group_lr(g)).collect()
+    }
+
+    /// The entries of param group `group` in [`Optimizer::state_dict`] but `params`, unprefixed
+    /// (`("lr", ..)`, `("betas", ..)`, ...: PyTorch's `param_groups[group]` without `"params"`;
+    /// Note [State dict format]): what `ZeroRedundancyOptimizer` puts in the state dict it
+    /// consolidates. The default holds `lr` and, when set, `initial_lr`, as
+    /// [`Optimizer::state_dict`] of an optimizer without other hyperparameters would.
+    ///
+    /// # Panics
+    /// When `group >= self.num_param_groups()`.
+    fn param_group_state(&self, group: usize) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        let mut push = |name: &str, v: f64| {
+            if let Ok(t) = Tensor::scalar(v, DType::F64, Device::Cpu) {
+                out.push((name.to_owned(), t));
+            }
+        };
+        push("lr", self.group_lr(group));
+        if let Some(v) = self.group_initial_lr(group) {
+            push("initial_lr", v);
+        }
+        out
     }
 
     /// The optimizer state as named tensors; see Note [State dict format] in this module.

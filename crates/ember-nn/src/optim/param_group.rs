@@ -7,7 +7,9 @@
 //! - A group's hyperparameters are the optimizer's defaults (the config given to
 //!   `with_groups`) with the group's overrides on top; each group is checked as a whole config
 //!   would be. An override the optimizer has no use for (`momentum` for Adam) is an error, not
-//!   ignored. `amsgrad`, `maximize` and `fused` are optimizer-wide.
+//!   ignored. `amsgrad`, `maximize` and `fused` come from the defaults (a `ParamGroup` does
+//!   not set them), but each group holds and uses its own, which a loaded state dict sets as
+//!   it sets every other hyperparameter (Note [State dict format]).
 //! - Parameters are numbered across groups in order, group 0's first: parameter `i` of the
 //!   state dict and of [`Optimizer::params`](super::Optimizer::params) is the `i`-th of all
 //!   groups' parameters together (PyTorch's state dict numbering). `add_param_group` appends,
@@ -161,10 +163,83 @@ impl From<Vec<Tensor>> for ParamGroup {
     }
 }
 
-/// The learning rate of a hyperparameter config (what the shared group code needs of one).
-pub(crate) trait HasLr: Copy {
+/// A hyperparameter config (what the shared group code needs of one): its learning rate, and
+/// all its hyperparameters as the state dict holds them (Note [State dict format] in `optim`).
+pub(crate) trait GroupConfig: Copy {
     fn lr(&self) -> f64;
     fn set_lr(&mut self, lr: f64);
+
+    /// Every hyperparameter under PyTorch's name, in the order of PyTorch's
+    /// `param_groups[g]` (`lr` first).
+    fn hyperparameters(&self) -> Vec<(&'static str, Hyper)>;
+
+    /// Sets hyperparameter `name` (one of [`GroupConfig::hyperparameters`]') to `value`, of the
+    /// kind that lists it.
+    fn set_hyperparameter(&mut self, name: &str, value: Hyper);
+
+    /// Checks the hyperparameters as the optimizer's constructor does.
+    fn check(&self, op: &'static str) -> Result<()>;
+}
+
+/// One hyperparameter of a param group, and how the state dict holds it (Note [State dict
+/// format] in `optim`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Hyper {
+    /// A number (`lr`, `eps`, `momentum`, ...): a 0-d f64 tensor.
+    F64(f64),
+    /// A pair (`betas`): a 1-d f64 tensor of two values.
+    Pair(f64, f64),
+    /// A switch (`amsgrad`, `nesterov`, ...): a 0-d bool tensor.
+    Bool(bool),
+    /// A switch that may be unset (`fused`; PyTorch's `None`): a 0-d bool tensor, or a 1-d
+    /// bool tensor of no elements for `None`.
+    OptBool(Option<bool>),
+}
+
+impl Hyper {
+    /// The value as a CPU tensor.
+    pub(crate) fn to_tensor(self) -> Result<Tensor> {
+        match self {
+            Hyper::F64(v) => Tensor::scalar(v, DType::F64, Device::Cpu),
+            Hyper::Pair(a, b) => Tensor::from_vec(vec![a, b], [2], Device::Cpu),
+            Hyper::Bool(v) | Hyper::OptBool(Some(v)) => Tensor::from_vec(vec![v], [], Device::Cpu),
+            Hyper::OptBool(None) => Tensor::from_vec(Vec::<bool>::new(), [0], Device::Cpu),
+        }
+    }
+
+    /// `t` read as a value of this kind; the error (`key` is the tensor's key) says what the
+    /// kind needs.
+    pub(crate) fn read_like(self, op: &'static str, key: &str, t: &Tensor) -> Result<Hyper> {
+        let want = match self {
+            Hyper::F64(_) => "a 0-d floating-point tensor",
+            Hyper::Pair(..) => "a 1-d floating-point tensor of two values",
+            Hyper::Bool(_) => "a 0-d bool tensor",
+            Hyper::OptBool(_) => "a 0-d bool tensor, or a 1-d bool tensor of no elements for None",
+        };
+        let bad = || {
+            Error::invalid(
+                op,
+                format!(
+                    "state dict entry {key:?} must be {want}, it is a {:?} tensor of shape {}; write it as the optimizer's state_dict() does",
+                    t.dtype(),
+                    t.shape()
+                ),
+            )
+        };
+        let float = t.dtype().is_floating_point();
+        let boolean = t.dtype() == DType::Bool;
+        Ok(match self {
+            Hyper::F64(_) if float && t.rank() == 0 => Hyper::F64(t.item_f64()?),
+            Hyper::Pair(..) if float && t.rank() == 1 && t.numel() == 2 => {
+                let v = t.to_vec_f64()?;
+                Hyper::Pair(v[0], v[1])
+            }
+            Hyper::Bool(_) if boolean && t.rank() == 0 => Hyper::Bool(t.item_f64()? != 0.0),
+            Hyper::OptBool(_) if boolean && t.rank() == 0 => Hyper::OptBool(Some(t.item_f64()? != 0.0)),
+            Hyper::OptBool(_) if boolean && t.rank() == 1 && t.numel() == 0 => Hyper::OptBool(None),
+            _ => return Err(bad()),
+        })
+    }
 }
 
 /// The learning rate of one group in device memory: one 0-d f64 tensor per GPU the group's
@@ -262,7 +337,7 @@ pub(crate) struct Groups<C> {
     pub(crate) groups: Vec<Group<C>>,
 }
 
-impl<C: HasLr> Groups<C> {
+impl<C: GroupConfig> Groups<C> {
     /// Groups of `(params, config)`, each checked by [`Groups::push`]; at least one.
     pub(crate) fn new(op: &'static str, groups: Vec<(Vec<Tensor>, C)>) -> Result<Groups<C>> {
         if groups.is_empty() {
@@ -335,38 +410,51 @@ impl<C: HasLr> Groups<C> {
         self.groups[group].initial_lr = Some(lr);
     }
 
-    /// Appends `param_groups.{g}.params`, `.lr` and (when set) `.initial_lr` of every group.
+    /// The entries of group `g` in the state dict but `params`: its hyperparameters, then
+    /// `initial_lr` when set (Note [State dict format] in `optim`), unprefixed.
+    pub(crate) fn group_state(&self, g: usize) -> Vec<(String, Tensor)> {
+        let group = &self.groups[g];
+        let mut values = group.config.hyperparameters();
+        if let Some(v) = group.initial_lr {
+            values.push(("initial_lr", Hyper::F64(v)));
+        }
+        // Small CPU tensors: making them fails only when the host is out of memory.
+        values
+            .into_iter()
+            .filter_map(|(name, v)| Some((name.to_owned(), v.to_tensor().ok()?)))
+            .collect()
+    }
+
+    /// Appends `param_groups.{g}.params` and [`Groups::group_state`] of every group.
     pub(crate) fn push_state(&self, out: &mut Vec<(String, Tensor)>) {
         for (g, group) in self.groups.iter().enumerate() {
             let indices: Vec<i64> = group.indices().map(|i| i as i64).collect();
             if let Ok(t) = Tensor::from_vec(indices, [group.params.len()], Device::Cpu) {
                 out.push((format!("param_groups.{g}.params"), t));
             }
-            let mut push = |name: &str, v: f64| {
-                if let Ok(t) = Tensor::scalar(v, DType::F64, Device::Cpu) {
-                    out.push((format!("param_groups.{g}.{name}"), t));
-                }
-            };
-            push("lr", group.config.lr());
-            if let Some(v) = group.initial_lr {
-                push("initial_lr", v);
-            }
+            out.extend(
+                self.group_state(g)
+                    .into_iter()
+                    .map(|(name, t)| (format!("param_groups.{g}.{name}"), t)),
+            );
         }
     }
 
     /// Checks the `param_groups.*` entries of a state dict against the groups and returns each
-    /// group's `(lr, initial_lr)` after loading them; changes nothing. `entries` are the
-    /// parsed `(group, name, value)` of the state dict.
+    /// group's config and `initial_lr` as loading them makes them; changes nothing. `entries`
+    /// are the parsed `(group, name, value)` of the state dict.
     ///
     /// The state dict must have as many groups as the optimizer when it has any group entry;
     /// a group's `params` entry, where present, must list the optimizer-wide indices of that
     /// group. A state dict without `params` entries (written before groups existed) is taken
-    /// by its group count alone.
+    /// by its group count alone. A hyperparameter the state dict does not hold (one written
+    /// before it kept them all holds only `lr`) keeps the group's value; the loaded config
+    /// must pass the constructor's checks.
     pub(crate) fn load_entries(
         &self,
         op: &'static str,
         entries: &[(usize, &str, &Tensor)],
-    ) -> StateDictResult<Vec<(f64, Option<f64>)>> {
+    ) -> StateDictResult<Vec<(C, Option<f64>)>> {
         if let Some(max) = entries.iter().map(|(g, _, _)| *g).max() {
             if max + 1 != self.groups.len() {
                 return Err(StateDictError::ParamGroupCount {
@@ -405,32 +493,51 @@ impl<C: HasLr> Groups<C> {
                 .into());
             }
         }
-        let mut out: Vec<(f64, Option<f64>)> = self
-            .groups
-            .iter()
-            .map(|g| (g.config.lr(), g.initial_lr))
-            .collect();
+        let mut out: Vec<(C, Option<f64>)> = self.groups.iter().map(|g| (g.config, g.initial_lr)).collect();
         for &(g, name, value) in entries {
-            match name {
-                "params" => {}
-                "lr" => out[g].0 = value.item_f64()?,
-                "initial_lr" => out[g].1 = Some(value.item_f64()?),
-                _ => {
-                    return Err(Error::invalid(
-                        op,
-                        format!("unexpected param group entry {name:?} in state dict: expected \"params\", \"lr\" or \"initial_lr\""),
-                    )
-                    .into())
-                }
+            let key = format!("param_groups.{g}.{name}");
+            let (config, initial_lr) = &mut out[g];
+            if name == "params" {
+                continue;
             }
+            if name == "initial_lr" {
+                if let Hyper::F64(v) = Hyper::F64(0.0).read_like(op, &key, value)? {
+                    *initial_lr = Some(v);
+                }
+                continue;
+            }
+            let known = config.hyperparameters();
+            let Some(&(_, kind)) = known.iter().find(|(n, _)| *n == name) else {
+                let names: Vec<&str> = known.iter().map(|(n, _)| *n).collect();
+                return Err(Error::invalid(
+                    op,
+                    format!("unexpected param group entry {key:?} in state dict: a param group of this optimizer holds \"params\", {} and \"initial_lr\"; load a state dict written by the same kind of optimizer", names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")),
+                )
+                .into());
+            };
+            config.set_hyperparameter(name, kind.read_like(op, &key, value)?);
+        }
+        for (g, (config, _)) in out.iter().enumerate() {
+            config.check(op).map_err(|e| {
+                let why = match e {
+                    Error::InvalidArgument { msg, .. } => msg,
+                    other => other.to_string(),
+                };
+                Error::invalid(
+                    op,
+                    format!("the hyperparameters of param group {g} in the state dict are invalid ({why}); load a state dict the optimizer's state_dict() wrote"),
+                )
+            })?;
         }
         Ok(out)
     }
 
-    /// Sets every group's lr and `initial_lr` to `loaded` (from [`Groups::load_entries`]).
-    pub(crate) fn apply_loaded(&mut self, loaded: Vec<(f64, Option<f64>)>) {
-        for (g, (lr, initial_lr)) in loaded.into_iter().enumerate() {
-            self.set_lr(g, lr);
+    /// Sets every group's config and `initial_lr` to `loaded` (from [`Groups::load_entries`]),
+    /// the lr on the device too.
+    pub(crate) fn apply_loaded(&mut self, loaded: Vec<(C, Option<f64>)>) {
+        for (g, (config, initial_lr)) in loaded.into_iter().enumerate() {
+            self.groups[g].config = config;
+            self.set_lr(g, config.lr());
             self.groups[g].initial_lr = initial_lr;
         }
     }
@@ -738,17 +845,27 @@ mod tests {
         a.step().unwrap();
         // Group 0 keeps a momentum buffer, group 1 (no momentum) none.
         let state = a.state_dict();
+        // Each group with all of SGD's hyperparameters, PyTorch's names in PyTorch's order.
         let keys: Vec<&str> = state.iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(
-            keys,
-            [
-                "state.0.momentum_buffer",
-                "param_groups.0.params",
-                "param_groups.0.lr",
-                "param_groups.1.params",
-                "param_groups.1.lr"
-            ]
-        );
+        let mut want = vec!["state.0.momentum_buffer".to_string()];
+        for g in 0..2 {
+            for name in [
+                "params",
+                "lr",
+                "momentum",
+                "dampening",
+                "weight_decay",
+                "nesterov",
+                "maximize",
+            ] {
+                want.push(format!("param_groups.{g}.{name}"));
+            }
+        }
+        assert_eq!(keys, want);
+        assert_eq!(entry(&state, "param_groups.0.momentum").item_f64().unwrap(), 0.9);
+        assert_eq!(entry(&state, "param_groups.1.momentum").item_f64().unwrap(), 0.0);
+        assert_eq!(entry(&state, "param_groups.1.lr").item_f64().unwrap(), 0.5);
+        assert_eq!(entry(&state, "param_groups.1.nesterov").dtype(), DType::Bool);
         assert_eq!((values(&ps[0]), values(&ps[1])), (vec![0.9], vec![1.5]));
         let mut b = make(&qs);
         {
@@ -767,6 +884,312 @@ mod tests {
         assert!((values(&qs[0])[0] - 0.61).abs() < 1e-12);
         assert_eq!(values(&qs[1]), [0.5]);
         assert_eq!((values(&ps[0]), values(&ps[1])), (values(&qs[0]), values(&qs[1])));
+    }
+
+    /// The state dict through a safetensors file's bytes, as `ember train` checkpoints it.
+    fn through_file(state: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+        let bytes = crate::state_dict::save_tensors_to_bytes(state).unwrap();
+        crate::state_dict::load_tensors_from_bytes(&bytes, Device::Cpu).unwrap()
+    }
+
+    fn by_key(state: &[(String, Tensor)]) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+        let mut out: Vec<_> = state
+            .iter()
+            .map(|(k, t)| (k.clone(), t.dims().to_vec(), values(t)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    fn adamw_two_groups(ps: &[Tensor], defaults: AdamConfig, group1: ParamGroup) -> AdamW {
+        AdamW::with_groups(
+            vec![
+                ParamGroup::new(ps[..2].to_vec()),
+                group1.with_params(ps[2..].to_vec()),
+            ],
+            defaults,
+        )
+        .unwrap()
+    }
+
+    /// Steps `opt` over `ps` with gradients of step `t` (the same for every optimizer).
+    fn step_at(opt: &mut dyn Optimizer, ps: &[Tensor], t: usize) {
+        for (i, p) in ps.iter().enumerate() {
+            let g: Vec<f64> = (0..p.numel())
+                .map(|j| ((t * 7 + i * 3 + j) as f64).sin())
+                .collect();
+            set_grad(p, &g);
+        }
+        opt.step().unwrap();
+    }
+
+    #[test]
+    fn every_group_hyperparameter_round_trips() {
+        // AdamW of two groups that differ in lr, betas, weight decay and eps, amsgrad and
+        // fused=False, two steps and a scheduler; loaded (through a file) into an AdamW built
+        // with other values everywhere, maximize and fused included: the loaded groups are the
+        // saved ones, and the next steps give the same bits.
+        let original = AdamConfig {
+            lr: 0.01,
+            betas: (0.85, 0.995),
+            eps: 1e-6,
+            weight_decay: 0.1,
+            amsgrad: true,
+            maximize: false,
+            fused: Some(false),
+        };
+        let group1 = ParamGroup::new(vec![])
+            .lr(0.03)
+            .betas((0.7, 0.9))
+            .weight_decay(0.0)
+            .eps(1e-4);
+        let other = AdamConfig {
+            lr: 0.5,
+            betas: (0.5, 0.6),
+            eps: 1e-2,
+            weight_decay: 0.3,
+            amsgrad: false,
+            maximize: true,
+            fused: None,
+        };
+        let ps = [param(&[1.0, -1.0]), param(&[0.5]), param(&[2.0, 0.0, -3.0])];
+        let qs: Vec<Tensor> = ps.iter().map(|p| param(&values(p))).collect();
+        let mut a = adamw_two_groups(&ps, original, group1.clone());
+        let mut sched = StepLR::new(&mut a, 1, 0.5).unwrap();
+        for t in 0..2 {
+            step_at(&mut a, &ps, t);
+            sched.step(&mut a);
+        }
+        let state = a.state_dict();
+        assert_eq!(
+            entry(&state, "param_groups.1.betas").to_vec::<f64>().unwrap(),
+            [0.7, 0.9]
+        );
+        assert_eq!(entry(&state, "param_groups.1.eps").item_f64().unwrap(), 1e-4);
+        assert_eq!(
+            entry(&state, "param_groups.0.weight_decay").item_f64().unwrap(),
+            0.1
+        );
+        assert_eq!(
+            entry(&state, "param_groups.1.amsgrad").to_vec::<bool>().unwrap(),
+            [true]
+        );
+        assert_eq!(
+            entry(&state, "param_groups.1.fused").to_vec::<bool>().unwrap(),
+            [false]
+        );
+        let mut b = adamw_two_groups(&qs, other, ParamGroup::new(vec![]).lr(0.7).eps(0.5));
+        {
+            let _g = ember_core::no_grad();
+            for (p, q) in ps.iter().zip(&qs) {
+                q.copy_(p).unwrap();
+            }
+        }
+        b.load_state_dict(&through_file(&state)).unwrap();
+        for g in 0..2 {
+            let (x, y) = (&a.param_groups()[g], &b.param_groups()[g]);
+            assert_eq!(x.config(), y.config(), "group {g}");
+            assert_eq!(x.initial_lr(), y.initial_lr(), "group {g}");
+        }
+        assert_eq!(b.param_groups()[1].config().betas, (0.7, 0.9));
+        assert_eq!(b.param_groups()[1].config().lr, 0.03 / 4.0);
+        assert_eq!(
+            b.defaults(),
+            other,
+            "defaults are the optimizer's own, as PyTorch's"
+        );
+        for t in 2..4 {
+            step_at(&mut a, &ps, t);
+            step_at(&mut b, &qs, t);
+        }
+        for (p, q) in ps.iter().zip(&qs) {
+            assert_eq!(values(p), values(q));
+        }
+        assert_eq!(by_key(&a.state_dict()), by_key(&b.state_dict()));
+
+        // fused=None (PyTorch's None: an empty bool tensor) replaces a built Some(false).
+        let unset = AdamConfig {
+            fused: None,
+            ..original
+        };
+        let a = adamw_two_groups(&ps, unset, group1);
+        let state = through_file(&a.state_dict());
+        assert_eq!(entry(&state, "param_groups.0.fused").dims(), [0]);
+        let mut b = adamw_two_groups(&qs, original, ParamGroup::new(vec![]));
+        b.load_state_dict(&state).unwrap();
+        assert_eq!(b.param_groups()[0].config().fused, None);
+        assert_eq!(b.param_groups()[1].config(), a.param_groups()[1].config());
+    }
+
+    #[test]
+    fn every_sgd_group_hyperparameter_round_trips() {
+        // Two SGD groups: Nesterov momentum with decay, and dampened momentum at another lr;
+        // loaded into an SGD of plain groups, they step as the original.
+        let make = |ps: &[Tensor], groups: [ParamGroup; 2], defaults: SgdConfig| {
+            SGD::with_groups(
+                vec![
+                    groups[0].with_params(vec![ps[0].clone()]),
+                    groups[1].with_params(ps[1..].to_vec()),
+                ],
+                defaults,
+            )
+            .unwrap()
+        };
+        let defaults = SgdConfig {
+            lr: 0.1,
+            maximize: true,
+            ..Default::default()
+        };
+        let groups = [
+            ParamGroup::new(vec![])
+                .momentum(0.9)
+                .nesterov(true)
+                .weight_decay(0.01),
+            ParamGroup::new(vec![]).lr(0.05).momentum(0.5).dampening(0.2),
+        ];
+        let ps = [param(&[1.0, 2.0]), param(&[-1.0]), param(&[0.5, 0.25])];
+        let qs: Vec<Tensor> = ps.iter().map(|p| param(&values(p))).collect();
+        let mut a = make(&ps, groups, defaults);
+        for t in 0..2 {
+            step_at(&mut a, &ps, t);
+        }
+        let plain = [ParamGroup::new(vec![]), ParamGroup::new(vec![])];
+        let mut b = make(&qs, plain, SgdConfig::default());
+        {
+            let _g = ember_core::no_grad();
+            for (p, q) in ps.iter().zip(&qs) {
+                q.copy_(p).unwrap();
+            }
+        }
+        b.load_state_dict(&through_file(&a.state_dict())).unwrap();
+        for g in 0..2 {
+            assert_eq!(
+                a.param_groups()[g].config(),
+                b.param_groups()[g].config(),
+                "group {g}"
+            );
+        }
+        assert!(b.param_groups()[0].config().nesterov && b.param_groups()[1].config().maximize);
+        for t in 2..4 {
+            step_at(&mut a, &ps, t);
+            step_at(&mut b, &qs, t);
+        }
+        for (p, q) in ps.iter().zip(&qs) {
+            assert_eq!(values(p), values(q));
+        }
+    }
+
+    #[test]
+    fn state_dicts_without_the_hyperparameters_keep_the_groups_values() {
+        // What ember wrote before the groups kept every hyperparameter: `params`, `lr` and
+        // `initial_lr` (and before groups, not even `params`). The loaded lr replaces the
+        // group's; everything else stays as the optimizer was built.
+        let ps = [param(&[1.0, -1.0]), param(&[0.5]), param(&[2.0, 0.0, -3.0])];
+        let built = AdamConfig {
+            lr: 0.2,
+            betas: (0.8, 0.9),
+            eps: 1e-3,
+            weight_decay: 0.05,
+            amsgrad: false,
+            maximize: false,
+            fused: Some(false),
+        };
+        let mut a = adamw_two_groups(&ps, AdamConfig::adamw(), ParamGroup::new(vec![]).lr(0.02));
+        let _sched = StepLR::new(&mut a, 1, 0.5).unwrap();
+        step_at(&mut a, &ps, 0);
+        let old = |keep_params: bool| -> Vec<(String, Tensor)> {
+            a.state_dict()
+                .into_iter()
+                .filter(|(k, _)| {
+                    !k.starts_with("param_groups.")
+                        || k.ends_with(".lr")
+                        || k.ends_with(".initial_lr")
+                        || (keep_params && k.ends_with(".params"))
+                })
+                .collect()
+        };
+        for keep_params in [true, false] {
+            let mut b = adamw_two_groups(&ps, built, ParamGroup::new(vec![]).eps(1e-5));
+            b.load_state_dict(&old(keep_params)).unwrap();
+            assert_eq!(b.param_groups()[0].config(), &AdamConfig { lr: 1e-3, ..built });
+            assert_eq!(
+                b.param_groups()[1].config(),
+                &AdamConfig {
+                    lr: 0.02,
+                    eps: 1e-5,
+                    ..built
+                }
+            );
+            assert_eq!(b.group_initial_lr(1), Some(0.02));
+            assert_eq!(entry(&b.state_dict(), "state.2.step").item_f64().unwrap(), 1.0);
+        }
+        // An SGD state dict of `lr` only (one group, before groups existed).
+        let mut sgd = SGD::new(
+            vec![param(&[1.0])],
+            SgdConfig {
+                momentum: 0.9,
+                nesterov: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let lr = Tensor::scalar(0.25, DType::F64, Device::Cpu).unwrap();
+        sgd.load_state_dict(&[("param_groups.0.lr".to_string(), lr)])
+            .unwrap();
+        assert_eq!(
+            (sgd.config().lr, sgd.config().momentum, sgd.config().nesterov),
+            (0.25, 0.9, true)
+        );
+    }
+
+    #[test]
+    fn bad_group_hyperparameters_are_typed_errors() {
+        let ps = [param(&[1.0, -1.0]), param(&[0.5]), param(&[2.0])];
+        let mut a = adamw_two_groups(&ps, AdamConfig::adamw(), ParamGroup::new(vec![]).lr(0.02));
+        step_at(&mut a, &ps, 0);
+        let good = a.state_dict();
+        let with = |key: &str, t: Tensor| -> Vec<(String, Tensor)> {
+            let mut s = good.clone();
+            match s.iter().position(|(k, _)| k == key) {
+                Some(at) => s[at].1 = t,
+                None => s.push((key.to_string(), t)),
+            }
+            s
+        };
+        let f64s = |v: &[f64]| Tensor::from_slice(v, [v.len()], Device::Cpu).unwrap();
+        let scalar = |v: f64| Tensor::scalar(v, DType::F64, Device::Cpu).unwrap();
+        let cases = [
+            // Three betas; eps as a bool; amsgrad as a number; a beta of 1 (what Adam's
+            // constructor refuses); SGD's momentum in an AdamW state dict.
+            (with("param_groups.1.betas", f64s(&[0.9, 0.99, 0.5])), "betas"),
+            (
+                with(
+                    "param_groups.0.eps",
+                    Tensor::from_vec(vec![true], [], Device::Cpu).unwrap(),
+                ),
+                "0-d floating-point",
+            ),
+            (with("param_groups.0.amsgrad", scalar(1.0)), "0-d bool"),
+            (with("param_groups.1.betas", f64s(&[1.0, 0.9])), "param group 1"),
+            (
+                with("param_groups.1.momentum", scalar(0.9)),
+                "param_groups.1.momentum",
+            ),
+        ];
+        let mut b = adamw_two_groups(&ps, AdamConfig::adamw(), ParamGroup::new(vec![]).lr(0.02));
+        for (state, says) in cases {
+            let e = b.load_state_dict(&state).unwrap_err();
+            assert!(
+                matches!(e, StateDictError::Tensor(Error::InvalidArgument { .. })),
+                "{e}"
+            );
+            assert!(e.to_string().contains(says), "{e} (expected {says:?})");
+        }
+        // Nothing changed: the groups are as built, and no state was loaded.
+        assert_eq!(b.param_groups()[1].config().betas, (0.9, 0.999));
+        assert_eq!(b.state_dict().len(), good.len() - 9);
+        b.load_state_dict(&good).unwrap();
+        assert_eq!(by_key(&b.state_dict()), by_key(&good));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! p += -lr * g                                                               (in place)
 //! ```
 
-use super::param_group::{split_state, Group, Groups, HasLr, ParamGroup};
+use super::param_group::{split_state, Group, GroupConfig, Groups, Hyper, ParamGroup};
 use super::{check_non_negative, check_params, check_state_index, lr_on, zero_grads, Optimizer};
 use crate::state_dict::StateDictResult;
 use ember_core::fused::{self, GradScaling, SgdStep};
@@ -47,13 +47,40 @@ impl Default for SgdConfig {
     }
 }
 
-impl HasLr for SgdConfig {
+impl GroupConfig for SgdConfig {
     fn lr(&self) -> f64 {
         self.lr
     }
 
     fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
+    }
+
+    fn hyperparameters(&self) -> Vec<(&'static str, Hyper)> {
+        vec![
+            ("lr", Hyper::F64(self.lr)),
+            ("momentum", Hyper::F64(self.momentum)),
+            ("dampening", Hyper::F64(self.dampening)),
+            ("weight_decay", Hyper::F64(self.weight_decay)),
+            ("nesterov", Hyper::Bool(self.nesterov)),
+            ("maximize", Hyper::Bool(self.maximize)),
+        ]
+    }
+
+    fn set_hyperparameter(&mut self, name: &str, value: Hyper) {
+        match (name, value) {
+            ("lr", Hyper::F64(v)) => self.lr = v,
+            ("momentum", Hyper::F64(v)) => self.momentum = v,
+            ("dampening", Hyper::F64(v)) => self.dampening = v,
+            ("weight_decay", Hyper::F64(v)) => self.weight_decay = v,
+            ("nesterov", Hyper::Bool(v)) => self.nesterov = v,
+            ("maximize", Hyper::Bool(v)) => self.maximize = v,
+            _ => debug_assert!(false, "{name} = {value:?} is not an SGD hyperparameter"),
+        }
+    }
+
+    fn check(&self, _op: &'static str) -> Result<()> {
+        self.validate()
     }
 }
 
@@ -437,6 +464,10 @@ impl Optimizer for SGD {
         self.groups.set_initial_lr(group, lr);
     }
 
+    fn param_group_state(&self, group: usize) -> Vec<(String, Tensor)> {
+        self.groups.group_state(group)
+    }
+
     fn state_dict(&self) -> Vec<(String, Tensor)> {
         let mut out: Vec<(String, Tensor)> = self
             .momentum_buffers
@@ -635,7 +666,12 @@ mod tests {
             [
                 "state.1.momentum_buffer",
                 "param_groups.0.params",
-                "param_groups.0.lr"
+                "param_groups.0.lr",
+                "param_groups.0.momentum",
+                "param_groups.0.dampening",
+                "param_groups.0.weight_decay",
+                "param_groups.0.nesterov",
+                "param_groups.0.maximize"
             ]
         );
         opt.zero_grad().unwrap();

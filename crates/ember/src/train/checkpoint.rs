@@ -266,4 +266,44 @@ mod tests {
         assert_eq!(err, Err("bad epoch -1".to_string()));
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// The optimizer's group hyperparameters come back from a checkpoint; one written before
+    /// they were kept (group entries `params` and `lr` only) restores too, the optimizer keeping
+    /// its own values of the others.
+    #[test]
+    fn group_hyperparameters_restore_and_older_checkpoints_still_do() {
+        let dir = std::env::temp_dir().join(format!("ember-checkpoint-groups-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ck.safetensors");
+        let (model, opt, scaler) = parts();
+        save_checkpoint(&path, &model, &opt, &scaler, Position::default()).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let other = || {
+            let (m, _, s) = parts();
+            let config = ember::nn::optim::AdamConfig {
+                lr: 0.5,
+                eps: 1e-3,
+                betas: (0.5, 0.6),
+                ..Default::default()
+            };
+            let o = Adam::new(m.parameters(), config).unwrap();
+            (m, o, s)
+        };
+        let (mut m, mut o, mut s) = other();
+        restore_checkpoint(&bytes, "linear", &mut m, &mut o, &mut s).unwrap();
+        assert_eq!(o.config(), opt.config());
+        let old: Vec<(String, Tensor)> = load_tensors_from_bytes(&bytes, Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .filter(|(k, _)| {
+                !k.starts_with("optimizer.param_groups.") || k.ends_with(".params") || k.ends_with(".lr")
+            })
+            .collect();
+        let old = ember::nn::state_dict::save_tensors_to_bytes(&old).unwrap();
+        let (mut m, mut o, mut s) = other();
+        restore_checkpoint(&old, "linear", &mut m, &mut o, &mut s).unwrap();
+        assert_eq!((o.config().lr, o.config().eps), (opt.config().lr, 1e-3));
+        assert_eq!(o.config().betas, (0.5, 0.6));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -17,7 +17,11 @@
 //! refuses a single-file checkpoint with an error that says to resume it without `--shard`.
 //!
 //! The optimizer needs state of the right shapes to load into: [`init_optimizer_state`]
-//! gives it one as PyTorch's `_init_optim_state` does.
+//! gives it one as PyTorch's `_init_optim_state` does. The hyperparameters of its param groups
+//! (`optimizer.param_groups.{g}.lr`, `.betas`, ...: plain tensors, the same on every process)
+//! are read as the checkpoint holds them, as the run state is, so a checkpoint written before
+//! the groups kept every hyperparameter (`lr` and `initial_lr` only) still loads, the run's
+//! values standing for the others, as a single-file checkpoint's do.
 
 use super::checkpoint::{restore_state, run_state, CheckpointResult, Position};
 use ember::amp::GradScaler;
@@ -82,6 +86,16 @@ pub fn save(
     Ok(())
 }
 
+/// Whether a checkpoint entry is read as the checkpoint holds it rather than into the run's
+/// own tensor (see [`load`]): everything but the model and the optimizer's parameter state and
+/// group `params`.
+fn read_as_saved(key: &str) -> bool {
+    match key.strip_prefix("optimizer.param_groups.") {
+        Some(rest) => rest.split_once('.').is_some_and(|(_, name)| name != "params"),
+        None => !key.starts_with("model.") && !key.starts_with("optimizer."),
+    }
+}
+
 /// Loads the distributed checkpoint in `path` into `state` ([`train_state`] of the run's
 /// model and an optimizer with state, [`init_optimizer_state`]), then `opt`, `scaler` and
 /// the generators; returns the position. Collective over the default group.
@@ -105,10 +119,13 @@ pub fn load(
         return Err(bad("no such directory (run once without --resume to create it)".into()).into());
     }
     let saved = dcp::read_metadata(path).map_err(|e| bad(e.to_string()))?;
-    let mut state = state;
-    // Position, generators and scaler: whatever the checkpoint holds, read as saved.
+    // Position, generators and scaler, and the hyperparameters of the optimizer's groups:
+    // whatever the checkpoint holds, read as saved (checkpoints of earlier versions hold no
+    // group entries but `params`, `lr` and `initial_lr`; the optimizer keeps its own values of
+    // the others, and checks those it reads).
+    let mut state: Vec<(String, StateValue)> = state.into_iter().filter(|(k, _)| !read_as_saved(k)).collect();
     for (key, t) in saved {
-        if !key.starts_with("model.") && !key.starts_with("optimizer.") {
+        if read_as_saved(&key) {
             state.push((key, Tensor::zeros(t.shape, t.dtype, Device::Cpu)?.into()));
         }
     }
@@ -121,4 +138,94 @@ pub fn load(
     // The model's tensors were loaded in place; the optimizer copies its state in.
     let local = dcp::to_local_state(&state);
     Ok(restore_state(local, model_name, None, opt, scaler).map_err(bad)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember::amp::GradScalerConfig;
+    use ember::nn::optim::{AdamConfig, AdamW, ParamGroup};
+    use ember::nn::{Linear, ModuleExt};
+
+    /// A Linear and an AdamW of two groups (the bias's of other betas and no decay) over it.
+    fn parts(config: AdamConfig) -> (Linear, AdamW, GradScaler) {
+        let model = Linear::new(3, 2, Device::Cpu).unwrap();
+        let ps = model.parameters();
+        let groups = vec![
+            ParamGroup::new(vec![ps[0].clone()]),
+            ParamGroup::new(vec![ps[1].clone()])
+                .weight_decay(0.0)
+                .betas((0.8, 0.9)),
+        ];
+        let opt = AdamW::with_groups(groups, config).unwrap();
+        let scaler = GradScaler::with_config(GradScalerConfig::default()).unwrap();
+        (model, opt, scaler)
+    }
+
+    /// Loads the checkpoint in `dir` into fresh parts built with `config`.
+    fn resume(dir: &Path, config: AdamConfig) -> AdamW {
+        let (model, mut opt, mut scaler) = parts(config);
+        init_optimizer_state(&mut opt).unwrap();
+        let state = train_state(&model, &opt).unwrap();
+        let pos = load(dir, "linear", state, &mut opt, &mut scaler).unwrap();
+        assert_eq!(pos.step, 4);
+        opt
+    }
+
+    /// The groups' hyperparameters come back from a distributed checkpoint, all of them; a
+    /// checkpoint written before they were kept (group entries `params` and `lr` only) still
+    /// loads, the groups keeping the resuming run's values of the others.
+    #[test]
+    fn group_hyperparameters_resume_and_older_checkpoints_still_load() {
+        let dir = std::env::temp_dir().join(format!("ember-train-dcp-{}", std::process::id()));
+        let saved = AdamConfig {
+            lr: 0.01,
+            betas: (0.85, 0.95),
+            eps: 1e-6,
+            weight_decay: 0.2,
+            ..AdamConfig::default()
+        };
+        let resumed_with = AdamConfig {
+            lr: 0.5,
+            amsgrad: false,
+            fused: Some(false),
+            ..AdamConfig::adamw()
+        };
+        let (model, mut opt, scaler) = parts(saved);
+        for p in opt.params() {
+            p.set_grad(Some(p.ones_like().unwrap())).unwrap();
+        }
+        opt.step().unwrap();
+        let pos = Position {
+            step: 4,
+            ..Position::default()
+        };
+        let state = train_state(&model, &opt).unwrap();
+        let new = dir.join("new");
+        save(&new, state.clone(), &scaler, pos).unwrap();
+        let opt2 = resume(&new, resumed_with);
+        for g in 0..2 {
+            assert_eq!(opt2.param_groups()[g].config(), opt.param_groups()[g].config());
+        }
+        assert_eq!(opt2.param_groups()[1].config().betas, (0.8, 0.9));
+
+        let old_keys = |k: &String| match k.strip_prefix("optimizer.param_groups.") {
+            Some(rest) => rest.ends_with(".params") || rest.ends_with(".lr"),
+            None => true,
+        };
+        let old: Vec<(String, StateValue)> = state.into_iter().filter(|(k, _)| old_keys(k)).collect();
+        let old_dir = dir.join("old");
+        save(&old_dir, old, &scaler, pos).unwrap();
+        let opt3 = resume(&old_dir, resumed_with);
+        assert_eq!(
+            opt3.param_groups()[0].config(),
+            &AdamConfig {
+                lr: 0.01,
+                ..resumed_with
+            }
+        );
+        assert_eq!(opt3.param_groups()[1].config().weight_decay, 0.0);
+        assert_eq!(opt3.param_groups()[1].config().eps, resumed_with.eps);
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
