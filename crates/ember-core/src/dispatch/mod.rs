@@ -297,6 +297,28 @@ pub fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Resu
     body()
 }
 
+/// [`named`] for a fused op of ember's own that stands for a composition of ops with policies
+/// of their own (`add_layer_norm`: `add`, then `layer_norm`): the device check, the wait for
+/// row-block copies (step 1b) and the observers see it under its name, then `body` runs with
+/// the [`Door`] and applies its parts' policies itself, or, where the fused kernel cannot give
+/// the composition's result, runs the composition (whose ops pass every step themselves).
+pub(crate) fn named_kernel<T>(
+    op: &'static Op,
+    inputs: &[&Tensor],
+    body: impl FnOnce(Door) -> Result<T>,
+) -> Result<T> {
+    crate::memory::set_current_op(op.name);
+    let device = check_devices(op.name, inputs)?;
+    settle_copies(op, inputs)?;
+    let _scope = if observer::is_active() {
+        let seen: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        observer::Scope::enter(op, device, &seen)
+    } else {
+        observer::Scope::enter(op, device, &[])
+    };
+    body(Door(()))
+}
+
 /// An op with no tensor input (a factory or a random draw: `zeros`, `arange`, `randn`, ...),
 /// or one that checks its operands' devices itself with its own errors (GradScaler's steps), on
 /// `device`: the observers see it under its name, then `body` runs.
