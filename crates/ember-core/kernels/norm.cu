@@ -5,8 +5,12 @@
 //   backward  xhat = (x - mean) · rstd, dxhat = g · w
 //             dx = rstd · (dxhat - mean(dxhat) - xhat · mean(dxhat · xhat))
 //             dw = Σ_rows g · xhat, db = Σ_rows g
-//           with `add`, dx is added to what dx holds before the one rounding (Note [Gradients
-//           added in place] in `autograd/engine.rs`)
+//           with `addend`, dx is added to it before the one rounding and the sum written to dx
+//           (`addend` may be dx itself: Note [Gradients added in place] in
+//           `autograd/engine.rs`); the fused residual add's backward is this kernel with the
+//           gradient that reached the sum from its other uses as `addend`
+//   fused     add_layer_norm: sum = x + res rounded to T, then the forward above over the sum
+//             (Note [Fused residual add])
 // T (x, y, g, dx) in f32 f64 f16 bf16, W (weight, bias) T or, for f16/bf16 inputs, f32 (as
 // PyTorch's mixed-type kernels); A = Acc<T> (f32, f64 for f64) is the math type and the dtype
 // of mean and rstd. Each result is rounded once on store.
@@ -91,6 +95,51 @@ extern __shared__ __align__(16) unsigned char ln_smem[];
 // registers for (`ROWS_BLOCKS_PER_SM` in `cuda_backend/norm.rs`, its grid).
 #define LN_BWD_ROWS_MIN_BLOCKS 2
 
+// Passes 2 and 3 of one row of x (`xr`) whose lane sums of pass 1 are `s`: the mean, the
+// squared deviations, rstd, and the output row `yr` (and its bf16 twin `lowr`). Shared by the
+// layer norm and the fused residual add (`aln_fwd`), so both reduce a row in the same order.
+template <typename T, typename W, int V>
+__device__ __forceinline__ void ln_fwd_row(const T* xr, typename Acc<T>::type s, const W* w, const W* b, T* yr,
+                                           bf16* lowr, typename Acc<T>::type* mean, typename Acc<T>::type* rstd,
+                                           i64 r, i64 n, double eps) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x;
+    const i64 step = (i64)32 * V;
+    const A m = warp_sum(s) / (A)n;
+    A q = (A)0;
+    for (i64 c = (i64)lane * V; c < n; c += step) {
+        LnVec<T, V> v = ln_load<T, V>(xr + c);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const A d = load(v.v[i]) - m;
+            q += d * d;
+        }
+    }
+    const A rs = ln_rsqrt(warp_sum(q) / (A)n + (A)eps);
+    if (lane == 0) {
+        if (mean) mean[r] = m;
+        if (rstd) rstd[r] = rs;
+    }
+    for (i64 c = (i64)lane * V; c < n; c += step) {
+        LnVec<T, V> v = ln_load<T, V>(xr + c);
+        LnVec<T, V> o;
+        // Weight and bias as vectors too (the host checked their alignment): one load
+        // instruction per 16 bytes instead of one per element.
+        LnVec<W, V> wv, bv;
+        if (w) wv = ln_load<W, V>(w + c);
+        if (b) bv = ln_load<W, V>(b + c);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            A t = (load(v.v[i]) - m) * rs;
+            if (w) t = t * (A)load(wv.v[i]);
+            if (b) t = t + (A)load(bv.v[i]);
+            o.v[i] = cast<T>(t);
+        }
+        ln_store<T, V>(yr + c, o);
+        if (lowr) ln_store_low<T, V>(lowr + c, o);
+    }
+}
+
 template <typename T, typename W, int V>
 __device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, bf16* low, typename Acc<T>::type* mean,
                        typename Acc<T>::type* rstd, i64 rows, i64 n, double eps) {
@@ -105,47 +154,50 @@ __device__ void ln_fwd(const T* x, const W* w, const W* b, T* y, bf16* low, type
 #pragma unroll
             for (int i = 0; i < V; ++i) s += load(v.v[i]);
         }
-        const A m = warp_sum(s) / (A)n;
-        A q = (A)0;
+        ln_fwd_row<T, W, V>(xr, s, w, b, y + r * n, low ? low + r * n : low, mean, rstd, r, n, eps);
+    }
+}
+
+// Note [Fused residual add]: `add_layer_norm` (GPT-2's `x = x + proj(..)` then `ln2(x)`, as
+// llm.c's `fused_residual_forward`): pass 1 reads a row of x and of the residual once, writes
+// their sum rounded to T (`cast<T>(load(x) + load(res))`: the add kernel's value, in A, and for
+// a float32 x beside a half residual the mixed add's, Note [Mixed operands] in
+// `elementwise.cu`) and sums the rounded values; passes 2 and 3 are the layer norm's
+// (`ln_fwd_row`) over the row just written, which each lane reads back from the columns it
+// wrote itself. So `normed` is the layer norm of the rounded sum with the same reductions in the
+// same order: the same bits as `add` then `layer_norm` when both read the same vector width
+// (`vec`, which for the fused kernel also asks x and, of its own dtype, the residual to be
+// aligned). R is T, or a half dtype beside a float32 T.
+template <typename T, typename R, typename W, int V>
+__device__ void aln_fwd(const T* x, const R* res, const W* w, const W* b, T* sum, T* y, bf16* low,
+                        typename Acc<T>::type* mean, typename Acc<T>::type* rstd, i64 rows, i64 n, double eps) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x;
+    const i64 step = (i64)32 * V;
+    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (i64)gridDim.x * blockDim.y) {
+        const T* xr = x + r * n;
+        const R* rr = res + r * n;
+        T* sr = sum + r * n;
+        A s = (A)0;
         for (i64 c = (i64)lane * V; c < n; c += step) {
             LnVec<T, V> v = ln_load<T, V>(xr + c);
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const A d = load(v.v[i]) - m;
-                q += d * d;
-            }
-        }
-        const A rs = ln_rsqrt(warp_sum(q) / (A)n + (A)eps);
-        if (lane == 0) {
-            if (mean) mean[r] = m;
-            if (rstd) rstd[r] = rs;
-        }
-        T* yr = y + r * n;
-        for (i64 c = (i64)lane * V; c < n; c += step) {
-            LnVec<T, V> v = ln_load<T, V>(xr + c);
+            LnVec<R, V> u = ln_load<R, V>(rr + c);
             LnVec<T, V> o;
-            // Weight and bias as vectors too (the host checked their alignment): one load
-            // instruction per 16 bytes instead of one per element.
-            LnVec<W, V> wv, bv;
-            if (w) wv = ln_load<W, V>(w + c);
-            if (b) bv = ln_load<W, V>(b + c);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
-                A t = (load(v.v[i]) - m) * rs;
-                if (w) t = t * (A)load(wv.v[i]);
-                if (b) t = t + (A)load(bv.v[i]);
-                o.v[i] = cast<T>(t);
+                o.v[i] = cast<T>((A)load(v.v[i]) + (A)load(u.v[i]));
+                s += load(o.v[i]);
             }
-            ln_store<T, V>(yr + c, o);
-            if (low) ln_store_low<T, V>(low + r * n + c, o);
+            ln_store<T, V>(sr + c, o);
         }
+        ln_fwd_row<T, W, V>(sr, s, w, b, y + r * n, low ? low + r * n : low, mean, rstd, r, n, eps);
     }
 }
 
 template <typename T, typename W, int V>
 __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
                        const W* w, T* dx, bf16* low, typename Acc<T>::type* partial, i64 rows, i64 n, int shared,
-                       int add) {
+                       const T* addend) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
     const i64 step = (i64)32 * V;
@@ -178,12 +230,13 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
         s1 = warp_sum(s1) / (A)n;
         s2 = warp_sum(s2) / (A)n;
         T* dr = dx ? dx + r * n : dx;
+        const T* ar = addend ? addend + r * n : addend;
         for (i64 c = (i64)lane * V; c < n; c += step) {
             LnVec<T, V> gv = ln_load<T, V>(gr + c), xv = ln_load<T, V>(xr + c);
             LnVec<W, V> wv;
             if (w) wv = ln_load<W, V>(w + c);
             LnVec<T, V> o;
-            if (dr && add) o = ln_load<T, V>(dr + c);
+            if (dr && ar) o = ln_load<T, V>(ar + c);
             // The sums as vectors (a lane's V consecutive slots): scalar slots V apart across
             // the lanes would hit a quarter of the shared-memory banks (V = 8, f32).
             LnVec<A, V> aw, ab;
@@ -198,7 +251,7 @@ __device__ void ln_bwd(const T* g, const T* x, const typename Acc<T>::type* mean
                 A dxh = gg;
                 if (w) dxh = dxh * (A)load(wv.v[i]);
                 const A d = (dxh - s1 - xh * s2) * rs;
-                o.v[i] = cast<T>(add ? (A)load(o.v[i]) + d : d);
+                o.v[i] = cast<T>(ar ? (A)load(o.v[i]) + d : d);
                 if (acc) {
                     aw.v[i] += gg * xh;
                     ab.v[i] += gg;
@@ -233,7 +286,7 @@ template <typename T, typename W, int V, int K>
 __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type* mean,
                             const typename Acc<T>::type* rstd, const W* w, T* dx, bf16* low,
                             typename Acc<T>::type* partial,
-                            i64 rows, i64 n, int add) {
+                            i64 rows, i64 n, const T* addend) {
     typedef typename Acc<T>::type A;
     const int lane = threadIdx.x, warp = threadIdx.y, warps = blockDim.y;
     A* acc = 0;
@@ -274,6 +327,7 @@ __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type*
         s1 = warp_sum(s1) / (A)n;
         s2 = warp_sum(s2) / (A)n;
         T* dr = dx ? dx + r * n : dx;
+        const T* ar = addend ? addend + r * n : addend;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const i64 c = (i64)(lane + 32 * k) * V;
@@ -286,7 +340,7 @@ __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type*
                 ab = ln_load<A, V>(acc + n + c);
             }
             LnVec<T, V> o;
-            if (dr && add) o = ln_load<T, V>(dr + c);
+            if (dr && ar) o = ln_load<T, V>(ar + c);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const A gg = load(gv[k].v[i]);
@@ -294,7 +348,7 @@ __device__ void ln_bwd_rows(const T* g, const T* x, const typename Acc<T>::type*
                 A dxh = gg;
                 if (w) dxh = dxh * (A)load(wv.v[i]);
                 const A d = (dxh - s1 - xh * s2) * rs;
-                o.v[i] = cast<T>(add ? (A)load(o.v[i]) + d : d);
+                o.v[i] = cast<T>(ar ? (A)load(o.v[i]) + d : d);
                 if (acc) {
                     aw.v[i] += gg * xh;
                     ab.v[i] += gg;
@@ -366,8 +420,8 @@ __device__ void ln_params(const typename Acc<W>::type* partial, i64 blocks, i64 
     })                                                                                                          \
     EMBER_IN_UNIT(layer_norm_backward_##tn##_##wn,                                                              \
     extern "C" __global__ void layer_norm_backward_##tn##_##wn EMBER_PARAMS_layer_norm_backward(T, W, Acc<T>::type, bf16) { \
-        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, low, partial, rows, n, shared, add);               \
-        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, low, partial, rows, n, shared, add);                                \
+        if (vec) ln_bwd<T, W, 16 / sizeof(T)>(g, x, mean, rstd, w, dx, low, partial, rows, n, shared, addend);               \
+        else ln_bwd<T, W, 1>(g, x, mean, rstd, w, dx, low, partial, rows, n, shared, addend);                                \
     })
 EMBER_LAYER_NORM(float, f32, float, f32)
 EMBER_LAYER_NORM(double, f64, double, f64)
@@ -376,13 +430,31 @@ EMBER_LAYER_NORM(bf16, bf16, bf16, bf16)
 EMBER_LAYER_NORM(f16, f16, float, f32)
 EMBER_LAYER_NORM(bf16, bf16, float, f32)
 
+// `add_layer_norm_<T>_<W>` (x and the residual of dtype T) and `add_layer_norm_mixed_<R>` (a
+// float32 x beside a residual of half dtype R; weight and bias float32): Note [Fused residual
+// add]. The grid and vector width are the layer norm's.
+#define EMBER_ADD_LAYER_NORM(name, T, R, W)                                                                     \
+    EMBER_IN_UNIT(name,                                                                                         \
+    extern "C" __global__ void name EMBER_PARAMS_add_layer_norm(T, R, W, Acc<T>::type, bf16) {                  \
+        if (vec) aln_fwd<T, R, W, 16 / sizeof(T)>(x, res, w, b, sum, y, low, mean, rstd, rows, n, eps);        \
+        else aln_fwd<T, R, W, 1>(x, res, w, b, sum, y, low, mean, rstd, rows, n, eps);                         \
+    })
+EMBER_ADD_LAYER_NORM(add_layer_norm_f32_f32, float, float, float)
+EMBER_ADD_LAYER_NORM(add_layer_norm_f64_f64, double, double, double)
+EMBER_ADD_LAYER_NORM(add_layer_norm_f16_f16, f16, f16, f16)
+EMBER_ADD_LAYER_NORM(add_layer_norm_bf16_bf16, bf16, bf16, bf16)
+EMBER_ADD_LAYER_NORM(add_layer_norm_f16_f32, f16, f16, float)
+EMBER_ADD_LAYER_NORM(add_layer_norm_bf16_f32, bf16, bf16, float)
+EMBER_ADD_LAYER_NORM(add_layer_norm_mixed_bf16, float, bf16, float)
+EMBER_ADD_LAYER_NORM(add_layer_norm_mixed_f16, float, f16, float)
+
 // `layer_norm_backward_rows_<T>_<W>`: rows of at most 32 · LN_LANE_ELEMS elements in registers
 // (Note [Layer norm backward in registers]), T of 4 or 2 bytes.
 #define EMBER_LAYER_NORM_ROWS(T, tn, W, wn)                                                                     \
     EMBER_IN_UNIT(layer_norm_backward_rows_##tn##_##wn,                                                         \
     extern "C" __global__ void __launch_bounds__(256, LN_BWD_ROWS_MIN_BLOCKS)                                   \
     layer_norm_backward_rows_##tn##_##wn EMBER_PARAMS_layer_norm_backward_rows(T, W, Acc<T>::type, bf16) {           \
-        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, low, partial, rows, n, add); \
+        ln_bwd_rows<T, W, 16 / sizeof(T), LN_LANE_ELEMS * sizeof(T) / 16>(g, x, mean, rstd, w, dx, low, partial, rows, n, addend); \
     })
 EMBER_LAYER_NORM_ROWS(float, f32, float, f32)
 EMBER_LAYER_NORM_ROWS(f16, f16, f16, f16)

@@ -47,7 +47,8 @@ pub use error::{Error, Result};
 /// update_scale_}`).
 pub use ops::amp_scaling;
 pub use ops::foreach::foreach_copy_;
-/// Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`).
+/// Fused multi-tensor optimizer steps (`ember_core::fused::{adam_, sgd_}`), the multi-tensor
+/// norm and multiply, and the fused residual add + LayerNorm (`fused::add_layer_norm`).
 pub use ops::fused_optim as fused;
 pub use random::{
     default_generator, get_rng_state, initial_seed, manual_seed, seed, set_rng_state, Generator, RngState,

@@ -186,6 +186,81 @@ mod tests {
         Ok(())
     }
 
+    /// GPT-2's forward as it was before the fused residual add: `x + proj(..)`, then `ln2`.
+    fn unfused_block(blk: &Block, x: &Tensor) -> Result<Tensor> {
+        let &[b, t, c] = x.dims() else {
+            unreachable!("[B, T, C]")
+        };
+        let (b, t, c, h) = (b as isize, t as isize, c as isize, blk.h as isize);
+        let qkv = blk.qkv.forward(&blk.ln1.forward(x)?)?.split(c as usize, 2)?;
+        let heads = |p: &Tensor| p.view([b, t, h, c / h])?.transpose(1, 2);
+        let (q, k, v) = (heads(&qkv[0])?, heads(&qkv[1])?, heads(&qkv[2])?);
+        let y = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions::new().is_causal(true))?;
+        let x = x.add(
+            &blk.proj
+                .forward(&y.transpose(1, 2)?.contiguous()?.view([b, t, c])?)?,
+        )?;
+        let mlp = F::gelu(&blk.fc.forward(&blk.ln2.forward(&x)?)?, F::GeluApproximate::Tanh)?;
+        x.add(&blk.fc2.forward(&mlp)?)
+    }
+
+    fn unfused_gpt(gpt: &Gpt, idx: &Tensor) -> Result<Tensor> {
+        let t = idx.dims()[1];
+        let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64, idx.device())?;
+        let mut x = gpt.wte.forward(idx)?.add(&gpt.wpe.forward(&pos)?)?;
+        for blk in &gpt.blocks {
+            x = unfused_block(blk, &x)?;
+        }
+        gpt.head.forward(&gpt.ln_f.forward(&x)?)
+    }
+
+    /// The fused residual add + ln2 (issue 37) leaves GPT-2's logits and every parameter's
+    /// gradient as the unfused forward gives them on the CPU in f32 (the fused op is the
+    /// composition's values bit for bit there; the bound allows a reordered sum), with the
+    /// parameter names unchanged.
+    #[test]
+    fn gpt2_with_the_fused_residual_add_keeps_logits_and_gradients() -> Result<()> {
+        ember::manual_seed(3)?;
+        let gpt = Gpt::new(50, 8, 32, 2, 4, Device::Cpu)?;
+        gpt.init_gpt2_weights()?;
+        let idx = Tensor::from_vec(
+            (0..2 * 8).map(|i| (i * 7 % 50) as i64).collect::<Vec<_>>(),
+            [2, 8],
+            Device::Cpu,
+        )?;
+        let target = Tensor::from_vec(
+            (0..2 * 8).map(|i| (i * 3 % 50) as i64).collect::<Vec<_>>(),
+            [16],
+            Device::Cpu,
+        )?;
+        let run = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Vec<f32>, Vec<(String, Vec<f32>)>)> {
+            gpt.zero_grad()?;
+            let logits = f()?;
+            F::cross_entropy(&logits.view([16, 50])?, &target)?.backward()?;
+            let grads = gpt
+                .named_parameters()
+                .into_iter()
+                .map(|(n, p)| Ok((n, p.grad().expect("every parameter learns").to_vec::<f32>()?)))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((logits.to_vec::<f32>()?, grads))
+        };
+        let (logits, grads) = run(&|| gpt.forward(&idx))?;
+        let (e_logits, e_grads) = run(&|| unfused_gpt(&gpt, &idx))?;
+        let close = |a: &[f32], e: &[f32]| {
+            a.iter()
+                .zip(e)
+                .all(|(a, e)| (a - e).abs() <= 1e-6 + 1e-5 * e.abs())
+        };
+        assert!(close(&logits, &e_logits), "logits moved");
+        assert_eq!(grads.len(), e_grads.len());
+        assert!(grads.iter().any(|(n, _)| n == "blocks.1.ln2.weight"));
+        for ((n, g), (en, eg)) in grads.iter().zip(&e_grads) {
+            assert_eq!(n, en);
+            assert!(close(g, eg), "{n}'s gradient moved");
+        }
+        Ok(())
+    }
+
     #[test]
     fn a_checkpointed_block_computes_the_blocks_values_and_gradients() -> Result<()> {
         let block = Block::new(8, 2, Device::Cpu)?;
@@ -238,7 +313,10 @@ mod tests {
 
 /// One pre-LayerNorm transformer block of GPT-2 (`Block` of `torch_reference.py`): causal
 /// self-attention over `h` heads from one fused `qkv` projection, then a tanh-GELU MLP (4×),
-/// each added to the residual stream.
+/// each added to the residual stream. The attention's add and `ln2` run as one fused op
+/// ([`LayerNorm::forward_residual`]); the MLP's add stays a plain add, since the next block's
+/// `ln1` (or `ln_f`) sits behind the block boundary that `Checkpointed` and FSDP's wrappers
+/// keep (one tensor in, one out).
 #[derive(Module, Clone)]
 pub struct Block {
     ln1: LayerNorm,
@@ -278,15 +356,13 @@ impl Forward for Block {
         let heads = |p: &Tensor| p.view([b, t, h, c / h])?.transpose(1, 2);
         let (q, k, v) = (heads(&qkv[0])?, heads(&qkv[1])?, heads(&qkv[2])?);
         let y = F::scaled_dot_product_attention_with(&q, &k, &v, F::SdpaOptions::new().is_causal(true))?;
-        let x = x.add(
-            &self
-                .proj
-                .forward(&y.transpose(1, 2)?.contiguous()?.view([b, t, c])?)?,
-        )?;
-        let mlp = F::gelu(
-            &self.fc.forward(&self.ln2.forward(&x)?)?,
-            F::GeluApproximate::Tanh,
-        )?;
+        // The attention's residual add and ln2 in one kernel (issue 37: `x + proj(y)`, then
+        // `ln2` of it, the same values and gradients).
+        let attn = self
+            .proj
+            .forward(&y.transpose(1, 2)?.contiguous()?.view([b, t, c])?)?;
+        let (x, h) = self.ln2.forward_residual(x, &attn)?;
+        let mlp = F::gelu(&self.fc.forward(&h)?, F::GeluApproximate::Tanh)?;
         x.add(&self.fc2.forward(&mlp)?)
     }
 }

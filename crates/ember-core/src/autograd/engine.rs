@@ -221,7 +221,11 @@ impl Grad {
 /// (`take_accumulator`), add its own dx into it in the same kernel that computes dx, and return
 /// it, so the entry holds the sum and no add runs. One not taken goes back into the entry.
 /// LayerNorm's backward does this (`ops/norm.rs`), as llm.c's `layernorm_backward` adds into
-/// `dinp`. The sum rounds once instead of twice.
+/// `dinp`. The sum rounds once instead of twice. A gradient that others hold (a root's
+/// gradient the user passed, one an add's backward handed to both its inputs) is offered too,
+/// marked read-only: `take_addend` takes it, and LayerNorm's backward then writes `it + dx` to
+/// a new buffer in its one kernel (`autograd::take_accumulator` never hands it out, so the
+/// index ops, which only write in place, leave it to the engine's add).
 
 /// Whether every part is a view of one storage laid out exactly as its region: the regions
 /// being over a row-major tensor from element 0, that storage from element 0 is the tensor.
@@ -613,7 +617,10 @@ impl GraphTask {
             let mut st = self.lock();
             let p = st.pending.get_mut(&first_key).expect("counted above");
             let offer = match p.grad.take() {
-                Some(Grad::Dense(t)) if accumulates && t.is_private() => Some(t),
+                Some(Grad::Dense(t)) if accumulates => {
+                    let writable = t.is_private();
+                    Some((t, writable))
+                }
                 other => {
                     p.grad = other;
                     None
@@ -624,6 +631,7 @@ impl GraphTask {
             let act = activation.filter(|(consumer, _, _)| {
                 p.deps == 1
                     && p.grad.is_none()
+                    && !matches!(offer, Some((_, false)))
                     && !runs_hooks(consumer)
                     && !self.capture.as_deref().is_some_and(|c| c.contains(&first_key))
             });
@@ -641,7 +649,7 @@ impl GraphTask {
             let mut st = self.lock();
             st.pending.get_mut(&first_key).expect("counted above").through = true;
         }
-        if let Some(left) = super::end_offer(outer) {
+        if let Some((left, _)) = super::end_offer(outer) {
             // Not taken: back into the entry, summed with what reached it meanwhile (Note [Sums
             // outside the task lock]).
             let mut g = Grad::Dense(left);

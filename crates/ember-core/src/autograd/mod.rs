@@ -111,30 +111,46 @@ pub(crate) fn take_activation() -> Option<(Activation, Tensor)> {
 
 thread_local! {
     /// The gradient already waiting for the first input of the node whose backward runs on this
-    /// thread, offered by the engine (Note [Gradients added in place] in `engine.rs`).
-    static ACCUMULATOR: std::cell::RefCell<Option<Tensor>> = const { std::cell::RefCell::new(None) };
+    /// thread, offered by the engine, and whether the backward may write it (Note [Gradients
+    /// added in place] in `engine.rs`).
+    static ACCUMULATOR: std::cell::RefCell<Option<(Tensor, bool)>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Sets the offer for one backward call; the previous one (of an outer pass) comes back with
-/// [`end_offer`].
-pub(crate) fn offer_accumulator(grad: Option<Tensor>) -> Option<Tensor> {
+/// Sets the offer for one backward call (the gradient and whether it may be written); the
+/// previous one (of an outer pass) comes back with [`end_offer`].
+pub(crate) fn offer_accumulator(grad: Option<(Tensor, bool)>) -> Option<(Tensor, bool)> {
     ACCUMULATOR.with(|a| a.replace(grad))
 }
 
 /// Ends the offer of [`offer_accumulator`]: what the backward did not take, and puts `outer` back.
-pub(crate) fn end_offer(outer: Option<Tensor>) -> Option<Tensor> {
+pub(crate) fn end_offer(outer: Option<(Tensor, bool)>) -> Option<(Tensor, bool)> {
     ACCUMULATOR.with(|a| a.replace(outer))
 }
 
 /// Inside a backward function marked with [`mark_accumulating`]: the gradient already summed
-/// for the node's first input, when `fits` accepts it. A backward that takes it must add its own
-/// gradient for that input into it and return it as that gradient (Note [Gradients added in
-/// place] in `engine.rs`); one that does not leaves it to the engine to sum.
+/// for the node's first input, when nothing else holds it and `fits` accepts it. A backward that
+/// takes it must add its own gradient for that input into it and return it as that gradient
+/// (Note [Gradients added in place] in `engine.rs`); one that does not leaves it to the engine
+/// to sum.
 pub(crate) fn take_accumulator(fits: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
     ACCUMULATOR.with(|a| {
         let mut a = a.borrow_mut();
         match a.as_ref() {
-            Some(t) if fits(t) => a.take(),
+            Some((t, true)) if fits(t) => a.take().map(|(t, _)| t),
+            _ => None,
+        }
+    })
+}
+
+/// [`take_accumulator`] for a backward that can also read the gradient without writing it:
+/// the gradient, when `fits` accepts it, and whether it may be written in place. A backward
+/// that takes one it may not write returns the sum of it and its own gradient as a new tensor
+/// (one kernel that reads both, as LayerNorm's backward does).
+pub(crate) fn take_addend(fits: impl FnOnce(&Tensor) -> bool) -> Option<(Tensor, bool)> {
+    ACCUMULATOR.with(|a| {
+        let mut a = a.borrow_mut();
+        match a.as_ref() {
+            Some((t, _)) if fits(t) => a.take(),
             _ => None,
         }
     })

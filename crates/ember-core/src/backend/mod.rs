@@ -474,12 +474,30 @@ pub trait NormOps: Sized {
         eps: f64,
         twin: Option<DType>,
     ) -> Result<(Self, Self, Self, Option<Self>)>;
+    /// The fused residual add (llm.c's `fused_residual_forward`): `sum = self + residual`
+    /// rounded to `self`'s dtype (the sum `add` writes), and [`NormOps::layer_norm`] of that
+    /// rounded sum, in one pass: `(sum, (y, mean, rstd, y's twin))`. The residual has `self`'s
+    /// dtype and layout size, or (backends that read the pair, Note [Mixed operands] in
+    /// `kernels/elementwise.cu`) f16/bf16 beside an f32 `self`; the rest as for `layer_norm`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_layer_norm(
+        &self,
+        layout: &Layout,
+        residual: (&Self, &Layout),
+        weight: Option<(&Self, &Layout)>,
+        bias: Option<(&Self, &Layout)>,
+        n: usize,
+        eps: f64,
+        twin: Option<DType>,
+    ) -> Result<(Self, (Self, Self, Self, Option<Self>))>;
     /// The gradients of [`NormOps::layer_norm`] from the output gradient `self` and the
     /// forward's input, statistics and weight: those `want` asks for (input, weight, bias).
     /// With `dx_into` (x's dtype, as many elements as x, row-major from its first), the input
     /// gradient is added to what it holds, rounding once, and is not returned (Note [Gradients
-    /// added in place] in `autograd/engine.rs`). The fourth result: where `twin` asks and the
-    /// backend writes one, the input gradient's twin in that dtype (of the sum with `dx_into`).
+    /// added in place] in `autograd/engine.rs`); with `addend` (the same form, only read), the
+    /// input gradient returned is `addend + dx`, rounded once (at most one of the two). The
+    /// fourth result: where `twin` asks and the backend writes one, the input gradient's twin
+    /// in that dtype (of the sum with `dx_into` or `addend`).
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward(
         &self,
@@ -491,6 +509,7 @@ pub trait NormOps: Sized {
         n: usize,
         want: LayerNormGrads,
         dx_into: Option<&mut Self>,
+        addend: Option<&Self>,
         twin: Option<DType>,
     ) -> Result<[Option<Self>; 4]>;
 }

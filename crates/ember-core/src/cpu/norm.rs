@@ -309,6 +309,61 @@ impl NormOps for CpuStorage {
         })
     }
 
+    fn add_layer_norm(
+        &self,
+        layout: &Layout,
+        residual: (&CpuStorage, &Layout),
+        weight: Option<(&CpuStorage, &Layout)>,
+        bias: Option<(&CpuStorage, &Layout)>,
+        n: usize,
+        eps: f64,
+        _twin: Option<DType>,
+    ) -> Result<(
+        CpuStorage,
+        (CpuStorage, CpuStorage, CpuStorage, Option<CpuStorage>),
+    )> {
+        const ADD_OP: &str = "add_layer_norm";
+        check_host_alloc(ADD_OP, 2 * layout.numel(), self.dtype())?;
+        if residual.0.dtype() != self.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: ADD_OP,
+                expected: self.dtype(),
+                found: residual.0.dtype(),
+            });
+        }
+        if residual.1.numel() != layout.numel() {
+            return Err(Error::invalid(
+                ADD_OP,
+                format!(
+                    "the residual holds {} elements, x {}",
+                    residual.1.numel(),
+                    layout.numel()
+                ),
+            ));
+        }
+        let pd = weight.or(bias).map_or(self.dtype(), |(s, _)| s.dtype());
+        with_types!(self.dtype(), pd, T, W => {
+            let missing = || Error::dtype(ADD_OP, self.dtype());
+            let x = rows_of(T::slice(self).ok_or_else(missing)?, layout)?;
+            let r = rows_of(T::slice(residual.0).ok_or_else(missing)?, residual.1)?;
+            // The sum as `add` writes it (in the math type, rounded once), then the layer norm
+            // of that rounded sum: the same bits as the two ops.
+            let sum: Vec<T> = if x.len() >= PAR_THRESHOLD {
+                super::threads::parallel(|| {
+                    x.par_iter().zip(r).map(|(&a, &b)| T::from_acc(a.to_acc().add(b.to_acc()))).collect()
+                })
+            } else {
+                x.iter().zip(r).map(|(&a, &b)| T::from_acc(a.to_acc().add(b.to_acc()))).collect()
+            };
+            let (w, b) = (param_slice::<W>(weight)?, param_slice::<W>(bias)?);
+            let (y, mean, rstd) = forward::<T>(&sum, params(w), params(b), n, eps);
+            Ok((
+                T::wrap(sum),
+                (T::wrap(y), <T as FloatElem>::A::wrap(mean), <T as FloatElem>::A::wrap(rstd), None),
+            ))
+        })
+    }
+
     fn layer_norm_backward(
         &self,
         layout: &Layout,
@@ -319,6 +374,7 @@ impl NormOps for CpuStorage {
         n: usize,
         want: LayerNormGrads,
         dx_into: Option<&mut CpuStorage>,
+        addend: Option<&CpuStorage>,
         _twin: Option<DType>,
     ) -> Result<[Option<CpuStorage>; 4]> {
         check_host_alloc(OP, layout.numel(), self.dtype())?;
@@ -342,7 +398,26 @@ impl NormOps for CpuStorage {
             let (m, rs) = (stat::<A>(mean)?, stat::<A>(rstd)?);
             let w = params(param_slice::<W>(weight)?);
             let sums = want.weight.is_some() || want.bias.is_some();
+            // A gradient only read: dx starts as its copy and is added into in place.
+            let mut copied = match addend {
+                Some(a) if want.input && dx_into.is_none() => {
+                    let a = T::slice(a).ok_or_else(missing)?;
+                    if a.len() < xs.len() {
+                        return Err(Error::invalid(OP, format!(
+                            "the gradient to add dx to holds {} elements, x {}",
+                            a.len(),
+                            xs.len()
+                        )));
+                    }
+                    Some(a[..xs.len()].to_vec())
+                }
+                Some(_) if dx_into.is_some() => {
+                    return Err(Error::invalid(OP, "a gradient to add dx into and one to add it to: pass one"));
+                }
+                _ => None,
+            };
             let into = match dx_into {
+                None if copied.is_some() => copied.as_deref_mut(),
                 Some(d) if want.input => {
                     let d = T::slice_mut(d).ok_or_else(missing)?;
                     if d.len() != xs.len() {
@@ -357,6 +432,7 @@ impl NormOps for CpuStorage {
                 _ => None,
             };
             let (dx, total) = backward::<T>(g, xs, m, rs, w.as_deref(), n, want.input, into, sums);
+            let dx = dx.or(copied);
             let part = |dtype: Option<DType>, half: usize| -> Result<Option<CpuStorage>> {
                 match (dtype, &total) {
                     (Some(d), Some(t)) => Ok(Some(param_storage(&t[half * n..(half + 1) * n], d)?)),

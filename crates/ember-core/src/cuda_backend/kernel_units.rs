@@ -216,11 +216,14 @@ impl Module {
                     let pair = format!("{}_{}", dtype_suffix(t), dtype_suffix(w));
                     units.push(Unit::new(m, format!("layer_norm_{pair}")));
                     units.push(Unit::new(m, format!("layer_norm_backward_{pair}")));
+                    units.push(Unit::new(m, format!("add_layer_norm_{pair}")));
                     if t != DType::F64 {
                         units.push(Unit::new(m, format!("layer_norm_backward_rows_{pair}")));
                     }
                 }
                 units.extend(each(m, "layer_norm_backward_params", &FLOATS));
+                // The fused residual add with a float32 x beside a half residual.
+                units.extend(each(m, "add_layer_norm_mixed", &[DType::BF16, DType::F16]));
             }
             Module::Loss => {
                 for d in FLOATS {

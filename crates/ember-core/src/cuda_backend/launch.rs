@@ -721,8 +721,28 @@ kernels! {
             eps: f64,
             vec: i32,
         );
+        /// `add_layer_norm`: sum = x + res (res of dtype R: T, or f16/bf16 beside an f32 T in
+        /// `add_layer_norm_mixed_<R>`), rounded to T, written to `sum`, then `layer_norm` of
+        /// each row of the sum, with the same operands and geometry (Note [Fused residual add]
+        /// in `norm.cu`); with `vec`, res is read as 16-byte vectors too when R is T.
+        add_layer_norm<T, R, W, A, L>(
+            x: In<T>,
+            res: In<R>,
+            w: OptIn<W>,
+            b: OptIn<W>,
+            sum: Out<T>,
+            y: Out<T>,
+            low: OptOut<L>,
+            mean: OptOut<A>,
+            rstd: OptOut<A>,
+            rows: i64,
+            n: i64,
+            eps: f64,
+            vec: i32,
+        ) in [add_layer_norm, add_layer_norm_mixed];
         /// The input gradient dx (when given) of `rows` rows of `n` from the output gradient g,
-        /// x, the forward's mean and rstd, and the weight (optional); when `partial` is given,
+        /// x, the forward's mean and rstd, and the weight (optional), added to `addend` (rows · n
+        /// T's, which may be dx itself) when given; when `partial` is given,
         /// each block writes its rows' sums of g · xhat and g into its row of `partial`
         /// ([gridDim.x, 2n] A's), through shared memory (blockDim.y · 2n A's) when `shared`.
         layer_norm_backward<T, W, A, L>(
@@ -738,7 +758,7 @@ kernels! {
             n: i64,
             vec: i32,
             shared: i32,
-            add: i32,
+            addend: OptIn<T>,
         );
         /// `layer_norm_backward` for rows of at most 768 elements (`LN_LANE_ELEMS` a lane) of a
         /// 4- or 2-byte T, all operands 16-byte aligned and n a multiple of 16 bytes, with
@@ -754,7 +774,7 @@ kernels! {
             partial: OptOut<A>,
             rows: i64,
             n: i64,
-            add: i32,
+            addend: OptIn<T>,
         );
         /// dw and db (`n` each, when given) summed in order over the `blocks` rows of `partial`.
         layer_norm_backward_params<W, A>(partial: In<A>, blocks: i64, n: i64, dw: OptOut<W>, db: OptOut<W>);

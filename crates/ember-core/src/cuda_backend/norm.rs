@@ -31,6 +31,7 @@ use crate::layout::Layout;
 use crate::{DType, Error, Result};
 
 const OP: &str = "layer_norm";
+const ADD_OP: &str = "add_layer_norm";
 /// Warps (rows) a forward block.
 const FORWARD_WARPS: u32 = 8;
 /// Most warps a backward block.
@@ -123,6 +124,155 @@ fn backward_shape(n: usize, math: DType) -> (usize, bool) {
     }
 }
 
+/// The forward of `layer_norm` (`residual` None) or of `add_layer_norm` (the sum written too):
+/// one kernel either way, with one geometry (Note [Layer norm launch]).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn forward(
+    x: &CudaStorage,
+    layout: &Layout,
+    residual: Option<(&CudaStorage, &Layout)>,
+    weight: Option<(&CudaStorage, &Layout)>,
+    bias: Option<(&CudaStorage, &Layout)>,
+    n: usize,
+    eps: f64,
+    twin: Option<DType>,
+) -> Result<(
+    Option<CudaStorage>,
+    (CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>),
+)> {
+    let dtype = x.dtype();
+    contiguous(layout)?;
+    let pd = weight
+        .or(bias)
+        .map_or(Ok(dtype), |(s, _)| param_dtype(dtype, s.dtype()))?;
+    for (s, l) in weight.iter().chain(bias.iter()) {
+        contiguous(l)?;
+        check_device(x, s)?;
+        if s.dtype() != pd {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: pd,
+                found: s.dtype(),
+            });
+        }
+    }
+    let numel = layout.numel();
+    // The residual: x's dtype, or a half dtype beside an f32 x (`add_layer_norm_mixed_<R>`).
+    let mixed = match residual {
+        None => false,
+        Some((r, rl)) => {
+            contiguous(rl)?;
+            check_device(x, r)?;
+            if rl.numel() != numel {
+                return Err(Error::invalid(
+                    ADD_OP,
+                    format!("the residual holds {} elements, x {numel}", rl.numel()),
+                ));
+            }
+            match (dtype, r.dtype()) {
+                (d, r) if d == r => false,
+                (DType::F32, DType::BF16 | DType::F16) => true,
+                (d, r) => {
+                    return Err(Error::DTypeMismatch {
+                        op: ADD_OP,
+                        expected: d,
+                        found: r,
+                    })
+                }
+            }
+        }
+    };
+    let rt = x.runtime()?;
+    let rows = numel.checked_div(n).unwrap_or(0);
+    let sum = residual
+        .map(|_| CudaStorage::alloc_on(rt, dtype, numel))
+        .transpose()?;
+    let y = CudaStorage::alloc_on(rt, dtype, numel)?;
+    let mean = CudaStorage::alloc_on(rt, math(dtype), rows)?;
+    let rstd = CudaStorage::alloc_on(rt, math(dtype), rows)?;
+    let low = low_twin(rt, dtype, twin, numel)?;
+    if numel == 0 {
+        return Ok((sum, (y, mean, rstd, low)));
+    }
+    let xp = x.dev_ptr(layout);
+    let (w, b) = (weight.map(|(s, l)| s.dev_ptr(l)), bias.map(|(s, l)| s.dev_ptr(l)));
+    let yp = y.dev_ptr_mut_at(0);
+    let mut addrs = vec![xp.addr(), yp.addr()];
+    addrs.extend(w.iter().chain(b.iter()).map(|p| p.addr()));
+    let rp = residual.map(|(r, l)| r.dev_ptr(l));
+    let sp = sum.as_ref().map(|s| s.dev_ptr_mut_at(0));
+    addrs.extend(sp.map(|p| p.addr()));
+    // A half residual beside f32 x is read element by element (`ln_load` of 8 bytes).
+    addrs.extend(rp.filter(|_| !mixed).map(|p| p.addr()));
+    let vec = vectorized(n, dtype, &addrs);
+    let grid = Grid {
+        grid: (
+            rows.div_ceil(FORWARD_WARPS as usize)
+                .clamp(1, rt.sm_count as usize * 16) as u32,
+            1,
+            1,
+        ),
+        block: (32, FORWARD_WARPS, 1),
+        shared_bytes: 0,
+    };
+    let (lowp, meanp, rstdp) = (
+        low.as_ref().map(|l| l.dev_ptr_mut_at(0)),
+        Some(mean.dev_ptr_mut_at(0)),
+        Some(rstd.dev_ptr_mut_at(0)),
+    );
+    // x (and the residual, and the sum) hold rows · n contiguous elements from their offsets,
+    // y as many, mean and rstd `rows`; weight and bias n each (checked contiguous above,
+    // shapes by the op layer).
+    match (rp, sp) {
+        (Some(rp), Some(sp)) => {
+            let (kernel, dtypes) = if mixed {
+                (
+                    launch::add_layer_norm::add_layer_norm_mixed,
+                    vec![residual.map_or(dtype, |r| r.0.dtype())],
+                )
+            } else {
+                (launch::add_layer_norm::add_layer_norm, vec![dtype, pd])
+            };
+            launch::add_layer_norm(
+                rt,
+                kernel,
+                &dtypes,
+                grid,
+                xp,
+                rp,
+                w,
+                b,
+                sp,
+                yp,
+                lowp,
+                meanp,
+                rstdp,
+                rows as i64,
+                n as i64,
+                eps,
+                vec,
+            )?
+        }
+        _ => launch::layer_norm(
+            rt,
+            &[dtype, pd],
+            grid,
+            xp,
+            w,
+            b,
+            yp,
+            lowp,
+            meanp,
+            rstdp,
+            rows as i64,
+            n as i64,
+            eps,
+            vec,
+        )?,
+    }
+    Ok((sum, (y, mean, rstd, low)))
+}
+
 impl NormOps for CudaStorage {
     fn layer_norm(
         &self,
@@ -133,67 +283,26 @@ impl NormOps for CudaStorage {
         eps: f64,
         twin: Option<DType>,
     ) -> Result<(CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>)> {
-        let dtype = self.dtype();
-        contiguous(layout)?;
-        let pd = weight
-            .or(bias)
-            .map_or(Ok(dtype), |(s, _)| param_dtype(dtype, s.dtype()))?;
-        for (s, l) in weight.iter().chain(bias.iter()) {
-            contiguous(l)?;
-            check_device(self, s)?;
-            if s.dtype() != pd {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    expected: pd,
-                    found: s.dtype(),
-                });
-            }
+        Ok(forward(self, layout, None, weight, bias, n, eps, twin)?.1)
+    }
+
+    fn add_layer_norm(
+        &self,
+        layout: &Layout,
+        residual: (&CudaStorage, &Layout),
+        weight: Option<(&CudaStorage, &Layout)>,
+        bias: Option<(&CudaStorage, &Layout)>,
+        n: usize,
+        eps: f64,
+        twin: Option<DType>,
+    ) -> Result<(
+        CudaStorage,
+        (CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>),
+    )> {
+        match forward(self, layout, Some(residual), weight, bias, n, eps, twin)? {
+            (Some(sum), rest) => Ok((sum, rest)),
+            (None, _) => Err(Error::invalid(ADD_OP, "the fused kernel wrote no sum")),
         }
-        let rt = self.runtime()?;
-        let numel = layout.numel();
-        let rows = numel.checked_div(n).unwrap_or(0);
-        let y = CudaStorage::alloc_on(rt, dtype, numel)?;
-        let mean = CudaStorage::alloc_on(rt, math(dtype), rows)?;
-        let rstd = CudaStorage::alloc_on(rt, math(dtype), rows)?;
-        let low = low_twin(rt, dtype, twin, numel)?;
-        if numel == 0 {
-            return Ok((y, mean, rstd, low));
-        }
-        let x = self.dev_ptr(layout);
-        let (w, b) = (weight.map(|(s, l)| s.dev_ptr(l)), bias.map(|(s, l)| s.dev_ptr(l)));
-        let yp = y.dev_ptr_mut_at(0);
-        let mut addrs = vec![x.addr(), yp.addr()];
-        addrs.extend(w.iter().chain(b.iter()).map(|p| p.addr()));
-        let vec = vectorized(n, dtype, &addrs);
-        let grid = Grid {
-            grid: (
-                rows.div_ceil(FORWARD_WARPS as usize)
-                    .clamp(1, rt.sm_count as usize * 16) as u32,
-                1,
-                1,
-            ),
-            block: (32, FORWARD_WARPS, 1),
-            shared_bytes: 0,
-        };
-        // x holds rows · n contiguous elements from its offset, y as many, mean and rstd `rows`;
-        // weight and bias n each (checked contiguous above, shapes by the op layer).
-        launch::layer_norm(
-            rt,
-            &[dtype, pd],
-            grid,
-            x,
-            w,
-            b,
-            yp,
-            low.as_ref().map(|l| l.dev_ptr_mut_at(0)),
-            Some(mean.dev_ptr_mut_at(0)),
-            Some(rstd.dev_ptr_mut_at(0)),
-            rows as i64,
-            n as i64,
-            eps,
-            vec,
-        )?;
-        Ok((y, mean, rstd, low))
     }
 
     fn layer_norm_backward(
@@ -206,11 +315,33 @@ impl NormOps for CudaStorage {
         n: usize,
         want: LayerNormGrads,
         dx_into: Option<&mut CudaStorage>,
+        addend: Option<&CudaStorage>,
         twin: Option<DType>,
     ) -> Result<[Option<CudaStorage>; 4]> {
         let dtype = self.dtype();
         let (xs, xl) = x;
+        if dx_into.is_some() && addend.is_some() {
+            return Err(Error::invalid(
+                OP,
+                "a gradient to add dx into and one to add it to: pass one",
+            ));
+        }
         let into = dx_into.filter(|_| want.input);
+        let addend = addend.filter(|_| want.input);
+        if let Some(a) = addend {
+            check_device(self, a)?;
+            if a.dtype() != dtype || a.len() < layout.numel() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the gradient to add dx to ({} elements of {:?}) is not x's ({} of {dtype:?})",
+                        a.len(),
+                        a.dtype(),
+                        layout.numel()
+                    ),
+                ));
+            }
+        }
         if let Some(d) = &into {
             check_device(self, d)?;
             if d.dtype() != dtype || d.len() != layout.numel() {
@@ -289,8 +420,14 @@ impl NormOps for CudaStorage {
             Some(d) => Some(d.dev_ptr_mut_at(0)),
             None => dx.as_ref().map(|d| d.dev_ptr_mut_at(0)),
         };
+        // What dx is added to: dx itself (in place), the read-only `addend`, or nothing.
+        let ap = match &into {
+            Some(_) => dxp.map(|d| d.read_only()),
+            None => addend.map(|a| a.dev_ptr_at(0)),
+        };
         let mut addrs = vec![g.addr(), xp.addr()];
         addrs.extend(dxp.map(|d| d.addr()));
+        addrs.extend(ap.map(|d| d.addr()));
         addrs.extend(w.map(|d| d.addr()));
         // `layer_norm_backward_rows` reads and writes `partial` element by element.
         let in_rows = backward_in_rows(n, dtype, vectorized(n, dtype, &addrs), sums, shared);
@@ -319,8 +456,8 @@ impl NormOps for CudaStorage {
                     0
                 },
             };
-            // g, x and dx hold rows · n contiguous elements (dx read first with `add`: `into`,
-            // checked above, is x's size and dtype), mean and rstd `rows`, weight n,
+            // g, x and dx hold rows · n contiguous elements (the addend, read first: `into` or
+            // `addend`, checked above, x's dtype and at least its size), mean and rstd `rows`, weight n,
             // `partial` blocks · 2n; the shared memory holds warps · 2n math values (Note [Layer
             // norm launch]); for the rows kernel, every operand but `partial` is 16-byte aligned
             // and n is at most ROWS_MAX_N in whole vectors (`backward_in_rows`).
@@ -339,7 +476,7 @@ impl NormOps for CudaStorage {
                     partial.as_ref().map(|p| p.dev_ptr_mut_at(0)),
                     rows as i64,
                     n as i64,
-                    add as i32,
+                    ap,
                 )?;
             } else {
                 launch::layer_norm_backward(
@@ -358,7 +495,7 @@ impl NormOps for CudaStorage {
                     n as i64,
                     vec,
                     shared as i32,
-                    add as i32,
+                    ap,
                 )?;
             }
         }

@@ -298,9 +298,13 @@ pub fn named<T>(op: &'static Op, inputs: &[&Tensor], body: impl FnOnce() -> Resu
 }
 
 /// [`named`] for ember's own ops whose body also runs a kernel of its own beside its inner
-/// ops (`sort` and `topk`: the backend's ordering, then `gather`): as `named`, and an input
-/// that a copy between GPUs in row blocks still writes is waited for first (step 1b, as
-/// `call` does), since the kernel reads it; the body gets the [`Door`].
+/// ops: as `named`, and an input that a copy between GPUs in row blocks still writes is waited
+/// for first (step 1b, as `call` does), since the kernel reads it; the body gets the [`Door`].
+/// `sort` and `topk` (the backend's ordering, then `gather`), and fused ops of ember's own
+/// that stand for a composition of ops with policies of their own (`add_layer_norm`: `add`,
+/// then `layer_norm`), whose body applies its parts' policies itself or, where the fused
+/// kernel cannot give the composition's result, runs the composition (whose ops pass every
+/// step themselves).
 pub(crate) fn named_kernel<T>(
     op: &'static Op,
     inputs: &[&Tensor],

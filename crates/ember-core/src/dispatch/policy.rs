@@ -216,6 +216,9 @@ named_table! {
     AMP_UPDATE_SCALE_ = "_amp_update_scale_";
     FOREACH_NORM = "_foreach_norm";
     FOREACH_MUL_ = "_foreach_mul_";
+    // ember's fused residual add (no PyTorch op; llm.c's `fused_residual_forward`): its parts'
+    // policies, `add`'s and `layer_norm`'s (`ops/norm.rs`).
+    ADD_LAYER_NORM = "add_layer_norm";
 }
 
 /// Every op that enters under its own name without a policy of its own (`named_table!`).

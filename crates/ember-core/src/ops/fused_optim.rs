@@ -53,6 +53,7 @@
 
 use super::amp_scaling::{check_scalar, check_writable};
 pub use super::amp_scaling::{foreach_mul_, foreach_norm};
+pub use super::norm::add_layer_norm;
 use crate::autograd;
 pub use crate::backend::{AdamStep, SgdStep};
 use crate::backend::{AdamTensor, Arrival, Elems, GradElems, SgdTensor, StepCount, StepScalars};

@@ -382,12 +382,19 @@ forward!(NormOps {
         bias: Option<(&Storage, &Layout)>, n: usize, eps: f64, twin: Option<DType>)
         -> (Storage, Storage, Storage, Option<Storage>);
         [weight, bias] "layer_norm";
+    /// `self + residual` and the layer normalization of that sum in one pass
+    /// ([`NormOps::add_layer_norm`]): `(sum, (y, mean, rstd, y's twin))`.
+    fn add_layer_norm(&self, layout: &Layout, residual: (&Storage, &Layout), weight: Option<(&Storage, &Layout)>,
+        bias: Option<(&Storage, &Layout)>, n: usize, eps: f64, twin: Option<DType>)
+        -> (Storage, (Storage, Storage, Storage, Option<Storage>));
+        [residual, weight, bias] "add_layer_norm";
     /// The gradients of [`Storage::layer_norm`] from the output gradient `self`
-    /// ([`NormOps::layer_norm_backward`]); with `dx_into`, the input's added to it.
+    /// ([`NormOps::layer_norm_backward`]); with `dx_into`, the input's added to it; with
+    /// `addend`, the input's returned as `addend + dx`.
     fn layer_norm_backward(&self, layout: &Layout, x: (&Storage, &Layout), mean: &Storage, rstd: &Storage,
         weight: Option<(&Storage, &Layout)>, n: usize, want: LayerNormGrads, dx_into: Option<&mut Storage>,
-        twin: Option<DType>) -> [Option<Storage>; 4];
-        [x, mean, rstd, weight, dx_into] "layer_norm_backward";
+        addend: Option<&Storage>, twin: Option<DType>) -> [Option<Storage>; 4];
+        [x, mean, rstd, weight, dx_into, addend] "layer_norm_backward";
 });
 
 forward!(CopyOps {

@@ -764,6 +764,11 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
             }),
         ),
         (
+            "add_layer_norm",
+            "add_layer_norm",
+            Box::new(|| fused::add_layer_norm(&x()?, &x()?, &[3], None, None, 1e-5).map(drop)),
+        ),
+        (
             "foreach_norm",
             "_foreach_norm",
             Box::new(|| amp_scaling::foreach_norm(&[x()?, x()?], 2.0).map(drop)),

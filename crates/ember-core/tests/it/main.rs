@@ -2,6 +2,7 @@
 
 mod common;
 
+mod add_layer_norm;
 mod amp_scaling;
 mod autograd;
 mod autograd_devices;

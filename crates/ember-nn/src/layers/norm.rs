@@ -253,6 +253,20 @@ impl LayerNorm {
             training: crate::module::Training::new(true),
         })
     }
+
+    /// The residual add before this norm, fused (`x = x + branch; y = ln(x)`, as GPT-2's blocks
+    /// do): `(x + residual, self(x + residual))` in one kernel forward where it can, the same
+    /// values and gradients as `add` then `forward` (`ember_core::fused::add_layer_norm`).
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        ember_core::fused::add_layer_norm(
+            x,
+            residual,
+            &self.normalized_shape,
+            self.weight.as_ref(),
+            self.bias.as_ref(),
+            self.config.eps,
+        )
+    }
 }
 
 impl Forward for LayerNorm {
