@@ -72,7 +72,8 @@ pub fn two_gpus() -> (Device, Device) {
 /// (`module::test_name`, the caller's own path) with `EMBER_TEST_CHILD` set to it, where the
 /// call runs `body`; the parent asserts the child passed. For tests that need what concurrent
 /// tests of the binary disturb: exact memory statistics, the default generators' streams, a
-/// CUDA graph capture (whose global mode fails other threads' unsafe calls).
+/// CUDA graph capture (whose global mode fails other threads' unsafe calls), a profile that
+/// counts kernel launches (other tests' kernels would join it).
 pub fn in_own_process(path: &str, body: impl FnOnce()) {
     const CHILD: &str = "EMBER_TEST_CHILD";
     if std::env::var(CHILD).as_deref() == Ok(path) {
@@ -98,6 +99,8 @@ pub fn in_own_process(path: &str, body: impl FnOnce()) {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+    // What the child printed (kernel-time lines), shown under `--nocapture`.
+    print!("{stdout}");
 }
 
 /// Runs `f` on the CPU and on the GPU and asserts the results agree (same shape and dtype,

@@ -88,6 +88,7 @@ const NOT_OPS: &[(&str, &str)] = &[
     ("requires_grad", "an accessor"),
     ("retains_grad", "an accessor"),
     ("can_fuse", "a predicate on tensors, no op"),
+    ("can_fuse_reading", "a predicate on tensors, no op"),
     ("requires_grad_", "the autograd API: sets a flag"),
     ("grad", "the autograd API"),
     ("set_grad", "the autograd API"),

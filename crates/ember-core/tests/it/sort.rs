@@ -520,6 +520,11 @@ fn cuda_sort_topk_captured_body() {
 #[test]
 #[ignore = "needs a CUDA device; prints kernel times (--nocapture)"]
 fn cuda_sort_topk_kernel_time() {
+    // Alone in its process: the profile would count other tests' sort launches too.
+    common::in_own_process("sort::cuda_sort_topk_kernel_time", sort_topk_kernel_time);
+}
+
+fn sort_topk_kernel_time() {
     let gpu = common::gpu();
     let logits = sample(&[8, 50_304], 4, DType::F32).to(gpu).unwrap();
     let steps = 20;
