@@ -9,7 +9,8 @@ use ember_core::fused::add_layer_norm;
 use ember_core::{amp, autograd, DType, Device, DeviceType, Result, Tensor};
 
 /// Float64 values of the fused op over `rows` rows of `n`: (sum, normed, d(sum), dw, db) for
-/// the gradients `gs` of the sum (from its other uses; None: zero) and `gy` of the output.
+/// the gradients `gs` of the sum (from its other uses; None: zero) and `gy` of the output: the
+/// layer norm's float64 reference over the sum, its dx plus `gs`.
 #[allow(clippy::type_complexity)]
 fn reference(
     x: &[f64],
@@ -22,26 +23,9 @@ fn reference(
     eps: f64,
 ) -> [Vec<f64>; 5] {
     let sum: Vec<f64> = x.iter().zip(r).map(|(a, b)| a + b).collect();
-    let (mut y, mut ds) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-    let (mut dw, mut db) = (vec![0.0; n], vec![0.0; n]);
-    for row in 0..x.len() / n {
-        let s = &sum[row * n..(row + 1) * n];
-        let g = &gy[row * n..(row + 1) * n];
-        let m = s.iter().sum::<f64>() / n as f64;
-        let var = s.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / n as f64;
-        let rs = 1.0 / (var + eps).sqrt();
-        let xh: Vec<f64> = s.iter().map(|v| (v - m) * rs).collect();
-        let wc = |c: usize| w.map_or(1.0, |w| w[c]);
-        let dxh: Vec<f64> = (0..n).map(|c| g[c] * wc(c)).collect();
-        let s1 = dxh.iter().sum::<f64>() / n as f64;
-        let s2 = dxh.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / n as f64;
-        for c in 0..n {
-            let i = row * n + c;
-            y[i] = xh[c] * wc(c) + b.map_or(0.0, |b| b[c]);
-            ds[i] = rs * (dxh[c] - s1 - xh[c] * s2) + gs.map_or(0.0, |gs| gs[i]);
-            dw[c] += g[c] * xh[c];
-            db[c] += g[c];
-        }
+    let (y, mut ds, dw, db) = super::layer_norm::reference(&sum, w, b, gy, n, eps);
+    if let Some(gs) = gs {
+        ds.iter_mut().zip(gs).for_each(|(d, g)| *d += g);
     }
     [sum, y, ds, dw, db]
 }

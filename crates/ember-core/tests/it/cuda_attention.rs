@@ -218,9 +218,11 @@ fn cudnn_attention_gradients_of_one_projection() {
 fn cudnn_attention_backward_needs_no_zeroed_scratch() {
     let (b, h, t, d) = (2, 3, 128, 64);
     for fill in [f64::NAN, 1e30, -7.0] {
-        let junk: Vec<Tensor> = (0..8)
+        // Many blocks, so that the backward's scratch lands on one after the forward's and
+        // the inputs' allocations took theirs.
+        let junk: Vec<Tensor> = (0..64)
             .map(|_| Tensor::full([b * h * t * d], fill, DType::F32, gpu()).unwrap())
-            .chain((0..8).map(|_| Tensor::full([b * h * t], fill, DType::F32, gpu()).unwrap()))
+            .chain((0..64).map(|_| Tensor::full([b * h * t], fill, DType::F32, gpu()).unwrap()))
             .collect();
         drop(junk);
         check(b, h, t, d, DType::BF16, true, false);

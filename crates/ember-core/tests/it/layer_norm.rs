@@ -9,7 +9,7 @@ use super::common::{
 use ember_core::{amp, DType, Device, DeviceType, Result, Tensor};
 
 /// Layer norm of `rows` rows of `n` in f64: (y, dx, dw, db) for output gradient `g`.
-fn reference(
+pub(crate) fn reference(
     x: &[f64],
     w: Option<&[f64]>,
     b: Option<&[f64]>,
