@@ -64,22 +64,36 @@ extern "C" __global__ void arange_i64 EMBER_PARAMS_arange_i64 {
 }
 #endif
 
-// `foreach_copy_` (`ops/foreach.rs`, launched by `cuda/multi_copy.rs`): up to
-// EMBER_COPY_MAX_TENSORS copies of contiguous byte ranges in one launch. Every range is cut into
-// chunks of EMBER_COPY_CHUNK bytes; blocks take chunks grid-stride, and a chunk whose ends and
-// length are 16-byte aligned moves in 16-byte words, one aligned to 4 bytes in 4-byte words,
-// any other byte by byte.
+// `foreach_copy_` (`ops/foreach.rs`, launched by `cuda_backend/multi_copy.rs`): up to
+// EMBER_COPY_MAX_TENSORS copies of contiguous runs in one launch, each of kind `kind[t]`: a
+// byte copy (EMBER_COPY_BYTES, a pair of one dtype) or a cast between f32, bf16 and f16
+// (EMBER_COPY_CAST(src, dst), the dtype codes below), converted by the prelude's `cast`, so
+// each element gets the bits `cast_contig_<src>_<dst>` (`copy_`) gives it. A byte copy's run
+// is cut into chunks of EMBER_COPY_CHUNK bytes, a cast's into chunks of EMBER_CAST_CHUNK
+// elements (16 KiB of f32 read or written, as a byte copy's chunk); blocks take chunks
+// grid-stride. A byte chunk whose ends and length are 16-byte aligned moves in 16-byte words,
+// one aligned to 4 bytes in 4-byte words, any other byte by byte; a cast chunk whose two ends
+// are aligned to four elements converts four elements a thread (a 16-byte f32 access beside
+// an 8-byte half one, as `cast_contig`), any other element by element.
 #define EMBER_COPY_MAX_TENSORS 64
 #define EMBER_COPY_CHUNK 16384
+#define EMBER_CAST_CHUNK 4096
+#define EMBER_COPY_BYTES 0
+#define EMBER_COPY_F32 0
+#define EMBER_COPY_BF16 1
+#define EMBER_COPY_F16 2
+#define EMBER_COPY_CAST(src, dst) (1 + 3 * (src) + (dst))
 
-// Same layout as `CopyList` in `cuda/multi_copy.rs` (2064 bytes).
+// Same layout as `CopyList` in `cuda_backend/multi_copy.rs` (2128 bytes). `len[t]` counts
+// bytes for a byte copy, elements for a cast.
 struct CopyList {
     i32 n;
     i32 pad;
     u64 dst[EMBER_COPY_MAX_TENSORS];
     u64 src[EMBER_COPY_MAX_TENSORS];
-    i64 bytes[EMBER_COPY_MAX_TENSORS];
+    i64 len[EMBER_COPY_MAX_TENSORS];
     i64 chunk_start[EMBER_COPY_MAX_TENSORS + 1];
+    u8 kind[EMBER_COPY_MAX_TENSORS];
 };
 
 template <typename W>
@@ -89,24 +103,63 @@ __device__ __forceinline__ void copy_words(char* d, const char* s, i64 len) {
     for (i64 i = threadIdx.x; i < len / (i64)sizeof(W); i += blockDim.x) dw[i] = sw[i];
 }
 
+__device__ __forceinline__ void copy_chunk(u64 dst, u64 src, i64 first, i64 len) {
+    char* d = reinterpret_cast<char*>(dst) + first;
+    const char* s = reinterpret_cast<const char*>(src) + first;
+    const u64 bits = reinterpret_cast<u64>(d) | reinterpret_cast<u64>(s) | (u64)len;
+    if ((bits & 15) == 0) {
+        copy_words<uint4>(d, s, len);
+    } else if ((bits & 3) == 0) {
+        copy_words<u32>(d, s, len);
+    } else {
+        copy_words<u8>(d, s, len);
+    }
+}
+
+template <typename S, typename D>
+__device__ __forceinline__ void cast_chunk(u64 dst, u64 src, i64 first, i64 len) {
+    constexpr int V = 4;
+    const S* s = reinterpret_cast<const S*>(src) + first;
+    D* d = reinterpret_cast<D*>(dst) + first;
+    i64 done = 0;
+    if ((u64)s % (sizeof(S) * V) == 0 && (u64)d % (sizeof(D) * V) == 0) {
+        const i64 nv = len / V;
+        const CastPack<S, V>* ps = reinterpret_cast<const CastPack<S, V>*>(s);
+        CastPack<D, V>* pd = reinterpret_cast<CastPack<D, V>*>(d);
+        for (i64 i = threadIdx.x; i < nv; i += blockDim.x) {
+            CastPack<S, V> a = ps[i];
+            CastPack<D, V> r;
+#pragma unroll
+            for (int k = 0; k < V; ++k) r.v[k] = cast<D>(a.v[k]);
+            pd[i] = r;
+        }
+        done = nv * V;
+    }
+    for (i64 j = done + threadIdx.x; j < len; j += blockDim.x) d[j] = cast<D>(s[j]);
+}
+
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_multi_copy)
 extern "C" __global__ void multi_copy EMBER_PARAMS_multi_copy {
     const i64 chunks = l.chunk_start[l.n];
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         int t = 0;
         while (t + 1 < l.n && l.chunk_start[t + 1] <= c) ++t;
-        const i64 off = (c - l.chunk_start[t]) * EMBER_COPY_CHUNK;
-        const i64 rest = l.bytes[t] - off;
-        const i64 len = rest < EMBER_COPY_CHUNK ? rest : EMBER_COPY_CHUNK;
-        char* d = reinterpret_cast<char*>(l.dst[t]) + off;
-        const char* s = reinterpret_cast<const char*>(l.src[t]) + off;
-        const u64 bits = reinterpret_cast<u64>(d) | reinterpret_cast<u64>(s) | (u64)len;
-        if ((bits & 15) == 0) {
-            copy_words<uint4>(d, s, len);
-        } else if ((bits & 3) == 0) {
-            copy_words<u32>(d, s, len);
-        } else {
-            copy_words<u8>(d, s, len);
+        const int kind = l.kind[t];
+        const i64 unit = kind == EMBER_COPY_BYTES ? EMBER_COPY_CHUNK : EMBER_CAST_CHUNK;
+        const i64 first = (c - l.chunk_start[t]) * unit;
+        const i64 rest = l.len[t] - first;
+        const i64 len = rest < unit ? rest : unit;
+        const u64 d = l.dst[t], s = l.src[t];
+        // One chunk, one kind: every thread of the block takes the same branch.
+        switch (kind) {
+            case EMBER_COPY_BYTES: copy_chunk(d, s, first, len); break;
+            case EMBER_COPY_CAST(EMBER_COPY_F32, EMBER_COPY_BF16): cast_chunk<float, bf16>(d, s, first, len); break;
+            case EMBER_COPY_CAST(EMBER_COPY_F32, EMBER_COPY_F16): cast_chunk<float, f16>(d, s, first, len); break;
+            case EMBER_COPY_CAST(EMBER_COPY_BF16, EMBER_COPY_F32): cast_chunk<bf16, float>(d, s, first, len); break;
+            case EMBER_COPY_CAST(EMBER_COPY_BF16, EMBER_COPY_F16): cast_chunk<bf16, f16>(d, s, first, len); break;
+            case EMBER_COPY_CAST(EMBER_COPY_F16, EMBER_COPY_F32): cast_chunk<f16, float>(d, s, first, len); break;
+            case EMBER_COPY_CAST(EMBER_COPY_F16, EMBER_COPY_BF16): cast_chunk<f16, bf16>(d, s, first, len); break;
+            default: break;  // the host sends no other kind
         }
     }
 }

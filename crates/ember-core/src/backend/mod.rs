@@ -96,8 +96,9 @@ pub trait CopyOps: Sized {
     /// Writes `src` at `src_layout` into `self` at `dst_layout` (equal shapes), converting the
     /// dtype. Both on this backend (across the devices of one backend where it has several).
     fn copy_strided_from(&mut self, dst_layout: &Layout, src: &Self, src_layout: &Layout) -> Result<()>;
-    /// Every copy of `list` (`_foreach_copy_`'s plain pairs), in as few launches as the
-    /// backend can (one per 64 pairs on a GPU).
+    /// Every copy of `list` (`_foreach_copy_`'s plain pairs), converting the dtype as
+    /// [`CopyOps::copy_strided_from`] does where a pair's differ (f32, bf16, f16), in as few
+    /// launches as the backend can (one per 64 pairs on a GPU).
     fn foreach_copy(list: ForeachCopy<'_, Self>) -> Result<()>;
 }
 

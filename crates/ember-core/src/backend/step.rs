@@ -564,8 +564,9 @@ impl SgdStep {
 
 /// `_foreach_copy_`'s plain list on one device (Note [Foreach copies] in `ops/foreach.rs`):
 /// the distinct storages written and read, and each copy as a run of `written[dst.storage]`
-/// and a run of the same length of `read[src.storage]`, of one dtype. No two written runs
-/// overlap and no storage is both written and read (the op layer checks both; `check` the
+/// and a run of the same length of `read[src.storage]`, of one dtype or of two that
+/// `foreach_copy_casts` takes (f32, bf16, f16, converted as `copy_` converts). No two written
+/// runs overlap and no storage is both written and read (the op layer checks both; `check` the
 /// rest).
 #[derive(Debug)]
 pub struct ForeachCopy<'a, S> {
@@ -573,6 +574,14 @@ pub struct ForeachCopy<'a, S> {
     pub read: Vec<&'a S>,
     /// `(destination, source)` runs.
     pub copies: Vec<(Elems<usize>, Elems<usize>)>,
+}
+
+/// Whether a copy from `src` to `dst` elements belongs in a [`ForeachCopy`]: equal dtypes
+/// (a byte copy), or both of f32, bf16 and f16 (the casts of mixed precision: f32 master
+/// weights into a bf16 all-gather input, and back).
+pub(crate) fn foreach_copy_casts(dst: DType, src: DType) -> bool {
+    const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+    dst == src || (FLOATS.contains(&dst) && FLOATS.contains(&src))
 }
 
 impl<'a, S> ForeachCopy<'a, S> {
@@ -593,7 +602,8 @@ impl<'a, S> ForeachCopy<'a, S> {
 }
 
 impl<B: BackendStorage> ForeachCopy<'_, B> {
-    /// Every run inside its storage, the two runs of a copy of one length and dtype.
+    /// Every run inside its storage, the two runs of a copy of one length, their dtypes equal
+    /// or a pair `foreach_copy_casts` takes.
     pub(crate) fn check(&self) -> Result<()> {
         let bad = |what: String| Err(Error::invalid("_foreach_copy_", what));
         for (d, s) in &self.copies {
@@ -603,8 +613,15 @@ impl<B: BackendStorage> ForeachCopy<'_, B> {
                     d.storage, s.storage
                 ));
             };
-            if d.len != s.len || dst.dtype() != src.dtype() {
-                return bad("a copy's runs differ in length or dtype".into());
+            if d.len != s.len {
+                return bad("a copy's runs differ in length".into());
+            }
+            if !foreach_copy_casts(dst.dtype(), src.dtype()) {
+                return bad(format!(
+                    "internal: a copy from {} to {} in one list",
+                    src.dtype(),
+                    dst.dtype()
+                ));
             }
             if d.offset + d.len > dst.len() || s.offset + s.len > src.len() {
                 return bad("a copy's run lies outside its storage".into());

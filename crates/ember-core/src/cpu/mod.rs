@@ -162,6 +162,8 @@ impl CopyOps for CpuStorage {
         Ok(())
     }
 
+    /// Pair by pair, each as `copy_` copies it (casting where the dtypes differ), so a list
+    /// of the CPU gives the bits its pairs' `copy_` give.
     fn foreach_copy(mut list: ForeachCopy<'_, CpuStorage>) -> Result<()> {
         let run = |e: &crate::backend::Elems<usize>| Layout::new(Shape::from(vec![e.len]), vec![1], e.offset);
         for (d, s) in &list.copies {

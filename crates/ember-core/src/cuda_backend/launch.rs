@@ -422,9 +422,12 @@ kernels! {
         fill_u64(dst: Out<u64>, word: u64, n: i64);
         /// `dst[i] = start + i * step` for `i < n` (`arange` of int64 on the device).
         arange_i64(dst: Out<i64>, start: i64, step: i64, n: i64);
-        /// For every `t < l.n`, `l.bytes[t]` bytes from `l.src[t]` to `l.dst[t]`; no destination
-        /// overlaps another destination or any source; `chunk_start[t]` is the prefix count of
-        /// `bytes[t].div_ceil(EMBER_COPY_CHUNK)`; blockDim.x a multiple of 32.
+        /// For every `t < l.n`, `l.len[t]` bytes (`l.kind[t]` EMBER_COPY_BYTES) or `l.len[t]`
+        /// elements cast between f32, bf16 and f16 (EMBER_COPY_CAST(src, dst)) from `l.src[t]`
+        /// to `l.dst[t]`; no destination overlaps another destination or any source;
+        /// `chunk_start[t]` is the prefix count of `len[t].div_ceil(EMBER_COPY_CHUNK)` for a
+        /// byte copy, `len[t].div_ceil(EMBER_CAST_CHUNK)` for a cast; blockDim.x a multiple of
+        /// 32.
         multi_copy(l: CopyList);
     }
     Reduce {

@@ -33,7 +33,7 @@
 
 use super::kernels::{Grid, KernelShape};
 use super::launch::{self, DevPtr, DevPtrMut};
-use super::multi_copy::{multi_copy, ByteCopy};
+use super::multi_copy::{multi_copy, CopyKind, ListCopy};
 use super::runtime::{runtime, DeviceRuntime};
 use super::stream::current_raw;
 use crate::backend::host::{with_cpu_storage, CpuElement, CpuStorage};
@@ -736,20 +736,23 @@ impl CopyOps for CudaStorage {
                 rhs: Device::Cuda(other),
             });
         }
-        let copies: Vec<ByteCopy> = list
+        let copies = list
             .copies
             .iter()
             .map(|(d, s)| {
-                let dst = &list.written[d.storage];
-                ByteCopy {
+                let (dst, src) = (&list.written[d.storage], list.read[s.storage]);
+                Ok(ListCopy {
                     dst: dst.ptr_at(d.offset),
-                    src: list.read[s.storage].ptr_at(s.offset),
-                    bytes: d.len * dst.dtype().size_in_bytes(),
-                }
+                    src: src.ptr_at(s.offset),
+                    elems: d.len,
+                    dst_dtype: dst.dtype(),
+                    kind: CopyKind::of(dst.dtype(), src.dtype())?,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let _device = super::DeviceGuard::new(ordinal)?;
-        // SAFETY: each run lies inside its storage (`ForeachCopy::check`), the written storages
+        // SAFETY: each run lies inside its storage (`ForeachCopy::check`: runs of one length,
+        // so a cast reads `elems` elements of its source's dtype), the written storages
         // are borrowed mutably and the read ones shared for the call, all on device `ordinal`;
         // no two written runs overlap and no storage is both written and read (the list's
         // contract); the storages are freed through the caching allocator, in stream order.
