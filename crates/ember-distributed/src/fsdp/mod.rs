@@ -9,9 +9,9 @@
 //! shards (leaf tensors, what `parameters()` lists and the optimizer steps). Its forward:
 //! 1. all-gathers every parameter in one flat collective (FSDP2's `FSDPParamGroup`): each rank
 //!    packs its shards, each padded to `ceil(rows / world)` rows, into one buffer (cast to the
-//!    [`MixedPrecisionPolicy`]'s `param_dtype`), and `all_gather_into_tensor` makes
-//!    `[world, S]`, from which each full parameter is cut (a copy of its `world` column blocks,
-//!    the padding rows dropped);
+//!    [`MixedPrecisionPolicy`]'s `param_dtype`, all in one `foreach_copy_`), and
+//!    `all_gather_into_tensor` makes `[world, S]`, from which each full parameter is cut (a
+//!    copy of its `world` column blocks, the padding rows dropped);
 //! 2. puts the full parameters into the fields that hold its placeholders (`visit_mut`,
 //!    recognizing the placeholders by identity), runs the module's forward, and puts the
 //!    placeholders back;
@@ -414,13 +414,18 @@ impl<M> FsdpState<M> {
         let gather = || -> Result<Tensor> {
             let _g = no_grad();
             let input = Tensor::zeros([red.block], dtype, device)?;
+            // Every shard into its slot, cast to `dtype`, as one `foreach_copy_`: one launch
+            // per 64 shards on a GPU where a `copy_` each launched a cast kernel each (Note
+            // [Foreach copies] in ember-core). The shards are leaves that require grad:
+            // detached, the list takes the one-launch path (a read outside autograd either way).
+            let (mut slots, mut flat_shards) = (Vec::new(), Vec::new());
             for (s, l) in shards.iter().zip(&red.layouts) {
                 if l.local_numel() > 0 {
-                    input
-                        .narrow(0, l.offset, l.local_numel())?
-                        .copy_(&s.reshape(&[-1])?)?;
+                    slots.push(input.narrow(0, l.offset, l.local_numel())?);
+                    flat_shards.push(s.detach().reshape(&[-1])?);
                 }
             }
+            ember_core::foreach_copy_(&slots, &flat_shards)?;
             let out = Tensor::empty([world * red.block], dtype, device)?;
             red.group.all_gather_into_tensor(&out, &input)?;
             Ok(out)

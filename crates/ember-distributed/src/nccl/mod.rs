@@ -489,11 +489,12 @@ impl Backend for NcclBackend {
             nccl_call!(comm, "ncclAllGather", |lib, c| (lib.all_gather)(
                 src, dst, count, dt, c, stream
             ))?;
-            for (i, out) in outputs.iter().enumerate() {
-                let dims: Vec<isize> = out.dims().iter().map(|&d| d as isize).collect();
-                out.copy_(&flat.narrow(0, i * count, count)?.reshape(&dims)?)?;
-            }
-            Ok(())
+            // Out of the flat result with one `foreach_copy_` (one launch where the outputs
+            // are plain, Note [Foreach copies] in ember-core).
+            let parts = (0..outputs.len())
+                .map(|i| flat.narrow(0, i * count, count)?.reshape(outputs[i].dims()))
+                .collect::<Result<Vec<_>>>()?;
+            ember_core::foreach_copy_(outputs, &parts)
         })
     }
 
@@ -507,9 +508,10 @@ impl Backend for NcclBackend {
         let used: Vec<&Tensor> = std::iter::once(output).chain(inputs).collect();
         self.launch("reduce_scatter", &used, false, |comm, stream| {
             let flat = Tensor::empty([n * count], output.dtype(), device)?;
-            for (j, input) in inputs.iter().enumerate() {
-                flat.narrow(0, j * count, count)?.copy_(&input.reshape(&[-1])?)?;
-            }
+            let slots = (0..inputs.len())
+                .map(|j| flat.narrow(0, j * count, count)?.reshape(inputs[j].dims()))
+                .collect::<Result<Vec<_>>>()?;
+            ember_core::foreach_copy_(&slots, inputs)?;
             let (src, dst) = (ptr(&flat), ptr(output));
             nccl_call!(comm, "ncclReduceScatter", |lib, c| (lib.reduce_scatter)(
                 src, dst, count, dt, red, c, stream

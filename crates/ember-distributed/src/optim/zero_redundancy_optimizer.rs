@@ -27,12 +27,13 @@
 //! Note [ZeRO step]: [`Optimizer::step`] runs the local optimizer over this rank's parameters
 //! (which are the only ones to get optimizer state), then, rank by rank, the owner copies its
 //! parameters into one flat buffer per (device, dtype) and broadcasts it, and the others copy it
-//! back into their parameters. Rank by rank bounds the extra memory by the largest rank's share;
-//! the ranks' broadcasts run one after the other on the wire anyway. A step therefore costs one
-//! broadcast per rank and dtype, moving every parameter once (the all-gather of ZeRO's papers,
-//! as broadcasts since the shares are uneven). With DDP the gradients arrive averaged on every
-//! rank, so the result equals DDP with the unsharded optimizer, bit for bit (the elementwise
-//! updates see the same values in the same order; only which rank computes them differs).
+//! back into their parameters (one `foreach_copy_` each way per buffer). Rank by rank bounds
+//! the extra memory by the largest rank's share; the ranks' broadcasts run one after the other
+//! on the wire anyway. A step therefore costs one broadcast per rank and dtype, moving every
+//! parameter once (the all-gather of ZeRO's papers, as broadcasts since the shares are uneven).
+//! With DDP the gradients arrive averaged on every rank, so the result equals DDP with the
+//! unsharded optimizer, bit for bit (the elementwise updates see the same values in the same
+//! order; only which rank computes them differs).
 //!
 //! Every rank must call `step`, `consolidate_state_dict`, `add_param_group` and the
 //! constructors in the same order (they are collective over the group).
@@ -393,22 +394,25 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                 let first = &self.params[bucket[0]];
                 let total: usize = bucket.iter().map(|&i| self.params[i].numel()).sum();
                 let flat = Tensor::empty([total], first.dtype(), first.device())?;
+                // The bucket's parameters as views of `flat`, packed and unpacked with one
+                // `foreach_copy_` each (one launch per 64 on a GPU, Note [Foreach copies] in
+                // ember-core). The parameters are leaves that require grad: detached (the
+                // same storage, written outside autograd either way), the list takes the
+                // one-launch path.
                 let mut offset = 0;
-                let mut slices = Vec::with_capacity(bucket.len());
+                let (mut params, mut slices) = (Vec::new(), Vec::new());
                 for &i in bucket {
-                    let p = &self.params[i];
-                    let slice = flat.narrow(0, offset, p.numel())?;
-                    if r == me {
-                        slice.copy_(&p.reshape(&[-1])?)?;
-                    }
-                    slices.push((p, slice));
+                    let p = self.params[i].detach();
+                    slices.push(flat.narrow(0, offset, p.numel())?.reshape(p.dims())?);
                     offset += p.numel();
+                    params.push(p);
+                }
+                if r == me {
+                    ember_core::foreach_copy_(&slices, &params)?;
                 }
                 self.group.broadcast(&flat, src)?;
                 if r != me {
-                    for (p, slice) in slices {
-                        p.copy_(&slice.reshape(p.dims())?)?;
-                    }
+                    ember_core::foreach_copy_(&params, &slices)?;
                 }
             }
         }

@@ -248,6 +248,89 @@ pub(crate) fn fsdp_matches_ddp(pg: &ProcessGroup, device: Device) {
     }
 }
 
+/// Each element's bits, for a bf16 or f16 tensor.
+fn half_bits(t: &Tensor) -> Vec<u16> {
+    match t.dtype() {
+        DType::BF16 => t
+            .to_vec::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        DType::F16 => t
+            .to_vec::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        d => panic!("{d} is not a half dtype"),
+    }
+}
+
+/// f32 shards gathered in `param_dtype` bf16 or f16 on 1 and 4 ranks (uneven shards; rank 3
+/// holds none of the last layer's 3 rows): the full parameters are the f32 parameters cast as
+/// `to_dtype` casts them, bit for bit.
+#[test]
+fn fully_shard_gathers_f32_shards_in_half_dtypes_as_to_dtype_casts() {
+    for n in [1, 4] {
+        run_ranks(n, T, |pg| gathers_in_half_dtypes(&pg));
+    }
+}
+
+/// The body of [`fully_shard_gathers_f32_shards_in_half_dtypes_as_to_dtype_casts`] on the
+/// group's device (the NCCL tests run it on GPUs, where the gather packs the shards with one
+/// `foreach_copy_` of casts, Note [Foreach copies] in ember-core). The parameters' values are
+/// pseudo-random f32 bit patterns: NaNs, infinities, subnormals, values that round to
+/// infinity or on a tie in the half dtypes among them.
+pub(crate) fn gathers_in_half_dtypes(pg: &ProcessGroup) {
+    let mesh = DeviceMesh::new(pg.clone());
+    let device = mesh.device_type();
+    for half in [DType::BF16, DType::F16] {
+        let mut m = mlp();
+        m.to_dtype(DType::F32).unwrap();
+        {
+            let _g = no_grad();
+            let mut state = 0x9e37_79b9_7f4a_7c15u64;
+            for p in m.parameters() {
+                let v: Vec<f32> = (0..p.numel())
+                    .map(|_| {
+                        state = state
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        f32::from_bits((state >> 32) as u32)
+                    })
+                    .collect();
+                p.copy_(&Tensor::from_vec(v, p.dims(), Device::Cpu).unwrap())
+                    .unwrap();
+            }
+        }
+        let expected: Vec<Vec<u16>> = m
+            .parameters()
+            .iter()
+            .map(|p| half_bits(&p.to(device).unwrap().to_dtype(half).unwrap()))
+            .collect();
+        let options = FullyShardOptions {
+            mp_policy: MixedPrecisionPolicy {
+                param_dtype: Some(half),
+                reduce_dtype: None,
+            },
+            ..Default::default()
+        };
+        let unit = fully_shard(m, &mesh, options).unwrap();
+        let full = unit.forward_with(|m| Ok(m.parameters())).unwrap();
+        assert_eq!(full.len(), expected.len());
+        for (i, (f, e)) in full.iter().zip(&expected).enumerate() {
+            assert_eq!((f.dtype(), f.device()), (half, device), "parameter {i}");
+            assert!(
+                half_bits(f) == *e,
+                "rank {} of {}: parameter {i} in {half}",
+                pg.rank(),
+                pg.size()
+            );
+        }
+    }
+}
+
 /// Gradient accumulation: a backward without sync then one with it gives the gradients of
 /// DDP's `no_sync` then a synchronized backward (the sum over both micro-batches, averaged
 /// over ranks). A mixed-precision policy computes in f32 (and reduces in f32) while the shards

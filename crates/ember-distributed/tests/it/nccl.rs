@@ -243,8 +243,18 @@ fn nccl_fully_shard_and_zero_over_one_gpu_match_ddp() {
     });
 }
 
+/// fully_shard's gather of f32 shards in bf16 and f16 on one GPU: the full parameters are the
+/// parameters' `to_dtype` casts, bit for bit (the shards packed by one `foreach_copy_` of
+/// casts, one launch).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn nccl_fully_shard_gathers_f32_shards_in_half_dtypes_over_one_gpu() {
+    assert!(cuda::is_available(), "this test needs a CUDA device");
+    run_nccl_ranks(1, |pg, _| crate::fsdp::gathers_in_half_dtypes(&pg));
+}
+
 /// The same on two GPUs (shards, reduce-scatters and ZeRO's broadcasts between them), and the
-/// ShardedGradScaler keeping the ranks together.
+/// ShardedGradScaler keeping the ranks together; the gather in bf16 and f16.
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_fully_shard_and_zero_on_two_gpus_match_ddp() {
@@ -254,6 +264,7 @@ fn nccl_fully_shard_and_zero_on_two_gpus_match_ddp() {
         crate::fsdp::clip_matches_ddp(&pg, Device::Cuda(dev));
         crate::fsdp::sharded_scaler_keeps_ranks_together(&pg, Device::Cuda(dev));
         crate::zero::zero_matches_ddp(&pg, Device::Cuda(dev));
+        crate::fsdp::gathers_in_half_dtypes(&pg);
     });
 }
 
