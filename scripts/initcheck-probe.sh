@@ -18,10 +18,11 @@
 #              report), LOGDIR/CASE.out (the test's output), LOGDIR/summary.txt.
 #
 # Each test runs alone in its own process, first without the tool (to fill the kernel cache),
-# then under `compute-sanitizer --tool initcheck`, with the environment of sanitize.sh:
-# CUDA_TESTS_REQUIRED=1, EMBER_KERNEL_PREFETCH=0, EMBER_KERNEL_CACHE=LOGDIR/kernel-cache unless
-# set. EMBER_INITCHECK_SHAPE=m,k,n changes the product's shape (default 1024,768,3072: GPT-2's
-# MLP over 1,024 tokens). COMPUTE_SANITIZER as in sanitize.sh.
+# then under `compute-sanitizer --tool initcheck`, with the environment of sanitize.sh
+# (CUDA_TESTS_REQUIRED=1, EMBER_KERNEL_PREFETCH=0, EMBER_KERNEL_CACHE=LOGDIR/kernel-cache unless
+# set) and EMBER_SANITIZER_PREFILL=0 (products do not zero their output first under the tool).
+# EMBER_INITCHECK_SHAPE=m,k,n changes the product's shape (default 1024,768,3072: GPT-2's MLP
+# over 1,024 tokens). COMPUTE_SANITIZER as in sanitize.sh.
 #
 # Output: per case the number of errors and the kernels the reports are in, then a verdict:
 #   fresh reported, prefilled clean  -> initcheck does not see the GEMM's stores: a false
@@ -56,7 +57,9 @@ fi
 
 mkdir -p "$logdir"
 logdir=$(cd "$logdir" && pwd)
-export CUDA_TESTS_REQUIRED=1 EMBER_KERNEL_PREFETCH=0
+# The products' own zeroing under the tool (Note [GEMM outputs under initcheck] in
+# cuda_backend/blas.rs) would hide what this probe looks for: off.
+export CUDA_TESTS_REQUIRED=1 EMBER_KERNEL_PREFETCH=0 EMBER_SANITIZER_PREFILL=0
 export EMBER_KERNEL_CACHE=${EMBER_KERNEL_CACHE:-$logdir/kernel-cache}
 summary="$logdir/summary.txt"
 : > "$summary"

@@ -3,8 +3,8 @@
 # prebuilt ember binaries on a GPU machine (no Rust toolchain needed there) and prints one line
 # per tool with the errors and warnings it reported.
 #
-#   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [--no-warm] [--exclude-vendor]
-#                       [--exclude REGEX] [COMMAND ...]
+#   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [-j JOBS] [--split K] [--ignored-only]
+#                       [--no-warm] [--exclude-vendor] [--exclude REGEX] [COMMAND ...]
 #
 # COMMAND   a program and its arguments as one string, split at spaces (no quoting), e.g.
 #           ".gpu/bin/it-0123abcd --include-ignored --test-threads=1 cuda_" or
@@ -15,7 +15,15 @@
 #           "--include-ignored --test-threads=1 $SANITIZE_TEST_ARGS", then the examples named in
 #           $SANITIZE_EXAMPLES that are in BUNDLE/bin (default: tutorial_mlp tutorial_cnn
 #           tutorial_lstm tutorial_transformer mixed_precision cuda_streams cuda_graphs_training
-#           pinned_loader gradient_accumulation activation_checkpointing).
+#           pinned_loader gradient_accumulation activation_checkpointing). A bundle packed as
+#           BUNDLE/bin.tar.xz is unpacked first.
+# --ignored-only  with -d: the test binaries run their ignored tests only (--ignored, not
+#           --include-ignored): the GPU tests, without the CPU tests that launch no kernel.
+# --split K with -d: each test binary runs as K processes, its tests (as its --list names them,
+#           with $SANITIZE_TEST_ARGS applied) dealt round-robin into K groups run with --exact.
+# -j JOBS   run up to JOBS processes at once (default 1), the plain runs and then every tool's
+#           runs from one queue, in the order of -t: one GPU runs many sanitized processes side
+#           by side, since the tools spend most of their time on the host (16 cores: -j 12).
 # -t TOOLS  comma-separated subset of memcheck,racecheck,synccheck,initcheck (default all four).
 # -o LOGDIR where each tool's logs go (default sanitize-logs): LOGDIR/TOOL-N.PID.log per
 #           process, LOGDIR/TOOL-N.out the program's own output; LOGDIR/summary.txt the lines below.
@@ -39,18 +47,22 @@
 # compiled on the thread that needs it, before its first launch, and the tool sees only the
 # launches); EMBER_KERNEL_CACHE=LOGDIR/kernel-cache unless set (warmed by the plain run).
 # COMPUTE_SANITIZER (default /usr/local/cuda/bin/compute-sanitizer, else on PATH),
-# SANITIZE_TIMEOUT seconds per run (default 3600), SANITIZE_ARGS extra arguments for the tool.
+# SANITIZE_TIMEOUT seconds per run (default 3600), SANITIZE_DEADLINE seconds for the whole
+# script (default none: a run still queued then is not started, and counted as not run; a
+# running one is stopped at the deadline, as by its time-out), SANITIZE_ARGS extra arguments
+# for the tool.
 #
 # Output: one line per tool,
-#   memcheck: 0 errors, 0 warnings (12 runs, 0 failed)
+#   memcheck: 0 errors, 0 warnings (12 runs, 0 failed, 0 not run, 412 s)
 # then, per tool that reported anything, the kernels the reports name most ("at KERNEL+0x..."
 # lines), split into vendor kernels (matching the vendor pattern) and ember's; with exclusions,
 # a line saying which kernels were left unchecked.
 # where errors are the tools' "ERROR SUMMARY" counts (racecheck: the errors of its "RACECHECK
 # SUMMARY"), warnings the "Warning" lines of the logs (racecheck: its summary's warnings), and a
 # failed run is one that exited non-zero for another reason than a reported error (a test
-# failure, a time-out: its output is in LOGDIR/TOOL-N.out). The exit status is 0 only when
-# every tool reported 0 errors and 0 warnings and no run failed.
+# failure, a time-out: its output is in LOGDIR/TOOL-N.out); the seconds are the runs' own,
+# summed. The exit status is 0 only when every tool reported 0 errors and 0 warnings and every
+# run ran and passed.
 #
 # Notes: the tools slow kernels 10-100x (racecheck most), so choose what to run (a test filter,
 # --test-threads=1 keeps the logs in order). The profiler's CUPTI tests cannot take CUPTI while
@@ -65,6 +77,9 @@ set -uo pipefail
 tools=memcheck,racecheck,synccheck,initcheck
 logdir=sanitize-logs
 bundle=.gpu
+jobs=1
+split=1
+select=--include-ignored
 warm=1
 exclude_vendor=0
 excludes=()
@@ -74,10 +89,13 @@ while [ $# -gt 0 ]; do
     -t) tools="$2"; shift 2 ;;
     -o) logdir="$2"; shift 2 ;;
     -d) bundle="$2"; shift 2 ;;
+    -j) jobs="$2"; shift 2 ;;
+    --split) split="$2"; shift 2 ;;
+    --ignored-only) select=--ignored; shift ;;
     --no-warm) warm=0; shift ;;
     --exclude-vendor) exclude_vendor=1; shift ;;
     --exclude) excludes+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,58p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,74p' "$0"; exit 0 ;;
     --) shift; commands+=("$@"); break ;;
     -*) echo "sanitize.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     *) commands+=("$1"); shift ;;
@@ -104,8 +122,22 @@ if [ ${#commands[@]} = 0 ]; then
     echo "sanitize.sh: no COMMAND given and no $bundle/tests.txt (see --help)" >&2
     exit 2
   fi
+  if [ ! -d "$bundle/bin" ] && [ -f "$bundle/bin.tar.xz" ]; then
+    (cd "$bundle" && mkdir -p bin && tar -xJf bin.tar.xz) || { echo "sanitize.sh: cannot unpack $bundle/bin.tar.xz" >&2; exit 2; }
+  fi
+  read -ra test_args <<< "${SANITIZE_TEST_ARGS:-}"
   while read -r name; do
-    [ -n "$name" ] && commands+=("$bundle/bin/$name --include-ignored --test-threads=1 ${SANITIZE_TEST_ARGS:-}")
+    [ -n "$name" ] || continue
+    if [ "$split" -le 1 ]; then
+      commands+=("$bundle/bin/$name $select --test-threads=1 ${SANITIZE_TEST_ARGS:-}")
+      continue
+    fi
+    mapfile -t names < <("$bundle/bin/$name" --list $select ${test_args[@]+"${test_args[@]}"} 2>/dev/null | sed -n 's/: test$//p')
+    for ((k = 0; k < split; k++)); do
+      group=()
+      for ((n = k; n < ${#names[@]}; n += split)); do group+=("${names[$n]}"); done
+      [ ${#group[@]} -gt 0 ] && commands+=("$bundle/bin/$name $select --test-threads=1 --exact ${group[*]}")
+    done
   done < "$bundle/tests.txt"
   for ex in ${SANITIZE_EXAMPLES:-tutorial_mlp tutorial_cnn tutorial_lstm tutorial_transformer mixed_precision cuda_streams cuda_graphs_training pinned_loader gradient_accumulation activation_checkpointing}; do
     [ -x "$bundle/bin/$ex" ] && commands+=("$bundle/bin/$ex")
@@ -154,30 +186,69 @@ for i in "${!commands[@]}"; do
   echo "command $i: ${commands[$i]}" | tee -a "$summary"
 done
 
+# One run: "plain" (no tool) or a tool, over command I. It leaves LOGDIR/TOOL-I.status holding
+# the exit status and the seconds it took; a run never started has none.
+run_one() {
+  local tool=$1 i=$2 left cmd start status
+  read -ra cmd <<< "${commands[$i]}"
+  left=$limit
+  if [ "$deadline" -gt 0 ]; then
+    left=$((deadline - (SECONDS - began)))
+    [ "$left" -gt "$limit" ] && left=$limit
+  fi
+  rm -f "$logdir/$tool-$i".*.log
+  start=$SECONDS
+  if [ "$tool" = plain ]; then
+    timeout "$left" "${cmd[@]}" > "$logdir/plain-$i.out" 2>&1
+  else
+    # shellcheck disable=SC2086
+    timeout "$left" "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
+      --print-limit 1000 --log-file "$logdir/$tool-$i.%p.log" ${exclude_args[@]+"${exclude_args[@]}"} \
+      ${SANITIZE_ARGS:-} "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
+  fi
+  status=$?
+  echo "$status $((SECONDS - start))" > "$logdir/$tool-$i.status"
+}
+
+# Every run from one queue, at most JOBS at once; none is started within 10 s of the deadline.
+began=$SECONDS
+deadline=${SANITIZE_DEADLINE:-0}
+queue=()
+[ $warm = 1 ] && for i in "${!commands[@]}"; do queue+=("plain $i"); done
+for tool in "${tool_list[@]}"; do
+  for i in "${!commands[@]}"; do queue+=("$tool $i"); done
+done
+rm -f "$logdir"/*.status
+for job in "${queue[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+  if [ "$deadline" -gt 0 ] && [ $((deadline - (SECONDS - began))) -le 10 ]; then break; fi
+  # shellcheck disable=SC2086
+  run_one $job &
+done
+wait
+
 if [ $warm = 1 ]; then
   for i in "${!commands[@]}"; do
-    read -ra cmd <<< "${commands[$i]}"
-    start=$SECONDS
-    timeout "$limit" "${cmd[@]}" > "$logdir/plain-$i.out" 2>&1
-    status=$?
-    echo "plain run of command $i: exit status $status ($((SECONDS - start)) s)" | tee -a "$summary"
+    if [ -f "$logdir/plain-$i.status" ]; then
+      read -r status secs < "$logdir/plain-$i.status"
+      echo "plain run of command $i: exit status $status ($secs s)" | tee -a "$summary"
+    else
+      echo "plain run of command $i: not run (deadline)" | tee -a "$summary"
+    fi
   done
 fi
 
 overall=0
 lines=()
 for tool in "${tool_list[@]}"; do
-  errors=0 warnings=0 runs=0 failed=0 secs=0
+  errors=0 warnings=0 runs=0 failed=0 unrun=0 secs=0
   for i in "${!commands[@]}"; do
-    read -ra cmd <<< "${commands[$i]}"
-    rm -f "$logdir/$tool-$i".*.log
-    start=$SECONDS
-    # shellcheck disable=SC2086
-    timeout "$limit" "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
-      --print-limit 1000 --log-file "$logdir/$tool-$i.%p.log" ${exclude_args[@]+"${exclude_args[@]}"} \
-      ${SANITIZE_ARGS:-} "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
-    status=$?
-    secs=$((secs + SECONDS - start))
+    if [ ! -f "$logdir/$tool-$i.status" ]; then
+      unrun=$((unrun + 1))
+      continue
+    fi
+    read -r status took < "$logdir/$tool-$i.status"
+    secs=$((secs + took))
     runs=$((runs + 1))
     e=0 w=0
     for log in "$logdir/$tool-$i".*.log; do
@@ -197,12 +268,12 @@ for tool in "${tool_list[@]}"; do
     if [ "$status" != 0 ] && ! { [ "$status" = 86 ] && [ $e -gt 0 ]; }; then
       failed=$((failed + 1))
       why="exit status $status"
-      [ "$status" = 124 ] && why="timed out after $limit s"
+      [ "$status" = 124 ] && why="timed out after $took s"
       echo "$tool: command $i failed ($why; output in $logdir/$tool-$i.out)" | tee -a "$summary"
     fi
     [ $e -gt 0 ] || [ $w -gt 0 ] && echo "$tool: command $i: $e errors, $w warnings" | tee -a "$summary"
   done
-  line="$tool: $errors errors, $warnings warnings ($runs runs, $failed failed, $secs s)"
+  line="$tool: $errors errors, $warnings warnings ($runs runs, $failed failed, $unrun not run, $secs s)"
   echo "$line"
   lines+=("$line")
   if [ $errors != 0 ] || [ $warnings != 0 ]; then
@@ -213,7 +284,7 @@ for tool in "${tool_list[@]}"; do
       [ -n "$top" ] && lines+=("  $tool: $top")
     done
   fi
-  if [ $errors != 0 ] || [ $warnings != 0 ] || [ $failed != 0 ]; then
+  if [ $errors != 0 ] || [ $warnings != 0 ] || [ $failed != 0 ] || [ $unrun != 0 ]; then
     overall=1
   fi
 done

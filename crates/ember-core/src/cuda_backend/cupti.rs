@@ -82,6 +82,15 @@
 //!
 //! Left: the libraries' own loads and copies (cuBLAS, cuDNN, NCCL) are not gated, and a
 //! device capturing a graph is not waited for.
+//!
+//! Note [CUPTI under compute-sanitizer]: compute-sanitizer injects itself into the process it
+//! checks, and CUPTI's activity API beside it killed every test process that profiled CUDA
+//! work with SIGSEGV, under each of the four tools (session 49 run 11 and session 50's sweep:
+//! 8 tests, the rest of their process's tests lost with them). So where the tool's injection
+//! variables are set (`NV_SANITIZER_INJECTION_PORT_BASE`, which compute-sanitizer 2025.3 sets
+//! in its target), CUPTI is not loaded: the profiler records CUDA events instead and says why,
+//! as where CUPTI is missing. Tests that count kernels from CUPTI's records then fail with a
+//! message instead of taking their process down.
 
 use super::cupti_records::{self as records, RawActivity, RawApi, Record};
 use std::alloc::Layout;
@@ -291,6 +300,13 @@ fn load_from(path: &Path) -> Result<Cupti, String> {
 fn cupti() -> Result<&'static Cupti, &'static str> {
     CUPTI
         .get_or_init(|| {
+            // Note [CUPTI under compute-sanitizer].
+            if std::env::var_os("NV_SANITIZER_INJECTION_PORT_BASE").is_some() {
+                return Err("compute-sanitizer is attached to this process and CUPTI beside it \
+                            crashes (Note [CUPTI under compute-sanitizer]); profile without the tool \
+                            for kernel records"
+                    .to_string());
+            }
             let mut tried = Vec::new();
             for path in candidates() {
                 match load_from(&path) {

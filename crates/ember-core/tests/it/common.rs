@@ -75,6 +75,11 @@ pub fn two_gpus() -> (Device, Device) {
 /// CUDA graph capture (whose global mode fails other threads' unsafe calls), a profile that
 /// counts kernel launches (other tests' kernels would join it).
 pub fn in_own_process(path: &str, body: impl FnOnce()) {
+    in_own_process_with_env(path, &[], body)
+}
+
+/// [`in_own_process`] with `env` set in the child's environment besides.
+pub fn in_own_process_with_env(path: &str, env: &[(&str, &str)], body: impl FnOnce()) {
     const CHILD: &str = "EMBER_TEST_CHILD";
     if std::env::var(CHILD).as_deref() == Ok(path) {
         body();
@@ -90,6 +95,7 @@ pub fn in_own_process(path: &str, body: impl FnOnce()) {
             "--test-threads=1",
         ])
         .env(CHILD, path)
+        .envs(env.iter().copied())
         .output()
         .expect("the test binary runs again");
     let stdout = String::from_utf8_lossy(&out.stdout);

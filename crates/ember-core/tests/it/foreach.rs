@@ -110,7 +110,7 @@ fn foreach_copy_keeps_copy_s_autograd_rules() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn foreach_copy_on_a_gpu_copies_plain_lists_in_one_op() {
+fn foreach_copy_on_a_gpu_copies_plain_lists_in_one_op_per_cupti() {
     let gpu = common::gpu();
     check_copies(gpu).unwrap();
     // A plain list passes the dispatch point once, as `_foreach_copy_`, with no `copy_`.

@@ -957,7 +957,7 @@ fn cuda_fused_adamw_gpt2_kernel_time() {
 /// values, no cast kernel), and a step after no cast writes none.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for() {
+fn cuda_adam_writes_the_bf16_twin_a_cast_asked_for_per_cupti() {
     let dev = common::gpu();
     let on = |v: Vec<f64>| {
         Tensor::from_slice(&v, [333, 77], Device::Cpu)
@@ -1099,7 +1099,7 @@ fn foreach_norm_on_the_cpu_matches_float64() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn cuda_foreach_norm_matches_float64() {
+fn cuda_foreach_norm_matches_float64_per_cupti() {
     let dev = common::gpu();
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         foreach_norm_matches_float64(dev, dtype);

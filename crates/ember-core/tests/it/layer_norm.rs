@@ -629,7 +629,7 @@ fn a_linear_applies_the_gelu_backward_of_its_input() {
 /// the same values as the CPU's cast, and no cast kernel; a second cast computes again.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn cuda_layer_norm_writes_its_bf16_casts_beside_its_results_under_autocast() {
+fn cuda_layer_norm_writes_its_bf16_casts_beside_its_results_under_autocast_per_cupti() {
     let dev = gpu();
     let (rows, n) = (96, 768);
     let on = |v: Vec<f64>, dims: &[usize]| {

@@ -568,6 +568,36 @@ fn cuda_backward_kernels_are_under_backward_nodes() {
 
 // ---- GPU: CUDA time by CUPTI, each kernel attributed through correlation ids ----
 
+/// Note [CUPTI under compute-sanitizer]: where compute-sanitizer's injection variable is set,
+/// the default timing (CUPTI) falls back to CUDA events and says why, and the ops still get
+/// their GPU time.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_profiler_keeps_off_cupti_under_compute_sanitizer() {
+    common::in_own_process_with_env(
+        "profiler::cuda_profiler_keeps_off_cupti_under_compute_sanitizer",
+        &[("NV_SANITIZER_INJECTION_PORT_BASE", "49152")],
+        || {
+            let dev = common::gpu();
+            known_ops(dev).unwrap(); // warm-up
+            let mut prof = profiler::profile()
+                .activities([ProfilerActivity::Cpu, ProfilerActivity::Cuda])
+                .start()
+                .unwrap();
+            known_ops(dev).unwrap();
+            prof.stop().unwrap();
+            assert_eq!(prof.cuda_timing_source(), Some(CudaTimingSource::CudaEvents));
+            let trace = prof.trace().unwrap();
+            let why = trace.cupti_unavailable().expect("the reason CUPTI was not used");
+            assert!(why.contains("compute-sanitizer"), "{why}");
+            assert!(trace.gpu_activities().is_empty());
+            let (_, ops) = children_of(prof.events(), "known_ops");
+            let matmul = ops.iter().find(|e| e.name == "matmul").expect("the matmul op");
+            assert!(matmul.self_cuda_time_total_ns > 0, "{:?}", matmul.gpu);
+        },
+    );
+}
+
 /// Profiles `body` on the GPU with the default timing (CUPTI), asserting CUPTI ran.
 pub(crate) fn cupti_profile(body: impl FnOnce()) -> profiler::Profiler {
     let mut prof = profiler::profile()
@@ -877,7 +907,7 @@ fn cuda_cupti_cycles_beside_backward_passes_over_two_gpus_record_every_op() {
 /// it lies under the range event itself, so on this thread.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn cuda_empty_queues_no_fill_and_zeros_one() {
+fn cuda_empty_queues_no_fill_and_zeros_one_per_cupti() {
     const RANGES: [&str; 2] = ["empty_queues_no_fill: empty", "empty_queues_no_fill: zeros"];
     let dev = common::gpu();
     let _l = lock();
