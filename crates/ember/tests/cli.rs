@@ -322,8 +322,16 @@ fn train_killed_at_random_points_resumes_bit_exactly_on_cuda() {
 
 /// Trains 3 epochs on `device` uninterrupted, then again killed with SIGKILL at pseudo-random
 /// points (each `extra_ms` later than on the CPU) and resumed until it finishes, and asserts
-/// both checkpoints hold bitwise the same tensors.
+/// both checkpoints hold bitwise the same tensors. The waits are multiplied by
+/// `EMBER_TEST_TIME_SCALE` (default 1): under compute-sanitizer (`scripts/sanitize.sh` sets
+/// 20) a run does not reach its first checkpoint in the unscaled waits, and all 40 attempts
+/// were killed before it (session 50).
 fn killed_run_resumes_bit_exactly(device: &str, extra_ms: u64) {
+    let scale: u64 = std::env::var("EMBER_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&s| s >= 1)
+        .unwrap_or(1);
     let dir = scratch(&format!("train_bit_exact_resume_{device}"));
     let (full, killed) = (dir.join("full.safetensors"), dir.join("killed.safetensors"));
     let args = |ckpt: &std::path::Path| -> Vec<String> {
@@ -371,7 +379,7 @@ fn killed_run_resumes_bit_exactly(device: &str, extra_ms: u64) {
         rng ^= rng >> 7;
         rng ^= rng << 17;
         // Later attempts wait longer, so the run ends after a few kills.
-        let wait_ms = extra_ms + 150 + rng % 700 + 300 * attempt.min(10);
+        let wait_ms = scale * (extra_ms + 150 + rng % 700 + 300 * attempt.min(10));
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {

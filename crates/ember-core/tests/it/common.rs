@@ -228,6 +228,17 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
     }
 }
 
+/// How many times longer than usual tests that bound a duration should allow:
+/// `EMBER_TEST_TIME_SCALE` (default 1; `scripts/sanitize.sh` sets 20, as compute-sanitizer slows
+/// kernels 10-100x).
+pub fn time_scale() -> u32 {
+    std::env::var("EMBER_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&s| s >= 1)
+        .unwrap_or(1)
+}
+
 /// One profiler runs in a process at a time: every test that starts one holds this lock.
 pub fn profiler_lock() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
