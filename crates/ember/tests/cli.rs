@@ -304,12 +304,12 @@ fn checkpoint_tensors(path: &std::path::Path) -> Vec<(String, Vec<u8>)> {
 // uninterrupted run. About 20 s in a debug build on two cores.
 #[test]
 fn train_killed_at_random_points_resumes_bit_exactly() {
-    killed_run_resumes_bit_exactly("cpu", 0);
+    killed_run_resumes_bit_exactly("cpu");
 }
 
 // The same on a GPU, with the MLP (its CUDA kernels are deterministic: cuBLAS GEMMs, ember's
 // fixed-order reductions, the fused Adam; cuDNN's convolution algorithms are not, so not the
-// CNN). The kills wait longer: a CUDA process takes about 0.3 s to start.
+// CNN).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn train_killed_at_random_points_resumes_bit_exactly_on_cuda() {
@@ -317,21 +317,18 @@ fn train_killed_at_random_points_resumes_bit_exactly_on_cuda() {
         ember::cuda::is_available(),
         "this test needs a CUDA device; run it on a GPU machine"
     );
-    killed_run_resumes_bit_exactly("cuda", 400);
+    killed_run_resumes_bit_exactly("cuda");
 }
 
 /// Trains 3 epochs on `device` uninterrupted, then again killed with SIGKILL at pseudo-random
-/// points (each `extra_ms` later than on the CPU) and resumed until it finishes, and asserts
-/// both checkpoints hold bitwise the same tensors. The waits are multiplied by
-/// `EMBER_TEST_TIME_SCALE` (default 1): under compute-sanitizer (`scripts/sanitize.sh` sets
-/// 20) a run does not reach its first checkpoint in the unscaled waits, and all 40 attempts
-/// were killed before it (session 50).
-fn killed_run_resumes_bit_exactly(device: &str, extra_ms: u64) {
-    let scale: u64 = std::env::var("EMBER_TEST_TIME_SCALE")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .filter(|&s| s >= 1)
-        .unwrap_or(1);
+/// points and resumed until it finishes, and asserts both checkpoints hold bitwise the same
+/// tensors. The kills wait fractions of the uninterrupted run's time `T` (the first under
+/// 0.43 T, so it lands; each later one 0.15 T longer, so the run ends after a few). Fixed waits
+/// (0.15 to 0.85 s, 0.3 s longer each time) did not fit runs under compute-sanitizer (session
+/// 50): with 16 sanitized processes on the machine no resumed run got past its start before
+/// its kill, and with the waits 20 times longer on an idle machine the first run finished
+/// before its kill.
+fn killed_run_resumes_bit_exactly(device: &str) {
     let dir = scratch(&format!("train_bit_exact_resume_{device}"));
     let (full, killed) = (dir.join("full.safetensors"), dir.join("killed.safetensors"));
     let args = |ckpt: &std::path::Path| -> Vec<String> {
@@ -358,7 +355,9 @@ fn killed_run_resumes_bit_exactly(device: &str, extra_ms: u64) {
         .map(String::from)
         .to_vec()
     };
+    let started = std::time::Instant::now();
     let out = Command::new(ember_binary()).args(args(&full)).output().unwrap();
+    let full_ms = started.elapsed().as_millis() as u64;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     // Kill the second run at pseudo-random points until it finishes on its own.
@@ -379,7 +378,7 @@ fn killed_run_resumes_bit_exactly(device: &str, extra_ms: u64) {
         rng ^= rng >> 7;
         rng ^= rng << 17;
         // Later attempts wait longer, so the run ends after a few kills.
-        let wait_ms = scale * (extra_ms + 150 + rng % 700 + 300 * attempt.min(10));
+        let wait_ms = full_ms * (75 + rng % 350 + 150 * attempt) / 1000;
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {

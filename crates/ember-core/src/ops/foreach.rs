@@ -17,8 +17,11 @@
 //! The casts are PyTorch's `_foreach_copy_` casting too, kept to the dtypes of mixed
 //! precision: FSDP packs its f32 shards into the bf16 all-gather input (`param_dtype`) with
 //! one call, where one cast kernel per shard took 148 launches a gather for GPT-2 124M, ~292 a
-//! step, about 1 ms of GPU time in a 19 ms step. A pair with f64, an integer or bool on either
-//! side is rare in a list and keeps `copy_`. On the CPU every list takes `copy_` pair by pair:
+//! step, about 1 ms of GPU time in a 19 ms step (session 49); with one call per gather,
+//! `fsdp_gpt2` on one H200 took 18.44 ms a step beside `ddp_gpt2`'s 17.35 in one run, where it
+//! had taken 19.22 beside 17.94 (docs/benchmarks.md, session 50 run 4 and session 49 run 9).
+//! A pair with f64, an integer or bool on either side is rare in a list and keeps `copy_`. On
+//! the CPU every list takes `copy_` pair by pair:
 //! the backend's list copy (`CopyOps::foreach_copy`, which takes the same lists and casts as
 //! `copy_`) would run the same per-pair loop, so a list saves nothing there, and the profile
 //! keeps a `copy_` per pair under `_foreach_copy_` as PyTorch's CPU one does. (The unit tests
