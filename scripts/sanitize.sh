@@ -49,8 +49,8 @@
 #           commas: the tool splits its filter at them).
 #
 # Environment of every run: CUDA_TESTS_REQUIRED=1 (a GPU test that finds no GPU fails);
-# EMBER_TEST_TIME_SCALE=20 unless set (tests that wait for a child process wait that many
-# times longer: the tool slows the child's start and steps);
+# EMBER_TEST_TIME_SCALE=20 unless set (tests that bound how long GPU work takes allow that
+# many times longer: racecheck made ten adds take 2 s against a 1 s bound);
 # EMBER_KERNEL_PREFETCH=0 (no background threads compiling kernel units: every kernel is
 # compiled on the thread that needs it, before its first launch, and the tool sees only the
 # launches); EMBER_KERNEL_CACHE=LOGDIR/kernel-cache unless set (warmed by the plain run).
