@@ -877,8 +877,7 @@ impl<'a> Gemm<'a> {
 fn prefill_under_sanitizer() -> bool {
     static PREFILL: OnceLock<bool> = OnceLock::new();
     *PREFILL.get_or_init(|| {
-        std::env::var_os("NV_SANITIZER_INJECTION_PORT_BASE").is_some()
-            && std::env::var("EMBER_SANITIZER_PREFILL").as_deref() != Ok("0")
+        super::under_compute_sanitizer() && std::env::var("EMBER_SANITIZER_PREFILL").as_deref() != Ok("0")
     })
 }
 

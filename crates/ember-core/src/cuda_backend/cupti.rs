@@ -301,7 +301,7 @@ fn cupti() -> Result<&'static Cupti, &'static str> {
     CUPTI
         .get_or_init(|| {
             // Note [CUPTI under compute-sanitizer].
-            if std::env::var_os("NV_SANITIZER_INJECTION_PORT_BASE").is_some() {
+            if super::under_compute_sanitizer() {
                 return Err("compute-sanitizer is attached to this process and CUPTI beside it \
                             crashes (Note [CUPTI under compute-sanitizer]); profile without the tool \
                             for kernel records"

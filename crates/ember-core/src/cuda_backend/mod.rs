@@ -91,6 +91,14 @@ pub use stream::{
 };
 pub(crate) use stream::{current_streams, use_streams};
 
+/// Whether NVIDIA's compute-sanitizer is attached to this process: it sets
+/// `NV_SANITIZER_INJECTION_PORT_BASE` in the process it checks (2025.3; seen in session 50).
+/// The profiler keeps off CUPTI there (Note [CUPTI under compute-sanitizer] in `cupti.rs`) and
+/// products zero their output first (Note [GEMM outputs under initcheck] in `blas.rs`).
+pub(crate) fn under_compute_sanitizer() -> bool {
+    std::env::var_os("NV_SANITIZER_INJECTION_PORT_BASE").is_some()
+}
+
 /// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
 /// file at once (`-DEMBER_ALL_UNITS`, Note [Kernel units]), without a GPU: what CI runs so that
 /// a kernel that does not compile fails the build, not a user.
