@@ -57,8 +57,8 @@ fi
 
 mkdir -p "$logdir"
 logdir=$(cd "$logdir" && pwd)
-# The products' own zeroing under the tool (Note [GEMM outputs under initcheck] in
-# cuda_backend/blas.rs) would hide what this probe looks for: off.
+# The products' own zeroing under the tool (Note [Library outputs under initcheck] in
+# ember-core's cuda_backend/mod.rs) would hide what this probe looks for: off.
 export CUDA_TESTS_REQUIRED=1 EMBER_KERNEL_PREFETCH=0 EMBER_SANITIZER_PREFILL=0
 export EMBER_KERNEL_CACHE=${EMBER_KERNEL_CACHE:-$logdir/kernel-cache}
 summary="$logdir/summary.txt"

@@ -88,8 +88,9 @@
 # --test-threads=1 keeps the logs in order), or run many processes at once (-j, --split: over
 # every GPU test of a bundle on one H200, memcheck's runs took ~1,600 s, beside the other
 # three tools', 15 processes at a time).
-# Products zero their output first under the tool (Note [GEMM outputs under initcheck] in
-# ember-core's cuda_backend/blas.rs): initcheck does not see cuBLASLt's stores.
+# cuBLASLt's and cuDNN attention's outputs are zeroed first under the tool (Note [Library
+# outputs under initcheck] in ember-core's cuda_backend/mod.rs): initcheck does not see
+# cuBLASLt's stores.
 set -uo pipefail
 
 tools=memcheck,racecheck,synccheck,initcheck
@@ -113,7 +114,7 @@ while [ $# -gt 0 ]; do
     --no-warm) warm=0; shift ;;
     --exclude-vendor) exclude_vendor=1; shift ;;
     --exclude) excludes+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,92p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,93p' "$0"; exit 0 ;;
     --) shift; commands+=("$@"); break ;;
     -*) echo "sanitize.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     *) commands+=("$1"); shift ;;

@@ -55,17 +55,7 @@
 //! product. Which algorithm wins may change from run to run, and with it the last bits of the
 //! results; leave tuning off where runs must repeat bit for bit. GPT-2's step took 18.25 ms
 //! with the heuristic's choices and 18.10 with timed ones (0.9%; docs/benchmarks.md, session 46).
-//!
-//! Note [GEMM outputs under initcheck]: compute-sanitizer's initcheck does not see the stores
-//! of Hopper's cuBLASLt kernels (TMA), so every later read of a product's output looked
-//! uninitialized: 544,456 reports over the GPU tests in session 50, every one in an ember kernel
-//! or a copy reading a product (`unary_gelu_tanh_bf16`, `non_finite_check_and_unscale_f32`,
-//! `cast_contig_f16_f32`, `adam_f32`, ...), and `scripts/initcheck-probe.sh` showed a product's
-//! output filled first reported nothing. So where compute-sanitizer is attached
-//! (`NV_SANITIZER_INJECTION_PORT_BASE` set, as Note [CUPTI under compute-sanitizer]) a product
-//! that only writes D (beta = 0) first zeroes exactly D's elements (a 2D memset of its rows,
-//! `ldd` apart), which the tool does see; `EMBER_SANITIZER_PREFILL=0` turns this off (the probe
-//! does, to show the tool's own view). Nothing changes without the tool.
+
 use super::kernels::{Grid, KernelShape};
 use super::launch;
 use super::runtime::DeviceRuntime;
@@ -825,9 +815,9 @@ impl<'a> Gemm<'a> {
             }
             .map_err(blas_error("cublasLtMatmul"))
         };
-        if !add_to_d && prefill_under_sanitizer() {
-            // Note [GEMM outputs under initcheck]: D's `batch * m` rows of `n` elements, `ldd`
-            // apart, zeroed on the product's stream.
+        if !add_to_d && super::prefill_library_outputs() {
+            // Note [Library outputs under initcheck] in `mod.rs`: D's `batch * m` rows of `n`
+            // elements, `ldd` apart, zeroed on the product's stream.
             let elem = out.size_in_bytes();
             // SAFETY: the rows lie inside the caller's output at `d` (the product writes exactly
             // them), on `stream`, the product's own stream.
@@ -870,15 +860,6 @@ impl<'a> Gemm<'a> {
         call(&plan.algo)?;
         Ok(true)
     }
-}
-
-/// Whether products zero their output first (Note [GEMM outputs under initcheck]): under
-/// compute-sanitizer, unless `EMBER_SANITIZER_PREFILL=0`. Read once per process.
-fn prefill_under_sanitizer() -> bool {
-    static PREFILL: OnceLock<bool> = OnceLock::new();
-    *PREFILL.get_or_init(|| {
-        super::under_compute_sanitizer() && std::env::var("EMBER_SANITIZER_PREFILL").as_deref() != Ok("0")
-    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -677,6 +677,16 @@ fn run(rt: &DeviceRuntime, key: Key, p: &SdpaParams, pointers: &[(i64, u64)]) ->
     })
 }
 
+/// A buffer for an output cuDNN writes: zeroed first under compute-sanitizer (Note [Library
+/// outputs under initcheck] in `mod.rs`), else left as the allocator gives it.
+fn output(rt: &DeviceRuntime, dtype: DType, len: usize) -> Result<CudaStorage> {
+    if super::prefill_library_outputs() {
+        CudaStorage::full(rt.ordinal, dtype, len, 0.0)
+    } else {
+        CudaStorage::alloc_on(rt, dtype, len)
+    }
+}
+
 impl AttentionOps for CudaStorage {
     fn sdpa_forward(&self, key: &Self, value: &Self, p: &SdpaParams) -> Result<Option<(Self, Self)>> {
         let (q, k, v) = (self.ptr_at(p.q.1), key.ptr_at(p.k.1), value.ptr_at(p.v.1));
@@ -684,8 +694,8 @@ impl AttentionOps for CudaStorage {
             return Ok(None);
         }
         let rt = self.runtime()?;
-        let o = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_q * p.h * p.d_v)?;
-        let lse = CudaStorage::alloc_on(rt, DType::F32, p.b * p.h * p.s_q)?;
+        let o = output(rt, p.dtype, p.b * p.s_q * p.h * p.d_v)?;
+        let lse = output(rt, DType::F32, p.b * p.h * p.s_q)?;
         let pointers = [
             (uid::Q, q),
             (uid::K, k),
@@ -721,22 +731,22 @@ impl AttentionOps for CudaStorage {
         let rt = self.runtime()?;
         let (grads, [dq, dk, dv]) = match p.grads_packed {
             Some(pk) => {
-                let buf = CudaStorage::alloc_on(rt, p.dtype, pk.len)?;
+                let buf = output(rt, p.dtype, pk.len)?;
                 let at = pk.offsets.map(|o| buf.ptr_at(o));
                 (SdpaGrads::Packed(buf), at)
             }
             None => {
-                let dq = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_q * p.h * p.d)?;
-                let dk = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_kv * p.h * p.d)?;
-                let dv = CudaStorage::alloc_on(rt, p.dtype, p.b * p.s_kv * p.h * p.d_v)?;
+                let dq = output(rt, p.dtype, p.b * p.s_q * p.h * p.d)?;
+                let dk = output(rt, p.dtype, p.b * p.s_kv * p.h * p.d)?;
+                let dv = output(rt, p.dtype, p.b * p.s_kv * p.h * p.d_v)?;
                 let at = [dq.ptr_at(0), dk.ptr_at(0), dv.ptr_at(0)];
                 (SdpaGrads::Separate(dq, dk, dv), at)
             }
         };
-        let row_sum = CudaStorage::alloc_on(rt, DType::F32, p.b * p.h * p.s_q)?;
+        let row_sum = output(rt, DType::F32, p.b * p.h * p.s_q)?;
         let accum_len = p.b * p.h * p.s_q * p.d;
         let accum = if cudnn::version().is_some_and(|v| v >= ENGINE_ZEROES_DQ_ACCUM) {
-            CudaStorage::alloc_on(rt, DType::F32, accum_len)?
+            output(rt, DType::F32, accum_len)?
         } else {
             CudaStorage::full(rt.ordinal, DType::F32, accum_len, 0.0)?
         };

@@ -94,9 +94,35 @@ pub(crate) use stream::{current_streams, use_streams};
 /// Whether NVIDIA's compute-sanitizer is attached to this process: it sets
 /// `NV_SANITIZER_INJECTION_PORT_BASE` in the process it checks (2025.3; seen in session 50).
 /// The profiler keeps off CUPTI there (Note [CUPTI under compute-sanitizer] in `cupti.rs`) and
-/// products zero their output first (Note [GEMM outputs under initcheck] in `blas.rs`).
+/// the libraries' outputs are zeroed first (Note [Library outputs under initcheck]).
 pub(crate) fn under_compute_sanitizer() -> bool {
     std::env::var_os("NV_SANITIZER_INJECTION_PORT_BASE").is_some()
+}
+
+// Note [Library outputs under initcheck]: compute-sanitizer's initcheck does not see the
+// stores of Hopper's cuBLASLt kernels (TMA), so every later read of a product's output looked
+// uninitialized: 544,456 reports over the GPU tests in session 50 (docs/benchmarks.md, run 2),
+// every printed one in an ember kernel or a copy reading a product (`unary_gelu_tanh_bf16`,
+// `non_finite_check_and_unscale_f32`, `cast_contig_f16_f32`, `adam_f32`, ...), and
+// `scripts/initcheck-probe.sh` showed a product's output filled first reported nothing. So
+// under the tool a product that only writes its output (beta = 0) first zeroes exactly the
+// output's elements (`blas.rs`: a 2D memset of its rows), which the tool does see; with that,
+// the same tests gave 544 reports (run 3). 512 of those were `cast_contig_f16_f32` reading
+// 2,048 f16 elements in the mixed-precision conformance run, the size of its fp16 attention
+// case's dK and dV, which cuDNN's flash-attention backward writes (its dQ goes through cuDNN's
+// own conversion kernel): so cuDNN's attention outputs are zeroed first under the tool too
+// (`cudnn_sdpa.rs`; not yet run under the tool). `EMBER_SANITIZER_PREFILL=0` turns all of
+// this off (`scripts/initcheck-probe.sh` does, to show the tool's own view). Nothing changes
+// without the tool.
+
+/// Whether the libraries' outputs are zeroed before they write them (Note [Library outputs
+/// under initcheck]): under compute-sanitizer, unless `EMBER_SANITIZER_PREFILL=0`. Read once
+/// per process.
+pub(crate) fn prefill_library_outputs() -> bool {
+    static PREFILL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PREFILL.get_or_init(|| {
+        under_compute_sanitizer() && std::env::var("EMBER_SANITIZER_PREFILL").as_deref() != Ok("0")
+    })
 }
 
 /// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
