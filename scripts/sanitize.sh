@@ -128,6 +128,9 @@ if [ ! -x "$sanitizer" ]; then
     exit 2
   }
 fi
+for n in "$jobs" "$split"; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "sanitize.sh: -j and --split take a positive whole number, got $n" >&2; exit 2; }
+done
 IFS=, read -ra tool_list <<< "$tools"
 for t in "${tool_list[@]}"; do
   case "$t" in
