@@ -463,7 +463,7 @@ impl Tensor {
             return Err(Error::UnsupportedDType {
                 op: OP,
                 dtype: self.dtype(),
-                hint: "one_hot takes an int64 tensor of class indices",
+                hint: "one_hot takes an int64 (or int32) tensor of class indices; convert with .to_dtype(DType::I64)",
             });
         }
         let nc = match num_classes {
