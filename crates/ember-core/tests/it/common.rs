@@ -228,6 +228,42 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
     }
 }
 
+/// The elements' bits (NaN payloads and signed zeros included, which `to_vec_f64` would blur),
+/// widened to u64, for an exact comparison in any dtype; integers and bools as int64.
+pub fn bits(t: &Tensor) -> Vec<u64> {
+    let t = t.to(Device::Cpu).unwrap();
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|v| v.to_bits()).collect(),
+        DType::F16 => t
+            .to_vec::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::BF16 => t
+            .to_vec::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::I64 => t.to_vec::<i64>().unwrap().iter().map(|&v| v as u64).collect(),
+        _ => t
+            .to_dtype(DType::I64)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
+    }
+}
+
 /// How many times longer than usual tests that bound a duration should allow:
 /// `EMBER_TEST_TIME_SCALE` (default 1; `scripts/sanitize.sh` sets 20, as compute-sanitizer slows
 /// kernels 10-100x).

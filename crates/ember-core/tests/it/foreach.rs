@@ -148,34 +148,6 @@ fn foreach_copy_on_a_gpu_copies_plain_lists_in_one_op_per_cupti() {
 
 // ---- Casts in the list (f32, bf16, f16): the bits `copy_` gives, pair by pair ----
 
-/// Each element's bits (widened to u64), with the dtype: what a cast must reproduce exactly
-/// (NaN payloads and signs included, which `to_vec_f64` would blur).
-fn bits(t: &Tensor) -> (DType, Vec<u64>) {
-    let v = match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::BF16 => t
-            .to_vec::<bf16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::F16 => t
-            .to_vec::<f16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::U8 => t.to_vec::<u8>().unwrap().iter().map(|&x| x as u64).collect(),
-        d => panic!("no bits for {d} here"),
-    };
-    (t.dtype(), v)
-}
-
 /// f32 values a cast to bf16 or f16 must get exactly right: NaNs (quiet, signalling, with
 /// payloads, negative), infinities, signed zeros, f32 subnormals, values on and beside the
 /// rounding ties of bf16 (8 bits of mantissa) and f16 (11), f16's overflow edge (65504 is its
@@ -274,8 +246,8 @@ fn check_against_copy(what: &str, dst: &[Tensor], src: &[Tensor]) -> Result<()> 
         let expected = Tensor::zeros(d.dims(), d.dtype(), d.device())?;
         expected.copy_(s)?;
         assert_eq!(
-            bits(d),
-            bits(&expected),
+            common::bits(d),
+            common::bits(&expected),
             "{what}: pair {i}, {} {:?} into {}",
             s.dtype(),
             s.dims(),

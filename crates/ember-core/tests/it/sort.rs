@@ -244,41 +244,6 @@ fn sample(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
     Tensor::from_vec(f, shape, CPU).unwrap().to_dtype(dtype).unwrap()
 }
 
-/// The elements' bits (NaN payloads included), for an exact comparison in any dtype.
-fn bits(t: &Tensor) -> Vec<u64> {
-    let t = t.to(CPU).unwrap();
-    match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u64)
-            .collect(),
-        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|v| v.to_bits()).collect(),
-        DType::F16 => t
-            .to_vec::<half::f16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u64)
-            .collect(),
-        DType::BF16 => t
-            .to_vec::<half::bf16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u64)
-            .collect(),
-        DType::I64 => t.to_vec::<i64>().unwrap().iter().map(|&v| v as u64).collect(),
-        _ => t
-            .to_dtype(DType::I64)
-            .unwrap()
-            .to_vec::<i64>()
-            .unwrap()
-            .iter()
-            .map(|&v| v as u64)
-            .collect(),
-    }
-}
-
 /// `f` on the CPU tensor `x` and on its copy on the GPU give the same values (bit for bit) and
 /// positions.
 fn same_on_gpu(what: &str, x: &Tensor, f: impl Fn(&Tensor) -> Result<(Tensor, Tensor), Error>) {
@@ -296,7 +261,7 @@ fn same_on_gpu(what: &str, x: &Tensor, f: impl Fn(&Tensor) -> Result<(Tensor, Te
             ci[at]
         );
     }
-    assert_eq!(bits(&gv), bits(&cv), "{what}: values");
+    assert_eq!(common::bits(&gv), common::bits(&cv), "{what}: values");
 }
 
 /// The stable f64 reference of the first `k` positions of each row of the 2-D `x` (rows along
@@ -462,8 +427,8 @@ fn cuda_sort_topk_and_sort_never_wait_for_the_device() {
     // And the answers are right.
     let (cv, ci) = logits.to(CPU).unwrap().topk(50, 1, true).unwrap();
     assert_eq!(i.to_vec::<i64>().unwrap(), ci.to_vec::<i64>().unwrap());
-    assert_eq!(bits(&v), bits(&cv));
-    assert_eq!(bits(&sv.narrow(1, 0, 50).unwrap()), bits(&cv));
+    assert_eq!(common::bits(&v), common::bits(&cv));
+    assert_eq!(common::bits(&sv.narrow(1, 0, 50).unwrap()), common::bits(&cv));
 }
 
 #[test]
@@ -503,14 +468,14 @@ fn cuda_sort_topk_captured_body() {
             ci.to_vec::<i64>().unwrap(),
             "seed {seed}"
         );
-        assert_eq!(bits(&v), bits(&cv), "seed {seed}");
+        assert_eq!(common::bits(&v), common::bits(&cv), "seed {seed}");
         let (csv, csi) = fresh_short.sort(1, false).unwrap();
         assert_eq!(
             si.to_vec::<i64>().unwrap(),
             csi.to_vec::<i64>().unwrap(),
             "seed {seed}"
         );
-        assert_eq!(bits(&sv), bits(&csv), "seed {seed}");
+        assert_eq!(common::bits(&sv), common::bits(&csv), "seed {seed}");
     }
 }
 
