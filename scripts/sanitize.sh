@@ -4,7 +4,7 @@
 # per tool with the errors and warnings it reported.
 #
 #   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [-j JOBS] [--split K] [--ignored-only]
-#                       [--no-warm] [--exclude-vendor] [--exclude REGEX] [COMMAND ...]
+#                       [--part I/N] [--no-warm] [--exclude-vendor] [--exclude REGEX] [COMMAND ...]
 #
 # COMMAND   a program and its arguments as one string, split at spaces (no quoting), e.g.
 #           ".gpu/bin/it-0123abcd --include-ignored --test-threads=1 cuda_" or
@@ -22,6 +22,11 @@
 #           --include-ignored): the GPU tests, without the CPU tests that launch no kernel.
 # --split K with -d: each test binary runs as K processes, its tests (as its --list names them,
 #           with $SANITIZE_TEST_ARGS applied) dealt round-robin into K groups run with --exact.
+# SANITIZE_FIRST  words (substrings of a command) marking the slow commands: their runs, under
+#           every tool, are queued before all others (so one test runs under several tools at
+#           once: tests must not share files between processes).
+# --part I/N  run only commands I, I+N, I+2N, ... (counting from 1, after --split): a sweep
+#           too long for one device call done in N calls, each printing its own lines (add them).
 # -j JOBS   run up to JOBS processes at once (default 1), the plain runs and then every tool's
 #           runs from one queue, in the order of -t: one GPU runs many sanitized processes side
 #           by side, since the tools spend most of their time on the host (16 cores: -j 12).
@@ -44,7 +49,11 @@
 #           cuBLASLt, cuBLAS or cuDNN product of 11 of 33 processes, and every later test of
 #           those failed with CUDA_ERROR_ILLEGAL_ADDRESS; without the exclusion the same
 #           product test ran clean (session 50, docs/benchmarks.md runs 2 and 3). Read the
-#           summary's vendor/ember split instead.
+#           summary's vendor/ember split instead. For synccheck, do exclude them: with cuDNN's
+#           flash-attention kernels checked it warned "Detected overflow of tracked cuda::barrier
+#           structures" (with --num-cuda-barriers 64 too), the kernel failed, and so did every
+#           later test of its process (CUDA_ERROR_LAUNCH_FAILED); excluded, the same processes
+#           ran clean (session 51, runs 1 and 2).
 # --exclude REGEX   leave kernels matching REGEX unchecked too (several are joined with |; no
 #           commas: the tool splits its filter at them).
 #
@@ -88,9 +97,10 @@
 # --test-threads=1 keeps the logs in order), or run many processes at once (-j, --split: over
 # every GPU test of a bundle on one H200, memcheck's runs took ~1,600 s, beside the other
 # three tools', 15 processes at a time).
-# cuBLASLt's and cuDNN attention's outputs are zeroed first under the tool (Note [Library
-# outputs under initcheck] in ember-core's cuda_backend/mod.rs): initcheck does not see
-# cuBLASLt's stores.
+# cuBLASLt's and cuDNN attention's outputs are zeroed first under the tool, and copies captured
+# into a CUDA graph are kernels there (Notes [Library outputs under initcheck] and [Graph copies
+# under initcheck] in ember-core's cuda_backend/mod.rs): initcheck does not see cuBLASLt's
+# stores, and checks a graph's copies before its kernels have run.
 set -uo pipefail
 
 tools=memcheck,racecheck,synccheck,initcheck
@@ -98,6 +108,7 @@ logdir=sanitize-logs
 bundle=.gpu
 jobs=1
 split=1
+part=1/1
 select=--include-ignored
 warm=1
 exclude_vendor=0
@@ -110,11 +121,12 @@ while [ $# -gt 0 ]; do
     -d) bundle="$2"; shift 2 ;;
     -j) jobs="$2"; shift 2 ;;
     --split) split="$2"; shift 2 ;;
+    --part) part="$2"; shift 2 ;;
     --ignored-only) select=--ignored; shift ;;
     --no-warm) warm=0; shift ;;
     --exclude-vendor) exclude_vendor=1; shift ;;
     --exclude) excludes+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,93p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,103p' "$0"; exit 0 ;;
     --) shift; commands+=("$@"); break ;;
     -*) echo "sanitize.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     *) commands+=("$1"); shift ;;
@@ -131,6 +143,11 @@ fi
 for n in "$jobs" "$split"; do
   [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "sanitize.sh: -j and --split take a positive whole number, got $n" >&2; exit 2; }
 done
+if [[ ! "$part" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then
+  echo "sanitize.sh: --part takes I/N with 1 <= I <= N, got $part" >&2
+  exit 2
+fi
+part_i=${BASH_REMATCH[1]} part_n=${BASH_REMATCH[2]}
 IFS=, read -ra tool_list <<< "$tools"
 for t in "${tool_list[@]}"; do
   case "$t" in
@@ -169,6 +186,15 @@ if [ ${#commands[@]} = 0 ]; then
   for ex in ${SANITIZE_EXAMPLES:-tutorial_mlp tutorial_cnn tutorial_lstm tutorial_transformer mixed_precision cuda_streams cuda_graphs_training pinned_loader gradient_accumulation activation_checkpointing}; do
     [ -x "$bundle/bin/$ex" ] && commands+=("$bundle/bin/$ex")
   done
+fi
+
+if [ "$part_n" -gt 1 ]; then
+  kept=()
+  for i in "${!commands[@]}"; do
+    [ $((i % part_n)) = $((part_i - 1)) ] && kept+=("${commands[$i]}")
+  done
+  commands=(${kept[@]+"${kept[@]}"})
+  [ ${#commands[@]} -gt 0 ] || { echo "sanitize.sh: part $part holds no command" >&2; exit 2; }
 fi
 
 # The kernels left unchecked: one regex for the tool's --kernel-name-exclude filter (its keys
@@ -241,10 +267,23 @@ run_one() {
 # Every run from one queue, at most JOBS at once; none is started within 10 s of the deadline.
 began=$SECONDS
 deadline=${SANITIZE_DEADLINE:-0}
+# The commands naming a word of $SANITIZE_FIRST (the slow ones) go first, under every tool,
+# so that a deadline stops short runs queued last rather than long ones started late.
+slow=() rest=()
+for i in "${!commands[@]}"; do
+  hit=0
+  for word in ${SANITIZE_FIRST:-}; do
+    case "${commands[$i]}" in *"$word"*) hit=1 ;; esac
+  done
+  if [ $hit = 1 ]; then slow+=("$i"); else rest+=("$i"); fi
+done
 queue=()
 [ $warm = 1 ] && for i in "${!commands[@]}"; do queue+=("plain $i"); done
+for i in ${slow[@]+"${slow[@]}"}; do
+  for tool in "${tool_list[@]}"; do queue+=("$tool $i"); done
+done
 for tool in "${tool_list[@]}"; do
-  for i in "${!commands[@]}"; do queue+=("$tool $i"); done
+  for i in ${rest[@]+"${rest[@]}"}; do queue+=("$tool $i"); done
 done
 rm -f "$logdir"/*.status
 for job in "${queue[@]}"; do
