@@ -37,7 +37,8 @@ fn dropout_prepared(input: &Tensor, p: f64, training: bool, gen: &Generator) -> 
     if p == 1.0 {
         return input.mul_scalar(0.0);
     }
-    let mask = Tensor::empty(input.shape(), input.dtype(), input.device())?;
-    mask.bernoulli_with_(1.0 - p, gen)?;
+    // Drawn as a new tensor: `bernoulli_with_` into an empty one draws the same values into a
+    // buffer of its own and copies them over.
+    let mask = input.bernoulli_p_with(1.0 - p, gen)?;
     input.mul(&mask.mul_scalar(1.0 / (1.0 - p))?)
 }

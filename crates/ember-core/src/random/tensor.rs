@@ -218,8 +218,13 @@ impl Tensor {
     /// A tensor of this shape, dtype and device with 1 drawn with probability `p`, else 0
     /// (`torch.bernoulli(input, p)`).
     pub fn bernoulli_p(&self, p: f64) -> Result<Tensor> {
+        self.bernoulli_p_with(p, default_generator(self.device()))
+    }
+
+    /// [`Tensor::bernoulli_p`] drawing from `gen`: the values `bernoulli_with_(p, gen)` writes
+    /// into a tensor of this shape, without the copy an in-place fill makes.
+    pub fn bernoulli_p_with(&self, p: f64, gen: &Generator) -> Result<Tensor> {
         let dist = check_probability("bernoulli", p)?;
-        let gen = default_generator(self.device());
         draw(
             &policy::BERNOULLI,
             self.shape().clone(),

@@ -224,6 +224,11 @@ fn runs() -> Vec<(&'static str, &'static str, Run)> {
             }),
         ),
         ("bernoulli_p", "bernoulli", run(|| x()?.bernoulli_p(0.5))),
+        (
+            "bernoulli_p_with",
+            "bernoulli",
+            run(|| x()?.bernoulli_p_with(0.5, &ember_core::Generator::new(1))),
+        ),
         ("uniform_", "uniform_", run(|| x()?.uniform_(0.0, 1.0))),
         (
             "uniform_with_",

@@ -315,6 +315,32 @@ fn bernoulli_statistics_and_dtypes() {
 }
 
 #[test]
+fn bernoulli_p_with_draws_what_the_in_place_fill_draws() {
+    // Dropout draws its mask with `bernoulli_p_with`: the same values, and the same advance of
+    // the generator, as filling an empty tensor with `bernoulli_with_`.
+    for device in common::devices() {
+        for dtype in [DType::F32, DType::BF16] {
+            let (a, b) = (Generator::new(21), Generator::new(21));
+            let like = Tensor::zeros([5, 67], dtype, device).unwrap();
+            let fresh = like.bernoulli_p_with(0.3, &a).unwrap();
+            let filled = Tensor::empty([5, 67], dtype, device).unwrap();
+            filled.bernoulli_with_(0.3, &b).unwrap();
+            let ones = fresh.to_vec_f64().unwrap().iter().filter(|&&v| v == 1.0).count();
+            assert!(
+                (60..=140).contains(&ones),
+                "{ones} ones of 335 at p = 0.3 on {device:?}"
+            );
+            assert_eq!(
+                fresh.to_vec_f64().unwrap(),
+                filled.to_vec_f64().unwrap(),
+                "{device:?} {dtype:?}"
+            );
+            assert_eq!(a.get_state(), b.get_state(), "{device:?} {dtype:?}");
+        }
+    }
+}
+
+#[test]
 fn randint_covers_its_range_uniformly() {
     for device in common::devices() {
         let g = Generator::new(8);
