@@ -815,7 +815,7 @@ impl<'a> Gemm<'a> {
             }
             .map_err(blas_error("cublasLtMatmul"))
         };
-        if !add_to_d && super::prefill_library_outputs() {
+        if !add_to_d && super::sanitizer_workarounds() {
             // Note [Library outputs under initcheck] in `mod.rs`: D's `batch * m` rows of `n`
             // elements, `ldd` apart, zeroed on the product's stream.
             let elem = out.size_in_bytes();

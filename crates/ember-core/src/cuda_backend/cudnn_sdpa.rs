@@ -680,7 +680,7 @@ fn run(rt: &DeviceRuntime, key: Key, p: &SdpaParams, pointers: &[(i64, u64)]) ->
 /// A buffer for an output cuDNN writes: zeroed first under compute-sanitizer (Note [Library
 /// outputs under initcheck] in `mod.rs`), else left as the allocator gives it.
 fn output(rt: &DeviceRuntime, dtype: DType, len: usize) -> Result<CudaStorage> {
-    if super::prefill_library_outputs() {
+    if super::sanitizer_workarounds() {
         CudaStorage::full(rt.ordinal, dtype, len, 0.0)
     } else {
         CudaStorage::alloc_on(rt, dtype, len)

@@ -285,7 +285,10 @@ impl CudaStorage {
         let rt = self.runtime()?;
         let stream = current_raw(rt.ordinal);
         let (dst, srcp) = (self.ptr(dst_layout), src.ptr(src_layout));
-        if src.dtype == self.dtype && dst_layout.is_contiguous() && src_layout.is_contiguous() {
+        // Under compute-sanitizer a copy captured into a graph is a kernel (Note [Graph copies
+        // under initcheck] in `mod.rs`).
+        let memcpy = !(super::sanitizer_workarounds() && super::capture::any_on_device(rt.ordinal));
+        if memcpy && src.dtype == self.dtype && dst_layout.is_contiguous() && src_layout.is_contiguous() {
             super::kernel_timing::note_work(stream);
             let _copy = super::cupti::copy_guard();
             // SAFETY: both ranges hold `n` elements of one dtype inside their storages.
