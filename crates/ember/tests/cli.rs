@@ -55,7 +55,9 @@ fn info_lists_cuda_libraries_and_devices_it_finds() {
 
 /// A fresh scratch directory under the target dir for one test.
 fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    // One per process: compute-sanitizer's tools ran the same test side by side, and two
+    // killed-and-resumed runs sharing a checkpoint made "epoch differs" failures (session 51).
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("the scratch dir can be created");
     dir
