@@ -112,9 +112,9 @@ pub(crate) fn under_compute_sanitizer() -> bool {
 // case's dK and dV, which cuDNN's flash-attention backward writes (its dQ goes through cuDNN's
 // own conversion kernel): so cuDNN's attention outputs are zeroed first under the tool too
 // (`cudnn_sdpa.rs`; session 51 run 1: the fp16 attention case then gave 0 reports).
-// `EMBER_SANITIZER_PREFILL=0` turns all of this off, and Note [Graph copies under initcheck]
-// (`scripts/initcheck-probe.sh` does, to show the tool's own view). Nothing changes without the
-// tool.
+// `EMBER_SANITIZER_PREFILL=0` turns all of this off, and the kernel copies of Note [Graph
+// copies under initcheck] too (`scripts/initcheck-probe.sh` sets it, to show the tool's own
+// view). Nothing changes without the tool.
 //
 // Note [Graph copies under initcheck]: initcheck checks a graph's memcpy nodes at the graph's
 // launch (the reports' host backtraces end in `cuGraphLaunch`), so a device copy captured after
@@ -122,7 +122,7 @@ pub(crate) fn under_compute_sanitizer() -> bool {
 // 32 bytes copied, though the kernel runs first: 1,250 reports for a captured in-place draw's
 // 40,000 bytes (`cuda_capture::a_captured_draw_draws_new_numbers_at_every_replay`), 2,562 for a
 // captured step's 81,980 bytes of parameter copies (session 51 run 1), 32 for a dropout mask's
-// 1,024 (session 50 run 3; the mask is drawn in place of the copy since). Every replay equals
+// 1,024 (session 50 run 3; dropout draws its mask without a copy since). Every replay equals
 // eager execution bit for bit. So under the tool a same-dtype contiguous copy made while a
 // capture is underway on its GPU is the copy kernel (`cast_contig` of one dtype), whose reads
 // the tool checks when they happen.
