@@ -1668,3 +1668,84 @@ fn train_gpt2_sharded_checkpoint_resumes_on_two_processes_and_on_one() {
         "{err}"
     );
 }
+
+/// `scripts/sanitize.sh` (run on the GPU machine, where no test of it runs) driven by a stand-in
+/// compute-sanitizer that logs its arguments: `--part` picks every Nth command, synccheck alone
+/// leaves the vendor kernels unchecked, and a bad `--part` is refused.
+#[test]
+fn sanitize_script_parts_and_per_tool_exclusions() {
+    let dir = scratch("sanitize_script");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/sanitize.sh");
+    let fake = dir.join("compute-sanitizer");
+    let calls = dir.join("calls.txt");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/usr/bin/env bash\n\
+             [ \"$1\" = --version ] && {{ echo stand-in 1; exit 0; }}\n\
+             echo \"$*\" >> {calls}\n\
+             while [ $# -gt 0 ]; do case \"$1\" in\n\
+               --log-file) log=$2; shift 2 ;;\n\
+               --tool|--target-processes|--error-exitcode|--print-limit|--report-api-errors|--kernel-name-exclude) shift 2 ;;\n\
+               *) break ;;\n\
+             esac; done\n\
+             echo '========= ERROR SUMMARY: 0 errors' > \"${{log//%p/$$}}\"\n\
+             exec \"$@\"\n",
+            calls = calls.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let run = |args: &[&str]| {
+        Command::new("bash")
+            .arg(&script)
+            .args(args)
+            .env("COMPUTE_SANITIZER", &fake)
+            .output()
+            .unwrap()
+    };
+    let logs = dir.join("logs");
+    let out = run(&[
+        "--no-warm",
+        "-t",
+        "racecheck,synccheck",
+        "-o",
+        logs.to_str().unwrap(),
+        "--part",
+        "2/3",
+        "echo a",
+        "echo b",
+        "echo c",
+        "echo d",
+        "echo e",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("command 0: echo b\n") && stdout.contains("command 1: echo e\n"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("echo a") && !stdout.contains("echo c"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("racecheck: 0 errors, 0 warnings (2 runs, 0 failed, 0 not run"),
+        "{stdout}"
+    );
+    let calls = std::fs::read_to_string(&calls).unwrap();
+    let lines: Vec<&str> = calls.lines().collect();
+    assert_eq!(lines.len(), 4, "{calls}");
+    for line in lines {
+        let excludes = line.contains("--kernel-name-exclude regex=.*(cudnn|");
+        assert_eq!(excludes, line.contains("--tool synccheck"), "{line}");
+    }
+    let bad = run(&["--part", "4/3", "echo a"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--part takes I/N"));
+}
