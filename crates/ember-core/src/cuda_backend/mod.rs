@@ -131,8 +131,8 @@ pub(crate) fn under_compute_sanitizer() -> bool {
 /// initcheck], Note [Graph copies under initcheck]): under the tool, unless
 /// `EMBER_SANITIZER_PREFILL=0`. Read once per process.
 pub(crate) fn sanitizer_workarounds() -> bool {
-    static PREFILL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PREFILL.get_or_init(|| {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
         under_compute_sanitizer() && std::env::var("EMBER_SANITIZER_PREFILL").as_deref() != Ok("0")
     })
 }

@@ -14,40 +14,13 @@ const ALL: [DType; 8] = crate::common::ALL_DTYPES;
 const SEEDS: [u64; 3] = [0, 42, 0x0123_4567_89ab_cdef];
 const SIZES: [usize; 7] = [0, 1, 3, 5, 7, 1001, (1 << 20) + 3];
 
-/// The bit pattern of every element (as u64), so that comparisons are exact.
-fn bits(t: &Tensor) -> Vec<u64> {
-    match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|x| x.to_bits()).collect(),
-        DType::F16 => t
-            .to_vec::<half::f16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::BF16 => t
-            .to_vec::<half::bf16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::I64 => t.to_vec::<i64>().unwrap().iter().map(|&x| x as u64).collect(),
-        _ => t.to_vec_f64().unwrap().iter().map(|x| x.to_bits()).collect(),
-    }
-}
-
 /// Asserts bitwise equality of `cuda` and `cpu` (same dtype and shape), allowing `misses`
 /// elements whose bit patterns differ by at most `ulps` (same sign).
 fn assert_bits(what: &str, cuda: &Tensor, cpu: &Tensor, misses: usize, ulps: u64) {
     assert!(cuda.device().is_cuda(), "{what}: result left the GPU");
     assert_eq!(cuda.dtype(), cpu.dtype(), "{what}: dtype");
     assert_eq!(cuda.shape(), cpu.shape(), "{what}: shape");
-    let (a, e) = (bits(cuda), bits(cpu));
+    let (a, e) = (common::bits(cuda), common::bits(cpu));
     let mut missed = 0;
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         if x != y {
