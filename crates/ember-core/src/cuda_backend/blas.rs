@@ -715,7 +715,7 @@ impl<'a> Gemm<'a> {
         let (workspace_ptr, workspace) = thread
             .workspaces
             .entry((rt.ordinal, stream))
-            .or_insert_with(|| CudaStorage::alloc_on(rt, DType::U8, WORKSPACE_BYTES).ok())
+            .or_insert_with(|| super::library_buffer(rt, DType::U8, WORKSPACE_BYTES).ok())
             .as_ref()
             .map_or((0, 0), |w| (w.ptr_at(0), w.len()));
         let key = PlanKey {

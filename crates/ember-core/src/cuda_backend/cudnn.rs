@@ -200,7 +200,7 @@ impl ThreadDnn {
         }
         // Free the smaller one first so that the allocator can reuse its memory.
         self.workspaces.remove(&key);
-        let w = CudaStorage::alloc_on(rt, DType::U8, bytes)?;
+        let w = super::library_buffer(rt, DType::U8, bytes)?;
         let out = (w.ptr_at(0), w.len());
         self.workspaces.insert(key, w);
         Ok(out)

@@ -621,7 +621,7 @@ fn run(rt: &DeviceRuntime, key: Key, p: &SdpaParams, pointers: &[(i64, u64)]) ->
             return Ok(false);
         };
         let workspace = if plan.workspace > 0 {
-            Some(CudaStorage::alloc_on(rt, DType::U8, plan.workspace)?)
+            Some(super::library_buffer(rt, DType::U8, plan.workspace)?)
         } else {
             None
         };
@@ -677,14 +677,9 @@ fn run(rt: &DeviceRuntime, key: Key, p: &SdpaParams, pointers: &[(i64, u64)]) ->
     })
 }
 
-/// A buffer for an output cuDNN writes: zeroed first under compute-sanitizer (Note [Library
-/// outputs under initcheck] in `mod.rs`), else left as the allocator gives it.
+/// A buffer for an output cuDNN writes (Note [Library outputs under initcheck] in `mod.rs`).
 fn output(rt: &DeviceRuntime, dtype: DType, len: usize) -> Result<CudaStorage> {
-    if super::sanitizer_workarounds() {
-        CudaStorage::full(rt.ordinal, dtype, len, 0.0)
-    } else {
-        CudaStorage::alloc_on(rt, dtype, len)
-    }
+    super::library_buffer(rt, dtype, len)
 }
 
 impl AttentionOps for CudaStorage {

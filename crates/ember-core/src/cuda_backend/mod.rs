@@ -112,6 +112,12 @@ pub(crate) fn under_compute_sanitizer() -> bool {
 // case's dK and dV, which cuDNN's flash-attention backward writes (its dQ goes through cuDNN's
 // own conversion kernel): so cuDNN's attention outputs are zeroed first under the tool too
 // (`cudnn_sdpa.rs`; session 51 run 1: the fp16 attention case then gave 0 reports).
+// The libraries' workspaces too: `ember train`'s CNN (batch 128) gave 802,816 reports in
+// cuDNN's `nhwcToNchwKernel` after its data-gradient convolution (fp32) and 372,736 in
+// cuBLASLt's `splitKreduce_kernel` (fp16), vendor kernels reading the partial results their
+// own kernels had stored in the workspace (session 52 run 1). So a workspace is zeroed when it
+// is allocated under the tool ([`library_buffer`]): the tool counts bytes initialized from
+// their first seen write on, so one memset covers every later use of the workspace.
 // `EMBER_SANITIZER_PREFILL=0` turns all of this off, and the kernel copies of Note [Graph
 // copies under initcheck] too (`scripts/initcheck-probe.sh` sets it, to show the tool's own
 // view). Nothing changes without the tool.
@@ -135,6 +141,21 @@ pub(crate) fn sanitizer_workarounds() -> bool {
     *ON.get_or_init(|| {
         under_compute_sanitizer() && std::env::var("EMBER_SANITIZER_PREFILL").as_deref() != Ok("0")
     })
+}
+
+/// `len` elements of `dtype` for a library (cuBLASLt, cuDNN) to write, as an output or a
+/// workspace: zeroed first under compute-sanitizer (Note [Library outputs under initcheck]),
+/// else as the caching allocator gives them.
+pub(crate) fn library_buffer(
+    rt: &runtime::DeviceRuntime,
+    dtype: crate::DType,
+    len: usize,
+) -> crate::Result<storage::CudaStorage> {
+    if sanitizer_workarounds() {
+        storage::CudaStorage::full(rt.ordinal, dtype, len, 0.0)
+    } else {
+        storage::CudaStorage::alloc_on(rt, dtype, len)
+    }
 }
 
 /// Compiles every kernel source with NVRTC for `arch` (e.g. `"sm_90"`), every unit of each
