@@ -4,7 +4,8 @@
 # per tool with the errors and warnings it reported.
 #
 #   scripts/sanitize.sh [-t TOOLS] [-o LOGDIR] [-d BUNDLE] [-j JOBS] [--split K] [--ignored-only]
-#                       [--part I/N] [--no-warm] [--exclude-vendor] [--exclude REGEX] [COMMAND ...]
+#                       [--part I/N] [--windows K:N] [--no-warm] [--exclude-vendor] [--exclude REGEX]
+#                       [COMMAND ...]
 #
 # COMMAND   a program and its arguments as one string, split at spaces (no quoting), e.g.
 #           ".gpu/bin/it-0123abcd --include-ignored --test-threads=1 cuda_" or
@@ -27,6 +28,12 @@
 #           once: tests must not share files between processes).
 # --part I/N  run only commands I, I+N, I+2N, ... (counting from 1, after --split): a sweep
 #           too long for one device call done in N calls, each printing its own lines (add them).
+# --windows K:N  each command runs K times under each tool, run w checking kernel launches
+#           w*N to w*N+N-1 only (the tool's --launch-skip and --launch-count; the last run checks
+#           every launch from (K-1)*N on) while the rest run unchecked at full speed: a program
+#           too slow under a tool (racecheck over ember's sort test stopped at 507 s; its first
+#           300 launches took 64 s) is checked in windows side by side. The windows cover every
+#           launch when the program's launch sequence repeats from run to run.
 # -j JOBS   run up to JOBS processes at once (default 1), the plain runs and then every tool's
 #           runs from one queue, in the order of -t: one GPU runs many sanitized processes side
 #           by side, since the tools spend most of their time on the host (16 cores: -j 12).
@@ -98,10 +105,11 @@
 # --test-threads=1 keeps the logs in order), or run many processes at once (-j, --split: over
 # every GPU test of a bundle on one H200, memcheck's runs took ~1,600 s, beside the other
 # three tools', 15 processes at a time).
-# cuBLASLt's and cuDNN attention's outputs are zeroed first under the tool, and copies captured
-# into a CUDA graph are kernels there (Notes [Library outputs under initcheck] and [Graph copies
-# under initcheck] in ember-core's cuda_backend/mod.rs): initcheck does not see cuBLASLt's
-# stores, and checks a graph's copies before its kernels have run.
+# cuBLASLt's and cuDNN attention's outputs and the libraries' workspaces are zeroed first under
+# the tool, and copies captured into a CUDA graph are kernels there (Notes [Library outputs
+# under initcheck] and [Graph copies under initcheck] in ember-core's cuda_backend/mod.rs):
+# initcheck does not see the libraries' TMA stores, and checks a graph's copies before its
+# kernels have run.
 set -uo pipefail
 
 tools=memcheck,racecheck,synccheck,initcheck
@@ -110,6 +118,7 @@ bundle=.gpu
 jobs=1
 split=1
 part=1/1
+windows=
 select=--include-ignored
 warm=1
 exclude_vendor=0
@@ -123,11 +132,12 @@ while [ $# -gt 0 ]; do
     -j) jobs="$2"; shift 2 ;;
     --split) split="$2"; shift 2 ;;
     --part) part="$2"; shift 2 ;;
+    --windows) windows="$2"; shift 2 ;;
     --ignored-only) select=--ignored; shift ;;
     --no-warm) warm=0; shift ;;
     --exclude-vendor) exclude_vendor=1; shift ;;
     --exclude) excludes+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,104p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
     --) shift; commands+=("$@"); break ;;
     -*) echo "sanitize.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     *) commands+=("$1"); shift ;;
@@ -149,6 +159,10 @@ if [[ ! "$part" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] || [ "${BASH_REMATCH[1]}" -g
   exit 2
 fi
 part_i=${BASH_REMATCH[1]} part_n=${BASH_REMATCH[2]}
+if [ -n "$windows" ] && [[ ! "$windows" =~ ^([1-9][0-9]*):([1-9][0-9]*)$ ]]; then
+  echo "sanitize.sh: --windows takes K:N (K runs of N launches each), got $windows" >&2
+  exit 2
+fi
 IFS=, read -ra tool_list <<< "$tools"
 for t in "${tool_list[@]}"; do
   case "$t" in
@@ -197,6 +211,27 @@ if [ "$part_n" -gt 1 ]; then
   commands=(${kept[@]+"${kept[@]}"})
   [ ${#commands[@]} -gt 0 ] || { echo "sanitize.sh: part $part holds no command" >&2; exit 2; }
 fi
+
+# --windows K:N: command i's launches to check, as the tool's arguments (none: all of them).
+window_args=()
+if [ -n "$windows" ]; then
+  win_k=${windows%:*} win_n=${windows#*:} expanded=()
+  for c in "${commands[@]}"; do
+    for ((w = 0; w < win_k; w++)); do
+      expanded+=("$c")
+      a="--launch-skip $((w * win_n))"
+      [ $w -lt $((win_k - 1)) ] && a="$a --launch-count $win_n"
+      window_args+=("$a")
+    done
+  done
+  commands=("${expanded[@]}")
+fi
+# Whether command i is a program's first run (its only one, or its first window): the one
+# that warms the cache.
+first_run() {
+  case "${window_args[$1]:-}" in "" | "--launch-skip 0" | "--launch-skip 0 "*) return 0 ;; esac
+  return 1
+}
 
 # The kernels left unchecked: one regex for the tool's --kernel-name-exclude filter (its keys
 # are kernel_name/kne, an exact mangled name; kernel_substring/kns; regex), matched anywhere
@@ -252,7 +287,7 @@ case ",$tools," in
 esac
 
 for i in "${!commands[@]}"; do
-  echo "command $i: ${commands[$i]}" | tee -a "$summary"
+  echo "command $i: ${commands[$i]}${window_args[$i]:+ (checking $(echo "${window_args[$i]}" | sed 's/--launch-//g'))}" | tee -a "$summary"
 done
 
 # One run: "plain" (no tool) or a tool, over command I. It leaves LOGDIR/TOOL-I.status holding
@@ -276,7 +311,7 @@ run_one() {
     timeout "$left" "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
       --print-limit 1000 --report-api-errors "${SANITIZE_API_ERRORS:-no}" \
       --log-file "$logdir/$tool-$i.%p.log" ${skip[@]+"${skip[@]}"} \
-      ${SANITIZE_ARGS:-} "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
+      ${SANITIZE_ARGS:-} ${window_args[$i]:-} "${cmd[@]}" > "$logdir/$tool-$i.out" 2>&1
   fi
   status=$?
   echo "$status $((SECONDS - start))" > "$logdir/$tool-$i.status"
@@ -296,7 +331,7 @@ for i in "${!commands[@]}"; do
   if [ $hit = 1 ]; then slow+=("$i"); else rest+=("$i"); fi
 done
 queue=()
-[ $warm = 1 ] && for i in "${!commands[@]}"; do queue+=("plain $i"); done
+[ $warm = 1 ] && for i in "${!commands[@]}"; do first_run "$i" && queue+=("plain $i"); done
 for i in ${slow[@]+"${slow[@]}"}; do
   for tool in "${tool_list[@]}"; do queue+=("$tool $i"); done
 done
@@ -314,6 +349,7 @@ wait
 
 if [ $warm = 1 ]; then
   for i in "${!commands[@]}"; do
+    first_run "$i" || continue
     if [ -f "$logdir/plain-$i.status" ]; then
       read -r status secs < "$logdir/plain-$i.status"
       echo "plain run of command $i: exit status $status ($secs s)" | tee -a "$summary"

@@ -1686,7 +1686,7 @@ fn sanitize_script_parts_and_per_tool_exclusions() {
              echo \"$*\" >> {calls}\n\
              while [ $# -gt 0 ]; do case \"$1\" in\n\
                --log-file) log=$2; shift 2 ;;\n\
-               --tool|--target-processes|--error-exitcode|--print-limit|--report-api-errors|--kernel-name-exclude) shift 2 ;;\n\
+               --tool|--target-processes|--error-exitcode|--print-limit|--report-api-errors|--kernel-name-exclude|--launch-skip|--launch-count) shift 2 ;;\n\
                *) break ;;\n\
              esac; done\n\
              echo '========= ERROR SUMMARY: 0 errors' > \"${{log//%p/$$}}\"\n\
@@ -1748,4 +1748,43 @@ fn sanitize_script_parts_and_per_tool_exclusions() {
     let bad = run(&["--part", "4/3", "echo a"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--part takes I/N"));
+
+    // --windows K:N: K runs of a command, each checking its own N launches, the last all the
+    // rest; one plain run warms the cache.
+    let calls = dir.join("calls.txt");
+    std::fs::remove_file(&calls).unwrap();
+    let out = run(&[
+        "-t",
+        "racecheck",
+        "-o",
+        logs.to_str().unwrap(),
+        "--windows",
+        "3:100",
+        "echo a",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("racecheck: 0 errors, 0 warnings (3 runs, 0 failed, 0 not run")
+            && stdout.contains("plain run of command 0:")
+            && !stdout.contains("plain run of command 1:"),
+        "{stdout}"
+    );
+    let calls = std::fs::read_to_string(&calls).unwrap();
+    let windows: Vec<&str> = calls
+        .lines()
+        .map(|l| &l[l.find("--launch-skip").expect(l)..])
+        .collect();
+    assert_eq!(
+        windows,
+        [
+            "--launch-skip 0 --launch-count 100 echo a",
+            "--launch-skip 100 --launch-count 100 echo a",
+            "--launch-skip 200 echo a"
+        ],
+        "{calls}"
+    );
+    let bad = run(&["--windows", "0:100", "echo a"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--windows takes K:N"));
 }

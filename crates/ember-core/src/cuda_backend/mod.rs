@@ -117,7 +117,8 @@ pub(crate) fn under_compute_sanitizer() -> bool {
 // cuBLASLt's `splitKreduce_kernel` (fp16), vendor kernels reading the partial results their
 // own kernels had stored in the workspace (session 52 run 1). So a workspace is zeroed when it
 // is allocated under the tool ([`library_buffer`]): the tool counts bytes initialized from
-// their first seen write on, so one memset covers every later use of the workspace.
+// their first seen write on, so one memset covers every later use of the workspace. The same
+// four runs then gave 0 reports (run 3).
 // `EMBER_SANITIZER_PREFILL=0` turns all of this off, and the kernel copies of Note [Graph
 // copies under initcheck] too (`scripts/initcheck-probe.sh` sets it, to show the tool's own
 // view). Nothing changes without the tool.
