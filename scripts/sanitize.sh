@@ -229,8 +229,7 @@ fi
 # Whether command i is a program's first run (its only one, or its first window): the one
 # that warms the cache.
 first_run() {
-  case "${window_args[$1]:-}" in "" | "--launch-skip 0" | "--launch-skip 0 "*) return 0 ;; esac
-  return 1
+  [ -z "$windows" ] || [ $(($1 % win_k)) = 0 ]
 }
 
 # The kernels left unchecked: one regex for the tool's --kernel-name-exclude filter (its keys

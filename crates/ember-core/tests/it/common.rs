@@ -231,36 +231,17 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
 /// The elements' bits (NaN payloads and signed zeros included, which `to_vec_f64` would blur),
 /// widened to u64, for an exact comparison in any dtype; integers and bools as int64.
 pub fn bits(t: &Tensor) -> Vec<u64> {
+    fn each<T: ember_core::cpu::CpuElement>(t: &Tensor, widen: fn(T) -> u64) -> Vec<u64> {
+        t.to_vec::<T>().unwrap().into_iter().map(widen).collect()
+    }
     let t = t.to(Device::Cpu).unwrap();
     match t.dtype() {
-        DType::F32 => t
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u64)
-            .collect(),
-        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|v| v.to_bits()).collect(),
-        DType::F16 => t
-            .to_vec::<half::f16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u64)
-            .collect(),
-        DType::BF16 => t
-            .to_vec::<half::bf16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits() as u64)
-            .collect(),
-        DType::I64 => t.to_vec::<i64>().unwrap().iter().map(|&v| v as u64).collect(),
-        _ => t
-            .to_dtype(DType::I64)
-            .unwrap()
-            .to_vec::<i64>()
-            .unwrap()
-            .iter()
-            .map(|&v| v as u64)
-            .collect(),
+        DType::F32 => each(&t, |v: f32| v.to_bits() as u64),
+        DType::F64 => each(&t, f64::to_bits),
+        DType::F16 => each(&t, |v: half::f16| v.to_bits() as u64),
+        DType::BF16 => each(&t, |v: half::bf16| v.to_bits() as u64),
+        DType::I64 => each(&t, |v: i64| v as u64),
+        _ => each(&t.to_dtype(DType::I64).unwrap(), |v: i64| v as u64),
     }
 }
 
