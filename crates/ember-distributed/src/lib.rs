@@ -76,7 +76,8 @@ pub use backend::{Backend, ReduceOp, Work, WorkHandle};
 pub use checkpoint as dcp;
 pub use cpu_backend::CpuBackend;
 pub use ddp::{
-    default_hooks, CommFuture, DdpOptions, DistributedDataParallel, ForwardOutput, GradBucket, NoSyncGuard,
+    default_hooks, BuiltinCommHookType, CommFuture, DdpOptions, DistributedDataParallel, ForwardOutput,
+    GradBucket, NoSyncGuard,
 };
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor, Placement};
 pub use fsdp::{

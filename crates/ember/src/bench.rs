@@ -63,8 +63,9 @@ fn only_when_named(name: &str) -> bool {
         || name.starts_with("fsdp_")
 }
 
-/// `--comm-hook`: the DDP communication hook the `ddp_*` workloads register
-/// (`ember_distributed::default_hooks`), named in their JSON line as `comm_hook`.
+/// `--comm-hook`: the DDP communication hook the `ddp_*` workloads register, a built-in one
+/// (`register_builtin_comm_hook`, the functions of `ember_distributed::default_hooks`, which
+/// DDP may call on a large weight's row blocks), named in their JSON line as `comm_hook`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommHook {
     /// `allreduce_hook`: DDP's average, by a hook.
@@ -90,12 +91,12 @@ impl CommHook {
         self,
         ddp: &ember::distributed::DistributedDataParallel<M>,
     ) -> Result<()> {
-        use ember::distributed::default_hooks as hooks;
-        match self {
-            CommHook::Allreduce => ddp.register_comm_hook(None, hooks::allreduce_hook),
-            CommHook::Fp16 => ddp.register_comm_hook(None, hooks::fp16_compress_hook),
-            CommHook::Bf16 => ddp.register_comm_hook(None, hooks::bf16_compress_hook),
-        }
+        use ember::distributed::BuiltinCommHookType as Hook;
+        ddp.register_builtin_comm_hook(match self {
+            CommHook::Allreduce => Hook::Allreduce,
+            CommHook::Fp16 => Hook::Fp16Compress,
+            CommHook::Bf16 => Hook::Bf16Compress,
+        })
     }
 }
 

@@ -37,7 +37,7 @@ use ember_nn::{Forward, Module, ModuleExt, TensorKind};
 
 use crate::backend::ReduceOp;
 use crate::group::{default_group, ProcessGroup};
-pub use comm_hook::{default_hooks, CommFuture, GradBucket};
+pub use comm_hook::{default_hooks, BuiltinCommHookType, CommFuture, GradBucket};
 use reducer::Reducer;
 pub use reducer::{DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES};
 
@@ -310,6 +310,12 @@ impl<M: Module> DistributedDataParallel<M> {
         S: Send + Sync + 'static,
         F: Fn(&S, &GradBucket) -> Result<CommFuture> + Send + Sync + 'static,
     {
+        self.set_comm_hook(Box::new(move |bucket: &GradBucket| hook(&state, bucket)), false)
+    }
+
+    /// [`DistributedDataParallel::register_comm_hook`] of a boxed hook, which the reducer may
+    /// call on row blocks with `by_blocks`.
+    fn set_comm_hook(&self, hook: comm_hook::BoxedCommHook, by_blocks: bool) -> Result<()> {
         if self.forwarded.load(Ordering::SeqCst) {
             return Err(Error::invalid(
                 "DistributedDataParallel::register_comm_hook",
@@ -317,8 +323,32 @@ impl<M: Module> DistributedDataParallel<M> {
                  armed the built-in reduction; register the hook right after DistributedDataParallel::new",
             ));
         }
-        self.reducer
-            .set_comm_hook(Box::new(move |bucket: &GradBucket| hook(&state, bucket)))
+        self.reducer.set_comm_hook(hook, by_blocks)
+    }
+
+    /// Registers one of the built-in communication hooks (PyTorch's
+    /// `ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)`): the same
+    /// values as [`DistributedDataParallel::register_comm_hook`] with the matching function of
+    /// [`default_hooks`] and the DDP's own group, but DDP knows what the hook does to a bucket,
+    /// element by element: over more than one GPU, the bucket of a large weight is handed to it
+    /// in row blocks, each as soon as backward has computed it (Note [DDP comm hooks]), so its
+    /// compression and collective overlap the rest of the product instead of following it.
+    /// The same errors as `register_comm_hook`.
+    ///
+    /// ```no_run
+    /// use ember_core::Device;
+    /// use ember_distributed::{self as dist, BuiltinCommHookType, DdpOptions, DistributedDataParallel};
+    /// use ember_nn::Linear;
+    /// # fn main() -> ember_core::Result<()> {
+    /// dist::init_process_group(dist::InitOptions::new(dist::BackendKind::Nccl))?; // under ember-run
+    /// let ddp = DistributedDataParallel::new(Linear::new(10, 5, Device::Cuda(0))?, DdpOptions::new())?;
+    /// ddp.register_builtin_comm_hook(BuiltinCommHookType::Bf16Compress)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn register_builtin_comm_hook(&self, hook: BuiltinCommHookType) -> Result<()> {
+        let f = hook.function();
+        self.set_comm_hook(Box::new(move |bucket: &GradBucket| f(&None, bucket)), true)
     }
 
     /// Runs a forward pass of the module through `f` (for modules whose forward takes or

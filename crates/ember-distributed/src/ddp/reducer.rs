@@ -63,11 +63,12 @@
 //! one-parameter bucket of a 2-D float weight on a GPU of at least two [`ROW_BLOCK_BYTES`] (at
 //! most [`MAX_ROW_BLOCKS`]) has its gradient computed in row blocks, an event after each (Note
 //! [Gradients in row blocks] in ember-core), and all-reduced block by block, each after its
-//! event, so the first rows travel while the last ones are computed. At the end of backward
-//! the one-parameter buckets from the first such bucket on are handed on as they arrive
-//! (`cuda::arriving_in_row_blocks`, Note [Arrivals in row blocks] in ember-core): the current
-//! stream does not wait for them, the fused Adam step updates each block once its all-reduce
-//! is done (and the other parameters first), and every other op waits for the whole.
+//! event, so the first rows travel while the last ones are computed. The one-parameter
+//! buckets from the first such bucket on are handed on as they arrive as soon as their
+//! all-reduces start (`cuda::arriving_in_row_blocks`, Note [Arrivals in row blocks] in
+//! ember-core): the current stream does not wait for them, the fused Adam step updates each
+//! block once its all-reduce is done (and the other parameters first), and every other op
+//! waits for the whole.
 //! - The blocks are always all-reduced separately, events or not (a gradient summed from two
 //!   uses, one computed under capture), so every rank issues the same collectives.
 //! - A block's all-reduce is issued from a side stream that waits for the block's event: the
@@ -101,6 +102,24 @@
 //!   Updating the first layer's blocks on a side stream as they arrive (tried, reverted)
 //!   slowed the step to 2.62 ms: the updates ran beside the all-reduces and products and were
 //!   slowed by them.
+//!
+//! Note [DDP early copy back]: on a GPU outside capture (and without `find_unused_parameters`,
+//! `gradient_as_bucket_view` or a hook), a bucket of several parameters has its averages copied
+//! back into `.grad` as soon as its all-reduce is issued, on the reducer's side stream, which
+//! waits for the all-reduce: the copy runs while backward goes on, where finalize used to copy
+//! every bucket back on the compute stream after backward (GPT-2 124M: 14 copies, 280 us of
+//! its step). Each gradient is then handed on as arriving whole, an event after its copy (Note
+//! [Arrivals in row blocks] in ember-core): an op that reads it waits for the copy (a hook
+//! after DDP's reading `.grad` in backward sees the average, where PyTorch's sees the local
+//! gradient until the end of backward), and the fused Adam step takes the arrivals in the
+//! order the buckets were all-reduced, each after its all-reduce. So the buckets reduced after
+//! the first one in row blocks (Note [DDP row blocks]; GPT-2's tied embedding, whose last
+//! contribution comes from the last node of backward, and the buckets after it) no longer hold
+//! the step of every other parameter until their all-reduces end (a CUPTI trace of ddp_gpt2 on
+//! two H200s: 740 us of all-reduces after backward, then the whole 1 ms Adam step). A slot
+//! with no `.grad`, or whose `.grad` was replaced since its hook, is written by finalize as
+//! before, after the all-reduce; so is a bucket with a 0-d or strided gradient, which cannot
+//! arrive.
 //!
 //! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
 //! thread running backward) and by forward; never held while calling into autograd.
@@ -156,14 +175,20 @@ struct Bucket {
     /// The all-reduce (one per row block), once started.
     work: Vec<Work>,
     /// What the communication hook returned for this pass, instead of `work` (Note [DDP comm
-    /// hooks]).
-    future: Option<CommFuture>,
+    /// hooks]): one future, or one per row block for a built-in hook.
+    futures: Vec<CommFuture>,
     /// What this pass all-reduces instead of `flat`: the one parameter's own `.grad` (Note
     /// [DDP one-parameter buckets]).
     in_place: Option<Tensor>,
     /// Per slot: the gradient to copy into the slot when the bucket starts (Note [DDP bucket
     /// copies]).
     gathered: Vec<Option<Tensor>>,
+    /// Gradients the average was copied back into as soon as the all-reduce started, on the
+    /// side stream, handed on as arriving (Note [DDP early copy back]).
+    copied_back: Vec<Tensor>,
+    /// `in_place` was handed on as arriving when its all-reduce started (Note [DDP row
+    /// blocks]).
+    handed_on: bool,
 }
 
 /// What changes while training.
@@ -190,6 +215,9 @@ struct State {
     /// Per parameter: the row blocks its gradient is all-reduced in (Note [DDP row blocks]);
     /// 0 over one rank, where nothing is all-reduced, and with a communication hook.
     row_blocks: Vec<usize>,
+    /// The side stream that waits for the all-reduces on a GPU (Note [DDP row blocks], Note
+    /// [DDP early copy back]), made on first use.
+    side: Option<cuda::Stream>,
 }
 
 /// Reduces the gradients of `params` across a process group (see the module notes).
@@ -204,6 +232,9 @@ pub(crate) struct Reducer {
     /// The communication hook that reduces each bucket instead of the built-in average (Note
     /// [DDP comm hooks]); set at most once.
     comm_hook: OnceLock<BoxedCommHook>,
+    /// The hook is a built-in one, which reduces any part of a bucket on its own: it is given
+    /// a one-parameter bucket's row blocks one by one (Note [DDP comm hooks]).
+    hook_by_blocks: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
 }
 
@@ -234,6 +265,7 @@ impl Reducer {
             gradient_as_bucket_view,
             limits,
             comm_hook: OnceLock::new(),
+            hook_by_blocks: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State {
                 buckets,
                 locator,
@@ -247,6 +279,7 @@ impl Reducer {
                 has_rebuilt_buckets: false,
                 rebuilt_param_order: Vec::new(),
                 row_blocks: blocks,
+                side: None,
             }),
         });
         let mut hooks = Vec::with_capacity(n);
@@ -285,9 +318,10 @@ impl Reducer {
     }
 
     /// Sets the communication hook (Note [DDP comm hooks]); an error when one is set already.
-    /// Before the first forward: the buckets of the first iteration are made again without
-    /// row blocks (a hook sees whole buckets).
-    pub(crate) fn set_comm_hook(&self, hook: BoxedCommHook) -> Result<()> {
+    /// Before the first forward: unless the hook reduces a bucket `by_blocks` (a built-in
+    /// one), the buckets of the first iteration are made again without row blocks (a hook sees
+    /// whole buckets).
+    pub(crate) fn set_comm_hook(&self, hook: BoxedCommHook, by_blocks: bool) -> Result<()> {
         let mut st = self.lock();
         if self.comm_hook.set(hook).is_err() {
             return Err(Error::invalid(
@@ -296,7 +330,9 @@ impl Reducer {
                  register one hook that does all the work (it may call others)",
             ));
         }
-        if st.row_blocks.iter().any(|&b| b > 1) {
+        self.hook_by_blocks
+            .store(by_blocks, std::sync::atomic::Ordering::Relaxed);
+        if !by_blocks && st.row_blocks.iter().any(|&b| b > 1) {
             st.row_blocks.iter_mut().for_each(|b| *b = 0);
             let order: Vec<usize> = (0..self.params.len()).rev().collect();
             let assignment =
@@ -396,6 +432,11 @@ impl Reducer {
         }
         bucket.pending -= 1;
         let n_buckets = st.buckets.len();
+        let side = match st.buckets[st.next_bucket.min(n_buckets - 1)].pending {
+            0 => self.hand_on_stream(st)?,
+            _ => None,
+        };
+        let first_blocked = st.buckets.iter().position(|b| b.row_blocks > 1);
         while st.next_bucket < n_buckets && st.buckets[st.next_bucket].pending == 0 {
             let index = st.next_bucket;
             let next = &mut st.buckets[index];
@@ -410,16 +451,44 @@ impl Reducer {
             match self.comm_hook.get() {
                 Some(hook) => {
                     let bucket = self.grad_bucket(next, index, n_buckets)?;
-                    next.future = Some(hook(&bucket)?);
+                    let dims = self.params[next.params[0]].dims().to_vec();
+                    next.futures = self.hook_in_row_blocks(hook, &bucket, &dims, next.row_blocks)?;
                 }
                 None => {
                     let dims = self.params[next.params[0]].dims().to_vec();
                     next.work = self.all_reduce_in_row_blocks(target, &dims, next.row_blocks)?;
+                    match (&side, &next.in_place) {
+                        (Some(side), Some(g)) if first_blocked.is_some_and(|f| index >= f) => {
+                            hand_on(g, next.row_blocks, &next.work, side)?;
+                            next.handed_on = true;
+                        }
+                        (Some(side), None)
+                            if !self.find_unused_parameters && !self.gradient_as_bucket_view =>
+                        {
+                            next.copied_back = copy_back_early(&next.work, grads, &views, &next.flat, side)?;
+                        }
+                        _ => {}
+                    }
                 }
             }
             st.next_bucket += 1;
         }
         Ok(())
+    }
+
+    /// The side stream on which gradients are handed on as arriving as soon as their
+    /// all-reduce starts (Note [DDP row blocks], Note [DDP early copy back]): on a GPU outside
+    /// capture and without a hook; None where finalize waits for every bucket.
+    fn hand_on_stream(&self, st: &mut State) -> Result<Option<cuda::Stream>> {
+        match self.group.device() {
+            Device::Cuda(d) if self.comm_hook.get().is_none() && !cuda::is_current_stream_capturing() => {
+                if st.side.is_none() {
+                    st.side = Some(cuda::Stream::new_on(d)?);
+                }
+                Ok(st.side.clone())
+            }
+            _ => Ok(None),
+        }
     }
 
     /// What the communication hook sees of bucket `index` of `count`, full and about to be
@@ -456,27 +525,38 @@ impl Reducer {
         let Device::Cuda(device) = t.device() else {
             return Ok(vec![self.group.all_reduce_async(t, ReduceOp::Avg)?]);
         };
-        let (rows, cols) = (dims[0], dims[1]);
-        let flat = t.reshape(&[-1])?;
-        let computed = match cuda::is_current_stream_capturing() {
-            true => None,
-            false => cuda::take_gradient_row_events(t),
-        };
-        // One side stream for all blocks: it waits for each block's event in turn.
-        let side = cuda::Stream::new_on(device)?;
-        let mut works = Vec::new();
-        for r in cuda::row_block_ranges(rows, blocks) {
-            let part = flat.narrow(0, r.start * cols, r.len() * cols)?;
-            match computed.iter().flatten().find(|b| b.rows == r) {
-                Some(block) => {
-                    side.wait_event(&block.event)?;
-                    let _on_side = cuda::stream(&side);
-                    works.push(self.group.all_reduce_async(&part, ReduceOp::Avg)?);
-                }
-                None => works.push(self.group.all_reduce_async(&part, ReduceOp::Avg)?),
+        after_row_blocks(device, t, dims, blocks, |part| {
+            self.group.all_reduce_async(part, ReduceOp::Avg)
+        })
+    }
+
+    /// Calls the communication hook on `bucket`, or, for a built-in hook and a bucket of one
+    /// parameter of `dims` whose gradient is computed in `blocks` row blocks, on each block's
+    /// part of the buffer once the block is computed (Note [DDP comm hooks]).
+    fn hook_in_row_blocks(
+        &self,
+        hook: &BoxedCommHook,
+        bucket: &GradBucket,
+        dims: &[usize],
+        blocks: usize,
+    ) -> Result<Vec<CommFuture>> {
+        let by_blocks = self.hook_by_blocks.load(std::sync::atomic::Ordering::Relaxed);
+        let buffer = bucket.buffer();
+        match buffer.device() {
+            Device::Cuda(device) if by_blocks && blocks > 1 => {
+                let compute = cuda::current_stream(device)?;
+                after_row_blocks(device, buffer, dims, blocks, |part| {
+                    let future = hook(&GradBucket {
+                        buffer: part.clone(),
+                        ..bucket.clone()
+                    })?;
+                    // Read by the continuation, on the compute stream.
+                    future.record_value_stream(&compute)?;
+                    Ok(future)
+                })
             }
+            _ => Ok(vec![hook(bucket)?]),
         }
-        Ok(works)
     }
 
     /// The end-of-backward callback (PyTorch's `finalize_backward`): waits for every bucket
@@ -492,7 +572,11 @@ impl Reducer {
                 .map(|i| self.names[i].clone())
                 .collect();
             let started: Vec<Work> = st.buckets.iter().flat_map(|b| b.work.clone()).collect();
-            let futures: Vec<CommFuture> = st.buckets.iter_mut().filter_map(|b| b.future.take()).collect();
+            let futures: Vec<CommFuture> = st
+                .buckets
+                .iter_mut()
+                .flat_map(|b| std::mem::take(&mut b.futures))
+                .collect();
             reset_iteration(&mut st);
             drop(st);
             for w in started {
@@ -520,29 +604,25 @@ impl Reducer {
         } else {
             None
         };
-        // Note [DDP row blocks]: on a GPU outside capture, the in-place buckets from the first
-        // one all-reduced in row blocks on are handed on as they arrive; the others are waited
-        // for here.
-        let first_blocked = st.buckets.iter().position(|b| b.row_blocks > 1);
-        let side = match (self.group.device(), first_blocked) {
-            (Device::Cuda(d), Some(_)) if !cuda::is_current_stream_capturing() => {
-                Some(cuda::Stream::new_on(d)?)
-            }
-            _ => None,
-        };
+        // Note [DDP row blocks], Note [DDP early copy back]: what was handed on as arriving
+        // when its all-reduce started is not waited for; the rest is, here.
         for b in 0..st.buckets.len() {
             let works = std::mem::take(&mut st.buckets[b].work);
-            let future = st.buckets[b].future.take();
+            let futures = std::mem::take(&mut st.buckets[b].futures);
+            let copied = std::mem::take(&mut st.buckets[b].copied_back);
+            let early = !copied.is_empty();
             let bucket = &st.buckets[b];
-            if let Some(future) = future {
+            if !futures.is_empty() {
                 let target = bucket.in_place.as_ref().unwrap_or(&bucket.flat);
-                write_hook_result(b, future.wait()?, target)?;
-            }
-            match (&side, &bucket.in_place) {
-                (Some(side), Some(g)) if first_blocked.is_some_and(|f| b >= f) => {
-                    hand_on(g, bucket.row_blocks, &works, side)?
+                let dims = self.params[bucket.params[0]].dims().to_vec();
+                let parts = row_block_parts(target, &dims, futures.len())?;
+                for (future, part) in futures.into_iter().zip(&parts) {
+                    write_hook_result(b, future.wait()?, part)?;
                 }
-                _ => works.iter().try_for_each(Work::wait)?,
+            }
+            // A copy back waited for the all-reduce; a slot it missed waits below.
+            if !(bucket.handed_on || early) {
+                works.iter().try_for_each(Work::wait)?;
             }
             if let Some(g) = &bucket.in_place {
                 // Averaged where it lies, unless a hook replaced `.grad` since.
@@ -553,20 +633,29 @@ impl Reducer {
                 }
                 continue;
             }
-            // The averages go back into the gradients as one copy (Note [DDP bucket copies]).
-            let (mut grads, mut views) = (Vec::new(), Vec::new());
+            // The averages go back into the gradients as one copy (Note [DDP bucket copies]),
+            // unless they went back as the all-reduce started (Note [DDP early copy back]).
+            let (mut grads, mut views, mut from_bucket) = (Vec::new(), Vec::new(), Vec::new());
             for (slot, &i) in bucket.params.iter().enumerate() {
                 if globally_used.as_ref().is_some_and(|u| !u[i]) {
                     continue; // no rank used it: its .grad stays as it was
                 }
                 let view = &bucket.views[slot];
                 match self.params[i].grad() {
+                    // Averaged already, arriving.
+                    Some(g) if copied.iter().any(|c| same_tensor(c, &g)) => {}
                     Some(g) if !self.gradient_as_bucket_view && !g.shares_storage_with(view) => {
                         grads.push(g);
                         views.push(view.clone());
                     }
-                    _ => self.set_grad_from_bucket(i, view)?,
+                    _ => from_bucket.push((i, view.clone())),
                 }
+            }
+            if early && !(grads.is_empty() && from_bucket.is_empty()) {
+                works.iter().try_for_each(Work::wait)?;
+            }
+            for (i, view) in from_bucket {
+                self.set_grad_from_bucket(i, &view)?;
             }
             ember_core::foreach_copy_(&grads, &views)?;
         }
@@ -645,6 +734,88 @@ fn hand_on(grad: &Tensor, blocks: usize, works: &[Work], side: &cuda::Stream) ->
     cuda::arriving_in_row_blocks(grad, arrivals)
 }
 
+/// Runs `start` on each row block's part of `t` (the gradient of a weight of `dims`, computed
+/// in `blocks` row blocks, or its flat copy), in block order (Note [DDP row blocks]): a block
+/// whose event the product recorded is started from a side stream that waits for that event,
+/// so the first rows travel while the last ones are computed; the others on the current stream.
+fn after_row_blocks<T>(
+    device: usize,
+    t: &Tensor,
+    dims: &[usize],
+    blocks: usize,
+    mut start: impl FnMut(&Tensor) -> Result<T>,
+) -> Result<Vec<T>> {
+    let computed = match cuda::is_current_stream_capturing() {
+        true => None,
+        false => cuda::take_gradient_row_events(t),
+    };
+    // One side stream for all blocks: it waits for each block's event in turn.
+    let side = cuda::Stream::new_on(device)?;
+    let ranges = cuda::row_block_ranges(dims[0], blocks);
+    let mut started = Vec::with_capacity(ranges.len());
+    for (r, part) in ranges.iter().zip(row_block_parts(t, dims, blocks)?) {
+        match computed.iter().flatten().find(|b| b.rows == *r) {
+            Some(block) => {
+                side.wait_event(&block.event)?;
+                let _on_side = cuda::stream(&side);
+                started.push(start(&part)?);
+            }
+            None => started.push(start(&part)?),
+        }
+    }
+    Ok(started)
+}
+
+/// The flat parts of `t` (a weight's gradient of `dims`, or its flat copy) that hold its
+/// `blocks` row blocks; `t` whole, flat, for `blocks` below 2.
+fn row_block_parts(t: &Tensor, dims: &[usize], blocks: usize) -> Result<Vec<Tensor>> {
+    let flat = t.reshape(&[-1])?;
+    if blocks < 2 {
+        return Ok(vec![flat]);
+    }
+    let cols = dims[1];
+    cuda::row_block_ranges(dims[0], blocks)
+        .into_iter()
+        .map(|r| flat.narrow(0, r.start * cols, r.len() * cols))
+        .collect()
+}
+
+/// Copies the averages of a bucket (`views` of its `flat` tensor) back into `grads` on `side`
+/// once `works`, the bucket's all-reduce, is done, and hands each gradient on as arriving whole
+/// after its copy (Note [DDP early copy back]); the gradients copied (none when one cannot
+/// arrive in row blocks: 0-d or strided, left to finalize). Both sides are marked used on
+/// `side`, so the caching allocator hands neither out again before the copy has run.
+fn copy_back_early(
+    works: &[Work],
+    grads: Vec<Tensor>,
+    views: &[Tensor],
+    flat: &Tensor,
+    side: &cuda::Stream,
+) -> Result<Vec<Tensor>> {
+    let arrivable = |g: &Tensor| g.rank() > 0 && g.is_contiguous() && g.storage_offset() == 0;
+    if grads.is_empty() || !grads.iter().all(arrivable) {
+        return Ok(Vec::new());
+    }
+    {
+        let _on_side = cuda::stream(side);
+        works.iter().try_for_each(Work::wait)?;
+        ember_core::foreach_copy_(&grads, views)?;
+    }
+    flat.record_stream(side)?;
+    for g in &grads {
+        g.record_stream(side)?;
+        let rows = 0..g.dims()[0];
+        let event = side.record_event()?;
+        cuda::arriving_in_row_blocks(g, vec![cuda::RowBlockEvent { rows, event }])?;
+    }
+    Ok(grads)
+}
+
+/// Whether `a` and `b` are the same tensor's data (the same storage, from the same element).
+fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
+    a.shares_storage_with(b) && a.data_ptr() == b.data_ptr()
+}
+
 /// Puts what the communication hook returned for bucket `index` into the bucket's `target`
 /// (its flat tensor, or the `.grad` it reduces in place), unless it is `target` itself.
 fn write_hook_result(index: usize, value: Tensor, target: &Tensor) -> Result<()> {
@@ -684,9 +855,11 @@ fn reset_iteration(st: &mut State) {
     for b in &mut st.buckets {
         b.pending = b.params.len();
         b.work.clear();
-        b.future = None;
+        b.futures.clear();
         b.in_place = None;
         b.gathered.iter_mut().for_each(|g| *g = None);
+        b.copied_back.clear();
+        b.handed_on = false;
     }
 }
 
@@ -818,9 +991,11 @@ fn build_buckets(
             pending: indices.len(),
             row_blocks: blocks,
             work: Vec::new(),
-            future: None,
+            futures: Vec::new(),
             in_place: None,
             gathered: vec![None; indices.len()],
+            copied_back: Vec::new(),
+            handed_on: false,
         });
     }
     Ok((buckets, locator))

@@ -90,7 +90,7 @@ use reshard::Resharded;
 pub use sharded_grad_scaler::ShardedGradScaler;
 pub use state_dict::{get_model_state_dict, get_optimizer_state_dict};
 use state_dict::{register, Unit};
-use streams::UnitForward;
+use streams::{Prefetched, UnitForward};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
@@ -406,8 +406,14 @@ impl<M> FsdpState<M> {
     }
 
     /// The flat all-gather of `shards` in `dtype` (Note [FSDP mechanism] step 1), outside
-    /// autograd; on a GPU on the all-gather stream (Note [FSDP streams]).
-    fn gather_flat(&self, shards: &[Tensor], dtype: DType) -> Result<Tensor> {
+    /// autograd; on a GPU on the all-gather stream, waited for at once with `now`, else its end
+    /// handed back (Note [FSDP streams]).
+    fn gather_flat(
+        &self,
+        shards: &[Tensor],
+        dtype: DType,
+        now: bool,
+    ) -> Result<(Tensor, Option<Prefetched>)> {
         let world = self.mesh.size();
         let red = &self.reduction;
         let device = shards[0].device();
@@ -431,8 +437,8 @@ impl<M> FsdpState<M> {
             Ok(out)
         };
         match device {
-            Device::Cuda(i) => streams::gather_on_all_gather_stream(i, gather),
-            Device::Cpu => gather(),
+            Device::Cuda(i) => streams::gather_on_all_gather_stream(i, now, gather),
+            Device::Cpu => Ok((gather()?, None)),
         }
     }
 
@@ -445,7 +451,7 @@ impl<M> FsdpState<M> {
         let world = self.mesh.size();
         let (shards, dtype) = self.checked_shards()?;
         let red = &self.reduction;
-        let flat = self.gather_flat(&shards, dtype)?;
+        let (flat, _) = self.gather_flat(&shards, dtype, true)?;
         let refs: Vec<&Tensor> = shards.iter().collect();
         let reduction = red.clone();
         let shard_dtype = shards[0].dtype();
@@ -476,11 +482,13 @@ impl<M> FsdpState<M> {
     }
 
     /// Gathers the parameters again into `flat`'s storage, freed after the forward (Note
-    /// [Reshard after forward]): a new gather, swapped in.
-    fn refill(&self, flat: &Tensor) -> Result<()> {
+    /// [Reshard after forward]): a new gather, swapped in; without `now`, a prefetch whose end
+    /// is handed back (Note [Backward prefetch]).
+    fn refill(&self, flat: &Tensor, now: bool) -> Result<Option<Prefetched>> {
         let (shards, dtype) = self.checked_shards()?;
-        let gathered = self.gather_flat(&shards, dtype)?;
-        flat.swap_storage_(&gathered)
+        let (gathered, end) = self.gather_flat(&shards, dtype, now)?;
+        flat.swap_storage_(&gathered)?;
+        Ok(end)
     }
 
     /// Runs `f` on the module with its full parameters in place (Note [FSDP mechanism] step 2).
@@ -743,7 +751,7 @@ impl<M: Forward + 'static> Forward for FSDPModule<M> {
         free_storage(&flat)?;
         filled.store(false, Ordering::Release);
         let state = self.state.clone();
-        let unit = Resharded::after_forward(filled, move || state.refill(&flat));
+        let unit = Resharded::after_forward(filled, move |now| state.refill(&flat, now));
         // A node over the output rather than a hook on it: a tensor's hooks live as long as
         // the tensor, and a unit inside another's forward hands its output on and drops it
         // (its buffer was then never filled again); the node lives as long as the graph, as

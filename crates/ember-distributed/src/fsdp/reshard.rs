@@ -7,7 +7,12 @@
 //! this one's is the next to need its parameters. The node fills its own unit's buffer, then
 //! that one's (FSDP2's `backward_prefetch`, one unit ahead): on a GPU its all-gather then runs
 //! on the all-gather stream while the compute stream runs this unit's backward (Note [FSDP
-//! streams]). Each resharded forward links to the one before it on the thread, back to the
+//! streams]). The compute stream waits for a prefetched gather only when the node of the unit
+//! it is for fills that unit (finding it filled): waiting at once, as for a gather needed now,
+//! put the gather before this unit's backward, and behind this unit's reduce-scatter on the
+//! NCCL stream, which runs one collective at a time (a CUPTI trace of fsdp_gpt2 on two H200s
+//! showed each block's backward starting only after the reduce-scatter before it and a gather,
+//! a gap of about 150 us per block). Each resharded forward links to the one before it on the thread, back to the
 //! last forward outside any unit (the root's, which starts a new order); a buffer already
 //! filled is not gathered again, so a prefetch that guessed wrong (a graph that reaches units
 //! in another order) costs memory and a gather, never a value. Every rank runs the same
@@ -15,9 +20,11 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use ember_core::Result;
+
+use super::streams::Prefetched;
 
 thread_local! {
     /// The last resharded unit's forward on this thread since the last forward outside any unit.
@@ -29,8 +36,11 @@ pub(super) struct Resharded {
     /// Whether the buffer holds the gathered parameters (cleared when the backward node frees
     /// it after reduce-scattering).
     filled: Arc<AtomicBool>,
-    /// Gathers the parameters into the buffer again.
-    refill: Box<dyn Fn() -> Result<()> + Send + Sync>,
+    /// Gathers the parameters into the buffer again: waited for at once with `true`, else a
+    /// prefetch whose end (on a GPU) it hands back.
+    refill: Box<dyn Fn(bool) -> Result<Option<Prefetched>> + Send + Sync>,
+    /// The end of the prefetched gather of the buffer, not waited for yet.
+    prefetched: Mutex<Option<Prefetched>>,
     /// The resharded unit whose forward ran just before this one's.
     previous: Option<Weak<Resharded>>,
 }
@@ -45,13 +55,14 @@ impl Resharded {
     /// after the forward before it.
     pub(super) fn after_forward(
         filled: Arc<AtomicBool>,
-        refill: impl Fn() -> Result<()> + Send + Sync + 'static,
+        refill: impl Fn(bool) -> Result<Option<Prefetched>> + Send + Sync + 'static,
     ) -> Arc<Resharded> {
         LAST.with(|l| {
             let mut last = l.borrow_mut();
             let unit = Arc::new(Resharded {
                 filled,
                 refill: Box::new(refill),
+                prefetched: Mutex::new(None),
                 previous: last.take(),
             });
             *last = Some(Arc::downgrade(&unit));
@@ -62,22 +73,35 @@ impl Resharded {
     /// What the node over the unit's output runs when backward reaches it: fills this unit's
     /// buffer, then prefetches the previous unit's (Note [Backward prefetch]).
     pub(super) fn before_backward(&self) -> Result<()> {
-        self.fill()?;
+        self.fill(true)?;
         match self.previous.as_ref().and_then(Weak::upgrade) {
-            Some(previous) => previous.fill(),
+            Some(previous) => previous.fill(false),
             None => Ok(()),
         }
     }
 
-    /// Gathers into the buffer unless it holds the parameters already.
-    fn fill(&self) -> Result<()> {
+    /// Gathers into the buffer unless it holds the parameters already; with `now`, the
+    /// parameters are used next, so a prefetched gather is waited for.
+    fn fill(&self, now: bool) -> Result<()> {
+        let mut prefetched = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
         if self.filled.swap(true, Ordering::AcqRel) {
-            return Ok(());
+            return match (now, prefetched.take()) {
+                (true, Some(end)) => end.wait(),
+                (_, end) => {
+                    *prefetched = end;
+                    Ok(())
+                }
+            };
         }
-        let filled = (self.refill)();
-        if filled.is_err() {
-            self.filled.store(false, Ordering::Release);
+        match (self.refill)(now) {
+            Ok(end) => {
+                *prefetched = end;
+                Ok(())
+            }
+            Err(e) => {
+                self.filled.store(false, Ordering::Release);
+                Err(e)
+            }
         }
-        filled
     }
 }

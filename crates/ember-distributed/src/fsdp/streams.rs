@@ -109,14 +109,31 @@ pub(super) fn reduce_on_reduce_scatter_stream(
     Ok(())
 }
 
+/// The end of a unit's gather that the compute stream has not waited for yet: a backward
+/// prefetch (Note [Backward prefetch] in `reshard.rs`).
+pub(super) struct Prefetched {
+    device: usize,
+    end: Event,
+}
+
+impl Prefetched {
+    /// Makes the current stream of the gather's device wait for its end (no host wait).
+    pub(super) fn wait(&self) -> Result<()> {
+        cuda::current_stream(self.device)?.wait_event(&self.end)
+    }
+}
+
 /// Runs `gather` (allocations, copies and the all-gather of one unit) with the all-gather
-/// stream of GPU `device` as the current stream, and makes the compute stream (the current
-/// stream before) wait for it; the result is marked used on the compute stream (Note [FSDP
-/// streams]).
+/// stream of GPU `device` as the current stream; the result is marked used on the compute
+/// stream (the current stream before) (Note [FSDP streams]). With `now`, the compute stream
+/// waits for the gather at once; otherwise its end is handed back, for the compute stream to
+/// wait for just before the unit's backward (a prefetch: waited for at once, it would hold the
+/// backward of the unit between, Note [Backward prefetch]).
 pub(super) fn gather_on_all_gather_stream(
     device: usize,
+    now: bool,
     gather: impl FnOnce() -> Result<Tensor>,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Option<Prefetched>)> {
     let compute = cuda::current_stream(device)?;
     let all_gather = with_streams(device, |d| {
         if DEPTH.with(Cell::get) == 0 {
@@ -134,9 +151,13 @@ pub(super) fn gather_on_all_gather_stream(
         let _side = cuda::stream(&all_gather);
         gather()?
     };
-    compute.wait_stream(&all_gather)?;
     flat.record_stream(&compute)?;
-    Ok(flat)
+    if now {
+        compute.wait_stream(&all_gather)?;
+        return Ok((flat, None));
+    }
+    let end = all_gather.record_event()?;
+    Ok((flat, Some(Prefetched { device, end })))
 }
 
 /// Unit forwards running on this thread now: 0 outside any unit's forward.

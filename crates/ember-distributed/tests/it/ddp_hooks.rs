@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ember_core::{DType, Device, Error, Tensor};
 use ember_distributed::{
-    default_hooks, CommFuture, DdpOptions, DistributedDataParallel, GradBucket, ReduceOp,
+    default_hooks, BuiltinCommHookType, CommFuture, DdpOptions, DistributedDataParallel, GradBucket, ReduceOp,
 };
 use ember_nn::functional::mse_loss;
 use ember_nn::{Forward, ModuleExt, Reduction, Sequential};
@@ -41,6 +41,15 @@ pub(crate) enum Hook {
     AllReduce,
     Fp16,
     Bf16,
+}
+
+/// The built-in hook type of `hook` (not [`Hook::None`]).
+pub(crate) fn builtin_type(hook: Hook) -> BuiltinCommHookType {
+    match hook {
+        Hook::None | Hook::AllReduce => BuiltinCommHookType::Allreduce,
+        Hook::Fp16 => BuiltinCommHookType::Fp16Compress,
+        Hook::Bf16 => BuiltinCommHookType::Bf16Compress,
+    }
 }
 
 pub(crate) fn register<M: ember_nn::Module>(ddp: &DistributedDataParallel<M>, hook: Hook) {
@@ -113,11 +122,14 @@ fn builtin_hooks_average_as_ddp_does_and_compress_hooks_round_as_pytorchs() {
         }),
     ];
     for (what, options) in &configs {
-        let run = |hook: Hook| {
+        let run_as = |hook: Hook, builtin: bool| {
             run_ranks(2, TIMEOUT, |pg| {
                 let r = pg.rank();
                 let ddp = DistributedDataParallel::new(mlp32(r as f64), options().process_group(pg)).unwrap();
-                register(&ddp, hook);
+                match builtin {
+                    true => ddp.register_builtin_comm_hook(builtin_type(hook)).unwrap(),
+                    false => register(&ddp, hook),
+                }
                 let (cx, cy) = shard(r);
                 mse_loss(&ddp.forward(&cx).unwrap(), &cy, Reduction::Mean)
                     .unwrap()
@@ -126,6 +138,7 @@ fn builtin_hooks_average_as_ddp_does_and_compress_hooks_round_as_pytorchs() {
                 grads32(&ddp)
             })
         };
+        let run = |hook: Hook| run_as(hook, false);
         let plain = run(Hook::None);
         // DDP's own average is the float32 mean of the local gradients (the premise of the
         // emulation below).
@@ -134,8 +147,11 @@ fn builtin_hooks_average_as_ddp_does_and_compress_hooks_round_as_pytorchs() {
         // Halving before the sum is exact over two ranks: bitwise DDP's own.
         let allreduce = run(Hook::AllReduce);
         assert_eq!(allreduce, plain, "{what}: allreduce_hook");
+        // The built-in registration calls the same functions.
+        assert_eq!(run_as(Hook::AllReduce, true), plain, "{what}: built-in allreduce");
         for hook in [Hook::Fp16, Hook::Bf16] {
             let got = run(hook);
+            assert_eq!(run_as(hook, true), got, "{what}: built-in {hook:?}");
             assert_eq!(got[1], got[0], "{what}: {hook:?}: the ranks disagree");
             assert_eq!(got[0], expected(hook), "{what}: {hook:?}");
             // The compression shows: most values are not the float32 average, and all are

@@ -445,39 +445,50 @@ fn nccl_ddp_rank_profiles_while_the_other_runs_ahead_on_two_gpus() {
     }
 }
 
-/// Note [DDP row blocks]: a 128 MiB weight's gradient is computed and all-reduced in three row
-/// blocks, its bucket before the bias's, and the fused Adam step updates each block once its
-/// all-reduce is done. Every step, on each rank: the averaged `.grad` equals one process's
-/// full-batch gradient, and the parameters equal, bit for bit, those of a twin updated by the
-/// same Adam from that complete gradient (an update that did not wait for a block would have
-/// read the rank's own, unaveraged rows).
+/// Note [DDP row blocks] and Note [DDP early copy back]: a 128 MiB weight between small layers,
+/// buckets of 0.5 MiB. The weight's gradient is computed and all-reduced in three row blocks,
+/// and the fused Adam step updates each block once its all-reduce is done; the averages of the
+/// buckets of several parameters are copied back into `.grad` on a side stream as their
+/// all-reduces start: the last layers' waited for at the end of backward, the first layer's,
+/// reduced after the large weight, handed on to Adam as arriving. Every step, on each rank: the
+/// averaged `.grad` equals one process's full-batch gradient, and the parameters equal, bit for
+/// bit, those of a twin updated by the same Adam from that complete gradient (an update that did
+/// not wait for a block or a copy would have read the rank's own, unaveraged gradient).
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_ddp_on_two_gpus_all_reduces_a_large_weight_in_row_blocks_that_adam_updates_as_they_arrive() {
     use ember_nn::optim::{Adam, AdamConfig, Optimizer};
-    use ember_nn::{Forward, Linear, ModuleExt};
+    use ember_nn::{Forward, Linear, ModuleExt, Sequential};
     crate::common::require_two_gpus();
-    let (inputs, outputs, batch, steps) = (4096usize, 8192usize, 8usize, 3);
-    let linear = |dev: usize| {
-        let w: Vec<f32> = (0..outputs * inputs)
+    let (features, inputs, outputs, batch, steps) = (16usize, 4096usize, 8192usize, 8usize, 3);
+    let layer = |from: usize, to: usize| {
+        let w: Vec<f32> = (0..to * from)
             .map(|i| ((i * 7) % 13) as f32 / 1300.0 - 0.005)
             .collect();
-        let mut fc = Linear::new(inputs, outputs, Device::Cpu).unwrap();
+        let fc = Linear::new(from, to, Device::Cpu).unwrap();
         {
             let _g = ember_core::no_grad();
             fc.weight
-                .copy_(&Tensor::from_vec(w, [outputs, inputs], Device::Cpu).unwrap())
+                .copy_(&Tensor::from_vec(w, [to, from], Device::Cpu).unwrap())
                 .unwrap();
             fc.bias.as_ref().unwrap().fill_(0.01).unwrap();
         }
-        fc.to_device(Device::Cuda(dev)).unwrap();
         fc
     };
+    let linear = |dev: usize| {
+        let mut m = Sequential::new()
+            .with(layer(features, inputs))
+            .with(layer(inputs, outputs))
+            .with(layer(outputs, features))
+            .with(layer(features, features));
+        m.to_device(Device::Cuda(dev)).unwrap();
+        m
+    };
     let data = |rank: usize, dev: usize| {
-        let x: Vec<f32> = (0..batch * inputs)
+        let x: Vec<f32> = (0..batch * features)
             .map(|i| (((i + 3 * rank) * 5) % 17) as f32 / 8.0 - 1.0)
             .collect();
-        Tensor::from_vec(x, [batch, inputs], Device::Cpu)
+        Tensor::from_vec(x, [batch, features], Device::Cpu)
             .unwrap()
             .to(Device::Cuda(dev))
             .unwrap()
@@ -490,9 +501,8 @@ fn nccl_ddp_on_two_gpus_all_reduces_a_large_weight_in_row_blocks_that_adam_updat
     let per_rank = run_nccl_ranks(2, |pg, dev| {
         let _device = cuda::DeviceGuard::new(dev).unwrap();
         let rank = pg.rank();
-        let ddp =
-            ember_distributed::DistributedDataParallel::new(linear(dev), DdpOptions::new().process_group(pg))
-                .unwrap();
+        let options = DdpOptions::new().process_group(pg).bucket_cap_mb(0.5);
+        let ddp = ember_distributed::DistributedDataParallel::new(linear(dev), options).unwrap();
         let mut opt = Adam::new(ddp.parameters(), config()).unwrap();
         let twin = linear(dev);
         let mut twin_opt = Adam::new(twin.parameters(), config()).unwrap();
@@ -548,25 +558,31 @@ fn nccl_ddp_on_two_gpus_all_reduces_a_large_weight_in_row_blocks_that_adam_updat
         ddp.bucket_indices()
     });
     for buckets in per_rank {
-        // The weight's bucket goes before the bias's, which it closed.
-        assert_eq!(buckets, vec![vec![0], vec![1]]);
+        // The large weight (parameter 2) alone, after a bucket of the last layer's parameters
+        // (6, 7) and before one of the first layer's (0, 1).
+        let at = |i: usize| buckets.iter().position(|b| b.contains(&i)).unwrap();
+        assert_eq!(buckets[at(2)], vec![2], "{buckets:?}");
+        assert!(at(6) == at(7) && at(7) < at(2), "{buckets:?}");
+        assert!(at(0) == at(1) && at(1) > at(2), "{buckets:?}");
     }
 }
 
 /// Note [DDP comm hooks] over NCCL: the built-in hooks on two GPUs give, bit for bit, what
 /// their steps compute from the two ranks' local gradients (halves halved, summed once,
 /// rounded once), for a weight of 64 MiB that DDP would otherwise all-reduce in row blocks
-/// (a hook sees it whole) beside a small bias.
+/// beside a small bias: registered as functions (a hook sees the weight whole) and as built-in
+/// hooks (called on its two row blocks as backward computes them).
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_ddp_comm_hooks_on_two_gpus_reduce_as_their_steps_compute() {
-    use crate::ddp_hooks::{compressed_average, register, Hook};
+    use crate::ddp_hooks::{builtin_type, compressed_average, register, Hook};
     use ember_distributed::DistributedDataParallel;
     use ember_nn::{Forward, Linear, ModuleExt};
     crate::common::require_two_gpus();
     let n = 4096; // the weight: n × n float32, 64 MiB
     let rows = 4;
-    for hook in [Hook::AllReduce, Hook::Fp16, Hook::Bf16] {
+    let hooks = [Hook::AllReduce, Hook::Fp16, Hook::Bf16];
+    for (hook, builtin) in hooks.into_iter().flat_map(|h| [(h, false), (h, true)]) {
         let per_rank = run_nccl_ranks(2, |pg, dev| {
             let _guard = cuda::DeviceGuard::new(dev).unwrap();
             let device = Device::Cuda(dev);
@@ -576,7 +592,11 @@ fn nccl_ddp_comm_hooks_on_two_gpus_reduce_as_their_steps_compute() {
                 DdpOptions::new().process_group(pg),
             )
             .unwrap();
-            register(&ddp, hook);
+            match builtin {
+                // Note [DDP comm hooks]: the weight's two row blocks reduced one by one.
+                true => ddp.register_builtin_comm_hook(builtin_type(hook)).unwrap(),
+                false => register(&ddp, hook),
+            }
             // The same parameters without DDP: this rank's local gradients.
             let plain = Linear::new(n, n, device).unwrap();
             for (p, q) in plain.parameters().iter().zip(ddp.parameters()) {
@@ -618,7 +638,7 @@ fn nccl_ddp_comm_hooks_on_two_gpus_reduce_as_their_steps_compute() {
                 assert_eq!(
                     bad,
                     0,
-                    "{hook:?}, rank {rank}, parameter {k}: {bad} of {} values differ",
+                    "{hook:?} (built-in {builtin}), rank {rank}, parameter {k}: {bad} of {} values differ",
                     g.len()
                 );
             }
