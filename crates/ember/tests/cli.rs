@@ -1071,7 +1071,9 @@ fn train_gpt2_sharded_on_two_gpus_follows_replicated() {
 /// `--n-layer 32` shows it there). On one GPU the run stops at once with an error that names
 /// what to change, not a panic and not an allocation failure minutes in; with
 /// `--nproc-per-node 2 --shard` each GPU holds 84 GiB of it, every block runs under
-/// activation checkpointing, and the loss falls over 20 steps.
+/// activation checkpointing, and the loss falls over 20 steps. The learning rate is GPT-3
+/// 13B's (1e-4): at 3e-4 the first steps sent the loss from 6 to 20 and back, and whether the
+/// last five ended 0.5 under the first depended on the text (session 53).
 #[test]
 #[ignore = "needs two CUDA devices of more than 80 GB"]
 fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two_gpus() {
@@ -1101,7 +1103,7 @@ fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two_gpus() {
         "--warmup-iters",
         "4",
         "--lr",
-        "3e-4",
+        "1e-4",
         "--eval-interval",
         "20",
         "--eval-iters",

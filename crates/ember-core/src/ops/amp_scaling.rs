@@ -178,6 +178,7 @@ pub fn non_finite_check_and_unscale_(grads: &[Tensor], found_inf: &Tensor, inv_s
 fn unscale_checked(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
     const OP: &str = "non_finite_check_and_unscale_";
     let device = found_inf.device();
+    settle_list(grads)?;
     check_scalar(OP, "found_inf", found_inf, DType::F32, device)?;
     check_scalar(OP, "inv_scale", inv_scale, DType::F32, device)?;
     check_writable(OP, "found_inf", found_inf)?;
@@ -314,6 +315,14 @@ fn update_scale_checked(
     Storage::update_scale(&rule, s, g, f)
 }
 
+/// The dispatch point's step 1b for a list these ops read and write (Note [Copies in row
+/// blocks] in `storage/row_blocks.rs`): a tensor still arriving (a gradient
+/// DistributedDataParallel is still averaging) is waited for, as any other op's operand is.
+fn settle_list(tensors: &[Tensor]) -> Result<()> {
+    let refs: Vec<&Tensor> = tensors.iter().collect();
+    dispatch::row_blocks::settle(&refs, |_, _| false)
+}
+
 /// The norm of order `ord` (2, or `f64::INFINITY` for the largest |x|) of each of `tensors`, as
 /// one f32 tensor `[tensors.len()]` on their device (`torch._foreach_norm`, stacked): on a GPU
 /// two launches per 128 tensors whatever their number, deterministic, with nothing read back
@@ -351,6 +360,7 @@ pub fn foreach_norm(tensors: &[Tensor], ord: f64) -> Result<Tensor> {
                 return Err(crate::dispatch::device_mismatch(OP, device, t.device()));
             }
         }
+        settle_list(tensors)?;
         let _g = autograd::no_grad();
         let work: Vec<Tensor> = tensors
             .iter()

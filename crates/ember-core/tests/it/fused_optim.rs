@@ -849,6 +849,38 @@ fn cuda_steps_and_reads_wait_for_a_gradient_arriving_in_row_blocks() {
         .unwrap()[0];
     let expected = values.sum_all().unwrap().to_vec::<f32>().unwrap()[0];
     assert_eq!(sum, expected, "a sum through the dispatch point sees every row");
+    // The list ops clip_grad_norm_ and GradScaler run on gradients wait for them too.
+    let norm = |t: &Tensor| {
+        ember_core::fused::foreach_norm(std::slice::from_ref(t), 2.0)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    assert_eq!(
+        norm(&arriving_late(&values, 4)),
+        norm(&values),
+        "foreach_norm sees every row"
+    );
+    let half = Tensor::full([1], 0.5, DType::F32, gpu).unwrap();
+    let (scaled, late) = (values.deep_clone().unwrap(), arriving_late(&values, 4));
+    ember_core::fused::foreach_mul_(std::slice::from_ref(&scaled), &half).unwrap();
+    ember_core::fused::foreach_mul_(std::slice::from_ref(&late), &half).unwrap();
+    assert_eq!(
+        late.to_vec::<f32>().unwrap(),
+        scaled.to_vec::<f32>().unwrap(),
+        "foreach_mul_ scales every row after it arrived"
+    );
+    let (found, late) = (
+        Tensor::zeros([1], DType::F32, gpu).unwrap(),
+        arriving_late(&values, 4),
+    );
+    ember_core::amp_scaling::non_finite_check_and_unscale_(std::slice::from_ref(&late), &found, &half)
+        .unwrap();
+    assert_eq!(
+        late.to_vec::<f32>().unwrap(),
+        scaled.to_vec::<f32>().unwrap(),
+        "unscaling scales every row after it arrived"
+    );
     assert_eq!(
         arriving_late(&values, 2).to_vec::<f32>().unwrap(),
         values.to_vec::<f32>().unwrap(),

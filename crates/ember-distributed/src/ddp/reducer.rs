@@ -104,22 +104,26 @@
 //!   slowed by them.
 //!
 //! Note [DDP early copy back]: on a GPU outside capture (and without `find_unused_parameters`,
-//! `gradient_as_bucket_view` or a hook), a bucket of several parameters has its averages copied
-//! back into `.grad` as soon as its all-reduce is issued, on the reducer's side stream, which
-//! waits for the all-reduce: the copy runs while backward goes on, where finalize used to copy
-//! every bucket back on the compute stream after backward (GPT-2 124M: 14 copies, 280 us of
-//! its step). Each gradient is then handed on as arriving whole, an event after its copy (Note
-//! [Arrivals in row blocks] in ember-core): an op that reads it waits for the copy (a hook
-//! after DDP's reading `.grad` in backward sees the average, where PyTorch's sees the local
-//! gradient until the end of backward), and the fused Adam step takes the arrivals in the
-//! order the buckets were all-reduced, each after its all-reduce. So the buckets reduced after
-//! the first one in row blocks (Note [DDP row blocks]; GPT-2's tied embedding, whose last
-//! contribution comes from the last node of backward, and the buckets after it) no longer hold
-//! the step of every other parameter until their all-reduces end (a CUPTI trace of ddp_gpt2 on
-//! two H200s: 740 us of all-reduces after backward, then the whole 1 ms Adam step). A slot
-//! with no `.grad`, or whose `.grad` was replaced since its hook, is written by finalize as
-//! before, after the all-reduce; so is a bucket with a 0-d or strided gradient, which cannot
-//! arrive.
+//! `gradient_as_bucket_view` or a hook), a bucket of several parameters reduced after the
+//! first bucket all-reduced in row blocks (Note [DDP row blocks]) has its averages copied back
+//! into `.grad` as soon as its all-reduce is issued, on the reducer's side stream, which waits
+//! for the all-reduce, and each gradient is handed on as arriving whole, an event after its
+//! copy (Note [Arrivals in row blocks] in ember-core). Finalize used to wait for such a bucket
+//! and copy it back on the compute stream, behind the all-reduces of the row blocks before it,
+//! so the optimizer step of every parameter waited for all of them: in GPT-2 124M the tied
+//! embedding's gradient is complete only after the last node of backward (its 154 MB
+//! all-reduced in three blocks, 740 us after backward in a CUPTI trace of ddp_gpt2 on two
+//! H200s, then the whole 1 ms Adam step). Now the fused Adam step updates the other
+//! parameters while those all-reduces run, then the arrivals in the order they were reduced
+//! (the same trace: 1.23 ms from the end of backward to the end of the step, against 1.77).
+//! An op that reads such a gradient waits for its copy: a hook after DDP's reading `.grad`
+//! in backward sees the average, where PyTorch's sees the local gradient until the end of
+//! backward. The buckets before keep finalize's copy: it runs beside those all-reduces anyway,
+//! and copying every bucket early (tried) made backward slower by more than it saved, its
+//! events and copies costing the host time between kernels (the same trace: backward 350 us
+//! longer, the step no shorter). A slot with no `.grad`, or whose `.grad` was replaced since
+//! its hook, is written by finalize as before, after the all-reduce; so is a bucket with a
+//! 0-d or strided gradient, which cannot arrive.
 //!
 //! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
 //! thread running backward) and by forward; never held while calling into autograd.
@@ -463,7 +467,9 @@ impl Reducer {
                             next.handed_on = true;
                         }
                         (Some(side), None)
-                            if !self.find_unused_parameters && !self.gradient_as_bucket_view =>
+                            if first_blocked.is_some_and(|f| index > f)
+                                && !self.find_unused_parameters
+                                && !self.gradient_as_bucket_view =>
                         {
                             next.copied_back = copy_back_early(&next.work, grads, &views, &next.flat, side)?;
                         }
