@@ -493,12 +493,16 @@ impl<M> FsdpState<M> {
             .layouts
             .iter()
             .map(|l| {
-                let dims: Vec<isize> = l.shape.dims().iter().map(|&d| d as isize).collect();
-                let by_rows = [(world * l.padded_rows) as isize, l.row_numel as isize];
-                full.narrow(0, world * l.offset, world * l.padded_numel())?
-                    .reshape(by_rows)?
-                    .narrow(0, 0, l.rows)?
-                    .reshape(dims)
+                // The real rows come first, the padding rows after them: one cut, and a view
+                // unless the parameter is 1-D (two autograd nodes where four were).
+                let cut = full.narrow(0, world * l.offset, l.rows * l.row_numel)?;
+                match l.shape.dims() == cut.dims() {
+                    true => Ok(cut),
+                    false => {
+                        let dims: Vec<isize> = l.shape.dims().iter().map(|&d| d as isize).collect();
+                        cut.view(&dims)
+                    }
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((params, flat))
