@@ -576,10 +576,27 @@ fn free_storage(flat: &Tensor) -> Result<()> {
 }
 
 impl Reduction {
+    /// The pieces of a unit's flat buffer laid out parameter by parameter (`by_param`) and of
+    /// the same buffer rank by rank (`by_rank`, the collectives' `[world, S]`), in matching
+    /// order: each parameter's padded shard of each rank (Note [FSDP copy-out]). Both buffers
+    /// hold `world * block` elements.
+    fn relayout(&self, by_param: &Tensor, by_rank: &Tensor) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let world = self.group.size();
+        let (mut p, mut r) = (Vec::new(), Vec::new());
+        for l in self.layouts.iter().filter(|l| l.padded_numel() > 0) {
+            let n = l.padded_numel();
+            for rank in 0..world {
+                p.push(by_param.narrow(0, world * l.offset + rank * n, n)?);
+                r.push(by_rank.narrow(0, rank * self.block + l.offset, n)?);
+            }
+        }
+        Ok((p, r))
+    }
+
     /// The backward of `fsdp_all_gather` (Note [FSDP mechanism] step 3): the gradient of the
-    /// gathered `[world, S]` buffer, averaged over ranks by a reduce-scatter, each shard's rows
-    /// of it in `shard_dtype`; or, without gradient sync, nothing yet (Note [FSDP gradient
-    /// accumulation]). On a GPU the rows are accumulated into the `shards`' `.grad` on the
+    /// gathered buffer (laid out parameter by parameter, Note [FSDP copy-out]), averaged over
+    /// ranks by a reduce-scatter, each shard's rows of it in `shard_dtype`; or, without
+    /// gradient sync, nothing yet (Note [FSDP gradient accumulation]). On a GPU the rows are accumulated into the `shards`' `.grad` on the
     /// reduce-scatter stream instead and nothing is returned (Note [FSDP streams]).
     fn reduce_scatter(
         &self,
@@ -653,25 +670,6 @@ impl Reduction {
             Ok(())
         })?;
         Ok(vec![None; needs.len()])
-    }
-}
-
-impl Reduction {
-    /// The pieces of a unit's flat buffer laid out parameter by parameter (`by_param`) and of
-    /// the same buffer rank by rank (`by_rank`, the collectives' `[world, S]`), in matching
-    /// order: each parameter's padded shard of each rank (Note [FSDP copy-out]). Both buffers
-    /// hold `world * block` elements.
-    fn relayout(&self, by_param: &Tensor, by_rank: &Tensor) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let world = self.group.size();
-        let (mut p, mut r) = (Vec::new(), Vec::new());
-        for l in self.layouts.iter().filter(|l| l.padded_numel() > 0) {
-            let n = l.padded_numel();
-            for rank in 0..world {
-                p.push(by_param.narrow(0, world * l.offset + rank * n, n)?);
-                r.push(by_rank.narrow(0, rank * self.block + l.offset, n)?);
-            }
-        }
-        Ok((p, r))
     }
 }
 

@@ -1,6 +1,7 @@
 //! A resharded unit's gathered parameters between its forward and its backward (Note
 //! [Reshard after forward] in `mod.rs`): freed, and filled again before the unit's backward
-//! by the `fsdp_pre_backward` node over its output, or ahead of it by the unit after it (the backward prefetch).
+//! by the `fsdp_pre_backward` node over its output, or ahead of it by the unit after it (the
+//! backward prefetch).
 //!
 //! Note [Backward prefetch]: backward reaches the units in the reverse order of their
 //! forwards, so when backward reaches a unit's output, the unit whose forward ran just before
@@ -8,15 +9,15 @@
 //! that one's (FSDP2's `backward_prefetch`, one unit ahead): on a GPU its all-gather then runs
 //! on the all-gather stream while the compute stream runs this unit's backward (Note [FSDP
 //! streams]). The compute stream waits for a prefetched gather only when the node of the unit
-//! it is for fills that unit (finding it filled): waiting at once, as for a gather needed now,
-//! put the gather before this unit's backward, and behind this unit's reduce-scatter on the
-//! NCCL stream, which runs one collective at a time (a CUPTI trace of fsdp_gpt2 on two H200s
-//! showed each block's backward starting only after the reduce-scatter before it and a gather,
-//! a gap of about 150 us per block). Each resharded forward links to the one before it on the thread, back to the
-//! last forward outside any unit (the root's, which starts a new order); a buffer already
-//! filled is not gathered again, so a prefetch that guessed wrong (a graph that reaches units
-//! in another order) costs memory and a gather, never a value. Every rank runs the same
-//! forwards and backward, so the ranks' gathers stay matched.
+//! it is for fills that unit (finding it filled). It used to wait at once, as for a gather
+//! needed now: before this unit's backward was queued, so this unit's backward could not
+//! start before the prefetch ended, and the prefetch queued on the NCCL stream (one
+//! collective at a time) behind the reduce-scatter of the unit after this one. Each resharded
+//! forward links to the one before it on the thread, back to the last forward outside any
+//! unit (the root's, which starts a new order); a buffer already filled is not gathered again,
+//! so a prefetch that guessed wrong (a graph that reaches units in another order) costs memory
+//! and a gather, never a value. Every rank runs the same forwards and backward, so the ranks'
+//! gathers stay matched.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
