@@ -755,8 +755,12 @@ fn after_row_blocks<T>(
         true => None,
         false => cuda::take_gradient_row_events(t),
     };
-    // One side stream for all blocks: it waits for each block's event in turn.
-    let side = cuda::Stream::new_on(device)?;
+    // One side stream for all blocks: it waits for each block's event in turn. High priority,
+    // as the NCCL stream: a built-in hook's cast of a block (Note [DDP comm hooks]) runs on it
+    // beside the next block's product, and at the default priority waited for that product's
+    // last wave (ddp_mlp_large with the bf16 hook on two H200s: the first block's cast began
+    // 200 us after its rows were done).
+    let side = cuda::Stream::with_priority_on(device, -1)?;
     let ranges = cuda::row_block_ranges(dims[0], blocks);
     let mut started = Vec::with_capacity(ranges.len());
     for (r, part) in ranges.iter().zip(row_block_parts(t, dims, blocks)?) {
