@@ -26,8 +26,10 @@
 //!   them; DDP then waits for each block's future and writes its value into that part. The
 //!   compression and the collective of the first rows run while the product computes the last
 //!   ones: ddp_mlp_large with the bfloat16 hook on two H200s, where the 200 MB first-layer
-//!   bucket used to be cast, divided, all-reduced and cast back after the whole product
-//!   (620 us of a 2.76 ms step), see docs/benchmarks.md.
+//!   bucket used to be cast, divided, all-reduced and cast back after the whole product (its
+//!   last all-reduce ended 645 us after the product), now ends 190 us after it: 2.76 ms a step
+//!   before, 2.55 after (the division moved into the collective as well; one GPU, 2.39 and
+//!   2.23: scaling 0.866 and 0.878; docs/benchmarks.md, session 53).
 //! - A hook runs while DDP's reducer holds its lock: it must not call back into the
 //!   `DistributedDataParallel` it is registered on.
 

@@ -114,8 +114,10 @@
 //! embedding's gradient is complete only after the last node of backward (its 154 MB
 //! all-reduced in three blocks, 740 us after backward in a CUPTI trace of ddp_gpt2 on two
 //! H200s, then the whole 1 ms Adam step). Now the fused Adam step updates the other
-//! parameters while those all-reduces run, then the arrivals in the order they were reduced
-//! (the same trace: 1.23 ms from the end of backward to the end of the step, against 1.77).
+//! parameters while those all-reduces run, then the arrivals in the order they were reduced:
+//! 1.47 ms from the end of backward to the end of the step against 1.77 in the same kind of
+//! trace (session 53 runs 3 and 5), though ddp_gpt2's step time at N = 2 moved within the
+//! runs' noise (19.28, 19.81, 19.52 ms; docs/benchmarks.md).
 //! An op that reads such a gradient waits for its copy: a hook after DDP's reading `.grad`
 //! in backward sees the average, where PyTorch's sees the local gradient until the end of
 //! backward. The buckets before keep finalize's copy: it runs beside those all-reduces anyway,
