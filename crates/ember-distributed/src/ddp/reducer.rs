@@ -219,7 +219,7 @@ struct State {
     /// The order the gradients became ready in, recorded until the buckets are rebuilt.
     rebuilt_param_order: Vec<usize>,
     /// Per parameter: the row blocks its gradient is all-reduced in (Note [DDP row blocks]);
-    /// 0 over one rank, where nothing is all-reduced, and with a communication hook.
+    /// 0 over one rank, where nothing is all-reduced, and with a hook that is not a built-in.
     row_blocks: Vec<usize>,
     /// The side stream that waits for the all-reduces on a GPU (Note [DDP row blocks], Note
     /// [DDP early copy back]), made on first use.
