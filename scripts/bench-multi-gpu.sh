@@ -18,8 +18,9 @@
 # 3. for N = 1 and 2: ember's ddp_mlp_large with the bf16 compression hook (`--comm-hook bf16`);
 # then one table: each workload's ms a step, throughput and scaling efficiency
 # (throughput(N) / (N x throughput of the N = 1 baseline)) for both frameworks, ember's
-# throughput over PyTorch's, and the per-GPU training-state memory FSDP reports.
-# NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device tool asks.
+# throughput over PyTorch's, and the per-GPU training-state memory FSDP reports (the hooked
+# workload scales against itself at N = 1, and in a line after the table against DDP without
+# the hook at N = 1). NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 
 bundle=.gpu
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     -d) bundle="$2"; shift 2 ;;
     -o) outdir="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     -*) echo "bench-multi-gpu.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -100,4 +101,11 @@ for suffix, label in (("", ""), ("_bf16", " +bf16 hook")):
             print(f"{w + label:24} {n:>2} {fmt(er.get('ms_per_step'), '.3f'):>9} {fmt(tr.get('ms_per_step') if tr else None, '.3f'):>9} "
                   f"{fmt(es, '.3f'):>14} {fmt(ts, '.3f'):>14} {fmt(ratio, '.3f'):>17} "
                   f"{(fmt(mem[0], '.0f') + ' (' + fmt(mem[1], '.0f') + ')') if mem[0] is not None else '-':>22}")
+# A hooked workload scales against itself at N = 1 above; against DDP without the hook at
+# N = 1 too, since the hook's own cost at N = 1 flatters the first figure.
+plain, hooked = rows("ember_n1"), rows("ember_bf16_n2")
+for w, hr in hooked.items():
+    p = rate(plain.get(w))
+    if p and rate(hr):
+        print(f"{w} +bf16 hook at N=2 against {w} without it at N=1: scaling {rate(hr) / (2 * p):.3f}")
 PY
