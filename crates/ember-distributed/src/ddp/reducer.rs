@@ -238,9 +238,6 @@ pub(crate) struct Reducer {
     /// The communication hook that reduces each bucket instead of the built-in average (Note
     /// [DDP comm hooks]); set at most once.
     comm_hook: OnceLock<BoxedCommHook>,
-    /// The hook is a built-in one, which reduces any part of a bucket on its own: it is given
-    /// a one-parameter bucket's row blocks one by one (Note [DDP comm hooks]).
-    hook_by_blocks: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
 }
 
@@ -271,7 +268,6 @@ impl Reducer {
             gradient_as_bucket_view,
             limits,
             comm_hook: OnceLock::new(),
-            hook_by_blocks: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State {
                 buckets,
                 locator,
@@ -336,8 +332,6 @@ impl Reducer {
                  register one hook that does all the work (it may call others)",
             ));
         }
-        self.hook_by_blocks
-            .store(by_blocks, std::sync::atomic::Ordering::Relaxed);
         if !by_blocks && st.row_blocks.iter().any(|&b| b > 1) {
             st.row_blocks.iter_mut().for_each(|b| *b = 0);
             let order: Vec<usize> = (0..self.params.len()).rev().collect();
@@ -442,7 +436,10 @@ impl Reducer {
             0 => self.hand_on_stream(st)?,
             _ => None,
         };
-        let first_blocked = st.buckets.iter().position(|b| b.row_blocks > 1);
+        // Only where buckets are handed on (Note [DDP row blocks]).
+        let first_blocked = side
+            .as_ref()
+            .and_then(|_| st.buckets.iter().position(|b| b.row_blocks > 1));
         while st.next_bucket < n_buckets && st.buckets[st.next_bucket].pending == 0 {
             let index = st.next_bucket;
             let next = &mut st.buckets[index];
@@ -548,10 +545,10 @@ impl Reducer {
         dims: &[usize],
         blocks: usize,
     ) -> Result<Vec<CommFuture>> {
-        let by_blocks = self.hook_by_blocks.load(std::sync::atomic::Ordering::Relaxed);
         let buffer = bucket.buffer();
         match buffer.device() {
-            Device::Cuda(device) if by_blocks && blocks > 1 => {
+            // Blocks only for a built-in hook: the others' buckets have none (`set_comm_hook`).
+            Device::Cuda(device) if blocks > 1 => {
                 let compute = cuda::current_stream(device)?;
                 after_row_blocks(device, buffer, dims, blocks, |part| {
                     let future = hook(&GradBucket {
