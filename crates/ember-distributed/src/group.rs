@@ -698,7 +698,8 @@ pub fn init_process_group_with_env(
             }
             None => {
                 let rv = rendezvous::resolve(&options.init_method, options.rank, options.world_size, env)?;
-                let store = TcpStore::new(&rv.master_addr, rv.master_port, rv.rank == 0, options.timeout)?;
+                let is_master = rv.rank == 0 && !rv.agent_store;
+                let store = TcpStore::new(&rv.master_addr, rv.master_port, is_master, options.timeout)?;
                 let ip = store.local_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]));
                 (Arc::new(store), rv.rank, rv.world_size, ip, rv.local_rank)
             }

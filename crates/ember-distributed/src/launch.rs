@@ -19,10 +19,17 @@
 //! exits with a non-zero status or is killed by a signal, the launcher kills every other
 //! worker (SIGKILL through `Child::kill`; std offers no gentler signal without unsafe code),
 //! prints which rank failed and how, and exits with status 1, as torchrun does with
-//! `ChildFailedError`. When every worker exits with 0, so does the launcher. Rank 0 of node 0
-//! hosts the store (`init_process_group` starts it), so the launcher runs no server itself.
+//! `ChildFailedError`. When every worker exits with 0, so does the launcher.
 //! Grandchildren of a worker (a worker that is a shell starting another program) are not
 //! killed with it: make the worker `exec` its program.
+//!
+//! Note [Launcher store]: the launcher of node 0 runs the store server for the job's lifetime,
+//! as torchrun's agent does, and tells the workers so with `TORCHELASTIC_USE_AGENT_STORE=True`:
+//! `init_process_group` then only connects, from every rank. With `--standalone` the server
+//! binds port 0 and the workers get the port it was given. Picking a free port and letting
+//! rank 0 bind it later (as before) lost a race: the distributed tests start many stores at
+//! once, and on the GPU machine (session 54) one of them took the port in between, so rank 0
+//! failed with "address already in use".
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -32,6 +39,10 @@ use std::time::{Duration, Instant};
 use ember_core::{Error, Result};
 
 use crate::rendezvous::DEFAULT_MASTER_PORT;
+use crate::store::TcpStore;
+
+/// How long the launcher's own connection to the store it starts may take.
+const STORE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// `ember-run --help`.
 pub const USAGE: &str = "\
@@ -97,7 +108,7 @@ pub struct LaunchConfig {
     pub nnodes: usize,
     pub node_rank: usize,
     pub master_addr: String,
-    /// 0 with `standalone` until [`LaunchConfig::resolve_port`] picks one.
+    /// 0 with `standalone`: [`run`]'s store server picks a free one.
     pub master_port: u16,
     pub standalone: bool,
     /// Streams copied to the console prefixed `[rankN]: ` (Note [Launcher output]).
@@ -225,16 +236,6 @@ impl LaunchConfig {
         Ok(Some(cfg))
     }
 
-    /// With `--standalone` and no port: picks a free port on localhost (bind to port 0, read
-    /// it, release it; the store binds it again moments later, as torchrun does).
-    pub fn resolve_port(&mut self) -> Result<()> {
-        if self.master_port == 0 {
-            let l = std::net::TcpListener::bind(("127.0.0.1", 0))?;
-            self.master_port = l.local_addr()?.port();
-        }
-        Ok(())
-    }
-
     pub fn world_size(&self) -> usize {
         self.nnodes * self.nproc_per_node
     }
@@ -255,6 +256,8 @@ impl LaunchConfig {
             ("GROUP_RANK".to_string(), self.node_rank.to_string()),
             ("MASTER_ADDR".to_string(), self.master_addr.clone()),
             ("MASTER_PORT".to_string(), self.master_port.to_string()),
+            // Note [Launcher store].
+            ("TORCHELASTIC_USE_AGENT_STORE".to_string(), "True".to_string()),
         ];
         if existing("NCCL_NVLS_ENABLE").is_none() {
             env.push(("NCCL_NVLS_ENABLE".to_string(), "0".to_string()));
@@ -363,7 +366,30 @@ fn forward(
 }
 
 /// Starts the workers and supervises them (Note [Launcher failure policy]).
+/// Starts the workers of `cfg` and waits for them (Note [Launcher failure policy]); on node 0
+/// it runs the job's store meanwhile (Note [Launcher store]).
 pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
+    let mut cfg = cfg.clone();
+    let _store = match cfg.node_rank {
+        0 => {
+            let store =
+                TcpStore::new("127.0.0.1", cfg.master_port, true, STORE_TIMEOUT).map_err(|e| Error::Io {
+                    kind: match &e {
+                        Error::Io { kind, .. } => *kind,
+                        _ => std::io::ErrorKind::Other,
+                    },
+                    msg: format!(
+                        "ember-run: cannot start the store on port {}: {e}; pick another --master-port \
+                         (or --standalone for a free one)",
+                        cfg.master_port
+                    ),
+                })?;
+            cfg.master_port = store.port();
+            Some(store)
+        }
+        _ => None,
+    };
+    let cfg = &cfg;
     let existing = |k: &str| std::env::var(k).ok();
     let (done_tx, done_rx) = mpsc::channel();
     let mut children: Vec<(usize, Child)> = Vec::new();
@@ -501,18 +527,18 @@ mod tests {
         assert_eq!(get("LOCAL_WORLD_SIZE"), "4");
         assert_eq!(get("GROUP_RANK"), "1");
         assert_eq!(get("NCCL_NVLS_ENABLE"), "0");
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
         let env = c.worker_env(0, &|k| (k == "NCCL_NVLS_ENABLE").then(|| "1".to_string()));
         assert!(env.iter().all(|(k, _)| k != "NCCL_NVLS_ENABLE"));
     }
 
     #[test]
     fn standalone_and_bad_flags() {
-        let mut c = parse(&["--standalone", "--nproc-per-node=2", "--", "prog"])
+        let c = parse(&["--standalone", "--nproc-per-node=2", "--", "prog"])
             .unwrap()
             .unwrap();
+        // 0: the launcher's store picks a free port (Note [Launcher store]).
         assert_eq!(c.master_port, 0);
-        c.resolve_port().unwrap();
-        assert_ne!(c.master_port, 0);
         assert_eq!(parse(&["--help"]).unwrap(), None);
         let c = parse(&["--tee", "3", "--log-dir=/tmp/x", "p"]).unwrap().unwrap();
         assert_eq!((c.tee, c.redirects), (Std::All, Std::None));

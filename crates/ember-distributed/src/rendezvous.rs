@@ -10,7 +10,9 @@
 //! The master is `MASTER_ADDR` / `MASTER_PORT`; under SLURM without `MASTER_ADDR`, the first
 //! host of `SLURM_JOB_NODELIST` (`node[01-04,07]` gives `node01`); without `MASTER_PORT` under
 //! SLURM or Open MPI, [`DEFAULT_MASTER_PORT`] (torchrun's default). Under plain `env://`, both
-//! must be set.
+//! must be set. Rank 0 starts the store server there, unless `TORCHELASTIC_USE_AGENT_STORE` is
+//! `True` (torchrun's variable, set by `ember-run`): the launcher runs the server already, and
+//! every rank is its client (Note [Launcher store] in `launch.rs`).
 
 use ember_core::{Error, Result};
 
@@ -39,6 +41,9 @@ pub struct Rendezvous {
     pub master_addr: String,
     pub master_port: u16,
     pub launcher: Launcher,
+    /// The launcher runs the store server (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0 must
+    /// not start another.
+    pub agent_store: bool,
 }
 
 fn parse_num<T: std::str::FromStr>(name: &str, value: &str) -> Result<T> {
@@ -153,6 +158,9 @@ pub fn resolve(
         master_addr,
         master_port,
         launcher,
+        // Under env:// only, as PyTorch.
+        agent_store: !init_method.starts_with("tcp://")
+            && env("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True"),
     })
 }
 
@@ -244,9 +252,26 @@ mod tests {
                 local_rank: Some(1),
                 master_addr: "10.0.0.2".into(),
                 master_port: 1234,
-                launcher: Launcher::Explicit
+                launcher: Launcher::Explicit,
+                agent_store: false,
             }
         );
+        // Under ember-run (torchrun) the launcher runs the store: no rank starts one.
+        let mut vars = vec![
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "5"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ];
+        assert!(resolve("env://", None, None, &env_of(&vars)).unwrap().agent_store);
+        assert!(
+            !resolve("tcp://h:5", None, None, &env_of(&vars))
+                .unwrap()
+                .agent_store
+        );
+        vars[4].1 = "False";
+        assert!(!resolve("env://", None, None, &env_of(&vars)).unwrap().agent_store);
         // Explicit arguments win.
         let r = resolve("env://", Some(0), Some(2), &env).unwrap();
         assert_eq!((r.rank, r.world_size), (0, 2));

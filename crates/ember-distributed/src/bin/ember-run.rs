@@ -5,7 +5,7 @@
 use ember_distributed::launch::{run, LaunchConfig, LaunchOutcome, USAGE};
 
 fn main() {
-    let mut cfg = match LaunchConfig::parse(std::env::args().skip(1)) {
+    let cfg = match LaunchConfig::parse(std::env::args().skip(1)) {
         Ok(Some(cfg)) => cfg,
         Ok(None) => {
             println!("{USAGE}");
@@ -16,10 +16,6 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = cfg.resolve_port() {
-        eprintln!("ember-run: cannot pick a free port: {e}");
-        std::process::exit(1);
-    }
     match run(&cfg) {
         Ok(LaunchOutcome::Succeeded) => {}
         Ok(LaunchOutcome::Failed { rank, status }) => {

@@ -69,7 +69,7 @@ fn worker_args() -> Vec<String> {
 pub(super) fn launch(nproc: usize) -> CliResult<()> {
     let program = std::env::current_exe()
         .map_err(|e| format!("--nproc-per-node: cannot find this program to start its workers: {e}"))?;
-    let mut cfg = LaunchConfig {
+    let cfg = LaunchConfig {
         nproc_per_node: nproc,
         nnodes: 1,
         node_rank: 0,
@@ -82,7 +82,6 @@ pub(super) fn launch(nproc: usize) -> CliResult<()> {
         program: program.display().to_string(),
         args: worker_args(),
     };
-    cfg.resolve_port()?;
     match launch::run(&cfg)? {
         LaunchOutcome::Succeeded => Ok(()),
         LaunchOutcome::Failed { rank, status } => {
