@@ -1693,7 +1693,7 @@ fn sanitize_script_parts_and_per_tool_exclusions() {
                --tool|--target-processes|--error-exitcode|--print-limit|--report-api-errors|--kernel-name-exclude|--launch-skip|--launch-count) shift 2 ;;\n\
                *) break ;;\n\
              esac; done\n\
-             echo '========= ERROR SUMMARY: 0 errors' > \"${{log//%p/$$}}\"\n\
+             printf '%b' \"${{FAKE_LOG:-========= ERROR SUMMARY: 0 errors\\n}}\" > \"${{log//%p/$$}}\"\n\
              exec \"$@\"\n",
             calls = calls.display()
         ),
@@ -1791,4 +1791,34 @@ fn sanitize_script_parts_and_per_tool_exclusions() {
     let bad = run(&["--windows", "0:100", "echo a"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--windows takes K:N"));
+    // initcheck in windows would report what the unchecked launches wrote: refused.
+    let bad = run(&["-t", "memcheck,initcheck", "--windows", "2:100", "echo a"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("initcheck cannot run in --windows"));
+
+    // A run stopped before its summary (a time-out) counts the reports its log holds.
+    let out = Command::new("bash")
+        .arg(&script)
+        .args([
+            "--no-warm",
+            "-t",
+            "initcheck",
+            "-o",
+            logs.to_str().unwrap(),
+            "echo a",
+        ])
+        .env("COMPUTE_SANITIZER", &fake)
+        .env(
+            "FAKE_LOG",
+            "========= COMPUTE-SANITIZER\\n========= Uninitialized __global__ memory read of size 4 bytes\\n\
+             =========     at k+0x10\\n========= Host API memory access error at host access to 0x1\\n",
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("initcheck: 2 errors, 0 warnings (1 runs"),
+        "{stdout}"
+    );
 }

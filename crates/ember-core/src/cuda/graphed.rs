@@ -245,9 +245,12 @@ fn backward_of(
         .filter(|t| t.requires_grad())
         .map(|t| (*t).clone())
         .collect();
+    // The warm-up's gradient: zeros, where PyTorch's `make_graphed_callables` passes
+    // `empty_like` (its values are never used): compute-sanitizer's initcheck reported the
+    // warm-up's products reading it as uninitialized memory (session 54).
     let grad_output = match grad_output {
         Some(g) => g.clone(),
-        None => output.empty_like()?,
+        None => output.zeros_like()?,
     };
     let mut grads =
         autograd::grad(std::slice::from_ref(output), &wanted, Some(&[grad_output]), false)?.into_iter();
