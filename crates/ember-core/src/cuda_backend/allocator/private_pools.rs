@@ -92,8 +92,7 @@ impl<D: Driver> State<D> {
         debug_assert!(self.captures.is_empty());
         for addr in std::mem::take(&mut self.deferred) {
             let uses = std::mem::take(&mut self.block_mut(addr).stream_uses);
-            let events = uses.into_iter().map(|s| self.driver.record_event(s)).collect();
-            self.pending.push((addr, events));
+            self.wait_for_uses(addr, uses);
         }
     }
 

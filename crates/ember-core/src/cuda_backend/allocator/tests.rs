@@ -317,6 +317,56 @@ fn record_stream_delays_reuse_until_the_event_completes() {
 }
 
 #[test]
+fn pending_frees_are_queried_stream_by_stream_oldest_first() {
+    let a = allocator(1 << 30);
+    // Ten blocks of stream 1 used on stream 2, one of them on stream 3 too, all freed.
+    let blocks: Vec<u64> = (0..10).map(|_| a.malloc(4096, 1).unwrap().ptr).collect();
+    for &b in &blocks {
+        a.record_stream(b, 2);
+        assert!(a.free(b));
+    }
+    let y = a.malloc(4096, 1).unwrap();
+    a.record_stream(y.ptr, 3);
+    a.record_stream(y.ptr, 2);
+    assert!(a.free(y.ptr));
+    // Stream 2's events are 1..=11 (y's last), stream 3's is 12.
+    let queries = |a: &CachingAllocator<FakeDriver>| a.with_driver(|d| d.queries);
+    let before = queries(&a);
+    let z = a.malloc(4096, 1).unwrap();
+    assert_eq!(queries(&a) - before, 2, "one query per stream: its oldest event");
+    assert!(!blocks.contains(&z.ptr) && z.ptr != y.ptr);
+    a.free(z.ptr);
+    // Stream 2 completes its first three, stream 3 its only one: three blocks come back, and
+    // y waits for its event on stream 2 still.
+    a.with_driver(|d| {
+        for e in [1, 2, 3, 12] {
+            d.events.get_mut(&e).unwrap().1 = true;
+        }
+    });
+    let before = queries(&a);
+    let got: Vec<u64> = (0..4).map(|_| a.malloc(4096, 1).unwrap().ptr).collect();
+    assert_eq!(
+        queries(&a) - before,
+        4 + 1 + 3,
+        "3 done and 1 not on stream 2, 1 on stream 3, then 1 per malloc"
+    );
+    assert_eq!(
+        got.iter().filter(|p| blocks[..3].contains(p)).count(),
+        3,
+        "{got:x?}"
+    );
+    assert!(!got.contains(&y.ptr));
+    assert_eq!(a.with_driver(|d| d.destroyed.clone()), vec![1, 2, 3, 12]);
+    // empty_cache waits for the rest, in order, and returns every block.
+    for p in got {
+        a.free(p);
+    }
+    a.empty_cache();
+    assert_eq!(a.with_driver(|d| (d.synchronized, d.events.len())), (8, 0));
+    assert_eq!(a.stats().active.all.current, 0);
+}
+
+#[test]
 fn empty_cache_synchronizes_pending_frees() {
     let a = allocator(1 << 30);
     let x = a.malloc(3 * MIB, 0).unwrap();
