@@ -104,7 +104,9 @@ struct Pending {
 /// (docs/benchmarks.md, session 44). So the engine carries such a gradient as the slice it is
 /// (`Grad::Slices`), sums slices by listing them, and writes the input's gradient out only when
 /// the entry runs: when the regions are blocks of one dim that tile the input (the pieces of a
-/// split), into uninitialized memory with one copy each, or with none where the pieces are
+/// split), into uninitialized memory with one copy each (on a GPU, one `foreach_copy_` launch
+/// for them all when every piece and its slot are contiguous: FSDP's gathered buffer gets its
+/// gradient from its parameters' pieces, 12 copies a GPT-2 block before), or with none where the pieces are
 /// already views of one buffer laid out as the input (fused attention's q, k and v
 /// gradients); otherwise into zeros, adding each region in place (regions may overlap). A slice
 /// meeting a dense gradient is written out and added as before.
@@ -173,6 +175,15 @@ impl Grad {
         } else {
             Tensor::zeros(shape, dtype, device)?
         };
+        if tiles && device.is_cuda() && parts.len() > 1 {
+            let slots: Vec<Tensor> = parts.iter().map(|(r, _)| out.view_with(r.clone())).collect();
+            let plain = |t: &Tensor| t.is_contiguous() && !t.requires_grad();
+            if slots.iter().all(plain) && parts.iter().all(|(_, g)| plain(g)) {
+                let pieces: Vec<Tensor> = parts.into_iter().map(|(_, g)| g).collect();
+                crate::foreach_copy_(&slots, &pieces)?;
+                return Ok(out);
+            }
+        }
         for (region, g) in &parts {
             if tiles {
                 let src = g.storage().read();

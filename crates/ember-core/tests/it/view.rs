@@ -314,6 +314,24 @@ fn gradients_of_several_views_of_one_tensor() {
                             .collect()
                     },
                 ),
+                // Pieces along dim 0: contiguous pieces and slots (one list copy on a GPU).
+                (
+                    "split on dim 0",
+                    |x, w| {
+                        let [a, b] = x.split_into(2, 0)?;
+                        let [wa, wb] = w.split_into(2, 0)?;
+                        a.mul(&wa)?
+                            .sum_all()?
+                            .add(&b.mul(&wb)?.mul_scalar(2.0)?.sum_all()?)
+                    },
+                    |w| {
+                        let w = w.to_vec_f64().unwrap();
+                        w.iter()
+                            .enumerate()
+                            .map(|(i, v)| v * (1 + i / 72) as f64)
+                            .collect()
+                    },
+                ),
                 // Two of the three pieces: the third's region stays zero.
                 (
                     "split, one unused",
