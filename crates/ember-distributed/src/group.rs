@@ -642,7 +642,8 @@ fn default_slot() -> std::sync::MutexGuard<'static, Option<ProcessGroup>> {
 
 /// Initializes the default group (`torch.distributed.init_process_group`): finds the rank,
 /// world size and master (see [`crate::rendezvous`]), starts the store server on rank 0 (at
-/// `MASTER_PORT` on all interfaces), connects to it, and connects the ranks.
+/// `MASTER_PORT` on all interfaces) unless the launcher runs it (`ember-run`, torchrun:
+/// `TORCHELASTIC_USE_AGENT_STORE=True`), connects to it, and connects the ranks.
 ///
 /// ```no_run
 /// use ember_distributed as dist;

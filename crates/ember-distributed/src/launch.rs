@@ -54,7 +54,7 @@ options:
   --nproc-per-node N   workers on this node (default 1)
   --nnodes N           nodes in the job (default 1)
   --node-rank R        this node's rank, 0..nnodes (default 0)
-  --master-addr HOST   host of rank 0, where the store runs (default 127.0.0.1)
+  --master-addr HOST   host of node 0, whose ember-run runs the store (default 127.0.0.1)
   --master-port PORT   the store's port (default 29500)
   --standalone         one node, on localhost, with a free port picked for the store
   --tee STD            copy the workers' STD streams to the console with each line prefixed
