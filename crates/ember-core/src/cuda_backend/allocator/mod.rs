@@ -17,8 +17,12 @@
 //!   looks for completed events stream by stream, oldest first, and stops at a stream's first
 //!   event not yet complete (the later ones, recorded after it on the same stream, are not
 //!   either): one query per stream with frees pending, where it used to be one per pending
-//!   event (FSDP, whose buffers are used on three streams, kept tens of events pending while the
-//!   host ran ahead; its per-op host time in a profile was twice DDP's, session 54).
+//!   event. FSDP's buffers are used on three streams and wait on events while the host runs
+//!   ahead, and its per-op host time in a profile was twice DDP's. With this and one launch for
+//!   the pieces of a view gradient (autograd's Note [Gradients of views]), fsdp_gpt2 on two
+//!   H200s went from 18.95-19.14 to 18.55-18.74 ms a step at N = 2 and from 18.17 to 17.75-17.80
+//!   at N = 1 (session 54 runs 1-3, not measured apart; docs/benchmarks.md); the per-op host
+//!   time in the profile stayed about twice DDP's.
 //! - A found block splits when the remainder is >= 512 B (small pool) or > 1 MiB (large pool);
 //!   a freed block merges with the free neighbours of its segment.
 //! - When the driver is out of memory: synchronize pending frees, release the fully free
