@@ -365,7 +365,6 @@ fn forward(
     });
 }
 
-/// Starts the workers and supervises them (Note [Launcher failure policy]).
 /// Starts the workers of `cfg` and waits for them (Note [Launcher failure policy]); on node 0
 /// it runs the job's store meanwhile (Note [Launcher store]).
 pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome> {

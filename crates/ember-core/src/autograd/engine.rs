@@ -106,8 +106,8 @@ struct Pending {
 /// the entry runs: when the regions are blocks of one dim that tile the input (the pieces of a
 /// split), into uninitialized memory with one copy each (on a GPU, one `foreach_copy_` launch
 /// for them all when every piece and its slot are contiguous: FSDP's gathered buffer gets its
-/// gradient from its parameters' pieces, 12 copies a GPT-2 block before), or with none where the pieces are
-/// already views of one buffer laid out as the input (fused attention's q, k and v
+/// gradient from its parameters' pieces, 12 copies a GPT-2 block before), or with none where
+/// the pieces are already views of one buffer laid out as the input (fused attention's q, k and v
 /// gradients); otherwise into zeros, adding each region in place (regions may overlap). A slice
 /// meeting a dense gradient is written out and added as before.
 enum Grad {
