@@ -422,7 +422,7 @@ impl Reducer {
         let bucket = &mut st.buckets[b];
         let view = &bucket.views[slot];
         match self.params[index].grad() {
-            Some(g) if g.shares_storage_with(view) && g.data_ptr() == view.data_ptr() => {}
+            Some(g) if same_tensor(&g, view) => {}
             Some(g)
                 if bucket.params.len() == 1
                     && !self.find_unused_parameters
@@ -640,7 +640,7 @@ impl Reducer {
                 // Averaged where it lies, unless a hook replaced `.grad` since.
                 let i = bucket.params[0];
                 match self.params[i].grad() {
-                    Some(now) if now.data_ptr() == g.data_ptr() && now.shares_storage_with(g) => {}
+                    Some(now) if same_tensor(&now, g) => {}
                     _ => self.params[i].set_grad(Some(g.clone()))?,
                 }
                 continue;
@@ -847,10 +847,7 @@ fn write_hook_result(index: usize, value: Tensor, target: &Tensor) -> Result<()>
             ),
         ));
     }
-    let same = value.shares_storage_with(target)
-        && value.data_ptr() == target.data_ptr()
-        && value.dtype() == target.dtype()
-        && value.is_contiguous();
+    let same = same_tensor(&value, target) && value.dtype() == target.dtype() && value.is_contiguous();
     if !same {
         let dims: Vec<isize> = target.dims().iter().map(|&d| d as isize).collect();
         target.copy_(&value.reshape(dims)?)?;
