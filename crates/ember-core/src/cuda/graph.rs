@@ -386,6 +386,9 @@ impl CUDAGraph {
         self.refresh_kept_casts()?;
         // The replay writes storages without counting their versions (Note [Cast twins]).
         let count = crate::storage::note_graph_replay();
+        // A replay's copies and fills as eager ones (Note [CUPTI beside other threads' CUDA
+        // work] in `cuda_backend/cupti.rs`).
+        let _gate = crate::cuda_backend::cupti::work_guard();
         // SAFETY: `exec` is a live executable graph of this device, whose context `runtime`
         // bound; the current stream of that device is live. Its memory (the private pool) lives
         // as long as this graph holds it.

@@ -612,8 +612,11 @@ impl Operand {
     }
 }
 
-/// `f` with this thread's cuBLASLt state (Note [cuBLASLt state]).
+/// `f` with this thread's cuBLASLt state (Note [cuBLASLt state]), all of it under the CUPTI
+/// gate: cuBLASLt loads kernels on their first use and may fill (Note [CUPTI beside other
+/// threads' CUDA work] in `cupti.rs`).
 fn with_thread_blas<T>(f: impl FnOnce(&mut ThreadBlas) -> Result<T>) -> Result<T> {
+    let _gate = super::cupti::work_guard();
     THREAD_BLAS
         .try_with(|thread| f(&mut thread.borrow_mut()))
         .map_err(|_| Error::Cuda {

@@ -216,6 +216,9 @@ pub(super) fn with_handle<T>(
     f: impl FnOnce(sys::cudnnHandle_t) -> Result<T>,
 ) -> Result<T> {
     let stream = current_raw(rt.ordinal);
+    // cuDNN compiles and loads kernels, copies and fills of its own (Note [CUPTI beside other
+    // threads' CUDA work] in `cupti.rs`).
+    let _gate = super::cupti::work_guard();
     let handle = THREAD_DNN
         .try_with(|t| t.borrow_mut().handle(rt, stream))
         .map_err(|_| Error::Cuda {
@@ -759,6 +762,8 @@ fn run(rt: &DeviceRuntime, params: ConvParams, dir: Direction, bufs: Buffers) ->
             status,
         )
     };
+    // As in `with_handle`.
+    let _gate = super::cupti::work_guard();
     THREAD_DNN
         .try_with(|t| body(&mut t.borrow_mut()))
         .map_err(|_| Error::Cuda {

@@ -52,6 +52,9 @@ pub(super) struct Desc(pub(super) sys::cudnnBackendDescriptor_t);
 
 impl Drop for Desc {
     fn drop(&mut self) {
+        // An execution plan's kernels are unloaded with it, on a thread's exit too (Note [CUPTI
+        // beside other threads' CUDA work] in `cupti.rs`).
+        let _gate = super::cupti::work_guard();
         // SAFETY: created by `Desc::new` and destroyed only here.
         unsafe {
             let _ = sys::cudnnBackendDestroyDescriptor(self.0);

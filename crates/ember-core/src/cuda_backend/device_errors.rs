@@ -232,6 +232,10 @@ impl DeviceErrors {
         if self.doorbell.is_some() && !self.may_have_error(slot, 0) {
             return Ok(());
         }
+        // The CUPTI gate before `reading`: a thread holding a share (inside a library call)
+        // may come here, and one waiting for a share must not hold `reading` meanwhile (Note
+        // [GATE shares nest] in `cupti.rs`).
+        let _gate = super::cupti::work_guard();
         let mut reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
         let read_upto = &mut reading[slot];
         if !self.may_have_error(slot, *read_upto) {
@@ -253,7 +257,6 @@ impl DeviceErrors {
             if let Some((host, _)) = self.doorbell {
                 std::ptr::write_volatile((host as *mut u32).add(slot), 0);
             }
-            let _copy = super::cupti::copy_guard();
             result::memcpy_dtoh_async(&mut record[..], at, s)
                 .and_then(|_| result::memset_d8_async(at, 0, std::mem::size_of::<Record>(), s))
                 .and_then(|_| result::stream::synchronize(s))

@@ -155,7 +155,7 @@ impl DeviceRuntime {
         let unit = Unit::of(&key);
         // No CUPTI start or stop while a unit loads (Note [CUPTI beside other threads' CUDA
         // work] in `cupti.rs`).
-        let _gate = super::cupti::GATE.read().unwrap_or_else(|e| e.into_inner());
+        let _gate = super::cupti::gate_share();
         let module = self.unit(&unit, key)?;
         let symbol = key.symbol();
         let name = std::ffi::CString::new(symbol.clone()).expect("kernel names have no NUL");

@@ -195,7 +195,7 @@ impl CudaStorage {
             super::kernel_timing::note_work(current_raw(device));
             // SAFETY: `out` holds exactly `bytes.len()` bytes; pageable host memory is copied to
             // a staging buffer before cuMemcpyHtoDAsync returns, so `cpu` may go away after.
-            let _copy = super::cupti::copy_guard();
+            let _gate = super::cupti::work_guard();
             unsafe { result::memcpy_htod_async(out.buf.ptr, bytes, current_raw(device) as sys::CUstream) }
                 .map_err(cuda_error("copy to device"))?;
         }
@@ -218,7 +218,7 @@ impl CudaStorage {
             return Ok(());
         }
         super::kernel_timing::note_work(current_raw(rt.ordinal));
-        let _copy = super::cupti::copy_guard();
+        let _gate = super::cupti::work_guard();
         // SAFETY: the destination range holds `bytes.len()` bytes (checked above); the caller
         // keeps the host buffer alive until the stream has run the copy.
         unsafe {
@@ -264,6 +264,8 @@ impl CudaStorage {
         let dst = self.ptr_at(start);
         super::kernel_timing::note_work(stream);
         let s = stream as sys::CUstream;
+        // Fills as copies (Note [CUPTI beside other threads' CUDA work] in `cupti.rs`).
+        let _gate = super::cupti::work_guard();
         // SAFETY: `dst` points at `n` elements of this storage, which the stream may write.
         let r = unsafe {
             match bytes.len() {
@@ -290,7 +292,7 @@ impl CudaStorage {
         let memcpy = !(super::sanitizer_workarounds() && super::capture::any_on_device(rt.ordinal));
         if memcpy && src.dtype == self.dtype && dst_layout.is_contiguous() && src_layout.is_contiguous() {
             super::kernel_timing::note_work(stream);
-            let _copy = super::cupti::copy_guard();
+            let _gate = super::cupti::work_guard();
             // SAFETY: both ranges hold `n` elements of one dtype inside their storages.
             return unsafe {
                 result::memcpy_dtod_async(dst, srcp, n * self.dtype.size_in_bytes(), stream as sys::CUstream)
@@ -560,7 +562,7 @@ unsafe fn peer_copy_bytes(
     bytes: std::ops::Range<usize>,
     stream: &super::Stream,
 ) -> Result<()> {
-    let _copy = super::cupti::copy_guard();
+    let _gate = super::cupti::work_guard();
     // SAFETY: the caller's contract; the contexts are the devices' primary contexts.
     unsafe {
         result::memcpy_peer_async(
@@ -673,7 +675,7 @@ impl CopyOps for CudaStorage {
                 super::stream::note_host_sync();
                 super::kernel_timing::note_work(current_raw(src.buf.device));
                 let stream = current_raw(src.buf.device) as sys::CUstream;
-                let _copy = super::cupti::copy_guard();
+                let _gate = super::cupti::work_guard();
                 // SAFETY: `host` has room for `n` elements of T, the size of src's dtype; the
                 // stream is synchronized before `host` is read.
                 unsafe {
