@@ -612,10 +612,15 @@ fn initcheck_shape() -> (usize, usize, usize) {
 /// `prefill`, the product's output block was first written by a plain fill of ember's (a
 /// tensor of the same size, filled and dropped: the caching allocator hands its block to the
 /// product, which the test checks). Its first rows are checked against the CPU, so the product
-/// did write the block whatever initcheck says.
+/// did write the block whatever initcheck says. It runs on a high-priority stream of the pool,
+/// whose blocks the caching allocator keeps apart from the default stream's: on the default
+/// stream another test's thread took the freed block first (session 54, core `it` run whole).
 fn initcheck_probe(prefill: bool) {
     let _l = lock();
     let dev = gpu();
+    let own = cuda::Stream::with_priority_on(0, -1).unwrap();
+    own.wait_stream(&cuda::current_stream(0).unwrap()).unwrap();
+    let _on_own = cuda::stream(&own);
     let (m, k, n) = initcheck_shape();
     let warm = input(&[64, 64], 50, DType::BF16).to(dev).unwrap();
     // Loads the product's kernels; its output is not read back, which initcheck would report
