@@ -127,7 +127,9 @@
 //! takes the buckets' 290 us of copies off the compute stream at the end of backward
 //! (ddp_gpt2 at N = 2 on two H200s, alternating in one run: 19.29, 19.29, 19.39 ms a step
 //! against 19.53, 19.63, 19.52 for the tail only; session 54 run 7, unwrapped 16.93;
-//! docs/benchmarks.md). A model with no row-blocked bucket keeps finalize's copy for all.
+//! docs/benchmarks.md). Adopted in session 55, whose benchmark run gave ddp_gpt2 19.17 ms at
+//! N = 2, scaling 0.878 (session 54's run 6, before: 0.879): across runs the gain does not
+//! show above the noise. A model with no row-blocked bucket keeps finalize's copy for all.
 //! A slot with no `.grad`, or whose `.grad` was replaced since
 //! its hook, is written by finalize as before, after the all-reduce; so is a bucket with a
 //! 0-d or strided gradient, which cannot arrive.
