@@ -104,8 +104,8 @@
 //!   slowed by them.
 //!
 //! Note [DDP early copy back]: on a GPU outside capture (and without `find_unused_parameters`,
-//! `gradient_as_bucket_view` or a hook), in a model where some bucket is all-reduced in row
-//! blocks (Note [DDP row blocks]), every bucket of several parameters has its averages copied back
+//! `gradient_as_bucket_view` or a hook), a bucket of several parameters reduced after the
+//! first bucket all-reduced in row blocks (Note [DDP row blocks]) has its averages copied back
 //! into `.grad` as soon as its all-reduce is issued, on the reducer's side stream, which waits
 //! for the all-reduce, and each gradient is handed on as arriving whole, an event after its
 //! copy (Note [Arrivals in row blocks] in ember-core). Finalize used to wait for such a bucket
@@ -120,16 +120,23 @@
 //! runs' noise (19.28, 19.81, 19.52 ms; docs/benchmarks.md).
 //! An op that reads such a gradient waits for its copy: a hook after DDP's reading `.grad`
 //! in backward sees the average, where PyTorch's sees the local gradient until the end of
-//! backward. Copying every bucket early (rather than only those after the first row-blocked
-//! one) made backward 350 us longer in session 53's trace, the host's time between kernels, when every
+//! backward. The buckets before keep finalize's copy. Copying every bucket early made
+//! backward 350 us longer in session 53's trace, the host's time between kernels, when every
 //! allocation still queried every pending event. Once the caching allocator queried only each
 //! stream's oldest (ember-core's `allocator/mod.rs`), every bucket early was the faster: it
 //! takes the buckets' 290 us of copies off the compute stream at the end of backward
 //! (ddp_gpt2 at N = 2 on two H200s, alternating in one run: 19.29, 19.29, 19.39 ms a step
 //! against 19.53, 19.63, 19.52 for the tail only; session 54 run 7, unwrapped 16.93;
-//! docs/benchmarks.md). Adopted in session 55, whose benchmark run gave ddp_gpt2 19.17 ms at
-//! N = 2, scaling 0.878 (session 54's run 6, before: 0.879): across runs the gain does not
-//! show above the noise. A model with no row-blocked bucket keeps finalize's copy for all.
+//! docs/benchmarks.md). Tried in session 55 and reverted: its GPU tests passed (distributed
+//! `it` 85 of 85) and ddp_gpt2 took 19.17 ms at N = 2 (scaling 0.878, against 0.879 in
+//! session 54's run 6), but `cli`'s replicated GPT-2 then followed the sharded one less
+//! closely: mean |loss difference| 0.0096 over 60 steps, against 0.0008 in sessions 53 and 54
+//! (the same curves had 0.179 when list ops did not wait for arriving gradients). Copies alone
+//! cannot change values, so either that test is less deterministic than its two equal figures
+//! suggest or some reader of `.grad` does not wait for an early copy; neither is shown. The
+//! condition is `first_blocked.is_some_and(|f| index > f)` in `mark_variable_ready`;
+//! `first_blocked.is_some()` copies every bucket early. Before adopting it, run the cli test
+//! twice on each.
 //! A slot with no `.grad`, or whose `.grad` was replaced since
 //! its hook, is written by finalize as before, after the all-reduce; so is a bucket with a
 //! 0-d or strided gradient, which cannot arrive.
@@ -473,7 +480,7 @@ impl Reducer {
                             next.handed_on = true;
                         }
                         (Some(side), None)
-                            if first_blocked.is_some()
+                            if first_blocked.is_some_and(|f| index > f)
                                 && !self.find_unused_parameters
                                 && !self.gradient_as_bucket_view =>
                         {

@@ -447,10 +447,10 @@ fn nccl_ddp_rank_profiles_while_the_other_runs_ahead_on_two_gpus() {
 
 /// Note [DDP row blocks] and Note [DDP early copy back]: a 128 MiB weight between small layers,
 /// buckets of 0.5 MiB. The weight's gradient is computed and all-reduced in three row blocks,
-/// and the fused Adam step updates each block once its all-reduce is done; the buckets of the
-/// small layers, before and after the large weight, are copied back into `.grad` on a side
-/// stream as their all-reduce starts and handed on to Adam as arriving. Every step, on each
-/// rank: the averaged `.grad` equals one process's full-batch gradient, and the parameters equal, bit for
+/// and the fused Adam step updates each block once its all-reduce is done; the last layers'
+/// bucket is copied back into `.grad` at the end of backward, the first layer's, reduced after
+/// the large weight, on a side stream as its all-reduce starts, handed on to Adam as arriving. Every step, on each rank: the
+/// averaged `.grad` equals one process's full-batch gradient, and the parameters equal, bit for
 /// bit, those of a twin updated by the same Adam from that complete gradient (an update that did
 /// not wait for a block or a copy would have read the rank's own, unaveraged gradient).
 #[test]
