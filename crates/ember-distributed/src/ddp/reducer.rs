@@ -132,8 +132,10 @@
 //! session 54's run 6), but `cli`'s replicated GPT-2 then followed the sharded one less
 //! closely: mean |loss difference| 0.0096 over 60 steps, against 0.0008 in sessions 53 and 54
 //! (the same curves had 0.179 when list ops did not wait for arriving gradients). Copies alone
-//! cannot change values, so either that test is less deterministic than its two equal figures
-//! suggest or some reader of `.grad` does not wait for an early copy; neither is shown. The
+//! cannot change values, so either that test is less repeatable than its two equal figures
+//! suggest (whether `ember train`'s GPT-2 repeats bit for bit on a GPU is not known: cuDNN's
+//! attention backward, which it uses, is not asked to be deterministic) or some reader of
+//! `.grad` does not wait for an early copy; neither is shown. The
 //! condition is `first_blocked.is_some_and(|f| index > f)` in `mark_variable_ready`;
 //! `first_blocked.is_some()` copies every bucket early. Before adopting it, run the cli test
 //! twice on each.
