@@ -394,9 +394,14 @@ const CASES: [(&[usize], usize, usize, BiasForm, Bf16); 10] = [
     (&[4, 3, 2], 40, 20, BiasForm::Packed, Bf16::Bits),
 ];
 
+/// Holds `cuda_matmul`'s lock, as the other bit-exact product tests do: under
+/// `matmul_with_timed_algorithms_matches_the_cpu`, which turns `cuda::tunable` on for the
+/// process, a plan made here would keep an algorithm chosen by timing, whose bits may differ
+/// (this test failed once in session 54's run of the whole suite and passed alone).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_half_linear_with_bias_matches_cpu_bits() {
+    let _l = crate::cuda_matmul::lock();
     let gpu = gpu();
     let mut misses = Vec::new();
     for dtype in HALVES {
