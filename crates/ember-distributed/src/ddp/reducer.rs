@@ -135,13 +135,12 @@
 //! cannot change values, so either that test is less repeatable than its two equal figures
 //! suggest (whether `ember train`'s GPT-2 repeats bit for bit on a GPU is not known: cuDNN's
 //! attention backward, which it uses, is not asked to be deterministic) or some reader of
-//! `.grad` does not wait for an early copy; neither is shown. The
-//! condition is `first_blocked.is_some_and(|f| index > f)` in `mark_variable_ready`;
-//! `first_blocked.is_some()` copies every bucket early. Before adopting it, run the cli test
-//! twice on each.
-//! A slot with no `.grad`, or whose `.grad` was replaced since
-//! its hook, is written by finalize as before, after the all-reduce; so is a bucket with a
-//! 0-d or strided gradient, which cannot arrive.
+//! `.grad` does not wait for an early copy; neither is shown. The condition is
+//! `first_blocked.is_some_and(|f| index > f)` in `mark_variable_ready`; `first_blocked.is_some()`
+//! copies every bucket early. Before adopting it, run the cli test twice on each.
+//! A slot with no `.grad`, or whose `.grad` was replaced since its hook, is written by finalize
+//! as before, after the all-reduce; so is a bucket with a 0-d or strided gradient, which cannot
+//! arrive.
 //!
 //! Locking: one mutex over the reducer's state, taken by the hooks and by finalize (all on the
 //! thread running backward) and by forward; never held while calling into autograd.
