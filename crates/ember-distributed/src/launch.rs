@@ -39,10 +39,7 @@ use std::time::{Duration, Instant};
 use ember_core::{Error, Result};
 
 use crate::rendezvous::DEFAULT_MASTER_PORT;
-use crate::store::TcpStore;
-
-/// How long the launcher's own connection to the store it starts may take.
-const STORE_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::store::StoreServer;
 
 /// `ember-run --help`.
 pub const USAGE: &str = "\
@@ -371,20 +368,19 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     let mut cfg = cfg.clone();
     let _store = match cfg.node_rank {
         0 => {
-            let store =
-                TcpStore::new("127.0.0.1", cfg.master_port, true, STORE_TIMEOUT).map_err(|e| Error::Io {
-                    kind: match &e {
-                        Error::Io { kind, .. } => *kind,
-                        _ => std::io::ErrorKind::Other,
-                    },
-                    msg: format!(
-                        "ember-run: cannot start the store on port {}: {e}; pick another --master-port \
-                         (or --standalone for a free one)",
-                        cfg.master_port
-                    ),
-                })?;
-            cfg.master_port = store.port();
-            Some(store)
+            let server = StoreServer::start(cfg.master_port).map_err(|e| Error::Io {
+                kind: match &e {
+                    Error::Io { kind, .. } => *kind,
+                    _ => std::io::ErrorKind::Other,
+                },
+                msg: format!(
+                    "ember-run: cannot start the store on port {}: {e}; pick another --master-port \
+                     (or --standalone for a free one)",
+                    cfg.master_port
+                ),
+            })?;
+            cfg.master_port = server.port();
+            Some(server)
         }
         _ => None,
     };

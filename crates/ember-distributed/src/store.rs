@@ -368,7 +368,8 @@ struct Shared {
 
 /// The server half: an accept thread and one thread per client connection. Dropping it stops
 /// the accept thread and closes every client connection (clients then get errors, not hangs).
-struct StoreServer {
+/// `ember-run` holds one alone for its workers (Note [Launcher store] in `launch.rs`).
+pub(crate) struct StoreServer {
     port: u16,
     stop: Arc<AtomicBool>,
     clients: Arc<Mutex<Vec<TcpStream>>>,
@@ -376,7 +377,8 @@ struct StoreServer {
 }
 
 impl StoreServer {
-    fn start(port: u16) -> Result<StoreServer> {
+    /// Listens on `port` (0: a free one) on every interface.
+    pub(crate) fn start(port: u16) -> Result<StoreServer> {
         let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| Error::Io {
             kind: e.kind(),
             msg: format!(
@@ -399,6 +401,11 @@ impl StoreServer {
             clients,
             accept: Some(accept),
         })
+    }
+
+    /// The port it listens on.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
     }
 }
 
