@@ -147,6 +147,13 @@ pub trait ElementwiseOps: Sized {
 pub trait UnaryOps: Sized {
     /// `op` applied to each element, in `op.result_dtype(self.dtype())`.
     fn unary(&self, op: UnaryOp, layout: &Layout) -> Result<Self>;
+    /// `op` written over `self`'s elements at `layout` (row-major from its offset), for an op
+    /// whose result has `self`'s dtype: the in-place scalar ops (`mul_scalar_`) as one kernel
+    /// and no new buffer. `false` where the backend has no such form; the caller then writes
+    /// the out-of-place result back.
+    fn unary_inplace(&mut self, _op: UnaryOp, _layout: &Layout) -> Result<bool> {
+        Ok(false)
+    }
     /// ReLU's input gradient from its output (`self`) and the output gradient, both contiguous
     /// `len`-element storages of one float dtype: the gradient where the output is positive,
     /// else 0; `None` where the backend leaves it to the comparison and select ops.

@@ -85,6 +85,40 @@ impl UnaryOps for CudaStorage {
         }
     }
 
+    /// The float kernel with `self` as both its input and its output: each element is read
+    /// before the same thread writes it, and no two indices share an element (the vector path
+    /// runs only when the pointer is 16-byte aligned, as out of place).
+    fn unary_inplace(&mut self, op: UnaryOp, layout: &Layout) -> Result<bool> {
+        let dtype = self.dtype();
+        if !dtype.is_floating_point() || op.result_dtype(dtype)? != dtype || !layout.is_contiguous() {
+            return Ok(false);
+        }
+        let n = layout.numel();
+        if n == 0 {
+            return Ok(true);
+        }
+        let rt = self.runtime()?;
+        let shape = KernelShape::new(op.name(), layout.dims(), &[layout.strides()])?;
+        let [c0, c1, c2] = op.kernel_params();
+        let grid = Grid::linear(rt, n.div_ceil(16 / dtype.size_in_bytes()), 256);
+        let o = self.dev_ptr_mut(layout);
+        launch::unary(
+            rt,
+            op,
+            &[dtype],
+            grid,
+            o.read_only(),
+            o,
+            &shape,
+            n as i64,
+            c0,
+            c1,
+            c2,
+            0,
+        )?;
+        Ok(true)
+    }
+
     fn relu_backward(&self, grad_out: &CudaStorage, len: usize) -> Result<Option<CudaStorage>> {
         if !cudnn_on() {
             return Ok(None);

@@ -257,18 +257,26 @@ pub(crate) fn binary_scalar(op: BinaryOp, t: &Tensor, value: Scalar) -> Result<T
             "integers to negative integer powers are not allowed",
         ));
     }
+    match scalar_unary(op, t.dtype(), value) {
+        Some((unary, dtype)) => super::unary::unary(unary, &t.to_dtype(dtype)?),
+        None => binary(op, t, &scalar_operand(t, value)?),
+    }
+}
+
+/// The unary op (with the scalar as its argument) and its dtype that compute `t op value` for
+/// a `t` of `dtype`: the floating-point results of `+ - * /`; None for the others, which take
+/// the tensor path.
+pub(crate) fn scalar_unary(op: BinaryOp, dtype: DType, value: Scalar) -> Option<(UnaryOp, DType)> {
+    let v = value.to_f64();
     let unary = match op {
         BinaryOp::Add => UnaryOp::AddScalar { value: v },
         BinaryOp::Sub => UnaryOp::SubScalar { value: v },
         BinaryOp::Mul => UnaryOp::MulScalar { value: v },
         BinaryOp::Div => UnaryOp::DivScalar { value: v },
-        _ => return binary(op, t, &scalar_operand(t, value)?),
+        _ => return None,
     };
-    let dtype = result_dtype(op, t.dtype(), t.dtype().promote_with_scalar(value.kind()));
-    if !dtype.is_floating_point() {
-        return binary(op, t, &scalar_operand(t, value)?);
-    }
-    super::unary::unary(unary, &t.to_dtype(dtype)?)
+    let out = result_dtype(op, dtype, dtype.promote_with_scalar(value.kind()));
+    out.is_floating_point().then_some((unary, out))
 }
 
 fn compare(op: CmpOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -124,16 +124,17 @@ impl Tensor {
         dispatch::named(&policy::ZERO_, &[self], || self.fill_(0.0))
     }
 
-    /// `self += alpha * other`, the optimizer form of `add_(other, alpha=...)`.
+    /// `self += alpha * other`, the optimizer form of `add_(other, alpha=...)`: `alpha * other`
+    /// in a new buffer, then added over `self` as `add_` does (one kernel where `self` is
+    /// row-major and of the sum's dtype). PyTorch multiplies inside its one kernel.
     pub fn add_scaled_(&self, other: &Tensor, alpha: f64) -> Result<Tensor> {
         if alpha == 1.0 {
             return self.add_(other);
         }
-        dispatch::named(BinaryOp::Add.inplace_line(), &[self, other], || {
+        dispatch::named_kernel(BinaryOp::Add.inplace_line(), &[self, other], |_| {
             self.check_inplace("add_", &[other])?;
             let _g = autograd::no_grad();
-            let r = self.add(&other.mul_scalar(alpha)?)?;
-            self.assign_result("add_", &r)
+            self.binary_past_dispatch(BinaryOp::Add, &other.mul_scalar(alpha)?)
         })
     }
 
@@ -199,39 +200,55 @@ impl Tensor {
     /// row-major, one kernel reads and writes `self` and nothing is allocated (PyTorch's
     /// `add_`); otherwise the out-of-place result is written back.
     pub(crate) fn binary_(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
-        let name = op.inplace_line().name;
         dispatch::call_with(op.inplace_line(), [self, other], |_, _| {
-            self.check_inplace(name, &[other])?;
-            let dtype = binary::result_dtype(op, self.dtype(), other.dtype());
-            let direct = dtype == self.dtype() && self.is_contiguous() && !other.shares_storage_with(self);
-            if !direct {
-                let _g = autograd::no_grad();
-                return self.assign_result(name, &binary::binary(op, self, other)?);
-            }
-            let other = other.to_dtype(dtype)?;
-            if &self.shape().broadcast(other.shape(), name)? != self.shape() {
-                return Err(Error::ShapeMismatch {
-                    op: name,
-                    lhs: self.shape().clone(),
-                    rhs: other.shape().clone(),
-                    hint: "the other operand must broadcast to the destination's shape",
-                });
-            }
-            let bl = other.layout().broadcast_as(self.shape(), name)?;
-            let rhs = other.storage().read();
-            self.storage()
-                .write()
-                .binary_inplace(op, self.layout(), &rhs, &bl)?;
-            Ok(self.clone())
+            self.binary_past_dispatch(op, other)
         })
     }
 
-    /// `self op value` written over `self` (`add_scalar_`): the out-of-place scalar op's
-    /// result written back.
+    /// [`Tensor::binary_`] past the dispatch point, whose caller waited for what still writes
+    /// `self` and `other` (step 1b).
+    fn binary_past_dispatch(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
+        let name = op.inplace_line().name;
+        self.check_inplace(name, &[other])?;
+        let dtype = binary::result_dtype(op, self.dtype(), other.dtype());
+        let direct = dtype == self.dtype() && self.is_contiguous() && !other.shares_storage_with(self);
+        if !direct {
+            let _g = autograd::no_grad();
+            return self.assign_result(name, &binary::binary(op, self, other)?);
+        }
+        let other = other.to_dtype(dtype)?;
+        if &self.shape().broadcast(other.shape(), name)? != self.shape() {
+            return Err(Error::ShapeMismatch {
+                op: name,
+                lhs: self.shape().clone(),
+                rhs: other.shape().clone(),
+                hint: "the other operand must broadcast to the destination's shape",
+            });
+        }
+        let bl = other.layout().broadcast_as(self.shape(), name)?;
+        let rhs = other.storage().read();
+        self.storage()
+            .write()
+            .binary_inplace(op, self.layout(), &rhs, &bl)?;
+        Ok(self.clone())
+    }
+
+    /// `self op value` written over `self` (`add_scalar_`). A float `self` on a GPU, row-major,
+    /// whose dtype the op computes in, is read and written by the scalar op's one kernel, with
+    /// nothing allocated (PyTorch's `mul_(0.5)`); otherwise the out-of-place scalar op's result
+    /// is written back (a new buffer and a copy).
     pub(crate) fn binary_scalar_(&self, op: BinaryOp, value: Scalar) -> Result<Tensor> {
         let name = op.inplace_line().name;
         dispatch::call_with(op.inplace_line(), [self], |_, _| {
             self.check_inplace(name, &[])?;
+            let direct = binary::scalar_unary(op, self.dtype(), value).filter(|&(_, dtype)| {
+                dtype == self.dtype() && self.device().is_cuda() && self.is_contiguous()
+            });
+            if let Some((unary, _)) = direct {
+                if self.storage().write().unary_inplace(unary, self.layout())? {
+                    return Ok(self.clone());
+                }
+            }
             let _g = autograd::no_grad();
             let r = binary::binary_scalar(op, self, value)?;
             self.assign_result(name, &r)

@@ -405,6 +405,15 @@ forward!(CopyOps {
 
 // The methods that do more than forward.
 impl Storage {
+    /// `op` over `self`'s elements at `layout`, in place, where the backend can (see
+    /// [`UnaryOps::unary_inplace`]).
+    pub(crate) fn unary_inplace(&mut self, op: UnaryOp, layout: &Layout) -> Result<bool> {
+        match self {
+            Storage::Cpu(s) => s.unary_inplace(op, layout),
+            Storage::Cuda(s) => s.unary_inplace(op, layout),
+        }
+    }
+
     /// `self op rhs` over `self`'s elements at `al` (see [`ElementwiseOps::binary_inplace`]).
     pub(crate) fn binary_inplace(
         &mut self,

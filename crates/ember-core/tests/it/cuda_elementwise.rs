@@ -389,3 +389,51 @@ fn float32_beside_a_half_operand_matches_the_cast_on_the_cpu() {
         }
     }
 }
+
+/// The in-place scalar ops on a GPU (`add_scalar_`, `sub_scalar_`, `mul_scalar_`,
+/// `div_scalar_`): over a row-major float tensor, whole or an offset view whose pointer is not
+/// 16-byte aligned, the scalar op's one kernel reads and writes it, with no copy after; a
+/// strided view has the out-of-place result written back. Every case ends with the
+/// out-of-place op's values, bit for bit, and a bumped version.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn inplace_scalar_ops_run_one_kernel_over_row_major_floats() {
+    type Op = fn(&Tensor, f64) -> Result<Tensor>;
+    let gpu = gpu();
+    let ops: [(&str, Op, Op); 4] = [
+        ("add_scalar_", |t, v| t.add_scalar(v), |t, v| t.add_scalar_(v)),
+        ("sub_scalar_", |t, v| t.sub_scalar(v), |t, v| t.sub_scalar_(v)),
+        ("mul_scalar_", |t, v| t.mul_scalar(v), |t, v| t.mul_scalar_(v)),
+        ("div_scalar_", |t, v| t.div_scalar(v), |t, v| t.div_scalar_(v)),
+    ];
+    // 4,099 elements: not a multiple of any vector width.
+    let n = 4099;
+    type View = fn(&Tensor) -> Result<Tensor>;
+    let views: [(&str, View, bool); 3] = [
+        ("whole", |t| Ok(t.clone()), true),
+        ("offset by one", |t| t.narrow(0, 1, 4098), true),
+        ("strided", |t| t.narrow(0, 0, 4096)?.reshape([64, 64])?.t(), false),
+    ];
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for (name, out_of_place, in_place) in ops {
+            for (view, make, direct) in views {
+                let what = format!("{name} {dtype} {view}");
+                let x = input(n, 11, dtype, gpu).unwrap();
+                let v = make(&x).unwrap();
+                let expected = out_of_place(&v, 0.3).unwrap().to_vec_f64().unwrap();
+                let before = x.version();
+                let names = crate::common::kernels_of(0, || {
+                    in_place(&v, 0.3).unwrap();
+                });
+                assert_eq!(v.to_vec_f64().unwrap(), expected, "{what}");
+                assert!(x.version() > before, "{what}: the version is bumped");
+                if direct {
+                    assert_eq!(names.len(), 1, "{what}: {names:?}");
+                    assert!(names[0].starts_with("unary_"), "{what}: {names:?}");
+                } else {
+                    assert!(names.len() >= 2, "{what}: the op, then the write back: {names:?}");
+                }
+            }
+        }
+    }
+}
