@@ -8,16 +8,18 @@
 template <typename T, int V> struct alignas(sizeof(T) * V) CastPack { T v[V]; };
 
 // Four elements a thread where both ends are aligned to four elements (a cast of f32 weights
-// to bf16 reads 16 bytes and writes 8 per load), the rest one by one.
+// to bf16 reads 16 bytes and writes 8 per load), the rest one by one. The thread takes the
+// elements (or packs of four) `first`, `first + step`, ...: grid-stride for `cast_contig`,
+// block-stride within a chunk for `multi_copy`.
 template <typename S, typename D>
-__device__ __forceinline__ void cast_contig(const S* __restrict__ src, D* __restrict__ dst, i64 n) {
+__device__ __forceinline__ void cast_run(const S* __restrict__ src, D* __restrict__ dst, i64 n, i64 first, i64 step) {
     constexpr int V = 4;
     i64 done = 0;
     if ((u64)src % (sizeof(S) * V) == 0 && (u64)dst % (sizeof(D) * V) == 0) {
         const i64 nv = n / V;
-        const CastPack<S, V>* ps = (const CastPack<S, V>*)src;
-        CastPack<D, V>* pd = (CastPack<D, V>*)dst;
-        EMBER_KERNEL_LOOP(i, nv) {
+        const CastPack<S, V>* ps = reinterpret_cast<const CastPack<S, V>*>(src);
+        CastPack<D, V>* pd = reinterpret_cast<CastPack<D, V>*>(dst);
+        for (i64 i = first; i < nv; i += step) {
             CastPack<S, V> a = ps[i];
             CastPack<D, V> r;
 #pragma unroll
@@ -26,7 +28,12 @@ __device__ __forceinline__ void cast_contig(const S* __restrict__ src, D* __rest
         }
         done = nv * V;
     }
-    EMBER_KERNEL_LOOP(j, n - done) { dst[done + j] = cast<D>(src[done + j]); }
+    for (i64 j = done + first; j < n; j += step) dst[j] = cast<D>(src[j]);
+}
+
+template <typename S, typename D>
+__device__ __forceinline__ void cast_contig(const S* __restrict__ src, D* __restrict__ dst, i64 n) {
+    cast_run<S, D>(src, dst, n, (i64)blockIdx.x * blockDim.x + threadIdx.x, (i64)blockDim.x * gridDim.x);
 }
 
 template <typename S, typename D>
@@ -118,24 +125,7 @@ __device__ __forceinline__ void copy_chunk(u64 dst, u64 src, i64 first, i64 len)
 
 template <typename S, typename D>
 __device__ __forceinline__ void cast_chunk(u64 dst, u64 src, i64 first, i64 len) {
-    constexpr int V = 4;
-    const S* s = reinterpret_cast<const S*>(src) + first;
-    D* d = reinterpret_cast<D*>(dst) + first;
-    i64 done = 0;
-    if ((u64)s % (sizeof(S) * V) == 0 && (u64)d % (sizeof(D) * V) == 0) {
-        const i64 nv = len / V;
-        const CastPack<S, V>* ps = reinterpret_cast<const CastPack<S, V>*>(s);
-        CastPack<D, V>* pd = reinterpret_cast<CastPack<D, V>*>(d);
-        for (i64 i = threadIdx.x; i < nv; i += blockDim.x) {
-            CastPack<S, V> a = ps[i];
-            CastPack<D, V> r;
-#pragma unroll
-            for (int k = 0; k < V; ++k) r.v[k] = cast<D>(a.v[k]);
-            pd[i] = r;
-        }
-        done = nv * V;
-    }
-    for (i64 j = done + threadIdx.x; j < len; j += blockDim.x) d[j] = cast<D>(s[j]);
+    cast_run<S, D>(reinterpret_cast<const S*>(src) + first, reinterpret_cast<D*>(dst) + first, len, threadIdx.x, blockDim.x);
 }
 
 #if defined(EMBER_ALL_UNITS) || defined(EMBER_UNIT_multi_copy)
