@@ -63,6 +63,26 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// Note [One GPU filler at a time]: `train_gpt2_too_large_for_one_gpu_trains_sharded_on_two_gpus`
+/// fills both GPUs (84 GiB of training state each, then activations), so a GPU test of this
+/// binary running beside it on the harness's other threads ran out of memory: in session 56's
+/// `run-tests.sh` on two H200s, `train_with_cuda_graph_matches_eager_accuracy_on_cuda` failed
+/// to allocate 48 MiB with 13 MiB of the 140 GiB free. The filler holds this lock alone
+/// ([`gpu_alone`]); every other test that runs `ember` on a GPU holds it shared
+/// ([`gpu_shared`]), so those still run side by side. A test that panicked while holding it
+/// poisons nothing for the others: its guard is taken back from the poison.
+static GPU_MEMORY: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// A share of the GPUs' memory, beside the other GPU tests (Note [One GPU filler at a time]).
+fn gpu_shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    GPU_MEMORY.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The GPUs' whole memory, no other GPU test beside (Note [One GPU filler at a time]).
+fn gpu_alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    GPU_MEMORY.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// The JSON object of `ember train --json`'s stdout, on the CPU.
 fn train_json(args: &[&str]) -> serde_json::Value {
     train_json_on("cpu", args)
@@ -221,6 +241,7 @@ fn train_data_parallel_in_two_processes_and_resume_in_one() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn train_data_parallel_on_two_gpus() {
+    let _gpu = gpu_shared();
     assert!(
         ember::cuda::device_count() >= 2,
         "this test needs two CUDA devices; run it on a GPU machine"
@@ -315,6 +336,7 @@ fn train_killed_at_random_points_resumes_bit_exactly() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn train_killed_at_random_points_resumes_bit_exactly_on_cuda() {
+    let _gpu = gpu_shared();
     assert!(
         ember::cuda::is_available(),
         "this test needs a CUDA device; run it on a GPU machine"
@@ -670,6 +692,7 @@ fn bench_profile_activities_choose_what_is_recorded() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn train_with_cuda_graph_matches_eager_accuracy_on_cuda() {
+    let _gpu = gpu_shared();
     assert!(
         ember::cuda::is_available(),
         "this test needs a CUDA device; run it on a GPU machine"
@@ -1018,6 +1041,7 @@ fn train_gpt2_sharded_and_replicated_in_two_processes_match_one_process() {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn train_gpt2_sharded_on_two_gpus_follows_replicated() {
+    let _gpu = gpu_shared();
     assert!(
         ember::cuda::device_count() >= 2,
         "this test needs two CUDA devices; run it on a GPU machine"
@@ -1079,6 +1103,7 @@ fn train_gpt2_sharded_on_two_gpus_follows_replicated() {
 #[test]
 #[ignore = "needs two CUDA devices of more than 80 GB"]
 fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two_gpus() {
+    let _gpu = gpu_alone();
     assert!(
         ember::cuda::device_count() >= 2,
         "this test needs two CUDA devices; run it on a GPU machine"
@@ -1158,6 +1183,7 @@ fn train_gpt2_too_large_for_one_gpu_trains_sharded_on_two_gpus() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn train_gpt2_bf16_loss_curve_on_cuda_matches_float32_on_the_cpu() {
+    let _gpu = gpu_shared();
     assert!(
         ember::cuda::is_available(),
         "this test needs a CUDA device; run it on a GPU machine"
