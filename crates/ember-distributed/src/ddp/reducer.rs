@@ -132,12 +132,13 @@
 //! session 54's run 6), but `cli`'s replicated GPT-2 then followed the sharded one less
 //! closely: mean |loss difference| 0.0096 over 60 steps, against 0.0008 in sessions 53 and 54
 //! (the same curves had 0.179 when list ops did not wait for arriving gradients). Copies alone
-//! cannot change values, so either that test is less repeatable than its two equal figures
-//! suggest (whether `ember train`'s GPT-2 repeats bit for bit on a GPU is not known: cuDNN's
-//! attention backward, which it uses, is not asked to be deterministic) or some reader of
-//! `.grad` does not wait for an early copy; neither is shown. The condition is
-//! `first_blocked.is_some_and(|f| index > f)` in `mark_variable_ready`; `first_blocked.is_some()`
-//! copies every bucket early. Before adopting it, run the cli test twice on each.
+//! cannot change values, and the test repeats: `ember train`'s replicated GPT-2 with the
+//! tail-only copy, run twice with the test's arguments on two H200s, gave 60 losses equal to
+//! the bit (session 56). So with every bucket early some reader of `.grad` most likely does
+//! not wait for an early copy, or a copy starts before its all-reduce ends; it is not found.
+//! The condition is `first_blocked.is_some_and(|f| index > f)` in `mark_variable_ready`;
+//! `first_blocked.is_some()` copies every bucket early. Before adopting it, find that reader
+//! and run the cli test twice.
 //! A slot with no `.grad`, or whose `.grad` was replaced since its hook, is written by finalize
 //! as before, after the all-reduce; so is a bucket with a 0-d or strided gradient, which cannot
 //! arrive.
