@@ -80,7 +80,9 @@ fn gpu_shared() -> std::sync::RwLockReadGuard<'static, ()> {
 
 /// The GPUs' whole memory, no other GPU test beside (Note [One GPU filler at a time]).
 fn gpu_alone() -> std::sync::RwLockWriteGuard<'static, ()> {
-    GPU_MEMORY.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+    GPU_MEMORY
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The JSON object of `ember train --json`'s stdout, on the CPU.
