@@ -5,16 +5,38 @@ use ember_data::datasets::FashionMnist;
 use ember_data::{DataLoader, Dataset, TensorDataset};
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
+const IMAGES_GZ: &[u8] = include_bytes!("../../../ember/data/fashion-mnist/t10k-images-idx3-ubyte.gz");
+const LABELS_GZ: &[u8] = include_bytes!("../../../ember/data/fashion-mnist/t10k-labels-idx1-ubyte.gz");
+
+/// A folder holding the bundled t10k files as `FashionMnist::from_dir` reads them, written
+/// once per process from the bytes built into this binary: the test binary also runs away
+/// from the checkout (the GPU bundle), where the repository's path does not exist. One folder
+/// for every run, each file written under a name of its own and renamed into place, so that
+/// processes side by side never read a half-written file and nothing piles up.
 fn data_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../ember/data/fashion-mnist")
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join("ember-tests-fashion-mnist");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, bytes) in [
+            ("t10k-images-idx3-ubyte.gz", IMAGES_GZ),
+            ("t10k-labels-idx1-ubyte.gz", LABELS_GZ),
+        ] {
+            let part = dir.join(format!("{name}.{}", std::process::id()));
+            std::fs::write(&part, bytes).unwrap();
+            std::fs::rename(&part, dir.join(name)).unwrap();
+        }
+        dir
+    })
+    .clone()
 }
 
 /// The labels file's bytes after its 8-byte header, decoded independently of the reader.
 fn raw_labels() -> Vec<u8> {
-    let gz = std::fs::read(data_dir().join("t10k-labels-idx1-ubyte.gz")).unwrap();
     let mut raw = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
+    flate2::read::GzDecoder::new(LABELS_GZ)
         .read_to_end(&mut raw)
         .unwrap();
     raw[8..].to_vec()

@@ -13,10 +13,30 @@ use ember_nn::{
 };
 use std::path::PathBuf;
 
+/// The fixture `name` as a file, written from the bytes built into this binary: the test
+/// binary also runs away from the checkout (the GPU bundle), where the repository's path does
+/// not exist. One folder for every run; each write goes to a name of its own (process and
+/// thread) and is renamed into place, so that a test reading the file never sees it half
+/// written and nothing piles up.
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/pytorch")
-        .join(name)
+    let bytes: &[u8] = match name {
+        "cnn.safetensors" => include_bytes!("../fixtures/pytorch/cnn.safetensors"),
+        "cnn_io.safetensors" => include_bytes!("../fixtures/pytorch/cnn_io.safetensors"),
+        "lstm.safetensors" => include_bytes!("../fixtures/pytorch/lstm.safetensors"),
+        "lstm_io.safetensors" => include_bytes!("../fixtures/pytorch/lstm_io.safetensors"),
+        _ => panic!("no fixture {name}"),
+    };
+    let dir = std::env::temp_dir().join("ember-tests-pytorch-fixtures");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let part = dir.join(format!(
+        "{name}.{}.{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&part, bytes).unwrap();
+    std::fs::rename(&part, &path).unwrap();
+    path
 }
 
 /// The named tensors of a fixture file, on `device`.
